@@ -1,0 +1,170 @@
+//! All layers' caches of one request, the active policy, and when eviction runs.
+
+use std::time::Instant;
+
+use candle_core::{DType, Device};
+
+use crate::config::{CacheConfig, PolicyKind};
+use crate::layer::LayerCache;
+use crate::policy::{build, AttnStats, Policy, StatsNeed};
+use crate::select::{move_plan, select};
+use crate::Result;
+
+/// What eviction cost, summed over layers.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct CacheCounters {
+    /// Evictions performed (one per layer and eviction point).
+    pub evictions: usize,
+    /// Slots dropped, over layers and heads.
+    pub evicted_slots: usize,
+    /// Seconds spent scoring.
+    pub score_s: f64,
+    /// Seconds spent selecting survivors and moving slots.
+    pub select_move_s: f64,
+}
+
+/// The KV cache of every layer of one request, under one policy.
+pub struct KvCache {
+    layers: Vec<LayerCache>,
+    cfg: CacheConfig,
+    policy: Box<dyn Policy>,
+    counters: CacheCounters,
+    /// Tokens seen so far: the absolute position of the next token.
+    position: usize,
+}
+
+impl KvCache {
+    /// Allocates `layers` caches. With a budget, capacity is N + max(B, K); with `full`,
+    /// `full_capacity` (the request's prompt + output, at most the context).
+    pub fn new(
+        cfg: CacheConfig,
+        layers: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        full_capacity: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        cfg.validate()?;
+        let capacity = cfg.capacity().unwrap_or(full_capacity);
+        let layers = (0..layers)
+            .map(|_| LayerCache::new(kv_heads, head_dim, capacity, dtype, device))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            policy: build(&cfg.policy),
+            layers,
+            cfg,
+            counters: CacheCounters::default(),
+            position: 0,
+        })
+    }
+
+    /// The settings this cache runs under.
+    pub fn config(&self) -> &CacheConfig {
+        &self.cfg
+    }
+
+    /// Number of layers.
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// One layer's cache.
+    pub fn layer(&self, i: usize) -> &LayerCache {
+        &self.layers[i]
+    }
+
+    /// One layer's cache, mutable (the model appends to it).
+    pub fn layer_mut(&mut self, i: usize) -> &mut LayerCache {
+        &mut self.layers[i]
+    }
+
+    /// Used slots per head (equal across layers between forward passes).
+    pub fn len(&self) -> usize {
+        self.layers.first().map_or(0, |l| l.len())
+    }
+
+    /// True when nothing is cached.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Allocated slots per head.
+    pub fn capacity(&self) -> usize {
+        self.layers.first().map_or(0, |l| l.capacity())
+    }
+
+    /// Bytes of all K/V buffers: allocated once, so this is also the peak.
+    pub fn bytes(&self) -> usize {
+        self.layers.iter().map(|l| l.bytes()).sum()
+    }
+
+    /// Absolute position of the next token (tokens seen, evicted or not).
+    pub fn position(&self) -> usize {
+        self.position
+    }
+
+    /// Marks `n` more tokens as seen (after a forward pass over them).
+    pub fn advance(&mut self, n: usize) {
+        self.position += n;
+    }
+
+    /// Eviction costs so far.
+    pub fn counters(&self) -> CacheCounters {
+        self.counters
+    }
+
+    /// Query rows of a chunk of `chunk` tokens whose attention the policy needs, if any.
+    pub fn stats_rows(&self, chunk: usize) -> Option<usize> {
+        if self.cfg.policy == PolicyKind::Full {
+            return None;
+        }
+        match self.policy.needs() {
+            StatsNeed::None => None,
+            StatsNeed::LastRows(r) => Some(r.min(chunk)),
+            StatsNeed::AllRows => Some(chunk),
+        }
+    }
+
+    /// Runs after layer `i`'s attention over a chunk (`decode`: a single generated token).
+    /// Lets the policy observe the statistics, and evicts back to N when it is time: after
+    /// every prefill chunk that overflows N, and in decode once N + K slots are used.
+    pub fn after_attention(
+        &mut self,
+        i: usize,
+        stats: Option<&AttnStats>,
+        decode: bool,
+    ) -> Result<()> {
+        let layer = &mut self.layers[i];
+        if let Some(s) = stats {
+            self.policy.observe(layer, s)?;
+        }
+        let Some(budget) = self.cfg.budget else {
+            return Ok(());
+        };
+        let due = if decode {
+            layer.len() >= budget + self.cfg.evict_every()
+        } else {
+            layer.len() > budget
+        };
+        if !due {
+            return Ok(());
+        }
+        let t = Instant::now();
+        let scores = self.policy.score(layer, stats)?;
+        self.counters.score_s += t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        let sinks = self.cfg.protected_sinks();
+        let recent = self.cfg.protected_recent(budget);
+        let plans: Vec<Vec<(u32, u32)>> = scores
+            .iter()
+            .enumerate()
+            .map(|(h, s)| move_plan(&select(s, layer.positions(h), budget, sinks, recent), budget))
+            .collect();
+        self.counters.evicted_slots += (layer.len() - budget) * layer.kv_heads();
+        layer.apply_moves(&plans, budget)?;
+        self.counters.select_move_s += t.elapsed().as_secs_f64();
+        self.counters.evictions += 1;
+        Ok(())
+    }
+}

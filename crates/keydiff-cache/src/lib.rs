@@ -1,0 +1,40 @@
+//! KV cache under a fixed budget.
+//!
+//! Each layer owns one [`LayerCache`]: K and V buffers of `[kv_heads, capacity, head_dim]`,
+//! allocated once, with capacity N + B. Slots `[0, len)` hold the cached tokens; a new chunk is
+//! written at `[len, len + chunk)`. After the chunk's attention, [`KvCache::after_attention`]
+//! scores the slots with the active [`Policy`], keeps the best N per KV head (shared
+//! [`select::select`]), and refills victim slots in `[0, N)` with surviving chunk slots. Keys are
+//! stored after RoPE, so moving or dropping a slot never changes another one. See `DESIGN.md`
+//! (Cache layout) and `POLICIES.md`.
+
+mod cache;
+pub mod config;
+mod layer;
+pub mod policy;
+pub mod select;
+
+pub use cache::{CacheCounters, KvCache};
+pub use config::{Anchor, CacheConfig, PolicyKind};
+pub use layer::LayerCache;
+pub use policy::{AttnStats, Policy, StatsNeed};
+
+/// Errors of the cache crate.
+#[derive(Debug, thiserror::Error)]
+pub enum CacheError {
+    #[error("cache full: {len} slots used + {chunk} new > capacity {capacity}")]
+    Full {
+        len: usize,
+        chunk: usize,
+        capacity: usize,
+    },
+    #[error("bad cache config: {0}")]
+    Config(String),
+    #[error("shape mismatch: {0}")]
+    Shape(String),
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+}
+
+/// Result alias of this crate.
+pub type Result<T> = std::result::Result<T, CacheError>;

@@ -1,0 +1,78 @@
+//! The `Policy` trait and one file per policy (definitions in POLICIES.md).
+
+mod full;
+mod h2o;
+mod keydiff;
+mod knorm;
+mod random;
+mod sink;
+mod snapkv;
+mod tova;
+
+use candle_core::Tensor;
+
+use crate::config::PolicyKind;
+use crate::layer::LayerCache;
+use crate::Result;
+
+pub use keydiff::keydiff_scores;
+
+/// Attention statistics a policy needs from the model's attention step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StatsNeed {
+    /// None: KeyDiff, Knorm, Random, Sink, Full work with any attention backend.
+    None,
+    /// Probabilities of the last `r` query rows of the chunk, summed over those rows.
+    LastRows(usize),
+    /// Probabilities of every query row, summed (H2O).
+    AllRows,
+}
+
+/// Attention probabilities of one layer for one chunk: `sums` is `[kv_heads, g, T]` (f32), the
+/// softmax rows of the observed queries summed per query head, over the `T` used slots.
+#[derive(Debug, Clone)]
+pub struct AttnStats {
+    pub sums: Tensor,
+    /// Number of query rows summed.
+    pub rows: usize,
+}
+
+/// An eviction policy: scores the used slots of one layer; higher scores survive.
+pub trait Policy: Send {
+    /// What the attention step must compute for this policy.
+    fn needs(&self) -> StatsNeed {
+        StatsNeed::None
+    }
+
+    /// Called after every attention step that computed statistics (H2O accumulates here, also
+    /// when nothing is evicted).
+    fn observe(&mut self, _layer: &mut LayerCache, _stats: &AttnStats) -> Result<()> {
+        Ok(())
+    }
+
+    /// Scores of the used slots, `[kv_heads][len]`.
+    fn score(&mut self, layer: &LayerCache, stats: Option<&AttnStats>) -> Result<Vec<Vec<f32>>>;
+}
+
+/// Builds the policy of a kind.
+pub fn build(kind: &PolicyKind) -> Box<dyn Policy> {
+    match kind {
+        PolicyKind::Full => Box::new(full::Full),
+        PolicyKind::KeyDiff { anchor } => Box::new(keydiff::KeyDiff { anchor: *anchor }),
+        PolicyKind::Tova { per_head } => Box::new(tova::Tova {
+            per_head: *per_head,
+        }),
+        PolicyKind::SnapKv { window } => Box::new(snapkv::SnapKv { window: *window }),
+        PolicyKind::H2o { normalized } => Box::new(h2o::H2o {
+            normalized: *normalized,
+        }),
+        PolicyKind::Sink => Box::new(sink::Sink),
+        PolicyKind::Knorm => Box::new(knorm::Knorm),
+        PolicyKind::Random { seed } => Box::new(random::RandomPolicy::new(*seed)),
+    }
+}
+
+/// `[kv, g, T]` statistics averaged over the g query heads of each KV head: `[kv][T]`.
+pub(crate) fn per_kv_head_mean(stats: &AttnStats) -> Result<Vec<Vec<f32>>> {
+    Ok(stats.sums.mean(1)?.to_vec2::<f32>()?)
+}

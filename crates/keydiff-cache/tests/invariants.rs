@@ -1,0 +1,186 @@
+//! Property tests of the cache invariants under every policy, with synthetic keys and
+//! attention statistics.
+
+use std::collections::HashMap;
+
+use candle_core::{DType, Device, Tensor};
+use keydiff_cache::{AttnStats, CacheConfig, KvCache, PolicyKind};
+use proptest::prelude::*;
+
+const KV: usize = 3;
+const G: usize = 2;
+const D: usize = 8;
+
+/// Key/value row of (head, position): a unique, reproducible pattern with a random part.
+fn row(h: usize, p: usize, salt: u64) -> Vec<f32> {
+    let mut x = (h as u64 * 1_000_003 + p as u64 * 7919) ^ salt;
+    (0..D)
+        .map(|i| {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            if i == 0 {
+                (h * 100_000 + p) as f32
+            } else {
+                ((x >> 40) as f32 / (1u64 << 24) as f32) - 0.5
+            }
+        })
+        .collect()
+}
+
+fn chunk_tensor(pos0: usize, len: usize, salt: u64) -> Tensor {
+    let data: Vec<f32> = (0..KV)
+        .flat_map(|h| (pos0..pos0 + len).flat_map(move |p| row(h, p, salt)))
+        .collect();
+    Tensor::from_vec(data, (KV, len, D), &Device::Cpu).unwrap()
+}
+
+fn policies() -> impl Strategy<Value = PolicyKind> {
+    prop_oneof![
+        Just(PolicyKind::parse("keydiff", 4, 0).unwrap()),
+        Just(PolicyKind::parse("keydiff-mean", 4, 0).unwrap()),
+        Just(PolicyKind::parse("tova", 4, 0).unwrap()),
+        Just(PolicyKind::parse("tova-per-head", 4, 0).unwrap()),
+        Just(PolicyKind::parse("snapkv", 4, 0).unwrap()),
+        Just(PolicyKind::parse("h2o", 4, 0).unwrap()),
+        Just(PolicyKind::parse("h2o-normalized", 4, 0).unwrap()),
+        Just(PolicyKind::parse("sink", 4, 0).unwrap()),
+        Just(PolicyKind::parse("knorm", 4, 0).unwrap()),
+        (0u64..100).prop_map(|seed| PolicyKind::Random { seed }),
+    ]
+}
+
+/// Random normalised attention statistics `[KV, G, T]` summed over `rows` rows.
+fn stats(t: usize, rows: usize, salt: u64) -> AttnStats {
+    let mut x = salt | 1;
+    let mut v = Vec::with_capacity(KV * G * t);
+    for _ in 0..KV * G {
+        let raw: Vec<f32> = (0..t)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x % 1000) as f32 + 1.0
+            })
+            .collect();
+        let s: f32 = raw.iter().sum();
+        v.extend(raw.iter().map(|r| r / s * rows as f32));
+    }
+    AttnStats {
+        sums: Tensor::from_vec(v, (KV, G, t), &Device::Cpu).unwrap(),
+        rows,
+    }
+}
+
+/// Drives one layer through chunks then decode steps, checking every invariant on the way.
+fn drive(cfg: CacheConfig, chunks: &[usize], decode: usize, salt: u64) -> Result<(), TestCaseError> {
+    let budget = cfg.budget.unwrap();
+    let sinks = cfg.protected_sinks();
+    let recent = cfg.protected_recent(budget);
+    let cap = budget + cfg.chunk.max(cfg.evict_every());
+    let mut cache = KvCache::new(cfg.clone(), 1, KV, D, 0, DType::F32, &Device::Cpu).unwrap();
+    let steps: Vec<(usize, bool)> = chunks
+        .iter()
+        .map(|&c| (c, false))
+        .chain(std::iter::repeat_n((1, true), decode))
+        .collect();
+    for (step, (len, is_decode)) in steps.into_iter().enumerate() {
+        let pos0 = cache.position();
+        let t = chunk_tensor(pos0, len, salt);
+        cache.layer_mut(0).append(&t, &(&t * 2.0).unwrap(), pos0).unwrap();
+        let n = cache.layer(0).len();
+        prop_assert!(n <= cap, "{n} slots > N+B = {cap}");
+        let rows = cache.stats_rows(len);
+        let st = rows.map(|r| stats(n, r, salt ^ step as u64));
+        cache.after_attention(0, st.as_ref(), is_decode).unwrap();
+        cache.advance(len);
+        let seen = cache.position();
+        let l = cache.layer(0);
+        let due = if is_decode { n >= budget + cfg.evict_every() } else { n > budget };
+        prop_assert_eq!(l.len(), if due { budget } else { n });
+        prop_assert!(l.len() <= budget.max(n.min(cap)));
+        let keys = l.keys().unwrap().to_vec3::<f32>().unwrap();
+        let vals = l.values().unwrap().to_vec3::<f32>().unwrap();
+        for h in 0..KV {
+            let pos = l.positions(h);
+            let mut uniq = pos.to_vec();
+            uniq.sort_unstable();
+            uniq.dedup();
+            prop_assert_eq!(uniq.len(), pos.len(), "duplicate positions in head {}", h);
+            let present: HashMap<u32, usize> = pos.iter().enumerate().map(|(i, &p)| (p, i)).collect();
+            for s in 0..sinks.min(seen) {
+                prop_assert!(present.contains_key(&(s as u32)), "sink {} evicted", s);
+            }
+            for p in seen.saturating_sub(recent.min(l.len()))..seen {
+                prop_assert!(present.contains_key(&(p as u32)), "recent {} evicted (recent {})", p, recent);
+            }
+            for (i, &p) in pos.iter().enumerate() {
+                let want = row(h, p as usize, salt);
+                prop_assert_eq!(&keys[h][i], &want, "K of head {} pos {} corrupted", h, p);
+                let want_v: Vec<f32> = want.iter().map(|x| x * 2.0).collect();
+                prop_assert_eq!(&vals[h][i], &want_v);
+            }
+        }
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(96))]
+
+    #[test]
+    fn invariants_hold(
+        policy in policies(),
+        budget in 8usize..40,
+        chunk_frac in 1usize..=4,
+        window in 0.0f64..0.3,
+        sinks in 0usize..3,
+        k_frac in 1usize..=4,
+        chunks in prop::collection::vec(1usize..=1000, 1..8),
+        decode in 0usize..40,
+        salt in any::<u64>(),
+    ) {
+        let chunk = (budget * chunk_frac / 4).max(1);
+        let evict_every = (chunk * k_frac / 4).max(1);
+        let cfg = CacheConfig {
+            policy,
+            budget: Some(budget),
+            chunk,
+            window,
+            sinks,
+            evict_every: Some(evict_every),
+        };
+        prop_assume!(cfg.validate().is_ok());
+        let chunks: Vec<usize> = chunks.iter().map(|c| 1 + c % chunk).collect();
+        drive(cfg, &chunks, decode, salt)?;
+    }
+}
+
+/// Heads are independent: changing head 1's keys never changes head 0's survivors (KeyDiff).
+#[test]
+fn heads_are_independent() {
+    let cfg = CacheConfig {
+        policy: PolicyKind::parse("keydiff", 4, 0).unwrap(),
+        budget: Some(16),
+        chunk: 8,
+        window: 0.0,
+        sinks: 0,
+        evict_every: None,
+    };
+    let survivors = |perturb: bool| -> Vec<u32> {
+        let mut c = KvCache::new(cfg.clone(), 1, KV, D, 0, DType::F32, &Device::Cpu).unwrap();
+        for _ in 0..6 {
+            let p0 = c.position();
+            let mut t = chunk_tensor(p0, 8, 42);
+            if perturb {
+                let h1 = (t.narrow(0, 1, 1).unwrap().sqr().unwrap() * 3.0).unwrap();
+                t = Tensor::cat(&[t.narrow(0, 0, 1).unwrap(), h1, t.narrow(0, 2, 1).unwrap()], 0).unwrap();
+            }
+            c.layer_mut(0).append(&t, &t, p0).unwrap();
+            c.after_attention(0, None, false).unwrap();
+            c.advance(8);
+        }
+        let mut p = c.layer(0).positions(0).to_vec();
+        p.sort_unstable();
+        p
+    };
+    assert_eq!(survivors(false), survivors(true));
+}

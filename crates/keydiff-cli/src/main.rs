@@ -1,0 +1,392 @@
+//! `keydiff`: the command line. Thin: parse, call the library, print.
+
+use std::io::{Read, Write};
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+use keydiff::{
+    parse_device, parse_dtype, CacheConfig, Engine, EngineConfig, Event, GenerateParams, Message,
+    ModelSource, PolicyKind, Prompt, Sampling, DEFAULT_CHUNK,
+};
+
+/// The model `run` uses when `-m` is not given (fetched by scripts/fetch-models.sh).
+const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+
+/// A prompt spanning more chunks than this gets a progress bar.
+const PROGRESS_MIN_CHUNKS: usize = 4;
+
+#[derive(Parser)]
+#[command(name = "keydiff", version, about = "Long-prompt LLM inference under a fixed KV-cache budget")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Generate text from a prompt.
+    Run(RunArgs),
+    /// Print the token ids of a text as a JSON array.
+    Tokenize {
+        #[command(flatten)]
+        model: ModelArgs,
+        #[arg(short = 'p', long)]
+        prompt: String,
+        /// Parse special tokens (e.g. <|im_start|>) written in the text.
+        #[arg(long)]
+        special: bool,
+    },
+    /// Print the architecture, shapes, dtype and quantization of a model.
+    Info {
+        #[command(flatten)]
+        model: ModelArgs,
+    },
+    /// Check a device against the CPU: the same seeded random models (small real-code-path
+    /// presets) run on CPU f32 and on DEVICE/DTYPE; the logits after a multi-chunk prefill are
+    /// compared. Prints one JSON line per preset; fails if the top token differs.
+    CheckDevice {
+        #[arg(long, default_value = "cuda:0")]
+        device: String,
+        #[arg(long, default_value = "bf16")]
+        dtype: String,
+        /// Preset configs to check.
+        #[arg(long, default_values = ["configs/tiny-llama.json", "configs/tiny-qwen.json"])]
+        preset: Vec<PathBuf>,
+        #[arg(long, default_value_t = 300)]
+        prompt_len: usize,
+        #[arg(long, default_value_t = 64)]
+        chunk: usize,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+    },
+}
+
+#[derive(Args)]
+struct ModelArgs {
+    /// GGUF file, HF directory, hub id (org/name or org/name:file.gguf), or with
+    /// --random-weights a preset config (configs/NAME.json or NAME).
+    #[arg(short = 'm', long, default_value = DEFAULT_MODEL)]
+    model: String,
+    /// Random weights in the preset's real shapes (timing only: the text is meaningless).
+    #[arg(long)]
+    random_weights: bool,
+    /// Seed of the random weights.
+    #[arg(long, default_value_t = 0)]
+    weight_seed: u64,
+    /// cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// f32, f16 or bf16.
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+    /// Prefill chunk size B.
+    #[arg(long, default_value_t = DEFAULT_CHUNK)]
+    chunk: usize,
+    /// KV budget N: slots per layer and KV head kept after each eviction (needs a policy other
+    /// than full).
+    #[arg(long)]
+    budget: Option<usize>,
+    /// Eviction policy: full, keydiff, keydiff-mean, tova, tova-per-head, snapkv, h2o,
+    /// h2o-normalized, sink, knorm, random. Default: keydiff with --budget, else full.
+    #[arg(long)]
+    policy: Option<String>,
+    /// Share of the budget reserved for the most recent tokens (KeyDiff + window: 0.2).
+    #[arg(long, default_value_t = 0.0)]
+    window: f64,
+    /// First positions never evicted.
+    #[arg(long, default_value_t = 0)]
+    sinks: usize,
+    /// SnapKV observation window W (SnapKV reference default).
+    #[arg(long, default_value_t = keydiff::SNAPKV_WINDOW)]
+    snap_window: usize,
+    /// Decode evicts once N + K slots are used (default K = B; 1 = per-token eviction).
+    #[arg(long)]
+    evict_every: Option<usize>,
+    /// Seed of the `random` policy.
+    #[arg(long, default_value_t = 0)]
+    policy_seed: u64,
+}
+
+impl ModelArgs {
+    fn cache_config(&self) -> Result<CacheConfig> {
+        let name = match (&self.policy, self.budget) {
+            (Some(p), _) => p.as_str(),
+            (None, Some(_)) => "keydiff",
+            (None, None) => "full",
+        };
+        Ok(CacheConfig {
+            policy: PolicyKind::parse(name, self.snap_window, self.policy_seed)?,
+            budget: self.budget,
+            chunk: self.chunk,
+            window: self.window,
+            sinks: self.sinks,
+            evict_every: self.evict_every,
+        })
+    }
+}
+
+impl ModelArgs {
+    fn load(&self) -> Result<Engine> {
+        let source = if self.random_weights {
+            let p = PathBuf::from(&self.model);
+            let config = if p.exists() {
+                p
+            } else {
+                PathBuf::from(format!("configs/{}.json", self.model))
+            };
+            if !config.exists() {
+                bail!("preset `{}` not found (looked for {})", self.model, config.display());
+            }
+            ModelSource::Random {
+                config,
+                seed: self.weight_seed,
+                on_host: false,
+            }
+        } else {
+            ModelSource::parse(&self.model)?
+        };
+        let cfg = EngineConfig {
+            device: parse_device(&self.device)?,
+            dtype: parse_dtype(&self.dtype)?,
+            cache: self.cache_config()?,
+        };
+        let engine = Engine::load(&source, &cfg)
+            .with_context(|| format!("cannot load model `{}`", self.model))?;
+        if self.random_weights {
+            eprintln!("note: random weights: the generated text is meaningless by design");
+        }
+        Ok(engine)
+    }
+}
+
+#[derive(Args)]
+struct RunArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Prompt text.
+    #[arg(short = 'p', long, conflicts_with = "file")]
+    prompt: Option<String>,
+    /// Read the prompt from a file.
+    #[arg(short = 'f', long)]
+    file: Option<PathBuf>,
+    /// Tokens to generate at most.
+    #[arg(short = 'n', long, default_value_t = 256)]
+    max_tokens: usize,
+    /// Wrap the prompt in the model's chat template.
+    #[arg(long)]
+    chat: bool,
+    /// System message (implies --chat).
+    #[arg(long)]
+    system: Option<String>,
+    /// Temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temp: f32,
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f32,
+    /// Repetition penalty (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    repeat_penalty: f32,
+    /// Tokens the repetition penalty looks back on.
+    #[arg(long, default_value_t = 64)]
+    repeat_last_n: usize,
+    #[arg(long, default_value_t = 299_792_458)]
+    seed: u64,
+    /// Stop when this string is generated (repeatable).
+    #[arg(long)]
+    stop: Vec<String>,
+    /// Print the final stats as one JSON object on stdout instead of the timing line.
+    #[arg(long)]
+    json: bool,
+}
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    if let Err(e) = real_main() {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn real_main() -> Result<()> {
+    match Cli::parse().cmd {
+        Cmd::Run(a) => run(a),
+        Cmd::Tokenize {
+            model,
+            prompt,
+            special,
+        } => {
+            let engine = model.load()?;
+            let ids = engine.tokenize(&prompt, special)?;
+            println!("{}", serde_json::to_string(&ids)?);
+            Ok(())
+        }
+        Cmd::Info { model } => info(&model),
+        Cmd::CheckDevice {
+            device,
+            dtype,
+            preset,
+            prompt_len,
+            chunk,
+            seed,
+        } => {
+            let reference = EngineConfig {
+                device: keydiff::Device::Cpu,
+                dtype: keydiff::DType::F32,
+                cache: CacheConfig::full(chunk),
+            };
+            let other = EngineConfig {
+                device: parse_device(&device)?,
+                dtype: parse_dtype(&dtype)?,
+                cache: CacheConfig::full(chunk),
+            };
+            let mut failed = Vec::new();
+            for p in &preset {
+                let d = keydiff::parity::compare_devices(p, seed, &reference, &other, prompt_len)
+                    .with_context(|| format!("preset {}", p.display()))?;
+                let v = serde_json::json!({
+                    "preset": p.display().to_string(), "device": device, "dtype": dtype,
+                    "prompt_len": prompt_len, "chunk": chunk, "diff": d, "top1_equal": d.top1_equal(),
+                });
+                println!("{v}");
+                if !d.top1_equal() {
+                    failed.push(p.display().to_string());
+                }
+            }
+            if !failed.is_empty() {
+                bail!("top-1 token differs from the CPU on: {}", failed.join(", "));
+            }
+            Ok(())
+        }
+    }
+}
+
+fn info(args: &ModelArgs) -> Result<()> {
+    let engine = args.load()?;
+    let c = engine.model_config();
+    let kinds: serde_json::Map<String, serde_json::Value> = engine
+        .weight_kinds()
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.into()))
+        .collect();
+    let v = serde_json::json!({
+        "origin": engine.origin(),
+        "format": engine.format(),
+        "config": c,
+        "compute_dtype": format!("{:?}", engine.config().dtype),
+        "device": format!("{:?}", engine.config().device),
+        "weights": kinds,
+    });
+    println!("{}", serde_json::to_string_pretty(&v)?);
+    Ok(())
+}
+
+fn run(a: RunArgs) -> Result<()> {
+    let text = match (&a.prompt, &a.file) {
+        (Some(p), _) => p.clone(),
+        (None, Some(f)) => std::fs::read_to_string(f)
+            .with_context(|| format!("cannot read prompt file {}", f.display()))?,
+        (None, None) => {
+            let mut s = String::new();
+            std::io::stdin()
+                .read_to_string(&mut s)
+                .context("cannot read the prompt from stdin")?;
+            s
+        }
+    };
+    let engine = a.model.load()?;
+    let prompt = if a.chat || a.system.is_some() {
+        let mut m = Vec::new();
+        if let Some(s) = &a.system {
+            m.push(Message {
+                role: "system".into(),
+                content: s.clone(),
+            });
+        }
+        m.push(Message {
+            role: "user".into(),
+            content: text,
+        });
+        Prompt::Chat(m)
+    } else {
+        Prompt::Text(text)
+    };
+    let params = GenerateParams {
+        prompt,
+        max_tokens: a.max_tokens,
+        sampling: Sampling {
+            temperature: a.temp,
+            top_k: a.top_k,
+            top_p: a.top_p,
+            min_p: a.min_p,
+            repetition_penalty: a.repeat_penalty,
+            repeat_last_n: a.repeat_last_n,
+            seed: a.seed,
+        },
+        stop: a.stop.clone(),
+        ignore_eos: false,
+    };
+    let chunk = engine.config().cache.chunk;
+    let mut bar: Option<indicatif::ProgressBar> = None;
+    let mut out = std::io::stdout();
+    let result = engine.generate(&params, |ev| match ev {
+        Event::Prefill { done, total } => {
+            if total > PROGRESS_MIN_CHUNKS * chunk {
+                let b = bar.get_or_insert_with(|| {
+                    let b = indicatif::ProgressBar::with_draw_target(
+                        Some(total as u64),
+                        indicatif::ProgressDrawTarget::stderr(),
+                    );
+                    b.set_style(
+                        indicatif::ProgressStyle::with_template(
+                            "prefill {bar:30} {pos}/{len} tokens {per_sec} eta {eta}",
+                        )
+                        .expect("static template"),
+                    );
+                    b
+                });
+                b.set_position(done as u64);
+                if done == total {
+                    b.finish_and_clear();
+                }
+            }
+        }
+        Event::Text(t) => {
+            if !a.json {
+                let _ = out.write_all(t.as_bytes());
+                let _ = out.flush();
+            }
+        }
+    })?;
+    let s = &result.stats;
+    if a.json {
+        let v = serde_json::json!({ "text": result.text, "stats": s });
+        println!("{}", serde_json::to_string(&v)?);
+    } else {
+        println!();
+        eprintln!(
+            "prompt {} tok | TTFT {:.3} s | prefill {:.1} tok/s | decode {:.1} tok/s ({} tok) | peak KV {:.1} MiB | policy {} ({} evictions, {:.3} s) | stop: {:?}",
+            s.prompt_tokens,
+            s.ttft_s,
+            s.prefill_tok_s,
+            s.decode_tok_s,
+            s.generated_tokens,
+            s.peak_kv_bytes as f64 / (1024.0 * 1024.0),
+            s.policy,
+            s.eviction.evictions,
+            s.eviction.score_s + s.eviction.select_move_s,
+            s.stop_reason
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,283 @@
+//! Model hyper-parameters, read from HF `config.json` or from GGUF metadata.
+
+use std::path::Path;
+
+use candle_core::quantized::gguf_file;
+use serde::Deserialize;
+
+use crate::error::{ModelError, Result};
+
+/// The transformer families this crate runs. Both are pre-norm decoders with GQA, SwiGLU and RoPE.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Arch {
+    /// Llama 3.x (and SmolLM2, which shares the architecture).
+    Llama,
+    /// Qwen 2.5: q/k/v projections carry biases.
+    Qwen2,
+}
+
+impl Arch {
+    /// Parses a GGUF `general.architecture` or HF `model_type`.
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "llama" => Ok(Self::Llama),
+            "qwen2" => Ok(Self::Qwen2),
+            other => Err(ModelError::UnsupportedArch(other.to_string())),
+        }
+    }
+}
+
+/// Llama 3 `rope_scaling` with `rope_type = "llama3"`.
+#[derive(Debug, Clone, PartialEq, Deserialize, serde::Serialize)]
+pub struct Llama3RopeScaling {
+    pub factor: f64,
+    pub low_freq_factor: f64,
+    pub high_freq_factor: f64,
+    pub original_max_position_embeddings: usize,
+}
+
+/// Everything the forward pass needs to know about a model's shape.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct ModelConfig {
+    pub arch: Arch,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_layers: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    pub rope_scaling: Option<Llama3RopeScaling>,
+    /// The context the model was trained for; prompts plus output beyond it are refused.
+    pub max_position_embeddings: usize,
+    pub tie_word_embeddings: bool,
+    /// q/k/v projections have a bias (Qwen 2.5).
+    pub attention_bias: bool,
+    /// Q/K rows are permuted for interleaved RoPE (GGUF `llama`); otherwise NeoX halves.
+    pub rope_interleaved: bool,
+}
+
+/// `config.json` of a Hugging Face checkpoint, field for field as far as we use it.
+#[derive(Debug, Clone, Deserialize)]
+pub struct HfConfig {
+    #[serde(default)]
+    pub model_type: Option<String>,
+    #[serde(default)]
+    pub architectures: Vec<String>,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    #[serde(default)]
+    pub num_key_value_heads: Option<usize>,
+    #[serde(default)]
+    pub head_dim: Option<usize>,
+    pub rms_norm_eps: f64,
+    #[serde(default = "default_rope_theta")]
+    pub rope_theta: f64,
+    #[serde(default)]
+    pub rope_scaling: Option<serde_json::Value>,
+    #[serde(default = "default_max_pos")]
+    pub max_position_embeddings: usize,
+    #[serde(default)]
+    pub tie_word_embeddings: bool,
+    #[serde(default)]
+    pub attention_bias: Option<bool>,
+    #[serde(default)]
+    pub bos_token_id: Option<serde_json::Value>,
+    #[serde(default)]
+    pub eos_token_id: Option<serde_json::Value>,
+}
+
+fn default_rope_theta() -> f64 {
+    10_000.0
+}
+
+fn default_max_pos() -> usize {
+    4096
+}
+
+impl HfConfig {
+    /// Reads and parses `config.json`.
+    pub fn load(path: &Path) -> Result<Self> {
+        let bad = |reason: String| ModelError::BadConfig {
+            path: path.to_path_buf(),
+            reason,
+        };
+        let text = std::fs::read_to_string(path).map_err(|source| ModelError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        serde_json::from_str(&text).map_err(|e| bad(e.to_string()))
+    }
+
+    /// Converts to the engine's config, checking what the engine cannot run.
+    pub fn to_model_config(&self, path: &Path) -> Result<ModelConfig> {
+        let arch_name = match (&self.model_type, self.architectures.first()) {
+            (Some(t), _) => t.clone(),
+            (None, Some(a)) if a.starts_with("Llama") => "llama".into(),
+            (None, Some(a)) if a.starts_with("Qwen2") => "qwen2".into(),
+            (None, Some(a)) => a.clone(),
+            (None, None) => String::from("<none>"),
+        };
+        let arch = Arch::parse(&arch_name)?;
+        let rope_scaling = match &self.rope_scaling {
+            None | Some(serde_json::Value::Null) => None,
+            Some(v) => {
+                let kind = v
+                    .get("rope_type")
+                    .or_else(|| v.get("type"))
+                    .and_then(|t| t.as_str())
+                    .unwrap_or("");
+                match kind {
+                    "llama3" => Some(serde_json::from_value(v.clone()).map_err(|e| {
+                        ModelError::BadConfig {
+                            path: path.to_path_buf(),
+                            reason: format!("rope_scaling: {e}"),
+                        }
+                    })?),
+                    "default" => None,
+                    other => {
+                        return Err(ModelError::BadConfig {
+                            path: path.to_path_buf(),
+                            reason: format!("unsupported rope_scaling type `{other}`"),
+                        })
+                    }
+                }
+            }
+        };
+        let head_dim = self
+            .head_dim
+            .unwrap_or(self.hidden_size / self.num_attention_heads.max(1));
+        let cfg = ModelConfig {
+            arch,
+            vocab_size: self.vocab_size,
+            hidden_size: self.hidden_size,
+            intermediate_size: self.intermediate_size,
+            num_layers: self.num_hidden_layers,
+            num_heads: self.num_attention_heads,
+            num_kv_heads: self.num_key_value_heads.unwrap_or(self.num_attention_heads),
+            head_dim,
+            rms_norm_eps: self.rms_norm_eps,
+            rope_theta: self.rope_theta,
+            rope_scaling,
+            max_position_embeddings: self.max_position_embeddings,
+            tie_word_embeddings: self.tie_word_embeddings,
+            attention_bias: self.attention_bias.unwrap_or(arch == Arch::Qwen2),
+            rope_interleaved: false,
+        };
+        cfg.validate().map_err(|reason| ModelError::BadConfig {
+            path: path.to_path_buf(),
+            reason,
+        })?;
+        Ok(cfg)
+    }
+}
+
+impl ModelConfig {
+    /// Reads the config from GGUF metadata (`{arch}.*` keys).
+    pub fn from_gguf(ct: &gguf_file::Content, path: &Path) -> Result<Self> {
+        let md = &ct.metadata;
+        let get = |k: &str| md.get(k).ok_or_else(|| ModelError::MissingKey(k.to_string()));
+        let arch_name = get("general.architecture")?
+            .to_string()
+            .map_err(|e| ModelError::BadGguf {
+                path: path.to_path_buf(),
+                reason: e.to_string(),
+            })?
+            .clone();
+        let arch = Arch::parse(&arch_name)?;
+        let a = arch_name.as_str();
+        let int = |k: &str| -> Result<usize> {
+            let key = format!("{a}.{k}");
+            let v = get(&key)?;
+            v.to_u64()
+                .map(|x| x as usize)
+                .or_else(|_| v.to_u32().map(|x| x as usize))
+                .or_else(|_| v.to_i32().map(|x| x as usize))
+                .map_err(|e| ModelError::BadGguf {
+                    path: path.to_path_buf(),
+                    reason: format!("{key}: {e}"),
+                })
+        };
+        let float = |k: &str| -> Result<f64> {
+            let key = format!("{a}.{k}");
+            let v = get(&key)?;
+            v.to_f32()
+                .map(|x| x as f64)
+                .or_else(|_| v.to_f64())
+                .map_err(|e| ModelError::BadGguf {
+                    path: path.to_path_buf(),
+                    reason: format!("{key}: {e}"),
+                })
+        };
+        let hidden_size = int("embedding_length")?;
+        let num_heads = int("attention.head_count")?;
+        let num_kv_heads = int("attention.head_count_kv").unwrap_or(num_heads);
+        let head_dim = int("attention.key_length").unwrap_or(hidden_size / num_heads.max(1));
+        let vocab_size = match int("vocab_size") {
+            Ok(v) => v,
+            Err(_) => get("tokenizer.ggml.tokens")?
+                .to_vec()
+                .map_err(|e| ModelError::BadGguf {
+                    path: path.to_path_buf(),
+                    reason: e.to_string(),
+                })?
+                .len(),
+        };
+        let tie_word_embeddings = !ct.tensor_infos.contains_key("output.weight");
+        let attention_bias = ct.tensor_infos.contains_key("blk.0.attn_q.bias");
+        let cfg = ModelConfig {
+            arch,
+            vocab_size,
+            hidden_size,
+            intermediate_size: int("feed_forward_length")?,
+            num_layers: int("block_count")?,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            rms_norm_eps: float("attention.layer_norm_rms_epsilon")?,
+            rope_theta: float("rope.freq_base").unwrap_or(10_000.0),
+            // GGUF carries Llama 3.1 scaling as the `rope_freqs.weight` tensor instead.
+            rope_scaling: None,
+            max_position_embeddings: int("context_length")?,
+            tie_word_embeddings,
+            attention_bias,
+            rope_interleaved: arch == Arch::Llama,
+        };
+        cfg.validate().map_err(|reason| ModelError::BadGguf {
+            path: path.to_path_buf(),
+            reason,
+        })?;
+        Ok(cfg)
+    }
+
+    /// Checks the shape relations the forward pass relies on.
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        if self.num_layers == 0 || self.hidden_size == 0 || self.vocab_size == 0 {
+            return Err("layers, hidden size and vocab must be non-zero".into());
+        }
+        if self.num_kv_heads == 0 || self.num_heads % self.num_kv_heads != 0 {
+            return Err(format!(
+                "{} query heads are not a multiple of {} KV heads",
+                self.num_heads, self.num_kv_heads
+            ));
+        }
+        if self.head_dim == 0 || self.head_dim % 2 != 0 {
+            return Err(format!("head_dim {} must be even", self.head_dim));
+        }
+        if self.max_position_embeddings == 0 {
+            return Err("context length must be non-zero".into());
+        }
+        Ok(())
+    }
+
+    /// Query heads per KV head.
+    pub fn group_size(&self) -> usize {
+        self.num_heads / self.num_kv_heads
+    }
+}

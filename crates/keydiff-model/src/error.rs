@@ -1,0 +1,51 @@
+//! One error enum for everything that can go wrong while loading or running a model.
+
+use std::path::PathBuf;
+
+/// Errors of the model crate. Every variant names the file or value at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error("model file or directory not found: {0}")]
+    NotFound(PathBuf),
+    #[error("unsupported architecture `{0}` (supported: llama, qwen2)")]
+    UnsupportedArch(String),
+    #[error("invalid GGUF file {path}: {reason}")]
+    BadGguf { path: PathBuf, reason: String },
+    #[error("invalid safetensors in {path}: {reason}")]
+    BadSafetensors { path: PathBuf, reason: String },
+    #[error("invalid config {path}: {reason}")]
+    BadConfig { path: PathBuf, reason: String },
+    #[error("missing metadata key `{0}`")]
+    MissingKey(String),
+    #[error("shape mismatch: {0}")]
+    Shape(String),
+    #[error("missing tensor `{0}`")]
+    MissingTensor(String),
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    #[error("unknown pre-tokenizer `tokenizer.ggml.pre = {0}` (supported: smollm, qwen2, llama3, llama-bpe, gpt2)")]
+    UnknownPreTokenizer(String),
+    #[error("chat template: {0}")]
+    ChatTemplate(String),
+    #[error("io error on {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Cache(#[from] keydiff_cache::CacheError),
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+}
+
+/// Result alias of this crate.
+pub type Result<T> = std::result::Result<T, ModelError>;
+
+/// Returns early with a [`ModelError`].
+#[macro_export]
+macro_rules! bail {
+    ($e:expr) => {
+        return Err($e.into())
+    };
+}

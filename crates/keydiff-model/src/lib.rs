@@ -1,0 +1,18 @@
+//! Llama 3.x / Qwen 2.5 for keydiff: config, weights (GGUF | safetensors | random), RoPE,
+//! chunk attention over a budgeted KV cache, tokenizer and chat template.
+
+pub mod attention;
+pub mod chat;
+pub mod config;
+pub mod error;
+mod load;
+pub mod model;
+pub mod rope;
+pub mod tokenizer;
+pub mod weights;
+
+pub use chat::{ChatTemplate, Message};
+pub use config::{Arch, ModelConfig};
+pub use error::{ModelError, Result};
+pub use load::{load_gguf, load_hf_dir, load_random, Loaded, ModelFormat, Vocab};
+pub use model::Model;

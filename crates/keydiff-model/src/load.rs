@@ -1,0 +1,262 @@
+//! Loading a model and its vocabulary from a GGUF file, an HF directory or a random preset.
+
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device};
+use tokenizers::Tokenizer;
+
+use crate::chat::ChatTemplate;
+use crate::config::{HfConfig, ModelConfig};
+use crate::error::{ModelError, Result};
+use crate::model::Model;
+use crate::tokenizer::tokenizer_from_gguf;
+use crate::weights::Weights;
+
+/// Where the weights of a loaded model came from.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ModelFormat {
+    Gguf,
+    Safetensors,
+    /// Seeded random weights: the output is meaningless by design.
+    Random,
+}
+
+/// A tokenizer with the facts generation needs.
+pub struct Vocab {
+    pub tokenizer: Tokenizer,
+    pub bos_id: Option<u32>,
+    /// Tokens that end generation (EOS, EOT, `<|im_end|>`, ...).
+    pub eos_ids: Vec<u32>,
+    /// Whether a BOS token is put before the prompt.
+    pub add_bos: bool,
+    pub chat_template: Option<ChatTemplate>,
+}
+
+/// A model, its vocabulary and a description of both.
+pub struct Loaded {
+    pub model: Model,
+    pub vocab: Vocab,
+    pub format: ModelFormat,
+    /// Human-readable origin (path or preset).
+    pub origin: String,
+}
+
+/// Loads a GGUF file: metadata, tokenizer and weights (quantized weights stay quantized).
+pub fn load_gguf(path: &Path, device: &Device, dtype: DType) -> Result<Loaded> {
+    if !path.exists() {
+        return Err(ModelError::NotFound(path.to_path_buf()));
+    }
+    let weights = Weights::open_gguf(path, device, dtype)?;
+    let content = weights.gguf_content().expect("gguf source");
+    let cfg = ModelConfig::from_gguf(content, path)?;
+    let tok = tokenizer_from_gguf(content)?;
+    let chat_template = match &tok.chat_template {
+        Some(src) => Some(ChatTemplate::new(
+            src,
+            tok.bos_token.clone(),
+            tok.eos_token.clone(),
+        )?),
+        None => None,
+    };
+    let vocab = Vocab {
+        tokenizer: tok.tokenizer,
+        bos_id: tok.bos_id,
+        eos_ids: tok.eos_ids,
+        add_bos: tok.add_bos,
+        chat_template,
+    };
+    let model = Model::load(&cfg, &weights)?;
+    Ok(Loaded {
+        model,
+        vocab,
+        format: ModelFormat::Gguf,
+        origin: path.display().to_string(),
+    })
+}
+
+/// Loads an HF checkpoint directory: config.json, (sharded) safetensors, tokenizer.json,
+/// tokenizer_config.json and generation_config.json.
+pub fn load_hf_dir(dir: &Path, device: &Device, dtype: DType) -> Result<Loaded> {
+    if !dir.is_dir() {
+        return Err(ModelError::NotFound(dir.to_path_buf()));
+    }
+    let cfg_path = dir.join("config.json");
+    if !cfg_path.exists() {
+        return Err(ModelError::NotFound(cfg_path));
+    }
+    let hf = HfConfig::load(&cfg_path)?;
+    let cfg = hf.to_model_config(&cfg_path)?;
+    let files = safetensors_files(dir)?;
+    let weights = Weights::open_safetensors(&files, device, dtype)?;
+    let model = Model::load(&cfg, &weights)?;
+    let vocab = hf_vocab(dir, &hf)?;
+    Ok(Loaded {
+        model,
+        vocab,
+        format: ModelFormat::Safetensors,
+        origin: dir.display().to_string(),
+    })
+}
+
+/// Builds a model of a preset's shape (an HF `config.json`) with seeded random weights.
+/// Its tokenizer is a plain byte-level one: the text it produces is meaningless.
+/// `on_host` draws the values on the CPU so that every device gets the same model.
+pub fn load_random(
+    config: &Path,
+    device: &Device,
+    dtype: DType,
+    seed: u64,
+    on_host: bool,
+) -> Result<Loaded> {
+    let hf = HfConfig::load(config)?;
+    let cfg = hf.to_model_config(config)?;
+    let weights = Weights::random(device, dtype, seed, on_host)?;
+    let model = Model::load(&cfg, &weights)?;
+    Ok(Loaded {
+        model,
+        vocab: byte_vocab(cfg.vocab_size)?,
+        format: ModelFormat::Random,
+        origin: format!("{} (random weights, seed {seed})", config.display()),
+    })
+}
+
+fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let index = dir.join("model.safetensors.index.json");
+    if index.exists() {
+        let text = std::fs::read_to_string(&index).map_err(|source| ModelError::Io {
+            path: index.clone(),
+            source,
+        })?;
+        let v: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| ModelError::BadSafetensors {
+                path: index.clone(),
+                reason: e.to_string(),
+            })?;
+        let map = v
+            .get("weight_map")
+            .and_then(|m| m.as_object())
+            .ok_or_else(|| ModelError::BadSafetensors {
+                path: index.clone(),
+                reason: "no `weight_map` object".into(),
+            })?;
+        let mut files: Vec<PathBuf> = map
+            .values()
+            .filter_map(|f| f.as_str())
+            .map(|f| dir.join(f))
+            .collect();
+        files.sort();
+        files.dedup();
+        return Ok(files);
+    }
+    let single = dir.join("model.safetensors");
+    if single.exists() {
+        return Ok(vec![single]);
+    }
+    Err(ModelError::NotFound(single))
+}
+
+fn read_json(path: &Path) -> Result<Option<serde_json::Value>> {
+    if !path.exists() {
+        return Ok(None);
+    }
+    let text = std::fs::read_to_string(path).map_err(|source| ModelError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    serde_json::from_str(&text)
+        .map(Some)
+        .map_err(|e| ModelError::BadConfig {
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        })
+}
+
+/// A special-token field of tokenizer_config.json: a string or `{"content": ...}`.
+fn token_text(v: Option<&serde_json::Value>) -> Option<String> {
+    match v? {
+        serde_json::Value::String(s) => Some(s.clone()),
+        serde_json::Value::Object(o) => o.get("content")?.as_str().map(String::from),
+        _ => None,
+    }
+}
+
+fn ids_of(v: Option<&serde_json::Value>) -> Vec<u32> {
+    match v {
+        Some(serde_json::Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
+        Some(serde_json::Value::Array(a)) => {
+            a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect()
+        }
+        _ => vec![],
+    }
+}
+
+fn hf_vocab(dir: &Path, hf: &HfConfig) -> Result<Vocab> {
+    let tok_path = dir.join("tokenizer.json");
+    if !tok_path.exists() {
+        return Err(ModelError::NotFound(tok_path));
+    }
+    let tokenizer = Tokenizer::from_file(&tok_path)
+        .map_err(|e| ModelError::Tokenizer(format!("{}: {e}", tok_path.display())))?;
+    let tc = read_json(&dir.join("tokenizer_config.json"))?.unwrap_or_default();
+    let gc = read_json(&dir.join("generation_config.json"))?.unwrap_or_default();
+    let bos_token = token_text(tc.get("bos_token"));
+    let eos_token = token_text(tc.get("eos_token"));
+    let bos_id = bos_token
+        .as_deref()
+        .and_then(|t| tokenizer.token_to_id(t))
+        .or_else(|| ids_of(hf.bos_token_id.as_ref()).first().copied());
+    let mut eos_ids = ids_of(gc.get("eos_token_id"));
+    eos_ids.extend(ids_of(hf.eos_token_id.as_ref()));
+    if let Some(id) = eos_token.as_deref().and_then(|t| tokenizer.token_to_id(t)) {
+        eos_ids.push(id);
+    }
+    eos_ids.sort_unstable();
+    eos_ids.dedup();
+    // transformers' Llama tokenizers add BOS through the post-processor; we add it ourselves.
+    let add_bos = tc
+        .get("add_bos_token")
+        .and_then(|b| b.as_bool())
+        .unwrap_or(false);
+    let chat_template = match tc.get("chat_template").and_then(|t| t.as_str()) {
+        Some(src) => Some(ChatTemplate::new(src, bos_token, eos_token)?),
+        None => None,
+    };
+    Ok(Vocab {
+        tokenizer,
+        bos_id,
+        eos_ids,
+        add_bos,
+        chat_template,
+    })
+}
+
+/// A byte-level BPE with no merges: ids 0..256 are the bytes, the rest are never produced.
+fn byte_vocab(vocab_size: usize) -> Result<Vocab> {
+    use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
+    use tokenizers::models::bpe::BPE;
+    use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+    let alphabet = ByteLevel::alphabet();
+    let mut chars: Vec<char> = alphabet.into_iter().collect();
+    chars.sort_unstable();
+    let vocab: tokenizers::models::bpe::Vocab = chars
+        .iter()
+        .enumerate()
+        .take(vocab_size)
+        .map(|(i, c)| (c.to_string(), i as u32))
+        .collect();
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, vec![])
+        .build()
+        .map_err(|e| ModelError::Tokenizer(e.to_string()))?;
+    let mut tokenizer = Tokenizer::new(bpe);
+    tokenizer.with_pre_tokenizer(Some(ByteLevel::new(false, true, false)));
+    tokenizer.with_decoder(Some(ByteLevelDecoder::default()));
+    Ok(Vocab {
+        tokenizer,
+        bos_id: None,
+        eos_ids: vec![],
+        add_bos: false,
+        chat_template: None,
+    })
+}

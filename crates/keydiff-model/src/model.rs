@@ -1,0 +1,277 @@
+//! The decoder: embedding, N × (attention + SwiGLU MLP, pre-RMSNorm), final norm, LM head.
+//!
+//! One implementation for Llama 3.x and Qwen 2.5, with dense or GGML-quantized linears. The model
+//! owns no cache: each call gets the per-layer [`LayerCache`]s of the request.
+
+use candle_core::{DType, Device, Tensor, D};
+use keydiff_cache::{AttnStats, CacheConfig, KvCache};
+
+use crate::attention::{attend, chunk_mask};
+use crate::config::ModelConfig;
+use crate::error::{ModelError, Result};
+use crate::rope::Rope;
+use crate::weights::{Embedding, Key, Linear, Weights};
+
+#[derive(Debug, Clone)]
+struct RmsNorm {
+    w: Tensor,
+    eps: f32,
+}
+
+impl RmsNorm {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(candle_nn::ops::rms_norm(x, &self.w, self.eps)?)
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Attention {
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+}
+
+impl Attention {
+    fn new(cfg: &ModelConfig, w: &Weights, l: usize) -> Result<Self> {
+        let (h, kv, d, hid) = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.hidden_size,
+        );
+        let bias = cfg.attention_bias;
+        Ok(Self {
+            q: w.linear(Key::Q, Some(l), h * d, hid, bias)?,
+            k: w.linear(Key::K, Some(l), kv * d, hid, bias)?,
+            v: w.linear(Key::V, Some(l), kv * d, hid, bias)?,
+            o: w.linear(Key::O, Some(l), hid, h * d, false)?,
+            heads: h,
+            kv_heads: kv,
+            head_dim: d,
+        })
+    }
+
+    /// `x`: `[B, hidden]` → `[B, hidden]`. Appends the chunk's K/V to layer `li` of `cache`,
+    /// attends, then lets the cache evict.
+    #[allow(clippy::too_many_arguments)]
+    fn forward(
+        &self,
+        x: &Tensor,
+        rope: &Rope,
+        cos_sin: &(Tensor, Tensor),
+        mask: Option<&Tensor>,
+        cache: &mut KvCache,
+        li: usize,
+        pos0: usize,
+        decode: bool,
+    ) -> Result<Tensor> {
+        let b = x.dim(0)?;
+        let (h, kv, d) = (self.heads, self.kv_heads, self.head_dim);
+        let g = h / kv;
+        // [1, heads, B, d]
+        let split = |t: Tensor, n: usize| -> Result<Tensor> {
+            Ok(t.reshape((b, n, d))?.transpose(0, 1)?.contiguous()?.unsqueeze(0)?)
+        };
+        let q = split(self.q.forward(x)?, h)?;
+        let k = split(self.k.forward(x)?, kv)?;
+        let v = self.v.forward(x)?.reshape((b, kv, d))?.transpose(0, 1)?;
+        let (cos, sin) = cos_sin;
+        let q = rope.apply(&q, cos, sin)?.reshape((kv, g * b, d))?;
+        let k = rope.apply(&k, cos, sin)?.squeeze(0)?;
+        let layer = cache.layer_mut(li);
+        layer.append(&k, &v, pos0)?;
+        let rows = cache.stats_rows(b);
+        let layer = cache.layer(li);
+        // [kv, g·B, d]
+        let (y, sums) = attend(&q, &layer.keys()?, &layer.values()?, mask, g, rows)?;
+        let stats = sums.map(|sums| AttnStats {
+            sums,
+            rows: rows.unwrap_or(0),
+        });
+        cache.after_attention(li, stats.as_ref(), decode)?;
+        // [B, heads·d]
+        let y = y.reshape((h, b, d))?.transpose(0, 1)?.reshape((b, h * d))?;
+        self.o.forward(&y)
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Mlp {
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+impl Mlp {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let a = self.gate.forward(x)?.silu()?;
+        self.down.forward(&(a * self.up.forward(x)?)?)
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Layer {
+    attn_norm: RmsNorm,
+    attn: Attention,
+    mlp_norm: RmsNorm,
+    mlp: Mlp,
+}
+
+/// A loaded model, ready to run chunks.
+#[derive(Debug, Clone)]
+pub struct Model {
+    cfg: ModelConfig,
+    embed: Embedding,
+    layers: Vec<Layer>,
+    norm: RmsNorm,
+    lm_head: Linear,
+    rope: Rope,
+    device: Device,
+    dtype: DType,
+}
+
+impl Model {
+    /// Builds the model from a weight source.
+    pub fn load(cfg: &ModelConfig, w: &Weights) -> Result<Self> {
+        let (device, dtype) = w.device_dtype();
+        let eps = cfg.rms_norm_eps as f32;
+        let norm = |key, l, dim| -> Result<RmsNorm> {
+            Ok(RmsNorm {
+                w: w.norm(key, l, dim)?,
+                eps,
+            })
+        };
+        let hid = cfg.hidden_size;
+        let mut layers = Vec::with_capacity(cfg.num_layers);
+        for l in 0..cfg.num_layers {
+            layers.push(Layer {
+                attn_norm: norm(Key::AttnNorm, Some(l), hid)?,
+                attn: Attention::new(cfg, w, l)?,
+                mlp_norm: norm(Key::MlpNorm, Some(l), hid)?,
+                mlp: Mlp {
+                    gate: w.linear(Key::Gate, Some(l), cfg.intermediate_size, hid, false)?,
+                    up: w.linear(Key::Up, Some(l), cfg.intermediate_size, hid, false)?,
+                    down: w.linear(Key::Down, Some(l), hid, cfg.intermediate_size, false)?,
+                },
+            });
+        }
+        let lm_head = if cfg.tie_word_embeddings || !w.has(Key::LmHead, None) {
+            w.tied_lm_head(cfg.vocab_size, hid)?
+        } else {
+            w.linear(Key::LmHead, None, cfg.vocab_size, hid, false)?
+        };
+        Ok(Self {
+            cfg: cfg.clone(),
+            embed: w.embedding(cfg.vocab_size, hid)?,
+            layers,
+            norm: norm(Key::FinalNorm, None, hid)?,
+            lm_head,
+            rope: Rope::new(cfg, w.rope_freqs()?),
+            device,
+            dtype,
+        })
+    }
+
+    /// Allocates the KV cache of one request. With `full`, it holds `full_capacity` slots per
+    /// head; with a budget, N + B.
+    pub fn new_cache(&self, cfg: CacheConfig, full_capacity: usize) -> Result<KvCache> {
+        Ok(KvCache::new(
+            cfg,
+            self.cfg.num_layers,
+            self.cfg.num_kv_heads,
+            self.cfg.head_dim,
+            full_capacity,
+            self.dtype,
+            &self.device,
+        )?)
+    }
+
+    /// Runs the next chunk of tokens (absolute positions continue from `cache.position()`),
+    /// appending to `cache`, which may evict after each layer's attention. `decode` marks a
+    /// generated token rather than a prompt chunk. Returns the logits of the chunk's last token,
+    /// `[vocab]` in f32.
+    pub fn forward(&self, tokens: &[u32], cache: &mut KvCache, decode: bool) -> Result<Tensor> {
+        let pos0 = cache.position();
+        let b = tokens.len();
+        if b == 0 {
+            return Err(ModelError::Shape("empty chunk".into()));
+        }
+        if cache.num_layers() != self.layers.len() {
+            return Err(ModelError::Shape(format!(
+                "{} layer caches for {} layers",
+                cache.num_layers(),
+                self.layers.len()
+            )));
+        }
+        let ids = Tensor::new(tokens, &self.device)?;
+        // [B, hidden]
+        let mut x = self.embed.forward(&ids, self.dtype)?;
+        let cos_sin = self.rope.cos_sin(pos0, b, self.dtype, &self.device)?;
+        let total = cache.len() + b;
+        let mask = if b > 1 {
+            Some(chunk_mask(b, total, self.dtype, &self.device)?)
+        } else {
+            None
+        };
+        for (li, layer) in self.layers.iter().enumerate() {
+            let h = layer.attn_norm.forward(&x)?;
+            let h = layer.attn.forward(
+                &h,
+                &self.rope,
+                &cos_sin,
+                mask.as_ref(),
+                cache,
+                li,
+                pos0,
+                decode,
+            )?;
+            x = (x + h)?;
+            let h = layer.mlp.forward(&layer.mlp_norm.forward(&x)?)?;
+            x = (x + h)?;
+        }
+        cache.advance(b);
+        // Only the last row feeds the LM head: [1, hidden]
+        let last = self.norm.forward(&x.narrow(0, b - 1, 1)?)?;
+        let logits = self.lm_head.forward(&last)?;
+        Ok(logits.squeeze(0)?.to_dtype(DType::F32)?)
+    }
+
+    /// The model's hyper-parameters.
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    /// Device the weights live on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Compute dtype of activations and the KV cache.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Weight kinds by role, for `keydiff info` (e.g. `attn_q: Q4_1`).
+    pub fn weight_kinds(&self) -> Vec<(&'static str, String)> {
+        let l = &self.layers[0];
+        vec![
+            ("attn_q", l.attn.q.kind()),
+            ("attn_k", l.attn.k.kind()),
+            ("attn_v", l.attn.v.kind()),
+            ("attn_output", l.attn.o.kind()),
+            ("ffn_gate", l.mlp.gate.kind()),
+            ("ffn_up", l.mlp.up.kind()),
+            ("ffn_down", l.mlp.down.kind()),
+            ("lm_head", self.lm_head.kind()),
+        ]
+    }
+}
+
+/// Index of the largest logit (greedy sampling), on the host.
+pub fn argmax(logits: &Tensor) -> Result<u32> {
+    Ok(logits.argmax(D::Minus1)?.to_scalar::<u32>()?)
+}

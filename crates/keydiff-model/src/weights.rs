@@ -1,0 +1,455 @@
+//! Where tensors come from: GGUF (quantized or not), HF safetensors, or seeded random values.
+//!
+//! The model asks for tensors by role ([`Key`]); each source maps roles to its own names.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use candle_core::quantized::{gguf_file, QMatMul, QTensor};
+use candle_core::{DType, Device, Module, Tensor};
+use candle_nn::VarBuilder;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use rand_distr::StandardNormal;
+
+use crate::error::{ModelError, Result};
+
+/// The role of a tensor in the model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Key {
+    Embed,
+    LmHead,
+    FinalNorm,
+    AttnNorm,
+    MlpNorm,
+    Q,
+    K,
+    V,
+    O,
+    Gate,
+    Up,
+    Down,
+}
+
+impl Key {
+    fn gguf(self) -> &'static str {
+        match self {
+            Key::Embed => "token_embd",
+            Key::LmHead => "output",
+            Key::FinalNorm => "output_norm",
+            Key::AttnNorm => "attn_norm",
+            Key::MlpNorm => "ffn_norm",
+            Key::Q => "attn_q",
+            Key::K => "attn_k",
+            Key::V => "attn_v",
+            Key::O => "attn_output",
+            Key::Gate => "ffn_gate",
+            Key::Up => "ffn_up",
+            Key::Down => "ffn_down",
+        }
+    }
+
+    fn hf(self) -> &'static str {
+        match self {
+            Key::Embed => "model.embed_tokens",
+            Key::LmHead => "lm_head",
+            Key::FinalNorm => "model.norm",
+            Key::AttnNorm => "input_layernorm",
+            Key::MlpNorm => "post_attention_layernorm",
+            Key::Q => "self_attn.q_proj",
+            Key::K => "self_attn.k_proj",
+            Key::V => "self_attn.v_proj",
+            Key::O => "self_attn.o_proj",
+            Key::Gate => "mlp.gate_proj",
+            Key::Up => "mlp.up_proj",
+            Key::Down => "mlp.down_proj",
+        }
+    }
+
+    /// Full tensor name (without `.weight`/`.bias`) in a format.
+    fn name(self, gguf: bool, layer: Option<usize>) -> String {
+        match (gguf, layer) {
+            (true, Some(l)) => format!("blk.{l}.{}", self.gguf()),
+            (true, None) => self.gguf().to_string(),
+            (false, Some(l)) => format!("model.layers.{l}.{}", self.hf()),
+            (false, None) => self.hf().to_string(),
+        }
+    }
+}
+
+/// A linear layer `y = x Wᵀ + b` whose weight is dense or GGML-quantized.
+#[derive(Debug, Clone)]
+pub struct Linear {
+    w: QMatMul,
+    b: Option<Tensor>,
+}
+
+impl Linear {
+    /// `x`: `[.., in]` → `[.., out]`, in `x`'s dtype.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let y = match &self.w {
+            // CUDA quantized matmul wants f32 activations.
+            QMatMul::QTensor(_) if !x.device().is_cpu() && x.dtype() != DType::F32 => self
+                .w
+                .forward(&x.to_dtype(DType::F32)?)?
+                .to_dtype(x.dtype())?,
+            _ => self.w.forward(x)?,
+        };
+        Ok(match &self.b {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        })
+    }
+
+    /// The GGML type name of a quantized weight, or the dense dtype.
+    pub fn kind(&self) -> String {
+        match &self.w {
+            QMatMul::QTensor(q) => format!("{:?}", q.dtype()),
+            QMatMul::Tensor(t) | QMatMul::TensorF16(t) => format!("{:?}", t.dtype()),
+        }
+    }
+}
+
+/// Token embedding table, dense or quantized (rows are dequantized on lookup).
+#[derive(Debug, Clone)]
+pub enum Embedding {
+    Dense(Tensor),
+    Quantized(Arc<QTensor>),
+}
+
+impl Embedding {
+    /// `ids`: `[len]` u32 → `[len, hidden]` in `dtype`.
+    pub fn forward(&self, ids: &Tensor, dtype: DType) -> Result<Tensor> {
+        Ok(match self {
+            Embedding::Dense(w) => w.index_select(ids, 0)?.to_dtype(dtype)?,
+            Embedding::Quantized(q) => q.embedding(ids)?.to_dtype(dtype)?,
+        })
+    }
+}
+
+/// A source of named tensors on a device.
+pub enum Weights {
+    /// A GGUF file; tensors are read lazily from the open file.
+    Gguf {
+        path: PathBuf,
+        content: gguf_file::Content,
+        file: Mutex<File>,
+        device: Device,
+        dtype: DType,
+    },
+    /// HF safetensors (memory-mapped).
+    Safetensors { vb: VarBuilder<'static> },
+    /// Seeded random values in real shapes, for timing without a checkpoint. With `on_host`,
+    /// values are drawn on the CPU and copied, so that every device gets the same weights
+    /// (slower; for parity checks).
+    Random {
+        device: Device,
+        dtype: DType,
+        on_host: bool,
+        /// Host generator (candle's CPU backend cannot be seeded).
+        rng: Mutex<StdRng>,
+    },
+}
+
+impl Weights {
+    /// Opens a GGUF file and reads its metadata (tensors are read on demand).
+    pub fn open_gguf(path: &Path, device: &Device, dtype: DType) -> Result<Self> {
+        let mut file = File::open(path).map_err(|source| {
+            if source.kind() == std::io::ErrorKind::NotFound {
+                ModelError::NotFound(path.to_path_buf())
+            } else {
+                ModelError::Io {
+                    path: path.to_path_buf(),
+                    source,
+                }
+            }
+        })?;
+        let content = gguf_file::Content::read(&mut file).map_err(|e| ModelError::BadGguf {
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        })?;
+        // A truncated file is caught here rather than half-way through loading.
+        let len = file
+            .metadata()
+            .map_err(|source| ModelError::Io {
+                path: path.to_path_buf(),
+                source,
+            })?
+            .len();
+        for (name, info) in &content.tensor_infos {
+            let bytes = info.shape.elem_count() / info.ggml_dtype.block_size()
+                * info.ggml_dtype.type_size();
+            let end = content.tensor_data_offset + info.offset + bytes as u64;
+            if end > len {
+                return Err(ModelError::BadGguf {
+                    path: path.to_path_buf(),
+                    reason: format!(
+                        "truncated: tensor `{name}` ends at byte {end}, file has {len} bytes"
+                    ),
+                });
+            }
+        }
+        Ok(Weights::Gguf {
+            path: path.to_path_buf(),
+            content,
+            file: Mutex::new(file),
+            device: device.clone(),
+            dtype,
+        })
+    }
+
+    /// Memory-maps safetensors files.
+    pub fn open_safetensors(paths: &[PathBuf], device: &Device, dtype: DType) -> Result<Self> {
+        for p in paths {
+            if !p.exists() {
+                return Err(ModelError::NotFound(p.clone()));
+            }
+            // Validate the header now so that a bad file names itself.
+            let bytes = std::fs::read(p).map_err(|source| ModelError::Io {
+                path: p.clone(),
+                source,
+            })?;
+            safetensors::SafeTensors::deserialize(&bytes).map_err(|e| {
+                ModelError::BadSafetensors {
+                    path: p.clone(),
+                    reason: e.to_string(),
+                }
+            })?;
+        }
+        // SAFETY: the files are not modified while mapped (they are model checkpoints).
+        let vb = unsafe { VarBuilder::from_mmaped_safetensors(paths, dtype, device)? };
+        Ok(Weights::Safetensors { vb })
+    }
+
+    /// Seeded random weights: drawn on `device` (after seeding it), or on the host when
+    /// `on_host` or when the device is the CPU.
+    pub fn random(device: &Device, dtype: DType, seed: u64, on_host: bool) -> Result<Self> {
+        if !on_host && !device.is_cpu() {
+            device.set_seed(seed)?;
+        }
+        Ok(Weights::Random {
+            device: device.clone(),
+            dtype,
+            on_host,
+            rng: Mutex::new(StdRng::seed_from_u64(seed)),
+        })
+    }
+
+    /// The GGUF content, if this is a GGUF source.
+    pub fn gguf_content(&self) -> Option<&gguf_file::Content> {
+        match self {
+            Weights::Gguf { content, .. } => Some(content),
+            _ => None,
+        }
+    }
+
+    fn is_gguf(&self) -> bool {
+        matches!(self, Weights::Gguf { .. })
+    }
+
+    /// True when the source has a tensor for `key` (used for tied embeddings).
+    pub fn has(&self, key: Key, layer: Option<usize>) -> bool {
+        let name = format!("{}.weight", key.name(self.is_gguf(), layer));
+        match self {
+            Weights::Gguf { content, .. } => content.tensor_infos.contains_key(&name),
+            Weights::Safetensors { vb } => vb.contains_tensor(&name),
+            Weights::Random { .. } => true,
+        }
+    }
+
+    fn qtensor(&self, name: &str) -> Result<QTensor> {
+        let Weights::Gguf {
+            path,
+            content,
+            file,
+            device,
+            ..
+        } = self
+        else {
+            unreachable!("qtensor on a non-GGUF source")
+        };
+        if !content.tensor_infos.contains_key(name) {
+            return Err(ModelError::MissingTensor(name.to_string()));
+        }
+        let mut f = file.lock().expect("gguf file lock poisoned");
+        content
+            .tensor(&mut *f, name, device)
+            .map_err(|e| ModelError::BadGguf {
+                path: path.clone(),
+                reason: format!("tensor `{name}`: {e}"),
+            })
+    }
+
+    /// A dense tensor of the given shape (dequantized if stored quantized).
+    pub fn tensor(&self, name: &str, shape: &[usize], init: Init) -> Result<Tensor> {
+        let t = match self {
+            Weights::Gguf { device, dtype, .. } => {
+                self.qtensor(name)?.dequantize(device)?.to_dtype(*dtype)?
+            }
+            Weights::Safetensors { vb } => {
+                if !vb.contains_tensor(name) {
+                    return Err(ModelError::MissingTensor(name.to_string()));
+                }
+                vb.get(shape, name)?
+            }
+            Weights::Random {
+                device,
+                dtype,
+                on_host,
+                rng,
+            } => {
+                if *on_host || device.is_cpu() {
+                    let mut rng = rng.lock().expect("rng lock poisoned");
+                    init.host(shape, &mut rng)?.to_dtype(*dtype)?.to_device(device)?
+                } else {
+                    init.make(shape, *dtype, device)?
+                }
+            }
+        };
+        if t.dims() != shape {
+            return Err(ModelError::Shape(format!(
+                "tensor `{name}` has shape {:?}, expected {shape:?}",
+                t.dims()
+            )));
+        }
+        Ok(t)
+    }
+
+    /// An RMSNorm weight, `[dim]`.
+    pub fn norm(&self, key: Key, layer: Option<usize>, dim: usize) -> Result<Tensor> {
+        let name = format!("{}.weight", key.name(self.is_gguf(), layer));
+        self.tensor(&name, &[dim], Init::Ones)
+    }
+
+    /// A linear layer `[out, in]`, optionally with a bias `[out]`.
+    pub fn linear(
+        &self,
+        key: Key,
+        layer: Option<usize>,
+        out_dim: usize,
+        in_dim: usize,
+        bias: bool,
+    ) -> Result<Linear> {
+        let base = key.name(self.is_gguf(), layer);
+        let wname = format!("{base}.weight");
+        let w = match self {
+            Weights::Gguf { .. } => {
+                let q = self.qtensor(&wname)?;
+                if q.shape().dims() != [out_dim, in_dim] {
+                    return Err(ModelError::Shape(format!(
+                        "tensor `{wname}` has shape {:?}, expected [{out_dim}, {in_dim}]",
+                        q.shape().dims()
+                    )));
+                }
+                QMatMul::from_qtensor(q)?
+            }
+            _ => QMatMul::Tensor(self.tensor(&wname, &[out_dim, in_dim], Init::Normal)?),
+        };
+        let b = if bias {
+            Some(self.tensor(&format!("{base}.bias"), &[out_dim], Init::Zeros)?)
+        } else {
+            None
+        };
+        Ok(Linear { w, b })
+    }
+
+    /// The embedding table `[vocab, hidden]`; kept quantized when stored quantized.
+    pub fn embedding(&self, vocab: usize, hidden: usize) -> Result<Embedding> {
+        let name = format!("{}.weight", Key::Embed.name(self.is_gguf(), None));
+        match self {
+            Weights::Gguf { .. } => {
+                let q = self.qtensor(&name)?;
+                if q.shape().dims() != [vocab, hidden] {
+                    return Err(ModelError::Shape(format!(
+                        "tensor `{name}` has shape {:?}, expected [{vocab}, {hidden}]",
+                        q.shape().dims()
+                    )));
+                }
+                if q.dtype().block_size() > 1 {
+                    Ok(Embedding::Quantized(Arc::new(q)))
+                } else {
+                    let (device, dtype) = self.device_dtype();
+                    Ok(Embedding::Dense(q.dequantize(&device)?.to_dtype(dtype)?))
+                }
+            }
+            _ => Ok(Embedding::Dense(self.tensor(
+                &name,
+                &[vocab, hidden],
+                Init::Normal,
+            )?)),
+        }
+    }
+
+    /// The output projection tied to the embedding table.
+    pub fn tied_lm_head(&self, vocab: usize, hidden: usize) -> Result<Linear> {
+        let w = match self {
+            Weights::Gguf { .. } => QMatMul::from_qtensor(
+                self.qtensor(&format!("{}.weight", Key::Embed.name(true, None)))?,
+            )?,
+            _ => QMatMul::Tensor(self.tensor(
+                &format!("{}.weight", Key::Embed.name(false, None)),
+                &[vocab, hidden],
+                Init::Normal,
+            )?),
+        };
+        Ok(Linear { w, b: None })
+    }
+
+    /// GGUF `rope_freqs.weight` (Llama 3.1 frequency factors), when present.
+    pub fn rope_freqs(&self) -> Result<Option<Vec<f32>>> {
+        match self {
+            Weights::Gguf { content, .. } if content.tensor_infos.contains_key("rope_freqs.weight") => {
+                let t = self.qtensor("rope_freqs.weight")?.dequantize(&Device::Cpu)?;
+                Ok(Some(t.flatten_all()?.to_vec1::<f32>()?))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// Device and compute dtype of this source.
+    pub fn device_dtype(&self) -> (Device, DType) {
+        match self {
+            Weights::Gguf { device, dtype, .. } | Weights::Random { device, dtype, .. } => {
+                (device.clone(), *dtype)
+            }
+            Weights::Safetensors { vb } => (vb.device().clone(), vb.dtype()),
+        }
+    }
+}
+
+/// How a random weight is initialised.
+#[derive(Debug, Clone, Copy)]
+pub enum Init {
+    /// N(0, 0.02²), the usual initializer range of these models.
+    Normal,
+    Ones,
+    Zeros,
+}
+
+/// Standard deviation of random weights: `initializer_range` in the models' config.json.
+const INIT_STD: f64 = 0.02;
+
+impl Init {
+    /// Draws on the host from a seeded generator, identical on every machine.
+    fn host(self, shape: &[usize], rng: &mut StdRng) -> Result<Tensor> {
+        let n: usize = shape.iter().product();
+        let data: Vec<f32> = match self {
+            Init::Normal => (0..n)
+                .map(|_| rng.sample::<f32, _>(StandardNormal) * INIT_STD as f32)
+                .collect(),
+            Init::Ones => vec![1.0; n],
+            Init::Zeros => vec![0.0; n],
+        };
+        Ok(Tensor::from_vec(data, shape, &Device::Cpu)?)
+    }
+
+    /// Draws on the device from its own (seeded) generator.
+    fn make(self, shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
+        Ok(match self {
+            Init::Normal => Tensor::randn(0f32, INIT_STD as f32, shape, device)?.to_dtype(dtype)?,
+            Init::Ones => Tensor::ones(shape, dtype, device)?,
+            Init::Zeros => Tensor::zeros(shape, dtype, device)?,
+        })
+    }
+}

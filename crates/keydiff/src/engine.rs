@@ -1,0 +1,396 @@
+//! The engine: load a model once, then generate with chunked prefill and streamed text.
+
+use std::time::Instant;
+
+use candle_core::{DType, Device};
+use keydiff_cache::{CacheConfig, CacheCounters, KvCache};
+use keydiff_model::{load_gguf, load_hf_dir, load_random, Loaded, Message, ModelConfig, ModelFormat};
+
+use crate::error::{EngineError, Result};
+use crate::sampling::{Sampler, Sampling};
+use crate::source::ModelSource;
+use crate::stream::TextStream;
+
+/// Prefill chunk size B when none is given: the paper's setting.
+pub const DEFAULT_CHUNK: usize = 128;
+
+/// How and where the engine runs.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    pub device: Device,
+    /// Activation and KV dtype (f32 on CPU is the reference; bf16 on GPU).
+    pub dtype: DType,
+    /// Chunk size B, budget N, eviction policy and timing.
+    pub cache: CacheConfig,
+}
+
+impl Default for EngineConfig {
+    /// CPU, f32, full cache, B = 128.
+    fn default() -> Self {
+        Self {
+            device: Device::Cpu,
+            dtype: DType::F32,
+            cache: CacheConfig::full(DEFAULT_CHUNK),
+        }
+    }
+}
+
+/// What to generate from.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Prompt {
+    /// Plain text, tokenized as is (BOS added when the model wants one).
+    Text(String),
+    /// Messages rendered with the model's chat template, generation prompt appended.
+    Chat(Vec<Message>),
+    /// Token ids, used as given.
+    Tokens(Vec<u32>),
+}
+
+/// One request.
+#[derive(Debug, Clone)]
+pub struct GenerateParams {
+    pub prompt: Prompt,
+    /// Tokens to generate at most.
+    pub max_tokens: usize,
+    pub sampling: Sampling,
+    /// Generation ends when the text contains one of these (it is not emitted).
+    pub stop: Vec<String>,
+    /// Keep generating past end-of-generation tokens (for benchmarks).
+    pub ignore_eos: bool,
+}
+
+impl Default for GenerateParams {
+    fn default() -> Self {
+        Self {
+            prompt: Prompt::Text(String::new()),
+            max_tokens: 256,
+            sampling: Sampling::default(),
+            stop: Vec::new(),
+            ignore_eos: false,
+        }
+    }
+}
+
+/// Progress reported while generating.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Event<'a> {
+    /// `done` of `total` prompt tokens have been prefilled.
+    Prefill { done: usize, total: usize },
+    /// A piece of generated text, ready to print.
+    Text(&'a str),
+}
+
+/// Why generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StopReason {
+    Eos,
+    StopString,
+    MaxTokens,
+    /// The model's context is full.
+    Context,
+}
+
+/// Timings and sizes of one request.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Stats {
+    pub prompt_tokens: usize,
+    pub generated_tokens: usize,
+    pub chunk: usize,
+    /// Seconds from the call to the first sampled token (tokenization, prefill, sampling).
+    pub ttft_s: f64,
+    /// Seconds spent in the prefill forward passes.
+    pub prefill_s: f64,
+    pub prefill_tok_s: f64,
+    /// Seconds of decode forward passes and sampling after the first token.
+    pub decode_s: f64,
+    pub decode_tok_s: f64,
+    /// Bytes of the KV cache buffers, allocated once for the request.
+    pub peak_kv_bytes: usize,
+    /// Slots per layer and head at the end (at most N + K under a budget).
+    pub final_cache_len: usize,
+    /// Evictions, evicted slots, and seconds spent scoring and selecting/moving.
+    pub eviction: CacheCounters,
+    /// Name of the eviction policy.
+    pub policy: String,
+    /// The budget N, when one is set.
+    pub budget: Option<usize>,
+    pub stop_reason: StopReason,
+}
+
+/// Result of one request.
+#[derive(Debug, Clone)]
+pub struct Output {
+    pub text: String,
+    /// Prompt token ids as fed to the model.
+    pub prompt_tokens: Vec<u32>,
+    /// Generated token ids (an end-of-generation token included when one ended the run).
+    pub tokens: Vec<u32>,
+    pub stats: Stats,
+}
+
+/// A loaded model ready to serve requests, one at a time.
+pub struct Engine {
+    loaded: Loaded,
+    cfg: EngineConfig,
+}
+
+impl Engine {
+    /// Loads a model from `source` onto the configured device.
+    pub fn load(source: &ModelSource, cfg: &EngineConfig) -> Result<Self> {
+        cfg.cache
+            .validate()
+            .map_err(|e| EngineError::BadParams(e.to_string()))?;
+        let loaded = match source {
+            ModelSource::Gguf(p) => load_gguf(p, &cfg.device, cfg.dtype)?,
+            ModelSource::HfDir(d) => load_hf_dir(d, &cfg.device, cfg.dtype)?,
+            ModelSource::Random {
+                config,
+                seed,
+                on_host,
+            } => load_random(config, &cfg.device, cfg.dtype, *seed, *on_host)?,
+            ModelSource::Hub { repo, file } => {
+                let local = ModelSource::resolve_hub(repo, file.as_deref())?;
+                return Self::load(&local, cfg);
+            }
+        };
+        tracing::info!(origin = %loaded.origin, "model loaded");
+        Ok(Self {
+            loaded,
+            cfg: cfg.clone(),
+        })
+    }
+
+    /// The model's hyper-parameters.
+    pub fn model_config(&self) -> &ModelConfig {
+        self.loaded.model.config()
+    }
+
+    /// Where the weights came from.
+    pub fn format(&self) -> &ModelFormat {
+        &self.loaded.format
+    }
+
+    /// The path or preset the model was loaded from.
+    pub fn origin(&self) -> &str {
+        &self.loaded.origin
+    }
+
+    /// The engine's settings.
+    pub fn config(&self) -> &EngineConfig {
+        &self.cfg
+    }
+
+    /// Weight storage kinds by role (quantization types), for `keydiff info`.
+    pub fn weight_kinds(&self) -> Vec<(&'static str, String)> {
+        self.loaded.model.weight_kinds()
+    }
+
+    /// Token ids of `text` (BOS first when the model adds one). Special tokens written in the
+    /// text are parsed as such only when `special` is true.
+    pub fn tokenize(&self, text: &str, special: bool) -> Result<Vec<u32>> {
+        let v = &self.loaded.vocab;
+        let enc = if special {
+            v.tokenizer.encode(text, false)
+        } else {
+            v.tokenizer.encode_fast(text, false)
+        };
+        let enc = enc.map_err(|e| EngineError::Tokenizer(e.to_string()))?;
+        let mut ids = Vec::with_capacity(enc.len() + 1);
+        if v.add_bos {
+            ids.extend(v.bos_id);
+        }
+        ids.extend_from_slice(enc.get_ids());
+        Ok(ids)
+    }
+
+    /// Text of `ids` (special tokens skipped).
+    pub fn detokenize(&self, ids: &[u32]) -> Result<String> {
+        self.loaded
+            .vocab
+            .tokenizer
+            .decode(ids, true)
+            .map_err(|e| EngineError::Tokenizer(e.to_string()))
+    }
+
+    /// Renders messages with the model's chat template, generation prompt appended.
+    pub fn render_chat(&self, messages: &[Message]) -> Result<String> {
+        let t = self
+            .loaded
+            .vocab
+            .chat_template
+            .as_ref()
+            .ok_or(EngineError::NoChatTemplate)?;
+        Ok(t.render(messages, true)?)
+    }
+
+    /// Token ids of a prompt.
+    pub fn prompt_tokens(&self, prompt: &Prompt) -> Result<Vec<u32>> {
+        let ids = match prompt {
+            Prompt::Text(t) => {
+                if t.is_empty() {
+                    return Err(EngineError::EmptyPrompt);
+                }
+                self.tokenize(t, false)?
+            }
+            Prompt::Chat(m) => {
+                let text = self.render_chat(m)?;
+                let bos = self.loaded.vocab.bos_id;
+                let mut ids = self.tokenize(&text, true)?;
+                // Templates that write the BOS text themselves must not get a second one.
+                if ids.len() > 1 && bos.is_some() && ids[0] == ids[1] && ids[0] == bos.unwrap() {
+                    ids.remove(0);
+                }
+                ids
+            }
+            Prompt::Tokens(t) => t.clone(),
+        };
+        if ids.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        let vocab = self.model_config().vocab_size;
+        if let Some(&bad) = ids.iter().find(|&&t| t as usize >= vocab) {
+            return Err(EngineError::BadParams(format!(
+                "token id {bad} is outside the vocabulary of {vocab}"
+            )));
+        }
+        Ok(ids)
+    }
+
+    /// Runs one request: chunked prefill, then token-by-token decode, streaming text to
+    /// `on_event` as it is produced.
+    pub fn generate(
+        &self,
+        params: &GenerateParams,
+        mut on_event: impl FnMut(Event<'_>),
+    ) -> Result<Output> {
+        let t0 = Instant::now();
+        let model = &self.loaded.model;
+        let vocab = &self.loaded.vocab;
+        let context = model.config().max_position_embeddings;
+        let prompt = self.prompt_tokens(&params.prompt)?;
+        let n = prompt.len();
+        if n > context {
+            return Err(EngineError::PromptTooLong { tokens: n, context });
+        }
+        // A full cache holds the prompt and the output, never beyond the context.
+        let mut cache = self.new_cache((n + params.max_tokens).min(context))?;
+        let peak_kv_bytes = cache.bytes();
+
+        let chunk = self.cfg.cache.chunk;
+        let tp = Instant::now();
+        let mut logits = None;
+        for (i, piece) in prompt.chunks(chunk).enumerate() {
+            logits = Some(model.forward(piece, &mut cache, false)?);
+            on_event(Event::Prefill {
+                done: (i * chunk + piece.len()).min(n),
+                total: n,
+            });
+        }
+        let mut logits = logits.expect("non-empty prompt").to_vec1::<f32>()?;
+        let prefill_s = tp.elapsed().as_secs_f64();
+
+        let mut sampler = Sampler::new(params.sampling.clone());
+        let mut history = prompt.clone();
+        let mut stream = TextStream::new(&vocab.tokenizer, params.stop.clone());
+        let mut generated = Vec::new();
+        let mut ttft_s = 0.0;
+        let td = Instant::now();
+        let mut decode_steps = 0usize;
+        let mut reason = StopReason::MaxTokens;
+        while generated.len() < params.max_tokens {
+            let tok = sampler.sample(&mut logits, &history);
+            if generated.is_empty() {
+                ttft_s = t0.elapsed().as_secs_f64();
+            }
+            generated.push(tok);
+            history.push(tok);
+            if !params.ignore_eos && vocab.eos_ids.contains(&tok) {
+                reason = StopReason::Eos;
+                break;
+            }
+            let piece = stream.push(tok)?;
+            if !piece.is_empty() {
+                on_event(Event::Text(&piece));
+            }
+            if stream.stopped() {
+                reason = StopReason::StopString;
+                break;
+            }
+            if generated.len() >= params.max_tokens {
+                break;
+            }
+            if history.len() >= context {
+                reason = StopReason::Context;
+                break;
+            }
+            logits = model.forward(&[tok], &mut cache, true)?.to_vec1::<f32>()?;
+            decode_steps += 1;
+        }
+        let rest = stream.finish();
+        if !rest.is_empty() {
+            on_event(Event::Text(&rest));
+        }
+        let decode_s = td.elapsed().as_secs_f64();
+        let stats = Stats {
+            prompt_tokens: n,
+            generated_tokens: generated.len(),
+            chunk,
+            ttft_s,
+            prefill_s,
+            prefill_tok_s: n as f64 / prefill_s.max(1e-9),
+            decode_s,
+            decode_tok_s: if decode_steps > 0 {
+                decode_steps as f64 / decode_s.max(1e-9)
+            } else {
+                0.0
+            },
+            peak_kv_bytes,
+            final_cache_len: cache.len(),
+            eviction: cache.counters(),
+            policy: self.cfg.cache.policy.name(),
+            budget: self.cfg.cache.budget,
+            stop_reason: reason,
+        };
+        Ok(Output {
+            text: stream.text().to_string(),
+            prompt_tokens: prompt,
+            tokens: generated,
+            stats,
+        })
+    }
+
+    /// A fresh cache under the engine's cache settings (`full_capacity` slots with `full`).
+    pub fn new_cache(&self, full_capacity: usize) -> Result<KvCache> {
+        Ok(self
+            .loaded
+            .model
+            .new_cache(self.cfg.cache.clone(), full_capacity)?)
+    }
+
+    /// Logits after prefilling `tokens` in chunks of `chunk` under the engine's cache policy
+    /// (for parity tests), `[vocab]`.
+    pub fn prefill_logits(&self, tokens: &[u32], chunk: usize) -> Result<Vec<f32>> {
+        let mut cache = self.new_cache(tokens.len())?;
+        self.prefill_with(tokens, chunk, &mut cache)
+    }
+
+    /// Prefills `tokens` in chunks of `chunk` into `cache`; returns the last logits.
+    pub fn prefill_with(&self, tokens: &[u32], chunk: usize, cache: &mut KvCache) -> Result<Vec<f32>> {
+        if tokens.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        if chunk == 0 || (chunk > self.cfg.cache.chunk && self.cfg.cache.budget.is_some()) {
+            return Err(EngineError::BadParams(format!(
+                "chunk {chunk} must be in 1..={} under a budget",
+                self.cfg.cache.chunk
+            )));
+        }
+        let model = &self.loaded.model;
+        let mut logits = None;
+        for piece in tokens.chunks(chunk) {
+            logits = Some(model.forward(piece, cache, false)?);
+        }
+        Ok(logits.expect("non-empty").to_vec1::<f32>()?)
+    }
+}

@@ -1,0 +1,29 @@
+//! Errors of the engine.
+
+use keydiff_model::ModelError;
+
+/// Everything `Engine` can refuse or fail at; each message names the problem.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    #[error("the prompt has {tokens} tokens, beyond the model's context of {context}")]
+    PromptTooLong { tokens: usize, context: usize },
+    #[error("this model has no chat template (tokenizer.chat_template / tokenizer_config.json)")]
+    NoChatTemplate,
+    #[error("Hugging Face hub: {0}")]
+    Hub(String),
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    #[error("invalid parameter: {0}")]
+    BadParams(String),
+    #[error(transparent)]
+    Cache(#[from] keydiff_cache::CacheError),
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+}
+
+/// Result alias of this crate.
+pub type Result<T> = std::result::Result<T, EngineError>;

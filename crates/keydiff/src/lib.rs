@@ -1,0 +1,60 @@
+//! keydiff: long-prompt LLM inference on candle under a fixed KV-cache budget.
+//!
+//! ```no_run
+//! use keydiff::{Engine, EngineConfig, GenerateParams, ModelSource, Prompt};
+//! let engine = Engine::load(&ModelSource::parse("models/SmolLM2-135M-Instruct.Q4_1.gguf")?,
+//!                           &EngineConfig::default())?;
+//! let params = GenerateParams { prompt: Prompt::Text("Hello".into()), ..Default::default() };
+//! let out = engine.generate(&params, |ev| if let keydiff::Event::Text(t) = ev { print!("{t}") })?;
+//! println!("\n{:?}", out.stats);
+//! # Ok::<(), keydiff::EngineError>(())
+//! ```
+
+mod engine;
+mod error;
+pub mod parity;
+mod sampling;
+mod source;
+mod stream;
+
+pub use candle_core::{DType, Device};
+pub use engine::{
+    Engine, EngineConfig, Event, GenerateParams, Output, Prompt, Stats, StopReason,
+    DEFAULT_CHUNK,
+};
+pub use error::{EngineError, Result};
+pub use keydiff_cache::config::SNAPKV_WINDOW;
+pub use keydiff_cache::{Anchor, CacheConfig, CacheCounters, PolicyKind};
+pub use keydiff_model::{Message, ModelConfig, ModelFormat};
+pub use sampling::{Sampler, Sampling};
+pub use source::ModelSource;
+pub use stream::TextStream;
+
+/// Parses `cpu`, `cuda`, `cuda:N` into a device.
+pub fn parse_device(s: &str) -> Result<Device> {
+    match s {
+        "cpu" => Ok(Device::Cpu),
+        "cuda" => Ok(Device::new_cuda(0)?),
+        s if s.starts_with("cuda:") => {
+            let n: usize = s[5..]
+                .parse()
+                .map_err(|_| EngineError::BadParams(format!("bad device `{s}`")))?;
+            Ok(Device::new_cuda(n)?)
+        }
+        other => Err(EngineError::BadParams(format!(
+            "unknown device `{other}` (expected cpu, cuda, cuda:N)"
+        ))),
+    }
+}
+
+/// Parses `f32`, `f16`, `bf16`.
+pub fn parse_dtype(s: &str) -> Result<DType> {
+    match s {
+        "f32" => Ok(DType::F32),
+        "f16" => Ok(DType::F16),
+        "bf16" => Ok(DType::BF16),
+        other => Err(EngineError::BadParams(format!(
+            "unknown dtype `{other}` (expected f32, f16, bf16)"
+        ))),
+    }
+}

@@ -1,0 +1,115 @@
+//! Incremental detokenization with stop strings.
+//!
+//! Byte-level BPE tokens can end inside a UTF-8 character, and a stop string can span tokens, so
+//! text is released only when it is complete and cannot be the start of a stop string.
+
+use tokenizers::Tokenizer;
+
+use crate::error::{EngineError, Result};
+
+/// Turns generated token ids into text pieces as they arrive.
+pub struct TextStream<'a> {
+    tokenizer: &'a Tokenizer,
+    tokens: Vec<u32>,
+    /// All text decoded so far (complete characters only).
+    text: String,
+    /// Bytes of `text` already handed out.
+    emitted: usize,
+    stops: Vec<String>,
+    stopped: bool,
+}
+
+impl<'a> TextStream<'a> {
+    /// A stream that ends at the first occurrence of any of `stops`.
+    pub fn new(tokenizer: &'a Tokenizer, stops: Vec<String>) -> Self {
+        Self {
+            tokenizer,
+            tokens: Vec::new(),
+            text: String::new(),
+            emitted: 0,
+            stops: stops.into_iter().filter(|s| !s.is_empty()).collect(),
+            stopped: false,
+        }
+    }
+
+    /// Adds a token; returns the text that is now safe to show (possibly empty).
+    pub fn push(&mut self, token: u32) -> Result<String> {
+        if self.stopped {
+            return Ok(String::new());
+        }
+        self.tokens.push(token);
+        let decoded = self
+            .tokenizer
+            .decode(&self.tokens, true)
+            .map_err(|e| EngineError::Tokenizer(e.to_string()))?;
+        // An incomplete UTF-8 sequence decodes to U+FFFD: wait for the next token.
+        if decoded.ends_with('\u{FFFD}') {
+            return Ok(String::new());
+        }
+        self.text = decoded;
+        if let Some(at) = self.stops.iter().filter_map(|s| self.text.find(s.as_str())).min() {
+            self.text.truncate(at);
+            self.stopped = true;
+            return Ok(self.take(self.text.len()));
+        }
+        // Hold back a tail that could begin a stop string.
+        let hold = self
+            .stops
+            .iter()
+            .map(|s| longest_prefix_suffix(&self.text, s))
+            .max()
+            .unwrap_or(0);
+        Ok(self.take(self.text.len() - hold))
+    }
+
+    /// Flushes what was held back at the end of generation.
+    pub fn finish(&mut self) -> String {
+        if let Ok(rest) = self.tokenizer.decode(&self.tokens, true) {
+            if !self.stopped && rest.len() >= self.text.len() {
+                self.text = rest;
+            }
+        }
+        self.take(self.text.len())
+    }
+
+    /// True once a stop string was seen.
+    pub fn stopped(&self) -> bool {
+        self.stopped
+    }
+
+    /// Everything produced so far, stop string excluded.
+    pub fn text(&self) -> &str {
+        &self.text
+    }
+
+    fn take(&mut self, upto: usize) -> String {
+        if upto <= self.emitted || !self.text.is_char_boundary(upto) {
+            return String::new();
+        }
+        let s = self.text[self.emitted..upto].to_string();
+        self.emitted = upto;
+        s
+    }
+}
+
+/// Length of the longest suffix of `text` that is a proper prefix of `stop`.
+fn longest_prefix_suffix(text: &str, stop: &str) -> usize {
+    (1..stop.len())
+        .rev()
+        .find(|&n| {
+            n <= text.len() && stop.is_char_boundary(n) && text.ends_with(&stop[..n])
+        })
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prefix_suffix() {
+        assert_eq!(longest_prefix_suffix("hello wo", "world"), 2);
+        assert_eq!(longest_prefix_suffix("hello", "world"), 0);
+        assert_eq!(longest_prefix_suffix("abc", "c"), 0);
+    }
+}

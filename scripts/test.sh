@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The test command: fetch the test models, build, lint, and run every test.
+# Usage: scripts/test.sh            (from anywhere)
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+command -v cargo >/dev/null || { echo "error: cargo not found; install Rust with rustup" >&2; exit 1; }
+scripts/fetch-models.sh
+cargo fmt --all --check
+cargo clippy --release --workspace --all-targets -- -D warnings
+cargo test --release --workspace

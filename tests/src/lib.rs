@@ -1,0 +1,168 @@
+//! Shared helpers of the end-to-end tests: paths, models, fixtures.
+
+use std::path::PathBuf;
+
+/// Repository root.
+pub fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("tests/ has a parent")
+        .to_path_buf()
+}
+
+/// SmolLM2-135M-Instruct Q4_1 (llama arch), fetched by scripts/fetch-models.sh.
+pub const SMOLLM2: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+/// Qwen2.5-Coder-0.5B-Instruct (qwen2 arch), fetched by scripts/fetch-models.sh.
+pub const QWEN: &str = "models/qwen2.5-coder-0.5b-instruct.gguf";
+
+/// Path of a real model; panics with the fix when it is missing (tests never skip silently).
+pub fn model(rel: &str) -> PathBuf {
+    let p = root().join(rel);
+    assert!(
+        p.exists(),
+        "{} is missing: run scripts/fetch-models.sh (the test suite needs the real models)",
+        p.display()
+    );
+    p
+}
+
+/// One prompt of a llama.cpp fixture (scripts/gen-fixtures.py).
+#[derive(Debug, Clone, serde::Deserialize)]
+pub struct FixturePrompt {
+    pub name: String,
+    pub text: String,
+    pub special: bool,
+    pub tokens: Vec<u32>,
+    pub top_logits: Vec<(u32, f32)>,
+    pub greedy: Vec<u32>,
+    #[serde(default)]
+    pub messages: Option<Vec<serde_json::Value>>,
+}
+
+/// Reference outputs of llama.cpp on one GGUF file.
+#[derive(Debug, Clone, serde::Deserialize)]
+pub struct Fixture {
+    pub model_file: String,
+    pub prompts: Vec<FixturePrompt>,
+}
+
+/// Loads `tests/fixtures/llamacpp/<name>.json`.
+pub fn fixture(name: &str) -> Fixture {
+    let p = root().join(format!("tests/fixtures/llamacpp/{name}.json"));
+    let text = std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+}
+
+/// Path of the built `keydiff` binary (cargo builds it for integration tests of this package).
+pub fn keydiff_bin() -> PathBuf {
+    let exe = std::env::current_exe().expect("test exe path");
+    // target/<profile>/deps/<test> -> target/<profile>/keydiff
+    let bin = exe
+        .parent()
+        .and_then(|d| d.parent())
+        .expect("target dir")
+        .join("keydiff");
+    assert!(
+        bin.exists(),
+        "{} not built: run `cargo build --release -p keydiff-cli` first (scripts/test.sh does)",
+        bin.display()
+    );
+    bin
+}
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use candle_core::quantized::gguf_file;
+use candle_core::{DType, Device, Tensor};
+
+/// HF name of a GGUF tensor name (`blk.3.attn_q.weight` → `model.layers.3.self_attn.q_proj.weight`).
+fn hf_name(gguf: &str) -> Option<String> {
+    let map = |s: &str| -> Option<&'static str> {
+        Some(match s {
+            "attn_norm" => "input_layernorm",
+            "ffn_norm" => "post_attention_layernorm",
+            "attn_q" => "self_attn.q_proj",
+            "attn_k" => "self_attn.k_proj",
+            "attn_v" => "self_attn.v_proj",
+            "attn_output" => "self_attn.o_proj",
+            "ffn_gate" => "mlp.gate_proj",
+            "ffn_up" => "mlp.up_proj",
+            "ffn_down" => "mlp.down_proj",
+            _ => return None,
+        })
+    };
+    let parts: Vec<&str> = gguf.split('.').collect();
+    match parts.as_slice() {
+        ["token_embd", s] => Some(format!("model.embed_tokens.{s}")),
+        ["output_norm", s] => Some(format!("model.norm.{s}")),
+        ["output", s] => Some(format!("lm_head.{s}")),
+        ["blk", l, t, s] => Some(format!("model.layers.{l}.{}.{s}", map(t)?)),
+        _ => None,
+    }
+}
+
+/// Undoes llama.cpp's Q/K row permutation (HF halves → GGUF interleaved pairs), per head.
+pub fn unpermute_qk(w: &Tensor, heads: usize) -> Result<Tensor> {
+    let (rows, cols) = w.dims2()?;
+    let d = rows / heads;
+    Ok(w
+        .reshape((heads, d / 2, 2, cols))?
+        .transpose(1, 2)?
+        .contiguous()?
+        .reshape((rows, cols))?)
+}
+
+/// Writes a GGUF model as an HF checkpoint directory: dequantized f32 safetensors (Q/K
+/// un-permuted for `llama`), config.json, tokenizer.json and tokenizer_config.json.
+pub fn export_hf(gguf: &Path, dir: &Path) -> Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let mut f = std::fs::File::open(gguf)?;
+    let ct = gguf_file::Content::read(&mut f)?;
+    let cfg = keydiff_model::ModelConfig::from_gguf(&ct, gguf)?;
+    let mut tensors = HashMap::new();
+    for name in ct.tensor_infos.keys() {
+        let Some(hf) = hf_name(name) else { continue };
+        let mut t = ct.tensor(&mut f, name, &Device::Cpu)?.dequantize(&Device::Cpu)?;
+        if cfg.rope_interleaved && name.ends_with("attn_q.weight") {
+            t = unpermute_qk(&t, cfg.num_heads)?;
+        } else if cfg.rope_interleaved && name.ends_with("attn_k.weight") {
+            t = unpermute_qk(&t, cfg.num_kv_heads)?;
+        }
+        tensors.insert(hf, t.to_dtype(DType::F32)?);
+    }
+    candle_core::safetensors::save(&tensors, dir.join("model.safetensors"))?;
+    let config = serde_json::json!({
+        "model_type": match cfg.arch { keydiff_model::Arch::Llama => "llama", keydiff_model::Arch::Qwen2 => "qwen2" },
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings, "attention_bias": cfg.attention_bias,
+    });
+    std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&config)?)?;
+    let tok = keydiff_model::tokenizer::tokenizer_from_gguf(&ct)?;
+    tok.tokenizer
+        .save(dir.join("tokenizer.json"), false)
+        .map_err(|e| anyhow::anyhow!("saving tokenizer.json: {e}"))?;
+    let tc = serde_json::json!({
+        "add_bos_token": tok.add_bos,
+        "bos_token": tok.bos_token, "eos_token": tok.eos_token,
+        "chat_template": tok.chat_template,
+    });
+    std::fs::write(dir.join("tokenizer_config.json"), serde_json::to_string_pretty(&tc)?)?;
+    let gc = serde_json::json!({ "eos_token_id": tok.eos_ids });
+    std::fs::write(dir.join("generation_config.json"), gc.to_string())
+        .context("generation_config.json")?;
+    Ok(())
+}
+
+/// A fresh, empty temporary directory for one test.
+pub fn temp_dir(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("keydiff-test-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).expect("temp dir");
+    d
+}

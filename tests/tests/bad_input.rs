@@ -1,0 +1,127 @@
+//! Bad input gets a clear error naming the problem, a non-zero exit, and no panic.
+
+use std::path::Path;
+use std::process::Command;
+
+use candle_core::quantized::gguf_file::{self, Value};
+use keydiff_tests::{keydiff_bin, model, temp_dir, SMOLLM2};
+
+/// Runs `keydiff args…`, expects failure, returns stderr.
+fn fails(args: &[&str]) -> String {
+    let out = Command::new(keydiff_bin()).args(args).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(!out.status.success(), "keydiff {args:?} succeeded; stderr: {err}");
+    assert_eq!(out.status.code(), Some(1), "keydiff {args:?}: {err}");
+    assert!(!err.contains("panicked"), "keydiff {args:?} panicked: {err}");
+    err
+}
+
+fn expect(err: &str, needle: &str) {
+    assert!(err.contains(needle), "expected `{needle}` in: {err}");
+}
+
+/// Writes a GGUF with `metadata` and no tensors.
+fn write_gguf(path: &Path, metadata: &[(String, Value)]) {
+    let mut f = std::fs::File::create(path).unwrap();
+    let md: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    gguf_file::write(&mut f, &md, &[]).unwrap();
+}
+
+fn smollm2_metadata() -> Vec<(String, Value)> {
+    let mut f = std::fs::File::open(model(SMOLLM2)).unwrap();
+    let ct = gguf_file::Content::read(&mut f).unwrap();
+    let mut md: Vec<(String, Value)> = ct.metadata.into_iter().collect();
+    md.sort_by(|a, b| a.0.cmp(&b.0));
+    md
+}
+
+#[test]
+fn missing_model() {
+    let err = fails(&["run", "-m", "/no/such/model.gguf", "-p", "hi"]);
+    expect(&err, "not found: /no/such/model.gguf");
+}
+
+#[test]
+fn bad_magic() {
+    let d = temp_dir("badmagic");
+    let p = d.join("bad.gguf");
+    std::fs::write(&p, b"NOTAGGUF-at-all-just-some-bytes").unwrap();
+    let err = fails(&["run", "-m", p.to_str().unwrap(), "-p", "hi"]);
+    expect(&err, "invalid GGUF file");
+    expect(&err, "bad.gguf");
+}
+
+#[test]
+fn truncated_gguf() {
+    let d = temp_dir("truncated");
+    let p = d.join("trunc.gguf");
+    let bytes = std::fs::read(model(SMOLLM2)).unwrap();
+    std::fs::write(&p, &bytes[..bytes.len() / 2]).unwrap();
+    let err = fails(&["run", "-m", p.to_str().unwrap(), "-p", "hi"]);
+    expect(&err, "truncated");
+}
+
+#[test]
+fn unsupported_architecture() {
+    let d = temp_dir("arch");
+    let p = d.join("mamba.gguf");
+    let mut md = smollm2_metadata();
+    for (k, v) in md.iter_mut() {
+        if k == "general.architecture" {
+            *v = Value::String("mamba".into());
+        }
+    }
+    write_gguf(&p, &md);
+    let err = fails(&["run", "-m", p.to_str().unwrap(), "-p", "hi"]);
+    expect(&err, "unsupported architecture `mamba`");
+}
+
+#[test]
+fn unknown_pre_tokenizer() {
+    let d = temp_dir("pre");
+    let p = d.join("weird-pre.gguf");
+    let mut md = smollm2_metadata();
+    for (k, v) in md.iter_mut() {
+        if k == "tokenizer.ggml.pre" {
+            *v = Value::String("weird".into());
+        }
+    }
+    write_gguf(&p, &md);
+    let err = fails(&["run", "-m", p.to_str().unwrap(), "-p", "hi"]);
+    expect(&err, "unknown pre-tokenizer");
+    expect(&err, "weird");
+}
+
+#[test]
+fn empty_prompt() {
+    let m = model(SMOLLM2);
+    let err = fails(&["run", "-m", m.to_str().unwrap(), "-p", ""]);
+    expect(&err, "the prompt is empty");
+}
+
+#[test]
+fn prompt_beyond_context() {
+    let m = model(SMOLLM2);
+    let d = temp_dir("long");
+    let p = d.join("long.txt");
+    // ~12K tokens for SmolLM2 (8K context): digits are one token each.
+    std::fs::write(&p, "1 ".repeat(6_000)).unwrap();
+    let err = fails(&["run", "-m", m.to_str().unwrap(), "-f", p.to_str().unwrap()]);
+    expect(&err, "beyond the model's context of 8192");
+}
+
+#[test]
+fn unknown_device_and_dtype() {
+    let m = model(SMOLLM2);
+    let err = fails(&["run", "-m", m.to_str().unwrap(), "-p", "hi", "--dtype", "f8"]);
+    expect(&err, "unknown dtype `f8`");
+    let err = fails(&["run", "-m", m.to_str().unwrap(), "-p", "hi", "--device", "tpu"]);
+    expect(&err, "unknown device `tpu`");
+}
+
+#[test]
+fn chunk_zero() {
+    let m = model(SMOLLM2);
+    let err = fails(&["run", "-m", m.to_str().unwrap(), "-p", "hi", "--chunk", "0"]);
+    expect(&err, "chunk size must be at least 1");
+}

@@ -1,0 +1,85 @@
+//! The `keydiff` binary end to end on SmolLM2: run (streamed, JSON, chat, stop strings),
+//! tokenize, info.
+
+use std::process::Command;
+
+use keydiff_tests::{fixture, keydiff_bin, model, SMOLLM2};
+
+fn ok(args: &[&str]) -> (String, String) {
+    let out = Command::new(keydiff_bin()).args(args).output().unwrap();
+    let so = String::from_utf8_lossy(&out.stdout).to_string();
+    let se = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(out.status.success(), "keydiff {args:?} failed: {se}");
+    (so, se)
+}
+
+#[test]
+fn tokenize_matches_llamacpp_ids() {
+    let m = model(SMOLLM2);
+    let fx = fixture("smollm2");
+    let p = fx.prompts.iter().find(|p| p.name == "digits").unwrap();
+    let (so, _) = ok(&["tokenize", "-m", m.to_str().unwrap(), "-p", &p.text]);
+    let ids: Vec<u32> = serde_json::from_str(so.trim()).unwrap();
+    assert_eq!(ids, p.tokens);
+}
+
+#[test]
+fn info_describes_the_model() {
+    let m = model(SMOLLM2);
+    let (so, _) = ok(&["info", "-m", m.to_str().unwrap()]);
+    let v: serde_json::Value = serde_json::from_str(&so).unwrap();
+    assert_eq!(v["config"]["arch"], "llama");
+    assert_eq!(v["config"]["num_layers"], 30);
+    assert_eq!(v["config"]["num_kv_heads"], 3);
+    assert_eq!(v["weights"]["attn_q"], "Q4_1");
+}
+
+#[test]
+fn chat_answers_and_json_stats() {
+    let m = model(SMOLLM2);
+    let (so, _) = ok(&[
+        "run", "-m", m.to_str().unwrap(), "--system", "You are a helpful assistant.",
+        "-p", "What is the capital of France? Answer in one word.", "-n", "16", "--json",
+    ]);
+    let v: serde_json::Value = serde_json::from_str(so.trim()).unwrap();
+    assert!(v["text"].as_str().unwrap().contains("Paris"), "{v}");
+    let s = &v["stats"];
+    for k in ["prompt_tokens", "ttft_s", "prefill_tok_s", "decode_tok_s", "peak_kv_bytes"] {
+        assert!(s[k].as_f64().unwrap() > 0.0, "{k} in {s}");
+    }
+}
+
+#[test]
+fn streams_text_and_prints_timing_line() {
+    let m = model(SMOLLM2);
+    let (so, se) = ok(&["run", "-m", m.to_str().unwrap(), "-p", "The capital of France is", "-n", "8"]);
+    assert!(!so.trim().is_empty());
+    assert!(se.contains("TTFT") && se.contains("prefill") && se.contains("decode"), "{se}");
+}
+
+#[test]
+fn stop_string_ends_generation() {
+    let m = model(SMOLLM2);
+    let (so, _) = ok(&[
+        "run", "-m", m.to_str().unwrap(), "--chat",
+        "-p", "What is the capital of France? Answer in one word.", "-n", "16", "--json",
+        "--stop", "Paris",
+    ]);
+    let v: serde_json::Value = serde_json::from_str(so.trim()).unwrap();
+    assert!(!v["text"].as_str().unwrap().contains("Paris"), "{v}");
+    assert_eq!(v["stats"]["stop_reason"], "stop_string", "{v}");
+}
+
+#[test]
+fn seeded_sampling_is_reproducible() {
+    let m = model(SMOLLM2);
+    let args = [
+        "run", "-m", m.to_str().unwrap(), "-p", "Once upon a time", "-n", "12", "--temp", "0.9",
+        "--top-k", "40", "--top-p", "0.95", "--min-p", "0.05", "--seed", "42", "--json",
+    ];
+    let (a, _) = ok(&args);
+    let (b, _) = ok(&args);
+    let ta: serde_json::Value = serde_json::from_str(a.trim()).unwrap();
+    let tb: serde_json::Value = serde_json::from_str(b.trim()).unwrap();
+    assert_eq!(ta["text"], tb["text"]);
+}
