@@ -11,7 +11,9 @@ those ids as a JSON array so another engine can be fed the very same ids.
 Setup: n_batch = n_ubatch = chunk, n_threads = n_threads_batch = threads,
 n_ctx = prompt_len + decode + 16. A short warm-up prompt is evaluated first (not timed).
 Prefill = evaluating all prompt tokens in chunks; decode = `decode` single-token evaluations,
-each token the argmax of the previous logits (no sampler).
+each token the argmax of the previous logits (no sampler). With --repeat N the fastest of N
+prefills and of N decodes are reported. loadavg_1m is recorded: on 2 cores any other busy
+process (a cargo build) distorts the numbers badly, so benchmark on an idle machine.
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0, help="filler text seed")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="timed runs; the fastest prefill and the fastest decode are reported")
     ap.add_argument("--flash-attn", action="store_true", help="enable llama.cpp flash attention")
     ap.add_argument("--json", action="store_true", help="print only the JSON line")
     ap.add_argument("--dump-tokens", metavar="FILE", help="write the prompt ids as a JSON array")
@@ -89,20 +93,23 @@ def main() -> None:
     for _ in range(4):
         llm.eval([int(np.argmax(last_logits()))])
 
-    llm.reset()
-    t0 = time.perf_counter()
-    llm.eval(toks)
-    nxt = int(np.argmax(last_logits()))
-    t1 = time.perf_counter()
-    generated = [nxt]
-    for _ in range(args.decode):
-        llm.eval([nxt])
+    prefill_s = decode_s = float("inf")
+    for _ in range(args.repeat):
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(toks)
         nxt = int(np.argmax(last_logits()))
-        generated.append(nxt)
-    t2 = time.perf_counter()
+        t1 = time.perf_counter()
+        generated = [nxt]
+        for _ in range(args.decode):
+            llm.eval([nxt])
+            nxt = int(np.argmax(last_logits()))
+            generated.append(nxt)
+        t2 = time.perf_counter()
+        prefill_s = min(prefill_s, t1 - t0)
+        decode_s = min(decode_s, t2 - t1)
+        log(f"run: prefill {t1 - t0:.3f} s, decode {t2 - t1:.3f} s")
 
-    prefill_s = t1 - t0
-    decode_s = t2 - t1
     res = {
         "engine": "llama.cpp",
         "model": os.path.basename(args.model),
@@ -116,6 +123,8 @@ def main() -> None:
         "prefill_tok_s": round(len(toks) / prefill_s, 2),
         "decode_s": round(decode_s, 4),
         "decode_tok_s": round(args.decode / decode_s, 2),
+        "repeat": args.repeat,
+        "loadavg_1m": os.getloadavg()[0],
     }
     log("generated: " + repr(llm.detokenize(generated[:16]).decode("utf-8", errors="replace")))
     print(json.dumps(res), flush=True)

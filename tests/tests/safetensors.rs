@@ -3,12 +3,12 @@
 use keydiff::{parity::compare_logits, Engine, EngineConfig, ModelSource};
 use keydiff_tests::{export_hf, fixture, model, temp_dir, SMOLLM2};
 
-/// The GGUF path multiplies Q4_1 weights with Q8-quantized activations; the exported HF copy
-/// holds the same weights dequantized to f32 and multiplies in f32. The activation rounding
-/// (≤ 1/254 of each 32-block's max) accumulates over 30 layers to a few tenths on logits of
-/// magnitude ~20. A loader bug (wrong tensor, missed Q/K permutation, wrong RoPE variant) moves
-/// them by whole units and flips the top token.
-const HF_VS_GGUF_TOL: f32 = 1.0;
+/// The exported HF copy holds SmolLM2's weights dequantized to f32; the GGUF path prefills with
+/// dense copies of the same dequantized weights (the CPU default). Both therefore compute the
+/// same f32 arithmetic, up to summation order: the tolerance is relative to the largest |logit|.
+/// A loader bug (wrong tensor, missed Q/K permutation, wrong RoPE variant) moves logits by
+/// tens of percent.
+const HF_VS_GGUF_TOL: f32 = 1e-4;
 
 #[test]
 fn hf_directory_matches_gguf() {
@@ -32,9 +32,9 @@ fn hf_directory_matches_gguf() {
         let la = a.prefill_logits(&p.tokens, 128).unwrap();
         let lb = b.prefill_logits(&p.tokens, 128).unwrap();
         let d = compare_logits(&la, &lb);
-        eprintln!("{}: HF vs GGUF max abs {:.3} cos {:.6}", p.name, d.max_abs, d.cosine);
+        eprintln!("{}: HF vs GGUF max abs {:.2e}, relative {:.2e}", p.name, d.max_abs, d.max_rel);
         assert!(d.top1_equal(), "{}: top-1 differs: {d:?}", p.name);
-        assert!(d.max_abs <= HF_VS_GGUF_TOL, "{}: {d:?}", p.name);
+        assert!(d.max_rel <= HF_VS_GGUF_TOL, "{}: {d:?}", p.name);
     }
     std::fs::remove_dir_all(dir).ok();
 }

@@ -106,6 +106,10 @@ struct ModelArgs {
     /// Seed of the `random` policy.
     #[arg(long, default_value_t = 0)]
     policy_seed: u64,
+    /// On the CPU, prefill with the quantized GGUF weights instead of dense copies (less
+    /// memory, slower prefill).
+    #[arg(long)]
+    quantized_prefill: bool,
 }
 
 impl ModelArgs {
@@ -146,8 +150,10 @@ impl ModelArgs {
         } else {
             ModelSource::parse(&self.model)?
         };
+        let device = parse_device(&self.device)?;
         let cfg = EngineConfig {
-            device: parse_device(&self.device)?,
+            dense_prefill: device.is_cpu() && !self.quantized_prefill,
+            device,
             dtype: parse_dtype(&self.dtype)?,
             cache: self.cache_config()?,
         };
@@ -244,11 +250,13 @@ fn real_main() -> Result<()> {
                 device: keydiff::Device::Cpu,
                 dtype: keydiff::DType::F32,
                 cache: CacheConfig::full(chunk),
+                dense_prefill: true,
             };
             let other = EngineConfig {
                 device: parse_device(&device)?,
                 dtype: parse_dtype(&dtype)?,
                 cache: CacheConfig::full(chunk),
+                dense_prefill: false,
             };
             let mut failed = Vec::new();
             for p in &preset {

@@ -42,12 +42,13 @@ pub struct Loaded {
     pub origin: String,
 }
 
-/// Loads a GGUF file: metadata, tokenizer and weights (quantized weights stay quantized).
-pub fn load_gguf(path: &Path, device: &Device, dtype: DType) -> Result<Loaded> {
+/// Loads a GGUF file: metadata, tokenizer and weights (quantized weights stay quantized;
+/// `dense_prefill` also keeps dense copies of them for prefill chunks).
+pub fn load_gguf(path: &Path, device: &Device, dtype: DType, dense_prefill: bool) -> Result<Loaded> {
     if !path.exists() {
         return Err(ModelError::NotFound(path.to_path_buf()));
     }
-    let weights = Weights::open_gguf(path, device, dtype)?;
+    let weights = Weights::open_gguf(path, device, dtype, dense_prefill)?;
     let content = weights.gguf_content().expect("gguf source");
     let cfg = ModelConfig::from_gguf(content, path)?;
     let tok = tokenizer_from_gguf(content)?;

@@ -76,9 +76,10 @@ impl Attention {
         let split = |t: Tensor, n: usize| -> Result<Tensor> {
             Ok(t.reshape((b, n, d))?.transpose(0, 1)?.contiguous()?.unsqueeze(0)?)
         };
-        let q = split(self.q.forward(x)?, h)?;
-        let k = split(self.k.forward(x)?, kv)?;
-        let v = self.v.forward(x)?.reshape((b, kv, d))?.transpose(0, 1)?;
+        let pf = !decode;
+        let q = split(self.q.forward(x, pf)?, h)?;
+        let k = split(self.k.forward(x, pf)?, kv)?;
+        let v = self.v.forward(x, pf)?.reshape((b, kv, d))?.transpose(0, 1)?;
         let (cos, sin) = cos_sin;
         let q = rope.apply(&q, cos, sin)?.reshape((kv, g * b, d))?;
         let k = rope.apply(&k, cos, sin)?.squeeze(0)?;
@@ -95,7 +96,7 @@ impl Attention {
         cache.after_attention(li, stats.as_ref(), decode)?;
         // [B, heads·d]
         let y = y.reshape((h, b, d))?.transpose(0, 1)?.reshape((b, h * d))?;
-        self.o.forward(&y)
+        self.o.forward(&y, pf)
     }
 }
 
@@ -107,9 +108,9 @@ struct Mlp {
 }
 
 impl Mlp {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let a = self.gate.forward(x)?.silu()?;
-        self.down.forward(&(a * self.up.forward(x)?)?)
+    fn forward(&self, x: &Tensor, prefill: bool) -> Result<Tensor> {
+        let a = self.gate.forward(x, prefill)?.silu()?;
+        self.down.forward(&(a * self.up.forward(x, prefill)?)?, prefill)
     }
 }
 
@@ -230,13 +231,13 @@ impl Model {
                 decode,
             )?;
             x = (x + h)?;
-            let h = layer.mlp.forward(&layer.mlp_norm.forward(&x)?)?;
+            let h = layer.mlp.forward(&layer.mlp_norm.forward(&x)?, !decode)?;
             x = (x + h)?;
         }
         cache.advance(b);
         // Only the last row feeds the LM head: [1, hidden]
         let last = self.norm.forward(&x.narrow(0, b - 1, 1)?)?;
-        let logits = self.lm_head.forward(&last)?;
+        let logits = self.lm_head.forward(&last, !decode)?;
         Ok(logits.squeeze(0)?.to_dtype(DType::F32)?)
     }
 

@@ -22,6 +22,10 @@ pub struct EngineConfig {
     pub dtype: DType,
     /// Chunk size B, budget N, eviction policy and timing.
     pub cache: CacheConfig,
+    /// Keep dense copies of quantized GGUF weights for prefill chunks (GEMM instead of per-row
+    /// quantized dots: faster on CPU and chunk-size invariant; costs f32 weight memory).
+    /// Default: on for the CPU, off for GPUs.
+    pub dense_prefill: bool,
 }
 
 impl Default for EngineConfig {
@@ -31,6 +35,7 @@ impl Default for EngineConfig {
             device: Device::Cpu,
             dtype: DType::F32,
             cache: CacheConfig::full(DEFAULT_CHUNK),
+            dense_prefill: true,
         }
     }
 }
@@ -142,7 +147,7 @@ impl Engine {
             .validate()
             .map_err(|e| EngineError::BadParams(e.to_string()))?;
         let loaded = match source {
-            ModelSource::Gguf(p) => load_gguf(p, &cfg.device, cfg.dtype)?,
+            ModelSource::Gguf(p) => load_gguf(p, &cfg.device, cfg.dtype, cfg.dense_prefill)?,
             ModelSource::HfDir(d) => load_hf_dir(d, &cfg.device, cfg.dtype)?,
             ModelSource::Random {
                 config,

@@ -29,8 +29,7 @@ impl ModelSource {
         if p.is_dir() {
             return Ok(ModelSource::HfDir(p.to_path_buf()));
         }
-        if p.is_file() || s.ends_with(".gguf") {
-            // A missing .gguf path is reported by the loader, naming the file.
+        if p.is_file() {
             return Ok(ModelSource::Gguf(p.to_path_buf()));
         }
         let (repo, file) = match s.split_once(':') {
@@ -38,11 +37,18 @@ impl ModelSource {
             None => (s, None),
         };
         let parts: Vec<&str> = repo.split('/').collect();
-        if parts.len() == 2 && parts.iter().all(|x| !x.is_empty()) && !s.starts_with('.') {
+        let hub_like = parts.len() == 2
+            && parts.iter().all(|x| !x.is_empty() && !x.starts_with('.'))
+            && !repo.ends_with(".gguf");
+        if hub_like {
             return Ok(ModelSource::Hub {
                 repo: repo.to_string(),
                 file,
             });
+        }
+        if s.ends_with(".gguf") {
+            // A missing .gguf path is reported by the loader, naming the file.
+            return Ok(ModelSource::Gguf(p.to_path_buf()));
         }
         Err(EngineError::Model(keydiff_model::ModelError::NotFound(
             p.to_path_buf(),
