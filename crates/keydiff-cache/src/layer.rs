@@ -188,17 +188,37 @@ impl LayerCache {
                 self.k.inplace_op1(&op)?;
                 self.v.inplace_op1(&op)?;
             } else {
-                // Device fallback: one row copy per move. The fused CUDA path replaces this.
-                for &(h, s, t) in &moves {
-                    for buf in [&self.k, &self.v] {
-                        let head = buf.get(h as usize)?;
-                        let row = head.narrow(0, s as usize, 1)?.copy()?;
-                        head.slice_set(&row, 0, t as usize)?;
-                    }
-                }
+                self.gather_compact(plans, new_len)?;
             }
         }
         self.len = new_len;
+        Ok(())
+    }
+}
+
+impl LayerCache {
+    /// Device path of [`LayerCache::apply_moves`]: one gather of the `new_len` kept rows per
+    /// head (identity plus the moves) and one copy back, for K and V: four kernels, whatever
+    /// the number of moves.
+    fn gather_compact(&mut self, plans: &[Vec<(u32, u32)>], new_len: usize) -> Result<()> {
+        let (kv_heads, cap, d) = self.k.dims3()?;
+        let mut idx: Vec<u32> = Vec::with_capacity(kv_heads * new_len);
+        for (h, plan) in plans.iter().enumerate() {
+            let base = (h * cap) as u32;
+            let start = idx.len();
+            idx.extend((0..new_len as u32).map(|s| base + s));
+            for &(s, t) in plan {
+                idx[start + t as usize] = base + s;
+            }
+        }
+        let idx = Tensor::from_vec(idx, kv_heads * new_len, self.k.device())?;
+        for buf in [&self.k, &self.v] {
+            let kept = buf
+                .reshape((kv_heads * cap, d))?
+                .index_select(&idx, 0)?
+                .reshape((kv_heads, new_len, d))?;
+            buf.slice_set(&kept, 1, 0)?;
+        }
         Ok(())
     }
 }
@@ -270,6 +290,24 @@ mod tests {
         let mut c = LayerCache::new(1, 2, 2, DType::F32, &dev)?;
         let k = Tensor::zeros((1, 3, 2), DType::F32, &dev)?;
         assert!(matches!(c.append(&k, &k, 0), Err(CacheError::Full { .. })));
+        Ok(())
+    }
+
+    #[test]
+    fn gather_path_equals_in_place_path() -> Result<()> {
+        let dev = Device::Cpu;
+        let k = Tensor::arange(0f32, 2. * 6. * 3., &dev)?.reshape((2, 6, 3))?;
+        let plans = vec![vec![(4, 1), (5, 2)], vec![(3, 0)]];
+        let mut a = LayerCache::new(2, 3, 8, DType::F32, &dev)?;
+        a.append(&k, &k, 0)?;
+        let mut b = a.clone();
+        b.k = b.k.copy()?;
+        b.v = b.v.copy()?;
+        a.apply_moves(&plans, 4)?;
+        b.gather_compact(&plans, 4)?;
+        b.len = 4;
+        assert_eq!(a.keys()?.to_vec3::<f32>()?, b.keys()?.to_vec3::<f32>()?);
+        assert_eq!(a.values()?.to_vec3::<f32>()?, b.values()?.to_vec3::<f32>()?);
         Ok(())
     }
 

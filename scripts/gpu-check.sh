@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# One run on a GPU host (see GPU.md): environment, CPU-vs-GPU parity, a short TTFT sweep.
+# Build the binary here first (scripts/build-cuda.sh), carry it, then on the GPU host:
+#   scripts/gpu-check.sh            (logs go to $OUT when set, else bench/gpu-check-logs/)
+# Prints a summary table last. Needs no Rust toolchain and no network on the GPU host.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+bin=${KEYDIFF_BIN:-target/cuda/release/keydiff}
+# Overrides for a dry run without a GPU: DEVICE=cpu PRESET=smollm2-135m PROMPT_LEN=512 BUDGET=256
+device=${DEVICE:-cuda:0}
+preset=${PRESET:-llama-3.2-3b}
+plen=${PROMPT_LEN:-8192}
+budget_n=${BUDGET:-6144}
+out=${OUT:-bench/gpu-check-logs}
+mkdir -p "$out"
+summary=$out/summary.txt
+: > "$summary"
+note() { echo "$*" | tee -a "$summary"; }
+
+# Libraries: the driver's libcuda, the rest from torch's CUDA 13 wheels.
+if nvlib=$(python3 -c 'import nvidia,os;print(os.path.join(nvidia.__path__[0],"cu13","lib"))' 2>/dev/null); then
+  export LD_LIBRARY_PATH=$nvlib:${LD_LIBRARY_PATH:-}
+fi
+
+echo "== 1. environment"
+nvidia-smi 2>&1 | tee "$out/env.log" || note "nvidia-smi: not available"
+missing=$(ldd "$bin" | grep 'not found')
+if [ -n "$missing" ]; then note "ldd: MISSING $missing"; exit 1; fi
+note "ldd: all libraries found"
+gpu=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1)
+note "gpu: $gpu"
+note "binary: $bin ($(git rev-parse --short HEAD 2>/dev/null || echo unknown))"
+
+echo "== 2. CPU f32 vs GPU: small random Llama/Qwen shapes, multi-chunk prefill, with eviction"
+parity_ok=1
+for dt in bf16 f32; do
+  if ! timeout 300 "$bin" check-device --device "$device" --dtype "$dt" --prompt-len 700 --chunk 64 \
+      --budget 256 --policies keydiff,keydiff-mean,tova,tova-per-head,snapkv,h2o,sink,knorm \
+      > "$out/parity-$dt.jsonl" 2> "$out/parity-$dt.err"; then
+    parity_ok=0
+    cat "$out/parity-$dt.err"
+  fi
+done
+python3 - "$out" >> "$summary" <<'PY'
+import json, sys, glob
+print("parity (CPU f32 reference):")
+print(f"  {'dtype':5} {'preset':24} {'policy':14} {'cosine':>9} {'max_rel':>9} top1")
+for f in sorted(glob.glob(sys.argv[1] + "/parity-*.jsonl")):
+    for line in open(f):
+        r = json.loads(line); d = r["diff"]
+        print(f"  {r['dtype']:5} {r['preset'].split('/')[-1]:24} {r['policy']:14} {d['cosine']:9.6f} {d['max_rel']:9.2e} {'same' if r['top1_equal'] else 'DIFF'}")
+PY
+[ $parity_ok = 1 ] && note "parity: PASS" || note "parity: FAIL"
+
+echo "== 3. TTFT sweep: $preset random weights, bf16, prompt $plen, budget $budget_n"
+python3 -c "import random; random.seed(0); print(''.join(random.choice('abcdefghij klmnop') for _ in range($plen)), end='')" > "$out/prompt.txt"
+# Warm-up (PTX load, allocator), excluded.
+timeout 120 "$bin" run --random-weights -m "$preset" --device "$device" --dtype bf16 \
+  -f "$out/prompt.txt" -n 1 --json > /dev/null 2>&1
+: > "$out/ttft.jsonl"
+for chunk in 64 128 256; do
+  for policy in full keydiff tova snapkv; do
+    budget=(); [ "$policy" != full ] && budget=(--budget "$budget_n")
+    line=$(timeout 180 "$bin" run --random-weights -m "$preset" --device "$device" --dtype bf16 \
+      -f "$out/prompt.txt" -n 2 --chunk "$chunk" --policy "$policy" "${budget[@]}" --json 2>>"$out/ttft.err")
+    echo "{\"chunk\":$chunk,\"policy\":\"$policy\",\"run\":${line:-null}}" >> "$out/ttft.jsonl"
+  done
+done
+python3 - "$out/ttft.jsonl" "$preset" "$plen" "$budget_n" >> "$summary" <<'PY'
+import json, sys
+print(f"TTFT (s), {sys.argv[2]} random weights bf16, {sys.argv[3]}-token prompt, budget {sys.argv[4]}:")
+rows = [json.loads(l) for l in open(sys.argv[1])]
+pols = ["full", "keydiff", "tova", "snapkv"]
+print("  chunk " + " ".join(f"{p:>9}" for p in pols) + "   evict-share(keydiff)")
+for c in (64, 128, 256):
+    cells, share = [], ""
+    for p in pols:
+        r = next((x for x in rows if x["chunk"] == c and x["policy"] == p), None)
+        s = r and r["run"] and r["run"]["stats"]
+        cells.append(f"{s['ttft_s']:9.3f}" if s else "   failed")
+        if s and p == "keydiff":
+            e = s["eviction"]
+            share = f"{(e['score_s'] + e['select_move_s']) / s['prefill_s']:.1%}"
+    print(f"  {c:5} " + " ".join(cells) + f"   {share}")
+PY
+echo
+echo "==================== summary ===================="
+cat "$summary"
