@@ -1,7 +1,7 @@
 //! Parity with llama.cpp on the real GGUF models: token ids, top-1, top-10 logits, and greedy
 //! continuations, against fixtures recorded by scripts/gen-fixtures.py (llama-cpp-python).
 
-use keydiff::{Engine, EngineConfig, GenerateParams, Message, ModelSource, Prompt};
+use keydiff::{CpuWeights, Engine, EngineConfig, GenerateParams, Message, ModelSource, Prompt};
 use keydiff_tests::{fixture, model, QWEN, SMOLLM2};
 
 /// Largest accepted |logit − llama.cpp logit| over the reference top-10.
@@ -31,7 +31,11 @@ const GREEDY_EXACT: usize = 8;
 fn check(name: &str, path: &str, dense_prefill: bool) {
     let fx = fixture(name);
     let cfg = EngineConfig {
-        dense_prefill,
+        cpu_weights: if dense_prefill {
+            CpuWeights::FAST
+        } else {
+            CpuWeights::AS_STORED
+        },
         ..Default::default()
     };
     let engine = Engine::load(&ModelSource::Gguf(model(path)), &cfg).unwrap();

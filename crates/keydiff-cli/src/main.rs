@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use keydiff::{
-    parse_device, parse_dtype, CacheConfig, Engine, EngineConfig, Event, GenerateParams, Message,
+    parse_device, parse_dtype, CacheConfig, CpuWeights, Engine, EngineConfig, Event, GenerateParams, Message,
     ModelSource, PolicyKind, Prompt, Sampling, DEFAULT_CHUNK,
 };
 
@@ -118,10 +118,10 @@ struct ModelArgs {
     /// Seed of the `random` policy.
     #[arg(long, default_value_t = 0)]
     policy_seed: u64,
-    /// On the CPU, prefill with the quantized GGUF weights instead of dense copies (less
-    /// memory, slower prefill).
+    /// On the CPU, use the GGUF weights exactly as stored (llama.cpp's numerics; less memory,
+    /// slower) instead of dense prefill copies and Q8_0 copies of Q4_1/Q5_x.
     #[arg(long)]
-    quantized_prefill: bool,
+    as_stored: bool,
 }
 
 impl ModelArgs {
@@ -164,7 +164,11 @@ impl ModelArgs {
         };
         let device = parse_device(&self.device)?;
         let cfg = EngineConfig {
-            dense_prefill: device.is_cpu() && !self.quantized_prefill,
+            cpu_weights: if self.as_stored {
+                CpuWeights::AS_STORED
+            } else {
+                CpuWeights::FAST
+            },
             device,
             dtype: parse_dtype(&self.dtype)?,
             cache: self.cache_config()?,
@@ -282,13 +286,13 @@ fn real_main() -> Result<()> {
                         device: keydiff::Device::Cpu,
                         dtype: keydiff::DType::F32,
                         cache: cache.clone(),
-                        dense_prefill: true,
+                        cpu_weights: CpuWeights::FAST,
                     };
                     let other = EngineConfig {
                         device: dev.clone(),
                         dtype: dt,
                         cache: cache.clone(),
-                        dense_prefill: false,
+                        cpu_weights: CpuWeights::FAST,
                     };
                     let d = keydiff::parity::compare_devices(p, seed, &reference, &other, prompt_len)
                         .with_context(|| format!("preset {}", p.display()))?;

@@ -16,3 +16,4 @@ pub use config::{Arch, ModelConfig};
 pub use error::{ModelError, Result};
 pub use load::{load_gguf, load_hf_dir, load_random, Loaded, ModelFormat, Vocab};
 pub use model::Model;
+pub use weights::CpuWeights;

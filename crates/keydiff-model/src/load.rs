@@ -10,7 +10,7 @@ use crate::config::{HfConfig, ModelConfig};
 use crate::error::{ModelError, Result};
 use crate::model::Model;
 use crate::tokenizer::tokenizer_from_gguf;
-use crate::weights::Weights;
+use crate::weights::{CpuWeights, Weights};
 
 /// Where the weights of a loaded model came from.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
@@ -42,13 +42,13 @@ pub struct Loaded {
     pub origin: String,
 }
 
-/// Loads a GGUF file: metadata, tokenizer and weights (quantized weights stay quantized;
-/// `dense_prefill` also keeps dense copies of them for prefill chunks).
-pub fn load_gguf(path: &Path, device: &Device, dtype: DType, dense_prefill: bool) -> Result<Loaded> {
+/// Loads a GGUF file: metadata, tokenizer and weights (quantized weights stay quantized; `opts`
+/// says what extra CPU copies to keep).
+pub fn load_gguf(path: &Path, device: &Device, dtype: DType, opts: CpuWeights) -> Result<Loaded> {
     if !path.exists() {
         return Err(ModelError::NotFound(path.to_path_buf()));
     }
-    let weights = Weights::open_gguf(path, device, dtype, dense_prefill)?;
+    let weights = Weights::open_gguf(path, device, dtype, opts)?;
     let content = weights.gguf_content().expect("gguf source");
     let cfg = ModelConfig::from_gguf(content, path)?;
     let tok = tokenizer_from_gguf(content)?;

@@ -4,7 +4,7 @@ use std::time::Instant;
 
 use candle_core::{DType, Device};
 use keydiff_cache::{CacheConfig, CacheCounters, KvCache};
-use keydiff_model::{load_gguf, load_hf_dir, load_random, Loaded, Message, ModelConfig, ModelFormat};
+use keydiff_model::{load_gguf, CpuWeights, load_hf_dir, load_random, Loaded, Message, ModelConfig, ModelFormat};
 
 use crate::error::{EngineError, Result};
 use crate::sampling::{Sampler, Sampling};
@@ -22,10 +22,10 @@ pub struct EngineConfig {
     pub dtype: DType,
     /// Chunk size B, budget N, eviction policy and timing.
     pub cache: CacheConfig,
-    /// Keep dense copies of quantized GGUF weights for prefill chunks (GEMM instead of per-row
-    /// quantized dots: faster on CPU and chunk-size invariant; costs f32 weight memory).
-    /// Default: on for the CPU, off for GPUs.
-    pub dense_prefill: bool,
+    /// How quantized GGUF weights are kept on the CPU: a dense copy for prefill chunks (GEMM
+    /// instead of per-row quantized dots: faster and chunk-size invariant) and Q8_0 copies of
+    /// types candle has no SIMD kernel for. Ignored on GPUs.
+    pub cpu_weights: CpuWeights,
 }
 
 impl Default for EngineConfig {
@@ -35,7 +35,7 @@ impl Default for EngineConfig {
             device: Device::Cpu,
             dtype: DType::F32,
             cache: CacheConfig::full(DEFAULT_CHUNK),
-            dense_prefill: true,
+            cpu_weights: CpuWeights::FAST,
         }
     }
 }
@@ -147,7 +147,7 @@ impl Engine {
             .validate()
             .map_err(|e| EngineError::BadParams(e.to_string()))?;
         let loaded = match source {
-            ModelSource::Gguf(p) => load_gguf(p, &cfg.device, cfg.dtype, cfg.dense_prefill)?,
+            ModelSource::Gguf(p) => load_gguf(p, &cfg.device, cfg.dtype, cfg.cpu_weights)?,
             ModelSource::HfDir(d) => load_hf_dir(d, &cfg.device, cfg.dtype)?,
             ModelSource::Random {
                 config,
