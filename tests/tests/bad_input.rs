@@ -125,3 +125,30 @@ fn chunk_zero() {
     let err = fails(&["run", "-m", m.to_str().unwrap(), "-p", "hi", "--chunk", "0"]);
     expect(&err, "chunk size must be at least 1");
 }
+
+#[test]
+fn budget_smaller_than_chunk() {
+    let m = model(SMOLLM2);
+    let err = fails(&["run", "-m", m.to_str().unwrap(), "-p", "hi", "--budget", "64", "--chunk", "128"]);
+    expect(&err, "budget 64 is smaller than the chunk 128");
+}
+
+#[test]
+fn protected_slots_exceed_budget() {
+    let m = model(SMOLLM2);
+    let err = fails(&[
+        "run", "-m", m.to_str().unwrap(), "-p", "hi", "--budget", "256", "--chunk", "128",
+        "--window", "0.9", "--sinks", "64",
+    ]);
+    expect(&err, "protected slots");
+    expect(&err, "exceed the budget 256");
+}
+
+#[test]
+fn policy_without_budget_and_unknown_policy() {
+    let m = model(SMOLLM2);
+    let err = fails(&["run", "-m", m.to_str().unwrap(), "-p", "hi", "--policy", "tova"]);
+    expect(&err, "needs a budget");
+    let err = fails(&["run", "-m", m.to_str().unwrap(), "-p", "hi", "--budget", "512", "--policy", "lru"]);
+    expect(&err, "unknown policy `lru`");
+}

@@ -192,6 +192,13 @@ struct RunArgs {
     /// Read the prompt from a file.
     #[arg(short = 'f', long)]
     file: Option<PathBuf>,
+    /// Read the prompt as token ids (a JSON array) from a file, e.g. to feed two engines the
+    /// very same ids in a benchmark.
+    #[arg(long, conflicts_with_all = ["prompt", "file", "chat", "system"])]
+    prompt_tokens: Option<PathBuf>,
+    /// Do not stop at end-of-generation tokens (benchmarks).
+    #[arg(long)]
+    ignore_eos: bool,
     /// Tokens to generate at most.
     #[arg(short = 'n', long, default_value_t = 256)]
     max_tokens: usize,
@@ -340,6 +347,14 @@ fn info(args: &ModelArgs) -> Result<()> {
 }
 
 fn run(a: RunArgs) -> Result<()> {
+    if let Some(path) = &a.prompt_tokens {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read token file {}", path.display()))?;
+        let ids: Vec<u32> = serde_json::from_str(&text)
+            .with_context(|| format!("{} is not a JSON array of token ids", path.display()))?;
+        let engine = a.model.load()?;
+        return generate(&a, &engine, Prompt::Tokens(ids));
+    }
     let text = match (&a.prompt, &a.file) {
         (Some(p), _) => p.clone(),
         (None, Some(f)) => std::fs::read_to_string(f)
@@ -369,6 +384,10 @@ fn run(a: RunArgs) -> Result<()> {
     } else {
         Prompt::Text(text)
     };
+    generate(&a, &engine, prompt)
+}
+
+fn generate(a: &RunArgs, engine: &Engine, prompt: Prompt) -> Result<()> {
     let params = GenerateParams {
         prompt,
         max_tokens: a.max_tokens,
@@ -382,7 +401,7 @@ fn run(a: RunArgs) -> Result<()> {
             seed: a.seed,
         },
         stop: a.stop.clone(),
-        ignore_eos: false,
+        ignore_eos: a.ignore_eos,
     };
     let chunk = engine.config().cache.chunk;
     let mut bar: Option<indicatif::ProgressBar> = None;
