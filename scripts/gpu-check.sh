@@ -14,7 +14,10 @@ budget_n=${BUDGET:-6144}
 out=${OUT:-bench/gpu-check-logs}
 mkdir -p "$out"
 summary=$out/summary.txt
-: > "$summary"
+errors=$out/errors.log
+: > "$summary"; : > "$errors"
+# Whole-run budget: TTFT configurations still pending past it are skipped (and said so).
+deadline=${DEADLINE_S:-420}
 note() { echo "$*" | tee -a "$summary"; }
 
 # Libraries: the driver's libcuda, the rest from torch's CUDA 13 wheels.
@@ -34,11 +37,11 @@ note "binary: $bin ($(git rev-parse --short HEAD 2>/dev/null || echo unknown))"
 echo "== 2. CPU f32 vs GPU: small random Llama/Qwen shapes, multi-chunk prefill, with eviction"
 parity_ok=1
 for dt in bf16 f32; do
-  if ! timeout 300 "$bin" check-device --device "$device" --dtype "$dt" --prompt-len 700 --chunk 64 \
+  if ! timeout 150 "$bin" check-device --device "$device" --dtype "$dt" --prompt-len 700 --chunk 64 \
       --budget 256 --policies keydiff,keydiff-mean,tova,tova-per-head,snapkv,h2o,sink,knorm \
-      > "$out/parity-$dt.jsonl" 2> "$out/parity-$dt.err"; then
+      > "$out/parity-$dt.jsonl" 2>> "$errors"; then
     parity_ok=0
-    cat "$out/parity-$dt.err"
+    tail -5 "$errors"
   fi
 done
 python3 - "$out" >> "$summary" <<'PY'
@@ -53,16 +56,19 @@ PY
 [ $parity_ok = 1 ] && note "parity: PASS" || note "parity: FAIL"
 
 echo "== 3. TTFT sweep: $preset random weights, bf16, prompt $plen, budget $budget_n"
-python3 -c "import random; random.seed(0); print(''.join(random.choice('abcdefghij klmnop') for _ in range($plen)), end='')" > "$out/prompt.txt"
+python3 -c "import random; random.seed(0); print(''.join(random.choice('abcdefghij klmnop') for _ in range($plen)), end='')" > /tmp/keydiff-prompt.txt
 # Warm-up (PTX load, allocator), excluded.
 timeout 120 "$bin" run --random-weights -m "$preset" --device "$device" --dtype bf16 \
-  -f "$out/prompt.txt" -n 1 --json > /dev/null 2>&1
+  -f /tmp/keydiff-prompt.txt -n 1 --json > /dev/null 2>&1
 : > "$out/ttft.jsonl"
 for chunk in 64 128 256; do
   for policy in full keydiff tova snapkv; do
+    if [ "$SECONDS" -gt "$deadline" ]; then
+      note "ttft: skipped chunk $chunk $policy (past the ${deadline}s budget)"; continue
+    fi
     budget=(); [ "$policy" != full ] && budget=(--budget "$budget_n")
-    line=$(timeout 180 "$bin" run --random-weights -m "$preset" --device "$device" --dtype bf16 \
-      -f "$out/prompt.txt" -n 2 --chunk "$chunk" --policy "$policy" "${budget[@]}" --json 2>>"$out/ttft.err")
+    line=$(timeout 90 "$bin" run --random-weights -m "$preset" --device "$device" --dtype bf16 \
+      -f /tmp/keydiff-prompt.txt -n 2 --chunk "$chunk" --policy "$policy" "${budget[@]}" --json 2>>"$errors")
     echo "{\"chunk\":$chunk,\"policy\":\"$policy\",\"run\":${line:-null}}" >> "$out/ttft.jsonl"
   done
 done
@@ -84,5 +90,6 @@ for c in (64, 128, 256):
     print(f"  {c:5} " + " ".join(cells) + f"   {share}")
 PY
 echo
+note "elapsed: ${SECONDS}s"
 echo "==================== summary ===================="
 cat "$summary"
