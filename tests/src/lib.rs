@@ -107,8 +107,7 @@ fn hf_name(gguf: &str) -> Option<String> {
 pub fn unpermute_qk(w: &Tensor, heads: usize) -> Result<Tensor> {
     let (rows, cols) = w.dims2()?;
     let d = rows / heads;
-    Ok(w
-        .reshape((heads, d / 2, 2, cols))?
+    Ok(w.reshape((heads, d / 2, 2, cols))?
         .transpose(1, 2)?
         .contiguous()?
         .reshape((rows, cols))?)
@@ -124,7 +123,9 @@ pub fn export_hf(gguf: &Path, dir: &Path) -> Result<()> {
     let mut tensors = HashMap::new();
     for name in ct.tensor_infos.keys() {
         let Some(hf) = hf_name(name) else { continue };
-        let mut t = ct.tensor(&mut f, name, &Device::Cpu)?.dequantize(&Device::Cpu)?;
+        let mut t = ct
+            .tensor(&mut f, name, &Device::Cpu)?
+            .dequantize(&Device::Cpu)?;
         if cfg.rope_interleaved && name.ends_with("attn_q.weight") {
             t = unpermute_qk(&t, cfg.num_heads)?;
         } else if cfg.rope_interleaved && name.ends_with("attn_k.weight") {
@@ -142,7 +143,10 @@ pub fn export_hf(gguf: &Path, dir: &Path) -> Result<()> {
         "max_position_embeddings": cfg.max_position_embeddings,
         "tie_word_embeddings": cfg.tie_word_embeddings, "attention_bias": cfg.attention_bias,
     });
-    std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&config)?)?;
+    std::fs::write(
+        dir.join("config.json"),
+        serde_json::to_string_pretty(&config)?,
+    )?;
     let tok = keydiff_model::tokenizer::tokenizer_from_gguf(&ct)?;
     tok.tokenizer
         .save(dir.join("tokenizer.json"), false)
@@ -152,7 +156,10 @@ pub fn export_hf(gguf: &Path, dir: &Path) -> Result<()> {
         "bos_token": tok.bos_token, "eos_token": tok.eos_token,
         "chat_template": tok.chat_template,
     });
-    std::fs::write(dir.join("tokenizer_config.json"), serde_json::to_string_pretty(&tc)?)?;
+    std::fs::write(
+        dir.join("tokenizer_config.json"),
+        serde_json::to_string_pretty(&tc)?,
+    )?;
     let gc = serde_json::json!({ "eos_token_id": tok.eos_ids });
     std::fs::write(dir.join("generation_config.json"), gc.to_string())
         .context("generation_config.json")?;

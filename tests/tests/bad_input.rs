@@ -10,9 +10,15 @@ use keydiff_tests::{keydiff_bin, model, temp_dir, SMOLLM2};
 fn fails(args: &[&str]) -> String {
     let out = Command::new(keydiff_bin()).args(args).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr).to_string();
-    assert!(!out.status.success(), "keydiff {args:?} succeeded; stderr: {err}");
+    assert!(
+        !out.status.success(),
+        "keydiff {args:?} succeeded; stderr: {err}"
+    );
     assert_eq!(out.status.code(), Some(1), "keydiff {args:?}: {err}");
-    assert!(!err.contains("panicked"), "keydiff {args:?} panicked: {err}");
+    assert!(
+        !err.contains("panicked"),
+        "keydiff {args:?} panicked: {err}"
+    );
     err
 }
 
@@ -113,9 +119,25 @@ fn prompt_beyond_context() {
 #[test]
 fn unknown_device_and_dtype() {
     let m = model(SMOLLM2);
-    let err = fails(&["run", "-m", m.to_str().unwrap(), "-p", "hi", "--dtype", "f8"]);
+    let err = fails(&[
+        "run",
+        "-m",
+        m.to_str().unwrap(),
+        "-p",
+        "hi",
+        "--dtype",
+        "f8",
+    ]);
     expect(&err, "unknown dtype `f8`");
-    let err = fails(&["run", "-m", m.to_str().unwrap(), "-p", "hi", "--device", "tpu"]);
+    let err = fails(&[
+        "run",
+        "-m",
+        m.to_str().unwrap(),
+        "-p",
+        "hi",
+        "--device",
+        "tpu",
+    ]);
     expect(&err, "unknown device `tpu`");
 }
 
@@ -129,7 +151,17 @@ fn chunk_zero() {
 #[test]
 fn budget_smaller_than_chunk() {
     let m = model(SMOLLM2);
-    let err = fails(&["run", "-m", m.to_str().unwrap(), "-p", "hi", "--budget", "64", "--chunk", "128"]);
+    let err = fails(&[
+        "run",
+        "-m",
+        m.to_str().unwrap(),
+        "-p",
+        "hi",
+        "--budget",
+        "64",
+        "--chunk",
+        "128",
+    ]);
     expect(&err, "budget 64 is smaller than the chunk 128");
 }
 
@@ -137,8 +169,19 @@ fn budget_smaller_than_chunk() {
 fn protected_slots_exceed_budget() {
     let m = model(SMOLLM2);
     let err = fails(&[
-        "run", "-m", m.to_str().unwrap(), "-p", "hi", "--budget", "256", "--chunk", "128",
-        "--window", "0.9", "--sinks", "64",
+        "run",
+        "-m",
+        m.to_str().unwrap(),
+        "-p",
+        "hi",
+        "--budget",
+        "256",
+        "--chunk",
+        "128",
+        "--window",
+        "0.9",
+        "--sinks",
+        "64",
     ]);
     expect(&err, "protected slots");
     expect(&err, "exceed the budget 256");
@@ -147,8 +190,26 @@ fn protected_slots_exceed_budget() {
 #[test]
 fn policy_without_budget_and_unknown_policy() {
     let m = model(SMOLLM2);
-    let err = fails(&["run", "-m", m.to_str().unwrap(), "-p", "hi", "--policy", "tova"]);
+    let err = fails(&[
+        "run",
+        "-m",
+        m.to_str().unwrap(),
+        "-p",
+        "hi",
+        "--policy",
+        "tova",
+    ]);
     expect(&err, "needs a budget");
-    let err = fails(&["run", "-m", m.to_str().unwrap(), "-p", "hi", "--budget", "512", "--policy", "lru"]);
+    let err = fails(&[
+        "run",
+        "-m",
+        m.to_str().unwrap(),
+        "-p",
+        "hi",
+        "--budget",
+        "512",
+        "--policy",
+        "lru",
+    ]);
     expect(&err, "unknown policy `lru`");
 }

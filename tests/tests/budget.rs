@@ -35,14 +35,24 @@ fn short_prompt_is_identical_to_full() {
     let fx = keydiff_tests::fixture("smollm2");
     let p = fx.prompts.iter().find(|p| p.name == "prose").unwrap();
     let full = Engine::load(&ModelSource::Gguf(model(SMOLLM2)), &EngineConfig::default()).unwrap();
-    let want = full.generate(&greedy(p.tokens.clone(), 16), |_| {}).unwrap();
+    let want = full
+        .generate(&greedy(p.tokens.clone(), 16), |_| {})
+        .unwrap();
     let want_logits = full.prefill_logits(&p.tokens, 128).unwrap();
     for policy in ["keydiff", "tova", "snapkv", "h2o", "sink"] {
-        let e = Engine::load(&ModelSource::Gguf(model(SMOLLM2)), &budgeted(policy, 512, 128)).unwrap();
+        let e = Engine::load(
+            &ModelSource::Gguf(model(SMOLLM2)),
+            &budgeted(policy, 512, 128),
+        )
+        .unwrap();
         let got = e.generate(&greedy(p.tokens.clone(), 16), |_| {}).unwrap();
         assert_eq!(got.stats.eviction.evictions, 0, "{policy}");
         assert_eq!(got.tokens, want.tokens, "{policy}");
-        assert_eq!(e.prefill_logits(&p.tokens, 128).unwrap(), want_logits, "{policy}: logits");
+        assert_eq!(
+            e.prefill_logits(&p.tokens, 128).unwrap(),
+            want_logits,
+            "{policy}: logits"
+        );
     }
 }
 
@@ -65,8 +75,16 @@ fn peak_kv_is_bounded_by_budget() {
             let out = e.generate(&greedy(tokens, 8), |_| {}).unwrap();
             let s = &out.stats;
             assert_eq!(s.peak_kv_bytes, expect, "{preset} {len}");
-            assert!(s.final_cache_len <= n + b, "{preset} {len}: {}", s.final_cache_len);
-            assert!(s.eviction.evictions >= (len - n) / b, "{preset} {len}: {:?}", s.eviction);
+            assert!(
+                s.final_cache_len <= n + b,
+                "{preset} {len}: {}",
+                s.final_cache_len
+            );
+            assert!(
+                s.eviction.evictions >= (len - n) / b,
+                "{preset} {len}: {:?}",
+                s.eviction
+            );
         }
     }
 }
@@ -100,7 +118,11 @@ fn keydiff_keeps_an_early_fact() {
             "{label}: prompt {} tokens, {} evictions, answer {:?}",
             out.stats.prompt_tokens, out.stats.eviction.evictions, out.text
         );
-        assert!(out.stats.prompt_tokens > 1800, "prompt too short: {}", out.stats.prompt_tokens);
+        assert!(
+            out.stats.prompt_tokens > 1800,
+            "prompt too short: {}",
+            out.stats.prompt_tokens
+        );
         assert!(out.text.contains("4721"), "{label}: {:?}", out.text);
         if label == "keydiff" {
             assert!(out.stats.eviction.evictions > 0);

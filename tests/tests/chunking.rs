@@ -24,9 +24,14 @@ fn check(engine: &Engine, tokens: &[u32], label: &str) {
 
 #[test]
 fn chunk_size_does_not_change_logits_smollm2() {
-    let engine = Engine::load(&ModelSource::Gguf(model(SMOLLM2)), &EngineConfig::default()).unwrap();
+    let engine =
+        Engine::load(&ModelSource::Gguf(model(SMOLLM2)), &EngineConfig::default()).unwrap();
     let fx = fixture("smollm2");
-    let long = fx.prompts.iter().find(|p| p.name == "long").expect("long prompt");
+    let long = fx
+        .prompts
+        .iter()
+        .find(|p| p.name == "long")
+        .expect("long prompt");
     check(&engine, &long.tokens, "smollm2");
 }
 

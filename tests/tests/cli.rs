@@ -38,13 +38,27 @@ fn info_describes_the_model() {
 fn chat_answers_and_json_stats() {
     let m = model(SMOLLM2);
     let (so, _) = ok(&[
-        "run", "-m", m.to_str().unwrap(), "--system", "You are a helpful assistant.",
-        "-p", "What is the capital of France? Answer in one word.", "-n", "16", "--json",
+        "run",
+        "-m",
+        m.to_str().unwrap(),
+        "--system",
+        "You are a helpful assistant.",
+        "-p",
+        "What is the capital of France? Answer in one word.",
+        "-n",
+        "16",
+        "--json",
     ]);
     let v: serde_json::Value = serde_json::from_str(so.trim()).unwrap();
     assert!(v["text"].as_str().unwrap().contains("Paris"), "{v}");
     let s = &v["stats"];
-    for k in ["prompt_tokens", "ttft_s", "prefill_tok_s", "decode_tok_s", "peak_kv_bytes"] {
+    for k in [
+        "prompt_tokens",
+        "ttft_s",
+        "prefill_tok_s",
+        "decode_tok_s",
+        "peak_kv_bytes",
+    ] {
         assert!(s[k].as_f64().unwrap() > 0.0, "{k} in {s}");
     }
 }
@@ -52,18 +66,37 @@ fn chat_answers_and_json_stats() {
 #[test]
 fn streams_text_and_prints_timing_line() {
     let m = model(SMOLLM2);
-    let (so, se) = ok(&["run", "-m", m.to_str().unwrap(), "-p", "The capital of France is", "-n", "8"]);
+    let (so, se) = ok(&[
+        "run",
+        "-m",
+        m.to_str().unwrap(),
+        "-p",
+        "The capital of France is",
+        "-n",
+        "8",
+    ]);
     assert!(!so.trim().is_empty());
-    assert!(se.contains("TTFT") && se.contains("prefill") && se.contains("decode"), "{se}");
+    assert!(
+        se.contains("TTFT") && se.contains("prefill") && se.contains("decode"),
+        "{se}"
+    );
 }
 
 #[test]
 fn stop_string_ends_generation() {
     let m = model(SMOLLM2);
     let (so, _) = ok(&[
-        "run", "-m", m.to_str().unwrap(), "--chat",
-        "-p", "What is the capital of France? Answer in one word.", "-n", "16", "--json",
-        "--stop", "Paris",
+        "run",
+        "-m",
+        m.to_str().unwrap(),
+        "--chat",
+        "-p",
+        "What is the capital of France? Answer in one word.",
+        "-n",
+        "16",
+        "--json",
+        "--stop",
+        "Paris",
     ]);
     let v: serde_json::Value = serde_json::from_str(so.trim()).unwrap();
     assert!(!v["text"].as_str().unwrap().contains("Paris"), "{v}");
@@ -74,8 +107,24 @@ fn stop_string_ends_generation() {
 fn seeded_sampling_is_reproducible() {
     let m = model(SMOLLM2);
     let args = [
-        "run", "-m", m.to_str().unwrap(), "-p", "Once upon a time", "-n", "12", "--temp", "0.9",
-        "--top-k", "40", "--top-p", "0.95", "--min-p", "0.05", "--seed", "42", "--json",
+        "run",
+        "-m",
+        m.to_str().unwrap(),
+        "-p",
+        "Once upon a time",
+        "-n",
+        "12",
+        "--temp",
+        "0.9",
+        "--top-k",
+        "40",
+        "--top-p",
+        "0.95",
+        "--min-p",
+        "0.05",
+        "--seed",
+        "42",
+        "--json",
     ];
     let (a, _) = ok(&args);
     let (b, _) = ok(&args);

@@ -51,7 +51,11 @@ fn check(name: &str, path: &str, dense_prefill: bool) {
                     })
                     .collect();
                 let rendered = engine.render_chat(&msgs).unwrap();
-                assert_eq!(rendered, p.text, "{name}/{}: chat template rendering", p.name);
+                assert_eq!(
+                    rendered, p.text,
+                    "{name}/{}: chat template rendering",
+                    p.name
+                );
                 engine.prompt_tokens(&Prompt::Chat(msgs)).unwrap()
             }
             None => engine.tokenize(&p.text, p.special).unwrap(),
@@ -99,12 +103,24 @@ fn check(name: &str, path: &str, dense_prefill: bool) {
         report.push(format!(
             "{}: top10 max err {worst:.4}, top-1 {}, greedy {same}/{} identical{}",
             p.name,
-            if top1 == p.top_logits[0].0 { "same" } else { "differs" },
+            if top1 == p.top_logits[0].0 {
+                "same"
+            } else {
+                "differs"
+            },
             p.greedy.len(),
-            if strict { "" } else { " (near-tie: top-1 not required)" }
+            if strict {
+                ""
+            } else {
+                " (near-tie: top-1 not required)"
+            }
         ));
     }
-    let mode = if dense_prefill { "dense prefill" } else { "quantized prefill" };
+    let mode = if dense_prefill {
+        "dense prefill"
+    } else {
+        "quantized prefill"
+    };
     eprintln!("{name} vs llama.cpp, {mode}:\n  {}", report.join("\n  "));
 }
 

@@ -32,7 +32,10 @@ fn hf_directory_matches_gguf() {
         let la = a.prefill_logits(&p.tokens, 128).unwrap();
         let lb = b.prefill_logits(&p.tokens, 128).unwrap();
         let d = compare_logits(&la, &lb);
-        eprintln!("{}: HF vs GGUF max abs {:.2e}, relative {:.2e}", p.name, d.max_abs, d.max_rel);
+        eprintln!(
+            "{}: HF vs GGUF max abs {:.2e}, relative {:.2e}",
+            p.name, d.max_abs, d.max_rel
+        );
         assert!(d.top1_equal(), "{}: top-1 differs: {d:?}", p.name);
         assert!(d.max_rel <= HF_VS_GGUF_TOL, "{}: {d:?}", p.name);
     }

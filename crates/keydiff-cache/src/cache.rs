@@ -159,7 +159,12 @@ impl KvCache {
         let plans: Vec<Vec<(u32, u32)>> = scores
             .iter()
             .enumerate()
-            .map(|(h, s)| move_plan(&select(s, layer.positions(h), budget, sinks, recent), budget))
+            .map(|(h, s)| {
+                move_plan(
+                    &select(s, layer.positions(h), budget, sinks, recent),
+                    budget,
+                )
+            })
             .collect();
         self.counters.evicted_slots += (layer.len() - budget) * layer.kv_heads();
         layer.apply_moves(&plans, budget)?;

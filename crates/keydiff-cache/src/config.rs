@@ -163,7 +163,9 @@ impl CacheConfig {
         }
         if let PolicyKind::SnapKv { window } = self.policy {
             if window == 0 {
-                return Err(CacheError::Config("SnapKV window must be at least 1".into()));
+                return Err(CacheError::Config(
+                    "SnapKV window must be at least 1".into(),
+                ));
             }
         }
         let Some(n) = self.budget else {

@@ -318,10 +318,13 @@ mod tests {
         let k = Tensor::arange(0f32, 16., &dev)?.reshape((2, 4, 2))?;
         c.append(&k, &k, 0)?;
         c.apply_moves(&[vec![(3, 0)], vec![(2, 1)]], 2)?;
-        assert_eq!(c.keys()?.to_vec3::<f32>()?, vec![
-            vec![vec![6., 7.], vec![2., 3.]],
-            vec![vec![8., 9.], vec![12., 13.]]
-        ]);
+        assert_eq!(
+            c.keys()?.to_vec3::<f32>()?,
+            vec![
+                vec![vec![6., 7.], vec![2., 3.]],
+                vec![vec![8., 9.], vec![12., 13.]]
+            ]
+        );
         assert_eq!(c.positions(0), &[3, 1]);
         assert_eq!(c.positions(1), &[0, 2]);
         Ok(())

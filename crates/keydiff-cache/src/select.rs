@@ -34,7 +34,13 @@ pub fn select(
     }
     let mut rest: Vec<usize> = (0..n).filter(|&i| !keep[i]).collect();
     // NaN scores rank last.
-    let key = |i: usize| if scores[i].is_nan() { f32::NEG_INFINITY } else { scores[i] };
+    let key = |i: usize| {
+        if scores[i].is_nan() {
+            f32::NEG_INFINITY
+        } else {
+            scores[i]
+        }
+    };
     rest.sort_unstable_by(|&a, &b| {
         key(b)
             .total_cmp(&key(a))
@@ -55,7 +61,10 @@ pub fn move_plan(keep: &[bool], budget: usize) -> Vec<(u32, u32)> {
     }
     let holes = (0..budget).filter(|&i| !keep[i]);
     let movers = (budget..n).filter(|&i| keep[i]);
-    holes.zip(movers).map(|(d, s)| (s as u32, d as u32)).collect()
+    holes
+        .zip(movers)
+        .map(|(d, s)| (s as u32, d as u32))
+        .collect()
 }
 
 #[cfg(test)]
@@ -68,7 +77,10 @@ mod tests {
         let scores = [0.0, 9.0, 1.0, 8.0, 2.0, 7.0, 3.0, -5.0];
         let pos: Vec<u32> = (0..8).collect();
         let keep = select(&scores, &pos, 4, 1, 1);
-        assert_eq!(keep, vec![true, true, false, true, false, false, false, true]);
+        assert_eq!(
+            keep,
+            vec![true, true, false, true, false, false, false, true]
+        );
     }
 
     #[test]

@@ -16,7 +16,9 @@ fn row(h: usize, p: usize, salt: u64) -> Vec<f32> {
     let mut x = (h as u64 * 1_000_003 + p as u64 * 7919) ^ salt;
     (0..D)
         .map(|i| {
-            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             if i == 0 {
                 (h * 100_000 + p) as f32
             } else {
@@ -71,7 +73,12 @@ fn stats(t: usize, rows: usize, salt: u64) -> AttnStats {
 }
 
 /// Drives one layer through chunks then decode steps, checking every invariant on the way.
-fn drive(cfg: CacheConfig, chunks: &[usize], decode: usize, salt: u64) -> Result<(), TestCaseError> {
+fn drive(
+    cfg: CacheConfig,
+    chunks: &[usize],
+    decode: usize,
+    salt: u64,
+) -> Result<(), TestCaseError> {
     let budget = cfg.budget.unwrap();
     let sinks = cfg.protected_sinks();
     let recent = cfg.protected_recent(budget);
@@ -85,7 +92,10 @@ fn drive(cfg: CacheConfig, chunks: &[usize], decode: usize, salt: u64) -> Result
     for (step, (len, is_decode)) in steps.into_iter().enumerate() {
         let pos0 = cache.position();
         let t = chunk_tensor(pos0, len, salt);
-        cache.layer_mut(0).append(&t, &(&t * 2.0).unwrap(), pos0).unwrap();
+        cache
+            .layer_mut(0)
+            .append(&t, &(&t * 2.0).unwrap(), pos0)
+            .unwrap();
         let n = cache.layer(0).len();
         prop_assert!(n <= cap, "{n} slots > N+B = {cap}");
         let rows = cache.stats_rows(len);
@@ -94,7 +104,11 @@ fn drive(cfg: CacheConfig, chunks: &[usize], decode: usize, salt: u64) -> Result
         cache.advance(len);
         let seen = cache.position();
         let l = cache.layer(0);
-        let due = if is_decode { n >= budget + cfg.evict_every() } else { n > budget };
+        let due = if is_decode {
+            n >= budget + cfg.evict_every()
+        } else {
+            n > budget
+        };
         prop_assert_eq!(l.len(), if due { budget } else { n });
         prop_assert!(l.len() <= budget.max(n.min(cap)));
         let keys = l.keys().unwrap().to_vec3::<f32>().unwrap();
@@ -105,12 +119,18 @@ fn drive(cfg: CacheConfig, chunks: &[usize], decode: usize, salt: u64) -> Result
             uniq.sort_unstable();
             uniq.dedup();
             prop_assert_eq!(uniq.len(), pos.len(), "duplicate positions in head {}", h);
-            let present: HashMap<u32, usize> = pos.iter().enumerate().map(|(i, &p)| (p, i)).collect();
+            let present: HashMap<u32, usize> =
+                pos.iter().enumerate().map(|(i, &p)| (p, i)).collect();
             for s in 0..sinks.min(seen) {
                 prop_assert!(present.contains_key(&(s as u32)), "sink {} evicted", s);
             }
             for p in seen.saturating_sub(recent.min(l.len()))..seen {
-                prop_assert!(present.contains_key(&(p as u32)), "recent {} evicted (recent {})", p, recent);
+                prop_assert!(
+                    present.contains_key(&(p as u32)),
+                    "recent {} evicted (recent {})",
+                    p,
+                    recent
+                );
             }
             for (i, &p) in pos.iter().enumerate() {
                 let want = row(h, p as usize, salt);
@@ -172,7 +192,11 @@ fn heads_are_independent() {
             let mut t = chunk_tensor(p0, 8, 42);
             if perturb {
                 let h1 = (t.narrow(0, 1, 1).unwrap().sqr().unwrap() * 3.0).unwrap();
-                t = Tensor::cat(&[t.narrow(0, 0, 1).unwrap(), h1, t.narrow(0, 2, 1).unwrap()], 0).unwrap();
+                t = Tensor::cat(
+                    &[t.narrow(0, 0, 1).unwrap(), h1, t.narrow(0, 2, 1).unwrap()],
+                    0,
+                )
+                .unwrap();
             }
             c.layer_mut(0).append(&t, &t, p0).unwrap();
             c.after_attention(0, None, false).unwrap();

@@ -1,4 +1,5 @@
 //! Each policy's scores against a naive implementation of its definition (POLICIES.md).
+#![allow(clippy::needless_range_loop)] // index loops mirror the definitions they check
 
 use candle_core::{DType, Device, Tensor};
 use keydiff_cache::policy::{build, keydiff_scores};
@@ -25,7 +26,11 @@ fn layer_with(n: usize, seed: u64) -> (LayerCache, Vec<Vec<Vec<f64>>>) {
     let kf = k.to_vec3::<f32>().unwrap();
     let k64 = kf
         .iter()
-        .map(|h| h.iter().map(|r| r.iter().map(|&x| x as f64).collect()).collect())
+        .map(|h| {
+            h.iter()
+                .map(|r| r.iter().map(|&x| x as f64).collect())
+                .collect()
+        })
         .collect();
     (l, k64)
 }
@@ -148,7 +153,11 @@ fn tova_is_last_row_mean_over_all_query_heads() {
             let want: Vec<f64> = (0..t)
                 .map(|i| {
                     let heads: Vec<usize> = if per_head { vec![h] } else { (0..KV).collect() };
-                    let tot: f64 = heads.iter().flat_map(|&kv| (0..G).map(move |g| (kv, g))).map(|(kv, g)| p[kv][g][b - 1][i]).sum();
+                    let tot: f64 = heads
+                        .iter()
+                        .flat_map(|&kv| (0..G).map(move |g| (kv, g)))
+                        .map(|(kv, g)| p[kv][g][b - 1][i])
+                        .sum();
                     tot / (heads.len() * G) as f64
                 })
                 .collect();
@@ -166,7 +175,12 @@ fn snapkv_is_pooled_window_sum_mean_over_group() {
     let s = pol.score(&l, Some(&stats_of(&p, w))).unwrap();
     for h in 0..KV {
         let summed: Vec<f64> = (0..t)
-            .map(|i| (0..G).map(|g| (b - w..b).map(|q| p[h][g][q][i]).sum::<f64>()).sum::<f64>() / G as f64)
+            .map(|i| {
+                (0..G)
+                    .map(|g| (b - w..b).map(|q| p[h][g][q][i]).sum::<f64>())
+                    .sum::<f64>()
+                    / G as f64
+            })
             .collect();
         // avg_pool1d(kernel 5, stride 1, padding 2, count_include_pad)
         let want: Vec<f64> = (0..t)
@@ -197,7 +211,11 @@ fn h2o_accumulates_every_query_row() {
             .map(|i| {
                 [&p1, &p2]
                     .iter()
-                    .map(|p| (0..G).map(|g| (0..b).map(|q| p[h][g][q][i]).sum::<f64>()).sum::<f64>())
+                    .map(|p| {
+                        (0..G)
+                            .map(|g| (0..b).map(|q| p[h][g][q][i]).sum::<f64>())
+                            .sum::<f64>()
+                    })
                     .sum()
             })
             .collect();
@@ -208,7 +226,9 @@ fn h2o_accumulates_every_query_row() {
     let (mut l2, _) = layer_with(t, 8);
     pol.observe(&mut l2, &stats_of(&p1, b)).unwrap();
     let s = pol.score(&l2, None).unwrap();
-    let raw: f64 = (0..G).map(|g| (0..b).map(|q| p1[0][g][q][0]).sum::<f64>()).sum();
+    let raw: f64 = (0..G)
+        .map(|g| (0..b).map(|q| p1[0][g][q][0]).sum::<f64>())
+        .sum();
     assert!((s[0][0] as f64 - raw / t as f64).abs() < 1e-5);
 }
 

@@ -6,8 +6,8 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use keydiff::{
-    parse_device, parse_dtype, CacheConfig, CpuWeights, Engine, EngineConfig, Event, GenerateParams, Message,
-    ModelSource, PolicyKind, Prompt, Sampling, DEFAULT_CHUNK,
+    parse_device, parse_dtype, CacheConfig, CpuWeights, Engine, EngineConfig, Event,
+    GenerateParams, Message, ModelSource, PolicyKind, Prompt, Sampling, DEFAULT_CHUNK,
 };
 
 /// The model `run` uses when `-m` is not given (fetched by scripts/fetch-models.sh).
@@ -17,7 +17,11 @@ const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
 const PROGRESS_MIN_CHUNKS: usize = 4;
 
 #[derive(Parser)]
-#[command(name = "keydiff", version, about = "Long-prompt LLM inference under a fixed KV-cache budget")]
+#[command(
+    name = "keydiff",
+    version,
+    about = "Long-prompt LLM inference under a fixed KV-cache budget"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -152,7 +156,11 @@ impl ModelArgs {
                 PathBuf::from(format!("configs/{}.json", self.model))
             };
             if !config.exists() {
-                bail!("preset `{}` not found (looked for {})", self.model, config.display());
+                bail!(
+                    "preset `{}` not found (looked for {})",
+                    self.model,
+                    config.display()
+                );
             }
             ModelSource::Random {
                 config,
@@ -301,8 +309,9 @@ fn real_main() -> Result<()> {
                         cache: cache.clone(),
                         cpu_weights: CpuWeights::FAST,
                     };
-                    let d = keydiff::parity::compare_devices(p, seed, &reference, &other, prompt_len)
-                        .with_context(|| format!("preset {}", p.display()))?;
+                    let d =
+                        keydiff::parity::compare_devices(p, seed, &reference, &other, prompt_len)
+                            .with_context(|| format!("preset {}", p.display()))?;
                     let v = serde_json::json!({
                         "preset": p.display().to_string(), "device": device, "dtype": dtype,
                         "policy": cache.policy.name(), "budget": cache.budget,

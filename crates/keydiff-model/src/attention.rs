@@ -13,7 +13,15 @@ use crate::error::Result;
 pub fn chunk_mask(chunk: usize, total: usize, dtype: DType, device: &Device) -> Result<Tensor> {
     let past = total - chunk;
     let mask: Vec<f32> = (0..chunk)
-        .flat_map(|i| (0..total).map(move |j| if j <= past + i { 0.0 } else { f32::NEG_INFINITY }))
+        .flat_map(|i| {
+            (0..total).map(move |j| {
+                if j <= past + i {
+                    0.0
+                } else {
+                    f32::NEG_INFINITY
+                }
+            })
+        })
         .collect();
     Ok(Tensor::from_vec(mask, (chunk, total), device)?.to_dtype(dtype)?)
 }
@@ -117,7 +125,10 @@ mod tests {
         assert!(diff < 1e-5, "max diff {diff}");
         // Statistics: the last 3 rows of the naive probability matrix, summed.
         let want = probs_naive(&q, &k, g)?.narrow(2, b - 3, 3)?.sum(2)?;
-        let diff = (stats.unwrap() - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        let diff = (stats.unwrap() - want)?
+            .abs()?
+            .max_all()?
+            .to_scalar::<f32>()?;
         assert!(diff < 1e-5, "stats max diff {diff}");
         Ok(())
     }

@@ -182,7 +182,10 @@ impl ModelConfig {
     /// Reads the config from GGUF metadata (`{arch}.*` keys).
     pub fn from_gguf(ct: &gguf_file::Content, path: &Path) -> Result<Self> {
         let md = &ct.metadata;
-        let get = |k: &str| md.get(k).ok_or_else(|| ModelError::MissingKey(k.to_string()));
+        let get = |k: &str| {
+            md.get(k)
+                .ok_or_else(|| ModelError::MissingKey(k.to_string()))
+        };
         let arch_name = get("general.architecture")?
             .to_string()
             .map_err(|e| ModelError::BadGguf {
@@ -261,13 +264,13 @@ impl ModelConfig {
         if self.num_layers == 0 || self.hidden_size == 0 || self.vocab_size == 0 {
             return Err("layers, hidden size and vocab must be non-zero".into());
         }
-        if self.num_kv_heads == 0 || self.num_heads % self.num_kv_heads != 0 {
+        if self.num_kv_heads == 0 || !self.num_heads.is_multiple_of(self.num_kv_heads) {
             return Err(format!(
                 "{} query heads are not a multiple of {} KV heads",
                 self.num_heads, self.num_kv_heads
             ));
         }
-        if self.head_dim == 0 || self.head_dim % 2 != 0 {
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
             return Err(format!("head_dim {} must be even", self.head_dim));
         }
         if self.max_position_embeddings == 0 {

@@ -184,10 +184,14 @@ fn token_text(v: Option<&serde_json::Value>) -> Option<String> {
 
 fn ids_of(v: Option<&serde_json::Value>) -> Vec<u32> {
     match v {
-        Some(serde_json::Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
-        Some(serde_json::Value::Array(a)) => {
-            a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect()
+        Some(serde_json::Value::Number(n)) => {
+            n.as_u64().map(|x| vec![x as u32]).unwrap_or_default()
         }
+        Some(serde_json::Value::Array(a)) => a
+            .iter()
+            .filter_map(|x| x.as_u64())
+            .map(|x| x as u32)
+            .collect(),
         _ => vec![],
     }
 }

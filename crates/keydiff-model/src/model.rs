@@ -74,12 +74,19 @@ impl Attention {
         let g = h / kv;
         // [1, heads, B, d]
         let split = |t: Tensor, n: usize| -> Result<Tensor> {
-            Ok(t.reshape((b, n, d))?.transpose(0, 1)?.contiguous()?.unsqueeze(0)?)
+            Ok(t.reshape((b, n, d))?
+                .transpose(0, 1)?
+                .contiguous()?
+                .unsqueeze(0)?)
         };
         let pf = !decode;
         let q = split(self.q.forward(x, pf)?, h)?;
         let k = split(self.k.forward(x, pf)?, kv)?;
-        let v = self.v.forward(x, pf)?.reshape((b, kv, d))?.transpose(0, 1)?;
+        let v = self
+            .v
+            .forward(x, pf)?
+            .reshape((b, kv, d))?
+            .transpose(0, 1)?;
         let (cos, sin) = cos_sin;
         let q = rope.apply(&q, cos, sin)?.reshape((kv, g * b, d))?;
         let k = rope.apply(&k, cos, sin)?.squeeze(0)?;
@@ -110,7 +117,8 @@ struct Mlp {
 impl Mlp {
     fn forward(&self, x: &Tensor, prefill: bool) -> Result<Tensor> {
         let a = self.gate.forward(x, prefill)?.silu()?;
-        self.down.forward(&(a * self.up.forward(x, prefill)?)?, prefill)
+        self.down
+            .forward(&(a * self.up.forward(x, prefill)?)?, prefill)
     }
 }
 

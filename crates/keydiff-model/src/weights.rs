@@ -367,7 +367,9 @@ impl Weights {
             } => {
                 if *on_host || device.is_cpu() {
                     let mut rng = rng.lock().expect("rng lock poisoned");
-                    init.host(shape, &mut rng)?.to_dtype(*dtype)?.to_device(device)?
+                    init.host(shape, &mut rng)?
+                        .to_dtype(*dtype)?
+                        .to_device(device)?
                 } else {
                     init.make(shape, *dtype, device)?
                 }
@@ -482,8 +484,12 @@ impl Weights {
     /// GGUF `rope_freqs.weight` (Llama 3.1 frequency factors), when present.
     pub fn rope_freqs(&self) -> Result<Option<Vec<f32>>> {
         match self {
-            Weights::Gguf { content, .. } if content.tensor_infos.contains_key("rope_freqs.weight") => {
-                let t = self.qtensor("rope_freqs.weight")?.dequantize(&Device::Cpu)?;
+            Weights::Gguf { content, .. }
+                if content.tensor_infos.contains_key("rope_freqs.weight") =>
+            {
+                let t = self
+                    .qtensor("rope_freqs.weight")?
+                    .dequantize(&Device::Cpu)?;
                 Ok(Some(t.flatten_all()?.to_vec1::<f32>()?))
             }
             _ => Ok(None),

@@ -4,7 +4,9 @@ use std::time::Instant;
 
 use candle_core::{DType, Device};
 use keydiff_cache::{CacheConfig, CacheCounters, KvCache};
-use keydiff_model::{load_gguf, CpuWeights, load_hf_dir, load_random, Loaded, Message, ModelConfig, ModelFormat};
+use keydiff_model::{
+    load_gguf, load_hf_dir, load_random, CpuWeights, Loaded, Message, ModelConfig, ModelFormat,
+};
 
 use crate::error::{EngineError, Result};
 use crate::sampling::{Sampler, Sampling};
@@ -381,7 +383,12 @@ impl Engine {
     }
 
     /// Prefills `tokens` in chunks of `chunk` into `cache`; returns the last logits.
-    pub fn prefill_with(&self, tokens: &[u32], chunk: usize, cache: &mut KvCache) -> Result<Vec<f32>> {
+    pub fn prefill_with(
+        &self,
+        tokens: &[u32],
+        chunk: usize,
+        cache: &mut KvCache,
+    ) -> Result<Vec<f32>> {
         if tokens.is_empty() {
             return Err(EngineError::EmptyPrompt);
         }

@@ -19,8 +19,7 @@ mod stream;
 
 pub use candle_core::{DType, Device};
 pub use engine::{
-    Engine, EngineConfig, Event, GenerateParams, Output, Prompt, Stats, StopReason,
-    DEFAULT_CHUNK,
+    Engine, EngineConfig, Event, GenerateParams, Output, Prompt, Stats, StopReason, DEFAULT_CHUNK,
 };
 pub use error::{EngineError, Result};
 pub use keydiff_cache::config::SNAPKV_WINDOW;

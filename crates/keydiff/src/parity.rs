@@ -37,9 +37,21 @@ pub fn compare_logits(reference: &[f32], other: &[f32]) -> LogitDiff {
         .map(|(a, b)| (a - b).abs())
         .fold(0f32, f32::max);
     let scale = reference.iter().map(|x| x.abs()).fold(0f32, f32::max);
-    let dot: f64 = reference.iter().zip(other).map(|(a, b)| (*a as f64) * (*b as f64)).sum();
-    let na: f64 = reference.iter().map(|a| (*a as f64).powi(2)).sum::<f64>().sqrt();
-    let nb: f64 = other.iter().map(|b| (*b as f64).powi(2)).sum::<f64>().sqrt();
+    let dot: f64 = reference
+        .iter()
+        .zip(other)
+        .map(|(a, b)| (*a as f64) * (*b as f64))
+        .sum();
+    let na: f64 = reference
+        .iter()
+        .map(|a| (*a as f64).powi(2))
+        .sum::<f64>()
+        .sqrt();
+    let nb: f64 = other
+        .iter()
+        .map(|b| (*b as f64).powi(2))
+        .sum::<f64>()
+        .sqrt();
     LogitDiff {
         max_abs,
         max_rel: max_abs / scale.max(f32::MIN_POSITIVE),

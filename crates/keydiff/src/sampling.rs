@@ -203,7 +203,9 @@ mod tests {
         let logits = [0.0f32, (3.0f32).ln()]; // p = [0.25, 0.75]
         let run = |cfg: &Sampling| -> Vec<u32> {
             let mut smp = s(cfg.clone());
-            (0..2000).map(|_| smp.sample(&mut logits.clone(), &[])).collect()
+            (0..2000)
+                .map(|_| smp.sample(&mut logits.clone(), &[]))
+                .collect()
         };
         let a = run(&cfg);
         assert_eq!(a, run(&cfg));

@@ -73,10 +73,7 @@ impl ModelSource {
             return Ok(ModelSource::Gguf(get(f)?));
         }
         let config = get("config.json")?;
-        let dir = config
-            .parent()
-            .map(Path::to_path_buf)
-            .unwrap_or_default();
+        let dir = config.parent().map(Path::to_path_buf).unwrap_or_default();
         for f in ["tokenizer.json", "tokenizer_config.json"] {
             get(f)?;
         }
@@ -89,7 +86,11 @@ impl ModelSource {
                     .map_err(|e| EngineError::Hub(format!("{}: {e}", index.display())))?;
                 let mut files: Vec<String> = v["weight_map"]
                     .as_object()
-                    .map(|m| m.values().filter_map(|x| x.as_str().map(String::from)).collect())
+                    .map(|m| {
+                        m.values()
+                            .filter_map(|x| x.as_str().map(String::from))
+                            .collect()
+                    })
                     .unwrap_or_default();
                 files.sort();
                 files.dedup();

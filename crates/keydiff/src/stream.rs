@@ -47,7 +47,12 @@ impl<'a> TextStream<'a> {
             return Ok(String::new());
         }
         self.text = decoded;
-        if let Some(at) = self.stops.iter().filter_map(|s| self.text.find(s.as_str())).min() {
+        if let Some(at) = self
+            .stops
+            .iter()
+            .filter_map(|s| self.text.find(s.as_str()))
+            .min()
+        {
             self.text.truncate(at);
             self.stopped = true;
             return Ok(self.take(self.text.len()));
@@ -96,9 +101,7 @@ impl<'a> TextStream<'a> {
 fn longest_prefix_suffix(text: &str, stop: &str) -> usize {
     (1..stop.len())
         .rev()
-        .find(|&n| {
-            n <= text.len() && stop.is_char_boundary(n) && text.ends_with(&stop[..n])
-        })
+        .find(|&n| n <= text.len() && stop.is_char_boundary(n) && text.ends_with(&stop[..n]))
         .unwrap_or(0)
 }
 

@@ -36,7 +36,8 @@ impl Policy for SnapKv {
     }
 
     fn score(&mut self, layer: &LayerCache, stats: Option<&AttnStats>) -> Result<Vec<Vec<f32>>> {
-        let s = stats.ok_or_else(|| CacheError::Config("SnapKV needs attention statistics".into()))?;
+        let s =
+            stats.ok_or_else(|| CacheError::Config("SnapKV needs attention statistics".into()))?;
         let per_head = per_kv_head_mean(s)?;
         Ok(per_head
             .iter()

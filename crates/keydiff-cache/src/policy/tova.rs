@@ -17,7 +17,8 @@ impl Policy for Tova {
     }
 
     fn score(&mut self, layer: &LayerCache, stats: Option<&AttnStats>) -> Result<Vec<Vec<f32>>> {
-        let s = stats.ok_or_else(|| CacheError::Config("TOVA needs attention statistics".into()))?;
+        let s =
+            stats.ok_or_else(|| CacheError::Config("TOVA needs attention statistics".into()))?;
         let per_head = per_kv_head_mean(s)?;
         if self.per_head {
             return Ok(per_head);
