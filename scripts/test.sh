@@ -7,4 +7,5 @@ command -v cargo >/dev/null || { echo "error: cargo not found; install Rust with
 scripts/fetch-models.sh
 cargo fmt --all --check
 cargo clippy --release --workspace --all-targets -- -D warnings
+cargo build --release --workspace
 cargo test --release --workspace
