@@ -218,11 +218,15 @@ fn hf_vocab(dir: &Path, hf: &HfConfig) -> Result<Vocab> {
     }
     eos_ids.sort_unstable();
     eos_ids.dedup();
-    // transformers' Llama tokenizers add BOS through the post-processor; we add it ourselves.
-    let add_bos = tc
-        .get("add_bos_token")
-        .and_then(|b| b.as_bool())
-        .unwrap_or(false);
+    // We encode without the post-processor and add BOS ourselves: when tokenizer_config.json
+    // does not say, BOS is added iff the tokenizer's own post-processor adds it (Llama 3).
+    let add_bos = match tc.get("add_bos_token").and_then(|b| b.as_bool()) {
+        Some(b) => b,
+        None => match (bos_id, tokenizer.encode("a", true)) {
+            (Some(bos), Ok(enc)) => enc.get_ids().first() == Some(&bos),
+            _ => false,
+        },
+    };
     let chat_template = match tc.get("chat_template").and_then(|t| t.as_str()) {
         Some(src) => Some(ChatTemplate::new(src, bos_token, eos_token)?),
         None => None,
