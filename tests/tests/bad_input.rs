@@ -219,7 +219,11 @@ fn malformed_hf_directory() {
     let d = temp_dir("hf-bad");
     let cfg = keydiff_tests::root().join("configs/tiny-llama.json");
     std::fs::copy(&cfg, d.join("config.json")).unwrap();
-    std::fs::write(d.join("model.safetensors"), [255u8, 255, 0, 0, 0, 0, 0, 0, b'{']).unwrap();
+    std::fs::write(
+        d.join("model.safetensors"),
+        [255u8, 255, 0, 0, 0, 0, 0, 0, b'{'],
+    )
+    .unwrap();
     let err = fails(&["run", "-m", d.to_str().unwrap(), "-p", "hi"]);
     expect(&err, "invalid safetensors");
     expect(&err, "model.safetensors");

@@ -88,22 +88,16 @@ pub fn probs_naive(q: &Tensor, k: &Tensor, group: usize) -> Result<Tensor> {
     Ok(Tensor::stack(&out, 0)?.reshape((kv_heads, group, chunk, t))?)
 }
 
-/// Reference attention with K/V repeated per query head, for tests.
+/// Reference attention with K/V repeated per query head, for tests: `[kv_heads, g·B, d]`.
 pub fn attend_naive(q: &Tensor, k: &Tensor, v: &Tensor, group: usize) -> Result<Tensor> {
     let (kv_heads, rows, d) = q.dims3()?;
     let chunk = rows / group;
-    let t = k.dim(1)?;
-    let mut out = Vec::new();
-    for h in 0..kv_heads {
-        for g in 0..group {
-            let qh = q.get(h)?.narrow(0, g * chunk, chunk)?; // [B, d]
-            let s = (qh.matmul(&k.get(h)?.t()?)? / (d as f64).sqrt())?;
-            let m = chunk_mask(chunk, t, DType::F32, q.device())?;
-            let p = candle_nn::ops::softmax(&(s + m)?, D::Minus1)?;
-            out.push(p.matmul(&v.get(h)?)?);
-        }
-    }
-    Ok(Tensor::cat(&out, 0)?.reshape((kv_heads, rows, d))?)
+    let p = probs_naive(q, k, group)?; // [kv, g, B, T]
+    let v = v
+        .unsqueeze(1)?
+        .broadcast_as((kv_heads, group, v.dim(1)?, d))?;
+    Ok(p.matmul(&v.contiguous()?)?
+        .reshape((kv_heads, group * chunk, d))?)
 }
 
 #[cfg(test)]

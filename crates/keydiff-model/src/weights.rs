@@ -220,16 +220,7 @@ pub enum Weights {
 impl Weights {
     /// Opens a GGUF file and reads its metadata (tensors are read on demand).
     pub fn open_gguf(path: &Path, device: &Device, dtype: DType, opts: CpuWeights) -> Result<Self> {
-        let mut file = File::open(path).map_err(|source| {
-            if source.kind() == std::io::ErrorKind::NotFound {
-                ModelError::NotFound(path.to_path_buf())
-            } else {
-                ModelError::Io {
-                    path: path.to_path_buf(),
-                    source,
-                }
-            }
-        })?;
+        let mut file = open_file(path)?;
         let content = gguf_file::Content::read(&mut file).map_err(|e| ModelError::BadGguf {
             path: path.to_path_buf(),
             reason: e.to_string(),
@@ -494,15 +485,9 @@ impl Weights {
     }
 }
 
-/// Reads and validates a safetensors header (8-byte length, JSON table of tensors whose data
-/// lies inside the file) without reading the tensor data, so a bad file names itself.
-fn check_safetensors_header(path: &Path) -> Result<()> {
-    use std::io::Read;
-    let bad = |reason: String| ModelError::BadSafetensors {
-        path: path.to_path_buf(),
-        reason,
-    };
-    let mut f = File::open(path).map_err(|source| {
+/// Opens a file, naming it in the error (a missing file is `NotFound`).
+fn open_file(path: &Path) -> Result<File> {
+    File::open(path).map_err(|source| {
         if source.kind() == std::io::ErrorKind::NotFound {
             ModelError::NotFound(path.to_path_buf())
         } else {
@@ -511,7 +496,18 @@ fn check_safetensors_header(path: &Path) -> Result<()> {
                 source,
             }
         }
-    })?;
+    })
+}
+
+/// Reads and validates a safetensors header (8-byte length, JSON table of tensors whose data
+/// lies inside the file) without reading the tensor data, so a bad file names itself.
+fn check_safetensors_header(path: &Path) -> Result<()> {
+    use std::io::Read;
+    let bad = |reason: String| ModelError::BadSafetensors {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let mut f = open_file(path)?;
     let file_len = f
         .metadata()
         .map_err(|source| ModelError::Io {
@@ -524,7 +520,9 @@ fn check_safetensors_header(path: &Path) -> Result<()> {
         .map_err(|_| bad("shorter than the 8-byte header length".into()))?;
     let n = u64::from_le_bytes(len);
     if n > 100_000_000 || 8 + n > file_len {
-        return Err(bad(format!("header length {n} does not fit a {file_len}-byte file")));
+        return Err(bad(format!(
+            "header length {n} does not fit a {file_len}-byte file"
+        )));
     }
     let mut header = vec![0u8; n as usize];
     f.read_exact(&mut header)
