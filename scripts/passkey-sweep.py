@@ -66,7 +66,9 @@ def main():
                          "prompt_tokens": r["stats"]["prompt_tokens"],
                          "seconds": round(time.time() - t, 1)})
             print(f"seed {seed} depth {depth:.2f} {policy:8} budget {budget}: "
-                  f"{'ok ' if ok else 'MISS'} {r['text']!r}", file=sys.stderr)
+                  f"{'ok ' if ok else 'MISS'} {r['text']!r}", file=sys.stderr, flush=True)
+        if a.out:  # after every seed, so that an interrupted sweep keeps what it measured
+            save(a.out, rows)
     cells = {}
     for r in rows:
         cells.setdefault((r["policy"], r["budget"]), []).append(r["correct"])
@@ -81,12 +83,13 @@ def main():
     if "full" in policies:
         f = cells[("full", None)]
         print(f"{'full':10} {sum(f)}/{len(f)}")
-    if a.out:
-        meta = {"date": time.strftime("%Y-%m-%d"), "machine": platform.node(),
-                "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"],
-                                         capture_output=True, text=True).stdout.strip(),
-                "command": " ".join(sys.argv)}
-        json.dump({"meta": meta, "runs": rows}, open(a.out, "w"), indent=1)
+
+def save(path, rows):
+    meta = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.node()} ({os.cpu_count()} cpus)",
+            "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"],
+                                     capture_output=True, text=True).stdout.strip(),
+            "command": " ".join(sys.argv), "seeds_done": len({r["seed"] for r in rows})}
+    json.dump({"meta": meta, "runs": rows}, open(path, "w"), indent=1)
 
 if __name__ == "__main__":
     main()
