@@ -338,18 +338,20 @@ fn real_main() -> Result<()> {
 fn info(args: &ModelArgs) -> Result<()> {
     let engine = args.load()?;
     let c = engine.model_config();
-    let kinds: serde_json::Map<String, serde_json::Value> = engine
-        .weight_kinds()
-        .into_iter()
-        .map(|(k, v)| (k.to_string(), v.into()))
-        .collect();
+    let map = |kinds: Vec<(&str, String)>| -> serde_json::Map<String, serde_json::Value> {
+        kinds
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v.into()))
+            .collect()
+    };
     let v = serde_json::json!({
         "origin": engine.origin(),
         "format": engine.format(),
         "config": c,
         "compute_dtype": format!("{:?}", engine.config().dtype),
         "device": format!("{:?}", engine.config().device),
-        "weights": kinds,
+        "weights": map(engine.weight_kinds()),
+        "runtime_weights": map(engine.runtime_kinds()),
     });
     println!("{}", serde_json::to_string_pretty(&v)?);
     Ok(())

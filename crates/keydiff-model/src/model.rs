@@ -264,19 +264,32 @@ impl Model {
         self.dtype
     }
 
-    /// Weight kinds by role, for `keydiff info` (e.g. `attn_q: Q4_1`).
-    pub fn weight_kinds(&self) -> Vec<(&'static str, String)> {
+    /// Linears of layer 0 and the LM head by role, for `keydiff info`.
+    fn linears(&self) -> [(&'static str, &Linear); 8] {
         let l = &self.layers[0];
-        vec![
-            ("attn_q", l.attn.q.kind()),
-            ("attn_k", l.attn.k.kind()),
-            ("attn_v", l.attn.v.kind()),
-            ("attn_output", l.attn.o.kind()),
-            ("ffn_gate", l.mlp.gate.kind()),
-            ("ffn_up", l.mlp.up.kind()),
-            ("ffn_down", l.mlp.down.kind()),
-            ("lm_head", self.lm_head.kind()),
+        [
+            ("attn_q", &l.attn.q),
+            ("attn_k", &l.attn.k),
+            ("attn_v", &l.attn.v),
+            ("attn_output", &l.attn.o),
+            ("ffn_gate", &l.mlp.gate),
+            ("ffn_up", &l.mlp.up),
+            ("ffn_down", &l.mlp.down),
+            ("lm_head", &self.lm_head),
         ]
+    }
+
+    /// Checkpoint weight types by role (e.g. `attn_q: Q4_1`).
+    pub fn weight_kinds(&self) -> Vec<(&'static str, String)> {
+        self.linears().iter().map(|(n, l)| (*n, l.kind())).collect()
+    }
+
+    /// What runs by role (e.g. `attn_q: decode Q8_0, prefill F32` on the CPU).
+    pub fn runtime_kinds(&self) -> Vec<(&'static str, String)> {
+        self.linears()
+            .iter()
+            .map(|(n, l)| (*n, l.runtime_kind()))
+            .collect()
     }
 }
 

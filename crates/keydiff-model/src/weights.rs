@@ -89,6 +89,8 @@ pub struct Linear {
     w: QMatMul,
     dense: Option<Tensor>,
     b: Option<Tensor>,
+    /// Storage type in the checkpoint (`Q4_1`, `BF16`, ...).
+    stored: String,
 }
 
 impl Linear {
@@ -116,11 +118,20 @@ impl Linear {
         })
     }
 
-    /// The GGML type name of a quantized weight, or the dense dtype.
+    /// The type of the weight in the checkpoint (GGML type name, or the dense dtype).
     pub fn kind(&self) -> String {
-        match &self.w {
+        self.stored.clone()
+    }
+
+    /// What actually runs: the decode weight's type, and the prefill copy's dtype if any.
+    pub fn runtime_kind(&self) -> String {
+        let decode = match &self.w {
             QMatMul::QTensor(q) => format!("{:?}", q.dtype()),
             QMatMul::Tensor(t) | QMatMul::TensorF16(t) => format!("{:?}", t.dtype()),
+        };
+        match &self.dense {
+            Some(d) => format!("decode {decode}, prefill {:?}", d.dtype()),
+            None => decode,
         }
     }
 }
@@ -380,6 +391,7 @@ impl Weights {
         let base = key.name(self.is_gguf(), layer);
         let wname = format!("{base}.weight");
         let mut dense = None;
+        let stored;
         let w = match self {
             Weights::Gguf {
                 device,
@@ -394,18 +406,28 @@ impl Weights {
                         q.shape().dims()
                     )));
                 }
+                stored = format!("{:?}", q.dtype());
                 let (q, d) = opts.prepare(q, device, *dtype)?;
                 dense = d;
                 QMatMul::from_qtensor(q)?
             }
-            _ => QMatMul::Tensor(self.tensor(&wname, &[out_dim, in_dim], Init::Normal)?),
+            _ => {
+                let t = self.tensor(&wname, &[out_dim, in_dim], Init::Normal)?;
+                stored = format!("{:?}", t.dtype());
+                QMatMul::Tensor(t)
+            }
         };
         let b = if bias {
             Some(self.tensor(&format!("{base}.bias"), &[out_dim], Init::Zeros)?)
         } else {
             None
         };
-        Ok(Linear { w, dense, b })
+        Ok(Linear {
+            w,
+            dense,
+            b,
+            stored,
+        })
     }
 
     /// The embedding table `[vocab, hidden]`; kept quantized when stored quantized.
@@ -438,6 +460,7 @@ impl Weights {
     /// The output projection tied to the embedding table.
     pub fn tied_lm_head(&self, vocab: usize, hidden: usize) -> Result<Linear> {
         let mut dense = None;
+        let stored;
         let w = match self {
             Weights::Gguf {
                 device,
@@ -446,17 +469,27 @@ impl Weights {
                 ..
             } => {
                 let q = self.qtensor(&format!("{}.weight", Key::Embed.name(true, None)))?;
+                stored = format!("{:?}", q.dtype());
                 let (q, d) = opts.prepare(q, device, *dtype)?;
                 dense = d;
                 QMatMul::from_qtensor(q)?
             }
-            _ => QMatMul::Tensor(self.tensor(
-                &format!("{}.weight", Key::Embed.name(false, None)),
-                &[vocab, hidden],
-                Init::Normal,
-            )?),
+            _ => {
+                let t = self.tensor(
+                    &format!("{}.weight", Key::Embed.name(false, None)),
+                    &[vocab, hidden],
+                    Init::Normal,
+                )?;
+                stored = format!("{:?}", t.dtype());
+                QMatMul::Tensor(t)
+            }
         };
-        Ok(Linear { w, dense, b: None })
+        Ok(Linear {
+            w,
+            dense,
+            b: None,
+            stored,
+        })
     }
 
     /// GGUF `rope_freqs.weight` (Llama 3.1 frequency factors), when present.

@@ -193,6 +193,11 @@ impl Engine {
         self.loaded.model.weight_kinds()
     }
 
+    /// The weights that actually run, by role (CPU decode/prefill copies).
+    pub fn runtime_kinds(&self) -> Vec<(&'static str, String)> {
+        self.loaded.model.runtime_kinds()
+    }
+
     /// Token ids of `text` (BOS first when the model adds one). Special tokens written in the
     /// text are parsed as such only when `special` is true.
     pub fn tokenize(&self, text: &str, special: bool) -> Result<Vec<u32>> {
