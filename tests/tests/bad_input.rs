@@ -227,6 +227,20 @@ fn malformed_hf_directory() {
     let err = fails(&["run", "-m", d.to_str().unwrap(), "-p", "hi"]);
     expect(&err, "invalid safetensors");
     expect(&err, "model.safetensors");
+    // A well-formed file cut short.
+    let t =
+        candle_core::Tensor::zeros((64, 64), candle_core::DType::F32, &candle_core::Device::Cpu)
+            .unwrap();
+    let st = d.join("model.safetensors");
+    candle_core::safetensors::save(
+        &std::collections::HashMap::from([("w".to_string(), t)]),
+        &st,
+    )
+    .unwrap();
+    let bytes = std::fs::read(&st).unwrap();
+    std::fs::write(&st, &bytes[..bytes.len() - 100]).unwrap();
+    let err = fails(&["run", "-m", d.to_str().unwrap(), "-p", "hi"]);
+    expect(&err, "invalid safetensors");
     std::fs::write(d.join("config.json"), "{ not json").unwrap();
     let err = fails(&["run", "-m", d.to_str().unwrap(), "-p", "hi"]);
     expect(&err, "invalid config");

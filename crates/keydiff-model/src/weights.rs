@@ -532,50 +532,19 @@ fn open_file(path: &Path) -> Result<File> {
     })
 }
 
-/// Reads and validates a safetensors header (8-byte length, JSON table of tensors whose data
-/// lies inside the file) without reading the tensor data, so a bad file names itself.
+/// Validates a safetensors header (JSON table of tensors whose data lies inside the file)
+/// without reading the tensor data, so that a bad file names itself.
 fn check_safetensors_header(path: &Path) -> Result<()> {
-    use std::io::Read;
-    let bad = |reason: String| ModelError::BadSafetensors {
+    let f = open_file(path)?;
+    // SAFETY: read-only mapping of a checkpoint that is not modified while we read it.
+    let map = unsafe { memmap2::Mmap::map(&f) }.map_err(|source| ModelError::Io {
         path: path.to_path_buf(),
-        reason,
-    };
-    let mut f = open_file(path)?;
-    let file_len = f
-        .metadata()
-        .map_err(|source| ModelError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?
-        .len();
-    let mut len = [0u8; 8];
-    f.read_exact(&mut len)
-        .map_err(|_| bad("shorter than the 8-byte header length".into()))?;
-    let n = u64::from_le_bytes(len);
-    if n > 100_000_000 || 8 + n > file_len {
-        return Err(bad(format!(
-            "header length {n} does not fit a {file_len}-byte file"
-        )));
-    }
-    let mut header = vec![0u8; n as usize];
-    f.read_exact(&mut header)
-        .map_err(|e| bad(format!("reading the header: {e}")))?;
-    let table: serde_json::Map<String, serde_json::Value> =
-        serde_json::from_slice(&header).map_err(|e| bad(format!("header is not JSON: {e}")))?;
-    for (name, info) in &table {
-        if name == "__metadata__" {
-            continue;
-        }
-        let end = info["data_offsets"][1]
-            .as_u64()
-            .ok_or_else(|| bad(format!("tensor `{name}` has no data_offsets")))?;
-        if 8 + n + end > file_len {
-            return Err(bad(format!(
-                "truncated: tensor `{name}` ends at byte {}, file has {file_len}",
-                8 + n + end
-            )));
-        }
-    }
+        source,
+    })?;
+    safetensors::SafeTensors::read_metadata(&map).map_err(|e| ModelError::BadSafetensors {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    })?;
     Ok(())
 }
 
