@@ -246,3 +246,10 @@ fn malformed_hf_directory() {
     expect(&err, "invalid config");
     expect(&err, "config.json");
 }
+
+/// Offline (or for a repository that does not exist) a hub id is a clear error, not a hang.
+#[test]
+fn unreachable_hub_model() {
+    let err = fails(&["run", "-m", "keydiff-test-no-such-org/no-such-model", "-p", "hi"]);
+    expect(&err, "Hugging Face hub: cannot fetch `config.json`");
+}
