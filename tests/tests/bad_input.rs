@@ -250,6 +250,12 @@ fn malformed_hf_directory() {
 /// Offline (or for a repository that does not exist) a hub id is a clear error, not a hang.
 #[test]
 fn unreachable_hub_model() {
-    let err = fails(&["run", "-m", "keydiff-test-no-such-org/no-such-model", "-p", "hi"]);
+    let err = fails(&[
+        "run",
+        "-m",
+        "keydiff-test-no-such-org/no-such-model",
+        "-p",
+        "hi",
+    ]);
     expect(&err, "Hugging Face hub: cannot fetch `config.json`");
 }
