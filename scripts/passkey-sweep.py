@@ -36,6 +36,7 @@ def main():
     ap.add_argument("--budgets", default="512,1024")
     ap.add_argument("--policies", default="full,keydiff,tova,snapkv,h2o,sink")
     ap.add_argument("--seeds", type=int, default=10)
+    ap.add_argument("--first-seed", type=int, default=0, help="resume a stopped sweep")
     ap.add_argument("--chunk", type=int, default=128)
     ap.add_argument("--bin", default="target/release/keydiff")
     ap.add_argument("--out")
@@ -45,7 +46,7 @@ def main():
     # ~1.3 tokens per filler word for these BPE vocabularies
     words = int(a.tokens / 1.3)
     rows = []
-    for seed in range(a.seeds):
+    for seed in range(a.first_seed, a.seeds):
         key, depth, text = prompt(seed, words)
         runs = [("full", None)] if "full" in policies else []
         runs += [(p, b) for b in budgets for p in policies if p != "full"]
