@@ -23,12 +23,29 @@ pub struct CacheCounters {
     pub select_move_s: f64,
 }
 
+/// Seconds of the model's own regions, summed over layers, collected only when profiling is on
+/// (the device is synchronised at each region boundary, which costs time on GPUs, so normal runs
+/// leave it off).
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct Profile {
+    /// Norm, Q/K/V/O projections, RoPE, cache append, scores, softmax and the value product.
+    pub attention_s: f64,
+    /// Attention statistics for the policy: summing the rows it needs and folding them into
+    /// its state.
+    pub stats_s: f64,
+    /// Norm, gate/up/down projections and the residual adds.
+    pub mlp_s: f64,
+}
+
 /// The KV cache of every layer of one request, under one policy.
 pub struct KvCache {
     layers: Vec<LayerCache>,
     cfg: CacheConfig,
     policy: Box<dyn Policy>,
     counters: CacheCounters,
+    /// `Some` while profiling.
+    profile: Option<Profile>,
+    device: Device,
     /// Tokens seen so far: the absolute position of the next token.
     position: usize,
 }
@@ -55,6 +72,8 @@ impl KvCache {
             layers,
             cfg,
             counters: CacheCounters::default(),
+            profile: None,
+            device: device.clone(),
             position: 0,
         })
     }
@@ -114,6 +133,35 @@ impl KvCache {
         self.counters
     }
 
+    /// Turns profiling on (zeroing the profile) or off. While on, eviction timings synchronise
+    /// the device first, and the model records its regions with [`KvCache::profile_mut`].
+    pub fn set_profiling(&mut self, on: bool) {
+        self.profile = on.then(Profile::default);
+    }
+
+    /// True while profiling.
+    pub fn profiling(&self) -> bool {
+        self.profile.is_some()
+    }
+
+    /// The model's region timings so far, when profiling.
+    pub fn profile(&self) -> Option<Profile> {
+        self.profile
+    }
+
+    /// The profile to add region timings to, when profiling.
+    pub fn profile_mut(&mut self) -> Option<&mut Profile> {
+        self.profile.as_mut()
+    }
+
+    /// Waits for the device when profiling, so that host timers measure finished work.
+    fn sync_if_profiling(&self) -> Result<()> {
+        if self.profile.is_some() {
+            self.device.synchronize()?;
+        }
+        Ok(())
+    }
+
     /// Query rows of a chunk of `chunk` tokens whose attention the policy needs, if any.
     pub fn stats_rows(&self, chunk: usize) -> Option<usize> {
         if self.cfg.policy == PolicyKind::Full {
@@ -135,10 +183,18 @@ impl KvCache {
         stats: Option<&AttnStats>,
         decode: bool,
     ) -> Result<()> {
-        let layer = &mut self.layers[i];
         if let Some(s) = stats {
-            self.policy.observe(layer, s)?;
+            let t = Instant::now();
+            self.policy.observe(&mut self.layers[i], s)?;
+            if self.profile.is_some() {
+                self.sync_if_profiling()?;
+                let dt = t.elapsed().as_secs_f64();
+                if let Some(p) = self.profile.as_mut() {
+                    p.stats_s += dt;
+                }
+            }
         }
+        let layer = &self.layers[i];
         let Some(budget) = self.cfg.budget else {
             return Ok(());
         };
@@ -150,8 +206,10 @@ impl KvCache {
         if !due {
             return Ok(());
         }
+        self.sync_if_profiling()?;
         let t = Instant::now();
         let scores = self.policy.score(layer, stats)?;
+        self.sync_if_profiling()?;
         self.counters.score_s += t.elapsed().as_secs_f64();
         let t = Instant::now();
         let sinks = self.cfg.protected_sinks();
@@ -167,7 +225,8 @@ impl KvCache {
             })
             .collect();
         self.counters.evicted_slots += (layer.len() - budget) * layer.kv_heads();
-        layer.apply_moves(&plans, budget)?;
+        self.layers[i].apply_moves(&plans, budget)?;
+        self.sync_if_profiling()?;
         self.counters.select_move_s += t.elapsed().as_secs_f64();
         self.counters.evictions += 1;
         Ok(())

@@ -14,7 +14,7 @@ mod layer;
 pub mod policy;
 pub mod select;
 
-pub use cache::{CacheCounters, KvCache};
+pub use cache::{CacheCounters, KvCache, Profile};
 pub use config::{Anchor, CacheConfig, PolicyKind};
 pub use layer::LayerCache;
 pub use policy::{AttnStats, Policy, StatsNeed};

@@ -1,5 +1,8 @@
 //! `keydiff`: the command line. Thin: parse, call the library, print.
 
+mod bench;
+mod plot;
+
 use std::io::{Read, Write};
 use std::path::PathBuf;
 
@@ -31,6 +34,9 @@ struct Cli {
 enum Cmd {
     /// Generate text from a prompt.
     Run(RunArgs),
+    /// Benchmarks: time to first token (ttft) and decode throughput (decode).
+    #[command(subcommand)]
+    Bench(bench::BenchCmd),
     /// Print the token ids of a text as a JSON array.
     Tokenize {
         #[command(flatten)]
@@ -78,11 +84,12 @@ enum Cmd {
 /// position or eviction gives ~0.
 const MIN_DEVICE_COSINE: f32 = 0.99;
 
+/// Where the model comes from and where it runs.
 #[derive(Args)]
-struct ModelArgs {
+struct LoadArgs {
     /// GGUF file, HF directory, hub id (org/name or org/name:file.gguf), or with
     /// --random-weights a preset config (configs/NAME.json or NAME).
-    #[arg(short = 'm', long, default_value = DEFAULT_MODEL)]
+    #[arg(short = 'm', long, visible_alias = "preset", default_value = DEFAULT_MODEL)]
     model: String,
     /// Random weights in the preset's real shapes (timing only: the text is meaningless).
     #[arg(long)]
@@ -96,58 +103,15 @@ struct ModelArgs {
     /// f32, f16 or bf16.
     #[arg(long, default_value = "f32")]
     dtype: String,
-    /// Prefill chunk size B.
-    #[arg(long, default_value_t = DEFAULT_CHUNK)]
-    chunk: usize,
-    /// KV budget N: slots per layer and KV head kept after each eviction (needs a policy other
-    /// than full).
-    #[arg(long)]
-    budget: Option<usize>,
-    /// Eviction policy: full, keydiff, keydiff-mean, tova, tova-per-head, snapkv, h2o,
-    /// h2o-normalized, sink, knorm, random. Default: keydiff with --budget, else full.
-    #[arg(long)]
-    policy: Option<String>,
-    /// Share of the budget reserved for the most recent tokens (KeyDiff + window: 0.2).
-    #[arg(long, default_value_t = 0.0)]
-    window: f64,
-    /// First positions never evicted.
-    #[arg(long, default_value_t = 0)]
-    sinks: usize,
-    /// SnapKV observation window W (SnapKV reference default).
-    #[arg(long, default_value_t = keydiff::SNAPKV_WINDOW)]
-    snap_window: usize,
-    /// Decode evicts once N + K slots are used (default K = B; 1 = per-token eviction).
-    #[arg(long)]
-    evict_every: Option<usize>,
-    /// Seed of the `random` policy.
-    #[arg(long, default_value_t = 0)]
-    policy_seed: u64,
     /// On the CPU, use the GGUF weights exactly as stored (llama.cpp's numerics; less memory,
     /// slower) instead of dense prefill copies and Q8_0 copies of Q4_1/Q5_x.
     #[arg(long)]
     as_stored: bool,
 }
 
-impl ModelArgs {
-    fn cache_config(&self) -> Result<CacheConfig> {
-        let name = match (&self.policy, self.budget) {
-            (Some(p), _) => p.as_str(),
-            (None, Some(_)) => "keydiff",
-            (None, None) => "full",
-        };
-        Ok(CacheConfig {
-            policy: PolicyKind::parse(name, self.snap_window, self.policy_seed)?,
-            budget: self.budget,
-            chunk: self.chunk,
-            window: self.window,
-            sinks: self.sinks,
-            evict_every: self.evict_every,
-        })
-    }
-}
-
-impl ModelArgs {
-    fn load(&self) -> Result<Engine> {
+impl LoadArgs {
+    /// Loads the model under `cache` settings.
+    fn load(&self, cache: CacheConfig) -> Result<Engine> {
         let source = if self.random_weights {
             let p = PathBuf::from(&self.model);
             let config = if p.exists() {
@@ -179,7 +143,7 @@ impl ModelArgs {
             },
             device,
             dtype: parse_dtype(&self.dtype)?,
-            cache: self.cache_config()?,
+            cache,
         };
         let engine = Engine::load(&source, &cfg)
             .with_context(|| format!("cannot load model `{}`", self.model))?;
@@ -187,6 +151,77 @@ impl ModelArgs {
             eprintln!("note: random weights: the generated text is meaningless by design");
         }
         Ok(engine)
+    }
+}
+
+/// Policy parameters shared by `run` and the benchmarks.
+#[derive(Args, Clone)]
+struct PolicyArgs {
+    /// Share of the budget reserved for the most recent tokens (KeyDiff + window: 0.2).
+    #[arg(long, default_value_t = 0.0)]
+    window: f64,
+    /// First positions never evicted.
+    #[arg(long, default_value_t = 0)]
+    sinks: usize,
+    /// SnapKV observation window W (SnapKV reference default).
+    #[arg(long, default_value_t = keydiff::SNAPKV_WINDOW)]
+    snap_window: usize,
+    /// Decode evicts once N + K slots are used (default K = B; 1 = per-token eviction).
+    #[arg(long)]
+    evict_every: Option<usize>,
+    /// Seed of the `random` policy.
+    #[arg(long, default_value_t = 0)]
+    policy_seed: u64,
+}
+
+impl PolicyArgs {
+    fn policy(&self, name: &str) -> Result<PolicyKind> {
+        Ok(PolicyKind::parse(name, self.snap_window, self.policy_seed)?)
+    }
+
+    fn cache(&self, name: &str, budget: Option<usize>, chunk: usize) -> Result<CacheConfig> {
+        Ok(CacheConfig {
+            policy: self.policy(name)?,
+            budget,
+            chunk,
+            window: self.window,
+            sinks: self.sinks,
+            evict_every: self.evict_every,
+        })
+    }
+}
+
+#[derive(Args)]
+struct ModelArgs {
+    #[command(flatten)]
+    load: LoadArgs,
+    /// Prefill chunk size B.
+    #[arg(long, default_value_t = DEFAULT_CHUNK)]
+    chunk: usize,
+    /// KV budget N: slots per layer and KV head kept after each eviction (needs a policy other
+    /// than full).
+    #[arg(long)]
+    budget: Option<usize>,
+    /// Eviction policy: full, keydiff, keydiff-mean, tova, tova-per-head, snapkv, h2o,
+    /// h2o-normalized, sink, knorm, random. Default: keydiff with --budget, else full.
+    #[arg(long)]
+    policy: Option<String>,
+    #[command(flatten)]
+    policy_args: PolicyArgs,
+}
+
+impl ModelArgs {
+    fn cache_config(&self) -> Result<CacheConfig> {
+        let name = match (&self.policy, self.budget) {
+            (Some(p), _) => p.as_str(),
+            (None, Some(_)) => "keydiff",
+            (None, None) => "full",
+        };
+        self.policy_args.cache(name, self.budget, self.chunk)
+    }
+
+    fn load(&self) -> Result<Engine> {
+        self.load.load(self.cache_config()?)
     }
 }
 
@@ -239,6 +274,10 @@ struct RunArgs {
     /// Print the final stats as one JSON object on stdout instead of the timing line.
     #[arg(long)]
     json: bool,
+    /// Break prefill time down by region (attention, statistics, eviction, MLP). Synchronises
+    /// the device at every region boundary, which slows GPU runs.
+    #[arg(long)]
+    profile: bool,
 }
 
 fn main() {
@@ -258,6 +297,7 @@ fn main() {
 fn real_main() -> Result<()> {
     match Cli::parse().cmd {
         Cmd::Run(a) => run(a),
+        Cmd::Bench(b) => bench::bench(b),
         Cmd::Tokenize {
             model,
             prompt,
@@ -413,6 +453,7 @@ fn generate(a: &RunArgs, engine: &Engine, prompt: Prompt) -> Result<()> {
         },
         stop: a.stop.clone(),
         ignore_eos: a.ignore_eos,
+        profile: a.profile,
     };
     let chunk = engine.config().cache.chunk;
     let mut bar: Option<indicatif::ProgressBar> = None;
@@ -465,6 +506,18 @@ fn generate(a: &RunArgs, engine: &Engine, prompt: Prompt) -> Result<()> {
             s.eviction.score_s + s.eviction.select_move_s,
             s.stop_reason
         );
+        if let Some(b) = &s.breakdown {
+            let pct = |x: f64| 100.0 * x / s.prefill_s.max(1e-12);
+            eprintln!(
+                "prefill breakdown: attention {:.1}% | attention stats {:.1}% | eviction scoring {:.1}% | selection/moves {:.1}% | MLP {:.1}% | other {:.1}%",
+                pct(b.attention_s),
+                pct(b.attention_stats_s),
+                pct(b.eviction_score_s),
+                pct(b.select_move_s),
+                pct(b.mlp_s),
+                pct(b.other_s)
+            );
+        }
     }
     Ok(())
 }

@@ -43,6 +43,22 @@ pub fn attend(
     group: usize,
     stats_rows: Option<usize>,
 ) -> Result<(Tensor, Option<Tensor>)> {
+    let probs = attention_probs(q, k, mask, group)?;
+    let stats = match stats_rows {
+        Some(r) => Some(row_sums(&probs, group, r)?),
+        None => None,
+    };
+    Ok((attention_output(&probs, v)?, stats))
+}
+
+/// Attention probabilities in f32, `[kv_heads, g·B, T]`, of grouped queries `q`
+/// (`[kv_heads, g·B, d]`) over keys `k` (`[kv_heads, T, d]`), masked bottom-right causal.
+pub fn attention_probs(
+    q: &Tensor,
+    k: &Tensor,
+    mask: Option<&Tensor>,
+    group: usize,
+) -> Result<Tensor> {
     let (kv_heads, rows, d) = q.dims3()?;
     let chunk = rows / group;
     let t = k.dim(1)?;
@@ -56,18 +72,24 @@ pub fn attend(
             .reshape((kv_heads, rows, t))?,
         None => scores,
     };
-    let probs = candle_nn::ops::softmax_last_dim(&scores)?;
-    let stats = match stats_rows {
-        Some(r) => Some(
-            probs
-                .reshape((kv_heads, group, chunk, t))?
-                .narrow(2, chunk - r.min(chunk), r.min(chunk))?
-                .sum(2)?,
-        ),
-        None => None,
-    };
-    // [kv, g·B, d]
-    Ok((probs.to_dtype(v.dtype())?.matmul(v)?, stats))
+    Ok(candle_nn::ops::softmax_last_dim(&scores)?)
+}
+
+/// The policy statistics: the last `rows` query rows of each query head's probabilities,
+/// summed, `[kv_heads, g, T]`.
+pub fn row_sums(probs: &Tensor, group: usize, rows: usize) -> Result<Tensor> {
+    let (kv_heads, all, t) = probs.dims3()?;
+    let chunk = all / group;
+    let r = rows.min(chunk);
+    Ok(probs
+        .reshape((kv_heads, group, chunk, t))?
+        .narrow(2, chunk - r, r)?
+        .sum(2)?)
+}
+
+/// Probabilities times values, `[kv_heads, g·B, d]` in the values' dtype.
+pub fn attention_output(probs: &Tensor, v: &Tensor) -> Result<Tensor> {
+    Ok(probs.to_dtype(v.dtype())?.matmul(v)?)
 }
 
 /// Naive attention probabilities `[kv_heads, g, B, T]` with K/V repeated per query head, the

@@ -3,10 +3,12 @@
 //! One implementation for Llama 3.x and Qwen 2.5, with dense or GGML-quantized linears. The model
 //! owns no cache: each call gets the per-layer [`LayerCache`]s of the request.
 
+use std::time::Instant;
+
 use candle_core::{DType, Device, Tensor, D};
 use keydiff_cache::{AttnStats, CacheConfig, KvCache};
 
-use crate::attention::{attend, chunk_mask};
+use crate::attention::{attention_output, attention_probs, chunk_mask, row_sums};
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::rope::Rope;
@@ -68,6 +70,7 @@ impl Attention {
         li: usize,
         pos0: usize,
         decode: bool,
+        clock: &mut Clock,
     ) -> Result<Tensor> {
         let b = x.dim(0)?;
         let (h, kv, d) = (self.heads, self.kv_heads, self.head_dim);
@@ -94,16 +97,86 @@ impl Attention {
         layer.append(&k, &v, pos0)?;
         let rows = cache.stats_rows(b);
         let layer = cache.layer(li);
-        // [kv, g·B, d]
-        let (y, sums) = attend(&q, &layer.keys()?, &layer.values()?, mask, g, rows)?;
-        let stats = sums.map(|sums| AttnStats {
-            sums,
-            rows: rows.unwrap_or(0),
-        });
+        // [kv, g·B, T] in f32, then [kv, g·B, d]
+        let probs = attention_probs(&q, &layer.keys()?, mask, g)?;
+        let y = attention_output(&probs, &layer.values()?)?;
+        let stats = match rows {
+            Some(r) => {
+                clock.lap(cache, Region::Attention)?;
+                let sums = row_sums(&probs, g, r)?;
+                clock.lap(cache, Region::Stats)?;
+                Some(AttnStats { sums, rows: r })
+            }
+            None => None,
+        };
+        // Freeing the probabilities is part of attention.
+        drop(probs);
+        clock.lap(cache, Region::Attention)?;
+        // Times its own parts (statistics folded into policy state, scoring, selection/moves).
         cache.after_attention(li, stats.as_ref(), decode)?;
+        clock.restart()?;
         // [B, heads·d]
         let y = y.reshape((h, b, d))?.transpose(0, 1)?.reshape((b, h * d))?;
-        self.o.forward(&y, pf)
+        let out = self.o.forward(&y, pf)?;
+        clock.lap(cache, Region::Attention)?;
+        Ok(out)
+    }
+}
+
+/// Regions of a layer that profiling separates.
+#[derive(Debug, Clone, Copy)]
+enum Region {
+    Attention,
+    Stats,
+    Mlp,
+}
+
+/// Host timer over device work for profiling: when on, each lap synchronises the device and
+/// adds the elapsed time to a region of the cache's profile. When off it does nothing, so normal
+/// runs keep the device's queue asynchronous.
+struct Clock {
+    on: bool,
+    device: Device,
+    t: Instant,
+}
+
+impl Clock {
+    fn new(on: bool, device: &Device) -> Result<Self> {
+        if on {
+            device.synchronize()?;
+        }
+        Ok(Self {
+            on,
+            device: device.clone(),
+            t: Instant::now(),
+        })
+    }
+
+    /// Charges the time since the last lap to `region`.
+    fn lap(&mut self, cache: &mut KvCache, region: Region) -> Result<()> {
+        if !self.on {
+            return Ok(());
+        }
+        self.device.synchronize()?;
+        let dt = self.t.elapsed().as_secs_f64();
+        if let Some(p) = cache.profile_mut() {
+            match region {
+                Region::Attention => p.attention_s += dt,
+                Region::Stats => p.stats_s += dt,
+                Region::Mlp => p.mlp_s += dt,
+            }
+        }
+        self.t = Instant::now();
+        Ok(())
+    }
+
+    /// Starts the next lap now (after a region timed elsewhere).
+    fn restart(&mut self) -> Result<()> {
+        if self.on {
+            self.device.synchronize()?;
+            self.t = Instant::now();
+        }
+        Ok(())
     }
 }
 
@@ -226,6 +299,7 @@ impl Model {
         } else {
             None
         };
+        let mut clock = Clock::new(cache.profiling(), &self.device)?;
         for (li, layer) in self.layers.iter().enumerate() {
             let h = layer.attn_norm.forward(&x)?;
             let h = layer.attn.forward(
@@ -237,10 +311,12 @@ impl Model {
                 li,
                 pos0,
                 decode,
+                &mut clock,
             )?;
             x = (x + h)?;
             let h = layer.mlp.forward(&layer.mlp_norm.forward(&x)?, !decode)?;
             x = (x + h)?;
+            clock.lap(cache, Region::Mlp)?;
         }
         cache.advance(b);
         // Only the last row feeds the LM head: [1, hidden]

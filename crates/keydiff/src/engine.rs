@@ -64,6 +64,9 @@ pub struct GenerateParams {
     pub stop: Vec<String>,
     /// Keep generating past end-of-generation tokens (for benchmarks).
     pub ignore_eos: bool,
+    /// Time the prefill's regions ([`Stats::breakdown`]). This synchronises the device at every
+    /// region boundary, so it slows GPU runs: benchmarks use a separate profiled run.
+    pub profile: bool,
 }
 
 impl Default for GenerateParams {
@@ -74,6 +77,7 @@ impl Default for GenerateParams {
             sampling: Sampling::default(),
             stop: Vec::new(),
             ignore_eos: false,
+            profile: false,
         }
     }
 }
@@ -118,11 +122,58 @@ pub struct Stats {
     pub final_cache_len: usize,
     /// Evictions, evicted slots, and seconds spent scoring and selecting/moving.
     pub eviction: CacheCounters,
+    /// Where the prefill time went, when the request was profiled.
+    pub breakdown: Option<Breakdown>,
     /// Name of the eviction policy.
     pub policy: String,
     /// The budget N, when one is set.
     pub budget: Option<usize>,
     pub stop_reason: StopReason,
+}
+
+/// Prefill time by region, summed over layers and chunks (a profiled request).
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct Breakdown {
+    /// Norms, Q/K/V/O projections, RoPE, cache append, softmax attention.
+    pub attention_s: f64,
+    /// Attention statistics for TOVA, SnapKV and H2O (row sums, H2O's accumulation).
+    pub attention_stats_s: f64,
+    /// Eviction: scoring the slots.
+    pub eviction_score_s: f64,
+    /// Eviction: selecting survivors and moving slots.
+    pub select_move_s: f64,
+    /// Norms, gate/up/down projections, residuals.
+    pub mlp_s: f64,
+    /// The rest of prefill: embedding, mask, RoPE tables, LM head, copying logits out.
+    pub other_s: f64,
+}
+
+impl Breakdown {
+    /// Sum of all regions: the prefill time.
+    pub fn total(&self) -> f64 {
+        self.attention_s
+            + self.attention_stats_s
+            + self.eviction_score_s
+            + self.select_move_s
+            + self.mlp_s
+            + self.other_s
+    }
+
+    fn new(profile: keydiff_cache::Profile, eviction: CacheCounters, prefill_s: f64) -> Self {
+        let known = profile.attention_s
+            + profile.stats_s
+            + eviction.score_s
+            + eviction.select_move_s
+            + profile.mlp_s;
+        Self {
+            attention_s: profile.attention_s,
+            attention_stats_s: profile.stats_s,
+            eviction_score_s: eviction.score_s,
+            select_move_s: eviction.select_move_s,
+            mlp_s: profile.mlp_s,
+            other_s: (prefill_s - known).max(0.0),
+        }
+    }
 }
 
 /// Result of one request.
@@ -288,6 +339,7 @@ impl Engine {
         // A full cache holds the prompt and the output, never beyond the context.
         let mut cache = self.new_cache((n + params.max_tokens).min(context))?;
         let peak_kv_bytes = cache.bytes();
+        cache.set_profiling(params.profile);
 
         let chunk = self.cfg.cache.chunk;
         let tp = Instant::now();
@@ -301,6 +353,10 @@ impl Engine {
         }
         let mut logits = logits.expect("non-empty prompt").to_vec1::<f32>()?;
         let prefill_s = tp.elapsed().as_secs_f64();
+        let breakdown = cache
+            .profile()
+            .map(|p| Breakdown::new(p, cache.counters(), prefill_s));
+        cache.set_profiling(false);
 
         let mut sampler = Sampler::new(params.sampling.clone());
         let mut history = prompt.clone();
@@ -360,6 +416,7 @@ impl Engine {
             peak_kv_bytes,
             final_cache_len: cache.len(),
             eviction: cache.counters(),
+            breakdown,
             policy: self.cfg.cache.policy.name(),
             budget: self.cfg.cache.budget,
             stop_reason: reason,
@@ -370,6 +427,16 @@ impl Engine {
             tokens: generated,
             stats,
         })
+    }
+
+    /// Changes the cache settings (policy, budget, chunk) for later requests; the model stays
+    /// loaded.
+    pub fn set_cache_config(&mut self, cache: CacheConfig) -> Result<()> {
+        cache
+            .validate()
+            .map_err(|e| EngineError::BadParams(e.to_string()))?;
+        self.cfg.cache = cache;
+        Ok(())
     }
 
     /// A fresh cache under the engine's cache settings (`full_capacity` slots with `full`).

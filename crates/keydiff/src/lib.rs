@@ -10,6 +10,7 @@
 //! # Ok::<(), keydiff::EngineError>(())
 //! ```
 
+pub mod bench;
 mod engine;
 mod error;
 pub mod parity;
@@ -19,7 +20,8 @@ mod stream;
 
 pub use candle_core::{DType, Device};
 pub use engine::{
-    Engine, EngineConfig, Event, GenerateParams, Output, Prompt, Stats, StopReason, DEFAULT_CHUNK,
+    Breakdown, Engine, EngineConfig, Event, GenerateParams, Output, Prompt, Stats, StopReason,
+    DEFAULT_CHUNK,
 };
 pub use error::{EngineError, Result};
 pub use keydiff_cache::config::SNAPKV_WINDOW;

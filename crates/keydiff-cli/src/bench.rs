@@ -1,0 +1,496 @@
+//! `keydiff bench ttft|decode`: parse, run the library's sweeps, print and write results.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use clap::{Args, Subcommand};
+use keydiff::bench::{self, Case, DecodeResult, Phase, Plan, Provenance, TtftResult};
+use keydiff::{CacheConfig, Engine, PolicyKind, Stats};
+
+use crate::{plot, LoadArgs, PolicyArgs};
+
+#[derive(Subcommand)]
+pub enum BenchCmd {
+    /// Time to first token over prompt lengths, budgets, chunk sizes and policies. Prints a
+    /// table and writes results.csv, results.json and ttft.svg to --out.
+    Ttft(TtftArgs),
+    /// Decode tokens per second and memory at a budget, after a prompt.
+    Decode(DecodeArgs),
+}
+
+/// Options of every sweep.
+#[derive(Args)]
+pub struct SweepArgs {
+    #[command(flatten)]
+    load: LoadArgs,
+    /// Prompt lengths in tokens (random token ids, drawn anew for every repetition).
+    #[arg(long, value_delimiter = ',', default_value = "4096")]
+    prompt_len: Vec<usize>,
+    /// KV budgets N (not used by `full`).
+    #[arg(long, value_delimiter = ',', default_value = "2048")]
+    budget: Vec<usize>,
+    /// Policies to compare.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "full,keydiff,tova,snapkv,h2o,sink"
+    )]
+    policies: Vec<String>,
+    #[command(flatten)]
+    policy_args: PolicyArgs,
+    /// Unrecorded runs of every case before measuring.
+    #[arg(long, default_value_t = 1)]
+    warmup: usize,
+    /// Measured runs of every case (interleaved: one round runs every case once).
+    #[arg(long, default_value_t = 3)]
+    reps: usize,
+    /// Round r's prompt is drawn from seed + r.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Directory for the results.
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+#[derive(Args)]
+pub struct TtftArgs {
+    #[command(flatten)]
+    sweep: SweepArgs,
+    /// Prefill chunk sizes B.
+    #[arg(long, value_delimiter = ',', default_value = "64,128,256")]
+    chunks: Vec<usize>,
+    /// Skip the time breakdown (on GPUs it costs one extra, profiled run per case).
+    #[arg(long)]
+    no_breakdown: bool,
+}
+
+#[derive(Args)]
+pub struct DecodeArgs {
+    #[command(flatten)]
+    sweep: SweepArgs,
+    /// Prefill chunk sizes B (decode evicts every --evict-every tokens, default B).
+    #[arg(long, value_delimiter = ',', default_value = "128")]
+    chunks: Vec<usize>,
+    /// Tokens generated after the first (decode steps timed).
+    #[arg(long, default_value_t = 128)]
+    gen_len: usize,
+}
+
+pub fn bench(cmd: BenchCmd) -> Result<()> {
+    match cmd {
+        BenchCmd::Ttft(a) => ttft(a),
+        BenchCmd::Decode(a) => decode(a),
+    }
+}
+
+/// The full command line, shell-quoted where needed.
+fn command_line() -> String {
+    std::env::args()
+        .map(|a| {
+            if !a.is_empty()
+                && a.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "-_./,:=@+".contains(c))
+            {
+                a
+            } else {
+                format!("'{}'", a.replace('\'', r"'\''"))
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+impl SweepArgs {
+    fn plan(&self, chunks: &[usize], breakdown: bool) -> Result<Plan> {
+        let policies = self
+            .policies
+            .iter()
+            .map(|p| self.policy_args.policy(p))
+            .collect::<Result<Vec<PolicyKind>>>()?;
+        let template = self.policy_args.cache("full", None, chunks[0])?;
+        Ok(Plan {
+            cases: bench::cases(&self.prompt_len, &self.budget, chunks, &policies, &template)?,
+            warmup: self.warmup,
+            reps: self.reps,
+            seed: self.seed,
+            breakdown,
+        })
+    }
+
+    fn load(&self, chunks: &[usize]) -> Result<Engine> {
+        anyhow::ensure!(!chunks.is_empty(), "--chunks is empty");
+        self.load.load(CacheConfig::full(chunks[0]))
+    }
+
+    fn out_dir(&self, kind: &str) -> Result<PathBuf> {
+        let dir = self
+            .out
+            .clone()
+            .unwrap_or_else(|| PathBuf::from(format!("bench/out/{kind}")));
+        std::fs::create_dir_all(&dir)
+            .with_context(|| format!("cannot create output directory {}", dir.display()))?;
+        Ok(dir)
+    }
+}
+
+fn progress_bar(total: usize) -> indicatif::ProgressBar {
+    let b = indicatif::ProgressBar::with_draw_target(
+        Some(total as u64),
+        indicatif::ProgressDrawTarget::stderr(),
+    );
+    b.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{bar:30} {pos}/{len} runs, elapsed {elapsed}, eta {eta} {msg}",
+        )
+        .expect("static template"),
+    );
+    b
+}
+
+fn on_run(bar: &indicatif::ProgressBar) -> impl FnMut(Phase, &Case, &Stats) + '_ {
+    move |phase, case, stats| {
+        let what = match phase {
+            Phase::Warmup => "warm-up",
+            Phase::Measure => "measured",
+            Phase::Profile => "profiled",
+        };
+        bar.set_message(format!(
+            "({what} {}: TTFT {:.3} s)",
+            case.label(),
+            stats.ttft_s
+        ));
+        bar.inc(1);
+    }
+}
+
+fn ttft(a: TtftArgs) -> Result<()> {
+    let plan = a.sweep.plan(&a.chunks, !a.no_breakdown)?;
+    let out = a.sweep.out_dir("ttft")?;
+    let mut engine = a.sweep.load(&a.chunks)?;
+    let prov = Provenance::collect(&engine, a.sweep.load.random_weights, command_line());
+    let separate = !engine.config().device.is_cpu();
+    let bar = progress_bar(bench::ttft_runs(&plan, separate));
+    let results = bench::ttft(&mut engine, &plan, on_run(&bar))?;
+    bar.finish_and_clear();
+
+    print!("{}", ttft_table(&results, &prov, &plan));
+    write_json(&out.join("results.json"), &prov, &results)?;
+    write_csv(&out.join("results.csv"), &prov, &ttft_csv(&results))?;
+    plot::ttft_svg(&out.join("ttft.svg"), &results, &prov)?;
+    eprintln!(
+        "wrote {0}/results.csv, {0}/results.json, {0}/ttft.svg",
+        out.display()
+    );
+    Ok(())
+}
+
+fn decode(a: DecodeArgs) -> Result<()> {
+    let plan = a.sweep.plan(&a.chunks, false)?;
+    let out = a.sweep.out_dir("decode")?;
+    let mut engine = a.sweep.load(&a.chunks)?;
+    let prov = Provenance::collect(&engine, a.sweep.load.random_weights, command_line());
+    let bar = progress_bar(bench::ttft_runs(&plan, false));
+    let results = bench::decode(&mut engine, &plan, a.gen_len, on_run(&bar))?;
+    bar.finish_and_clear();
+
+    print!("{}", decode_table(&results, &prov, &plan));
+    write_json(&out.join("results.json"), &prov, &results)?;
+    write_csv(&out.join("results.csv"), &prov, &decode_csv(&results))?;
+    eprintln!("wrote {0}/results.csv, {0}/results.json", out.display());
+    Ok(())
+}
+
+fn header(prov: &Provenance, plan: &Plan) -> String {
+    format!(
+        "# {} | {} | {} {} | commit {} | {}\n# {} warm-up + {} measured runs per case, interleaved; prompts: random token ids, seed {} + round\n",
+        prov.date,
+        prov.model,
+        prov.device,
+        prov.dtype,
+        prov.commit,
+        prov.machine,
+        plan.warmup,
+        plan.reps,
+        plan.seed
+    )
+}
+
+fn budget_str(b: Option<usize>) -> String {
+    b.map_or_else(|| "-".into(), |n| n.to_string())
+}
+
+const MIB: f64 = 1024.0 * 1024.0;
+
+/// TTFT of `full` at the same prompt length and chunk size, if measured.
+fn full_ttft(results: &[TtftResult], r: &TtftResult) -> Option<f64> {
+    results
+        .iter()
+        .find(|f| f.policy == "full" && f.prompt_len == r.prompt_len && f.chunk == r.chunk)
+        .map(|f| f.ttft.median)
+}
+
+fn ttft_table(results: &[TtftResult], prov: &Provenance, plan: &Plan) -> String {
+    let mut s = header(prov, plan);
+    if prov.random_weights {
+        s.push_str("# random weights: timing only, any generated text is meaningless\n");
+    }
+    let _ = writeln!(
+        s,
+        "{:>6} {:>4} {:>15} {:>6} {:>9} {:>9} {:>9} {:>7} {:>10} {:>7} {:>9} {:>10}",
+        "L",
+        "B",
+        "policy",
+        "N",
+        "TTFT med",
+        "min",
+        "max",
+        "/full",
+        "prefill/s",
+        "evict%",
+        "stats%",
+        "KV MiB"
+    );
+    for r in results {
+        let vs_full = full_ttft(results, r)
+            .map_or_else(|| "-".into(), |f| format!("{:.3}", r.ttft.median / f));
+        let b = &r.breakdown;
+        let stats_share = if plan.breakdown && b.total() > 0.0 {
+            format!("{:.2}", 100.0 * b.attention_stats_s / b.total())
+        } else {
+            "-".into()
+        };
+        let _ = writeln!(
+            s,
+            "{:>6} {:>4} {:>15} {:>6} {:>9.3} {:>9.3} {:>9.3} {:>7} {:>10.1} {:>7.2} {:>9} {:>10.1}",
+            r.prompt_len,
+            r.chunk,
+            r.policy,
+            budget_str(r.budget),
+            r.ttft.median,
+            r.ttft.min,
+            r.ttft.max,
+            vs_full,
+            r.prefill_tok_s,
+            100.0 * r.eviction_share,
+            stats_share,
+            r.peak_kv_bytes as f64 / MIB
+        );
+    }
+    s
+}
+
+fn decode_table(results: &[DecodeResult], prov: &Provenance, plan: &Plan) -> String {
+    let mut s = header(prov, plan);
+    let _ = writeln!(
+        s,
+        "{:>6} {:>4} {:>15} {:>6} {:>6} {:>9} {:>9} {:>9} {:>10} {:>7} {:>10}",
+        "L",
+        "B",
+        "policy",
+        "N",
+        "steps",
+        "tok/s med",
+        "min",
+        "max",
+        "evictions",
+        "KV MiB",
+        "RSS MiB"
+    );
+    for r in results {
+        let _ = writeln!(
+            s,
+            "{:>6} {:>4} {:>15} {:>6} {:>6} {:>9.2} {:>9.2} {:>9.2} {:>10} {:>7.1} {:>10}",
+            r.prompt_len,
+            r.chunk,
+            r.policy,
+            budget_str(r.budget),
+            r.decode_steps,
+            r.decode.median,
+            r.decode.min,
+            r.decode.max,
+            r.evictions,
+            r.peak_kv_bytes as f64 / MIB,
+            r.process_peak_rss_bytes
+                .map_or_else(|| "-".into(), |b| format!("{:.0}", b as f64 / MIB))
+        );
+    }
+    s.push_str("# RSS: the process's peak resident memory after all runs (weights included)\n");
+    s
+}
+
+/// Every row carries the provenance (commit, machine, device, command line).
+fn write_json<T: serde::Serialize>(path: &Path, prov: &Provenance, rows: &[T]) -> Result<()> {
+    let rows = rows
+        .iter()
+        .map(|r| {
+            let mut v = serde_json::to_value(r)?;
+            let p = serde_json::to_value(prov)?;
+            if let (Some(v), Some(p)) = (v.as_object_mut(), p.as_object()) {
+                for (k, x) in p {
+                    v.insert(k.clone(), x.clone());
+                }
+            }
+            Ok(v)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    std::fs::write(path, serde_json::to_string_pretty(&rows)? + "\n")
+        .with_context(|| format!("cannot write {}", path.display()))
+}
+
+/// A table of named columns, one row per result, provenance columns appended.
+struct Csv {
+    columns: Vec<&'static str>,
+    rows: Vec<Vec<String>>,
+}
+
+fn ttft_csv(results: &[TtftResult]) -> Csv {
+    let columns = vec![
+        "prompt_len",
+        "chunk",
+        "policy",
+        "budget",
+        "reps",
+        "ttft_median_s",
+        "ttft_min_s",
+        "ttft_max_s",
+        "ttft_vs_full",
+        "prefill_tok_s",
+        "eviction_share",
+        "evictions",
+        "peak_kv_bytes",
+        "attention_s",
+        "attention_stats_s",
+        "eviction_score_s",
+        "select_move_s",
+        "mlp_s",
+        "other_s",
+        "breakdown_from_separate_run",
+    ];
+    let rows = results
+        .iter()
+        .map(|r| {
+            let b = &r.breakdown;
+            vec![
+                r.prompt_len.to_string(),
+                r.chunk.to_string(),
+                r.policy.clone(),
+                r.budget.map_or_else(String::new, |n| n.to_string()),
+                r.ttft_s.len().to_string(),
+                format!("{:.6}", r.ttft.median),
+                format!("{:.6}", r.ttft.min),
+                format!("{:.6}", r.ttft.max),
+                full_ttft(results, r)
+                    .map_or_else(String::new, |f| format!("{:.4}", r.ttft.median / f)),
+                format!("{:.2}", r.prefill_tok_s),
+                format!("{:.6}", r.eviction_share),
+                r.evictions.to_string(),
+                r.peak_kv_bytes.to_string(),
+                format!("{:.6}", b.attention_s),
+                format!("{:.6}", b.attention_stats_s),
+                format!("{:.6}", b.eviction_score_s),
+                format!("{:.6}", b.select_move_s),
+                format!("{:.6}", b.mlp_s),
+                format!("{:.6}", b.other_s),
+                r.breakdown_from_separate_run.to_string(),
+            ]
+        })
+        .collect();
+    Csv { columns, rows }
+}
+
+fn decode_csv(results: &[DecodeResult]) -> Csv {
+    let columns = vec![
+        "prompt_len",
+        "chunk",
+        "policy",
+        "budget",
+        "reps",
+        "decode_steps",
+        "decode_tok_s_median",
+        "decode_tok_s_min",
+        "decode_tok_s_max",
+        "evictions",
+        "peak_kv_bytes",
+        "final_cache_len",
+        "process_peak_rss_bytes",
+    ];
+    let rows = results
+        .iter()
+        .map(|r| {
+            vec![
+                r.prompt_len.to_string(),
+                r.chunk.to_string(),
+                r.policy.clone(),
+                r.budget.map_or_else(String::new, |n| n.to_string()),
+                r.decode_tok_s.len().to_string(),
+                r.decode_steps.to_string(),
+                format!("{:.3}", r.decode.median),
+                format!("{:.3}", r.decode.min),
+                format!("{:.3}", r.decode.max),
+                r.evictions.to_string(),
+                r.peak_kv_bytes.to_string(),
+                r.final_cache_len.to_string(),
+                r.process_peak_rss_bytes
+                    .map_or_else(String::new, |b| b.to_string()),
+            ]
+        })
+        .collect();
+    Csv { columns, rows }
+}
+
+/// RFC 4180 quoting.
+fn csv_field(s: &str) -> String {
+    if s.contains([',', '"', '\n']) {
+        format!("\"{}\"", s.replace('"', "\"\""))
+    } else {
+        s.to_string()
+    }
+}
+
+fn write_csv(path: &Path, prov: &Provenance, t: &Csv) -> Result<()> {
+    let extra = [
+        ("date", prov.date.as_str()),
+        ("commit", prov.commit.as_str()),
+        ("machine", prov.machine.as_str()),
+        ("device", prov.device.as_str()),
+        ("dtype", prov.dtype.as_str()),
+        ("model", prov.model.as_str()),
+        (
+            "random_weights",
+            if prov.random_weights { "true" } else { "false" },
+        ),
+        ("command", prov.command.as_str()),
+    ];
+    let mut s = String::new();
+    let head: Vec<String> = t
+        .columns
+        .iter()
+        .map(|c| c.to_string())
+        .chain(extra.iter().map(|(k, _)| k.to_string()))
+        .collect();
+    s.push_str(&head.join(","));
+    s.push('\n');
+    for row in &t.rows {
+        let cells: Vec<String> = row
+            .iter()
+            .map(|c| csv_field(c))
+            .chain(extra.iter().map(|(_, v)| csv_field(v)))
+            .collect();
+        s.push_str(&cells.join(","));
+        s.push('\n');
+    }
+    std::fs::write(path, s).with_context(|| format!("cannot write {}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn csv_quotes_commas_and_quotes() {
+        assert_eq!(csv_field("plain"), "plain");
+        assert_eq!(csv_field("a,b"), "\"a,b\"");
+        assert_eq!(csv_field("say \"hi\""), "\"say \"\"hi\"\"\"");
+    }
+}

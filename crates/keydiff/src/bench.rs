@@ -1,0 +1,552 @@
+//! Benchmarks: time-to-first-token sweeps and decode throughput.
+//!
+//! How the timing is kept honest:
+//! - The device is synchronised before each measured request; the request ends by copying the
+//!   logits to the host, which waits for the device, so the host timer spans finished work.
+//! - Warm-up runs are made before any measured run and are not recorded.
+//! - Repetitions are interleaved: round r runs every case once, on a prompt drawn from
+//!   `seed + r`, so slow drift of the machine (heat, other load) spreads over all cases rather than
+//!   landing on one. Every case of a round sees the same prompt.
+//! - The time breakdown needs a device synchronisation at every region boundary. On the CPU that
+//!   is free, so measured runs carry it. On GPUs it would stall the queue, so it comes from one
+//!   extra, separate profiled run per case that is not part of the TTFT figures.
+
+use crate::engine::{Breakdown, Engine, GenerateParams, Prompt, Stats};
+use crate::error::{EngineError, Result};
+use crate::parity::random_tokens;
+use crate::sampling::Sampling;
+use keydiff_cache::{CacheConfig, PolicyKind};
+
+/// One measured configuration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Case {
+    pub prompt_len: usize,
+    /// Policy, budget N and chunk size B.
+    pub cache: CacheConfig,
+}
+
+impl Case {
+    /// `policy N=… B=… L=…`, for messages.
+    pub fn label(&self) -> String {
+        let n = self
+            .cache
+            .budget
+            .map_or_else(|| "-".to_string(), |n| n.to_string());
+        format!(
+            "{} N={n} B={} L={}",
+            self.cache.policy.name(),
+            self.cache.chunk,
+            self.prompt_len
+        )
+    }
+}
+
+/// The cross product of prompt lengths, chunk sizes, policies and budgets. `full` takes no
+/// budget, so it gets one case per length and chunk. `template` gives window, sinks and decode
+/// eviction interval. Every case is validated before anything runs.
+pub fn cases(
+    prompt_lens: &[usize],
+    budgets: &[usize],
+    chunks: &[usize],
+    policies: &[PolicyKind],
+    template: &CacheConfig,
+) -> Result<Vec<Case>> {
+    let mut out = Vec::new();
+    for &prompt_len in prompt_lens {
+        if prompt_len == 0 {
+            return Err(EngineError::BadParams("prompt length 0".into()));
+        }
+        for &chunk in chunks {
+            for policy in policies {
+                let budgets: Vec<Option<usize>> = if *policy == PolicyKind::Full {
+                    vec![None]
+                } else if budgets.is_empty() {
+                    return Err(EngineError::BadParams(format!(
+                        "policy {} needs a budget (--budget)",
+                        policy.name()
+                    )));
+                } else {
+                    budgets.iter().copied().map(Some).collect()
+                };
+                for budget in budgets {
+                    let cache = CacheConfig {
+                        policy: policy.clone(),
+                        budget,
+                        chunk,
+                        ..template.clone()
+                    };
+                    let case = Case { prompt_len, cache };
+                    case.cache.validate().map_err(|e| {
+                        EngineError::BadParams(format!("case {}: {e}", case.label()))
+                    })?;
+                    out.push(case);
+                }
+            }
+        }
+    }
+    if out.is_empty() {
+        return Err(EngineError::BadParams("no benchmark cases".into()));
+    }
+    Ok(out)
+}
+
+/// Median, minimum and maximum.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct Spread {
+    pub median: f64,
+    pub min: f64,
+    pub max: f64,
+}
+
+impl Spread {
+    /// Of a non-empty sample (the median of an even count is the mean of the middle two).
+    pub fn of(xs: &[f64]) -> Self {
+        let mut v = xs.to_vec();
+        v.sort_by(f64::total_cmp);
+        let n = v.len();
+        if n == 0 {
+            return Self::default();
+        }
+        let median = if n % 2 == 1 {
+            v[n / 2]
+        } else {
+            (v[n / 2 - 1] + v[n / 2]) / 2.0
+        };
+        Self {
+            median,
+            min: v[0],
+            max: v[n - 1],
+        }
+    }
+}
+
+/// Measured TTFT of one case.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct TtftResult {
+    pub prompt_len: usize,
+    pub chunk: usize,
+    pub policy: String,
+    pub budget: Option<usize>,
+    /// Every measured TTFT, in round order.
+    pub ttft_s: Vec<f64>,
+    pub ttft: Spread,
+    /// Prompt tokens per second of prefill, median over runs.
+    pub prefill_tok_s: f64,
+    /// Eviction (scoring + selection/moves) as a share of prefill time, from the breakdown.
+    pub eviction_share: f64,
+    /// Evictions per request (layers × eviction points).
+    pub evictions: usize,
+    pub peak_kv_bytes: usize,
+    /// Prefill time by region: the mean over measured runs on the CPU, or the separate
+    /// profiled run on GPUs.
+    pub breakdown: Breakdown,
+    /// Whether `breakdown` came from a separate profiled run (GPUs) or the measured runs (CPU).
+    pub breakdown_from_separate_run: bool,
+}
+
+/// What a sweep runs.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    pub cases: Vec<Case>,
+    /// Unrecorded runs of every case before measuring.
+    pub warmup: usize,
+    /// Measured runs of every case.
+    pub reps: usize,
+    /// Round r's prompt is drawn from `seed + r`.
+    pub seed: u64,
+    /// Collect the time breakdown.
+    pub breakdown: bool,
+}
+
+/// Progress of a sweep, for a progress bar.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    Warmup,
+    Measure,
+    Profile,
+}
+
+/// The prompt of round `round`: random token ids, the same for every case of the round.
+pub fn prompt(engine: &Engine, len: usize, seed: u64, round: u64) -> Vec<u32> {
+    random_tokens(
+        len,
+        engine.model_config().vocab_size,
+        seed.wrapping_add(round),
+    )
+}
+
+/// Runs are counted as `(warmup + reps + profiled) × cases`.
+pub fn ttft_runs(plan: &Plan, profile_separately: bool) -> usize {
+    let extra = usize::from(plan.breakdown && profile_separately);
+    (plan.warmup + plan.reps + extra) * plan.cases.len()
+}
+
+/// Runs a TTFT sweep. `on_run(phase, case, stats)` is called after every run.
+pub fn ttft(
+    engine: &mut Engine,
+    plan: &Plan,
+    mut on_run: impl FnMut(Phase, &Case, &Stats),
+) -> Result<Vec<TtftResult>> {
+    if plan.reps == 0 {
+        return Err(EngineError::BadParams("--reps must be at least 1".into()));
+    }
+    let context = engine.model_config().max_position_embeddings;
+    for c in &plan.cases {
+        if c.prompt_len > context {
+            return Err(EngineError::PromptTooLong {
+                tokens: c.prompt_len,
+                context,
+            });
+        }
+    }
+    let on_cpu = engine.config().device.is_cpu();
+    let profile_measured = plan.breakdown && on_cpu;
+    // Warm-up prompts come from seeds no measured round uses.
+    for w in 0..plan.warmup {
+        for c in &plan.cases {
+            let p = prompt(engine, c.prompt_len, plan.seed ^ 0x5741_524d, w as u64);
+            let s = first_token(engine, c, p, false)?;
+            on_run(Phase::Warmup, c, &s);
+        }
+    }
+    let mut runs: Vec<Vec<Stats>> = vec![Vec::new(); plan.cases.len()];
+    for r in 0..plan.reps {
+        for (i, c) in plan.cases.iter().enumerate() {
+            let p = prompt(engine, c.prompt_len, plan.seed, r as u64);
+            let s = first_token(engine, c, p, profile_measured)?;
+            on_run(Phase::Measure, c, &s);
+            runs[i].push(s);
+        }
+    }
+    let mut out = Vec::with_capacity(plan.cases.len());
+    for (c, stats) in plan.cases.iter().zip(runs) {
+        let (breakdown, separate) = if !plan.breakdown {
+            (Breakdown::default(), false)
+        } else if profile_measured {
+            (mean_breakdown(&stats), false)
+        } else {
+            let p = prompt(engine, c.prompt_len, plan.seed, 0);
+            let s = first_token(engine, c, p, true)?;
+            on_run(Phase::Profile, c, &s);
+            (s.breakdown.unwrap_or_default(), true)
+        };
+        let ttft_s: Vec<f64> = stats.iter().map(|s| s.ttft_s).collect();
+        let prefill: Vec<f64> = stats.iter().map(|s| s.prefill_tok_s).collect();
+        let prefill_total = breakdown.total();
+        let eviction_share = if plan.breakdown && prefill_total > 0.0 {
+            (breakdown.eviction_score_s + breakdown.select_move_s) / prefill_total
+        } else {
+            // No breakdown: host timers around eviction (exact on the CPU).
+            let s = &stats[0];
+            (s.eviction.score_s + s.eviction.select_move_s) / s.prefill_s.max(1e-12)
+        };
+        out.push(TtftResult {
+            prompt_len: c.prompt_len,
+            chunk: c.cache.chunk,
+            policy: c.cache.policy.name(),
+            budget: c.cache.budget,
+            ttft: Spread::of(&ttft_s),
+            ttft_s,
+            prefill_tok_s: Spread::of(&prefill).median,
+            eviction_share,
+            evictions: stats[0].eviction.evictions,
+            peak_kv_bytes: stats[0].peak_kv_bytes,
+            breakdown,
+            breakdown_from_separate_run: separate,
+        });
+    }
+    Ok(out)
+}
+
+fn mean_breakdown(stats: &[Stats]) -> Breakdown {
+    let n = stats.len().max(1) as f64;
+    let mut m = Breakdown::default();
+    for b in stats.iter().filter_map(|s| s.breakdown) {
+        m.attention_s += b.attention_s / n;
+        m.attention_stats_s += b.attention_stats_s / n;
+        m.eviction_score_s += b.eviction_score_s / n;
+        m.select_move_s += b.select_move_s / n;
+        m.mlp_s += b.mlp_s / n;
+        m.other_s += b.other_s / n;
+    }
+    m
+}
+
+/// Prefills `tokens` under the case's cache settings and samples one token, greedy.
+fn first_token(engine: &mut Engine, case: &Case, tokens: Vec<u32>, profile: bool) -> Result<Stats> {
+    engine.set_cache_config(case.cache.clone())?;
+    engine.config().device.synchronize()?;
+    let params = GenerateParams {
+        prompt: Prompt::Tokens(tokens),
+        max_tokens: 1,
+        sampling: Sampling::default(),
+        ignore_eos: true,
+        profile,
+        ..Default::default()
+    };
+    Ok(engine.generate(&params, |_| {})?.stats)
+}
+
+/// Measured decode throughput of one case.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct DecodeResult {
+    pub prompt_len: usize,
+    pub chunk: usize,
+    pub policy: String,
+    pub budget: Option<usize>,
+    /// Decode steps per request (tokens after the first).
+    pub decode_steps: usize,
+    /// Decode tokens per second of every measured run, in round order.
+    pub decode_tok_s: Vec<f64>,
+    pub decode: Spread,
+    /// Evictions per request, prefill and decode.
+    pub evictions: usize,
+    /// Bytes of the KV cache (allocated once: also its peak).
+    pub peak_kv_bytes: usize,
+    /// Slots per head at the end of the request.
+    pub final_cache_len: usize,
+    /// Peak resident memory of this process so far (Linux VmHWM), when known. It includes the
+    /// weights and only grows, so it bounds what every case so far needed.
+    pub process_peak_rss_bytes: Option<u64>,
+}
+
+/// Runs a decode sweep: prefill each case's prompt, then generate `steps` tokens past the first,
+/// greedy, ignoring end-of-generation. The breakdown flag of `plan` is ignored.
+pub fn decode(
+    engine: &mut Engine,
+    plan: &Plan,
+    steps: usize,
+    mut on_run: impl FnMut(Phase, &Case, &Stats),
+) -> Result<Vec<DecodeResult>> {
+    if plan.reps == 0 || steps == 0 {
+        return Err(EngineError::BadParams(
+            "--reps and --gen-len must be at least 1".into(),
+        ));
+    }
+    let context = engine.model_config().max_position_embeddings;
+    for c in &plan.cases {
+        if c.prompt_len + steps + 1 > context {
+            return Err(EngineError::PromptTooLong {
+                tokens: c.prompt_len + steps + 1,
+                context,
+            });
+        }
+    }
+    let run = |engine: &mut Engine, c: &Case, tokens: Vec<u32>| -> Result<Stats> {
+        engine.set_cache_config(c.cache.clone())?;
+        engine.config().device.synchronize()?;
+        let params = GenerateParams {
+            prompt: Prompt::Tokens(tokens),
+            max_tokens: steps + 1,
+            ignore_eos: true,
+            ..Default::default()
+        };
+        Ok(engine.generate(&params, |_| {})?.stats)
+    };
+    for w in 0..plan.warmup {
+        for c in &plan.cases {
+            let p = prompt(engine, c.prompt_len, plan.seed ^ 0x5741_524d, w as u64);
+            let s = run(engine, c, p)?;
+            on_run(Phase::Warmup, c, &s);
+        }
+    }
+    let mut runs: Vec<Vec<Stats>> = vec![Vec::new(); plan.cases.len()];
+    for r in 0..plan.reps {
+        for (i, c) in plan.cases.iter().enumerate() {
+            let p = prompt(engine, c.prompt_len, plan.seed, r as u64);
+            let s = run(engine, c, p)?;
+            on_run(Phase::Measure, c, &s);
+            runs[i].push(s);
+        }
+    }
+    let rss = peak_rss_bytes();
+    Ok(plan
+        .cases
+        .iter()
+        .zip(runs)
+        .map(|(c, stats)| {
+            let tok_s: Vec<f64> = stats.iter().map(|s| s.decode_tok_s).collect();
+            DecodeResult {
+                prompt_len: c.prompt_len,
+                chunk: c.cache.chunk,
+                policy: c.cache.policy.name(),
+                budget: c.cache.budget,
+                decode_steps: stats[0].generated_tokens.saturating_sub(1),
+                decode: Spread::of(&tok_s),
+                decode_tok_s: tok_s,
+                evictions: stats[0].eviction.evictions,
+                peak_kv_bytes: stats[0].peak_kv_bytes,
+                final_cache_len: stats[0].final_cache_len,
+                process_peak_rss_bytes: rss,
+            }
+        })
+        .collect())
+}
+
+/// Peak resident set size of this process (Linux `VmHWM`).
+pub fn peak_rss_bytes() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// Where and from what a result was measured, stored with every result row.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Provenance {
+    /// UTC time the sweep started, RFC 3339.
+    pub date: String,
+    /// `git describe --always --dirty` of the working directory, or `$KEYDIFF_COMMIT`.
+    pub commit: String,
+    /// Host name, CPU model and logical CPUs; GPU name when one is used.
+    pub machine: String,
+    pub device: String,
+    pub dtype: String,
+    /// The model path or preset, and whether its weights are random.
+    pub model: String,
+    pub random_weights: bool,
+    /// The full command line.
+    pub command: String,
+    pub keydiff_version: String,
+}
+
+impl Provenance {
+    /// Collects the environment of this run.
+    pub fn collect(engine: &Engine, random_weights: bool, command: String) -> Self {
+        let device = match &engine.config().device {
+            candle_core::Device::Cpu => "cpu".to_string(),
+            d => format!("{:?}", d.location()),
+        };
+        let mut machine = format!(
+            "{} ({}, {} logical CPUs)",
+            read_trim("/proc/sys/kernel/hostname").unwrap_or_else(|| "unknown host".into()),
+            cpu_model().unwrap_or_else(|| "unknown CPU".into()),
+            std::thread::available_parallelism().map_or(0, |n| n.get())
+        );
+        if !engine.config().device.is_cpu() {
+            if let Some(gpu) =
+                command_output("nvidia-smi", &["--query-gpu=name", "--format=csv,noheader"])
+            {
+                machine.push_str(&format!(
+                    ", GPU {}",
+                    gpu.lines().next().unwrap_or("").trim()
+                ));
+            }
+        }
+        let commit = std::env::var("KEYDIFF_COMMIT")
+            .ok()
+            .or_else(|| command_output("git", &["describe", "--always", "--dirty", "--abbrev=12"]))
+            .unwrap_or_else(|| "unknown".into());
+        Self {
+            date: utc_now(),
+            commit: commit.trim().to_string(),
+            machine,
+            device,
+            dtype: format!("{:?}", engine.config().dtype).to_lowercase(),
+            model: engine.origin().to_string(),
+            random_weights,
+            command,
+            keydiff_version: env!("CARGO_PKG_VERSION").to_string(),
+        }
+    }
+}
+
+fn read_trim(path: &str) -> Option<String> {
+    std::fs::read_to_string(path)
+        .ok()
+        .map(|s| s.trim().to_string())
+}
+
+fn cpu_model() -> Option<String> {
+    let info = std::fs::read_to_string("/proc/cpuinfo").ok()?;
+    info.lines()
+        .find(|l| l.starts_with("model name"))
+        .and_then(|l| l.split(':').nth(1))
+        .map(|s| s.trim().to_string())
+}
+
+fn command_output(cmd: &str, args: &[&str]) -> Option<String> {
+    let out = std::process::Command::new(cmd).args(args).output().ok()?;
+    if !out.status.success() {
+        return None;
+    }
+    let s = String::from_utf8(out.stdout).ok()?;
+    let s = s.trim();
+    (!s.is_empty()).then(|| s.to_string())
+}
+
+/// The current UTC time as `YYYY-MM-DDTHH:MM:SSZ` (civil-from-days, no time crate needed).
+pub fn utc_now() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    format_utc(secs)
+}
+
+/// Formats seconds since the Unix epoch as RFC 3339 UTC.
+pub fn format_utc(secs: u64) -> String {
+    let days = (secs / 86_400) as i64;
+    let rem = secs % 86_400;
+    // Howard Hinnant's days-to-civil.
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spread_of_odd_and_even_samples() {
+        let s = Spread::of(&[3.0, 1.0, 2.0]);
+        assert_eq!((s.median, s.min, s.max), (2.0, 1.0, 3.0));
+        let s = Spread::of(&[4.0, 1.0, 3.0, 2.0]);
+        assert_eq!((s.median, s.min, s.max), (2.5, 1.0, 4.0));
+    }
+
+    #[test]
+    fn utc_formatting_matches_known_dates() {
+        assert_eq!(format_utc(0), "1970-01-01T00:00:00Z");
+        assert_eq!(format_utc(951_782_400), "2000-02-29T00:00:00Z");
+        assert_eq!(format_utc(1_796_004_245), "2026-11-30T02:04:05Z");
+    }
+
+    #[test]
+    fn full_gets_one_case_per_length_and_chunk() {
+        let t = CacheConfig::full(128);
+        let c = cases(
+            &[1000, 2000],
+            &[256, 512],
+            &[64, 128],
+            &[PolicyKind::Full, PolicyKind::Sink],
+            &t,
+        )
+        .unwrap();
+        // 2 lengths × 2 chunks × (1 full + 2 sink budgets)
+        assert_eq!(c.len(), 12);
+        assert_eq!(c.iter().filter(|c| c.cache.budget.is_none()).count(), 4);
+    }
+
+    #[test]
+    fn invalid_cases_are_refused_before_running() {
+        let t = CacheConfig::full(128);
+        let e = cases(&[1000], &[64], &[128], &[PolicyKind::Sink], &t).unwrap_err();
+        let msg = e.to_string();
+        assert!(msg.contains("N=64 B=128"), "{msg}");
+        assert!(cases(&[1000], &[], &[128], &[PolicyKind::Sink], &t).is_err());
+        assert!(cases(&[0], &[256], &[128], &[PolicyKind::Full], &t).is_err());
+    }
+}

@@ -1,0 +1,319 @@
+//! Benchmarks: the prefill time breakdown, the TTFT and decode sweeps, and `keydiff bench`'s
+//! files. Tiny random models: these check what is measured and written, not how fast it is.
+
+use std::process::Command;
+
+use keydiff::bench::{self, Phase, Plan};
+use keydiff::{CacheConfig, Engine, EngineConfig, GenerateParams, ModelSource, PolicyKind, Prompt};
+use keydiff_tests::{keydiff_bin, root, temp_dir};
+
+fn tiny(preset: &str, cache: CacheConfig) -> Engine {
+    let source = ModelSource::Random {
+        config: root().join(format!("configs/{preset}.json")),
+        seed: 3,
+        on_host: false,
+    };
+    let cfg = EngineConfig {
+        cache,
+        ..Default::default()
+    };
+    Engine::load(&source, &cfg).unwrap()
+}
+
+fn budgeted(policy: &str, n: usize, b: usize) -> CacheConfig {
+    CacheConfig {
+        policy: PolicyKind::parse(policy, keydiff::SNAPKV_WINDOW, 0).unwrap(),
+        budget: Some(n),
+        chunk: b,
+        window: 0.0,
+        sinks: 0,
+        evict_every: None,
+    }
+}
+
+/// The profiled regions add up to no more than the prefill, land where each policy spends its
+/// time, and profiling changes nothing about the output.
+#[test]
+fn breakdown_accounts_for_prefill_and_changes_nothing() {
+    let tokens = keydiff::parity::random_tokens(700, 256, 11);
+    for cache in [
+        CacheConfig::full(64),
+        budgeted("keydiff", 256, 64),
+        budgeted("h2o", 256, 64),
+        budgeted("snapkv", 256, 64),
+    ] {
+        let name = cache.policy.name();
+        let e = tiny("tiny-llama", cache);
+        let params = |profile| GenerateParams {
+            prompt: Prompt::Tokens(tokens.clone()),
+            max_tokens: 6,
+            ignore_eos: true,
+            profile,
+            ..Default::default()
+        };
+        let plain = e.generate(&params(false), |_| {}).unwrap();
+        let prof = e.generate(&params(true), |_| {}).unwrap();
+        assert_eq!(
+            plain.tokens, prof.tokens,
+            "{name}: profiling changed the output"
+        );
+        assert!(plain.stats.breakdown.is_none());
+        let s = &prof.stats;
+        let b = s.breakdown.expect("profiled run has a breakdown");
+        let known =
+            b.attention_s + b.attention_stats_s + b.eviction_score_s + b.select_move_s + b.mlp_s;
+        assert!(
+            known <= s.prefill_s * 1.0001,
+            "{name}: regions {known} s exceed prefill {} s",
+            s.prefill_s
+        );
+        assert!(
+            (b.total() - s.prefill_s).abs() < 1e-9,
+            "{name}: {b:?} vs {}",
+            s.prefill_s
+        );
+        assert!(b.attention_s > 0.0 && b.mlp_s > 0.0, "{name}: {b:?}");
+        match name.as_str() {
+            "full" => {
+                assert_eq!(b.eviction_score_s + b.select_move_s, 0.0, "{b:?}");
+                assert_eq!(b.attention_stats_s, 0.0, "{b:?}");
+            }
+            "keydiff" => {
+                assert!(b.eviction_score_s > 0.0 && b.select_move_s > 0.0, "{b:?}");
+                assert_eq!(
+                    b.attention_stats_s, 0.0,
+                    "keydiff needs no statistics: {b:?}"
+                );
+            }
+            _ => {
+                assert!(b.attention_stats_s > 0.0, "{name} needs statistics: {b:?}");
+                assert!(b.eviction_score_s > 0.0, "{name}: {b:?}");
+            }
+        }
+        // The breakdown's eviction parts are the prefill's eviction counters.
+        assert_eq!(b.eviction_score_s, s.eviction.score_s, "{name}");
+    }
+}
+
+#[test]
+fn ttft_sweep_measures_every_case_in_interleaved_rounds() {
+    let mut e = tiny("tiny-qwen", CacheConfig::full(64));
+    let policies = [
+        PolicyKind::Full,
+        PolicyKind::parse("keydiff", 32, 0).unwrap(),
+        PolicyKind::Sink,
+    ];
+    let plan = Plan {
+        cases: bench::cases(
+            &[300, 520],
+            &[192],
+            &[32, 64],
+            &policies,
+            &CacheConfig::full(64),
+        )
+        .unwrap(),
+        warmup: 1,
+        reps: 3,
+        seed: 7,
+        breakdown: true,
+    };
+    assert_eq!(plan.cases.len(), 12);
+    let mut seen = Vec::new();
+    let results = bench::ttft(&mut e, &plan, |phase, case, s| {
+        seen.push((phase, case.label(), s.prompt_tokens));
+    })
+    .unwrap();
+    assert_eq!(seen.len(), bench::ttft_runs(&plan, false));
+    // Warm-ups first, then round after round over all cases.
+    let phases: Vec<Phase> = seen.iter().map(|s| s.0).collect();
+    assert!(phases[..12].iter().all(|&p| p == Phase::Warmup));
+    assert!(phases[12..].iter().all(|&p| p == Phase::Measure));
+    let labels: Vec<&String> = seen[12..24].iter().map(|s| &s.1).collect();
+    let next: Vec<&String> = seen[24..36].iter().map(|s| &s.1).collect();
+    assert_eq!(labels, next, "every round runs the cases in the same order");
+
+    assert_eq!(results.len(), 12);
+    let c = e.model_config().clone();
+    for r in &results {
+        assert_eq!(r.ttft_s.len(), 3);
+        assert!(
+            r.ttft.min <= r.ttft.median && r.ttft.median <= r.ttft.max,
+            "{r:?}"
+        );
+        assert!(r.ttft.min > 0.0 && r.prefill_tok_s > 0.0);
+        match r.budget {
+            None => {
+                assert_eq!(r.policy, "full");
+                assert_eq!(r.eviction_share, 0.0);
+                assert_eq!(r.evictions, 0);
+            }
+            Some(n) => {
+                let kv = (n + r.chunk) * c.num_layers * c.num_kv_heads * c.head_dim * 2 * 4;
+                assert_eq!(r.peak_kv_bytes, kv, "{r:?}");
+                assert!(r.evictions > 0 && r.eviction_share > 0.0, "{r:?}");
+                assert!(r.eviction_share < 1.0);
+            }
+        }
+    }
+}
+
+#[test]
+fn rounds_draw_new_prompts_and_cases_of_a_round_share_one() {
+    let e = tiny("tiny-qwen", CacheConfig::full(64));
+    let a = bench::prompt(&e, 100, 7, 0);
+    assert_eq!(a, bench::prompt(&e, 100, 7, 0));
+    assert_ne!(a, bench::prompt(&e, 100, 7, 1));
+    assert_eq!(a.len(), 100);
+}
+
+#[test]
+fn decode_sweep_reports_throughput_and_bounded_cache() {
+    let mut e = tiny("tiny-llama", CacheConfig::full(64));
+    let policies = [
+        PolicyKind::Full,
+        PolicyKind::parse("keydiff", 32, 0).unwrap(),
+    ];
+    let plan = Plan {
+        cases: bench::cases(&[300], &[128], &[64], &policies, &CacheConfig::full(64)).unwrap(),
+        warmup: 0,
+        reps: 2,
+        seed: 1,
+        breakdown: false,
+    };
+    let r = bench::decode(&mut e, &plan, 150, |_, _, _| {}).unwrap();
+    assert_eq!(r.len(), 2);
+    assert_eq!(r[0].final_cache_len, 300 + 150, "full keeps everything");
+    assert!(r[1].final_cache_len <= 128 + 64, "{:?}", r[1]);
+    for x in &r {
+        assert_eq!(x.decode_steps, 150);
+        assert!(x.decode.median > 0.0);
+        assert_eq!(x.decode_tok_s.len(), 2);
+    }
+    assert!(r[1].peak_kv_bytes < r[0].peak_kv_bytes);
+}
+
+fn run_cli(args: &[&str]) -> std::process::Output {
+    Command::new(keydiff_bin())
+        .args(args)
+        .current_dir(root())
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn bench_ttft_writes_table_csv_json_and_svg() {
+    let dir = temp_dir("bench-ttft");
+    let out = run_cli(&[
+        "bench",
+        "ttft",
+        "--preset",
+        "tiny-qwen",
+        "--random-weights",
+        "--prompt-len",
+        "400",
+        "--budget",
+        "128",
+        "--chunks",
+        "32,64",
+        "--policies",
+        "full,keydiff,tova",
+        "--reps",
+        "2",
+        "--warmup",
+        "0",
+        "--out",
+        dir.to_str().unwrap(),
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("meaningless"),
+        "random weights must be announced: {stderr}"
+    );
+    // Header lines and one table row per case.
+    let rows: Vec<&str> = stdout.lines().filter(|l| !l.starts_with('#')).collect();
+    assert_eq!(rows.len(), 1 + 6, "{stdout}");
+    assert!(rows[0].contains("TTFT med") && rows[0].contains("evict%"));
+
+    let csv = std::fs::read_to_string(dir.join("results.csv")).unwrap();
+    let lines: Vec<&str> = csv.lines().collect();
+    assert_eq!(lines.len(), 7, "{csv}");
+    for col in [
+        "ttft_median_s",
+        "eviction_share",
+        "peak_kv_bytes",
+        "commit",
+        "machine",
+        "command",
+    ] {
+        assert!(
+            lines[0].split(',').any(|c| c == col),
+            "missing {col}: {}",
+            lines[0]
+        );
+    }
+
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("results.json")).unwrap()).unwrap();
+    let rows = json.as_array().unwrap();
+    assert_eq!(rows.len(), 6);
+    for r in rows {
+        for key in ["commit", "machine", "device", "command", "date"] {
+            assert!(
+                r[key].as_str().is_some_and(|s| !s.is_empty()),
+                "{key} in {r}"
+            );
+        }
+        assert!(r["command"].as_str().unwrap().contains("bench ttft"));
+        assert_eq!(r["ttft_s"].as_array().unwrap().len(), 2);
+    }
+
+    let svg = std::fs::read_to_string(dir.join("ttft.svg")).unwrap();
+    assert!(svg.starts_with("<svg"));
+    for p in ["full", "keydiff", "tova", "chunk size B", "TTFT (s)"] {
+        assert!(svg.contains(p), "figure lacks {p}");
+    }
+}
+
+#[test]
+fn bench_refuses_bad_cases_before_running() {
+    let out = run_cli(&[
+        "bench",
+        "ttft",
+        "--preset",
+        "tiny-qwen",
+        "--random-weights",
+        "--budget",
+        "32",
+        "--chunks",
+        "64",
+        "--policies",
+        "keydiff",
+        "--out",
+        temp_dir("bench-bad").to_str().unwrap(),
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains("N=32 B=64"), "{stderr}");
+    let out = run_cli(&[
+        "bench",
+        "ttft",
+        "--preset",
+        "tiny-qwen",
+        "--random-weights",
+        "--prompt-len",
+        "40000",
+        "--budget",
+        "128",
+        "--chunks",
+        "64",
+        "--policies",
+        "keydiff",
+        "--out",
+        temp_dir("bench-long").to_str().unwrap(),
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains("context"), "{stderr}");
+}
