@@ -85,7 +85,7 @@ pub fn bench(cmd: BenchCmd) -> Result<()> {
 }
 
 /// The full command line, shell-quoted where needed.
-fn command_line() -> String {
+pub fn command_line() -> String {
     std::env::args()
         .map(|a| {
             if !a.is_empty()
@@ -148,18 +148,30 @@ fn progress_bar(total: usize) -> indicatif::ProgressBar {
     b
 }
 
+/// Advances the progress bar; when stderr is not a terminal (logs, CI), prints a line per run
+/// instead, since the bar is not drawn there.
 fn on_run(bar: &indicatif::ProgressBar) -> impl FnMut(Phase, &Case, &Stats) + '_ {
+    let plain = !std::io::IsTerminal::is_terminal(&std::io::stderr());
     move |phase, case, stats| {
         let what = match phase {
             Phase::Warmup => "warm-up",
             Phase::Measure => "measured",
             Phase::Profile => "profiled",
         };
-        bar.set_message(format!(
-            "({what} {}: TTFT {:.3} s)",
+        let msg = format!(
+            "({what} {}: TTFT {:.3} s, decode {:.1} tok/s)",
             case.label(),
-            stats.ttft_s
-        ));
+            stats.ttft_s,
+            stats.decode_tok_s
+        );
+        if plain {
+            eprintln!(
+                "[{}/{}] {msg}",
+                bar.position() + 1,
+                bar.length().unwrap_or(0)
+            );
+        }
+        bar.set_message(msg);
         bar.inc(1);
     }
 }

@@ -1,6 +1,7 @@
 //! `keydiff`: the command line. Thin: parse, call the library, print.
 
 mod bench;
+mod eval;
 mod plot;
 
 use std::io::{Read, Write};
@@ -37,6 +38,9 @@ enum Cmd {
     /// Benchmarks: time to first token (ttft) and decode throughput (decode).
     #[command(subcommand)]
     Bench(bench::BenchCmd),
+    /// Accuracy under a budget: passkey, niah, phonebook or longbench, per policy × budget ×
+    /// length. Prints a table and writes results.json (and heatmap.svg for niah).
+    Eval(eval::EvalArgs),
     /// Print the token ids of a text as a JSON array.
     Tokenize {
         #[command(flatten)]
@@ -298,6 +302,7 @@ fn real_main() -> Result<()> {
     match Cli::parse().cmd {
         Cmd::Run(a) => run(a),
         Cmd::Bench(b) => bench::bench(b),
+        Cmd::Eval(a) => eval::eval(a),
         Cmd::Tokenize {
             model,
             prompt,

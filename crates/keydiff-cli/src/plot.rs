@@ -142,3 +142,121 @@ pub fn ttft_svg(path: &Path, results: &[TtftResult], prov: &Provenance) -> Resul
     root.present().map_err(err)?;
     Ok(())
 }
+
+/// One accuracy value for the heatmap: panel (policy, budget), length, depth.
+pub struct HeatCell {
+    pub policy: String,
+    pub budget: String,
+    pub length: usize,
+    pub depth: f64,
+    pub mean: f64,
+}
+
+/// Needle-in-a-haystack heatmaps: context length × needle depth, accuracy as colour (red 0 %,
+/// green 100 %), one panel per policy and budget; `full` first.
+pub fn heatmap_svg(path: &Path, cells: &[HeatCell], title: &str) -> Result<()> {
+    let mut panels: Vec<(String, String)> = Vec::new();
+    let mut lengths: Vec<usize> = Vec::new();
+    let mut depths: Vec<f64> = Vec::new();
+    for c in cells {
+        let p = (c.policy.clone(), c.budget.clone());
+        if !panels.contains(&p) {
+            panels.push(p);
+        }
+        if !lengths.contains(&c.length) {
+            lengths.push(c.length);
+        }
+        if !depths.iter().any(|d| (d - c.depth).abs() < 1e-9) {
+            depths.push(c.depth);
+        }
+    }
+    if panels.is_empty() {
+        return Err(anyhow!("no cells to draw"));
+    }
+    panels.sort_by_key(|(p, _)| p != "full");
+    lengths.sort_unstable();
+    depths.sort_by(f64::total_cmp);
+    let policies = panels
+        .iter()
+        .filter(|(p, _)| p != "full")
+        .map(|(p, _)| p.clone())
+        .fold(Vec::<String>::new(), |mut v, p| {
+            if !v.contains(&p) {
+                v.push(p);
+            }
+            v
+        });
+    let cols = policies.len().clamp(1, 6);
+    let rows = panels.len().div_ceil(cols);
+    let (w, h) = ((300 * cols as u32).max(900), 280 * rows as u32 + 40);
+    let root = SVGBackend::new(path, (w, h)).into_drawing_area();
+    root.fill(&WHITE).map_err(err)?;
+    let root = root
+        .titled(title, ("sans-serif", 16).into_font())
+        .map_err(err)?;
+    let areas = root.split_evenly((rows, cols));
+    let (nl, nd) = (lengths.len() as f64, depths.len() as f64);
+    for (area, (policy, budget)) in areas.iter().zip(&panels) {
+        let caption = if budget == "-" {
+            policy.clone()
+        } else {
+            format!("{policy}, N = {budget}")
+        };
+        let mut chart = ChartBuilder::on(area)
+            .caption(caption, ("sans-serif", 14))
+            .margin(8)
+            .x_label_area_size(30)
+            .y_label_area_size(40)
+            .build_cartesian_2d(0.0..nl, 0.0..nd)
+            .map_err(err)?;
+        let ls = lengths.clone();
+        let ds = depths.clone();
+        chart
+            .configure_mesh()
+            .disable_mesh()
+            .x_labels(lengths.len() * 2 + 1)
+            .y_labels(depths.len() * 2 + 1)
+            .x_label_formatter(&move |x| label_at(*x, &ls, |l| format!("{l}")))
+            .y_label_formatter(&move |y| label_at(*y, &ds, |d| format!("{d:.2}")))
+            .x_desc("length")
+            .y_desc("depth")
+            .draw()
+            .map_err(err)?;
+        for c in cells
+            .iter()
+            .filter(|c| &c.policy == policy && &c.budget == budget)
+        {
+            let x = lengths.iter().position(|&l| l == c.length).unwrap_or(0) as f64;
+            let y = depths
+                .iter()
+                .position(|d| (d - c.depth).abs() < 1e-9)
+                .unwrap_or(0) as f64;
+            let color = HSLColor(c.mean.clamp(0.0, 1.0) / 3.0, 0.65, 0.55);
+            chart
+                .draw_series(std::iter::once(Rectangle::new(
+                    [(x, y), (x + 1.0, y + 1.0)],
+                    color.filled(),
+                )))
+                .map_err(err)?;
+            chart
+                .draw_series(std::iter::once(Text::new(
+                    format!("{:.0}", 100.0 * c.mean),
+                    (x + 0.35, y + 0.6),
+                    ("sans-serif", 12).into_font(),
+                )))
+                .map_err(err)?;
+        }
+    }
+    root.present().map_err(err)?;
+    Ok(())
+}
+
+/// The label of the category whose cell centre is at `x` (cells are [i, i+1)), else empty.
+fn label_at<T: Copy>(x: f64, cats: &[T], f: impl Fn(T) -> String) -> String {
+    let i = x - 0.5;
+    if (i - i.round()).abs() < 1e-6 && i >= 0.0 && (i.round() as usize) < cats.len() {
+        f(cats[i.round() as usize])
+    } else {
+        String::new()
+    }
+}

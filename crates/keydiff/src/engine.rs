@@ -267,6 +267,17 @@ impl Engine {
         Ok(ids)
     }
 
+    /// Token ids of `text` as a continuation: never a BOS, special tokens not parsed.
+    pub fn tokenize_continuation(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self
+            .loaded
+            .vocab
+            .tokenizer
+            .encode_fast(text, false)
+            .map_err(|e| EngineError::Tokenizer(e.to_string()))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
     /// Text of `ids` (special tokens skipped).
     pub fn detokenize(&self, ids: &[u32]) -> Result<String> {
         self.loaded

@@ -1,0 +1,365 @@
+//! `keydiff eval <task>`: accuracy per policy × budget × length, results.json, and for niah a
+//! heatmap.
+
+use std::collections::HashSet;
+use std::fmt::Write as _;
+use std::io::Write as _;
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use keydiff::bench::Provenance;
+use keydiff::{CacheConfig, PolicyKind};
+use keydiff_eval::run::{self, BudgetSpec, Cell, Record, RunOptions, Setting};
+use keydiff_eval::synthetic::{self, Task};
+use keydiff_eval::{longbench, Sample};
+
+use crate::{plot, LoadArgs, PolicyArgs};
+
+#[derive(Args)]
+pub struct EvalArgs {
+    /// passkey, niah, phonebook or longbench.
+    task: String,
+    #[command(flatten)]
+    load: LoadArgs,
+    /// Policies to compare (`full` is the ceiling).
+    #[arg(long, value_delimiter = ',', default_value = "full,keydiff,tova,snapkv,h2o,sink")]
+    policies: Vec<String>,
+    /// Budgets: token counts or shares of each sample's input (25%).
+    #[arg(long, value_delimiter = ',', default_value = "25%,50%,75%")]
+    budgets: Vec<String>,
+    /// Sequence lengths in tokens (input + answer), synthetic tasks.
+    #[arg(long, value_delimiter = ',', default_value = "2048,4096,8192")]
+    lengths: Vec<usize>,
+    /// Needle depths in [0, 1], synthetic tasks. Default: 0,0.25,0.5,0.75,1 for niah; a random
+    /// depth per sample for passkey and phonebook.
+    #[arg(long, value_delimiter = ',')]
+    depths: Option<Vec<f64>>,
+    /// Samples per length and depth (synthetic) or per LongBench task (at most).
+    #[arg(long, default_value_t = 10)]
+    samples: usize,
+    /// Sample i of a cell is made from seed + i.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Prefill chunk size B.
+    #[arg(long, default_value_t = keydiff::DEFAULT_CHUNK)]
+    chunk: usize,
+    #[command(flatten)]
+    policy_args: PolicyArgs,
+    /// Wrap prompts in the model's chat template (LongBench's few-shot and code tasks never
+    /// are, as in LongBench).
+    #[arg(long)]
+    chat: bool,
+    /// LongBench: directory of <task>.jsonl files.
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// LongBench: tasks to run (default: every English task with a file in --data).
+    #[arg(long, value_delimiter = ',')]
+    tasks: Option<Vec<String>>,
+    /// Directory for results.json, records.jsonl and (niah) heatmap.svg.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Keep the records already in OUT/records.jsonl and run only the missing ones.
+    #[arg(long)]
+    resume: bool,
+}
+
+fn key(task: &str, id: &str, policy: &str, budget: &str) -> String {
+    format!("{task}\u{1f}{id}\u{1f}{policy}\u{1f}{budget}")
+}
+
+pub fn eval(a: EvalArgs) -> Result<()> {
+    let policies = a
+        .policies
+        .iter()
+        .map(|p| a.policy_args.policy(p))
+        .collect::<Result<Vec<PolicyKind>>>()?;
+    let budgets = a
+        .budgets
+        .iter()
+        .map(|b| BudgetSpec::parse(b))
+        .collect::<std::result::Result<Vec<_>, _>>()?;
+    let settings = Setting::grid(&policies, &budgets)?;
+    anyhow::ensure!(a.samples > 0, "--samples must be at least 1");
+    let template = a.policy_args.cache("full", None, a.chunk)?;
+    let mut engine = a.load.load(CacheConfig::full(a.chunk))?;
+    let out = a
+        .out
+        .clone()
+        .unwrap_or_else(|| PathBuf::from(format!("bench/out/eval-{}", a.task)));
+    std::fs::create_dir_all(&out)
+        .with_context(|| format!("cannot create output directory {}", out.display()))?;
+
+    let opts = RunOptions {
+        chat: a.chat,
+        template: CacheConfig {
+            chunk: a.chunk,
+            ..template
+        },
+    };
+    let samples: Vec<Sample> = if a.task == "longbench" {
+        let dir = a
+            .data
+            .as_ref()
+            .context("longbench needs --data DIR with LongBench <task>.jsonl files")?;
+        let tasks: Vec<String> = match &a.tasks {
+            Some(t) => t.clone(),
+            None => longbench::ENGLISH_TASKS
+                .iter()
+                .filter(|t| dir.join(format!("{t}.jsonl")).exists())
+                .map(|t| t.to_string())
+                .collect(),
+        };
+        if tasks.is_empty() {
+            bail!(
+                "no LongBench task files (<task>.jsonl) in {}",
+                dir.display()
+            );
+        }
+        let mut all = Vec::new();
+        for t in &tasks {
+            all.extend(longbench::load(dir, t, Some(a.samples))?);
+        }
+        all
+    } else {
+        let task = Task::parse(&a.task)?;
+        let depths = match (&a.depths, task) {
+            (Some(d), _) => d.clone(),
+            (None, Task::Niah) => vec![0.0, 0.25, 0.5, 0.75, 1.0],
+            (None, _) => Vec::new(),
+        };
+        let chat = a.chat;
+        let eng = &engine;
+        let mut count = |user: &str, prefix: &str| -> keydiff_eval::Result<usize> {
+            Ok(run::input_ids(eng, user, prefix, chat)?.len())
+        };
+        synthetic::samples(task, &a.lengths, &depths, a.samples, a.seed, &mut count)?
+    };
+
+    // Records already made (resume), then the rest.
+    let records_path = out.join("records.jsonl");
+    let mut done: Vec<Record> = Vec::new();
+    if a.resume && records_path.exists() {
+        let text = std::fs::read_to_string(&records_path)?;
+        for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+            let v: serde_json::Value = serde_json::from_str(line)
+                .with_context(|| format!("{}:{}", records_path.display(), i + 1))?;
+            done.push(record_from_json(&v).with_context(|| {
+                format!("{}:{}: not a record", records_path.display(), i + 1)
+            })?);
+        }
+    } else if records_path.exists() {
+        std::fs::remove_file(&records_path)?;
+    }
+    let have: HashSet<String> = done
+        .iter()
+        .map(|r| key(&r.task, &r.id, &r.policy, &r.budget))
+        .collect();
+    let is_done = |s: &Sample, st: &Setting| {
+        have.contains(&key(&s.task, &s.id, &st.policy.name(), &st.budget_label()))
+    };
+    let todo = samples
+        .iter()
+        .map(|s| settings.iter().filter(|st| !is_done(s, st)).count())
+        .sum::<usize>();
+
+    let prov = Provenance::collect(
+        &engine,
+        a.load.random_weights,
+        crate::bench::command_line(),
+    );
+    let total = todo as u64;
+    let bar = indicatif::ProgressBar::with_draw_target(
+        Some(total),
+        indicatif::ProgressDrawTarget::stderr(),
+    );
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{bar:30} {pos}/{len} runs, elapsed {elapsed}, eta {eta} {msg}",
+        )
+        .expect("static template"),
+    );
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&records_path)
+        .with_context(|| format!("cannot write {}", records_path.display()))?;
+    let plain = !std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let new = run::run(&mut engine, &samples, &settings, &opts, is_done, |r| {
+            let _ = writeln!(
+                file,
+                "{}",
+                serde_json::to_string(r).unwrap_or_default()
+            );
+            let msg = format!(
+                "{} {} N={}: {} ({:.0}%)",
+                r.id,
+                r.policy,
+                r.budget,
+                if r.score >= 1.0 { "ok" } else { "miss" },
+                100.0 * r.score
+            );
+            if plain {
+                eprintln!("[{}/{}] {msg}", bar.position() + 1, total);
+            }
+            bar.set_message(msg);
+            bar.inc(1);
+    })?;
+    bar.finish_and_clear();
+    done.extend(new);
+    // Keep the order of samples × settings.
+    let order: Vec<String> = samples
+        .iter()
+        .flat_map(|s| {
+            settings
+                .iter()
+                .map(move |st| key(&s.task, &s.id, &st.policy.name(), &st.budget_label()))
+        })
+        .collect();
+    done.retain(|r| order.contains(&key(&r.task, &r.id, &r.policy, &r.budget)));
+    done.sort_by_key(|r| {
+        order
+            .iter()
+            .position(|k| *k == key(&r.task, &r.id, &r.policy, &r.budget))
+    });
+
+    let longbench = a.task == "longbench";
+    let for_table: Vec<Record> = done
+        .iter()
+        .cloned()
+        .map(|mut r| {
+            if longbench {
+                r.length = 0;
+            }
+            r
+        })
+        .collect();
+    let cells = run::cells(&for_table, false);
+    print!("{}", table(&a, &prov, &cells, longbench));
+    let by_depth = run::cells(&done, true);
+    let v = serde_json::json!({
+        "provenance": prov,
+        "task": a.task,
+        "options": {
+            "policies": a.policies, "budgets": a.budgets, "lengths": a.lengths,
+            "depths": a.depths, "samples": a.samples, "seed": a.seed, "chunk": a.chunk,
+            "chat": a.chat, "window": a.policy_args.window, "sinks": a.policy_args.sinks,
+        },
+        "cells": cells,
+        "cells_by_depth": by_depth,
+        "records": done,
+    });
+    let json_path = out.join("results.json");
+    std::fs::write(&json_path, serde_json::to_string_pretty(&v)? + "\n")
+        .with_context(|| format!("cannot write {}", json_path.display()))?;
+    let mut wrote = vec![json_path.display().to_string()];
+    if a.task == "niah" {
+        let heat: Vec<plot::HeatCell> = by_depth
+            .iter()
+            .filter_map(|c| {
+                Some(plot::HeatCell {
+                    policy: c.policy.clone(),
+                    budget: c.budget.clone(),
+                    length: c.length,
+                    depth: c.depth?,
+                    mean: c.mean,
+                })
+            })
+            .collect();
+        let path = out.join("heatmap.svg");
+        let title = format!(
+            "needle in a haystack: {}, B = {}, {} per cell (commit {})",
+            prov.model,
+            a.chunk,
+            a.samples,
+            prov.commit
+        );
+        plot::heatmap_svg(&path, &heat, &title)?;
+        wrote.push(path.display().to_string());
+    }
+    eprintln!("wrote {}", wrote.join(", "));
+    Ok(())
+}
+
+fn record_from_json(v: &serde_json::Value) -> Option<Record> {
+    let s = |k: &str| v.get(k)?.as_str().map(str::to_string);
+    Some(Record {
+        task: s("task")?,
+        id: s("id")?,
+        length: v.get("length")?.as_u64()? as usize,
+        depth: v.get("depth").and_then(|d| d.as_f64()),
+        input_tokens: v.get("input_tokens")?.as_u64()? as usize,
+        truncated: v.get("truncated")?.as_bool()?,
+        policy: s("policy")?,
+        budget: s("budget")?,
+        budget_tokens: v
+            .get("budget_tokens")
+            .and_then(|b| b.as_u64())
+            .map(|b| b as usize),
+        prediction: s("prediction")?,
+        answers: v
+            .get("answers")?
+            .as_array()?
+            .iter()
+            .filter_map(|a| a.as_str().map(str::to_string))
+            .collect(),
+        score: v.get("score")?.as_f64()?,
+        evictions: v.get("evictions")?.as_u64()? as usize,
+        seconds: v.get("seconds")?.as_f64()?,
+    })
+}
+
+/// Rows: task, policy, budget; columns: lengths. Each cell: mean score in %, ± standard error,
+/// and the number of samples.
+fn table(a: &EvalArgs, prov: &Provenance, cells: &[Cell], longbench: bool) -> String {
+    let mut s = format!(
+        "# {} | {} | {} | chunk {} | {} | commit {}\n# score in % ± standard error (samples)\n",
+        a.task,
+        prov.model,
+        if a.chat { "chat" } else { "plain" },
+        a.chunk,
+        prov.date,
+        prov.commit
+    );
+    let mut lengths: Vec<usize> = cells.iter().map(|c| c.length).collect();
+    lengths.sort_unstable();
+    lengths.dedup();
+    let _ = write!(s, "{:24} {:>15} {:>6}", "task", "policy", "N");
+    for l in &lengths {
+        if longbench {
+            let _ = write!(s, " {:>18}", "score");
+        } else {
+            let _ = write!(s, " {:>18}", format!("L={l}"));
+        }
+    }
+    s.push('\n');
+    let mut rows: Vec<(String, String, String)> = Vec::new();
+    for c in cells {
+        let r = (c.task.clone(), c.policy.clone(), c.budget.clone());
+        if !rows.contains(&r) {
+            rows.push(r);
+        }
+    }
+    for (task, policy, budget) in rows {
+        let _ = write!(s, "{task:24} {policy:>15} {budget:>6}");
+        for l in &lengths {
+            let cell = cells.iter().find(|c| {
+                c.task == task && c.policy == policy && c.budget == budget && c.length == *l
+            });
+            let txt = cell.map_or_else(
+                || "-".to_string(),
+                |c| {
+                    format!(
+                        "{:.1} ±{:.1} ({})",
+                        100.0 * c.mean,
+                        100.0 * c.stderr,
+                        c.n
+                    )
+                },
+            );
+            let _ = write!(s, " {txt:>18}");
+        }
+        s.push('\n');
+    }
+    s
+}
