@@ -12,7 +12,7 @@ preset=${PRESET:-llama-3.2-3b}
 plen=${PROMPT_LEN:-8192}
 budget_n=${BUDGET:-6144}
 out=${OUT:-bench/gpu-check-logs}
-mkdir -p "$out"
+mkdir -p "$out" "$out/ttft"
 summary=$out/summary.txt
 errors=$out/errors.log
 : > "$summary"; : > "$errors"
@@ -56,39 +56,19 @@ PY
 [ $parity_ok = 1 ] && note "parity: PASS" || note "parity: FAIL"
 
 echo "== 3. TTFT sweep: $preset random weights, bf16, prompt $plen, budget $budget_n"
-python3 -c "import random; random.seed(0); print(''.join(random.choice('abcdefghij klmnop') for _ in range($plen)), end='')" > /tmp/keydiff-prompt.txt
-# Warm-up (PTX load, allocator), excluded.
-timeout 120 "$bin" run --random-weights -m "$preset" --device "$device" --dtype bf16 \
-  -f /tmp/keydiff-prompt.txt -n 1 --json > /dev/null 2>&1
-: > "$out/ttft.jsonl"
-for chunk in 64 128 256; do
-  for policy in full keydiff tova snapkv; do
-    if [ "$SECONDS" -gt "$deadline" ]; then
-      note "ttft: skipped chunk $chunk $policy (past the ${deadline}s budget)"; continue
-    fi
-    budget=(); [ "$policy" != full ] && budget=(--budget "$budget_n")
-    line=$(timeout 90 "$bin" run --random-weights -m "$preset" --device "$device" --dtype bf16 \
-      -f /tmp/keydiff-prompt.txt -n 2 --chunk "$chunk" --policy "$policy" "${budget[@]}" --json 2>>"$errors")
-    echo "{\"chunk\":$chunk,\"policy\":\"$policy\",\"run\":${line:-null}}" >> "$out/ttft.jsonl"
-  done
-done
-python3 - "$out/ttft.jsonl" "$preset" "$plen" "$budget_n" >> "$summary" <<'PY'
-import json, sys
-print(f"TTFT (s), {sys.argv[2]} random weights bf16, {sys.argv[3]}-token prompt, budget {sys.argv[4]}:")
-rows = [json.loads(l) for l in open(sys.argv[1])]
-pols = ["full", "keydiff", "tova", "snapkv"]
-print("  chunk " + " ".join(f"{p:>9}" for p in pols) + "   evict-share(keydiff)")
-for c in (64, 128, 256):
-    cells, share = [], ""
-    for p in pols:
-        r = next((x for x in rows if x["chunk"] == c and x["policy"] == p), None)
-        s = r and r["run"] and r["run"]["stats"]
-        cells.append(f"{s['ttft_s']:9.3f}" if s else "   failed")
-        if s and p == "keydiff":
-            e = s["eviction"]
-            share = f"{(e['score_s'] + e['select_move_s']) / s['prefill_s']:.1%}"
-    print(f"  {c:5} " + " ".join(cells) + f"   {share}")
-PY
+# One process: weights are initialised once; 1 warm-up and 2 measured runs per case,
+# interleaved, then one profiled run per case for the breakdown (keydiff bench ttft).
+left=$((deadline - SECONDS)); [ "$left" -lt 60 ] && left=60
+if timeout "$left" "$bin" bench ttft --random-weights -m "$preset" --device "$device" --dtype bf16 \
+    --prompt-len "$plen" --budget "$budget_n" --chunks 64,128,256 \
+    --policies full,keydiff,tova,snapkv,h2o,sink --warmup 1 --reps 2 \
+    --out "$out/ttft" > "$out/ttft/table.txt.tmp" 2>>"$errors"; then
+  { echo "TTFT ($preset random weights, bf16, prompt $plen, budget $budget_n):"; cat "$out/ttft/table.txt.tmp"; } >> "$summary"
+else
+  note "ttft: FAILED or past the ${deadline}s budget (exit $?); see errors.log"
+  cat "$out/ttft/table.txt.tmp" >> "$summary" 2>/dev/null
+fi
+rm -f "$out/ttft/table.txt.tmp"
 echo
 note "elapsed: ${SECONDS}s"
 echo "==================== summary ===================="

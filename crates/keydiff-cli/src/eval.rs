@@ -23,7 +23,11 @@ pub struct EvalArgs {
     #[command(flatten)]
     load: LoadArgs,
     /// Policies to compare (`full` is the ceiling).
-    #[arg(long, value_delimiter = ',', default_value = "full,keydiff,tova,snapkv,h2o,sink")]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "full,keydiff,tova,snapkv,h2o,sink"
+    )]
     policies: Vec<String>,
     /// Budgets: token counts or shares of each sample's input (25%).
     #[arg(long, value_delimiter = ',', default_value = "25%,50%,75%")]
@@ -141,12 +145,18 @@ pub fn eval(a: EvalArgs) -> Result<()> {
     let mut done: Vec<Record> = Vec::new();
     if a.resume && records_path.exists() {
         let text = std::fs::read_to_string(&records_path)?;
-        for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+        for (i, line) in text
+            .lines()
+            .enumerate()
+            .filter(|(_, l)| !l.trim().is_empty())
+        {
             let v: serde_json::Value = serde_json::from_str(line)
                 .with_context(|| format!("{}:{}", records_path.display(), i + 1))?;
-            done.push(record_from_json(&v).with_context(|| {
-                format!("{}:{}: not a record", records_path.display(), i + 1)
-            })?);
+            done.push(
+                record_from_json(&v).with_context(|| {
+                    format!("{}:{}: not a record", records_path.display(), i + 1)
+                })?,
+            );
         }
     } else if records_path.exists() {
         std::fs::remove_file(&records_path)?;
@@ -163,11 +173,7 @@ pub fn eval(a: EvalArgs) -> Result<()> {
         .map(|s| settings.iter().filter(|st| !is_done(s, st)).count())
         .sum::<usize>();
 
-    let prov = Provenance::collect(
-        &engine,
-        a.load.random_weights,
-        crate::bench::command_line(),
-    );
+    let prov = Provenance::collect(&engine, a.load.random_weights, crate::bench::command_line());
     let total = todo as u64;
     let bar = indicatif::ProgressBar::with_draw_target(
         Some(total),
@@ -186,24 +192,20 @@ pub fn eval(a: EvalArgs) -> Result<()> {
         .with_context(|| format!("cannot write {}", records_path.display()))?;
     let plain = !std::io::IsTerminal::is_terminal(&std::io::stderr());
     let new = run::run(&mut engine, &samples, &settings, &opts, is_done, |r| {
-            let _ = writeln!(
-                file,
-                "{}",
-                serde_json::to_string(r).unwrap_or_default()
-            );
-            let msg = format!(
-                "{} {} N={}: {} ({:.0}%)",
-                r.id,
-                r.policy,
-                r.budget,
-                if r.score >= 1.0 { "ok" } else { "miss" },
-                100.0 * r.score
-            );
-            if plain {
-                eprintln!("[{}/{}] {msg}", bar.position() + 1, total);
-            }
-            bar.set_message(msg);
-            bar.inc(1);
+        let _ = writeln!(file, "{}", serde_json::to_string(r).unwrap_or_default());
+        let msg = format!(
+            "{} {} N={}: {} ({:.0}%)",
+            r.id,
+            r.policy,
+            r.budget,
+            if r.score >= 1.0 { "ok" } else { "miss" },
+            100.0 * r.score
+        );
+        if plain {
+            eprintln!("[{}/{}] {msg}", bar.position() + 1, total);
+        }
+        bar.set_message(msg);
+        bar.inc(1);
     })?;
     bar.finish_and_clear();
     done.extend(new);
@@ -269,10 +271,7 @@ pub fn eval(a: EvalArgs) -> Result<()> {
         let path = out.join("heatmap.svg");
         let title = format!(
             "needle in a haystack: {}, B = {}, {} per cell (commit {})",
-            prov.model,
-            a.chunk,
-            a.samples,
-            prov.commit
+            prov.model, a.chunk, a.samples, prov.commit
         );
         plot::heatmap_svg(&path, &heat, &title)?;
         wrote.push(path.display().to_string());
@@ -348,14 +347,7 @@ fn table(a: &EvalArgs, prov: &Provenance, cells: &[Cell], longbench: bool) -> St
             });
             let txt = cell.map_or_else(
                 || "-".to_string(),
-                |c| {
-                    format!(
-                        "{:.1} ±{:.1} ({})",
-                        100.0 * c.mean,
-                        100.0 * c.stderr,
-                        c.n
-                    )
-                },
+                |c| format!("{:.1} ±{:.1} ({})", 100.0 * c.mean, 100.0 * c.stderr, c.n),
             );
             let _ = write!(s, " {txt:>18}");
         }

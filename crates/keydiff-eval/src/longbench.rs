@@ -244,7 +244,8 @@ pub fn format_prompt(spec: &TaskSpec, context: &str, input: &str) -> String {
 /// puts the answer cue inside it, so `answer_prefix` is empty), `length` is the record's
 /// `length` and `chat` is `Some(false)` for the tasks LongBench runs without chat template.
 /// `dataset` and `language` are not read; `all_classes` may be `null` or absent except for
-/// trec. Blank lines are skipped.
+/// trec; `answers` must be non-empty, and for passage_retrieval_en each must hold a
+/// `Paragraph N` (where LongBench's metric would raise). Blank lines are skipped.
 ///
 /// Errors: an unknown task ([`EvalError::Params`], listing the known ones); a file that cannot
 /// be read, a line that is not JSON, a missing or mistyped field ([`EvalError::Data`] naming

@@ -46,9 +46,9 @@ impl Metric {
     /// Score of `prediction` against one reference `answer`.
     pub fn score(&self, prediction: &str, answer: &str, all_classes: &[String]) -> f64 {
         match self {
-            Metric::Contains => f64::from(u8::from(
-                !answer.is_empty() && prediction.contains(answer),
-            )),
+            Metric::Contains => {
+                f64::from(u8::from(!answer.is_empty() && prediction.contains(answer)))
+            }
             Metric::QaF1 => qa_f1_score(prediction, answer),
             Metric::RougeL => rouge_score(prediction, answer),
             Metric::Classification => classification_score(prediction, answer, all_classes),
@@ -394,9 +394,7 @@ pub(crate) fn paragraph_id(s: &str) -> Option<&str> {
     while let Some(off) = s[from..].find(KEY) {
         let digits_at = from + off + KEY.len();
         let rest = &s[digits_at..];
-        let len = rest
-            .find(|c: char| !py_is_digit(c))
-            .unwrap_or(rest.len());
+        let len = rest.find(|c: char| !py_is_digit(c)).unwrap_or(rest.len());
         if len > 0 {
             return Some(&rest[..len]);
         }
@@ -511,7 +509,9 @@ fn find_longest_match(
         bestj -= 1;
         bestsize += 1;
     }
-    while besti + bestsize < ahi && bestj + bestsize < bhi && a[besti + bestsize] == b[bestj + bestsize]
+    while besti + bestsize < ahi
+        && bestj + bestsize < bhi
+        && a[besti + bestsize] == b[bestj + bestsize]
     {
         bestsize += 1;
     }
@@ -563,7 +563,10 @@ mod tests {
     #[test]
     fn paragraph_id_takes_first_match() {
         assert_eq!(paragraph_id("Paragraph 12"), Some("12"));
-        assert_eq!(paragraph_id("Paragraph x, Paragraph 3 and Paragraph 4"), Some("3"));
+        assert_eq!(
+            paragraph_id("Paragraph x, Paragraph 3 and Paragraph 4"),
+            Some("3")
+        );
         assert_eq!(paragraph_id("paragraph 3"), None);
     }
 

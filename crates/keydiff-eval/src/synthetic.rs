@@ -61,17 +61,52 @@ const NOUNS: &[&str] = &[
     "drum", "feather", "guitar",
 ];
 const FIRST_NAMES: &[&str] = &[
-    "Ada", "Bruno", "Clara", "Dmitri", "Elena", "Farid", "Greta", "Hugo", "Ines", "Jonas",
-    "Kira", "Luca", "Mona", "Nils", "Olga", "Pavel", "Quinn", "Rosa", "Sven", "Tara", "Umar",
-    "Vera", "Wendel", "Xenia", "Yusuf", "Zora", "Anton", "Bianca", "Cyril", "Dalia", "Emil",
-    "Frida", "Goran", "Hanna", "Igor", "Jana", "Karl", "Lena", "Milan", "Nora",
+    "Ada", "Bruno", "Clara", "Dmitri", "Elena", "Farid", "Greta", "Hugo", "Ines", "Jonas", "Kira",
+    "Luca", "Mona", "Nils", "Olga", "Pavel", "Quinn", "Rosa", "Sven", "Tara", "Umar", "Vera",
+    "Wendel", "Xenia", "Yusuf", "Zora", "Anton", "Bianca", "Cyril", "Dalia", "Emil", "Frida",
+    "Goran", "Hanna", "Igor", "Jana", "Karl", "Lena", "Milan", "Nora",
 ];
 const LAST_NAMES: &[&str] = &[
-    "Abbott", "Becker", "Castillo", "Dalton", "Eriksen", "Fischer", "Garcia", "Hartmann",
-    "Ivanova", "Jensen", "Kowalski", "Lindqvist", "Moreau", "Novak", "Okafor", "Petrov",
-    "Quintero", "Rossi", "Schmidt", "Tanaka", "Ueda", "Varga", "Weber", "Xu", "Yilmaz",
-    "Zimmer", "Almeida", "Brandt", "Costa", "Dubois", "Engel", "Ferrari", "Gruber", "Horvat",
-    "Ibsen", "Jovanovic", "Keller", "Larsen", "Meyer", "Nieminen",
+    "Abbott",
+    "Becker",
+    "Castillo",
+    "Dalton",
+    "Eriksen",
+    "Fischer",
+    "Garcia",
+    "Hartmann",
+    "Ivanova",
+    "Jensen",
+    "Kowalski",
+    "Lindqvist",
+    "Moreau",
+    "Novak",
+    "Okafor",
+    "Petrov",
+    "Quintero",
+    "Rossi",
+    "Schmidt",
+    "Tanaka",
+    "Ueda",
+    "Varga",
+    "Weber",
+    "Xu",
+    "Yilmaz",
+    "Zimmer",
+    "Almeida",
+    "Brandt",
+    "Costa",
+    "Dubois",
+    "Engel",
+    "Ferrari",
+    "Gruber",
+    "Horvat",
+    "Ibsen",
+    "Jovanovic",
+    "Keller",
+    "Larsen",
+    "Meyer",
+    "Nieminen",
 ];
 
 /// The parts of a prompt before fitting: a head, haystack units, the needle (inserted before
@@ -226,9 +261,7 @@ pub fn sample(
                            important information there.\n\n"
                         .into(),
                     units: units(task, &mut rng, length),
-                    needle: format!(
-                        "The pass key is {key}. Remember it. {key} is the pass key. "
-                    ),
+                    needle: format!("The pass key is {key}. Remember it. {key} is the pass key. "),
                     tail: "\n\nWhat is the pass key?".into(),
                 },
                 key.to_string(),
@@ -288,7 +321,9 @@ pub fn sample(
         }
     };
     let budget = length.checked_sub(max_new).ok_or_else(|| {
-        EvalError::Params(format!("length {length} is shorter than the answer ({max_new})"))
+        EvalError::Params(format!(
+            "length {length} is shorter than the answer ({max_new})"
+        ))
     })?;
     let (prompt, tokens) = fit(&parts, depth, budget, &mut |t: &str| count(t, &prefix))?;
     tracing::debug!(task = task.name(), length, tokens, depth, "sample fitted");
@@ -350,11 +385,17 @@ mod tests {
                 let n = words(&s.prompt, &s.answer_prefix).unwrap() + s.max_new_tokens;
                 assert!(n <= len, "{task:?} {len}: {n}");
                 assert!(n + 40 >= len, "{task:?} {len}: only {n}");
-                assert!(s.prompt.contains(&s.answers[0]), "{task:?}: answer not in prompt");
-                assert_eq!(s.prompt.matches(&s.answers[0]).count(), match task {
-                    Task::Passkey => 2, // "The pass key is K. Remember it. K is the pass key."
-                    _ => 1,
-                });
+                assert!(
+                    s.prompt.contains(&s.answers[0]),
+                    "{task:?}: answer not in prompt"
+                );
+                assert_eq!(
+                    s.prompt.matches(&s.answers[0]).count(),
+                    match task {
+                        Task::Passkey => 2, // "The pass key is K. Remember it. K is the pass key."
+                        _ => 1,
+                    }
+                );
             }
         }
     }
@@ -366,7 +407,10 @@ mod tests {
             for d in [0.0, 0.25, 0.5, 0.75, 1.0] {
                 let s = sample(task, 2000, Some(d), 9, &mut words).unwrap();
                 let at = s.prompt.find(&s.answers[0]).unwrap() as f64 / s.prompt.len() as f64;
-                assert!((at - d).abs() < 0.08, "{task:?} depth {d}: needle at {at:.3}");
+                assert!(
+                    (at - d).abs() < 0.08,
+                    "{task:?} depth {d}: needle at {at:.3}"
+                );
                 assert!(at >= last, "{task:?}: depth not monotone");
                 last = at;
             }
