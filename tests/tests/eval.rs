@@ -157,3 +157,45 @@ fn smollm2_retrieves_a_passkey() {
     }
     assert!(recs[1]["evictions"].as_u64().unwrap() > 0);
 }
+
+/// LongBench from a directory of JSONL files: official templates, the task's metric, one row
+/// per task and setting.
+#[test]
+fn longbench_runs_from_jsonl_files() {
+    let dir = temp_dir("eval-longbench");
+    let data = root().join("crates/keydiff-eval/tests/fixtures/longbench");
+    let (ok, stdout, stderr) = run(&[
+        "eval",
+        "longbench",
+        "-m",
+        model(SMOLLM2).to_str().unwrap(),
+        "--data",
+        data.to_str().unwrap(),
+        "--tasks",
+        "trec,passage_count",
+        "--policies",
+        "full,keydiff",
+        "--budgets",
+        "128",
+        "--samples",
+        "2",
+        "--out",
+        dir.to_str().unwrap(),
+    ]);
+    assert!(ok, "{stderr}");
+    let recs = records(&dir);
+    assert_eq!(recs.len(), 2 * 2 * 2, "{stdout}");
+    for r in &recs {
+        let task = r["task"].as_str().unwrap();
+        assert!(task == "longbench/trec" || task == "longbench/passage_count");
+        let s = r["score"].as_f64().unwrap();
+        assert!((0.0..=1.0).contains(&s));
+        if task == "longbench/trec" {
+            // eval.py keeps the first line of trec predictions.
+            assert!(!r["prediction"].as_str().unwrap().contains('\n'));
+        }
+    }
+    for row in ["longbench/trec", "longbench/passage_count"] {
+        assert!(stdout.contains(row), "{stdout}");
+    }
+}
