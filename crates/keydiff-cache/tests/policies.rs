@@ -241,3 +241,40 @@ fn knorm_and_sink_scores() {
     let s = build(&PolicyKind::Sink).score(&l, None).unwrap();
     assert_eq!(s[1][7], 7.0);
 }
+
+/// The fused CPU op (the CUDA kernel's twin) equals the candle-ops reference, for both anchors,
+/// every float dtype, on a strided view of a larger buffer (as the cache hands it over).
+#[test]
+fn fused_scores_equal_reference() {
+    use candle_core::{DType, Device, Tensor};
+    use keydiff_cache::policy::keydiff_scores_fused;
+    let dev = Device::Cpu;
+    for (n, d) in [(1usize, 64usize), (37, 64), (300, 128), (1029, 256)] {
+        let buf = Tensor::randn(0f32, 1.0, (3, n + 5, d), &dev).unwrap();
+        let view = buf.narrow(1, 2, n).unwrap();
+        for dtype in [DType::F32, DType::F16, DType::BF16] {
+            let keys = view.to_dtype(dtype).unwrap();
+            let keys = if dtype == DType::F32 {
+                view.clone()
+            } else {
+                keys
+            };
+            for anchor in [Anchor::Normalized, Anchor::Mean] {
+                let want = keydiff_scores(&keys, anchor)
+                    .unwrap()
+                    .to_vec2::<f32>()
+                    .unwrap();
+                let got = keydiff_scores_fused(&keys, anchor)
+                    .unwrap()
+                    .to_vec2::<f32>()
+                    .unwrap();
+                for (w, g) in want.iter().flatten().zip(got.iter().flatten()) {
+                    assert!(
+                        (w - g).abs() < 2e-5,
+                        "n={n} d={d} {dtype:?} {anchor:?}: {w} vs {g}"
+                    );
+                }
+            }
+        }
+    }
+}

@@ -3,7 +3,7 @@
 //! s_i = −cos(k_i, μ), μ = mean of k̂ (normalised, default) or of k (`mean`), over all used
 //! slots of the head, the new chunk included. Needs no attention weights.
 
-use candle_core::{DType, Tensor};
+use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor, WithDType};
 
 use super::Policy;
 use crate::config::Anchor;
@@ -37,8 +37,97 @@ pub fn keydiff_scores(keys: &Tensor, anchor: Anchor) -> Result<Tensor> {
     Ok(cos.neg()?)
 }
 
+/// KeyDiff scores in one fused op, `[kv_heads, n]` f32: on the CPU two passes over each head's
+/// keys (norms and anchor, then cosines) with no intermediate tensors. Devices without a fused
+/// implementation use [`keydiff_scores`].
+pub fn keydiff_scores_fused(keys: &Tensor, anchor: Anchor) -> Result<Tensor> {
+    if keys.device().is_cpu() {
+        Ok(keys.apply_op1_no_bwd(&KeyDiffOp { anchor })?)
+    } else {
+        keydiff_scores(keys, anchor)
+    }
+}
+
+/// The fused scoring op (CPU twin of the CUDA kernel).
+struct KeyDiffOp {
+    anchor: Anchor,
+}
+
+impl KeyDiffOp {
+    /// `xs` holds `[kv, n, d]` at `offset` with strides `st`; rows must be contiguous.
+    fn run<T: WithDType>(
+        &self,
+        xs: &[T],
+        offset: usize,
+        (kv, n, d): (usize, usize, usize),
+        st: &[usize],
+    ) -> Vec<f32> {
+        let mut out = vec![0f32; kv * n];
+        let mut norms = vec![0f64; n];
+        let mut acc = vec![0f64; d];
+        let mut row = vec![0f64; d];
+        for h in 0..kv {
+            acc.iter_mut().for_each(|a| *a = 0.0);
+            let at = |i: usize| offset + h * st[0] + i * st[1];
+            // Pass 1: norms and the anchor sum.
+            for (i, norm) in norms.iter_mut().enumerate() {
+                let k = &xs[at(i)..at(i) + d];
+                for (r, x) in row.iter_mut().zip(k) {
+                    *r = x.to_f64();
+                }
+                *norm = row.iter().map(|x| x * x).sum::<f64>().sqrt() + NORM_EPS;
+                let w = match self.anchor {
+                    Anchor::Normalized => 1.0 / *norm,
+                    Anchor::Mean => 1.0,
+                };
+                for (a, r) in acc.iter_mut().zip(&row) {
+                    *a += r * w;
+                }
+            }
+            // The anchor's direction: the mean's 1/n cancels in the cosine, up to NORM_EPS.
+            let inv_n = 1.0 / n.max(1) as f64;
+            acc.iter_mut().for_each(|a| *a *= inv_n);
+            let mu_norm = acc.iter().map(|x| x * x).sum::<f64>().sqrt() + NORM_EPS;
+            // Pass 2: s_i = −cos(k_i, μ).
+            for (i, norm) in norms.iter().enumerate() {
+                let k = &xs[at(i)..at(i) + d];
+                let dot: f64 = k.iter().zip(&acc).map(|(x, m)| x.to_f64() * m).sum();
+                out[h * n + i] = (-dot / (norm * mu_norm)) as f32;
+            }
+        }
+        out
+    }
+}
+
+impl CustomOp1 for KeyDiffOp {
+    fn name(&self) -> &'static str {
+        "keydiff-scores"
+    }
+
+    fn cpu_fwd(
+        &self,
+        storage: &CpuStorage,
+        layout: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (kv, n, d) = layout.shape().dims3()?;
+        let st = layout.stride();
+        if st[2] != 1 {
+            candle_core::bail!("keydiff-scores needs contiguous key rows");
+        }
+        let o = layout.start_offset();
+        let out = match storage {
+            CpuStorage::F32(xs) => self.run(xs, o, (kv, n, d), st),
+            CpuStorage::F16(xs) => self.run(xs, o, (kv, n, d), st),
+            CpuStorage::BF16(xs) => self.run(xs, o, (kv, n, d), st),
+            CpuStorage::F64(xs) => self.run(xs, o, (kv, n, d), st),
+            _ => candle_core::bail!("keydiff-scores: unsupported dtype"),
+        };
+        Ok((CpuStorage::F32(out), Shape::from((kv, n))))
+    }
+}
+
 impl Policy for KeyDiff {
     fn score(&mut self, layer: &LayerCache, _: Option<&crate::AttnStats>) -> Result<Vec<Vec<f32>>> {
-        Ok(keydiff_scores(&layer.keys()?, self.anchor)?.to_vec2::<f32>()?)
+        Ok(keydiff_scores_fused(&layer.keys()?, self.anchor)?.to_vec2::<f32>()?)
     }
 }

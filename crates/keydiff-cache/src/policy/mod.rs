@@ -15,7 +15,7 @@ use crate::config::PolicyKind;
 use crate::layer::LayerCache;
 use crate::Result;
 
-pub use keydiff::keydiff_scores;
+pub use keydiff::{keydiff_scores, keydiff_scores_fused};
 
 /// Attention statistics a policy needs from the model's attention step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
