@@ -18,7 +18,9 @@ fn scoring(c: &mut Criterion) {
     ] {
         let buf = Tensor::randn(0f32, 1.0, (kv, n + 64, d), &Device::Cpu).unwrap();
         let keys = buf.narrow(1, 0, n).unwrap();
-        g.throughput(Throughput::Bytes((kv * n * d * DType::F32.size_in_bytes()) as u64));
+        g.throughput(Throughput::Bytes(
+            (kv * n * d * DType::F32.size_in_bytes()) as u64,
+        ));
         g.bench_with_input(BenchmarkId::new("candle-ops", name), &keys, |b, k| {
             b.iter(|| keydiff_scores(k, Anchor::Normalized).unwrap())
         });

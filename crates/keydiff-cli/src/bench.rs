@@ -17,6 +17,11 @@ pub enum BenchCmd {
     Ttft(TtftArgs),
     /// Decode tokens per second and memory at a budget, after a prompt.
     Decode(DecodeArgs),
+    /// Redraw DIR/ttft.svg from DIR/results.json (e.g. after merging results).
+    Plot {
+        /// A directory written by `bench ttft`.
+        dir: PathBuf,
+    },
 }
 
 /// Options of every sweep.
@@ -81,6 +86,7 @@ pub fn bench(cmd: BenchCmd) -> Result<()> {
     match cmd {
         BenchCmd::Ttft(a) => ttft(a),
         BenchCmd::Decode(a) => decode(a),
+        BenchCmd::Plot { dir } => replot(&dir),
     }
 }
 
@@ -194,6 +200,30 @@ fn ttft(a: TtftArgs) -> Result<()> {
         "wrote {0}/results.csv, {0}/results.json, {0}/ttft.svg",
         out.display()
     );
+    Ok(())
+}
+
+fn replot(dir: &Path) -> Result<()> {
+    let path = dir.join("results.json");
+    let text = std::fs::read_to_string(&path)
+        .with_context(|| format!("cannot read {}", path.display()))?;
+    let rows: Vec<serde_json::Value> = serde_json::from_str(&text)
+        .with_context(|| format!("{} is not a JSON array", path.display()))?;
+    let first = rows
+        .first()
+        .with_context(|| format!("{} has no rows", path.display()))?;
+    let prov: Provenance = serde_json::from_value(first.clone())
+        .with_context(|| format!("{}: row 1 lacks provenance", path.display()))?;
+    let results = rows
+        .into_iter()
+        .enumerate()
+        .map(|(i, r)| {
+            serde_json::from_value::<TtftResult>(r)
+                .with_context(|| format!("{}: row {} is not a TTFT result", path.display(), i + 1))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    plot::ttft_svg(&dir.join("ttft.svg"), &results, &prov)?;
+    eprintln!("wrote {}", dir.join("ttft.svg").display());
     Ok(())
 }
 

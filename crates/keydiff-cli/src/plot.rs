@@ -46,7 +46,7 @@ pub fn ttft_svg(path: &Path, results: &[TtftResult], prov: &Provenance) -> Resul
     }
     let cols = panels.len().min(3);
     let rows = panels.len().div_ceil(cols);
-    let (w, h) = (560 * cols as u32, 420 * rows as u32 + 40);
+    let (w, h) = ((560 * cols as u32).max(900), 420 * rows as u32 + 40);
     let root = SVGBackend::new(path, (w, h)).into_drawing_area();
     root.fill(&WHITE).map_err(err)?;
     let title = format!(
@@ -133,7 +133,7 @@ pub fn ttft_svg(path: &Path, results: &[TtftResult], prov: &Provenance) -> Resul
         }
         chart
             .configure_series_labels()
-            .position(SeriesLabelPosition::UpperRight)
+            .position(SeriesLabelPosition::LowerRight)
             .background_style(WHITE.mix(0.85))
             .border_style(BLACK)
             .draw()

@@ -91,7 +91,7 @@ pub fn cases(
 }
 
 /// Median, minimum and maximum.
-#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Spread {
     pub median: f64,
     pub min: f64,
@@ -121,7 +121,7 @@ impl Spread {
 }
 
 /// Measured TTFT of one case.
-#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct TtftResult {
     pub prompt_len: usize,
     pub chunk: usize,
@@ -392,7 +392,7 @@ pub fn peak_rss_bytes() -> Option<u64> {
 }
 
 /// Where and from what a result was measured, stored with every result row.
-#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Provenance {
     /// UTC time the sweep started, RFC 3339.
     pub date: String,

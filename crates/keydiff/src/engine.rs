@@ -132,7 +132,7 @@ pub struct Stats {
 }
 
 /// Prefill time by region, summed over layers and chunks (a profiled request).
-#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Breakdown {
     /// Norms, Q/K/V/O projections, RoPE, cache append, softmax attention.
     pub attention_s: f64,
