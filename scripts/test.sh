@@ -9,3 +9,5 @@ cargo fmt --all --check
 cargo clippy --release --workspace --all-targets -- -D warnings
 cargo build --release --workspace
 cargo test --release --workspace
+# GPU code must compile although no GPU is here: kernels (nvcc) and the cuda feature (clippy).
+scripts/check-cuda.sh

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Compile checks of all GPU code on a machine without a GPU (see GPU.md), so that CUDA code can
+# never break unnoticed: the pinned CUDA 13.0 toolchain from PyPI, `nvcc -cubin` for sm_80 and
+# sm_90 on every kernels/*.cu, then clippy (which type-checks) of the whole engine with the
+# `cuda` feature, warnings as errors. Uses its own target dir so the CPU build stays warm.
+# The first run builds candle's CUDA kernels (~15-20 min on 2 cores); later runs are incremental.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+eval "$(scripts/cuda/toolchain.sh)"
+echo "nvcc: $(nvcc --version | tail -1)"
+tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+shopt -s nullglob
+for f in kernels/*.cu; do
+  for sm in 80 90; do
+    nvcc -cubin -arch=sm_$sm -O3 -Werror all-warnings -o "$tmp/$(basename "$f" .cu)-sm$sm.cubin" "$f"
+    echo "nvcc -cubin sm_$sm: $f ok"
+  done
+done
+export CARGO_TARGET_DIR=${CUDA_CHECK_TARGET_DIR:-target/cuda-check} CUDA_COMPUTE_CAP=90
+cargo clippy --release -p keydiff-cli --features cuda -- -D warnings
+echo "cargo clippy --features cuda: ok"
