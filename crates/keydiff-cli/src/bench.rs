@@ -164,11 +164,15 @@ fn on_run(bar: &indicatif::ProgressBar) -> impl FnMut(Phase, &Case, &Stats) + '_
             Phase::Measure => "measured",
             Phase::Profile => "profiled",
         };
+        let decode = if stats.generated_tokens > 1 {
+            format!(", decode {:.1} tok/s", stats.decode_tok_s)
+        } else {
+            String::new()
+        };
         let msg = format!(
-            "({what} {}: TTFT {:.3} s, decode {:.1} tok/s)",
+            "({what} {}: TTFT {:.3} s{decode})",
             case.label(),
-            stats.ttft_s,
-            stats.decode_tok_s
+            stats.ttft_s
         );
         if plain {
             eprintln!(
