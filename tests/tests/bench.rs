@@ -272,7 +272,11 @@ fn bench_ttft_writes_table_csv_json_and_svg() {
     // `bench plot` redraws the figure from results.json alone.
     std::fs::remove_file(dir.join("ttft.svg")).unwrap();
     let out = run_cli(&["bench", "plot", dir.to_str().unwrap()]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let svg = std::fs::read_to_string(dir.join("ttft.svg")).unwrap();
     assert!(svg.starts_with("<svg"));
     for p in ["full", "keydiff", "tova", "chunk size B", "TTFT (s)"] {
