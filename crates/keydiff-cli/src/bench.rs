@@ -140,7 +140,7 @@ impl SweepArgs {
     }
 }
 
-fn progress_bar(total: usize) -> indicatif::ProgressBar {
+pub fn progress_bar(total: usize) -> indicatif::ProgressBar {
     let b = indicatif::ProgressBar::with_draw_target(
         Some(total as u64),
         indicatif::ProgressDrawTarget::stderr(),

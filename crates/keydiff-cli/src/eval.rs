@@ -174,17 +174,8 @@ pub fn eval(a: EvalArgs) -> Result<()> {
         .sum::<usize>();
 
     let prov = Provenance::collect(&engine, a.load.random_weights, crate::bench::command_line());
-    let total = todo as u64;
-    let bar = indicatif::ProgressBar::with_draw_target(
-        Some(total),
-        indicatif::ProgressDrawTarget::stderr(),
-    );
-    bar.set_style(
-        indicatif::ProgressStyle::with_template(
-            "{bar:30} {pos}/{len} runs, elapsed {elapsed}, eta {eta} {msg}",
-        )
-        .expect("static template"),
-    );
+    let total = todo;
+    let bar = crate::bench::progress_bar(todo);
     let mut file = std::fs::OpenOptions::new()
         .create(true)
         .append(true)

@@ -201,23 +201,9 @@ pub fn ttft(
     }
     let on_cpu = engine.config().device.is_cpu();
     let profile_measured = plan.breakdown && on_cpu;
-    // Warm-up prompts come from seeds no measured round uses.
-    for w in 0..plan.warmup {
-        for c in &plan.cases {
-            let p = prompt(engine, c.prompt_len, plan.seed ^ 0x5741_524d, w as u64);
-            let s = first_token(engine, c, p, false)?;
-            on_run(Phase::Warmup, c, &s);
-        }
-    }
-    let mut runs: Vec<Vec<Stats>> = vec![Vec::new(); plan.cases.len()];
-    for r in 0..plan.reps {
-        for (i, c) in plan.cases.iter().enumerate() {
-            let p = prompt(engine, c.prompt_len, plan.seed, r as u64);
-            let s = first_token(engine, c, p, profile_measured)?;
-            on_run(Phase::Measure, c, &s);
-            runs[i].push(s);
-        }
-    }
+    let runs = rounds(engine, plan, &mut on_run, |engine, c, p, phase| {
+        request(engine, c, p, 1, phase == Phase::Measure && profile_measured)
+    })?;
     let mut out = Vec::with_capacity(plan.cases.len());
     for (c, stats) in plan.cases.iter().zip(runs) {
         let (breakdown, separate) = if !plan.breakdown {
@@ -226,7 +212,7 @@ pub fn ttft(
             (mean_breakdown(&stats), false)
         } else {
             let p = prompt(engine, c.prompt_len, plan.seed, 0);
-            let s = first_token(engine, c, p, true)?;
+            let s = request(engine, c, p, 1, true)?;
             on_run(Phase::Profile, c, &s);
             (s.breakdown.unwrap_or_default(), true)
         };
@@ -272,13 +258,50 @@ fn mean_breakdown(stats: &[Stats]) -> Breakdown {
     m
 }
 
-/// Prefills `tokens` under the case's cache settings and samples one token, greedy.
-fn first_token(engine: &mut Engine, case: &Case, tokens: Vec<u32>, profile: bool) -> Result<Stats> {
+/// Warm-up runs (prompts from seeds no measured round uses), then `plan.reps` interleaved
+/// rounds over every case; returns each case's measured stats in round order.
+fn rounds<F>(
+    engine: &mut Engine,
+    plan: &Plan,
+    on_run: &mut impl FnMut(Phase, &Case, &Stats),
+    mut run: F,
+) -> Result<Vec<Vec<Stats>>>
+where
+    F: FnMut(&mut Engine, &Case, Vec<u32>, Phase) -> Result<Stats>,
+{
+    for w in 0..plan.warmup {
+        for c in &plan.cases {
+            let p = prompt(engine, c.prompt_len, plan.seed ^ 0x5741_524d, w as u64);
+            let s = run(engine, c, p, Phase::Warmup)?;
+            on_run(Phase::Warmup, c, &s);
+        }
+    }
+    let mut runs: Vec<Vec<Stats>> = vec![Vec::new(); plan.cases.len()];
+    for r in 0..plan.reps {
+        for (i, c) in plan.cases.iter().enumerate() {
+            let p = prompt(engine, c.prompt_len, plan.seed, r as u64);
+            let s = run(engine, c, p, Phase::Measure)?;
+            on_run(Phase::Measure, c, &s);
+            runs[i].push(s);
+        }
+    }
+    Ok(runs)
+}
+
+/// Prefills `tokens` under the case's cache settings and generates `max_tokens`, greedy,
+/// ignoring end-of-generation, with the device idle at the start.
+fn request(
+    engine: &mut Engine,
+    case: &Case,
+    tokens: Vec<u32>,
+    max_tokens: usize,
+    profile: bool,
+) -> Result<Stats> {
     engine.set_cache_config(case.cache.clone())?;
     engine.config().device.synchronize()?;
     let params = GenerateParams {
         prompt: Prompt::Tokens(tokens),
-        max_tokens: 1,
+        max_tokens,
         sampling: Sampling::default(),
         ignore_eos: true,
         profile,
@@ -332,33 +355,9 @@ pub fn decode(
             });
         }
     }
-    let run = |engine: &mut Engine, c: &Case, tokens: Vec<u32>| -> Result<Stats> {
-        engine.set_cache_config(c.cache.clone())?;
-        engine.config().device.synchronize()?;
-        let params = GenerateParams {
-            prompt: Prompt::Tokens(tokens),
-            max_tokens: steps + 1,
-            ignore_eos: true,
-            ..Default::default()
-        };
-        Ok(engine.generate(&params, |_| {})?.stats)
-    };
-    for w in 0..plan.warmup {
-        for c in &plan.cases {
-            let p = prompt(engine, c.prompt_len, plan.seed ^ 0x5741_524d, w as u64);
-            let s = run(engine, c, p)?;
-            on_run(Phase::Warmup, c, &s);
-        }
-    }
-    let mut runs: Vec<Vec<Stats>> = vec![Vec::new(); plan.cases.len()];
-    for r in 0..plan.reps {
-        for (i, c) in plan.cases.iter().enumerate() {
-            let p = prompt(engine, c.prompt_len, plan.seed, r as u64);
-            let s = run(engine, c, p)?;
-            on_run(Phase::Measure, c, &s);
-            runs[i].push(s);
-        }
-    }
+    let runs = rounds(engine, plan, &mut on_run, |engine, c, p, _| {
+        request(engine, c, p, steps + 1, false)
+    })?;
     let rss = peak_rss_bytes();
     Ok(plan
         .cases
