@@ -10,8 +10,13 @@
 //   2. scores[h, i] = -(k_i . mu) / (norms[h, i] * |mu|), mu = anchor_sum[h] / n.
 // anchor_sum must be zeroed before pass 1. One warp handles one row at a time.
 //
-// Status: compiled for sm_80 and sm_90 in CI (scripts/check-cuda.sh); not yet wired into the
-// engine (issue 4), which scores with candle ops on GPUs meanwhile.
+// Then, for every policy, `keydiff_select_plan` picks the survivors of each head and emits the move
+// plan, and `keydiff_move_rows` applies it to K, V, positions and policy state. Their CPU twins
+// are `select_radix` / `move_plan` in crates/keydiff-cache/src/select.rs (the reference is
+// `select`, a sort) and `LayerCache::apply_moves`.
+//
+// Status: compiled for sm_80 and sm_90 in CI (scripts/check-cuda.sh) and wired in through
+// crates/keydiff-kernels; checked on hardware only by scripts/gpu-check.sh.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -100,3 +105,181 @@ __device__ void kd_pass2(const T* keys, int64_t head_stride, int64_t row_stride,
 KD_INSTANTIATE(f32, float)
 KD_INSTANTIATE(f16, __half)
 KD_INSTANTIATE(bf16, __nv_bfloat16)
+
+// ---------------------------------------------------------------------------------------------
+// Selection and move plan: one block per KV head.
+//
+// Every slot i gets a 64-bit key, unique within the head because positions are:
+//   bit 63      protected (one of the first `sinks` positions, or one of the `recent` newest)
+//   bits 31-62  the score as an order-preserving uint (NaN ranks as -inf, -0 below +0)
+//   bits 0-30   the position (ties go to the more recent slot)
+// The N = budget largest keys survive. The threshold is the budget-th largest key, found by an
+// MSB-first radix select (8 passes of 8 bits, a 256-bin histogram in shared memory); the `recent`
+// newest positions are found the same way on 32-bit keys. No sort, so any n works (candle's
+// argsort stops at 8192).
+//
+// Plan, as the CPU `move_plan`: holes are the non-survivors in [0, N), movers the survivors in
+// [N, n), both ascending; move r copies slot src[r] = mover r into dst[r] = hole r. Sources and
+// destinations are disjoint, so all moves run in parallel. Layout per head (row of `plan`):
+//   [count, src[0..M), dst[0..M)], M = min(N, n - N).
+// ---------------------------------------------------------------------------------------------
+
+#define KD_SELECT_THREADS 1024
+#define KD_PROTECTED (1ull << 63)
+
+__device__ __forceinline__ uint32_t kd_ord(float s) {
+  uint32_t b = __float_as_uint(s);
+  if (isnan(s)) b = 0xff800000u;
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+struct KdPosKey {
+  const uint32_t* pos;
+  __device__ __forceinline__ uint64_t operator()(int i) const { return pos[i]; }
+};
+
+struct KdSlotKey {
+  const float* scores;
+  const uint32_t* pos;
+  uint32_t sinks;
+  uint32_t recent_min;
+  int has_recent;
+  __device__ __forceinline__ uint64_t operator()(int i) const {
+    const uint32_t p = pos[i];
+    const bool prot = p < sinks || (has_recent && p >= recent_min);
+    return (prot ? KD_PROTECTED : 0ull) | ((uint64_t)kd_ord(scores[i]) << 31) |
+           (uint64_t)(p & 0x7fffffffu);
+  }
+};
+
+struct KdSelectShared {
+  unsigned hist[256];
+  unsigned long long prefix;
+  int k;
+  int done;
+  unsigned warp_total[2][KD_SELECT_THREADS / 32];
+  unsigned base[2];
+};
+
+// A threshold t such that exactly k (1 <= k <= n) of key(0..n) are >= t, over the low BITS bits;
+// every thread returns it. It is the k-th largest key, except that the search stops early once
+// the k-th largest closes its bin (then t is that bin's lowest possible key): the same slots
+// pass `key >= t`, and with spread scores it takes 3-4 passes instead of 8.
+template <int BITS, typename F>
+__device__ uint64_t kd_radix_kth(const F& key, int n, int k, KdSelectShared& sh) {
+  if (threadIdx.x == 0) {
+    sh.prefix = 0;
+    sh.k = k;
+    sh.done = 0;
+  }
+  uint64_t mask = 0;
+  for (int shift = BITS - 8; shift >= 0; shift -= 8) {
+    for (int j = threadIdx.x; j < 256; j += blockDim.x) sh.hist[j] = 0;
+    __syncthreads();
+    const uint64_t prefix = sh.prefix;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+      const uint64_t x = key(i);
+      if ((x & mask) == prefix) atomicAdd(&sh.hist[(x >> shift) & 255u], 1u);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      const unsigned kk = (unsigned)sh.k;
+      unsigned above = 0;
+      int digit = 255;
+      for (; digit > 0; --digit) {
+        if (above + sh.hist[digit] >= kk) break;
+        above += sh.hist[digit];
+      }
+      sh.k = (int)(kk - above);
+      sh.prefix = prefix | ((uint64_t)digit << shift);
+      sh.done = sh.hist[digit] == kk - above;
+    }
+    mask |= 255ull << shift;
+    __syncthreads();
+    if (sh.done) break;
+  }
+  const uint64_t r = sh.prefix;
+  __syncthreads();
+  return r;
+}
+
+extern "C" __global__ void __launch_bounds__(KD_SELECT_THREADS)
+    keydiff_select_plan(const float* scores, int64_t score_stride, const uint32_t* positions,
+                        int64_t pos_stride, int n, int budget, uint32_t sinks, int recent,
+                        uint32_t* plan, int64_t plan_stride) {
+  __shared__ KdSelectShared sh;
+  const int h = blockIdx.x;
+  const float* s = scores + h * score_stride;
+  const uint32_t* pos = positions + h * pos_stride;
+  uint32_t* out = plan + h * plan_stride;
+  const int max_moves = min(budget, n - budget);
+  uint32_t* src = out + 1;
+  uint32_t* dst = out + 1 + max_moves;
+
+  uint32_t recent_min = 0;
+  if (recent > 0) recent_min = (uint32_t)kd_radix_kth<32>(KdPosKey{pos}, n, recent, sh);
+  const KdSlotKey key{s, pos, sinks, recent_min, recent > 0};
+  const uint64_t threshold = kd_radix_kth<64>(key, n, budget, sh);
+
+  if (threadIdx.x == 0) sh.base[0] = sh.base[1] = 0;
+  __syncthreads();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  const unsigned below = (1u << lane) - 1u;
+  for (int t0 = 0; t0 < n; t0 += blockDim.x) {
+    const int i = t0 + threadIdx.x;
+    const bool keep = i < n && key(i) >= threshold;
+    const bool hole = i < budget && !keep;
+    const bool mover = i >= budget && keep;
+    const unsigned bh = __ballot_sync(0xffffffffu, hole);
+    const unsigned bm = __ballot_sync(0xffffffffu, mover);
+    if (lane == 0) {
+      sh.warp_total[0][warp] = __popc(bh);
+      sh.warp_total[1][warp] = __popc(bm);
+    }
+    __syncthreads();
+    unsigned oh = sh.base[0], om = sh.base[1];
+    for (int w = 0; w < warp; ++w) {
+      oh += sh.warp_total[0][w];
+      om += sh.warp_total[1][w];
+    }
+    oh += __popc(bh & below);
+    om += __popc(bm & below);
+    if (hole && oh < (unsigned)max_moves) dst[oh] = (uint32_t)i;
+    if (mover && om < (unsigned)max_moves) src[om] = (uint32_t)i;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      for (int w = 0; w < warps; ++w) {
+        sh.base[0] += sh.warp_total[0][w];
+        sh.base[1] += sh.warp_total[1][w];
+      }
+    }
+    __syncthreads();
+  }
+  // Holes and movers are equal in number when exactly N keys reach the threshold, which unique
+  // positions guarantee; the minimum keeps a broken invariant from moving garbage.
+  if (threadIdx.x == 0) out[0] = min(min(sh.base[0], sh.base[1]), (unsigned)max_moves);
+}
+
+// Applies the plan to one buffer of rows: [heads, rows, row_bytes] with byte strides. One warp
+// per move; grid (heads, ceil(M / warps per block)). Used for K, V (row = head_dim elements),
+// positions and policy state (row = 4 bytes).
+extern "C" __global__ void keydiff_move_rows(char* buf, int64_t head_stride, int64_t row_stride,
+                                             int row_bytes, const uint32_t* plan,
+                                             int64_t plan_stride, int max_moves) {
+  const int h = blockIdx.x;
+  const uint32_t* p = plan + h * plan_stride;
+  const int lane = threadIdx.x & 31;
+  const int m = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (m >= (int)p[0]) return;
+  const char* from = buf + h * head_stride + (int64_t)p[1 + m] * row_stride;
+  char* to = buf + h * head_stride + (int64_t)p[1 + max_moves + m] * row_stride;
+  if ((((uintptr_t)from | (uintptr_t)to | (uintptr_t)row_bytes) & 15u) == 0) {
+    for (int j = lane; j < row_bytes / 16; j += 32)
+      reinterpret_cast<uint4*>(to)[j] = reinterpret_cast<const uint4*>(from)[j];
+  } else if ((((uintptr_t)from | (uintptr_t)to | (uintptr_t)row_bytes) & 3u) == 0) {
+    for (int j = lane; j < row_bytes / 4; j += 32)
+      reinterpret_cast<uint32_t*>(to)[j] = reinterpret_cast<const uint32_t*>(from)[j];
+  } else {
+    for (int j = lane; j < row_bytes; j += 32) to[j] = from[j];
+  }
+}

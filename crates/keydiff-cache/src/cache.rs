@@ -7,7 +7,6 @@ use candle_core::{DType, Device};
 use crate::config::{CacheConfig, PolicyKind};
 use crate::layer::LayerCache;
 use crate::policy::{build, AttnStats, Policy, StatsNeed};
-use crate::select::{move_plan, select};
 use crate::Result;
 
 /// What eviction cost, summed over layers.
@@ -208,24 +207,15 @@ impl KvCache {
         }
         self.sync_if_profiling()?;
         let t = Instant::now();
-        let scores = self.policy.score(layer, stats)?;
+        let scores = self.policy.score_tensor(layer, stats)?;
         self.sync_if_profiling()?;
         self.counters.score_s += t.elapsed().as_secs_f64();
         let t = Instant::now();
         let sinks = self.cfg.protected_sinks();
         let recent = self.cfg.protected_recent(budget);
-        let plans: Vec<Vec<(u32, u32)>> = scores
-            .iter()
-            .enumerate()
-            .map(|(h, s)| {
-                move_plan(
-                    &select(s, layer.positions(h), budget, sinks, recent),
-                    budget,
-                )
-            })
-            .collect();
         self.counters.evicted_slots += (layer.len() - budget) * layer.kv_heads();
-        self.layers[i].apply_moves(&plans, budget)?;
+        // Selection, plan and moves stay on the cache's device (CUDA: two kernels + moves).
+        self.layers[i].evict(&scores, budget, sinks, recent)?;
         self.sync_if_profiling()?;
         self.counters.select_move_s += t.elapsed().as_secs_f64();
         self.counters.evictions += 1;

@@ -1,15 +1,16 @@
 //! The KV cache of one layer.
 
-use candle_core::{CpuStorage, DType, Device, InplaceOp1, Layout, Tensor};
+use candle_core::{DType, Device, Tensor};
 
+use crate::select::{ApplyPlan, SelectPlan};
 use crate::{CacheError, Result};
 
 /// K and V of one layer, preallocated at `capacity` slots per KV head.
 ///
 /// Every head has the same number of used slots (`len`), but after per-head eviction slot `s` of
 /// two heads may hold different tokens; `positions` records the absolute position per head and
-/// slot, and `state` a policy's per-slot value (H2O's accumulated attention). Both move with
-/// their slot.
+/// slot, and `state` a policy's per-slot value (H2O's accumulated attention). Both live on the
+/// cache's device, next to K and V, and move with their slot.
 #[derive(Debug, Clone)]
 pub struct LayerCache {
     /// `[kv_heads, capacity, head_dim]`
@@ -17,10 +18,10 @@ pub struct LayerCache {
     /// `[kv_heads, capacity, head_dim]`
     v: Tensor,
     len: usize,
-    /// `[kv_heads * capacity]`, absolute token position of each slot.
-    positions: Vec<u32>,
-    /// `[kv_heads * capacity]`, per-slot policy state.
-    state: Vec<f32>,
+    /// `[kv_heads, capacity]` u32, absolute token position of each slot.
+    positions: Tensor,
+    /// `[kv_heads, capacity]` f32, per-slot policy state.
+    state: Tensor,
 }
 
 impl LayerCache {
@@ -43,8 +44,8 @@ impl LayerCache {
             k,
             v,
             len: 0,
-            positions: vec![0; kv_heads * capacity],
-            state: vec![0.0; kv_heads * capacity],
+            positions: Tensor::zeros((kv_heads, capacity), DType::U32, device)?,
+            state: Tensor::zeros((kv_heads, capacity), DType::F32, device)?,
         })
     }
 
@@ -67,15 +68,25 @@ impl LayerCache {
                 capacity,
             });
         }
+        if pos0 + chunk > u32::MAX as usize {
+            return Err(CacheError::Config(format!(
+                "position {} does not fit the u32 position table",
+                pos0 + chunk
+            )));
+        }
         self.k.slice_set(&k.contiguous()?, 1, self.len)?;
         self.v.slice_set(&v.contiguous()?, 1, self.len)?;
-        for h in 0..kv_heads {
-            let base = h * capacity + self.len;
-            for i in 0..chunk {
-                self.positions[base + i] = (pos0 + i) as u32;
-                self.state[base + i] = 0.0;
-            }
-        }
+        let dev = self.k.device();
+        let pos = Tensor::arange(pos0 as u32, (pos0 + chunk) as u32, dev)?
+            .unsqueeze(0)?
+            .broadcast_as((kv_heads, chunk))?
+            .contiguous()?;
+        self.positions.slice_set(&pos, 1, self.len)?;
+        self.state.slice_set(
+            &Tensor::zeros((kv_heads, chunk), DType::F32, dev)?,
+            1,
+            self.len,
+        )?;
         self.len += chunk;
         Ok(())
     }
@@ -98,6 +109,11 @@ impl LayerCache {
     /// The whole V buffer, `[kv_heads, capacity, head_dim]` (for kernels).
     pub fn v_buffer(&self) -> &Tensor {
         &self.v
+    }
+
+    /// The device the cache lives on.
+    pub fn device(&self) -> &Device {
+        self.k.device()
     }
 
     /// Used slots per head.
@@ -125,22 +141,42 @@ impl LayerCache {
         self.k.dims()[2]
     }
 
-    /// Absolute positions of the used slots of `head`.
-    pub fn positions(&self, head: usize) -> &[u32] {
-        let cap = self.capacity();
-        &self.positions[head * cap..head * cap + self.len]
+    /// Positions of the used slots, `[kv_heads, len]` u32 (a view on the cache's device).
+    pub fn positions_tensor(&self) -> Result<Tensor> {
+        Ok(self.positions.narrow(1, 0, self.len)?)
     }
 
-    /// Per-slot policy state of the used slots of `head`.
-    pub fn state(&self, head: usize) -> &[f32] {
-        let cap = self.capacity();
-        &self.state[head * cap..head * cap + self.len]
+    /// Policy state of the used slots, `[kv_heads, len]` f32 (a view on the cache's device).
+    pub fn state_tensor(&self) -> Result<Tensor> {
+        Ok(self.state.narrow(1, 0, self.len)?)
     }
 
-    /// Mutable per-slot policy state of the used slots of `head`.
-    pub fn state_mut(&mut self, head: usize) -> &mut [f32] {
-        let cap = self.capacity();
-        &mut self.state[head * cap..head * cap + self.len]
+    /// Absolute positions of the used slots of `head` (copied to the host).
+    pub fn positions(&self, head: usize) -> Result<Vec<u32>> {
+        Ok(self
+            .positions
+            .get(head)?
+            .narrow(0, 0, self.len)?
+            .to_vec1()?)
+    }
+
+    /// Per-slot policy state of the used slots of `head` (copied to the host).
+    pub fn state(&self, head: usize) -> Result<Vec<f32>> {
+        Ok(self.state.get(head)?.narrow(0, 0, self.len)?.to_vec1()?)
+    }
+
+    /// Adds `delta` (`[kv_heads, len]`, f32) to the state of the used slots.
+    pub fn add_state(&mut self, delta: &Tensor) -> Result<()> {
+        let want = (self.kv_heads(), self.len);
+        if delta.dims2()? != want {
+            return Err(CacheError::Shape(format!(
+                "state update {:?} for {want:?} used slots",
+                delta.dims()
+            )));
+        }
+        let sum = (self.state_tensor()? + delta.to_dtype(DType::F32)?)?;
+        self.state.slice_set(&sum, 1, 0)?;
+        Ok(())
     }
 
     /// Bytes held by the K and V buffers (allocated, not used).
@@ -153,10 +189,56 @@ impl LayerCache {
         self.len = 0;
     }
 
+    /// Keeps the best `budget` slots of every head by `scores` (`[kv_heads, len]` f32, on this
+    /// cache's device), protecting the first `sinks` positions and the `recent` newest: one
+    /// [`SelectPlan`] and one [`ApplyPlan`] per buffer, on the device (no host round trip).
+    /// Returns the plan.
+    pub fn evict(
+        &mut self,
+        scores: &Tensor,
+        budget: usize,
+        sinks: usize,
+        recent: usize,
+    ) -> Result<Tensor> {
+        let want = (self.kv_heads(), self.len);
+        if scores.dims2()? != want {
+            return Err(CacheError::Shape(format!(
+                "scores {:?} for {want:?} used slots",
+                scores.dims()
+            )));
+        }
+        let op = SelectPlan {
+            budget,
+            sinks,
+            recent,
+        };
+        let scores = scores.to_dtype(DType::F32)?;
+        let plan = scores.apply_op2_no_bwd(&self.positions_tensor()?, &op)?;
+        self.apply_plan(&plan, budget)?;
+        Ok(plan)
+    }
+
+    /// Applies a plan (`[kv_heads, 1 + 2M]` u32, see [`SelectPlan`]) to K, V, positions and
+    /// state, then sets the used length to `new_len`.
+    pub fn apply_plan(&mut self, plan: &Tensor, new_len: usize) -> Result<()> {
+        if new_len > self.len {
+            return Err(CacheError::Shape(format!(
+                "new len {new_len} > {}",
+                self.len
+            )));
+        }
+        let used = self.len;
+        for buf in [&self.k, &self.v, &self.positions, &self.state] {
+            buf.narrow(1, 0, used)?.inplace_op2(plan, &ApplyPlan)?;
+        }
+        self.len = new_len;
+        Ok(())
+    }
+
     /// Applies per-head move plans (`(src, dst)` slot pairs, see [`crate::select::move_plan`])
     /// to K, V, positions and state, then sets the used length to `new_len`.
     pub fn apply_moves(&mut self, plans: &[Vec<(u32, u32)>], new_len: usize) -> Result<()> {
-        let (kv_heads, cap, d) = self.k.dims3()?;
+        let kv_heads = self.kv_heads();
         if plans.len() != kv_heads || new_len > self.len {
             return Err(CacheError::Shape(format!(
                 "{} plans for {kv_heads} heads, new len {new_len} > {}",
@@ -164,100 +246,29 @@ impl LayerCache {
                 self.len
             )));
         }
-        for (h, plan) in plans.iter().enumerate() {
+        for plan in plans {
             for &(s, t) in plan {
-                let (s, t) = (s as usize, t as usize);
-                if s >= self.len || t >= new_len {
+                if s as usize >= self.len || t as usize >= new_len {
                     return Err(CacheError::Shape(format!(
                         "move {s} -> {t} outside used {} / kept {new_len}",
                         self.len
                     )));
                 }
-                self.positions[h * cap + t] = self.positions[h * cap + s];
-                self.state[h * cap + t] = self.state[h * cap + s];
             }
         }
-        if plans.iter().any(|p| !p.is_empty()) {
-            let moves: Vec<(u32, u32, u32)> = plans
-                .iter()
-                .enumerate()
-                .flat_map(|(h, p)| p.iter().map(move |&(s, t)| (h as u32, s, t)))
-                .collect();
-            if self.k.device().is_cpu() {
-                let op = MoveSlots { moves, cap, d };
-                self.k.inplace_op1(&op)?;
-                self.v.inplace_op1(&op)?;
-            } else {
-                self.gather_compact(plans, new_len)?;
-            }
-        }
-        self.len = new_len;
-        Ok(())
-    }
-}
-
-impl LayerCache {
-    /// Device path of [`LayerCache::apply_moves`]: one gather of the `new_len` kept rows per
-    /// head (identity plus the moves) and one copy back, for K and V: four kernels, whatever
-    /// the number of moves.
-    fn gather_compact(&mut self, plans: &[Vec<(u32, u32)>], new_len: usize) -> Result<()> {
-        let (kv_heads, cap, d) = self.k.dims3()?;
-        let mut idx: Vec<u32> = Vec::with_capacity(kv_heads * new_len);
+        let m = plans.iter().map(Vec::len).max().unwrap_or(0);
+        let cols = 1 + 2 * m;
+        let mut table = vec![0u32; kv_heads * cols];
         for (h, plan) in plans.iter().enumerate() {
-            let base = (h * cap) as u32;
-            let start = idx.len();
-            idx.extend((0..new_len as u32).map(|s| base + s));
-            for &(s, t) in plan {
-                idx[start + t as usize] = base + s;
+            let row = &mut table[h * cols..(h + 1) * cols];
+            row[0] = plan.len() as u32;
+            for (r, &(s, t)) in plan.iter().enumerate() {
+                row[1 + r] = s;
+                row[1 + m + r] = t;
             }
         }
-        let idx = Tensor::from_vec(idx, kv_heads * new_len, self.k.device())?;
-        for buf in [&self.k, &self.v] {
-            let kept = buf
-                .reshape((kv_heads * cap, d))?
-                .index_select(&idx, 0)?
-                .reshape((kv_heads, new_len, d))?;
-            buf.slice_set(&kept, 1, 0)?;
-        }
-        Ok(())
-    }
-}
-
-/// In-place row moves inside a `[kv_heads, cap, d]` buffer on the CPU: `(head, src, dst)`.
-struct MoveSlots {
-    moves: Vec<(u32, u32, u32)>,
-    cap: usize,
-    d: usize,
-}
-
-impl MoveSlots {
-    fn run<T: Copy>(&self, xs: &mut [T], offset: usize) {
-        for &(h, s, t) in &self.moves {
-            let base = offset + h as usize * self.cap * self.d;
-            let src = base + s as usize * self.d;
-            xs.copy_within(src..src + self.d, base + t as usize * self.d);
-        }
-    }
-}
-
-impl InplaceOp1 for MoveSlots {
-    fn name(&self) -> &'static str {
-        "kv-move-slots"
-    }
-
-    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
-        if !layout.is_contiguous() {
-            candle_core::bail!("kv-move-slots needs a contiguous buffer");
-        }
-        let o = layout.start_offset();
-        match storage {
-            CpuStorage::F32(xs) => self.run(xs, o),
-            CpuStorage::F16(xs) => self.run(xs, o),
-            CpuStorage::BF16(xs) => self.run(xs, o),
-            CpuStorage::F64(xs) => self.run(xs, o),
-            _ => candle_core::bail!("kv-move-slots: unsupported dtype"),
-        }
-        Ok(())
+        let plan = Tensor::from_vec(table, (kv_heads, cols), self.k.device())?;
+        self.apply_plan(&plan, new_len)
     }
 }
 
@@ -274,7 +285,7 @@ mod tests {
         c.append(&k, &v, 10)?;
         c.append(&k.narrow(1, 0, 1)?, &v.narrow(1, 0, 1)?, 13)?;
         assert_eq!(c.len(), 4);
-        assert_eq!(c.positions(1), &[10, 11, 12, 13]);
+        assert_eq!(c.positions(1)?, vec![10, 11, 12, 13]);
         let keys = c.keys()?.to_vec3::<f32>()?;
         assert_eq!(keys[1][2], vec![20., 21., 22., 23.]);
         assert_eq!(keys[1][3], vec![12., 13., 14., 15.]);
@@ -294,20 +305,38 @@ mod tests {
     }
 
     #[test]
-    fn gather_path_equals_in_place_path() -> Result<()> {
+    fn evict_keeps_the_best_and_moves_everything_with_its_slot() -> Result<()> {
         let dev = Device::Cpu;
-        let k = Tensor::arange(0f32, 2. * 6. * 3., &dev)?.reshape((2, 6, 3))?;
-        let plans = vec![vec![(4, 1), (5, 2)], vec![(3, 0)]];
-        let mut a = LayerCache::new(2, 3, 8, DType::F32, &dev)?;
-        a.append(&k, &k, 0)?;
-        let mut b = a.clone();
-        b.k = b.k.copy()?;
-        b.v = b.v.copy()?;
-        a.apply_moves(&plans, 4)?;
-        b.gather_compact(&plans, 4)?;
-        b.len = 4;
-        assert_eq!(a.keys()?.to_vec3::<f32>()?, b.keys()?.to_vec3::<f32>()?);
-        assert_eq!(a.values()?.to_vec3::<f32>()?, b.values()?.to_vec3::<f32>()?);
+        let mut c = LayerCache::new(2, 2, 8, DType::F32, &dev)?;
+        let k = Tensor::arange(0f32, 2. * 6. * 2., &dev)?.reshape((2, 6, 2))?;
+        c.append(&k, &(&k + 100.)?, 0)?;
+        c.add_state(&Tensor::arange(0f32, 12., &dev)?.reshape((2, 6))?)?;
+        // head 0 keeps slots 4, 5 and 2; head 1 keeps 3, 1 and 4
+        let scores = Tensor::new(
+            &[[0f32, 1., 5., 2., 9., 8.], [-1., 1., 0., 7., 0.5, -3.]],
+            &dev,
+        )?;
+        let plan = c.evict(&scores, 3, 0, 0)?;
+        assert_eq!(plan.to_vec2::<u32>()?[0], vec![2, 4, 5, 0, 0, 1, 0]);
+        assert_eq!(c.len(), 3);
+        assert_eq!(c.positions(0)?, vec![4, 5, 2]);
+        assert_eq!(c.positions(1)?, vec![3, 1, 4]);
+        assert_eq!(c.state(0)?, vec![4., 5., 2.]);
+        assert_eq!(c.state(1)?, vec![9., 7., 10.]);
+        let keys = c.keys()?.to_vec3::<f32>()?;
+        assert_eq!(keys[0], vec![vec![8., 9.], vec![10., 11.], vec![4., 5.]]);
+        assert_eq!(
+            keys[1],
+            vec![vec![18., 19.], vec![14., 15.], vec![20., 21.]]
+        );
+        let vals = c.values()?.to_vec3::<f32>()?;
+        assert_eq!(vals[1][0], vec![118., 119.]);
+        // protection: 1 sink (position 0) and 1 recent (the newest) survive any score
+        let mut c = LayerCache::new(1, 2, 8, DType::F32, &dev)?;
+        c.append(&k.narrow(0, 0, 1)?, &k.narrow(0, 0, 1)?, 0)?;
+        let low = Tensor::new(&[[-9f32, 1., 5., 2., 3., -9.]], &dev)?;
+        c.evict(&low, 3, 1, 1)?;
+        assert_eq!(c.positions(0)?, vec![0, 5, 2]);
         Ok(())
     }
 
@@ -325,8 +354,8 @@ mod tests {
                 vec![vec![8., 9.], vec![12., 13.]]
             ]
         );
-        assert_eq!(c.positions(0), &[3, 1]);
-        assert_eq!(c.positions(1), &[0, 2]);
+        assert_eq!(c.positions(0)?, vec![3, 1]);
+        assert_eq!(c.positions(1)?, vec![0, 2]);
         Ok(())
     }
 }

@@ -114,7 +114,7 @@ fn drive(
         let keys = l.keys().unwrap().to_vec3::<f32>().unwrap();
         let vals = l.values().unwrap().to_vec3::<f32>().unwrap();
         for h in 0..KV {
-            let pos = l.positions(h);
+            let pos = l.positions(h).unwrap();
             let mut uniq = pos.to_vec();
             uniq.sort_unstable();
             uniq.dedup();
@@ -202,7 +202,7 @@ fn heads_are_independent() {
             c.after_attention(0, None, false).unwrap();
             c.advance(8);
         }
-        let mut p = c.layer(0).positions(0).to_vec();
+        let mut p = c.layer(0).positions(0).unwrap();
         p.sort_unstable();
         p
     };

@@ -81,6 +81,35 @@ enum Cmd {
         #[arg(long, value_delimiter = ',', default_value = "keydiff")]
         policies: Vec<String>,
     },
+    /// Check and time the eviction kernels on a device: fused KeyDiff scoring, selection with
+    /// its move plan, and slot moves, against the CPU references (candle ops, a sort), on odd
+    /// sizes, head dims 64/128/256 and f32/f16/bf16. Then times one eviction at the given
+    /// sizes against the device's copy bandwidth. One JSON line per case on stdout, a table on
+    /// stderr; fails when a parity case fails.
+    CheckKernels {
+        #[arg(long, default_value = "cuda:0")]
+        device: String,
+        /// Also check n = 131072 + 128.
+        #[arg(long)]
+        large: bool,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Used slots (N + B) of the timed evictions; none: parity only.
+        #[arg(long, value_delimiter = ',', default_value = "8320,32896,131200")]
+        time_n: Vec<usize>,
+        /// KV heads, head dim and dtype of the timed evictions (Llama-3.1-8B: 8, 128, bf16).
+        #[arg(long, default_value_t = 8)]
+        time_kv_heads: usize,
+        #[arg(long, default_value_t = 128)]
+        time_head_dim: usize,
+        #[arg(long, default_value = "bf16")]
+        time_dtype: String,
+        /// Chunk B: the timed evictions keep n − B.
+        #[arg(long, default_value_t = 128)]
+        time_chunk: usize,
+        #[arg(long, default_value_t = 20)]
+        reps: usize,
+    },
 }
 
 /// Least cosine similarity between CPU f32 and device logits that `check-device` accepts.
@@ -377,7 +406,119 @@ fn real_main() -> Result<()> {
             }
             Ok(())
         }
+        Cmd::CheckKernels {
+            device,
+            large,
+            seed,
+            time_n,
+            time_kv_heads,
+            time_head_dim,
+            time_dtype,
+            time_chunk,
+            reps,
+        } => check_kernels(
+            &device,
+            large,
+            seed,
+            &time_n,
+            (time_kv_heads, time_head_dim, &time_dtype, time_chunk),
+            reps,
+        ),
     }
+}
+
+/// `keydiff check-kernels`.
+fn check_kernels(
+    device: &str,
+    large: bool,
+    seed: u64,
+    time_n: &[usize],
+    (kv, head_dim, dtype, chunk): (usize, usize, &str, usize),
+    reps: usize,
+) -> Result<()> {
+    use keydiff::kernel_check::{copy_bandwidth, kernel_cases, kernel_parity, kernel_timing};
+    let dev = parse_device(device)?;
+    let mut failed = Vec::new();
+    eprintln!(
+        "{:5} {:>3} {:>7} {:>4} {:>7} {:>10} {:>10} {:>6} {:>9} {:>5} {:>5}",
+        "dtype", "kv", "n", "d", "N", "err(ref)", "err(twin)", "plans", "e2e diff", "moves", "pass"
+    );
+    for (i, c) in kernel_cases(large).iter().enumerate() {
+        let r = kernel_parity(&dev, c, seed + i as u64)
+            .with_context(|| format!("parity case {c:?}"))?;
+        eprintln!(
+            "{:5} {:>3} {:>7} {:>4} {:>7} {:>10.2e} {:>10.2e} {:>6} {:>9} {:>5} {:>5}",
+            r.dtype,
+            r.kv_heads,
+            r.n,
+            r.head_dim,
+            r.budget,
+            r.score_max_abs_vs_reference,
+            r.score_max_abs_vs_twin,
+            if r.plan_heads_differing == 0 {
+                "same"
+            } else {
+                "DIFF"
+            },
+            format!(
+                "{}{}",
+                r.end_to_end_slots_differing,
+                if r.end_to_end_ties_only { "" } else { "!" }
+            ),
+            if r.moves_equal { "same" } else { "DIFF" },
+            if r.pass { "ok" } else { "FAIL" },
+        );
+        if !r.pass {
+            failed.push(format!("{c:?}"));
+        }
+        let mut v = serde_json::to_value(&r)?;
+        v["kind"] = "parity".into();
+        println!("{v}");
+    }
+    if !time_n.is_empty() {
+        let dt = parse_dtype(dtype)?;
+        let copy = copy_bandwidth(&dev)?;
+        eprintln!("copy bandwidth (read + write): {copy:.1} GB/s");
+        eprintln!(
+            "{:>7} {:>7} {:>7} {:>9} {:>9} {:>9} {:>9} {:>8} {:>7}",
+            "n", "N", "moves", "score us", "select us", "move us", "total us", "GB/s", "% copy"
+        );
+        for &n in time_n {
+            if n <= chunk {
+                bail!("--time-n {n} must exceed --time-chunk {chunk}");
+            }
+            let c = keydiff::kernel_check::KernelCase {
+                kv_heads: kv,
+                n,
+                head_dim,
+                dtype: dt,
+                budget: n - chunk,
+                sinks: 0,
+                recent: 0,
+                anchor: keydiff::Anchor::Normalized,
+            };
+            let t = kernel_timing(&dev, &c, reps, copy)?;
+            eprintln!(
+                "{:>7} {:>7} {:>7} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>8.1} {:>6.1}%",
+                t.n,
+                t.budget,
+                t.moves,
+                t.score_us,
+                t.select_us,
+                t.move_us,
+                t.total_us,
+                t.gb_per_s,
+                t.percent_of_copy
+            );
+            let mut v = serde_json::to_value(&t)?;
+            v["kind"] = "timing".into();
+            println!("{v}");
+        }
+    }
+    if !failed.is_empty() {
+        bail!("kernel parity failed on: {}", failed.join("; "));
+    }
+    Ok(())
 }
 
 fn info(args: &ModelArgs) -> Result<()> {

@@ -13,6 +13,7 @@
 pub mod bench;
 mod engine;
 mod error;
+pub mod kernel_check;
 pub mod parity;
 mod sampling;
 mod source;

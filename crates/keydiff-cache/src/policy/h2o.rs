@@ -3,6 +3,8 @@
 //! window (50% of N by default) is protected by the shared selection. `h2o-normalized`
 //! (kvpress ObservedAttention) divides by the number of queries that could see the slot.
 
+use candle_core::{DType, Tensor};
+
 use super::{Policy, StatsNeed};
 use crate::layer::LayerCache;
 use crate::{AttnStats, Result};
@@ -19,29 +21,22 @@ impl Policy for H2o {
 
     fn observe(&mut self, layer: &mut LayerCache, stats: &AttnStats) -> Result<()> {
         // [kv, T]: summed over the g query heads and the rows.
-        let sums = stats.sums.sum(1)?.to_vec2::<f32>()?;
-        for (h, row) in sums.iter().enumerate() {
-            for (acc, x) in layer.state_mut(h).iter_mut().zip(row) {
-                *acc += x;
-            }
-        }
-        Ok(())
+        layer.add_state(&stats.sums.sum(1)?)
     }
 
     fn score(&mut self, layer: &LayerCache, _: Option<&AttnStats>) -> Result<Vec<Vec<f32>>> {
-        Ok((0..layer.kv_heads())
-            .map(|h| {
-                let acc = layer.state(h);
-                if !self.normalized {
-                    return acc.to_vec();
-                }
-                let pos = layer.positions(h);
-                let newest = pos.iter().copied().max().unwrap_or(0);
-                acc.iter()
-                    .zip(pos)
-                    .map(|(a, &p)| a / (newest - p + 1) as f32)
-                    .collect()
-            })
-            .collect())
+        Ok(self.score_tensor(layer, None)?.to_vec2::<f32>()?)
+    }
+
+    fn score_tensor(&mut self, layer: &LayerCache, _: Option<&AttnStats>) -> Result<Tensor> {
+        let acc = layer.state_tensor()?;
+        if !self.normalized {
+            return Ok(acc.contiguous()?);
+        }
+        // Queries that could see slot p: newest − p + 1 (exact in f32 below 2^24 positions).
+        let pos = layer.positions_tensor()?.to_dtype(DType::F32)?;
+        let newest = pos.max_keepdim(1)?;
+        let seen = (newest.broadcast_sub(&pos)? + 1.0)?;
+        Ok((acc / seen)?)
     }
 }

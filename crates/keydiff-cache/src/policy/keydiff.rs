@@ -37,18 +37,19 @@ pub fn keydiff_scores(keys: &Tensor, anchor: Anchor) -> Result<Tensor> {
     Ok(cos.neg()?)
 }
 
-/// KeyDiff scores in one fused op, `[kv_heads, n]` f32: on the CPU two passes over each head's
-/// keys (norms and anchor, then cosines) with no intermediate tensors. Devices without a fused
-/// implementation use [`keydiff_scores`].
+/// KeyDiff scores in one fused op, `[kv_heads, n]` f32: two passes over each head's keys (norms
+/// and anchor, then cosines) with no intermediate tensors, read in place from the cache view.
+/// CPU: the twin below; CUDA: `keydiff_pass1/2` of `kernels/keydiff.cu`. Other devices use
+/// [`keydiff_scores`].
 pub fn keydiff_scores_fused(keys: &Tensor, anchor: Anchor) -> Result<Tensor> {
-    if keys.device().is_cpu() {
+    if keys.device().is_cpu() || keys.device().is_cuda() {
         Ok(keys.apply_op1_no_bwd(&KeyDiffOp { anchor })?)
     } else {
         keydiff_scores(keys, anchor)
     }
 }
 
-/// The fused scoring op (CPU twin of the CUDA kernel).
+/// The fused scoring op: the CPU code is the twin of the CUDA kernel.
 struct KeyDiffOp {
     anchor: Anchor,
 }
@@ -160,10 +161,23 @@ impl CustomOp1 for KeyDiffOp {
         };
         Ok((CpuStorage::F32(out), Shape::from((kv, n))))
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        storage: &candle_core::CudaStorage,
+        layout: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        keydiff_kernels::keydiff_scores(storage, layout, self.anchor == Anchor::Normalized)
+    }
 }
 
 impl Policy for KeyDiff {
     fn score(&mut self, layer: &LayerCache, _: Option<&crate::AttnStats>) -> Result<Vec<Vec<f32>>> {
-        Ok(keydiff_scores_fused(&layer.keys()?, self.anchor)?.to_vec2::<f32>()?)
+        Ok(self.score_tensor(layer, None)?.to_vec2::<f32>()?)
+    }
+
+    fn score_tensor(&mut self, layer: &LayerCache, _: Option<&crate::AttnStats>) -> Result<Tensor> {
+        keydiff_scores_fused(&layer.keys()?, self.anchor)
     }
 }

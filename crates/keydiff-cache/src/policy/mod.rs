@@ -50,8 +50,29 @@ pub trait Policy: Send {
         Ok(())
     }
 
-    /// Scores of the used slots, `[kv_heads][len]`.
+    /// Scores of the used slots, `[kv_heads][len]`, on the host.
     fn score(&mut self, layer: &LayerCache, stats: Option<&AttnStats>) -> Result<Vec<Vec<f32>>>;
+
+    /// Scores of the used slots as a `[kv_heads, len]` f32 tensor on the cache's device, which
+    /// the eviction uses. The default uploads [`Policy::score`]; policies that can score on the
+    /// device (KeyDiff, Sink, H2O) override it, so that nothing goes through the host.
+    fn score_tensor(&mut self, layer: &LayerCache, stats: Option<&AttnStats>) -> Result<Tensor> {
+        let rows = self.score(layer, stats)?;
+        let n = layer.len();
+        if rows.len() != layer.kv_heads() || rows.iter().any(|r| r.len() != n) {
+            return Err(crate::CacheError::Shape(format!(
+                "policy returned {} score rows for {} heads of {n} slots",
+                rows.len(),
+                layer.kv_heads()
+            )));
+        }
+        let flat: Vec<f32> = rows.into_iter().flatten().collect();
+        Ok(Tensor::from_vec(
+            flat,
+            (layer.kv_heads(), n),
+            layer.device(),
+        )?)
+    }
 }
 
 /// Builds the policy of a kind.

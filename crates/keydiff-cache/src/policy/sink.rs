@@ -2,6 +2,8 @@
 //! protected by the shared selection; the score is the position, so the newest survive.
 //! Positions are not re-assigned.
 
+use candle_core::{DType, Tensor};
+
 use super::Policy;
 use crate::layer::LayerCache;
 use crate::Result;
@@ -11,8 +13,11 @@ pub struct Sink;
 
 impl Policy for Sink {
     fn score(&mut self, layer: &LayerCache, _: Option<&crate::AttnStats>) -> Result<Vec<Vec<f32>>> {
-        Ok((0..layer.kv_heads())
-            .map(|h| layer.positions(h).iter().map(|&p| p as f32).collect())
-            .collect())
+        Ok(self.score_tensor(layer, None)?.to_vec2::<f32>()?)
+    }
+
+    /// The position as the score; selection breaks f32 rounding ties (past 2^24) by position.
+    fn score_tensor(&mut self, layer: &LayerCache, _: Option<&crate::AttnStats>) -> Result<Tensor> {
+        Ok(layer.positions_tensor()?.to_dtype(DType::F32)?)
     }
 }

@@ -39,11 +39,11 @@ impl Policy for SnapKv {
         let s =
             stats.ok_or_else(|| CacheError::Config("SnapKV needs attention statistics".into()))?;
         let per_head = per_kv_head_mean(s)?;
-        Ok(per_head
+        per_head
             .iter()
             .enumerate()
             .map(|(h, row)| {
-                let pos = layer.positions(h);
+                let pos = layer.positions(h)?;
                 let mut order: Vec<usize> = (0..row.len()).collect();
                 order.sort_unstable_by_key(|&i| pos[i]);
                 let sorted: Vec<f32> = order.iter().map(|&i| row[i]).collect();
@@ -52,9 +52,9 @@ impl Policy for SnapKv {
                 for (rank, &i) in order.iter().enumerate() {
                     out[i] = pooled[rank];
                 }
-                out
+                Ok(out)
             })
-            .collect())
+            .collect()
     }
 }
 

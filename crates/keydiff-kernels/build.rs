@@ -1,0 +1,51 @@
+//! Compiles `kernels/*.cu` to PTX with nvcc when the `cuda` feature is on.
+//!
+//! Why build time and not NVRTC at run time: a kernel that does not compile fails the build
+//! (and CI, which runs `cargo clippy --features cuda` with the pinned toolchain), not a user's
+//! first eviction; the PTX ISA is fixed by the pinned nvcc (9.0, which the H200 host's CUDA 13.0
+//! driver loads); and the binary needs no libnvrtc or CUDA headers at run time.
+//!
+//! nvcc is `$NVCC`, else `$CUDA_HOME/bin/nvcc`, else `nvcc` on the PATH. The PTX targets
+//! `compute_$CUDA_COMPUTE_CAP` (default 80: A100; the driver JIT-compiles it for H100/H200).
+
+use std::path::PathBuf;
+use std::process::Command;
+
+fn main() {
+    println!("cargo:rerun-if-changed=build.rs");
+    println!("cargo:rerun-if-env-changed=NVCC");
+    println!("cargo:rerun-if-env-changed=CUDA_HOME");
+    println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
+    if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
+        return;
+    }
+    let root = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").unwrap()).join("../../kernels");
+    let out = PathBuf::from(std::env::var("OUT_DIR").unwrap());
+    let nvcc = std::env::var("NVCC").unwrap_or_else(|_| match std::env::var("CUDA_HOME") {
+        Ok(home) => format!("{home}/bin/nvcc"),
+        Err(_) => "nvcc".to_string(),
+    });
+    let cap = std::env::var("CUDA_COMPUTE_CAP")
+        .ok()
+        .map(|c| c.trim().replace('.', ""))
+        .filter(|c| !c.is_empty())
+        .unwrap_or_else(|| "80".to_string());
+    // One module for now; a new kernels/*.cu file is added here and in src/cuda.rs.
+    let sources = ["keydiff"];
+    for name in sources.iter() {
+        let src = root.join(format!("{name}.cu"));
+        println!("cargo:rerun-if-changed={}", src.display());
+        let ptx = out.join(format!("{name}.ptx"));
+        let status = Command::new(&nvcc)
+            .args(["--ptx", "-O3", "-std=c++17", "-Werror", "all-warnings"])
+            .arg(format!("-arch=compute_{cap}"))
+            .arg("-o")
+            .arg(&ptx)
+            .arg(&src)
+            .status()
+            .unwrap_or_else(|e| panic!("cannot run {nvcc} (set NVCC or CUDA_HOME): {e}"));
+        if !status.success() {
+            panic!("{nvcc} failed on {}", src.display());
+        }
+    }
+}

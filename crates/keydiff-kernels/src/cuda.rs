@@ -1,0 +1,234 @@
+//! Launch wrappers. Every function checks shapes and strides before it launches, and returns
+//! candle errors, never panics.
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::WrapErr;
+use candle_core::{bail, CudaStorage, DType, Layout, Result, Shape};
+use half::{bf16, f16};
+
+/// PTX of `kernels/keydiff.cu`.
+pub const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/keydiff.ptx"));
+const MODULE: &str = "keydiff";
+/// `KD_ROWS_PER_BLOCK`, `KD_THREADS`, `KD_MAX_D`, `KD_SELECT_THREADS` of the kernel source.
+const ROWS_PER_BLOCK: usize = 64;
+const THREADS: u32 = 256;
+/// Largest head dimension the scoring kernels handle.
+pub const MAX_HEAD_DIM: usize = 256;
+const SELECT_THREADS: u32 = 1024;
+/// Moves per block of `keydiff_move_rows` (one warp each).
+const MOVES_PER_BLOCK: u32 = 8;
+
+fn launch_cfg(grid: (u32, u32), block: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (grid.0, grid.1, 1),
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// KeyDiff scores of `keys` (`[kv_heads, n, d]`, any head and row stride, rows contiguous,
+/// f32/f16/bf16): `[kv_heads, n]` f32, s_i = −cos(k_i, μ). Two kernels: norms and anchor, then
+/// cosines. `normalized` picks the anchor: mean of k̂ (true) or of k.
+pub fn keydiff_scores(
+    keys: &CudaStorage,
+    layout: &Layout,
+    normalized: bool,
+) -> Result<(CudaStorage, Shape)> {
+    let (kv, n, d) = layout.shape().dims3()?;
+    let st = layout.stride();
+    if st[2] != 1 {
+        bail!("keydiff-scores needs contiguous key rows, got strides {st:?}");
+    }
+    if d == 0 || d > MAX_HEAD_DIM || n == 0 || n > i32::MAX as usize {
+        bail!("keydiff-scores: head_dim {d} (1..={MAX_HEAD_DIM}) and n {n} (>= 1) out of range");
+    }
+    let dev = keys.device().clone();
+    // SAFETY: every element is written by pass 1 / pass 2 before it is read.
+    let norms = unsafe { dev.alloc::<f32>(kv * n)? };
+    let scores = unsafe { dev.alloc::<f32>(kv * n)? };
+    let anchor = dev.alloc_zeros::<f32>(kv * d)?;
+    let cfg = launch_cfg((kv as u32, n.div_ceil(ROWS_PER_BLOCK) as u32), THREADS);
+    let (o, hs, rs) = (layout.start_offset(), st[0] as i64, st[1] as i64);
+    let (n32, d32, norm) = (n as i32, d as i32, normalized as i32);
+
+    macro_rules! passes {
+        ($t:ty, $sfx:literal) => {{
+            let src = keys.as_cuda_slice::<$t>()?.slice(o..);
+            let f1 = dev.get_or_load_custom_func(concat!("keydiff_pass1_", $sfx), MODULE, PTX)?;
+            let mut b = f1.builder();
+            b.arg(&src);
+            b.arg(&hs);
+            b.arg(&rs);
+            b.arg(&n32);
+            b.arg(&d32);
+            b.arg(&norm);
+            b.arg(&norms);
+            b.arg(&anchor);
+            // SAFETY: argument list matches `keydiff_pass1_*`; bounds were checked above.
+            unsafe { b.launch(cfg) }.w()?;
+            let f2 = dev.get_or_load_custom_func(concat!("keydiff_pass2_", $sfx), MODULE, PTX)?;
+            let mut b = f2.builder();
+            b.arg(&src);
+            b.arg(&hs);
+            b.arg(&rs);
+            b.arg(&n32);
+            b.arg(&d32);
+            b.arg(&norms);
+            b.arg(&anchor);
+            b.arg(&scores);
+            // SAFETY: argument list matches `keydiff_pass2_*`.
+            unsafe { b.launch(cfg) }.w()?;
+        }};
+    }
+    match keys.dtype() {
+        DType::F32 => passes!(f32, "f32"),
+        DType::F16 => passes!(f16, "f16"),
+        DType::BF16 => passes!(bf16, "bf16"),
+        dt => bail!("keydiff-scores: unsupported dtype {dt:?} (f32, f16, bf16)"),
+    }
+    Ok((
+        CudaStorage::wrap_cuda_slice(scores, dev),
+        Shape::from((kv, n)),
+    ))
+}
+
+/// Number of moves a plan row holds: M = min(N, n − N).
+fn plan_moves(n: usize, budget: usize) -> usize {
+    budget.min(n.saturating_sub(budget))
+}
+
+/// Survivors and move plan per KV head: `scores` `[kv, n]` f32 (rows contiguous), `positions`
+/// `[kv, ≥ n]` u32 (rows contiguous). Returns the plan `[kv, 1 + 2M]` u32: per head the number
+/// of moves, then M sources, then M destinations (see `kernels/keydiff.cu`).
+pub fn select_plan(
+    scores: &CudaStorage,
+    scores_layout: &Layout,
+    positions: &CudaStorage,
+    positions_layout: &Layout,
+    budget: usize,
+    sinks: usize,
+    recent: usize,
+) -> Result<(CudaStorage, Shape)> {
+    let (kv, n) = scores_layout.shape().dims2()?;
+    let (pkv, pn) = positions_layout.shape().dims2()?;
+    let (ss, ps) = (scores_layout.stride(), positions_layout.stride());
+    if pkv != kv || pn < n || ss[1] != 1 || ps[1] != 1 {
+        bail!(
+            "select-plan: scores {:?}/{ss:?} and positions {:?}/{ps:?} do not match",
+            scores_layout.dims(),
+            positions_layout.dims()
+        );
+    }
+    if budget == 0 || budget >= n || recent > budget || n > i32::MAX as usize {
+        bail!("select-plan: budget {budget} must be in 1..{n} and >= recent {recent}");
+    }
+    if scores.dtype() != DType::F32 || positions.dtype() != DType::U32 {
+        bail!("select-plan: scores must be f32 and positions u32");
+    }
+    let dev = scores.device().clone();
+    let m = plan_moves(n, budget);
+    let cols = 1 + 2 * m;
+    let plan = dev.alloc_zeros::<u32>(kv * cols)?;
+    let s = scores
+        .as_cuda_slice::<f32>()?
+        .slice(scores_layout.start_offset()..);
+    let p = positions
+        .as_cuda_slice::<u32>()?
+        .slice(positions_layout.start_offset()..);
+    let (s_stride, p_stride, plan_stride) = (ss[0] as i64, ps[0] as i64, cols as i64);
+    let (n32, budget32, sinks32, recent32) = (
+        n as i32,
+        budget as i32,
+        sinks.min(u32::MAX as usize) as u32,
+        recent as i32,
+    );
+    let f = dev.get_or_load_custom_func("keydiff_select_plan", MODULE, PTX)?;
+    let mut b = f.builder();
+    b.arg(&s);
+    b.arg(&s_stride);
+    b.arg(&p);
+    b.arg(&p_stride);
+    b.arg(&n32);
+    b.arg(&budget32);
+    b.arg(&sinks32);
+    b.arg(&recent32);
+    b.arg(&plan);
+    b.arg(&plan_stride);
+    // SAFETY: argument list matches `keydiff_select_plan`; one block per head.
+    unsafe { b.launch(launch_cfg((kv as u32, 1), SELECT_THREADS)) }.w()?;
+    Ok((
+        CudaStorage::wrap_cuda_slice(plan, dev),
+        Shape::from((kv, cols)),
+    ))
+}
+
+/// Applies a plan from [`select_plan`] in place to `buf`: `[kv, rows]` (positions, state) or
+/// `[kv, rows, d]` (K, V), rows contiguous, any dtype. Sources and destinations are disjoint,
+/// so every move runs in parallel.
+pub fn move_rows(
+    buf: &mut CudaStorage,
+    layout: &Layout,
+    plan: &CudaStorage,
+    plan_layout: &Layout,
+) -> Result<()> {
+    let dims = layout.dims();
+    let st = layout.stride();
+    let (kv, row_elems) = match *dims {
+        [kv, _] => (kv, 1),
+        [kv, _, d] if st[2] == 1 => (kv, d),
+        _ => bail!("move-rows: buffer {dims:?} with strides {st:?} is not [kv, rows(, d)]"),
+    };
+    let (pkv, cols) = plan_layout.shape().dims2()?;
+    if pkv != kv || cols == 0 || cols % 2 != 1 || !plan_layout.is_contiguous() {
+        bail!(
+            "move-rows: plan {:?} does not fit {kv} heads",
+            plan_layout.dims()
+        );
+    }
+    if plan.dtype() != DType::U32 {
+        bail!("move-rows: the plan must be u32");
+    }
+    let m = (cols - 1) / 2;
+    if m == 0 {
+        return Ok(());
+    }
+    let elem = buf.dtype().size_in_bytes();
+    let (hs, rs) = ((st[0] * elem) as i64, (st[1] * elem) as i64);
+    let (row_bytes, plan_stride, m32) = ((row_elems * elem) as i32, cols as i64, m as i32);
+    let dev = buf.device().clone();
+    let p = plan
+        .as_cuda_slice::<u32>()?
+        .slice(plan_layout.start_offset()..);
+    let f = dev.get_or_load_custom_func("keydiff_move_rows", MODULE, PTX)?;
+    let cfg = launch_cfg(
+        (kv as u32, (m as u32).div_ceil(MOVES_PER_BLOCK)),
+        32 * MOVES_PER_BLOCK,
+    );
+    let o = layout.start_offset();
+    macro_rules! launch {
+        ($t:ty) => {{
+            let mut view = buf.as_cuda_slice_mut::<$t>()?.slice_mut(o..);
+            let mut b = f.builder();
+            b.arg(&mut view);
+            b.arg(&hs);
+            b.arg(&rs);
+            b.arg(&row_bytes);
+            b.arg(&p);
+            b.arg(&plan_stride);
+            b.arg(&m32);
+            // SAFETY: argument list matches `keydiff_move_rows`; rows lie inside the buffer
+            // because plan entries are < n <= rows (checked when the plan was made).
+            unsafe { b.launch(cfg) }.w()?;
+        }};
+    }
+    match buf.dtype() {
+        DType::F32 => launch!(f32),
+        DType::F16 => launch!(f16),
+        DType::BF16 => launch!(bf16),
+        DType::U32 => launch!(u32),
+        DType::F64 => launch!(f64),
+        dt => bail!("move-rows: unsupported dtype {dt:?}"),
+    }
+    Ok(())
+}

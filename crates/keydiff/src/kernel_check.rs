@@ -1,0 +1,430 @@
+//! Kernel parity and speed: the eviction ops (fused KeyDiff scoring, selection with its move
+//! plan, slot moves) on a device against their CPU references, and their throughput against the
+//! device's measured copy bandwidth.
+//!
+//! `keydiff check-kernels` runs both; `scripts/gpu-check.sh` records them on a GPU; the tests run
+//! the parity on every device the build has. On the CPU the "device" ops are the twins
+//! themselves, so there the check is of the twins against the references (candle ops, a sort).
+
+use std::time::Instant;
+
+use candle_core::{DType, Device, Tensor};
+use keydiff_cache::policy::{keydiff_scores, keydiff_scores_fused};
+use keydiff_cache::select::{move_plan, select, ApplyPlan, SelectPlan};
+use keydiff_cache::Anchor;
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+
+use crate::error::Result;
+
+/// Largest |score difference| accepted between a device and the references: scores are
+/// computed in f32 from the same (dtype-rounded) keys, so only the summation order differs.
+pub const SCORE_TOL: f32 = 1e-4;
+
+/// One shape of the eviction ops.
+#[derive(Debug, Clone, Copy)]
+pub struct KernelCase {
+    pub kv_heads: usize,
+    /// Used slots per head (N + B at eviction time).
+    pub n: usize,
+    pub head_dim: usize,
+    pub dtype: DType,
+    pub budget: usize,
+    pub sinks: usize,
+    pub recent: usize,
+    pub anchor: Anchor,
+}
+
+/// The parity cases: odd sizes, every head dim (64/128/256) and dtype, protected slots, both
+/// anchors; with `large`, also n = 131072 + 128 (past candle's argsort limit of 8192 anyway
+/// at 8320).
+pub fn kernel_cases(large: bool) -> Vec<KernelCase> {
+    let mut out = Vec::new();
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        let case = |kv_heads, n, head_dim, budget, sinks, recent, anchor| KernelCase {
+            kv_heads,
+            n,
+            head_dim,
+            dtype,
+            budget,
+            sinks,
+            recent,
+            anchor,
+        };
+        out.push(case(2, 1029, 64, 700, 4, 100, Anchor::Normalized));
+        out.push(case(3, 8320, 128, 8192, 4, 1638, Anchor::Normalized));
+        out.push(case(2, 517, 256, 300, 0, 0, Anchor::Mean));
+        out.push(case(1, 129, 128, 1, 0, 0, Anchor::Normalized));
+        if large {
+            out.push(case(
+                2,
+                131_072 + 128,
+                128,
+                131_072,
+                4,
+                0,
+                Anchor::Normalized,
+            ));
+        }
+    }
+    out
+}
+
+/// How a device's eviction ops compare with the CPU references on one case.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct KernelParity {
+    pub device: String,
+    pub dtype: String,
+    pub kv_heads: usize,
+    pub n: usize,
+    pub head_dim: usize,
+    pub budget: usize,
+    pub sinks: usize,
+    pub recent: usize,
+    pub anchor: String,
+    /// Device scores against candle ops on the CPU (f32, same rounded keys).
+    pub score_max_abs_vs_reference: f32,
+    /// Device scores against the CPU twin of the fused op.
+    pub score_max_abs_vs_twin: f32,
+    /// Heads whose plan (from the same scores) differs from the sorted reference's.
+    pub plan_heads_differing: usize,
+    /// Slots kept by one and not the other when each side selects from its own scores.
+    pub end_to_end_slots_differing: usize,
+    /// Every such slot's reference score is within 2·error + 1e-6 of its head's marginal
+    /// score: the difference is a near tie, not a bug.
+    pub end_to_end_ties_only: bool,
+    /// K, positions and state after the device moves equal the CPU moves, bit for bit.
+    pub moves_equal: bool,
+    pub pass: bool,
+}
+
+fn anchor_name(a: Anchor) -> &'static str {
+    match a {
+        Anchor::Normalized => "normalized",
+        Anchor::Mean => "mean",
+    }
+}
+
+/// Keys shaped like a model's: a large per-head mean direction plus noise and a few outliers,
+/// `[kv, cap, d]` f32 on the CPU.
+fn random_keys(kv: usize, cap: usize, d: usize, rng: &mut StdRng) -> Result<Tensor> {
+    let mut xs = Vec::with_capacity(kv * cap * d);
+    for _ in 0..kv {
+        let mean: Vec<f32> = (0..d).map(|_| rng.random_range(-2.0..2.0)).collect();
+        for _ in 0..cap {
+            let outlier = rng.random_bool(0.01);
+            for m in &mean {
+                let noise: f32 = rng.random_range(-1.0..1.0);
+                xs.push(if outlier { -m + 3.0 * noise } else { m + noise });
+            }
+        }
+    }
+    Ok(Tensor::from_vec(xs, (kv, cap, d), &Device::Cpu)?)
+}
+
+/// Unique positions per head, shuffled (slot order after evictions), with gaps: `[kv, n]`.
+fn random_positions(kv: usize, n: usize, rng: &mut StdRng) -> Vec<u32> {
+    let mut out = Vec::with_capacity(kv * n);
+    for _ in 0..kv {
+        let mut p: Vec<u32> = (0..n as u32).map(|i| i * 2 + (i % 3 == 0) as u32).collect();
+        p.shuffle(rng);
+        out.extend(p);
+    }
+    out
+}
+
+fn max_abs(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
+    a.iter()
+        .flatten()
+        .zip(b.iter().flatten())
+        .map(|(x, y)| if x == y { 0.0 } else { (x - y).abs() })
+        .fold(
+            0f32,
+            |m, x| if x.is_nan() { f32::INFINITY } else { m.max(x) },
+        )
+}
+
+/// The plan tensor layout of [`SelectPlan`] from per-head `(src, dst)` lists.
+fn plan_tensor(plans: &[Vec<(u32, u32)>], m: usize, dev: &Device) -> Result<Tensor> {
+    let cols = 1 + 2 * m;
+    let mut t = vec![0u32; plans.len() * cols];
+    for (h, plan) in plans.iter().enumerate() {
+        t[h * cols] = plan.len() as u32;
+        for (r, &(s, d)) in plan.iter().enumerate() {
+            t[h * cols + 1 + r] = s;
+            t[h * cols + 1 + m + r] = d;
+        }
+    }
+    Ok(Tensor::from_vec(t, (plans.len(), cols), dev)?)
+}
+
+fn plan_rows(plan: &Tensor) -> Result<Vec<Vec<(u32, u32)>>> {
+    let rows = plan.to_device(&Device::Cpu)?.to_vec2::<u32>()?;
+    Ok(rows
+        .iter()
+        .map(|r| {
+            let m = (r.len() - 1) / 2;
+            (0..r[0] as usize)
+                .map(|i| (r[1 + i], r[1 + m + i]))
+                .collect()
+        })
+        .collect())
+}
+
+/// Runs one parity case on `device` (seeded).
+pub fn kernel_parity(device: &Device, c: &KernelCase, seed: u64) -> Result<KernelParity> {
+    let cpu = Device::Cpu;
+    let mut rng = StdRng::seed_from_u64(seed);
+    // A strided view, as the cache's [kv, N + B, d] buffer gives.
+    let cap = c.n + 3;
+    let keys = random_keys(c.kv_heads, cap, c.head_dim, &mut rng)?;
+    let keys_dev = keys.to_dtype(c.dtype)?.to_device(device)?;
+    let keys_ref = keys_dev.to_device(&cpu)?.to_dtype(DType::F32)?;
+    let view_ref = keys_ref.narrow(1, 0, c.n)?;
+    let s_ref = keydiff_scores(&view_ref, c.anchor)?.to_vec2::<f32>()?;
+    let twin = keydiff_scores_fused(&view_ref, c.anchor)?;
+    let s_twin = twin.to_vec2::<f32>()?;
+    let s_dev = keydiff_scores_fused(&keys_dev.narrow(1, 0, c.n)?, c.anchor)?
+        .to_device(&cpu)?
+        .to_vec2::<f32>()?;
+    let err_ref = max_abs(&s_dev, &s_ref);
+    let err_twin = max_abs(&s_dev, &s_twin);
+
+    let pos = random_positions(c.kv_heads, c.n, &mut rng);
+    let pos_of = |h: usize| &pos[h * c.n..(h + 1) * c.n];
+    let pos_dev = Tensor::from_vec(pos.clone(), (c.kv_heads, c.n), device)?;
+    let op = SelectPlan {
+        budget: c.budget,
+        sinks: c.sinks,
+        recent: c.recent,
+    };
+    // The same scores on both sides: plans must be identical.
+    let keep_ref: Vec<Vec<bool>> = (0..c.kv_heads)
+        .map(|h| select(&s_twin[h], pos_of(h), c.budget, c.sinks, c.recent))
+        .collect();
+    let plans_ref: Vec<Vec<(u32, u32)>> = keep_ref.iter().map(|k| move_plan(k, c.budget)).collect();
+    let plans_dev = plan_rows(&twin.to_device(device)?.apply_op2_no_bwd(&pos_dev, &op)?)?;
+    let plan_heads_differing = plans_ref
+        .iter()
+        .zip(&plans_dev)
+        .filter(|(a, b)| a != b)
+        .count();
+
+    // End to end: each side selects from its own scores.
+    let e2e_plan = Tensor::new(s_dev.clone(), &cpu)?
+        .to_device(device)?
+        .apply_op2_no_bwd(&pos_dev, &op)?;
+    let e2e_dev = plan_rows(&e2e_plan)?;
+    let mut differing = 0;
+    let mut ties_only = true;
+    let tol = 2.0 * err_ref + 1e-6;
+    for h in 0..c.kv_heads {
+        let keep_r = select(&s_ref[h], pos_of(h), c.budget, c.sinks, c.recent);
+        let mut keep_d: Vec<bool> = (0..c.n).map(|i| i < c.budget).collect();
+        for &(s, d) in &e2e_dev[h] {
+            keep_d[s as usize] = true;
+            keep_d[d as usize] = false;
+        }
+        let recent_min = {
+            let mut p = pos_of(h).to_vec();
+            p.sort_unstable();
+            if c.recent > 0 {
+                p[c.n - c.recent]
+            } else {
+                u32::MAX
+            }
+        };
+        let protected = |i: usize| {
+            let p = pos_of(h)[i];
+            (p as usize) < c.sinks || p >= recent_min
+        };
+        let marginal = (0..c.n)
+            .filter(|&i| keep_r[i] && !protected(i))
+            .map(|i| s_ref[h][i])
+            .fold(f32::INFINITY, f32::min);
+        for i in 0..c.n {
+            if keep_r[i] != keep_d[i] {
+                differing += 1;
+                if (s_ref[h][i] - marginal).abs() > tol {
+                    ties_only = false;
+                }
+            }
+        }
+    }
+
+    // Moves: the reference plans applied on both sides to K, positions and state.
+    let m = c.budget.min(c.n - c.budget);
+    let state: Vec<f32> = (0..c.kv_heads * c.n)
+        .map(|_| rng.random_range(0.0..1.0))
+        .collect();
+    let run_moves = |dev: &Device| -> Result<(Vec<f32>, Vec<u32>, Vec<f32>)> {
+        let plan = plan_tensor(&plans_ref, m, dev)?;
+        let k = keys_dev.narrow(1, 0, c.n)?.to_device(dev)?.contiguous()?;
+        let p = Tensor::from_vec(pos.clone(), (c.kv_heads, c.n), dev)?;
+        let s = Tensor::from_vec(state.clone(), (c.kv_heads, c.n), dev)?;
+        for t in [&k, &p, &s] {
+            t.inplace_op2(&plan, &ApplyPlan)?;
+        }
+        Ok((
+            k.to_device(&cpu)?
+                .to_dtype(DType::F32)?
+                .flatten_all()?
+                .to_vec1()?,
+            p.to_device(&cpu)?.flatten_all()?.to_vec1()?,
+            s.to_device(&cpu)?.flatten_all()?.to_vec1()?,
+        ))
+    };
+    let (kd, pd, sd) = run_moves(device)?;
+    let (kc, pc, sc) = run_moves(&cpu)?;
+    let moves_equal = kd == kc && pd == pc && sd == sc;
+
+    let pass = err_ref <= SCORE_TOL
+        && err_twin <= SCORE_TOL
+        && plan_heads_differing == 0
+        && ties_only
+        && moves_equal;
+    Ok(KernelParity {
+        device: format!("{device:?}"),
+        dtype: c.dtype.as_str().to_string(),
+        kv_heads: c.kv_heads,
+        n: c.n,
+        head_dim: c.head_dim,
+        budget: c.budget,
+        sinks: c.sinks,
+        recent: c.recent,
+        anchor: anchor_name(c.anchor).to_string(),
+        score_max_abs_vs_reference: err_ref,
+        score_max_abs_vs_twin: err_twin,
+        plan_heads_differing,
+        end_to_end_slots_differing: differing,
+        end_to_end_ties_only: ties_only,
+        moves_equal,
+        pass,
+    })
+}
+
+/// Timing of one eviction (scoring + selection/plan + moves of K, V, positions and state).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct KernelTiming {
+    pub device: String,
+    pub dtype: String,
+    pub kv_heads: usize,
+    pub n: usize,
+    pub head_dim: usize,
+    pub budget: usize,
+    /// Rows moved, all heads.
+    pub moves: usize,
+    pub reps: usize,
+    /// Medians, microseconds.
+    pub score_us: f64,
+    pub select_us: f64,
+    pub move_us: f64,
+    pub total_us: f64,
+    /// Bytes the eviction must touch at least: keys read twice, scores written and read,
+    /// positions read, moved rows of K, V, positions and state read and written.
+    pub bytes: usize,
+    /// `bytes / total`.
+    pub gb_per_s: f64,
+    /// Device-to-device copy of 512 MiB, read + write bytes per second (best of 5).
+    pub copy_gb_per_s: f64,
+    pub percent_of_copy: f64,
+}
+
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    xs[xs.len() / 2]
+}
+
+/// Device-to-device copy bandwidth (read + write), GB/s, best of 5 copies of 512 MiB.
+pub fn copy_bandwidth(device: &Device) -> Result<f64> {
+    let t = Tensor::zeros(128 << 20, DType::F32, device)?;
+    let mut best = f64::INFINITY;
+    for _ in 0..5 {
+        device.synchronize()?;
+        let t0 = Instant::now();
+        let c = t.copy()?;
+        device.synchronize()?;
+        best = best.min(t0.elapsed().as_secs_f64());
+        drop(c);
+    }
+    Ok(2.0 * (512u64 << 20) as f64 / best / 1e9)
+}
+
+/// Times the eviction ops on `device` for a case's shape, dtype, budget, protection and anchor,
+/// with positions ascending (the newest chunk last, as after a prefill chunk). One warm-up,
+/// then the median of `reps`; the device is synchronised around every op.
+pub fn kernel_timing(
+    device: &Device,
+    c: &KernelCase,
+    reps: usize,
+    copy_gb_per_s: f64,
+) -> Result<KernelTiming> {
+    let (kv, n, head_dim, dtype, budget) = (c.kv_heads, c.n, c.head_dim, c.dtype, c.budget);
+    let mut rng = StdRng::seed_from_u64(7);
+    let k = random_keys(kv, n, head_dim, &mut rng)?
+        .to_dtype(dtype)?
+        .to_device(device)?;
+    let v = k.copy()?;
+    let pos0 = Tensor::arange(0u32, n as u32, device)?
+        .unsqueeze(0)?
+        .broadcast_as((kv, n))?
+        .contiguous()?;
+    let state = Tensor::zeros((kv, n), DType::F32, device)?;
+    let op = SelectPlan {
+        budget,
+        sinks: c.sinks,
+        recent: c.recent,
+    };
+    let (mut ts, mut tp, mut tm) = (Vec::new(), Vec::new(), Vec::new());
+    let mut moves = 0;
+    let reps = reps.max(1);
+    for rep in 0..reps + 1 {
+        let pos = pos0.copy()?;
+        device.synchronize()?;
+        let t0 = Instant::now();
+        let scores = keydiff_scores_fused(&k, c.anchor)?;
+        device.synchronize()?;
+        let t1 = Instant::now();
+        let plan = scores.apply_op2_no_bwd(&pos, &op)?;
+        device.synchronize()?;
+        let t2 = Instant::now();
+        for t in [&k, &v, &pos, &state] {
+            t.inplace_op2(&plan, &ApplyPlan)?;
+        }
+        device.synchronize()?;
+        let t3 = Instant::now();
+        if rep == 0 {
+            // warm-up (module load, allocator)
+            moves = plan_rows(&plan)?.iter().map(Vec::len).sum();
+            continue;
+        }
+        ts.push((t1 - t0).as_secs_f64());
+        tp.push((t2 - t1).as_secs_f64());
+        tm.push((t3 - t2).as_secs_f64());
+    }
+    let (score, sel, mv) = (median(ts), median(tp), median(tm));
+    let total = score + sel + mv;
+    let e = dtype.size_in_bytes();
+    let bytes =
+        2 * kv * n * head_dim * e + kv * n * (4 + 4 + 4) + moves * 2 * (2 * head_dim * e + 8);
+    let gbps = bytes as f64 / total / 1e9;
+    Ok(KernelTiming {
+        device: format!("{device:?}"),
+        dtype: dtype.as_str().to_string(),
+        kv_heads: kv,
+        n,
+        head_dim,
+        budget,
+        moves,
+        reps,
+        score_us: score * 1e6,
+        select_us: sel * 1e6,
+        move_us: mv * 1e6,
+        total_us: total * 1e6,
+        bytes,
+        gb_per_s: gbps,
+        copy_gb_per_s,
+        percent_of_copy: 100.0 * gbps / copy_gb_per_s,
+    })
+}

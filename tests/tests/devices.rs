@@ -1,0 +1,130 @@
+//! Tests that run on every device: each body is generated for the CPU and for CUDA by
+//! `test_device!` (as candle's). Without the `cuda` feature the CUDA variants are reported as
+//! ignored, with the reason, never as passed; built with it, a missing GPU fails them.
+//! `scripts/gpu-check.sh` runs the same checks on a GPU host through `keydiff check-kernels`
+//! and `keydiff check-device`.
+
+use anyhow::{ensure, Result};
+use candle_core::{DType, Device};
+use keydiff::kernel_check::{kernel_cases, kernel_parity, kernel_timing};
+use keydiff::parity::compare_devices;
+use keydiff::{Anchor, CacheConfig, CpuWeights, EngineConfig, PolicyKind};
+use keydiff_tests::root;
+
+macro_rules! test_device {
+    ($body:ident, $cpu:ident, $cuda:ident) => {
+        #[test]
+        fn $cpu() -> Result<()> {
+            $body(&Device::Cpu)
+        }
+
+        #[test]
+        #[cfg_attr(
+            not(feature = "cuda"),
+            ignore = "needs `--features cuda` and a GPU (scripts/gpu-check.sh runs it there)"
+        )]
+        fn $cuda() -> Result<()> {
+            #[cfg(feature = "cuda")]
+            {
+                let dev = Device::new_cuda(0)
+                    .map_err(|e| anyhow::anyhow!("no CUDA device 0 in a cuda build: {e}"))?;
+                $body(&dev)
+            }
+            #[cfg(not(feature = "cuda"))]
+            {
+                anyhow::bail!("built without the cuda feature: nothing to run on")
+            }
+        }
+    };
+}
+
+/// Scoring, selection/plan and moves against the CPU references, on every case: odd sizes,
+/// head dims 64/128/256, f32/f16/bf16, protected slots, both anchors, n up to 131072 + 128.
+fn eviction_ops_match_references(dev: &Device) -> Result<()> {
+    for (i, c) in kernel_cases(true).iter().enumerate() {
+        let r = kernel_parity(dev, c, 100 + i as u64)?;
+        ensure!(r.pass, "{c:?}: {r:?}");
+    }
+    Ok(())
+}
+test_device!(
+    eviction_ops_match_references,
+    eviction_ops_match_references_cpu,
+    eviction_ops_match_references_cuda
+);
+
+/// The timing path runs, moves exactly n − N rows per head after a chunk (positions ascending,
+/// so every surviving chunk slot moves unless it scored below a cached one), and reports
+/// consistent numbers.
+fn eviction_timing_is_consistent(dev: &Device) -> Result<()> {
+    let c = keydiff::kernel_check::KernelCase {
+        kv_heads: 2,
+        n: 600,
+        head_dim: 64,
+        dtype: DType::F32,
+        budget: 472,
+        sinks: 0,
+        recent: 0,
+        anchor: Anchor::Normalized,
+    };
+    let t = kernel_timing(dev, &c, 2, 1.0)?;
+    ensure!(
+        t.moves <= 2 * 128,
+        "{} moves for 2 heads of 128 new slots",
+        t.moves
+    );
+    ensure!(t.total_us > 0.0 && t.bytes > 2 * 2 * 600 * 64 * 4, "{t:?}");
+    ensure!(
+        (t.total_us - (t.score_us + t.select_us + t.move_us)).abs() < 1e-6,
+        "{t:?}"
+    );
+    Ok(())
+}
+test_device!(
+    eviction_timing_is_consistent,
+    eviction_timing_is_consistent_cpu,
+    eviction_timing_is_consistent_cuda
+);
+
+/// Model parity: the same seeded random Llama- and Qwen-shaped models in CPU f32 and in bf16 on
+/// the device, after a multi-chunk prefill with KeyDiff eviction (and full, for contrast).
+fn bf16_model_matches_cpu_f32(dev: &Device) -> Result<()> {
+    for preset in ["tiny-llama", "tiny-qwen"] {
+        for policy in [
+            PolicyKind::Full,
+            PolicyKind::KeyDiff {
+                anchor: Anchor::Normalized,
+            },
+        ] {
+            let cache = CacheConfig {
+                budget: (policy != PolicyKind::Full).then_some(96),
+                policy: policy.clone(),
+                chunk: 32,
+                window: 0.1,
+                sinks: 2,
+                evict_every: None,
+            };
+            let cfg = |device: Device, dtype| EngineConfig {
+                device,
+                dtype,
+                cache: cache.clone(),
+                cpu_weights: CpuWeights::FAST,
+            };
+            let preset_path = root().join(format!("configs/{preset}.json"));
+            let d = compare_devices(
+                &preset_path,
+                3,
+                &cfg(Device::Cpu, DType::F32),
+                &cfg(dev.clone(), DType::BF16),
+                250,
+            )?;
+            ensure!(d.cosine > 0.99, "{preset} {}: {d:?}", policy.name());
+        }
+    }
+    Ok(())
+}
+test_device!(
+    bf16_model_matches_cpu_f32,
+    bf16_model_matches_cpu_f32_cpu,
+    bf16_model_matches_cpu_f32_cuda
+);
