@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One run on a GPU host (see GPU.md): environment, CPU-vs-GPU parity, a short TTFT sweep.
+# One run on a GPU host (see GPU.md): environment, eviction-kernel parity and timing, CPU-vs-GPU
+# model parity, a short TTFT sweep.
 # Build the binary here first (scripts/build-cuda.sh), carry it, then on the GPU host:
 #   scripts/gpu-check.sh            (logs go to $OUT when set, else bench/gpu-check-logs/)
 # Prints a summary table last. Needs no Rust toolchain and no network on the GPU host.
@@ -34,7 +35,16 @@ gpu=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,nohea
 note "gpu: $gpu"
 note "binary: $bin ($(git rev-parse --short HEAD 2>/dev/null || echo unknown))"
 
-echo "== 2. CPU f32 vs GPU: small random Llama/Qwen shapes, multi-chunk prefill, with eviction"
+echo "== 2. eviction kernels against the CPU references, then timed against copy bandwidth"
+# Scoring, selection/plan, moves: odd sizes, d 64/128/256, f32/f16/bf16, n up to 131072 + 128.
+# Timing: 8 KV heads, d 128, bf16 (Llama-3.1-8B's KV shape), B = 128, n = N + B.
+timeout 150 "$bin" check-kernels --device "$device" --large --time-n 8320,32896,131200 \
+    > "$out/kernels.jsonl" 2> "$out/kernels.txt"
+rc=$?
+{ echo "kernels:"; sed 's/^/  /' "$out/kernels.txt"; } >> "$summary"
+[ $rc = 0 ] && note "kernels: PASS" || note "kernels: FAIL (exit $rc)"
+
+echo "== 3. CPU f32 vs GPU: small random Llama/Qwen shapes, multi-chunk prefill, with eviction"
 parity_ok=1
 for dt in bf16 f32; do
   if ! timeout 150 "$bin" check-device --device "$device" --dtype "$dt" --prompt-len 700 --chunk 64 \
@@ -55,7 +65,7 @@ for f in sorted(glob.glob(sys.argv[1] + "/parity-*.jsonl")):
 PY
 [ $parity_ok = 1 ] && note "parity: PASS" || note "parity: FAIL"
 
-echo "== 3. TTFT sweep: $preset random weights, bf16, prompt $plen, budget $budget_n"
+echo "== 4. TTFT sweep: $preset random weights, bf16, prompt $plen, budget $budget_n"
 # One process: weights are initialised once; 1 warm-up and 2 measured runs per case,
 # interleaved, then one profiled run per case for the breakdown (keydiff bench ttft).
 left=$((deadline - SECONDS)); [ "$left" -lt 60 ] && left=60

@@ -92,6 +92,15 @@ fn niah_writes_results_heatmap_and_resumes() {
     let json: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("results.json")).unwrap()).unwrap();
     assert_eq!(json["records"].as_array().unwrap().len(), 24);
+
+    // Resuming with an option that changes the samples is refused, and nothing is run.
+    let (ok, _, stderr) = run(&[
+        &base[..],
+        &["--policies", "full", "--seed", "9", "--resume"],
+    ]
+    .concat());
+    assert!(!ok && stderr.contains("--seed"), "{stderr}");
+    assert_eq!(records(&dir).len(), 24);
 }
 
 #[test]

@@ -144,6 +144,7 @@ pub fn eval(a: EvalArgs) -> Result<()> {
     let records_path = out.join("records.jsonl");
     let mut done: Vec<Record> = Vec::new();
     if a.resume && records_path.exists() {
+        check_resume(&out.join("results.json"), &a, &engine)?;
         let text = std::fs::read_to_string(&records_path)?;
         for (i, line) in text
             .lines()
@@ -345,4 +346,36 @@ fn table(a: &EvalArgs, prov: &Provenance, cells: &[Cell], longbench: bool) -> St
         s.push('\n');
     }
     s
+}
+
+/// Refuses to resume into a directory whose earlier run used other options that change the
+/// records (model, dtype, chat template, chunk, protection, seed): their records would be mixed
+/// with incomparable ones. Lengths, depths, budgets, policies and samples may grow.
+fn check_resume(results: &std::path::Path, a: &EvalArgs, engine: &keydiff::Engine) -> Result<()> {
+    let Ok(text) = std::fs::read_to_string(results) else {
+        return Ok(()); // an interrupted first run: only records.jsonl exists
+    };
+    let v: serde_json::Value = serde_json::from_str(&text)
+        .with_context(|| format!("{}: not a results file", results.display()))?;
+    let o = &v["options"];
+    let p = &v["provenance"];
+    let now = Provenance::collect(engine, a.load.random_weights, String::new());
+    let checks: [(&str, serde_json::Value, serde_json::Value); 7] = [
+        ("--chat", o["chat"].clone(), a.chat.into()),
+        ("--chunk", o["chunk"].clone(), a.chunk.into()),
+        ("--window", o["window"].clone(), a.policy_args.window.into()),
+        ("--sinks", o["sinks"].clone(), a.policy_args.sinks.into()),
+        ("--seed", o["seed"].clone(), a.seed.into()),
+        ("-m", p["model"].clone(), now.model.into()),
+        ("--dtype", p["dtype"].clone(), now.dtype.into()),
+    ];
+    for (name, was, is) in checks {
+        if !was.is_null() && was != is {
+            bail!(
+                "cannot --resume into {}: it was made with {name} {was}, this run has {is}",
+                results.parent().unwrap_or(results).display()
+            );
+        }
+    }
+    Ok(())
 }

@@ -2,7 +2,9 @@
 //! the layer, so every KV head keeps the same slots; `tova-per-head` averages only over the g
 //! query heads of each KV head.
 
-use super::{per_kv_head_mean, Policy, StatsNeed};
+use candle_core::{DType, Tensor};
+
+use super::{Policy, StatsNeed};
 use crate::layer::LayerCache;
 use crate::{AttnStats, CacheError, Result};
 
@@ -16,18 +18,23 @@ impl Policy for Tova {
         StatsNeed::LastRows(1)
     }
 
-    fn score(&mut self, layer: &LayerCache, stats: Option<&AttnStats>) -> Result<Vec<Vec<f32>>> {
+    /// On the cache's device: `[kv, g, T]` → mean over g (per head), or over g and kv.
+    fn score_tensor(&mut self, layer: &LayerCache, stats: Option<&AttnStats>) -> Result<Tensor> {
         let s =
             stats.ok_or_else(|| CacheError::Config("TOVA needs attention statistics".into()))?;
-        let per_head = per_kv_head_mean(s)?;
+        let per_head = s.sums.mean(1)?;
         if self.per_head {
-            return Ok(per_head);
+            return Ok(per_head.to_dtype(DType::F32)?);
         }
-        let n = layer.len();
-        let heads = per_head.len() as f32;
-        let mean: Vec<f32> = (0..n)
-            .map(|i| per_head.iter().map(|h| h[i]).sum::<f32>() / heads)
-            .collect();
-        Ok(vec![mean; per_head.len()])
+        let kv = layer.kv_heads();
+        Ok(per_head
+            .mean_keepdim(0)?
+            .to_dtype(DType::F32)?
+            .broadcast_as((kv, layer.len()))?
+            .contiguous()?)
+    }
+
+    fn score(&mut self, layer: &LayerCache, stats: Option<&AttnStats>) -> Result<Vec<Vec<f32>>> {
+        Ok(self.score_tensor(layer, stats)?.to_vec2::<f32>()?)
     }
 }
