@@ -4,6 +4,10 @@
 # Build the binary here first (scripts/build-cuda.sh), carry it, then on the GPU host:
 #   scripts/gpu-check.sh            (logs go to $OUT when set, else bench/gpu-check-logs/)
 # Prints a summary table last. Needs no Rust toolchain and no network on the GPU host.
+# Through the device tool (at most 8 files come back), write elsewhere and pack:
+#   mkdir -p .gpu && strip -o .gpu/keydiff target/cuda/release/keydiff     # here; carry [".gpu"]
+#   d=$OUT; OUT=/tmp/gc KEYDIFF_BIN=.gpu/keydiff scripts/gpu-check.sh 2>&1 | tee /tmp/gc.log;
+#   tar czf $d/gpu-check.tgz -C /tmp gc gc.log; cp /tmp/gc/summary.txt $d/
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bin=${KEYDIFF_BIN:-target/cuda/release/keydiff}
@@ -79,6 +83,22 @@ else
   cat "$out/ttft/table.txt.tmp" >> "$summary" 2>/dev/null
 fi
 rm -f "$out/ttft/table.txt.tmp"
+
+echo "== 5. eviction share at Llama-3.1-8B's shape: N = 8192, B = 128, prompt 12288"
+# The issue's target: eviction <= 5% of the B = 128 chunk time (see the breakdown columns).
+left=$((deadline - SECONDS))
+if [ "${SKIP_8B:-0}" = 1 ] || [ "$left" -lt 90 ]; then
+  note "8b: skipped (${left}s left of the ${deadline}s budget)"
+else
+  mkdir -p "$out/ttft8b"
+  if timeout "$left" "$bin" bench ttft --random-weights -m llama-3.1-8b --device "$device" \
+      --dtype bf16 --prompt-len 12288 --budget 8192 --chunks 128 --policies full,keydiff \
+      --warmup 1 --reps 2 --out "$out/ttft8b" > "$out/ttft8b/table.txt" 2>>"$errors"; then
+    { echo "TTFT (llama-3.1-8b random weights, bf16, prompt 12288, budget 8192):"; cat "$out/ttft8b/table.txt"; } >> "$summary"
+  else
+    note "8b: FAILED or past the budget (exit $?); see errors.log"
+  fi
+fi
 echo
 note "elapsed: ${SECONDS}s"
 echo "==================== summary ===================="
