@@ -4,7 +4,7 @@
 // Layout: keys [kv_heads, n, d] with any head and row stride (a view of the [kv, N+B, d] cache
 // buffer), elements of a row contiguous. d <= 256.
 //
-// Two passes, each over a (head, block of rows) grid so that the whole GPU streams the keys:
+// Two passes, each over a (block of rows, head) grid so that the whole GPU streams the keys:
 //   1. norms[h, i] = |k_i| + eps, and anchor_sum[h, :] += w_i * k_i (w_i = 1/norms[h, i] or 1),
 //      summed per block in shared memory, then one atomicAdd per element and block;
 //   2. scores[h, i] = -(k_i . mu) / (norms[h, i] * |mu|), mu = anchor_sum[h] / n.
@@ -40,8 +40,8 @@ template <typename T>
 __device__ void kd_pass1(const T* keys, int64_t head_stride, int64_t row_stride, int n, int d,
                          int normalized, float* norms, float* anchor_sum) {
   __shared__ float acc[KD_MAX_D];
-  const int h = blockIdx.x;
-  const int row0 = blockIdx.y * KD_ROWS_PER_BLOCK;
+  const int h = blockIdx.y;
+  const int row0 = blockIdx.x * KD_ROWS_PER_BLOCK;
   for (int j = threadIdx.x; j < d; j += blockDim.x) acc[j] = 0.f;
   __syncthreads();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
@@ -66,8 +66,8 @@ __device__ void kd_pass2(const T* keys, int64_t head_stride, int64_t row_stride,
                          const float* norms, const float* anchor_sum, float* scores) {
   __shared__ float mu[KD_MAX_D];
   __shared__ float partial[KD_THREADS / 32];
-  const int h = blockIdx.x;
-  const int row0 = blockIdx.y * KD_ROWS_PER_BLOCK;
+  const int h = blockIdx.y;
+  const int row0 = blockIdx.x * KD_ROWS_PER_BLOCK;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
   float ss = 0.f;
   for (int j = threadIdx.x; j < d; j += blockDim.x) {
@@ -261,16 +261,16 @@ extern "C" __global__ void __launch_bounds__(KD_SELECT_THREADS)
 }
 
 // Applies the plan to one buffer of rows: [heads, rows, row_bytes] with byte strides. One warp
-// per move; grid (heads, ceil(M / warps per block)). Used for K, V (row = head_dim elements),
-// positions and policy state (row = 4 bytes).
+// per move. Used for K, V (row = head_dim elements),
+// positions and policy state (row = 4 bytes). Grid (ceil(M / warps per block), heads).
 extern "C" __global__ void keydiff_move_rows(char* buf, int64_t head_stride, int64_t row_stride,
                                              int row_bytes, const uint32_t* plan,
                                              int64_t plan_stride, int max_moves) {
-  const int h = blockIdx.x;
+  const int h = blockIdx.y;
   const uint32_t* p = plan + h * plan_stride;
   const int lane = threadIdx.x & 31;
-  const int m = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  if (m >= (int)p[0]) return;
+  const int m = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (m >= min((int)p[0], max_moves)) return;
   const char* from = buf + h * head_stride + (int64_t)p[1 + m] * row_stride;
   char* to = buf + h * head_stride + (int64_t)p[1 + max_moves + m] * row_stride;
   if ((((uintptr_t)from | (uintptr_t)to | (uintptr_t)row_bytes) & 15u) == 0) {

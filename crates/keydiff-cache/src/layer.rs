@@ -68,9 +68,10 @@ impl LayerCache {
                 capacity,
             });
         }
-        if pos0 + chunk > u32::MAX as usize {
+        // Selection keys hold 31 bits of position (see kernels/keydiff.cu).
+        if pos0 + chunk > 1 << 31 {
             return Err(CacheError::Config(format!(
-                "position {} does not fit the u32 position table",
+                "position {} is past the cache's limit of 2^31 tokens",
                 pos0 + chunk
             )));
         }
@@ -246,11 +247,15 @@ impl LayerCache {
                 self.len
             )));
         }
+        // Sources past the kept length, destinations inside it: no move reads a slot another
+        // one writes, so devices may run them all at once.
         for plan in plans {
             for &(s, t) in plan {
-                if s as usize >= self.len || t as usize >= new_len {
+                let (s, t) = (s as usize, t as usize);
+                if s >= self.len || s < new_len || t >= new_len {
                     return Err(CacheError::Shape(format!(
-                        "move {s} -> {t} outside used {} / kept {new_len}",
+                        "move {s} -> {t}: sources must be in [{new_len}, {}), destinations \
+                         in [0, {new_len})",
                         self.len
                     )));
                 }
@@ -346,6 +351,11 @@ mod tests {
         let mut c = LayerCache::new(2, 2, 4, DType::F32, &dev)?;
         let k = Tensor::arange(0f32, 16., &dev)?.reshape((2, 4, 2))?;
         c.append(&k, &k, 0)?;
+        // A source inside the kept range could be another move's destination: refused.
+        assert!(matches!(
+            c.clone().apply_moves(&[vec![(3, 1), (1, 0)], vec![]], 2),
+            Err(CacheError::Shape(_))
+        ));
         c.apply_moves(&[vec![(3, 0)], vec![(2, 1)]], 2)?;
         assert_eq!(
             c.keys()?.to_vec3::<f32>()?,

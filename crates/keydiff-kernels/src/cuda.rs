@@ -16,6 +16,10 @@ const THREADS: u32 = 256;
 /// Largest head dimension the scoring kernels handle.
 pub const MAX_HEAD_DIM: usize = 256;
 const SELECT_THREADS: u32 = 1024;
+/// Most slots per head: loop counters in the kernels are `int` and step by up to 1024.
+pub const MAX_SLOTS: usize = i32::MAX as usize - 4096;
+/// Most KV heads (grid.y).
+pub const MAX_HEADS: usize = 65_535;
 /// Moves per block of `keydiff_move_rows` (one warp each).
 const MOVES_PER_BLOCK: u32 = 8;
 
@@ -40,15 +44,19 @@ pub fn keydiff_scores(
     if st[2] != 1 {
         bail!("keydiff-scores needs contiguous key rows, got strides {st:?}");
     }
-    if d == 0 || d > MAX_HEAD_DIM || n == 0 || n > i32::MAX as usize {
-        bail!("keydiff-scores: head_dim {d} (1..={MAX_HEAD_DIM}) and n {n} (>= 1) out of range");
+    if d == 0 || d > MAX_HEAD_DIM || n == 0 || n > MAX_SLOTS || kv > MAX_HEADS {
+        bail!(
+            "keydiff-scores: head_dim {d} (1..={MAX_HEAD_DIM}), n {n} (1..={MAX_SLOTS}) or \
+             {kv} heads (<= {MAX_HEADS}) out of range"
+        );
     }
     let dev = keys.device().clone();
     // SAFETY: every element is written by pass 1 / pass 2 before it is read.
     let norms = unsafe { dev.alloc::<f32>(kv * n)? };
     let scores = unsafe { dev.alloc::<f32>(kv * n)? };
     let anchor = dev.alloc_zeros::<f32>(kv * d)?;
-    let cfg = launch_cfg((kv as u32, n.div_ceil(ROWS_PER_BLOCK) as u32), THREADS);
+    // Row blocks on grid.x (up to 2^31 - 1), heads on grid.y (up to 65535).
+    let cfg = launch_cfg((n.div_ceil(ROWS_PER_BLOCK) as u32, kv as u32), THREADS);
     let (o, hs, rs) = (layout.start_offset(), st[0] as i64, st[1] as i64);
     let (n32, d32, norm) = (n as i32, d as i32, normalized as i32);
 
@@ -120,8 +128,11 @@ pub fn select_plan(
             positions_layout.dims()
         );
     }
-    if budget == 0 || budget >= n || recent > budget || n > i32::MAX as usize {
-        bail!("select-plan: budget {budget} must be in 1..{n} and >= recent {recent}");
+    if budget == 0 || budget >= n || recent > budget || n > MAX_SLOTS {
+        bail!(
+            "select-plan: budget {budget} must be in 1..{n} and >= recent {recent}, \
+             n <= {MAX_SLOTS}"
+        );
     }
     if scores.dtype() != DType::F32 || positions.dtype() != DType::U32 {
         bail!("select-plan: scores must be f32 and positions u32");
@@ -202,7 +213,7 @@ pub fn move_rows(
         .slice(plan_layout.start_offset()..);
     let f = dev.get_or_load_custom_func("keydiff_move_rows", MODULE, PTX)?;
     let cfg = launch_cfg(
-        (kv as u32, (m as u32).div_ceil(MOVES_PER_BLOCK)),
+        ((m as u32).div_ceil(MOVES_PER_BLOCK), kv as u32),
         32 * MOVES_PER_BLOCK,
     );
     let o = layout.start_offset();

@@ -39,10 +39,13 @@ pub fn keydiff_scores(keys: &Tensor, anchor: Anchor) -> Result<Tensor> {
 
 /// KeyDiff scores in one fused op, `[kv_heads, n]` f32: two passes over each head's keys (norms
 /// and anchor, then cosines) with no intermediate tensors, read in place from the cache view.
-/// CPU: the twin below; CUDA: `keydiff_pass1/2` of `kernels/keydiff.cu`. Other devices use
-/// [`keydiff_scores`].
+/// CPU: the twin below; CUDA: `keydiff_pass1/2` of `kernels/keydiff.cu` (f32/f16/bf16, head
+/// dim up to 256). Other devices and shapes use [`keydiff_scores`].
 pub fn keydiff_scores_fused(keys: &Tensor, anchor: Anchor) -> Result<Tensor> {
-    if keys.device().is_cpu() || keys.device().is_cuda() {
+    let kernel = keys.device().is_cuda()
+        && matches!(keys.dtype(), DType::F32 | DType::F16 | DType::BF16)
+        && keys.dim(2)? <= 256;
+    if keys.device().is_cpu() || kernel {
         Ok(keys.apply_op1_no_bwd(&KeyDiffOp { anchor })?)
     } else {
         keydiff_scores(keys, anchor)
