@@ -93,6 +93,20 @@ fn niah_writes_results_heatmap_and_resumes() {
         serde_json::from_str(&std::fs::read_to_string(dir.join("results.json")).unwrap()).unwrap();
     assert_eq!(json["records"].as_array().unwrap().len(), 24);
 
+    // --report runs nothing and rebuilds results.json from the records of the grid it is given.
+    let (ok, stdout, stderr) =
+        run(&[&base[..], &["--policies", "full,sink,tova", "--report"]].concat());
+    assert!(ok, "{stderr}");
+    assert_eq!(stderr.matches("] niah-").count(), 0, "{stderr}");
+    assert!(
+        stdout.contains("sink") && !stdout.contains("keydiff"),
+        "{stdout}"
+    );
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("results.json")).unwrap()).unwrap();
+    assert_eq!(json["records"].as_array().unwrap().len(), 16);
+    assert_eq!(records(&dir).len(), 24);
+
     // Resuming with an option that changes the samples is refused, and nothing is run.
     let (ok, _, stderr) = run(&[
         &base[..],

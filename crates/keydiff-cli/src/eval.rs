@@ -66,6 +66,10 @@ pub struct EvalArgs {
     /// Keep the records already in OUT/records.jsonl and run only the missing ones.
     #[arg(long)]
     resume: bool,
+    /// Run nothing: rebuild the table, results.json and heatmap.svg of the given grid from
+    /// OUT/records.jsonl (cells show how many samples they have). Implies --resume.
+    #[arg(long)]
+    report: bool,
 }
 
 fn key(task: &str, id: &str, policy: &str, budget: &str) -> String {
@@ -143,7 +147,10 @@ pub fn eval(a: EvalArgs) -> Result<()> {
     // Records already made (resume), then the rest.
     let records_path = out.join("records.jsonl");
     let mut done: Vec<Record> = Vec::new();
-    if a.resume && records_path.exists() {
+    if a.report && !records_path.exists() {
+        bail!("--report: no records in {}", records_path.display());
+    }
+    if (a.resume || a.report) && records_path.exists() {
         check_resume(&out.join("results.json"), &a, &engine)?;
         let text = std::fs::read_to_string(&records_path)?;
         for (i, line) in text
@@ -183,22 +190,26 @@ pub fn eval(a: EvalArgs) -> Result<()> {
         .open(&records_path)
         .with_context(|| format!("cannot write {}", records_path.display()))?;
     let plain = !std::io::IsTerminal::is_terminal(&std::io::stderr());
-    let new = run::run(&mut engine, &samples, &settings, &opts, is_done, |r| {
-        let _ = writeln!(file, "{}", serde_json::to_string(r).unwrap_or_default());
-        let msg = format!(
-            "{} {} N={}: {} ({:.0}%)",
-            r.id,
-            r.policy,
-            r.budget,
-            if r.score >= 1.0 { "ok" } else { "miss" },
-            100.0 * r.score
-        );
-        if plain {
-            eprintln!("[{}/{}] {msg}", bar.position() + 1, total);
-        }
-        bar.set_message(msg);
-        bar.inc(1);
-    })?;
+    let new = if a.report {
+        Vec::new()
+    } else {
+        run::run(&mut engine, &samples, &settings, &opts, is_done, |r| {
+            let _ = writeln!(file, "{}", serde_json::to_string(r).unwrap_or_default());
+            let msg = format!(
+                "{} {} N={}: {} ({:.0}%)",
+                r.id,
+                r.policy,
+                r.budget,
+                if r.score >= 1.0 { "ok" } else { "miss" },
+                100.0 * r.score
+            );
+            if plain {
+                eprintln!("[{}/{}] {msg}", bar.position() + 1, total);
+            }
+            bar.set_message(msg);
+            bar.inc(1);
+        })?
+    };
     bar.finish_and_clear();
     done.extend(new);
     // Keep the order of samples × settings.
