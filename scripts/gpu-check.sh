@@ -4,9 +4,11 @@
 # Build the binary here first (scripts/build-cuda.sh), carry it, then on the GPU host:
 #   scripts/gpu-check.sh            (logs go to $OUT when set, else bench/gpu-check-logs/)
 # Prints a summary table last. Needs no Rust toolchain and no network on the GPU host.
-# Through the device tool (at most 8 files come back), write elsewhere and pack:
-#   mkdir -p .gpu && strip -o .gpu/keydiff target/cuda/release/keydiff     # here; carry [".gpu"]
-#   d=$OUT; OUT=/tmp/gc KEYDIFF_BIN=.gpu/keydiff scripts/gpu-check.sh 2>&1 | tee /tmp/gc.log;
+# Through the device tool (64 MiB travel, at most 8 files come back): compress the binary
+# (stripped it is ~63 MB, gzipped ~17 MB), write the logs elsewhere and pack them:
+#   mkdir -p .gpu && strip -o /tmp/kd target/cuda/release/keydiff && gzip -c /tmp/kd > .gpu/keydiff.gz
+#   (carry [".gpu"]) gunzip -c .gpu/keydiff.gz > /tmp/keydiff && chmod +x /tmp/keydiff;
+#   d=$OUT; mkdir -p /tmp/gc; OUT=/tmp/gc KEYDIFF_BIN=/tmp/keydiff scripts/gpu-check.sh 2>&1 | tee /tmp/gc.log;
 #   tar czf $d/gpu-check.tgz -C /tmp gc gc.log; cp /tmp/gc/summary.txt $d/
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
