@@ -283,3 +283,71 @@ extern "C" __global__ void keydiff_move_rows(char* buf, int64_t head_stride, int
     for (int j = lane; j < row_bytes; j += 32) to[j] = from[j];
   }
 }
+
+// ---------------------------------------------------------------------------------------------
+// SnapKV pooling along positions: after compaction slots are not in position order, so each
+// head's slots are ranked by position (a bitmap of the positions, then prefix popcounts; no
+// sort), and scores[i] = (sum of stats over the 5 slots ranked r-2..r+2) / 5, zero padding
+// counted, as F.avg_pool1d(kernel 5, padding 2). The additions run in the CPU twin's order
+// (`avg_pool` in crates/keydiff-cache/src/policy/snapkv.rs), so results are bit-identical.
+// One block per head. bitmap [heads, words] must be zeroed; words * 32 > every position.
+// ---------------------------------------------------------------------------------------------
+
+#define KD_POOL_THREADS 1024
+#define KD_POOL_HALF 2
+
+extern "C" __global__ void __launch_bounds__(KD_POOL_THREADS)
+    snapkv_pool(const float* stats, int64_t stats_stride, const uint32_t* positions,
+                int64_t pos_stride, int n, uint32_t* bitmap, int words, uint32_t* word_rank,
+                uint32_t* sorted, float* scores) {
+  __shared__ unsigned warp_total[KD_POOL_THREADS / 32];
+  __shared__ unsigned base;
+  const int h = blockIdx.x;
+  const float* st = stats + h * stats_stride;
+  const uint32_t* pos = positions + h * pos_stride;
+  uint32_t* bm = bitmap + (int64_t)h * words;
+  uint32_t* wr = word_rank + (int64_t)h * words;
+  uint32_t* srt = sorted + (int64_t)h * n;
+  float* out = scores + (int64_t)h * n;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    const uint32_t p = pos[i];
+    atomicOr(&bm[p >> 5], 1u << (p & 31u));
+  }
+  if (threadIdx.x == 0) base = 0;
+  __syncthreads();
+  // word_rank[w] = number of positions in words [0, w).
+  for (int t0 = 0; t0 < words; t0 += blockDim.x) {
+    const int w = t0 + threadIdx.x;
+    const unsigned c = w < words ? __popc(bm[w]) : 0u;
+    unsigned x = c;
+    for (int o = 1; o < 32; o <<= 1) {
+      const unsigned y = __shfl_up_sync(0xffffffffu, x, o);
+      if (lane >= o) x += y;
+    }
+    if (lane == 31) warp_total[warp] = x;
+    __syncthreads();
+    unsigned off = base;
+    for (int v = 0; v < warp; ++v) off += warp_total[v];
+    if (w < words) wr[w] = off + x - c;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      for (int v = 0; v < warps; ++v) base += warp_total[v];
+    }
+    __syncthreads();
+  }
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    const uint32_t p = pos[i];
+    const uint32_t r = wr[p >> 5] + __popc(bm[p >> 5] & ((1u << (p & 31u)) - 1u));
+    srt[r] = (uint32_t)i;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    const uint32_t p = pos[i];
+    const int r = (int)(wr[p >> 5] + __popc(bm[p >> 5] & ((1u << (p & 31u)) - 1u)));
+    float s = 0.f;
+    for (int j = max(r - KD_POOL_HALF, 0); j <= min(r + KD_POOL_HALF, n - 1); ++j) s += st[srt[j]];
+    out[i] = s / (float)(2 * KD_POOL_HALF + 1);
+  }
+}

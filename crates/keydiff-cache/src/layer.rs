@@ -22,6 +22,8 @@ pub struct LayerCache {
     positions: Tensor,
     /// `[kv_heads, capacity]` f32, per-slot policy state.
     state: Tensor,
+    /// One past the largest position ever appended.
+    next_position: usize,
 }
 
 impl LayerCache {
@@ -46,6 +48,7 @@ impl LayerCache {
             len: 0,
             positions: Tensor::zeros((kv_heads, capacity), DType::U32, device)?,
             state: Tensor::zeros((kv_heads, capacity), DType::F32, device)?,
+            next_position: 0,
         })
     }
 
@@ -89,6 +92,7 @@ impl LayerCache {
             self.len,
         )?;
         self.len += chunk;
+        self.next_position = self.next_position.max(pos0 + chunk);
         Ok(())
     }
 
@@ -142,6 +146,11 @@ impl LayerCache {
         self.k.dims()[2]
     }
 
+    /// One past the largest position appended so far: every slot's position is below it.
+    pub fn next_position(&self) -> usize {
+        self.next_position
+    }
+
     /// Positions of the used slots, `[kv_heads, len]` u32 (a view on the cache's device).
     pub fn positions_tensor(&self) -> Result<Tensor> {
         Ok(self.positions.narrow(1, 0, self.len)?)
@@ -188,6 +197,7 @@ impl LayerCache {
     /// Forgets every slot; the buffers stay allocated.
     pub fn clear(&mut self) {
         self.len = 0;
+        self.next_position = 0;
     }
 
     /// Keeps the best `budget` slots of every head by `scores` (`[kv_heads, len]` f32, on this

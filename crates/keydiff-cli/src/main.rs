@@ -440,14 +440,25 @@ fn check_kernels(
     let dev = parse_device(device)?;
     let mut failed = Vec::new();
     eprintln!(
-        "{:5} {:>3} {:>7} {:>4} {:>7} {:>10} {:>10} {:>6} {:>9} {:>5} {:>5}",
-        "dtype", "kv", "n", "d", "N", "err(ref)", "err(twin)", "plans", "e2e diff", "moves", "pass"
+        "{:5} {:>3} {:>7} {:>4} {:>7} {:>10} {:>10} {:>6} {:>9} {:>5} {:>9} {:>5}",
+        "dtype",
+        "kv",
+        "n",
+        "d",
+        "N",
+        "err(ref)",
+        "err(twin)",
+        "plans",
+        "e2e diff",
+        "moves",
+        "snapkv",
+        "pass"
     );
     for (i, c) in kernel_cases(large).iter().enumerate() {
         let r = kernel_parity(&dev, c, seed + i as u64)
             .with_context(|| format!("parity case {c:?}"))?;
         eprintln!(
-            "{:5} {:>3} {:>7} {:>4} {:>7} {:>10.2e} {:>10.2e} {:>6} {:>9} {:>5} {:>5}",
+            "{:5} {:>3} {:>7} {:>4} {:>7} {:>10.2e} {:>10.2e} {:>6} {:>9} {:>5} {:>9.1e} {:>5}",
             r.dtype,
             r.kv_heads,
             r.n,
@@ -466,6 +477,7 @@ fn check_kernels(
                 if r.end_to_end_ties_only { "" } else { "!" }
             ),
             if r.moves_equal { "same" } else { "DIFF" },
+            r.snapkv_pool_max_abs,
             if r.pass { "ok" } else { "FAIL" },
         );
         if !r.pass {

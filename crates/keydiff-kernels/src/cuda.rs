@@ -243,3 +243,63 @@ pub fn move_rows(
     }
     Ok(())
 }
+
+/// SnapKV pooling along positions (`snapkv_pool`): `stats` `[kv, n]` f32 and `positions`
+/// `[kv, ≥ n]` u32 (rows contiguous, unique per head, all `< span`) give `[kv, n]` f32, each
+/// slot's stats avg-pooled (kernel 5, zero padding) with its neighbours in position order.
+pub fn snapkv_pool(
+    stats: &CudaStorage,
+    stats_layout: &Layout,
+    positions: &CudaStorage,
+    positions_layout: &Layout,
+    span: usize,
+) -> Result<(CudaStorage, Shape)> {
+    let (kv, n) = stats_layout.shape().dims2()?;
+    let (pkv, pn) = positions_layout.shape().dims2()?;
+    let (ss, ps) = (stats_layout.stride(), positions_layout.stride());
+    if pkv != kv || pn < n || ss[1] != 1 || ps[1] != 1 || kv > MAX_HEADS {
+        bail!(
+            "snapkv-pool: stats {:?}/{ss:?} and positions {:?}/{ps:?} do not match",
+            stats_layout.dims(),
+            positions_layout.dims()
+        );
+    }
+    if n == 0 || n > MAX_SLOTS || span > 1 << 32 {
+        bail!("snapkv-pool: n {n} or position span {span} out of range");
+    }
+    if stats.dtype() != DType::F32 || positions.dtype() != DType::U32 {
+        bail!("snapkv-pool: stats must be f32 and positions u32");
+    }
+    let dev = stats.device().clone();
+    let words = span.div_ceil(32).max(1);
+    let bitmap = dev.alloc_zeros::<u32>(kv * words)?;
+    // SAFETY: written before read inside the kernel (word ranks, then the sorted slots).
+    let word_rank = unsafe { dev.alloc::<u32>(kv * words)? };
+    let sorted = unsafe { dev.alloc::<u32>(kv * n)? };
+    let scores = unsafe { dev.alloc::<f32>(kv * n)? };
+    let s = stats
+        .as_cuda_slice::<f32>()?
+        .slice(stats_layout.start_offset()..);
+    let p = positions
+        .as_cuda_slice::<u32>()?
+        .slice(positions_layout.start_offset()..);
+    let (s_stride, p_stride, n32, w32) = (ss[0] as i64, ps[0] as i64, n as i32, words as i32);
+    let f = dev.get_or_load_custom_func("snapkv_pool", MODULE, PTX)?;
+    let mut b = f.builder();
+    b.arg(&s);
+    b.arg(&s_stride);
+    b.arg(&p);
+    b.arg(&p_stride);
+    b.arg(&n32);
+    b.arg(&bitmap);
+    b.arg(&w32);
+    b.arg(&word_rank);
+    b.arg(&sorted);
+    b.arg(&scores);
+    // SAFETY: argument list matches `snapkv_pool`; one block per head.
+    unsafe { b.launch(launch_cfg((kv as u32, 1), SELECT_THREADS)) }.w()?;
+    Ok((
+        CudaStorage::wrap_cuda_slice(scores, dev),
+        Shape::from((kv, n)),
+    ))
+}

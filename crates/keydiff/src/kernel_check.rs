@@ -9,7 +9,7 @@
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
-use keydiff_cache::policy::{keydiff_scores, keydiff_scores_fused};
+use keydiff_cache::policy::{keydiff_scores, keydiff_scores_fused, PoolByPosition};
 use keydiff_cache::select::{move_plan, select, ApplyPlan, SelectPlan};
 use keydiff_cache::Anchor;
 use rand::rngs::StdRng;
@@ -96,6 +96,8 @@ pub struct KernelParity {
     pub end_to_end_ties_only: bool,
     /// K, positions and state after the device moves equal the CPU moves, bit for bit.
     pub moves_equal: bool,
+    /// SnapKV's pooling along positions (shuffled, with gaps) against the CPU op.
+    pub snapkv_pool_max_abs: f32,
     pub pass: bool,
 }
 
@@ -279,11 +281,25 @@ pub fn kernel_parity(device: &Device, c: &KernelCase, seed: u64) -> Result<Kerne
     let (kc, pc, sc) = run_moves(&cpu)?;
     let moves_equal = kd == kc && pd == pc && sd == sc;
 
+    // SnapKV pooling: the same stats and positions on both sides.
+    let span = pos.iter().copied().max().unwrap_or(0) as usize + 1;
+    let pool = PoolByPosition { span };
+    let stats = Tensor::from_vec(state.clone(), (c.kv_heads, c.n), &cpu)?;
+    let pos_cpu = Tensor::from_vec(pos.clone(), (c.kv_heads, c.n), &cpu)?;
+    let pooled_cpu = stats.apply_op2_no_bwd(&pos_cpu, &pool)?.to_vec2::<f32>()?;
+    let pooled_dev = stats
+        .to_device(device)?
+        .apply_op2_no_bwd(&pos_dev, &pool)?
+        .to_device(&cpu)?
+        .to_vec2::<f32>()?;
+    let pool_err = max_abs(&pooled_dev, &pooled_cpu);
+
     let pass = err_ref <= SCORE_TOL
         && err_twin <= SCORE_TOL
         && plan_heads_differing == 0
         && ties_only
-        && moves_equal;
+        && moves_equal
+        && pool_err <= 1e-6;
     Ok(KernelParity {
         device: format!("{device:?}"),
         dtype: c.dtype.as_str().to_string(),
@@ -300,6 +316,7 @@ pub fn kernel_parity(device: &Device, c: &KernelCase, seed: u64) -> Result<Kerne
         end_to_end_slots_differing: differing,
         end_to_end_ties_only: ties_only,
         moves_equal,
+        snapkv_pool_max_abs: pool_err,
         pass,
     })
 }

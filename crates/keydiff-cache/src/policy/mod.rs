@@ -16,6 +16,7 @@ use crate::layer::LayerCache;
 use crate::Result;
 
 pub use keydiff::{keydiff_scores, keydiff_scores_fused};
+pub use snapkv::PoolByPosition;
 
 /// Attention statistics a policy needs from the model's attention step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -91,9 +92,4 @@ pub fn build(kind: &PolicyKind) -> Box<dyn Policy> {
         PolicyKind::Knorm => Box::new(knorm::Knorm),
         PolicyKind::Random { seed } => Box::new(random::RandomPolicy::new(*seed)),
     }
-}
-
-/// `[kv, g, T]` statistics averaged over the g query heads of each KV head: `[kv][T]`.
-pub(crate) fn per_kv_head_mean(stats: &AttnStats) -> Result<Vec<Vec<f32>>> {
-    Ok(stats.sums.mean(1)?.to_vec2::<f32>()?)
 }

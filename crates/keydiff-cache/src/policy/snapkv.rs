@@ -6,7 +6,9 @@
 //! Slots are not in position order after compaction, so pooling runs over the head's slots
 //! sorted by position: neighbours in the text, as in the reference.
 
-use super::{per_kv_head_mean, Policy, StatsNeed};
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
+
+use super::{Policy, StatsNeed};
 use crate::layer::LayerCache;
 use crate::{AttnStats, CacheError, Result};
 
@@ -36,25 +38,83 @@ impl Policy for SnapKv {
     }
 
     fn score(&mut self, layer: &LayerCache, stats: Option<&AttnStats>) -> Result<Vec<Vec<f32>>> {
+        Ok(self.score_tensor(layer, stats)?.to_vec2::<f32>()?)
+    }
+
+    /// On the cache's device: the mean over the g query heads, then [`PoolByPosition`].
+    fn score_tensor(&mut self, layer: &LayerCache, stats: Option<&AttnStats>) -> Result<Tensor> {
         let s =
             stats.ok_or_else(|| CacheError::Config("SnapKV needs attention statistics".into()))?;
-        let per_head = per_kv_head_mean(s)?;
-        per_head
-            .iter()
-            .enumerate()
-            .map(|(h, row)| {
-                let pos = layer.positions(h)?;
-                let mut order: Vec<usize> = (0..row.len()).collect();
-                order.sort_unstable_by_key(|&i| pos[i]);
-                let sorted: Vec<f32> = order.iter().map(|&i| row[i]).collect();
-                let pooled = avg_pool(&sorted);
-                let mut out = vec![0f32; row.len()];
-                for (rank, &i) in order.iter().enumerate() {
-                    out[i] = pooled[rank];
-                }
-                Ok(out)
-            })
-            .collect()
+        let per_head = s.sums.mean(1)?.to_dtype(DType::F32)?.contiguous()?;
+        let op = PoolByPosition {
+            span: layer.next_position(),
+        };
+        Ok(per_head.apply_op2_no_bwd(&layer.positions_tensor()?, &op)?)
+    }
+}
+
+/// SnapKV's pooling along positions as one op: `stats` `[kv, n]` f32 and `positions`
+/// `[kv, ≥ n]` u32 (unique per head, all `< span`) give `[kv, n]`: each slot's value
+/// avg-pooled with its neighbours in position order. CPU: sort by position and [`avg_pool`];
+/// CUDA: `snapkv_pool` (a position bitmap and prefix popcounts, same additions in the same
+/// order, so bit-identical).
+#[derive(Debug, Clone, Copy)]
+pub struct PoolByPosition {
+    pub span: usize,
+}
+
+impl CustomOp2 for PoolByPosition {
+    fn name(&self) -> &'static str {
+        "snapkv-pool"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (kv, n) = l1.shape().dims2()?;
+        let (pkv, pn) = l2.shape().dims2()?;
+        let (ss, ps) = (l1.stride(), l2.stride());
+        if pkv != kv || pn < n || ss[1] != 1 || ps[1] != 1 {
+            candle_core::bail!(
+                "snapkv-pool: stats {:?} and positions {:?}",
+                l1.dims(),
+                l2.dims()
+            );
+        }
+        let (CpuStorage::F32(stats), CpuStorage::U32(positions)) = (s1, s2) else {
+            candle_core::bail!("snapkv-pool: stats must be f32 and positions u32");
+        };
+        let mut out = vec![0f32; kv * n];
+        for h in 0..kv {
+            let row = &stats[l1.start_offset() + h * ss[0]..][..n];
+            let pos = &positions[l2.start_offset() + h * ps[0]..][..n];
+            if let Some(&p) = pos.iter().find(|&&p| p as usize >= self.span) {
+                candle_core::bail!("snapkv-pool: position {p} >= span {}", self.span);
+            }
+            let mut order: Vec<usize> = (0..n).collect();
+            order.sort_unstable_by_key(|&i| pos[i]);
+            let sorted: Vec<f32> = order.iter().map(|&i| row[i]).collect();
+            let pooled = avg_pool(&sorted);
+            for (rank, &i) in order.iter().enumerate() {
+                out[h * n + i] = pooled[rank];
+            }
+        }
+        Ok((CpuStorage::F32(out), Shape::from((kv, n))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        keydiff_kernels::snapkv_pool(s1, l1, s2, l2, self.span)
     }
 }
 
