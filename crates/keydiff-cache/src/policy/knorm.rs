@@ -1,6 +1,6 @@
 //! `knorm` (kvpress): keep the keys of smallest L2 norm, s_i = −‖k_i‖.
 
-use candle_core::DType;
+use candle_core::{DType, Tensor};
 
 use super::Policy;
 use crate::layer::LayerCache;
@@ -11,7 +11,12 @@ pub struct Knorm;
 
 impl Policy for Knorm {
     fn score(&mut self, layer: &LayerCache, _: Option<&crate::AttnStats>) -> Result<Vec<Vec<f32>>> {
+        Ok(self.score_tensor(layer, None)?.to_vec2::<f32>()?)
+    }
+
+    /// On the cache's device.
+    fn score_tensor(&mut self, layer: &LayerCache, _: Option<&crate::AttnStats>) -> Result<Tensor> {
         let k = layer.keys()?.to_dtype(DType::F32)?;
-        Ok(k.sqr()?.sum(2)?.sqrt()?.neg()?.to_vec2::<f32>()?)
+        Ok(k.sqr()?.sum(2)?.sqrt()?.neg()?)
     }
 }
