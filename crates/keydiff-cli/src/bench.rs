@@ -362,6 +362,13 @@ fn decode_table(results: &[DecodeResult], prov: &Provenance, plan: &Plan) -> Str
         );
     }
     s.push_str("# RSS: the process's peak resident memory after all runs (weights included)\n");
+    if let Some(b) = results.iter().find_map(|r| r.device_used_bytes) {
+        let _ = writeln!(
+            s,
+            "# GPU memory in use after all runs (driver total - free): {:.0} MiB",
+            b as f64 / MIB
+        );
+    }
     s
 }
 
@@ -460,6 +467,7 @@ fn decode_csv(results: &[DecodeResult]) -> Csv {
         "peak_kv_bytes",
         "final_cache_len",
         "process_peak_rss_bytes",
+        "device_used_bytes",
     ];
     let rows = results
         .iter()
@@ -478,6 +486,8 @@ fn decode_csv(results: &[DecodeResult]) -> Csv {
                 r.peak_kv_bytes.to_string(),
                 r.final_cache_len.to_string(),
                 r.process_peak_rss_bytes
+                    .map_or_else(String::new, |b| b.to_string()),
+                r.device_used_bytes
                     .map_or_else(String::new, |b| b.to_string()),
             ]
         })

@@ -331,6 +331,8 @@ pub struct DecodeResult {
     /// Peak resident memory of this process so far (Linux VmHWM), when known. It includes the
     /// weights and only grows, so it bounds what every case so far needed.
     pub process_peak_rss_bytes: Option<u64>,
+    /// GPU memory in use after the sweep (driver's total − free, all processes), on CUDA.
+    pub device_used_bytes: Option<u64>,
 }
 
 /// Runs a decode sweep: prefill each case's prompt, then generate `steps` tokens past the first,
@@ -359,6 +361,7 @@ pub fn decode(
         request(engine, c, p, steps + 1, false)
     })?;
     let rss = peak_rss_bytes();
+    let device_used = device_used_bytes(&engine.config().device);
     Ok(plan
         .cases
         .iter()
@@ -377,9 +380,21 @@ pub fn decode(
                 peak_kv_bytes: stats[0].peak_kv_bytes,
                 final_cache_len: stats[0].final_cache_len,
                 process_peak_rss_bytes: rss,
+                device_used_bytes: device_used,
             }
         })
         .collect())
+}
+
+/// Memory in use on a CUDA device (driver's total − free, every process), `None` elsewhere.
+pub fn device_used_bytes(device: &candle_core::Device) -> Option<u64> {
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(d) = device {
+        let (free, total) = d.cuda_stream().context().mem_get_info().ok()?;
+        return Some(total.saturating_sub(free) as u64);
+    }
+    let _ = device;
+    None
 }
 
 /// Peak resident set size of this process (Linux `VmHWM`).
