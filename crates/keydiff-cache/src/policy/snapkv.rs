@@ -131,4 +131,41 @@ mod tests {
             assert!((a - b).abs() < 1e-6, "{p:?}");
         }
     }
+
+    #[test]
+    fn pool_by_position_pools_text_neighbours_of_scrambled_slots() {
+        // Slots after compaction: positions out of order, with gaps.
+        let pos: Vec<u32> = vec![40, 3, 17, 8, 55, 0, 21, 9];
+        let stats: Vec<f32> = (0..8).map(|i| (i * i + 1) as f32).collect();
+        let dev = candle_core::Device::Cpu;
+        let out = Tensor::from_vec(stats.clone(), (1, 8), &dev)
+            .unwrap()
+            .apply_op2_no_bwd(
+                &Tensor::from_vec(pos.clone(), (1, 8), &dev).unwrap(),
+                &PoolByPosition { span: 56 },
+            )
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap();
+        for i in 0..8 {
+            // Naively: the slots whose positions are among the 2 below and 2 above pos[i].
+            let below = pos.iter().filter(|&&q| q < pos[i]).count();
+            let sum: f32 = (0..8)
+                .filter(|&j| {
+                    let rank = pos.iter().filter(|&&q| q < pos[j]).count() as i64;
+                    (rank - below as i64).abs() <= 2
+                })
+                .map(|j| stats[j])
+                .sum();
+            assert!((out[0][i] - sum / 5.0).abs() < 1e-6, "slot {i}: {out:?}");
+        }
+        // A position outside the span is an error, not a wrong answer.
+        let bad = Tensor::from_vec(stats, (1, 8), &dev)
+            .unwrap()
+            .apply_op2_no_bwd(
+                &Tensor::from_vec(pos, (1, 8), &dev).unwrap(),
+                &PoolByPosition { span: 55 },
+            );
+        assert!(bad.is_err());
+    }
 }
