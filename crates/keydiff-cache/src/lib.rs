@@ -3,10 +3,13 @@
 //! Each layer owns one [`LayerCache`]: K and V buffers of `[kv_heads, capacity, head_dim]`,
 //! allocated once, with capacity N + B. Slots `[0, len)` hold the cached tokens; a new chunk is
 //! written at `[len, len + chunk)`. After the chunk's attention, [`KvCache::after_attention`]
-//! scores the slots with the active [`Policy`], keeps the best N per KV head (shared
-//! [`select::select`]), and refills victim slots in `[0, N)` with surviving chunk slots. Keys are
-//! stored after RoPE, so moving or dropping a slot never changes another one. See `DESIGN.md`
-//! (Cache layout) and `POLICIES.md`.
+//! scores the slots with the active [`Policy`] (a `[kv_heads, n]` tensor on the cache's device),
+//! keeps the best N per KV head (shared selection, [`select::SelectPlan`]; the reference is
+//! [`select::select`]), and refills victim slots in `[0, N)` with surviving chunk slots
+//! ([`select::ApplyPlan`] on K, V, positions and policy state). On CUDA these are the kernels of
+//! `kernels/keydiff.cu`, so eviction never goes through the host. Keys are stored after RoPE, so
+//! moving or dropping a slot never changes another one. See `DESIGN.md` (Cache layout) and
+//! `POLICIES.md`.
 
 mod cache;
 pub mod config;

@@ -56,7 +56,7 @@ pub trait Policy: Send {
 
     /// Scores of the used slots as a `[kv_heads, len]` f32 tensor on the cache's device, which
     /// the eviction uses. The default uploads [`Policy::score`]; policies that can score on the
-    /// device (KeyDiff, Sink, H2O) override it, so that nothing goes through the host.
+    /// device (all but `random`) override it, so that nothing goes through the host.
     fn score_tensor(&mut self, layer: &LayerCache, stats: Option<&AttnStats>) -> Result<Tensor> {
         let rows = self.score(layer, stats)?;
         let n = layer.len();
