@@ -218,6 +218,14 @@ impl LayerCache {
                 scores.dims()
             )));
         }
+        if self.len <= budget {
+            // Nothing to evict: a plan of zero moves per head.
+            return Ok(Tensor::zeros(
+                (self.kv_heads(), 1),
+                DType::U32,
+                self.device(),
+            )?);
+        }
         let op = SelectPlan {
             budget,
             sinks,
@@ -351,6 +359,10 @@ mod tests {
         c.append(&k.narrow(0, 0, 1)?, &k.narrow(0, 0, 1)?, 0)?;
         let low = Tensor::new(&[[-9f32, 1., 5., 2., 3., -9.]], &dev)?;
         c.evict(&low, 3, 1, 1)?;
+        assert_eq!(c.positions(0)?, vec![0, 5, 2]);
+        // At or under the budget nothing moves.
+        let plan = c.evict(&Tensor::new(&[[1f32, 2., 3.]], &dev)?, 3, 0, 0)?;
+        assert_eq!(plan.to_vec2::<u32>()?, vec![vec![0]]);
         assert_eq!(c.positions(0)?, vec![0, 5, 2]);
         Ok(())
     }
