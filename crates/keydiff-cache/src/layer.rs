@@ -279,18 +279,7 @@ impl LayerCache {
                 }
             }
         }
-        let m = plans.iter().map(Vec::len).max().unwrap_or(0);
-        let cols = 1 + 2 * m;
-        let mut table = vec![0u32; kv_heads * cols];
-        for (h, plan) in plans.iter().enumerate() {
-            let row = &mut table[h * cols..(h + 1) * cols];
-            row[0] = plan.len() as u32;
-            for (r, &(s, t)) in plan.iter().enumerate() {
-                row[1 + r] = s;
-                row[1 + m + r] = t;
-            }
-        }
-        let plan = Tensor::from_vec(table, (kv_heads, cols), self.k.device())?;
+        let plan = crate::select::plan_tensor(plans, self.k.device())?;
         self.apply_plan(&plan, new_len)
     }
 }

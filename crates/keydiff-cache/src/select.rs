@@ -158,6 +158,44 @@ pub fn plan_moves(n: usize, budget: usize) -> usize {
     budget.min(n.saturating_sub(budget))
 }
 
+/// Checks a `[kv, n]` per-slot tensor against a `[kv, ≥ n]` positions tensor, both with
+/// contiguous rows (the inputs of [`SelectPlan`] and SnapKV's pooling); returns `(kv, n)`.
+pub(crate) fn per_slot_pair(
+    op: &str,
+    l1: &Layout,
+    l2: &Layout,
+) -> candle_core::Result<(usize, usize)> {
+    let (kv, n) = l1.shape().dims2()?;
+    let (pkv, pn) = l2.shape().dims2()?;
+    if pkv != kv || pn < n || l1.stride()[1] != 1 || l2.stride()[1] != 1 {
+        candle_core::bail!(
+            "{op}: per-slot values {:?} and positions {:?}",
+            l1.dims(),
+            l2.dims()
+        );
+    }
+    Ok((kv, n))
+}
+
+/// The plan tensor of [`SelectPlan`]'s layout from per-head `(src, dst)` lists (moves per row:
+/// the longest list), on `device`.
+pub fn plan_tensor(
+    plans: &[Vec<(u32, u32)>],
+    device: &candle_core::Device,
+) -> candle_core::Result<candle_core::Tensor> {
+    let m = plans.iter().map(Vec::len).max().unwrap_or(0);
+    let cols = 1 + 2 * m;
+    let mut table = vec![0u32; plans.len() * cols];
+    for (row, plan) in table.chunks_exact_mut(cols).zip(plans) {
+        row[0] = plan.len() as u32;
+        for (r, &(src, dst)) in plan.iter().enumerate() {
+            row[1 + r] = src;
+            row[1 + m + r] = dst;
+        }
+    }
+    candle_core::Tensor::from_vec(table, (plans.len(), cols), device)
+}
+
 /// Selection and move plan of every head as one op: `scores` `[kv, n]` f32 and `positions`
 /// `[kv, ≥ n]` u32 give the plan `[kv, 1 + 2M]` u32 (per head: the number of moves, M sources,
 /// M destinations). CPU: [`select_radix`] and [`move_plan`]; CUDA: `keydiff_select_plan`.
@@ -193,16 +231,8 @@ impl CustomOp2 for SelectPlan {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (kv, n) = l1.shape().dims2()?;
-        let (pkv, pn) = l2.shape().dims2()?;
+        let (kv, n) = per_slot_pair("select-plan", l1, l2)?;
         let (ss, ps) = (l1.stride(), l2.stride());
-        if pkv != kv || pn < n || ss[1] != 1 || ps[1] != 1 {
-            candle_core::bail!(
-                "select-plan: scores {:?} and positions {:?}",
-                l1.dims(),
-                l2.dims()
-            );
-        }
         self.check(n)?;
         let (CpuStorage::F32(scores), CpuStorage::U32(positions)) = (s1, s2) else {
             candle_core::bail!("select-plan: scores must be f32 and positions u32");

@@ -101,6 +101,28 @@ pub fn keydiff_scores(
     ))
 }
 
+/// Checks a `[kv, n]` per-slot tensor against a `[kv, ≥ n]` positions tensor, rows contiguous,
+/// at most [`MAX_HEADS`] heads (one block each); returns `(kv, n)`.
+fn per_slot_pair(op: &str, values: &Layout, positions: &Layout) -> Result<(usize, usize)> {
+    let (kv, n) = values.shape().dims2()?;
+    let (pkv, pn) = positions.shape().dims2()?;
+    if pkv != kv
+        || pn < n
+        || values.stride()[1] != 1
+        || positions.stride()[1] != 1
+        || kv > MAX_HEADS
+    {
+        bail!(
+            "{op}: per-slot values {:?}/{:?} and positions {:?}/{:?} do not match",
+            values.dims(),
+            values.stride(),
+            positions.dims(),
+            positions.stride()
+        );
+    }
+    Ok((kv, n))
+}
+
 /// Number of moves a plan row holds: M = min(N, n − N).
 fn plan_moves(n: usize, budget: usize) -> usize {
     budget.min(n.saturating_sub(budget))
@@ -118,16 +140,8 @@ pub fn select_plan(
     sinks: usize,
     recent: usize,
 ) -> Result<(CudaStorage, Shape)> {
-    let (kv, n) = scores_layout.shape().dims2()?;
-    let (pkv, pn) = positions_layout.shape().dims2()?;
+    let (kv, n) = per_slot_pair("select-plan", scores_layout, positions_layout)?;
     let (ss, ps) = (scores_layout.stride(), positions_layout.stride());
-    if pkv != kv || pn < n || ss[1] != 1 || ps[1] != 1 {
-        bail!(
-            "select-plan: scores {:?}/{ss:?} and positions {:?}/{ps:?} do not match",
-            scores_layout.dims(),
-            positions_layout.dims()
-        );
-    }
     if budget == 0 || budget >= n || recent > budget || n > MAX_SLOTS {
         bail!(
             "select-plan: budget {budget} must be in 1..{n} and >= recent {recent}, \
@@ -254,16 +268,8 @@ pub fn snapkv_pool(
     positions_layout: &Layout,
     span: usize,
 ) -> Result<(CudaStorage, Shape)> {
-    let (kv, n) = stats_layout.shape().dims2()?;
-    let (pkv, pn) = positions_layout.shape().dims2()?;
+    let (kv, n) = per_slot_pair("snapkv-pool", stats_layout, positions_layout)?;
     let (ss, ps) = (stats_layout.stride(), positions_layout.stride());
-    if pkv != kv || pn < n || ss[1] != 1 || ps[1] != 1 || kv > MAX_HEADS {
-        bail!(
-            "snapkv-pool: stats {:?}/{ss:?} and positions {:?}/{ps:?} do not match",
-            stats_layout.dims(),
-            positions_layout.dims()
-        );
-    }
     if n == 0 || n > MAX_SLOTS || span > 1 << 32 {
         bail!("snapkv-pool: n {n} or position span {span} out of range");
     }

@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
 use keydiff_cache::policy::{keydiff_scores, keydiff_scores_fused, PoolByPosition};
-use keydiff_cache::select::{move_plan, select, ApplyPlan, SelectPlan};
+use keydiff_cache::select::{move_plan, plan_tensor, select, ApplyPlan, SelectPlan};
 use keydiff_cache::Anchor;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -147,20 +147,6 @@ fn max_abs(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
         )
 }
 
-/// The plan tensor layout of [`SelectPlan`] from per-head `(src, dst)` lists.
-fn plan_tensor(plans: &[Vec<(u32, u32)>], m: usize, dev: &Device) -> Result<Tensor> {
-    let cols = 1 + 2 * m;
-    let mut t = vec![0u32; plans.len() * cols];
-    for (h, plan) in plans.iter().enumerate() {
-        t[h * cols] = plan.len() as u32;
-        for (r, &(s, d)) in plan.iter().enumerate() {
-            t[h * cols + 1 + r] = s;
-            t[h * cols + 1 + m + r] = d;
-        }
-    }
-    Ok(Tensor::from_vec(t, (plans.len(), cols), dev)?)
-}
-
 fn plan_rows(plan: &Tensor) -> Result<Vec<Vec<(u32, u32)>>> {
     let rows = plan.to_device(&Device::Cpu)?.to_vec2::<u32>()?;
     Ok(rows
@@ -256,12 +242,11 @@ pub fn kernel_parity(device: &Device, c: &KernelCase, seed: u64) -> Result<Kerne
     }
 
     // Moves: the reference plans applied on both sides to K, positions and state.
-    let m = c.budget.min(c.n - c.budget);
     let state: Vec<f32> = (0..c.kv_heads * c.n)
         .map(|_| rng.random_range(0.0..1.0))
         .collect();
     let run_moves = |dev: &Device| -> Result<(Vec<f32>, Vec<u32>, Vec<f32>)> {
-        let plan = plan_tensor(&plans_ref, m, dev)?;
+        let plan = plan_tensor(&plans_ref, dev)?;
         let k = keys_dev.narrow(1, 0, c.n)?.to_device(dev)?.contiguous()?;
         let p = Tensor::from_vec(pos.clone(), (c.kv_heads, c.n), dev)?;
         let s = Tensor::from_vec(state.clone(), (c.kv_heads, c.n), dev)?;

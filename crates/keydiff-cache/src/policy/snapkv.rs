@@ -75,16 +75,8 @@ impl CustomOp2 for PoolByPosition {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (kv, n) = l1.shape().dims2()?;
-        let (pkv, pn) = l2.shape().dims2()?;
+        let (kv, n) = crate::select::per_slot_pair("snapkv-pool", l1, l2)?;
         let (ss, ps) = (l1.stride(), l2.stride());
-        if pkv != kv || pn < n || ss[1] != 1 || ps[1] != 1 {
-            candle_core::bail!(
-                "snapkv-pool: stats {:?} and positions {:?}",
-                l1.dims(),
-                l2.dims()
-            );
-        }
         let (CpuStorage::F32(stats), CpuStorage::U32(positions)) = (s1, s2) else {
             candle_core::bail!("snapkv-pool: stats must be f32 and positions u32");
         };
