@@ -222,3 +222,50 @@ fn longbench_runs_from_jsonl_files() {
         assert!(stdout.contains(row), "{stdout}");
     }
 }
+
+/// Sharing the prefill of the chunks before the first eviction between a sample's settings
+/// changes no answer and no eviction count, only the work done; `--no-prefix-reuse` turns it off.
+#[test]
+fn prefix_reuse_changes_no_answer() {
+    let mut per_mode = Vec::new();
+    for (name, extra) in [("reuse", None), ("fresh", Some("--no-prefix-reuse"))] {
+        let dir = temp_dir(&format!("eval-prefix-{name}"));
+        let mut args = vec![
+            "eval",
+            "passkey",
+            "-m",
+            "tiny-llama",
+            "--random-weights",
+            "--lengths",
+            "1000",
+            "--budgets",
+            "25%,50%,75%",
+            "--samples",
+            "2",
+            "--chunk",
+            "64",
+            "--out",
+            dir.to_str().unwrap(),
+        ];
+        args.extend(extra);
+        let (ok, _, stderr) = run(&args);
+        assert!(ok, "{stderr}");
+        per_mode.push(records(&dir));
+    }
+    let (reuse, fresh) = (&per_mode[0], &per_mode[1]);
+    // 2 samples × (full + 5 policies × 3 budgets)
+    assert_eq!(reuse.len(), 32);
+    assert_eq!(fresh.len(), 32);
+    let key = |r: &serde_json::Value| format!("{} {} {}", r["id"], r["policy"], r["budget"]);
+    for r in reuse {
+        let f = fresh.iter().find(|f| key(f) == key(r)).unwrap();
+        for field in ["prediction", "evictions", "budget_tokens", "score"] {
+            assert_eq!(r[field], f[field], "{} {field}", key(r));
+        }
+        assert_eq!(f["prefix_tokens"], 0, "{}", key(r));
+        // Every run starts from the longest whole-chunk prefix its budget leaves eviction-free.
+        let input = r["input_tokens"].as_u64().unwrap();
+        let free = r["budget_tokens"].as_u64().unwrap_or(input).min(input - 1);
+        assert_eq!(r["prefix_tokens"], free / 64 * 64, "{}", key(r));
+    }
+}

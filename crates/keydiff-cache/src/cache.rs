@@ -7,7 +7,7 @@ use candle_core::{DType, Device};
 use crate::config::{CacheConfig, PolicyKind};
 use crate::layer::LayerCache;
 use crate::policy::{build, AttnStats, Policy, StatsNeed};
-use crate::Result;
+use crate::{CacheError, Result};
 
 /// What eviction cost, summed over layers.
 #[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
@@ -125,6 +125,70 @@ impl KvCache {
     /// Marks `n` more tokens as seen (after a forward pass over them).
     pub fn advance(&mut self, n: usize) {
         self.position += n;
+    }
+
+    /// Continues from `prefix`, a cache that has prefilled a prompt's first tokens and never
+    /// evicted: this (fresh) cache gets copies of its slots and position, so that prefilling the
+    /// rest of the prompt gives exactly what prefilling the whole prompt would have.
+    ///
+    /// That holds when no eviction under this cache's budget would have happened in the prefix
+    /// (`prefix.len() <= N`), and, for a policy that accumulates statistics over every chunk
+    /// (H2O), when `prefix` was made under the same policy. Both are checked, and that the
+    /// prefix ends on a chunk boundary.
+    pub fn resume_from(&mut self, prefix: &KvCache) -> Result<()> {
+        if self.position != 0 || !self.is_empty() {
+            return Err(CacheError::Config(
+                "a cache can resume from a prefix only while it is fresh".into(),
+            ));
+        }
+        if prefix.counters.evictions != 0 {
+            return Err(CacheError::Config(
+                "the prefix has evicted: it is not a prefill every policy shares".into(),
+            ));
+        }
+        if prefix.layers.len() != self.layers.len() {
+            return Err(CacheError::Shape(format!(
+                "prefix of {} layers for a model of {}",
+                prefix.layers.len(),
+                self.layers.len()
+            )));
+        }
+        if let Some(n) = self.cfg.budget {
+            if prefix.len() > n {
+                return Err(CacheError::Config(format!(
+                    "prefix of {} tokens is longer than the budget {n}: this policy would have evicted in it",
+                    prefix.len()
+                )));
+            }
+        }
+        if prefix.cfg.chunk != self.cfg.chunk {
+            return Err(CacheError::Config(format!(
+                "prefix prefilled in chunks of {}, this cache uses {}",
+                prefix.cfg.chunk, self.cfg.chunk
+            )));
+        }
+        if !prefix.position.is_multiple_of(self.cfg.chunk) {
+            return Err(CacheError::Config(format!(
+                "prefix of {} tokens does not end on a chunk boundary (B = {})",
+                prefix.position, self.cfg.chunk
+            )));
+        }
+        // H2O's state sums attention over every chunk seen: only a prefix made under the same
+        // policy has it. Other policies keep no state across chunks.
+        let with_state =
+            self.cfg.policy != PolicyKind::Full && self.policy.needs() == StatsNeed::AllRows;
+        if with_state && prefix.cfg.policy != self.cfg.policy {
+            return Err(CacheError::Config(format!(
+                "policy `{}` accumulates attention over every chunk, and the prefix (made under `{}`) did not",
+                self.cfg.policy.name(),
+                prefix.cfg.policy.name()
+            )));
+        }
+        for (dst, src) in self.layers.iter_mut().zip(&prefix.layers) {
+            dst.copy_from(src, with_state)?;
+        }
+        self.position = prefix.position;
+        Ok(())
     }
 
     /// Eviction costs so far.

@@ -194,6 +194,51 @@ impl LayerCache {
         2 * self.k.elem_count() * self.k.dtype().size_in_bytes()
     }
 
+    /// Makes this (empty) cache a copy of `src`'s used slots: K, V and positions, and the policy
+    /// state when `with_state` (zeros otherwise, as after [`LayerCache::append`]). `src` is left
+    /// as it is: the slots are copied, not shared, so both caches can go on independently.
+    pub fn copy_from(&mut self, src: &LayerCache, with_state: bool) -> Result<()> {
+        if !self.is_empty() {
+            return Err(CacheError::Shape(format!(
+                "copy into a cache that holds {} slots",
+                self.len
+            )));
+        }
+        let (have, want) = (self.k.dims(), src.k.dims());
+        if have[0] != want[0] || have[2] != want[2] || self.k.dtype() != src.k.dtype() {
+            return Err(CacheError::Shape(format!(
+                "copy a {:?} {:?} cache into a {:?} {:?} one",
+                want,
+                src.k.dtype(),
+                have,
+                self.k.dtype()
+            )));
+        }
+        if src.len > self.capacity() {
+            return Err(CacheError::Full {
+                len: 0,
+                chunk: src.len,
+                capacity: self.capacity(),
+            });
+        }
+        if src.len > 0 {
+            // `slice_set` copies into this cache's own buffers.
+            self.k.slice_set(&src.keys()?.contiguous()?, 1, 0)?;
+            self.v.slice_set(&src.values()?.contiguous()?, 1, 0)?;
+            self.positions
+                .slice_set(&src.positions_tensor()?.contiguous()?, 1, 0)?;
+            let state = if with_state {
+                src.state_tensor()?.contiguous()?
+            } else {
+                Tensor::zeros((src.kv_heads(), src.len), DType::F32, self.device())?
+            };
+            self.state.slice_set(&state, 1, 0)?;
+        }
+        self.len = src.len;
+        self.next_position = src.next_position;
+        Ok(())
+    }
+
     /// Forgets every slot; the buffers stay allocated.
     pub fn clear(&mut self) {
         self.len = 0;

@@ -66,6 +66,10 @@ pub struct EvalArgs {
     /// Keep the records already in OUT/records.jsonl and run only the missing ones.
     #[arg(long)]
     resume: bool,
+    /// Prefill every setting of a sample from scratch, instead of prefilling the chunks they
+    /// share (those before the first eviction) once. The answers are the same either way.
+    #[arg(long)]
+    no_prefix_reuse: bool,
     /// Run nothing: rebuild the table, results.json and heatmap.svg of the given grid from
     /// OUT/records.jsonl (cells show how many samples they have). Implies --resume.
     #[arg(long)]
@@ -104,6 +108,7 @@ pub fn eval(a: EvalArgs) -> Result<()> {
             chunk: a.chunk,
             ..template
         },
+        reuse_prefix: !a.no_prefix_reuse,
     };
     let samples: Vec<Sample> = if a.task == "longbench" {
         let dir = a
@@ -308,6 +313,8 @@ fn record_from_json(v: &serde_json::Value) -> Option<Record> {
         score: v.get("score")?.as_f64()?,
         evictions: v.get("evictions")?.as_u64()? as usize,
         seconds: v.get("seconds")?.as_f64()?,
+        // Records made before prefixes were shared have no such field.
+        prefix_tokens: v.get("prefix_tokens").and_then(|p| p.as_u64()).unwrap_or(0) as usize,
     })
 }
 

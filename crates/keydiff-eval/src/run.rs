@@ -2,7 +2,9 @@
 
 use std::time::Instant;
 
-use keydiff::{CacheConfig, Engine, GenerateParams, Message, PolicyKind, Prompt};
+use keydiff::{
+    CacheConfig, Engine, GenerateParams, Message, PolicyKind, Prefix, Prompt, StatsNeed,
+};
 
 use crate::{longbench, EvalError, Result, Sample};
 
@@ -94,6 +96,10 @@ pub struct RunOptions {
     pub chat: bool,
     /// Chunk size, window, sinks and decode eviction interval for every setting.
     pub template: CacheConfig,
+    /// Prefill the chunks that every setting of a sample shares (those before its first
+    /// eviction) once, and start each run from them ([`Engine::generate_from`]). The answers are
+    /// the same as without; only the time changes.
+    pub reuse_prefix: bool,
 }
 
 /// The model input of a user turn followed by an answer prefix: with `chat`, the chat
@@ -138,7 +144,10 @@ pub struct Record {
     /// In [0, 1].
     pub score: f64,
     pub evictions: usize,
+    /// Seconds of this run, not counting the shared prefix it started from.
     pub seconds: f64,
+    /// Prompt tokens taken from a prefix shared with other settings of the sample (0: none).
+    pub prefix_tokens: usize,
 }
 
 /// A sample's model input, prepared once for every setting.
@@ -215,14 +224,48 @@ pub fn run(
     mut on_record: impl FnMut(&Record),
 ) -> Result<Vec<Record>> {
     let prepared = prepare(engine, samples, settings, opts)?;
+    let chunk = opts.template.chunk;
     let mut out = Vec::with_capacity(prepared.len() * settings.len());
     for p in &prepared {
         let s = p.sample;
-        for st in settings {
-            if skip(s, st) {
-                continue;
+        let n = p.ids.len();
+        let todo: Vec<&Setting> = settings.iter().filter(|st| !skip(s, st)).collect();
+        // Shared prefixes are prefilled under H2O when an H2O setting is to run (H2O needs the
+        // attention it accumulates in them; the others ignore it), else under `full`.
+        let chain = todo
+            .iter()
+            .map(|st| &st.policy)
+            .find(|k| k.stats_need() == StatsNeed::AllRows)
+            .cloned()
+            .unwrap_or(PolicyKind::Full);
+        // The longest whole-chunk prefix each setting can start from: no eviction in it (at
+        // most N tokens) and at least one prompt token left to prefill. Runs go in the order of
+        // their prefix, so that one prefix grows into the next.
+        let mut plan: Vec<(usize, &Setting)> = todo
+            .iter()
+            .map(|st| {
+                let shares = st.policy.stats_need() != StatsNeed::AllRows || st.policy == chain;
+                let point = if opts.reuse_prefix && shares {
+                    let free = cache_config(st, n, opts).budget.unwrap_or(n);
+                    free.min(n - 1) / chunk * chunk
+                } else {
+                    0
+                };
+                (point, *st)
+            })
+            .collect();
+        plan.sort_by_key(|(point, _)| *point);
+        let mut prefix: Option<Prefix> = None;
+        for (point, st) in plan {
+            if point > 0 && prefix.as_ref().map(Prefix::len) != Some(point) {
+                let cfg = CacheConfig {
+                    policy: chain.clone(),
+                    budget: (chain != PolicyKind::Full).then_some(point),
+                    ..opts.template.clone()
+                };
+                prefix = Some(engine.prefill_prefix(&p.ids[..point], prefix.as_ref(), cfg)?);
             }
-            let cache = cache_config(st, p.ids.len(), opts);
+            let cache = cache_config(st, n, opts);
             let budget_tokens = cache.budget;
             engine.set_cache_config(cache)?;
             let t = Instant::now();
@@ -231,7 +274,8 @@ pub fn run(
                 max_tokens: s.max_new_tokens,
                 ..Default::default()
             };
-            let o = engine.generate(&params, |_| {})?;
+            let from = if point > 0 { prefix.as_ref() } else { None };
+            let o = engine.generate_from(&params, from, |_| {})?;
             let prediction = if let Some(task) = s.task.strip_prefix("longbench/") {
                 longbench::postprocess(task, &o.text)
             } else {
@@ -243,7 +287,7 @@ pub fn run(
                 id: s.id.clone(),
                 length: s.length,
                 depth: s.depth,
-                input_tokens: p.ids.len(),
+                input_tokens: n,
                 truncated: p.truncated,
                 policy: st.policy.name(),
                 budget: st.budget_label(),
@@ -253,6 +297,7 @@ pub fn run(
                 score,
                 evictions: o.stats.eviction.evictions,
                 seconds: t.elapsed().as_secs_f64(),
+                prefix_tokens: o.stats.prefix_tokens,
             };
             on_record(&r);
             out.push(r);
@@ -364,6 +409,7 @@ mod tests {
             score,
             evictions: 0,
             seconds: 0.0,
+            prefix_tokens: 0,
         }
     }
 

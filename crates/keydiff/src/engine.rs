@@ -112,7 +112,11 @@ pub struct Stats {
     pub ttft_s: f64,
     /// Seconds spent in the prefill forward passes.
     pub prefill_s: f64,
+    /// Prompt tokens prefilled by this request (the prompt less a reused [`Prefix`]) per second
+    /// of `prefill_s`.
     pub prefill_tok_s: f64,
+    /// Prompt tokens taken from a reused [`Prefix`] instead of being prefilled (0 without).
+    pub prefix_tokens: usize,
     /// Seconds of decode forward passes and sampling after the first token.
     pub decode_s: f64,
     pub decode_tok_s: f64,
@@ -185,6 +189,41 @@ pub struct Output {
     /// Generated token ids (an end-of-generation token included when one ended the run).
     pub tokens: Vec<u32>,
     pub stats: Stats,
+}
+
+/// A prompt's first tokens, prefilled once so that several requests can start from them (for
+/// example every policy and budget of an evaluation sample).
+///
+/// A prefix is reused only where that gives exactly what a fresh prefill would: it ends on a
+/// chunk boundary, it never evicted, and it is shorter than the budget of any request that
+/// uses it, so no policy would have evicted inside it ([`KvCache::resume_from`] checks each).
+/// H2O accumulates attention over every chunk, so an H2O request needs a prefix made under H2O
+/// ([`Engine::prefill_prefix`] with an H2O cache config); every other policy can use it too.
+pub struct Prefix {
+    tokens: Vec<u32>,
+    cache: KvCache,
+}
+
+impl Prefix {
+    /// The prompt tokens it holds.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// Number of tokens.
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    /// True for an empty prefix (never made by the engine).
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+
+    /// The cache settings it was prefilled under.
+    pub fn config(&self) -> &CacheConfig {
+        self.cache.config()
+    }
 }
 
 /// A loaded model ready to serve requests, one at a time.
@@ -336,6 +375,74 @@ impl Engine {
     pub fn generate(
         &self,
         params: &GenerateParams,
+        on_event: impl FnMut(Event<'_>),
+    ) -> Result<Output> {
+        self.generate_from(params, None, on_event)
+    }
+
+    /// Prefills `tokens` under the cache settings `cache` (with the engine's chunk size) and
+    /// keeps them as a [`Prefix`], continuing from `base` when given (whose tokens must start
+    /// `tokens`). `tokens` must be a whole number of chunks, and `cache` must not evict in them.
+    pub fn prefill_prefix(
+        &self,
+        tokens: &[u32],
+        base: Option<&Prefix>,
+        cache: CacheConfig,
+    ) -> Result<Prefix> {
+        let chunk = self.cfg.cache.chunk;
+        let bad = |m: String| Err(EngineError::BadParams(m));
+        if cache.chunk != chunk {
+            return bad(format!(
+                "prefix chunk {} differs from the engine's {chunk}",
+                cache.chunk
+            ));
+        }
+        if tokens.is_empty() || !tokens.len().is_multiple_of(chunk) {
+            return bad(format!(
+                "a prefix must be a whole number of chunks of {chunk}, not {} tokens",
+                tokens.len()
+            ));
+        }
+        if let Some(n) = cache.budget {
+            if tokens.len() > n {
+                return bad(format!(
+                    "prefix of {} tokens would evict under the budget {n}",
+                    tokens.len()
+                ));
+            }
+        }
+        let start = match base {
+            Some(b) if !tokens.starts_with(&b.tokens) => {
+                return bad("the prefix does not start with its base".into())
+            }
+            Some(b) => b.len(),
+            None => 0,
+        };
+        let vocab = self.model_config().vocab_size;
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            return bad(format!("token id {t} is outside the vocabulary of {vocab}"));
+        }
+        let mut kv = self.loaded.model.new_cache(cache, tokens.len())?;
+        if let Some(b) = base {
+            kv.resume_from(&b.cache)?;
+        }
+        let model = &self.loaded.model;
+        for piece in tokens[start..].chunks(chunk) {
+            model.forward(piece, &mut kv, false)?;
+        }
+        Ok(Prefix {
+            tokens: tokens.to_vec(),
+            cache: kv,
+        })
+    }
+
+    /// [`Engine::generate`], starting from `prefix` when given: its cache is copied (the
+    /// prefix stays reusable) and only the rest of the prompt is prefilled. The output is the
+    /// one a fresh request gives; the prompt must start with the prefix's tokens and be longer.
+    pub fn generate_from(
+        &self,
+        params: &GenerateParams,
+        prefix: Option<&Prefix>,
         mut on_event: impl FnMut(Event<'_>),
     ) -> Result<Output> {
         let t0 = Instant::now();
@@ -350,15 +457,16 @@ impl Engine {
         // A full cache holds the prompt and the output, never beyond the context.
         let mut cache = self.new_cache((n + params.max_tokens).min(context))?;
         let peak_kv_bytes = cache.bytes();
+        let start = start_from(&mut cache, &prompt, prefix)?;
         cache.set_profiling(params.profile);
 
         let chunk = self.cfg.cache.chunk;
         let tp = Instant::now();
         let mut logits = None;
-        for (i, piece) in prompt.chunks(chunk).enumerate() {
+        for (i, piece) in prompt[start..].chunks(chunk).enumerate() {
             logits = Some(model.forward(piece, &mut cache, false)?);
             on_event(Event::Prefill {
-                done: (i * chunk + piece.len()).min(n),
+                done: (start + i * chunk + piece.len()).min(n),
                 total: n,
             });
         }
@@ -417,7 +525,8 @@ impl Engine {
             chunk,
             ttft_s,
             prefill_s,
-            prefill_tok_s: n as f64 / prefill_s.max(1e-9),
+            prefill_tok_s: (n - start) as f64 / prefill_s.max(1e-9),
+            prefix_tokens: start,
             decode_s,
             decode_tok_s: if decode_steps > 0 {
                 decode_steps as f64 / decode_s.max(1e-9)
@@ -465,6 +574,14 @@ impl Engine {
         self.prefill_with(tokens, chunk, &mut cache)
     }
 
+    /// Logits after prefilling `tokens` under the engine's cache settings, starting from
+    /// `prefix` when given (for parity tests of prefix reuse), `[vocab]`.
+    pub fn prefill_logits_from(&self, tokens: &[u32], prefix: Option<&Prefix>) -> Result<Vec<f32>> {
+        let mut cache = self.new_cache(tokens.len())?;
+        let start = start_from(&mut cache, tokens, prefix)?;
+        self.prefill_with(&tokens[start..], self.cfg.cache.chunk, &mut cache)
+    }
+
     /// Prefills `tokens` in chunks of `chunk` into `cache`; returns the last logits.
     pub fn prefill_with(
         &self,
@@ -488,4 +605,21 @@ impl Engine {
         }
         Ok(logits.expect("non-empty").to_vec1::<f32>()?)
     }
+}
+
+/// Starts a fresh `cache` from `prefix`, when given, for a request on `prompt`; returns the
+/// number of prompt tokens it covers.
+fn start_from(cache: &mut KvCache, prompt: &[u32], prefix: Option<&Prefix>) -> Result<usize> {
+    let Some(p) = prefix else {
+        return Ok(0);
+    };
+    if p.len() >= prompt.len() || !prompt.starts_with(&p.tokens) {
+        return Err(EngineError::BadParams(format!(
+            "the prompt ({} tokens) does not extend the prefix of {} tokens",
+            prompt.len(),
+            p.len()
+        )));
+    }
+    cache.resume_from(&p.cache)?;
+    Ok(p.len())
 }

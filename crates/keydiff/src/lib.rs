@@ -21,12 +21,12 @@ mod stream;
 
 pub use candle_core::{DType, Device};
 pub use engine::{
-    Breakdown, Engine, EngineConfig, Event, GenerateParams, Output, Prompt, Stats, StopReason,
-    DEFAULT_CHUNK,
+    Breakdown, Engine, EngineConfig, Event, GenerateParams, Output, Prefix, Prompt, Stats,
+    StopReason, DEFAULT_CHUNK,
 };
 pub use error::{EngineError, Result};
 pub use keydiff_cache::config::SNAPKV_WINDOW;
-pub use keydiff_cache::{Anchor, CacheConfig, CacheCounters, PolicyKind};
+pub use keydiff_cache::{Anchor, CacheConfig, CacheCounters, PolicyKind, StatsNeed};
 pub use keydiff_model::{CpuWeights, Message, ModelConfig, ModelFormat};
 pub use sampling::{Sampler, Sampling};
 pub use source::ModelSource;

@@ -76,6 +76,17 @@ pub trait Policy: Send {
     }
 }
 
+impl PolicyKind {
+    /// What the attention step must compute for this policy (`None` for `full`).
+    pub fn stats_need(&self) -> StatsNeed {
+        if *self == PolicyKind::Full {
+            StatsNeed::None
+        } else {
+            build(self).needs()
+        }
+    }
+}
+
 /// Builds the policy of a kind.
 pub fn build(kind: &PolicyKind) -> Box<dyn Policy> {
     match kind {

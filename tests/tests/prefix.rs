@@ -1,0 +1,151 @@
+//! Prefix reuse: a request that starts from a shared, already prefilled prefix gives exactly
+//! what a fresh request gives (bit for bit), under every policy, and prefixes that would change
+//! the result are refused.
+
+use keydiff::{CacheConfig, Engine, EngineConfig, GenerateParams, ModelSource, PolicyKind, Prompt};
+use keydiff_tests::root;
+
+const CHUNK: usize = 64;
+
+fn tiny(preset: &str) -> Engine {
+    let source = ModelSource::Random {
+        config: root().join(format!("configs/{preset}.json")),
+        seed: 5,
+        on_host: false,
+    };
+    let cfg = EngineConfig {
+        cache: CacheConfig::full(CHUNK),
+        ..Default::default()
+    };
+    Engine::load(&source, &cfg).unwrap()
+}
+
+fn cache(policy: &str, budget: Option<usize>) -> CacheConfig {
+    CacheConfig {
+        policy: PolicyKind::parse(policy, keydiff::SNAPKV_WINDOW, 0).unwrap(),
+        budget,
+        chunk: CHUNK,
+        window: 0.1,
+        sinks: 4,
+        evict_every: None,
+    }
+}
+
+fn greedy(tokens: &[u32]) -> GenerateParams {
+    GenerateParams {
+        prompt: Prompt::Tokens(tokens.to_vec()),
+        max_tokens: 12,
+        ignore_eos: true,
+        ..Default::default()
+    }
+}
+
+/// Prefixes of 64, 192 and 320 tokens, one grown from the other, made under `chain`; every
+/// policy at budgets 192 and 350 starts from the longest one its budget allows, and its logits
+/// after the whole prompt, its generated tokens and its eviction count equal a fresh run's.
+#[test]
+fn reused_prefix_gives_bit_identical_results() {
+    for preset in ["tiny-llama", "tiny-qwen"] {
+        let mut e = tiny(preset);
+        let vocab = e.model_config().vocab_size;
+        let tokens = keydiff::parity::random_tokens(700, vocab, 21);
+        for chain in ["full", "h2o"] {
+            let mut prefixes = Vec::new();
+            for point in [64, 192, 320] {
+                let budget = (chain != "full").then_some(point);
+                let p = e
+                    .prefill_prefix(&tokens[..point], prefixes.last(), cache(chain, budget))
+                    .unwrap();
+                assert_eq!(p.len(), point);
+                prefixes.push(p);
+            }
+            let policies = [
+                "full", "keydiff", "tova", "snapkv", "sink", "knorm", "random",
+            ];
+            let policies = policies
+                .iter()
+                .chain((chain == "h2o").then_some(&"h2o"))
+                .copied();
+            for policy in policies {
+                for budget in [Some(192), Some(350)] {
+                    let budget = (policy != "full").then_some(budget).flatten();
+                    let cfg = cache(policy, budget);
+                    e.set_cache_config(cfg.clone()).unwrap();
+                    let want = e.generate(&greedy(&tokens), |_| {}).unwrap();
+                    let want_logits = e.prefill_logits_from(&tokens, None).unwrap();
+                    let free = budget.unwrap_or(tokens.len());
+                    let prefix = prefixes.iter().rev().find(|p| p.len() <= free).unwrap();
+                    let got = e
+                        .generate_from(&greedy(&tokens), Some(prefix), |_| {})
+                        .unwrap();
+                    let got_logits = e.prefill_logits_from(&tokens, Some(prefix)).unwrap();
+                    let what = format!("{preset} chain {chain} {policy} N={budget:?}");
+                    assert_eq!(got.stats.prefix_tokens, prefix.len(), "{what}");
+                    assert_eq!(got.tokens, want.tokens, "{what}");
+                    assert_eq!(
+                        got.stats.eviction.evictions, want.stats.eviction.evictions,
+                        "{what}"
+                    );
+                    if budget.is_some() {
+                        assert!(want.stats.eviction.evictions > 0, "{what}");
+                    }
+                    let same = got_logits
+                        .iter()
+                        .zip(&want_logits)
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "{what}: logits differ");
+                }
+            }
+        }
+    }
+}
+
+/// Prefixes that would not reproduce a fresh run are refused with a reason.
+#[test]
+fn unusable_prefixes_are_refused() {
+    let mut e = tiny("tiny-llama");
+    let tokens = keydiff::parity::random_tokens(600, 256, 4);
+    let err = |r: keydiff::Result<keydiff::Output>| r.expect_err("must fail").to_string();
+
+    // Not a whole number of chunks, and a budget that would evict inside the prefix.
+    let msg = e
+        .prefill_prefix(&tokens[..100], None, cache("full", None))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(msg.contains("whole number of chunks"), "{msg}");
+    let msg = e
+        .prefill_prefix(&tokens[..256], None, cache("h2o", Some(128)))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(msg.contains("would evict"), "{msg}");
+
+    let full = e
+        .prefill_prefix(&tokens[..256], None, cache("full", None))
+        .unwrap();
+    // A budget below the prefix: the policy would have evicted in it.
+    e.set_cache_config(cache("keydiff", Some(192))).unwrap();
+    let msg = err(e.generate_from(&greedy(&tokens), Some(&full), |_| {}));
+    assert!(msg.contains("longer than the budget"), "{msg}");
+    // H2O needs the attention it accumulates over the prefix.
+    e.set_cache_config(cache("h2o", Some(320))).unwrap();
+    let msg = err(e.generate_from(&greedy(&tokens), Some(&full), |_| {}));
+    assert!(msg.contains("accumulates attention"), "{msg}");
+    // A prompt that does not extend the prefix.
+    e.set_cache_config(cache("keydiff", Some(320))).unwrap();
+    let mut other = tokens.clone();
+    other[3] = (other[3] + 1) % 256;
+    let msg = err(e.generate_from(&greedy(&other), Some(&full), |_| {}));
+    assert!(msg.contains("does not extend"), "{msg}");
+    let msg = err(e.generate_from(&greedy(&tokens[..256]), Some(&full), |_| {}));
+    assert!(msg.contains("does not extend"), "{msg}");
+    // Another chunk size.
+    e.set_cache_config(CacheConfig {
+        chunk: 32,
+        ..cache("keydiff", Some(320))
+    })
+    .unwrap();
+    let msg = err(e.generate_from(&greedy(&tokens), Some(&full), |_| {}));
+    assert!(msg.contains("chunks of 64"), "{msg}");
+}
