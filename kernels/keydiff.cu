@@ -177,9 +177,20 @@ __device__ uint64_t kd_radix_kth(const F& key, int n, int k, KdSelectShared& sh)
     for (int j = threadIdx.x; j < 256; j += blockDim.x) sh.hist[j] = 0;
     __syncthreads();
     const uint64_t prefix = sh.prefix;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-      const uint64_t x = key(i);
-      if ((x & mask) == prefix) atomicAdd(&sh.hist[(x >> shift) & 255u], 1u);
+    // Warp-aggregated counting: the lanes of a warp that share a bin add once, by their lowest
+    // lane. Early passes put almost every key into two or three bins (the score's sign and
+    // exponent), where one shared atomic per key would serialise the whole block. The bounds
+    // of the loop are uniform, so every lane reaches __match_any_sync.
+    for (int t0 = 0; t0 < n; t0 += blockDim.x) {
+      const int i = t0 + (int)threadIdx.x;
+      unsigned bin = 256u;  // no bin: past n, or outside the prefix
+      if (i < n) {
+        const uint64_t x = key(i);
+        if ((x & mask) == prefix) bin = (unsigned)((x >> shift) & 255u);
+      }
+      const unsigned peers = __match_any_sync(0xffffffffu, bin);
+      if (bin < 256u && (int)(threadIdx.x & 31u) == __ffs(peers) - 1)
+        atomicAdd(&sh.hist[bin], (unsigned)__popc(peers));
     }
     __syncthreads();
     if (threadIdx.x == 0) {
