@@ -244,6 +244,7 @@ fn bench_ttft_writes_table_csv_json_and_svg() {
         "eviction_share",
         "peak_kv_bytes",
         "commit",
+        "binary_commit",
         "machine",
         "command",
     ] {
@@ -259,7 +260,14 @@ fn bench_ttft_writes_table_csv_json_and_svg() {
     let rows = json.as_array().unwrap();
     assert_eq!(rows.len(), 6);
     for r in rows {
-        for key in ["commit", "machine", "device", "command", "date"] {
+        for key in [
+            "commit",
+            "binary_commit",
+            "machine",
+            "device",
+            "command",
+            "date",
+        ] {
             assert!(
                 r[key].as_str().is_some_and(|s| !s.is_empty()),
                 "{key} in {r}"

@@ -508,6 +508,7 @@ fn write_csv(path: &Path, prov: &Provenance, t: &Csv) -> Result<()> {
     let extra = [
         ("date", prov.date.as_str()),
         ("commit", prov.commit.as_str()),
+        ("binary_commit", prov.binary_commit.as_str()),
         ("machine", prov.machine.as_str()),
         ("device", prov.device.as_str()),
         ("dtype", prov.dtype.as_str()),

@@ -328,7 +328,11 @@ fn table(a: &EvalArgs, prov: &Provenance, cells: &[Cell], longbench: bool) -> St
         if a.chat { "chat" } else { "plain" },
         a.chunk,
         prov.date,
-        prov.commit
+        if prov.binary_commit == prov.commit {
+            prov.commit.clone()
+        } else {
+            format!("{} (binary built from {})", prov.commit, prov.binary_commit)
+        }
     );
     let mut lengths: Vec<usize> = cells.iter().map(|c| c.length).collect();
     lengths.sort_unstable();

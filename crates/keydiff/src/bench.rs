@@ -412,6 +412,10 @@ pub struct Provenance {
     pub date: String,
     /// `git describe --always --dirty` of the working directory, or `$KEYDIFF_COMMIT`.
     pub commit: String,
+    /// The same of the tree the binary was built from, at build time (`unknown` outside a git
+    /// checkout). It differs from `commit` when a copied binary runs in a newer tree.
+    #[serde(default)]
+    pub binary_commit: String,
     /// Host name, CPU model and logical CPUs; GPU name when one is used.
     pub machine: String,
     pub device: String,
@@ -454,6 +458,9 @@ impl Provenance {
         Self {
             date: utc_now(),
             commit: commit.trim().to_string(),
+            binary_commit: option_env!("KEYDIFF_BUILD_COMMIT")
+                .unwrap_or("unknown")
+                .to_string(),
             machine,
             device,
             dtype: format!("{:?}", engine.config().dtype).to_lowercase(),

@@ -1,0 +1,33 @@
+//! Records the commit the library is built from (`git describe --always --dirty`), so that
+//! results say which code produced them even when the binary runs from another directory.
+//! Outside a git checkout (a crates.io build) nothing is recorded.
+
+use std::path::Path;
+use std::process::Command;
+
+fn main() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    // Run again when HEAD moves or a source changes, so that `-dirty` stays right.
+    for p in [
+        ".git/HEAD",
+        ".git/refs/heads",
+        ".git/packed-refs",
+        "crates",
+        "kernels",
+    ] {
+        let path = root.join(p);
+        if path.exists() {
+            println!("cargo::rerun-if-changed={}", path.display());
+        }
+    }
+    let out = Command::new("git")
+        .args(["describe", "--always", "--dirty", "--abbrev=12"])
+        .current_dir(&root)
+        .output();
+    if let Ok(o) = out {
+        let commit = String::from_utf8_lossy(&o.stdout).trim().to_string();
+        if o.status.success() && !commit.is_empty() {
+            println!("cargo::rustc-env=KEYDIFF_BUILD_COMMIT={commit}");
+        }
+    }
+}
