@@ -78,6 +78,10 @@ fn eviction_timing_is_consistent(dev: &Device) -> Result<()> {
         (t.total_us - (t.score_us + t.select_us + t.move_us)).abs() < 1e-6,
         "{t:?}"
     );
+    ensure!(
+        t.eviction_us > 0.0 && (t.gb_per_s - t.bytes as f64 / t.eviction_us / 1e3).abs() < 1e-6,
+        "{t:?}"
+    );
     Ok(())
 }
 test_device!(

@@ -492,8 +492,17 @@ fn check_kernels(
         let copy = copy_bandwidth(&dev)?;
         eprintln!("copy bandwidth (read + write): {copy:.1} GB/s");
         eprintln!(
-            "{:>7} {:>7} {:>7} {:>9} {:>9} {:>9} {:>9} {:>8} {:>7}",
-            "n", "N", "moves", "score us", "select us", "move us", "total us", "GB/s", "% copy"
+            "{:>7} {:>7} {:>7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8} {:>7}",
+            "n",
+            "N",
+            "moves",
+            "score us",
+            "select us",
+            "move us",
+            "sum us",
+            "evict us",
+            "GB/s",
+            "% copy"
         );
         for &n in time_n {
             if n <= chunk {
@@ -511,7 +520,7 @@ fn check_kernels(
             };
             let t = kernel_timing(&dev, &c, reps, copy)?;
             eprintln!(
-                "{:>7} {:>7} {:>7} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>8.1} {:>6.1}%",
+                "{:>7} {:>7} {:>7} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>8.1} {:>6.1}%",
                 t.n,
                 t.budget,
                 t.moves,
@@ -519,6 +528,7 @@ fn check_kernels(
                 t.select_us,
                 t.move_us,
                 t.total_us,
+                t.eviction_us,
                 t.gb_per_s,
                 t.percent_of_copy
             );
