@@ -135,6 +135,10 @@ impl KvCache {
     /// (`prefix.len() <= N`), and, for a policy that accumulates statistics over every chunk
     /// (H2O), when `prefix` was made under the same policy. Both are checked, and that the
     /// prefix ends on a chunk boundary.
+    ///
+    /// The policy object itself is not copied: this relies on policies keeping what they learn
+    /// across chunks in the layers' per-slot state (H2O), never in their own fields. `random`
+    /// advances its generator only when it scores, at an eviction, which a prefix never has.
     pub fn resume_from(&mut self, prefix: &KvCache) -> Result<()> {
         if self.position != 0 || !self.is_empty() {
             return Err(CacheError::Config(
@@ -174,7 +178,7 @@ impl KvCache {
             )));
         }
         // H2O's state sums attention over every chunk seen: only a prefix made under the same
-        // policy has it. Other policies keep no state across chunks.
+        // policy has it. Other policies keep no per-slot state across chunks.
         let with_state =
             self.cfg.policy != PolicyKind::Full && self.policy.needs() == StatsNeed::AllRows;
         if with_state && prefix.cfg.policy != self.cfg.policy {

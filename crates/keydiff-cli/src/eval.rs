@@ -315,6 +315,10 @@ fn record_from_json(v: &serde_json::Value) -> Option<Record> {
         seconds: v.get("seconds")?.as_f64()?,
         // Records made before prefixes were shared have no such field.
         prefix_tokens: v.get("prefix_tokens").and_then(|p| p.as_u64()).unwrap_or(0) as usize,
+        prefix_seconds: v
+            .get("prefix_seconds")
+            .and_then(|p| p.as_f64())
+            .unwrap_or(0.0),
     })
 }
 

@@ -148,6 +148,9 @@ pub struct Record {
     pub seconds: f64,
     /// Prompt tokens taken from a prefix shared with other settings of the sample (0: none).
     pub prefix_tokens: usize,
+    /// Seconds it took to prefill that prefix (shared: other records count it too), so that
+    /// `seconds + prefix_seconds` is about what the run takes alone.
+    pub prefix_seconds: f64,
 }
 
 /// A sample's model input, prepared once for every setting.
@@ -247,7 +250,7 @@ pub fn run(
                 let shares = st.policy.stats_need() != StatsNeed::AllRows || st.policy == chain;
                 let point = if opts.reuse_prefix && shares {
                     let free = cache_config(st, n, opts).budget.unwrap_or(n);
-                    free.min(n - 1) / chunk * chunk
+                    free.min(n.saturating_sub(1)) / chunk * chunk
                 } else {
                     0
                 };
@@ -256,14 +259,22 @@ pub fn run(
             .collect();
         plan.sort_by_key(|(point, _)| *point);
         let mut prefix: Option<Prefix> = None;
+        // Seconds spent prefilling the current prefix, its bases included.
+        let mut prefix_s = 0.0;
         for (point, st) in plan {
             if point > 0 && prefix.as_ref().map(Prefix::len) != Some(point) {
+                // Nothing is evicted in a prefix, so sinks and window play no part (and a
+                // budget of `point` with them could fail validation where N would not).
                 let cfg = CacheConfig {
                     policy: chain.clone(),
                     budget: (chain != PolicyKind::Full).then_some(point),
+                    sinks: 0,
+                    window: 0.0,
                     ..opts.template.clone()
                 };
+                let t = Instant::now();
                 prefix = Some(engine.prefill_prefix(&p.ids[..point], prefix.as_ref(), cfg)?);
+                prefix_s += t.elapsed().as_secs_f64();
             }
             let cache = cache_config(st, n, opts);
             let budget_tokens = cache.budget;
@@ -298,6 +309,7 @@ pub fn run(
                 evictions: o.stats.eviction.evictions,
                 seconds: t.elapsed().as_secs_f64(),
                 prefix_tokens: o.stats.prefix_tokens,
+                prefix_seconds: if point > 0 { prefix_s } else { 0.0 },
             };
             on_record(&r);
             out.push(r);
@@ -410,6 +422,7 @@ mod tests {
             evictions: 0,
             seconds: 0.0,
             prefix_tokens: 0,
+            prefix_seconds: 0.0,
         }
     }
 

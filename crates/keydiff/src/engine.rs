@@ -195,7 +195,7 @@ pub struct Output {
 /// example every policy and budget of an evaluation sample).
 ///
 /// A prefix is reused only where that gives exactly what a fresh prefill would: it ends on a
-/// chunk boundary, it never evicted, and it is shorter than the budget of any request that
+/// chunk boundary, it never evicted, and it holds at most the budget N of any request that
 /// uses it, so no policy would have evicted inside it ([`KvCache::resume_from`] checks each).
 /// H2O accumulates attention over every chunk, so an H2O request needs a prefix made under H2O
 /// ([`Engine::prefill_prefix`] with an H2O cache config); every other policy can use it too.
@@ -421,6 +421,13 @@ impl Engine {
         let vocab = self.model_config().vocab_size;
         if let Some(&t) = tokens.iter().find(|&&t| t as usize >= vocab) {
             return bad(format!("token id {t} is outside the vocabulary of {vocab}"));
+        }
+        let context = self.model_config().max_position_embeddings;
+        if tokens.len() > context {
+            return Err(EngineError::PromptTooLong {
+                tokens: tokens.len(),
+                context,
+            });
         }
         let mut kv = self.loaded.model.new_cache(cache, tokens.len())?;
         if let Some(b) = base {

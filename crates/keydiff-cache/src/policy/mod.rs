@@ -46,7 +46,9 @@ pub trait Policy: Send {
     }
 
     /// Called after every attention step that computed statistics (H2O accumulates here, also
-    /// when nothing is evicted).
+    /// when nothing is evicted). Whatever must last across chunks goes into the layer's per-slot
+    /// state, not into the policy: a request resumed from a shared prefix
+    /// ([`crate::KvCache::resume_from`]) gets a fresh policy and a copy of the layers.
     fn observe(&mut self, _layer: &mut LayerCache, _stats: &AttnStats) -> Result<()> {
         Ok(())
     }
