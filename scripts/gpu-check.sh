@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One run on a GPU host (see GPU.md): environment, eviction-kernel parity and timing, CPU-vs-GPU
-# model parity, a short TTFT sweep.
+# model parity, prefix reuse on the device, a short TTFT sweep.
 # Build the binary here first (scripts/build-cuda.sh), carry it, then on the GPU host:
 #   scripts/gpu-check.sh            (logs go to $OUT when set, else bench/gpu-check-logs/)
 # Prints a summary table last. Needs no Rust toolchain and no network on the GPU host.
@@ -70,6 +70,29 @@ for f in sorted(glob.glob(sys.argv[1] + "/parity-*.jsonl")):
         print(f"  {r['dtype']:5} {r['preset'].split('/')[-1]:24} {r['policy']:14} {d['cosine']:9.6f} {d['max_rel']:9.2e} {'same' if r['top1_equal'] else 'DIFF'}")
 PY
 [ $parity_ok = 1 ] && note "parity: PASS" || note "parity: FAIL"
+
+echo "== 3b. prefix reuse on the device: the same answers as fresh prefills (tiny random, bf16)"
+# KeyDiff is left out: its anchor sums with float atomics on the GPU, so two fresh runs may
+# already differ in the last bits; the other policies' ops are deterministic.
+for mode in reuse fresh; do
+  extra=(); [ $mode = fresh ] && extra=(--no-prefix-reuse)
+  timeout 90 "$bin" eval passkey -m tiny-qwen --random-weights --device "$device" --dtype bf16 \
+      --lengths 1000 --budgets 100,50%,75% --samples 2 --chunk 64 \
+      --policies full,tova,snapkv,h2o,sink --out "$out/prefix-$mode" "${extra[@]}" \
+      > /dev/null 2>> "$errors" || note "prefix ($mode): FAILED (exit $?)"
+done
+python3 - "$out" >> "$summary" <<'PY' || note "prefix reuse: could not compare"
+import json, sys
+def load(m):
+    return {(r["id"], r["policy"], r["budget"]): r
+            for r in map(json.loads, open(f"{sys.argv[1]}/prefix-{m}/records.jsonl"))}
+a, b = load("reuse"), load("fresh")
+same = [k for k in b if k in a and a[k]["prediction"] == b[k]["prediction"]
+        and a[k]["evictions"] == b[k]["evictions"]]
+reused = sum(1 for r in a.values() if r.get("prefix_tokens", 0) > 0)
+ok = len(same) == len(b) == len(a) and reused > 0
+print(f"prefix reuse: {'PASS' if ok else 'FAIL'} ({len(same)}/{len(b)} records identical, {reused} started from a prefix)")
+PY
 
 echo "== 4. TTFT sweep: $preset random weights, bf16, prompt $plen, budget $budget_n"
 # One process: weights are initialised once; 1 warm-up and 2 measured runs per case,
