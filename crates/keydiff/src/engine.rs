@@ -361,13 +361,19 @@ impl Engine {
         if ids.is_empty() {
             return Err(EngineError::EmptyPrompt);
         }
+        self.check_vocab(&ids)?;
+        Ok(ids)
+    }
+
+    /// Refuses token ids outside the model's vocabulary.
+    fn check_vocab(&self, ids: &[u32]) -> Result<()> {
         let vocab = self.model_config().vocab_size;
         if let Some(&bad) = ids.iter().find(|&&t| t as usize >= vocab) {
             return Err(EngineError::BadParams(format!(
                 "token id {bad} is outside the vocabulary of {vocab}"
             )));
         }
-        Ok(ids)
+        Ok(())
     }
 
     /// Runs one request: chunked prefill, then token-by-token decode, streaming text to
@@ -418,10 +424,7 @@ impl Engine {
             Some(b) => b.len(),
             None => 0,
         };
-        let vocab = self.model_config().vocab_size;
-        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= vocab) {
-            return bad(format!("token id {t} is outside the vocabulary of {vocab}"));
-        }
+        self.check_vocab(tokens)?;
         let context = self.model_config().max_position_embeddings;
         if tokens.len() > context {
             return Err(EngineError::PromptTooLong {
