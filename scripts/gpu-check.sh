@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One run on a GPU host (see GPU.md): environment, eviction-kernel parity and timing, CPU-vs-GPU
-# model parity, prefix reuse on the device, a short TTFT sweep.
+# model parity (eager attention, and flash when the binary has it), prefix reuse on the device,
+# a short TTFT sweep.
 # Build the binary here first (scripts/build-cuda.sh), carry it, then on the GPU host:
 #   scripts/gpu-check.sh            (logs go to $OUT when set, else bench/gpu-check-logs/)
 # Prints a summary table last. Needs no Rust toolchain and no network on the GPU host.
@@ -63,13 +64,30 @@ done
 python3 - "$out" >> "$summary" <<'PY'
 import json, sys, glob
 print("parity (CPU f32 reference):")
-print(f"  {'dtype':5} {'preset':24} {'policy':14} {'cosine':>9} {'max_rel':>9} top1")
+print(f"  {'dtype':5} {'attn':5} {'preset':24} {'policy':14} {'cosine':>9} {'max_rel':>9} top1")
 for f in sorted(glob.glob(sys.argv[1] + "/parity-*.jsonl")):
     for line in open(f):
         r = json.loads(line); d = r["diff"]
-        print(f"  {r['dtype']:5} {r['preset'].split('/')[-1]:24} {r['policy']:14} {d['cosine']:9.6f} {d['max_rel']:9.2e} {'same' if r['top1_equal'] else 'DIFF'}")
+        print(f"  {r['dtype']:5} {r.get('attention', 'eager'):5} {r['preset'].split('/')[-1]:24} {r['policy']:14} {d['cosine']:9.6f} {d['max_rel']:9.2e} {'same' if r['top1_equal'] else 'DIFF'}")
 PY
 [ $parity_ok = 1 ] && note "parity: PASS" || note "parity: FAIL"
+
+echo "== 3c. flash attention against the CPU (only binaries built with --features flash-attn)"
+if timeout 150 "$bin" check-device --device "$device" --dtype bf16 --attention flash --prompt-len 700 \
+    --chunk 64 --budget 256 --policies keydiff,tova,snapkv,h2o,sink \
+    > "$out/flash-bf16.jsonl" 2> "$out/flash.err"; then
+  python3 - "$out/flash-bf16.jsonl" >> "$summary" <<'PY'
+import json, sys
+for r in map(json.loads, open(sys.argv[1])):
+    d = r["diff"]
+    print(f"  bf16  {r['attention']:5} {r['preset'].split('/')[-1]:24} {r['policy']:14} {d['cosine']:9.6f} {d['max_rel']:9.2e} {'same' if r['top1_equal'] else 'DIFF'}")
+PY
+  note "flash parity: PASS"
+elif grep -q "flash-attn" "$out/flash.err"; then
+  note "flash parity: not run (this binary was built without the flash-attn feature)"
+else
+  note "flash parity: FAIL"; tail -5 "$out/flash.err" | tee -a "$errors"
+fi
 
 echo "== 3b. prefix reuse on the device: the same answers as fresh prefills (tiny random, bf16)"
 # KeyDiff is left out: its anchor sums with float atomics on the GPU, so two fresh runs may

@@ -118,6 +118,14 @@ fn niah_writes_results_heatmap_and_resumes() {
     .concat());
     assert!(!ok && stderr.contains("--seed"), "{stderr}");
     assert_eq!(records(&dir).len(), 24);
+    // So is another attention backend (the records above were eager).
+    let (ok, _, stderr) = run(&[
+        &base[..],
+        &["--policies", "full", "--attention", "flash", "--resume"],
+    ]
+    .concat());
+    assert!(!ok && stderr.contains("--attention"), "{stderr}");
+    assert_eq!(records(&dir).len(), 24);
 }
 
 #[test]

@@ -249,11 +249,12 @@ fn decode(a: DecodeArgs) -> Result<()> {
 
 fn header(prov: &Provenance, plan: &Plan) -> String {
     format!(
-        "# {} | {} | {} {} | commit {} | {}\n# {} warm-up + {} measured runs per case, interleaved; prompts: random token ids, seed {} + round\n",
+        "# {} | {} | {} {} {} attention | commit {} | {}\n# {} warm-up + {} measured runs per case, interleaved; prompts: random token ids, seed {} + round\n",
         prov.date,
         prov.model,
         prov.device,
         prov.dtype,
+        prov.attention,
         prov.commit,
         prov.machine,
         plan.warmup,
@@ -512,6 +513,7 @@ fn write_csv(path: &Path, prov: &Provenance, t: &Csv) -> Result<()> {
         ("machine", prov.machine.as_str()),
         ("device", prov.device.as_str()),
         ("dtype", prov.dtype.as_str()),
+        ("attention", prov.attention.as_str()),
         ("model", prov.model.as_str()),
         (
             "random_weights",

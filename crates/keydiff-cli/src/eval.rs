@@ -375,8 +375,8 @@ fn table(a: &EvalArgs, prov: &Provenance, cells: &[Cell], longbench: bool) -> St
 }
 
 /// Refuses to resume into a directory whose earlier run used other options that change the
-/// records (model, dtype, chat template, chunk, protection, seed): their records would be mixed
-/// with incomparable ones. Lengths, depths, budgets, policies and samples may grow.
+/// records (model, dtype, attention, chat template, chunk, protection, seed): their records
+/// would be mixed with incomparable ones. Lengths, depths, budgets, policies and samples may grow.
 fn check_resume(results: &std::path::Path, a: &EvalArgs, engine: &keydiff::Engine) -> Result<()> {
     let Ok(text) = std::fs::read_to_string(results) else {
         return Ok(()); // an interrupted first run: only records.jsonl exists
@@ -386,7 +386,12 @@ fn check_resume(results: &std::path::Path, a: &EvalArgs, engine: &keydiff::Engin
     let o = &v["options"];
     let p = &v["provenance"];
     let now = Provenance::collect(engine, a.load.random_weights, String::new());
-    let checks: [(&str, serde_json::Value, serde_json::Value); 7] = [
+    // Results written before the backend was recorded were eager.
+    let attention = match &p["attention"] {
+        serde_json::Value::Null => "eager".into(),
+        v => v.clone(),
+    };
+    let checks: [(&str, serde_json::Value, serde_json::Value); 8] = [
         ("--chat", o["chat"].clone(), a.chat.into()),
         ("--chunk", o["chunk"].clone(), a.chunk.into()),
         ("--window", o["window"].clone(), a.policy_args.window.into()),
@@ -394,6 +399,7 @@ fn check_resume(results: &std::path::Path, a: &EvalArgs, engine: &keydiff::Engin
         ("--seed", o["seed"].clone(), a.seed.into()),
         ("-m", p["model"].clone(), now.model.into()),
         ("--dtype", p["dtype"].clone(), now.dtype.into()),
+        ("--attention", attention, now.attention.into()),
     ];
     for (name, was, is) in checks {
         if !was.is_null() && was != is {

@@ -10,8 +10,8 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use keydiff::{
-    parse_device, parse_dtype, CacheConfig, CpuWeights, Engine, EngineConfig, Event,
-    GenerateParams, Message, ModelSource, PolicyKind, Prompt, Sampling, DEFAULT_CHUNK,
+    parse_device, parse_dtype, AttentionBackend, CacheConfig, CpuWeights, Engine, EngineConfig,
+    Event, GenerateParams, Message, ModelSource, PolicyKind, Prompt, Sampling, DEFAULT_CHUNK,
 };
 
 /// The model `run` uses when `-m` is not given (fetched by scripts/fetch-models.sh).
@@ -65,6 +65,9 @@ enum Cmd {
         device: String,
         #[arg(long, default_value = "bf16")]
         dtype: String,
+        /// Attention on the checked device (auto, eager, flash); the CPU reference is eager.
+        #[arg(long, default_value = "auto")]
+        attention: String,
         /// Preset configs to check.
         #[arg(long, default_values = ["configs/tiny-llama.json", "configs/tiny-qwen.json"])]
         preset: Vec<PathBuf>,
@@ -140,6 +143,11 @@ struct LoadArgs {
     /// slower) instead of dense prefill copies and Q8_0 copies of Q4_1/Q5_x.
     #[arg(long)]
     as_stored: bool,
+    /// Chunk attention: eager (materialised probabilities), flash (fused kernel: candle-nn's on
+    /// the CPU, FlashAttention-2 on CUDA with the `flash-attn` feature) or auto (flash on CUDA
+    /// when built with it, else eager).
+    #[arg(long, default_value = "auto")]
+    attention: String,
 }
 
 impl LoadArgs {
@@ -174,6 +182,7 @@ impl LoadArgs {
             } else {
                 CpuWeights::FAST
             },
+            attention: AttentionBackend::resolve(&self.attention, &device)?,
             device,
             dtype: parse_dtype(&self.dtype)?,
             cache,
@@ -346,6 +355,7 @@ fn real_main() -> Result<()> {
         Cmd::CheckDevice {
             device,
             dtype,
+            attention,
             preset,
             prompt_len,
             chunk,
@@ -355,6 +365,7 @@ fn real_main() -> Result<()> {
         } => {
             let dev = parse_device(&device)?;
             let dt = parse_dtype(&dtype)?;
+            let attention = AttentionBackend::resolve(&attention, &dev)?;
             let mut caches = vec![CacheConfig::full(chunk)];
             if let Some(n) = budget {
                 for p in &policies {
@@ -376,18 +387,21 @@ fn real_main() -> Result<()> {
                         dtype: keydiff::DType::F32,
                         cache: cache.clone(),
                         cpu_weights: CpuWeights::FAST,
+                        attention: AttentionBackend::Eager,
                     };
                     let other = EngineConfig {
                         device: dev.clone(),
                         dtype: dt,
                         cache: cache.clone(),
                         cpu_weights: CpuWeights::FAST,
+                        attention,
                     };
                     let d =
                         keydiff::parity::compare_devices(p, seed, &reference, &other, prompt_len)
                             .with_context(|| format!("preset {}", p.display()))?;
                     let v = serde_json::json!({
                         "preset": p.display().to_string(), "device": device, "dtype": dtype,
+                        "attention": attention.name(),
                         "policy": cache.policy.name(), "budget": cache.budget,
                         "prompt_len": prompt_len, "chunk": chunk, "diff": d,
                         "top1_equal": d.top1_equal(),

@@ -1,12 +1,184 @@
 //! Chunk attention over the layer's KV cache, GQA without repeating K/V.
 //!
 //! The chunk's B queries see every cached slot plus the chunk's own earlier tokens: the causal
-//! mask is bottom-right aligned. Grouped queries are folded into the row dimension,
-//! `[kv_heads, g·B, d]`, so one batched matmul serves all query heads of a KV head.
+//! mask is bottom-right aligned.
+//!
+//! Two backends ([`AttentionBackend`]):
+//! - **eager**: grouped queries are folded into the row dimension, `[kv_heads, g·B, d]`, so one
+//!   batched matmul serves all query heads of a KV head; the probabilities `[kv_heads, g·B, T]`
+//!   are materialised in f32, and the statistics of TOVA, SnapKV and H2O are sums of their rows.
+//! - **flash**: a fused kernel that never materialises the scores (candle-flash-attn on CUDA with
+//!   the `flash-attn` feature, candle-nn's flash attention on the CPU), reading the cache in
+//!   place through a `[1, T, kv_heads, d]` view. Policies that need statistics get them from an
+//!   extra pass over only the query rows they use ([`stats_pass`]): one row for TOVA, the window
+//!   for SnapKV, every row for H2O. That extra pass is the cost KeyDiff does not pay.
+
+use std::str::FromStr;
 
 use candle_core::{DType, Device, Tensor, D};
 
-use crate::error::Result;
+use crate::error::{ModelError, Result};
+
+/// How chunk attention is computed (module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AttentionBackend {
+    /// Materialised probabilities with candle matmuls and softmax (every device and dtype).
+    #[default]
+    Eager,
+    /// Fused flash attention; statistics from an extra pass.
+    Flash,
+}
+
+impl AttentionBackend {
+    /// The backend's name, as `--attention` takes it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Eager => "eager",
+            Self::Flash => "flash",
+        }
+    }
+
+    /// The backend named `name` (`eager`, `flash`), or for `auto` the best this build has for
+    /// `device`: flash on CUDA when built with the `flash-attn` feature, eager otherwise (on the
+    /// CPU eager is faster: its matmuls are GEMMs, candle-nn's CPU kernel is not).
+    pub fn resolve(name: &str, device: &Device) -> Result<Self> {
+        if name == "auto" {
+            return Ok(if device.is_cuda() && cfg!(feature = "flash-attn") {
+                Self::Flash
+            } else {
+                Self::Eager
+            });
+        }
+        name.parse()
+    }
+
+    /// Checks that this build can run the backend on `device` with activations of `dtype` and
+    /// heads of `head_dim`, so that an unsupported choice fails when the model is loaded rather
+    /// than in the first chunk.
+    pub fn check(self, device: &Device, dtype: DType, head_dim: usize) -> Result<()> {
+        if self == Self::Eager {
+            return Ok(());
+        }
+        let unsupported =
+            |why: String| Err(ModelError::Unsupported(format!("--attention flash: {why}")));
+        match device {
+            Device::Cpu => {
+                if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
+                    return unsupported(format!(
+                        "dtype {dtype:?} (the CPU kernel takes f32, f16, bf16)"
+                    ));
+                }
+                Ok(())
+            }
+            Device::Cuda(_) => {
+                if !cfg!(feature = "flash-attn") {
+                    return unsupported(
+                        "this binary was built without the `flash-attn` feature (build with \
+                         `--features flash-attn`, see GPU.md)"
+                            .into(),
+                    );
+                }
+                if !matches!(dtype, DType::F16 | DType::BF16) {
+                    return unsupported(format!(
+                        "dtype {dtype:?} on CUDA (flash attention takes bf16 or f16)"
+                    ));
+                }
+                if !head_dim.is_multiple_of(8) || head_dim > 256 {
+                    return unsupported(format!(
+                        "head_dim {head_dim} (flash attention takes multiples of 8 up to 256)"
+                    ));
+                }
+                Ok(())
+            }
+            other => unsupported(format!("device {other:?}")),
+        }
+    }
+}
+
+impl FromStr for AttentionBackend {
+    type Err = ModelError;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "eager" => Ok(Self::Eager),
+            "flash" => Ok(Self::Flash),
+            other => Err(ModelError::Unsupported(format!(
+                "attention backend `{other}` (expected auto, eager or flash)"
+            ))),
+        }
+    }
+}
+
+impl std::fmt::Display for AttentionBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Flash attention of a chunk over the cache.
+///
+/// - `q`: `[1, B, heads, d]`, the chunk's queries (only the last dim needs stride 1).
+/// - `k`, `v`: `[1, T, kv_heads, d]`, the cache with the chunk's own keys last (views of the
+///   cache buffers are read in place on CUDA).
+///
+/// Returns `[B, heads·d]` in `q`'s dtype. Causal is bottom-right aligned, as in [`chunk_mask`].
+pub fn flash_attend(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+    let (_, b, h, d) = q.dims4()?;
+    let t = k.dim(1)?;
+    if t < b {
+        return Err(ModelError::Shape(format!("{b} queries over {t} keys")));
+    }
+    let scale = 1.0 / (d as f32).sqrt();
+    match q.device() {
+        Device::Cpu => {
+            use candle_nn::attention::{flash_attn, AttnMask};
+            let mask = AttnMask::causal_with_offset(t - b);
+            // candle-nn returns `[1, heads, B, d]`.
+            let y = match q.dtype() {
+                DType::F32 => flash_attn::<f32>(q, k, v, scale, mask, None, None)?,
+                DType::F16 => flash_attn::<half::f16>(q, k, v, scale, mask, None, None)?,
+                DType::BF16 => flash_attn::<half::bf16>(q, k, v, scale, mask, None, None)?,
+                other => {
+                    return Err(ModelError::Unsupported(format!(
+                        "flash attention on the CPU in {other:?}"
+                    )))
+                }
+            };
+            Ok(y.squeeze(0)?.transpose(0, 1)?.reshape((b, h * d))?)
+        }
+        #[cfg(feature = "flash-attn")]
+        Device::Cuda(_) => {
+            // `[1, B, heads, d]`, contiguous. Causal (bottom-right) only matters for B > 1.
+            let y = candle_flash_attn::flash_attn(q, k, v, scale, b > 1)?;
+            Ok(y.reshape((b, h * d))?)
+        }
+        other => Err(ModelError::Unsupported(format!(
+            "flash attention on {other:?} (CUDA needs the `flash-attn` feature)"
+        ))),
+    }
+}
+
+/// The policy statistics without the full probability matrix: the probabilities of only the
+/// last `rows` queries of each query head (`q`: `[kv_heads, g, B, d]`, rows in token order)
+/// over the keys `k` (`[kv_heads, T, d]`), summed per query head, `[kv_heads, g, T]` in f32.
+/// Equal to [`row_sums`] of the eager probabilities.
+pub fn stats_pass(q: &Tensor, k: &Tensor, rows: usize) -> Result<Tensor> {
+    let (kv_heads, g, b, d) = q.dims4()?;
+    let r = rows.min(b);
+    let t = k.dim(1)?;
+    let qr = q
+        .narrow(2, b - r, r)?
+        .contiguous()?
+        .reshape((kv_heads, g * r, d))?;
+    let mask = if r > 1 {
+        Some(chunk_mask(r, t, DType::F32, q.device())?)
+    } else {
+        None
+    };
+    let probs = attention_probs(&qr, k, mask.as_ref(), g)?;
+    row_sums(&probs, g, r)
+}
 
 /// Additive mask `[B, T]` for a chunk of `chunk` queries whose keys are the last `chunk` of `total`
 /// (bottom-right aligned causal): query `i` sees keys `j <= total - chunk + i`.
@@ -146,6 +318,121 @@ mod tests {
             .max_all()?
             .to_scalar::<f32>()?;
         assert!(diff < 1e-5, "stats max diff {diff}");
+        Ok(())
+    }
+
+    /// `[kv, g·B, d]` grouped rows (query head within group, token) as flash's `[1, B, heads, d]`.
+    fn as_flash_q(q: &Tensor, kv: usize, g: usize, b: usize) -> Result<Tensor> {
+        let d = q.dim(2)?;
+        Ok(q.reshape((kv * g, b, d))?.transpose(0, 1)?.unsqueeze(0)?)
+    }
+
+    /// `[kv, T, d]` as flash's `[1, T, kv, d]` view (not contiguous, as the cache is read).
+    fn as_flash_kv(k: &Tensor) -> Result<Tensor> {
+        Ok(k.transpose(0, 1)?.unsqueeze(0)?)
+    }
+
+    /// Eager output `[kv, g·B, d]` as `[B, heads·d]`.
+    fn eager_rows(y: &Tensor, heads: usize, b: usize) -> Result<Tensor> {
+        let d = y.dim(2)?;
+        Ok(y.reshape((heads, b, d))?
+            .transpose(0, 1)?
+            .reshape((b, heads * d))?)
+    }
+
+    #[test]
+    fn flash_matches_eager_on_the_cpu() -> Result<()> {
+        let dev = Device::Cpu;
+        // (kv heads, group, chunk, past, head dim): GQA and MHA, a decode step, no past.
+        for (kv, g, b, past, d) in [
+            (2, 3, 5, 7, 8),
+            (2, 4, 32, 100, 64),
+            (1, 1, 16, 0, 16),
+            (3, 2, 1, 40, 32),
+        ] {
+            let t = past + b;
+            let q = Tensor::randn(0f32, 1., (kv, g * b, d), &dev)?;
+            let k = Tensor::randn(0f32, 1., (kv, t, d), &dev)?;
+            let v = Tensor::randn(0f32, 1., (kv, t, d), &dev)?;
+            let m = (b > 1)
+                .then(|| chunk_mask(b, t, DType::F32, &dev))
+                .transpose()?;
+            let (eager, _) = attend(&q, &k, &v, m.as_ref(), g, None)?;
+            let eager = eager_rows(&eager, kv * g, b)?;
+            let fq = as_flash_q(&q, kv, g, b)?;
+            let flash = flash_attend(&fq, &as_flash_kv(&k)?, &as_flash_kv(&v)?)?;
+            assert_eq!(flash.dims(), &[b, kv * g * d]);
+            let diff = (&flash - &eager)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            assert!(
+                diff < 1e-5,
+                "{kv}x{g} B={b} past={past} d={d}: max diff {diff}"
+            );
+            // Half precision: the same up to bf16 rounding of inputs and output.
+            let cast = |x: &Tensor| x.to_dtype(DType::BF16);
+            let flash16 = flash_attend(
+                &cast(&fq)?,
+                &cast(&as_flash_kv(&k)?)?,
+                &cast(&as_flash_kv(&v)?)?,
+            )?;
+            let diff = (flash16.to_dtype(DType::F32)? - &eager)?
+                .abs()?
+                .max_all()?
+                .to_scalar::<f32>()?;
+            assert!(diff < 0.05, "bf16 {kv}x{g} B={b}: max diff {diff}");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn flash_refuses_more_queries_than_keys() -> Result<()> {
+        let dev = Device::Cpu;
+        let q = Tensor::zeros((1, 4, 2, 8), DType::F32, &dev)?;
+        let k = Tensor::zeros((1, 3, 2, 8), DType::F32, &dev)?;
+        let err = flash_attend(&q, &k, &k).expect_err("4 queries over 3 keys");
+        assert!(err.to_string().contains("4 queries over 3 keys"), "{err}");
+        Ok(())
+    }
+
+    #[test]
+    fn stats_pass_equals_eager_row_sums() -> Result<()> {
+        let dev = Device::Cpu;
+        let (kv, g, b, past, d) = (2, 3, 9, 11, 8);
+        let t = past + b;
+        let q = Tensor::randn(0f32, 1., (kv, g * b, d), &dev)?;
+        let k = Tensor::randn(0f32, 1., (kv, t, d), &dev)?;
+        let v = Tensor::randn(0f32, 1., (kv, t, d), &dev)?;
+        let m = chunk_mask(b, t, DType::F32, &dev)?;
+        // TOVA (1 row), SnapKV (a window), H2O (every row), and more rows than the chunk has.
+        for rows in [1, 4, b, b + 5] {
+            let (_, want) = attend(&q, &k, &v, Some(&m), g, Some(rows))?;
+            let got = stats_pass(&q.reshape((kv, g, b, d))?, &k, rows)?;
+            let diff = (got - want.unwrap())?
+                .abs()?
+                .max_all()?
+                .to_scalar::<f32>()?;
+            assert!(diff < 1e-5, "rows {rows}: max diff {diff}");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn backend_names_and_checks() -> Result<()> {
+        let cpu = Device::Cpu;
+        assert_eq!(
+            AttentionBackend::resolve("auto", &cpu)?,
+            AttentionBackend::Eager
+        );
+        assert_eq!(
+            AttentionBackend::resolve("flash", &cpu)?,
+            AttentionBackend::Flash
+        );
+        let err = AttentionBackend::resolve("sdpa", &cpu).expect_err("unknown backend");
+        assert!(err.to_string().contains("`sdpa`"), "{err}");
+        AttentionBackend::Flash.check(&cpu, DType::BF16, 64)?;
+        let err = AttentionBackend::Flash
+            .check(&cpu, DType::F64, 64)
+            .expect_err("f64 on the CPU kernel");
+        assert!(err.to_string().contains("F64"), "{err}");
         Ok(())
     }
 

@@ -17,6 +17,8 @@ pub enum ModelError {
     BadConfig { path: PathBuf, reason: String },
     #[error("missing metadata key `{0}`")]
     MissingKey(String),
+    #[error("unsupported: {0}")]
+    Unsupported(String),
     #[error("shape mismatch: {0}")]
     Shape(String),
     #[error("missing tensor `{0}`")]

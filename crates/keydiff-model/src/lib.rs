@@ -11,6 +11,7 @@ pub mod rope;
 pub mod tokenizer;
 pub mod weights;
 
+pub use attention::AttentionBackend;
 pub use chat::{ChatTemplate, Message};
 pub use config::{Arch, ModelConfig};
 pub use error::{ModelError, Result};

@@ -8,7 +8,10 @@ use std::time::Instant;
 use candle_core::{DType, Device, Tensor, D};
 use keydiff_cache::{AttnStats, CacheConfig, KvCache};
 
-use crate::attention::{attention_output, attention_probs, chunk_mask, row_sums};
+use crate::attention::{
+    attention_output, attention_probs, chunk_mask, flash_attend, row_sums, stats_pass,
+    AttentionBackend,
+};
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::rope::Rope;
@@ -70,6 +73,7 @@ impl Attention {
         li: usize,
         pos0: usize,
         decode: bool,
+        backend: AttentionBackend,
         clock: &mut Clock,
     ) -> Result<Tensor> {
         let b = x.dim(0)?;
@@ -91,32 +95,55 @@ impl Attention {
             .reshape((b, kv, d))?
             .transpose(0, 1)?;
         let (cos, sin) = cos_sin;
-        let q = rope.apply(&q, cos, sin)?.reshape((kv, g * b, d))?;
+        // [1, heads, B, d]
+        let q = rope.apply(&q, cos, sin)?;
         let k = rope.apply(&k, cos, sin)?.squeeze(0)?;
         let layer = cache.layer_mut(li);
         layer.append(&k, &v, pos0)?;
         let rows = cache.stats_rows(b);
         let layer = cache.layer(li);
-        // [kv, g·B, T] in f32, then [kv, g·B, d]
-        let probs = attention_probs(&q, &layer.keys()?, mask, g)?;
-        let y = attention_output(&probs, &layer.values()?)?;
-        let stats = match rows {
-            Some(r) => {
+        let (keys, values) = (layer.keys()?, layer.values()?);
+        let (y, stats) = match backend {
+            AttentionBackend::Eager => {
+                // [kv, g·B, T] in f32, then [kv, g·B, d]
+                let q = q.reshape((kv, g * b, d))?;
+                let probs = attention_probs(&q, &keys, mask, g)?;
+                let y = attention_output(&probs, &values)?;
+                let stats = match rows {
+                    Some(r) => {
+                        clock.lap(cache, Region::Attention)?;
+                        let sums = row_sums(&probs, g, r)?;
+                        clock.lap(cache, Region::Stats)?;
+                        Some(AttnStats { sums, rows: r })
+                    }
+                    None => None,
+                };
+                // Freeing the probabilities is part of attention.
+                drop(probs);
                 clock.lap(cache, Region::Attention)?;
-                let sums = row_sums(&probs, g, r)?;
-                clock.lap(cache, Region::Stats)?;
-                Some(AttnStats { sums, rows: r })
+                // [B, heads·d]
+                let y = y.reshape((h, b, d))?.transpose(0, 1)?.reshape((b, h * d))?;
+                (y, stats)
             }
-            None => None,
+            AttentionBackend::Flash => {
+                // The cache read in place as [1, T, kv, d].
+                let view = |t: Tensor| -> Result<Tensor> { Ok(t.transpose(0, 1)?.unsqueeze(0)?) };
+                let y = flash_attend(&q.transpose(1, 2)?, &view(keys.clone())?, &view(values)?)?;
+                clock.lap(cache, Region::Attention)?;
+                let stats = match rows {
+                    Some(r) => {
+                        let sums = stats_pass(&q.reshape((kv, g, b, d))?, &keys, r)?;
+                        clock.lap(cache, Region::Stats)?;
+                        Some(AttnStats { sums, rows: r })
+                    }
+                    None => None,
+                };
+                (y, stats)
+            }
         };
-        // Freeing the probabilities is part of attention.
-        drop(probs);
-        clock.lap(cache, Region::Attention)?;
         // Times its own parts (statistics folded into policy state, scoring, selection/moves).
         cache.after_attention(li, stats.as_ref(), decode)?;
         clock.restart()?;
-        // [B, heads·d]
-        let y = y.reshape((h, b, d))?.transpose(0, 1)?.reshape((b, h * d))?;
         let out = self.o.forward(&y, pf)?;
         clock.lap(cache, Region::Attention)?;
         Ok(out)
@@ -214,6 +241,7 @@ pub struct Model {
     rope: Rope,
     device: Device,
     dtype: DType,
+    attention: AttentionBackend,
 }
 
 impl Model {
@@ -255,7 +283,21 @@ impl Model {
             rope: Rope::new(cfg, w.rope_freqs()?),
             device,
             dtype,
+            attention: AttentionBackend::Eager,
         })
+    }
+
+    /// Chooses how chunk attention is computed; fails when this build, device or dtype cannot
+    /// run `backend` (eager always can).
+    pub fn set_attention(&mut self, backend: AttentionBackend) -> Result<()> {
+        backend.check(&self.device, self.dtype, self.cfg.head_dim)?;
+        self.attention = backend;
+        Ok(())
+    }
+
+    /// The attention backend in use.
+    pub fn attention(&self) -> AttentionBackend {
+        self.attention
     }
 
     /// Allocates the KV cache of one request. With `full`, it holds `full_capacity` slots per
@@ -294,7 +336,8 @@ impl Model {
         let mut x = self.embed.forward(&ids, self.dtype)?;
         let cos_sin = self.rope.cos_sin(pos0, b, self.dtype, &self.device)?;
         let total = cache.len() + b;
-        let mask = if b > 1 {
+        // The flash kernels mask by index; only eager attention adds a mask tensor.
+        let mask = if b > 1 && self.attention == AttentionBackend::Eager {
             Some(chunk_mask(b, total, self.dtype, &self.device)?)
         } else {
             None
@@ -311,6 +354,7 @@ impl Model {
                 li,
                 pos0,
                 decode,
+                self.attention,
                 &mut clock,
             )?;
             x = (x + h)?;

@@ -420,6 +420,9 @@ pub struct Provenance {
     pub machine: String,
     pub device: String,
     pub dtype: String,
+    /// Attention backend (`eager` or `flash`); rows written before it was recorded were eager.
+    #[serde(default = "eager")]
+    pub attention: String,
     /// The model path or preset, and whether its weights are random.
     pub model: String,
     pub random_weights: bool,
@@ -464,12 +467,17 @@ impl Provenance {
             machine,
             device,
             dtype: format!("{:?}", engine.config().dtype).to_lowercase(),
+            attention: engine.config().attention.name().to_string(),
             model: engine.origin().to_string(),
             random_weights,
             command,
             keydiff_version: env!("CARGO_PKG_VERSION").to_string(),
         }
     }
+}
+
+fn eager() -> String {
+    "eager".into()
 }
 
 fn read_trim(path: &str) -> Option<String> {

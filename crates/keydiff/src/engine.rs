@@ -5,7 +5,8 @@ use std::time::Instant;
 use candle_core::{DType, Device};
 use keydiff_cache::{CacheConfig, CacheCounters, KvCache};
 use keydiff_model::{
-    load_gguf, load_hf_dir, load_random, CpuWeights, Loaded, Message, ModelConfig, ModelFormat,
+    load_gguf, load_hf_dir, load_random, AttentionBackend, CpuWeights, Loaded, Message,
+    ModelConfig, ModelFormat,
 };
 
 use crate::error::{EngineError, Result};
@@ -28,6 +29,9 @@ pub struct EngineConfig {
     /// instead of per-row quantized dots: faster and chunk-size invariant) and Q8_0 copies of
     /// types candle has no SIMD kernel for. Ignored on GPUs.
     pub cpu_weights: CpuWeights,
+    /// How chunk attention is computed: eager (materialised probabilities, every device) or
+    /// flash (fused kernel; on CUDA it needs the `flash-attn` feature).
+    pub attention: AttentionBackend,
 }
 
 impl Default for EngineConfig {
@@ -38,6 +42,7 @@ impl Default for EngineConfig {
             dtype: DType::F32,
             cache: CacheConfig::full(DEFAULT_CHUNK),
             cpu_weights: CpuWeights::FAST,
+            attention: AttentionBackend::Eager,
         }
     }
 }
@@ -238,7 +243,7 @@ impl Engine {
         cfg.cache
             .validate()
             .map_err(|e| EngineError::BadParams(e.to_string()))?;
-        let loaded = match source {
+        let mut loaded = match source {
             ModelSource::Gguf(p) => load_gguf(p, &cfg.device, cfg.dtype, cfg.cpu_weights)?,
             ModelSource::HfDir(d) => load_hf_dir(d, &cfg.device, cfg.dtype)?,
             ModelSource::Random {
@@ -251,7 +256,8 @@ impl Engine {
                 return Self::load(&local, cfg);
             }
         };
-        tracing::info!(origin = %loaded.origin, "model loaded");
+        loaded.model.set_attention(cfg.attention)?;
+        tracing::info!(origin = %loaded.origin, attention = %cfg.attention, "model loaded");
         Ok(Self {
             loaded,
             cfg: cfg.clone(),

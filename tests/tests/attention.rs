@@ -1,0 +1,86 @@
+//! The flash attention backend against the eager one, end to end on the CPU: the same seeded
+//! random Llama- and Qwen-shaped models, under every policy with eviction, give the same logits
+//! (to f32 rounding), the same greedy tokens and the same evictions. Statistics policies get
+//! theirs from flash's extra pass, so this also checks that pass inside the engine.
+//!
+//! On CUDA the flash backend is candle-flash-attn (`flash-attn` feature); it is checked against
+//! the CPU by `keydiff check-device --attention flash` on a GPU host (scripts/gpu-check.sh).
+
+use keydiff::{
+    AttentionBackend, CacheConfig, Engine, EngineConfig, GenerateParams, ModelSource, PolicyKind,
+    Prompt,
+};
+use keydiff_tests::root;
+
+fn config(policy: &str, attention: AttentionBackend) -> EngineConfig {
+    let policy = PolicyKind::parse(policy, keydiff::SNAPKV_WINDOW, 0).unwrap();
+    EngineConfig {
+        cache: CacheConfig {
+            budget: (policy != PolicyKind::Full).then_some(96),
+            policy,
+            chunk: 32,
+            window: 0.1,
+            sinks: 2,
+            evict_every: None,
+        },
+        attention,
+        ..Default::default()
+    }
+}
+
+#[test]
+fn flash_backend_matches_eager_under_every_policy() {
+    let policies = [
+        "full",
+        "keydiff",
+        "keydiff-mean",
+        "tova",
+        "snapkv",
+        "h2o",
+        "sink",
+        "knorm",
+        "random",
+    ];
+    for preset in ["tiny-llama", "tiny-qwen"] {
+        let path = root().join(format!("configs/{preset}.json"));
+        let source = ModelSource::Random {
+            config: path.clone(),
+            seed: 3,
+            on_host: false,
+        };
+        for policy in policies {
+            let eager = config(policy, AttentionBackend::Eager);
+            let flash = config(policy, AttentionBackend::Flash);
+            // Prefill of 250 tokens in chunks of 32 (eviction from the fourth chunk on).
+            let d = keydiff::parity::compare_devices(&path, 3, &eager, &flash, 250).unwrap();
+            assert!(
+                d.max_rel < 1e-4 && d.top1_equal(),
+                "{preset} {policy}: prefill logits differ: {d:?}"
+            );
+            // Prefill then 12 greedy decode steps (B = 1), which evict again past N + K.
+            let params = GenerateParams {
+                prompt: Prompt::Tokens(keydiff::parity::random_tokens(250, 256, 8)),
+                max_tokens: 12,
+                ignore_eos: true,
+                ..Default::default()
+            };
+            let run = |cfg: &EngineConfig| {
+                let e = Engine::load(&source, cfg).unwrap();
+                assert_eq!(e.config().attention, cfg.attention);
+                e.generate(&params, |_| {}).unwrap()
+            };
+            let (a, b) = (run(&eager), run(&flash));
+            assert_eq!(a.tokens, b.tokens, "{preset} {policy}: generated tokens");
+            assert_eq!(
+                a.stats.eviction.evicted_slots, b.stats.eviction.evicted_slots,
+                "{preset} {policy}: evictions"
+            );
+            if policy != "full" {
+                assert!(
+                    a.stats.eviction.evicted_slots > 0,
+                    "{preset} {policy}: never evicted"
+                );
+            }
+        }
+    }
+}
