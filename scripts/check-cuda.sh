@@ -18,13 +18,17 @@ for f in kernels/*.cu; do
   done
 done
 export CARGO_TARGET_DIR=${CUDA_CHECK_TARGET_DIR:-target/cuda-check} CUDA_COMPUTE_CAP=90
-cargo clippy --release -p keydiff-cli --features cuda -- -D warnings
+# The engine and CLI, the CUDA variants of the device tests (tests/tests/devices.rs) and the
+# kernel crate's tests, in one invocation: other package sets unify features differently and
+# would rebuild candle's CUDA kernels (~15 min here).
+pkgs=(-p keydiff-cli -p keydiff-tests -p keydiff-kernels -p keydiff-cache)
+cargo clippy --release "${pkgs[@]}" --all-targets --features cuda -- -D warnings
 echo "cargo clippy --features cuda: ok"
 # The `flash-attn` feature: candle-flash-attn cannot be built here (its build script clones
 # CUTLASS from GitHub and compiles 53 kernels; GPU.md), so a stand-in with its exact API
 # (scripts/flash-attn-api) is patched in for this type-check only. Cargo.lock is restored after.
 cp Cargo.lock "$tmp/Cargo.lock"
 trap 'cp "$tmp/Cargo.lock" Cargo.lock; rm -rf "$tmp"' EXIT
-cargo clippy --release -p keydiff-cli --features flash-attn \
+cargo clippy --release "${pkgs[@]}" --all-targets --features cuda,keydiff-cli/flash-attn \
   --config 'patch.crates-io.candle-flash-attn.path="scripts/flash-attn-api"' -- -D warnings
 echo "cargo clippy --features flash-attn (API stand-in): ok"
