@@ -54,7 +54,7 @@ rc=$?
 echo "== 3. CPU f32 vs GPU: small random Llama/Qwen shapes, multi-chunk prefill, with eviction"
 parity_ok=1
 for dt in bf16 f32; do
-  if ! timeout 150 "$bin" check-device --device "$device" --dtype "$dt" --prompt-len 700 --chunk 64 \
+  if ! timeout 150 "$bin" check-device --device "$device" --dtype "$dt" --attention eager --prompt-len 700 --chunk 64 \
       --budget 256 --policies keydiff,keydiff-mean,tova,tova-per-head,snapkv,h2o,sink,knorm \
       > "$out/parity-$dt.jsonl" 2>> "$errors"; then
     parity_ok=0
