@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One run on a GPU host (see GPU.md): environment, eviction-kernel parity and timing, CPU-vs-GPU
-# model parity (eager attention, and flash when the binary has it), prefix reuse on the device,
-# a short TTFT sweep.
+# One run on a GPU host (see GPU.md): environment, eviction-kernel parity and timing, the
+# kernels under compute-sanitizer, CPU-vs-GPU model parity (eager attention, and flash when the
+# binary has it), prefix reuse on the device, a short TTFT sweep.
 # Build the binary here first (scripts/build-cuda.sh), carry it, then on the GPU host:
 #   scripts/gpu-check.sh            (logs go to $OUT when set, else bench/gpu-check-logs/)
 # Prints a summary table last. Needs no Rust toolchain and no network on the GPU host.
@@ -50,6 +50,29 @@ timeout 150 "$bin" check-kernels --device "$device" --large --time-n 8320,32896,
 rc=$?
 { echo "kernels:"; sed 's/^/  /' "$out/kernels.txt"; } >> "$summary"
 [ $rc = 0 ] && note "kernels: PASS" || note "kernels: FAIL (exit $rc)"
+
+echo "== 2b. the same kernels under compute-sanitizer: racecheck, synccheck, memcheck"
+# What the CPU emulation (kernels/emu) cannot see: shared-memory races between barriers, barrier
+# misuse on the hardware, out-of-bounds device accesses. Parity cases only (no timing, no n >
+# 131072: the tools slow kernels down 10-100x). Not fatal when the tool is missing or slow.
+san=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
+if [ -z "$san" ] || [ "$device" = cpu ]; then
+  note "sanitizer: not run (no compute-sanitizer here, or no GPU)"
+else
+  for tool in racecheck synccheck memcheck; do
+    timeout 60 "$san" --tool "$tool" --error-exitcode 9 --print-limit 20 \
+        "$bin" check-kernels --device "$device" --time-n > "$out/sanitizer-$tool.log" 2>&1
+    rc=$?
+    last=$(grep -E "(ERROR|RACECHECK) SUMMARY" "$out/sanitizer-$tool.log" | tail -1)
+    case $rc in
+      0) note "sanitizer $tool: PASS ($last)" ;;
+      124) note "sanitizer $tool: timed out after 60 s (not a failure)" ;;
+      9) note "sanitizer $tool: FAIL ($last)"
+         grep -m 10 -E "Error|Hazard|hazard|Invalid" "$out/sanitizer-$tool.log" | tee -a "$errors" ;;
+      *) note "sanitizer $tool: exit $rc"; tail -5 "$out/sanitizer-$tool.log" | tee -a "$errors" ;;
+    esac
+  done
+fi
 
 echo "== 3. CPU f32 vs GPU: small random Llama/Qwen shapes, multi-chunk prefill, with eviction"
 parity_ok=1

@@ -1,4 +1,5 @@
-//! Compiles `kernels/*.cu` to PTX with nvcc when the `cuda` feature is on.
+//! Compiles `kernels/*.cu` to PTX with nvcc when the `cuda` feature is on, and, with
+//! `emulate`, the same source with the host C++ compiler under `kernels/emu` (no CUDA needed).
 //!
 //! Why build time and not NVRTC at run time: a kernel that does not compile fails the build
 //! (and CI, which runs `cargo clippy --features cuda` with the pinned toolchain), not a user's
@@ -16,10 +17,12 @@ fn main() {
     println!("cargo:rerun-if-env-changed=NVCC");
     println!("cargo:rerun-if-env-changed=CUDA_HOME");
     println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
+    let root = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").unwrap()).join("../../kernels");
+    #[cfg(feature = "emulate")]
+    emulation(&root);
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
         return;
     }
-    let root = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").unwrap()).join("../../kernels");
     let out = PathBuf::from(std::env::var("OUT_DIR").unwrap());
     let nvcc = std::env::var("NVCC").unwrap_or_else(|_| match std::env::var("CUDA_HOME") {
         Ok(home) => format!("{home}/bin/nvcc"),
@@ -48,4 +51,29 @@ fn main() {
             panic!("{nvcc} failed on {}", src.display());
         }
     }
+}
+
+/// `kernels/emu/launch.cpp`, which includes the kernel source, as a static library.
+#[cfg(feature = "emulate")]
+fn emulation(root: &std::path::Path) {
+    for f in [
+        "keydiff.cu",
+        "emu/launch.cpp",
+        "emu/cuda_emu.h",
+        "emu/include/cuda_bf16.h",
+        "emu/include/cuda_fp16.h",
+    ] {
+        println!("cargo:rerun-if-changed={}", root.join(f).display());
+    }
+    cc::Build::new()
+        .cpp(true)
+        .file(root.join("emu/launch.cpp"))
+        .include(root.join("emu/include"))
+        .std("c++17")
+        .flag("-fno-strict-aliasing")
+        .opt_level(2)
+        .warnings(true)
+        .extra_warnings(true)
+        .warnings_into_errors(true)
+        .compile("keydiff_emu");
 }

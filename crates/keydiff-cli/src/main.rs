@@ -97,8 +97,8 @@ enum Cmd {
         large: bool,
         #[arg(long, default_value_t = 0)]
         seed: u64,
-        /// Used slots (N + B) of the timed evictions; none: parity only.
-        #[arg(long, value_delimiter = ',', default_value = "8320,32896,131200")]
+        /// Used slots (N + B) of the timed evictions; `--time-n` with no value: parity only.
+        #[arg(long, value_delimiter = ',', num_args = 0.., default_value = "8320,32896,131200")]
         time_n: Vec<usize>,
         /// KV heads, head dim and dtype of the timed evictions (Llama-3.1-8B: 8, 128, bf16).
         #[arg(long, default_value_t = 8)]

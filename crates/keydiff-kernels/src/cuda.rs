@@ -7,26 +7,19 @@ use candle_core::cuda_backend::WrapErr;
 use candle_core::{bail, CudaStorage, DType, Layout, Result, Shape};
 use half::{bf16, f16};
 
+use crate::geometry::{
+    check_pool, check_scores, check_select, move_launch, per_head_launch, plan_moves, pool_words,
+    scores_launch, Launch, MAX_HEADS,
+};
+
 /// PTX of `kernels/keydiff.cu`.
 pub const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/keydiff.ptx"));
 const MODULE: &str = "keydiff";
-/// `KD_ROWS_PER_BLOCK`, `KD_THREADS`, `KD_MAX_D`, `KD_SELECT_THREADS` of the kernel source.
-const ROWS_PER_BLOCK: usize = 64;
-const THREADS: u32 = 256;
-/// Largest head dimension the scoring kernels handle.
-pub const MAX_HEAD_DIM: usize = 256;
-const SELECT_THREADS: u32 = 1024;
-/// Most slots per head: loop counters in the kernels are `int` and step by up to 1024.
-pub const MAX_SLOTS: usize = i32::MAX as usize - 4096;
-/// Most KV heads (grid.y).
-pub const MAX_HEADS: usize = 65_535;
-/// Moves per block of `keydiff_move_rows` (one warp each).
-const MOVES_PER_BLOCK: u32 = 8;
 
-fn launch_cfg(grid: (u32, u32), block: u32) -> LaunchConfig {
+fn launch_cfg(l: Launch) -> LaunchConfig {
     LaunchConfig {
-        grid_dim: (grid.0, grid.1, 1),
-        block_dim: (block, 1, 1),
+        grid_dim: (l.grid.0, l.grid.1, 1),
+        block_dim: (l.block, 1, 1),
         shared_mem_bytes: 0,
     }
 }
@@ -44,19 +37,13 @@ pub fn keydiff_scores(
     if st[2] != 1 {
         bail!("keydiff-scores needs contiguous key rows, got strides {st:?}");
     }
-    if d == 0 || d > MAX_HEAD_DIM || n == 0 || n > MAX_SLOTS || kv > MAX_HEADS {
-        bail!(
-            "keydiff-scores: head_dim {d} (1..={MAX_HEAD_DIM}), n {n} (1..={MAX_SLOTS}) or \
-             {kv} heads (<= {MAX_HEADS}) out of range"
-        );
-    }
+    check_scores(kv, n, d)?;
     let dev = keys.device().clone();
     // SAFETY: every element is written by pass 1 / pass 2 before it is read.
     let norms = unsafe { dev.alloc::<f32>(kv * n)? };
     let scores = unsafe { dev.alloc::<f32>(kv * n)? };
     let anchor = dev.alloc_zeros::<f32>(kv * d)?;
-    // Row blocks on grid.x (up to 2^31 - 1), heads on grid.y (up to 65535).
-    let cfg = launch_cfg((n.div_ceil(ROWS_PER_BLOCK) as u32, kv as u32), THREADS);
+    let cfg = launch_cfg(scores_launch(kv, n));
     let (o, hs, rs) = (layout.start_offset(), st[0] as i64, st[1] as i64);
     let (n32, d32, norm) = (n as i32, d as i32, normalized as i32);
 
@@ -123,11 +110,6 @@ fn per_slot_pair(op: &str, values: &Layout, positions: &Layout) -> Result<(usize
     Ok((kv, n))
 }
 
-/// Number of moves a plan row holds: M = min(N, n − N).
-fn plan_moves(n: usize, budget: usize) -> usize {
-    budget.min(n.saturating_sub(budget))
-}
-
 /// Survivors and move plan per KV head: `scores` `[kv, n]` f32 (rows contiguous), `positions`
 /// `[kv, ≥ n]` u32 (rows contiguous). Returns the plan `[kv, 1 + 2M]` u32: per head the number
 /// of moves, then M sources, then M destinations (see `kernels/keydiff.cu`).
@@ -142,12 +124,7 @@ pub fn select_plan(
 ) -> Result<(CudaStorage, Shape)> {
     let (kv, n) = per_slot_pair("select-plan", scores_layout, positions_layout)?;
     let (ss, ps) = (scores_layout.stride(), positions_layout.stride());
-    if budget == 0 || budget >= n || recent > budget || n > MAX_SLOTS {
-        bail!(
-            "select-plan: budget {budget} must be in 1..{n} and >= recent {recent}, \
-             n <= {MAX_SLOTS}"
-        );
-    }
+    check_select(kv, n, budget, recent)?;
     if scores.dtype() != DType::F32 || positions.dtype() != DType::U32 {
         bail!("select-plan: scores must be f32 and positions u32");
     }
@@ -181,7 +158,7 @@ pub fn select_plan(
     b.arg(&plan);
     b.arg(&plan_stride);
     // SAFETY: argument list matches `keydiff_select_plan`; one block per head.
-    unsafe { b.launch(launch_cfg((kv as u32, 1), SELECT_THREADS)) }.w()?;
+    unsafe { b.launch(launch_cfg(per_head_launch(kv))) }.w()?;
     Ok((
         CudaStorage::wrap_cuda_slice(plan, dev),
         Shape::from((kv, cols)),
@@ -226,10 +203,7 @@ pub fn move_rows(
         .as_cuda_slice::<u32>()?
         .slice(plan_layout.start_offset()..);
     let f = dev.get_or_load_custom_func("keydiff_move_rows", MODULE, PTX)?;
-    let cfg = launch_cfg(
-        ((m as u32).div_ceil(MOVES_PER_BLOCK), kv as u32),
-        32 * MOVES_PER_BLOCK,
-    );
+    let cfg = launch_cfg(move_launch(m, kv));
     let o = layout.start_offset();
     macro_rules! launch {
         ($t:ty) => {{
@@ -270,14 +244,12 @@ pub fn snapkv_pool(
 ) -> Result<(CudaStorage, Shape)> {
     let (kv, n) = per_slot_pair("snapkv-pool", stats_layout, positions_layout)?;
     let (ss, ps) = (stats_layout.stride(), positions_layout.stride());
-    if n == 0 || n > MAX_SLOTS || span > 1 << 32 {
-        bail!("snapkv-pool: n {n} or position span {span} out of range");
-    }
+    check_pool(kv, n, span)?;
     if stats.dtype() != DType::F32 || positions.dtype() != DType::U32 {
         bail!("snapkv-pool: stats must be f32 and positions u32");
     }
     let dev = stats.device().clone();
-    let words = span.div_ceil(32).max(1);
+    let words = pool_words(span);
     let bitmap = dev.alloc_zeros::<u32>(kv * words)?;
     // SAFETY: written before read inside the kernel (word ranks, then the sorted slots).
     let word_rank = unsafe { dev.alloc::<u32>(kv * words)? };
@@ -303,7 +275,7 @@ pub fn snapkv_pool(
     b.arg(&sorted);
     b.arg(&scores);
     // SAFETY: argument list matches `snapkv_pool`; one block per head.
-    unsafe { b.launch(launch_cfg((kv as u32, 1), SELECT_THREADS)) }.w()?;
+    unsafe { b.launch(launch_cfg(per_head_launch(kv))) }.w()?;
     Ok((
         CudaStorage::wrap_cuda_slice(scores, dev),
         Shape::from((kv, n)),

@@ -1,0 +1,380 @@
+//! The CUDA kernels of `kernels/keydiff.cu`, run on the CPU under the emulation of the CUDA
+//! execution model (`keydiff-kernels`, feature `emulate`), against their CPU twins here:
+//! `KeyDiffOp` and the candle-ops reference for scoring, `select_radix` / `select` and
+//! `move_plan` for selection, sequential row copies for the moves, `PoolByPosition` for SnapKV.
+//!
+//! These run on every machine and check the kernels' logic with the launch geometry the GPU
+//! gets, under several thread schedules. They do not replace the GPU run
+//! (`scripts/gpu-check.sh`): compiler, hardware and timing are not emulated.
+
+use candle_core::{DType, Device, Tensor};
+use half::{bf16, f16};
+use keydiff_cache::policy::{keydiff_scores, keydiff_scores_fused, PoolByPosition};
+use keydiff_cache::select::{move_plan, select, select_radix};
+use keydiff_cache::Anchor;
+use keydiff_kernels::emu;
+use proptest::prelude::*;
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+use rand_distr::StandardNormal;
+
+/// Scores are computed in f32 from the same dtype-rounded keys; only summation order differs
+/// (`keydiff::kernel_check::SCORE_TOL`).
+const SCORE_TOL: f32 = 1e-4;
+
+/// Schedules each case runs under.
+const SEEDS: [u64; 2] = [1, 0x9e37_79b9_7f4a_7c15];
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max)
+}
+
+#[test]
+fn emulation_self_tests_fire() {
+    // A correct kernel passes under every schedule.
+    for seed in 0..4 {
+        assert_eq!(emu::selftest(0, seed).unwrap()[0], (0..256).sum::<i32>());
+    }
+    // Defective kernels and launches CUDA would refuse fail, naming the defect.
+    for (which, needle) in [
+        (1, "diverged"),
+        (2, "exited"),
+        (3, "deadlock"),
+        (4, "full warp masks"),
+        (6, "2048 threads"),
+        (7, "48 threads"),
+        (8, "70000"),
+        (9, "__launch_bounds__(256)"),
+    ] {
+        let err = emu::selftest(which, 3)
+            .expect_err("a defect passed")
+            .to_string();
+        assert!(err.contains(needle), "self-test {which}: {err}");
+    }
+    // A race is visible: who reads the racing write depends on the seed.
+    let sevens: Vec<usize> = (0..8)
+        .map(|seed| {
+            let out = emu::selftest(5, seed).unwrap();
+            out.iter().filter(|&&v| v == 7).count()
+        })
+        .collect();
+    assert!(sevens.iter().any(|&c| c > 0 && c < 256), "{sevens:?}");
+    assert!(sevens.windows(2).any(|w| w[0] != w[1]), "{sevens:?}");
+}
+
+/// Keys like a cache buffer `[kv, rows, d]` (rows ≥ n used slots), with a shared direction so
+/// that the anchor is not tiny. Returns the f32 values already rounded to `dtype`.
+fn cache_keys(kv: usize, rows: usize, d: usize, dtype: DType, rng: &mut StdRng) -> Tensor {
+    let bias: Vec<f32> = (0..d)
+        .map(|_| rng.sample::<f32, _>(StandardNormal))
+        .collect();
+    let mut v: Vec<f32> = (0..kv * rows * d)
+        .map(|i| 0.7 * bias[i % d] + rng.sample::<f32, _>(StandardNormal))
+        .collect();
+    // A zero key (norm guarded by eps) in the first head.
+    if rows > 3 {
+        v[2 * d..3 * d].fill(0.0);
+    }
+    Tensor::from_vec(v, (kv, rows, d), &Device::Cpu)
+        .unwrap()
+        .to_dtype(dtype)
+        .unwrap()
+}
+
+#[test]
+fn scores_match_the_cpu_twin_and_the_reference() {
+    let mut rng = StdRng::seed_from_u64(11);
+    // (kv, n, rows, d, anchor): odd sizes, every head dim, a d that is not a multiple of 32.
+    let cases = [
+        (2, 1029, 1100, 64, Anchor::Normalized),
+        (3, 517, 517, 128, Anchor::Mean),
+        (1, 129, 256, 256, Anchor::Normalized),
+        (2, 1, 8, 128, Anchor::Normalized),
+        (2, 70, 75, 72, Anchor::Mean),
+    ];
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        for &(kv, n, rows, d, anchor) in &cases {
+            let buf = cache_keys(kv, rows, d, dtype, &mut rng);
+            // The cache view: the first n rows of every head, strides (rows·d, d, 1).
+            let view = buf.narrow(1, 0, n).unwrap();
+            let twin = keydiff_scores_fused(&view, anchor)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap();
+            let reference = keydiff_scores(&view, anchor)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap();
+            let flat = buf.flatten_all().unwrap();
+            let (f32s, f16s, bf16s);
+            let keys = match dtype {
+                DType::F32 => {
+                    f32s = flat.to_vec1::<f32>().unwrap();
+                    emu::Keys::F32(&f32s)
+                }
+                DType::F16 => {
+                    f16s = flat.to_vec1::<f16>().unwrap();
+                    emu::Keys::F16(&f16s)
+                }
+                _ => {
+                    bf16s = flat.to_vec1::<bf16>().unwrap();
+                    emu::Keys::BF16(&bf16s)
+                }
+            };
+            let normalized = anchor == Anchor::Normalized;
+            let mut runs = Vec::new();
+            for seed in SEEDS {
+                let got =
+                    emu::keydiff_scores(keys, kv, n, d, rows * d, d, normalized, seed).unwrap();
+                let (dt, dr) = (max_diff(&got, &twin), max_diff(&got, &reference));
+                assert!(
+                    dt <= SCORE_TOL && dr <= SCORE_TOL,
+                    "{dtype:?} kv {kv} n {n} d {d} {anchor:?} seed {seed}: |emu - twin| {dt}, \
+                     |emu - reference| {dr}"
+                );
+                runs.push(got);
+            }
+            assert!(max_diff(&runs[0], &runs[1]) <= SCORE_TOL);
+        }
+    }
+}
+
+#[test]
+fn scoring_rejects_what_the_gpu_would() {
+    let keys = vec![0f32; 4 * 300];
+    let err = emu::keydiff_scores(emu::Keys::F32(&keys), 1, 4, 300, 1200, 300, true, 1);
+    assert!(err.unwrap_err().to_string().contains("head_dim 300"));
+    // A view that runs past the buffer.
+    let err = emu::keydiff_scores(emu::Keys::F32(&keys), 2, 4, 64, 1200, 64, true, 1);
+    assert!(err.unwrap_err().to_string().contains("exceed"));
+}
+
+/// Per-head scores with ties, NaN, ±0 and ±∞, and unique positions with gaps, shuffled as
+/// after compaction; rows padded to `stride ≥ n`.
+fn selection_inputs(kv: usize, n: usize, stride: usize, rng: &mut StdRng) -> (Vec<f32>, Vec<u32>) {
+    let mut scores = vec![f32::NAN; kv * stride];
+    let mut positions = vec![u32::MAX; kv * stride];
+    for h in 0..kv {
+        let mut pos: Vec<u32> = (0..2 * n as u32).collect();
+        pos.shuffle(rng);
+        pos.truncate(n);
+        positions[h * stride..h * stride + n].copy_from_slice(&pos);
+        for s in &mut scores[h * stride..h * stride + n] {
+            *s = match rng.random_range(0..20) {
+                0 => f32::NAN,
+                1 => 0.0,
+                2 => -0.0,
+                3 => f32::INFINITY,
+                4 => f32::NEG_INFINITY,
+                // Coarse values: many ties, broken by position.
+                5..=9 => (rng.random_range(-4..4) as f32) * 0.25,
+                _ => rng.sample::<f32, _>(StandardNormal),
+            };
+        }
+    }
+    (scores, positions)
+}
+
+/// Runs the emulated selection and moves on one case and checks them against the twins.
+fn check_selection(
+    kv: usize,
+    n: usize,
+    budget: usize,
+    sinks: usize,
+    recent: usize,
+    seed: u64,
+    rng: &mut StdRng,
+) {
+    let stride = n + 7;
+    let (scores, positions) = selection_inputs(kv, n, stride, rng);
+    let plan = emu::select_plan(
+        &scores, stride, &positions, stride, kv, n, budget, sinks, recent, seed,
+    )
+    .unwrap();
+    let cols = plan.len() / kv;
+    let m = (cols - 1) / 2;
+    let mut moved = positions.clone();
+    emu::move_rows(&mut moved, kv, n, 1, stride, 1, &plan, seed).unwrap();
+    for h in 0..kv {
+        let (s, p) = (&scores[h * stride..][..n], &positions[h * stride..][..n]);
+        let keep = select_radix(s, p, budget, sinks, recent);
+        assert_eq!(
+            keep,
+            select(s, p, budget, sinks, recent),
+            "twin vs sort reference"
+        );
+        let want = move_plan(&keep, budget);
+        let row = &plan[h * cols..][..cols];
+        let count = row[0] as usize;
+        let got: Vec<(u32, u32)> = (0..count).map(|r| (row[1 + r], row[1 + m + r])).collect();
+        assert_eq!(
+            got, want,
+            "head {h} of kv {kv} n {n} budget {budget} sinks {sinks} recent {recent} seed {seed}"
+        );
+        // After the moves the first `budget` slots hold exactly the kept positions.
+        let mut kept: Vec<u32> = (0..n).filter(|&i| keep[i]).map(|i| p[i]).collect();
+        let mut front = moved[h * stride..][..budget].to_vec();
+        kept.sort_unstable();
+        front.sort_unstable();
+        assert_eq!(front, kept, "head {h}: slots after the moves");
+        // Padding past n is untouched.
+        assert!(moved[h * stride + n..(h + 1) * stride]
+            .iter()
+            .all(|&x| x == u32::MAX));
+    }
+}
+
+#[test]
+fn selection_matches_the_twin_past_the_argsort_limit() {
+    let mut rng = StdRng::seed_from_u64(5);
+    // (kv, n, budget, sinks, recent), as `keydiff check-kernels`, plus n − N > N.
+    let cases = [
+        (2, 1029, 700, 4, 100),
+        (3, 8320, 8192, 4, 1638),
+        (2, 517, 300, 0, 0),
+        (1, 129, 1, 0, 0),
+        (2, 1000, 100, 8, 50),
+        (2, 131_072 + 128, 131_072, 4, 0),
+    ];
+    for (kv, n, budget, sinks, recent) in cases {
+        for seed in SEEDS {
+            check_selection(kv, n, budget, sinks, recent, seed, &mut rng);
+        }
+    }
+}
+
+proptest! {
+    // No regression file: scripts/kernel-mutants.sh makes this fail on purpose.
+    #![proptest_config(ProptestConfig { cases: 24, failure_persistence: None, ..ProptestConfig::default() })]
+    #[test]
+    fn selection_matches_the_twin_on_random_shapes(
+        kv in 1usize..3,
+        n in 2usize..2500,
+        budget_frac in 0.0f64..1.0,
+        sinks in 0usize..16,
+        recent_frac in 0.0f64..0.5,
+        seed in any::<u64>(),
+    ) {
+        let budget = ((n - 1) as f64 * budget_frac) as usize + 1;
+        let recent = (budget as f64 * recent_frac) as usize;
+        let sinks = sinks.min(budget - recent);
+        let mut rng = StdRng::seed_from_u64(seed);
+        check_selection(kv, n, budget, sinks, recent, seed, &mut rng);
+    }
+}
+
+/// `move_rows` on a `[kv, cap, row_stride]` buffer against sequential copies of the plan.
+fn check_moves<T: Copy + PartialEq + std::fmt::Debug>(
+    fill: impl Fn(usize) -> T,
+    row_len: usize,
+    row_stride: usize,
+    rng: &mut StdRng,
+) {
+    let (kv, n, budget, cap) = (3, 777, 500, 800);
+    let head_stride = cap * row_stride;
+    let buf: Vec<T> = (0..kv * head_stride).map(fill).collect();
+    let m = budget.min(n - budget);
+    let mut plan = vec![0u32; kv * (1 + 2 * m)];
+    let mut want = buf.clone();
+    for h in 0..kv {
+        let mut keep = vec![true; budget];
+        keep.extend(vec![false; n - budget]);
+        keep.shuffle(rng);
+        let pairs = move_plan(&keep, budget);
+        let row = &mut plan[h * (1 + 2 * m)..][..1 + 2 * m];
+        row[0] = pairs.len() as u32;
+        for (r, &(s, d)) in pairs.iter().enumerate() {
+            row[1 + r] = s;
+            row[1 + m + r] = d;
+            let (s, d) = (
+                h * head_stride + s as usize * row_stride,
+                h * head_stride + d as usize * row_stride,
+            );
+            for j in 0..row_len {
+                want[d + j] = want[s + j];
+            }
+        }
+    }
+    for seed in SEEDS {
+        let mut got = buf.clone();
+        emu::move_rows(
+            &mut got,
+            kv,
+            n,
+            row_len,
+            head_stride,
+            row_stride,
+            &plan,
+            seed,
+        )
+        .unwrap();
+        assert!(
+            got == want,
+            "row_len {row_len} row_stride {row_stride} seed {seed}"
+        );
+    }
+}
+
+#[test]
+fn moves_match_sequential_copies() {
+    let mut rng = StdRng::seed_from_u64(7);
+    // K/V rows of 128 f32 (512 bytes: the 16-byte path), padded bf16 rows of 64 (the 16-byte
+    // path with a row stride of 72), positions (the 4-byte path), rows of 3 f16 (6 bytes: the
+    // byte path).
+    check_moves(|i| i as f32, 128, 128, &mut rng);
+    check_moves(|i| bf16::from_f32(i as f32), 64, 72, &mut rng);
+    check_moves(|i| i as u32, 1, 1, &mut rng);
+    check_moves(|i| f16::from_f32((i % 2048) as f32), 3, 3, &mut rng);
+    // A plan naming a row past the buffer's rows is refused before launch.
+    let mut buf = vec![0u32; 10];
+    let bad = [1u32, 12, 0];
+    assert!(emu::move_rows(&mut buf, 1, 10, 1, 10, 1, &bad, 1).is_err());
+}
+
+#[test]
+fn snapkv_pool_matches_the_cpu_twin() {
+    let mut rng = StdRng::seed_from_u64(9);
+    for (kv, n) in [(2, 1), (2, 5), (3, 1029), (2, 8320)] {
+        let stride = n + 3;
+        let span = 3 * n + 40;
+        let mut stats = vec![f32::NAN; kv * stride];
+        let mut positions = vec![u32::MAX; kv * stride];
+        for h in 0..kv {
+            let mut pos: Vec<u32> = (0..span as u32).collect();
+            pos.shuffle(&mut rng);
+            positions[h * stride..][..n].copy_from_slice(&pos[..n]);
+            for s in &mut stats[h * stride..][..n] {
+                *s = rng.random::<f32>();
+            }
+        }
+        let dev = Device::Cpu;
+        let twin = Tensor::from_vec(stats.clone(), (kv, stride), &dev)
+            .unwrap()
+            .narrow(1, 0, n)
+            .unwrap()
+            .apply_op2_no_bwd(
+                &Tensor::from_vec(positions.clone(), (kv, stride), &dev).unwrap(),
+                &PoolByPosition { span },
+            )
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        for seed in SEEDS {
+            let got =
+                emu::snapkv_pool(&stats, stride, &positions, stride, kv, n, span, seed).unwrap();
+            // The same additions in the same order: equal, not just close.
+            assert_eq!(got, twin, "kv {kv} n {n} seed {seed}");
+        }
+    }
+}

@@ -1,0 +1,397 @@
+//! The kernels of `kernels/keydiff.cu` under a CPU emulation of the CUDA execution model
+//! (`kernels/emu/cuda_emu.h`): the kernel source compiled unchanged by the host C++ compiler,
+//! every CUDA thread a fiber, blocks one after another, threads switching at barriers and
+//! warp-synchronous calls in an order drawn from `seed`. Launched with the same
+//! [`geometry`](crate::geometry) and checks as the CUDA launches.
+//!
+//! Each function takes host slices with element strides, checks that every access the kernel
+//! makes stays inside them, and returns what the kernel wrote. An emulation error (a launch
+//! configuration CUDA would refuse, diverged lanes at a warp-synchronous call, a barrier
+//! deadlock) is an `Err` that names it.
+//!
+//! This tests the kernels' logic without a GPU: it is not a substitute for running them on one
+//! (`scripts/gpu-check.sh`).
+
+use std::ffi::{c_char, c_int, c_uint, CStr};
+
+use candle_core::{bail, Result};
+use half::{bf16, f16};
+
+use crate::geometry::{
+    check_pool, check_scores, check_select, move_launch, per_head_launch, plan_moves, pool_words,
+    scores_launch,
+};
+
+extern "C" {
+    fn kd_emu_keydiff_scores(
+        dtype: c_int,
+        keys: *const u8,
+        head_stride: i64,
+        row_stride: i64,
+        n: c_int,
+        d: c_int,
+        normalized: c_int,
+        norms: *mut f32,
+        anchor: *mut f32,
+        scores: *mut f32,
+        grid_x: c_uint,
+        grid_y: c_uint,
+        block: c_uint,
+        seed: u64,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    fn kd_emu_select_plan(
+        scores: *const f32,
+        score_stride: i64,
+        positions: *const u32,
+        pos_stride: i64,
+        n: c_int,
+        budget: c_int,
+        sinks: u32,
+        recent: c_int,
+        plan: *mut u32,
+        plan_stride: i64,
+        grid_x: c_uint,
+        block: c_uint,
+        seed: u64,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    fn kd_emu_move_rows(
+        buf: *mut u8,
+        head_stride: i64,
+        row_stride: i64,
+        row_bytes: c_int,
+        plan: *const u32,
+        plan_stride: i64,
+        max_moves: c_int,
+        grid_x: c_uint,
+        grid_y: c_uint,
+        block: c_uint,
+        seed: u64,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    fn kd_emu_snapkv_pool(
+        stats: *const f32,
+        stats_stride: i64,
+        positions: *const u32,
+        pos_stride: i64,
+        n: c_int,
+        bitmap: *mut u32,
+        words: c_int,
+        word_rank: *mut u32,
+        sorted: *mut u32,
+        scores: *mut f32,
+        grid_x: c_uint,
+        block: c_uint,
+        seed: u64,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    fn kd_emu_selftest(
+        which: c_int,
+        seed: u64,
+        out: *mut c_int,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+}
+
+/// Runs one FFI call with an error buffer; a non-zero return becomes an error naming `what`.
+fn call(what: &str, f: impl FnOnce(*mut c_char, usize) -> c_int) -> Result<()> {
+    let mut err = vec![0 as c_char; 1024];
+    let rc = f(err.as_mut_ptr(), err.len());
+    if rc != 0 {
+        // SAFETY: the C side writes a NUL-terminated string that fits (snprintf).
+        let msg = unsafe { CStr::from_ptr(err.as_ptr()) }.to_string_lossy();
+        bail!("{what} (emulated): {msg}");
+    }
+    Ok(())
+}
+
+/// `len` must hold index `(heads − 1)·hs + (rows − 1)·rs + row_len − 1`.
+fn check_extent(
+    what: &str,
+    len: usize,
+    heads: usize,
+    rows: usize,
+    row_len: usize,
+    hs: usize,
+    rs: usize,
+) -> Result<()> {
+    let last = (heads.max(1) - 1) * hs + (rows.max(1) - 1) * rs + row_len;
+    if heads > 0 && rows > 0 && row_len > 0 && last > len {
+        bail!("{what}: {heads} heads × {rows} rows × {row_len} with strides ({hs}, {rs}) exceed {len} elements");
+    }
+    Ok(())
+}
+
+/// Keys of one layer in a dtype the scoring kernels take.
+#[derive(Debug, Clone, Copy)]
+pub enum Keys<'a> {
+    F32(&'a [f32]),
+    F16(&'a [f16]),
+    BF16(&'a [bf16]),
+}
+
+impl Keys<'_> {
+    fn parts(&self) -> (c_int, *const u8, usize) {
+        match self {
+            Keys::F32(s) => (0, s.as_ptr().cast(), s.len()),
+            Keys::F16(s) => (1, s.as_ptr().cast(), s.len()),
+            Keys::BF16(s) => (2, s.as_ptr().cast(), s.len()),
+        }
+    }
+}
+
+/// `keydiff_pass1` + `keydiff_pass2` on `keys` viewed as `[kv, n, d]` with element strides
+/// `(head_stride, row_stride, 1)`: `[kv · n]` scores, s_i = −cos(k_i, μ).
+#[allow(clippy::too_many_arguments)]
+pub fn keydiff_scores(
+    keys: Keys<'_>,
+    kv: usize,
+    n: usize,
+    d: usize,
+    head_stride: usize,
+    row_stride: usize,
+    normalized: bool,
+    seed: u64,
+) -> Result<Vec<f32>> {
+    check_scores(kv, n, d)?;
+    let (dtype, ptr, len) = keys.parts();
+    check_extent("keydiff-scores", len, kv, n, d, head_stride, row_stride)?;
+    let l = scores_launch(kv, n);
+    let mut norms = vec![0f32; kv * n];
+    let mut anchor = vec![0f32; kv * d];
+    let mut scores = vec![f32::NAN; kv * n];
+    call("keydiff-scores", |err, err_len| {
+        // SAFETY: the kernels read keys inside the extent checked above and write
+        // norms/scores [kv, n] and anchor [kv, d], the sizes allocated here.
+        unsafe {
+            kd_emu_keydiff_scores(
+                dtype,
+                ptr,
+                head_stride as i64,
+                row_stride as i64,
+                n as c_int,
+                d as c_int,
+                normalized as c_int,
+                norms.as_mut_ptr(),
+                anchor.as_mut_ptr(),
+                scores.as_mut_ptr(),
+                l.grid.0,
+                l.grid.1,
+                l.block,
+                seed,
+                err,
+                err_len,
+            )
+        }
+    })?;
+    Ok(scores)
+}
+
+/// `keydiff_select_plan`: `scores` and `positions` hold `kv` rows of `n` at their strides.
+/// Returns the plan `[kv, 1 + 2M]`: per head the number of moves, M sources, M destinations.
+#[allow(clippy::too_many_arguments)]
+pub fn select_plan(
+    scores: &[f32],
+    score_stride: usize,
+    positions: &[u32],
+    pos_stride: usize,
+    kv: usize,
+    n: usize,
+    budget: usize,
+    sinks: usize,
+    recent: usize,
+    seed: u64,
+) -> Result<Vec<u32>> {
+    check_select(kv, n, budget, recent)?;
+    check_extent(
+        "select-plan scores",
+        scores.len(),
+        kv,
+        1,
+        n,
+        score_stride,
+        0,
+    )?;
+    check_extent(
+        "select-plan positions",
+        positions.len(),
+        kv,
+        1,
+        n,
+        pos_stride,
+        0,
+    )?;
+    let cols = 1 + 2 * plan_moves(n, budget);
+    // Not zeroed, unlike the CUDA launch: every entry the kernel should write is checked.
+    let mut plan = vec![u32::MAX; kv * cols];
+    let l = per_head_launch(kv);
+    call("select-plan", |err, err_len| {
+        // SAFETY: reads kv rows of n inside the checked extents; writes the plan rows allocated
+        // here (the kernel caps its writes at M per row).
+        unsafe {
+            kd_emu_select_plan(
+                scores.as_ptr(),
+                score_stride as i64,
+                positions.as_ptr(),
+                pos_stride as i64,
+                n as c_int,
+                budget as c_int,
+                sinks.min(u32::MAX as usize) as u32,
+                recent as c_int,
+                plan.as_mut_ptr(),
+                cols as i64,
+                l.grid.0,
+                l.block,
+                seed,
+                err,
+                err_len,
+            )
+        }
+    })?;
+    Ok(plan)
+}
+
+/// `keydiff_move_rows` on `buf` viewed as `[kv, rows, row_len]` with element strides
+/// `(head_stride, row_stride, 1)`, after a plan `[kv, 1 + 2M]` from [`select_plan`]. Every
+/// index the plan names is checked against `rows` first.
+#[allow(clippy::too_many_arguments)]
+pub fn move_rows<T: Copy>(
+    buf: &mut [T],
+    kv: usize,
+    rows: usize,
+    row_len: usize,
+    head_stride: usize,
+    row_stride: usize,
+    plan: &[u32],
+    seed: u64,
+) -> Result<()> {
+    if kv == 0 || !plan.len().is_multiple_of(kv) || (plan.len() / kv).is_multiple_of(2) {
+        bail!(
+            "move-rows: plan of {} entries does not fit {kv} heads",
+            plan.len()
+        );
+    }
+    check_extent(
+        "move-rows",
+        buf.len(),
+        kv,
+        rows,
+        row_len,
+        head_stride,
+        row_stride,
+    )?;
+    let cols = plan.len() / kv;
+    let m = (cols - 1) / 2;
+    for (h, row) in plan.chunks(cols).enumerate() {
+        let count = (row[0] as usize).min(m);
+        let (src, dst) = (&row[1..1 + count], &row[1 + m..1 + m + count]);
+        if let Some(bad) = src.iter().chain(dst).find(|&&i| i as usize >= rows) {
+            bail!("move-rows: head {h} moves row {bad}, past {rows} rows");
+        }
+    }
+    if m == 0 {
+        return Ok(());
+    }
+    let elem = std::mem::size_of::<T>();
+    let l = move_launch(m, kv);
+    call("move-rows", |err, err_len| {
+        // SAFETY: every row the plan names lies inside the extent checked above.
+        unsafe {
+            kd_emu_move_rows(
+                buf.as_mut_ptr().cast(),
+                (head_stride * elem) as i64,
+                (row_stride * elem) as i64,
+                (row_len * elem) as c_int,
+                plan.as_ptr(),
+                cols as i64,
+                m as c_int,
+                l.grid.0,
+                l.grid.1,
+                l.block,
+                seed,
+                err,
+                err_len,
+            )
+        }
+    })
+}
+
+/// `snapkv_pool`: `stats` and `positions` hold `kv` rows of `n` at their strides; positions are
+/// unique per head and below `span`. Returns `[kv · n]` pooled scores.
+#[allow(clippy::too_many_arguments)]
+pub fn snapkv_pool(
+    stats: &[f32],
+    stats_stride: usize,
+    positions: &[u32],
+    pos_stride: usize,
+    kv: usize,
+    n: usize,
+    span: usize,
+    seed: u64,
+) -> Result<Vec<f32>> {
+    check_pool(kv, n, span)?;
+    check_extent("snapkv-pool stats", stats.len(), kv, 1, n, stats_stride, 0)?;
+    check_extent(
+        "snapkv-pool positions",
+        positions.len(),
+        kv,
+        1,
+        n,
+        pos_stride,
+        0,
+    )?;
+    for h in 0..kv {
+        let row = &positions[h * pos_stride..h * pos_stride + n];
+        if let Some(p) = row.iter().find(|&&p| p as usize >= span) {
+            bail!("snapkv-pool: head {h} has position {p}, not below the span {span}");
+        }
+    }
+    let words = pool_words(span);
+    let mut bitmap = vec![0u32; kv * words];
+    let mut word_rank = vec![u32::MAX; kv * words];
+    let mut sorted = vec![u32::MAX; kv * n];
+    let mut scores = vec![f32::NAN; kv * n];
+    let l = per_head_launch(kv);
+    call("snapkv-pool", |err, err_len| {
+        // SAFETY: reads inside the checked extents; positions < span index the bitmap and word
+        // ranks of `words` per head; ranks < n index `sorted`.
+        unsafe {
+            kd_emu_snapkv_pool(
+                stats.as_ptr(),
+                stats_stride as i64,
+                positions.as_ptr(),
+                pos_stride as i64,
+                n as c_int,
+                bitmap.as_mut_ptr(),
+                words as c_int,
+                word_rank.as_mut_ptr(),
+                sorted.as_mut_ptr(),
+                scores.as_mut_ptr(),
+                l.grid.0,
+                l.block,
+                seed,
+                err,
+                err_len,
+            )
+        }
+    })?;
+    Ok(scores)
+}
+
+/// The emulation's self-test kernels (`kernels/emu/launch.cpp`): 0 a correct reduction,
+/// 1 diverged shuffle, 2 exited lane, 3 split barrier, 4 partial mask, 5 a race, 6–9 launch
+/// configurations CUDA refuses. Returns the kernel's 256 outputs, or the emulation's error.
+pub fn selftest(which: i32, seed: u64) -> Result<Vec<i32>> {
+    let mut out = vec![-1 as c_int; 256];
+    call("self-test", |err, err_len| {
+        // SAFETY: the self-test kernels write at most 256 ints.
+        unsafe { kd_emu_selftest(which, seed, out.as_mut_ptr(), err, err_len) }
+    })?;
+    Ok(out)
+}

@@ -1,0 +1,120 @@
+//! Launch geometry and argument checks of the kernels, shared by the CUDA launches (`cuda`) and
+//! the CPU emulation (`emulate`), so that the emulation runs the grids, blocks and bounds the
+//! GPU gets.
+
+use candle_core::{bail, Result};
+
+/// `KD_ROWS_PER_BLOCK` of the kernel source: rows of one scoring block.
+pub const ROWS_PER_BLOCK: usize = 64;
+/// `KD_THREADS`: threads of a scoring block.
+pub const THREADS: u32 = 256;
+/// `KD_MAX_D`: largest head dimension the scoring kernels handle.
+pub const MAX_HEAD_DIM: usize = 256;
+/// `KD_SELECT_THREADS` / `KD_POOL_THREADS`: threads of a selection or pooling block.
+pub const SELECT_THREADS: u32 = 1024;
+/// Most slots per head: loop counters in the kernels are `int` and step by up to 1024.
+pub const MAX_SLOTS: usize = i32::MAX as usize - 4096;
+/// Most KV heads (grid.y of the scoring and move kernels).
+pub const MAX_HEADS: usize = 65_535;
+/// Moves per block of `keydiff_move_rows` (one warp each).
+pub const MOVES_PER_BLOCK: u32 = 8;
+
+/// A 1-D block over a 2-D grid.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Launch {
+    pub grid: (u32, u32),
+    pub block: u32,
+}
+
+/// `keydiff_pass1/2`: row blocks on grid.x (up to 2^31 − 1), heads on grid.y (up to 65535).
+pub fn scores_launch(kv: usize, n: usize) -> Launch {
+    Launch {
+        grid: (n.div_ceil(ROWS_PER_BLOCK) as u32, kv as u32),
+        block: THREADS,
+    }
+}
+
+/// `keydiff_select_plan` and `snapkv_pool`: one block per head.
+pub fn per_head_launch(kv: usize) -> Launch {
+    Launch {
+        grid: (kv as u32, 1),
+        block: SELECT_THREADS,
+    }
+}
+
+/// `keydiff_move_rows`: one warp per move, heads on grid.y.
+pub fn move_launch(moves: usize, kv: usize) -> Launch {
+    Launch {
+        grid: ((moves as u32).div_ceil(MOVES_PER_BLOCK), kv as u32),
+        block: 32 * MOVES_PER_BLOCK,
+    }
+}
+
+/// Number of moves a plan row holds: M = min(N, n − N).
+pub fn plan_moves(n: usize, budget: usize) -> usize {
+    budget.min(n.saturating_sub(budget))
+}
+
+/// Words of `snapkv_pool`'s position bitmap for positions below `span`.
+pub fn pool_words(span: usize) -> usize {
+    span.div_ceil(32).max(1)
+}
+
+/// The scoring kernels' limits.
+pub fn check_scores(kv: usize, n: usize, d: usize) -> Result<()> {
+    if d == 0 || d > MAX_HEAD_DIM || n == 0 || n > MAX_SLOTS || kv == 0 || kv > MAX_HEADS {
+        bail!(
+            "keydiff-scores: head_dim {d} (1..={MAX_HEAD_DIM}), n {n} (1..={MAX_SLOTS}) or \
+             {kv} heads (1..={MAX_HEADS}) out of range"
+        );
+    }
+    Ok(())
+}
+
+/// The selection kernel's limits.
+pub fn check_select(kv: usize, n: usize, budget: usize, recent: usize) -> Result<()> {
+    if budget == 0 || budget >= n || recent > budget || n > MAX_SLOTS {
+        bail!(
+            "select-plan: budget {budget} must be in 1..{n} and >= recent {recent}, \
+             n <= {MAX_SLOTS}"
+        );
+    }
+    if kv == 0 || kv > MAX_HEADS {
+        bail!("select-plan: {kv} heads (1..={MAX_HEADS})");
+    }
+    Ok(())
+}
+
+/// The pooling kernel's limits.
+pub fn check_pool(kv: usize, n: usize, span: usize) -> Result<()> {
+    if n == 0 || n > MAX_SLOTS || span > 1 << 32 || kv == 0 || kv > MAX_HEADS {
+        bail!("snapkv-pool: n {n}, position span {span} or {kv} heads out of range");
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn geometry_stays_inside_cuda_limits() {
+        let l = scores_launch(MAX_HEADS, 131_072 + 128);
+        assert_eq!(l.grid, (2050, 65_535));
+        assert_eq!(l.block, 256);
+        assert_eq!(move_launch(9, 3).grid, (2, 3));
+        assert_eq!(move_launch(8, 3).grid, (1, 3));
+        assert_eq!(per_head_launch(7).grid, (7, 1));
+        assert_eq!(plan_moves(8320, 8192), 128);
+        assert_eq!(plan_moves(10, 3), 3);
+        assert_eq!(pool_words(0), 1);
+        assert_eq!(pool_words(33), 2);
+        assert!(check_scores(1, 1, 257).is_err());
+        assert!(check_scores(1, 0, 64).is_err());
+        assert!(check_scores(MAX_HEADS + 1, 1, 64).is_err());
+        assert!(check_select(1, 10, 10, 0).is_err());
+        assert!(check_select(1, 10, 4, 5).is_err());
+        assert!(check_select(1, 10, 4, 4).is_ok());
+        assert!(check_pool(1, 1, (1 << 32) + 1).is_err());
+    }
+}

@@ -1,0 +1,330 @@
+// A CPU emulation of the CUDA execution model, enough to run kernels/*.cu on a machine without a
+// GPU: every CUDA thread of a block is a fiber (ucontext), blocks run one after another, and the
+// fibers switch only at synchronisation points (__syncthreads and the warp-synchronous
+// intrinsics), in an order drawn from a seed. The kernels' source is compiled unchanged by the
+// host C++ compiler (kernels/emu/launch.cpp includes it); crates/keydiff-kernels (feature
+// `emulate`) runs it against the CPU twins.
+//
+// What it checks beyond the kernels' arithmetic:
+//   - launch configurations: block size <= 1024 and a multiple of 32, <= the kernel's
+//     __launch_bounds__, grid.y/z <= 65535;
+//   - warp-synchronous intrinsics: only full masks; every lane of the warp must reach the same
+//     call (same source line, same count per lane), and none may have exited; otherwise the
+//     launch fails;
+//   - __syncthreads: a barrier that some threads never reach (divergent code) is a deadlock, and
+//     the launch fails naming it;
+//   - any schedule: results must not depend on the order threads run between barriers (the
+//     tests run several seeds), and float atomics add in a different order for every seed.
+// What it cannot check: data races between barriers (threads do not interleave there), memory
+// that is read out of bounds, timing, and anything about the real compiler or hardware. It
+// complements the GPU run of scripts/gpu-check.sh; it does not replace it.
+
+#pragma once
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include <ucontext.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+struct dim3 {
+  unsigned x = 1, y = 1, z = 1;
+};
+struct alignas(16) uint4 {
+  unsigned x, y, z, w;
+};
+struct __half {
+  uint16_t x;
+};
+struct __nv_bfloat16 {
+  uint16_t x;
+};
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+// Blocks run one after another on one OS thread (fibers share its thread-locals), so one
+// thread-local static per declaration is the block's shared memory; other OS threads running
+// other launches have their own.
+#define __shared__ static thread_local
+
+namespace kd_emu {
+
+constexpr int kWarp = 32;
+constexpr unsigned kMaxThreads = 1024;
+constexpr size_t kStackBytes = 64 * 1024;
+
+struct Fiber {
+  ucontext_t ctx;
+  dim3 tid;
+  int lane = 0, warp = 0;
+  bool done = false;
+  uint64_t warp_calls = 0;  // warp-synchronous calls made so far
+};
+
+struct Warp {
+  std::vector<int> waiters;
+  uint64_t call = 0;  // the call number the current waiters are at
+  const char* file = nullptr;  // and its source line
+  int line = 0;
+  int exited = 0;
+  uint64_t vals[2][kWarp];
+};
+
+struct Block {
+  std::vector<Fiber> fibers;
+  std::vector<Warp> warps;
+  std::vector<int> runnable;
+  std::vector<int> bar_waiters;
+  int live = 0;
+  int cur = -1;
+  ucontext_t sched;
+  std::mt19937_64 rng;
+  std::string error;
+  const std::function<void()>* body = nullptr;
+};
+
+// Per OS thread, so that launches on several threads (parallel tests) do not meet.
+inline thread_local Block* g_block = nullptr;
+inline thread_local dim3 g_block_idx, g_block_dim, g_grid_dim;
+
+inline Fiber& cur_fiber() { return g_block->fibers[g_block->cur]; }
+
+// Back to the scheduler; returns when this fiber is made runnable again.
+inline void park() { swapcontext(&cur_fiber().ctx, &g_block->sched); }
+
+inline void release(std::vector<int>& waiters) {
+  for (int i : waiters) g_block->runnable.push_back(i);
+  waiters.clear();
+}
+
+// Records the first error and parks the fiber for good: the block then ends as a deadlock, and
+// the launch reports the error.
+[[noreturn]] inline void fail(const std::string& msg) {
+  if (g_block->error.empty()) g_block->error = msg;
+  park();
+  std::abort();  // never resumed
+}
+
+inline void syncthreads() {
+  Block& b = *g_block;
+  b.bar_waiters.push_back(b.cur);
+  if ((int)b.bar_waiters.size() == b.live) release(b.bar_waiters);
+  park();
+}
+
+// All 32 lanes of the warp publish one value; returns the warp's 32 values. Double-buffered by
+// call parity: a lane cannot reach call k + 2 (which rewrites this buffer) before every lane
+// has reached call k + 1, i.e. has read call k.
+inline const uint64_t* warp_exchange(unsigned mask, uint64_t v, const char* what,
+                                     const char* file, int line) {
+  if (mask != 0xffffffffu) fail(std::string(what) + ": only full warp masks are emulated");
+  Block& b = *g_block;
+  Fiber& f = cur_fiber();
+  Warp& w = b.warps[f.warp];
+  if (w.exited) fail(std::string(what) + " after a lane of the warp exited");
+  if (w.waiters.empty()) {
+    w.call = f.warp_calls;
+    w.file = file;
+    w.line = line;
+  } else if (w.call != f.warp_calls || w.line != line || strcmp(w.file, file) != 0) {
+    fail(std::string(what) + " at " + file + ":" + std::to_string(line) +
+         ": lanes of the warp are at different warp-synchronous calls (diverged)");
+  }
+  const int parity = (int)(f.warp_calls & 1);
+  f.warp_calls++;
+  w.vals[parity][f.lane] = v;
+  w.waiters.push_back(b.cur);
+  if ((int)w.waiters.size() == kWarp) release(w.waiters);
+  park();
+  return w.vals[parity];
+}
+
+inline void trampoline() {
+  Block& b = *g_block;
+  (*b.body)();
+  Fiber& f = cur_fiber();
+  f.done = true;
+  b.live--;
+  Warp& w = b.warps[f.warp];
+  w.exited++;
+  if (!w.waiters.empty() && b.error.empty())
+    b.error = "a lane exited while its warp waits in a warp-synchronous call";
+  if (!b.bar_waiters.empty() && (int)b.bar_waiters.size() == b.live) release(b.bar_waiters);
+  // returns to the scheduler through uc_link
+}
+
+// getcontext returns twice in general; kept out of launch's frame so that no local there can be
+// clobbered (the context is only ever entered through makecontext's entry point).
+__attribute__((noinline)) inline void init_context(ucontext_t& ctx, char* stack,
+                                                   ucontext_t* link) {
+  getcontext(&ctx);
+  ctx.uc_stack.ss_sp = stack;
+  ctx.uc_stack.ss_size = kStackBytes;
+  ctx.uc_link = link;
+  makecontext(&ctx, trampoline, 0);
+}
+
+// Runs `body` as a kernel over grid x block. Returns "" or the first error.
+inline std::string launch(dim3 grid, dim3 block, unsigned launch_bounds, uint64_t seed,
+                          const std::function<void()>& body) {
+  const unsigned threads = block.x * block.y * block.z;
+  if (threads == 0 || threads > kMaxThreads || threads % kWarp != 0)
+    return "block of " + std::to_string(threads) + " threads (emulated: 32..1024, whole warps)";
+  if (launch_bounds && threads > launch_bounds)
+    return "block of " + std::to_string(threads) + " threads exceeds __launch_bounds__(" +
+           std::to_string(launch_bounds) + ")";
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.y > 65535 || grid.z > 65535 ||
+      grid.x > 0x7fffffffu)
+    return "grid (" + std::to_string(grid.x) + ", " + std::to_string(grid.y) + ", " +
+           std::to_string(grid.z) + ") out of CUDA's limits";
+  std::mt19937_64 rng(seed);
+  std::vector<char> stacks((size_t)threads * kStackBytes);
+  std::vector<dim3> order;
+  for (unsigned z = 0; z < grid.z; ++z)
+    for (unsigned y = 0; y < grid.y; ++y)
+      for (unsigned x = 0; x < grid.x; ++x) order.push_back(dim3{x, y, z});
+  std::shuffle(order.begin(), order.end(), rng);
+  g_grid_dim = grid;
+  g_block_dim = block;
+  Block b;
+  b.body = &body;
+  for (const dim3& bi : order) {
+    g_block_idx = bi;
+    b.fibers.assign(threads, Fiber{});
+    b.warps.assign(threads / kWarp, Warp{});
+    b.runnable.clear();
+    b.bar_waiters.clear();
+    b.live = (int)threads;
+    b.error.clear();
+    b.rng.seed(rng());
+    g_block = &b;
+    for (unsigned t = 0; t < threads; ++t) {
+      Fiber& f = b.fibers[t];
+      f.tid = dim3{t % block.x, (t / block.x) % block.y, t / (block.x * block.y)};
+      f.lane = (int)(t % kWarp);
+      f.warp = (int)(t / kWarp);
+      init_context(f.ctx, stacks.data() + (size_t)t * kStackBytes, &b.sched);
+      b.runnable.push_back((int)t);
+    }
+    while (!b.runnable.empty()) {
+      const size_t pick = (size_t)(b.rng() % b.runnable.size());
+      std::swap(b.runnable[pick], b.runnable.back());
+      b.cur = b.runnable.back();
+      b.runnable.pop_back();
+      swapcontext(&b.sched, &b.fibers[b.cur].ctx);
+    }
+    g_block = nullptr;
+    if (b.live > 0 || !b.error.empty()) {
+      int at_bar = (int)b.bar_waiters.size(), at_warp = 0;
+      for (const Warp& w : b.warps) at_warp += (int)w.waiters.size();
+      std::string msg = "block (" + std::to_string(bi.x) + ", " + std::to_string(bi.y) + ", " +
+                        std::to_string(bi.z) + "): ";
+      if (!b.error.empty()) msg += b.error + "; ";
+      if (b.live > 0)
+        msg += "deadlock, " + std::to_string(b.live) + " threads unfinished (" +
+               std::to_string(at_bar) + " at __syncthreads, " + std::to_string(at_warp) +
+               " in warp-synchronous calls)";
+      return msg;
+    }
+  }
+  return "";
+}
+
+inline uint32_t f2u(float x) {
+  uint32_t u;
+  memcpy(&u, &x, 4);
+  return u;
+}
+inline float u2f(uint32_t u) {
+  float x;
+  memcpy(&x, &u, 4);
+  return x;
+}
+
+}  // namespace kd_emu
+
+#define threadIdx (::kd_emu::cur_fiber().tid)
+#define blockIdx (::kd_emu::g_block_idx)
+#define blockDim (::kd_emu::g_block_dim)
+#define gridDim (::kd_emu::g_grid_dim)
+
+inline void __syncthreads() { kd_emu::syncthreads(); }
+
+namespace kd_emu {
+inline unsigned ballot(unsigned mask, int pred, const char* file, int line) {
+  const uint64_t* v = warp_exchange(mask, pred ? 1 : 0, "__ballot_sync", file, line);
+  unsigned r = 0;
+  for (int l = 0; l < kWarp; ++l) r |= (v[l] ? 1u : 0u) << l;
+  return r;
+}
+inline unsigned match_any(unsigned mask, unsigned x, const char* file, int line) {
+  const uint64_t* v = warp_exchange(mask, x, "__match_any_sync", file, line);
+  unsigned r = 0;
+  for (int l = 0; l < kWarp; ++l) r |= ((unsigned)v[l] == x ? 1u : 0u) << l;
+  return r;
+}
+inline float shfl_xor(unsigned mask, float x, int lane_mask, const char* file, int line) {
+  const uint64_t* v = warp_exchange(mask, f2u(x), "__shfl_xor_sync", file, line);
+  return u2f((uint32_t)v[(cur_fiber().lane ^ lane_mask) & 31]);
+}
+inline unsigned shfl_up(unsigned mask, unsigned x, unsigned delta, const char* file, int line) {
+  const uint64_t* v = warp_exchange(mask, x, "__shfl_up_sync", file, line);
+  const int lane = cur_fiber().lane;
+  return lane >= (int)delta ? (unsigned)v[lane - (int)delta] : x;
+}
+}  // namespace kd_emu
+
+// The call site goes with every warp-synchronous call, so that diverged lanes are caught.
+#define __ballot_sync(m, p) ::kd_emu::ballot((m), (p), __FILE__, __LINE__)
+#define __match_any_sync(m, x) ::kd_emu::match_any((m), (x), __FILE__, __LINE__)
+#define __shfl_xor_sync(m, x, o) ::kd_emu::shfl_xor((m), (x), (o), __FILE__, __LINE__)
+#define __shfl_up_sync(m, x, d) ::kd_emu::shfl_up((m), (x), (d), __FILE__, __LINE__)
+
+// Threads switch only at synchronisation points, so an atomic is a plain read-modify-write.
+inline float atomicAdd(float* a, float v) {
+  const float old = *a;
+  *a = old + v;
+  return old;
+}
+inline unsigned atomicAdd(unsigned* a, unsigned v) {
+  const unsigned old = *a;
+  *a = old + v;
+  return old;
+}
+inline unsigned atomicOr(unsigned* a, unsigned v) {
+  const unsigned old = *a;
+  *a = old | v;
+  return old;
+}
+
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
+inline int __ffs(unsigned x) { return __builtin_ffs((int)x); }
+inline unsigned __float_as_uint(float x) { return kd_emu::f2u(x); }
+
+inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
+inline unsigned min(unsigned a, unsigned b) { return a < b ? a : b; }
+inline unsigned max(unsigned a, unsigned b) { return a > b ? a : b; }
+inline long long min(long long a, long long b) { return a < b ? a : b; }
+inline long long max(long long a, long long b) { return a > b ? a : b; }
+
+inline float __bfloat162float(__nv_bfloat16 h) { return kd_emu::u2f((uint32_t)h.x << 16); }
+inline float __half2float(__half h) {
+  const uint32_t sign = (uint32_t)(h.x & 0x8000u) << 16;
+  const uint32_t exp = (h.x >> 10) & 0x1fu, mant = h.x & 0x3ffu;
+  if (exp == 0) {
+    const float m = ldexpf((float)mant, -24);
+    return sign ? -m : m;
+  }
+  if (exp == 31) return kd_emu::u2f(sign | 0x7f800000u | (mant << 13));
+  return kd_emu::u2f(sign | ((exp + 112u) << 23) | (mant << 13));
+}

@@ -1,0 +1,200 @@
+// Host entry points that run the kernels of kernels/keydiff.cu under the CPU emulation
+// (cuda_emu.h), with the grid and block sizes the caller computes (crates/keydiff-kernels: the
+// same functions the CUDA launches use). Each returns 0, or 1 with the error in `err`.
+// Self-test kernels at the end show that the emulation's checks fire.
+
+#include "cuda_emu.h"
+
+#include <stdio.h>
+
+#include "../keydiff.cu"
+
+namespace {
+
+int finish(const std::string& e, char* err, size_t err_len) {
+  if (e.empty()) return 0;
+  if (err_len) snprintf(err, err_len, "%s", e.c_str());
+  return 1;
+}
+
+dim3 d3(unsigned x, unsigned y = 1) { return dim3{x, y, 1}; }
+
+}  // namespace
+
+// keydiff_pass1 then keydiff_pass2. dtype: 0 f32, 1 f16, 2 bf16. `anchor` must be zeroed.
+extern "C" int kd_emu_keydiff_scores(int dtype, const void* keys, int64_t head_stride,
+                                     int64_t row_stride, int n, int d, int normalized,
+                                     float* norms, float* anchor, float* scores, unsigned grid_x,
+                                     unsigned grid_y, unsigned block, uint64_t seed, char* err,
+                                     size_t err_len) {
+  std::function<void()> p1, p2;
+#define KD_EMU_PASSES(SUFFIX, T)                                                                 \
+  p1 = [=] {                                                                                     \
+    keydiff_pass1_##SUFFIX((const T*)keys, head_stride, row_stride, n, d, normalized, norms,    \
+                           anchor);                                                              \
+  };                                                                                             \
+  p2 = [=] {                                                                                     \
+    keydiff_pass2_##SUFFIX((const T*)keys, head_stride, row_stride, n, d, norms, anchor, scores); \
+  };
+  switch (dtype) {
+    case 0:
+      KD_EMU_PASSES(f32, float)
+      break;
+    case 1:
+      KD_EMU_PASSES(f16, __half)
+      break;
+    case 2:
+      KD_EMU_PASSES(bf16, __nv_bfloat16)
+      break;
+    default:
+      return finish("unknown dtype " + std::to_string(dtype), err, err_len);
+  }
+#undef KD_EMU_PASSES
+  std::string e = kd_emu::launch(d3(grid_x, grid_y), d3(block), KD_THREADS, seed, p1);
+  if (e.empty()) e = kd_emu::launch(d3(grid_x, grid_y), d3(block), KD_THREADS, seed + 1, p2);
+  return finish(e, err, err_len);
+}
+
+extern "C" int kd_emu_select_plan(const float* scores, int64_t score_stride,
+                                  const uint32_t* positions, int64_t pos_stride, int n,
+                                  int budget, uint32_t sinks, int recent, uint32_t* plan,
+                                  int64_t plan_stride, unsigned grid_x, unsigned block,
+                                  uint64_t seed, char* err, size_t err_len) {
+  const std::string e =
+      kd_emu::launch(d3(grid_x), d3(block), KD_SELECT_THREADS, seed, [=] {
+        keydiff_select_plan(scores, score_stride, positions, pos_stride, n, budget, sinks,
+                            recent, plan, plan_stride);
+      });
+  return finish(e, err, err_len);
+}
+
+extern "C" int kd_emu_move_rows(char* buf, int64_t head_stride, int64_t row_stride,
+                                int row_bytes, const uint32_t* plan, int64_t plan_stride,
+                                int max_moves, unsigned grid_x, unsigned grid_y, unsigned block,
+                                uint64_t seed, char* err, size_t err_len) {
+  const std::string e = kd_emu::launch(d3(grid_x, grid_y), d3(block), 0, seed, [=] {
+    keydiff_move_rows(buf, head_stride, row_stride, row_bytes, plan, plan_stride, max_moves);
+  });
+  return finish(e, err, err_len);
+}
+
+// `bitmap` must be zeroed.
+extern "C" int kd_emu_snapkv_pool(const float* stats, int64_t stats_stride,
+                                  const uint32_t* positions, int64_t pos_stride, int n,
+                                  uint32_t* bitmap, int words, uint32_t* word_rank,
+                                  uint32_t* sorted, float* scores, unsigned grid_x,
+                                  unsigned block, uint64_t seed, char* err, size_t err_len) {
+  const std::string e = kd_emu::launch(d3(grid_x), d3(block), KD_POOL_THREADS, seed, [=] {
+    snapkv_pool(stats, stats_stride, positions, pos_stride, n, bitmap, words, word_rank, sorted,
+                scores);
+  });
+  return finish(e, err, err_len);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Self-tests of the emulation: kernels with known defects must fail, a correct one must pass,
+// and a racy one must give schedule-dependent results. `out` holds 256 ints.
+// ---------------------------------------------------------------------------------------------
+
+namespace {
+
+// A correct block reduction with shuffles and a barrier: out[0] = 0 + 1 + ... + 255.
+void st_reduce(int* out) {
+  __shared__ float part[8];
+  float v = (float)threadIdx.x;
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = v;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float s = 0.f;
+    for (int w = 0; w < 8; ++w) s += part[w];
+    out[0] = (int)s;
+  }
+}
+
+// Half of each warp skips a shuffle: the lanes meet at different calls.
+void st_diverged_shuffle(int* out) {
+  float v = 1.f;
+  if (threadIdx.x % 32 < 16) v = __shfl_xor_sync(0xffffffffu, v, 1);
+  v = __shfl_xor_sync(0xffffffffu, v, 2);
+  out[threadIdx.x] = (int)v;
+}
+
+// One lane leaves before a ballot that names it.
+void st_exited_lane(int* out) {
+  if (threadIdx.x % 32 == 5) return;
+  out[threadIdx.x] = (int)__ballot_sync(0xffffffffu, 1);
+}
+
+// Half of a warp waits at the barrier, the other half in a ballot: a deadlock.
+void st_split_barrier(int* out) {
+  if (threadIdx.x % 32 < 16) {
+    __syncthreads();
+  } else {
+    out[threadIdx.x] = (int)__ballot_sync(0xffffffffu, 1);
+  }
+}
+
+// A partial mask, which the emulation does not model.
+void st_partial_mask(int* out) { out[threadIdx.x] = (int)__ballot_sync(0x0000ffffu, 1); }
+
+// A missing barrier: thread 1 writes what the others read in the same phase, so who reads 7
+// depends on the schedule.
+void st_race(int* out) {
+  __shared__ int x;
+  if (threadIdx.x == 0) x = 0;
+  __syncthreads();
+  if (threadIdx.x == 1) x = 7;
+  out[threadIdx.x] = x;
+}
+
+}  // namespace
+
+// which: 0 reduce, 1 diverged shuffle, 2 exited lane, 3 split barrier, 4 partial mask, 5 race,
+// 6 reduce with a 2048-thread block, 7 reduce with a 48-thread block, 8 grid.y of 70000,
+// 9 reduce with 512 threads against __launch_bounds__(256).
+extern "C" int kd_emu_selftest(int which, uint64_t seed, int* out, char* err, size_t err_len) {
+  std::function<void()> body;
+  dim3 grid = d3(1), block = d3(256);
+  unsigned bounds = 0;
+  switch (which) {
+    case 0:
+      body = [=] { st_reduce(out); };
+      break;
+    case 1:
+      body = [=] { st_diverged_shuffle(out); };
+      break;
+    case 2:
+      body = [=] { st_exited_lane(out); };
+      break;
+    case 3:
+      body = [=] { st_split_barrier(out); };
+      break;
+    case 4:
+      body = [=] { st_partial_mask(out); };
+      break;
+    case 5:
+      body = [=] { st_race(out); };
+      break;
+    case 6:
+      body = [=] { st_reduce(out); };
+      block = d3(2048);
+      break;
+    case 7:
+      body = [=] { st_reduce(out); };
+      block = d3(48);
+      break;
+    case 8:
+      body = [=] { st_reduce(out); };
+      grid = d3(1, 70000);
+      break;
+    case 9:
+      body = [=] { st_reduce(out); };
+      block = d3(512);
+      bounds = 256;
+      break;
+    default:
+      return finish("unknown self-test " + std::to_string(which), err, err_len);
+  }
+  return finish(kd_emu::launch(grid, block, bounds, seed, body), err, err_len);
+}

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Mutation check of the emulated kernel tests (crates/keydiff-cache/tests/kernel_emulation.rs):
+# plants one known defect at a time in kernels/keydiff.cu (an off-by-one, a missing barrier, a
+# wrong reduction, ...), runs the tests, and reports whether they caught it. Every mutant must
+# be caught. kernels/keydiff.cu is restored afterwards, whatever happens.
+# Usage: scripts/kernel-mutants.sh      (~1 min per mutant on 2 cores after the first build)
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+src=kernels/keydiff.cu
+orig=$(mktemp); cp "$src" "$orig"
+trap 'cp "$orig" "$src"; rm -f "$orig"' EXIT
+
+# name ~ exact text ~ replacement (\n: newline)
+mutants=(
+  "select: keep only keys above the threshold~key(i) >= threshold;~key(i) > threshold;"
+  "select: recent window one short~(has_recent && p >= recent_min)~(has_recent && p > recent_min)"
+  "select: hole offset ignores lower lanes~    oh += __popc(bh & below);~    oh += __popc(bh);"
+  "select: no barrier after the digit is chosen~    mask |= 255ull << shift;\n    __syncthreads();~    mask |= 255ull << shift;"
+  "scores: no barrier before the warp partials are summed~  if (lane == 0) partial[warp] = ss;\n  __syncthreads();~  if (lane == 0) partial[warp] = ss;"
+  "scores: warp sum skips the lane-16 step~for (int o = 16; o > 0; o >>= 1) v +=~for (int o = 8; o > 0; o >>= 1) v +="
+  "moves: copies half of each 16-byte-aligned row~j < row_bytes / 16; j += 32~j < row_bytes / 32; j += 32"
+  "snapkv: pooling window one short~j <= min(r + KD_POOL_HALF, n - 1)~j < min(r + KD_POOL_HALF, n - 1)"
+)
+
+cargo test --release -p keydiff-cache --test kernel_emulation --no-run -q 2>/dev/null || true
+survived=0
+for m in "${mutants[@]}"; do
+  IFS='~' read -r name from to <<< "$m"
+  cp "$orig" "$src"
+  python3 - "$src" "$from" "$to" <<'PY'
+import sys
+path, old, new = sys.argv[1], sys.argv[2].replace("\\n", "\n"), sys.argv[3].replace("\\n", "\n")
+s = open(path).read()
+if s.count(old) != 1:
+    sys.exit(f"mutant text found {s.count(old)} times: {old!r}")
+open(path, "w").write(s.replace(old, new))
+PY
+  if out=$(cargo test --release -p keydiff-cache --test kernel_emulation 2>&1); then
+    echo "SURVIVED  $name"; survived=$((survived + 1))
+  else
+    failed=$(grep -E '^test .* FAILED$' <<< "$out" | sed -E 's/^test (.*) \.\.\. FAILED$/\1/' | tr '\n' ' ')
+    echo "caught    $name  (failed: ${failed:-build})"
+  fi
+done
+cp "$orig" "$src"
+echo "$((${#mutants[@]} - survived))/${#mutants[@]} mutants caught"
+[ "$survived" = 0 ]
