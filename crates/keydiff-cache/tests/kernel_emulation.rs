@@ -143,7 +143,13 @@ fn scores_match_the_cpu_twin_and_the_reference() {
                 );
                 runs.push(got);
             }
-            assert!(max_diff(&runs[0], &runs[1]) <= SCORE_TOL);
+            let between = max_diff(&runs[0], &runs[1]);
+            assert!(between <= SCORE_TOL);
+            let (dt, dr) = (max_diff(&runs[0], &twin), max_diff(&runs[0], &reference));
+            eprintln!(
+                "scores {dtype:?} kv {kv} n {n} d {d} {anchor:?}: |emu - twin| {dt:.2e}, \
+                 |emu - reference| {dr:.2e}, between schedules {between:.2e}"
+            );
         }
     }
 }
@@ -184,7 +190,8 @@ fn selection_inputs(kv: usize, n: usize, stride: usize, rng: &mut StdRng) -> (Ve
     (scores, positions)
 }
 
-/// Runs the emulated selection and moves on one case and checks them against the twins.
+/// Runs the emulated selection and moves on one case and checks them against the twins;
+/// returns the number of moves over all heads.
 fn check_selection(
     kv: usize,
     n: usize,
@@ -193,7 +200,7 @@ fn check_selection(
     recent: usize,
     seed: u64,
     rng: &mut StdRng,
-) {
+) -> usize {
     let stride = n + 7;
     let (scores, positions) = selection_inputs(kv, n, stride, rng);
     let plan = emu::select_plan(
@@ -203,6 +210,7 @@ fn check_selection(
     let cols = plan.len() / kv;
     let m = (cols - 1) / 2;
     let mut moved = positions.clone();
+    let mut total_moves = 0;
     emu::move_rows(&mut moved, kv, n, 1, stride, 1, &plan, seed).unwrap();
     for h in 0..kv {
         let (s, p) = (&scores[h * stride..][..n], &positions[h * stride..][..n]);
@@ -215,6 +223,7 @@ fn check_selection(
         let want = move_plan(&keep, budget);
         let row = &plan[h * cols..][..cols];
         let count = row[0] as usize;
+        total_moves += count;
         let got: Vec<(u32, u32)> = (0..count).map(|r| (row[1 + r], row[1 + m + r])).collect();
         assert_eq!(
             got, want,
@@ -231,6 +240,7 @@ fn check_selection(
             .iter()
             .all(|&x| x == u32::MAX));
     }
+    total_moves
 }
 
 #[test]
@@ -247,7 +257,13 @@ fn selection_matches_the_twin_past_the_argsort_limit() {
     ];
     for (kv, n, budget, sinks, recent) in cases {
         for seed in SEEDS {
-            check_selection(kv, n, budget, sinks, recent, seed, &mut rng);
+            let t = std::time::Instant::now();
+            let moves = check_selection(kv, n, budget, sinks, recent, seed, &mut rng);
+            eprintln!(
+                "select kv {kv} n {n} N {budget} sinks {sinks} recent {recent} seed {seed}: \
+                 plans equal, {moves} moves, {:.2} s",
+                t.elapsed().as_secs_f64()
+            );
         }
     }
 }
@@ -376,5 +392,9 @@ fn snapkv_pool_matches_the_cpu_twin() {
             // The same additions in the same order: equal, not just close.
             assert_eq!(got, twin, "kv {kv} n {n} seed {seed}");
         }
+        eprintln!(
+            "snapkv pool kv {kv} n {n}: equal to the twin under {} schedules",
+            SEEDS.len()
+        );
     }
 }
