@@ -71,6 +71,8 @@ fn emulation(root: &std::path::Path) {
         .include(root.join("emu/include"))
         .std("c++17")
         .flag("-fno-strict-aliasing")
+        // No fused multiply-adds: the same results on every host, whatever its -march.
+        .flag("-ffp-contract=off")
         .opt_level(2)
         .warnings(true)
         .extra_warnings(true)

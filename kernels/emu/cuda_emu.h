@@ -16,8 +16,11 @@
 //   - any schedule: results must not depend on the order threads run between barriers (the
 //     tests run several seeds), and float atomics add in a different order for every seed.
 // What it cannot check: data races between barriers (threads do not interleave there), memory
-// that is read out of bounds, timing, and anything about the real compiler or hardware. It
-// complements the GPU run of scripts/gpu-check.sh; it does not replace it.
+// that is read out of bounds, shared memory read before it is written (it starts zeroed and
+// carries over from block to block, where CUDA leaves it undefined; cases with several blocks
+// per launch catch a missing initialisation only when the values left over are wrong), timing,
+// and anything about the real compiler or hardware. It complements the GPU run of
+// scripts/gpu-check.sh (with compute-sanitizer); it does not replace it.
 
 #pragma once
 
@@ -260,26 +263,46 @@ inline float u2f(uint32_t u) {
 inline void __syncthreads() { kd_emu::syncthreads(); }
 
 namespace kd_emu {
+// Any 32- or 64-bit value travels as its bits (CUDA has overloads for int, unsigned, float,
+// and their 64-bit forms).
+template <typename T>
+inline uint64_t to_bits(T x) {
+  static_assert(sizeof(T) == 4 || sizeof(T) == 8, "shuffles move 32- or 64-bit values");
+  uint64_t b = 0;
+  memcpy(&b, &x, sizeof(T));
+  return b;
+}
+template <typename T>
+inline T from_bits(uint64_t b) {
+  T x;
+  memcpy(&x, &b, sizeof(T));
+  return x;
+}
 inline unsigned ballot(unsigned mask, int pred, const char* file, int line) {
   const uint64_t* v = warp_exchange(mask, pred ? 1 : 0, "__ballot_sync", file, line);
   unsigned r = 0;
   for (int l = 0; l < kWarp; ++l) r |= (v[l] ? 1u : 0u) << l;
   return r;
 }
-inline unsigned match_any(unsigned mask, unsigned x, const char* file, int line) {
-  const uint64_t* v = warp_exchange(mask, x, "__match_any_sync", file, line);
+template <typename T>
+inline unsigned match_any(unsigned mask, T x, const char* file, int line) {
+  const uint64_t* v = warp_exchange(mask, to_bits(x), "__match_any_sync", file, line);
   unsigned r = 0;
-  for (int l = 0; l < kWarp; ++l) r |= ((unsigned)v[l] == x ? 1u : 0u) << l;
+  for (int l = 0; l < kWarp; ++l) r |= (v[l] == to_bits(x) ? 1u : 0u) << l;
   return r;
 }
-inline float shfl_xor(unsigned mask, float x, int lane_mask, const char* file, int line) {
-  const uint64_t* v = warp_exchange(mask, f2u(x), "__shfl_xor_sync", file, line);
-  return u2f((uint32_t)v[(cur_fiber().lane ^ lane_mask) & 31]);
+// Width 32 only (the kernels use no other); a lane mask >= 32 reads the lane itself, as CUDA.
+template <typename T>
+inline T shfl_xor(unsigned mask, T x, int lane_mask, const char* file, int line) {
+  const uint64_t* v = warp_exchange(mask, to_bits(x), "__shfl_xor_sync", file, line);
+  const int lane = cur_fiber().lane, src = lane ^ lane_mask;
+  return src < kWarp ? from_bits<T>(v[src]) : x;
 }
-inline unsigned shfl_up(unsigned mask, unsigned x, unsigned delta, const char* file, int line) {
-  const uint64_t* v = warp_exchange(mask, x, "__shfl_up_sync", file, line);
+template <typename T>
+inline T shfl_up(unsigned mask, T x, unsigned delta, const char* file, int line) {
+  const uint64_t* v = warp_exchange(mask, to_bits(x), "__shfl_up_sync", file, line);
   const int lane = cur_fiber().lane;
-  return lane >= (int)delta ? (unsigned)v[lane - (int)delta] : x;
+  return lane >= (int)delta ? from_bits<T>(v[lane - (int)delta]) : x;
 }
 }  // namespace kd_emu
 

@@ -19,6 +19,16 @@ int finish(const std::string& e, char* err, size_t err_len) {
 
 dim3 d3(unsigned x, unsigned y = 1) { return dim3{x, y, 1}; }
 
+// No C++ exception may cross the extern "C" boundary (e.g. bad_alloc for the fiber stacks).
+std::string guarded(dim3 grid, dim3 block, unsigned bounds, uint64_t seed,
+                    const std::function<void()>& body) {
+  try {
+    return kd_emu::launch(grid, block, bounds, seed, body);
+  } catch (const std::exception& e) {
+    return std::string("emulation failed: ") + e.what();
+  }
+}
+
 }  // namespace
 
 // keydiff_pass1 then keydiff_pass2. dtype: 0 f32, 1 f16, 2 bf16. `anchor` must be zeroed.
@@ -50,8 +60,8 @@ extern "C" int kd_emu_keydiff_scores(int dtype, const void* keys, int64_t head_s
       return finish("unknown dtype " + std::to_string(dtype), err, err_len);
   }
 #undef KD_EMU_PASSES
-  std::string e = kd_emu::launch(d3(grid_x, grid_y), d3(block), KD_THREADS, seed, p1);
-  if (e.empty()) e = kd_emu::launch(d3(grid_x, grid_y), d3(block), KD_THREADS, seed + 1, p2);
+  std::string e = guarded(d3(grid_x, grid_y), d3(block), KD_THREADS, seed, p1);
+  if (e.empty()) e = guarded(d3(grid_x, grid_y), d3(block), KD_THREADS, seed + 1, p2);
   return finish(e, err, err_len);
 }
 
@@ -61,7 +71,7 @@ extern "C" int kd_emu_select_plan(const float* scores, int64_t score_stride,
                                   int64_t plan_stride, unsigned grid_x, unsigned block,
                                   uint64_t seed, char* err, size_t err_len) {
   const std::string e =
-      kd_emu::launch(d3(grid_x), d3(block), KD_SELECT_THREADS, seed, [=] {
+      guarded(d3(grid_x), d3(block), KD_SELECT_THREADS, seed, [=] {
         keydiff_select_plan(scores, score_stride, positions, pos_stride, n, budget, sinks,
                             recent, plan, plan_stride);
       });
@@ -72,7 +82,7 @@ extern "C" int kd_emu_move_rows(char* buf, int64_t head_stride, int64_t row_stri
                                 int row_bytes, const uint32_t* plan, int64_t plan_stride,
                                 int max_moves, unsigned grid_x, unsigned grid_y, unsigned block,
                                 uint64_t seed, char* err, size_t err_len) {
-  const std::string e = kd_emu::launch(d3(grid_x, grid_y), d3(block), 0, seed, [=] {
+  const std::string e = guarded(d3(grid_x, grid_y), d3(block), 0, seed, [=] {
     keydiff_move_rows(buf, head_stride, row_stride, row_bytes, plan, plan_stride, max_moves);
   });
   return finish(e, err, err_len);
@@ -84,7 +94,7 @@ extern "C" int kd_emu_snapkv_pool(const float* stats, int64_t stats_stride,
                                   uint32_t* bitmap, int words, uint32_t* word_rank,
                                   uint32_t* sorted, float* scores, unsigned grid_x,
                                   unsigned block, uint64_t seed, char* err, size_t err_len) {
-  const std::string e = kd_emu::launch(d3(grid_x), d3(block), KD_POOL_THREADS, seed, [=] {
+  const std::string e = guarded(d3(grid_x), d3(block), KD_POOL_THREADS, seed, [=] {
     snapkv_pool(stats, stats_stride, positions, pos_stride, n, bitmap, words, word_rank, sorted,
                 scores);
   });
@@ -196,5 +206,5 @@ extern "C" int kd_emu_selftest(int which, uint64_t seed, int* out, char* err, si
     default:
       return finish("unknown self-test " + std::to_string(which), err, err_len);
   }
-  return finish(kd_emu::launch(grid, block, bounds, seed, body), err, err_len);
+  return finish(guarded(grid, block, bounds, seed, body), err, err_len);
 }

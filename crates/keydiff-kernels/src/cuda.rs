@@ -251,9 +251,11 @@ pub fn snapkv_pool(
     let dev = stats.device().clone();
     let words = pool_words(span);
     let bitmap = dev.alloc_zeros::<u32>(kv * words)?;
-    // SAFETY: written before read inside the kernel (word ranks, then the sorted slots).
+    // SAFETY: written before read inside the kernel.
     let word_rank = unsafe { dev.alloc::<u32>(kv * words)? };
-    let sorted = unsafe { dev.alloc::<u32>(kv * n)? };
+    // Zeroed: unique positions (the cache's invariant) fill every entry, but were one repeated,
+    // an unwritten entry would send a read through garbage; zeros keep it inside `stats`.
+    let sorted = dev.alloc_zeros::<u32>(kv * n)?;
     let scores = unsafe { dev.alloc::<f32>(kv * n)? };
     let s = stats
         .as_cuda_slice::<f32>()?

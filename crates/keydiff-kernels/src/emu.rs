@@ -111,21 +111,36 @@ fn call(what: &str, f: impl FnOnce(*mut c_char, usize) -> c_int) -> Result<()> {
     Ok(())
 }
 
-/// `len` must hold index `(heads − 1)·hs + (rows − 1)·rs + row_len − 1`.
+/// `len` must hold index `(heads − 1)·hs + (rows − 1)·rs + row_len − 1`, and the strides in
+/// bytes must fit the kernels' `int64_t`; overflow is an error, not a wrap.
+#[allow(clippy::too_many_arguments)]
 fn check_extent(
     what: &str,
     len: usize,
+    elem: usize,
     heads: usize,
     rows: usize,
     row_len: usize,
     hs: usize,
     rs: usize,
 ) -> Result<()> {
-    let last = (heads.max(1) - 1) * hs + (rows.max(1) - 1) * rs + row_len;
-    if heads > 0 && rows > 0 && row_len > 0 && last > len {
-        bail!("{what}: {heads} heads × {rows} rows × {row_len} with strides ({hs}, {rs}) exceed {len} elements");
+    if heads == 0 || rows == 0 || row_len == 0 {
+        return Ok(());
     }
-    Ok(())
+    let last = (heads - 1)
+        .checked_mul(hs)
+        .and_then(|a| (rows - 1).checked_mul(rs).and_then(|b| a.checked_add(b)))
+        .and_then(|a| a.checked_add(row_len));
+    let byte_strides_fit = [hs, rs]
+        .iter()
+        .all(|&s| s.checked_mul(elem).is_some_and(|b| b <= i64::MAX as usize));
+    match last {
+        Some(last) if last <= len && byte_strides_fit => Ok(()),
+        _ => bail!(
+            "{what}: {heads} heads × {rows} rows × {row_len} with strides ({hs}, {rs}) exceed \
+             {len} elements"
+        ),
+    }
 }
 
 /// Keys of one layer in a dtype the scoring kernels take.
@@ -161,7 +176,17 @@ pub fn keydiff_scores(
 ) -> Result<Vec<f32>> {
     check_scores(kv, n, d)?;
     let (dtype, ptr, len) = keys.parts();
-    check_extent("keydiff-scores", len, kv, n, d, head_stride, row_stride)?;
+    let elem = if dtype == 0 { 4 } else { 2 };
+    check_extent(
+        "keydiff-scores",
+        len,
+        elem,
+        kv,
+        n,
+        d,
+        head_stride,
+        row_stride,
+    )?;
     let l = scores_launch(kv, n);
     let mut norms = vec![0f32; kv * n];
     let mut anchor = vec![0f32; kv * d];
@@ -212,6 +237,7 @@ pub fn select_plan(
     check_extent(
         "select-plan scores",
         scores.len(),
+        4,
         kv,
         1,
         n,
@@ -221,6 +247,7 @@ pub fn select_plan(
     check_extent(
         "select-plan positions",
         positions.len(),
+        4,
         kv,
         1,
         n,
@@ -277,9 +304,11 @@ pub fn move_rows<T: Copy>(
             plan.len()
         );
     }
+    let elem = std::mem::size_of::<T>();
     check_extent(
         "move-rows",
         buf.len(),
+        elem,
         kv,
         rows,
         row_len,
@@ -288,6 +317,9 @@ pub fn move_rows<T: Copy>(
     )?;
     let cols = plan.len() / kv;
     let m = (cols - 1) / 2;
+    if m > i32::MAX as usize || row_len * elem > i32::MAX as usize {
+        bail!("move-rows: {m} moves or rows of {row_len} × {elem} bytes past the kernel's int");
+    }
     for (h, row) in plan.chunks(cols).enumerate() {
         let count = (row[0] as usize).min(m);
         let (src, dst) = (&row[1..1 + count], &row[1 + m..1 + m + count]);
@@ -298,7 +330,6 @@ pub fn move_rows<T: Copy>(
     if m == 0 {
         return Ok(());
     }
-    let elem = std::mem::size_of::<T>();
     let l = move_launch(m, kv);
     call("move-rows", |err, err_len| {
         // SAFETY: every row the plan names lies inside the extent checked above.
@@ -336,23 +367,43 @@ pub fn snapkv_pool(
     seed: u64,
 ) -> Result<Vec<f32>> {
     check_pool(kv, n, span)?;
-    check_extent("snapkv-pool stats", stats.len(), kv, 1, n, stats_stride, 0)?;
+    check_extent(
+        "snapkv-pool stats",
+        stats.len(),
+        4,
+        kv,
+        1,
+        n,
+        stats_stride,
+        0,
+    )?;
     check_extent(
         "snapkv-pool positions",
         positions.len(),
+        4,
         kv,
         1,
         n,
         pos_stride,
         0,
     )?;
+    let words = pool_words(span);
+    // Positions below the span index the bitmap; unique ones give ranks below n (a repeated
+    // position would leave a slot of `sorted` unwritten, and the kernel would read through it).
+    let mut seen = vec![0u32; words];
     for h in 0..kv {
-        let row = &positions[h * pos_stride..h * pos_stride + n];
-        if let Some(p) = row.iter().find(|&&p| p as usize >= span) {
-            bail!("snapkv-pool: head {h} has position {p}, not below the span {span}");
+        seen.fill(0);
+        for &p in &positions[h * pos_stride..h * pos_stride + n] {
+            if p as usize >= span {
+                bail!("snapkv-pool: head {h} has position {p}, not below the span {span}");
+            }
+            let (w, bit) = ((p >> 5) as usize, 1u32 << (p & 31));
+            if seen[w] & bit != 0 {
+                bail!("snapkv-pool: head {h} has position {p} twice");
+            }
+            seen[w] |= bit;
         }
     }
-    let words = pool_words(span);
     let mut bitmap = vec![0u32; kv * words];
     let mut word_rank = vec![u32::MAX; kv * words];
     let mut sorted = vec![u32::MAX; kv * n];
@@ -360,7 +411,8 @@ pub fn snapkv_pool(
     let l = per_head_launch(kv);
     call("snapkv-pool", |err, err_len| {
         // SAFETY: reads inside the checked extents; positions < span index the bitmap and word
-        // ranks of `words` per head; ranks < n index `sorted`.
+        // ranks of `words` per head; unique positions have ranks < n, which index `sorted`,
+        // and fill all of it.
         unsafe {
             kd_emu_snapkv_pool(
                 stats.as_ptr(),

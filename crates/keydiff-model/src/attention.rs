@@ -145,7 +145,9 @@ pub fn flash_attend(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
                     )))
                 }
             };
-            Ok(y.squeeze(0)?.transpose(0, 1)?.reshape((b, h * d))?)
+            // Its f16/bf16 kernels return f32: back to q's dtype, as on CUDA and in eager.
+            let y = y.squeeze(0)?.transpose(0, 1)?.reshape((b, h * d))?;
+            Ok(y.to_dtype(q.dtype())?)
         }
         #[cfg(feature = "flash-attn")]
         Device::Cuda(_) => {
@@ -374,6 +376,8 @@ mod tests {
                 &cast(&as_flash_kv(&k)?)?,
                 &cast(&as_flash_kv(&v)?)?,
             )?;
+            // In the input's dtype: the next layer's matmuls need it.
+            assert_eq!(flash16.dtype(), DType::BF16);
             let diff = (flash16.to_dtype(DType::F32)? - &eager)?
                 .abs()?
                 .max_all()?
