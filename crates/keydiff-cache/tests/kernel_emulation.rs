@@ -275,6 +275,7 @@ fn selection_matches_the_twin_past_the_argsort_limit() {
         (1, 129, 1, 0, 0),
         (2, 1000, 100, 8, 50),
         (2, 131_072 + 128, 131_072, 4, 0),
+        (1, 131_072 + 128, 131_072, 4, 64),
     ];
     for (kv, n, budget, sinks, recent) in cases {
         for seed in SEEDS {
