@@ -274,16 +274,20 @@ extern "C" __global__ void __launch_bounds__(KD_SELECT_THREADS)
 // Applies the plan to one buffer of rows: [heads, rows, row_bytes] with byte strides. One warp
 // per move. Used for K, V (row = head_dim elements),
 // positions and policy state (row = 4 bytes). Grid (ceil(M / warps per block), heads).
+// A move naming a row outside [0, rows) is skipped (the CPU op refuses such a plan; a kernel
+// cannot, but it never writes outside the buffer).
 extern "C" __global__ void keydiff_move_rows(char* buf, int64_t head_stride, int64_t row_stride,
-                                             int row_bytes, const uint32_t* plan,
+                                             int row_bytes, int rows, const uint32_t* plan,
                                              int64_t plan_stride, int max_moves) {
   const int h = blockIdx.y;
   const uint32_t* p = plan + h * plan_stride;
   const int lane = threadIdx.x & 31;
   const int m = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   if (m >= min((int)p[0], max_moves)) return;
-  const char* from = buf + h * head_stride + (int64_t)p[1 + m] * row_stride;
-  char* to = buf + h * head_stride + (int64_t)p[1 + max_moves + m] * row_stride;
+  const uint32_t src = p[1 + m], dst = p[1 + max_moves + m];
+  if (src >= (uint32_t)rows || dst >= (uint32_t)rows) return;
+  const char* from = buf + h * head_stride + (int64_t)src * row_stride;
+  char* to = buf + h * head_stride + (int64_t)dst * row_stride;
   if ((((uintptr_t)from | (uintptr_t)to | (uintptr_t)row_bytes) & 15u) == 0) {
     for (int j = lane; j < row_bytes / 16; j += 32)
       reinterpret_cast<uint4*>(to)[j] = reinterpret_cast<const uint4*>(from)[j];
@@ -301,7 +305,8 @@ extern "C" __global__ void keydiff_move_rows(char* buf, int64_t head_stride, int
 // sort), and scores[i] = (sum of stats over the 5 slots ranked r-2..r+2) / 5, zero padding
 // counted, as F.avg_pool1d(kernel 5, padding 2). The additions run in the CPU twin's order
 // (`avg_pool` in crates/keydiff-cache/src/policy/snapkv.rs), so results are bit-identical.
-// One block per head. bitmap [heads, words] must be zeroed; words * 32 > every position.
+// One block per head. bitmap [heads, words] must be zeroed; words * 32 > every position (a
+// position past the bitmap is skipped, never written through; its slot gets NaN).
 // ---------------------------------------------------------------------------------------------
 
 #define KD_POOL_THREADS 1024
@@ -324,7 +329,7 @@ extern "C" __global__ void __launch_bounds__(KD_POOL_THREADS)
 
   for (int i = threadIdx.x; i < n; i += blockDim.x) {
     const uint32_t p = pos[i];
-    atomicOr(&bm[p >> 5], 1u << (p & 31u));
+    if ((p >> 5) < (uint32_t)words) atomicOr(&bm[p >> 5], 1u << (p & 31u));
   }
   if (threadIdx.x == 0) base = 0;
   __syncthreads();
@@ -350,12 +355,17 @@ extern "C" __global__ void __launch_bounds__(KD_POOL_THREADS)
   }
   for (int i = threadIdx.x; i < n; i += blockDim.x) {
     const uint32_t p = pos[i];
+    if ((p >> 5) >= (uint32_t)words) continue;
     const uint32_t r = wr[p >> 5] + __popc(bm[p >> 5] & ((1u << (p & 31u)) - 1u));
     srt[r] = (uint32_t)i;
   }
   __syncthreads();
   for (int i = threadIdx.x; i < n; i += blockDim.x) {
     const uint32_t p = pos[i];
+    if ((p >> 5) >= (uint32_t)words) {
+      out[i] = __int_as_float(0x7fc00000);  // NaN
+      continue;
+    }
     const int r = (int)(wr[p >> 5] + __popc(bm[p >> 5] & ((1u << (p & 31u)) - 1u)));
     float s = 0.f;
     for (int j = max(r - KD_POOL_HALF, 0); j <= min(r + KD_POOL_HALF, n - 1); ++j) s += st[srt[j]];

@@ -21,6 +21,7 @@ mutants=(
   "moves: copies half of each 16-byte-aligned row~j < row_bytes / 16; j += 32~j < row_bytes / 32; j += 32"
   "snapkv: pooling window one short~j <= min(r + KD_POOL_HALF, n - 1)~j < min(r + KD_POOL_HALF, n - 1)"
   "snapkv: word-rank scan drops the carry between passes~    unsigned off = base;~    unsigned off = 0;"
+  "moves: no bound on the rows a plan names~  if (src >= (uint32_t)rows || dst >= (uint32_t)rows) return;~  (void)rows;"
   "scores: pass 2 skips the last row~    float dot = 0.f;\n~    if (r == n - 1) continue;\n    float dot = 0.f;\n"
 )
 

@@ -79,11 +79,13 @@ extern "C" int kd_emu_select_plan(const float* scores, int64_t score_stride,
 }
 
 extern "C" int kd_emu_move_rows(char* buf, int64_t head_stride, int64_t row_stride,
-                                int row_bytes, const uint32_t* plan, int64_t plan_stride,
-                                int max_moves, unsigned grid_x, unsigned grid_y, unsigned block,
-                                uint64_t seed, char* err, size_t err_len) {
+                                int row_bytes, int rows, const uint32_t* plan,
+                                int64_t plan_stride, int max_moves, unsigned grid_x,
+                                unsigned grid_y, unsigned block, uint64_t seed, char* err,
+                                size_t err_len) {
   const std::string e = guarded(d3(grid_x, grid_y), d3(block), 0, seed, [=] {
-    keydiff_move_rows(buf, head_stride, row_stride, row_bytes, plan, plan_stride, max_moves);
+    keydiff_move_rows(buf, head_stride, row_stride, row_bytes, rows, plan, plan_stride,
+                      max_moves);
   });
   return finish(e, err, err_len);
 }

@@ -109,7 +109,7 @@ fn bf16_model_matches_cpu_f32(dev: &Device) -> Result<()> {
                 evict_every: None,
             };
             let cfg = |device: Device, dtype| EngineConfig {
-                attention: keydiff::AttentionBackend::resolve("auto", &device).unwrap(),
+                attention: keydiff::AttentionBackend::resolve("auto", &device, dtype).unwrap(),
                 device,
                 dtype,
                 cache: cache.clone(),

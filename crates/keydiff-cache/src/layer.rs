@@ -284,7 +284,7 @@ impl LayerCache {
 
     /// Applies a plan (`[kv_heads, 1 + 2M]` u32, see [`SelectPlan`]) to K, V, positions and
     /// state, then sets the used length to `new_len`.
-    pub fn apply_plan(&mut self, plan: &Tensor, new_len: usize) -> Result<()> {
+    pub(crate) fn apply_plan(&mut self, plan: &Tensor, new_len: usize) -> Result<()> {
         if new_len > self.len {
             return Err(CacheError::Shape(format!(
                 "new len {new_len} > {}",

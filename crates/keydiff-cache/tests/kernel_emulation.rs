@@ -373,10 +373,24 @@ fn moves_match_sequential_copies() {
     check_moves(|i| i as u16, 64, 72, &mut rng);
     check_moves(|i| i as u32, 1, 1, &mut rng);
     check_moves(|i| i as u16, 3, 3, &mut rng);
-    // A plan naming a row past the buffer's rows is refused before launch.
+    // A plan naming a row past what the buffer holds is refused before launch.
     let mut buf = vec![0u32; 10];
     let bad = [1u32, 12, 0];
     assert!(emu::move_rows(&mut buf, 1, 10, 1, 10, 1, &bad, 1).is_err());
+    // One naming a row past the view (rows = 6) but inside the buffer: the kernel skips that
+    // move (as it must on a GPU, where nothing refuses the plan) and does the others.
+    let mut buf: Vec<u32> = (0..10).collect();
+    // Two moves: 7 -> 2 (outside the view: skipped), 5 -> 1 (done).
+    let plan = [2u32, 7, 5, 2, 1];
+    emu::move_rows(&mut buf, 1, 6, 1, 10, 1, &plan, 1).unwrap();
+    assert_eq!(buf, [0, 5, 2, 3, 4, 5, 6, 7, 8, 9]);
+    let plan = [2u32, 5, 4, 8, 1];
+    emu::move_rows(&mut buf, 1, 6, 1, 10, 1, &plan, 1).unwrap();
+    assert_eq!(
+        buf,
+        [0, 4, 2, 3, 4, 5, 6, 7, 8, 9],
+        "a write to row 8 left the view"
+    );
 }
 
 #[test]

@@ -176,15 +176,16 @@ impl LoadArgs {
             ModelSource::parse(&self.model)?
         };
         let device = parse_device(&self.device)?;
+        let dtype = parse_dtype(&self.dtype)?;
         let cfg = EngineConfig {
             cpu_weights: if self.as_stored {
                 CpuWeights::AS_STORED
             } else {
                 CpuWeights::FAST
             },
-            attention: AttentionBackend::resolve(&self.attention, &device)?,
+            attention: AttentionBackend::resolve(&self.attention, &device, dtype)?,
             device,
-            dtype: parse_dtype(&self.dtype)?,
+            dtype,
             cache,
         };
         let engine = Engine::load(&source, &cfg)
@@ -365,7 +366,7 @@ fn real_main() -> Result<()> {
         } => {
             let dev = parse_device(&device)?;
             let dt = parse_dtype(&dtype)?;
-            let attention = AttentionBackend::resolve(&attention, &dev)?;
+            let attention = AttentionBackend::resolve(&attention, &dev, dt)?;
             let mut caches = vec![CacheConfig::full(chunk)];
             if let Some(n) = budget {
                 for p in &policies {

@@ -176,9 +176,9 @@ pub fn move_rows(
 ) -> Result<()> {
     let dims = layout.dims();
     let st = layout.stride();
-    let (kv, row_elems) = match *dims {
-        [kv, _] => (kv, 1),
-        [kv, _, d] if st[2] == 1 => (kv, d),
+    let (kv, rows, row_elems) = match *dims {
+        [kv, rows] => (kv, rows, 1),
+        [kv, rows, d] if st[2] == 1 => (kv, rows, d),
         _ => bail!("move-rows: buffer {dims:?} with strides {st:?} is not [kv, rows(, d)]"),
     };
     let (pkv, cols) = plan_layout.shape().dims2()?;
@@ -196,8 +196,13 @@ pub fn move_rows(
         return Ok(());
     }
     let elem = buf.dtype().size_in_bytes();
+    let int_max = i32::MAX as usize;
+    if kv > MAX_HEADS || m > int_max || rows > int_max || row_elems * elem > int_max {
+        bail!("move-rows: {kv} heads, {m} moves or {rows} rows of {row_elems} out of range");
+    }
     let (hs, rs) = ((st[0] * elem) as i64, (st[1] * elem) as i64);
     let (row_bytes, plan_stride, m32) = ((row_elems * elem) as i32, cols as i64, m as i32);
+    let rows32 = rows as i32;
     let dev = buf.device().clone();
     let p = plan
         .as_cuda_slice::<u32>()?
@@ -213,11 +218,12 @@ pub fn move_rows(
             b.arg(&hs);
             b.arg(&rs);
             b.arg(&row_bytes);
+            b.arg(&rows32);
             b.arg(&p);
             b.arg(&plan_stride);
             b.arg(&m32);
-            // SAFETY: argument list matches `keydiff_move_rows`; rows lie inside the buffer
-            // because plan entries are < n <= rows (checked when the plan was made).
+            // SAFETY: argument list matches `keydiff_move_rows`; the kernel skips any move
+            // naming a row outside [0, rows), so it writes only inside the buffer view.
             unsafe { b.launch(cfg) }.w()?;
         }};
     }
@@ -235,6 +241,8 @@ pub fn move_rows(
 /// SnapKV pooling along positions (`snapkv_pool`): `stats` `[kv, n]` f32 and `positions`
 /// `[kv, ≥ n]` u32 (rows contiguous, unique per head, all `< span`) give `[kv, n]` f32, each
 /// slot's stats avg-pooled (kernel 5, zero padding) with its neighbours in position order.
+/// The kernel cannot refuse bad positions as the CPU op does; a position past the bitmap gets
+/// NaN and a repeated one wrong neighbours, but memory outside the buffers is never touched.
 pub fn snapkv_pool(
     stats: &CudaStorage,
     stats_layout: &Layout,

@@ -63,6 +63,7 @@ extern "C" {
         head_stride: i64,
         row_stride: i64,
         row_bytes: c_int,
+        rows: c_int,
         plan: *const u32,
         plan_stride: i64,
         max_moves: c_int,
@@ -285,8 +286,10 @@ pub fn select_plan(
 }
 
 /// `keydiff_move_rows` on `buf` viewed as `[kv, rows, row_len]` with element strides
-/// `(head_stride, row_stride, 1)`, after a plan `[kv, 1 + 2M]` from [`select_plan`]. Every
-/// index the plan names is checked against `rows` first.
+/// `(head_stride, row_stride, 1)`, after a plan `[kv, 1 + 2M]` from [`select_plan`]. As on the
+/// GPU, the kernel itself skips moves that name a row outside `[0, rows)`; this wrapper only
+/// refuses indices past what `buf` holds at these strides, so that the kernel's own bound is
+/// what keeps moves inside the view (and can be tested).
 #[allow(clippy::too_many_arguments)]
 pub fn move_rows<T: Copy>(
     buf: &mut [T],
@@ -317,14 +320,19 @@ pub fn move_rows<T: Copy>(
     )?;
     let cols = plan.len() / kv;
     let m = (cols - 1) / 2;
-    if m > i32::MAX as usize || row_len * elem > i32::MAX as usize {
+    if m > i32::MAX as usize || row_len * elem > i32::MAX as usize || rows > i32::MAX as usize {
         bail!("move-rows: {m} moves or rows of {row_len} × {elem} bytes past the kernel's int");
     }
+    // Rows of the last head that fit in `buf` (the extent check above covers `rows`).
+    let held = match row_stride {
+        0 => rows,
+        rs => (buf.len() - (kv - 1) * head_stride - row_len) / rs + 1,
+    };
     for (h, row) in plan.chunks(cols).enumerate() {
         let count = (row[0] as usize).min(m);
         let (src, dst) = (&row[1..1 + count], &row[1 + m..1 + m + count]);
-        if let Some(bad) = src.iter().chain(dst).find(|&&i| i as usize >= rows) {
-            bail!("move-rows: head {h} moves row {bad}, past {rows} rows");
+        if let Some(bad) = src.iter().chain(dst).find(|&&i| i as usize >= held) {
+            bail!("move-rows: head {h} moves row {bad}, past the {held} rows the buffer holds");
         }
     }
     if m == 0 {
@@ -332,13 +340,15 @@ pub fn move_rows<T: Copy>(
     }
     let l = move_launch(m, kv);
     call("move-rows", |err, err_len| {
-        // SAFETY: every row the plan names lies inside the extent checked above.
+        // SAFETY: every row the plan names lies inside `buf` (checked above), and the kernel
+        // writes no row outside [0, rows).
         unsafe {
             kd_emu_move_rows(
                 buf.as_mut_ptr().cast(),
                 (head_stride * elem) as i64,
                 (row_stride * elem) as i64,
                 (row_len * elem) as c_int,
+                rows as c_int,
                 plan.as_ptr(),
                 cols as i64,
                 m as c_int,

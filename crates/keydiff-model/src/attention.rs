@@ -40,17 +40,27 @@ impl AttentionBackend {
     }
 
     /// The backend named `name` (`eager`, `flash`), or for `auto` the best this build has for
-    /// `device`: flash on CUDA when built with the `flash-attn` feature, eager otherwise (on the
-    /// CPU eager is faster: its matmuls are GEMMs, candle-nn's CPU kernel is not).
-    pub fn resolve(name: &str, device: &Device) -> Result<Self> {
+    /// `device` and activations of `dtype`: see [`Self::auto`].
+    pub fn resolve(name: &str, device: &Device, dtype: DType) -> Result<Self> {
         if name == "auto" {
-            return Ok(if device.is_cuda() && cfg!(feature = "flash-attn") {
-                Self::Flash
-            } else {
-                Self::Eager
-            });
+            return Ok(Self::auto(
+                device.is_cuda(),
+                cfg!(feature = "flash-attn"),
+                dtype,
+            ));
         }
         name.parse()
+    }
+
+    /// `auto`: flash on CUDA in bf16/f16 when the build has the `flash-attn` feature (its
+    /// kernels take no f32), eager otherwise (on the CPU eager is faster: its matmuls are GEMMs,
+    /// candle-nn's CPU kernel is not).
+    pub fn auto(cuda: bool, flash_built: bool, dtype: DType) -> Self {
+        if cuda && flash_built && matches!(dtype, DType::BF16 | DType::F16) {
+            Self::Flash
+        } else {
+            Self::Eager
+        }
     }
 
     /// Checks that this build can run the backend on `device` with activations of `dtype` and
@@ -237,8 +247,9 @@ pub fn attention_probs(
     let chunk = rows / group;
     let t = k.dim(1)?;
     let scale = 1.0 / (d as f64).sqrt();
-    // [kv, g·B, T]
-    let scores = (q.matmul(&k.t()?)? * scale)?.to_dtype(DType::F32)?;
+    // [kv, g·B, T]. The scale goes on q first: unscaled q·k products in f16 overflow (65504)
+    // on models with large q/k biases such as Qwen2.5, and cuBLAS writes f16 results.
+    let scores = (q * scale)?.matmul(&k.t()?)?.to_dtype(DType::F32)?;
     let scores = match mask {
         Some(m) => scores
             .reshape((kv_heads, group, chunk, t))?
@@ -387,6 +398,34 @@ mod tests {
         Ok(())
     }
 
+    /// Unscaled q·k products past f16's range (65504) must not turn into inf/NaN: the scale is
+    /// applied to q before the product.
+    #[test]
+    fn f16_scores_do_not_overflow() -> Result<()> {
+        let dev = Device::Cpu;
+        let (kv, b, t, d) = (1, 4, 6, 64);
+        // Every query and key is ±40 with the same signs, but one key flipped:
+        // q·k = ±64 · 40 · 40 = ±102400 unscaled, ±12800 scaled.
+        let signs = Tensor::randn(0f32, 1., (kv, 1, d), &dev)?.sign()?;
+        let q = (signs.broadcast_as((kv, b, d))? * 40.0)?;
+        let flip = Tensor::new(&[1f32, -1., 1., 1., 1., 1.], &dev)?.reshape((1, t, 1))?;
+        let k = (signs.broadcast_mul(&flip)? * 40.0)?;
+        let mask = chunk_mask(b, t, DType::F32, &dev)?;
+        let want = attention_probs(&q, &k, Some(&mask), 1)?;
+        let half = |x: &Tensor| x.to_dtype(DType::F16);
+        let got = attention_probs(&half(&q)?, &half(&k)?, Some(&half(&mask)?), 1)?;
+        let got = got.flatten_all()?.to_vec1::<f32>()?;
+        assert!(got.iter().all(|p| p.is_finite()), "{got:?}");
+        let want = want.flatten_all()?.to_vec1::<f32>()?;
+        let err = got
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(err < 1e-2, "max error {err}");
+        Ok(())
+    }
+
     #[test]
     fn flash_refuses_more_queries_than_keys() -> Result<()> {
         let dev = Device::Cpu;
@@ -423,14 +462,21 @@ mod tests {
     fn backend_names_and_checks() -> Result<()> {
         let cpu = Device::Cpu;
         assert_eq!(
-            AttentionBackend::resolve("auto", &cpu)?,
+            AttentionBackend::resolve("auto", &cpu, DType::BF16)?,
             AttentionBackend::Eager
         );
         assert_eq!(
-            AttentionBackend::resolve("flash", &cpu)?,
+            AttentionBackend::resolve("flash", &cpu, DType::F32)?,
             AttentionBackend::Flash
         );
-        let err = AttentionBackend::resolve("sdpa", &cpu).expect_err("unknown backend");
+        // auto picks flash only where it can run: CUDA, a flash build, half precision.
+        use AttentionBackend::{Eager, Flash};
+        assert_eq!(AttentionBackend::auto(true, true, DType::BF16), Flash);
+        assert_eq!(AttentionBackend::auto(true, true, DType::F16), Flash);
+        assert_eq!(AttentionBackend::auto(true, true, DType::F32), Eager);
+        assert_eq!(AttentionBackend::auto(true, false, DType::BF16), Eager);
+        assert_eq!(AttentionBackend::auto(false, true, DType::BF16), Eager);
+        let err = AttentionBackend::resolve("sdpa", &cpu, DType::F32).expect_err("unknown backend");
         assert!(err.to_string().contains("`sdpa`"), "{err}");
         AttentionBackend::Flash.check(&cpu, DType::BF16, 64)?;
         let err = AttentionBackend::Flash

@@ -93,6 +93,20 @@ pub struct Linear {
     stored: String,
 }
 
+/// `QMatMul::from_qtensor`, with unquantized GGUF weights (F32/F16/BF16, which candle keeps as
+/// an f32 `QMatMul::Tensor`, or f16 under `CANDLE_DEQUANTIZE_ALL_F16`) cast once to the model's
+/// dtype: candle's plain matmul wants both sides in one dtype, and bf16/f16 activations would
+/// otherwise meet an f32 weight.
+fn gguf_matmul(q: QTensor, dtype: DType) -> Result<QMatMul> {
+    Ok(match QMatMul::from_qtensor(q)? {
+        QMatMul::Tensor(t) | QMatMul::TensorF16(t) if t.dtype() != dtype => {
+            QMatMul::Tensor(t.to_dtype(dtype)?)
+        }
+        QMatMul::TensorF16(t) => QMatMul::Tensor(t),
+        m => m,
+    })
+}
+
 impl Linear {
     /// `x`: `[.., in]` → `[.., out]`, in `x`'s dtype. `prefill` selects the dense copy when
     /// there is one.
@@ -409,7 +423,7 @@ impl Weights {
                 stored = format!("{:?}", q.dtype());
                 let (q, d) = opts.prepare(q, device, *dtype)?;
                 dense = d;
-                QMatMul::from_qtensor(q)?
+                gguf_matmul(q, *dtype)?
             }
             _ => {
                 let t = self.tensor(&wname, &[out_dim, in_dim], Init::Normal)?;
@@ -472,7 +486,7 @@ impl Weights {
                 stored = format!("{:?}", q.dtype());
                 let (q, d) = opts.prepare(q, device, *dtype)?;
                 dense = d;
-                QMatMul::from_qtensor(q)?
+                gguf_matmul(q, *dtype)?
             }
             _ => {
                 let t = self.tensor(
@@ -581,5 +595,41 @@ impl Init {
             Init::Ones => Tensor::ones(shape, dtype, device)?,
             Init::Zeros => Tensor::zeros(shape, dtype, device)?,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// GGUF files may store linears unquantized (F32/F16/BF16); candle dequantizes those to an
+    /// f32 matrix, which a bf16 or f16 model must still be able to multiply.
+    #[test]
+    fn unquantized_gguf_linears_run_in_half_precision() -> Result<()> {
+        let dev = Device::Cpu;
+        let w = Tensor::randn(0f32, 1., (6, 32), &dev)?;
+        let x = Tensor::randn(0f32, 1., (3, 32), &dev)?;
+        let want = x.matmul(&w.t()?)?;
+        for stored in [GgmlDType::F32, GgmlDType::F16, GgmlDType::BF16] {
+            for dtype in [DType::F32, DType::F16, DType::BF16] {
+                let linear = Linear {
+                    w: gguf_matmul(QTensor::quantize(&w, stored)?, dtype)?,
+                    dense: None,
+                    b: None,
+                    stored: format!("{stored:?}"),
+                };
+                let y = linear.forward(&x.to_dtype(dtype)?, false)?;
+                assert_eq!(y.dtype(), dtype, "{stored:?} weights, {dtype:?} model");
+                let err = (y.to_dtype(DType::F32)? - &want)?
+                    .abs()?
+                    .max_all()?
+                    .to_scalar::<f32>()?;
+                assert!(
+                    err < 0.2,
+                    "{stored:?} weights, {dtype:?} model: max error {err}"
+                );
+            }
+        }
+        Ok(())
     }
 }
