@@ -306,7 +306,8 @@ extern "C" __global__ void keydiff_move_rows(char* buf, int64_t head_stride, int
 // counted, as F.avg_pool1d(kernel 5, padding 2). The additions run in the CPU twin's order
 // (`avg_pool` in crates/keydiff-cache/src/policy/snapkv.rs), so results are bit-identical.
 // One block per head. bitmap [heads, words] must be zeroed; words * 32 > every position (a
-// position past the bitmap is skipped, never written through; its slot gets NaN).
+// position past the bitmap is skipped, never written through: its slot gets NaN and the
+// others pool over the positions that remain).
 // ---------------------------------------------------------------------------------------------
 
 #define KD_POOL_THREADS 1024
@@ -363,12 +364,14 @@ extern "C" __global__ void __launch_bounds__(KD_POOL_THREADS)
   for (int i = threadIdx.x; i < n; i += blockDim.x) {
     const uint32_t p = pos[i];
     if ((p >> 5) >= (uint32_t)words) {
-      out[i] = __int_as_float(0x7fc00000);  // NaN
+      out[i] = __uint_as_float(0x7fc00000u);  // NaN
       continue;
     }
     const int r = (int)(wr[p >> 5] + __popc(bm[p >> 5] & ((1u << (p & 31u)) - 1u)));
     float s = 0.f;
-    for (int j = max(r - KD_POOL_HALF, 0); j <= min(r + KD_POOL_HALF, n - 1); ++j) s += st[srt[j]];
+    // Ranks run to base - 1 (= n - 1 for valid positions; fewer if some were skipped).
+    const int last = min(n, (int)base) - 1;
+    for (int j = max(r - KD_POOL_HALF, 0); j <= min(r + KD_POOL_HALF, last); ++j) s += st[srt[j]];
     out[i] = s / (float)(2 * KD_POOL_HALF + 1);
   }
 }

@@ -19,9 +19,10 @@ mutants=(
   "scores: no barrier before the warp partials are summed~  if (lane == 0) partial[warp] = ss;\n  __syncthreads();~  if (lane == 0) partial[warp] = ss;"
   "scores: warp sum skips the lane-16 step~for (int o = 16; o > 0; o >>= 1) v +=~for (int o = 8; o > 0; o >>= 1) v +="
   "moves: copies half of each 16-byte-aligned row~j < row_bytes / 16; j += 32~j < row_bytes / 32; j += 32"
-  "snapkv: pooling window one short~j <= min(r + KD_POOL_HALF, n - 1)~j < min(r + KD_POOL_HALF, n - 1)"
+  "snapkv: pooling window one short~j <= min(r + KD_POOL_HALF, last)~j < min(r + KD_POOL_HALF, last)"
   "snapkv: word-rank scan drops the carry between passes~    unsigned off = base;~    unsigned off = 0;"
   "moves: no bound on the rows a plan names~  if (src >= (uint32_t)rows || dst >= (uint32_t)rows) return;~  (void)rows;"
+  "moves: the bound on rows one too far~  if (src >= (uint32_t)rows || dst >= (uint32_t)rows) return;~  if (src > (uint32_t)rows || dst > (uint32_t)rows) return;"
   "scores: pass 2 skips the last row~    float dot = 0.f;\n~    if (r == n - 1) continue;\n    float dot = 0.f;\n"
 )
 

@@ -332,7 +332,7 @@ inline unsigned atomicOr(unsigned* a, unsigned v) {
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline int __ffs(unsigned x) { return __builtin_ffs((int)x); }
 inline unsigned __float_as_uint(float x) { return kd_emu::f2u(x); }
-inline float __int_as_float(int x) { return kd_emu::u2f((uint32_t)x); }
+inline float __uint_as_float(unsigned x) { return kd_emu::u2f(x); }
 
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }

@@ -391,6 +391,14 @@ fn moves_match_sequential_copies() {
         [0, 4, 2, 3, 4, 5, 6, 7, 8, 9],
         "a write to row 8 left the view"
     );
+    // Row 6, the first past the view, is outside too: 6 -> 0 and 3 -> 6 are both skipped.
+    let plan = [2u32, 6, 3, 0, 6];
+    emu::move_rows(&mut buf, 1, 6, 1, 10, 1, &plan, 1).unwrap();
+    assert_eq!(
+        buf,
+        [0, 4, 2, 3, 4, 5, 6, 7, 8, 9],
+        "row 6 was read or written"
+    );
 }
 
 #[test]

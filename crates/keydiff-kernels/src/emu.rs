@@ -324,9 +324,14 @@ pub fn move_rows<T: Copy>(
         bail!("move-rows: {m} moves or rows of {row_len} × {elem} bytes past the kernel's int");
     }
     // Rows of the last head that fit in `buf` (the extent check above covers `rows`).
-    let held = match row_stride {
-        0 => rows,
-        rs => (buf.len() - (kv - 1) * head_stride - row_len) / rs + 1,
+    let tail = (kv - 1)
+        .checked_mul(head_stride)
+        .and_then(|start| buf.len().checked_sub(start))
+        .and_then(|left| left.checked_sub(row_len));
+    let held = match (row_stride, tail) {
+        (_, None) => 0,
+        (0, Some(_)) => rows,
+        (rs, Some(t)) => t / rs + 1,
     };
     for (h, row) in plan.chunks(cols).enumerate() {
         let count = (row[0] as usize).min(m);

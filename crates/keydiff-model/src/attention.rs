@@ -55,7 +55,7 @@ impl AttentionBackend {
     /// `auto`: flash on CUDA in bf16/f16 when the build has the `flash-attn` feature (its
     /// kernels take no f32), eager otherwise (on the CPU eager is faster: its matmuls are GEMMs,
     /// candle-nn's CPU kernel is not).
-    pub fn auto(cuda: bool, flash_built: bool, dtype: DType) -> Self {
+    fn auto(cuda: bool, flash_built: bool, dtype: DType) -> Self {
         if cuda && flash_built && matches!(dtype, DType::BF16 | DType::F16) {
             Self::Flash
         } else {

@@ -94,15 +94,13 @@ pub struct Linear {
 }
 
 /// `QMatMul::from_qtensor`, with unquantized GGUF weights (F32/F16/BF16, which candle keeps as
-/// an f32 `QMatMul::Tensor`, or f16 under `CANDLE_DEQUANTIZE_ALL_F16`) cast once to the model's
-/// dtype: candle's plain matmul wants both sides in one dtype, and bf16/f16 activations would
-/// otherwise meet an f32 weight.
+/// an f32 `QMatMul::Tensor`) cast once to the model's dtype: candle's plain matmul wants both
+/// sides in one dtype, and bf16/f16 activations would otherwise meet an f32 weight.
+/// (`QMatMul::TensorF16`, quantized weights under `CANDLE_DEQUANTIZE_ALL_F16`, casts its input
+/// itself and is left as it is.)
 fn gguf_matmul(q: QTensor, dtype: DType) -> Result<QMatMul> {
     Ok(match QMatMul::from_qtensor(q)? {
-        QMatMul::Tensor(t) | QMatMul::TensorF16(t) if t.dtype() != dtype => {
-            QMatMul::Tensor(t.to_dtype(dtype)?)
-        }
-        QMatMul::TensorF16(t) => QMatMul::Tensor(t),
+        QMatMul::Tensor(t) if t.dtype() != dtype => QMatMul::Tensor(t.to_dtype(dtype)?),
         m => m,
     })
 }
