@@ -23,6 +23,8 @@ mutants=(
   "snapkv: word-rank scan drops the carry between passes~    unsigned off = base;~    unsigned off = 0;"
   "moves: no bound on the rows a plan names~  if (src >= (uint32_t)rows || dst >= (uint32_t)rows) return;~  (void)rows;"
   "moves: the bound on rows one too far~  if (src >= (uint32_t)rows || dst >= (uint32_t)rows) return;~  if (src > (uint32_t)rows || dst > (uint32_t)rows) return;"
+  "snapkv: no bound on the bitmap a position sets~    if ((p >> 5) < (uint32_t)words) atomicOr(~    atomicOr("
+  "snapkv: window over slots that were never ranked~    const int last = min(n, (int)base) - 1;~    const int last = n - 1;"
   "scores: pass 2 skips the last row~    float dot = 0.f;\n~    if (r == n - 1) continue;\n    float dot = 0.f;\n"
 )
 

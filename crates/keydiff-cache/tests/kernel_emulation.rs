@@ -177,12 +177,52 @@ fn wrappers_reject_bad_arguments() {
     assert!(err.unwrap_err().to_string().contains("exceed"));
     let err = emu::keydiff_scores(emu::Keys::F32(&keys), 1, 3, 64, 0, 1 << 63, true, 1);
     assert!(err.unwrap_err().to_string().contains("exceed"));
-    // SnapKV pooling needs unique positions below the span.
+    // SnapKV pooling needs unique positions.
     let stats = [1f32; 4];
     let err = emu::snapkv_pool(&stats, 4, &[0, 1, 1, 3], 4, 1, 4, 8, 1);
     assert!(err.unwrap_err().to_string().contains("position 1 twice"));
-    let err = emu::snapkv_pool(&stats, 4, &[0, 1, 2, 8], 4, 1, 4, 8, 1);
-    assert!(err.unwrap_err().to_string().contains("not below the span"));
+}
+
+/// Positions past SnapKV's bitmap cannot be refused on a GPU: the kernel skips them (NaN) and
+/// pools the other slots over the positions that remain, touching nothing outside its buffers.
+#[test]
+fn snapkv_pool_skips_positions_past_its_bitmap() {
+    let mut rng = StdRng::seed_from_u64(13);
+    let (kv, n, span) = (2, 40, 64);
+    let mut positions: Vec<u32> = Vec::new();
+    for _ in 0..kv {
+        let mut pos: Vec<u32> = (0..span as u32).collect();
+        pos.shuffle(&mut rng);
+        positions.extend_from_slice(&pos[..n]);
+    }
+    // Head 0 slot 5 and head 1 slot 7 name positions past the bitmap (64 bits).
+    positions[5] = 100;
+    positions[n + 7] = 200;
+    let stats: Vec<f32> = (0..kv * n).map(|_| rng.random::<f32>()).collect();
+    for seed in SEEDS {
+        let got = emu::snapkv_pool(&stats, n, &positions, n, kv, n, span, seed).unwrap();
+        for (h, bad) in [(0, 5), (1, 7)] {
+            assert!(got[h * n + bad].is_nan(), "head {h}: skipped slot");
+            // The others: the CPU twin over the head's slots without the bad one.
+            let keep: Vec<usize> = (0..n).filter(|&i| i != bad).collect();
+            let st: Vec<f32> = keep.iter().map(|&i| stats[h * n + i]).collect();
+            let ps: Vec<u32> = keep.iter().map(|&i| positions[h * n + i]).collect();
+            let dev = Device::Cpu;
+            let want = Tensor::from_vec(st, (1, n - 1), &dev)
+                .unwrap()
+                .apply_op2_no_bwd(
+                    &Tensor::from_vec(ps, (1, n - 1), &dev).unwrap(),
+                    &PoolByPosition { span },
+                )
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap();
+            let got: Vec<f32> = keep.iter().map(|&i| got[h * n + i]).collect();
+            assert_eq!(got, want, "head {h} seed {seed}");
+        }
+    }
 }
 
 /// Per-head scores with ties, NaN, ±0 and ±∞, and unique positions with gaps, shuffled as

@@ -369,7 +369,11 @@ pub fn move_rows<T: Copy>(
 }
 
 /// `snapkv_pool`: `stats` and `positions` hold `kv` rows of `n` at their strides; positions are
-/// unique per head and below `span`. Returns `[kv · n]` pooled scores.
+/// unique per head. Returns `[kv · n]` pooled scores. As on the GPU, where nothing can refuse
+/// them, positions at or past the bitmap (`span` rounded up to 32) are the kernel's to skip:
+/// their slots get NaN and the others pool over the positions that remain. The bitmap and word
+/// ranks get spare words past every position, so that a kernel that failed to skip could not
+/// touch memory outside them; a write there is reported as an error.
 #[allow(clippy::too_many_arguments)]
 pub fn snapkv_pool(
     stats: &[f32],
@@ -403,15 +407,18 @@ pub fn snapkv_pool(
         0,
     )?;
     let words = pool_words(span);
-    // Positions below the span index the bitmap; unique ones give ranks below n (a repeated
-    // position would leave a slot of `sorted` unwritten, and the kernel would read through it).
-    let mut seen = vec![0u32; words];
+    let rows = |h: usize| &positions[h * pos_stride..h * pos_stride + n];
+    let top_word = (0..kv)
+        .flat_map(|h| rows(h).iter())
+        .map(|&p| (p >> 5) as usize)
+        .max()
+        .unwrap_or(0);
+    // Unique positions give ranks below n (a repeated one would leave a slot of `sorted`
+    // unwritten, and the kernel would read through it).
+    let mut seen = vec![0u32; top_word + 1];
     for h in 0..kv {
         seen.fill(0);
-        for &p in &positions[h * pos_stride..h * pos_stride + n] {
-            if p as usize >= span {
-                bail!("snapkv-pool: head {h} has position {p}, not below the span {span}");
-            }
+        for &p in rows(h) {
             let (w, bit) = ((p >> 5) as usize, 1u32 << (p & 31));
             if seen[w] & bit != 0 {
                 bail!("snapkv-pool: head {h} has position {p} twice");
@@ -419,15 +426,19 @@ pub fn snapkv_pool(
             seen[w] |= bit;
         }
     }
-    let mut bitmap = vec![0u32; kv * words];
+    // Room for any word a position names from the last head; spare word ranks are 0, so that
+    // a rank read from them stays below n.
+    let len = (kv * words).max((kv - 1) * words + top_word + 1);
+    let mut bitmap = vec![0u32; len];
     let mut word_rank = vec![u32::MAX; kv * words];
+    word_rank.resize(len, 0);
     let mut sorted = vec![u32::MAX; kv * n];
     let mut scores = vec![f32::NAN; kv * n];
     let l = per_head_launch(kv);
     call("snapkv-pool", |err, err_len| {
-        // SAFETY: reads inside the checked extents; positions < span index the bitmap and word
-        // ranks of `words` per head; unique positions have ranks < n, which index `sorted`,
-        // and fill all of it.
+        // SAFETY: reads inside the checked extents; every position's word lies inside the
+        // bitmap and word ranks (sized above); unique positions have ranks < n, which index
+        // `sorted`; skipped ones leave entries past the ranked count, which no window reads.
         unsafe {
             kd_emu_snapkv_pool(
                 stats.as_ptr(),
@@ -448,6 +459,9 @@ pub fn snapkv_pool(
             )
         }
     })?;
+    if bitmap[kv * words..].iter().any(|&w| w != 0) {
+        bail!("snapkv-pool (emulated): the kernel set bits past its bitmap");
+    }
     Ok(scores)
 }
 
