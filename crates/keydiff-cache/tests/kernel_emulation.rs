@@ -207,18 +207,7 @@ fn snapkv_pool_skips_positions_past_its_bitmap() {
             let keep: Vec<usize> = (0..n).filter(|&i| i != bad).collect();
             let st: Vec<f32> = keep.iter().map(|&i| stats[h * n + i]).collect();
             let ps: Vec<u32> = keep.iter().map(|&i| positions[h * n + i]).collect();
-            let dev = Device::Cpu;
-            let want = Tensor::from_vec(st, (1, n - 1), &dev)
-                .unwrap()
-                .apply_op2_no_bwd(
-                    &Tensor::from_vec(ps, (1, n - 1), &dev).unwrap(),
-                    &PoolByPosition { span },
-                )
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1::<f32>()
-                .unwrap();
+            let want = twin_pool(st, ps, 1, n - 1, n - 1, span);
             let got: Vec<f32> = keep.iter().map(|&i| got[h * n + i]).collect();
             assert_eq!(got, want, "head {h} seed {seed}");
         }
@@ -441,6 +430,31 @@ fn moves_match_sequential_copies() {
     );
 }
 
+/// `PoolByPosition` on the CPU over the first `n` of `kv` rows of `stride`: `[kv · n]`.
+fn twin_pool(
+    stats: Vec<f32>,
+    positions: Vec<u32>,
+    kv: usize,
+    stride: usize,
+    n: usize,
+    span: usize,
+) -> Vec<f32> {
+    let dev = Device::Cpu;
+    Tensor::from_vec(stats, (kv, stride), &dev)
+        .unwrap()
+        .narrow(1, 0, n)
+        .unwrap()
+        .apply_op2_no_bwd(
+            &Tensor::from_vec(positions, (kv, stride), &dev).unwrap(),
+            &PoolByPosition { span },
+        )
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+}
+
 #[test]
 fn snapkv_pool_matches_the_cpu_twin() {
     let mut rng = StdRng::seed_from_u64(9);
@@ -463,20 +477,7 @@ fn snapkv_pool_matches_the_cpu_twin() {
                 *s = rng.random::<f32>();
             }
         }
-        let dev = Device::Cpu;
-        let twin = Tensor::from_vec(stats.clone(), (kv, stride), &dev)
-            .unwrap()
-            .narrow(1, 0, n)
-            .unwrap()
-            .apply_op2_no_bwd(
-                &Tensor::from_vec(positions.clone(), (kv, stride), &dev).unwrap(),
-                &PoolByPosition { span },
-            )
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap();
+        let twin = twin_pool(stats.clone(), positions.clone(), kv, stride, n, span);
         for seed in SEEDS {
             let got =
                 emu::snapkv_pool(&stats, stride, &positions, stride, kv, n, span, seed).unwrap();
