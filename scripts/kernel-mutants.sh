@@ -26,6 +26,9 @@ mutants=(
   "snapkv: no bound on the bitmap a position sets~    if ((p >> 5) < (uint32_t)words) atomicOr(~    atomicOr("
   "snapkv: window over slots that were never ranked~    const int last = min(n, (int)base) - 1;~    const int last = n - 1;"
   "scores: pass 2 skips the last row~    float dot = 0.f;\n~    if (r == n - 1) continue;\n    float dot = 0.f;\n"
+  "scores: anchor accumulator never zeroed~  for (int j = threadIdx.x; j < d; j += blockDim.x) acc[j] = 0.f;\n~"
+  "select: plan offsets never reset~  if (threadIdx.x == 0) sh.base[0] = sh.base[1] = 0;\n~"
+  "snapkv: rank offset never reset~  if (threadIdx.x == 0) base = 0;\n~"
 )
 
 cargo test --release -p keydiff-cache --test kernel_emulation --no-run -q 2>/dev/null || true

@@ -52,7 +52,9 @@ fn flash_backend_matches_eager_under_every_policy() {
             let eager = config(policy, AttentionBackend::Eager);
             let flash = config(policy, AttentionBackend::Flash);
             // Prefill of 250 tokens in chunks of 32 (eviction from the fourth chunk on).
-            let d = keydiff::parity::compare_devices(&path, 3, &eager, &flash, 250).unwrap();
+            let (d, used) =
+                keydiff::parity::compare_devices(&path, 3, &eager, &flash, 250).unwrap();
+            assert_eq!(used, AttentionBackend::Flash);
             assert!(
                 d.max_rel < 1e-4 && d.top1_equal(),
                 "{preset} {policy}: prefill logits differ: {d:?}"
@@ -97,7 +99,7 @@ fn flash_backend_runs_in_bf16() {
             dtype: candle_core::DType::BF16,
             ..config(policy, attention)
         };
-        let d = keydiff::parity::compare_devices(
+        let (d, _) = keydiff::parity::compare_devices(
             &path,
             3,
             &bf16(AttentionBackend::Eager),

@@ -32,6 +32,8 @@ fn info_describes_the_model() {
     assert_eq!(v["config"]["num_layers"], 30);
     assert_eq!(v["config"]["num_kv_heads"], 3);
     assert_eq!(v["weights"]["attn_q"], "Q4_1");
+    // `--attention auto` (the default) resolved for the CPU: eager.
+    assert_eq!(v["attention"], "eager");
 }
 
 #[test]

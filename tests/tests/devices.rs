@@ -109,14 +109,14 @@ fn bf16_model_matches_cpu_f32(dev: &Device) -> Result<()> {
                 evict_every: None,
             };
             let cfg = |device: Device, dtype| EngineConfig {
-                attention: keydiff::AttentionBackend::resolve("auto", &device, dtype).unwrap(),
+                attention: keydiff::AttentionBackend::Auto,
                 device,
                 dtype,
                 cache: cache.clone(),
                 cpu_weights: CpuWeights::FAST,
             };
             let preset_path = root().join(format!("configs/{preset}.json"));
-            let d = compare_devices(
+            let (d, _) = compare_devices(
                 &preset_path,
                 3,
                 &cfg(Device::Cpu, DType::F32),

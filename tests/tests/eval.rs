@@ -128,6 +128,48 @@ fn niah_writes_results_heatmap_and_resumes() {
     assert_eq!(records(&dir).len(), 24);
 }
 
+/// A second run into a directory that a run is writing to is refused before it runs anything;
+/// once the first is gone, the directory is free again.
+#[test]
+fn concurrent_runs_into_one_directory_are_refused() {
+    let dir = temp_dir("eval-lock");
+    let d = dir.to_str().unwrap();
+    let args = [
+        "eval",
+        "passkey",
+        "-m",
+        "tiny-qwen",
+        "--random-weights",
+        "--lengths",
+        "300",
+        "--budgets",
+        "200",
+        "--policies",
+        "keydiff",
+        "--samples",
+        "1",
+        "--chunk",
+        "64",
+        "--out",
+        d,
+    ];
+    // Stand in for a running eval: hold the directory's lock (a file lock, as the CLI takes).
+    let held = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(dir.join(".eval.lock"))
+        .unwrap();
+    held.try_lock().unwrap();
+    let (ok, _, stderr) = run(&args);
+    assert!(!ok && stderr.contains("another `keydiff eval`"), "{stderr}");
+    assert!(!dir.join("records.jsonl").exists());
+    drop(held);
+    let (ok, _, stderr) = run(&args);
+    assert!(ok, "{stderr}");
+    assert_eq!(records(&dir).len(), 1);
+}
+
 #[test]
 fn bad_eval_parameters_fail_before_running() {
     let dir = temp_dir("eval-bad");

@@ -149,6 +149,28 @@ pub fn eval(a: EvalArgs) -> Result<()> {
         synthetic::samples(task, &a.lengths, &depths, a.samples, a.seed, &mut count)?
     };
 
+    // One run per directory at a time: two runs appending to the same records.jsonl, or one
+    // removing it under the other, would mix or lose records. The lock is released when this
+    // process ends, however it ends.
+    let lock_path = out.join(".eval.lock");
+    let lock = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&lock_path)
+        .with_context(|| format!("cannot create {}", lock_path.display()))?;
+    if let Err(e) = lock.try_lock() {
+        match e {
+            std::fs::TryLockError::WouldBlock => bail!(
+                "another `keydiff eval` is writing to {}; wait for it or use another --out",
+                out.display()
+            ),
+            std::fs::TryLockError::Error(e) => {
+                return Err(e).with_context(|| format!("cannot lock {}", lock_path.display()))
+            }
+        }
+    }
+
     // Records already made (resume), then the rest.
     let records_path = out.join("records.jsonl");
     let mut done: Vec<Record> = Vec::new();

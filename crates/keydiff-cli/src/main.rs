@@ -145,7 +145,8 @@ struct LoadArgs {
     as_stored: bool,
     /// Chunk attention: eager (materialised probabilities), flash (fused kernel: candle-nn's on
     /// the CPU, FlashAttention-2 on CUDA with the `flash-attn` feature) or auto (flash on CUDA
-    /// when built with it, else eager).
+    /// in bf16/f16 when built with it and the model's head size is a multiple of 8 up to 256,
+    /// else eager).
     #[arg(long, default_value = "auto")]
     attention: String,
 }
@@ -183,7 +184,7 @@ impl LoadArgs {
             } else {
                 CpuWeights::FAST
             },
-            attention: AttentionBackend::resolve(&self.attention, &device, dtype)?,
+            attention: self.attention.parse()?,
             device,
             dtype,
             cache,
@@ -366,7 +367,7 @@ fn real_main() -> Result<()> {
         } => {
             let dev = parse_device(&device)?;
             let dt = parse_dtype(&dtype)?;
-            let attention = AttentionBackend::resolve(&attention, &dev, dt)?;
+            let attention: AttentionBackend = attention.parse()?;
             let mut caches = vec![CacheConfig::full(chunk)];
             if let Some(n) = budget {
                 for p in &policies {
@@ -397,12 +398,12 @@ fn real_main() -> Result<()> {
                         cpu_weights: CpuWeights::FAST,
                         attention,
                     };
-                    let d =
+                    let (d, used) =
                         keydiff::parity::compare_devices(p, seed, &reference, &other, prompt_len)
                             .with_context(|| format!("preset {}", p.display()))?;
                     let v = serde_json::json!({
                         "preset": p.display().to_string(), "device": device, "dtype": dtype,
-                        "attention": attention.name(),
+                        "attention": used.name(),
                         "policy": cache.policy.name(), "budget": cache.budget,
                         "prompt_len": prompt_len, "chunk": chunk, "diff": d,
                         "top1_equal": d.top1_equal(),
@@ -573,6 +574,7 @@ fn info(args: &ModelArgs) -> Result<()> {
         "config": c,
         "compute_dtype": format!("{:?}", engine.config().dtype),
         "device": format!("{:?}", engine.config().device),
+        "attention": engine.config().attention.name(),
         "weights": map(engine.weight_kinds()),
         "runtime_weights": map(engine.runtime_kinds()),
     });

@@ -28,6 +28,9 @@ pub enum AttentionBackend {
     Eager,
     /// Fused flash attention; statistics from an extra pass.
     Flash,
+    /// The best backend that can run the loaded model here, chosen when the model is loaded
+    /// ([`Self::resolve`]); a loaded model never runs with `Auto` itself.
+    Auto,
 }
 
 impl AttentionBackend {
@@ -36,27 +39,38 @@ impl AttentionBackend {
         match self {
             Self::Eager => "eager",
             Self::Flash => "flash",
+            Self::Auto => "auto",
         }
     }
 
-    /// The backend named `name` (`eager`, `flash`), or for `auto` the best this build has for
-    /// `device` and activations of `dtype`: see [`Self::auto`].
-    pub fn resolve(name: &str, device: &Device, dtype: DType) -> Result<Self> {
-        if name == "auto" {
-            return Ok(Self::auto(
+    /// The backend a model with heads of `head_dim`, on `device` with activations of `dtype`,
+    /// runs with: `Auto` becomes flash where this build can run it there (CUDA, the
+    /// `flash-attn` feature, bf16/f16, head_dim a multiple of 8 up to 256; on the CPU eager is
+    /// faster: its matmuls are GEMMs, candle-nn's CPU kernel is not) and eager otherwise. An
+    /// explicit choice is kept, or refused when it cannot run ([`Self::check`]), so that it
+    /// fails when the model is loaded rather than in the first chunk.
+    pub fn resolve(self, device: &Device, dtype: DType, head_dim: usize) -> Result<Self> {
+        match self {
+            Self::Auto => Ok(Self::auto(
                 device.is_cuda(),
                 cfg!(feature = "flash-attn"),
                 dtype,
-            ));
+                head_dim,
+            )),
+            explicit => {
+                explicit.check(device, dtype, head_dim)?;
+                Ok(explicit)
+            }
         }
-        name.parse()
     }
 
-    /// `auto`: flash on CUDA in bf16/f16 when the build has the `flash-attn` feature (its
-    /// kernels take no f32), eager otherwise (on the CPU eager is faster: its matmuls are GEMMs,
-    /// candle-nn's CPU kernel is not).
-    fn auto(cuda: bool, flash_built: bool, dtype: DType) -> Self {
-        if cuda && flash_built && matches!(dtype, DType::BF16 | DType::F16) {
+    /// `Auto`'s rule, with the build and device as arguments so that tests cover every branch.
+    fn auto(cuda: bool, flash_built: bool, dtype: DType, head_dim: usize) -> Self {
+        if cuda
+            && flash_built
+            && matches!(dtype, DType::BF16 | DType::F16)
+            && flash_head_dim(head_dim)
+        {
             Self::Flash
         } else {
             Self::Eager
@@ -64,10 +78,9 @@ impl AttentionBackend {
     }
 
     /// Checks that this build can run the backend on `device` with activations of `dtype` and
-    /// heads of `head_dim`, so that an unsupported choice fails when the model is loaded rather
-    /// than in the first chunk.
+    /// heads of `head_dim` (`Auto` always can: it falls back to eager).
     pub fn check(self, device: &Device, dtype: DType, head_dim: usize) -> Result<()> {
-        if self == Self::Eager {
+        if self != Self::Flash {
             return Ok(());
         }
         let unsupported =
@@ -94,7 +107,7 @@ impl AttentionBackend {
                         "dtype {dtype:?} on CUDA (flash attention takes bf16 or f16)"
                     ));
                 }
-                if !head_dim.is_multiple_of(8) || head_dim > 256 {
+                if !flash_head_dim(head_dim) {
                     return unsupported(format!(
                         "head_dim {head_dim} (flash attention takes multiples of 8 up to 256)"
                     ));
@@ -106,6 +119,11 @@ impl AttentionBackend {
     }
 }
 
+/// Head sizes FlashAttention-2's CUDA kernels take.
+fn flash_head_dim(head_dim: usize) -> bool {
+    head_dim.is_multiple_of(8) && head_dim <= 256
+}
+
 impl FromStr for AttentionBackend {
     type Err = ModelError;
 
@@ -113,6 +131,7 @@ impl FromStr for AttentionBackend {
         match s {
             "eager" => Ok(Self::Eager),
             "flash" => Ok(Self::Flash),
+            "auto" => Ok(Self::Auto),
             other => Err(ModelError::Unsupported(format!(
                 "attention backend `{other}` (expected auto, eager or flash)"
             ))),
@@ -460,27 +479,29 @@ mod tests {
 
     #[test]
     fn backend_names_and_checks() -> Result<()> {
+        use AttentionBackend::{Auto, Eager, Flash};
         let cpu = Device::Cpu;
-        assert_eq!(
-            AttentionBackend::resolve("auto", &cpu, DType::BF16)?,
-            AttentionBackend::Eager
-        );
-        assert_eq!(
-            AttentionBackend::resolve("flash", &cpu, DType::F32)?,
-            AttentionBackend::Flash
-        );
-        // auto picks flash only where it can run: CUDA, a flash build, half precision.
-        use AttentionBackend::{Eager, Flash};
-        assert_eq!(AttentionBackend::auto(true, true, DType::BF16), Flash);
-        assert_eq!(AttentionBackend::auto(true, true, DType::F16), Flash);
-        assert_eq!(AttentionBackend::auto(true, true, DType::F32), Eager);
-        assert_eq!(AttentionBackend::auto(true, false, DType::BF16), Eager);
-        assert_eq!(AttentionBackend::auto(false, true, DType::BF16), Eager);
-        let err = AttentionBackend::resolve("sdpa", &cpu, DType::F32).expect_err("unknown backend");
+        for b in [Eager, Flash, Auto] {
+            assert_eq!(b.name().parse::<AttentionBackend>()?, b);
+        }
+        assert_eq!(Auto.resolve(&cpu, DType::BF16, 64)?, Eager);
+        assert_eq!(Flash.resolve(&cpu, DType::F32, 64)?, Flash);
+        assert_eq!(Eager.resolve(&cpu, DType::F64, 7)?, Eager);
+        // auto picks flash only where it can run: CUDA, a flash build, half precision, and a
+        // head size the kernels take.
+        assert_eq!(AttentionBackend::auto(true, true, DType::BF16, 128), Flash);
+        assert_eq!(AttentionBackend::auto(true, true, DType::F16, 256), Flash);
+        assert_eq!(AttentionBackend::auto(true, true, DType::F32, 128), Eager);
+        assert_eq!(AttentionBackend::auto(true, false, DType::BF16, 128), Eager);
+        assert_eq!(AttentionBackend::auto(false, true, DType::BF16, 128), Eager);
+        assert_eq!(AttentionBackend::auto(true, true, DType::BF16, 260), Eager);
+        assert_eq!(AttentionBackend::auto(true, true, DType::BF16, 100), Eager);
+        let err = "sdpa"
+            .parse::<AttentionBackend>()
+            .expect_err("unknown backend");
         assert!(err.to_string().contains("`sdpa`"), "{err}");
-        AttentionBackend::Flash.check(&cpu, DType::BF16, 64)?;
-        let err = AttentionBackend::Flash
-            .check(&cpu, DType::F64, 64)
+        let err = Flash
+            .resolve(&cpu, DType::F64, 64)
             .expect_err("f64 on the CPU kernel");
         assert!(err.to_string().contains("F64"), "{err}");
         Ok(())

@@ -104,7 +104,8 @@ impl Attention {
         let layer = cache.layer(li);
         let (keys, values) = (layer.keys()?, layer.values()?);
         let (y, stats) = match backend {
-            AttentionBackend::Eager => {
+            // `Model::set_attention` resolves `Auto`: a model never holds it.
+            AttentionBackend::Eager | AttentionBackend::Auto => {
                 // [kv, g·B, T] in f32, then [kv, g·B, d]
                 let q = q.reshape((kv, g * b, d))?;
                 let probs = attention_probs(&q, &keys, mask, g)?;
@@ -287,15 +288,15 @@ impl Model {
         })
     }
 
-    /// Chooses how chunk attention is computed; fails when this build, device or dtype cannot
-    /// run `backend` (eager always can).
+    /// Chooses how chunk attention is computed, resolving `Auto` for this model, device and
+    /// dtype ([`AttentionBackend::resolve`]); fails when this build, device or dtype cannot run
+    /// an explicit `backend` (eager always can).
     pub fn set_attention(&mut self, backend: AttentionBackend) -> Result<()> {
-        backend.check(&self.device, self.dtype, self.cfg.head_dim)?;
-        self.attention = backend;
+        self.attention = backend.resolve(&self.device, self.dtype, self.cfg.head_dim)?;
         Ok(())
     }
 
-    /// The attention backend in use.
+    /// The attention backend in use (eager or flash, never `Auto`).
     pub fn attention(&self) -> AttentionBackend {
         self.attention
     }

@@ -29,8 +29,9 @@ pub struct EngineConfig {
     /// instead of per-row quantized dots: faster and chunk-size invariant) and Q8_0 copies of
     /// types candle has no SIMD kernel for. Ignored on GPUs.
     pub cpu_weights: CpuWeights,
-    /// How chunk attention is computed: eager (materialised probabilities, every device) or
-    /// flash (fused kernel; on CUDA it needs the `flash-attn` feature).
+    /// How chunk attention is computed: eager (materialised probabilities, every device), flash
+    /// (fused kernel; on CUDA it needs the `flash-attn` feature) or auto (resolved at load;
+    /// [`Engine::config`] then reports the choice).
     pub attention: AttentionBackend,
 }
 
@@ -257,11 +258,13 @@ impl Engine {
             }
         };
         loaded.model.set_attention(cfg.attention)?;
+        // The config reports the backend in use: `Auto` resolved for this model.
+        let cfg = EngineConfig {
+            attention: loaded.model.attention(),
+            ..cfg.clone()
+        };
         tracing::info!(origin = %loaded.origin, attention = %cfg.attention, "model loaded");
-        Ok(Self {
-            loaded,
-            cfg: cfg.clone(),
-        })
+        Ok(Self { loaded, cfg })
     }
 
     /// The model's hyper-parameters.

@@ -8,6 +8,7 @@ use rand::{Rng, SeedableRng};
 use crate::engine::{Engine, EngineConfig};
 use crate::error::Result;
 use crate::source::ModelSource;
+use crate::AttentionBackend;
 
 /// How far `other` logits are from `reference` logits.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
@@ -76,7 +77,7 @@ pub fn compare_devices(
     reference: &EngineConfig,
     other: &EngineConfig,
     prompt_len: usize,
-) -> Result<LogitDiff> {
+) -> Result<(LogitDiff, AttentionBackend)> {
     let source = ModelSource::Random {
         config: preset.to_path_buf(),
         seed,
@@ -88,5 +89,5 @@ pub fn compare_devices(
     drop(a);
     let b = Engine::load(&source, other)?;
     let lb = b.prefill_logits(&tokens, other.cache.chunk)?;
-    Ok(compare_logits(&la, &lb))
+    Ok((compare_logits(&la, &lb), b.config().attention))
 }
