@@ -29,6 +29,8 @@ mutants=(
   "scores: anchor accumulator never zeroed~  for (int j = threadIdx.x; j < d; j += blockDim.x) acc[j] = 0.f;\n~"
   "select: plan offsets never reset~  if (threadIdx.x == 0) sh.base[0] = sh.base[1] = 0;\n~"
   "snapkv: rank offset never reset~  if (threadIdx.x == 0) base = 0;\n~"
+  "scores: accumulator zeroed one past d (shared memory out of bounds at d = 256)~  for (int j = threadIdx.x; j < d; j += blockDim.x) acc[j] = 0.f;~  for (int j = threadIdx.x; j <= d; j += blockDim.x) acc[j] = 0.f;"
+  "select: key read before the bound check (values unused past n)~      if (i < n) {\n        const uint64_t x = key(i);~      const uint64_t x = key(i);\n      if (i < n) {"
 )
 
 cargo test --release -p keydiff-cache --test kernel_emulation --no-run -q 2>/dev/null || true
@@ -51,6 +53,8 @@ PY
     # No failing test named: the build failed or the test binary crashed (say which).
     [ -n "$failed" ] || failed=$(grep -m1 -oE 'signal: [0-9]+[^)]*' <<< "$out" ||
       grep -m1 -E '^error' <<< "$out" || echo "?")
+    # The emulation's own report (an access outside a fenced buffer), when there is one.
+    if report=$(grep -m1 -oE 'keydiff emulation: .*' <<< "$out"); then failed="$failed; $report"; fi
     echo "caught    $name  (failed: $failed)"
   fi
 done

@@ -73,6 +73,10 @@ fn emulation(root: &std::path::Path) {
         .flag("-fno-strict-aliasing")
         // No fused multiply-adds: the same results on every host, whatever its -march.
         .flag("-ffp-contract=off")
+        // Indexing an array of known size (the kernels' __shared__ arrays) out of bounds traps
+        // (SIGILL) instead of touching a neighbour; no sanitizer runtime is linked.
+        .flag("-fsanitize=bounds")
+        .flag("-fsanitize-undefined-trap-on-error")
         .opt_level(2)
         .warnings(true)
         .extra_warnings(true)

@@ -15,8 +15,13 @@
 //     the launch fails naming it;
 //   - any schedule: results must not depend on the order threads run between barriers (the
 //     tests run several seeds), and float atomics add in a different order for every seed.
-// What it cannot check: data races between barriers (threads do not interleave there), memory
-// that is read out of bounds, shared memory read before it is written (it starts zeroed and
+// Out-of-bounds accesses to global memory are the Rust wrappers' part: they hand the kernels
+// buffers fenced by guard pages (crates/keydiff-kernels/src/fence.rs). Arrays of known size
+// (the __shared__ ones) indexed out of bounds trap: build.rs compiles this with
+// -fsanitize=bounds in trap mode.
+// What it cannot check: data races between barriers (threads do not interleave there), global
+// accesses on the side of a buffer a run does not fence or into another head's rows of the
+// same buffer, loads the compiler removes, shared memory read before it is written (it starts zeroed and
 // carries over from block to block, where CUDA leaves it undefined; cases with several blocks
 // per launch catch a missing initialisation only when the values left over are wrong), timing,
 // and anything about the real compiler or hardware. It complements the GPU run of

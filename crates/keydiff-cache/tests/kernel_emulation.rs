@@ -24,8 +24,9 @@ use rand_distr::StandardNormal;
 /// the compiler may also contract to FMAs; the emulation compiles without contraction.
 const SCORE_TOL: f32 = 1e-5;
 
-/// Schedules each case runs under.
-const SEEDS: [u64; 2] = [1, 0x9e37_79b9_7f4a_7c15];
+/// Schedules each case runs under; one odd and one even, so that the emulation fences both
+/// sides of every buffer (`keydiff_kernels::fence::Side::for_seed`).
+const SEEDS: [u64; 2] = [1, 0x9e37_79b9_7f4a_7c14];
 
 /// Largest |a − b|; a NaN on either side (an unwritten output is NaN) counts as infinite.
 fn max_diff(a: &[f32], b: &[f32]) -> f32 {
@@ -181,6 +182,71 @@ fn wrappers_reject_bad_arguments() {
     let stats = [1f32; 4];
     let err = emu::snapkv_pool(&stats, 4, &[0, 1, 1, 3], 4, 1, 4, 8, 1);
     assert!(err.unwrap_err().to_string().contains("position 1 twice"));
+}
+
+/// The guard pages around the emulated kernels' buffers: an access one element outside a
+/// buffer, on its fenced side, aborts the process with a report naming the buffer and offset
+/// (checked in a child process: this test runs itself with `KD_FENCE_CHILD` set); a write into
+/// the slack on the other side is an error from `finish`.
+#[test]
+fn fences_report_out_of_bounds_accesses() {
+    use keydiff_kernels::fence::{Fenced, Side};
+    if let Ok(which) = std::env::var("KD_FENCE_CHILD") {
+        let side = if which == "end" {
+            Side::End
+        } else {
+            Side::Start
+        };
+        let f = Fenced::filled("child buffer", 10, 7u32, side, 4).unwrap();
+        // SAFETY: deliberately one element outside the buffer, into its guard page: the fence
+        // handler reports it and aborts.
+        let v = unsafe {
+            let p = f.as_ptr();
+            std::ptr::read_volatile(if side == Side::End {
+                p.add(10)
+            } else {
+                p.sub(1)
+            })
+        };
+        panic!("read {v} outside the buffer without a fault");
+    }
+    for (which, offset) in [("end", "byte offset 40"), ("start", "byte offset -4")] {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "fences_report_out_of_bounds_accesses",
+                "--nocapture",
+            ])
+            .env("KD_FENCE_CHILD", which)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success(),
+            "{which}: the child survived: {stderr}"
+        );
+        assert!(
+            stderr.contains("accessed `child buffer` (40 bytes) at ")
+                && stderr.contains(offset)
+                && !stderr.contains("without a fault"),
+            "{which}: {stderr}"
+        );
+    }
+    // Inside the mapping but outside the buffer: the slack pattern shows the write.
+    for (side, align, index, want) in [
+        (Side::End, 16, -1isize, "byte offset -4"),
+        (Side::End, 16, 3, "byte offset 12"),
+        (Side::Start, 4, 3, "byte offset 12"),
+    ] {
+        let mut f = Fenced::filled("slack", 3, 1u32, side, align).unwrap();
+        // SAFETY: inside the mapping's accessible body (End with 16-byte alignment leaves 4
+        // bytes after 12; both sides leave a page elsewhere).
+        unsafe { f.as_mut_ptr().offset(index).write(9) };
+        let err = f.finish().expect_err("a write outside the buffer");
+        assert!(err.to_string().contains(want), "{side:?} {index}: {err}");
+    }
+    let f = Fenced::copy_of("clean", &[1u16, 2, 3], Side::End, 2).unwrap();
+    assert_eq!(f.finish().unwrap(), [1, 2, 3]);
 }
 
 /// Positions past SnapKV's bitmap cannot be refused on a GPU: the kernel skips them (NaN) and

@@ -5,7 +5,10 @@
 //! [`geometry`](crate::geometry) and checks as the CUDA launches.
 //!
 //! Each function takes host slices with element strides, checks that every access the kernel
-//! makes stays inside them, and returns what the kernel wrote. An emulation error (a launch
+//! should make stays inside them, and returns what the kernel wrote. The kernel gets copies in
+//! [fenced](crate::fence) mappings (the end of every buffer against a guard page for even
+//! seeds, the start for odd ones), so that an access outside a buffer is reported, naming it,
+//! instead of reading or corrupting a neighbour. An emulation error (a launch
 //! configuration CUDA would refuse, diverged lanes at a warp-synchronous call, a barrier
 //! deadlock) is an `Err` that names it.
 //!
@@ -17,6 +20,7 @@ use std::ffi::{c_char, c_int, c_uint, CStr};
 use candle_core::{bail, Result};
 use half::{bf16, f16};
 
+use crate::fence::{Fenced, Side};
 use crate::geometry::{
     check_pool, check_scores, check_select, move_launch, per_head_launch, plan_moves, pool_words,
     scores_launch,
@@ -113,7 +117,9 @@ fn call(what: &str, f: impl FnOnce(*mut c_char, usize) -> c_int) -> Result<()> {
 }
 
 /// `len` must hold index `(heads − 1)·hs + (rows − 1)·rs + row_len − 1`, and the strides in
-/// bytes must fit the kernels' `int64_t`; overflow is an error, not a wrap.
+/// bytes must fit the kernels' `int64_t`; overflow is an error, not a wrap. Returns the extent
+/// (that index + 1; 0 for an empty view): the kernel gets exactly that many elements, so that
+/// an access past the last one it may touch meets the guard page.
 #[allow(clippy::too_many_arguments)]
 fn check_extent(
     what: &str,
@@ -124,9 +130,9 @@ fn check_extent(
     row_len: usize,
     hs: usize,
     rs: usize,
-) -> Result<()> {
+) -> Result<usize> {
     if heads == 0 || rows == 0 || row_len == 0 {
-        return Ok(());
+        return Ok(0);
     }
     let last = (heads - 1)
         .checked_mul(hs)
@@ -136,7 +142,7 @@ fn check_extent(
         .iter()
         .all(|&s| s.checked_mul(elem).is_some_and(|b| b <= i64::MAX as usize));
     match last {
-        Some(last) if last <= len && byte_strides_fit => Ok(()),
+        Some(last) if last <= len && byte_strides_fit => Ok(last),
         _ => bail!(
             "{what}: {heads} heads × {rows} rows × {row_len} with strides ({hs}, {rs}) exceed \
              {len} elements"
@@ -153,11 +159,17 @@ pub enum Keys<'a> {
 }
 
 impl Keys<'_> {
-    fn parts(&self) -> (c_int, *const u8, usize) {
+    /// The kernels' dtype code, the bytes, and the length in elements.
+    fn parts(&self) -> (c_int, &[u8], usize) {
+        fn bytes<T>(s: &[T]) -> &[u8] {
+            // SAFETY: f32, f16 and bf16 are plain data without padding; the bytes live as long
+            // as the slice.
+            unsafe { std::slice::from_raw_parts(s.as_ptr().cast(), std::mem::size_of_val(s)) }
+        }
         match self {
-            Keys::F32(s) => (0, s.as_ptr().cast(), s.len()),
-            Keys::F16(s) => (1, s.as_ptr().cast(), s.len()),
-            Keys::BF16(s) => (2, s.as_ptr().cast(), s.len()),
+            Keys::F32(s) => (0, bytes(s), s.len()),
+            Keys::F16(s) => (1, bytes(s), s.len()),
+            Keys::BF16(s) => (2, bytes(s), s.len()),
         }
     }
 }
@@ -176,9 +188,9 @@ pub fn keydiff_scores(
     seed: u64,
 ) -> Result<Vec<f32>> {
     check_scores(kv, n, d)?;
-    let (dtype, ptr, len) = keys.parts();
+    let (dtype, key_bytes, len) = keys.parts();
     let elem = if dtype == 0 { 4 } else { 2 };
-    check_extent(
+    let extent = check_extent(
         "keydiff-scores",
         len,
         elem,
@@ -189,16 +201,23 @@ pub fn keydiff_scores(
         row_stride,
     )?;
     let l = scores_launch(kv, n);
-    let mut norms = vec![0f32; kv * n];
-    let mut anchor = vec![0f32; kv * d];
-    let mut scores = vec![f32::NAN; kv * n];
+    let side = Side::for_seed(seed);
+    let keys = Fenced::copy_of(
+        "keydiff-scores keys",
+        &key_bytes[..extent * elem],
+        side,
+        elem,
+    )?;
+    let mut norms = Fenced::filled("keydiff-scores norms", kv * n, 0f32, side, 4)?;
+    let mut anchor = Fenced::filled("keydiff-scores anchor", kv * d, 0f32, side, 4)?;
+    let mut scores = Fenced::filled("keydiff-scores scores", kv * n, f32::NAN, side, 4)?;
     call("keydiff-scores", |err, err_len| {
         // SAFETY: the kernels read keys inside the extent checked above and write
         // norms/scores [kv, n] and anchor [kv, d], the sizes allocated here.
         unsafe {
             kd_emu_keydiff_scores(
                 dtype,
-                ptr,
+                keys.as_ptr(),
                 head_stride as i64,
                 row_stride as i64,
                 n as c_int,
@@ -216,7 +235,10 @@ pub fn keydiff_scores(
             )
         }
     })?;
-    Ok(scores)
+    keys.finish()?;
+    norms.finish()?;
+    anchor.finish()?;
+    scores.finish()
 }
 
 /// `keydiff_select_plan`: `scores` and `positions` hold `kv` rows of `n` at their strides.
@@ -235,7 +257,7 @@ pub fn select_plan(
     seed: u64,
 ) -> Result<Vec<u32>> {
     check_select(kv, n, budget, recent)?;
-    check_extent(
+    let score_extent = check_extent(
         "select-plan scores",
         scores.len(),
         4,
@@ -245,7 +267,7 @@ pub fn select_plan(
         score_stride,
         0,
     )?;
-    check_extent(
+    let pos_extent = check_extent(
         "select-plan positions",
         positions.len(),
         4,
@@ -256,8 +278,11 @@ pub fn select_plan(
         0,
     )?;
     let cols = 1 + 2 * plan_moves(n, budget);
+    let side = Side::for_seed(seed);
+    let scores = Fenced::copy_of("select-plan scores", &scores[..score_extent], side, 4)?;
+    let positions = Fenced::copy_of("select-plan positions", &positions[..pos_extent], side, 4)?;
     // Not zeroed, unlike the CUDA launch: every entry the kernel should write is checked.
-    let mut plan = vec![u32::MAX; kv * cols];
+    let mut plan = Fenced::filled("select-plan plan", kv * cols, u32::MAX, side, 4)?;
     let l = per_head_launch(kv);
     call("select-plan", |err, err_len| {
         // SAFETY: reads kv rows of n inside the checked extents; writes the plan rows allocated
@@ -282,7 +307,9 @@ pub fn select_plan(
             )
         }
     })?;
-    Ok(plan)
+    scores.finish()?;
+    positions.finish()?;
+    plan.finish()
 }
 
 /// `keydiff_move_rows` on `buf` viewed as `[kv, rows, row_len]` with element strides
@@ -344,12 +371,17 @@ pub fn move_rows<T: Copy>(
         return Ok(());
     }
     let l = move_launch(m, kv);
+    let side = Side::for_seed(seed);
+    // 16-byte aligned like a device allocation, so that the kernel's vector path is taken
+    // where the strides allow it.
+    let mut fenced = Fenced::copy_of("move-rows buffer", buf, side, 16)?;
+    let plan = Fenced::copy_of("move-rows plan", plan, side, 4)?;
     call("move-rows", |err, err_len| {
         // SAFETY: every row the plan names lies inside `buf` (checked above), and the kernel
         // writes no row outside [0, rows).
         unsafe {
             kd_emu_move_rows(
-                buf.as_mut_ptr().cast(),
+                fenced.as_mut_ptr().cast(),
                 (head_stride * elem) as i64,
                 (row_stride * elem) as i64,
                 (row_len * elem) as c_int,
@@ -365,7 +397,10 @@ pub fn move_rows<T: Copy>(
                 err_len,
             )
         }
-    })
+    })?;
+    plan.finish()?;
+    buf.copy_from_slice(&fenced.finish()?);
+    Ok(())
 }
 
 /// `snapkv_pool`: `stats` and `positions` hold `kv` rows of `n` at their strides; positions are
@@ -386,7 +421,7 @@ pub fn snapkv_pool(
     seed: u64,
 ) -> Result<Vec<f32>> {
     check_pool(kv, n, span)?;
-    check_extent(
+    let stats_extent = check_extent(
         "snapkv-pool stats",
         stats.len(),
         4,
@@ -396,7 +431,7 @@ pub fn snapkv_pool(
         stats_stride,
         0,
     )?;
-    check_extent(
+    let pos_extent = check_extent(
         "snapkv-pool positions",
         positions.len(),
         4,
@@ -429,11 +464,15 @@ pub fn snapkv_pool(
     // Room for any word a position names from the last head; spare word ranks are 0, so that
     // a rank read from them stays below n.
     let len = (kv * words).max((kv - 1) * words + top_word + 1);
-    let mut bitmap = vec![0u32; len];
+    let side = Side::for_seed(seed);
+    let stats = Fenced::copy_of("snapkv-pool stats", &stats[..stats_extent], side, 4)?;
+    let positions = Fenced::copy_of("snapkv-pool positions", &positions[..pos_extent], side, 4)?;
+    let mut bitmap = Fenced::filled("snapkv-pool bitmap", len, 0u32, side, 4)?;
     let mut word_rank = vec![u32::MAX; kv * words];
     word_rank.resize(len, 0);
-    let mut sorted = vec![u32::MAX; kv * n];
-    let mut scores = vec![f32::NAN; kv * n];
+    let mut word_rank = Fenced::copy_of("snapkv-pool word ranks", &word_rank, side, 4)?;
+    let mut sorted = Fenced::filled("snapkv-pool sorted", kv * n, u32::MAX, side, 4)?;
+    let mut scores = Fenced::filled("snapkv-pool scores", kv * n, f32::NAN, side, 4)?;
     let l = per_head_launch(kv);
     call("snapkv-pool", |err, err_len| {
         // SAFETY: reads inside the checked extents; every position's word lies inside the
@@ -459,10 +498,15 @@ pub fn snapkv_pool(
             )
         }
     })?;
-    if bitmap[kv * words..].iter().any(|&w| w != 0) {
+    if bitmap.as_slice()[kv * words..].iter().any(|&w| w != 0) {
         bail!("snapkv-pool (emulated): the kernel set bits past its bitmap");
     }
-    Ok(scores)
+    stats.finish()?;
+    positions.finish()?;
+    bitmap.finish()?;
+    word_rank.finish()?;
+    sorted.finish()?;
+    scores.finish()
 }
 
 /// The emulation's self-test kernels (`kernels/emu/launch.cpp`): 0 a correct reduction,

@@ -9,6 +9,8 @@
 //! - [`emu`] (feature `emulate`): the same kernel source, compiled by the host C++ compiler and
 //!   run under a CPU emulation of the CUDA execution model (`kernels/emu/`), with the same
 //!   geometry; keydiff-cache's tests check it against the twins on machines without a GPU.
+//! - [`fence`] (feature `emulate`): the guard-page buffers the emulated kernels get, so that an
+//!   out-of-bounds access is reported, naming the buffer.
 
 pub mod geometry;
 
@@ -19,3 +21,5 @@ pub use cuda::*;
 
 #[cfg(feature = "emulate")]
 pub mod emu;
+#[cfg(feature = "emulate")]
+pub mod fence;

@@ -1,0 +1,384 @@
+//! Guard-page buffers for the emulated kernels: an out-of-bounds access becomes a report naming
+//! the buffer, not a silent read of a neighbour's memory.
+//!
+//! Every buffer an emulated kernel gets is a copy placed in its own mapping, flush against an
+//! inaccessible guard page at one side ([`Side`]): a kernel that reads or writes one element past
+//! that side faults at once. A SIGSEGV handler finds the buffer the fault hit, prints which one
+//! and how far outside it the access was, and aborts the process (a kernel cannot be unwound
+//! from). The bytes between the buffer and the other guard page are filled with a pattern
+//! that [`Fenced::finish`] checks, so that a write there is reported too (reads there are not:
+//! that is what the other side's runs are for).
+//!
+//! On a GPU, `compute-sanitizer --tool memcheck` (scripts/gpu-check.sh) is the same check.
+//!
+//! The same handler also explains a SIGILL: the emulation is compiled with `-fsanitize=bounds`
+//! in trap mode, so an array of known size (a kernel's `__shared__` arrays) indexed out of
+//! bounds traps with an illegal instruction.
+
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Once, OnceLock};
+
+use candle_core::{bail, Result};
+
+/// Which end of a buffer touches its guard page.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Side {
+    /// The last byte is followed by the guard: catches reads and writes past the end.
+    End,
+    /// The first byte follows the guard: catches accesses before the start.
+    Start,
+}
+
+impl Side {
+    /// Even seeds fence the ends of buffers, odd seeds their starts, so that a test that runs
+    /// two schedules (one of each parity) checks both sides.
+    pub fn for_seed(seed: u64) -> Self {
+        if seed.is_multiple_of(2) {
+            Self::End
+        } else {
+            Self::Start
+        }
+    }
+}
+
+/// The pattern written around a buffer inside its mapping.
+const SLACK: u8 = 0xA5;
+
+/// A copy of a buffer in its own mapping with guard pages; see the module docs.
+pub struct Fenced<T: Copy> {
+    map: *mut u8,
+    map_len: usize,
+    data: *mut T,
+    len: usize,
+    slot: usize,
+    name: &'static str,
+}
+
+impl<T: Copy> Fenced<T> {
+    /// `len` elements, each `value`, fenced at `side`; the start is aligned to `align` bytes
+    /// (at least `T`'s alignment; a larger one leaves up to `align - 1` bytes, checked for
+    /// writes, between an `End` buffer and its guard).
+    pub fn filled(
+        name: &'static str,
+        len: usize,
+        value: T,
+        side: Side,
+        align: usize,
+    ) -> Result<Self> {
+        let mut f = Self::alloc(name, len, side, align)?;
+        f.as_mut_slice().fill(value);
+        Ok(f)
+    }
+
+    /// A fenced copy of `src`.
+    pub fn copy_of(name: &'static str, src: &[T], side: Side, align: usize) -> Result<Self> {
+        let mut f = Self::alloc(name, src.len(), side, align)?;
+        f.as_mut_slice().copy_from_slice(src);
+        Ok(f)
+    }
+
+    fn alloc(name: &'static str, len: usize, side: Side, align: usize) -> Result<Self> {
+        install_handler();
+        let align = align.max(std::mem::align_of::<T>()).next_power_of_two();
+        let page = page_size();
+        let Some(bytes) = len.checked_mul(std::mem::size_of::<T>()) else {
+            bail!("fenced buffer `{name}`: {len} elements overflow");
+        };
+        if align > page {
+            bail!("fenced buffer `{name}`: alignment {align} above the page size");
+        }
+        let data_pages = (bytes + align).div_ceil(page).max(1);
+        let map_len = (data_pages + 2) * page;
+        // SAFETY: an anonymous private mapping; the result is checked.
+        let map = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                map_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if map == libc::MAP_FAILED {
+            bail!("fenced buffer `{name}`: mmap of {map_len} bytes failed");
+        }
+        let map = map.cast::<u8>();
+        let body = map as usize + page;
+        let body_end = body + data_pages * page;
+        let data = match side {
+            Side::Start => body,
+            Side::End => (body_end - bytes) & !(align - 1),
+        };
+        // SAFETY: the two guard pages lie inside the mapping; the body is filled with the
+        // slack pattern before any element is written.
+        unsafe {
+            let guarded = libc::mprotect(map.cast(), page, libc::PROT_NONE) == 0
+                && libc::mprotect((body_end as *mut u8).cast(), page, libc::PROT_NONE) == 0;
+            if !guarded {
+                libc::munmap(map.cast(), map_len);
+                bail!("fenced buffer `{name}`: mprotect failed");
+            }
+            std::ptr::write_bytes(body as *mut u8, SLACK, data_pages * page);
+        }
+        let slot = register(map as usize, map_len, data, bytes, name)?;
+        Ok(Self {
+            map,
+            map_len,
+            data: data as *mut T,
+            len,
+            slot,
+            name,
+        })
+    }
+
+    pub fn as_ptr(&self) -> *const T {
+        self.data
+    }
+
+    pub fn as_mut_ptr(&mut self) -> *mut T {
+        self.data
+    }
+
+    pub fn as_slice(&self) -> &[T] {
+        // SAFETY: `len` initialised elements at an aligned address inside the mapping.
+        unsafe { std::slice::from_raw_parts(self.data, self.len) }
+    }
+
+    pub fn as_mut_slice(&mut self) -> &mut [T] {
+        // SAFETY: as in `as_slice`, and `self` is borrowed mutably.
+        unsafe { std::slice::from_raw_parts_mut(self.data, self.len) }
+    }
+
+    /// The elements, after checking that nothing was written around them inside the mapping (an
+    /// error names the lowest stray byte's offset from the start of the buffer).
+    pub fn finish(self) -> Result<Vec<T>> {
+        let page = page_size();
+        let body = self.map as usize + page;
+        let body_len = self.map_len - 2 * page;
+        let start = self.data as usize;
+        let end = start + std::mem::size_of_val(self.as_slice());
+        // SAFETY: the body is readable and initialised (filled at allocation).
+        let all = unsafe { std::slice::from_raw_parts(body as *const u8, body_len) };
+        let (before, after) = (&all[..start - body], &all[end - body..]);
+        let bytes = end - start;
+        if let Some(i) = before.iter().position(|&b| b != SLACK) {
+            bail!(
+                "emulated kernel wrote `{}` ({bytes} bytes) at byte offset -{}: out of bounds",
+                self.name,
+                before.len() - i
+            );
+        }
+        if let Some(i) = after.iter().position(|&b| b != SLACK) {
+            bail!(
+                "emulated kernel wrote `{}` ({bytes} bytes) at byte offset {}: out of bounds",
+                self.name,
+                bytes + i
+            );
+        }
+        Ok(self.as_slice().to_vec())
+    }
+}
+
+impl<T: Copy> Drop for Fenced<T> {
+    fn drop(&mut self) {
+        unregister(self.slot);
+        // SAFETY: the mapping made in `alloc`, unmapped once.
+        unsafe {
+            libc::munmap(self.map.cast(), self.map_len);
+        }
+    }
+}
+
+fn page_size() -> usize {
+    static PAGE: OnceLock<usize> = OnceLock::new();
+    // SAFETY: sysconf has no preconditions.
+    *PAGE.get_or_init(|| unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(4096) as usize)
+}
+
+// The live buffers, for the signal handler: a fixed table read with atomics only (no locks, no
+// allocation), as a handler must.
+const SLOTS: usize = 512;
+
+struct Slot {
+    taken: AtomicBool,
+    /// The mapping's start (0: slot not published), length, the data's start and length, and
+    /// the name's pointer and length.
+    map: AtomicUsize,
+    map_len: AtomicUsize,
+    data: AtomicUsize,
+    bytes: AtomicUsize,
+    name: AtomicUsize,
+    name_len: AtomicUsize,
+}
+
+#[allow(clippy::declare_interior_mutable_const)]
+const EMPTY: Slot = Slot {
+    taken: AtomicBool::new(false),
+    map: AtomicUsize::new(0),
+    map_len: AtomicUsize::new(0),
+    data: AtomicUsize::new(0),
+    bytes: AtomicUsize::new(0),
+    name: AtomicUsize::new(0),
+    name_len: AtomicUsize::new(0),
+};
+static TABLE: [Slot; SLOTS] = [EMPTY; SLOTS];
+
+fn register(map: usize, map_len: usize, data: usize, bytes: usize, name: &str) -> Result<usize> {
+    for (i, s) in TABLE.iter().enumerate() {
+        if s.taken
+            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Relaxed)
+            .is_ok()
+        {
+            s.map_len.store(map_len, Ordering::Relaxed);
+            s.data.store(data, Ordering::Relaxed);
+            s.bytes.store(bytes, Ordering::Relaxed);
+            s.name.store(name.as_ptr() as usize, Ordering::Relaxed);
+            s.name_len.store(name.len(), Ordering::Relaxed);
+            s.map.store(map, Ordering::Release);
+            return Ok(i);
+        }
+    }
+    bail!("fenced buffer `{name}`: more than {SLOTS} live at once")
+}
+
+fn unregister(i: usize) {
+    TABLE[i].map.store(0, Ordering::Release);
+    TABLE[i].taken.store(false, Ordering::Release);
+}
+
+/// The SIGSEGV and SIGILL actions in place before ours: what is not ours goes back to them.
+static PREVIOUS_SEGV: OnceLock<libc::sigaction> = OnceLock::new();
+static PREVIOUS_ILL: OnceLock<libc::sigaction> = OnceLock::new();
+
+fn install_handler() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        for (sig, previous) in [
+            (libc::SIGSEGV, &PREVIOUS_SEGV),
+            (libc::SIGILL, &PREVIOUS_ILL),
+        ] {
+            // SAFETY: sigaction with a zeroed struct filled as documented; the handler only
+            // uses async-signal-safe calls (write, sigaction, abort) and atomics.
+            unsafe {
+                let mut old: libc::sigaction = std::mem::zeroed();
+                let mut act: libc::sigaction = std::mem::zeroed();
+                act.sa_sigaction = on_fault as *const () as usize;
+                act.sa_flags = libc::SA_SIGINFO | libc::SA_ONSTACK;
+                libc::sigemptyset(&mut act.sa_mask);
+                if libc::sigaction(sig, std::ptr::null(), &mut old) == 0 {
+                    let _ = previous.set(old);
+                    libc::sigaction(sig, &act, std::ptr::null_mut());
+                }
+            }
+        }
+    });
+}
+
+/// Puts back the action in place before ours for `sig`; returning from the handler then
+/// re-runs the instruction, which faults again and is handled as it would have been.
+fn restore(sig: libc::c_int) {
+    let previous = if sig == libc::SIGILL {
+        &PREVIOUS_ILL
+    } else {
+        &PREVIOUS_SEGV
+    };
+    // SAFETY: restores a sigaction read at installation, or the default.
+    unsafe {
+        match previous.get() {
+            Some(old) => libc::sigaction(sig, old, std::ptr::null_mut()),
+            None => libc::signal(sig, libc::SIG_DFL) as libc::c_int,
+        };
+    }
+}
+
+extern "C" fn on_fault(sig: libc::c_int, info: *mut libc::siginfo_t, _ctx: *mut c_void) {
+    if sig == libc::SIGILL {
+        // The emulation is built with -fsanitize=bounds in trap mode: an emulated kernel that
+        // indexes an array of known size out of bounds ends here. Say so, then crash as usual.
+        let msg = b"keydiff emulation: SIGILL; in an emulated kernel this is the bounds check \
+                    (-fsanitize=bounds) trapping: an array of known size (__shared__) indexed \
+                    out of bounds\n";
+        // SAFETY: write is async-signal-safe.
+        unsafe { libc::write(2, msg.as_ptr().cast(), msg.len()) };
+        restore(sig);
+        return;
+    }
+    // SAFETY: the kernel passes a valid siginfo for SA_SIGINFO handlers.
+    let addr = unsafe { (*info).si_addr() } as usize;
+    for s in &TABLE {
+        let map = s.map.load(Ordering::Acquire);
+        if map == 0 || addr < map || addr >= map + s.map_len.load(Ordering::Relaxed) {
+            continue;
+        }
+        let (data, bytes) = (
+            s.data.load(Ordering::Relaxed),
+            s.bytes.load(Ordering::Relaxed),
+        );
+        // SAFETY: the name is a `&'static str` stored whole before `map` was published.
+        let name = unsafe {
+            std::slice::from_raw_parts(
+                s.name.load(Ordering::Relaxed) as *const u8,
+                s.name_len.load(Ordering::Relaxed),
+            )
+        };
+        let mut m = Msg::default();
+        m.push(b"keydiff emulation: an emulated kernel accessed `");
+        m.push(name);
+        m.push(b"` (");
+        m.num(bytes);
+        m.push(b" bytes) at byte offset ");
+        if addr < data {
+            m.push(b"-");
+            m.num(data - addr);
+        } else {
+            m.num(addr - data);
+        }
+        m.push(b": out of bounds; aborting\n");
+        // SAFETY: write and abort are async-signal-safe.
+        unsafe {
+            libc::write(2, m.buf.as_ptr().cast(), m.len);
+            libc::abort();
+        }
+    }
+    // Not a fenced buffer.
+    restore(sig);
+}
+
+/// A message built without allocating (inside a signal handler).
+struct Msg {
+    buf: [u8; 512],
+    len: usize,
+}
+
+impl Default for Msg {
+    fn default() -> Self {
+        Self {
+            buf: [0; 512],
+            len: 0,
+        }
+    }
+}
+
+impl Msg {
+    fn push(&mut self, s: &[u8]) {
+        let n = s.len().min(self.buf.len() - self.len);
+        self.buf[self.len..self.len + n].copy_from_slice(&s[..n]);
+        self.len += n;
+    }
+
+    fn num(&mut self, mut v: usize) {
+        let mut digits = [0u8; 20];
+        let mut i = digits.len();
+        loop {
+            i -= 1;
+            digits[i] = b'0' + (v % 10) as u8;
+            v /= 10;
+            if v == 0 {
+                break;
+            }
+        }
+        self.push(&digits[i..]);
+    }
+}
