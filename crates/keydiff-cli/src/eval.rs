@@ -94,13 +94,35 @@ pub fn eval(a: EvalArgs) -> Result<()> {
     let settings = Setting::grid(&policies, &budgets)?;
     anyhow::ensure!(a.samples > 0, "--samples must be at least 1");
     let template = a.policy_args.cache("full", None, a.chunk)?;
-    let mut engine = a.load.load(CacheConfig::full(a.chunk))?;
     let out = a
         .out
         .clone()
         .unwrap_or_else(|| PathBuf::from(format!("bench/out/eval-{}", a.task)));
     std::fs::create_dir_all(&out)
         .with_context(|| format!("cannot create output directory {}", out.display()))?;
+    // One run per directory at a time: two runs appending to the same records.jsonl, or one
+    // removing it under the other, would mix or lose records. The lock is released when this
+    // process ends, however it ends. Taken before the model loads, so a refused run costs nothing.
+    let lock_path = out.join(".eval.lock");
+    let lock = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&lock_path)
+        .with_context(|| format!("cannot create {}", lock_path.display()))?;
+    if let Err(e) = lock.try_lock() {
+        match e {
+            std::fs::TryLockError::WouldBlock => bail!(
+                "another `keydiff eval` is writing to {}; wait for it or use another --out",
+                out.display()
+            ),
+            std::fs::TryLockError::Error(e) => {
+                return Err(e).with_context(|| format!("cannot lock {}", lock_path.display()))
+            }
+        }
+    }
+
+    let mut engine = a.load.load(CacheConfig::full(a.chunk))?;
 
     let opts = RunOptions {
         chat: a.chat,
@@ -148,28 +170,6 @@ pub fn eval(a: EvalArgs) -> Result<()> {
         };
         synthetic::samples(task, &a.lengths, &depths, a.samples, a.seed, &mut count)?
     };
-
-    // One run per directory at a time: two runs appending to the same records.jsonl, or one
-    // removing it under the other, would mix or lose records. The lock is released when this
-    // process ends, however it ends.
-    let lock_path = out.join(".eval.lock");
-    let lock = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&lock_path)
-        .with_context(|| format!("cannot create {}", lock_path.display()))?;
-    if let Err(e) = lock.try_lock() {
-        match e {
-            std::fs::TryLockError::WouldBlock => bail!(
-                "another `keydiff eval` is writing to {}; wait for it or use another --out",
-                out.display()
-            ),
-            std::fs::TryLockError::Error(e) => {
-                return Err(e).with_context(|| format!("cannot lock {}", lock_path.display()))
-            }
-        }
-    }
 
     // Records already made (resume), then the rest.
     let records_path = out.join("records.jsonl");

@@ -316,7 +316,8 @@ pub fn select_plan(
 /// `(head_stride, row_stride, 1)`, after a plan `[kv, 1 + 2M]` from [`select_plan`]. As on the
 /// GPU, the kernel itself skips moves that name a row outside `[0, rows)`; this wrapper only
 /// refuses indices past what `buf` holds at these strides, so that the kernel's own bound is
-/// what keeps moves inside the view (and can be tested).
+/// what keeps moves inside the view (and can be tested). The kernel gets a fenced copy of the
+/// view's extent; the rest of `buf` is left as it was.
 #[allow(clippy::too_many_arguments)]
 pub fn move_rows<T: Copy>(
     buf: &mut [T],
@@ -335,7 +336,7 @@ pub fn move_rows<T: Copy>(
         );
     }
     let elem = std::mem::size_of::<T>();
-    check_extent(
+    let extent = check_extent(
         "move-rows",
         buf.len(),
         elem,
@@ -372,9 +373,18 @@ pub fn move_rows<T: Copy>(
     }
     let l = move_launch(m, kv);
     let side = Side::for_seed(seed);
-    // 16-byte aligned like a device allocation, so that the kernel's vector path is taken
-    // where the strides allow it.
-    let mut fenced = Fenced::copy_of("move-rows buffer", buf, side, 16)?;
+    // The view's extent only: a move past the view faults. 16-byte aligned, like a device
+    // allocation, where the strides and rows are multiples of 16 bytes (then the extent is
+    // too, and the end lies flush against the guard), so that the kernel's vector path runs.
+    let align = if [head_stride, row_stride, row_len]
+        .iter()
+        .all(|&x| (x * elem).is_multiple_of(16))
+    {
+        16
+    } else {
+        elem
+    };
+    let mut fenced = Fenced::copy_of("move-rows buffer", &buf[..extent], side, align)?;
     let plan = Fenced::copy_of("move-rows plan", plan, side, 4)?;
     call("move-rows", |err, err_len| {
         // SAFETY: every row the plan names lies inside `buf` (checked above), and the kernel
@@ -399,7 +409,7 @@ pub fn move_rows<T: Copy>(
         }
     })?;
     plan.finish()?;
-    buf.copy_from_slice(&fenced.finish()?);
+    buf[..extent].copy_from_slice(&fenced.finish()?);
     Ok(())
 }
 

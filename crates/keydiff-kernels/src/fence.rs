@@ -13,7 +13,8 @@
 //!
 //! The same handler also explains a SIGILL: the emulation is compiled with `-fsanitize=bounds`
 //! in trap mode, so an array of known size (a kernel's `__shared__` arrays) indexed out of
-//! bounds traps with an illegal instruction.
+//! bounds traps with an illegal instruction (`ud2` on x86-64; on aarch64 the trap is `brk`, a
+//! SIGTRAP, which crashes the test without this explanation).
 
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -122,7 +123,14 @@ impl<T: Copy> Fenced<T> {
             }
             std::ptr::write_bytes(body as *mut u8, SLACK, data_pages * page);
         }
-        let slot = register(map as usize, map_len, data, bytes, name)?;
+        let slot = match register(map as usize, map_len, data, bytes, name) {
+            Ok(slot) => slot,
+            Err(e) => {
+                // SAFETY: the mapping made above, not yet shared.
+                unsafe { libc::munmap(map.cast(), map_len) };
+                return Err(e);
+            }
+        };
         Ok(Self {
             map,
             map_len,
@@ -203,6 +211,9 @@ const SLOTS: usize = 512;
 
 struct Slot {
     taken: AtomicBool,
+    /// Odd while the fields below change: the handler skips a slot whose generation is odd or
+    /// changed while it read (a seqlock), so that it never mixes two registrations.
+    generation: AtomicUsize,
     /// The mapping's start (0: slot not published), length, the data's start and length, and
     /// the name's pointer and length.
     map: AtomicUsize,
@@ -216,6 +227,7 @@ struct Slot {
 #[allow(clippy::declare_interior_mutable_const)]
 const EMPTY: Slot = Slot {
     taken: AtomicBool::new(false),
+    generation: AtomicUsize::new(0),
     map: AtomicUsize::new(0),
     map_len: AtomicUsize::new(0),
     data: AtomicUsize::new(0),
@@ -231,12 +243,14 @@ fn register(map: usize, map_len: usize, data: usize, bytes: usize, name: &str) -
             .compare_exchange(false, true, Ordering::AcqRel, Ordering::Relaxed)
             .is_ok()
         {
-            s.map_len.store(map_len, Ordering::Relaxed);
-            s.data.store(data, Ordering::Relaxed);
-            s.bytes.store(bytes, Ordering::Relaxed);
-            s.name.store(name.as_ptr() as usize, Ordering::Relaxed);
-            s.name_len.store(name.len(), Ordering::Relaxed);
+            s.generation.fetch_add(1, Ordering::AcqRel); // odd: changing
+            s.map_len.store(map_len, Ordering::Release);
+            s.data.store(data, Ordering::Release);
+            s.bytes.store(bytes, Ordering::Release);
+            s.name.store(name.as_ptr() as usize, Ordering::Release);
+            s.name_len.store(name.len(), Ordering::Release);
             s.map.store(map, Ordering::Release);
+            s.generation.fetch_add(1, Ordering::AcqRel); // even: published
             return Ok(i);
         }
     }
@@ -244,8 +258,11 @@ fn register(map: usize, map_len: usize, data: usize, bytes: usize, name: &str) -
 }
 
 fn unregister(i: usize) {
-    TABLE[i].map.store(0, Ordering::Release);
-    TABLE[i].taken.store(false, Ordering::Release);
+    let s = &TABLE[i];
+    s.generation.fetch_add(1, Ordering::AcqRel);
+    s.map.store(0, Ordering::Release);
+    s.generation.fetch_add(1, Ordering::AcqRel);
+    s.taken.store(false, Ordering::Release);
 }
 
 /// The SIGSEGV and SIGILL actions in place before ours: what is not ours goes back to them.
@@ -308,21 +325,25 @@ extern "C" fn on_fault(sig: libc::c_int, info: *mut libc::siginfo_t, _ctx: *mut 
     // SAFETY: the kernel passes a valid siginfo for SA_SIGINFO handlers.
     let addr = unsafe { (*info).si_addr() } as usize;
     for s in &TABLE {
+        let generation = s.generation.load(Ordering::Acquire);
         let map = s.map.load(Ordering::Acquire);
-        if map == 0 || addr < map || addr >= map + s.map_len.load(Ordering::Relaxed) {
+        let map_len = s.map_len.load(Ordering::Acquire);
+        let (data, bytes) = (
+            s.data.load(Ordering::Acquire),
+            s.bytes.load(Ordering::Acquire),
+        );
+        let (name, name_len) = (
+            s.name.load(Ordering::Acquire),
+            s.name_len.load(Ordering::Acquire),
+        );
+        if generation % 2 == 1 || s.generation.load(Ordering::Acquire) != generation {
+            continue; // changing under us: not the buffer this thread's kernel is using
+        }
+        if map == 0 || addr < map || addr >= map + map_len {
             continue;
         }
-        let (data, bytes) = (
-            s.data.load(Ordering::Relaxed),
-            s.bytes.load(Ordering::Relaxed),
-        );
-        // SAFETY: the name is a `&'static str` stored whole before `map` was published.
-        let name = unsafe {
-            std::slice::from_raw_parts(
-                s.name.load(Ordering::Relaxed) as *const u8,
-                s.name_len.load(Ordering::Relaxed),
-            )
-        };
+        // SAFETY: one registration's `&'static str`, read whole (the generation held).
+        let name = unsafe { std::slice::from_raw_parts(name as *const u8, name_len) };
         let mut m = Msg::default();
         m.push(b"keydiff emulation: an emulated kernel accessed `");
         m.push(name);

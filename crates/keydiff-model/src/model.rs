@@ -338,7 +338,7 @@ impl Model {
         let cos_sin = self.rope.cos_sin(pos0, b, self.dtype, &self.device)?;
         let total = cache.len() + b;
         // The flash kernels mask by index; only eager attention adds a mask tensor.
-        let mask = if b > 1 && self.attention == AttentionBackend::Eager {
+        let mask = if b > 1 && self.attention != AttentionBackend::Flash {
             Some(chunk_mask(b, total, self.dtype, &self.device)?)
         } else {
             None
