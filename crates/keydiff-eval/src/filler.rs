@@ -167,7 +167,7 @@ impl Sentences {
         }
         let sep = if self.n == 0 {
             ""
-        } else if self.n % 8 == 0 {
+        } else if self.n.is_multiple_of(8) {
             "\n"
         } else {
             " "
