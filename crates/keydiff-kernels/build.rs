@@ -53,33 +53,49 @@ fn main() {
     }
 }
 
-/// `kernels/emu/launch.cpp`, which includes the kernel source, as a static library.
+/// `kernels/emu/launch.cpp`, which includes the kernel source, and the memory checker
+/// `kernels/emu/race.cpp`, as one static library.
 #[cfg(feature = "emulate")]
 fn emulation(root: &std::path::Path) {
     for f in [
         "keydiff.cu",
         "emu/launch.cpp",
         "emu/cuda_emu.h",
+        "emu/race.h",
+        "emu/race.cpp",
         "emu/include/cuda_bf16.h",
         "emu/include/cuda_fp16.h",
     ] {
         println!("cargo:rerun-if-changed={}", root.join(f).display());
     }
-    cc::Build::new()
-        .cpp(true)
+    let build = |instrumented: bool| {
+        let mut b = cc::Build::new();
+        b.cpp(true)
+            .include(root.join("emu/include"))
+            .std("c++17")
+            .flag("-fno-strict-aliasing")
+            // No fused multiply-adds: the same results on every host, whatever its -march.
+            .flag("-ffp-contract=off")
+            .opt_level(2)
+            .warnings(true)
+            .extra_warnings(true)
+            .warnings_into_errors(true);
+        if instrumented {
+            // Every load and store of the kernels calls the checker of kernels/emu/race.cpp
+            // (its __tsan_* functions; no ThreadSanitizer runtime is linked).
+            b.flag("-fsanitize=thread")
+                // Indexing an array of known size (the kernels' __shared__ arrays) out of
+                // bounds traps (SIGILL) instead of touching a neighbour; no runtime either.
+                .flag("-fsanitize=bounds")
+                .flag("-fsanitize-undefined-trap-on-error");
+        }
+        b
+    };
+    let objects = build(false)
+        .file(root.join("emu/race.cpp"))
+        .compile_intermediates();
+    build(true)
         .file(root.join("emu/launch.cpp"))
-        .include(root.join("emu/include"))
-        .std("c++17")
-        .flag("-fno-strict-aliasing")
-        // No fused multiply-adds: the same results on every host, whatever its -march.
-        .flag("-ffp-contract=off")
-        // Indexing an array of known size (the kernels' __shared__ arrays) out of bounds traps
-        // (SIGILL) instead of touching a neighbour; no sanitizer runtime is linked.
-        .flag("-fsanitize=bounds")
-        .flag("-fsanitize-undefined-trap-on-error")
-        .opt_level(2)
-        .warnings(true)
-        .extra_warnings(true)
-        .warnings_into_errors(true)
+        .objects(objects)
         .compile("keydiff_emu");
 }

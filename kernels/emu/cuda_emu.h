@@ -14,18 +14,24 @@
 //   - __syncthreads: a barrier that some threads never reach (divergent code) is a deadlock, and
 //     the launch fails naming it;
 //   - any schedule: results must not depend on the order threads run between barriers (the
-//     tests run several seeds), and float atomics add in a different order for every seed.
+//     tests run several seeds), and float atomics add in a different order for every seed;
+//   - data races and uninitialised shared memory, whatever the schedule: every load and store
+//     of the kernels goes through the memory checker of race.h (compiled in with
+//     -fsanitize=thread, no runtime), which fails the launch on two unordered accesses to a
+//     byte by different threads (one a write, not both atomic), and on a __shared__ byte read
+//     before its block wrote it.
 // Out-of-bounds accesses to global memory are the Rust wrappers' part: they hand the kernels
 // buffers fenced by guard pages (crates/keydiff-kernels/src/fence.rs). Arrays of known size
 // (the __shared__ ones) indexed out of bounds trap: build.rs compiles this with
 // -fsanitize=bounds in trap mode.
-// What it cannot check: data races between barriers (threads do not interleave there), global
-// accesses on the side of a buffer a run does not fence or into another head's rows of the
-// same buffer, loads the compiler removes, shared memory read before it is written (it starts zeroed and
-// carries over from block to block, where CUDA leaves it undefined; cases with several blocks
-// per launch catch a missing initialisation only when the values left over are wrong), timing,
-// and anything about the real compiler or hardware. It complements the GPU run of
-// scripts/gpu-check.sh (with compute-sanitizer); it does not replace it.
+// What it cannot check: global accesses on the side of a buffer a run does not fence or into
+// another head's rows of the same buffer, loads the compiler removes, the GPU's memory model
+// beyond "ordered by a barrier or not" (fences, weaker orderings), timing, and anything about
+// the real compiler or hardware. It complements the GPU run of scripts/gpu-check.sh (with
+// compute-sanitizer); it does not replace it.
+//
+// Shared memory is one static thread_local per declaration, reused by every block (and launch)
+// on the OS thread; CUDA leaves it undefined at a block's start, and the checker treats it so.
 
 #pragma once
 
@@ -40,6 +46,8 @@
 #include <random>
 #include <string>
 #include <vector>
+
+#include "race.h"
 
 struct dim3 {
   unsigned x = 1, y = 1, z = 1;
@@ -61,10 +69,21 @@ struct __nv_bfloat16 {
 #define __launch_bounds__(...)
 // Blocks run one after another on one OS thread (fibers share its thread-locals), so one
 // thread-local static per declaration is the block's shared memory; other OS threads running
-// other launches have their own.
+// other launches have their own. The race checker finds it by elimination (race.h).
 #define __shared__ static thread_local
 
+// The emulation's own functions are not instrumented (race.h), and those that kernel code calls
+// also switch tracking off while they run: what they call from the standard library may be
+// instrumented, and their accesses are not the kernel's.
+#define KD_EMU_UNTRACKED __attribute__((no_sanitize("thread")))
+
 namespace kd_emu {
+
+struct Untracked {
+  bool was;
+  KD_EMU_UNTRACKED Untracked() : was(kd_race::tls.on) { kd_race::tls.on = false; }
+  KD_EMU_UNTRACKED ~Untracked() { kd_race::tls.on = was; }
+};
 
 constexpr int kWarp = 32;
 constexpr unsigned kMaxThreads = 1024;
@@ -94,6 +113,8 @@ struct Block {
   std::vector<int> bar_waiters;
   int live = 0;
   int cur = -1;
+  uint32_t epoch = 0;  // barriers passed
+  uint32_t first_id = 0;  // race-checker id of thread 0 (block linear index * threads + 1)
   ucontext_t sched;
   std::mt19937_64 rng;
   std::string error;
@@ -104,36 +125,44 @@ struct Block {
 inline thread_local Block* g_block = nullptr;
 inline thread_local dim3 g_block_idx, g_block_dim, g_grid_dim;
 
-inline Fiber& cur_fiber() { return g_block->fibers[g_block->cur]; }
+KD_EMU_UNTRACKED inline Fiber& cur_fiber() { return g_block->fibers[g_block->cur]; }
 
 // Back to the scheduler; returns when this fiber is made runnable again.
-inline void park() { swapcontext(&cur_fiber().ctx, &g_block->sched); }
+KD_EMU_UNTRACKED inline void park() { swapcontext(&cur_fiber().ctx, &g_block->sched); }
 
-inline void release(std::vector<int>& waiters) {
+KD_EMU_UNTRACKED inline void release(std::vector<int>& waiters) {
   for (int i : waiters) g_block->runnable.push_back(i);
   waiters.clear();
 }
 
+// All live threads reached the barrier: they go on, in the next barrier interval.
+KD_EMU_UNTRACKED inline void release_barrier() {
+  g_block->epoch++;
+  release(g_block->bar_waiters);
+}
+
 // Records the first error and parks the fiber for good: the block then ends as a deadlock, and
 // the launch reports the error.
-[[noreturn]] inline void fail(const std::string& msg) {
+[[noreturn]] KD_EMU_UNTRACKED inline void fail(const std::string& msg) {
   if (g_block->error.empty()) g_block->error = msg;
   park();
   std::abort();  // never resumed
 }
 
-inline void syncthreads() {
+KD_EMU_UNTRACKED inline void syncthreads() {
+  Untracked u;
   Block& b = *g_block;
   b.bar_waiters.push_back(b.cur);
-  if ((int)b.bar_waiters.size() == b.live) release(b.bar_waiters);
+  if ((int)b.bar_waiters.size() == b.live) release_barrier();
   park();
 }
 
 // All 32 lanes of the warp publish one value; returns the warp's 32 values. Double-buffered by
 // call parity: a lane cannot reach call k + 2 (which rewrites this buffer) before every lane
 // has reached call k + 1, i.e. has read call k.
-inline const uint64_t* warp_exchange(unsigned mask, uint64_t v, const char* what,
-                                     const char* file, int line) {
+KD_EMU_UNTRACKED inline const uint64_t* warp_exchange(unsigned mask, uint64_t v,
+                                                      const char* what, const char* file,
+                                                      int line) {
   if (mask != 0xffffffffu) fail(std::string(what) + ": only full warp masks are emulated");
   Block& b = *g_block;
   Fiber& f = cur_fiber();
@@ -156,7 +185,7 @@ inline const uint64_t* warp_exchange(unsigned mask, uint64_t v, const char* what
   return w.vals[parity];
 }
 
-inline void trampoline() {
+KD_EMU_UNTRACKED inline void trampoline() {
   Block& b = *g_block;
   (*b.body)();
   Fiber& f = cur_fiber();
@@ -166,13 +195,13 @@ inline void trampoline() {
   w.exited++;
   if (!w.waiters.empty() && b.error.empty())
     b.error = "a lane exited while its warp waits in a warp-synchronous call";
-  if (!b.bar_waiters.empty() && (int)b.bar_waiters.size() == b.live) release(b.bar_waiters);
+  if (!b.bar_waiters.empty() && (int)b.bar_waiters.size() == b.live) release_barrier();
   // returns to the scheduler through uc_link
 }
 
 // getcontext returns twice in general; kept out of launch's frame so that no local there can be
 // clobbered (the context is only ever entered through makecontext's entry point).
-__attribute__((noinline)) inline void init_context(ucontext_t& ctx, char* stack,
+KD_EMU_UNTRACKED __attribute__((noinline)) inline void init_context(ucontext_t& ctx, char* stack,
                                                    ucontext_t* link) {
   getcontext(&ctx);
   ctx.uc_stack.ss_sp = stack;
@@ -181,21 +210,20 @@ __attribute__((noinline)) inline void init_context(ucontext_t& ctx, char* stack,
   makecontext(&ctx, trampoline, 0);
 }
 
-// Runs `body` as a kernel over grid x block. Returns "" or the first error.
-inline std::string launch(dim3 grid, dim3 block, unsigned launch_bounds, uint64_t seed,
-                          const std::function<void()>& body) {
+// What a launch's body calls: the kernel with its arguments, with the race checker tracking
+// the kernel's accesses (and not the body's reads of its captures).
+template <typename... P, typename... A>
+KD_EMU_UNTRACKED inline void run_kernel(void (*kernel)(P...), A... args) {
+  kd_race::tls.on = true;
+  kernel(args...);
+  kd_race::tls.on = false;
+}
+
+// Runs the blocks of a launch in a random order; returns "" or the first block's error.
+KD_EMU_UNTRACKED inline std::string run_blocks(dim3 grid, dim3 block, std::mt19937_64& rng,
+                                               const std::function<void()>& body,
+                                               std::vector<char>& stacks) {
   const unsigned threads = block.x * block.y * block.z;
-  if (threads == 0 || threads > kMaxThreads || threads % kWarp != 0)
-    return "block of " + std::to_string(threads) + " threads (emulated: 32..1024, whole warps)";
-  if (launch_bounds && threads > launch_bounds)
-    return "block of " + std::to_string(threads) + " threads exceeds __launch_bounds__(" +
-           std::to_string(launch_bounds) + ")";
-  if (grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.y > 65535 || grid.z > 65535 ||
-      grid.x > 0x7fffffffu)
-    return "grid (" + std::to_string(grid.x) + ", " + std::to_string(grid.y) + ", " +
-           std::to_string(grid.z) + ") out of CUDA's limits";
-  std::mt19937_64 rng(seed);
-  std::vector<char> stacks((size_t)threads * kStackBytes);
   std::vector<dim3> order;
   for (unsigned z = 0; z < grid.z; ++z)
     for (unsigned y = 0; y < grid.y; ++y)
@@ -212,8 +240,11 @@ inline std::string launch(dim3 grid, dim3 block, unsigned launch_bounds, uint64_
     b.runnable.clear();
     b.bar_waiters.clear();
     b.live = (int)threads;
+    b.epoch = 0;
+    b.first_id = (bi.x + grid.x * (bi.y + grid.y * bi.z)) * threads + 1;
     b.error.clear();
     b.rng.seed(rng());
+    kd_race::begin_block();
     g_block = &b;
     for (unsigned t = 0; t < threads; ++t) {
       Fiber& f = b.fibers[t];
@@ -228,6 +259,8 @@ inline std::string launch(dim3 grid, dim3 block, unsigned launch_bounds, uint64_
       std::swap(b.runnable[pick], b.runnable.back());
       b.cur = b.runnable.back();
       b.runnable.pop_back();
+      kd_race::tls.thread = b.first_id + (uint32_t)b.cur;
+      kd_race::tls.epoch = b.epoch;
       swapcontext(&b.sched, &b.fibers[b.cur].ctx);
     }
     g_block = nullptr;
@@ -247,6 +280,37 @@ inline std::string launch(dim3 grid, dim3 block, unsigned launch_bounds, uint64_
   return "";
 }
 
+// Ends the race checker's launch on every way out of `launch` (exceptions included).
+struct RaceScope {
+  KD_EMU_UNTRACKED ~RaceScope() { kd_race::end_launch(); }
+};
+
+// Runs `body` as a kernel over grid x block. Returns "" or the first error: the emulation's
+// (launch configuration, divergence, deadlock), else the race checker's (race.h).
+KD_EMU_UNTRACKED inline std::string launch(dim3 grid, dim3 block, unsigned launch_bounds,
+                                           uint64_t seed, const std::function<void()>& body) {
+  const unsigned threads = block.x * block.y * block.z;
+  if (threads == 0 || threads > kMaxThreads || threads % kWarp != 0)
+    return "block of " + std::to_string(threads) + " threads (emulated: 32..1024, whole warps)";
+  if (launch_bounds && threads > launch_bounds)
+    return "block of " + std::to_string(threads) + " threads exceeds __launch_bounds__(" +
+           std::to_string(launch_bounds) + ")";
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.y > 65535 || grid.z > 65535 ||
+      grid.x > 0x7fffffffu)
+    return "grid (" + std::to_string(grid.x) + ", " + std::to_string(grid.y) + ", " +
+           std::to_string(grid.z) + ") out of CUDA's limits";
+  std::mt19937_64 rng(seed);
+  std::vector<char> stacks((size_t)threads * kStackBytes);
+  std::string e = kd_race::begin_launch(grid.x, grid.y, grid.z, threads,
+                                        (uintptr_t)stacks.data(),
+                                        (uintptr_t)(stacks.data() + stacks.size()));
+  if (!e.empty()) return e;
+  RaceScope scope;
+  e = run_blocks(grid, block, rng, body, stacks);
+  const std::string findings = kd_race::end_launch();
+  return e.empty() ? findings : e;
+}
+
 inline uint32_t f2u(float x) {
   uint32_t u;
   memcpy(&u, &x, 4);
@@ -260,12 +324,32 @@ inline float u2f(uint32_t u) {
 
 }  // namespace kd_emu
 
-#define threadIdx (::kd_emu::cur_fiber().tid)
-#define blockIdx (::kd_emu::g_block_idx)
-#define blockDim (::kd_emu::g_block_dim)
-#define gridDim (::kd_emu::g_grid_dim)
+namespace kd_emu {
+// Values, read with tracking off: the emulation's state is not the kernel's memory.
+KD_EMU_UNTRACKED inline dim3 thread_idx() {
+  Untracked u;
+  return cur_fiber().tid;
+}
+KD_EMU_UNTRACKED inline dim3 block_idx() {
+  Untracked u;
+  return g_block_idx;
+}
+KD_EMU_UNTRACKED inline dim3 block_dim() {
+  Untracked u;
+  return g_block_dim;
+}
+KD_EMU_UNTRACKED inline dim3 grid_dim() {
+  Untracked u;
+  return g_grid_dim;
+}
+}  // namespace kd_emu
 
-inline void __syncthreads() { kd_emu::syncthreads(); }
+#define threadIdx (::kd_emu::thread_idx())
+#define blockIdx (::kd_emu::block_idx())
+#define blockDim (::kd_emu::block_dim())
+#define gridDim (::kd_emu::grid_dim())
+
+KD_EMU_UNTRACKED inline void __syncthreads() { kd_emu::syncthreads(); }
 
 namespace kd_emu {
 // Any 32- or 64-bit value travels as its bits (CUDA has overloads for int, unsigned, float,
@@ -283,14 +367,16 @@ inline T from_bits(uint64_t b) {
   memcpy(&x, &b, sizeof(T));
   return x;
 }
-inline unsigned ballot(unsigned mask, int pred, const char* file, int line) {
+KD_EMU_UNTRACKED inline unsigned ballot(unsigned mask, int pred, const char* file, int line) {
+  Untracked u;
   const uint64_t* v = warp_exchange(mask, pred ? 1 : 0, "__ballot_sync", file, line);
   unsigned r = 0;
   for (int l = 0; l < kWarp; ++l) r |= (v[l] ? 1u : 0u) << l;
   return r;
 }
 template <typename T>
-inline unsigned match_any(unsigned mask, T x, const char* file, int line) {
+KD_EMU_UNTRACKED inline unsigned match_any(unsigned mask, T x, const char* file, int line) {
+  Untracked u;
   const uint64_t* v = warp_exchange(mask, to_bits(x), "__match_any_sync", file, line);
   unsigned r = 0;
   for (int l = 0; l < kWarp; ++l) r |= (v[l] == to_bits(x) ? 1u : 0u) << l;
@@ -298,13 +384,17 @@ inline unsigned match_any(unsigned mask, T x, const char* file, int line) {
 }
 // Width 32 only (the kernels use no other); a lane mask >= 32 reads the lane itself, as CUDA.
 template <typename T>
-inline T shfl_xor(unsigned mask, T x, int lane_mask, const char* file, int line) {
+KD_EMU_UNTRACKED inline T shfl_xor(unsigned mask, T x, int lane_mask, const char* file,
+                                   int line) {
+  Untracked u;
   const uint64_t* v = warp_exchange(mask, to_bits(x), "__shfl_xor_sync", file, line);
   const int lane = cur_fiber().lane, src = lane ^ lane_mask;
   return src < kWarp ? from_bits<T>(v[src]) : x;
 }
 template <typename T>
-inline T shfl_up(unsigned mask, T x, unsigned delta, const char* file, int line) {
+KD_EMU_UNTRACKED inline T shfl_up(unsigned mask, T x, unsigned delta, const char* file,
+                                  int line) {
+  Untracked u;
   const uint64_t* v = warp_exchange(mask, to_bits(x), "__shfl_up_sync", file, line);
   const int lane = cur_fiber().lane;
   return lane >= (int)delta ? from_bits<T>(v[lane - (int)delta]) : x;
@@ -317,18 +407,22 @@ inline T shfl_up(unsigned mask, T x, unsigned delta, const char* file, int line)
 #define __shfl_xor_sync(m, x, o) ::kd_emu::shfl_xor((m), (x), (o), __FILE__, __LINE__)
 #define __shfl_up_sync(m, x, d) ::kd_emu::shfl_up((m), (x), (d), __FILE__, __LINE__)
 
-// Threads switch only at synchronisation points, so an atomic is a plain read-modify-write.
-inline float atomicAdd(float* a, float v) {
+// Threads switch only at synchronisation points, so an atomic is a plain read-modify-write,
+// which the race checker is told is atomic.
+KD_EMU_UNTRACKED inline float atomicAdd(float* a, float v) {
+  kd_race::access(a, sizeof *a, kd_race::kAtomic);
   const float old = *a;
   *a = old + v;
   return old;
 }
-inline unsigned atomicAdd(unsigned* a, unsigned v) {
+KD_EMU_UNTRACKED inline unsigned atomicAdd(unsigned* a, unsigned v) {
+  kd_race::access(a, sizeof *a, kd_race::kAtomic);
   const unsigned old = *a;
   *a = old + v;
   return old;
 }
-inline unsigned atomicOr(unsigned* a, unsigned v) {
+KD_EMU_UNTRACKED inline unsigned atomicOr(unsigned* a, unsigned v) {
+  kd_race::access(a, sizeof *a, kd_race::kAtomic);
   const unsigned old = *a;
   *a = old | v;
   return old;

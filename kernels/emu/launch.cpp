@@ -40,11 +40,12 @@ extern "C" int kd_emu_keydiff_scores(int dtype, const void* keys, int64_t head_s
   std::function<void()> p1, p2;
 #define KD_EMU_PASSES(SUFFIX, T)                                                                 \
   p1 = [=] {                                                                                     \
-    keydiff_pass1_##SUFFIX((const T*)keys, head_stride, row_stride, n, d, normalized, norms,    \
-                           anchor);                                                              \
+    kd_emu::run_kernel(keydiff_pass1_##SUFFIX, (const T*)keys, head_stride, row_stride, n, d,    \
+                       normalized, norms, anchor);                                               \
   };                                                                                             \
   p2 = [=] {                                                                                     \
-    keydiff_pass2_##SUFFIX((const T*)keys, head_stride, row_stride, n, d, norms, anchor, scores); \
+    kd_emu::run_kernel(keydiff_pass2_##SUFFIX, (const T*)keys, head_stride, row_stride, n, d,    \
+                       (const float*)norms, (const float*)anchor, scores);                       \
   };
   switch (dtype) {
     case 0:
@@ -72,8 +73,8 @@ extern "C" int kd_emu_select_plan(const float* scores, int64_t score_stride,
                                   uint64_t seed, char* err, size_t err_len) {
   const std::string e =
       guarded(d3(grid_x), d3(block), KD_SELECT_THREADS, seed, [=] {
-        keydiff_select_plan(scores, score_stride, positions, pos_stride, n, budget, sinks,
-                            recent, plan, plan_stride);
+        kd_emu::run_kernel(keydiff_select_plan, scores, score_stride, positions, pos_stride, n,
+                           budget, sinks, recent, plan, plan_stride);
       });
   return finish(e, err, err_len);
 }
@@ -84,8 +85,8 @@ extern "C" int kd_emu_move_rows(char* buf, int64_t head_stride, int64_t row_stri
                                 unsigned grid_y, unsigned block, uint64_t seed, char* err,
                                 size_t err_len) {
   const std::string e = guarded(d3(grid_x, grid_y), d3(block), 0, seed, [=] {
-    keydiff_move_rows(buf, head_stride, row_stride, row_bytes, rows, plan, plan_stride,
-                      max_moves);
+    kd_emu::run_kernel(keydiff_move_rows, buf, head_stride, row_stride, row_bytes, rows, plan,
+                       plan_stride, max_moves);
   });
   return finish(e, err, err_len);
 }
@@ -97,8 +98,8 @@ extern "C" int kd_emu_snapkv_pool(const float* stats, int64_t stats_stride,
                                   uint32_t* sorted, float* scores, unsigned grid_x,
                                   unsigned block, uint64_t seed, char* err, size_t err_len) {
   const std::string e = guarded(d3(grid_x), d3(block), KD_POOL_THREADS, seed, [=] {
-    snapkv_pool(stats, stats_stride, positions, pos_stride, n, bitmap, words, word_rank, sorted,
-                scores);
+    kd_emu::run_kernel(snapkv_pool, stats, stats_stride, positions, pos_stride, n, bitmap, words,
+                       word_rank, sorted, scores);
   });
   return finish(e, err, err_len);
 }
@@ -151,7 +152,7 @@ void st_split_barrier(int* out) {
 void st_partial_mask(int* out) { out[threadIdx.x] = (int)__ballot_sync(0x0000ffffu, 1); }
 
 // A missing barrier: thread 1 writes what the others read in the same phase, so who reads 7
-// depends on the schedule.
+// depends on the schedule; the race checker reports it whatever the schedule.
 void st_race(int* out) {
   __shared__ int x;
   if (threadIdx.x == 0) x = 0;
@@ -160,50 +161,98 @@ void st_race(int* out) {
   out[threadIdx.x] = x;
 }
 
+// Shared memory read before any thread of the block wrote it (y[1]).
+void st_uninit(int* out) {
+  __shared__ int y[2];
+  if (threadIdx.x == 0) y[0] = 1;
+  __syncthreads();
+  out[threadIdx.x] = y[threadIdx.x % 2];
+}
+
+// Two blocks write the same global word: a race whatever the barriers.
+void st_block_race(int* out) {
+  if (threadIdx.x == 0) out[0] = (int)blockIdx.x;
+}
+
+// Correct: atomics from every thread of every block, plain accesses ordered by barriers.
+// out[0] = -1 + 2 * 256.
+void st_atomics(int* out) {
+  __shared__ unsigned c;
+  if (threadIdx.x == 0) c = 0;
+  __syncthreads();
+  atomicAdd(&c, 1u);
+  __syncthreads();
+  if (threadIdx.x == 0) atomicAdd(reinterpret_cast<unsigned*>(out), c);
+}
+
+// A plain read of a counter that other threads update atomically in the same phase.
+void st_atomic_read(int* out) {
+  __shared__ unsigned c;
+  if (threadIdx.x == 0) c = 0;
+  __syncthreads();
+  atomicAdd(&c, 1u);
+  out[threadIdx.x] = (int)c;
+}
+
 }  // namespace
 
 // which: 0 reduce, 1 diverged shuffle, 2 exited lane, 3 split barrier, 4 partial mask, 5 race,
 // 6 reduce with a 2048-thread block, 7 reduce with a 48-thread block, 8 grid.y of 70000,
-// 9 reduce with 512 threads against __launch_bounds__(256).
+// 9 reduce with 512 threads against __launch_bounds__(256), 10 uninitialised shared memory,
+// 11 a race between blocks, 12 correct atomics over 2 blocks, 13 a read racing atomics.
 extern "C" int kd_emu_selftest(int which, uint64_t seed, int* out, char* err, size_t err_len) {
   std::function<void()> body;
   dim3 grid = d3(1), block = d3(256);
   unsigned bounds = 0;
   switch (which) {
     case 0:
-      body = [=] { st_reduce(out); };
+      body = [=] { kd_emu::run_kernel(st_reduce, out); };
       break;
     case 1:
-      body = [=] { st_diverged_shuffle(out); };
+      body = [=] { kd_emu::run_kernel(st_diverged_shuffle, out); };
       break;
     case 2:
-      body = [=] { st_exited_lane(out); };
+      body = [=] { kd_emu::run_kernel(st_exited_lane, out); };
       break;
     case 3:
-      body = [=] { st_split_barrier(out); };
+      body = [=] { kd_emu::run_kernel(st_split_barrier, out); };
       break;
     case 4:
-      body = [=] { st_partial_mask(out); };
+      body = [=] { kd_emu::run_kernel(st_partial_mask, out); };
       break;
     case 5:
-      body = [=] { st_race(out); };
+      body = [=] { kd_emu::run_kernel(st_race, out); };
       break;
     case 6:
-      body = [=] { st_reduce(out); };
+      body = [=] { kd_emu::run_kernel(st_reduce, out); };
       block = d3(2048);
       break;
     case 7:
-      body = [=] { st_reduce(out); };
+      body = [=] { kd_emu::run_kernel(st_reduce, out); };
       block = d3(48);
       break;
     case 8:
-      body = [=] { st_reduce(out); };
+      body = [=] { kd_emu::run_kernel(st_reduce, out); };
       grid = d3(1, 70000);
       break;
     case 9:
-      body = [=] { st_reduce(out); };
+      body = [=] { kd_emu::run_kernel(st_reduce, out); };
       block = d3(512);
       bounds = 256;
+      break;
+    case 10:
+      body = [=] { kd_emu::run_kernel(st_uninit, out); };
+      break;
+    case 11:
+      body = [=] { kd_emu::run_kernel(st_block_race, out); };
+      grid = d3(2);
+      break;
+    case 12:
+      body = [=] { kd_emu::run_kernel(st_atomics, out); };
+      grid = d3(2);
+      break;
+    case 13:
+      body = [=] { kd_emu::run_kernel(st_atomic_read, out); };
       break;
     default:
       return finish("unknown self-test " + std::to_string(which), err, err_len);

@@ -66,15 +66,47 @@ fn emulation_self_tests_fire() {
             .to_string();
         assert!(err.contains(needle), "self-test {which}: {err}");
     }
-    // A race is visible: who reads the racing write depends on the seed.
-    let sevens: Vec<usize> = (0..8)
-        .map(|seed| {
-            let out = emu::selftest(5, seed).unwrap();
-            out.iter().filter(|&&v| v == 7).count()
-        })
-        .collect();
-    assert!(sevens.iter().any(|&c| c > 0 && c < 256), "{sevens:?}");
-    assert!(sevens.windows(2).any(|w| w[0] != w[1]), "{sevens:?}");
+    // The memory checker (kernels/emu/race.h) reports races and uninitialised shared memory
+    // under every schedule, naming the threads and, for global memory, the buffer.
+    for seed in 0..4 {
+        for (which, needles) in [
+            (
+                5,
+                &[
+                    "data race on __shared__ memory",
+                    "thread 1 of block (0, 0, 0) after 1 __syncthreads writes",
+                ][..],
+            ),
+            (
+                10,
+                &[
+                    "__shared__ memory",
+                    "read before any thread of its block wrote it",
+                ],
+            ),
+            (
+                11,
+                &[
+                    "data race on `self-test out` byte 0",
+                    "thread 0 of block (0, 0, 0)",
+                    "thread 0 of block (1, 0, 0)",
+                ],
+            ),
+            (
+                13,
+                &["data race on __shared__ memory", "atomically updates"],
+            ),
+        ] {
+            let err = emu::selftest(which, seed)
+                .expect_err("a defect passed the checker")
+                .to_string();
+            for needle in needles {
+                assert!(err.contains(needle), "self-test {which} seed {seed}: {err}");
+            }
+        }
+        // Atomics from every thread of two blocks, read after barriers: no finding.
+        assert_eq!(emu::selftest(12, seed).unwrap()[0], -1 + 2 * 256);
+    }
 }
 
 /// Keys like a cache buffer `[kv, rows, d]` (rows ≥ n used slots), with a shared direction so
@@ -489,6 +521,24 @@ fn moves_match_sequential_copies() {
         let plan = [2u32, 6, 3, 0, 6];
         emu::move_rows(&mut buf, 1, 6, 1, 10, 1, &plan, seed).unwrap();
         assert_eq!(buf, [0, 4, 2, 3, 4, 5, 6, 7, 8, 9], "seed {seed}: row 6");
+    }
+    // The kernel runs all moves at once, so a plan whose sources and destinations overlap is a
+    // race on the GPU (the result depends on which warp runs first); the checker reports it,
+    // naming the buffer and a byte of the row. Rows of 32 bytes: 5 -> 3 reads row 5 (bytes
+    // 160..192) while 6 -> 5 writes it.
+    for seed in SEEDS {
+        let mut buf: Vec<u32> = (0..80).collect();
+        let plan = [2u32, 5, 6, 3, 5];
+        let err = emu::move_rows(&mut buf, 1, 10, 8, 80, 8, &plan, seed)
+            .expect_err("overlapping moves passed the race checker")
+            .to_string();
+        let byte: usize = err
+            .split("data race on `move-rows buffer` byte ")
+            .nth(1)
+            .and_then(|rest| rest.split(':').next())
+            .and_then(|b| b.parse().ok())
+            .unwrap_or_else(|| panic!("seed {seed}: {err}"));
+        assert!((160..192).contains(&byte), "seed {seed}: {err}");
     }
 }
 

@@ -521,12 +521,15 @@ pub fn snapkv_pool(
 
 /// The emulation's self-test kernels (`kernels/emu/launch.cpp`): 0 a correct reduction,
 /// 1 diverged shuffle, 2 exited lane, 3 split barrier, 4 partial mask, 5 a race, 6–9 launch
-/// configurations CUDA refuses. Returns the kernel's 256 outputs, or the emulation's error.
+/// configurations CUDA refuses, 10 shared memory read before it is written, 11 a race between
+/// blocks, 12 correct atomics over two blocks, 13 a read racing atomics. Returns the kernel's
+/// 256 outputs (global memory, fenced as `self-test out`, initially −1), or the emulation's
+/// error.
 pub fn selftest(which: i32, seed: u64) -> Result<Vec<i32>> {
-    let mut out = vec![-1 as c_int; 256];
+    let mut out = Fenced::filled("self-test out", 256, -1 as c_int, Side::for_seed(seed), 4)?;
     call("self-test", |err, err_len| {
         // SAFETY: the self-test kernels write at most 256 ints.
         unsafe { kd_emu_selftest(which, seed, out.as_mut_ptr(), err, err_len) }
     })?;
-    Ok(out)
+    out.finish()
 }

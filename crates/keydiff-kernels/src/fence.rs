@@ -11,6 +11,9 @@
 //!
 //! On a GPU, `compute-sanitizer --tool memcheck` (scripts/gpu-check.sh) is the same check.
 //!
+//! Every buffer is also registered with the emulation's race checker (`kernels/emu/race.h`) as
+//! global memory, so that a race on it is reported with its name and the byte offset.
+//!
 //! The same handler also explains a SIGILL: the emulation is compiled with `-fsanitize=bounds`
 //! in trap mode, so an array of known size (a kernel's `__shared__` arrays) indexed out of
 //! bounds traps with an illegal instruction (`ud2` on x86-64; on aarch64 the trap is `brk`, a
@@ -41,6 +44,13 @@ impl Side {
             Self::Start
         }
     }
+}
+
+extern "C" {
+    // The emulation's race checker (kernels/emu/race.h): fenced buffers are the kernels'
+    // global memory, named in its reports.
+    fn kd_emu_track_global(p: *const u8, n: usize, name: *const u8, name_len: usize);
+    fn kd_emu_untrack_global(p: *const u8);
 }
 
 /// The pattern written around a buffer inside its mapping.
@@ -131,6 +141,8 @@ impl<T: Copy> Fenced<T> {
                 return Err(e);
             }
         };
+        // SAFETY: the range and name stay valid until `drop` untracks them.
+        unsafe { kd_emu_track_global(data as *const u8, bytes, name.as_ptr(), name.len()) };
         Ok(Self {
             map,
             map_len,
@@ -191,6 +203,8 @@ impl<T: Copy> Fenced<T> {
 
 impl<T: Copy> Drop for Fenced<T> {
     fn drop(&mut self) {
+        // SAFETY: tracked in `alloc` with this start.
+        unsafe { kd_emu_untrack_global(self.data as *const u8) };
         unregister(self.slot);
         // SAFETY: the mapping made in `alloc`, unmapped once.
         unsafe {
