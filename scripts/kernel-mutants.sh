@@ -3,7 +3,7 @@
 # plants one known defect at a time in kernels/keydiff.cu (an off-by-one, a missing barrier, a
 # wrong reduction, ...), runs the tests, and reports whether they caught it. Every mutant must
 # be caught. kernels/keydiff.cu is restored afterwards, whatever happens.
-# Usage: scripts/kernel-mutants.sh      (~15 s per mutant on 2 cores after the first build)
+# Usage: scripts/kernel-mutants.sh      (~20 s per mutant on 2 cores after the first build)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 src=kernels/keydiff.cu
@@ -31,6 +31,23 @@ mutants=(
   "snapkv: rank offset never reset~  if (threadIdx.x == 0) base = 0;\n~"
   "scores: accumulator zeroed one past d (shared memory out of bounds at d = 256)~  for (int j = threadIdx.x; j < d; j += blockDim.x) acc[j] = 0.f;~  for (int j = threadIdx.x; j <= d; j += blockDim.x) acc[j] = 0.f;"
   "select: key read before the bound check (values unused past n)~      if (i < n) {\n        const uint64_t x = key(i);~      const uint64_t x = key(i);\n      if (i < n) {"
+  # Missing barriers, one at a time (each a race the memory checker reports, whatever the
+  # values; two give right answers under every schedule the tests draw). The barrier after
+  # `sh.base` is zeroed in keydiff_select_plan is not among them: the loop's first barrier
+  # already orders that write before any read, so removing it is not a defect.
+  "scores: no barrier after the accumulator is zeroed~acc[j] = 0.f;\n  __syncthreads();~acc[j] = 0.f;"
+  "scores: no barrier before the block's sums go out~  }\n  __syncthreads();\n  for (int j = threadIdx.x; j < d; j += blockDim.x) atomicAdd(&anchor_sum~  }\n  for (int j = threadIdx.x; j < d; j += blockDim.x) atomicAdd(&anchor_sum"
+  "select: no barrier after the histogram is cleared~sh.hist[j] = 0;\n    __syncthreads();~sh.hist[j] = 0;"
+  "select: no barrier before the digit is chosen~        atomicAdd(&sh.hist[bin], (unsigned)__popc(peers));\n    }\n    __syncthreads();~        atomicAdd(&sh.hist[bin], (unsigned)__popc(peers));\n    }"
+  "select: no barrier after the threshold is read~  const uint64_t r = sh.prefix;\n  __syncthreads();~  const uint64_t r = sh.prefix;"
+  "select: no barrier after the warp totals are written~      sh.warp_total[1][warp] = __popc(bm);\n    }\n    __syncthreads();~      sh.warp_total[1][warp] = __popc(bm);\n    }"
+  "select: no barrier before the offsets advance~    if (mover && om < (unsigned)max_moves) src[om] = (uint32_t)i;\n    __syncthreads();~    if (mover && om < (unsigned)max_moves) src[om] = (uint32_t)i;"
+  "select: no barrier after the offsets advance~        sh.base[1] += sh.warp_total[1][w];\n      }\n    }\n    __syncthreads();~        sh.base[1] += sh.warp_total[1][w];\n      }\n    }"
+  "snapkv: no barrier after the bitmap is built~  if (threadIdx.x == 0) base = 0;\n  __syncthreads();~  if (threadIdx.x == 0) base = 0;"
+  "snapkv: no barrier after the scan's warp totals~    if (lane == 31) warp_total[warp] = x;\n    __syncthreads();~    if (lane == 31) warp_total[warp] = x;"
+  "snapkv: no barrier before the scan's offset advances~    if (w < words) wr[w] = off + x - c;\n    __syncthreads();~    if (w < words) wr[w] = off + x - c;"
+  "snapkv: no barrier after the scan's offset advances~      for (int v = 0; v < warps; ++v) base += warp_total[v];\n    }\n    __syncthreads();~      for (int v = 0; v < warps; ++v) base += warp_total[v];\n    }"
+  "snapkv: no barrier before the windows read the ranking~    srt[r] = (uint32_t)i;\n  }\n  __syncthreads();~    srt[r] = (uint32_t)i;\n  }"
 )
 
 cargo test --release -p keydiff-cache --test kernel_emulation --no-run -q 2>/dev/null || true
@@ -53,8 +70,12 @@ PY
     # No failing test named: the build failed or the test binary crashed (say which).
     [ -n "$failed" ] || failed=$(grep -m1 -oE 'signal: [0-9]+[^)]*' <<< "$out" ||
       grep -m1 -E '^error' <<< "$out" || echo "?")
-    # The emulation's own report (an access outside a fenced buffer), when there is one.
-    if report=$(grep -m1 -oE 'keydiff emulation: .*' <<< "$out"); then failed="$failed; $report"; fi
+    # The emulation's own report (an access outside a fenced buffer), when there is one, else
+    # the memory checker's (a race or uninitialised shared memory).
+    if report=$(grep -m1 -oE 'keydiff emulation: .*' <<< "$out"); then failed="$failed; $report"
+    elif report=$(grep -m1 -oE '(data race on [^:]*|[^:]* read before any thread of its block wrote it)' <<< "$out"); then
+      failed="$failed; $report"
+    fi
     echo "caught    $name  (failed: $failed)"
   fi
 done

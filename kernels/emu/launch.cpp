@@ -194,12 +194,31 @@ void st_atomic_read(int* out) {
   out[threadIdx.x] = (int)c;
 }
 
+// With `out` viewed as 2 heads of 128 (one block per head): block h writes its head and reads
+// a word of the other's.
+void st_other_head(int* out) {
+  const unsigned h = blockIdx.x;
+  if (threadIdx.x < 128) out[h * 128 + threadIdx.x] = (int)h;
+  if (threadIdx.x == 200) out[h * 128] = out[(1 - h) * 128 + 5];
+}
+
+// With `out` viewed as 4 rows of 32 at a row stride of 64: threads 32..63 write row padding.
+void st_padding(int* out) {
+  if (threadIdx.x < 64) out[threadIdx.x] = 1;
+}
+
+// Reads one int past the 256 of `out`.
+void st_past_end(int* out) {
+  if (threadIdx.x == 0) out[0] = out[256];
+}
+
 }  // namespace
 
 // which: 0 reduce, 1 diverged shuffle, 2 exited lane, 3 split barrier, 4 partial mask, 5 race,
 // 6 reduce with a 2048-thread block, 7 reduce with a 48-thread block, 8 grid.y of 70000,
 // 9 reduce with 512 threads against __launch_bounds__(256), 10 uninitialised shared memory,
-// 11 a race between blocks, 12 correct atomics over 2 blocks, 13 a read racing atomics.
+// 11 a race between blocks, 12 correct atomics over 2 blocks, 13 a read racing atomics,
+// 14 another head's rows, 15 row padding, 16 a read past the end of `out`.
 extern "C" int kd_emu_selftest(int which, uint64_t seed, int* out, char* err, size_t err_len) {
   std::function<void()> body;
   dim3 grid = d3(1), block = d3(256);
@@ -253,6 +272,16 @@ extern "C" int kd_emu_selftest(int which, uint64_t seed, int* out, char* err, si
       break;
     case 13:
       body = [=] { kd_emu::run_kernel(st_atomic_read, out); };
+      break;
+    case 14:
+      body = [=] { kd_emu::run_kernel(st_other_head, out); };
+      grid = d3(2);
+      break;
+    case 15:
+      body = [=] { kd_emu::run_kernel(st_padding, out); };
+      break;
+    case 16:
+      body = [=] { kd_emu::run_kernel(st_past_end, out); };
       break;
     default:
       return finish("unknown self-test " + std::to_string(which), err, err_len);

@@ -20,9 +20,17 @@ thread_local Tls tls;
 
 namespace {
 
+struct View {
+  uint64_t heads = 0, head_stride = 0, rows = 0, row_stride = 0, row_bytes = 0;
+  int head_axis = -1;
+};
+
 struct Range {
-  uintptr_t lo, hi;
+  uintptr_t lo, hi;          // the buffer
+  uintptr_t map_lo, map_hi;  // its mapping
   std::string name;
+  bool has_view = false;
+  View view;
 };
 
 std::mutex g_ranges_mu;
@@ -89,12 +97,13 @@ struct Launch {
   std::string first;
   uint64_t findings = 0;
 
+  // The buffer whose mapping holds `a`.
   const Range* global_of(uintptr_t a) {
-    if (last_global < globals.size() && a >= globals[last_global].lo &&
-        a < globals[last_global].hi)
+    if (last_global < globals.size() && a >= globals[last_global].map_lo &&
+        a < globals[last_global].map_hi)
       return &globals[last_global];
     for (size_t i = 0; i < globals.size(); ++i) {
-      if (a >= globals[i].lo && a < globals[i].hi) {
+      if (a >= globals[i].map_lo && a < globals[i].map_hi) {
         last_global = i;
         return &globals[i];
       }
@@ -103,6 +112,11 @@ struct Launch {
   }
 
   uint32_t block_of(uint32_t id) const { return (id - 1) / threads; }
+  // blockIdx.x (axis 0) or .y (axis 1) of a thread.
+  uint32_t block_coord(uint32_t id, int axis) const {
+    const uint32_t l = block_of(id);
+    return axis == 0 ? l % gx : (l / gx) % gy;
+  }
 
   std::string who(uint32_t id, uint32_t epoch) const {
     const uint32_t l = block_of(id), t = (id - 1) % threads;
@@ -185,7 +199,7 @@ void check_byte(Launch& l, uintptr_t a, const Range* g, Kind kind, const void* p
   if (!g && !s.w && kind != kWrite) {
     report(l,
            where(a, g) + " read before any thread of its block wrote it: " + l.who(x, e) +
-               " " + verb(kind) + " it (CUDA leaves shared memory undefined)",
+               " " + verb(kind) + " it (uninitialised, or written without a __syncthreads between)",
            pc);
   }
   switch (kind) {
@@ -228,6 +242,57 @@ void check_byte(Launch& l, uintptr_t a, const Range* g, Kind kind, const void* p
   }
 }
 
+// Where byte `off` of a view lies: its head and row, or false in padding or past the view.
+bool locate(const View& v, uint64_t off, uint64_t& head, uint64_t& row) {
+  head = v.heads > 1 ? off / v.head_stride : 0;
+  if (head >= v.heads) return false;
+  off -= head * v.head_stride;
+  row = v.rows > 1 ? off / v.row_stride : 0;
+  if (row >= v.rows) return false;
+  off -= row * v.row_stride;
+  return off < v.row_bytes;
+}
+
+// Out of the buffer, out of the view, or in another head's rows: reported, true.
+bool check_bounds(Launch& l, uintptr_t a, size_t n, const Range& g, Kind kind,
+                  const void* pc) {
+  const uint32_t x = tls.thread, e = tls.epoch;
+  char buf[320];
+  if (a < g.lo || a + n > g.hi) {
+    snprintf(buf, sizeof buf,
+             "`%s` (%zu bytes) accessed at byte offset %lld (%zu bytes): out of bounds: ",
+             g.name.c_str(), (size_t)(g.hi - g.lo), (long long)(a - g.lo), n);
+    report(l, buf + l.who(x, e) + " " + verb(kind) + " it", pc);
+    return true;
+  }
+  if (!g.has_view) return false;
+  const View& v = g.view;
+  for (size_t i = 0; i < n; ++i) {
+    const uint64_t off = a + i - g.lo;
+    uint64_t head = 0, row = 0;
+    if (!locate(v, off, head, row)) {
+      snprintf(buf, sizeof buf,
+               "`%s` byte %llu: outside the view the launch works on (%llu heads x %llu rows "
+               "x %llu bytes, strides %llu and %llu bytes): ",
+               g.name.c_str(), (unsigned long long)off, (unsigned long long)v.heads,
+               (unsigned long long)v.rows, (unsigned long long)v.row_bytes,
+               (unsigned long long)v.head_stride, (unsigned long long)v.row_stride);
+      report(l, buf + l.who(x, e) + " " + verb(kind) + " it", pc);
+      return true;
+    }
+    if (v.head_axis >= 0 && head != l.block_coord(x, v.head_axis)) {
+      snprintf(buf, sizeof buf, "`%s` byte %llu, in row %llu of head %llu: ", g.name.c_str(),
+               (unsigned long long)off, (unsigned long long)row, (unsigned long long)head);
+      report(l,
+             buf + l.who(x, e) + " " + verb(kind) + " it, but its block works on head " +
+                 std::to_string(l.block_coord(x, v.head_axis)),
+             pc);
+      return true;
+    }
+  }
+  return false;
+}
+
 void check(const void* p, size_t n, Kind kind, const void* pc) {
   Launch* l = tls.launch;
   if (!l || !tls.on || n == 0) return;
@@ -237,6 +302,7 @@ void check(const void* p, size_t n, Kind kind, const void* pc) {
   if (a < (uintptr_t)(&tls + 1) && a + n > (uintptr_t)&tls) return;
   // One access lies in one buffer (or none): the range is looked up once.
   const Range* g = l->global_of(a);
+  if (g && check_bounds(*l, a, n, *g, kind, pc)) return;
   for (size_t i = 0; i < n; ++i) check_byte(*l, a + i, g, kind, pc);
 }
 
@@ -287,10 +353,38 @@ void access(const void* p, size_t n, Kind kind) {
 
 }  // namespace kd_race
 
-extern "C" void kd_emu_track_global(const void* p, size_t n, const char* name, size_t name_len) {
+extern "C" void kd_emu_track_global(const void* p, size_t n, uintptr_t map_lo, uintptr_t map_hi,
+                                    const char* name, size_t name_len) {
   std::lock_guard<std::mutex> g(kd_race::g_ranges_mu);
-  kd_race::ranges().push_back(
-      kd_race::Range{(uintptr_t)p, (uintptr_t)p + n, std::string(name, name_len)});
+  kd_race::Range r;
+  r.lo = (uintptr_t)p;
+  r.hi = (uintptr_t)p + n;
+  r.map_lo = map_lo;
+  r.map_hi = map_hi;
+  r.name.assign(name, name_len);
+  kd_race::ranges().push_back(std::move(r));
+}
+
+extern "C" int kd_emu_set_view(const void* p, uint64_t heads, uint64_t head_stride,
+                               uint64_t rows, uint64_t row_stride, uint64_t row_bytes,
+                               int head_axis) {
+  if (heads == 0 || rows == 0 || row_bytes == 0 || head_axis < -1 || head_axis > 1) return 1;
+  // Rows inside a head, heads inside the buffer, nothing overlapping (128-bit products: no
+  // wrap).
+  const unsigned __int128 head_span =
+      (unsigned __int128)(rows - 1) * row_stride + (unsigned __int128)row_bytes;
+  if (rows > 1 && row_stride < row_bytes) return 1;
+  if (heads > 1 && head_stride < head_span) return 1;
+  const unsigned __int128 extent = (unsigned __int128)(heads - 1) * head_stride + head_span;
+  std::lock_guard<std::mutex> g(kd_race::g_ranges_mu);
+  for (kd_race::Range& r : kd_race::ranges()) {
+    if (r.lo != (uintptr_t)p) continue;
+    if (extent > (unsigned __int128)(r.hi - r.lo)) return 1;
+    r.view = kd_race::View{heads, head_stride, rows, row_stride, row_bytes, head_axis};
+    r.has_view = true;
+    return 0;
+  }
+  return 1;
 }
 
 extern "C" void kd_emu_untrack_global(const void* p) {

@@ -11,12 +11,17 @@
 //     are ordered by __syncthreads only (warp-synchronous calls do not order memory), and
 //     threads of different blocks never (no kernel here synchronises across blocks);
 //   - a __shared__ byte read (or atomically updated) before any thread of its block wrote it is
-//     an error: CUDA leaves shared memory undefined at the start of a block.
+//     an error: CUDA leaves shared memory undefined at the start of a block;
+//   - a global access outside its buffer but inside the buffer's mapping (the slack before the
+//     guard page) is out of bounds, reads included; one inside the buffer but outside the view
+//     the launch works on (row padding, rows past the view), or in another head's rows than
+//     the block's, is an error too.
 // The first finding fails the launch with a message that names the threads, the block, the
 // barrier interval and, for global memory, the fenced buffer and byte offset.
 //
 // Which memory is which: global memory is what the Rust wrappers fence
-// (crates/keydiff-kernels/src/fence.rs registers each buffer with kd_emu_track_global);
+// (crates/keydiff-kernels/src/fence.rs registers each buffer with kd_emu_track_global, and
+// the wrappers say which heads and rows of it a launch may touch: kd_emu_set_view);
 // accesses to the fibers' own stacks are private; everything else a kernel touches is its
 // __shared__ memory (the emulation's own state is read with tracking off: KD_EMU_UNTRACKED).
 //
@@ -63,6 +68,18 @@ void access(const void* p, size_t n, Kind kind);
 
 }  // namespace kd_race
 
-// Global memory, as the Rust wrappers allocate it (fenced buffers), with its name for reports.
-extern "C" void kd_emu_track_global(const void* p, size_t n, const char* name, size_t name_len);
+// Global memory, as the Rust wrappers allocate it: the buffer [p, p + n) inside its mapping
+// [map_lo, map_hi) (fence.rs), with its name for reports. An access to the mapping outside the
+// buffer is reported as out of bounds (the guard pages beyond it fault).
+extern "C" void kd_emu_track_global(const void* p, size_t n, uintptr_t map_lo, uintptr_t map_hi,
+                                    const char* name, size_t name_len);
 extern "C" void kd_emu_untrack_global(const void* p);
+// What a launch may touch of a tracked buffer, in bytes: `heads` of `rows` rows of `row_bytes`
+// (strides head_stride, row_stride; heads and rows must not overlap), and which block index
+// names the head (0: blockIdx.x, 1: blockIdx.y; -1: any block may touch any head). An access
+// to a byte outside every row (padding, rows past the view) or, for a block of head h, to
+// another head's rows is reported. Returns 0, or 1 when the view does not fit the buffer or
+// its rows overlap.
+extern "C" int kd_emu_set_view(const void* p, uint64_t heads, uint64_t head_stride,
+                               uint64_t rows, uint64_t row_stride, uint64_t row_bytes,
+                               int head_axis);

@@ -107,6 +107,44 @@ fn emulation_self_tests_fire() {
         // Atomics from every thread of two blocks, read after barriers: no finding.
         assert_eq!(emu::selftest(12, seed).unwrap()[0], -1 + 2 * 256);
     }
+    // Inside the buffer but outside what the launch works on: another head's rows, row
+    // padding; and a read past the end that stays inside the mapping (odd seeds), which the
+    // guard page alone would miss.
+    for (which, seeds, needles) in [
+        (
+            14,
+            &[0u64, 1, 2, 3][..],
+            &[
+                // Byte 20 of head 0 or byte 532 of head 1: the block that runs first.
+                "in row 0 of head ",
+                "thread 200 of block (",
+                "reads it, but its block works on head ",
+            ][..],
+        ),
+        (
+            15,
+            &[0, 1, 2, 3],
+            &[
+                ": outside the view the launch works on (1 heads x 4 rows \
+                 x 128 bytes, strides 1024 and 256 bytes)",
+                "of block (0, 0, 0) after 0 __syncthreads writes it",
+            ],
+        ),
+        (
+            16,
+            &[1, 3],
+            &["`self-test out` (1024 bytes) accessed at byte offset 1024 (4 bytes): out of bounds"],
+        ),
+    ] {
+        for &seed in seeds {
+            let err = emu::selftest(which, seed)
+                .expect_err("an access outside the view passed")
+                .to_string();
+            for needle in needles {
+                assert!(err.contains(needle), "self-test {which} seed {seed}: {err}");
+            }
+        }
+    }
 }
 
 /// Keys like a cache buffer `[kv, rows, d]` (rows ≥ n used slots), with a shared direction so

@@ -20,7 +20,7 @@ use std::ffi::{c_char, c_int, c_uint, CStr};
 use candle_core::{bail, Result};
 use half::{bf16, f16};
 
-use crate::fence::{Fenced, Side};
+use crate::fence::{Fenced, HeadAxis, Side};
 use crate::geometry::{
     check_pool, check_scores, check_select, move_launch, per_head_launch, plan_moves, pool_words,
     scores_launch,
@@ -211,6 +211,19 @@ pub fn keydiff_scores(
     let mut norms = Fenced::filled("keydiff-scores norms", kv * n, 0f32, side, 4)?;
     let mut anchor = Fenced::filled("keydiff-scores anchor", kv * d, 0f32, side, 4)?;
     let mut scores = Fenced::filled("keydiff-scores scores", kv * n, f32::NAN, side, 4)?;
+    // Blocks of (rows, head): each touches its head's rows only.
+    // (`keys` is bytes; `check_extent` has checked that the byte strides fit.)
+    keys.view(
+        kv,
+        head_stride * elem,
+        n,
+        row_stride * elem,
+        d * elem,
+        HeadAxis::Y,
+    )?;
+    norms.view(kv, n, 1, 0, n, HeadAxis::Y)?;
+    anchor.view(kv, d, 1, 0, d, HeadAxis::Y)?;
+    scores.view(kv, n, 1, 0, n, HeadAxis::Y)?;
     call("keydiff-scores", |err, err_len| {
         // SAFETY: the kernels read keys inside the extent checked above and write
         // norms/scores [kv, n] and anchor [kv, d], the sizes allocated here.
@@ -283,6 +296,10 @@ pub fn select_plan(
     let positions = Fenced::copy_of("select-plan positions", &positions[..pos_extent], side, 4)?;
     // Not zeroed, unlike the CUDA launch: every entry the kernel should write is checked.
     let mut plan = Fenced::filled("select-plan plan", kv * cols, u32::MAX, side, 4)?;
+    // One block per head.
+    scores.view(kv, score_stride, 1, 0, n, HeadAxis::X)?;
+    positions.view(kv, pos_stride, 1, 0, n, HeadAxis::X)?;
+    plan.view(kv, cols, 1, 0, cols, HeadAxis::X)?;
     let l = per_head_launch(kv);
     call("select-plan", |err, err_len| {
         // SAFETY: reads kv rows of n inside the checked extents; writes the plan rows allocated
@@ -386,6 +403,9 @@ pub fn move_rows<T: Copy>(
     };
     let mut fenced = Fenced::copy_of("move-rows buffer", &buf[..extent], side, align)?;
     let plan = Fenced::copy_of("move-rows plan", plan, side, 4)?;
+    // Blocks of (moves, head).
+    fenced.view(kv, head_stride, rows, row_stride, row_len, HeadAxis::Y)?;
+    plan.view(kv, cols, 1, 0, cols, HeadAxis::Y)?;
     call("move-rows", |err, err_len| {
         // SAFETY: every row the plan names lies inside `buf` (checked above), and the kernel
         // writes no row outside [0, rows).
@@ -483,6 +503,13 @@ pub fn snapkv_pool(
     let mut word_rank = Fenced::copy_of("snapkv-pool word ranks", &word_rank, side, 4)?;
     let mut sorted = Fenced::filled("snapkv-pool sorted", kv * n, u32::MAX, side, 4)?;
     let mut scores = Fenced::filled("snapkv-pool scores", kv * n, f32::NAN, side, 4)?;
+    // One block per head; the spare words past kv · words are no head's.
+    stats.view(kv, stats_stride, 1, 0, n, HeadAxis::X)?;
+    positions.view(kv, pos_stride, 1, 0, n, HeadAxis::X)?;
+    bitmap.view(kv, words, 1, 0, words, HeadAxis::X)?;
+    word_rank.view(kv, words, 1, 0, words, HeadAxis::X)?;
+    sorted.view(kv, n, 1, 0, n, HeadAxis::X)?;
+    scores.view(kv, n, 1, 0, n, HeadAxis::X)?;
     let l = per_head_launch(kv);
     call("snapkv-pool", |err, err_len| {
         // SAFETY: reads inside the checked extents; every position's word lies inside the
@@ -522,13 +549,26 @@ pub fn snapkv_pool(
 /// The emulation's self-test kernels (`kernels/emu/launch.cpp`): 0 a correct reduction,
 /// 1 diverged shuffle, 2 exited lane, 3 split barrier, 4 partial mask, 5 a race, 6–9 launch
 /// configurations CUDA refuses, 10 shared memory read before it is written, 11 a race between
-/// blocks, 12 correct atomics over two blocks, 13 a read racing atomics. Returns the kernel's
-/// 256 outputs (global memory, fenced as `self-test out`, initially −1), or the emulation's
-/// error.
+/// blocks, 12 correct atomics over two blocks, 13 a read racing atomics, 14 a block reading
+/// another head's rows (`out` viewed as 2 heads of 128), 15 writes to row padding (`out` viewed
+/// as 4 rows of 32 at a stride of 64), 16 a read one past the end of `out` (odd seeds only: for
+/// even ones the buffer's end touches its guard page, and the process aborts). Returns the
+/// kernel's 256 outputs (global memory, fenced as `self-test out`, initially −1), or the
+/// emulation's error.
 pub fn selftest(which: i32, seed: u64) -> Result<Vec<i32>> {
-    let mut out = Fenced::filled("self-test out", 256, -1 as c_int, Side::for_seed(seed), 4)?;
+    let side = Side::for_seed(seed);
+    if which == 16 && side == Side::End {
+        bail!("self-test 16 reads past the end of its buffer: it needs an odd seed");
+    }
+    let mut out = Fenced::filled("self-test out", 256, -1 as c_int, side, 4)?;
+    match which {
+        14 => out.view(2, 128, 1, 0, 128, HeadAxis::X)?,
+        15 => out.view(1, 256, 4, 64, 32, HeadAxis::X)?,
+        _ => {}
+    }
     call("self-test", |err, err_len| {
-        // SAFETY: the self-test kernels write at most 256 ints.
+        // SAFETY: the self-test kernels write at most 256 ints; 16 reads one past them, inside
+        // the mapping (odd seeds fence the start).
         unsafe { kd_emu_selftest(which, seed, out.as_mut_ptr(), err, err_len) }
     })?;
     out.finish()

@@ -49,8 +49,33 @@ impl Side {
 extern "C" {
     // The emulation's race checker (kernels/emu/race.h): fenced buffers are the kernels'
     // global memory, named in its reports.
-    fn kd_emu_track_global(p: *const u8, n: usize, name: *const u8, name_len: usize);
+    fn kd_emu_track_global(
+        p: *const u8,
+        n: usize,
+        map_lo: usize,
+        map_hi: usize,
+        name: *const u8,
+        name_len: usize,
+    );
     fn kd_emu_untrack_global(p: *const u8);
+    fn kd_emu_set_view(
+        p: *const u8,
+        heads: u64,
+        head_stride: u64,
+        rows: u64,
+        row_stride: u64,
+        row_bytes: u64,
+        head_axis: i32,
+    ) -> i32;
+}
+
+/// Which block index of a launch names the head its block works on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HeadAxis {
+    /// `blockIdx.x` (one block per head).
+    X,
+    /// `blockIdx.y` (blocks of rows × heads).
+    Y,
 }
 
 /// The pattern written around a buffer inside its mapping.
@@ -142,7 +167,16 @@ impl<T: Copy> Fenced<T> {
             }
         };
         // SAFETY: the range and name stay valid until `drop` untracks them.
-        unsafe { kd_emu_track_global(data as *const u8, bytes, name.as_ptr(), name.len()) };
+        unsafe {
+            kd_emu_track_global(
+                data as *const u8,
+                bytes,
+                map as usize,
+                map as usize + map_len,
+                name.as_ptr(),
+                name.len(),
+            )
+        };
         Ok(Self {
             map,
             map_len,
@@ -151,6 +185,58 @@ impl<T: Copy> Fenced<T> {
             slot,
             name,
         })
+    }
+
+    /// Tells the emulation's memory checker what a launch may touch of this buffer: `heads` ×
+    /// `rows` × `row_len` elements at element strides `(head_stride, row_stride, 1)`, and each
+    /// head's rows only from blocks whose `axis` index is that head. An access elsewhere in the
+    /// buffer (row padding, rows past the view, another head's rows) fails the launch. An
+    /// error if the view does not fit the buffer or its rows or heads overlap. Empty buffers
+    /// have nothing to check.
+    pub fn view(
+        &self,
+        heads: usize,
+        head_stride: usize,
+        rows: usize,
+        row_stride: usize,
+        row_len: usize,
+        axis: HeadAxis,
+    ) -> Result<()> {
+        if self.len == 0 {
+            return Ok(());
+        }
+        let elem = std::mem::size_of::<T>() as u64;
+        let bytes = |x: usize| (x as u64).checked_mul(elem);
+        let (Some(hs), Some(rs), Some(rb)) =
+            (bytes(head_stride), bytes(row_stride), bytes(row_len))
+        else {
+            bail!("fenced buffer `{}`: view strides overflow", self.name);
+        };
+        let axis = match axis {
+            HeadAxis::X => 0,
+            HeadAxis::Y => 1,
+        };
+        // SAFETY: `data` is tracked (alloc) until drop; the call only records the view.
+        let rc = unsafe {
+            kd_emu_set_view(
+                self.data as *const u8,
+                heads as u64,
+                hs,
+                rows as u64,
+                rs,
+                rb,
+                axis,
+            )
+        };
+        if rc != 0 {
+            bail!(
+                "fenced buffer `{}` ({} elements): view of {heads} heads × {rows} rows × \
+                 {row_len} at strides ({head_stride}, {row_stride}) does not fit or overlaps",
+                self.name,
+                self.len
+            );
+        }
+        Ok(())
     }
 
     pub fn as_ptr(&self) -> *const T {
