@@ -70,10 +70,11 @@ PY
     # No failing test named: the build failed or the test binary crashed (say which).
     [ -n "$failed" ] || failed=$(grep -m1 -oE 'signal: [0-9]+[^)]*' <<< "$out" ||
       grep -m1 -E '^error' <<< "$out" || echo "?")
-    # The emulation's own report (an access outside a fenced buffer), when there is one, else
-    # the memory checker's (a race or uninitialised shared memory).
+    # The emulation's own report (an access onto a guard page), when there is one, else the
+    # memory checker's (a race, uninitialised shared memory, an access outside the buffer, the
+    # view or the block's head).
     if report=$(grep -m1 -oE 'keydiff emulation: .*' <<< "$out"); then failed="$failed; $report"
-    elif report=$(grep -m1 -oE '(data race on [^:]*|[^:]* read before any thread of its block wrote it)' <<< "$out"); then
+    elif report=$(grep -m1 -oE '(data race on [^:]*|[^:]* read before any thread of its block wrote it|`[^`]*` [^:]*: (out of bounds|outside the view)|`[^`]*` byte [0-9]+, in row [0-9]+ of head [0-9]+)' <<< "$out"); then
       failed="$failed; $report"
     fi
     echo "caught    $name  (failed: $failed)"
