@@ -113,3 +113,17 @@ fn flash_backend_runs_in_bf16() {
         );
     }
 }
+
+#[test]
+fn default_config_resolves_attention_at_load() {
+    // The library's default is `auto`, as the CLI's: on the CPU it resolves to eager (faster
+    // there), and the engine reports the backend it runs, never `auto`.
+    assert_eq!(EngineConfig::default().attention, AttentionBackend::Auto);
+    let source = ModelSource::Random {
+        config: root().join("configs/tiny-llama.json"),
+        seed: 3,
+        on_host: false,
+    };
+    let engine = Engine::load(&source, &EngineConfig::default()).unwrap();
+    assert_eq!(engine.config().attention, AttentionBackend::Eager);
+}

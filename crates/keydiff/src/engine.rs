@@ -36,14 +36,15 @@ pub struct EngineConfig {
 }
 
 impl Default for EngineConfig {
-    /// CPU, f32, full cache, B = 128.
+    /// CPU, f32, full cache, B = 128, attention chosen at load (`auto`, as the CLI: eager on
+    /// the CPU, flash on CUDA in a `flash-attn` build where the model and dtype allow it).
     fn default() -> Self {
         Self {
             device: Device::Cpu,
             dtype: DType::F32,
             cache: CacheConfig::full(DEFAULT_CHUNK),
             cpu_weights: CpuWeights::FAST,
-            attention: AttentionBackend::Eager,
+            attention: AttentionBackend::Auto,
         }
     }
 }
