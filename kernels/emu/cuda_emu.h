@@ -20,15 +20,16 @@
 //     -fsanitize=thread, no runtime), which fails the launch on two unordered accesses to a
 //     byte by different threads (one a write, not both atomic), and on a __shared__ byte read
 //     before its block wrote it.
-// Out-of-bounds accesses to global memory are the Rust wrappers' part: they hand the kernels
-// buffers fenced by guard pages (crates/keydiff-kernels/src/fence.rs). Arrays of known size
-// (the __shared__ ones) indexed out of bounds trap: build.rs compiles this with
-// -fsanitize=bounds in trap mode.
-// What it cannot check: global accesses on the side of a buffer a run does not fence or into
-// another head's rows of the same buffer, loads the compiler removes, the GPU's memory model
-// beyond "ordered by a barrier or not" (fences, weaker orderings), timing, and anything about
-// the real compiler or hardware. It complements the GPU run of scripts/gpu-check.sh (with
-// compute-sanitizer); it does not replace it.
+// Out-of-bounds accesses to global memory: the Rust wrappers hand the kernels buffers fenced by
+// guard pages (crates/keydiff-kernels/src/fence.rs), and the memory checker reports accesses
+// in a buffer's mapping outside the buffer (either side), outside the view a launch works on,
+// or in another head's rows than the block's. Arrays of known size (the __shared__ ones)
+// indexed out of bounds trap: build.rs compiles this with -fsanitize=bounds in trap mode.
+// What it cannot check: loads the compiler removes, memcpy/memset calls under GCC (not
+// instrumented; the kernels have none), the GPU's memory model beyond "ordered by a barrier or
+// not" (fences, weaker orderings), timing, and anything about the real compiler or hardware.
+// It complements the GPU run of scripts/gpu-check.sh (with compute-sanitizer); it does not
+// replace it.
 //
 // Shared memory is one static thread_local per declaration, reused by every block (and launch)
 // on the OS thread; CUDA leaves it undefined at a block's start, and the checker treats it so.
@@ -410,19 +411,22 @@ KD_EMU_UNTRACKED inline T shfl_up(unsigned mask, T x, unsigned delta, const char
 // Threads switch only at synchronisation points, so an atomic is a plain read-modify-write,
 // which the race checker is told is atomic.
 KD_EMU_UNTRACKED inline float atomicAdd(float* a, float v) {
-  kd_race::access(a, sizeof *a, kd_race::kAtomic);
+  kd_race::access(a, sizeof *a, kd_race::kAtomic, __builtin_return_address(0));
+  kd_emu::Untracked u;
   const float old = *a;
   *a = old + v;
   return old;
 }
 KD_EMU_UNTRACKED inline unsigned atomicAdd(unsigned* a, unsigned v) {
-  kd_race::access(a, sizeof *a, kd_race::kAtomic);
+  kd_race::access(a, sizeof *a, kd_race::kAtomic, __builtin_return_address(0));
+  kd_emu::Untracked u;
   const unsigned old = *a;
   *a = old + v;
   return old;
 }
 KD_EMU_UNTRACKED inline unsigned atomicOr(unsigned* a, unsigned v) {
-  kd_race::access(a, sizeof *a, kd_race::kAtomic);
+  kd_race::access(a, sizeof *a, kd_race::kAtomic, __builtin_return_address(0));
+  kd_emu::Untracked u;
   const unsigned old = *a;
   *a = old | v;
   return old;

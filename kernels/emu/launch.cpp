@@ -195,16 +195,26 @@ void st_atomic_read(int* out) {
 }
 
 // With `out` viewed as 2 heads of 128 (one block per head): block h writes its head and reads
-// a word of the other's.
+// a word of the other's (the comparison keeps the load; it never holds).
 void st_other_head(int* out) {
   const unsigned h = blockIdx.x;
   if (threadIdx.x < 128) out[h * 128 + threadIdx.x] = (int)h;
-  if (threadIdx.x == 200) out[h * 128] = out[(1 - h) * 128 + 5];
+  if (threadIdx.x == 200 && out[(1 - h) * 128 + 5] == 12345) out[h * 128 + 127] = 0;
 }
 
 // With `out` viewed as 4 rows of 32 at a row stride of 64: threads 32..63 write row padding.
 void st_padding(int* out) {
   if (threadIdx.x < 64) out[threadIdx.x] = 1;
+}
+
+// A counter zeroed by thread 0 and updated by every thread with no barrier between: a race
+// (or, when another thread runs first, an update of uninitialised shared memory).
+void st_zero_then_add(int* out) {
+  __shared__ unsigned c;
+  if (threadIdx.x == 0) c = 0;
+  atomicAdd(&c, 1u);
+  __syncthreads();
+  if (threadIdx.x == 0) out[0] = (int)c;
 }
 
 // Reads one int past the 256 of `out`.
@@ -218,7 +228,8 @@ void st_past_end(int* out) {
 // 6 reduce with a 2048-thread block, 7 reduce with a 48-thread block, 8 grid.y of 70000,
 // 9 reduce with 512 threads against __launch_bounds__(256), 10 uninitialised shared memory,
 // 11 a race between blocks, 12 correct atomics over 2 blocks, 13 a read racing atomics,
-// 14 another head's rows, 15 row padding, 16 a read past the end of `out`.
+// 14 another head's rows, 15 row padding, 16 a read past the end of `out`, 17 a counter
+// zeroed and updated with no barrier between.
 extern "C" int kd_emu_selftest(int which, uint64_t seed, int* out, char* err, size_t err_len) {
   std::function<void()> body;
   dim3 grid = d3(1), block = d3(256);
@@ -282,6 +293,9 @@ extern "C" int kd_emu_selftest(int which, uint64_t seed, int* out, char* err, si
       break;
     case 16:
       body = [=] { kd_emu::run_kernel(st_past_end, out); };
+      break;
+    case 17:
+      body = [=] { kd_emu::run_kernel(st_zero_then_add, out); };
       break;
     default:
       return finish("unknown self-test " + std::to_string(which), err, err_len);

@@ -23,6 +23,7 @@ namespace {
 struct View {
   uint64_t heads = 0, head_stride = 0, rows = 0, row_stride = 0, row_bytes = 0;
   int head_axis = -1;
+  bool heads_outer = true;  // heads hold rows (else rows hold heads: interleaved layouts)
 };
 
 struct Range {
@@ -39,18 +40,20 @@ std::vector<Range>& ranges() {
   return r;
 }
 
-// Per byte: the last writer and reader (global thread id + 1, 0: none), the barrier interval
-// of each, and what else is known about earlier accesses since (flags).
+// Per byte: the last plain write, the last atomic and the last plain read (global thread id +
+// 1, 0: none), the barrier interval of each, and whether several threads or blocks share the
+// atomic or read role since (flags). Plain writes are single: two unordered ones are a race,
+// reported when the second comes.
 enum : uint8_t {
-  kWAtomic = 1,       // the last write was an atomic
-  kWMultiThread = 2,  // another thread of the writer's block wrote atomically in its interval
-  kWMultiBlock = 4,   // threads of several blocks wrote atomically
-  kRMultiThread = 8,  // another thread of the reader's block read in its interval
-  kRMultiBlock = 16,  // threads of several blocks read
+  kAMultiThread = 1,  // another thread of the atomic's block updated in its interval
+  kAMultiBlock = 2,   // threads of several blocks updated atomically
+  kRMultiThread = 4,  // another thread of the reader's block read in its interval
+  kRMultiBlock = 8,   // threads of several blocks read
 };
 struct Entry {
   uint32_t gen;  // valid when equal to its memory's current generation
   uint32_t w, w_epoch;
+  uint32_t a, a_epoch;
   uint32_t r, r_epoch;
   uint8_t flags;
 };
@@ -81,7 +84,7 @@ struct Shadow {
       last = p.get();
     }
     Entry& e = last->e[a & (kPageBytes - 1)];
-    if (e.gen != gen) e = Entry{gen, 0, 0, 0, 0, 0};
+    if (e.gen != gen) e = Entry{gen, 0, 0, 0, 0, 0, 0, 0};
     return e;
   }
 };
@@ -163,94 +166,96 @@ void report(Launch& l, std::string msg, const void* pc) {
   if (l.findings++ == 0) l.first = msg + site(pc);
 }
 
+// Whether an earlier access by `id` (at `epoch`), or by the others sharing its role (flags
+// `multi_thread` / `multi_block`), may run concurrently with thread x at epoch e.
+bool unordered(const Launch& l, uint32_t id, uint32_t epoch, bool multi_thread,
+               bool multi_block, uint32_t x, uint32_t e) {
+  return id && (concurrent(l, id, epoch, x, e) || multi_block ||
+                (multi_thread && l.block_of(id) == l.block_of(x) && epoch == e));
+}
+
+void race(Launch& l, uintptr_t a, const Range* g, Kind kind, uint32_t other, uint32_t epoch,
+          const char* other_verb, const void* pc) {
+  const uint32_t x = tls.thread, e = tls.epoch;
+  // `other` is the last of its role; when it is ordered with x, the race is with one before.
+  const bool known = concurrent(l, other, epoch, x, e);
+  report(l,
+         "data race on " + where(a, g) + ": " + l.who(x, e) + " " + verb(kind) + " it, and " +
+             (known ? l.who(other, epoch) : std::string("another thread")) + " " + other_verb +
+             " it, unordered (no __syncthreads between them, or different blocks)",
+         pc);
+}
+
+void update_role(const Launch& l, uint32_t& id, uint32_t& epoch, uint8_t& flags,
+                 uint8_t multi_thread, uint8_t multi_block, uint32_t x, uint32_t e) {
+  if (!id) {
+    flags &= (uint8_t)~(multi_thread | multi_block);
+  } else if (l.block_of(id) != l.block_of(x)) {
+    flags |= multi_block;
+  } else if (epoch == e) {
+    if (id != x) flags |= multi_thread;
+  } else {
+    // A later interval of the same block: the earlier ones are ordered before x (and before
+    // whatever x's block does next); other blocks' are kept by multi_block.
+    flags &= (uint8_t)~multi_thread;
+  }
+  id = x;
+  epoch = e;
+}
+
 void check_byte(Launch& l, uintptr_t a, const Range* g, Kind kind, const void* pc) {
   const uint32_t x = tls.thread, e = tls.epoch;
   Entry& s = (g ? l.global : l.shared).at(a);
-  const bool atomic = kind == kAtomic, write = kind != kRead;
-  if (s.w) {
-    const bool conflict =
-        concurrent(l, s.w, s.w_epoch, x, e) || (s.flags & kWMultiBlock) ||
-        ((s.flags & kWMultiThread) && l.block_of(s.w) == l.block_of(x) && s.w_epoch == e);
-    if (conflict && !(atomic && (s.flags & kWAtomic))) {
-      const bool known = concurrent(l, s.w, s.w_epoch, x, e);
-      report(l,
-             "data race on " + where(a, g) + ": " + l.who(x, e) + " " + verb(kind) +
-                 " it, and " +
-                 (known ? l.who(s.w, s.w_epoch) : std::string("another thread")) + " " +
-                 ((s.flags & kWAtomic) ? "atomically updates" : "writes") +
-                 " it, unordered (no __syncthreads between them, or different blocks)",
-             pc);
-    }
-  }
-  if (write && s.r) {
-    const bool conflict =
-        concurrent(l, s.r, s.r_epoch, x, e) || (s.flags & kRMultiBlock) ||
-        ((s.flags & kRMultiThread) && l.block_of(s.r) == l.block_of(x) && s.r_epoch == e);
-    if (conflict) {
-      const bool known = concurrent(l, s.r, s.r_epoch, x, e);
-      report(l,
-             "data race on " + where(a, g) + ": " + l.who(x, e) + " " + verb(kind) +
-                 " it, and " +
-                 (known ? l.who(s.r, s.r_epoch) : std::string("another thread")) +
-                 " reads it, unordered (no __syncthreads between them, or different blocks)",
-             pc);
-    }
-  }
-  if (!g && !s.w && kind != kWrite) {
+  // Against the last plain write: every access.
+  if (unordered(l, s.w, s.w_epoch, false, false, x, e))
+    race(l, a, g, kind, s.w, s.w_epoch, "writes", pc);
+  // Against atomics: plain accesses only.
+  if (kind != kAtomic && unordered(l, s.a, s.a_epoch, s.flags & kAMultiThread,
+                                   s.flags & kAMultiBlock, x, e))
+    race(l, a, g, kind, s.a, s.a_epoch, "atomically updates", pc);
+  // Against plain reads: writes and atomics.
+  if (kind != kRead && unordered(l, s.r, s.r_epoch, s.flags & kRMultiThread,
+                                 s.flags & kRMultiBlock, x, e))
+    race(l, a, g, kind, s.r, s.r_epoch, "reads", pc);
+  if (!g && !s.w && !s.a && kind != kWrite) {
     report(l,
-           where(a, g) + " read before any thread of its block wrote it: " + l.who(x, e) +
-               " " + verb(kind) + " it (uninitialised, or written without a __syncthreads between)",
+           where(a, g) + " read before any thread of its block wrote it: " + l.who(x, e) + " " +
+               verb(kind) + " it (uninitialised, or written without a __syncthreads between)",
            pc);
   }
   switch (kind) {
     case kRead:
-      if (!s.r) {
-        s.flags &= (uint8_t)~(kRMultiThread | kRMultiBlock);
-      } else if (l.block_of(s.r) != l.block_of(x)) {
-        s.flags |= kRMultiBlock;
-      } else if (s.r_epoch == e) {
-        if (s.r != x) s.flags |= kRMultiThread;
-      } else {
-        s.flags &= (uint8_t)~kRMultiThread;
-      }
-      s.r = x;
-      s.r_epoch = e;
+      update_role(l, s.r, s.r_epoch, s.flags, kRMultiThread, kRMultiBlock, x, e);
       break;
     case kWrite:
-      // Earlier accesses are ordered before this one, or were reported.
+      // Every earlier access is ordered before this one, or was reported.
       s.w = x;
       s.w_epoch = e;
-      s.r = 0;
+      s.a = s.r = 0;
       s.flags = 0;
       break;
     case kAtomic:
-      if (s.w && (s.flags & kWAtomic)) {
-        if (l.block_of(s.w) != l.block_of(x) || (s.flags & kWMultiBlock)) {
-          s.flags |= kWMultiBlock;
-        } else if (s.w_epoch == e) {
-          if (s.w != x) s.flags |= kWMultiThread;
-        } else {
-          s.flags &= (uint8_t)~kWMultiThread;
-        }
-      } else {
-        s.flags &= (uint8_t)~(kWMultiThread | kWMultiBlock);
-      }
-      s.flags |= kWAtomic;
-      s.w = x;
-      s.w_epoch = e;
+      // The plain write and reads stay: they may be unordered with later accesses too (of
+      // other blocks, or of this interval).
+      update_role(l, s.a, s.a_epoch, s.flags, kAMultiThread, kAMultiBlock, x, e);
       break;
   }
 }
 
+// Index along one dimension of `count` at `stride`, taken off `off`; false past the end.
+bool take(uint64_t& off, uint64_t count, uint64_t stride, uint64_t& idx) {
+  idx = count > 1 ? off / stride : 0;
+  if (idx >= count) return false;
+  off -= idx * stride;
+  return true;
+}
+
 // Where byte `off` of a view lies: its head and row, or false in padding or past the view.
 bool locate(const View& v, uint64_t off, uint64_t& head, uint64_t& row) {
-  head = v.heads > 1 ? off / v.head_stride : 0;
-  if (head >= v.heads) return false;
-  off -= head * v.head_stride;
-  row = v.rows > 1 ? off / v.row_stride : 0;
-  if (row >= v.rows) return false;
-  off -= row * v.row_stride;
-  return off < v.row_bytes;
+  const bool in = v.heads_outer
+                      ? take(off, v.heads, v.head_stride, head) && take(off, v.rows, v.row_stride, row)
+                      : take(off, v.rows, v.row_stride, row) && take(off, v.heads, v.head_stride, head);
+  return in && off < v.row_bytes;
 }
 
 // Out of the buffer, out of the view, or in another head's rows: reported, true.
@@ -347,14 +352,12 @@ std::string end_launch() {
   return r;
 }
 
-void access(const void* p, size_t n, Kind kind) {
-  check(p, n, kind, __builtin_return_address(0));
-}
+void access(const void* p, size_t n, Kind kind, const void* pc) { check(p, n, kind, pc); }
 
 }  // namespace kd_race
 
 extern "C" void kd_emu_track_global(const void* p, size_t n, uintptr_t map_lo, uintptr_t map_hi,
-                                    const char* name, size_t name_len) {
+                                    const char* name, size_t name_len) noexcept {
   std::lock_guard<std::mutex> g(kd_race::g_ranges_mu);
   kd_race::Range r;
   r.lo = (uintptr_t)p;
@@ -367,27 +370,34 @@ extern "C" void kd_emu_track_global(const void* p, size_t n, uintptr_t map_lo, u
 
 extern "C" int kd_emu_set_view(const void* p, uint64_t heads, uint64_t head_stride,
                                uint64_t rows, uint64_t row_stride, uint64_t row_bytes,
-                               int head_axis) {
+                               int head_axis) noexcept {
   if (heads == 0 || rows == 0 || row_bytes == 0 || head_axis < -1 || head_axis > 1) return 1;
-  // Rows inside a head, heads inside the buffer, nothing overlapping (128-bit products: no
-  // wrap).
-  const unsigned __int128 head_span =
-      (unsigned __int128)(rows - 1) * row_stride + (unsigned __int128)row_bytes;
-  if (rows > 1 && row_stride < row_bytes) return 1;
-  if (heads > 1 && head_stride < head_span) return 1;
-  const unsigned __int128 extent = (unsigned __int128)(heads - 1) * head_stride + head_span;
+  using u128 = unsigned __int128;
+  // The view's extent (128-bit: no wrap) must fit the buffer.
+  const u128 extent = (u128)(heads - 1) * head_stride + (u128)(rows - 1) * row_stride + row_bytes;
+  // Nested dimensions, the one of larger stride outside (heads outside rows, as in the cache,
+  // or inside them, as in [n, kv, d] layouts); a dimension of 1 has no stride to speak of.
+  const bool heads_outer = heads == 1 ? false : rows == 1 ? true : head_stride >= row_stride;
+  const uint64_t in_count = heads_outer ? rows : heads, in_stride = heads_outer ? row_stride : head_stride;
+  const uint64_t out_count = heads_outer ? heads : rows, out_stride = heads_outer ? head_stride : row_stride;
+  const u128 inner_span = (u128)(in_count - 1) * in_stride + row_bytes;
+  const bool disjoint = (in_count == 1 || in_stride >= row_bytes) &&
+                        (out_count == 1 || (u128)out_stride >= inner_span);
   std::lock_guard<std::mutex> g(kd_race::g_ranges_mu);
   for (kd_race::Range& r : kd_race::ranges()) {
     if (r.lo != (uintptr_t)p) continue;
-    if (extent > (unsigned __int128)(r.hi - r.lo)) return 1;
-    r.view = kd_race::View{heads, head_stride, rows, row_stride, row_bytes, head_axis};
+    if (extent > (u128)(r.hi - r.lo)) return 1;
+    // Rows or heads that overlap (a stride of 0, say) leave no byte a single head and row:
+    // the view is not checked.
+    if (!disjoint) return 2;
+    r.view = kd_race::View{heads, head_stride, rows, row_stride, row_bytes, head_axis, heads_outer};
     r.has_view = true;
     return 0;
   }
   return 1;
 }
 
-extern "C" void kd_emu_untrack_global(const void* p) {
+extern "C" void kd_emu_untrack_global(const void* p) noexcept {
   std::lock_guard<std::mutex> g(kd_race::g_ranges_mu);
   auto& r = kd_race::ranges();
   r.erase(std::remove_if(r.begin(), r.end(),

@@ -63,23 +63,27 @@ void begin_block();
 std::string end_launch();
 
 enum Kind { kRead = 0, kWrite = 1, kAtomic = 2 };
-// An access the instrumentation does not see: the emulated atomics call it.
-void access(const void* p, size_t n, Kind kind);
+// An access the instrumentation does not see: the emulated atomics call it, with the kernel's
+// instruction (their return address) for reports.
+void access(const void* p, size_t n, Kind kind, const void* pc);
 
 }  // namespace kd_race
 
 // Global memory, as the Rust wrappers allocate it: the buffer [p, p + n) inside its mapping
 // [map_lo, map_hi) (fence.rs), with its name for reports. An access to the mapping outside the
 // buffer is reported as out of bounds (the guard pages beyond it fault).
+// (noexcept: an allocation failure terminates, it cannot cross into Rust.)
 extern "C" void kd_emu_track_global(const void* p, size_t n, uintptr_t map_lo, uintptr_t map_hi,
-                                    const char* name, size_t name_len);
-extern "C" void kd_emu_untrack_global(const void* p);
+                                    const char* name, size_t name_len) noexcept;
+extern "C" void kd_emu_untrack_global(const void* p) noexcept;
 // What a launch may touch of a tracked buffer, in bytes: `heads` of `rows` rows of `row_bytes`
 // (strides head_stride, row_stride; heads and rows must not overlap), and which block index
 // names the head (0: blockIdx.x, 1: blockIdx.y; -1: any block may touch any head). An access
 // to a byte outside every row (padding, rows past the view) or, for a block of head h, to
-// another head's rows is reported. Returns 0, or 1 when the view does not fit the buffer or
-// its rows overlap.
+// another head's rows is reported. Heads may hold rows ([kv, n, d]) or rows heads
+// ([n, kv, d]). Returns 0; 1 when the view does not fit the buffer (or no buffer starts at p);
+// 2 when rows or heads overlap (a zero stride, say): then no byte has one head and row, and
+// the view is not checked.
 extern "C" int kd_emu_set_view(const void* p, uint64_t heads, uint64_t head_stride,
                                uint64_t rows, uint64_t row_stride, uint64_t row_bytes,
-                               int head_axis);
+                               int head_axis) noexcept;

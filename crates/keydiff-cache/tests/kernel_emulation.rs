@@ -106,6 +106,16 @@ fn emulation_self_tests_fire() {
         }
         // Atomics from every thread of two blocks, read after barriers: no finding.
         assert_eq!(emu::selftest(12, seed).unwrap()[0], -1 + 2 * 256);
+        // Zeroed by one thread and updated by all with no barrier between: a race when thread
+        // 0 runs first, uninitialised shared memory otherwise; never a pass.
+        let err = emu::selftest(17, seed)
+            .expect_err("zeroing unordered with the updates passed")
+            .to_string();
+        assert!(
+            err.contains("data race on __shared__ memory")
+                || err.contains("read before any thread of its block wrote it"),
+            "self-test 17 seed {seed}: {err}"
+        );
     }
     // Inside the buffer but outside what the launch works on: another head's rows, row
     // padding; and a read past the end that stays inside the mapping (odd seeds), which the
@@ -638,5 +648,30 @@ fn snapkv_pool_matches_the_cpu_twin() {
             "snapkv pool kv {kv} n {n} span {span}: equal to the twin under {} schedules",
             SEEDS.len()
         );
+    }
+}
+
+#[test]
+fn interleaved_layouts_score_like_contiguous_ones() {
+    // Keys as [n, kv, d] (head stride d, row stride kv·d, as a [B, kv, d] projection would
+    // be): the same scores as a [kv, n, d] copy, and the memory checker's views take the
+    // layout (each block still only touches its head's rows).
+    let (kv, n, d) = (2, 300, 64);
+    let mut rng = StdRng::seed_from_u64(13);
+    let inter: Vec<f32> = (0..n * kv * d).map(|_| rng.random::<f32>() - 0.5).collect();
+    let mut contiguous = vec![0f32; kv * n * d];
+    for r in 0..n {
+        for h in 0..kv {
+            let (to, from) = ((h * n + r) * d, (r * kv + h) * d);
+            contiguous[to..to + d].copy_from_slice(&inter[from..from + d]);
+        }
+    }
+    for seed in SEEDS {
+        let a =
+            emu::keydiff_scores(emu::Keys::F32(&inter), kv, n, d, d, kv * d, true, seed).unwrap();
+        let b = emu::keydiff_scores(emu::Keys::F32(&contiguous), kv, n, d, n * d, d, true, seed)
+            .unwrap();
+        let diff = max_diff(&a, &b);
+        assert!(diff < 1e-6, "seed {seed}: {diff}");
     }
 }

@@ -10,7 +10,10 @@
 //! seeds, the start for odd ones), so that an access outside a buffer is reported, naming it,
 //! instead of reading or corrupting a neighbour. An emulation error (a launch
 //! configuration CUDA would refuse, diverged lanes at a warp-synchronous call, a barrier
-//! deadlock) is an `Err` that names it.
+//! deadlock) is an `Err` that names it, and so is a finding of the memory checker
+//! (`kernels/emu/race.h`): a data race, `__shared__` memory read before it is written, an
+//! access outside a buffer, outside the view the wrapper declares for it, or in another
+//! head's rows than its block's.
 //!
 //! This tests the kernels' logic without a GPU: it is not a substitute for running them on one
 //! (`scripts/gpu-check.sh`).
@@ -552,7 +555,8 @@ pub fn snapkv_pool(
 /// blocks, 12 correct atomics over two blocks, 13 a read racing atomics, 14 a block reading
 /// another head's rows (`out` viewed as 2 heads of 128), 15 writes to row padding (`out` viewed
 /// as 4 rows of 32 at a stride of 64), 16 a read one past the end of `out` (odd seeds only: for
-/// even ones the buffer's end touches its guard page, and the process aborts). Returns the
+/// even ones the buffer's end touches its guard page, and the process aborts), 17 a shared
+/// counter zeroed and updated atomically with no barrier between. Returns the
 /// kernel's 256 outputs (global memory, fenced as `self-test out`, initially −1), or the
 /// emulation's error.
 pub fn selftest(which: i32, seed: u64) -> Result<Vec<i32>> {

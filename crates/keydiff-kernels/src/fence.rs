@@ -6,13 +6,14 @@
 //! that side faults at once. A SIGSEGV handler finds the buffer the fault hit, prints which one
 //! and how far outside it the access was, and aborts the process (a kernel cannot be unwound
 //! from). The bytes between the buffer and the other guard page are filled with a pattern
-//! that [`Fenced::finish`] checks, so that a write there is reported too (reads there are not:
-//! that is what the other side's runs are for).
+//! that [`Fenced::finish`] checks, so that a write there is reported too; the emulation's
+//! memory checker reports reads and writes there as they happen.
 //!
 //! On a GPU, `compute-sanitizer --tool memcheck` (scripts/gpu-check.sh) is the same check.
 //!
-//! Every buffer is also registered with the emulation's race checker (`kernels/emu/race.h`) as
-//! global memory, so that a race on it is reported with its name and the byte offset.
+//! Every buffer is also registered with the emulation's memory checker (`kernels/emu/race.h`) as
+//! global memory, so that a race on it, or an access outside it or outside its
+//! [view](Fenced::view), is reported with its name and the byte offset.
 //!
 //! The same handler also explains a SIGILL: the emulation is compiled with `-fsanitize=bounds`
 //! in trap mode, so an array of known size (a kernel's `__shared__` arrays) indexed out of
@@ -190,9 +191,10 @@ impl<T: Copy> Fenced<T> {
     /// Tells the emulation's memory checker what a launch may touch of this buffer: `heads` ×
     /// `rows` × `row_len` elements at element strides `(head_stride, row_stride, 1)`, and each
     /// head's rows only from blocks whose `axis` index is that head. An access elsewhere in the
-    /// buffer (row padding, rows past the view, another head's rows) fails the launch. An
-    /// error if the view does not fit the buffer or its rows or heads overlap. Empty buffers
-    /// have nothing to check.
+    /// buffer (row padding, rows past the view, another head's rows) fails the launch. Heads may
+    /// hold rows or be interleaved in them. An error if the view does not fit the buffer; when
+    /// rows or heads overlap (a zero stride, say) there is nothing to check per head and row,
+    /// and the view is not set. Empty buffers have nothing to check.
     pub fn view(
         &self,
         heads: usize,
@@ -228,10 +230,11 @@ impl<T: Copy> Fenced<T> {
                 axis,
             )
         };
-        if rc != 0 {
+        // 2: overlapping rows or heads, not checked (see above).
+        if rc == 1 {
             bail!(
                 "fenced buffer `{}` ({} elements): view of {heads} heads × {rows} rows × \
-                 {row_len} at strides ({head_stride}, {row_stride}) does not fit or overlaps",
+                 {row_len} at strides ({head_stride}, {row_stride}) does not fit",
                 self.name,
                 self.len
             );
