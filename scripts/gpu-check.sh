@@ -40,7 +40,7 @@ if [ -n "$missing" ]; then note "ldd: MISSING $missing"; exit 1; fi
 note "ldd: all libraries found"
 gpu=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1)
 note "gpu: $gpu"
-note "binary: $bin ($(git rev-parse --short HEAD 2>/dev/null || echo unknown))"
+note "binary: $bin, $("$bin" --version 2>/dev/null || echo "version unknown"); tree $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
 
 echo "== 2. eviction kernels against the CPU references, then timed against copy bandwidth"
 # Scoring, selection/plan, moves: odd sizes, d 64/128/256, f32/f16/bf16, n up to 131072 + 128.

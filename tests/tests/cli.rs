@@ -24,6 +24,19 @@ fn tokenize_matches_llamacpp_ids() {
 }
 
 #[test]
+fn version_names_the_build() {
+    let (so, _) = ok(&["--version"]);
+    // `keydiff 0.1.0 (build <git describe>, features: ...)`; this test runs from a checkout, and
+    // the binary is built from the same tree as this test.
+    let commit = keydiff::BUILD_COMMIT.expect("tests are built in a git checkout");
+    assert!(
+        so.starts_with(&format!("keydiff {} (build ", env!("CARGO_PKG_VERSION"))),
+        "{so}"
+    );
+    assert!(so.contains(&format!("build {commit}, features: ")), "{so}");
+}
+
+#[test]
 fn info_describes_the_model() {
     let m = model(SMOLLM2);
     let (so, _) = ok(&["info", "-m", m.to_str().unwrap()]);

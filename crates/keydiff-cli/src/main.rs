@@ -20,10 +20,16 @@ const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
 /// A prompt spanning more chunks than this gets a progress bar.
 const PROGRESS_MIN_CHUNKS: usize = 4;
 
+/// `keydiff --version`: the version, the commit built from and the GPU features built in.
+fn version_line() -> &'static str {
+    static LINE: std::sync::LazyLock<String> = std::sync::LazyLock::new(keydiff::build_info);
+    LINE.as_str()
+}
+
 #[derive(Parser)]
 #[command(
     name = "keydiff",
-    version,
+    version = version_line(),
     about = "Long-prompt LLM inference under a fixed KV-cache budget"
 )]
 struct Cli {

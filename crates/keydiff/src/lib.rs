@@ -32,6 +32,33 @@ pub use sampling::{Sampler, Sampling};
 pub use source::ModelSource;
 pub use stream::TextStream;
 
+/// The commit this library was built from (`git describe --always --dirty`), when it was built
+/// in a git checkout; `None` otherwise (a crates.io build).
+pub const BUILD_COMMIT: Option<&str> = option_env!("KEYDIFF_BUILD_COMMIT");
+
+/// The version, the commit it was built from and the GPU features built in, e.g.
+/// `0.1.0 (build 46d9d06a1b2c, features: cuda, flash-attn)`: what `keydiff --version` prints,
+/// for bug reports and results.
+pub fn build_info() -> String {
+    let features: Vec<&str> = [
+        (cfg!(feature = "cuda"), "cuda"),
+        (cfg!(feature = "flash-attn"), "flash-attn"),
+    ]
+    .into_iter()
+    .filter_map(|(on, name)| on.then_some(name))
+    .collect();
+    format!(
+        "{} (build {}, features: {})",
+        env!("CARGO_PKG_VERSION"),
+        BUILD_COMMIT.unwrap_or("unknown"),
+        if features.is_empty() {
+            "cpu only".to_string()
+        } else {
+            features.join(", ")
+        }
+    )
+}
+
 /// Parses `cpu`, `cuda`, `cuda:N` into a device.
 pub fn parse_device(s: &str) -> Result<Device> {
     match s {
