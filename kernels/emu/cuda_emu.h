@@ -114,7 +114,7 @@ struct Block {
   std::vector<int> bar_waiters;
   int live = 0;
   int cur = -1;
-  uint32_t epoch = 0;  // barriers passed
+  uint32_t epoch = 0;     // barriers passed
   uint32_t first_id = 0;  // race-checker id of thread 0 (block linear index * threads + 1)
   ucontext_t sched;
   std::mt19937_64 rng;
@@ -202,8 +202,9 @@ KD_EMU_UNTRACKED inline void trampoline() {
 
 // getcontext returns twice in general; kept out of launch's frame so that no local there can be
 // clobbered (the context is only ever entered through makecontext's entry point).
-KD_EMU_UNTRACKED __attribute__((noinline)) inline void init_context(ucontext_t& ctx, char* stack,
-                                                   ucontext_t* link) {
+KD_EMU_UNTRACKED __attribute__((noinline)) inline void init_context(ucontext_t& ctx,
+                                                                    char* stack,
+                                                                    ucontext_t* link) {
   getcontext(&ctx);
   ctx.uc_stack.ss_sp = stack;
   ctx.uc_stack.ss_size = kStackBytes;
