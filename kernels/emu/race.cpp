@@ -386,9 +386,10 @@ extern "C" int kd_emu_set_view(const void* p, uint64_t heads, uint64_t head_stri
   std::lock_guard<std::mutex> g(kd_race::g_ranges_mu);
   for (kd_race::Range& r : kd_race::ranges()) {
     if (r.lo != (uintptr_t)p) continue;
+    r.has_view = false;  // a view that is refused replaces an earlier one with none
     if (extent > (u128)(r.hi - r.lo)) return 1;
-    // Rows or heads that overlap (a stride of 0, say) leave no byte a single head and row:
-    // the view is not checked.
+    // Rows or heads that overlap (a stride of 0, say), or interleave without nesting, have no
+    // single head and row per byte here: the view is not checked.
     if (!disjoint) return 2;
     r.view = kd_race::View{heads, head_stride, rows, row_stride, row_bytes, head_axis, heads_outer};
     r.has_view = true;

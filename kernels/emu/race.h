@@ -82,8 +82,8 @@ extern "C" void kd_emu_untrack_global(const void* p) noexcept;
 // to a byte outside every row (padding, rows past the view) or, for a block of head h, to
 // another head's rows is reported. Heads may hold rows ([kv, n, d]) or rows heads
 // ([n, kv, d]). Returns 0; 1 when the view does not fit the buffer (or no buffer starts at p);
-// 2 when rows or heads overlap (a zero stride, say): then no byte has one head and row, and
-// the view is not checked.
+// 2 when rows or heads overlap (a zero stride, say) or do not nest: then the view is not
+// checked. A refused view also clears an earlier one.
 extern "C" int kd_emu_set_view(const void* p, uint64_t heads, uint64_t head_stride,
                                uint64_t rows, uint64_t row_stride, uint64_t row_bytes,
                                int head_axis) noexcept;

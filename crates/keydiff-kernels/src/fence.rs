@@ -193,8 +193,9 @@ impl<T: Copy> Fenced<T> {
     /// head's rows only from blocks whose `axis` index is that head. An access elsewhere in the
     /// buffer (row padding, rows past the view, another head's rows) fails the launch. Heads may
     /// hold rows or be interleaved in them. An error if the view does not fit the buffer; when
-    /// rows or heads overlap (a zero stride, say) there is nothing to check per head and row,
-    /// and the view is not set. Empty buffers have nothing to check.
+    /// rows or heads overlap (a zero stride, say) or do not nest, there is no single head and
+    /// row per byte to check, and the buffer is left without a view. Empty buffers have
+    /// nothing to check.
     pub fn view(
         &self,
         heads: usize,
