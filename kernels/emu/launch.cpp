@@ -231,74 +231,36 @@ void st_past_end(int* out) {
 // 14 another head's rows, 15 row padding, 16 a read past the end of `out`, 17 a counter
 // zeroed and updated with no barrier between.
 extern "C" int kd_emu_selftest(int which, uint64_t seed, int* out, char* err, size_t err_len) {
-  std::function<void()> body;
-  dim3 grid = d3(1), block = d3(256);
-  unsigned bounds = 0;
-  switch (which) {
-    case 0:
-      body = [=] { kd_emu::run_kernel(st_reduce, out); };
-      break;
-    case 1:
-      body = [=] { kd_emu::run_kernel(st_diverged_shuffle, out); };
-      break;
-    case 2:
-      body = [=] { kd_emu::run_kernel(st_exited_lane, out); };
-      break;
-    case 3:
-      body = [=] { kd_emu::run_kernel(st_split_barrier, out); };
-      break;
-    case 4:
-      body = [=] { kd_emu::run_kernel(st_partial_mask, out); };
-      break;
-    case 5:
-      body = [=] { kd_emu::run_kernel(st_race, out); };
-      break;
-    case 6:
-      body = [=] { kd_emu::run_kernel(st_reduce, out); };
-      block = d3(2048);
-      break;
-    case 7:
-      body = [=] { kd_emu::run_kernel(st_reduce, out); };
-      block = d3(48);
-      break;
-    case 8:
-      body = [=] { kd_emu::run_kernel(st_reduce, out); };
-      grid = d3(1, 70000);
-      break;
-    case 9:
-      body = [=] { kd_emu::run_kernel(st_reduce, out); };
-      block = d3(512);
-      bounds = 256;
-      break;
-    case 10:
-      body = [=] { kd_emu::run_kernel(st_uninit, out); };
-      break;
-    case 11:
-      body = [=] { kd_emu::run_kernel(st_block_race, out); };
-      grid = d3(2);
-      break;
-    case 12:
-      body = [=] { kd_emu::run_kernel(st_atomics, out); };
-      grid = d3(2);
-      break;
-    case 13:
-      body = [=] { kd_emu::run_kernel(st_atomic_read, out); };
-      break;
-    case 14:
-      body = [=] { kd_emu::run_kernel(st_other_head, out); };
-      grid = d3(2);
-      break;
-    case 15:
-      body = [=] { kd_emu::run_kernel(st_padding, out); };
-      break;
-    case 16:
-      body = [=] { kd_emu::run_kernel(st_past_end, out); };
-      break;
-    case 17:
-      body = [=] { kd_emu::run_kernel(st_zero_then_add, out); };
-      break;
-    default:
-      return finish("unknown self-test " + std::to_string(which), err, err_len);
-  }
-  return finish(guarded(grid, block, bounds, seed, body), err, err_len);
+  struct SelfTest {
+    void (*kernel)(int*);
+    dim3 grid, block;
+    unsigned bounds;
+  };
+  const dim3 one = d3(1), b256 = d3(256);
+  const SelfTest tests[] = {
+      {st_reduce, one, b256, 0},             // 0
+      {st_diverged_shuffle, one, b256, 0},   // 1
+      {st_exited_lane, one, b256, 0},        // 2
+      {st_split_barrier, one, b256, 0},      // 3
+      {st_partial_mask, one, b256, 0},       // 4
+      {st_race, one, b256, 0},               // 5
+      {st_reduce, one, d3(2048), 0},         // 6
+      {st_reduce, one, d3(48), 0},           // 7
+      {st_reduce, d3(1, 70000), b256, 0},    // 8
+      {st_reduce, one, d3(512), 256},        // 9
+      {st_uninit, one, b256, 0},             // 10
+      {st_block_race, d3(2), b256, 0},       // 11
+      {st_atomics, d3(2), b256, 0},          // 12
+      {st_atomic_read, one, b256, 0},        // 13
+      {st_other_head, d3(2), b256, 0},       // 14
+      {st_padding, one, b256, 0},            // 15
+      {st_past_end, one, b256, 0},           // 16
+      {st_zero_then_add, one, b256, 0},      // 17
+  };
+  if (which < 0 || which >= (int)(sizeof tests / sizeof tests[0]))
+    return finish("unknown self-test " + std::to_string(which), err, err_len);
+  const SelfTest& t = tests[which];
+  const auto kernel = t.kernel;
+  const std::function<void()> body = [=] { kd_emu::run_kernel(kernel, out); };
+  return finish(guarded(t.grid, t.block, t.bounds, seed, body), err, err_len);
 }
