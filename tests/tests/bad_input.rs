@@ -82,6 +82,19 @@ fn unsupported_architecture() {
     expect(&err, "unsupported architecture `mamba`");
 }
 
+/// candle's GGUF reader divides by the alignment unchecked (huggingface/candle#3876).
+#[test]
+fn zero_alignment() {
+    let d = temp_dir("align");
+    let p = d.join("align0.gguf");
+    let mut md = smollm2_metadata();
+    md.push(("general.alignment".into(), Value::U32(0)));
+    write_gguf(&p, &md);
+    let err = fails(&["run", "-m", p.to_str().unwrap(), "-p", "hi"]);
+    expect(&err, "`general.alignment` is 0; it must be a power of two");
+    expect(&err, "align0.gguf");
+}
+
 #[test]
 fn unknown_pre_tokenizer() {
     let d = temp_dir("pre");

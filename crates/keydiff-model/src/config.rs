@@ -60,6 +60,48 @@ pub struct ModelConfig {
     pub rope_interleaved: bool,
 }
 
+/// Most layers a model may have (llama.cpp's `LLAMA_MAX_LAYERS`).
+pub const MAX_LAYERS: usize = 512;
+/// Largest hidden or intermediate size accepted (the largest open models use ~53K).
+pub const MAX_WIDTH: usize = 1 << 20;
+/// Largest vocabulary accepted (the largest open models use ~256K).
+pub const MAX_VOCAB: usize = 1 << 24;
+/// Most query or KV heads accepted.
+pub const MAX_HEADS: usize = 1 << 12;
+/// Largest head size accepted (the largest open models use 256).
+pub const MAX_HEAD_DIM: usize = 1 << 12;
+/// Longest context accepted (the longest open models use 10M).
+pub const MAX_CONTEXT: usize = 1 << 30;
+
+/// A GGUF metadata value as a count: any non-negative integer type. Booleans, which candle's
+/// `to_u64` would accept, and negative numbers, which `as usize` would wrap, are refused.
+fn gguf_count(v: &gguf_file::Value) -> Option<usize> {
+    use gguf_file::Value as V;
+    let x: u64 = match *v {
+        V::U8(x) => x.into(),
+        V::U16(x) => x.into(),
+        V::U32(x) => x.into(),
+        V::U64(x) => x,
+        V::I8(x) => u64::try_from(x).ok()?,
+        V::I16(x) => u64::try_from(x).ok()?,
+        V::I32(x) => u64::try_from(x).ok()?,
+        V::I64(x) => u64::try_from(x).ok()?,
+        _ => return None,
+    };
+    usize::try_from(x).ok()
+}
+
+/// A GGUF metadata value as a finite float.
+fn gguf_float(v: &gguf_file::Value) -> Option<f64> {
+    use gguf_file::Value as V;
+    let x = match *v {
+        V::F32(x) => x as f64,
+        V::F64(x) => x,
+        _ => return None,
+    };
+    x.is_finite().then_some(x)
+}
+
 /// `config.json` of a Hugging Face checkpoint, field for field as far as we use it.
 #[derive(Debug, Clone, Deserialize)]
 pub struct HfConfig {
@@ -195,36 +237,36 @@ impl ModelConfig {
             .clone();
         let arch = Arch::parse(&arch_name)?;
         let a = arch_name.as_str();
-        let int = |k: &str| -> Result<usize> {
+        let bad = |key: &str, what: &str, v: &gguf_file::Value| ModelError::BadGguf {
+            path: path.to_path_buf(),
+            reason: format!("`{key}` must be {what}, found {v:?}"),
+        };
+        // Optional keys: absent gives None; present but malformed is an error, not a default.
+        let opt_int = |k: &str| -> Result<Option<usize>> {
             let key = format!("{a}.{k}");
-            let v = get(&key)?;
-            v.to_u64()
-                .map(|x| x as usize)
-                .or_else(|_| v.to_u32().map(|x| x as usize))
-                .or_else(|_| v.to_i32().map(|x| x as usize))
-                .map_err(|e| ModelError::BadGguf {
-                    path: path.to_path_buf(),
-                    reason: format!("{key}: {e}"),
-                })
+            md.get(&key)
+                .map(|v| gguf_count(v).ok_or_else(|| bad(&key, "a non-negative integer", v)))
+                .transpose()
+        };
+        let int = |k: &str| -> Result<usize> {
+            opt_int(k)?.ok_or_else(|| ModelError::MissingKey(format!("{a}.{k}")))
+        };
+        let opt_float = |k: &str| -> Result<Option<f64>> {
+            let key = format!("{a}.{k}");
+            md.get(&key)
+                .map(|v| gguf_float(v).ok_or_else(|| bad(&key, "a finite number", v)))
+                .transpose()
         };
         let float = |k: &str| -> Result<f64> {
-            let key = format!("{a}.{k}");
-            let v = get(&key)?;
-            v.to_f32()
-                .map(|x| x as f64)
-                .or_else(|_| v.to_f64())
-                .map_err(|e| ModelError::BadGguf {
-                    path: path.to_path_buf(),
-                    reason: format!("{key}: {e}"),
-                })
+            opt_float(k)?.ok_or_else(|| ModelError::MissingKey(format!("{a}.{k}")))
         };
         let hidden_size = int("embedding_length")?;
         let num_heads = int("attention.head_count")?;
-        let num_kv_heads = int("attention.head_count_kv").unwrap_or(num_heads);
-        let head_dim = int("attention.key_length").unwrap_or(hidden_size / num_heads.max(1));
-        let vocab_size = match int("vocab_size") {
-            Ok(v) => v,
-            Err(_) => get("tokenizer.ggml.tokens")?
+        let num_kv_heads = opt_int("attention.head_count_kv")?.unwrap_or(num_heads);
+        let head_dim = opt_int("attention.key_length")?.unwrap_or(hidden_size / num_heads.max(1));
+        let vocab_size = match opt_int("vocab_size")? {
+            Some(v) => v,
+            None => get("tokenizer.ggml.tokens")?
                 .to_vec()
                 .map_err(|e| ModelError::BadGguf {
                     path: path.to_path_buf(),
@@ -244,7 +286,7 @@ impl ModelConfig {
             num_kv_heads,
             head_dim,
             rms_norm_eps: float("attention.layer_norm_rms_epsilon")?,
-            rope_theta: float("rope.freq_base").unwrap_or(10_000.0),
+            rope_theta: opt_float("rope.freq_base")?.unwrap_or(10_000.0),
             // GGUF carries Llama 3.1 scaling as the `rope_freqs.weight` tensor instead.
             rope_scaling: None,
             max_position_embeddings: int("context_length")?,
@@ -256,13 +298,92 @@ impl ModelConfig {
             path: path.to_path_buf(),
             reason,
         })?;
+        // What the forward pass would otherwise get silently wrong.
+        let unsupported = |reason: String| ModelError::BadGguf {
+            path: path.to_path_buf(),
+            reason,
+        };
+        if let Some(d) = opt_int("rope.dimension_count")? {
+            if d != cfg.head_dim {
+                return Err(unsupported(format!(
+                    "`{a}.rope.dimension_count` is {d} but head_dim is {}: partial RoPE is \
+                     not supported",
+                    cfg.head_dim
+                )));
+            }
+        }
+        if let Some(v) = md.get(&format!("{a}.rope.scaling.type")) {
+            let factor = opt_float("rope.scaling.factor")?;
+            match v.to_string().map(String::as_str) {
+                Ok("none") => {}
+                Ok(_) if factor == Some(1.0) => {}
+                Ok(kind) => {
+                    return Err(unsupported(format!(
+                        "`{a}.rope.scaling.type` is `{kind}`: only unscaled RoPE and Llama 3.1 \
+                         `rope_freqs` are supported"
+                    )))
+                }
+                Err(_) => return Err(bad(&format!("{a}.rope.scaling.type"), "a string", v)),
+            }
+        }
+        let extra = format!("blk.{}.attn_norm.weight", cfg.num_layers);
+        if ct.tensor_infos.contains_key(&extra) {
+            return Err(unsupported(format!(
+                "`{a}.block_count` is {} but the file has tensor `{extra}`",
+                cfg.num_layers
+            )));
+        }
         Ok(cfg)
     }
 
-    /// Checks the shape relations the forward pass relies on.
+    /// Checks the shape relations the forward pass relies on, and that every size is within
+    /// bounds no real model comes near: a corrupt value fails here, with its name, instead of
+    /// as an allocation of terabytes later.
     pub fn validate(&self) -> std::result::Result<(), String> {
         if self.num_layers == 0 || self.hidden_size == 0 || self.vocab_size == 0 {
             return Err("layers, hidden size and vocab must be non-zero".into());
+        }
+        let limits = [
+            ("layers", self.num_layers, MAX_LAYERS),
+            ("hidden size", self.hidden_size, MAX_WIDTH),
+            ("intermediate size", self.intermediate_size, MAX_WIDTH),
+            ("vocabulary size", self.vocab_size, MAX_VOCAB),
+            ("query heads", self.num_heads, MAX_HEADS),
+            ("KV heads", self.num_kv_heads, MAX_HEADS),
+            ("head_dim", self.head_dim, MAX_HEAD_DIM),
+            ("context length", self.max_position_embeddings, MAX_CONTEXT),
+        ];
+        for (what, v, max) in limits {
+            if v > max {
+                return Err(format!("{what} {v} is beyond the supported maximum {max}"));
+            }
+        }
+        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps >= 0.0) {
+            return Err(format!(
+                "rms_norm_eps {} must be finite and non-negative",
+                self.rms_norm_eps
+            ));
+        }
+        if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
+            return Err(format!(
+                "rope_theta {} must be finite and positive",
+                self.rope_theta
+            ));
+        }
+        if let Some(r) = &self.rope_scaling {
+            let ok = r.factor.is_finite()
+                && r.factor > 0.0
+                && r.low_freq_factor.is_finite()
+                && r.low_freq_factor > 0.0
+                && r.high_freq_factor.is_finite()
+                && r.high_freq_factor > r.low_freq_factor
+                && r.original_max_position_embeddings > 0;
+            if !ok {
+                return Err(format!(
+                    "rope_scaling {r:?}: needs factor > 0, 0 < low_freq_factor < \
+                     high_freq_factor and original_max_position_embeddings > 0"
+                ));
+            }
         }
         if self.num_kv_heads == 0 || !self.num_heads.is_multiple_of(self.num_kv_heads) {
             return Err(format!(

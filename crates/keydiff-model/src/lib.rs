@@ -5,6 +5,7 @@ pub mod attention;
 pub mod chat;
 pub mod config;
 pub mod error;
+mod gguf_check;
 mod load;
 pub mod model;
 pub mod rope;

@@ -460,15 +460,15 @@ fn token_id(ct: &Content, key: &str, n_tokens: usize) -> Result<Option<u32>> {
 }
 
 fn to_u32(v: &Value, key: &str) -> Result<u32> {
-    let n: i64 = match *v {
+    let n: i128 = match *v {
         Value::U8(x) => x.into(),
         Value::I8(x) => x.into(),
         Value::U16(x) => x.into(),
         Value::I16(x) => x.into(),
         Value::U32(x) => x.into(),
         Value::I32(x) => x.into(),
-        Value::U64(x) => i64::try_from(x).unwrap_or(-1),
-        Value::I64(x) => x,
+        Value::U64(x) => x.into(),
+        Value::I64(x) => x.into(),
         ref other => {
             return Err(ModelError::Tokenizer(format!(
                 "`{key}` holds {other:?}, expected an integer"

@@ -14,6 +14,7 @@ use rand::{Rng, SeedableRng};
 use rand_distr::StandardNormal;
 
 use crate::error::{ModelError, Result};
+use crate::gguf_check;
 
 /// The role of a tensor in the model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -244,11 +245,24 @@ impl Weights {
     /// Opens a GGUF file and reads its metadata (tensors are read on demand).
     pub fn open_gguf(path: &Path, device: &Device, dtype: DType, opts: CpuWeights) -> Result<Self> {
         let mut file = open_file(path)?;
+        let bad = |reason: String| ModelError::BadGguf {
+            path: path.to_path_buf(),
+            reason,
+        };
+        let io = |source| ModelError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
+        if gguf_check::declared_alignment(&mut file).map_err(io)? == Some(0) {
+            return Err(bad(
+                "`general.alignment` is 0; it must be a power of two".into()
+            ));
+        }
         let content = gguf_file::Content::read(&mut file).map_err(|e| ModelError::BadGguf {
             path: path.to_path_buf(),
             reason: e.to_string(),
         })?;
-        // A truncated file is caught here rather than half-way through loading.
+        // A truncated or inconsistent file is caught here rather than half-way through loading.
         let len = file
             .metadata()
             .map_err(|source| ModelError::Io {
@@ -256,19 +270,7 @@ impl Weights {
                 source,
             })?
             .len();
-        for (name, info) in &content.tensor_infos {
-            let bytes = info.shape.elem_count() / info.ggml_dtype.block_size()
-                * info.ggml_dtype.type_size();
-            let end = content.tensor_data_offset + info.offset + bytes as u64;
-            if end > len {
-                return Err(ModelError::BadGguf {
-                    path: path.to_path_buf(),
-                    reason: format!(
-                        "truncated: tensor `{name}` ends at byte {end}, file has {len} bytes"
-                    ),
-                });
-            }
-        }
+        gguf_check::tensor_layout(&content, len).map_err(bad)?;
         Ok(Weights::Gguf {
             path: path.to_path_buf(),
             content,

@@ -1,0 +1,233 @@
+//! Checks on a GGUF file that candle's reader leaves out: a corrupt file must fail with an
+//! error naming the problem, never a panic, an abort on a wild allocation, or silently wrong
+//! weights.
+
+use std::fs::File;
+use std::io::{BufRead, BufReader, Seek, SeekFrom};
+
+use candle_core::quantized::gguf_file;
+
+/// The `general.alignment` a GGUF file declares, read the way candle reads it (an integer type
+/// of at most 32 bits, not negative), or None when absent, of another type, or unreadable.
+///
+/// candle divides by this value unchecked (huggingface/candle#3876, open as of 0.11.1), so a
+/// file declaring 0 panics inside `Content::read`. This walks the metadata first, skipping
+/// values, and leaves the file at its start. A file this walk cannot follow is left to candle,
+/// which reports it.
+pub(crate) fn declared_alignment(file: &mut File) -> std::io::Result<Option<u64>> {
+    let len = file.metadata()?.len();
+    file.seek(SeekFrom::Start(0))?;
+    let found = {
+        let mut w = Walker {
+            r: BufReader::new(&mut *file),
+            long: true,
+            len,
+        };
+        w.alignment().ok().flatten()
+    };
+    file.seek(SeekFrom::Start(0))?;
+    Ok(found)
+}
+
+struct Walker<R> {
+    r: R,
+    /// Lengths and counts are u64 (GGUF v2, v3) rather than u32 (v1).
+    long: bool,
+    len: u64,
+}
+
+type Io<T> = std::io::Result<T>;
+
+fn invalid(what: &str) -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::InvalidData, what.to_string())
+}
+
+impl<R: BufRead + Seek> Walker<R> {
+    fn bytes<const N: usize>(&mut self) -> Io<[u8; N]> {
+        let mut b = [0u8; N];
+        self.r.read_exact(&mut b)?;
+        Ok(b)
+    }
+
+    fn u32(&mut self) -> Io<u32> {
+        Ok(u32::from_le_bytes(self.bytes()?))
+    }
+
+    /// A length or count, refused past the file's size (no valid file has more of anything).
+    fn count(&mut self) -> Io<u64> {
+        let n = if self.long {
+            u64::from_le_bytes(self.bytes()?)
+        } else {
+            u64::from(self.u32()?)
+        };
+        if n > self.len {
+            return Err(invalid("count beyond the file size"));
+        }
+        Ok(n)
+    }
+
+    fn skip(&mut self, n: u64) -> Io<()> {
+        let n = i64::try_from(n).map_err(|_| invalid("skip beyond i64"))?;
+        self.r.seek_relative(n)
+    }
+
+    fn alignment(&mut self) -> Io<Option<u64>> {
+        if &self.bytes::<4>()? != b"GGUF" {
+            return Ok(None);
+        }
+        self.long = match self.u32()? {
+            1 => false,
+            2 | 3 => true,
+            _ => return Ok(None),
+        };
+        let _tensors = self.count()?;
+        let entries = self.count()?;
+        for _ in 0..entries {
+            const KEY: &[u8; 17] = b"general.alignment";
+            let key_len = self.count()?;
+            let is_alignment = if key_len == KEY.len() as u64 {
+                &self.bytes::<17>()? == KEY
+            } else {
+                self.skip(key_len)?;
+                false
+            };
+            let ty = self.u32()?;
+            if is_alignment {
+                return Ok(match ty {
+                    0 => Some(u64::from(self.bytes::<1>()?[0])),
+                    1 => u64::try_from(i8::from_le_bytes(self.bytes()?)).ok(),
+                    2 => Some(u64::from(u16::from_le_bytes(self.bytes()?))),
+                    3 => u64::try_from(i16::from_le_bytes(self.bytes()?)).ok(),
+                    4 => Some(u64::from(self.u32()?)),
+                    5 => u64::try_from(i32::from_le_bytes(self.bytes()?)).ok(),
+                    _ => None,
+                });
+            }
+            self.skip_value(ty, 0)?;
+        }
+        Ok(None)
+    }
+
+    fn skip_value(&mut self, ty: u32, depth: usize) -> Io<()> {
+        match ty {
+            0 | 1 | 7 => self.skip(1),
+            2 | 3 => self.skip(2),
+            4..=6 => self.skip(4),
+            10..=12 => self.skip(8),
+            8 => {
+                let n = self.count()?;
+                self.skip(n)
+            }
+            9 if depth < 4 => {
+                let elem = self.u32()?;
+                let n = self.count()?;
+                let size = match elem {
+                    0 | 1 | 7 => 1,
+                    2 | 3 => 2,
+                    4..=6 => 4,
+                    10..=12 => 8,
+                    _ => {
+                        for _ in 0..n {
+                            self.skip_value(elem, depth + 1)?;
+                        }
+                        return Ok(());
+                    }
+                };
+                self.skip(n.checked_mul(size).ok_or_else(|| invalid("array size"))?)
+            }
+            _ => Err(invalid("unknown value type")),
+        }
+    }
+}
+
+/// Checks each GGUF tensor's extent as llama.cpp's loader does: the element count and byte
+/// size fit in 64 bits, rows are whole quantization blocks, data starts aligned, lies inside
+/// the file, and the tensors are packed one after another. A corrupt count, type or offset
+/// then fails here with the tensor's name, instead of as a wild allocation or as another
+/// tensor's bytes. Bytes after the last tensor are allowed, as llama.cpp allows them, so a
+/// change that only shrinks the last tensor goes unseen.
+pub(crate) fn tensor_layout(
+    content: &gguf_file::Content,
+    file_len: u64,
+) -> std::result::Result<(), String> {
+    // As candle reads it: other types, and negative values, leave the default of 32.
+    use gguf_file::Value as V;
+    let alignment = match content.metadata.get("general.alignment") {
+        Some(&V::U8(a)) => u64::from(a),
+        Some(&V::U16(a)) => u64::from(a),
+        Some(&V::U32(a)) => u64::from(a),
+        Some(&V::I8(a)) => u64::try_from(a).unwrap_or(32),
+        Some(&V::I16(a)) => u64::try_from(a).unwrap_or(32),
+        Some(&V::I32(a)) => u64::try_from(a).unwrap_or(32),
+        _ => 32,
+    };
+    if !alignment.is_power_of_two() {
+        return Err(format!(
+            "`general.alignment` is {alignment}; it must be a power of two"
+        ));
+    }
+    let mut extents: Vec<(u64, u64, &str)> = Vec::with_capacity(content.tensor_infos.len());
+    for (name, info) in &content.tensor_infos {
+        let dims = info.shape.dims();
+        let elems = dims
+            .iter()
+            .try_fold(1u64, |n, &d| n.checked_mul(d as u64))
+            .ok_or_else(|| format!("tensor `{name}`: element count of {dims:?} overflows"))?;
+        let block = info.ggml_dtype.block_size() as u64;
+        let row = dims.last().copied().unwrap_or(1) as u64;
+        if !row.is_multiple_of(block) {
+            return Err(format!(
+                "tensor `{name}`: rows of {row} elements are not whole {:?} blocks of {block}",
+                info.ggml_dtype
+            ));
+        }
+        let too_big = || {
+            format!(
+                "tensor `{name}`: {dims:?} {:?} ends past 2^64",
+                info.ggml_dtype
+            )
+        };
+        let bytes = (elems / block)
+            .checked_mul(info.ggml_dtype.type_size() as u64)
+            .ok_or_else(too_big)?;
+        if !info.offset.is_multiple_of(alignment) {
+            return Err(format!(
+                "tensor `{name}`: data offset {} is not a multiple of the alignment {alignment}",
+                info.offset
+            ));
+        }
+        let start = content
+            .tensor_data_offset
+            .checked_add(info.offset)
+            .ok_or_else(too_big)?;
+        let end = start.checked_add(bytes).ok_or_else(too_big)?;
+        if end > file_len {
+            return Err(format!(
+                "truncated: tensor `{name}` ends at byte {end}, file has {file_len} bytes"
+            ));
+        }
+        extents.push((start, end, name));
+    }
+    // llama.cpp requires each tensor to start where the one before it ends, padded to the
+    // alignment, in header order. candle keeps no order, so this checks the same packing in
+    // offset order: every file llama.cpp loads passes, and a changed type, shape or offset
+    // leaves a gap or an overlap.
+    extents.sort_unstable();
+    let mut expected = content.tensor_data_offset;
+    let mut before: Option<&str> = None;
+    for (start, end, name) in extents {
+        if start != expected {
+            let after = match before {
+                Some(b) => format!("`{b}` ends (padded) at byte {expected}"),
+                None => format!("tensor data starts at byte {expected}"),
+            };
+            return Err(format!(
+                "tensor `{name}` starts at byte {start} but {after}: corrupt offsets, types or \
+                 shapes"
+            ));
+        }
+        expected = end.div_ceil(alignment).saturating_mul(alignment);
+        before = Some(name);
+    }
+    Ok(())
+}

@@ -1,0 +1,438 @@
+//! A corrupt GGUF fails to load with an error that names the problem. It must never panic,
+//! abort on a wild allocation, or load and run on misread weights.
+//!
+//! The fixture is a tiny Llama (2 layers, hidden 64) that keeps SmolLM2's real tokenizer
+//! metadata, written by candle's GGUF writer. Each test corrupts it in one way, then loads it
+//! and generates from it in this process. A panic is caught and fails the test, naming the
+//! corruption.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::Path;
+
+use candle_core::quantized::gguf_file::{self, Value};
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+use keydiff::{CacheConfig, Engine, EngineConfig, GenerateParams, ModelSource, Prompt};
+use keydiff_tests::{model, temp_dir, SMOLLM2};
+
+const HIDDEN: usize = 64;
+const LAYERS: usize = 2;
+const VOCAB: usize = 49152;
+
+fn tiny_metadata() -> Vec<(String, Value)> {
+    let mut f = std::fs::File::open(model(SMOLLM2)).unwrap();
+    let ct = gguf_file::Content::read(&mut f).unwrap();
+    let mut md: Vec<(String, Value)> = ct.metadata.into_iter().collect();
+    md.sort_by(|a, b| a.0.cmp(&b.0));
+    for (k, v) in [
+        ("llama.embedding_length", HIDDEN),
+        ("llama.block_count", LAYERS),
+        ("llama.attention.head_count", 4),
+        ("llama.attention.head_count_kv", 2),
+        ("llama.feed_forward_length", 128),
+        ("llama.context_length", 512),
+        ("llama.rope.dimension_count", HIDDEN / 4),
+    ] {
+        set(&mut md, k, Some(Value::U32(v as u32)));
+    }
+    md
+}
+
+/// Sets (or with None removes) one metadata key.
+fn set(md: &mut Vec<(String, Value)>, key: &str, v: Option<Value>) {
+    md.retain(|(k, _)| k != key);
+    if let Some(v) = v {
+        md.push((key.to_string(), v));
+    }
+}
+
+/// The tensors, in file order: Q8_0 matrices and f32 norms, with smooth, seeded values.
+fn tiny_tensors() -> Vec<(String, QTensor)> {
+    let q = |shape: &[usize], seed: f64| {
+        let n: usize = shape.iter().product();
+        let v: Vec<f32> = (0..n)
+            .map(|i| ((i as f64 * seed).sin() * 0.1) as f32)
+            .collect();
+        let t = Tensor::from_vec(v, shape, &Device::Cpu).unwrap();
+        let dtype = if shape.len() == 1 {
+            GgmlDType::F32
+        } else {
+            GgmlDType::Q8_0
+        };
+        QTensor::quantize(&t, dtype).unwrap()
+    };
+    let mut ts = vec![
+        ("token_embd.weight".to_string(), q(&[VOCAB, HIDDEN], 0.37)),
+        ("output_norm.weight".to_string(), q(&[HIDDEN], 0.0)),
+    ];
+    for l in 0..LAYERS {
+        for (n, s) in [
+            ("attn_norm", vec![HIDDEN]),
+            ("ffn_norm", vec![HIDDEN]),
+            ("attn_q", vec![HIDDEN, HIDDEN]),
+            ("attn_k", vec![HIDDEN / 2, HIDDEN]),
+            ("attn_v", vec![HIDDEN / 2, HIDDEN]),
+            ("attn_output", vec![HIDDEN, HIDDEN]),
+            ("ffn_gate", vec![128, HIDDEN]),
+            ("ffn_up", vec![128, HIDDEN]),
+            ("ffn_down", vec![HIDDEN, 128]),
+        ] {
+            ts.push((format!("blk.{l}.{n}.weight"), q(&s, 1.3 + l as f64)));
+        }
+    }
+    ts
+}
+
+fn write(path: &Path, md: &[(String, Value)], ts: &[(String, QTensor)]) {
+    let mut out = std::fs::File::create(path).unwrap();
+    let md: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let ts: Vec<(&str, &QTensor)> = ts.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    gguf_file::write(&mut out, &md, &ts).unwrap();
+}
+
+#[derive(Debug)]
+enum Outcome {
+    /// Loaded and generated.
+    Ran,
+    Failed(String),
+    Panicked(String),
+}
+
+/// Loads `path` and generates two tokens, catching a panic.
+fn load_and_run(path: &Path) -> Outcome {
+    let run = || -> keydiff::Result<()> {
+        let cfg = EngineConfig {
+            cache: CacheConfig::full(32),
+            ..Default::default()
+        };
+        let e = Engine::load(&ModelSource::Gguf(path.to_path_buf()), &cfg)?;
+        let params = GenerateParams {
+            prompt: Prompt::Text("Hello there, how are you".into()),
+            max_tokens: 2,
+            ignore_eos: true,
+            ..Default::default()
+        };
+        e.generate(&params, |_| {})?;
+        Ok(())
+    };
+    match catch_unwind(AssertUnwindSafe(run)) {
+        Ok(Ok(())) => Outcome::Ran,
+        Ok(Err(e)) => Outcome::Failed(e.to_string()),
+        Err(p) => Outcome::Panicked(
+            p.downcast_ref::<String>()
+                .cloned()
+                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_default(),
+        ),
+    }
+}
+
+/// Expects a load failure whose message contains `needle`.
+fn expect_error(what: &str, path: &Path, needle: &str) {
+    match load_and_run(path) {
+        Outcome::Failed(e) => assert!(e.contains(needle), "{what}: expected `{needle}` in: {e}"),
+        other => panic!("{what}: expected an error with `{needle}`, got {other:?}"),
+    }
+}
+
+#[test]
+fn the_uncorrupted_fixture_runs() {
+    let d = temp_dir("gguf-fixture");
+    let p = d.join("tiny.gguf");
+    write(&p, &tiny_metadata(), &tiny_tensors());
+    assert!(matches!(load_and_run(&p), Outcome::Ran));
+}
+
+/// Each wrong metadata value fails, and the message names the key or the quantity.
+#[test]
+fn metadata_corruptions_are_named() {
+    let d = temp_dir("gguf-metadata");
+    let p = d.join("m.gguf");
+    let ts = tiny_tensors();
+    let cases: Vec<(&str, Option<Value>, &str)> = vec![
+        // candle divides by the alignment unchecked: 0 used to panic.
+        (
+            "general.alignment",
+            Some(Value::U32(0)),
+            "`general.alignment` is 0",
+        ),
+        (
+            "general.alignment",
+            Some(Value::U8(0)),
+            "`general.alignment` is 0",
+        ),
+        (
+            "general.alignment",
+            Some(Value::U32(48)),
+            "must be a power of two",
+        ),
+        // Used to abort on allocating 4G layers.
+        (
+            "llama.block_count",
+            Some(Value::U32(u32::MAX)),
+            "layers 4294967295 is beyond the supported maximum 512",
+        ),
+        // Used to wrap to 2^64 - 1 (`as usize`).
+        (
+            "llama.embedding_length",
+            Some(Value::I32(-1)),
+            "`llama.embedding_length` must be a non-negative integer, found I32(-1)",
+        ),
+        // candle's to_u64 reads a bool as 0 or 1.
+        (
+            "llama.block_count",
+            Some(Value::Bool(true)),
+            "`llama.block_count` must be a non-negative integer",
+        ),
+        // Used to fall back to the default silently.
+        (
+            "llama.attention.head_count_kv",
+            Some(Value::String("2".into())),
+            "`llama.attention.head_count_kv` must be a non-negative integer",
+        ),
+        (
+            "llama.rope.freq_base",
+            Some(Value::F32(f32::NAN)),
+            "`llama.rope.freq_base` must be a finite number",
+        ),
+        (
+            "llama.attention.layer_norm_rms_epsilon",
+            Some(Value::F32(-1e-5)),
+            "must be finite and non-negative",
+        ),
+        (
+            "llama.context_length",
+            Some(Value::U64(1 << 40)),
+            "context length 1099511627776 is beyond",
+        ),
+        // Used to be ignored: RoPE on all of the head, and unscaled.
+        (
+            "llama.rope.dimension_count",
+            Some(Value::U32(8)),
+            "partial RoPE is not supported",
+        ),
+        (
+            "llama.rope.scaling.type",
+            Some(Value::String("yarn".into())),
+            "`llama.rope.scaling.type` is `yarn`",
+        ),
+        // Used to run the first layer only.
+        (
+            "llama.block_count",
+            Some(Value::U32(1)),
+            "`llama.block_count` is 1 but the file has tensor `blk.1.attn_norm.weight`",
+        ),
+        (
+            "llama.block_count",
+            Some(Value::U32(3)),
+            "blk.2.attn_norm.weight",
+        ),
+        ("llama.block_count", None, "`llama.block_count`"),
+        (
+            "tokenizer.ggml.bos_token_id",
+            Some(Value::U64(u64::MAX)),
+            "holds 18446744073709551615, expected a u32",
+        ),
+        (
+            "tokenizer.ggml.eos_token_id",
+            Some(Value::U32(VOCAB as u32)),
+            "outside the vocab of 49152 tokens",
+        ),
+    ];
+    let mut failures = Vec::new();
+    for (key, value, needle) in cases {
+        let mut md = tiny_metadata();
+        let what = format!("{key} = {value:?}");
+        set(&mut md, key, value);
+        write(&p, &md, &ts);
+        match load_and_run(&p) {
+            Outcome::Failed(e) if e.contains(needle) => {}
+            other => failures.push(format!("{what}: expected `{needle}`, got {other:?}")),
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+    // Scaling types that change nothing still load.
+    for (ty, factor) in [("none", None), ("linear", Some(1.0))] {
+        let mut md = tiny_metadata();
+        set(
+            &mut md,
+            "llama.rope.scaling.type",
+            Some(Value::String(ty.into())),
+        );
+        set(&mut md, "llama.rope.scaling.factor", factor.map(Value::F32));
+        write(&p, &md, &ts);
+        assert!(matches!(load_and_run(&p), Outcome::Ran), "scaling {ty}");
+    }
+}
+
+/// Where each tensor's info fields (dims, type, offset) lie in the file.
+struct InfoAt {
+    name: String,
+    dims: Vec<usize>,
+    dtype: usize,
+    offset: usize,
+}
+
+fn info_positions(bytes: &[u8], names: &[String]) -> Vec<InfoAt> {
+    names
+        .iter()
+        .map(|n| {
+            let key: Vec<u8> = (n.len() as u64)
+                .to_le_bytes()
+                .iter()
+                .chain(n.as_bytes())
+                .copied()
+                .collect();
+            let at = bytes
+                .windows(key.len())
+                .rposition(|w| w == key.as_slice())
+                .unwrap_or_else(|| panic!("tensor info of {n} not found"))
+                + key.len();
+            let nd = u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap()) as usize;
+            InfoAt {
+                name: n.clone(),
+                dims: (0..nd).map(|j| at + 4 + 8 * j).collect(),
+                dtype: at + 4 + 8 * nd,
+                offset: at + 8 + 8 * nd,
+            }
+        })
+        .collect()
+}
+
+/// Every change to a tensor's dims, type or data offset fails to load, for the first, a
+/// middle and the next-to-last tensor in the file: none loads as misread weights.
+///
+/// The last tensor is left out: a type that makes it smaller only leaves unread bytes at the
+/// end of the file, which llama.cpp accepts too, and so do we.
+#[test]
+fn tensor_info_corruptions_fail() {
+    let d = temp_dir("gguf-infos");
+    let base = d.join("base.gguf");
+    let ts = tiny_tensors();
+    write(&base, &tiny_metadata(), &ts);
+    let bytes = std::fs::read(&base).unwrap();
+    let names: Vec<String> = [0, ts.len() / 2, ts.len() - 2]
+        .iter()
+        .map(|&i| ts[i].0.clone())
+        .collect();
+    let p = d.join("c.gguf");
+    let mut failures = Vec::new();
+    let mut tried = 0;
+    for info in info_positions(&bytes, &names) {
+        let mut muts: Vec<(String, usize, Vec<u8>)> = Vec::new();
+        for (j, &at) in info.dims.iter().enumerate() {
+            for v in [0u64, 1, 31, 96, 4096, 1 << 32, u64::MAX / 2, u64::MAX] {
+                muts.push((format!("dim {j} = {v}"), at, v.to_le_bytes().to_vec()));
+            }
+        }
+        // Q8_0 (8) and F32 (0) are the types in use; 16 and 40 are not types.
+        for v in [0u32, 1, 2, 3, 6, 8, 12, 16, 30, 40, u32::MAX] {
+            muts.push((format!("type = {v}"), info.dtype, v.to_le_bytes().to_vec()));
+        }
+        for v in [7u64, 32, 1 << 20, 1 << 40, u64::MAX - 100, u64::MAX] {
+            muts.push((
+                format!("offset = {v}"),
+                info.offset,
+                v.to_le_bytes().to_vec(),
+            ));
+        }
+        for (what, at, v) in muts {
+            let mut b = bytes.clone();
+            if b[at..at + v.len()] == v[..] {
+                continue; // not a change
+            }
+            b[at..at + v.len()].copy_from_slice(&v);
+            std::fs::write(&p, &b).unwrap();
+            tried += 1;
+            match load_and_run(&p) {
+                Outcome::Failed(_) => {}
+                other => failures.push(format!("{} {what}: {other:?}", info.name)),
+            }
+        }
+    }
+    assert!(tried > 80, "only {tried} corruptions tried");
+    assert!(failures.is_empty(), "{failures:#?}");
+
+    // The messages name the tensor and the problem.
+    let infos = info_positions(&bytes, &["blk.0.attn_q.weight".to_string()]);
+    let q = &infos[0];
+    let cases: [(usize, Vec<u8>, &str); 5] = [
+        (
+            q.dims[0],
+            33u64.to_le_bytes().to_vec(),
+            "not whole Q8_0 blocks of 32",
+        ),
+        (q.dims[1], (1u64 << 62).to_le_bytes().to_vec(), "overflows"),
+        (q.dtype, 0u32.to_le_bytes().to_vec(), "blk.0.attn_q.weight"),
+        (
+            q.offset,
+            7u64.to_le_bytes().to_vec(),
+            "not a multiple of the alignment 32",
+        ),
+        (q.offset, 0u64.to_le_bytes().to_vec(), "starts at byte"),
+    ];
+    for (at, v, needle) in cases {
+        let mut b = bytes.clone();
+        b[at..at + v.len()].copy_from_slice(&v);
+        std::fs::write(&p, &b).unwrap();
+        expect_error(&format!("{needle} case"), &p, needle);
+    }
+}
+
+/// Seeded random corruption (truncation, bytes, and 4- or 8-byte extreme values in the
+/// header) never panics, and most of it is refused.
+#[test]
+fn random_corruptions_never_panic() {
+    let d = temp_dir("gguf-random");
+    let base = d.join("base.gguf");
+    write(&base, &tiny_metadata(), &tiny_tensors());
+    let bytes = std::fs::read(&base).unwrap();
+    let header = {
+        let mut f = std::fs::File::open(&base).unwrap();
+        gguf_file::Content::read(&mut f).unwrap().tensor_data_offset as usize
+    };
+    // splitmix64: a fixed sequence, so that a failure can be rerun.
+    let mut state = 0x5eed_u64;
+    let mut next = move |n: usize| -> usize {
+        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        ((z ^ (z >> 31)) % n as u64) as usize
+    };
+    let extremes = [0u64, 1, u32::MAX as u64, u64::MAX, 1 << 32, 1 << 63, 31];
+    let p = d.join("c.gguf");
+    let (mut panics, mut refused, cases) = (Vec::new(), 0, 120);
+    for i in 0..cases {
+        let mut b = bytes.clone();
+        let what = match next(3) {
+            0 => {
+                let at = next(b.len());
+                b.truncate(at);
+                format!("truncated to {at} bytes")
+            }
+            1 => {
+                let (at, v) = (next(header), next(256) as u8);
+                b[at] = v;
+                format!("byte {at} = {v}")
+            }
+            _ => {
+                let (at, v) = (next(header - 8), extremes[next(extremes.len())]);
+                let w = [4, 8][next(2)];
+                b[at..at + w].copy_from_slice(&v.to_le_bytes()[..w]);
+                format!("{w} bytes at {at} = {v:#x}")
+            }
+        };
+        std::fs::write(&p, &b).unwrap();
+        match load_and_run(&p) {
+            Outcome::Panicked(m) => panics.push(format!("case {i}, {what}: {m}")),
+            Outcome::Failed(_) => refused += 1,
+            Outcome::Ran => {} // e.g. a changed character in a token or an unused key
+        }
+    }
+    assert!(panics.is_empty(), "{panics:#?}");
+    assert!(
+        refused * 2 > cases,
+        "only {refused} of {cases} corruptions refused"
+    );
+}
