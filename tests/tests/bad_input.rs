@@ -88,6 +88,7 @@ fn zero_alignment() {
     let d = temp_dir("align");
     let p = d.join("align0.gguf");
     let mut md = smollm2_metadata();
+    md.retain(|(k, _)| k != "general.alignment");
     md.push(("general.alignment".into(), Value::U32(0)));
     write_gguf(&p, &md);
     let err = fails(&["run", "-m", p.to_str().unwrap(), "-p", "hi"]);

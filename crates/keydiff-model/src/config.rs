@@ -169,6 +169,12 @@ impl HfConfig {
         let arch = Arch::parse(&arch_name)?;
         let rope_scaling = match &self.rope_scaling {
             None | Some(serde_json::Value::Null) => None,
+            Some(v) if !v.is_object() => {
+                return Err(ModelError::BadConfig {
+                    path: path.to_path_buf(),
+                    reason: format!("rope_scaling must be an object or null, found {v}"),
+                })
+            }
             Some(v) => {
                 let kind = v
                     .get("rope_type")
@@ -312,18 +318,23 @@ impl ModelConfig {
                 )));
             }
         }
-        if let Some(v) = md.get(&format!("{a}.rope.scaling.type")) {
-            let factor = opt_float("rope.scaling.factor")?;
-            match v.to_string().map(String::as_str) {
-                Ok("none") => {}
-                Ok(_) if factor == Some(1.0) => {}
-                Ok(kind) => {
+        // llama.cpp scales RoPE by `rope.scaling.factor` (or the older `rope.scale_linear`)
+        // whatever the type, linear when none is given; 0 and 1 mean no scaling.
+        let kind = match md.get(&format!("{a}.rope.scaling.type")) {
+            None => "linear".to_string(),
+            Some(v) => v
+                .to_string()
+                .map_err(|_| bad(&format!("{a}.rope.scaling.type"), "a string", v))?
+                .clone(),
+        };
+        for key in ["rope.scaling.factor", "rope.scale_linear"] {
+            if let Some(f) = opt_float(key)? {
+                if f != 0.0 && f != 1.0 {
                     return Err(unsupported(format!(
-                        "`{a}.rope.scaling.type` is `{kind}`: only unscaled RoPE and Llama 3.1 \
-                         `rope_freqs` are supported"
-                    )))
+                        "`{a}.{key}` is {f} ({kind} RoPE scaling): only unscaled RoPE and \
+                         Llama 3.1 `rope_freqs` are supported"
+                    )));
                 }
-                Err(_) => return Err(bad(&format!("{a}.rope.scaling.type"), "a string", v)),
             }
         }
         let extra = format!("blk.{}.attn_norm.weight", cfg.num_layers);

@@ -12,8 +12,9 @@ use candle_core::quantized::gguf_file;
 ///
 /// candle divides by this value unchecked (huggingface/candle#3876, open as of 0.11.1), so a
 /// file declaring 0 panics inside `Content::read`. This walks the metadata first, skipping
-/// values, and leaves the file at its start. A file this walk cannot follow is left to candle,
-/// which reports it.
+/// values, and leaves the file at its start. It follows candle's reading: both magics, keys
+/// without trailing NULs, the last of duplicate keys, nesting to depth 64. Where it cannot
+/// follow the file, candle cannot either, and reports it.
 pub(crate) fn declared_alignment(file: &mut File) -> std::io::Result<Option<u64>> {
     let len = file.metadata()?.len();
     file.seek(SeekFrom::Start(0))?;
@@ -23,7 +24,7 @@ pub(crate) fn declared_alignment(file: &mut File) -> std::io::Result<Option<u64>
             long: true,
             len,
         };
-        w.alignment().ok().flatten()
+        w.alignment()
     };
     file.seek(SeekFrom::Start(0))?;
     Ok(found)
@@ -71,41 +72,55 @@ impl<R: BufRead + Seek> Walker<R> {
         self.r.seek_relative(n)
     }
 
-    fn alignment(&mut self) -> Io<Option<u64>> {
-        if &self.bytes::<4>()? != b"GGUF" {
-            return Ok(None);
+    /// The last `general.alignment` entry (candle keeps the last of duplicate keys), as
+    /// candle reads it. Seen so far is returned too when the walk fails part-way.
+    fn alignment(&mut self) -> Option<u64> {
+        let mut found = None;
+        let _ = self.walk(&mut found);
+        found
+    }
+
+    fn walk(&mut self, found: &mut Option<u64>) -> Io<()> {
+        // candle reads both byte orders of the magic, and little-endian values after either.
+        if !matches!(u32::from_le_bytes(self.bytes()?), 0x4655_4747 | 0x4747_5546) {
+            return Ok(());
         }
         self.long = match self.u32()? {
             1 => false,
             2 | 3 => true,
-            _ => return Ok(None),
+            _ => return Ok(()),
         };
         let _tensors = self.count()?;
         let entries = self.count()?;
         for _ in 0..entries {
-            const KEY: &[u8; 17] = b"general.alignment";
+            // candle drops trailing NULs from strings, keys included.
             let key_len = self.count()?;
-            let is_alignment = if key_len == KEY.len() as u64 {
-                &self.bytes::<17>()? == KEY
-            } else {
-                self.skip(key_len)?;
-                false
-            };
+            let mut key = vec![0u8; key_len as usize];
+            self.r.read_exact(&mut key)?;
+            while key.last() == Some(&0) {
+                key.pop();
+            }
             let ty = self.u32()?;
-            if is_alignment {
-                return Ok(match ty {
+            if key == b"general.alignment" {
+                let value = match ty {
                     0 => Some(u64::from(self.bytes::<1>()?[0])),
                     1 => u64::try_from(i8::from_le_bytes(self.bytes()?)).ok(),
                     2 => Some(u64::from(u16::from_le_bytes(self.bytes()?))),
                     3 => u64::try_from(i16::from_le_bytes(self.bytes()?)).ok(),
                     4 => Some(u64::from(self.u32()?)),
                     5 => u64::try_from(i32::from_le_bytes(self.bytes()?)).ok(),
-                    _ => None,
-                });
+                    _ => {
+                        self.skip_value(ty, 0)?;
+                        None
+                    }
+                };
+                // A value candle does not take as the alignment leaves its default.
+                *found = value;
+            } else {
+                self.skip_value(ty, 0)?;
             }
-            self.skip_value(ty, 0)?;
         }
-        Ok(None)
+        Ok(())
     }
 
     fn skip_value(&mut self, ty: u32, depth: usize) -> Io<()> {
@@ -118,7 +133,8 @@ impl<R: BufRead + Seek> Walker<R> {
                 let n = self.count()?;
                 self.skip(n)
             }
-            9 if depth < 4 => {
+            // candle's limit on nesting.
+            9 if depth <= 64 => {
                 let elem = self.u32()?;
                 let n = self.count()?;
                 let size = match elem {

@@ -10,7 +10,7 @@ use crate::config::{HfConfig, ModelConfig};
 use crate::error::{ModelError, Result};
 use crate::model::Model;
 use crate::tokenizer::tokenizer_from_gguf;
-use crate::weights::{CpuWeights, Weights};
+use crate::weights::{CpuWeights, Key, Weights};
 
 /// Where the weights of a loaded model came from.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
@@ -90,6 +90,15 @@ pub fn load_hf_dir(dir: &Path, device: &Device, dtype: DType) -> Result<Loaded> 
     let cfg = hf.to_model_config(&cfg_path)?;
     let files = safetensors_files(dir)?;
     let weights = Weights::open_safetensors(&files, device, dtype)?;
+    if weights.has(Key::AttnNorm, Some(cfg.num_layers)) {
+        return Err(ModelError::BadConfig {
+            path: cfg_path,
+            reason: format!(
+                "num_hidden_layers is {} but the checkpoint has tensors of layer {}",
+                cfg.num_layers, cfg.num_layers
+            ),
+        });
+    }
     let model = Model::load(&cfg, &weights)?;
     let vocab = hf_vocab(dir, &hf)?;
     Ok(Loaded {

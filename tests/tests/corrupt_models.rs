@@ -1,10 +1,11 @@
-//! A corrupt GGUF fails to load with an error that names the problem. It must never panic,
-//! abort on a wild allocation, or load and run on misread weights.
+//! A corrupt model (GGUF, or an HF directory) fails to load with an error that names the
+//! problem. It must never panic, abort on a wild allocation, or load and run on misread
+//! weights.
 //!
 //! The fixture is a tiny Llama (2 layers, hidden 64) that keeps SmolLM2's real tokenizer
-//! metadata, written by candle's GGUF writer. Each test corrupts it in one way, then loads it
-//! and generates from it in this process. A panic is caught and fails the test, naming the
-//! corruption.
+//! metadata, written by candle's GGUF writer, and its HF export. Each test corrupts it in one
+//! way, then loads it and generates from it in this process. A panic is caught and fails the
+//! test, naming the corruption.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
@@ -13,7 +14,7 @@ use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use keydiff::{CacheConfig, Engine, EngineConfig, GenerateParams, ModelSource, Prompt};
-use keydiff_tests::{model, temp_dir, SMOLLM2};
+use keydiff_tests::{export_hf, model, temp_dir, SMOLLM2};
 
 const HIDDEN: usize = 64;
 const LAYERS: usize = 2;
@@ -90,6 +91,19 @@ fn write(path: &Path, md: &[(String, Value)], ts: &[(String, QTensor)]) {
     gguf_file::write(&mut out, &md, &ts).unwrap();
 }
 
+/// A fixed pseudo-random sequence (splitmix64) of numbers below `n`, so that a failure can be
+/// rerun.
+fn seeded(seed: u64) -> impl FnMut(usize) -> usize {
+    let mut state = seed;
+    move |n: usize| -> usize {
+        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        ((z ^ (z >> 31)) % n as u64) as usize
+    }
+}
+
 #[derive(Debug)]
 enum Outcome {
     /// Loaded and generated.
@@ -98,14 +112,19 @@ enum Outcome {
     Panicked(String),
 }
 
-/// Loads `path` and generates two tokens, catching a panic.
+/// Loads `path` (a GGUF file or an HF directory) and generates two tokens, catching a panic.
 fn load_and_run(path: &Path) -> Outcome {
     let run = || -> keydiff::Result<()> {
         let cfg = EngineConfig {
             cache: CacheConfig::full(32),
             ..Default::default()
         };
-        let e = Engine::load(&ModelSource::Gguf(path.to_path_buf()), &cfg)?;
+        let source = if path.is_dir() {
+            ModelSource::HfDir(path.to_path_buf())
+        } else {
+            ModelSource::Gguf(path.to_path_buf())
+        };
+        let e = Engine::load(&source, &cfg)?;
         let params = GenerateParams {
             prompt: Prompt::Text("Hello there, how are you".into()),
             max_tokens: 2,
@@ -212,9 +231,19 @@ fn metadata_corruptions_are_named() {
             "partial RoPE is not supported",
         ),
         (
+            "llama.rope.scaling.factor",
+            Some(Value::F32(4.0)),
+            "`llama.rope.scaling.factor` is 4 (linear RoPE scaling)",
+        ),
+        (
+            "llama.rope.scale_linear",
+            Some(Value::F32(2.0)),
+            "`llama.rope.scale_linear` is 2",
+        ),
+        (
             "llama.rope.scaling.type",
-            Some(Value::String("yarn".into())),
-            "`llama.rope.scaling.type` is `yarn`",
+            Some(Value::U32(1)),
+            "`llama.rope.scaling.type` must be a string",
         ),
         // Used to run the first layer only.
         (
@@ -251,18 +280,93 @@ fn metadata_corruptions_are_named() {
         }
     }
     assert!(failures.is_empty(), "{failures:#?}");
-    // Scaling types that change nothing still load.
-    for (ty, factor) in [("none", None), ("linear", Some(1.0))] {
+    // Scaling that changes nothing still loads.
+    for (ty, factor, legacy) in [
+        (Some("none"), None, None),
+        (Some("linear"), Some(1.0), None),
+        (Some("yarn"), None, None),
+        (None, Some(0.0), Some(1.0)),
+    ] {
         let mut md = tiny_metadata();
         set(
             &mut md,
             "llama.rope.scaling.type",
-            Some(Value::String(ty.into())),
+            ty.map(|t| Value::String(t.into())),
         );
         set(&mut md, "llama.rope.scaling.factor", factor.map(Value::F32));
+        set(&mut md, "llama.rope.scale_linear", legacy.map(Value::F32));
         write(&p, &md, &ts);
-        assert!(matches!(load_and_run(&p), Outcome::Ran), "scaling {ty}");
+        let got = load_and_run(&p);
+        assert!(
+            matches!(got, Outcome::Ran),
+            "{ty:?} {factor:?} {legacy:?}: {got:?}"
+        );
     }
+    // A yarn type with a real factor is refused.
+    let mut md = tiny_metadata();
+    set(
+        &mut md,
+        "llama.rope.scaling.type",
+        Some(Value::String("yarn".into())),
+    );
+    set(&mut md, "llama.rope.scaling.factor", Some(Value::F32(4.0)));
+    write(&p, &md, &ts);
+    expect_error("yarn x4", &p, "(yarn RoPE scaling)");
+}
+
+/// A zero alignment is found wherever candle would read it: candle would divide by it.
+#[test]
+fn zero_alignment_is_found_where_candle_reads_it() {
+    let d = temp_dir("gguf-alignment");
+    let p = d.join("a.gguf");
+    let ts = tiny_tensors();
+    let zero = || Value::U32(0);
+    let nested = (0..6).fold(Value::U8(1), |v, _| Value::Array(vec![v]));
+    let cases: Vec<(&str, Vec<(String, Value)>)> = vec![
+        // candle keeps the last of duplicate keys.
+        (
+            "duplicate key, last 0",
+            vec![
+                ("general.alignment".into(), Value::U32(32)),
+                ("general.alignment".into(), zero()),
+            ],
+        ),
+        // candle drops trailing NULs from keys.
+        (
+            "key with NULs",
+            vec![("general.alignment\0\0".into(), zero())],
+        ),
+        // Nested arrays before the key.
+        (
+            "after nested arrays",
+            vec![
+                ("a.nested".into(), nested),
+                ("general.alignment".into(), zero()),
+            ],
+        ),
+        ("as i16", vec![("general.alignment".into(), Value::I16(0))]),
+    ];
+    for (what, extra) in cases {
+        let mut md = tiny_metadata();
+        md.retain(|(k, _)| k != "general.alignment");
+        // Write the extra entries first, so that the tokenizer arrays come after them.
+        let md: Vec<(String, Value)> = extra.into_iter().chain(md).collect();
+        write(&p, &md, &ts);
+        expect_error(what, &p, "`general.alignment` is 0");
+    }
+    // candle also reads the byte-swapped magic `FUGG`.
+    let mut md = tiny_metadata();
+    set(&mut md, "general.alignment", Some(zero()));
+    write(&p, &md, &ts);
+    let mut b = std::fs::read(&p).unwrap();
+    b[..4].copy_from_slice(b"FUGG");
+    std::fs::write(&p, &b).unwrap();
+    expect_error("FUGG magic", &p, "`general.alignment` is 0");
+    // A negative alignment is not taken by candle (it keeps 32), so the file loads.
+    let mut md = tiny_metadata();
+    set(&mut md, "general.alignment", Some(Value::I32(-8)));
+    write(&p, &md, &ts);
+    assert!(matches!(load_and_run(&p), Outcome::Ran));
 }
 
 /// Where each tensor's info fields (dims, type, offset) lie in the file.
@@ -310,6 +414,7 @@ fn tensor_info_corruptions_fail() {
     let base = d.join("base.gguf");
     let ts = tiny_tensors();
     write(&base, &tiny_metadata(), &ts);
+    assert!(matches!(load_and_run(&base), Outcome::Ran));
     let bytes = std::fs::read(&base).unwrap();
     let names: Vec<String> = [0, ts.len() / 2, ts.len() - 2]
         .iter()
@@ -391,15 +496,7 @@ fn random_corruptions_never_panic() {
         let mut f = std::fs::File::open(&base).unwrap();
         gguf_file::Content::read(&mut f).unwrap().tensor_data_offset as usize
     };
-    // splitmix64: a fixed sequence, so that a failure can be rerun.
-    let mut state = 0x5eed_u64;
-    let mut next = move |n: usize| -> usize {
-        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        ((z ^ (z >> 31)) % n as u64) as usize
-    };
+    let mut next = seeded(0x5eed);
     let extremes = [0u64, 1, u32::MAX as u64, u64::MAX, 1 << 32, 1 << 63, 31];
     let p = d.join("c.gguf");
     let (mut panics, mut refused, cases) = (Vec::new(), 0, 120);
@@ -428,6 +525,144 @@ fn random_corruptions_never_panic() {
             Outcome::Panicked(m) => panics.push(format!("case {i}, {what}: {m}")),
             Outcome::Failed(_) => refused += 1,
             Outcome::Ran => {} // e.g. a changed character in a token or an unused key
+        }
+    }
+    assert!(panics.is_empty(), "{panics:#?}");
+    assert!(
+        refused * 2 > cases,
+        "only {refused} of {cases} corruptions refused"
+    );
+}
+
+/// The tiny model as an HF directory, and a scratch copy of it to corrupt.
+fn tiny_hf(name: &str) -> (std::path::PathBuf, std::path::PathBuf) {
+    let d = temp_dir(name);
+    let gguf = d.join("tiny.gguf");
+    write(&gguf, &tiny_metadata(), &tiny_tensors());
+    let base = d.join("base");
+    export_hf(&gguf, &base).unwrap();
+    (base, d.join("case"))
+}
+
+/// Makes `case` a fresh copy of `base`.
+fn copy_dir(base: &Path, case: &Path) {
+    let _ = std::fs::remove_dir_all(case);
+    std::fs::create_dir_all(case).unwrap();
+    for f in std::fs::read_dir(base).unwrap() {
+        let f = f.unwrap();
+        std::fs::copy(f.path(), case.join(f.file_name())).unwrap();
+    }
+}
+
+/// Each wrong config.json value fails, and the message names the field or the quantity.
+#[test]
+fn hf_config_corruptions_are_named() {
+    let (base, case) = tiny_hf("hf-config");
+    assert!(matches!(load_and_run(&base), Outcome::Ran));
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(base.join("config.json")).unwrap()).unwrap();
+    let llama3 = |factor: f64, low: f64, high: f64| {
+        serde_json::json!({"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+            "high_freq_factor": high, "original_max_position_embeddings": 8192})
+    };
+    let cases = [
+        // Used to run the first layer only.
+        (
+            "num_hidden_layers",
+            serde_json::json!(1),
+            "num_hidden_layers is 1 but the checkpoint has tensors of layer 1",
+        ),
+        (
+            "num_hidden_layers",
+            serde_json::json!(u32::MAX),
+            "layers 4294967295 is beyond the supported maximum 512",
+        ),
+        ("num_hidden_layers", serde_json::json!(-1), "expected usize"),
+        (
+            "vocab_size",
+            serde_json::json!(1u64 << 40),
+            "vocabulary size",
+        ),
+        ("head_dim", serde_json::json!(3), "head_dim 3 must be even"),
+        (
+            "rope_theta",
+            serde_json::json!(0),
+            "rope_theta 0 must be finite and positive",
+        ),
+        (
+            "rms_norm_eps",
+            serde_json::json!(-1),
+            "rms_norm_eps -1 must be finite and non-negative",
+        ),
+        (
+            "rope_scaling",
+            serde_json::json!("llama3"),
+            "rope_scaling must be an object or null",
+        ),
+        ("rope_scaling", llama3(0.0, 1.0, 4.0), "needs factor > 0"),
+        // transformers divides by high - low.
+        (
+            "rope_scaling",
+            llama3(8.0, 4.0, 4.0),
+            "low_freq_factor < high_freq_factor",
+        ),
+        (
+            "rope_scaling",
+            serde_json::json!({"rope_type": "yarn", "factor": 4.0}),
+            "unsupported rope_scaling type `yarn`",
+        ),
+    ];
+    let mut failures = Vec::new();
+    for (key, value, needle) in cases {
+        copy_dir(&base, &case);
+        let mut c = cfg.clone();
+        c[key] = value.clone();
+        std::fs::write(case.join("config.json"), c.to_string()).unwrap();
+        match load_and_run(&case) {
+            Outcome::Failed(e) if e.contains(needle) && e.contains("config.json") => {}
+            other => failures.push(format!(
+                "{key} = {value}: expected `{needle}`, got {other:?}"
+            )),
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// Seeded random corruption of model.safetensors (its header's length, its JSON, truncation)
+/// never panics, and most of it is refused.
+#[test]
+fn random_safetensors_corruptions_never_panic() {
+    let (base, case) = tiny_hf("hf-safetensors");
+    let st = std::fs::read(base.join("model.safetensors")).unwrap();
+    let header = u64::from_le_bytes(st[..8].try_into().unwrap()) as usize;
+    let mut next = seeded(0x5afe);
+    let (mut panics, mut refused, cases) = (Vec::new(), 0, 100);
+    for i in 0..cases {
+        let mut b = st.clone();
+        let what = match next(3) {
+            0 => {
+                let at = next(b.len());
+                b.truncate(at);
+                format!("truncated to {at} bytes")
+            }
+            1 => {
+                let at = 8 + next(header);
+                let c = b"0123456789,:{}[]\"FU"[next(19)];
+                b[at] = c;
+                format!("header byte {at} = {:?}", c as char)
+            }
+            _ => {
+                let at = next(8);
+                b[at] = next(256) as u8;
+                format!("length byte {at} = {}", b[at])
+            }
+        };
+        copy_dir(&base, &case);
+        std::fs::write(case.join("model.safetensors"), &b).unwrap();
+        match load_and_run(&case) {
+            Outcome::Panicked(m) => panics.push(format!("case {i}, {what}: {m}")),
+            Outcome::Failed(_) => refused += 1,
+            Outcome::Ran => {} // e.g. a changed digit in the `__metadata__` strings
         }
     }
     assert!(panics.is_empty(), "{panics:#?}");
