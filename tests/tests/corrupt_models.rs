@@ -369,6 +369,39 @@ fn zero_alignment_is_found_where_candle_reads_it() {
     assert!(matches!(load_and_run(&p), Outcome::Ran));
 }
 
+/// Llama 3.1's `rope_freqs` must hold one positive factor per rotated pair (head_dim / 2 = 8
+/// here); a short tensor used to scale only the first pairs, and a 0 to give infinities.
+#[test]
+fn rope_freqs_are_checked() {
+    let d = temp_dir("gguf-rope-freqs");
+    let p = d.join("r.gguf");
+    for (values, ok) in [
+        (vec![1.0f32; 8], true),
+        (vec![1.0, 1.0, 2.0, 4.0, 8.0, 8.0, 8.0, 8.0], true),
+        (vec![1.0; 4], false),
+        (vec![1.0; 16], false),
+        (vec![1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0], false),
+        (vec![1.0, 1.0, f32::NAN, 1.0, 1.0, 1.0, 1.0, 1.0], false),
+    ] {
+        let mut ts = tiny_tensors();
+        let n = values.len();
+        let t = Tensor::from_vec(values.clone(), n, &Device::Cpu).unwrap();
+        ts.push((
+            "rope_freqs.weight".into(),
+            QTensor::quantize(&t, GgmlDType::F32).unwrap(),
+        ));
+        write(&p, &tiny_metadata(), &ts);
+        match load_and_run(&p) {
+            Outcome::Ran if ok => {}
+            Outcome::Failed(e) if !ok => assert!(
+                e.contains("`rope_freqs.weight` must hold 8 finite positive factors"),
+                "{values:?}: {e}"
+            ),
+            other => panic!("{values:?}: {other:?}"),
+        }
+    }
+}
+
 /// Where each tensor's info fields (dims, type, offset) lie in the file.
 struct InfoAt {
     name: String,

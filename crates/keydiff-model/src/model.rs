@@ -281,7 +281,7 @@ impl Model {
             layers,
             norm: norm(Key::FinalNorm, None, hid)?,
             lm_head,
-            rope: Rope::new(cfg, w.rope_freqs()?),
+            rope: Rope::new(cfg, w.rope_freqs(cfg.head_dim / 2)?),
             device,
             dtype,
             attention: AttentionBackend::Eager,

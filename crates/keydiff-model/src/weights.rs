@@ -506,16 +506,29 @@ impl Weights {
         })
     }
 
-    /// GGUF `rope_freqs.weight` (Llama 3.1 frequency factors), when present.
-    pub fn rope_freqs(&self) -> Result<Option<Vec<f32>>> {
+    /// GGUF `rope_freqs.weight` (Llama 3.1 frequency factors), when present: `expected`
+    /// (head_dim / 2) finite positive values, or an error.
+    pub fn rope_freqs(&self, expected: usize) -> Result<Option<Vec<f32>>> {
         match self {
-            Weights::Gguf { content, .. }
+            Weights::Gguf { content, path, .. }
                 if content.tensor_infos.contains_key("rope_freqs.weight") =>
             {
                 let t = self
                     .qtensor("rope_freqs.weight")?
                     .dequantize(&Device::Cpu)?;
-                Ok(Some(t.flatten_all()?.to_vec1::<f32>()?))
+                let f = t.flatten_all()?.to_vec1::<f32>()?;
+                // One divisor per rotated pair; RoPE divides each frequency by it.
+                if f.len() != expected || !f.iter().all(|x| x.is_finite() && *x > 0.0) {
+                    return Err(ModelError::BadGguf {
+                        path: path.clone(),
+                        reason: format!(
+                            "`rope_freqs.weight` must hold {expected} finite positive factors \
+                             (head_dim / 2), found {} values",
+                            f.len()
+                        ),
+                    });
+                }
+                Ok(Some(f))
             }
             _ => Ok(None),
         }
