@@ -156,6 +156,20 @@ fn unknown_device_and_dtype() {
 }
 
 #[test]
+fn meaningless_sampling() {
+    // A model path that does not exist: the settings are refused before loading.
+    for (flag, needle) in [
+        ("--top-p=2", "top-p 2 must be in (0, 1]"),
+        ("--temp=-1", "temperature -1 must be"),
+        ("--min-p=1.5", "min-p 1.5 must be in [0, 1]"),
+        ("--repeat-penalty=0", "repetition penalty 0 must be"),
+    ] {
+        let err = fails(&["run", "-m", "/no/such/model.gguf", "-p", "hi", flag]);
+        expect(&err, needle);
+    }
+}
+
+#[test]
 fn chunk_zero() {
     let m = model(SMOLLM2);
     let err = fails(&["run", "-m", m.to_str().unwrap(), "-p", "hi", "--chunk", "0"]);

@@ -89,6 +89,30 @@ fn peak_kv_is_bounded_by_budget() {
     }
 }
 
+/// A budget beyond the request (prompt + output) never binds, and the cache allocates the
+/// request rather than N + B: a 100K budget on a 300-token request costs what `full` costs.
+#[test]
+fn a_budget_beyond_the_request_costs_what_full_costs() {
+    let source = ModelSource::Random {
+        config: root().join("configs/tiny-llama.json"),
+        seed: 1,
+        on_host: false,
+    };
+    let full = Engine::load(&source, &EngineConfig::default()).unwrap();
+    let big = Engine::load(&source, &budgeted("keydiff", 100_000, 64)).unwrap();
+    let tokens = keydiff::parity::random_tokens(300, full.model_config().vocab_size, 3);
+    let want = full.generate(&greedy(tokens.clone(), 8), |_| {}).unwrap();
+    let got = big.generate(&greedy(tokens, 8), |_| {}).unwrap();
+    assert_eq!(got.stats.eviction.evictions, 0);
+    assert_eq!(got.tokens, want.tokens);
+    assert_eq!(got.stats.peak_kv_bytes, want.stats.peak_kv_bytes);
+    let c = full.model_config();
+    assert_eq!(
+        got.stats.peak_kv_bytes,
+        308 * c.num_layers * c.num_kv_heads * c.head_dim * 2 * 4
+    );
+}
+
 /// A fact stated once near the start of a ~2K-token prompt is still answered after KeyDiff
 /// evicts down to a budget of 1024 (and the cache never exceeds N + B).
 #[test]

@@ -50,19 +50,21 @@ pub struct KvCache {
 }
 
 impl KvCache {
-    /// Allocates `layers` caches. With a budget, capacity is N + max(B, K); with `full`,
-    /// `full_capacity` (the request's prompt + output, at most the context).
+    /// Allocates `layers` caches for a request that will see at most `max_tokens` tokens (its
+    /// prompt and output, at most the context). With `full`, capacity is `max_tokens`; with a
+    /// budget, N + max(B, K), or `max_tokens` when that is less: a budget beyond the request
+    /// never binds, and allocating it would only waste memory.
     pub fn new(
         cfg: CacheConfig,
         layers: usize,
         kv_heads: usize,
         head_dim: usize,
-        full_capacity: usize,
+        max_tokens: usize,
         dtype: DType,
         device: &Device,
     ) -> Result<Self> {
         cfg.validate()?;
-        let capacity = cfg.capacity().unwrap_or(full_capacity);
+        let capacity = cfg.capacity().map_or(max_tokens, |c| c.min(max_tokens));
         let layers = (0..layers)
             .map(|_| LayerCache::new(kv_heads, head_dim, capacity, dtype, device))
             .collect::<Result<Vec<_>>>()?;

@@ -82,8 +82,10 @@ fn drive(
     let budget = cfg.budget.unwrap();
     let sinks = cfg.protected_sinks();
     let recent = cfg.protected_recent(budget);
-    let cap = budget + cfg.chunk.max(cfg.evict_every());
-    let mut cache = KvCache::new(cfg.clone(), 1, KV, D, 0, DType::F32, &Device::Cpu).unwrap();
+    let total = chunks.iter().sum::<usize>() + decode;
+    let cap = (budget + cfg.chunk.max(cfg.evict_every())).min(total);
+    let mut cache = KvCache::new(cfg.clone(), 1, KV, D, total, DType::F32, &Device::Cpu).unwrap();
+    prop_assert_eq!(cache.capacity(), cap);
     let steps: Vec<(usize, bool)> = chunks
         .iter()
         .map(|&c| (c, false))
@@ -186,7 +188,7 @@ fn heads_are_independent() {
         evict_every: None,
     };
     let survivors = |perturb: bool| -> Vec<u32> {
-        let mut c = KvCache::new(cfg.clone(), 1, KV, D, 0, DType::F32, &Device::Cpu).unwrap();
+        let mut c = KvCache::new(cfg.clone(), 1, KV, D, 48, DType::F32, &Device::Cpu).unwrap();
         for _ in 0..6 {
             let p0 = c.position();
             let mut t = chunk_tensor(p0, 8, 42);
@@ -207,4 +209,36 @@ fn heads_are_independent() {
         p
     };
     assert_eq!(survivors(false), survivors(true));
+}
+
+/// A budget beyond what the request will see never binds: the cache allocates the request
+/// (prompt + output), not N + B, and runs it without evicting.
+#[test]
+fn a_budget_beyond_the_request_allocates_only_the_request() {
+    let cfg = CacheConfig {
+        policy: PolicyKind::parse("keydiff", 4, 0).unwrap(),
+        budget: Some(100_000),
+        chunk: 8,
+        window: 0.0,
+        sinks: 0,
+        evict_every: None,
+    };
+    let mut c = KvCache::new(cfg.clone(), 2, KV, D, 20, DType::F32, &Device::Cpu).unwrap();
+    assert_eq!(c.capacity(), 20);
+    for len in [8, 8, 4] {
+        let p0 = c.position();
+        let t = chunk_tensor(p0, len, 7);
+        for l in 0..2 {
+            c.layer_mut(l).append(&t, &t, p0).unwrap();
+        }
+        c.advance(len);
+    }
+    assert_eq!(c.len(), 20);
+    // Within the budget, N + B is still the bound.
+    let small = CacheConfig {
+        budget: Some(16),
+        ..cfg
+    };
+    let c = KvCache::new(small, 1, KV, D, 1000, DType::F32, &Device::Cpu).unwrap();
+    assert_eq!(c.capacity(), 24);
 }

@@ -589,6 +589,10 @@ fn info(args: &ModelArgs) -> Result<()> {
 }
 
 fn run(a: RunArgs) -> Result<()> {
+    // Before the prompt is read and the model loads, which can take minutes.
+    sampling(&a)
+        .validate()
+        .map_err(|e| anyhow::anyhow!("invalid parameter: {e}"))?;
     if let Some(path) = &a.prompt_tokens {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("cannot read token file {}", path.display()))?;
@@ -629,19 +633,24 @@ fn run(a: RunArgs) -> Result<()> {
     generate(&a, &engine, prompt)
 }
 
+/// The sampling settings of `run`.
+fn sampling(a: &RunArgs) -> Sampling {
+    Sampling {
+        temperature: a.temp,
+        top_k: a.top_k,
+        top_p: a.top_p,
+        min_p: a.min_p,
+        repetition_penalty: a.repeat_penalty,
+        repeat_last_n: a.repeat_last_n,
+        seed: a.seed,
+    }
+}
+
 fn generate(a: &RunArgs, engine: &Engine, prompt: Prompt) -> Result<()> {
     let params = GenerateParams {
         prompt,
         max_tokens: a.max_tokens,
-        sampling: Sampling {
-            temperature: a.temp,
-            top_k: a.top_k,
-            top_p: a.top_p,
-            min_p: a.min_p,
-            repetition_penalty: a.repeat_penalty,
-            repeat_last_n: a.repeat_last_n,
-            seed: a.seed,
-        },
+        sampling: sampling(a),
         stop: a.stop.clone(),
         ignore_eos: a.ignore_eos,
         profile: a.profile,

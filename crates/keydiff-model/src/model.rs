@@ -301,15 +301,16 @@ impl Model {
         self.attention
     }
 
-    /// Allocates the KV cache of one request. With `full`, it holds `full_capacity` slots per
-    /// head; with a budget, N + B.
-    pub fn new_cache(&self, cfg: CacheConfig, full_capacity: usize) -> Result<KvCache> {
+    /// Allocates the KV cache of a request that will see at most `max_tokens` tokens. With
+    /// `full`, it holds `max_tokens` slots per head; with a budget, N + B, or `max_tokens` when
+    /// that is less.
+    pub fn new_cache(&self, cfg: CacheConfig, max_tokens: usize) -> Result<KvCache> {
         Ok(KvCache::new(
             cfg,
             self.cfg.num_layers,
             self.cfg.num_kv_heads,
             self.cfg.head_dim,
-            full_capacity,
+            max_tokens,
             self.dtype,
             &self.device,
         )?)

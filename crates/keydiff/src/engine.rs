@@ -465,6 +465,7 @@ impl Engine {
         prefix: Option<&Prefix>,
         mut on_event: impl FnMut(Event<'_>),
     ) -> Result<Output> {
+        params.sampling.validate().map_err(EngineError::BadParams)?;
         let t0 = Instant::now();
         let model = &self.loaded.model;
         let vocab = &self.loaded.vocab;
@@ -474,7 +475,7 @@ impl Engine {
         if n > context {
             return Err(EngineError::PromptTooLong { tokens: n, context });
         }
-        // A full cache holds the prompt and the output, never beyond the context.
+        // The cache holds at most the prompt and the output, never beyond the context.
         let mut cache = self.new_cache((n + params.max_tokens).min(context))?;
         let peak_kv_bytes = cache.bytes();
         let start = start_from(&mut cache, &prompt, prefix)?;
@@ -579,12 +580,13 @@ impl Engine {
         Ok(())
     }
 
-    /// A fresh cache under the engine's cache settings (`full_capacity` slots with `full`).
-    pub fn new_cache(&self, full_capacity: usize) -> Result<KvCache> {
+    /// A fresh cache under the engine's cache settings, for a request that will see at most
+    /// `max_tokens` tokens (see [`KvCache::new`]).
+    pub fn new_cache(&self, max_tokens: usize) -> Result<KvCache> {
         Ok(self
             .loaded
             .model
-            .new_cache(self.cfg.cache.clone(), full_capacity)?)
+            .new_cache(self.cfg.cache.clone(), max_tokens)?)
     }
 
     /// Logits after prefilling `tokens` in chunks of `chunk` under the engine's cache policy

@@ -37,6 +37,33 @@ impl Default for Sampling {
     }
 }
 
+impl Sampling {
+    /// Refuses settings with no meaning, as vLLM does, rather than sampling from NaNs:
+    /// a negative or non-finite temperature, top-p outside (0, 1], min-p outside [0, 1], or a
+    /// repetition penalty that is not a positive number.
+    pub fn validate(&self) -> Result<(), String> {
+        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
+            return Err(format!(
+                "temperature {} must be a finite number >= 0 (0 is greedy)",
+                self.temperature
+            ));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(format!("top-p {} must be in (0, 1] (1 is off)", self.top_p));
+        }
+        if !(self.min_p >= 0.0 && self.min_p <= 1.0) {
+            return Err(format!("min-p {} must be in [0, 1] (0 is off)", self.min_p));
+        }
+        if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
+            return Err(format!(
+                "repetition penalty {} must be a finite number > 0 (1 is off)",
+                self.repetition_penalty
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// A seeded sampler over host logits.
 pub struct Sampler {
     cfg: Sampling,
@@ -146,6 +173,48 @@ mod tests {
     fn greedy_is_argmax() {
         let mut l = vec![0.1, 3.0, -1.0, 2.9];
         assert_eq!(s(Sampling::default()).sample(&mut l, &[]), 1);
+    }
+
+    #[test]
+    fn meaningless_settings_are_refused() {
+        assert!(Sampling::default().validate().is_ok());
+        let bad = [
+            Sampling {
+                temperature: -0.5,
+                ..Default::default()
+            },
+            Sampling {
+                temperature: f32::NAN,
+                ..Default::default()
+            },
+            Sampling {
+                top_p: 0.0,
+                ..Default::default()
+            },
+            Sampling {
+                top_p: 1.5,
+                ..Default::default()
+            },
+            Sampling {
+                min_p: -0.1,
+                ..Default::default()
+            },
+            Sampling {
+                min_p: f32::NAN,
+                ..Default::default()
+            },
+            Sampling {
+                repetition_penalty: 0.0,
+                ..Default::default()
+            },
+            Sampling {
+                repetition_penalty: f32::INFINITY,
+                ..Default::default()
+            },
+        ];
+        for s in bad {
+            assert!(s.validate().is_err(), "{s:?} accepted");
+        }
     }
 
     #[test]
