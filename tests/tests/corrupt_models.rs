@@ -285,6 +285,8 @@ fn metadata_corruptions_are_named() {
         (Some("none"), None, None),
         (Some("linear"), Some(1.0), None),
         (Some("yarn"), None, None),
+        // llama.cpp never scales when the type is `none`.
+        (Some("none"), Some(4.0), Some(2.0)),
         (None, Some(0.0), Some(1.0)),
     ] {
         let mut md = tiny_metadata();

@@ -1,7 +1,8 @@
 //! KV cache under a fixed budget.
 //!
 //! Each layer owns one [`LayerCache`]: K and V buffers of `[kv_heads, capacity, head_dim]`,
-//! allocated once, with capacity N + B. Slots `[0, len)` hold the cached tokens; a new chunk is
+//! allocated once, with capacity N + B (or the request's prompt + output, when that is less).
+//! Slots `[0, len)` hold the cached tokens; a new chunk is
 //! written at `[len, len + chunk)`. After the chunk's attention, [`KvCache::after_attention`]
 //! scores the slots with the active [`Policy`] (a `[kv_heads, n]` tensor on the cache's device),
 //! keeps the best N per KV head (shared selection, [`select::SelectPlan`]; the reference is

@@ -318,8 +318,8 @@ impl ModelConfig {
                 )));
             }
         }
-        // llama.cpp scales RoPE by `rope.scaling.factor` (or the older `rope.scale_linear`)
-        // whatever the type, linear when none is given; 0 and 1 mean no scaling.
+        // llama.cpp scales RoPE by `rope.scaling.factor` (or the older `rope.scale_linear`),
+        // linear when no type is given; 0 and 1 mean no scaling.
         let kind = match md.get(&format!("{a}.rope.scaling.type")) {
             None => "linear".to_string(),
             Some(v) => v
@@ -327,7 +327,13 @@ impl ModelConfig {
                 .map_err(|_| bad(&format!("{a}.rope.scaling.type"), "a string", v))?
                 .clone(),
         };
-        for key in ["rope.scaling.factor", "rope.scale_linear"] {
+        // llama.cpp never scales when the type is `none`, whatever the factor.
+        let keys: &[&str] = if kind == "none" {
+            &[]
+        } else {
+            &["rope.scaling.factor", "rope.scale_linear"]
+        };
+        for key in keys {
             if let Some(f) = opt_float(key)? {
                 if f != 0.0 && f != 1.0 {
                     return Err(unsupported(format!(

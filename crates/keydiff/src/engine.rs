@@ -476,7 +476,7 @@ impl Engine {
             return Err(EngineError::PromptTooLong { tokens: n, context });
         }
         // The cache holds at most the prompt and the output, never beyond the context.
-        let mut cache = self.new_cache((n + params.max_tokens).min(context))?;
+        let mut cache = self.new_cache(n.saturating_add(params.max_tokens).min(context))?;
         let peak_kv_bytes = cache.bytes();
         let start = start_from(&mut cache, &prompt, prefix)?;
         cache.set_profiling(params.profile);
@@ -592,6 +592,9 @@ impl Engine {
     /// Logits after prefilling `tokens` in chunks of `chunk` under the engine's cache policy
     /// (for parity tests), `[vocab]`.
     pub fn prefill_logits(&self, tokens: &[u32], chunk: usize) -> Result<Vec<f32>> {
+        if tokens.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
         let mut cache = self.new_cache(tokens.len())?;
         self.prefill_with(tokens, chunk, &mut cache)
     }
@@ -599,6 +602,9 @@ impl Engine {
     /// Logits after prefilling `tokens` under the engine's cache settings, starting from
     /// `prefix` when given (for parity tests of prefix reuse), `[vocab]`.
     pub fn prefill_logits_from(&self, tokens: &[u32], prefix: Option<&Prefix>) -> Result<Vec<f32>> {
+        if tokens.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
         let mut cache = self.new_cache(tokens.len())?;
         let start = start_from(&mut cache, tokens, prefix)?;
         self.prefill_with(&tokens[start..], self.cfg.cache.chunk, &mut cache)
