@@ -404,6 +404,47 @@ fn rope_freqs_are_checked() {
     }
 }
 
+/// A tensor the architecture does not use is refused, as llama.cpp refuses it ("wrong number
+/// of tensors"): the file is likely another variant than its metadata says. Llama 3.1's
+/// `rope_freqs` counts as unused in a Qwen 2 file; it used to be applied there.
+#[test]
+fn unused_tensors_are_refused() {
+    let d = temp_dir("gguf-unused");
+    let p = d.join("u.gguf");
+    let f32_tensor = |n: usize| {
+        let t = Tensor::ones(n, candle_core::DType::F32, &Device::Cpu).unwrap();
+        QTensor::quantize(&t, GgmlDType::F32).unwrap()
+    };
+    let mut ts = tiny_tensors();
+    ts.push(("blk.0.ffn_gate_inp.weight".into(), f32_tensor(64)));
+    write(&p, &tiny_metadata(), &ts);
+    expect_error(
+        "MoE router",
+        &p,
+        "1 tensor(s) that a Llama model does not use: `blk.0.ffn_gate_inp.weight`",
+    );
+    // The same model as Qwen 2: runs, but not with rope_freqs.
+    let qwen: Vec<(String, Value)> = tiny_metadata()
+        .into_iter()
+        .map(|(k, v)| match k.strip_prefix("llama.") {
+            Some(rest) => (format!("qwen2.{rest}"), v),
+            None if k == "general.architecture" => (k, Value::String("qwen2".into())),
+            None => (k, v),
+        })
+        .collect();
+    write(&p, &qwen, &tiny_tensors());
+    let got = load_and_run(&p);
+    assert!(matches!(got, Outcome::Ran), "{got:?}");
+    let mut ts = tiny_tensors();
+    ts.push(("rope_freqs.weight".into(), f32_tensor(8)));
+    write(&p, &qwen, &ts);
+    expect_error(
+        "qwen rope_freqs",
+        &p,
+        "a Qwen2 model does not use: `rope_freqs.weight`",
+    );
+}
+
 /// Where each tensor's info fields (dims, type, offset) lie in the file.
 struct InfoAt {
     name: String,

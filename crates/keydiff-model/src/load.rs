@@ -68,6 +68,24 @@ pub fn load_gguf(path: &Path, device: &Device, dtype: DType, opts: CpuWeights) -
         chat_template,
     };
     let model = Model::load(&cfg, &weights)?;
+    let unused = weights.unused_tensors();
+    if !unused.is_empty() {
+        let shown: Vec<String> = unused.iter().take(4).map(|n| format!("`{n}`")).collect();
+        return Err(ModelError::BadGguf {
+            path: path.to_path_buf(),
+            reason: format!(
+                "{} tensor(s) that a {:?} model does not use: {}{}",
+                unused.len(),
+                cfg.arch,
+                shown.join(", "),
+                if unused.len() > shown.len() {
+                    ", …"
+                } else {
+                    ""
+                }
+            ),
+        });
+    }
     Ok(Loaded {
         model,
         vocab,

@@ -12,7 +12,7 @@ use crate::attention::{
     attention_output, attention_probs, chunk_mask, flash_attend, row_sums, stats_pass,
     AttentionBackend,
 };
-use crate::config::ModelConfig;
+use crate::config::{Arch, ModelConfig};
 use crate::error::{ModelError, Result};
 use crate::rope::Rope;
 use crate::weights::{Embedding, Key, Linear, Weights};
@@ -281,7 +281,14 @@ impl Model {
             layers,
             norm: norm(Key::FinalNorm, None, hid)?,
             lm_head,
-            rope: Rope::new(cfg, w.rope_freqs(cfg.head_dim / 2)?),
+            // Llama 3.1's frequency factors; llama.cpp reads them for Llama only.
+            rope: Rope::new(
+                cfg,
+                match cfg.arch {
+                    Arch::Llama => w.rope_freqs(cfg.head_dim / 2)?,
+                    Arch::Qwen2 => None,
+                },
+            ),
             device,
             dtype,
             attention: AttentionBackend::Eager,

@@ -2,6 +2,7 @@
 //!
 //! The model asks for tensors by role ([`Key`]); each source maps roles to its own names.
 
+use std::collections::HashSet;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -226,6 +227,8 @@ pub enum Weights {
         dtype: DType,
         /// CPU speed options for quantized linears.
         opts: CpuWeights,
+        /// Names of the tensors read so far (see [`Weights::unused_tensors`]).
+        used: Mutex<HashSet<String>>,
     },
     /// HF safetensors (memory-mapped).
     Safetensors { vb: VarBuilder<'static> },
@@ -278,6 +281,7 @@ impl Weights {
             device: device.clone(),
             dtype,
             opts,
+            used: Mutex::new(HashSet::new()),
         })
     }
 
@@ -327,12 +331,31 @@ impl Weights {
         }
     }
 
+    /// Tensors of a GGUF file that nothing has read, sorted: after the model has loaded,
+    /// these are tensors the architecture does not use. llama.cpp refuses such a file ("wrong
+    /// number of tensors"), since it is likely another variant than the metadata says.
+    pub fn unused_tensors(&self) -> Vec<String> {
+        let Weights::Gguf { content, used, .. } = self else {
+            return Vec::new();
+        };
+        let used = used.lock().expect("gguf tensor set poisoned");
+        let mut unused: Vec<String> = content
+            .tensor_infos
+            .keys()
+            .filter(|k| !used.contains(*k))
+            .cloned()
+            .collect();
+        unused.sort();
+        unused
+    }
+
     fn qtensor(&self, name: &str) -> Result<QTensor> {
         let Weights::Gguf {
             path,
             content,
             file,
             device,
+            used,
             ..
         } = self
         else {
@@ -341,6 +364,9 @@ impl Weights {
         if !content.tensor_infos.contains_key(name) {
             return Err(ModelError::MissingTensor(name.to_string()));
         }
+        used.lock()
+            .expect("gguf tensor set poisoned")
+            .insert(name.to_string());
         let mut f = file.lock().expect("gguf file lock poisoned");
         content
             .tensor(&mut *f, name, device)
