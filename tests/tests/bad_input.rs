@@ -170,6 +170,25 @@ fn meaningless_sampling() {
 }
 
 #[test]
+fn eval_parameters_checked_before_loading() {
+    // A model path that does not exist: each is refused before the model would load.
+    for (args, needle) in [
+        (
+            &["--lengths", "0"][..],
+            "--lengths must be one or more positive",
+        ),
+        (&["--depths", "0.5,2"][..], "--depths must be fractions"),
+        (&["--budgets", "150%"][..], "bad budget `150%`"),
+        (&["--samples", "0"][..], "--samples must be at least 1"),
+    ] {
+        let cmd = [&["eval", "niah", "-m", "/no/such/model.gguf"][..], args].concat();
+        expect(&fails(&cmd), needle);
+    }
+    let err = fails(&["eval", "nosuchtask", "-m", "/no/such/model.gguf"]);
+    expect(&err, "unknown synthetic task `nosuchtask`");
+}
+
+#[test]
 fn chunk_zero() {
     let m = model(SMOLLM2);
     let err = fails(&["run", "-m", m.to_str().unwrap(), "-p", "hi", "--chunk", "0"]);

@@ -93,6 +93,22 @@ pub fn eval(a: EvalArgs) -> Result<()> {
         .collect::<std::result::Result<Vec<_>, _>>()?;
     let settings = Setting::grid(&policies, &budgets)?;
     anyhow::ensure!(a.samples > 0, "--samples must be at least 1");
+    // Checked before the model loads, which can take minutes.
+    if a.task != "longbench" {
+        Task::parse(&a.task)?;
+        anyhow::ensure!(
+            !a.lengths.is_empty() && a.lengths.iter().all(|&l| l > 0),
+            "--lengths must be one or more positive token counts"
+        );
+    }
+    if let Some(d) = a
+        .depths
+        .iter()
+        .flatten()
+        .find(|d| !(0.0..=1.0).contains(*d))
+    {
+        bail!("--depths must be fractions of the context in [0, 1], found {d}");
+    }
     let template = a.policy_args.cache("full", None, a.chunk)?;
     let out = a
         .out
