@@ -185,7 +185,10 @@ fn eval_parameters_checked_before_loading() {
         expect(&fails(&cmd), needle);
     }
     let err = fails(&["eval", "nosuchtask", "-m", "/no/such/model.gguf"]);
-    expect(&err, "unknown synthetic task `nosuchtask`");
+    expect(
+        &err,
+        "unknown task `nosuchtask` (passkey, niah, phonebook, longbench)",
+    );
 }
 
 #[test]

@@ -445,6 +445,59 @@ fn unused_tensors_are_refused() {
     );
 }
 
+/// A broken chat template fails with its error, not a panic; one that renders nothing says so.
+#[test]
+fn broken_chat_templates_are_named() {
+    let d = temp_dir("gguf-template");
+    let p = d.join("t.gguf");
+    let ts = tiny_tensors();
+    for (template, needle) in [
+        ("{% for %}", "chat template: syntax error"),
+        ("{{ messages | nosuchfilter }}", "unknown filter"),
+        (
+            "{% for i in range(1000000000) %}x{% endfor %}",
+            "range has too many elements",
+        ),
+        (
+            "{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}",
+            "recursion limit exceeded",
+        ),
+        (
+            "",
+            "the chat template rendered 1 message(s) as an empty prompt",
+        ),
+    ] {
+        let mut md = tiny_metadata();
+        set(
+            &mut md,
+            "tokenizer.chat_template",
+            Some(Value::String(template.into())),
+        );
+        write(&p, &md, &ts);
+        let run = || -> keydiff::Result<()> {
+            let cfg = EngineConfig {
+                cache: CacheConfig::full(32),
+                ..Default::default()
+            };
+            let e = Engine::load(&ModelSource::Gguf(p.clone()), &cfg)?;
+            let params = GenerateParams {
+                prompt: Prompt::Chat(vec![keydiff::Message {
+                    role: "user".into(),
+                    content: "hi".into(),
+                }]),
+                max_tokens: 2,
+                ..Default::default()
+            };
+            e.generate(&params, |_| {})?;
+            Ok(())
+        };
+        match catch_unwind(AssertUnwindSafe(run)) {
+            Ok(Err(e)) => assert!(e.to_string().contains(needle), "{template}: {e}"),
+            other => panic!("{template}: expected `{needle}`, got {other:?}"),
+        }
+    }
+}
+
 /// Where each tensor's info fields (dims, type, offset) lie in the file.
 struct InfoAt {
     name: String,

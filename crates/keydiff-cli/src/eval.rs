@@ -95,7 +95,12 @@ pub fn eval(a: EvalArgs) -> Result<()> {
     anyhow::ensure!(a.samples > 0, "--samples must be at least 1");
     // Checked before the model loads, which can take minutes.
     if a.task != "longbench" {
-        Task::parse(&a.task)?;
+        Task::parse(&a.task).map_err(|_| {
+            anyhow::anyhow!(
+                "unknown task `{}` (passkey, niah, phonebook, longbench)",
+                a.task
+            )
+        })?;
         anyhow::ensure!(
             !a.lengths.is_empty() && a.lengths.iter().all(|&l| l > 0),
             "--lengths must be one or more positive token counts"

@@ -358,6 +358,12 @@ impl Engine {
             }
             Prompt::Chat(m) => {
                 let text = self.render_chat(m)?;
+                if text.is_empty() {
+                    return Err(EngineError::BadParams(format!(
+                        "the chat template rendered {} message(s) as an empty prompt",
+                        m.len()
+                    )));
+                }
                 let bos = self.loaded.vocab.bos_id;
                 let mut ids = self.tokenize(&text, true)?;
                 // Templates that write the BOS text themselves must not get a second one.
