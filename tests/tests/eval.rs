@@ -175,7 +175,7 @@ fn bad_eval_parameters_fail_before_running() {
     let dir = temp_dir("eval-bad");
     let d = dir.to_str().unwrap();
     for (args, want) in [
-        (vec!["eval", "haystack"], "unknown synthetic task"),
+        (vec!["eval", "haystack"], "unknown task `haystack`"),
         (vec!["eval", "passkey", "--budgets", "120%"], "bad budget"),
         (vec!["eval", "passkey", "--lengths", "20"], "too short"),
         (
