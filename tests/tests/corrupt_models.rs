@@ -114,6 +114,11 @@ enum Outcome {
 
 /// Loads `path` (a GGUF file or an HF directory) and generates two tokens, catching a panic.
 fn load_and_run(path: &Path) -> Outcome {
+    load_and_run_prompt(path, Prompt::Text("Hello there, how are you".into()))
+}
+
+/// Loads `path` and generates two tokens from `prompt`, catching a panic.
+fn load_and_run_prompt(path: &Path, prompt: Prompt) -> Outcome {
     let run = || -> keydiff::Result<()> {
         let cfg = EngineConfig {
             cache: CacheConfig::full(32),
@@ -126,7 +131,7 @@ fn load_and_run(path: &Path) -> Outcome {
         };
         let e = Engine::load(&source, &cfg)?;
         let params = GenerateParams {
-            prompt: Prompt::Text("Hello there, how are you".into()),
+            prompt,
             max_tokens: 2,
             ignore_eos: true,
             ..Default::default()
@@ -474,25 +479,12 @@ fn broken_chat_templates_are_named() {
             Some(Value::String(template.into())),
         );
         write(&p, &md, &ts);
-        let run = || -> keydiff::Result<()> {
-            let cfg = EngineConfig {
-                cache: CacheConfig::full(32),
-                ..Default::default()
-            };
-            let e = Engine::load(&ModelSource::Gguf(p.clone()), &cfg)?;
-            let params = GenerateParams {
-                prompt: Prompt::Chat(vec![keydiff::Message {
-                    role: "user".into(),
-                    content: "hi".into(),
-                }]),
-                max_tokens: 2,
-                ..Default::default()
-            };
-            e.generate(&params, |_| {})?;
-            Ok(())
-        };
-        match catch_unwind(AssertUnwindSafe(run)) {
-            Ok(Err(e)) => assert!(e.to_string().contains(needle), "{template}: {e}"),
+        let chat = Prompt::Chat(vec![keydiff::Message {
+            role: "user".into(),
+            content: "hi".into(),
+        }]);
+        match load_and_run_prompt(&p, chat) {
+            Outcome::Failed(e) => assert!(e.contains(needle), "{template}: {e}"),
             other => panic!("{template}: expected `{needle}`, got {other:?}"),
         }
     }
