@@ -1,13 +1,16 @@
 //! Chunk attention on the CPU: eager (materialised probabilities) against flash (candle-nn's
 //! fused kernel), one layer's chunk of B = 128 queries over a cache of N + B slots read in place,
 //! on the shapes of the models we test; and the statistics TOVA needs (the last query row), which
-//! eager gets from its probabilities and flash from an extra pass.
+//! eager gets from its probabilities and flash from an extra pass. Then one decode step (one
+//! query row per head): eager's candle matmuls against the decode kernel the model uses.
 //!
 //!     cargo bench -p keydiff-model --bench attention
 
 use candle_core::{DType, Device, Tensor};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
-use keydiff_model::attention::{attend, chunk_mask, flash_attend, stats_pass};
+use keydiff_model::attention::{
+    attend, chunk_mask, decode_attention_cpu, flash_attend, stats_pass,
+};
 
 fn attention(c: &mut Criterion) {
     let mut grp = c.benchmark_group("chunk-attention");
@@ -45,6 +48,27 @@ fn attention(c: &mut Criterion) {
                 let y = flash_attend(&q_flash, &kf, &vf).unwrap();
                 (y, stats_pass(&q_groups, &k, 1).unwrap())
             })
+        });
+    }
+    grp.finish();
+    let mut grp = c.benchmark_group("decode-attention");
+    for (name, kv, g, d, t) in [
+        ("smollm2 T=2048", 3, 3, 64, 2048),
+        ("qwen0.5b T=2048", 2, 7, 64, 2048),
+        ("llama3-8b T=8192", 8, 4, 128, 8192),
+    ] {
+        let kbuf = Tensor::randn(0f32, 1., (kv, t + b, d), &dev).unwrap();
+        let vbuf = Tensor::randn(0f32, 1., (kv, t + b, d), &dev).unwrap();
+        let (k, v) = (kbuf.narrow(1, 0, t).unwrap(), vbuf.narrow(1, 0, t).unwrap());
+        let q = Tensor::randn(0f32, 1., (kv, g, d), &dev).unwrap();
+        grp.bench_function(BenchmarkId::new("eager", name), |bch| {
+            bch.iter(|| attend(&q, &k, &v, None, g, None).unwrap())
+        });
+        grp.bench_function(BenchmarkId::new("kernel", name), |bch| {
+            bch.iter(|| decode_attention_cpu(&q, &k, &v, false).unwrap().unwrap())
+        });
+        grp.bench_function(BenchmarkId::new("kernel+probs", name), |bch| {
+            bch.iter(|| decode_attention_cpu(&q, &k, &v, true).unwrap().unwrap())
         });
     }
     grp.finish();

@@ -279,6 +279,244 @@ pub fn attention_probs(
     Ok(candle_nn::ops::softmax_last_dim(&scores)?)
 }
 
+/// One decode step's attention on the CPU in f32, without GEMMs: the eager result for a single
+/// query row per head, or `None` when the inputs are not CPU f32 with contiguous head rows (the
+/// caller then takes the general path).
+///
+/// - `q`: `[kv_heads, g, d]`; `k`, `v`: `[kv_heads, T, d]`, views of the cache read in place.
+/// - Returns `[kv_heads, g, d]`, and with `probs` the softmax rows `[kv_heads, g, T]` in f32
+///   (TOVA's and H2O's statistics of a decode step).
+///
+/// Why not candle's matmuls: for one query row they run GEMMs of 1–7 rows, and the gemm crate
+/// packs the whole K and V views into its own layout on every call (measured: 0.6 ms per
+/// SmolLM2 layer at 1,700 slots, most of a decode step). Here each query head is a unit of
+/// work on candle's CPU thread pool (the one its quantized matmuls use, so no second pool
+/// competes for the cores): one pass of dot products over the keys, a softmax, one pass of
+/// weighted value rows. Checked against [`attention_probs`]/[`attention_output`] in the tests.
+pub fn decode_attention_cpu(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    probs: bool,
+) -> Result<Option<(Tensor, Option<Tensor>)>> {
+    use candle_core::{CpuStorage, Storage};
+    let (kv_heads, g, d) = q.dims3()?;
+    let (kh, t, kd) = k.dims3()?;
+    if (kh, kd) != (kv_heads, d) || v.dims() != k.dims() || t == 0 || d == 0 {
+        return Err(ModelError::Shape(format!(
+            "decode attention: q {:?}, k {:?}, v {:?}",
+            q.dims(),
+            k.dims(),
+            v.dims()
+        )));
+    }
+    let cpu_f32 = |x: &Tensor| x.device().is_cpu() && x.dtype() == DType::F32;
+    let unit: DecodeUnit = match d {
+        64 => decode_unit::<64>,
+        128 => decode_unit::<128>,
+        256 => decode_unit::<256>,
+        _ => return Ok(None),
+    };
+    if !(cpu_f32(q) && cpu_f32(k) && cpu_f32(v)) {
+        return Ok(None);
+    }
+    let q = q.contiguous()?;
+    // Element offset of head 0 and the stride between heads and between rows; rows themselves
+    // must be contiguous.
+    let rows_of = |x: &Tensor| -> Option<(usize, usize, usize)> {
+        let l = x.layout();
+        let st = l.stride();
+        (st[2] == 1).then_some((l.start_offset(), st[0], st[1]))
+    };
+    let (Some(kl), Some(vl)) = (rows_of(k), rows_of(v)) else {
+        return Ok(None);
+    };
+    let (qs, _) = q.storage_and_layout();
+    let (ks, _) = k.storage_and_layout();
+    let (vs, _) = v.storage_and_layout();
+    let (
+        Storage::Cpu(CpuStorage::F32(qd)),
+        Storage::Cpu(CpuStorage::F32(kd)),
+        Storage::Cpu(CpuStorage::F32(vd)),
+    ) = (&*qs, &*ks, &*vs)
+    else {
+        return Ok(None);
+    };
+    let qd = &qd[q.layout().start_offset()..];
+    let scale = 1.0 / (d as f32).sqrt();
+    let units = kv_heads * g;
+    let out = std::sync::Mutex::new(vec![0f32; units * d]);
+    let all_probs = std::sync::Mutex::new(if probs {
+        vec![0f32; units * t]
+    } else {
+        Vec::new()
+    });
+    candle_core::utils::barrier_pool().execute_chunked(units, |range| {
+        let mut s = vec![0f32; t];
+        let mut o = vec![0f32; d];
+        for u in range {
+            let h = u / g;
+            let rows = |data, (off, head, row): (usize, usize, usize)| Rows {
+                data,
+                start: off + h * head,
+                stride: row,
+            };
+            unit(
+                &qd[u * d..(u + 1) * d],
+                rows(kd, kl),
+                rows(vd, vl),
+                scale,
+                &mut s,
+                &mut o,
+            );
+            if let Ok(mut out) = out.lock() {
+                out[u * d..(u + 1) * d].copy_from_slice(&o);
+            }
+            if probs {
+                if let Ok(mut p) = all_probs.lock() {
+                    p[u * t..(u + 1) * t].copy_from_slice(&s);
+                }
+            }
+        }
+    });
+    drop((qs, ks, vs));
+    let poisoned = || ModelError::Shape("decode attention: a worker panicked".into());
+    let y = Tensor::from_vec(
+        out.into_inner().map_err(|_| poisoned())?,
+        (kv_heads, g, d),
+        q.device(),
+    )?;
+    let p = if probs {
+        let p = all_probs.into_inner().map_err(|_| poisoned())?;
+        Some(Tensor::from_vec(p, (kv_heads, g, t), q.device())?)
+    } else {
+        None
+    };
+    Ok(Some((y, p)))
+}
+
+/// [`decode_unit`] for one head size.
+type DecodeUnit = fn(&[f32], Rows, Rows, f32, &mut [f32], &mut [f32]);
+
+/// Rows of one KV head in a cache buffer: row `i` starts at `start + i * stride`.
+#[derive(Clone, Copy)]
+struct Rows<'a> {
+    data: &'a [f32],
+    start: usize,
+    stride: usize,
+}
+
+impl<'a> Rows<'a> {
+    fn row<const W: usize>(self, i: usize) -> &'a [f32; W] {
+        let at = self.start + i * self.stride;
+        self.data[at..at + W]
+            .try_into()
+            .expect("a row of W elements")
+    }
+}
+
+/// One query head of a decode step (`q`: its row, `W` = head_dim): scores over every key
+/// into `s` (left holding the probabilities), the probability-weighted value rows into `o`.
+/// Rows are fixed-size arrays so that each step compiles to whole-vector operations.
+fn decode_unit<const W: usize>(
+    q: &[f32],
+    keys: Rows,
+    values: Rows,
+    scale: f32,
+    s: &mut [f32],
+    o: &mut [f32],
+) {
+    let mut qs = [0f32; W];
+    for (x, y) in qs.iter_mut().zip(q) {
+        *x = y * scale;
+    }
+    let mut m = f32::NEG_INFINITY;
+    for (i, si) in s.iter_mut().enumerate() {
+        *si = dot(&qs, keys.row::<W>(i));
+        m = m.max(*si);
+    }
+    let mut z = 0f32;
+    for si in s.iter_mut() {
+        *si = (*si - m).exp();
+        z += *si;
+    }
+    let inv = 1.0 / z;
+    let mut acc = [0f32; W];
+    for (i, si) in s.iter_mut().enumerate() {
+        *si *= inv;
+        let v = values.row::<W>(i);
+        for c in 0..W {
+            acc[c] = fma(*si, v[c], acc[c]);
+        }
+    }
+    o.copy_from_slice(&acc);
+}
+
+/// `a · b` for rows of `W` (a multiple of 16) floats, with AVX2/FMA where the build targets
+/// them (`-C target-cpu=native` here, x86-64-v3 for carried binaries): two 8-lane
+/// accumulators. The compiler does not find this form itself: it vectorises the portable loop
+/// 2 lanes wide.
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma"
+))]
+#[inline(always)]
+fn dot<const W: usize>(a: &[f32; W], b: &[f32; W]) -> f32 {
+    use std::arch::x86_64::*;
+    const { assert!(W.is_multiple_of(16)) };
+    // SAFETY: the build enables AVX2 and FMA (the cfg above), and c + 16 <= W, so each
+    // unaligned 8-float load reads inside `a` and `b`.
+    unsafe {
+        let (mut s0, mut s1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        for c in (0..W).step_by(16) {
+            let (pa, pb) = (a.as_ptr().add(c), b.as_ptr().add(c));
+            s0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa), _mm256_loadu_ps(pb), s0);
+            s1 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(8)), _mm256_loadu_ps(pb.add(8)), s1);
+        }
+        let s = _mm256_add_ps(s0, s1);
+        let s = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps::<1>(s));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        _mm_cvtss_f32(s)
+    }
+}
+
+/// `a · b`, portable: 16 independent lanes reduced pairwise.
+#[cfg(not(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma"
+)))]
+#[inline(always)]
+fn dot<const W: usize>(a: &[f32; W], b: &[f32; W]) -> f32 {
+    const L: usize = 16;
+    let mut acc = [0f32; L];
+    for (x, y) in a.as_chunks::<L>().0.iter().zip(b.as_chunks::<L>().0) {
+        for l in 0..L {
+            acc[l] = fma(x[l], y[l], acc[l]);
+        }
+    }
+    let mut w = L;
+    while w > 1 {
+        w /= 2;
+        for l in 0..w {
+            acc[l] += acc[l + w];
+        }
+    }
+    acc[0]
+}
+
+/// `a · b + c`, fused where the target has FMA (software `fmaf` would be far slower).
+#[inline(always)]
+fn fma(a: f32, b: f32, c: f32) -> f32 {
+    if cfg!(target_feature = "fma") {
+        a.mul_add(b, c)
+    } else {
+        a * b + c
+    }
+}
+
 /// The policy statistics: the last `rows` query rows of each query head's probabilities,
 /// summed, `[kv_heads, g, T]`.
 pub fn row_sums(probs: &Tensor, group: usize, rows: usize) -> Result<Tensor> {
@@ -504,6 +742,77 @@ mod tests {
             .resolve(&cpu, DType::F64, 64)
             .expect_err("f64 on the CPU kernel");
         assert!(err.to_string().contains("F64"), "{err}");
+        Ok(())
+    }
+
+    /// The decode kernel against the eager path (candle matmuls and softmax) on cache views:
+    /// K and V are the first T slots of buffers with spare slots and a head before them, as a
+    /// cache's layer is read. Scores up to ~±60 test the softmax's max subtraction.
+    #[test]
+    fn decode_kernel_matches_eager() -> Result<()> {
+        let dev = Device::Cpu;
+        for (kv, g, d) in [(3, 3, 64), (2, 7, 64), (1, 4, 128), (2, 1, 256)] {
+            for t in [1, 2, 17, 1000, 9000] {
+                for spread in [1f32, 8.0] {
+                    let cap = t + 5;
+                    let buf = |seed: f64| -> Result<Tensor> {
+                        let x = Tensor::randn(0f32, spread.sqrt(), (kv + 1, cap, d), &dev)?;
+                        Ok((x + seed)?)
+                    };
+                    let (kb, vb) = (buf(0.0)?, buf(0.5)?);
+                    // Heads 1..=kv of the buffers, slots 0..t: a nonzero start offset.
+                    let view = |b: &Tensor| b.narrow(0, 1, kv)?.narrow(1, 0, t);
+                    let (k, v) = (view(&kb)?, view(&vb)?);
+                    let q = Tensor::randn(0f32, spread.sqrt(), (kv, g, d), &dev)?;
+                    let probs = attention_probs(&q, &k, None, g)?;
+                    let want = attention_output(&probs, &v)?;
+                    for with_probs in [false, true] {
+                        let (y, p) = decode_attention_cpu(&q, &k, &v, with_probs)?
+                            .expect("CPU f32 with head_dim 64/128/256 takes the kernel");
+                        let label = format!("{kv}x{g} d={d} T={t} spread={spread}");
+                        // f32 sums in another order: relative to the output's size.
+                        let diff = (&y - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+                        let size = want.abs()?.max_all()?.to_scalar::<f32>()?.max(1.0);
+                        assert!(diff < 1e-5 * size, "{label}: output max diff {diff}");
+                        assert_eq!(p.is_some(), with_probs, "{label}");
+                        if let Some(p) = p {
+                            let diff = (p - &probs)?.abs()?.max_all()?.to_scalar::<f32>()?;
+                            // Scores of ±30 carry f32 rounding of ~2e-6 into exp.
+                            assert!(diff < 1e-5, "{label}: probabilities max diff {diff}");
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Inputs the kernel does not take are left to the general path, never misread.
+    #[test]
+    fn decode_kernel_declines_what_it_does_not_take() -> Result<()> {
+        let dev = Device::Cpu;
+        let q = Tensor::randn(0f32, 1., (2, 3, 80), &dev)?;
+        let k = Tensor::randn(0f32, 1., (2, 9, 80), &dev)?;
+        assert!(
+            decode_attention_cpu(&q, &k, &k, false)?.is_none(),
+            "head_dim 80"
+        );
+        let q = Tensor::randn(0f32, 1., (2, 3, 64), &dev)?;
+        let k = Tensor::randn(0f32, 1., (2, 9, 64), &dev)?;
+        let h = |x: &Tensor| x.to_dtype(DType::BF16);
+        assert!(
+            decode_attention_cpu(&h(&q)?, &h(&k)?, &h(&k)?, false)?.is_none(),
+            "bf16"
+        );
+        // Rows not contiguous (a transposed view).
+        let kt = Tensor::randn(0f32, 1., (2, 64, 9), &dev)?.transpose(1, 2)?;
+        assert!(
+            decode_attention_cpu(&q, &kt, &kt, false)?.is_none(),
+            "strided rows"
+        );
+        // Mismatched shapes are an error, not a guess.
+        let k8 = Tensor::randn(0f32, 1., (2, 9, 32), &dev)?;
+        assert!(decode_attention_cpu(&q, &k8, &k8, false).is_err());
         Ok(())
     }
 

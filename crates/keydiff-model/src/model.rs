@@ -9,8 +9,8 @@ use candle_core::{DType, Device, Tensor, D};
 use keydiff_cache::{AttnStats, CacheConfig, KvCache};
 
 use crate::attention::{
-    attention_output, attention_probs, chunk_mask, flash_attend, row_sums, stats_pass,
-    AttentionBackend,
+    attention_output, attention_probs, chunk_mask, decode_attention_cpu, flash_attend, row_sums,
+    stats_pass, AttentionBackend,
 };
 use crate::config::{Arch, ModelConfig};
 use crate::error::{ModelError, Result};
@@ -108,16 +108,31 @@ impl Attention {
             AttentionBackend::Eager | AttentionBackend::Auto => {
                 // [kv, g·B, T] in f32, then [kv, g·B, d]
                 let q = q.reshape((kv, g * b, d))?;
-                let probs = attention_probs(&q, &keys, mask, g)?;
-                let y = attention_output(&probs, &values)?;
-                let stats = match rows {
-                    Some(r) => {
+                // A decode step on the CPU in f32 skips the GEMMs (see decode_attention_cpu).
+                let fast = match b {
+                    1 => decode_attention_cpu(&q, &keys, &values, rows.is_some())?,
+                    _ => None,
+                };
+                let (y, probs) = match fast {
+                    Some((y, probs)) => (y, probs),
+                    None => {
+                        let probs = attention_probs(&q, &keys, mask, g)?;
+                        (attention_output(&probs, &values)?, Some(probs))
+                    }
+                };
+                let stats = match (rows, &probs) {
+                    (Some(r), Some(probs)) => {
                         clock.lap(cache, Region::Attention)?;
-                        let sums = row_sums(&probs, g, r)?;
+                        let sums = row_sums(probs, g, r)?;
                         clock.lap(cache, Region::Stats)?;
                         Some(AttnStats { sums, rows: r })
                     }
-                    None => None,
+                    (Some(_), None) => {
+                        return Err(ModelError::Shape(
+                            "decode attention returned no probabilities for the statistics".into(),
+                        ))
+                    }
+                    (None, _) => None,
                 };
                 // Freeing the probabilities is part of attention.
                 drop(probs);
