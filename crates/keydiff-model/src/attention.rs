@@ -279,9 +279,12 @@ pub fn attention_probs(
     Ok(candle_nn::ops::softmax_last_dim(&scores)?)
 }
 
+/// Keys per unit of work in [`decode_attention_cpu`].
+const DECODE_ROWS: usize = 256;
+
 /// One decode step's attention on the CPU in f32, without GEMMs: the eager result for a single
-/// query row per head, or `None` when the inputs are not CPU f32 with contiguous head rows (the
-/// caller then takes the general path).
+/// query row per head, or `None` when the inputs are not CPU f32 with contiguous head rows and
+/// a head size of 64, 128 or 256 (the caller then takes the general path).
 ///
 /// - `q`: `[kv_heads, g, d]`; `k`, `v`: `[kv_heads, T, d]`, views of the cache read in place.
 /// - Returns `[kv_heads, g, d]`, and with `probs` the softmax rows `[kv_heads, g, T]` in f32
@@ -289,10 +292,14 @@ pub fn attention_probs(
 ///
 /// Why not candle's matmuls: for one query row they run GEMMs of 1–7 rows, and the gemm crate
 /// packs the whole K and V views into its own layout on every call (measured: 0.6 ms per
-/// SmolLM2 layer at 1,700 slots, most of a decode step). Here each query head is a unit of
-/// work on candle's CPU thread pool (the one its quantized matmuls use, so no second pool
-/// competes for the cores): one pass of dot products over the keys, a softmax, one pass of
-/// weighted value rows. Checked against [`attention_probs`]/[`attention_output`] in the tests.
+/// SmolLM2 layer at 1,700 slots, most of a decode step). A decode step reads the whole cache
+/// for little arithmetic, so the work is laid out for memory, as in flash-decoding: a unit is
+/// [`DECODE_ROWS`] keys of one KV head, whose K and V rows are read once, by one thread, for
+/// all g query heads of the group. It gives, per query head, exp(score - the unit's max), their
+/// sum, and the value rows weighted by them; the units are then merged with the usual rescaling
+/// by exp(unit max - max). Units run on candle's CPU thread pool, the one its quantized matmuls
+/// use, so no second pool competes for the cores. Checked against
+/// [`attention_probs`]/[`attention_output`] in the tests.
 pub fn decode_attention_cpu(
     q: &Tensor,
     k: &Tensor,
@@ -300,6 +307,7 @@ pub fn decode_attention_cpu(
     probs: bool,
 ) -> Result<Option<(Tensor, Option<Tensor>)>> {
     use candle_core::{CpuStorage, Storage};
+    use std::sync::Mutex;
     let (kv_heads, g, d) = q.dims3()?;
     let (kh, t, kd) = k.dims3()?;
     if (kh, kd) != (kv_heads, d) || v.dims() != k.dims() || t == 0 || d == 0 {
@@ -310,18 +318,17 @@ pub fn decode_attention_cpu(
             v.dims()
         )));
     }
-    let cpu_f32 = |x: &Tensor| x.device().is_cpu() && x.dtype() == DType::F32;
     let unit: DecodeUnit = match d {
         64 => decode_unit::<64>,
         128 => decode_unit::<128>,
         256 => decode_unit::<256>,
         _ => return Ok(None),
     };
+    let cpu_f32 = |x: &Tensor| x.device().is_cpu() && x.dtype() == DType::F32;
     if !(cpu_f32(q) && cpu_f32(k) && cpu_f32(v)) {
         return Ok(None);
     }
-    let q = q.contiguous()?;
-    // Element offset of head 0 and the stride between heads and between rows; rows themselves
+    // Element offset of head 0, the stride between heads and between rows; rows themselves
     // must be contiguous.
     let rows_of = |x: &Tensor| -> Option<(usize, usize, usize)> {
         let l = x.layout();
@@ -331,6 +338,7 @@ pub fn decode_attention_cpu(
     let (Some(kl), Some(vl)) = (rows_of(k), rows_of(v)) else {
         return Ok(None);
     };
+    let q = (q * (1.0 / (d as f64).sqrt()))?.contiguous()?;
     let (qs, _) = q.storage_and_layout();
     let (ks, _) = k.storage_and_layout();
     let (vs, _) = v.storage_and_layout();
@@ -342,61 +350,90 @@ pub fn decode_attention_cpu(
     else {
         return Ok(None);
     };
-    let qd = &qd[q.layout().start_offset()..];
-    let scale = 1.0 / (d as f32).sqrt();
-    let units = kv_heads * g;
-    let out = std::sync::Mutex::new(vec![0f32; units * d]);
-    let all_probs = std::sync::Mutex::new(if probs {
-        vec![0f32; units * t]
-    } else {
-        Vec::new()
-    });
-    candle_core::utils::barrier_pool().execute_chunked(units, |range| {
-        let mut s = vec![0f32; t];
-        let mut o = vec![0f32; d];
+    let qd = &qd[q.layout().start_offset()..][..kv_heads * g * d];
+    let head = |data, (off, head, row): (usize, usize, usize), h: usize| Rows {
+        data,
+        start: off + h * head,
+        stride: row,
+    };
+    let blocks = t.div_ceil(DECODE_ROWS);
+    // Per (query head, unit): exp(score - unit max) of its keys (kept only for `probs`), the
+    // unit's max and sum, and its weighted value rows.
+    let e = Mutex::new(vec![0f32; if probs { kv_heads * g * t } else { 0 }]);
+    let max_sum = Mutex::new(vec![(0f32, 0f32); kv_heads * g * blocks]);
+    let partial = Mutex::new(vec![0f32; kv_heads * g * blocks * d]);
+    candle_core::utils::barrier_pool().execute_chunked(kv_heads * blocks, |range| {
+        let mut local = vec![0f32; DECODE_ROWS];
+        let mut acc = vec![0f32; d];
         for u in range {
-            let h = u / g;
-            let rows = |data, (off, head, row): (usize, usize, usize)| Rows {
-                data,
-                start: off + h * head,
-                stride: row,
-            };
-            unit(
-                &qd[u * d..(u + 1) * d],
-                rows(kd, kl),
-                rows(vd, vl),
-                scale,
-                &mut s,
-                &mut o,
-            );
-            if let Ok(mut out) = out.lock() {
-                out[u * d..(u + 1) * d].copy_from_slice(&o);
-            }
-            if probs {
-                if let Ok(mut p) = all_probs.lock() {
-                    p[u * t..(u + 1) * t].copy_from_slice(&s);
+            let (h, b) = (u / blocks, u % blocks);
+            let r0 = b * DECODE_ROWS;
+            let n = DECODE_ROWS.min(t - r0);
+            let (keys, values) = (head(kd, kl, h), head(vd, vl, h));
+            for j in 0..g {
+                let row = h * g + j;
+                let ms = unit(
+                    &qd[row * d..][..d],
+                    keys,
+                    values,
+                    r0,
+                    &mut local[..n],
+                    &mut acc,
+                );
+                if probs {
+                    if let Ok(mut e) = e.lock() {
+                        e[row * t + r0..][..n].copy_from_slice(&local[..n]);
+                    }
+                }
+                if let Ok(mut max_sum) = max_sum.lock() {
+                    max_sum[row * blocks + b] = ms;
+                }
+                if let Ok(mut partial) = partial.lock() {
+                    partial[(row * blocks + b) * d..][..d].copy_from_slice(&acc);
                 }
             }
         }
     });
     drop((qs, ks, vs));
     let poisoned = || ModelError::Shape("decode attention: a worker panicked".into());
-    let y = Tensor::from_vec(
-        out.into_inner().map_err(|_| poisoned())?,
-        (kv_heads, g, d),
-        q.device(),
-    )?;
-    let p = if probs {
-        let p = all_probs.into_inner().map_err(|_| poisoned())?;
-        Some(Tensor::from_vec(p, (kv_heads, g, t), q.device())?)
-    } else {
-        None
+    let mut e = e.into_inner().map_err(|_| poisoned())?;
+    let max_sum = max_sum.into_inner().map_err(|_| poisoned())?;
+    let partial = partial.into_inner().map_err(|_| poisoned())?;
+    // Merge per query head: unit b counts exp(max_b - max) / sum over units of
+    // sum_b · exp(max_b - max).
+    let mut out = vec![0f32; kv_heads * g * d];
+    let mut coef = vec![0f32; blocks];
+    for (row, o) in out.chunks_exact_mut(d).enumerate() {
+        let ms = &max_sum[row * blocks..][..blocks];
+        let m = ms.iter().fold(f32::NEG_INFINITY, |m, &(bm, _)| m.max(bm));
+        let z: f32 = ms.iter().map(|&(bm, bz)| bz * (bm - m).exp()).sum();
+        for (c, &(bm, _)) in coef.iter_mut().zip(ms) {
+            *c = (bm - m).exp() / z;
+        }
+        for (pb, &c) in partial[row * blocks * d..][..blocks * d]
+            .chunks_exact(d)
+            .zip(&coef)
+        {
+            for (o, &x) in o.iter_mut().zip(pb) {
+                *o = fma(c, x, *o);
+            }
+        }
+        if probs {
+            for (eb, &c) in e[row * t..][..t].chunks_mut(DECODE_ROWS).zip(&coef) {
+                eb.iter_mut().for_each(|x| *x *= c);
+            }
+        }
+    }
+    let y = Tensor::from_vec(out, (kv_heads, g, d), q.device())?;
+    let p = match probs {
+        true => Some(Tensor::from_vec(e, (kv_heads, g, t), q.device())?),
+        false => None,
     };
     Ok(Some((y, p)))
 }
 
 /// [`decode_unit`] for one head size.
-type DecodeUnit = fn(&[f32], Rows, Rows, f32, &mut [f32], &mut [f32]);
+type DecodeUnit = fn(&[f32], Rows, Rows, usize, &mut [f32], &mut [f32]) -> (f32, f32);
 
 /// Rows of one KV head in a cache buffer: row `i` starts at `start + i * stride`.
 #[derive(Clone, Copy)]
@@ -415,41 +452,39 @@ impl<'a> Rows<'a> {
     }
 }
 
-/// One query head of a decode step (`q`: its row, `W` = head_dim): scores over every key
-/// into `s` (left holding the probabilities), the probability-weighted value rows into `o`.
-/// Rows are fixed-size arrays so that each step compiles to whole-vector operations.
+/// One query head (`q`, already scaled; `W` = head size) over keys `r0..r0 + e.len()`: `e`
+/// gets exp(score - max), `acc` the sum of value rows weighted by `e`, and the result is (max,
+/// sum of `e`). Rows are fixed-size arrays so that each step compiles to whole-vector
+/// operations.
 fn decode_unit<const W: usize>(
     q: &[f32],
     keys: Rows,
     values: Rows,
-    scale: f32,
-    s: &mut [f32],
-    o: &mut [f32],
-) {
-    let mut qs = [0f32; W];
-    for (x, y) in qs.iter_mut().zip(q) {
-        *x = y * scale;
-    }
+    r0: usize,
+    e: &mut [f32],
+    acc: &mut [f32],
+) -> (f32, f32) {
+    let q: &[f32; W] = q.try_into().expect("a query row of W elements");
     let mut m = f32::NEG_INFINITY;
-    for (i, si) in s.iter_mut().enumerate() {
-        *si = dot(&qs, keys.row::<W>(i));
-        m = m.max(*si);
+    for (i, ei) in e.iter_mut().enumerate() {
+        *ei = dot(q, keys.row::<W>(r0 + i));
+        m = m.max(*ei);
     }
     let mut z = 0f32;
-    for si in s.iter_mut() {
-        *si = (*si - m).exp();
-        z += *si;
+    for ei in e.iter_mut() {
+        *ei = (*ei - m).exp();
+        z += *ei;
     }
-    let inv = 1.0 / z;
-    let mut acc = [0f32; W];
-    for (i, si) in s.iter_mut().enumerate() {
-        *si *= inv;
-        let v = values.row::<W>(i);
+    // Apart from the `exp` calls: around a call every vector register would be saved.
+    let mut a = [0f32; W];
+    for (i, &ei) in e.iter().enumerate() {
+        let v = values.row::<W>(r0 + i);
         for c in 0..W {
-            acc[c] = fma(*si, v[c], acc[c]);
+            a[c] = fma(ei, v[c], a[c]);
         }
     }
-    o.copy_from_slice(&acc);
+    acc.copy_from_slice(&a);
+    (m, z)
 }
 
 /// `a · b` for rows of `W` (a multiple of 16) floats, with AVX2/FMA where the build targets
