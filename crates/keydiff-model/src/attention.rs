@@ -12,6 +12,9 @@
 //!   place through a `[1, T, kv_heads, d]` view. Policies that need statistics get them from an
 //!   extra pass over only the query rows they use ([`stats_pass`]): one row for TOVA, the window
 //!   for SnapKV, every row for H2O. That extra pass is the cost KeyDiff does not pay.
+//!
+//! A decode step (one query row per head) on the CPU in f32 runs [`decode_attention_cpu`]
+//! under either backend: flash-decoding over blocks of the cache, without candle's GEMMs.
 
 use std::str::FromStr;
 
@@ -782,12 +785,13 @@ mod tests {
 
     /// The decode kernel against the eager path (candle matmuls and softmax) on cache views:
     /// K and V are the first T slots of buffers with spare slots and a head before them, as a
-    /// cache's layer is read. Scores up to ~±60 test the softmax's max subtraction.
+    /// cache's layer is read. T spans one block of 256 keys, its edge, and many blocks (the
+    /// merge across blocks); scores up to ~±60 test the max subtraction.
     #[test]
     fn decode_kernel_matches_eager() -> Result<()> {
         let dev = Device::Cpu;
         for (kv, g, d) in [(3, 3, 64), (2, 7, 64), (1, 4, 128), (2, 1, 256)] {
-            for t in [1, 2, 17, 1000, 9000] {
+            for t in [1, 2, 17, 256, 257, 1000, 9000] {
                 for spread in [1f32, 8.0] {
                     let cap = t + 5;
                     let buf = |seed: f64| -> Result<Tensor> {

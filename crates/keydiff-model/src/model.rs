@@ -144,7 +144,18 @@ impl Attention {
             AttentionBackend::Flash => {
                 // The cache read in place as [1, T, kv, d].
                 let view = |t: Tensor| -> Result<Tensor> { Ok(t.transpose(0, 1)?.unsqueeze(0)?) };
-                let y = flash_attend(&q.transpose(1, 2)?, &view(keys.clone())?, &view(values)?)?;
+                // A decode step on the CPU in f32: the decode kernel is flash-decoding (it
+                // never holds a whole row of probabilities), and much faster than candle-nn's.
+                let fast = match b {
+                    1 => decode_attention_cpu(&q.reshape((kv, g, d))?, &keys, &values, false)?,
+                    _ => None,
+                };
+                let y = match fast {
+                    Some((y, _)) => y.reshape((1, h * d))?,
+                    None => {
+                        flash_attend(&q.transpose(1, 2)?, &view(keys.clone())?, &view(values)?)?
+                    }
+                };
                 clock.lap(cache, Region::Attention)?;
                 let stats = match rows {
                     Some(r) => {
