@@ -6,7 +6,13 @@ use std::path::Path;
 use std::process::Command;
 
 fn main() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    // The directory cargo runs this script for, read when it runs: `env!` would bake in the
+    // checkout the script was first compiled in, and a target dir shared by two checkouts
+    // (a clean clone built into the same target) would report the other one's commit.
+    let Ok(manifest) = std::env::var("CARGO_MANIFEST_DIR") else {
+        return;
+    };
+    let root = Path::new(&manifest).join("../..");
     // Run again when HEAD moves or a source changes, so that `-dirty` stays right.
     for p in [
         ".git/HEAD",

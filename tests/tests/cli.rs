@@ -34,6 +34,18 @@ fn version_names_the_build() {
         "{so}"
     );
     assert!(so.contains(&format!("build {commit}, features: ")), "{so}");
+    // And it names this checkout's HEAD: a build script that read another checkout (one
+    // compiled into the same target dir) once reported that checkout's commit here.
+    let head = Command::new("git")
+        .args(["rev-parse", "--short=12", "HEAD"])
+        .current_dir(keydiff_tests::root())
+        .output()
+        .expect("git runs in the test checkout");
+    let head = String::from_utf8_lossy(&head.stdout).trim().to_string();
+    assert!(
+        commit.trim_end_matches("-dirty").ends_with(&head),
+        "HEAD {head}: {so}"
+    );
 }
 
 #[test]
