@@ -41,7 +41,10 @@ fn flash_backend_matches_eager_under_every_policy() {
         "knorm",
         "random",
     ];
-    for preset in ["tiny-llama", "tiny-qwen"] {
+    // tiny-qwen-d64: heads of 64, so decode steps run the CPU decode kernel in both backends
+    // (eager: with the probabilities TOVA and H2O take; flash: without, statistics from the
+    // extra pass), against the general path's prefill chunks.
+    for preset in ["tiny-llama", "tiny-qwen", "tiny-qwen-d64"] {
         let path = root().join(format!("configs/{preset}.json"));
         let source = ModelSource::Random {
             config: path.clone(),
@@ -126,4 +129,32 @@ fn default_config_resolves_attention_at_load() {
     };
     let engine = Engine::load(&source, &EngineConfig::default()).unwrap();
     assert_eq!(engine.config().attention, AttentionBackend::Eager);
+}
+
+/// Chunks of one token (as decode steps) take the CPU decode kernel, in both backends; the
+/// whole prompt as one chunk takes the general path (GEMMs, or candle-nn's flash kernel).
+/// Their last logits must agree to f32 rounding.
+#[test]
+fn one_token_chunks_match_the_whole_prompt() {
+    let path = root().join("configs/tiny-qwen-d64.json");
+    let source = ModelSource::Random {
+        config: path,
+        seed: 5,
+        on_host: false,
+    };
+    let tokens = keydiff::parity::random_tokens(300, 256, 4);
+    for attention in [AttentionBackend::Eager, AttentionBackend::Flash] {
+        let cfg = EngineConfig {
+            attention,
+            ..Default::default()
+        };
+        let e = Engine::load(&source, &cfg).unwrap();
+        let whole = e.prefill_logits(&tokens, tokens.len()).unwrap();
+        let single = e.prefill_logits(&tokens, 1).unwrap();
+        let d = keydiff::parity::compare_logits(&whole, &single);
+        assert!(
+            d.max_rel < 1e-4 && d.top1_equal(),
+            "{attention}: B = 1 vs the whole prompt: {d:?}"
+        );
+    }
 }

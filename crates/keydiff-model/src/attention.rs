@@ -13,8 +13,9 @@
 //!   extra pass over only the query rows they use ([`stats_pass`]): one row for TOVA, the window
 //!   for SnapKV, every row for H2O. That extra pass is the cost KeyDiff does not pay.
 //!
-//! A decode step (one query row per head) on the CPU in f32 runs [`decode_attention_cpu`]
-//! under either backend: flash-decoding over blocks of the cache, without candle's GEMMs.
+//! A chunk of one token (a decode step, or `--chunk 1`) on the CPU in f32 runs
+//! [`decode_attention_cpu`] under either backend: flash-decoding over blocks of the cache,
+//! without candle's GEMMs.
 
 use std::str::FromStr;
 
@@ -26,7 +27,8 @@ use crate::error::{ModelError, Result};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum AttentionBackend {
-    /// Materialised probabilities with candle matmuls and softmax (every device and dtype).
+    /// Materialised probabilities with candle matmuls and softmax (every device and dtype;
+    /// one-token chunks on the CPU in f32 take [`decode_attention_cpu`]).
     #[default]
     Eager,
     /// Fused flash attention; statistics from an extra pass.
@@ -49,7 +51,8 @@ impl AttentionBackend {
     /// The backend a model with heads of `head_dim`, on `device` with activations of `dtype`,
     /// runs with: `Auto` becomes flash where this build can run it there (CUDA, the
     /// `flash-attn` feature, bf16/f16, head_dim a multiple of 8 up to 256; on the CPU eager is
-    /// faster: its matmuls are GEMMs, candle-nn's CPU kernel is not) and eager otherwise. An
+    /// faster for chunks: its matmuls are GEMMs, candle-nn's CPU kernel is not; one-token
+    /// chunks run [`decode_attention_cpu`] under both) and eager otherwise. An
     /// explicit choice is kept, or refused when it cannot run ([`Self::check`]), so that it
     /// fails when the model is loaded rather than in the first chunk.
     pub fn resolve(self, device: &Device, dtype: DType, head_dim: usize) -> Result<Self> {
@@ -310,16 +313,20 @@ pub fn decode_attention_cpu(
     probs: bool,
 ) -> Result<Option<(Tensor, Option<Tensor>)>> {
     use candle_core::{CpuStorage, Storage};
-    use std::sync::Mutex;
+    use std::sync::OnceLock;
     let (kv_heads, g, d) = q.dims3()?;
     let (kh, t, kd) = k.dims3()?;
-    if (kh, kd) != (kv_heads, d) || v.dims() != k.dims() || t == 0 || d == 0 {
+    if (kh, kd) != (kv_heads, d) || v.dim(0)? != kh || v.dim(1)? != t || t == 0 || d == 0 {
         return Err(ModelError::Shape(format!(
             "decode attention: q {:?}, k {:?}, v {:?}",
             q.dims(),
             k.dims(),
             v.dims()
         )));
+    }
+    if v.dims() != k.dims() {
+        // Values of another head size than keys: the general path.
+        return Ok(None);
     }
     let unit: DecodeUnit = match d {
         64 => decode_unit::<64>,
@@ -360,79 +367,89 @@ pub fn decode_attention_cpu(
         stride: row,
     };
     let blocks = t.div_ceil(DECODE_ROWS);
-    // Per (query head, unit): exp(score - unit max) of its keys (kept only for `probs`), the
-    // unit's max and sum, and its weighted value rows.
-    let e = Mutex::new(vec![0f32; if probs { kv_heads * g * t } else { 0 }]);
-    let max_sum = Mutex::new(vec![(0f32, 0f32); kv_heads * g * blocks]);
-    let partial = Mutex::new(vec![0f32; kv_heads * g * blocks * d]);
-    candle_core::utils::barrier_pool().execute_chunked(kv_heads * blocks, |range| {
-        let mut local = vec![0f32; DECODE_ROWS];
-        let mut acc = vec![0f32; d];
+    // Each unit fills its own slot, no lock shared between units.
+    let slots: Vec<OnceLock<UnitOut>> = (0..kv_heads * blocks).map(|_| OnceLock::new()).collect();
+    candle_core::utils::barrier_pool().execute_chunked(slots.len(), |range| {
         for u in range {
             let (h, b) = (u / blocks, u % blocks);
             let r0 = b * DECODE_ROWS;
             let n = DECODE_ROWS.min(t - r0);
             let (keys, values) = (head(kd, kl, h), head(vd, vl, h));
-            for j in 0..g {
+            let mut out = UnitOut {
+                max_sum: Vec::with_capacity(g),
+                partial: vec![0f32; g * d],
+                e: vec![0f32; g * n],
+            };
+            for (j, (e, acc)) in out
+                .e
+                .chunks_exact_mut(n)
+                .zip(out.partial.chunks_exact_mut(d))
+                .enumerate()
+            {
                 let row = h * g + j;
-                let ms = unit(
-                    &qd[row * d..][..d],
-                    keys,
-                    values,
-                    r0,
-                    &mut local[..n],
-                    &mut acc,
-                );
-                if probs {
-                    if let Ok(mut e) = e.lock() {
-                        e[row * t + r0..][..n].copy_from_slice(&local[..n]);
-                    }
-                }
-                if let Ok(mut max_sum) = max_sum.lock() {
-                    max_sum[row * blocks + b] = ms;
-                }
-                if let Ok(mut partial) = partial.lock() {
-                    partial[(row * blocks + b) * d..][..d].copy_from_slice(&acc);
-                }
+                out.max_sum
+                    .push(unit(&qd[row * d..][..d], keys, values, r0, e, acc));
             }
+            // Each index comes once from `execute_chunked`: the slot is empty.
+            let _ = slots[u].set(out);
         }
     });
     drop((qs, ks, vs));
-    let poisoned = || ModelError::Shape("decode attention: a worker panicked".into());
-    let mut e = e.into_inner().map_err(|_| poisoned())?;
-    let max_sum = max_sum.into_inner().map_err(|_| poisoned())?;
-    let partial = partial.into_inner().map_err(|_| poisoned())?;
+    let slots = slots
+        .into_iter()
+        .map(|s| {
+            s.into_inner()
+                .ok_or_else(|| ModelError::Shape("decode attention: a unit did not run".into()))
+        })
+        .collect::<Result<Vec<_>>>()?;
     // Merge per query head: unit b counts exp(max_b - max) / sum over units of
     // sum_b · exp(max_b - max).
     let mut out = vec![0f32; kv_heads * g * d];
+    let mut probs_out = vec![0f32; if probs { kv_heads * g * t } else { 0 }];
     let mut coef = vec![0f32; blocks];
     for (row, o) in out.chunks_exact_mut(d).enumerate() {
-        let ms = &max_sum[row * blocks..][..blocks];
-        let m = ms.iter().fold(f32::NEG_INFINITY, |m, &(bm, _)| m.max(bm));
-        let z: f32 = ms.iter().map(|&(bm, bz)| bz * (bm - m).exp()).sum();
-        for (c, &(bm, _)) in coef.iter_mut().zip(ms) {
-            *c = (bm - m).exp() / z;
+        let (h, j) = (row / g, row % g);
+        let units = &slots[h * blocks..][..blocks];
+        let m = units
+            .iter()
+            .fold(f32::NEG_INFINITY, |m, u| m.max(u.max_sum[j].0));
+        let z: f32 = units
+            .iter()
+            .map(|u| u.max_sum[j].1 * (u.max_sum[j].0 - m).exp())
+            .sum();
+        for (c, u) in coef.iter_mut().zip(units) {
+            *c = (u.max_sum[j].0 - m).exp() / z;
         }
-        for (pb, &c) in partial[row * blocks * d..][..blocks * d]
-            .chunks_exact(d)
-            .zip(&coef)
-        {
-            for (o, &x) in o.iter_mut().zip(pb) {
+        for (u, &c) in units.iter().zip(&coef) {
+            for (o, &x) in o.iter_mut().zip(&u.partial[j * d..][..d]) {
                 *o = fma(c, x, *o);
             }
         }
         if probs {
-            for (eb, &c) in e[row * t..][..t].chunks_mut(DECODE_ROWS).zip(&coef) {
-                eb.iter_mut().for_each(|x| *x *= c);
+            let p = &mut probs_out[row * t..][..t];
+            for ((pb, u), &c) in p.chunks_mut(DECODE_ROWS).zip(units).zip(&coef) {
+                let n = pb.len();
+                for (p, &x) in pb.iter_mut().zip(&u.e[j * n..][..n]) {
+                    *p = x * c;
+                }
             }
         }
     }
     let y = Tensor::from_vec(out, (kv_heads, g, d), q.device())?;
     let p = match probs {
-        true => Some(Tensor::from_vec(e, (kv_heads, g, t), q.device())?),
+        true => Some(Tensor::from_vec(probs_out, (kv_heads, g, t), q.device())?),
         false => None,
     };
     Ok(Some((y, p)))
+}
+
+/// What one unit of [`decode_attention_cpu`] leaves for the merge, per query head `j` of its
+/// group: (max, sum) of its scores, its weighted value rows (`partial[j·d..]`) and
+/// exp(score - max) of its `n` keys (`e[j·n..]`).
+struct UnitOut {
+    max_sum: Vec<(f32, f32)>,
+    partial: Vec<f32>,
+    e: Vec<f32>,
 }
 
 /// [`decode_unit`] for one head size.
@@ -528,6 +545,20 @@ fn dot<const W: usize>(a: &[f32; W], b: &[f32; W]) -> f32 {
 )))]
 #[inline(always)]
 fn dot<const W: usize>(a: &[f32; W], b: &[f32; W]) -> f32 {
+    dot_portable(a, b)
+}
+
+/// The portable `dot` (compiled everywhere, so that its test runs on x86 too).
+#[cfg_attr(
+    all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma"
+    ),
+    allow(dead_code)
+)]
+#[inline(always)]
+fn dot_portable<const W: usize>(a: &[f32; W], b: &[f32; W]) -> f32 {
     const L: usize = 16;
     let mut acc = [0f32; L];
     for (x, y) in a.as_chunks::<L>().0.iter().zip(b.as_chunks::<L>().0) {
@@ -548,7 +579,8 @@ fn dot<const W: usize>(a: &[f32; W], b: &[f32; W]) -> f32 {
 /// `a · b + c`, fused where the target has FMA (software `fmaf` would be far slower).
 #[inline(always)]
 fn fma(a: f32, b: f32, c: f32) -> f32 {
-    if cfg!(target_feature = "fma") {
+    // Every aarch64 CPU has it.
+    if cfg!(any(target_feature = "fma", target_arch = "aarch64")) {
         a.mul_add(b, c)
     } else {
         a * b + c
@@ -783,46 +815,121 @@ mod tests {
         Ok(())
     }
 
-    /// The decode kernel against the eager path (candle matmuls and softmax) on cache views:
-    /// K and V are the first T slots of buffers with spare slots and a head before them, as a
-    /// cache's layer is read. T spans one block of 256 keys, its edge, and many blocks (the
-    /// merge across blocks); scores up to ~±60 test the max subtraction.
+    /// The decode kernel against the eager path (candle matmuls and softmax), on `q` and on
+    /// K/V views as a cache's layer gives them.
+    fn check_decode_kernel(q: &Tensor, k: &Tensor, v: &Tensor, label: &str) -> Result<()> {
+        let g = q.dim(1)?;
+        let probs = attention_probs(q, k, None, g)?;
+        let want = attention_output(&probs, v)?;
+        for with_probs in [false, true] {
+            let (y, p) = decode_attention_cpu(q, k, v, with_probs)?
+                .expect("CPU f32 with head_dim 64/128/256 takes the kernel");
+            // f32 sums in another order: relative to the output's size.
+            let diff = (&y - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            let size = want.abs()?.max_all()?.to_scalar::<f32>()?.max(1.0);
+            assert!(diff < 1e-5 * size, "{label}: output max diff {diff}");
+            assert_eq!(p.is_some(), with_probs, "{label}");
+            if let Some(p) = p {
+                // Each probability to 1e-4 of itself (or 1e-9 absolute, for those that
+                // underflow), and each row sums to 1.
+                let err = ((&p - &probs)?.abs()? / (probs.abs()? + 1e-5)?)?
+                    .max_all()?
+                    .to_scalar::<f32>()?;
+                assert!(err < 1e-4, "{label}: probabilities max relative diff {err}");
+                let sums = p.sum(D::Minus1)?.flatten_all()?.to_vec1::<f32>()?;
+                assert!(
+                    sums.iter().all(|s| (s - 1.0).abs() < 1e-4),
+                    "{label}: row sums {sums:?}"
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// K and V as a cache gives them: the first T slots of buffers with spare slots and a head
+    /// before them; V from a buffer of another capacity and head offset than K, so that a
+    /// mixed-up stride or offset shows. T spans one block of 256 keys, its edge, and many
+    /// blocks (the merge across blocks); scores with a spread of ~±30.
     #[test]
     fn decode_kernel_matches_eager() -> Result<()> {
         let dev = Device::Cpu;
         for (kv, g, d) in [(3, 3, 64), (2, 7, 64), (1, 4, 128), (2, 1, 256)] {
             for t in [1, 2, 17, 256, 257, 1000, 9000] {
                 for spread in [1f32, 8.0] {
-                    let cap = t + 5;
-                    let buf = |seed: f64| -> Result<Tensor> {
-                        let x = Tensor::randn(0f32, spread.sqrt(), (kv + 1, cap, d), &dev)?;
-                        Ok((x + seed)?)
-                    };
-                    let (kb, vb) = (buf(0.0)?, buf(0.5)?);
-                    // Heads 1..=kv of the buffers, slots 0..t: a nonzero start offset.
-                    let view = |b: &Tensor| b.narrow(0, 1, kv)?.narrow(1, 0, t);
-                    let (k, v) = (view(&kb)?, view(&vb)?);
-                    let q = Tensor::randn(0f32, spread.sqrt(), (kv, g, d), &dev)?;
-                    let probs = attention_probs(&q, &k, None, g)?;
-                    let want = attention_output(&probs, &v)?;
-                    for with_probs in [false, true] {
-                        let (y, p) = decode_attention_cpu(&q, &k, &v, with_probs)?
-                            .expect("CPU f32 with head_dim 64/128/256 takes the kernel");
-                        let label = format!("{kv}x{g} d={d} T={t} spread={spread}");
-                        // f32 sums in another order: relative to the output's size.
-                        let diff = (&y - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
-                        let size = want.abs()?.max_all()?.to_scalar::<f32>()?.max(1.0);
-                        assert!(diff < 1e-5 * size, "{label}: output max diff {diff}");
-                        assert_eq!(p.is_some(), with_probs, "{label}");
-                        if let Some(p) = p {
-                            let diff = (p - &probs)?.abs()?.max_all()?.to_scalar::<f32>()?;
-                            // Scores of ±30 carry f32 rounding of ~2e-6 into exp.
-                            assert!(diff < 1e-5, "{label}: probabilities max diff {diff}");
-                        }
-                    }
+                    let sd = spread.sqrt();
+                    let kb = Tensor::randn(0f32, sd, (kv + 1, t + 5, d), &dev)?;
+                    let vb = (Tensor::randn(0f32, sd, (kv + 2, t + 11, d), &dev)? + 0.5)?;
+                    let k = kb.narrow(0, 1, kv)?.narrow(1, 0, t)?;
+                    let v = vb.narrow(0, 2, kv)?.narrow(1, 0, t)?;
+                    let q = Tensor::randn(0f32, sd, (kv, g, d), &dev)?;
+                    let label = format!("{kv}x{g} d={d} T={t} spread={spread}");
+                    check_decode_kernel(&q, &k, &v, &label)?;
                 }
             }
+            // Slots outermost, `[T, kv, d]` read as `[kv, T, d]`: rows kv·d apart, heads d.
+            let t = 700;
+            let k = Tensor::randn(0f32, 1., (t, kv, d), &dev)?.transpose(0, 1)?;
+            let v = Tensor::randn(0f32, 1., (t, kv, d), &dev)?.transpose(0, 1)?;
+            let q = Tensor::randn(0f32, 1., (kv, g, d), &dev)?;
+            check_decode_kernel(&q, &k, &v, &format!("{kv}x{g} d={d} slots outermost"))?;
         }
+        Ok(())
+    }
+
+    /// Scores far beyond exp's range: without subtracting the max (or with a wrong max per
+    /// block) exp overflows. One key, in the last block, dominates; and with q = 0 every key
+    /// gets 1/T.
+    #[test]
+    fn decode_kernel_softmax_is_stable() -> Result<()> {
+        let dev = Device::Cpu;
+        let (kv, g, d, t) = (2, 3, 64, 1000);
+        let k = Tensor::randn(0f32, 1., (kv, t, d), &dev)?;
+        let v = Tensor::randn(0f32, 1., (kv, t, d), &dev)?;
+        // Scores of several hundred: q = 60 · (key 990 of its head) + noise.
+        let winner = k.narrow(1, 990, 1)?.broadcast_as((kv, g, d))?;
+        let q = ((winner * 60.0)? + Tensor::randn(0f32, 1., (kv, g, d), &dev)?)?;
+        check_decode_kernel(&q, &k, &v, "scores of hundreds")?;
+        let (y, p) = decode_attention_cpu(&q, &k, &v, true)?.expect("kernel");
+        let p = p.expect("probabilities");
+        let top = p.argmax(D::Minus1)?.flatten_all()?.to_vec1::<u32>()?;
+        assert!(top.iter().all(|&i| i == 990), "{top:?}");
+        let want = v.narrow(1, 990, 1)?.broadcast_as((kv, g, d))?;
+        let diff = (y - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(diff < 1e-4, "the dominant key's value row: max diff {diff}");
+        // q = 0: uniform.
+        let (y, p) = decode_attention_cpu(&q.zeros_like()?, &k, &v, true)?.expect("kernel");
+        let p = p.expect("probabilities").flatten_all()?.to_vec1::<f32>()?;
+        assert!(p.iter().all(|x| (x * t as f32 - 1.0).abs() < 1e-4));
+        let mean = v.mean_keepdim(1)?.broadcast_as((kv, g, d))?;
+        let diff = (y - mean)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(
+            diff < 1e-5,
+            "q = 0 gives the mean value row: max diff {diff}"
+        );
+        Ok(())
+    }
+
+    /// The portable dot product (other targets) against the one this build uses.
+    #[test]
+    fn portable_dot_matches() -> Result<()> {
+        let dev = Device::Cpu;
+        let x = Tensor::randn(0f32, 1., (2, 256), &dev)?.to_vec2::<f32>()?;
+        let (a, b): (&[f32; 256], &[f32; 256]) = (
+            x[0].as_slice().try_into().expect("256"),
+            x[1].as_slice().try_into().expect("256"),
+        );
+        let naive: f64 = a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum();
+        for (name, got) in [("dot", dot(a, b)), ("portable", dot_portable(a, b))] {
+            assert!(
+                (got as f64 - naive).abs() < 1e-4,
+                "{name}: {got} vs {naive}"
+            );
+        }
+        let (a64, b64): (&[f32; 64], &[f32; 64]) = (
+            a[..64].try_into().expect("64"),
+            b[..64].try_into().expect("64"),
+        );
+        assert!((dot(a64, b64) - dot_portable(a64, b64)).abs() < 1e-5);
         Ok(())
     }
 

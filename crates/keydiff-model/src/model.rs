@@ -109,8 +109,8 @@ impl Attention {
                 // [kv, g·B, T] in f32, then [kv, g·B, d]
                 let q = q.reshape((kv, g * b, d))?;
                 // A decode step on the CPU in f32 skips the GEMMs (see decode_attention_cpu).
-                let fast = match b {
-                    1 => decode_attention_cpu(&q, &keys, &values, rows.is_some())?,
+                let fast = match (b, mask) {
+                    (1, None) => decode_attention_cpu(&q, &keys, &values, rows.is_some())?,
                     _ => None,
                 };
                 let (y, probs) = match fast {
