@@ -103,18 +103,25 @@ impl Attention {
         let rows = cache.stats_rows(b);
         let layer = cache.layer(li);
         let (keys, values) = (layer.keys()?, layer.values()?);
+        // A one-token chunk (a decode step) on the CPU in f32 runs the decode kernel under
+        // either backend (see decode_attention_cpu): `[kv, g, d]`, and for eager the
+        // probabilities its statistics need; flash takes its statistics from the extra pass,
+        // as for every chunk.
+        let eager = backend != AttentionBackend::Flash;
+        let decoded = match (b, mask) {
+            (1, None) => {
+                let q = q.reshape((kv, g, d))?;
+                decode_attention_cpu(&q, &keys, &values, eager && rows.is_some())?
+            }
+            _ => None,
+        };
         let (y, stats) = match backend {
             // `Model::set_attention` resolves `Auto`: a model never holds it.
             AttentionBackend::Eager | AttentionBackend::Auto => {
                 // [kv, g·B, T] in f32, then [kv, g·B, d]
                 let q = q.reshape((kv, g * b, d))?;
-                // A decode step on the CPU in f32 skips the GEMMs (see decode_attention_cpu).
-                let fast = match (b, mask) {
-                    (1, None) => decode_attention_cpu(&q, &keys, &values, rows.is_some())?,
-                    _ => None,
-                };
-                let (y, probs) = match fast {
-                    Some((y, probs)) => (y, probs),
+                let (y, probs) = match decoded {
+                    Some(yp) => yp,
                     None => {
                         let probs = attention_probs(&q, &keys, mask, g)?;
                         (attention_output(&probs, &values)?, Some(probs))
@@ -144,14 +151,9 @@ impl Attention {
             AttentionBackend::Flash => {
                 // The cache read in place as [1, T, kv, d].
                 let view = |t: Tensor| -> Result<Tensor> { Ok(t.transpose(0, 1)?.unsqueeze(0)?) };
-                // A decode step on the CPU in f32: the decode kernel is flash-decoding (it
-                // never holds a whole row of probabilities), and much faster than candle-nn's.
-                let fast = match b {
-                    1 => decode_attention_cpu(&q.reshape((kv, g, d))?, &keys, &values, false)?,
-                    _ => None,
-                };
-                let y = match fast {
-                    Some((y, _)) => y.reshape((1, h * d))?,
+                // The decode kernel is flash-decoding: it never holds a row of probabilities.
+                let y = match decoded {
+                    Some((y, _)) => y.reshape((b, h * d))?,
                     None => {
                         flash_attend(&q.transpose(1, 2)?, &view(keys.clone())?, &view(values)?)?
                     }
