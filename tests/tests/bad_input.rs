@@ -149,6 +149,16 @@ fn unknown_device_and_dtype() {
         m.to_str().unwrap(),
         "-p",
         "hi",
+        "--kv-dtype",
+        "q8_0",
+    ]);
+    expect(&err, "unknown dtype `q8_0`");
+    let err = fails(&[
+        "run",
+        "-m",
+        m.to_str().unwrap(),
+        "-p",
+        "hi",
         "--device",
         "tpu",
     ]);

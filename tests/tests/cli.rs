@@ -90,6 +90,35 @@ fn chat_answers_and_json_stats() {
     }
 }
 
+/// `--kv-dtype f16` holds the cache in half the bytes, and says so in the stats and in `info`.
+#[test]
+fn kv_dtype_option() {
+    let m = model(SMOLLM2);
+    let run = |extra: &[&str]| -> serde_json::Value {
+        let mut args = vec![
+            "run",
+            "-m",
+            m.to_str().unwrap(),
+            "-p",
+            "The capital of France is",
+            "-n",
+            "8",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        let (so, _) = ok(&args);
+        serde_json::from_str::<serde_json::Value>(so.trim()).unwrap()["stats"].clone()
+    };
+    let (f32s, f16s) = (run(&[]), run(&["--kv-dtype", "f16"]));
+    assert_eq!(f32s["kv_dtype"], "f32");
+    assert_eq!(f16s["kv_dtype"], "f16");
+    let bytes = |s: &serde_json::Value| s["peak_kv_bytes"].as_u64().unwrap();
+    assert_eq!(2 * bytes(&f16s), bytes(&f32s), "{f16s} vs {f32s}");
+    let (so, _) = ok(&["info", "-m", m.to_str().unwrap(), "--kv-dtype", "bf16"]);
+    let v: serde_json::Value = serde_json::from_str(&so).unwrap();
+    assert_eq!(v["kv_dtype"], "bf16");
+}
+
 #[test]
 fn streams_text_and_prints_timing_line() {
     let m = model(SMOLLM2);

@@ -112,6 +112,7 @@ fn bf16_model_matches_cpu_f32(dev: &Device) -> Result<()> {
                 attention: keydiff::AttentionBackend::Auto,
                 device,
                 dtype,
+                kv_dtype: None,
                 cache: cache.clone(),
                 cpu_weights: CpuWeights::FAST,
             };

@@ -52,8 +52,9 @@ impl LayerCache {
         })
     }
 
-    /// Writes a chunk's keys and values (`[kv_heads, chunk, head_dim]`, post-RoPE) after the
-    /// used slots. `pos0` is the absolute position of the chunk's first token.
+    /// Writes a chunk's keys and values (`[kv_heads, chunk, head_dim]`, post-RoPE, any float
+    /// dtype: converted to the cache's) after the used slots. `pos0` is the absolute position
+    /// of the chunk's first token.
     pub fn append(&mut self, k: &Tensor, v: &Tensor, pos0: usize) -> Result<()> {
         let (heads, chunk, dim) = k.dims3()?;
         let (kv_heads, capacity, head_dim) = self.k.dims3()?;
@@ -78,8 +79,12 @@ impl LayerCache {
                 pos0 + chunk
             )));
         }
-        self.k.slice_set(&k.contiguous()?, 1, self.len)?;
-        self.v.slice_set(&v.contiguous()?, 1, self.len)?;
+        // Rounded to the cache's dtype where it differs from the activations'.
+        let dt = self.k.dtype();
+        self.k
+            .slice_set(&k.to_dtype(dt)?.contiguous()?, 1, self.len)?;
+        self.v
+            .slice_set(&v.to_dtype(dt)?.contiguous()?, 1, self.len)?;
         let dev = self.k.device();
         let pos = Tensor::arange(pos0 as u32, (pos0 + chunk) as u32, dev)?
             .unsqueeze(0)?

@@ -249,11 +249,12 @@ fn decode(a: DecodeArgs) -> Result<()> {
 
 fn header(prov: &Provenance, plan: &Plan) -> String {
     format!(
-        "# {} | {} | {} {} {} attention | commit {} | {}\n# {} warm-up + {} measured runs per case, interleaved; prompts: random token ids, seed {} + round\n",
+        "# {} | {} | {} {} (KV {}) {} attention | commit {} | {}\n# {} warm-up + {} measured runs per case, interleaved; prompts: random token ids, seed {} + round\n",
         prov.date,
         prov.model,
         prov.device,
         prov.dtype,
+        prov.kv_dtype,
         prov.attention,
         prov.commit,
         prov.machine,
@@ -513,6 +514,7 @@ fn write_csv(path: &Path, prov: &Provenance, t: &Csv) -> Result<()> {
         ("machine", prov.machine.as_str()),
         ("device", prov.device.as_str()),
         ("dtype", prov.dtype.as_str()),
+        ("kv_dtype", prov.kv_dtype.as_str()),
         ("attention", prov.attention.as_str()),
         ("model", prov.model.as_str()),
         (

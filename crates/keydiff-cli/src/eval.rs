@@ -418,8 +418,9 @@ fn table(a: &EvalArgs, prov: &Provenance, cells: &[Cell], longbench: bool) -> St
 }
 
 /// Refuses to resume into a directory whose earlier run used other options that change the
-/// records (model, dtype, attention, chat template, chunk, protection, seed): their records
-/// would be mixed with incomparable ones. Lengths, depths, budgets, policies and samples may grow.
+/// records (model, dtype, KV dtype, attention, chat template, chunk, protection, seed): their
+/// records would be mixed with incomparable ones. Lengths, depths, budgets, policies and
+/// samples may grow.
 fn check_resume(results: &std::path::Path, a: &EvalArgs, engine: &keydiff::Engine) -> Result<()> {
     let Ok(text) = std::fs::read_to_string(results) else {
         return Ok(()); // an interrupted first run: only records.jsonl exists
@@ -434,7 +435,12 @@ fn check_resume(results: &std::path::Path, a: &EvalArgs, engine: &keydiff::Engin
         serde_json::Value::Null => "eager".into(),
         v => v.clone(),
     };
-    let checks: [(&str, serde_json::Value, serde_json::Value); 8] = [
+    // Results written before the cache dtype was recorded held `dtype`.
+    let kv_dtype = match &p["kv_dtype"] {
+        serde_json::Value::String(s) if !s.is_empty() => p["kv_dtype"].clone(),
+        _ => p["dtype"].clone(),
+    };
+    let checks: [(&str, serde_json::Value, serde_json::Value); 9] = [
         ("--chat", o["chat"].clone(), a.chat.into()),
         ("--chunk", o["chunk"].clone(), a.chunk.into()),
         ("--window", o["window"].clone(), a.policy_args.window.into()),
@@ -443,6 +449,7 @@ fn check_resume(results: &std::path::Path, a: &EvalArgs, engine: &keydiff::Engin
         ("-m", p["model"].clone(), now.model.into()),
         ("--dtype", p["dtype"].clone(), now.dtype.into()),
         ("--attention", attention, now.attention.into()),
+        ("--kv-dtype", kv_dtype, now.kv_dtype.into()),
     ];
     for (name, was, is) in checks {
         if !was.is_null() && was != is {

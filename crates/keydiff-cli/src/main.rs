@@ -145,6 +145,10 @@ struct LoadArgs {
     /// f32, f16 or bf16.
     #[arg(long, default_value = "f32")]
     dtype: String,
+    /// Dtype the KV cache holds: f32, f16 or bf16 (default: --dtype). f16 halves the cache's
+    /// memory and the bytes a decode step reads (llama.cpp's default cache type).
+    #[arg(long)]
+    kv_dtype: Option<String>,
     /// On the CPU, use the GGUF weights exactly as stored (llama.cpp's numerics; less memory,
     /// slower) instead of dense prefill copies and Q8_0 copies of Q4_1/Q5_x.
     #[arg(long)]
@@ -184,6 +188,7 @@ impl LoadArgs {
         };
         let device = parse_device(&self.device)?;
         let dtype = parse_dtype(&self.dtype)?;
+        let kv_dtype = self.kv_dtype.as_deref().map(parse_dtype).transpose()?;
         let cfg = EngineConfig {
             cpu_weights: if self.as_stored {
                 CpuWeights::AS_STORED
@@ -193,6 +198,7 @@ impl LoadArgs {
             attention: self.attention.parse()?,
             device,
             dtype,
+            kv_dtype,
             cache,
         };
         let engine = Engine::load(&source, &cfg)
@@ -393,6 +399,7 @@ fn real_main() -> Result<()> {
                     let reference = EngineConfig {
                         device: keydiff::Device::Cpu,
                         dtype: keydiff::DType::F32,
+                        kv_dtype: None,
                         cache: cache.clone(),
                         cpu_weights: CpuWeights::FAST,
                         attention: AttentionBackend::Eager,
@@ -400,6 +407,7 @@ fn real_main() -> Result<()> {
                     let other = EngineConfig {
                         device: dev.clone(),
                         dtype: dt,
+                        kv_dtype: None,
                         cache: cache.clone(),
                         cpu_weights: CpuWeights::FAST,
                         attention,
@@ -579,6 +587,7 @@ fn info(args: &ModelArgs) -> Result<()> {
         "format": engine.format(),
         "config": c,
         "compute_dtype": format!("{:?}", engine.config().dtype),
+        "kv_dtype": engine.config().kv_dtype.map(|d| d.as_str()),
         "device": format!("{:?}", engine.config().device),
         "attention": engine.config().attention.name(),
         "weights": map(engine.weight_kinds()),
@@ -694,13 +703,14 @@ fn generate(a: &RunArgs, engine: &Engine, prompt: Prompt) -> Result<()> {
     } else {
         println!();
         eprintln!(
-            "prompt {} tok | TTFT {:.3} s | prefill {:.1} tok/s | decode {:.1} tok/s ({} tok) | peak KV {:.1} MiB | policy {} ({} evictions, {:.3} s) | stop: {:?}",
+            "prompt {} tok | TTFT {:.3} s | prefill {:.1} tok/s | decode {:.1} tok/s ({} tok) | peak KV {:.1} MiB {} | policy {} ({} evictions, {:.3} s) | stop: {:?}",
             s.prompt_tokens,
             s.ttft_s,
             s.prefill_tok_s,
             s.decode_tok_s,
             s.generated_tokens,
             s.peak_kv_bytes as f64 / (1024.0 * 1024.0),
+            s.kv_dtype,
             s.policy,
             s.eviction.evictions,
             s.eviction.score_s + s.eviction.select_move_s,

@@ -288,11 +288,14 @@ pub fn attention_probs(
 /// Keys per unit of work in [`decode_attention_cpu`].
 const DECODE_ROWS: usize = 256;
 
-/// One decode step's attention on the CPU in f32, without GEMMs: the eager result for a single
-/// query row per head, or `None` when the inputs are not CPU f32 with contiguous head rows and
-/// a head size of 64, 128 or 256 (the caller then takes the general path).
+/// One decode step's attention on the CPU, without GEMMs: the eager result for a single f32
+/// query row per head over a cache held in f32, f16 or bf16, or `None` when the inputs are not
+/// that, on the CPU with contiguous head rows and a head size of 64, 128 or 256 (the caller
+/// then takes the general path).
 ///
-/// - `q`: `[kv_heads, g, d]`; `k`, `v`: `[kv_heads, T, d]`, views of the cache read in place.
+/// - `q`: `[kv_heads, g, d]` f32; `k`, `v`: `[kv_heads, T, d]`, views of the cache read in
+///   place, both of one dtype. f16/bf16 rows are widened to f32 as they are read, so the result
+///   is the eager one over the widened cache.
 /// - Returns `[kv_heads, g, d]`, and with `probs` the softmax rows `[kv_heads, g, T]` in f32
 ///   (TOVA's and H2O's statistics of a decode step).
 ///
@@ -313,7 +316,6 @@ pub fn decode_attention_cpu(
     probs: bool,
 ) -> Result<Option<(Tensor, Option<Tensor>)>> {
     use candle_core::{CpuStorage, Storage};
-    use std::sync::OnceLock;
     let (kv_heads, g, d) = q.dims3()?;
     let (kh, t, kd) = k.dims3()?;
     if (kh, kd) != (kv_heads, d) || v.dim(0)? != kh || v.dim(1)? != t || t == 0 || d == 0 {
@@ -328,19 +330,16 @@ pub fn decode_attention_cpu(
         // Values of another head size than keys: the general path.
         return Ok(None);
     }
-    let unit: DecodeUnit = match d {
-        64 => decode_unit::<64>,
-        128 => decode_unit::<128>,
-        256 => decode_unit::<256>,
-        _ => return Ok(None),
-    };
-    let cpu_f32 = |x: &Tensor| x.device().is_cpu() && x.dtype() == DType::F32;
-    if !(cpu_f32(q) && cpu_f32(k) && cpu_f32(v)) {
+    if !matches!(d, 64 | 128 | 256) {
+        return Ok(None);
+    }
+    let on_cpu = q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu();
+    if !on_cpu || q.dtype() != DType::F32 || k.dtype() != v.dtype() {
         return Ok(None);
     }
     // Element offset of head 0, the stride between heads and between rows; rows themselves
     // must be contiguous.
-    let rows_of = |x: &Tensor| -> Option<(usize, usize, usize)> {
+    let rows_of = |x: &Tensor| -> Option<Layout3> {
         let l = x.layout();
         let st = l.stride();
         (st[2] == 1).then_some((l.start_offset(), st[0], st[1]))
@@ -352,16 +351,56 @@ pub fn decode_attention_cpu(
     let (qs, _) = q.storage_and_layout();
     let (ks, _) = k.storage_and_layout();
     let (vs, _) = v.storage_and_layout();
-    let (
-        Storage::Cpu(CpuStorage::F32(qd)),
-        Storage::Cpu(CpuStorage::F32(kd)),
-        Storage::Cpu(CpuStorage::F32(vd)),
-    ) = (&*qs, &*ks, &*vs)
-    else {
+    let Storage::Cpu(CpuStorage::F32(qd)) = &*qs else {
         return Ok(None);
     };
     let qd = &qd[q.layout().start_offset()..][..kv_heads * g * d];
-    let head = |data, (off, head, row): (usize, usize, usize), h: usize| Rows {
+    let shape = (kv_heads, g, d, t);
+    let (out, probs_out) = match (&*ks, &*vs) {
+        (Storage::Cpu(CpuStorage::F32(kd)), Storage::Cpu(CpuStorage::F32(vd))) => {
+            decode_typed(qd, (kd, kl), (vd, vl), shape, probs)?
+        }
+        (Storage::Cpu(CpuStorage::F16(kd)), Storage::Cpu(CpuStorage::F16(vd))) => {
+            decode_typed(qd, (kd, kl), (vd, vl), shape, probs)?
+        }
+        (Storage::Cpu(CpuStorage::BF16(kd)), Storage::Cpu(CpuStorage::BF16(vd))) => {
+            decode_typed(qd, (kd, kl), (vd, vl), shape, probs)?
+        }
+        _ => return Ok(None),
+    };
+    drop((qs, ks, vs));
+    let y = Tensor::from_vec(out, (kv_heads, g, d), q.device())?;
+    let p = match probs_out {
+        Some(p) => Some(Tensor::from_vec(p, (kv_heads, g, t), q.device())?),
+        None => None,
+    };
+    Ok(Some((y, p)))
+}
+
+/// Element offset of head 0, stride between heads, stride between rows.
+type Layout3 = (usize, usize, usize);
+
+/// [`decode_attention_cpu`] on the raw data of a cache whose elements are `E`: the output
+/// `[kv_heads, g, d]` and, with `probs`, the probabilities `[kv_heads, g, T]`.
+fn decode_typed<E: KvElem>(
+    qd: &[f32],
+    (kd, kl): (&[E], Layout3),
+    (vd, vl): (&[E], Layout3),
+    (kv_heads, g, d, t): (usize, usize, usize, usize),
+    probs: bool,
+) -> Result<(Vec<f32>, Option<Vec<f32>>)> {
+    use std::sync::OnceLock;
+    let unit: DecodeUnit<E> = match d {
+        64 => decode_unit::<64, E>,
+        128 => decode_unit::<128, E>,
+        256 => decode_unit::<256, E>,
+        _ => {
+            return Err(ModelError::Shape(format!(
+                "decode attention: head size {d}"
+            )))
+        }
+    };
+    let head = |data, (off, head, row): Layout3, h: usize| Rows {
         data,
         start: off + h * head,
         stride: row,
@@ -394,7 +433,6 @@ pub fn decode_attention_cpu(
             let _ = slots[u].set(out);
         }
     });
-    drop((qs, ks, vs));
     let slots = slots
         .into_iter()
         .map(|s| {
@@ -435,12 +473,7 @@ pub fn decode_attention_cpu(
             }
         }
     }
-    let y = Tensor::from_vec(out, (kv_heads, g, d), q.device())?;
-    let p = match probs {
-        true => Some(Tensor::from_vec(probs_out, (kv_heads, g, t), q.device())?),
-        false => None,
-    };
-    Ok(Some((y, p)))
+    Ok((out, probs.then_some(probs_out)))
 }
 
 /// What one unit of [`decode_attention_cpu`] leaves for the merge, per query head `j` of its
@@ -453,18 +486,25 @@ struct UnitOut {
 }
 
 /// [`decode_unit`] for one head size.
-type DecodeUnit = fn(&[f32], Rows, Rows, usize, &mut [f32], &mut [f32]) -> (f32, f32);
+type DecodeUnit<E> = fn(&[f32], Rows<E>, Rows<E>, usize, &mut [f32], &mut [f32]) -> (f32, f32);
 
 /// Rows of one KV head in a cache buffer: row `i` starts at `start + i * stride`.
-#[derive(Clone, Copy)]
-struct Rows<'a> {
-    data: &'a [f32],
+struct Rows<'a, E> {
+    data: &'a [E],
     start: usize,
     stride: usize,
 }
 
-impl<'a> Rows<'a> {
-    fn row<const W: usize>(self, i: usize) -> &'a [f32; W] {
+// Derived `Clone`/`Copy` would require `E: Copy`; a view is copyable whatever it holds.
+impl<E> Clone for Rows<'_, E> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<E> Copy for Rows<'_, E> {}
+
+impl<'a, E> Rows<'a, E> {
+    fn row<const W: usize>(self, i: usize) -> &'a [E; W] {
         let at = self.start + i * self.stride;
         self.data[at..at + W]
             .try_into()
@@ -476,10 +516,10 @@ impl<'a> Rows<'a> {
 /// gets exp(score - max), `acc` the sum of value rows weighted by `e`, and the result is (max,
 /// sum of `e`). Rows are fixed-size arrays so that each step compiles to whole-vector
 /// operations.
-fn decode_unit<const W: usize>(
+fn decode_unit<const W: usize, E: KvElem>(
     q: &[f32],
-    keys: Rows,
-    values: Rows,
+    keys: Rows<E>,
+    values: Rows<E>,
     r0: usize,
     e: &mut [f32],
     acc: &mut [f32],
@@ -487,7 +527,7 @@ fn decode_unit<const W: usize>(
     let q: &[f32; W] = q.try_into().expect("a query row of W elements");
     let mut m = f32::NEG_INFINITY;
     for (i, ei) in e.iter_mut().enumerate() {
-        *ei = dot(q, keys.row::<W>(r0 + i));
+        *ei = E::dot(q, keys.row::<W>(r0 + i));
         m = m.max(*ei);
     }
     let mut z = 0f32;
@@ -498,13 +538,197 @@ fn decode_unit<const W: usize>(
     // Apart from the `exp` calls: around a call every vector register would be saved.
     let mut a = [0f32; W];
     for (i, &ei) in e.iter().enumerate() {
-        let v = values.row::<W>(r0 + i);
-        for c in 0..W {
-            a[c] = fma(ei, v[c], a[c]);
-        }
+        E::axpy(ei, values.row::<W>(r0 + i), &mut a);
     }
     acc.copy_from_slice(&a);
     (m, z)
+}
+
+/// Element types a KV cache may hold, as [`decode_unit`] reads them: widened to f32 on the fly.
+trait KvElem: Copy + Send + Sync + 'static {
+    /// `q · k` over `W` (a multiple of 16) elements.
+    fn dot<const W: usize>(q: &[f32; W], k: &[Self; W]) -> f32;
+    /// `acc += e · v`.
+    fn axpy<const W: usize>(e: f32, v: &[Self; W], acc: &mut [f32; W]);
+}
+
+impl KvElem for f32 {
+    #[inline(always)]
+    fn dot<const W: usize>(q: &[f32; W], k: &[f32; W]) -> f32 {
+        dot(q, k)
+    }
+
+    #[inline(always)]
+    fn axpy<const W: usize>(e: f32, v: &[f32; W], acc: &mut [f32; W]) {
+        for c in 0..W {
+            acc[c] = fma(e, v[c], acc[c]);
+        }
+    }
+}
+
+/// Eight f16 (`f16 = true`) or bf16 values at `p`, widened to f32.
+///
+/// # Safety
+/// The build targets AVX2 and F16C (the callers' cfg) and `p..p + 8` is readable.
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma",
+    target_feature = "f16c"
+))]
+#[inline(always)]
+unsafe fn widen8<const F16: bool>(p: *const u16) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    let h = _mm_loadu_si128(p.cast());
+    if F16 {
+        _mm256_cvtph_ps(h)
+    } else {
+        // bf16 is the top half of an f32.
+        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+    }
+}
+
+/// `q · k` and `acc += e · v` for 16-bit rows, with AVX2/FMA/F16C where the build targets them
+/// (x86-64-v3 has all three).
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma",
+    target_feature = "f16c"
+))]
+mod half_rows {
+    use std::arch::x86_64::*;
+
+    use super::widen8;
+
+    #[inline(always)]
+    pub fn dot<const W: usize, const F16: bool>(q: &[f32; W], k: &[u16; W]) -> f32 {
+        const { assert!(W.is_multiple_of(16)) };
+        // SAFETY: the module's cfg enables AVX2, FMA and F16C, and c + 16 <= W, so each load
+        // reads inside `q` and `k`.
+        unsafe {
+            let (mut s0, mut s1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+            for c in (0..W).step_by(16) {
+                let (pq, pk) = (q.as_ptr().add(c), k.as_ptr().add(c));
+                s0 = _mm256_fmadd_ps(_mm256_loadu_ps(pq), widen8::<F16>(pk), s0);
+                s1 = _mm256_fmadd_ps(_mm256_loadu_ps(pq.add(8)), widen8::<F16>(pk.add(8)), s1);
+            }
+            super::hsum(_mm256_add_ps(s0, s1))
+        }
+    }
+
+    #[inline(always)]
+    pub fn axpy<const W: usize, const F16: bool>(e: f32, v: &[u16; W], acc: &mut [f32; W]) {
+        const { assert!(W.is_multiple_of(8)) };
+        // SAFETY: as in `dot`; c + 8 <= W for `v` and `acc`.
+        unsafe {
+            let e = _mm256_set1_ps(e);
+            for c in (0..W).step_by(8) {
+                let pa = acc.as_mut_ptr().add(c);
+                let x = widen8::<F16>(v.as_ptr().add(c));
+                _mm256_storeu_ps(pa, _mm256_fmadd_ps(e, x, _mm256_loadu_ps(pa)));
+            }
+        }
+    }
+}
+
+/// The portable 16-bit rows: each element widened by `half`, then the f32 paths.
+#[cfg_attr(
+    all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma",
+        target_feature = "f16c"
+    ),
+    allow(dead_code)
+)]
+mod half_rows_portable {
+    #[inline(always)]
+    pub fn dot<const W: usize, E: Copy>(q: &[f32; W], k: &[E; W], f: impl Fn(E) -> f32) -> f32 {
+        super::dot_portable(q, &k.map(f))
+    }
+
+    #[inline(always)]
+    pub fn axpy<const W: usize, E: Copy>(
+        e: f32,
+        v: &[E; W],
+        acc: &mut [f32; W],
+        f: impl Fn(E) -> f32,
+    ) {
+        for c in 0..W {
+            acc[c] = super::fma(e, f(v[c]), acc[c]);
+        }
+    }
+}
+
+/// Implements [`KvElem`] for a 16-bit float type: SIMD when the build targets AVX2/FMA/F16C,
+/// else portable.
+macro_rules! half_elem {
+    ($t:ty, $f16:expr) => {
+        impl KvElem for $t {
+            #[inline(always)]
+            fn dot<const W: usize>(q: &[f32; W], k: &[$t; W]) -> f32 {
+                #[cfg(all(
+                    target_arch = "x86_64",
+                    target_feature = "avx2",
+                    target_feature = "fma",
+                    target_feature = "f16c"
+                ))]
+                return half_rows::dot::<W, { $f16 }>(q, bits(k));
+                #[allow(unreachable_code)]
+                half_rows_portable::dot(q, k, <$t>::to_f32)
+            }
+
+            #[inline(always)]
+            fn axpy<const W: usize>(e: f32, v: &[$t; W], acc: &mut [f32; W]) {
+                #[cfg(all(
+                    target_arch = "x86_64",
+                    target_feature = "avx2",
+                    target_feature = "fma",
+                    target_feature = "f16c"
+                ))]
+                return half_rows::axpy::<W, { $f16 }>(e, bits(v), acc);
+                #[allow(unreachable_code)]
+                half_rows_portable::axpy(e, v, acc, <$t>::to_f32)
+            }
+        }
+    };
+}
+
+/// A row of f16 or bf16 as its bit patterns (no copy).
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma",
+    target_feature = "f16c"
+))]
+#[inline(always)]
+fn bits<const W: usize, E>(row: &[E; W]) -> &[u16; W]
+where
+    [E]: half::slice::HalfFloatSliceExt,
+{
+    use half::slice::HalfFloatSliceExt;
+    row.as_slice()
+        .reinterpret_cast()
+        .try_into()
+        .expect("a row of W elements")
+}
+
+half_elem!(half::f16, true);
+half_elem!(half::bf16, false);
+
+/// Horizontal sum of 8 lanes.
+#[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
+#[inline(always)]
+fn hsum(s: std::arch::x86_64::__m256) -> f32 {
+    use std::arch::x86_64::*;
+    // SAFETY: the build enables AVX2 (the cfg above), which includes AVX and SSE3.
+    unsafe {
+        let s = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps::<1>(s));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        _mm_cvtss_f32(s)
+    }
 }
 
 /// `a · b` for rows of `W` (a multiple of 16) floats, with AVX2/FMA where the build targets
@@ -529,11 +753,7 @@ fn dot<const W: usize>(a: &[f32; W], b: &[f32; W]) -> f32 {
             s0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa), _mm256_loadu_ps(pb), s0);
             s1 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(8)), _mm256_loadu_ps(pb.add(8)), s1);
         }
-        let s = _mm256_add_ps(s0, s1);
-        let s = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps::<1>(s));
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
-        _mm_cvtss_f32(s)
+        hsum(_mm256_add_ps(s0, s1))
     }
 }
 
@@ -816,14 +1036,16 @@ mod tests {
     }
 
     /// The decode kernel against the eager path (candle matmuls and softmax), on `q` and on
-    /// K/V views as a cache's layer gives them.
+    /// K/V views as a cache's layer gives them; the eager path gets them widened to f32 (a
+    /// copy), the kernel reads them as they are.
     fn check_decode_kernel(q: &Tensor, k: &Tensor, v: &Tensor, label: &str) -> Result<()> {
         let g = q.dim(1)?;
-        let probs = attention_probs(q, k, None, g)?;
-        let want = attention_output(&probs, v)?;
+        let label = &format!("{label} kv {:?}", k.dtype());
+        let probs = attention_probs(q, &k.to_dtype(DType::F32)?, None, g)?;
+        let want = attention_output(&probs, &v.to_dtype(DType::F32)?)?;
         for with_probs in [false, true] {
             let (y, p) = decode_attention_cpu(q, k, v, with_probs)?
-                .expect("CPU f32 with head_dim 64/128/256 takes the kernel");
+                .expect("CPU f32 queries, head_dim 64/128/256 take the kernel");
             // f32 sums in another order: relative to the output's size.
             let diff = (&y - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
             let size = want.abs()?.max_all()?.to_scalar::<f32>()?.max(1.0);
@@ -846,8 +1068,11 @@ mod tests {
         Ok(())
     }
 
-    /// K and V as a cache gives them: the first T slots of buffers with spare slots and a head
-    /// before them; V from a buffer of another capacity and head offset than K, so that a
+    /// The dtypes a cache may hold.
+    const KV_DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
+
+    /// K and V as a cache gives them, in every cache dtype: the first T slots of buffers with
+    /// spare slots and a head before them; V from a buffer of another capacity and head offset than K, so that a
     /// mixed-up stride or offset shows. T spans one block of 256 keys, its edge, and many
     /// blocks (the merge across blocks); scores with a spread of ~±30.
     #[test]
@@ -859,19 +1084,28 @@ mod tests {
                     let sd = spread.sqrt();
                     let kb = Tensor::randn(0f32, sd, (kv + 1, t + 5, d), &dev)?;
                     let vb = (Tensor::randn(0f32, sd, (kv + 2, t + 11, d), &dev)? + 0.5)?;
-                    let k = kb.narrow(0, 1, kv)?.narrow(1, 0, t)?;
-                    let v = vb.narrow(0, 2, kv)?.narrow(1, 0, t)?;
                     let q = Tensor::randn(0f32, sd, (kv, g, d), &dev)?;
-                    let label = format!("{kv}x{g} d={d} T={t} spread={spread}");
-                    check_decode_kernel(&q, &k, &v, &label)?;
+                    for dt in KV_DTYPES {
+                        let (kb, vb) = (kb.to_dtype(dt)?, vb.to_dtype(dt)?);
+                        let k = kb.narrow(0, 1, kv)?.narrow(1, 0, t)?;
+                        let v = vb.narrow(0, 2, kv)?.narrow(1, 0, t)?;
+                        let label = format!("{kv}x{g} d={d} T={t} spread={spread}");
+                        check_decode_kernel(&q, &k, &v, &label)?;
+                    }
                 }
             }
             // Slots outermost, `[T, kv, d]` read as `[kv, T, d]`: rows kv·d apart, heads d.
             let t = 700;
-            let k = Tensor::randn(0f32, 1., (t, kv, d), &dev)?.transpose(0, 1)?;
-            let v = Tensor::randn(0f32, 1., (t, kv, d), &dev)?.transpose(0, 1)?;
             let q = Tensor::randn(0f32, 1., (kv, g, d), &dev)?;
-            check_decode_kernel(&q, &k, &v, &format!("{kv}x{g} d={d} slots outermost"))?;
+            for dt in KV_DTYPES {
+                let kv_of = || -> Result<Tensor> {
+                    Ok(Tensor::randn(0f32, 1., (t, kv, d), &dev)?
+                        .to_dtype(dt)?
+                        .transpose(0, 1)?)
+                };
+                let (k, v) = (kv_of()?, kv_of()?);
+                check_decode_kernel(&q, &k, &v, &format!("{kv}x{g} d={d} slots outermost"))?;
+            }
         }
         Ok(())
     }
@@ -933,6 +1167,35 @@ mod tests {
         Ok(())
     }
 
+    /// The 16-bit rows' dot and axpy, as this build compiles them and portable, against the
+    /// f32 ones on the widened row (exact inputs: only the summation order may differ).
+    #[test]
+    fn half_rows_match_f32() -> Result<()> {
+        fn check<E: KvElem>(q: &[f32; 128], k: &[E; 128], wide: &[f32; 128], f: fn(E) -> f32) {
+            let want = dot_portable(q, wide);
+            for (name, got) in [
+                ("dot", E::dot(q, k)),
+                ("portable", half_rows_portable::dot(q, k, f)),
+            ] {
+                assert!((got - want).abs() < 1e-4, "{name}: {got} vs {want}");
+            }
+            let mut want = *q;
+            <f32 as KvElem>::axpy(0.37, wide, &mut want);
+            let (mut got, mut port) = (*q, *q);
+            E::axpy(0.37, k, &mut got);
+            half_rows_portable::axpy(0.37, k, &mut port, f);
+            assert_eq!(got, want, "axpy");
+            assert_eq!(port, want, "portable axpy");
+        }
+        let x = Tensor::randn(0f32, 1., (2, 128), &Device::Cpu)?.to_vec2::<f32>()?;
+        let q: &[f32; 128] = x[0].as_slice().try_into().expect("128");
+        let k16: [half::f16; 128] = std::array::from_fn(|i| half::f16::from_f32(x[1][i]));
+        let kb16: [half::bf16; 128] = std::array::from_fn(|i| half::bf16::from_f32(x[1][i]));
+        check(q, &k16, &k16.map(half::f16::to_f32), half::f16::to_f32);
+        check(q, &kb16, &kb16.map(half::bf16::to_f32), half::bf16::to_f32);
+        Ok(())
+    }
+
     /// Inputs the kernel does not take are left to the general path, never misread.
     #[test]
     fn decode_kernel_declines_what_it_does_not_take() -> Result<()> {
@@ -948,7 +1211,22 @@ mod tests {
         let h = |x: &Tensor| x.to_dtype(DType::BF16);
         assert!(
             decode_attention_cpu(&h(&q)?, &h(&k)?, &h(&k)?, false)?.is_none(),
-            "bf16"
+            "bf16 queries"
+        );
+        let f16 = k.to_dtype(DType::F16)?;
+        assert!(
+            decode_attention_cpu(&q, &f16, &h(&k)?, false)?.is_none(),
+            "K and V of different dtypes"
+        );
+        assert!(
+            decode_attention_cpu(
+                &q,
+                &k.to_dtype(DType::F64)?,
+                &k.to_dtype(DType::F64)?,
+                false
+            )?
+            .is_none(),
+            "f64 cache"
         );
         // Rows not contiguous (a transposed view).
         let kt = Tensor::randn(0f32, 1., (2, 64, 9), &dev)?.transpose(1, 2)?;

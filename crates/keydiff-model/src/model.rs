@@ -103,6 +103,14 @@ impl Attention {
         let rows = cache.stats_rows(b);
         let layer = cache.layer(li);
         let (keys, values) = (layer.keys()?, layer.values()?);
+        // A cache held in another dtype than the activations (`Model::set_kv_dtype`) is read
+        // in place by the decode kernel; the general path gets a converted copy of the view.
+        let cast = |t: &Tensor| -> Result<Tensor> {
+            match t.dtype() == q.dtype() {
+                true => Ok(t.clone()),
+                false => Ok(t.to_dtype(q.dtype())?),
+            }
+        };
         // A one-token chunk (a decode step) on the CPU in f32 runs the decode kernel under
         // either backend (see decode_attention_cpu): `[kv, g, d]`, and for eager the
         // probabilities its statistics need; flash takes its statistics from the extra pass,
@@ -123,8 +131,8 @@ impl Attention {
                 let (y, probs) = match decoded {
                     Some(yp) => yp,
                     None => {
-                        let probs = attention_probs(&q, &keys, mask, g)?;
-                        (attention_output(&probs, &values)?, Some(probs))
+                        let probs = attention_probs(&q, &cast(&keys)?, mask, g)?;
+                        (attention_output(&probs, &cast(&values)?)?, Some(probs))
                     }
                 };
                 let stats = match (rows, &probs) {
@@ -152,11 +160,17 @@ impl Attention {
                 // The cache read in place as [1, T, kv, d].
                 let view = |t: Tensor| -> Result<Tensor> { Ok(t.transpose(0, 1)?.unsqueeze(0)?) };
                 // The decode kernel is flash-decoding: it never holds a row of probabilities.
+                let keys = match (&decoded, rows) {
+                    (Some(_), None) => keys,
+                    _ => cast(&keys)?,
+                };
                 let y = match decoded {
                     Some((y, _)) => y.reshape((b, h * d))?,
-                    None => {
-                        flash_attend(&q.transpose(1, 2)?, &view(keys.clone())?, &view(values)?)?
-                    }
+                    None => flash_attend(
+                        &q.transpose(1, 2)?,
+                        &view(keys.clone())?,
+                        &view(cast(&values)?)?,
+                    )?,
                 };
                 clock.lap(cache, Region::Attention)?;
                 let stats = match rows {
@@ -270,6 +284,8 @@ pub struct Model {
     rope: Rope,
     device: Device,
     dtype: DType,
+    /// Dtype the KV cache holds (`dtype` unless [`Model::set_kv_dtype`] chose another).
+    kv_dtype: DType,
     attention: AttentionBackend,
 }
 
@@ -319,8 +335,30 @@ impl Model {
             ),
             device,
             dtype,
+            kv_dtype: dtype,
             attention: AttentionBackend::Eager,
         })
+    }
+
+    /// Chooses the dtype the KV cache holds: f32, f16 or bf16, whatever the activations' dtype.
+    /// Keys and values are rounded to it when they are appended, and eviction scores them as
+    /// stored. Attention reads it in place where it can (the CPU decode kernel reads f16/bf16
+    /// rows directly); elsewhere a cache of another dtype than the activations is converted to
+    /// theirs for each chunk, a copy of the view.
+    pub fn set_kv_dtype(&mut self, dtype: DType) -> Result<()> {
+        if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
+            return Err(ModelError::Unsupported(format!(
+                "KV cache dtype {} (expected f32, f16, bf16)",
+                dtype.as_str()
+            )));
+        }
+        self.kv_dtype = dtype;
+        Ok(())
+    }
+
+    /// Dtype the KV cache holds.
+    pub fn kv_dtype(&self) -> DType {
+        self.kv_dtype
     }
 
     /// Chooses how chunk attention is computed, resolving `Auto` for this model, device and
@@ -346,7 +384,7 @@ impl Model {
             self.cfg.num_kv_heads,
             self.cfg.head_dim,
             max_tokens,
-            self.dtype,
+            self.kv_dtype,
             &self.device,
         )?)
     }
@@ -416,7 +454,7 @@ impl Model {
         &self.device
     }
 
-    /// Compute dtype of activations and the KV cache.
+    /// Compute dtype of the activations (the KV cache's may differ: [`Model::kv_dtype`]).
     pub fn dtype(&self) -> DType {
         self.dtype
     }

@@ -420,6 +420,10 @@ pub struct Provenance {
     pub machine: String,
     pub device: String,
     pub dtype: String,
+    /// Dtype the KV cache held; empty in rows written before it was recorded, whose cache
+    /// held `dtype`.
+    #[serde(default)]
+    pub kv_dtype: String,
     /// Attention backend (`eager` or `flash`); rows written before it was recorded were eager.
     #[serde(default = "eager")]
     pub attention: String,
@@ -467,6 +471,12 @@ impl Provenance {
             machine,
             device,
             dtype: format!("{:?}", engine.config().dtype).to_lowercase(),
+            kv_dtype: engine
+                .config()
+                .kv_dtype
+                .unwrap_or(engine.config().dtype)
+                .as_str()
+                .to_string(),
             attention: engine.config().attention.name().to_string(),
             model: engine.origin().to_string(),
             random_weights,

@@ -21,8 +21,13 @@ pub const DEFAULT_CHUNK: usize = 128;
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
     pub device: Device,
-    /// Activation and KV dtype (f32 on CPU is the reference; bf16 on GPU).
+    /// Activation dtype, and the KV cache's unless `kv_dtype` says otherwise (f32 on CPU is
+    /// the reference; bf16 on GPU).
     pub dtype: DType,
+    /// Dtype the KV cache holds: f32, f16 or bf16 (`None`: `dtype`). f16 on the CPU halves the
+    /// cache's memory, as llama.cpp's default cache type does. [`Engine::config`] reports the
+    /// dtype in use.
+    pub kv_dtype: Option<DType>,
     /// Chunk size B, budget N, eviction policy and timing.
     pub cache: CacheConfig,
     /// How quantized GGUF weights are kept on the CPU: a dense copy for prefill chunks (GEMM
@@ -42,6 +47,7 @@ impl Default for EngineConfig {
         Self {
             device: Device::Cpu,
             dtype: DType::F32,
+            kv_dtype: None,
             cache: CacheConfig::full(DEFAULT_CHUNK),
             cpu_weights: CpuWeights::FAST,
             attention: AttentionBackend::Auto,
@@ -129,6 +135,8 @@ pub struct Stats {
     pub decode_tok_s: f64,
     /// Bytes of the KV cache buffers, allocated once for the request.
     pub peak_kv_bytes: usize,
+    /// Dtype the KV cache held (`f32`, `f16`, `bf16`).
+    pub kv_dtype: String,
     /// Slots per layer and head at the end (at most N + K under a budget).
     pub final_cache_len: usize,
     /// Evictions, evicted slots, and seconds spent scoring and selecting/moving.
@@ -259,12 +267,23 @@ impl Engine {
             }
         };
         loaded.model.set_attention(cfg.attention)?;
-        // The config reports the backend in use: `Auto` resolved for this model.
+        loaded
+            .model
+            .set_kv_dtype(cfg.kv_dtype.unwrap_or(cfg.dtype))
+            .map_err(|e| EngineError::BadParams(e.to_string()))?;
+        // The config reports the backend and cache dtype in use: `Auto` resolved for this
+        // model.
         let cfg = EngineConfig {
             attention: loaded.model.attention(),
+            kv_dtype: Some(loaded.model.kv_dtype()),
             ..cfg.clone()
         };
-        tracing::info!(origin = %loaded.origin, attention = %cfg.attention, "model loaded");
+        tracing::info!(
+            origin = %loaded.origin,
+            attention = %cfg.attention,
+            kv_dtype = loaded.model.kv_dtype().as_str(),
+            "model loaded"
+        );
         Ok(Self { loaded, cfg })
     }
 
@@ -561,6 +580,7 @@ impl Engine {
                 0.0
             },
             peak_kv_bytes,
+            kv_dtype: self.loaded.model.kv_dtype().as_str().to_string(),
             final_cache_len: cache.len(),
             eviction: cache.counters(),
             breakdown,
