@@ -2,7 +2,8 @@
 //! fused kernel), one layer's chunk of B = 128 queries over a cache of N + B slots read in place,
 //! on the shapes of the models we test; and the statistics TOVA needs (the last query row), which
 //! eager gets from its probabilities and flash from an extra pass. Then one decode step (one
-//! query row per head): eager's candle matmuls against the decode kernel the model uses.
+//! query row per head): eager's candle matmuls against the decode kernel the model uses, on
+//! f32, f16 and bf16 caches.
 //!
 //!     cargo bench -p keydiff-model --bench attention
 
@@ -70,6 +71,15 @@ fn attention(c: &mut Criterion) {
         grp.bench_function(BenchmarkId::new("kernel+probs", name), |bch| {
             bch.iter(|| decode_attention_cpu(&q, &k, &v, true).unwrap().unwrap())
         });
+        // The same cache held in f16 and bf16 (`--kv-dtype`): half the bytes to read.
+        for dt in [DType::F16, DType::BF16] {
+            let (kh, vh) = (kbuf.to_dtype(dt).unwrap(), vbuf.to_dtype(dt).unwrap());
+            let (kh, vh) = (kh.narrow(1, 0, t).unwrap(), vh.narrow(1, 0, t).unwrap());
+            let id = BenchmarkId::new(format!("kernel {}-cache", dt.as_str()), name);
+            grp.bench_function(id, |bch| {
+                bch.iter(|| decode_attention_cpu(&q, &kh, &vh, false).unwrap().unwrap())
+            });
+        }
     }
     grp.finish();
 }

@@ -4,6 +4,7 @@
 pub mod attention;
 pub mod chat;
 pub mod config;
+mod decode_kernel;
 pub mod error;
 mod gguf_check;
 mod load;

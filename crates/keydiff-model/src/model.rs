@@ -10,7 +10,7 @@ use keydiff_cache::{AttnStats, CacheConfig, KvCache};
 
 use crate::attention::{
     attention_output, attention_probs, chunk_mask, decode_attention_cpu, flash_attend, row_sums,
-    stats_pass, AttentionBackend,
+    stats_pass, widen_cache_view, AttentionBackend,
 };
 use crate::config::{Arch, ModelConfig};
 use crate::error::{ModelError, Result};
@@ -106,9 +106,15 @@ impl Attention {
         // A cache held in another dtype than the activations (`Model::set_kv_dtype`) is read
         // in place by the decode kernel; the general path gets a converted copy of the view.
         let cast = |t: &Tensor| -> Result<Tensor> {
-            match t.dtype() == q.dtype() {
-                true => Ok(t.clone()),
-                false => Ok(t.to_dtype(q.dtype())?),
+            if t.dtype() == q.dtype() {
+                return Ok(t.clone());
+            }
+            match q.dtype() {
+                DType::F32 => match widen_cache_view(t)? {
+                    Some(w) => Ok(w),
+                    None => Ok(t.to_dtype(DType::F32)?),
+                },
+                dt => Ok(t.to_dtype(dt)?),
             }
         };
         // A one-token chunk (a decode step) on the CPU in f32 runs the decode kernel under

@@ -1,0 +1,962 @@
+//! The CPU decode kernel: one decode step's attention (a single query row per head) over the
+//! cache, read in place in f32, f16 or bf16, without candle's GEMMs. See
+//! [`decode_attention_cpu`].
+
+use candle_core::{DType, Tensor};
+
+use crate::error::{ModelError, Result};
+
+/// Keys per unit of work in [`decode_attention_cpu`].
+const DECODE_ROWS: usize = 256;
+
+/// One decode step's attention on the CPU, without GEMMs: the eager result for a single f32
+/// query row per head over a cache held in f32, f16 or bf16, or `None` when the inputs are not
+/// that, on the CPU with contiguous head rows and a head size of 64, 128 or 256 (the caller
+/// then takes the general path).
+///
+/// - `q`: `[kv_heads, g, d]` f32; `k`, `v`: `[kv_heads, T, d]`, views of the cache read in
+///   place, both of one dtype. f16/bf16 rows are widened to f32 as they are read, so the result
+///   is the eager one over the widened cache.
+/// - Returns `[kv_heads, g, d]`, and with `probs` the softmax rows `[kv_heads, g, T]` in f32
+///   (TOVA's and H2O's statistics of a decode step).
+///
+/// Why not candle's matmuls: for one query row they run GEMMs of 1–7 rows, and the gemm crate
+/// packs the whole K and V views into its own layout on every call (measured: 0.6 ms per
+/// SmolLM2 layer at 1,700 slots, most of a decode step). A decode step reads the whole cache
+/// for little arithmetic, so the work is laid out for memory, as in flash-decoding: a unit is
+/// [`DECODE_ROWS`] keys of one KV head, whose K and V rows are read once, by one thread, for
+/// all g query heads of the group. It gives, per query head, exp(score - the unit's max), their
+/// sum, and the value rows weighted by them; the units are then merged with the usual rescaling
+/// by exp(unit max - max). Units run on candle's CPU thread pool, the one its quantized matmuls
+/// use, so no second pool competes for the cores. Checked against
+/// [`attention_probs`]/[`attention_output`] in the tests.
+pub fn decode_attention_cpu(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    probs: bool,
+) -> Result<Option<(Tensor, Option<Tensor>)>> {
+    use candle_core::{CpuStorage, Storage};
+    let (kv_heads, g, d) = q.dims3()?;
+    let (kh, t, kd) = k.dims3()?;
+    if (kh, kd) != (kv_heads, d) || v.dim(0)? != kh || v.dim(1)? != t || t == 0 || d == 0 {
+        return Err(ModelError::Shape(format!(
+            "decode attention: q {:?}, k {:?}, v {:?}",
+            q.dims(),
+            k.dims(),
+            v.dims()
+        )));
+    }
+    if v.dims() != k.dims() {
+        // Values of another head size than keys: the general path.
+        return Ok(None);
+    }
+    if !matches!(d, 64 | 128 | 256) {
+        return Ok(None);
+    }
+    let on_cpu = q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu();
+    if !on_cpu || q.dtype() != DType::F32 || k.dtype() != v.dtype() {
+        return Ok(None);
+    }
+    // Element offset of head 0, the stride between heads and between rows; rows themselves
+    // must be contiguous.
+    let rows_of = |x: &Tensor| -> Option<Layout3> {
+        let l = x.layout();
+        let st = l.stride();
+        (st[2] == 1).then_some((l.start_offset(), st[0], st[1]))
+    };
+    let (Some(kl), Some(vl)) = (rows_of(k), rows_of(v)) else {
+        return Ok(None);
+    };
+    let q = (q * (1.0 / (d as f64).sqrt()))?.contiguous()?;
+    let (qs, _) = q.storage_and_layout();
+    let (ks, _) = k.storage_and_layout();
+    let (vs, _) = v.storage_and_layout();
+    let Storage::Cpu(CpuStorage::F32(qd)) = &*qs else {
+        return Ok(None);
+    };
+    let qd = &qd[q.layout().start_offset()..][..kv_heads * g * d];
+    let shape = (kv_heads, g, d, t);
+    let (out, probs_out) = match (&*ks, &*vs) {
+        (Storage::Cpu(CpuStorage::F32(kd)), Storage::Cpu(CpuStorage::F32(vd))) => {
+            decode_typed(qd, (kd, kl), (vd, vl), shape, probs)?
+        }
+        (Storage::Cpu(CpuStorage::F16(kd)), Storage::Cpu(CpuStorage::F16(vd))) => {
+            decode_typed(qd, (kd, kl), (vd, vl), shape, probs)?
+        }
+        (Storage::Cpu(CpuStorage::BF16(kd)), Storage::Cpu(CpuStorage::BF16(vd))) => {
+            decode_typed(qd, (kd, kl), (vd, vl), shape, probs)?
+        }
+        _ => return Ok(None),
+    };
+    drop((qs, ks, vs));
+    let y = Tensor::from_vec(out, (kv_heads, g, d), q.device())?;
+    let p = match probs_out {
+        Some(p) => Some(Tensor::from_vec(p, (kv_heads, g, t), q.device())?),
+        None => None,
+    };
+    Ok(Some((y, p)))
+}
+
+/// An f16/bf16 cache view `[kv_heads, T, d]` on the CPU widened to a contiguous f32 tensor,
+/// eight values at a time with SIMD where the build has it; `None` for anything else (other
+/// dtypes or devices, rows not contiguous). The general attention path takes this copy of a
+/// cache held in half precision under f32 activations: candle's `to_dtype` widens one value
+/// at a time, which made an f16 cache's prefill 15% slower on SmolLM2 (2,048 tokens).
+pub fn widen_cache_view(x: &Tensor) -> Result<Option<Tensor>> {
+    use candle_core::{CpuStorage, Storage};
+    let Ok((heads, t, d)) = x.dims3() else {
+        return Ok(None);
+    };
+    let l = x.layout();
+    let st = l.stride();
+    if !x.device().is_cpu() || st[2] != 1 {
+        return Ok(None);
+    }
+    let (off, hs, rs) = (l.start_offset(), st[0], st[1]);
+    fn widen<E: KvElem>(
+        data: &[E],
+        (heads, t, d): (usize, usize, usize),
+        (off, hs, rs): Layout3,
+    ) -> Vec<f32> {
+        let mut out = vec![0f32; heads * t * d];
+        for (i, o) in out.chunks_exact_mut(d).enumerate() {
+            let at = off + (i / t) * hs + (i % t) * rs;
+            E::widen_into(&data[at..at + d], o);
+        }
+        out
+    }
+    let (s, _) = x.storage_and_layout();
+    let out = match &*s {
+        Storage::Cpu(CpuStorage::F16(data)) => widen(data, (heads, t, d), (off, hs, rs)),
+        Storage::Cpu(CpuStorage::BF16(data)) => widen(data, (heads, t, d), (off, hs, rs)),
+        _ => return Ok(None),
+    };
+    drop(s);
+    Ok(Some(Tensor::from_vec(out, (heads, t, d), x.device())?))
+}
+
+/// Element offset of head 0, stride between heads, stride between rows.
+type Layout3 = (usize, usize, usize);
+
+/// [`decode_attention_cpu`] on the raw data of a cache whose elements are `E`: the output
+/// `[kv_heads, g, d]` and, with `probs`, the probabilities `[kv_heads, g, T]`.
+fn decode_typed<E: KvElem>(
+    qd: &[f32],
+    (kd, kl): (&[E], Layout3),
+    (vd, vl): (&[E], Layout3),
+    (kv_heads, g, d, t): (usize, usize, usize, usize),
+    probs: bool,
+) -> Result<(Vec<f32>, Option<Vec<f32>>)> {
+    use std::sync::OnceLock;
+    let unit: DecodeUnit = match d {
+        64 => decode_unit::<64>,
+        128 => decode_unit::<128>,
+        256 => decode_unit::<256>,
+        _ => {
+            return Err(ModelError::Shape(format!(
+                "decode attention: head size {d}"
+            )))
+        }
+    };
+    let head = |data, (off, head, row): Layout3, h: usize| Rows {
+        data,
+        start: off + h * head,
+        stride: row,
+    };
+    thread_local! {
+        /// A unit's K and V rows widened to f32 (caches in f16/bf16), reused across units.
+        static WIDE: std::cell::RefCell<(Vec<f32>, Vec<f32>)> = Default::default();
+    }
+    let blocks = t.div_ceil(DECODE_ROWS);
+    // Each unit fills its own slot, no lock shared between units.
+    let slots: Vec<OnceLock<UnitOut>> = (0..kv_heads * blocks).map(|_| OnceLock::new()).collect();
+    candle_core::utils::barrier_pool().execute_chunked(slots.len(), |range| {
+        for u in range {
+            let (h, b) = (u / blocks, u % blocks);
+            let r0 = b * DECODE_ROWS;
+            let n = DECODE_ROWS.min(t - r0);
+            let (keys, values) = (head(kd, kl, h), head(vd, vl, h));
+            let mut out = UnitOut {
+                max_sum: Vec::with_capacity(g),
+                partial: vec![0f32; g * d],
+                e: vec![0f32; g * n],
+            };
+            let mut run = |keys: Rows<f32>, values: Rows<f32>, r0: usize| {
+                for (j, (e, acc)) in out
+                    .e
+                    .chunks_exact_mut(n)
+                    .zip(out.partial.chunks_exact_mut(d))
+                    .enumerate()
+                {
+                    let row = h * g + j;
+                    out.max_sum
+                        .push(unit(&qd[row * d..][..d], keys, values, r0, e, acc));
+                }
+            };
+            match (E::as_f32(keys.data), E::as_f32(values.data)) {
+                (Some(k), Some(v)) => run(
+                    Rows {
+                        data: k,
+                        ..keys.erase()
+                    },
+                    Rows {
+                        data: v,
+                        ..values.erase()
+                    },
+                    r0,
+                ),
+                // Widened once here rather than once per query head of the group: the
+                // conversions would otherwise bound the unit.
+                _ => WIDE.with_borrow_mut(|(wk, wv)| {
+                    keys.widen_into(r0, n, d, wk);
+                    values.widen_into(r0, n, d, wv);
+                    let dense = |data| Rows {
+                        data,
+                        start: 0,
+                        stride: d,
+                    };
+                    run(dense(wk), dense(wv), 0)
+                }),
+            }
+            // Each index comes once from `execute_chunked`: the slot is empty.
+            let _ = slots[u].set(out);
+        }
+    });
+    let slots = slots
+        .into_iter()
+        .map(|s| {
+            s.into_inner()
+                .ok_or_else(|| ModelError::Shape("decode attention: a unit did not run".into()))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    // Merge per query head: unit b counts exp(max_b - max) / sum over units of
+    // sum_b · exp(max_b - max).
+    let mut out = vec![0f32; kv_heads * g * d];
+    let mut probs_out = vec![0f32; if probs { kv_heads * g * t } else { 0 }];
+    let mut coef = vec![0f32; blocks];
+    for (row, o) in out.chunks_exact_mut(d).enumerate() {
+        let (h, j) = (row / g, row % g);
+        let units = &slots[h * blocks..][..blocks];
+        let m = units
+            .iter()
+            .fold(f32::NEG_INFINITY, |m, u| m.max(u.max_sum[j].0));
+        let z: f32 = units
+            .iter()
+            .map(|u| u.max_sum[j].1 * (u.max_sum[j].0 - m).exp())
+            .sum();
+        for (c, u) in coef.iter_mut().zip(units) {
+            *c = (u.max_sum[j].0 - m).exp() / z;
+        }
+        for (u, &c) in units.iter().zip(&coef) {
+            for (o, &x) in o.iter_mut().zip(&u.partial[j * d..][..d]) {
+                *o = fma(c, x, *o);
+            }
+        }
+        if probs {
+            let p = &mut probs_out[row * t..][..t];
+            for ((pb, u), &c) in p.chunks_mut(DECODE_ROWS).zip(units).zip(&coef) {
+                let n = pb.len();
+                for (p, &x) in pb.iter_mut().zip(&u.e[j * n..][..n]) {
+                    *p = x * c;
+                }
+            }
+        }
+    }
+    Ok((out, probs.then_some(probs_out)))
+}
+
+/// What one unit of [`decode_attention_cpu`] leaves for the merge, per query head `j` of its
+/// group: (max, sum) of its scores, its weighted value rows (`partial[j·d..]`) and
+/// exp(score - max) of its `n` keys (`e[j·n..]`).
+struct UnitOut {
+    max_sum: Vec<(f32, f32)>,
+    partial: Vec<f32>,
+    e: Vec<f32>,
+}
+
+/// [`decode_unit`] for one head size.
+type DecodeUnit = fn(&[f32], Rows<f32>, Rows<f32>, usize, &mut [f32], &mut [f32]) -> (f32, f32);
+
+/// Rows of one KV head in a cache buffer: row `i` starts at `start + i * stride`.
+struct Rows<'a, E> {
+    data: &'a [E],
+    start: usize,
+    stride: usize,
+}
+
+// Derived `Clone`/`Copy` would require `E: Copy`; a view is copyable whatever it holds.
+impl<E> Clone for Rows<'_, E> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<E> Copy for Rows<'_, E> {}
+
+impl<'a, E> Rows<'a, E> {
+    fn row<const W: usize>(self, i: usize) -> &'a [E; W] {
+        let at = self.start + i * self.stride;
+        self.data[at..at + W]
+            .try_into()
+            .expect("a row of W elements")
+    }
+
+    /// The same rows over no data (to be given other data of the same layout).
+    fn erase(self) -> Rows<'static, f32> {
+        Rows {
+            data: &[],
+            start: self.start,
+            stride: self.stride,
+        }
+    }
+}
+
+impl<E: KvElem> Rows<'_, E> {
+    /// Rows `r0..r0 + n` of `d` elements, widened into `out` back to back.
+    fn widen_into(self, r0: usize, n: usize, d: usize, out: &mut Vec<f32>) {
+        out.resize(n * d, 0.0);
+        for (i, o) in out.chunks_exact_mut(d).enumerate() {
+            let at = self.start + (r0 + i) * self.stride;
+            E::widen_into(&self.data[at..at + d], o);
+        }
+    }
+}
+
+/// One query head (`q`, already scaled; `W` = head size) over keys `r0..r0 + e.len()`: `e`
+/// gets exp(score - max), `acc` the sum of value rows weighted by `e`, and the result is (max,
+/// sum of `e`). Rows are fixed-size arrays so that each step compiles to whole-vector
+/// operations.
+fn decode_unit<const W: usize>(
+    q: &[f32],
+    keys: Rows<f32>,
+    values: Rows<f32>,
+    r0: usize,
+    e: &mut [f32],
+    acc: &mut [f32],
+) -> (f32, f32) {
+    let q: &[f32; W] = q.try_into().expect("a query row of W elements");
+    // Scores eight keys at a time (independent sums, one reduction for all eight), then the
+    // rest one by one.
+    let mut blocks = e.chunks_exact_mut(8);
+    let mut i = r0;
+    for s in &mut blocks {
+        s.copy_from_slice(&lanes::scores8(
+            q,
+            std::array::from_fn(|l| keys.row::<W>(i + l)),
+        ));
+        i += 8;
+    }
+    for s in blocks.into_remainder() {
+        *s = lanes::dot(q, keys.row::<W>(i));
+        i += 1;
+    }
+    let m = max(e);
+    let z = lanes::exp_shifted(e, m);
+    // Apart from the `exp` calls: around a call every vector register would be saved.
+    let mut a = [0f32; W];
+    for (i, &ei) in e.iter().enumerate() {
+        lanes::axpy(ei, values.row::<W>(r0 + i), &mut a);
+    }
+    acc.copy_from_slice(&a);
+    (m, z)
+}
+
+/// The largest of `x` (not empty, no NaN), in 8 independent lanes.
+fn max(x: &[f32]) -> f32 {
+    let mut m = [f32::NEG_INFINITY; 8];
+    let mut blocks = x.chunks_exact(8);
+    for b in &mut blocks {
+        for l in 0..8 {
+            m[l] = if b[l] > m[l] { b[l] } else { m[l] };
+        }
+    }
+    let rest = blocks.remainder().iter().copied();
+    m.into_iter().chain(rest).fold(f32::NEG_INFINITY, f32::max)
+}
+
+/// Element types a KV cache may hold, widened to f32 for [`decode_unit`].
+pub(crate) trait KvElem: Copy + Send + Sync + 'static {
+    fn widen(self) -> f32;
+
+    /// `x` itself when it already is f32.
+    fn as_f32(x: &[Self]) -> Option<&[f32]>;
+
+    /// `out[i] = widen(src[i])`, eight at a time where the build has SIMD for it.
+    fn widen_into(src: &[Self], out: &mut [f32]) {
+        for (o, x) in out.iter_mut().zip(src) {
+            *o = x.widen();
+        }
+    }
+}
+
+impl KvElem for f32 {
+    fn widen(self) -> f32 {
+        self
+    }
+
+    fn as_f32(x: &[f32]) -> Option<&[f32]> {
+        Some(x)
+    }
+}
+
+/// Implements [`KvElem`] for a 16-bit float type, whose eight values at a pointer `load8`
+/// widens to a vector.
+macro_rules! half_elem {
+    ($t:ty, $load8:path) => {
+        impl KvElem for $t {
+            fn widen(self) -> f32 {
+                self.to_f32()
+            }
+
+            fn as_f32(_: &[$t]) -> Option<&[f32]> {
+                None
+            }
+
+            #[cfg(avx2_f16c)]
+            fn widen_into(src: &[$t], out: &mut [f32]) {
+                use std::arch::x86_64::_mm256_storeu_ps;
+                let n = src.len().min(out.len());
+                let mut i = 0;
+                while i + 8 <= n {
+                    // SAFETY: i + 8 <= n, within both slices; the build targets AVX2 and
+                    // F16C (the cfg).
+                    unsafe {
+                        _mm256_storeu_ps(
+                            out.as_mut_ptr().add(i),
+                            $load8(src.as_ptr().add(i).cast()),
+                        )
+                    };
+                    i += 8;
+                }
+                for (o, x) in out[i..n].iter_mut().zip(&src[i..n]) {
+                    *o = x.widen();
+                }
+            }
+        }
+    };
+}
+
+half_elem!(half::f16, simd::load8_f16);
+half_elem!(half::bf16, simd::load8_bf16);
+
+/// The row operations of [`decode_unit`]: AVX2/FMA/F16C where the build targets them
+/// (`-C target-cpu=native` here, x86-64-v3 for carried binaries; `avx2_f16c`, set by
+/// build.rs), else portable. The compiler does not find the SIMD forms itself: it vectorised
+/// the portable dot product 2 lanes wide.
+#[cfg(avx2_f16c)]
+use simd as lanes;
+
+/// AVX2/FMA/F16C forms of the row operations.
+#[cfg(avx2_f16c)]
+mod simd {
+    use std::arch::x86_64::*;
+
+    /// Eight f16 at `p`, widened.
+    ///
+    /// # Safety
+    /// `p..p + 8` is readable.
+    #[inline(always)]
+    pub unsafe fn load8_f16(p: *const u16) -> __m256 {
+        // SAFETY: the caller's contract; the build targets F16C (the module's cfg).
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
+    }
+
+    /// Eight bf16 at `p`, widened: bf16 is the top half of an f32.
+    ///
+    /// # Safety
+    /// `p..p + 8` is readable.
+    #[inline(always)]
+    pub unsafe fn load8_bf16(p: *const u16) -> __m256 {
+        // SAFETY: the caller's contract; the build targets AVX2 (the module's cfg).
+        unsafe {
+            let h = _mm_loadu_si128(p.cast());
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+        }
+    }
+
+    /// `q · k` for rows of `W` (a multiple of 16): two 8-lane accumulators.
+    #[inline(always)]
+    pub fn dot<const W: usize>(q: &[f32; W], k: &[f32; W]) -> f32 {
+        const { assert!(W.is_multiple_of(16)) };
+        // SAFETY: the build targets AVX2/FMA/F16C (the module's cfg), and c + 16 <= W, so
+        // each 8-element load reads inside `q` and `k`.
+        unsafe {
+            let (mut s0, mut s1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+            for c in (0..W).step_by(16) {
+                let (pq, pk) = (q.as_ptr().add(c), k.as_ptr().add(c));
+                s0 = _mm256_fmadd_ps(_mm256_loadu_ps(pq), _mm256_loadu_ps(pk), s0);
+                s1 = _mm256_fmadd_ps(_mm256_loadu_ps(pq.add(8)), _mm256_loadu_ps(pk.add(8)), s1);
+            }
+            hsum(_mm256_add_ps(s0, s1))
+        }
+    }
+
+    /// `q · k[l]` for eight rows: one accumulator per row, reduced together.
+    #[inline(always)]
+    pub fn scores8<const W: usize>(q: &[f32; W], k: [&[f32; W]; 8]) -> [f32; 8] {
+        const { assert!(W.is_multiple_of(8)) };
+        // SAFETY: as in `dot`; c + 8 <= W.
+        unsafe {
+            let mut s = [_mm256_setzero_ps(); 8];
+            for c in (0..W).step_by(8) {
+                let x = _mm256_loadu_ps(q.as_ptr().add(c));
+                for l in 0..8 {
+                    s[l] = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[l].as_ptr().add(c)), s[l]);
+                }
+            }
+            // Lane sums of all eight, in order: pairwise horizontal adds, then the 128-bit
+            // halves of rows 0–3 and 4–7 added.
+            let t0 = _mm256_hadd_ps(s[0], s[1]);
+            let t1 = _mm256_hadd_ps(s[2], s[3]);
+            let t2 = _mm256_hadd_ps(s[4], s[5]);
+            let t3 = _mm256_hadd_ps(s[6], s[7]);
+            let u0 = _mm256_hadd_ps(t0, t1);
+            let u1 = _mm256_hadd_ps(t2, t3);
+            let lo = _mm256_permute2f128_ps::<0x20>(u0, u1);
+            let hi = _mm256_permute2f128_ps::<0x31>(u0, u1);
+            let mut out = [0f32; 8];
+            _mm256_storeu_ps(out.as_mut_ptr(), _mm256_add_ps(lo, hi));
+            out
+        }
+    }
+
+    /// `acc += e · v`.
+    #[inline(always)]
+    pub fn axpy<const W: usize>(e: f32, v: &[f32; W], acc: &mut [f32; W]) {
+        const { assert!(W.is_multiple_of(8)) };
+        // SAFETY: as in `dot`; c + 8 <= W for `v` and `acc`.
+        unsafe {
+            let e = _mm256_set1_ps(e);
+            for c in (0..W).step_by(8) {
+                let pa = acc.as_mut_ptr().add(c);
+                let x = _mm256_loadu_ps(v.as_ptr().add(c));
+                _mm256_storeu_ps(pa, _mm256_fmadd_ps(e, x, _mm256_loadu_ps(pa)));
+            }
+        }
+    }
+
+    /// `x[i] = exp(x[i] - m)` (every x[i] <= m) and their sum: [`exp8`] eight at a time, the
+    /// rest with `f32::exp`.
+    #[inline(always)]
+    pub fn exp_shifted(x: &mut [f32], m: f32) -> f32 {
+        let mut blocks = x.chunks_exact_mut(8);
+        // SAFETY: the build targets AVX2/FMA (the module's cfg); each block has 8 elements.
+        let mut z = unsafe {
+            let (mm, mut z) = (_mm256_set1_ps(m), _mm256_setzero_ps());
+            for b in &mut blocks {
+                let y = exp8(_mm256_sub_ps(_mm256_loadu_ps(b.as_ptr()), mm));
+                _mm256_storeu_ps(b.as_mut_ptr(), y);
+                z = _mm256_add_ps(z, y);
+            }
+            hsum(z)
+        };
+        for v in blocks.into_remainder() {
+            *v = (*v - m).exp();
+            z += *v;
+        }
+        z
+    }
+
+    /// exp of eight values at most 0 (Cephes' `expf`: x = n·ln 2 + r with |r| <= ln 2 / 2,
+    /// a degree-7 polynomial in r, times 2^n; within 2 ulp of `f32::exp`). Below -87.3 (past
+    /// the smallest normal f32) it gives 0, as the softmax needs.
+    #[inline(always)]
+    pub unsafe fn exp8(x: __m256) -> __m256 {
+        // SAFETY: the caller's build targets AVX2/FMA.
+        unsafe {
+            let tiny = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(-87.336_55));
+            let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+                _mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)),
+            );
+            // ln 2 in two parts, so that n · ln2_hi is exact.
+            let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
+            let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
+            let mut p = _mm256_set1_ps(1.987_569_1e-4);
+            for c in [
+                1.398_199_9e-3,
+                8.333_452e-3,
+                4.166_579_6e-2,
+                0.166_666_65,
+                0.5,
+            ] {
+                p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+            }
+            let r2 = _mm256_mul_ps(r, r);
+            let y = _mm256_add_ps(_mm256_fmadd_ps(p, r2, r), _mm256_set1_ps(1.0));
+            // 2^n through the exponent bits (n >= -126 here).
+            let pow2 = _mm256_slli_epi32::<23>(_mm256_add_epi32(
+                _mm256_cvtps_epi32(n),
+                _mm256_set1_epi32(127),
+            ));
+            let y = _mm256_mul_ps(y, _mm256_castsi256_ps(pow2));
+            _mm256_andnot_ps(tiny, y)
+        }
+    }
+
+    /// Horizontal sum of 8 lanes.
+    #[inline(always)]
+    fn hsum(s: __m256) -> f32 {
+        // SAFETY: the build targets AVX2 (the module's cfg), which includes AVX and SSE3.
+        unsafe {
+            let s = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps::<1>(s));
+            let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+            let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+            _mm_cvtss_f32(s)
+        }
+    }
+}
+
+/// Portable forms of the row operations (compiled everywhere, so that their tests run on x86
+/// too).
+#[cfg_attr(avx2_f16c, allow(dead_code))]
+mod portable {
+    use super::fma;
+
+    /// `q · k`: 16 independent lanes reduced pairwise.
+    #[inline(always)]
+    pub fn dot<const W: usize>(q: &[f32; W], k: &[f32; W]) -> f32 {
+        const L: usize = 16;
+        let mut acc = [0f32; L];
+        for (x, y) in q.as_chunks::<L>().0.iter().zip(k.as_chunks::<L>().0) {
+            for l in 0..L {
+                acc[l] = fma(x[l], y[l], acc[l]);
+            }
+        }
+        let mut w = L;
+        while w > 1 {
+            w /= 2;
+            for l in 0..w {
+                acc[l] += acc[l + w];
+            }
+        }
+        acc[0]
+    }
+
+    #[inline(always)]
+    pub fn scores8<const W: usize>(q: &[f32; W], k: [&[f32; W]; 8]) -> [f32; 8] {
+        k.map(|k| dot(q, k))
+    }
+
+    #[inline(always)]
+    pub fn axpy<const W: usize>(e: f32, v: &[f32; W], acc: &mut [f32; W]) {
+        for c in 0..W {
+            acc[c] = fma(e, v[c], acc[c]);
+        }
+    }
+
+    #[inline(always)]
+    pub fn exp_shifted(x: &mut [f32], m: f32) -> f32 {
+        let mut z = 0f32;
+        for v in x.iter_mut() {
+            *v = (*v - m).exp();
+            z += *v;
+        }
+        z
+    }
+}
+
+/// `a · b + c`, fused where the target has FMA (software `fmaf` would be far slower).
+#[inline(always)]
+fn fma(a: f32, b: f32, c: f32) -> f32 {
+    // Every aarch64 CPU has it.
+    if cfg!(any(target_feature = "fma", target_arch = "aarch64")) {
+        a.mul_add(b, c)
+    } else {
+        a * b + c
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{Device, D};
+
+    use super::*;
+    use crate::attention::{attention_output, attention_probs};
+
+    /// The decode kernel against the eager path (candle matmuls and softmax), on `q` and on
+    /// K/V views as a cache's layer gives them; the eager path gets them widened to f32 (a
+    /// copy), the kernel reads them as they are.
+    fn check_decode_kernel(q: &Tensor, k: &Tensor, v: &Tensor, label: &str) -> Result<()> {
+        let g = q.dim(1)?;
+        let label = &format!("{label} kv {:?}", k.dtype());
+        let probs = attention_probs(q, &k.to_dtype(DType::F32)?, None, g)?;
+        let want = attention_output(&probs, &v.to_dtype(DType::F32)?)?;
+        for with_probs in [false, true] {
+            let (y, p) = decode_attention_cpu(q, k, v, with_probs)?
+                .expect("CPU f32 queries, head_dim 64/128/256 take the kernel");
+            // f32 sums in another order: relative to the output's size.
+            let diff = (&y - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            let size = want.abs()?.max_all()?.to_scalar::<f32>()?.max(1.0);
+            assert!(diff < 1e-5 * size, "{label}: output max diff {diff}");
+            assert_eq!(p.is_some(), with_probs, "{label}");
+            if let Some(p) = p {
+                // Each probability to 1e-4 of itself (or 1e-9 absolute, for those that
+                // underflow), and each row sums to 1.
+                let err = ((&p - &probs)?.abs()? / (probs.abs()? + 1e-5)?)?
+                    .max_all()?
+                    .to_scalar::<f32>()?;
+                assert!(err < 1e-4, "{label}: probabilities max relative diff {err}");
+                let sums = p.sum(D::Minus1)?.flatten_all()?.to_vec1::<f32>()?;
+                assert!(
+                    sums.iter().all(|s| (s - 1.0).abs() < 1e-4),
+                    "{label}: row sums {sums:?}"
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// The dtypes a cache may hold.
+    const KV_DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
+
+    /// K and V as a cache gives them, in every cache dtype: the first T slots of buffers with
+    /// spare slots and a head before them; V from a buffer of another capacity and head offset than K, so that a
+    /// mixed-up stride or offset shows. T spans one block of 256 keys, its edge, and many
+    /// blocks (the merge across blocks); scores with a spread of ~±30.
+    #[test]
+    fn decode_kernel_matches_eager() -> Result<()> {
+        let dev = Device::Cpu;
+        for (kv, g, d) in [(3, 3, 64), (2, 7, 64), (1, 4, 128), (2, 1, 256)] {
+            for t in [1, 2, 17, 256, 257, 1000, 9000] {
+                for spread in [1f32, 8.0] {
+                    let sd = spread.sqrt();
+                    let kb = Tensor::randn(0f32, sd, (kv + 1, t + 5, d), &dev)?;
+                    let vb = (Tensor::randn(0f32, sd, (kv + 2, t + 11, d), &dev)? + 0.5)?;
+                    let q = Tensor::randn(0f32, sd, (kv, g, d), &dev)?;
+                    for dt in KV_DTYPES {
+                        let (kb, vb) = (kb.to_dtype(dt)?, vb.to_dtype(dt)?);
+                        let k = kb.narrow(0, 1, kv)?.narrow(1, 0, t)?;
+                        let v = vb.narrow(0, 2, kv)?.narrow(1, 0, t)?;
+                        let label = format!("{kv}x{g} d={d} T={t} spread={spread}");
+                        check_decode_kernel(&q, &k, &v, &label)?;
+                    }
+                }
+            }
+            // Slots outermost, `[T, kv, d]` read as `[kv, T, d]`: rows kv·d apart, heads d.
+            let t = 700;
+            let q = Tensor::randn(0f32, 1., (kv, g, d), &dev)?;
+            for dt in KV_DTYPES {
+                let kv_of = || -> Result<Tensor> {
+                    Ok(Tensor::randn(0f32, 1., (t, kv, d), &dev)?
+                        .to_dtype(dt)?
+                        .transpose(0, 1)?)
+                };
+                let (k, v) = (kv_of()?, kv_of()?);
+                check_decode_kernel(&q, &k, &v, &format!("{kv}x{g} d={d} slots outermost"))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Scores far beyond exp's range: without subtracting the max (or with a wrong max per
+    /// block) exp overflows. One key, in the last block, dominates; and with q = 0 every key
+    /// gets 1/T.
+    #[test]
+    fn decode_kernel_softmax_is_stable() -> Result<()> {
+        let dev = Device::Cpu;
+        let (kv, g, d, t) = (2, 3, 64, 1000);
+        let k = Tensor::randn(0f32, 1., (kv, t, d), &dev)?;
+        let v = Tensor::randn(0f32, 1., (kv, t, d), &dev)?;
+        // Scores of several hundred: q = 60 · (key 990 of its head) + noise.
+        let winner = k.narrow(1, 990, 1)?.broadcast_as((kv, g, d))?;
+        let q = ((winner * 60.0)? + Tensor::randn(0f32, 1., (kv, g, d), &dev)?)?;
+        check_decode_kernel(&q, &k, &v, "scores of hundreds")?;
+        let (y, p) = decode_attention_cpu(&q, &k, &v, true)?.expect("kernel");
+        let p = p.expect("probabilities");
+        let top = p.argmax(D::Minus1)?.flatten_all()?.to_vec1::<u32>()?;
+        assert!(top.iter().all(|&i| i == 990), "{top:?}");
+        let want = v.narrow(1, 990, 1)?.broadcast_as((kv, g, d))?;
+        let diff = (y - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(diff < 1e-4, "the dominant key's value row: max diff {diff}");
+        // q = 0: uniform.
+        let (y, p) = decode_attention_cpu(&q.zeros_like()?, &k, &v, true)?.expect("kernel");
+        let p = p.expect("probabilities").flatten_all()?.to_vec1::<f32>()?;
+        assert!(p.iter().all(|x| (x * t as f32 - 1.0).abs() < 1e-4));
+        let mean = v.mean_keepdim(1)?.broadcast_as((kv, g, d))?;
+        let diff = (y - mean)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(
+            diff < 1e-5,
+            "q = 0 gives the mean value row: max diff {diff}"
+        );
+        Ok(())
+    }
+
+    /// Inputs the kernel does not take are left to the general path, never misread.
+    #[test]
+    fn decode_kernel_declines_what_it_does_not_take() -> Result<()> {
+        let dev = Device::Cpu;
+        let q = Tensor::randn(0f32, 1., (2, 3, 80), &dev)?;
+        let k = Tensor::randn(0f32, 1., (2, 9, 80), &dev)?;
+        assert!(
+            decode_attention_cpu(&q, &k, &k, false)?.is_none(),
+            "head_dim 80"
+        );
+        let q = Tensor::randn(0f32, 1., (2, 3, 64), &dev)?;
+        let k = Tensor::randn(0f32, 1., (2, 9, 64), &dev)?;
+        let h = |x: &Tensor| x.to_dtype(DType::BF16);
+        assert!(
+            decode_attention_cpu(&h(&q)?, &h(&k)?, &h(&k)?, false)?.is_none(),
+            "bf16 queries"
+        );
+        let f16 = k.to_dtype(DType::F16)?;
+        assert!(
+            decode_attention_cpu(&q, &f16, &h(&k)?, false)?.is_none(),
+            "K and V of different dtypes"
+        );
+        assert!(
+            decode_attention_cpu(
+                &q,
+                &k.to_dtype(DType::F64)?,
+                &k.to_dtype(DType::F64)?,
+                false
+            )?
+            .is_none(),
+            "f64 cache"
+        );
+        // Rows not contiguous (a transposed view).
+        let kt = Tensor::randn(0f32, 1., (2, 64, 9), &dev)?.transpose(1, 2)?;
+        assert!(
+            decode_attention_cpu(&q, &kt, &kt, false)?.is_none(),
+            "strided rows"
+        );
+        // Mismatched shapes are an error, not a guess.
+        let k8 = Tensor::randn(0f32, 1., (2, 9, 32), &dev)?;
+        assert!(decode_attention_cpu(&q, &k8, &k8, false).is_err());
+        Ok(())
+    }
+
+    /// The row operations this build uses (SIMD on x86-64-v3) and the portable ones against
+    /// f64 sums.
+    #[test]
+    fn row_operations_match_naive() -> Result<()> {
+        let x = Tensor::randn(0f32, 1., (9, 128), &Device::Cpu)?.to_vec2::<f32>()?;
+        let row = |i: usize| -> &[f32; 128] { x[i].as_slice().try_into().expect("128") };
+        let q = row(0);
+        let naive = |k: &[f32; 128]| -> f32 {
+            q.iter()
+                .zip(k)
+                .map(|(a, b)| *a as f64 * *b as f64)
+                .sum::<f64>() as f32
+        };
+        let k8: [&[f32; 128]; 8] = std::array::from_fn(|l| row(l + 1));
+        let (fast8, port8) = (lanes::scores8(q, k8), portable::scores8(q, k8));
+        for (l, k) in k8.into_iter().enumerate() {
+            let want = naive(k);
+            for (name, got) in [
+                ("dot", lanes::dot(q, k)),
+                ("portable dot", portable::dot(q, k)),
+                ("scores8", fast8[l]),
+                ("portable scores8", port8[l]),
+            ] {
+                assert!((got - want).abs() < 1e-4, "{name} row {l}: {got} vs {want}");
+            }
+        }
+        let mut want = *q;
+        for (w, v) in want.iter_mut().zip(k8[0]) {
+            *w = fma(0.37, *v, *w);
+        }
+        let (mut got, mut port) = (*q, *q);
+        lanes::axpy(0.37, k8[0], &mut got);
+        portable::axpy(0.37, k8[0], &mut port);
+        assert_eq!(got, want, "axpy");
+        assert_eq!(port, want, "portable axpy");
+        Ok(())
+    }
+
+    /// f16/bf16 rows widened (SIMD where built, eight at a time, then the rest) exactly as
+    /// `half` widens each value.
+    #[test]
+    fn widening_is_exact() -> Result<()> {
+        fn check<E: KvElem>(x: &[f32], to: fn(f32) -> E) {
+            for n in [1, 8, 13, 64, 256] {
+                let src: Vec<E> = x[..n].iter().map(|&v| to(v)).collect();
+                let mut out = vec![f32::NAN; n];
+                E::widen_into(&src, &mut out);
+                let want: Vec<f32> = src.iter().map(|v| v.widen()).collect();
+                assert_eq!(out, want, "n = {n}");
+            }
+        }
+        let x = (Tensor::randn(0f32, 1., 256, &Device::Cpu)? * 100.0)?.to_vec1::<f32>()?;
+        check(&x, half::f16::from_f32);
+        check(&x, half::bf16::from_f32);
+        assert_eq!(half::f16::from_f32(1.5).widen(), 1.5);
+        assert_eq!(half::bf16::from_f32(-2.5).widen(), -2.5);
+        Ok(())
+    }
+
+    /// The softmax's exp against `f32::exp`: within 2 ulp from 0 down to where f32 runs out of
+    /// normal numbers, 0 below that, and the sum of the shifted values; lengths that leave a
+    /// remainder after the blocks of 8.
+    #[test]
+    fn exp_shifted_matches_f32_exp() {
+        for n in [1usize, 7, 8, 9, 4099] {
+            // From m down to m - 104, past the cut-off at -87.34.
+            let m = 3.25f32;
+            let x: Vec<f32> = (0..n).map(|i| m - 104.0 * i as f32 / (n as f32)).collect();
+            for (name, exp) in [
+                (
+                    "this build's",
+                    lanes::exp_shifted as fn(&mut [f32], f32) -> f32,
+                ),
+                ("portable", portable::exp_shifted),
+            ] {
+                let mut y = x.clone();
+                let z = exp(&mut y, m);
+                let mut sum = 0f64;
+                for (xi, yi) in x.iter().zip(&y) {
+                    let want = (xi - m).exp();
+                    sum += *yi as f64;
+                    if xi - m < -87.0 {
+                        assert!(*yi == 0.0 || (*yi - want).abs() <= 2.0 * f32::MIN_POSITIVE);
+                    } else {
+                        let ulp = want * f32::EPSILON;
+                        assert!(
+                            (yi - want).abs() <= 2.0 * ulp,
+                            "{name} exp({}) = {yi}, want {want}",
+                            xi - m
+                        );
+                    }
+                }
+                assert!(
+                    (z as f64 - sum).abs() <= 1e-6 * sum,
+                    "{name}: sum {z} vs {sum}"
+                );
+            }
+        }
+    }
+
+    /// The widened cache view is `to_dtype`'s, for views with offsets and strides as the
+    /// cache gives them, and in either row order.
+    #[test]
+    fn widened_views_equal_to_dtype() -> Result<()> {
+        let dev = Device::Cpu;
+        for dt in [DType::F16, DType::BF16] {
+            let buf = Tensor::randn(0f32, 1., (3, 40, 64), &dev)?.to_dtype(dt)?;
+            let outer = Tensor::randn(0f32, 1., (40, 3, 64), &dev)?.to_dtype(dt)?;
+            for v in [
+                buf.narrow(0, 1, 2)?.narrow(1, 3, 29)?,
+                outer.narrow(0, 0, 17)?.transpose(0, 1)?,
+            ] {
+                let got = widen_cache_view(&v)?.expect("a CPU half-precision view");
+                assert_eq!(got.dims(), v.dims());
+                let want = v.to_dtype(DType::F32)?;
+                let diff = (got - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+                assert_eq!(diff, 0.0, "{dt:?}");
+            }
+        }
+        let f32_view = Tensor::zeros((2, 3, 64), DType::F32, &dev)?;
+        assert!(widen_cache_view(&f32_view)?.is_none());
+        Ok(())
+    }
+
+    #[test]
+    fn max_of_blocks_and_rest() {
+        for n in [1usize, 5, 8, 13, 64] {
+            for at in 0..n {
+                let mut x: Vec<f32> = (0..n).map(|i| -(i as f32) - 1.0).collect();
+                x[at] = 0.5;
+                assert_eq!(max(&x), 0.5, "n={n} at={at}");
+            }
+        }
+    }
+}
