@@ -14,8 +14,11 @@
 //!   for SnapKV, every row for H2O. That extra pass is the cost KeyDiff does not pay.
 //!
 //! A chunk of one token (a decode step, or `--chunk 1`) on the CPU in f32 runs
-//! [`decode_attention_cpu`] under either backend: flash-decoding over blocks of the cache,
-//! without candle's GEMMs.
+//! [`decode_attention_cpu`] (module `decode_kernel`) under either backend: flash-decoding over
+//! blocks of the cache, without candle's GEMMs, reading an f32, f16 or bf16 cache.
+//!
+//! A cache held in another dtype than the activations (`--kv-dtype`) is given to the general
+//! path as a converted copy of the view, so flash then no longer reads the cache in place.
 
 use std::str::FromStr;
 
