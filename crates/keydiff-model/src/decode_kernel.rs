@@ -439,12 +439,12 @@ macro_rules! half_elem {
 half_elem!(half::f16, simd::load8_f16);
 half_elem!(half::bf16, simd::load8_bf16);
 
+// The row operations of `decode_unit` (`lanes`): AVX2/FMA/F16C where the build targets them
+// (`-C target-cpu=native` here, x86-64-v3 for carried binaries; `avx2_f16c`, set by
+// build.rs), else portable. The compiler does not find the SIMD forms itself: it vectorised
+// the portable dot product 2 lanes wide.
 #[cfg(not(avx2_f16c))]
 use portable as lanes;
-/// The row operations of [`decode_unit`]: AVX2/FMA/F16C where the build targets them
-/// (`-C target-cpu=native` here, x86-64-v3 for carried binaries; `avx2_f16c`, set by
-/// build.rs), else portable. The compiler does not find the SIMD forms itself: it vectorised
-/// the portable dot product 2 lanes wide.
 #[cfg(avx2_f16c)]
 use simd as lanes;
 
