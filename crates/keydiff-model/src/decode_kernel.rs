@@ -149,10 +149,10 @@ fn decode_typed<E: KvElem>(
     probs: bool,
 ) -> Result<(Vec<f32>, Option<Vec<f32>>)> {
     use std::sync::OnceLock;
-    let unit: DecodeUnit = match d {
-        64 => decode_unit::<64>,
-        128 => decode_unit::<128>,
-        256 => decode_unit::<256>,
+    let unit: DecodeUnit<E> = match d {
+        64 => decode_unit::<64, E>,
+        128 => decode_unit::<128, E>,
+        256 => decode_unit::<256, E>,
         _ => {
             return Err(ModelError::Shape(format!(
                 "decode attention: head size {d}"
@@ -164,10 +164,6 @@ fn decode_typed<E: KvElem>(
         start: off + h * head,
         stride: row,
     };
-    thread_local! {
-        /// A unit's K and V rows widened to f32 (caches in f16/bf16), reused across units.
-        static WIDE: std::cell::RefCell<(Vec<f32>, Vec<f32>)> = Default::default();
-    }
     let blocks = t.div_ceil(DECODE_ROWS);
     // Each unit fills its own slot, no lock shared between units.
     let slots: Vec<OnceLock<UnitOut>> = (0..kv_heads * blocks).map(|_| OnceLock::new()).collect();
@@ -182,43 +178,7 @@ fn decode_typed<E: KvElem>(
                 partial: vec![0f32; g * d],
                 e: vec![0f32; g * n],
             };
-            let mut run = |keys: Rows<f32>, values: Rows<f32>, r0: usize| {
-                for (j, (e, acc)) in out
-                    .e
-                    .chunks_exact_mut(n)
-                    .zip(out.partial.chunks_exact_mut(d))
-                    .enumerate()
-                {
-                    let row = h * g + j;
-                    out.max_sum
-                        .push(unit(&qd[row * d..][..d], keys, values, r0, e, acc));
-                }
-            };
-            match (E::as_f32(keys.data), E::as_f32(values.data)) {
-                (Some(k), Some(v)) => run(
-                    Rows {
-                        data: k,
-                        ..keys.erase()
-                    },
-                    Rows {
-                        data: v,
-                        ..values.erase()
-                    },
-                    r0,
-                ),
-                // Widened once here rather than once per query head of the group: the
-                // conversions would otherwise bound the unit.
-                _ => WIDE.with_borrow_mut(|(wk, wv)| {
-                    keys.widen_into(r0, n, d, wk);
-                    values.widen_into(r0, n, d, wv);
-                    let dense = |data| Rows {
-                        data,
-                        start: 0,
-                        stride: d,
-                    };
-                    run(dense(wk), dense(wv), 0)
-                }),
-            }
+            unit(&qd[h * g * d..][..g * d], keys, values, r0, &mut out);
             // Each index comes once from `execute_chunked`: the slot is empty.
             let _ = slots[u].set(out);
         }
@@ -276,7 +236,7 @@ struct UnitOut {
 }
 
 /// [`decode_unit`] for one head size.
-type DecodeUnit = fn(&[f32], Rows<f32>, Rows<f32>, usize, &mut [f32], &mut [f32]) -> (f32, f32);
+type DecodeUnit<E> = fn(&[f32], Rows<E>, Rows<E>, usize, &mut UnitOut);
 
 /// Rows of one KV head in a cache buffer: row `i` starts at `start + i * stride`.
 struct Rows<'a, E> {
@@ -300,65 +260,89 @@ impl<'a, E> Rows<'a, E> {
             .try_into()
             .expect("a row of W elements")
     }
+}
 
-    /// The same rows over no data (to be given other data of the same layout).
-    fn erase(self) -> Rows<'static, f32> {
-        Rows {
-            data: &[],
-            start: self.start,
-            stride: self.stride,
+impl<'a, E: KvElem> Rows<'a, E> {
+    /// Rows `i..i + nb` (1 <= nb <= 8) as f32, the last repeated up to 8: read in place when
+    /// the cache is f32, else widened into `buf`.
+    fn block<'b, const W: usize>(
+        self,
+        i: usize,
+        nb: usize,
+        buf: &'b mut [[f32; W]; 8],
+    ) -> [&'b [f32; W]; 8]
+    where
+        'a: 'b,
+    {
+        match E::as_f32(self.data) {
+            Some(data) => {
+                let rows = Rows {
+                    data,
+                    start: self.start,
+                    stride: self.stride,
+                };
+                std::array::from_fn(|l| rows.row::<W>(i + l.min(nb - 1)))
+            }
+            None => {
+                for (l, b) in buf.iter_mut().enumerate().take(nb) {
+                    E::widen_into(self.row::<W>(i + l), b);
+                }
+                let buf: &'b [[f32; W]; 8] = buf;
+                std::array::from_fn(|l| &buf[l.min(nb - 1)])
+            }
         }
     }
 }
 
-impl<E: KvElem> Rows<'_, E> {
-    /// Rows `r0..r0 + n` of `d` elements, widened into `out` back to back.
-    fn widen_into(self, r0: usize, n: usize, d: usize, out: &mut Vec<f32>) {
-        out.resize(n * d, 0.0);
-        for (i, o) in out.chunks_exact_mut(d).enumerate() {
-            let at = self.start + (r0 + i) * self.stride;
-            E::widen_into(&self.data[at..at + d], o);
-        }
-    }
-}
-
-/// One query head (`q`, already scaled; `W` = head size) over keys `r0..r0 + e.len()`: `e`
-/// gets exp(score - max), `acc` the sum of value rows weighted by `e`, and the result is (max,
-/// sum of `e`). Rows are fixed-size arrays so that each step compiles to whole-vector
-/// operations.
-fn decode_unit<const W: usize>(
+/// The g query heads of one KV head (`q`: g rows of `W`, already scaled; `W` = head size) over
+/// keys `r0..r0 + n` (`n` = `out.e.len() / g`). Per head `j`: `out.e[j·n..]` gets exp(score -
+/// max), `out.partial[j·W..]` the sum of value rows weighted by them, `out.max_sum` (max, sum).
+///
+/// Keys and values are taken eight rows at a time, widened once (f16/bf16: into a block on the
+/// stack, which stays in L1; f32: read in place) and used for all g heads, so each row is read
+/// from memory once and converted once. Rows are fixed-size arrays so that each step compiles
+/// to whole-vector operations.
+fn decode_unit<const W: usize, E: KvElem>(
     q: &[f32],
-    keys: Rows<f32>,
-    values: Rows<f32>,
+    keys: Rows<E>,
+    values: Rows<E>,
     r0: usize,
-    e: &mut [f32],
-    acc: &mut [f32],
-) -> (f32, f32) {
-    let q: &[f32; W] = q.try_into().expect("a query row of W elements");
-    // Scores eight keys at a time (independent sums, one reduction for all eight), then the
-    // rest one by one.
-    let mut blocks = e.chunks_exact_mut(8);
-    let mut i = r0;
-    for s in &mut blocks {
-        s.copy_from_slice(&lanes::scores8(
-            q,
-            std::array::from_fn(|l| keys.row::<W>(i + l)),
-        ));
-        i += 8;
+    out: &mut UnitOut,
+) {
+    let g = q.len() / W;
+    let n = out.e.len() / g;
+    let q: Vec<&[f32; W]> = q
+        .chunks_exact(W)
+        .map(|r| r.try_into().expect("a query row of W elements"))
+        .collect();
+    let mut buf = [[0f32; W]; 8];
+    // Scores: eight keys at a time for each head (independent sums, one reduction for all
+    // eight). A last block of fewer than 8 repeats its last row; those scores are dropped.
+    for i in (0..n).step_by(8) {
+        let nb = 8.min(n - i);
+        let rows = keys.block(r0 + i, nb, &mut buf);
+        for (j, qj) in q.iter().enumerate() {
+            let s = lanes::scores8(qj, rows);
+            out.e[j * n + i..][..nb].copy_from_slice(&s[..nb]);
+        }
     }
-    for s in blocks.into_remainder() {
-        *s = lanes::dot(q, keys.row::<W>(i));
-        i += 1;
+    for e in out.e.chunks_exact_mut(n) {
+        let m = max(e);
+        out.max_sum.push((m, lanes::exp_shifted(e, m)));
     }
-    let m = max(e);
-    let z = lanes::exp_shifted(e, m);
-    // Apart from the `exp` calls: around a call every vector register would be saved.
-    let mut a = [0f32; W];
-    for (i, &ei) in e.iter().enumerate() {
-        lanes::axpy(ei, values.row::<W>(r0 + i), &mut a);
+    // Values: each block of rows weighted into every head's sum.
+    for i in (0..n).step_by(8) {
+        let nb = 8.min(n - i);
+        let rows = values.block(r0 + i, nb, &mut buf);
+        for (e, acc) in out.e.chunks_exact(n).zip(out.partial.chunks_exact_mut(W)) {
+            let acc: &mut [f32; W] = acc.try_into().expect("W sums");
+            let mut a = *acc;
+            for (l, row) in rows.iter().take(nb).enumerate() {
+                lanes::axpy(e[i + l], row, &mut a);
+            }
+            *acc = a;
+        }
     }
-    acc.copy_from_slice(&a);
-    (m, z)
 }
 
 /// The largest of `x` (not empty, no NaN), in 8 independent lanes.
@@ -476,28 +460,12 @@ mod simd {
         }
     }
 
-    /// `q · k` for rows of `W` (a multiple of 16): two 8-lane accumulators.
-    #[inline(always)]
-    pub fn dot<const W: usize>(q: &[f32; W], k: &[f32; W]) -> f32 {
-        const { assert!(W.is_multiple_of(16)) };
-        // SAFETY: the build targets AVX2/FMA/F16C (the module's cfg), and c + 16 <= W, so
-        // each 8-element load reads inside `q` and `k`.
-        unsafe {
-            let (mut s0, mut s1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-            for c in (0..W).step_by(16) {
-                let (pq, pk) = (q.as_ptr().add(c), k.as_ptr().add(c));
-                s0 = _mm256_fmadd_ps(_mm256_loadu_ps(pq), _mm256_loadu_ps(pk), s0);
-                s1 = _mm256_fmadd_ps(_mm256_loadu_ps(pq.add(8)), _mm256_loadu_ps(pk.add(8)), s1);
-            }
-            hsum(_mm256_add_ps(s0, s1))
-        }
-    }
-
     /// `q · k[l]` for eight rows: one accumulator per row, reduced together.
     #[inline(always)]
     pub fn scores8<const W: usize>(q: &[f32; W], k: [&[f32; W]; 8]) -> [f32; 8] {
         const { assert!(W.is_multiple_of(8)) };
-        // SAFETY: as in `dot`; c + 8 <= W.
+        // SAFETY: the build targets AVX2/FMA (the module's cfg), and c + 8 <= W, so each
+        // 8-float load reads inside `q` and `k[l]`.
         unsafe {
             let mut s = [_mm256_setzero_ps(); 8];
             for c in (0..W).step_by(8) {
@@ -526,7 +494,7 @@ mod simd {
     #[inline(always)]
     pub fn axpy<const W: usize>(e: f32, v: &[f32; W], acc: &mut [f32; W]) {
         const { assert!(W.is_multiple_of(8)) };
-        // SAFETY: as in `dot`; c + 8 <= W for `v` and `acc`.
+        // SAFETY: the build targets AVX2/FMA (the module's cfg); c + 8 <= W for `v` and `acc`.
         unsafe {
             let e = _mm256_set1_ps(e);
             for c in (0..W).step_by(8) {
@@ -845,7 +813,6 @@ mod tests {
         for (l, k) in k8.into_iter().enumerate() {
             let want = naive(k);
             for (name, got) in [
-                ("dot", lanes::dot(q, k)),
                 ("portable dot", portable::dot(q, k)),
                 ("scores8", fast8[l]),
                 ("portable scores8", port8[l]),
