@@ -61,14 +61,21 @@ for dt in bf16 f32; do
     tail -5 "$errors"
   fi
 done
+# A cache of another dtype than the activations (--kv-dtype): bf16 activations, f16 cache.
+if ! timeout 100 "$bin" check-device --device "$device" --dtype bf16 --kv-dtype f16 --attention eager \
+    --prompt-len 700 --chunk 64 --budget 256 --policies keydiff,tova,h2o \
+    > "$out/parity-bf16-kvf16.jsonl" 2>> "$errors"; then
+  parity_ok=0
+  tail -5 "$errors"
+fi
 python3 - "$out" >> "$summary" <<'PY'
 import json, sys, glob
 print("parity (CPU f32 reference):")
-print(f"  {'dtype':5} {'attn':5} {'preset':24} {'policy':14} {'cosine':>9} {'max_rel':>9} top1")
+print(f"  {'dtype':5} {'kv':5} {'attn':5} {'preset':24} {'policy':14} {'cosine':>9} {'max_rel':>9} top1")
 for f in sorted(glob.glob(sys.argv[1] + "/parity-*.jsonl")):
     for line in open(f):
         r = json.loads(line); d = r["diff"]
-        print(f"  {r['dtype']:5} {r.get('attention', 'eager'):5} {r['preset'].split('/')[-1]:24} {r['policy']:14} {d['cosine']:9.6f} {d['max_rel']:9.2e} {'same' if r['top1_equal'] else 'DIFF'}")
+        print(f"  {r['dtype']:5} {r.get('kv_dtype', r['dtype']):5} {r.get('attention', 'eager'):5} {r['preset'].split('/')[-1]:24} {r['policy']:14} {d['cosine']:9.6f} {d['max_rel']:9.2e} {'same' if r['top1_equal'] else 'DIFF'}")
 PY
 [ $parity_ok = 1 ] && note "parity: PASS" || note "parity: FAIL"
 
@@ -80,7 +87,7 @@ if timeout 150 "$bin" check-device --device "$device" --dtype bf16 --attention f
 import json, sys
 for r in map(json.loads, open(sys.argv[1])):
     d = r["diff"]
-    print(f"  bf16  {r['attention']:5} {r['preset'].split('/')[-1]:24} {r['policy']:14} {d['cosine']:9.6f} {d['max_rel']:9.2e} {'same' if r['top1_equal'] else 'DIFF'}")
+    print(f"  bf16  {r.get('kv_dtype', 'bf16'):5} {r['attention']:5} {r['preset'].split('/')[-1]:24} {r['policy']:14} {d['cosine']:9.6f} {d['max_rel']:9.2e} {'same' if r['top1_equal'] else 'DIFF'}")
 PY
   note "flash parity: PASS"
 elif grep -q "flash-attn" "$out/flash.err"; then

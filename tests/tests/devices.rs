@@ -134,3 +134,46 @@ test_device!(
     bf16_model_matches_cpu_f32_cpu,
     bf16_model_matches_cpu_f32_cuda
 );
+
+/// A cache of another dtype than the activations (`--kv-dtype`) on the device: f16 caches under
+/// bf16 and f32 activations, after a multi-chunk prefill with KeyDiff and TOVA eviction, against
+/// CPU f32 with an f32 cache.
+fn half_cache_matches_cpu_f32(dev: &Device) -> Result<()> {
+    for policy in ["keydiff", "tova"] {
+        let cache = CacheConfig {
+            policy: PolicyKind::parse(policy, keydiff::SNAPKV_WINDOW, 0)?,
+            budget: Some(96),
+            chunk: 32,
+            window: 0.1,
+            sinks: 2,
+            evict_every: None,
+        };
+        let cfg = |device: Device, dtype, kv_dtype| EngineConfig {
+            device,
+            dtype,
+            kv_dtype,
+            cache: cache.clone(),
+            ..Default::default()
+        };
+        let preset_path = root().join("configs/tiny-qwen.json");
+        for dtype in [DType::BF16, DType::F32] {
+            let (d, _) = compare_devices(
+                &preset_path,
+                3,
+                &cfg(Device::Cpu, DType::F32, None),
+                &cfg(dev.clone(), dtype, Some(DType::F16)),
+                250,
+            )?;
+            ensure!(
+                d.cosine > 0.99,
+                "{policy} {dtype:?} with an f16 cache: {d:?}"
+            );
+        }
+    }
+    Ok(())
+}
+test_device!(
+    half_cache_matches_cpu_f32,
+    half_cache_matches_cpu_f32_cpu,
+    half_cache_matches_cpu_f32_cuda
+);

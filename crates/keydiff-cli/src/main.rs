@@ -71,6 +71,9 @@ enum Cmd {
         device: String,
         #[arg(long, default_value = "bf16")]
         dtype: String,
+        /// KV cache dtype on the checked device (default: --dtype); the CPU reference's is f32.
+        #[arg(long)]
+        kv_dtype: Option<String>,
         /// Attention on the checked device (auto, eager, flash); the CPU reference is eager.
         #[arg(long, default_value = "auto")]
         attention: String,
@@ -369,6 +372,7 @@ fn real_main() -> Result<()> {
         Cmd::CheckDevice {
             device,
             dtype,
+            kv_dtype,
             attention,
             preset,
             prompt_len,
@@ -379,6 +383,7 @@ fn real_main() -> Result<()> {
         } => {
             let dev = parse_device(&device)?;
             let dt = parse_dtype(&dtype)?;
+            let kv_dt = kv_dtype.as_deref().map(parse_dtype).transpose()?;
             let attention: AttentionBackend = attention.parse()?;
             let mut caches = vec![CacheConfig::full(chunk)];
             if let Some(n) = budget {
@@ -407,7 +412,7 @@ fn real_main() -> Result<()> {
                     let other = EngineConfig {
                         device: dev.clone(),
                         dtype: dt,
-                        kv_dtype: None,
+                        kv_dtype: kv_dt,
                         cache: cache.clone(),
                         cpu_weights: CpuWeights::FAST,
                         attention,
@@ -417,7 +422,7 @@ fn real_main() -> Result<()> {
                             .with_context(|| format!("preset {}", p.display()))?;
                     let v = serde_json::json!({
                         "preset": p.display().to_string(), "device": device, "dtype": dtype,
-                        "attention": used.name(),
+                        "kv_dtype": kv_dt.unwrap_or(dt).as_str(), "attention": used.name(),
                         "policy": cache.policy.name(), "budget": cache.budget,
                         "prompt_len": prompt_len, "chunk": chunk, "diff": d,
                         "top1_equal": d.top1_equal(),
