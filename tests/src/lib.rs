@@ -10,6 +10,18 @@ pub fn root() -> PathBuf {
         .to_path_buf()
 }
 
+/// Every eviction policy the engine runs under a budget (CLI names), `full` aside.
+pub const EVICTING_POLICIES: [&str; 8] = [
+    "keydiff",
+    "keydiff-mean",
+    "tova",
+    "snapkv",
+    "h2o",
+    "sink",
+    "knorm",
+    "random",
+];
+
 /// SmolLM2-135M-Instruct Q4_1 (llama arch), fetched by scripts/fetch-models.sh.
 pub const SMOLLM2: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
 /// Qwen2.5-Coder-0.5B-Instruct (qwen2 arch), fetched by scripts/fetch-models.sh.

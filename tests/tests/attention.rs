@@ -10,7 +10,7 @@ use keydiff::{
     AttentionBackend, CacheConfig, Engine, EngineConfig, GenerateParams, ModelSource, PolicyKind,
     Prompt,
 };
-use keydiff_tests::root;
+use keydiff_tests::{root, EVICTING_POLICIES};
 
 fn config(policy: &str, attention: AttentionBackend) -> EngineConfig {
     let policy = PolicyKind::parse(policy, keydiff::SNAPKV_WINDOW, 0).unwrap();
@@ -30,17 +30,7 @@ fn config(policy: &str, attention: AttentionBackend) -> EngineConfig {
 
 #[test]
 fn flash_backend_matches_eager_under_every_policy() {
-    let policies = [
-        "full",
-        "keydiff",
-        "keydiff-mean",
-        "tova",
-        "snapkv",
-        "h2o",
-        "sink",
-        "knorm",
-        "random",
-    ];
+    let policies = std::iter::once("full").chain(EVICTING_POLICIES);
     // tiny-qwen-d64: heads of 64, so decode steps run the CPU decode kernel in both backends
     // (eager: with the probabilities TOVA and H2O take; flash: without, statistics from the
     // extra pass), against the general path's prefill chunks.
@@ -51,7 +41,7 @@ fn flash_backend_matches_eager_under_every_policy() {
             seed: 3,
             on_host: false,
         };
-        for policy in policies {
+        for policy in policies.clone() {
             let eager = config(policy, AttentionBackend::Eager);
             let flash = config(policy, AttentionBackend::Flash);
             // Prefill of 250 tokens in chunks of 32 (eviction from the fourth chunk on).

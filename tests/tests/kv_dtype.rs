@@ -7,7 +7,7 @@ use keydiff::{
     AttentionBackend, CacheConfig, Engine, EngineConfig, GenerateParams, ModelSource, PolicyKind,
     Prompt,
 };
-use keydiff_tests::root;
+use keydiff_tests::{root, EVICTING_POLICIES};
 
 /// tiny-qwen-d64: heads of 64, so one-token chunks take the CPU decode kernel.
 fn source() -> ModelSource {
@@ -72,16 +72,7 @@ fn f16_cache_under_every_policy() {
         ignore_eos: true,
         ..Default::default()
     };
-    for policy in [
-        "keydiff",
-        "keydiff-mean",
-        "tova",
-        "snapkv",
-        "h2o",
-        "sink",
-        "knorm",
-        "random",
-    ] {
+    for policy in EVICTING_POLICIES {
         let cache = CacheConfig {
             policy: PolicyKind::parse(policy, keydiff::SNAPKV_WINDOW, 0).unwrap(),
             budget: Some(96),

@@ -58,13 +58,6 @@ pub fn decode_attention_cpu(
     if !on_cpu || q.dtype() != DType::F32 || k.dtype() != v.dtype() {
         return Ok(None);
     }
-    // Element offset of head 0, the stride between heads and between rows; rows themselves
-    // must be contiguous.
-    let rows_of = |x: &Tensor| -> Option<Layout3> {
-        let l = x.layout();
-        let st = l.stride();
-        (st[2] == 1).then_some((l.start_offset(), st[0], st[1]))
-    };
     let (Some(kl), Some(vl)) = (rows_of(k), rows_of(v)) else {
         return Ok(None);
     };
@@ -108,12 +101,9 @@ pub fn widen_cache_view(x: &Tensor) -> Result<Option<Tensor>> {
     let Ok((heads, t, d)) = x.dims3() else {
         return Ok(None);
     };
-    let l = x.layout();
-    let st = l.stride();
-    if !x.device().is_cpu() || st[2] != 1 {
+    let Some((off, hs, rs)) = rows_of(x).filter(|_| x.device().is_cpu()) else {
         return Ok(None);
-    }
-    let (off, hs, rs) = (l.start_offset(), st[0], st[1]);
+    };
     fn widen<E: KvElem>(
         data: &[E],
         (heads, t, d): (usize, usize, usize),
@@ -138,6 +128,13 @@ pub fn widen_cache_view(x: &Tensor) -> Result<Option<Tensor>> {
 
 /// Element offset of head 0, stride between heads, stride between rows.
 type Layout3 = (usize, usize, usize);
+
+/// The [`Layout3`] of a `[heads, rows, d]` view whose rows are contiguous, else `None`.
+fn rows_of(x: &Tensor) -> Option<Layout3> {
+    let l = x.layout();
+    let st = l.stride();
+    (st.len() == 3 && st[2] == 1).then_some((l.start_offset(), st[0], st[1]))
+}
 
 /// [`decode_attention_cpu`] on the raw data of a cache whose elements are `E`: the output
 /// `[kv_heads, g, d]` and, with `probs`, the probabilities `[kv_heads, g, T]`.
