@@ -319,3 +319,53 @@ fn unreachable_hub_model() {
     ]);
     expect(&err, "Hugging Face hub: cannot fetch `config.json`");
 }
+
+/// Memory: a malformed `--memory-limit` is a usage error naming the value; a model that
+/// cannot fit is refused with the numbers before its tensors are read, whether the limit is
+/// the user's or the process's address-space limit (`ulimit -v`, where the allocator would
+/// otherwise abort the process).
+#[test]
+fn memory_limits() {
+    let out = Command::new(keydiff_bin())
+        .args(["run", "-p", "hi", "--memory-limit", "12X"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    expect(&err, "unknown size unit `x` in `12X`");
+
+    let m = model(SMOLLM2);
+    let err = fails(&[
+        "run",
+        "-m",
+        m.to_str().unwrap(),
+        "-p",
+        "hi",
+        "--memory-limit",
+        "64M",
+    ]);
+    expect(&err, "not enough memory: the weights of");
+    expect(&err, "SmolLM2-135M-Instruct.Q4_1.gguf");
+    expect(&err, "64.0 MiB available (--memory-limit 64.0 MiB)");
+
+    if !Path::new("/proc/self/limits").exists() {
+        eprintln!("skipped the ulimit -v case: no /proc/self/limits on this system");
+        return;
+    }
+    // Llama 3.2 3B in f32 needs ~13 GiB; 3 GB of address space cannot hold it.
+    let preset = keydiff_tests::root().join("configs/llama-3.2-3b.json");
+    let out = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "ulimit -v 3000000 && exec '{}' run --random-weights -m '{}' -p hi -n 1",
+            keydiff_bin().display(),
+            preset.display()
+        ))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    expect(&err, "not enough memory: the random weights of");
+    expect(&err, "available (address-space limit (ulimit -v))");
+}

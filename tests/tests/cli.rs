@@ -59,6 +59,30 @@ fn info_describes_the_model() {
     assert_eq!(v["weights"]["attn_q"], "Q4_1");
     // `--attention auto` (the default) resolved for the CPU: eager.
     assert_eq!(v["attention"], "eager");
+    assert_eq!(
+        v["memory"]["cpu_weights"],
+        "weights with dense prefill copies and Q8_0 decode copies"
+    );
+    assert_eq!(v["runtime_weights"]["attn_q"], "decode Q8_0, prefill F32");
+    let full = v["memory"]["weight_bytes"].as_u64().unwrap();
+
+    // 300 MiB has no room for the dense copies (~680 MiB): they are dropped, with a warning
+    // that says what that costs.
+    let (so, se) = ok(&["info", "-m", m.to_str().unwrap(), "--memory-limit", "300M"]);
+    let v: serde_json::Value = serde_json::from_str(&so).unwrap();
+    assert_eq!(
+        v["memory"]["cpu_weights"],
+        "weights with Q8_0 decode copies only"
+    );
+    assert_eq!(v["runtime_weights"]["attn_q"], "Q8_0");
+    let held = v["memory"]["weight_bytes"].as_u64().unwrap();
+    assert!(held < 300 << 20 && held * 3 < full, "{held} vs {full}");
+    let avail = v["memory"]["available"].as_str().unwrap();
+    assert!(
+        avail.ends_with("available (--memory-limit 300.0 MiB)"),
+        "{avail}"
+    );
+    assert!(se.contains("prefill runs quantized matmuls"), "{se}");
 }
 
 #[test]

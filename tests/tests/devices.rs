@@ -115,6 +115,7 @@ fn bf16_model_matches_cpu_f32(dev: &Device) -> Result<()> {
                 kv_dtype: None,
                 cache: cache.clone(),
                 cpu_weights: CpuWeights::FAST,
+                memory_limit: None,
             };
             let preset_path = root().join(format!("configs/{preset}.json"));
             let (d, _) = compare_devices(

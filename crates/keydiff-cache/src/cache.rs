@@ -64,7 +64,7 @@ impl KvCache {
         device: &Device,
     ) -> Result<Self> {
         cfg.validate()?;
-        let capacity = cfg.capacity().map_or(max_tokens, |c| c.min(max_tokens));
+        let capacity = cfg.slots_for(max_tokens);
         let layers = (0..layers)
             .map(|_| LayerCache::new(kv_heads, head_dim, capacity, dtype, device))
             .collect::<Result<Vec<_>>>()?;

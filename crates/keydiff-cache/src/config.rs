@@ -210,4 +210,10 @@ impl CacheConfig {
     pub fn capacity(&self) -> Option<usize> {
         self.budget.map(|n| n + self.chunk.max(self.evict_every()))
     }
+
+    /// Slots a cache for a request of at most `max_tokens` tokens allocates per layer and
+    /// head: the capacity, or `max_tokens` when that is less (or when there is no budget).
+    pub fn slots_for(&self, max_tokens: usize) -> usize {
+        self.capacity().map_or(max_tokens, |c| c.min(max_tokens))
+    }
 }

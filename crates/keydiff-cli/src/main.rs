@@ -129,6 +129,10 @@ enum Cmd {
 /// position or eviction gives ~0.
 const MIN_DEVICE_COSINE: f32 = 0.99;
 
+fn parse_memory(s: &str) -> std::result::Result<u64, String> {
+    keydiff::parse_size(s)
+}
+
 /// Where the model comes from and where it runs.
 #[derive(Args)]
 struct LoadArgs {
@@ -156,6 +160,11 @@ struct LoadArgs {
     /// slower) instead of dense prefill copies and Q8_0 copies of Q4_1/Q5_x.
     #[arg(long)]
     as_stored: bool,
+    /// Host memory keydiff may plan with (e.g. 16G, 512MiB; default: what the system reports
+    /// available, under any cgroup limit). On the CPU, weight copies that do not fit are
+    /// dropped, and a model or KV cache that cannot fit is refused with the numbers.
+    #[arg(long, value_parser = parse_memory)]
+    memory_limit: Option<u64>,
     /// Chunk attention: eager (materialised probabilities), flash (fused kernel: candle-nn's on
     /// the CPU, FlashAttention-2 on CUDA with the `flash-attn` feature) or auto (flash on CUDA
     /// in bf16/f16 when built with it and the model's head size is a multiple of 8 up to 256,
@@ -203,6 +212,7 @@ impl LoadArgs {
             dtype,
             kv_dtype,
             cache,
+            memory_limit: self.memory_limit,
         };
         let engine = Engine::load(&source, &cfg)
             .with_context(|| format!("cannot load model `{}`", self.model))?;
@@ -408,6 +418,7 @@ fn real_main() -> Result<()> {
                         cache: cache.clone(),
                         cpu_weights: CpuWeights::FAST,
                         attention: AttentionBackend::Eager,
+                        memory_limit: None,
                     };
                     let other = EngineConfig {
                         device: dev.clone(),
@@ -416,6 +427,7 @@ fn real_main() -> Result<()> {
                         cache: cache.clone(),
                         cpu_weights: CpuWeights::FAST,
                         attention,
+                        memory_limit: None,
                     };
                     let (d, used) =
                         keydiff::parity::compare_devices(p, seed, &reference, &other, prompt_len)
@@ -597,6 +609,12 @@ fn info(args: &ModelArgs) -> Result<()> {
         "attention": engine.config().attention.name(),
         "weights": map(engine.weight_kinds()),
         "runtime_weights": map(engine.runtime_kinds()),
+        "memory": {
+            "weight_bytes": engine.weight_bytes(),
+            "weights": keydiff::human_bytes(engine.weight_bytes()),
+            "cpu_weights": engine.cpu_weights().map(|c| c.describe()),
+            "available": engine.memory_budget().map(|b| b.to_string()),
+        },
     });
     println!("{}", serde_json::to_string_pretty(&v)?);
     Ok(())

@@ -3,6 +3,7 @@
 use std::path::Path;
 
 use candle_core::quantized::gguf_file;
+use candle_core::DType;
 use serde::Deserialize;
 
 use crate::error::{ModelError, Result};
@@ -227,6 +228,30 @@ impl HfConfig {
 }
 
 impl ModelConfig {
+    /// Bytes of K and V at `slots` per layer and KV head in `dtype`: slots · layers · kv_heads
+    /// · head_dim · 2 · bytes(dtype), the cache's peak (what `KvCache::bytes` reports).
+    pub fn kv_cache_bytes(&self, slots: usize, dtype: DType) -> u64 {
+        (slots as u64)
+            * (self.num_layers * self.num_kv_heads * self.head_dim * 2 * dtype.size_in_bytes())
+                as u64
+    }
+
+    /// Host bytes a request needs beside K and V, estimated: the cache's per-slot positions and
+    /// policy state (8 bytes), and a chunk's activations in f32 (hidden states, q/k/v, the MLP,
+    /// one row of logits) with, for eager attention, its scores, mask and probabilities over
+    /// every slot.
+    pub fn request_scratch_bytes(&self, slots: usize, chunk: usize, eager: bool) -> u64 {
+        let (slots, chunk) = (slots as u64, chunk as u64);
+        let meta = 8 * slots * (self.num_layers * self.num_kv_heads) as u64;
+        let rows = 4 * chunk * (6 * self.hidden_size + 3 * self.intermediate_size) as u64;
+        let scores = if eager {
+            3 * 4 * chunk * slots * self.num_heads as u64
+        } else {
+            0
+        };
+        meta + rows + 4 * self.vocab_size as u64 + scores
+    }
+
     /// Reads the config from GGUF metadata (`{arch}.*` keys).
     pub fn from_gguf(ct: &gguf_file::Content, path: &Path) -> Result<Self> {
         let md = &ct.metadata;

@@ -29,6 +29,9 @@ pub enum ModelError {
     UnknownPreTokenizer(String),
     #[error("chat template: {0}")]
     ChatTemplate(String),
+    /// A planned allocation cannot fit in the memory there is (the message has the numbers).
+    #[error("not enough memory: {0}")]
+    OutOfMemory(String),
     #[error("io error on {path}: {source}")]
     Io {
         path: PathBuf,

@@ -8,9 +8,10 @@ use tokenizers::Tokenizer;
 use crate::chat::ChatTemplate;
 use crate::config::{HfConfig, ModelConfig};
 use crate::error::{ModelError, Result};
+use crate::memory::{human, MemoryBudget};
 use crate::model::Model;
 use crate::tokenizer::tokenizer_from_gguf;
-use crate::weights::{CpuWeights, Key, Weights};
+use crate::weights::{CpuWeights, Key, WeightPlan, Weights};
 
 /// Where the weights of a loaded model came from.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
@@ -40,17 +41,125 @@ pub struct Loaded {
     pub format: ModelFormat,
     /// Human-readable origin (path or preset).
     pub origin: String,
+    /// The CPU options the GGUF weights were loaded with: those asked for, or fewer copies
+    /// when the memory plan did not leave room for them. `None` for other sources and devices.
+    pub cpu_weights: Option<CpuWeights>,
+    /// The host memory the weights were planned to take (empty on GPUs).
+    pub weight_plan: WeightPlan,
+}
+
+/// Memory to plan a model's host allocations against before loading it.
+pub struct MemoryPlan<'a> {
+    pub budget: MemoryBudget,
+    /// Bytes to leave free beside the weights for requests (a budgeted KV cache,
+    /// activations), given the model's shape.
+    pub reserve: &'a dyn Fn(&ModelConfig) -> u64,
+}
+
+/// The CPU options to load `weights` with under `mem`: `asked` when the weights and the
+/// reserve fit in RAM, else without the dense prefill copies, else as stored; as stored beyond
+/// RAM when swap holds it (with a warning); an error with the numbers when nothing fits.
+fn fit_weights(
+    weights: &Weights,
+    cfg: &ModelConfig,
+    asked: CpuWeights,
+    mem: Option<&MemoryPlan>,
+    what: &str,
+) -> Result<(CpuWeights, WeightPlan)> {
+    let describe = |c: CpuWeights| {
+        if weights.gguf_content().is_some() {
+            c.describe()
+        } else {
+            "dense weights"
+        }
+    };
+    let plan = weights.plan(cfg, asked);
+    let Some(mem) = mem else {
+        return Ok((asked, plan));
+    };
+    let reserve = (mem.reserve)(cfg);
+    let mut options = vec![asked];
+    for c in [
+        CpuWeights {
+            dense_prefill: false,
+            ..asked
+        },
+        CpuWeights::AS_STORED,
+    ] {
+        if !options.contains(&c) {
+            options.push(c);
+        }
+    }
+    for &c in &options {
+        let p = weights.plan(cfg, c);
+        if p.peak().saturating_add(reserve) <= mem.budget.ram {
+            if c != asked {
+                tracing::warn!(
+                    "{what}: {} need {}, beyond {}; loading {} ({}){}",
+                    describe(asked),
+                    human(plan.peak() + reserve),
+                    mem.budget,
+                    describe(c),
+                    human(p.resident),
+                    if asked.dense_prefill && !c.dense_prefill {
+                        ": prefill runs quantized matmuls (slower, and results depend on the \
+                         chunk size)"
+                    } else {
+                        ""
+                    }
+                );
+            }
+            return Ok((c, p));
+        }
+    }
+    let last = *options.last().expect("one option");
+    let p = weights.plan(cfg, last);
+    let need = p.peak().saturating_add(reserve);
+    if need <= mem.budget.total {
+        tracing::warn!(
+            "{what}: {} ({} with what requests need) exceed the RAM available, {}: the system \
+             will swap",
+            describe(last),
+            human(need),
+            mem.budget
+        );
+        return Ok((last, p));
+    }
+    Err(ModelError::OutOfMemory(format!(
+        "{what} need {} ({}: {} resident, {} in passing while loading) and a request {} beside \
+         them; {}. Free memory, take a smaller model or quantization, or set the memory limit \
+         (--memory-limit) if this is wrong",
+        human(need),
+        describe(last),
+        human(p.resident),
+        human(p.transient),
+        human(reserve),
+        mem.budget
+    )))
 }
 
 /// Loads a GGUF file: metadata, tokenizer and weights (quantized weights stay quantized; `opts`
 /// says what extra CPU copies to keep).
-pub fn load_gguf(path: &Path, device: &Device, dtype: DType, opts: CpuWeights) -> Result<Loaded> {
+///
+/// With `mem`, the weights are planned first (see [`fit_weights`]): copies that would not fit
+/// are dropped, and a model that cannot fit at all is refused before anything is allocated.
+pub fn load_gguf(
+    path: &Path,
+    device: &Device,
+    dtype: DType,
+    opts: CpuWeights,
+    mem: Option<&MemoryPlan>,
+) -> Result<Loaded> {
     if !path.exists() {
         return Err(ModelError::NotFound(path.to_path_buf()));
     }
-    let weights = Weights::open_gguf(path, device, dtype, opts)?;
+    let mut weights = Weights::open_gguf(path, device, dtype, opts)?;
     let content = weights.gguf_content().expect("gguf source");
     let cfg = ModelConfig::from_gguf(content, path)?;
+    let what = format!("the weights of {}", path.display());
+    let (opts, weight_plan) = fit_weights(&weights, &cfg, opts, mem, &what)?;
+    weights.set_cpu_weights(opts);
+    let content = weights.gguf_content().expect("gguf source");
     let tok = tokenizer_from_gguf(content)?;
     let chat_template = match &tok.chat_template {
         Some(src) => Some(ChatTemplate::new(
@@ -91,12 +200,19 @@ pub fn load_gguf(path: &Path, device: &Device, dtype: DType, opts: CpuWeights) -
         vocab,
         format: ModelFormat::Gguf,
         origin: path.display().to_string(),
+        cpu_weights: device.is_cpu().then_some(opts),
+        weight_plan,
     })
 }
 
 /// Loads an HF checkpoint directory: config.json, (sharded) safetensors, tokenizer.json,
 /// tokenizer_config.json and generation_config.json.
-pub fn load_hf_dir(dir: &Path, device: &Device, dtype: DType) -> Result<Loaded> {
+pub fn load_hf_dir(
+    dir: &Path,
+    device: &Device,
+    dtype: DType,
+    mem: Option<&MemoryPlan>,
+) -> Result<Loaded> {
     if !dir.is_dir() {
         return Err(ModelError::NotFound(dir.to_path_buf()));
     }
@@ -117,6 +233,8 @@ pub fn load_hf_dir(dir: &Path, device: &Device, dtype: DType) -> Result<Loaded> 
             ),
         });
     }
+    let what = format!("the weights of {}", dir.display());
+    let (_, weight_plan) = fit_weights(&weights, &cfg, CpuWeights::AS_STORED, mem, &what)?;
     let model = Model::load(&cfg, &weights)?;
     let vocab = hf_vocab(dir, &hf)?;
     Ok(Loaded {
@@ -124,6 +242,8 @@ pub fn load_hf_dir(dir: &Path, device: &Device, dtype: DType) -> Result<Loaded> 
         vocab,
         format: ModelFormat::Safetensors,
         origin: dir.display().to_string(),
+        cpu_weights: None,
+        weight_plan,
     })
 }
 
@@ -136,16 +256,21 @@ pub fn load_random(
     dtype: DType,
     seed: u64,
     on_host: bool,
+    mem: Option<&MemoryPlan>,
 ) -> Result<Loaded> {
     let hf = HfConfig::load(config)?;
     let cfg = hf.to_model_config(config)?;
     let weights = Weights::random(device, dtype, seed, on_host)?;
+    let what = format!("the random weights of {}", config.display());
+    let (_, weight_plan) = fit_weights(&weights, &cfg, CpuWeights::AS_STORED, mem, &what)?;
     let model = Model::load(&cfg, &weights)?;
     Ok(Loaded {
         model,
         vocab: byte_vocab(cfg.vocab_size)?,
         format: ModelFormat::Random,
         origin: format!("{} (random weights, seed {seed})", config.display()),
+        cpu_weights: None,
+        weight_plan,
     })
 }
 

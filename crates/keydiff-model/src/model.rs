@@ -320,7 +320,7 @@ impl Model {
                 },
             });
         }
-        let lm_head = if cfg.tie_word_embeddings || !w.has(Key::LmHead, None) {
+        let lm_head = if w.lm_head_tied(cfg) {
             w.tied_lm_head(cfg.vocab_size, hid)?
         } else {
             w.linear(Key::LmHead, None, cfg.vocab_size, hid, false)?
@@ -478,6 +478,33 @@ impl Model {
             ("ffn_down", &l.mlp.down),
             ("lm_head", &self.lm_head),
         ]
+    }
+
+    /// Host or device bytes held by the weights (with CPU copies; see
+    /// [`crate::weights::Weights::plan`], which predicts this before loading).
+    pub fn weight_bytes(&self) -> u64 {
+        use crate::weights::tensor_bytes;
+        let layers: u64 = self
+            .layers
+            .iter()
+            .map(|l| {
+                [
+                    &l.attn.q,
+                    &l.attn.k,
+                    &l.attn.v,
+                    &l.attn.o,
+                    &l.mlp.gate,
+                    &l.mlp.up,
+                    &l.mlp.down,
+                ]
+                .iter()
+                .map(|x| x.bytes())
+                .sum::<u64>()
+                    + tensor_bytes(&l.attn_norm.w)
+                    + tensor_bytes(&l.mlp_norm.w)
+            })
+            .sum();
+        layers + self.embed.bytes() + tensor_bytes(&self.norm.w) + self.lm_head.bytes()
     }
 
     /// Checkpoint weight types by role (e.g. `attn_q: Q4_1`).

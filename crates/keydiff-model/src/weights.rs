@@ -14,6 +14,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use rand_distr::StandardNormal;
 
+use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::gguf_check;
 
@@ -132,6 +133,15 @@ impl Linear {
         })
     }
 
+    /// Bytes held: the weight, its dense copy and the bias.
+    pub fn bytes(&self) -> u64 {
+        let w = match &self.w {
+            QMatMul::QTensor(q) => q.storage_size_in_bytes() as u64,
+            QMatMul::Tensor(t) | QMatMul::TensorF16(t) => tensor_bytes(t),
+        };
+        w + self.dense.as_ref().map_or(0, tensor_bytes) + self.b.as_ref().map_or(0, tensor_bytes)
+    }
+
     /// The type of the weight in the checkpoint (GGML type name, or the dense dtype).
     pub fn kind(&self) -> String {
         self.stored.clone()
@@ -157,7 +167,20 @@ pub enum Embedding {
     Quantized(Arc<QTensor>),
 }
 
+/// Bytes of a tensor's elements.
+pub(crate) fn tensor_bytes(t: &Tensor) -> u64 {
+    (t.elem_count() * t.dtype().size_in_bytes()) as u64
+}
+
 impl Embedding {
+    /// Bytes held by the table.
+    pub fn bytes(&self) -> u64 {
+        match self {
+            Embedding::Dense(t) => tensor_bytes(t),
+            Embedding::Quantized(q) => q.storage_size_in_bytes() as u64,
+        }
+    }
+
     /// `ids`: `[len]` u32 → `[len, hidden]` in `dtype`.
     pub fn forward(&self, ids: &Tensor, dtype: DType) -> Result<Tensor> {
         Ok(match self {
@@ -191,21 +214,35 @@ impl CpuWeights {
         requantize_slow: false,
     };
 
+    /// What these options keep, in words.
+    pub fn describe(self) -> &'static str {
+        match (self.dense_prefill, self.requantize_slow) {
+            (true, true) => "weights with dense prefill copies and Q8_0 decode copies",
+            (true, false) => "weights with dense prefill copies",
+            (false, true) => "weights with Q8_0 decode copies only",
+            (false, false) => "weights as stored",
+        }
+    }
+
     fn prepare(
         self,
         q: QTensor,
         device: &Device,
         dtype: DType,
     ) -> Result<(QTensor, Option<Tensor>)> {
-        if !device.is_cpu() || q.dtype().block_size() == 1 {
+        let requantize = self.requantize_slow
+            && matches!(
+                q.dtype(),
+                GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1
+            );
+        if !device.is_cpu() || q.dtype().block_size() == 1 || !(requantize || self.dense_prefill) {
             return Ok((q, None));
         }
         let dense = q.dequantize(device)?;
-        let q = match q.dtype() {
-            GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1 if self.requantize_slow => {
-                QTensor::quantize(&dense, GgmlDType::Q8_0)?
-            }
-            _ => q,
+        let q = if requantize {
+            QTensor::quantize(&dense, GgmlDType::Q8_0)?
+        } else {
+            q
         };
         let dense = if self.dense_prefill {
             Some(dense.to_dtype(dtype)?)
@@ -213,6 +250,34 @@ impl CpuWeights {
             None
         };
         Ok((q, dense))
+    }
+}
+
+/// What a tensor becomes when the model loads it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Role {
+    /// A linear weight (a quantized one may get CPU copies, see [`CpuWeights`]).
+    Linear,
+    /// The embedding table (kept quantized when stored quantized).
+    Embedding,
+    /// Anything else (norms, biases): dense, in the model's dtype.
+    Plain,
+}
+
+/// Host memory the weights take once loaded, planned before anything is read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WeightPlan {
+    /// Bytes held by the loaded model: what [`crate::Model::weight_bytes`] then reports.
+    pub resident: u64,
+    /// The most one tensor needs in passing while it loads (its file bytes and a dequantized
+    /// f32 copy).
+    pub transient: u64,
+}
+
+impl WeightPlan {
+    /// Peak bytes while loading.
+    pub fn peak(&self) -> u64 {
+        self.resident + self.transient
     }
 }
 
@@ -319,6 +384,113 @@ impl Weights {
 
     fn is_gguf(&self) -> bool {
         matches!(self, Weights::Gguf { .. })
+    }
+
+    /// True when the LM head is the embedding table (tied, or no separate output tensor).
+    pub fn lm_head_tied(&self, cfg: &ModelConfig) -> bool {
+        cfg.tie_word_embeddings || !self.has(Key::LmHead, None)
+    }
+
+    /// CPU options of a GGUF source (set before the model loads; see [`Weights::plan`]).
+    pub fn set_cpu_weights(&mut self, cpu: CpuWeights) {
+        if let Weights::Gguf { opts, .. } = self {
+            *opts = cpu;
+        }
+    }
+
+    /// Every tensor [`crate::Model::load`] reads, with its role and element count. A tied LM
+    /// head is listed twice (embedding and linear): they are two allocations.
+    fn model_tensors(&self, cfg: &ModelConfig) -> Vec<(String, Role, u64)> {
+        let g = self.is_gguf();
+        let (hid, inter) = (cfg.hidden_size as u64, cfg.intermediate_size as u64);
+        let (q, kv) = (
+            (cfg.num_heads * cfg.head_dim) as u64,
+            (cfg.num_kv_heads * cfg.head_dim) as u64,
+        );
+        let vocab = cfg.vocab_size as u64;
+        let mut v = Vec::new();
+        let mut add = |key: Key, layer, role, n: u64, bias: Option<u64>| {
+            let base = key.name(g, layer);
+            v.push((format!("{base}.weight"), role, n));
+            if let Some(b) = bias {
+                v.push((format!("{base}.bias"), Role::Plain, b));
+            }
+        };
+        for l in 0..cfg.num_layers {
+            let l = Some(l);
+            let bias = |n| cfg.attention_bias.then_some(n);
+            add(Key::AttnNorm, l, Role::Plain, hid, None);
+            add(Key::Q, l, Role::Linear, q * hid, bias(q));
+            add(Key::K, l, Role::Linear, kv * hid, bias(kv));
+            add(Key::V, l, Role::Linear, kv * hid, bias(kv));
+            add(Key::O, l, Role::Linear, hid * q, None);
+            add(Key::MlpNorm, l, Role::Plain, hid, None);
+            add(Key::Gate, l, Role::Linear, inter * hid, None);
+            add(Key::Up, l, Role::Linear, inter * hid, None);
+            add(Key::Down, l, Role::Linear, hid * inter, None);
+        }
+        add(Key::Embed, None, Role::Embedding, vocab * hid, None);
+        add(Key::FinalNorm, None, Role::Plain, hid, None);
+        let head = if self.lm_head_tied(cfg) {
+            Key::Embed
+        } else {
+            Key::LmHead
+        };
+        add(head, None, Role::Linear, vocab * hid, None);
+        v
+    }
+
+    /// The host memory the model's weights will take under `cpu` (for GGUF sources; the
+    /// others ignore it), computed from the shapes and stored types alone. On a GPU nothing
+    /// stays on the host: the plan is empty. Tensors the source lacks are left out (loading
+    /// then fails on them by name).
+    pub fn plan(&self, cfg: &ModelConfig, cpu: CpuWeights) -> WeightPlan {
+        let (device, dtype) = self.device_dtype();
+        let mut plan = WeightPlan {
+            resident: 0,
+            transient: 0,
+        };
+        if !device.is_cpu() {
+            return plan;
+        }
+        let dsize = dtype.size_in_bytes() as u64;
+        let bytes_of = |t: GgmlDType, n: u64| n / t.block_size() as u64 * t.type_size() as u64;
+        for (name, role, n) in self.model_tensors(cfg) {
+            let (resident, transient) = match self {
+                Weights::Gguf { content, .. } => {
+                    let Some(info) = content.tensor_infos.get(&name) else {
+                        continue;
+                    };
+                    let t = info.ggml_dtype;
+                    let stored = bytes_of(t, n);
+                    // Read from the file, dequantized to f32, cast: what passes through.
+                    let passing = stored + 4 * n;
+                    match (role, t.block_size() > 1) {
+                        (Role::Embedding, true) => (stored, stored),
+                        (Role::Linear, true) => {
+                            let decode = match t {
+                                GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1
+                                    if cpu.requantize_slow =>
+                                {
+                                    bytes_of(GgmlDType::Q8_0, n)
+                                }
+                                _ => stored,
+                            };
+                            let dense = if cpu.dense_prefill { n * dsize } else { 0 };
+                            let copies = cpu.dense_prefill || decode != stored;
+                            (decode + dense, if copies { passing } else { stored })
+                        }
+                        _ => (n * dsize, passing),
+                    }
+                }
+                // Safetensors are mapped and converted tensor by tensor; random values are
+                // drawn in f32 and cast.
+                _ => (n * dsize, 4 * n),
+            };
+            plan.resident += resident;
+            plan.transient = plan.transient.max(transient);
+        }
+        plan
     }
 
     /// True when the source has a tensor for `key` (used for tied embeddings).

@@ -4,9 +4,10 @@ use std::time::Instant;
 
 use candle_core::{DType, Device};
 use keydiff_cache::{CacheConfig, CacheCounters, KvCache};
+use keydiff_model::memory::human;
 use keydiff_model::{
-    load_gguf, load_hf_dir, load_random, AttentionBackend, CpuWeights, Loaded, Message,
-    ModelConfig, ModelFormat,
+    load_gguf, load_hf_dir, load_random, AttentionBackend, CpuWeights, Loaded, MemoryBudget,
+    MemoryPlan, Message, ModelConfig, ModelFormat,
 };
 
 use crate::error::{EngineError, Result};
@@ -38,6 +39,13 @@ pub struct EngineConfig {
     /// (fused kernel; on CUDA it needs the `flash-attn` feature) or auto (resolved at load;
     /// [`Engine::config`] then reports the choice).
     pub attention: AttentionBackend,
+    /// Host memory the engine may plan with, in bytes (`None`: what the system reports
+    /// available, `MemAvailable` under any cgroup limit). On the CPU the weights, their copies
+    /// and each request's KV cache are planned against it before they are allocated: optional
+    /// weight copies are dropped when they do not fit, and a model or cache that cannot fit is
+    /// refused with the numbers. GPU memory is not planned (candle reports a failed device
+    /// allocation as an error).
+    pub memory_limit: Option<u64>,
 }
 
 impl Default for EngineConfig {
@@ -51,6 +59,21 @@ impl Default for EngineConfig {
             cache: CacheConfig::full(DEFAULT_CHUNK),
             cpu_weights: CpuWeights::FAST,
             attention: AttentionBackend::Auto,
+            memory_limit: None,
+        }
+    }
+}
+
+impl EngineConfig {
+    /// The host memory budget to plan with now: the limit, or what the system reports; `None`
+    /// off the CPU or where the system does not say.
+    fn memory_budget(&self) -> Option<MemoryBudget> {
+        if !self.device.is_cpu() {
+            return None;
+        }
+        match self.memory_limit {
+            Some(b) => Some(MemoryBudget::fixed(b)),
+            None => MemoryBudget::detect(),
         }
     }
 }
@@ -253,14 +276,31 @@ impl Engine {
         cfg.cache
             .validate()
             .map_err(|e| EngineError::BadParams(e.to_string()))?;
+        // Room to leave beside the weights: a budgeted cache is allocated at N + B slots for
+        // every request; a full cache depends on the prompt and is checked per request.
+        let kv_dtype = cfg.kv_dtype.unwrap_or(cfg.dtype);
+        let eager = cfg.attention != AttentionBackend::Flash;
+        let reserve = |m: &ModelConfig| {
+            let slots = cfg.cache.capacity().unwrap_or(cfg.cache.chunk);
+            let kv = cfg
+                .cache
+                .capacity()
+                .map_or(0, |c| m.kv_cache_bytes(c, kv_dtype));
+            kv + m.request_scratch_bytes(slots, cfg.cache.chunk, eager)
+        };
+        let mem = cfg.memory_budget().map(|budget| MemoryPlan {
+            budget,
+            reserve: &reserve,
+        });
+        let mem = mem.as_ref();
         let mut loaded = match source {
-            ModelSource::Gguf(p) => load_gguf(p, &cfg.device, cfg.dtype, cfg.cpu_weights)?,
-            ModelSource::HfDir(d) => load_hf_dir(d, &cfg.device, cfg.dtype)?,
+            ModelSource::Gguf(p) => load_gguf(p, &cfg.device, cfg.dtype, cfg.cpu_weights, mem)?,
+            ModelSource::HfDir(d) => load_hf_dir(d, &cfg.device, cfg.dtype, mem)?,
             ModelSource::Random {
                 config,
                 seed,
                 on_host,
-            } => load_random(config, &cfg.device, cfg.dtype, *seed, *on_host)?,
+            } => load_random(config, &cfg.device, cfg.dtype, *seed, *on_host, mem)?,
             ModelSource::Hub { repo, file } => {
                 let local = ModelSource::resolve_hub(repo, file.as_deref())?;
                 return Self::load(&local, cfg);
@@ -315,6 +355,70 @@ impl Engine {
     /// The weights that actually run, by role (CPU decode/prefill copies).
     pub fn runtime_kinds(&self) -> Vec<(&'static str, String)> {
         self.loaded.model.runtime_kinds()
+    }
+
+    /// The CPU options the GGUF weights were loaded with: [`EngineConfig::cpu_weights`], or
+    /// fewer copies when memory did not allow them. `None` for other sources and on GPUs.
+    pub fn cpu_weights(&self) -> Option<CpuWeights> {
+        self.loaded.cpu_weights
+    }
+
+    /// Bytes held by the weights (with their CPU copies).
+    pub fn weight_bytes(&self) -> u64 {
+        self.loaded.model.weight_bytes()
+    }
+
+    /// The host memory the weights were planned to take before loading (what
+    /// [`Engine::weight_bytes`] should then report; empty on GPUs).
+    pub fn weight_plan(&self) -> keydiff_model::WeightPlan {
+        self.loaded.weight_plan
+    }
+
+    /// The host memory requests are planned against now: what the system reports available,
+    /// or the configured limit less the weights. `None` on GPUs.
+    pub fn memory_budget(&self) -> Option<MemoryBudget> {
+        let b = self.cfg.memory_budget()?;
+        Some(match self.cfg.memory_limit {
+            Some(_) => b.less(self.weight_bytes()),
+            None => b,
+        })
+    }
+
+    /// A cache for a request of at most `max_tokens` tokens under `cache`, after checking on
+    /// the CPU that it and the request's activations fit in memory: a cache that cannot fit
+    /// is refused with the numbers instead of taking the process down.
+    fn alloc_cache(&self, cache: CacheConfig, max_tokens: usize) -> Result<KvCache> {
+        if let Some(budget) = self.memory_budget() {
+            let m = self.model_config();
+            let slots = cache.slots_for(max_tokens);
+            let dtype = self.loaded.model.kv_dtype();
+            let kv = m.kv_cache_bytes(slots, dtype);
+            let eager = self.loaded.model.attention() == AttentionBackend::Eager;
+            let need = kv.saturating_add(m.request_scratch_bytes(slots, cache.chunk, eager));
+            let what = || {
+                format!(
+                    "the KV cache of {slots} slots ({} layers × {} KV heads × {} × K and V in \
+                     {}: {}) and the request's activations need {}",
+                    m.num_layers,
+                    m.num_kv_heads,
+                    m.head_dim,
+                    dtype.as_str(),
+                    human(kv),
+                    human(need)
+                )
+            };
+            if need > budget.total {
+                return Err(EngineError::OutOfMemory(format!(
+                    "{}; {budget}. Bound the cache with a budget (--budget N), store it in f16 \
+                     (--kv-dtype f16), or ask for fewer tokens (-n)",
+                    what()
+                )));
+            }
+            if need > budget.ram {
+                tracing::warn!("{}, beyond {budget}: the system will swap", what());
+            }
+        }
+        Ok(self.loaded.model.new_cache(cache, max_tokens)?)
     }
 
     /// Token ids of `text` (BOS first when the model adds one). Special tokens written in the
@@ -467,7 +571,7 @@ impl Engine {
                 context,
             });
         }
-        let mut kv = self.loaded.model.new_cache(cache, tokens.len())?;
+        let mut kv = self.alloc_cache(cache, tokens.len())?;
         if let Some(b) = base {
             kv.resume_from(&b.cache)?;
         }
@@ -609,10 +713,7 @@ impl Engine {
     /// A fresh cache under the engine's cache settings, for a request that will see at most
     /// `max_tokens` tokens (see [`KvCache::new`]).
     pub fn new_cache(&self, max_tokens: usize) -> Result<KvCache> {
-        Ok(self
-            .loaded
-            .model
-            .new_cache(self.cfg.cache.clone(), max_tokens)?)
+        self.alloc_cache(self.cfg.cache.clone(), max_tokens)
     }
 
     /// Logits after prefilling `tokens` in chunks of `chunk` under the engine's cache policy

@@ -19,6 +19,9 @@ pub enum EngineError {
     Tokenizer(String),
     #[error("invalid parameter: {0}")]
     BadParams(String),
+    /// A request's KV cache cannot fit in the memory there is (the message has the numbers).
+    #[error("not enough memory: {0}")]
+    OutOfMemory(String),
     #[error(transparent)]
     Cache(#[from] keydiff_cache::CacheError),
     #[error(transparent)]

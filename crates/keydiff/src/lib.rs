@@ -27,7 +27,10 @@ pub use engine::{
 pub use error::{EngineError, Result};
 pub use keydiff_cache::config::SNAPKV_WINDOW;
 pub use keydiff_cache::{Anchor, CacheConfig, CacheCounters, PolicyKind, StatsNeed};
-pub use keydiff_model::{AttentionBackend, CpuWeights, Message, ModelConfig, ModelFormat};
+pub use keydiff_model::memory::{human as human_bytes, parse_size};
+pub use keydiff_model::{
+    AttentionBackend, CpuWeights, MemoryBudget, Message, ModelConfig, ModelFormat,
+};
 pub use sampling::{Sampler, Sampling};
 pub use source::ModelSource;
 pub use stream::TextStream;

@@ -1,0 +1,368 @@
+//! Host memory: how much there is to plan with, and sizes as people write them.
+//!
+//! The engine plans its large host allocations (the weights, their CPU copies, the KV cache)
+//! against this, so that a model or a cache that cannot fit is refused with the numbers, or made
+//! to fit by dropping optional copies, instead of the process being killed by the kernel's OOM
+//! killer or aborting in the allocator. GPU memory is not planned here: candle reports a failed
+//! device allocation as an error.
+
+use std::fmt;
+use std::path::Path;
+
+/// Memory the engine may plan its host allocations with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MemoryBudget {
+    /// Bytes that can be allocated without swapping: `MemAvailable`, or less under a cgroup
+    /// limit, or the user's limit.
+    pub ram: u64,
+    /// Bytes that can be allocated at all: `ram` plus free swap (equal to `ram` under a user
+    /// limit). Beyond this the process would be killed.
+    pub total: u64,
+    /// Where the numbers come from (for messages).
+    pub source: String,
+}
+
+impl MemoryBudget {
+    /// A budget the user set (`--memory-limit`): no detection, no swap.
+    pub fn fixed(bytes: u64) -> Self {
+        Self {
+            ram: bytes,
+            total: bytes,
+            source: format!("--memory-limit {}", human(bytes)),
+        }
+    }
+
+    /// What this machine (and the cgroup the process runs in) has available now; `None` where
+    /// the system does not say (no `/proc/meminfo`).
+    pub fn detect() -> Option<Self> {
+        let root = Path::new("/");
+        let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+        let caps: Vec<(u64, &str)> = [
+            (cgroup_headroom(root), "cgroup memory limit"),
+            (
+                address_space_headroom(root),
+                "address-space limit (ulimit -v)",
+            ),
+        ]
+        .into_iter()
+        .filter_map(|(room, name)| Some((room?, name)))
+        .collect();
+        budget_from(&meminfo, &caps)
+    }
+
+    /// This budget less `bytes` already taken (saturating).
+    pub fn less(&self, bytes: u64) -> Self {
+        Self {
+            ram: self.ram.saturating_sub(bytes),
+            total: self.total.saturating_sub(bytes),
+            source: self.source.clone(),
+        }
+    }
+}
+
+impl fmt::Display for MemoryBudget {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.total > self.ram {
+            write!(
+                f,
+                "{} available ({} with swap; {})",
+                human(self.ram),
+                human(self.total),
+                self.source
+            )
+        } else {
+            write!(f, "{} available ({})", human(self.ram), self.source)
+        }
+    }
+}
+
+/// The budget from `/proc/meminfo`'s text, capped by the room left under each limit the
+/// process runs under (`caps`: room in bytes and the limit's name; a cgroup's memory limit,
+/// `ulimit -v`).
+pub fn budget_from(meminfo: &str, caps: &[(u64, &str)]) -> Option<MemoryBudget> {
+    let field = |name: &str| -> Option<u64> {
+        meminfo.lines().find_map(|l| {
+            let rest = l.strip_prefix(name)?.strip_prefix(':')?;
+            let mut it = rest.split_whitespace();
+            let v: u64 = it.next()?.parse().ok()?;
+            match it.next() {
+                Some("kB") => Some(v.saturating_mul(1024)),
+                None => Some(v),
+                Some(_) => None,
+            }
+        })
+    };
+    // Kernels before 3.14 have no MemAvailable; free + page cache is its rough predecessor.
+    let avail = field("MemAvailable").or_else(|| Some(field("MemFree")? + field("Cached")?))?;
+    let swap = field("SwapFree").unwrap_or(0);
+    let mut b = MemoryBudget {
+        ram: avail,
+        total: avail.saturating_add(swap),
+        source: "MemAvailable".to_string(),
+    };
+    for &(room, name) in caps {
+        if room < b.total {
+            b = MemoryBudget {
+                ram: b.ram.min(room),
+                total: room,
+                source: name.to_string(),
+            };
+        }
+    }
+    Some(b)
+}
+
+/// Room left under the process's address-space limit (`ulimit -v`, `RLIMIT_AS`): the soft
+/// limit in `/proc/self/limits` less `VmSize` in `/proc/self/status`, read under `root`;
+/// `None` when unlimited or unreadable. Allocations beyond it fail even with free RAM.
+pub fn address_space_headroom(root: &Path) -> Option<u64> {
+    let limits = std::fs::read_to_string(root.join("proc/self/limits")).ok()?;
+    let status = std::fs::read_to_string(root.join("proc/self/status")).ok()?;
+    let soft = limits
+        .lines()
+        .find_map(|l| l.strip_prefix("Max address space"))?
+        .split_whitespace()
+        .next()?;
+    let limit: u64 = soft.parse().ok()?; // "unlimited" does not parse
+    let size_kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmSize:"))?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()?;
+    Some(limit.saturating_sub(size_kb.saturating_mul(1024)))
+}
+
+/// Room left under the memory limit of the cgroup this process is in (v2 `memory.max` −
+/// `memory.current`, or v1 `memory.limit_in_bytes` − `memory.usage_in_bytes`), read under
+/// `root`; `None` when there is no limit or no cgroup file says.
+pub fn cgroup_headroom(root: &Path) -> Option<u64> {
+    let read = |p: &Path| std::fs::read_to_string(root.join(p)).ok();
+    let own = read(Path::new("proc/self/cgroup")).unwrap_or_default();
+    // v2: the line `0::/path`; its limit, or the root's when the path is not mounted here
+    // (inside a container the namespace root is the container's cgroup).
+    let v2 = own
+        .lines()
+        .find_map(|l| l.strip_prefix("0::"))
+        .map(|p| p.trim().trim_start_matches('/').to_string());
+    let mut dirs = Vec::new();
+    if let Some(p) = v2.filter(|p| !p.is_empty()) {
+        dirs.push(Path::new("sys/fs/cgroup").join(p));
+    }
+    dirs.push(Path::new("sys/fs/cgroup").to_path_buf());
+    for d in &dirs {
+        if let (Some(max), Some(cur)) =
+            (read(&d.join("memory.max")), read(&d.join("memory.current")))
+        {
+            return headroom(&max, &cur);
+        }
+    }
+    let v1 = Path::new("sys/fs/cgroup/memory");
+    match (
+        read(&v1.join("memory.limit_in_bytes")),
+        read(&v1.join("memory.usage_in_bytes")),
+    ) {
+        (Some(max), Some(cur)) => headroom(&max, &cur),
+        _ => None,
+    }
+}
+
+/// `limit − usage` from the two files' text; `None` for no limit (`max`, or v1's huge
+/// "unlimited" value) or unreadable numbers.
+fn headroom(limit: &str, usage: &str) -> Option<u64> {
+    let limit: u64 = limit.trim().parse().ok()?;
+    let usage: u64 = usage.trim().parse().ok()?;
+    // cgroup v1 writes "unlimited" as the largest page-aligned i64.
+    if limit >= 1 << 60 {
+        return None;
+    }
+    Some(limit.saturating_sub(usage))
+}
+
+/// Parses a size: bytes, or a number with a unit `K`, `M`, `G`, `T` (powers of 1024; `KiB`,
+/// `KB`, `k` and the like are read the same way, as llama.cpp and most tools do for memory).
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let x: f64 = num
+        .parse()
+        .map_err(|_| format!("`{s}` is not a size (e.g. 16G, 512MiB, 1073741824)"))?;
+    let shift = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kb" | "kib" => 10,
+        "m" | "mb" | "mib" => 20,
+        "g" | "gb" | "gib" => 30,
+        "t" | "tb" | "tib" => 40,
+        u => {
+            return Err(format!(
+                "unknown size unit `{u}` in `{s}` (use K, M, G or T)"
+            ))
+        }
+    };
+    let bytes = x * (1u64 << shift) as f64;
+    if !bytes.is_finite() || bytes < 1.0 || bytes >= u64::MAX as f64 {
+        return Err(format!("size `{s}` is out of range"));
+    }
+    Ok(bytes as u64)
+}
+
+/// `1.5 GiB`, `820.0 MiB`, `512 B`.
+pub fn human(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut x = bytes as f64;
+    let mut u = 0;
+    while x >= 1024.0 && u + 1 < UNITS.len() {
+        x /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{x:.1} {}", UNITS[u])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MEMINFO: &str = "MemTotal:       24576000 kB\nMemFree:        20000000 kB\n\
+        MemAvailable:   22000000 kB\nCached:          1000000 kB\nSwapTotal:       4000000 kB\n\
+        SwapFree:        3000000 kB\n";
+
+    #[test]
+    fn meminfo_gives_available_and_swap() {
+        let b = budget_from(MEMINFO, &[]).unwrap();
+        assert_eq!(b.ram, 22_000_000 * 1024);
+        assert_eq!(b.total, 25_000_000 * 1024);
+        assert_eq!(b.source, "MemAvailable");
+    }
+
+    #[test]
+    fn old_kernels_without_memavailable_use_free_plus_cached() {
+        let m = MEMINFO.replace("MemAvailable:   22000000 kB\n", "");
+        let b = budget_from(&m, &[]).unwrap();
+        assert_eq!(b.ram, 21_000_000 * 1024);
+        assert!(budget_from("MemTotal: 1 kB\n", &[]).is_none());
+        // A field name that merely starts like another is not taken for it.
+        assert!(budget_from("MemAvailableX: 5 kB\n", &[]).is_none());
+    }
+
+    #[test]
+    fn limits_cap_both() {
+        let room = 8u64 << 30;
+        let b = budget_from(MEMINFO, &[(room, "cgroup")]).unwrap();
+        assert_eq!((b.ram, b.total), (room, room));
+        assert_eq!(b.source, "cgroup");
+        // Room beyond RAM + swap changes nothing.
+        let b = budget_from(MEMINFO, &[(1 << 50, "cgroup")]).unwrap();
+        assert_eq!(b.ram, 22_000_000 * 1024);
+        assert_eq!(b.source, "MemAvailable");
+        // Room between RAM and RAM + swap caps only the total.
+        let room = 23_000_000 * 1024;
+        let b = budget_from(MEMINFO, &[(room, "cgroup")]).unwrap();
+        assert_eq!((b.ram, b.total), (22_000_000 * 1024, room));
+        // The tightest of several limits wins, and is named.
+        let b = budget_from(MEMINFO, &[(5 << 30, "cgroup"), (3 << 30, "ulimit")]).unwrap();
+        assert_eq!(
+            (b.ram, b.total, b.source.as_str()),
+            (3 << 30, 3 << 30, "ulimit")
+        );
+        let b = budget_from(MEMINFO, &[(3 << 30, "cgroup"), (5 << 30, "ulimit")]).unwrap();
+        assert_eq!((b.ram, b.source.as_str()), (3 << 30, "cgroup"));
+    }
+
+    #[test]
+    fn address_space_limit() {
+        let dir = std::env::temp_dir().join(format!("keydiff-rlimit-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("proc/self")).unwrap();
+        let write = |p: &str, s: &str| std::fs::write(dir.join(p), s).unwrap();
+        write(
+            "proc/self/status",
+            "Name:\tkeydiff\nVmPeak:\t  900 kB\nVmSize:\t  1000 kB\n",
+        );
+        write(
+            "proc/self/limits",
+            "Limit                     Soft Limit           Hard Limit           Units\n\
+             Max address space         unlimited            unlimited            bytes\n",
+        );
+        assert_eq!(address_space_headroom(&dir), None);
+        write(
+            "proc/self/limits",
+            "Max address space         4096000000           unlimited            bytes\n",
+        );
+        assert_eq!(
+            address_space_headroom(&dir),
+            Some(4_096_000_000 - 1_024_000)
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn cgroup_files_v2_v1_and_none() {
+        let dir = std::env::temp_dir().join(format!("keydiff-cgroup-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let write = |p: &str, s: &str| {
+            let p = dir.join(p);
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            std::fs::write(p, s).unwrap();
+        };
+        assert_eq!(cgroup_headroom(&dir), None);
+        // v1
+        write("sys/fs/cgroup/memory/memory.limit_in_bytes", "1000\n");
+        write("sys/fs/cgroup/memory/memory.usage_in_bytes", "400\n");
+        assert_eq!(cgroup_headroom(&dir), Some(600));
+        write(
+            "sys/fs/cgroup/memory/memory.limit_in_bytes",
+            "9223372036854771712\n",
+        );
+        assert_eq!(cgroup_headroom(&dir), None);
+        // v2 at the root, then in the process's own cgroup, which wins.
+        write("sys/fs/cgroup/memory.max", "5000\n");
+        write("sys/fs/cgroup/memory.current", "1000\n");
+        assert_eq!(cgroup_headroom(&dir), Some(4000));
+        write("proc/self/cgroup", "0::/user.slice/job\n");
+        write("sys/fs/cgroup/user.slice/job/memory.max", "max\n");
+        write("sys/fs/cgroup/user.slice/job/memory.current", "123\n");
+        assert_eq!(cgroup_headroom(&dir), None);
+        write("sys/fs/cgroup/user.slice/job/memory.max", "300\n");
+        assert_eq!(cgroup_headroom(&dir), Some(177));
+        // Usage beyond the limit leaves no room rather than wrapping.
+        write("sys/fs/cgroup/user.slice/job/memory.current", "900\n");
+        assert_eq!(cgroup_headroom(&dir), Some(0));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("1073741824"), Ok(1 << 30));
+        assert_eq!(parse_size("16G"), Ok(16 << 30));
+        assert_eq!(parse_size("16GiB"), Ok(16 << 30));
+        assert_eq!(parse_size(" 512 MB "), Ok(512 << 20));
+        assert_eq!(parse_size("1.5g"), Ok(3 << 29));
+        assert_eq!(parse_size("2t"), Ok(2 << 40));
+        assert_eq!(parse_size("64k"), Ok(64 << 10));
+        for bad in ["", "G", "12X", "-1G", "0", "1e3", "1.2.3G", "99999999999T"] {
+            assert!(parse_size(bad).is_err(), "{bad:?} accepted");
+        }
+        assert_eq!(human(512), "512 B");
+        assert_eq!(human(3 << 29), "1.5 GiB");
+        assert_eq!(human(820 << 20), "820.0 MiB");
+    }
+
+    #[test]
+    fn detect_reads_this_machine() {
+        // Linux CI and dev machines have /proc/meminfo; elsewhere there is nothing to check.
+        if !Path::new("/proc/meminfo").exists() {
+            eprintln!("skipped: no /proc/meminfo on this system");
+            return;
+        }
+        let b = MemoryBudget::detect().expect("a budget from /proc/meminfo");
+        assert!(b.ram > 0 && b.total >= b.ram, "{b:?}");
+    }
+}
