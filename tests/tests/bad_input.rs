@@ -369,3 +369,17 @@ fn memory_limits() {
     expect(&err, "not enough memory: the random weights of");
     expect(&err, "available (address-space limit (ulimit -v))");
 }
+
+#[test]
+fn perplexity_needs_a_text_of_two_tokens() {
+    let m = model(SMOLLM2);
+    let m = m.to_str().unwrap();
+    let err = fails(&["perplexity", "-m", m]);
+    expect(&err, "give the text with -p TEXT or -f FILE");
+    let err = fails(&["perplexity", "-m", m, "-p", "hi", "--max-tokens", "1"]);
+    expect(&err, "perplexity needs at least 2 tokens, got 1");
+    let err = fails(&["perplexity", "-m", m, "-p", "hi", "--max-tokens", "0"]);
+    expect(&err, "--max-tokens must be at least 2");
+    let err = fails(&["perplexity", "-m", m, "-f", "/no/such/text.txt"]);
+    expect(&err, "cannot read text file /no/such/text.txt");
+}

@@ -212,3 +212,49 @@ fn seeded_sampling_is_reproducible() {
     let tb: serde_json::Value = serde_json::from_str(b.trim()).unwrap();
     assert_eq!(ta["text"], tb["text"]);
 }
+
+#[test]
+fn perplexity_reports_json_and_truncation() {
+    let m = model(SMOLLM2);
+    let text = "The lighthouse keeper had lived on the island for almost thirty years, and in \
+                that time he had learned to read the weather the way other people read the \
+                morning paper.";
+    let (so, _) = ok(&[
+        "perplexity",
+        "-m",
+        m.to_str().unwrap(),
+        "-p",
+        text,
+        "--chunk",
+        "8",
+        "--budget",
+        "16",
+        "--json",
+    ]);
+    let v: serde_json::Value = serde_json::from_str(so.trim()).unwrap();
+    let tokens = v["tokens"].as_u64().unwrap();
+    assert!(tokens > 30, "{v}");
+    assert_eq!(v["scored"].as_u64().unwrap(), tokens - 1);
+    assert_eq!(v["policy"], "keydiff");
+    assert!(v["evictions"].as_u64().unwrap() > 0, "{v}");
+    let ppl = v["ppl"].as_f64().unwrap();
+    let nll = v["mean_nll"].as_f64().unwrap();
+    assert!((ppl - nll.exp()).abs() < 1e-9 * ppl && ppl > 1.0, "{v}");
+    assert_eq!(v["ppl_by_quarter"].as_array().unwrap().len(), 4);
+
+    let (so, _) = ok(&[
+        "perplexity",
+        "-m",
+        m.to_str().unwrap(),
+        "-p",
+        text,
+        "--max-tokens",
+        "10",
+    ]);
+    assert!(
+        so.contains(&format!(
+            "over 9 scored tokens (the first 10 of the text's {tokens} tokens)"
+        )),
+        "{so}"
+    );
+}

@@ -47,6 +47,12 @@ enum Cmd {
     /// Accuracy under a budget: passkey, niah, phonebook or longbench, per policy × budget ×
     /// length. Prints a table and writes results.json (and heatmap.svg for niah).
     Eval(eval::EvalArgs),
+    /// Perplexity of a text under the cache settings: prefilled in chunks of B as a prompt
+    /// is, evicting after each chunk under --budget/--policy, every token after the first
+    /// scored on the logits before it (llama-perplexity's measure, over one window). Prints
+    /// the perplexity, the mean NLL ± its standard error and the perplexity of each quarter
+    /// of the text.
+    Perplexity(PplArgs),
     /// Print the token ids of a text as a JSON array.
     Tokenize {
         #[command(flatten)]
@@ -379,6 +385,7 @@ fn real_main() -> Result<()> {
             Ok(())
         }
         Cmd::Info { model } => info(&model),
+        Cmd::Perplexity(a) => perplexity(&a),
         Cmd::CheckDevice {
             device,
             dtype,
@@ -586,6 +593,81 @@ fn check_kernels(
     }
     if !failed.is_empty() {
         bail!("kernel parity failed on: {}", failed.join("; "));
+    }
+    Ok(())
+}
+
+#[derive(Args)]
+struct PplArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// The text (or -f FILE).
+    #[arg(short = 'p', long, conflicts_with = "file")]
+    prompt: Option<String>,
+    /// Read the text from a file.
+    #[arg(short = 'f', long)]
+    file: Option<PathBuf>,
+    /// Score only the first N tokens (the run says so); without it, a text beyond the
+    /// model's context is refused.
+    #[arg(long)]
+    max_tokens: Option<usize>,
+    /// Print one JSON object instead of the summary line.
+    #[arg(long)]
+    json: bool,
+}
+
+fn perplexity(a: &PplArgs) -> Result<()> {
+    let text = match (&a.prompt, &a.file) {
+        (Some(p), _) => p.clone(),
+        (None, Some(f)) => std::fs::read_to_string(f)
+            .with_context(|| format!("cannot read text file {}", f.display()))?,
+        (None, None) => bail!("give the text with -p TEXT or -f FILE"),
+    };
+    if a.max_tokens == Some(0) {
+        bail!("invalid parameter: --max-tokens must be at least 2");
+    }
+    let engine = a.model.load()?;
+    let mut tokens = engine.tokenize(&text, false)?;
+    let total = tokens.len();
+    if let Some(n) = a.max_tokens {
+        tokens.truncate(n);
+    }
+    let r = engine.perplexity(&tokens)?;
+    let cache = engine.config().cache.clone();
+    let quarters = r.ppl_by_part(4);
+    if a.json {
+        let v = serde_json::json!({
+            "ppl": r.ppl(), "mean_nll": r.mean_nll(..), "nll_stderr": r.nll_stderr(),
+            "ppl_by_quarter": quarters, "tokens": tokens.len(), "text_tokens": total,
+            "scored": r.nll.len(), "policy": cache.policy.name(), "budget": cache.budget,
+            "chunk": cache.chunk, "evictions": r.evictions, "evicted_slots": r.evicted_slots,
+            "peak_kv_bytes": r.peak_kv_bytes, "seconds": r.seconds,
+            "model": engine.origin(), "dtype": engine.config().dtype.as_str(),
+            "kv_dtype": engine.config().kv_dtype.map(|d| d.as_str()),
+            "cpu_weights": engine.cpu_weights().map(|c| c.describe()),
+        });
+        println!("{v}");
+    } else {
+        let q: Vec<String> = quarters.iter().map(|x| format!("{x:.3}")).collect();
+        let budget = cache.budget.map_or("none".to_string(), |n| n.to_string());
+        println!(
+            "perplexity {:.4} (mean NLL {:.4} ± {:.4}) over {} scored tokens{} | by quarter: {} \
+             | policy {} budget {budget} chunk {} ({} evictions) | {:.2} s",
+            r.ppl(),
+            r.mean_nll(..),
+            r.nll_stderr(),
+            r.nll.len(),
+            if tokens.len() < total {
+                format!(" (the first {} of the text's {total} tokens)", tokens.len())
+            } else {
+                String::new()
+            },
+            q.join(" "),
+            cache.policy.name(),
+            cache.chunk,
+            r.evictions,
+            r.seconds
+        );
     }
     Ok(())
 }

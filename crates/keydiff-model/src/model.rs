@@ -400,6 +400,24 @@ impl Model {
     /// generated token rather than a prompt chunk. Returns the logits of the chunk's last token,
     /// `[vocab]` in f32.
     pub fn forward(&self, tokens: &[u32], cache: &mut KvCache, decode: bool) -> Result<Tensor> {
+        let x = self.hidden(tokens, cache, decode)?;
+        let b = tokens.len();
+        // Only the last row feeds the LM head: [1, hidden]
+        let last = self.norm.forward(&x.narrow(0, b - 1, 1)?)?;
+        let logits = self.lm_head.forward(&last, !decode)?;
+        Ok(logits.squeeze(0)?.to_dtype(DType::F32)?)
+    }
+
+    /// [`Model::forward`] for a prompt chunk, returning the logits of every token of the chunk,
+    /// `[B, vocab]` in f32 (row i predicts the token after `tokens[i]`): for perplexity.
+    pub fn forward_all(&self, tokens: &[u32], cache: &mut KvCache) -> Result<Tensor> {
+        let x = self.hidden(tokens, cache, false)?;
+        let logits = self.lm_head.forward(&self.norm.forward(&x)?, true)?;
+        Ok(logits.to_dtype(DType::F32)?)
+    }
+
+    /// The layers over a chunk: its hidden states before the final norm, `[B, hidden]`.
+    fn hidden(&self, tokens: &[u32], cache: &mut KvCache, decode: bool) -> Result<Tensor> {
         let pos0 = cache.position();
         let b = tokens.len();
         if b == 0 {
@@ -444,10 +462,7 @@ impl Model {
             clock.lap(cache, Region::Mlp)?;
         }
         cache.advance(b);
-        // Only the last row feeds the LM head: [1, hidden]
-        let last = self.norm.forward(&x.narrow(0, b - 1, 1)?)?;
-        let logits = self.lm_head.forward(&last, !decode)?;
-        Ok(logits.squeeze(0)?.to_dtype(DType::F32)?)
+        Ok(x)
     }
 
     /// The model's hyper-parameters.

@@ -15,6 +15,7 @@ mod engine;
 mod error;
 pub mod kernel_check;
 pub mod parity;
+mod perplexity;
 mod sampling;
 mod source;
 mod stream;
@@ -31,6 +32,7 @@ pub use keydiff_model::memory::{human as human_bytes, parse_size};
 pub use keydiff_model::{
     AttentionBackend, CpuWeights, MemoryBudget, Message, ModelConfig, ModelFormat,
 };
+pub use perplexity::Perplexity;
 pub use sampling::{Sampler, Sampling};
 pub use source::ModelSource;
 pub use stream::TextStream;
