@@ -328,3 +328,37 @@ fn prefix_reuse_changes_no_answer() {
         assert_eq!(r["prefix_tokens"], free / 64 * 64, "{}", key(r));
     }
 }
+
+/// Records made with the CPU's dense prefill copies are not mixed with records made on the
+/// weights as stored (`--as-stored`, or copies that memory dropped): the numerics differ.
+#[test]
+fn resume_refuses_other_cpu_weight_copies() {
+    let dir = temp_dir("eval-cpu-weights");
+    let m = model(SMOLLM2);
+    let base = [
+        "eval",
+        "passkey",
+        "-m",
+        m.to_str().unwrap(),
+        "--lengths",
+        "200",
+        "--samples",
+        "1",
+        "--policies",
+        "full",
+        "--out",
+        dir.to_str().unwrap(),
+    ];
+    let (ok, _, stderr) = run(&base);
+    assert!(ok, "{stderr}");
+    let results: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("results.json")).unwrap()).unwrap();
+    assert_eq!(
+        results["provenance"]["cpu_weights"],
+        "weights with dense prefill copies and Q8_0 decode copies"
+    );
+    let (ok, _, stderr) = run(&[&base[..], &["--resume", "--as-stored"]].concat());
+    assert!(!ok && stderr.contains("(CPU weight copies)"), "{stderr}");
+    assert!(stderr.contains("weights as stored"), "{stderr}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -249,9 +249,14 @@ fn decode(a: DecodeArgs) -> Result<()> {
 
 fn header(prov: &Provenance, plan: &Plan) -> String {
     format!(
-        "# {} | {} | {} {} (KV {}) {} attention | commit {} | {}\n# {} warm-up + {} measured runs per case, interleaved; prompts: random token ids, seed {} + round\n",
+        "# {} | {}{} | {} {} (KV {}) {} attention | commit {} | {}\n# {} warm-up + {} measured runs per case, interleaved; prompts: random token ids, seed {} + round\n",
         prov.date,
         prov.model,
+        if prov.cpu_weights.is_empty() {
+            String::new()
+        } else {
+            format!(" ({})", prov.cpu_weights)
+        },
         prov.device,
         prov.dtype,
         prov.kv_dtype,
@@ -517,6 +522,7 @@ fn write_csv(path: &Path, prov: &Provenance, t: &Csv) -> Result<()> {
         ("kv_dtype", prov.kv_dtype.as_str()),
         ("attention", prov.attention.as_str()),
         ("model", prov.model.as_str()),
+        ("cpu_weights", prov.cpu_weights.as_str()),
         (
             "random_weights",
             if prov.random_weights { "true" } else { "false" },

@@ -418,9 +418,9 @@ fn table(a: &EvalArgs, prov: &Provenance, cells: &[Cell], longbench: bool) -> St
 }
 
 /// Refuses to resume into a directory whose earlier run used other options that change the
-/// records (model, dtype, KV dtype, attention, chat template, chunk, protection, seed): their
-/// records would be mixed with incomparable ones. Lengths, depths, budgets, policies and
-/// samples may grow.
+/// records (model, dtype, KV dtype, attention, CPU weight copies, chat template, chunk,
+/// protection, seed): their records would be mixed with incomparable ones. Lengths, depths,
+/// budgets, policies and samples may grow.
 fn check_resume(results: &std::path::Path, a: &EvalArgs, engine: &keydiff::Engine) -> Result<()> {
     let Ok(text) = std::fs::read_to_string(results) else {
         return Ok(()); // an interrupted first run: only records.jsonl exists
@@ -440,7 +440,12 @@ fn check_resume(results: &std::path::Path, a: &EvalArgs, engine: &keydiff::Engin
         serde_json::Value::String(s) if !s.is_empty() => p["kv_dtype"].clone(),
         _ => p["dtype"].clone(),
     };
-    let checks: [(&str, serde_json::Value, serde_json::Value); 9] = [
+    // Results written before the CPU weight copies were recorded: unknown, not checked.
+    let cpu_weights = match &p["cpu_weights"] {
+        serde_json::Value::String(s) if !s.is_empty() => p["cpu_weights"].clone(),
+        _ => serde_json::Value::Null,
+    };
+    let checks: [(&str, serde_json::Value, serde_json::Value); 10] = [
         ("--chat", o["chat"].clone(), a.chat.into()),
         ("--chunk", o["chunk"].clone(), a.chunk.into()),
         ("--window", o["window"].clone(), a.policy_args.window.into()),
@@ -450,6 +455,11 @@ fn check_resume(results: &std::path::Path, a: &EvalArgs, engine: &keydiff::Engin
         ("--dtype", p["dtype"].clone(), now.dtype.into()),
         ("--attention", attention, now.attention.into()),
         ("--kv-dtype", kv_dtype, now.kv_dtype.into()),
+        (
+            "--as-stored/--memory-limit (CPU weight copies)",
+            cpu_weights,
+            now.cpu_weights.into(),
+        ),
     ];
     for (name, was, is) in checks {
         if !was.is_null() && was != is {

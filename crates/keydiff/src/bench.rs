@@ -430,6 +430,10 @@ pub struct Provenance {
     /// The model path or preset, and whether its weights are random.
     pub model: String,
     pub random_weights: bool,
+    /// What CPU copies of GGUF weights ran (`CpuWeights::describe`; memory may have dropped
+    /// some); empty for other sources, GPUs, and rows written before it was recorded.
+    #[serde(default)]
+    pub cpu_weights: String,
     /// The full command line.
     pub command: String,
     pub keydiff_version: String,
@@ -480,6 +484,9 @@ impl Provenance {
             attention: engine.config().attention.name().to_string(),
             model: engine.origin().to_string(),
             random_weights,
+            cpu_weights: engine
+                .cpu_weights()
+                .map_or(String::new(), |c| c.describe().to_string()),
             command,
             keydiff_version: env!("CARGO_PKG_VERSION").to_string(),
         }
