@@ -292,3 +292,43 @@ fn kv_caches_that_cannot_fit_are_refused_per_request() {
         .expect("refused");
     assert!(err.to_string().contains("not enough memory"), "{err}");
 }
+
+/// Perplexity also plans its chunk's logit rows (B × vocab f32 and the log-softmax
+/// temporaries): refused one byte short of the cache, activations and logits, run at exactly
+/// that.
+#[test]
+fn perplexity_plans_its_logits() {
+    let source = ModelSource::Random {
+        config: root().join("configs/tiny-llama.json"),
+        seed: 2,
+        on_host: false,
+    };
+    let base = Engine::load(&source, &EngineConfig::default()).unwrap();
+    let m = base.model_config().clone();
+    let (resident, transient) = (base.weight_plan().resident, base.weight_plan().transient);
+    let (chunk, budget) = (32, 64);
+    let slots = budget + chunk;
+    let need = m.kv_cache_bytes(slots, DType::F32) + m.request_scratch_bytes(slots, chunk, true);
+    let logits = 16 * (chunk * m.vocab_size) as u64;
+    assert!(logits > transient, "the threshold must leave room to load");
+    let tokens = keydiff::parity::random_tokens(200, m.vocab_size, 9);
+    let run = |limit: u64| {
+        let cfg = EngineConfig {
+            cache: CacheConfig {
+                policy: PolicyKind::parse("keydiff", 32, 0).unwrap(),
+                budget: Some(budget),
+                ..CacheConfig::full(chunk)
+            },
+            memory_limit: Some(limit),
+            ..Default::default()
+        };
+        Engine::load(&source, &cfg).unwrap().perplexity(&tokens)
+    };
+    let exact = resident + need + logits;
+    assert_eq!(run(exact).unwrap().nll.len(), 199);
+    let err = run(exact - 1).unwrap_err().to_string();
+    assert!(
+        err.contains("not enough memory") && err.contains("activations and logits"),
+        "{err}"
+    );
+}

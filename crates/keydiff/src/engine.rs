@@ -388,22 +388,35 @@ impl Engine {
     /// the CPU that it and the request's activations fit in memory: a cache that cannot fit
     /// is refused with the numbers instead of taking the process down.
     fn alloc_cache(&self, cache: CacheConfig, max_tokens: usize) -> Result<KvCache> {
+        self.alloc_cache_with(cache, max_tokens, 0)
+    }
+
+    /// [`Engine::alloc_cache`] for a request that needs `extra` bytes more while it runs.
+    fn alloc_cache_with(
+        &self,
+        cache: CacheConfig,
+        max_tokens: usize,
+        extra: u64,
+    ) -> Result<KvCache> {
         if let Some(budget) = self.memory_budget() {
             let m = self.model_config();
             let slots = cache.slots_for(max_tokens);
             let dtype = self.loaded.model.kv_dtype();
             let kv = m.kv_cache_bytes(slots, dtype);
             let eager = self.loaded.model.attention() == AttentionBackend::Eager;
-            let need = kv.saturating_add(m.request_scratch_bytes(slots, cache.chunk, eager));
+            let need = kv
+                .saturating_add(m.request_scratch_bytes(slots, cache.chunk, eager))
+                .saturating_add(extra);
             let what = || {
                 format!(
                     "the KV cache of {slots} slots ({} layers × {} KV heads × {} × K and V in \
-                     {}: {}) and the request's activations need {}",
+                     {}: {}) and the request's activations{} need {}",
                     m.num_layers,
                     m.num_kv_heads,
                     m.head_dim,
                     dtype.as_str(),
                     human(kv),
+                    if extra > 0 { " and logits" } else { "" },
                     human(need)
                 )
             };
@@ -733,8 +746,10 @@ impl Engine {
         let model = &self.loaded.model;
         // The last token is only a target: the tokens before it are run.
         let inputs = &tokens[..tokens.len() - 1];
-        let mut cache = self.new_cache(inputs.len())?;
         let chunk = self.cfg.cache.chunk;
+        // A chunk's logit rows in f32, and the temporaries of their log-softmax.
+        let logits = 4 * 4 * (chunk.min(inputs.len()) * self.model_config().vocab_size) as u64;
+        let mut cache = self.alloc_cache_with(self.cfg.cache.clone(), inputs.len(), logits)?;
         let mut nll = Vec::with_capacity(inputs.len());
         for (i, piece) in inputs.chunks(chunk).enumerate() {
             let logits = model.forward_all(piece, &mut cache)?;
