@@ -167,8 +167,8 @@ struct LoadArgs {
     #[arg(long)]
     as_stored: bool,
     /// Host memory keydiff may plan with (e.g. 16G, 512MiB; default: what the system reports
-    /// available, under any cgroup limit). On the CPU, weight copies that do not fit are
-    /// dropped, and a model or KV cache that cannot fit is refused with the numbers.
+    /// available, under the cgroup's limit and `ulimit -v`). On the CPU, weight copies that do
+    /// not fit are dropped, and a model or KV cache that cannot fit is refused with the numbers.
     #[arg(long, value_parser = parse_memory)]
     memory_limit: Option<u64>,
     /// Chunk attention: eager (materialised probabilities), flash (fused kernel: candle-nn's on
