@@ -241,6 +241,12 @@ fn perplexity_reports_json_and_truncation() {
     let nll = v["mean_nll"].as_f64().unwrap();
     assert!((ppl - nll.exp()).abs() < 1e-9 * ppl && ppl > 1.0, "{v}");
     assert_eq!(v["ppl_by_quarter"].as_array().unwrap().len(), 4);
+    assert_eq!(v["window"], 0.0);
+    assert!(v["provenance"]["commit"].is_string(), "{v}");
+    assert!(v["provenance"]["command"]
+        .as_str()
+        .unwrap()
+        .contains("perplexity"));
 
     let (so, _) = ok(&[
         "perplexity",

@@ -640,11 +640,17 @@ fn perplexity(a: &PplArgs) -> Result<()> {
             "ppl": r.ppl(), "mean_nll": r.mean_nll(..), "nll_stderr": r.nll_stderr(),
             "ppl_by_quarter": quarters, "tokens": tokens.len(), "text_tokens": total,
             "scored": r.nll.len(), "policy": cache.policy.name(), "budget": cache.budget,
-            "chunk": cache.chunk, "evictions": r.evictions, "evicted_slots": r.evicted_slots,
+            "chunk": cache.chunk, "window": cache.window, "sinks": cache.sinks,
+            "evictions": r.evictions, "evicted_slots": r.evicted_slots,
             "peak_kv_bytes": r.peak_kv_bytes, "seconds": r.seconds,
             "model": engine.origin(), "dtype": engine.config().dtype.as_str(),
             "kv_dtype": engine.config().kv_dtype.map(|d| d.as_str()),
             "cpu_weights": engine.cpu_weights().map(|c| c.describe()),
+            "provenance": keydiff::bench::Provenance::collect(
+                &engine,
+                a.model.load.random_weights,
+                bench::command_line(),
+            ),
         });
         println!("{v}");
     } else {

@@ -40,11 +40,11 @@ pub struct EngineConfig {
     /// [`Engine::config`] then reports the choice).
     pub attention: AttentionBackend,
     /// Host memory the engine may plan with, in bytes (`None`: what the system reports
-    /// available, `MemAvailable` and free swap under the cgroup's limit and `ulimit -v`). On the CPU the weights, their copies
-    /// and each request's KV cache are planned against it before they are allocated: optional
-    /// weight copies are dropped when they do not fit, and a model or cache that cannot fit is
-    /// refused with the numbers. GPU memory is not planned (candle reports a failed device
-    /// allocation as an error).
+    /// available, `MemAvailable` and free swap under the cgroup's limit and `ulimit -v`). On
+    /// the CPU the weights, their copies and each request's KV cache are planned against it
+    /// before they are allocated: optional weight copies are dropped when they do not fit,
+    /// and a model or cache that cannot fit is refused with the numbers. GPU memory is not
+    /// planned (candle reports a failed device allocation as an error).
     pub memory_limit: Option<u64>,
 }
 
