@@ -383,3 +383,23 @@ fn perplexity_needs_a_text_of_two_tokens() {
     let err = fails(&["perplexity", "-m", m, "-f", "/no/such/text.txt"]);
     expect(&err, "cannot read text file /no/such/text.txt");
 }
+
+/// `chat` needs a chat template; a model without one is refused by name, not run as text.
+#[test]
+fn chat_without_a_template() {
+    let preset = keydiff_tests::root().join("configs/tiny-llama.json");
+    let mut child = Command::new(keydiff_bin())
+        .args(["chat", "--random-weights", "-m", preset.to_str().unwrap()])
+        .stdin(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    use std::io::Write;
+    child.stdin.take().unwrap().write_all(b"hi\n").unwrap();
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    expect(&err, "this model has no chat template");
+}

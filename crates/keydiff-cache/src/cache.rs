@@ -129,6 +129,47 @@ impl KvCache {
         self.position += n;
     }
 
+    /// A copy of this cache with room for `capacity` slots per head, for a cache without a
+    /// budget that a conversation outgrows: slots, positions, policy state, counters and the
+    /// position carry over. A budgeted cache never needs it (it has its N + B slots).
+    pub fn grown(&self, capacity: usize) -> Result<Self> {
+        if self.cfg.budget.is_some() {
+            return Err(CacheError::Config(
+                "only a cache without a budget grows; a budgeted one keeps N + B slots".into(),
+            ));
+        }
+        if capacity < self.len() {
+            return Err(CacheError::Config(format!(
+                "cannot shrink a cache holding {} slots to {capacity}",
+                self.len()
+            )));
+        }
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| {
+                let mut n = LayerCache::new(
+                    l.kv_heads(),
+                    l.head_dim(),
+                    capacity,
+                    l.k_buffer().dtype(),
+                    l.device(),
+                )?;
+                n.copy_from(l, true)?;
+                Ok(n)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            layers,
+            cfg: self.cfg.clone(),
+            policy: build(&self.cfg.policy),
+            counters: self.counters,
+            profile: None,
+            device: self.device.clone(),
+            position: self.position,
+        })
+    }
+
     /// Continues from `prefix`, a cache that has prefilled a prompt's first tokens and never
     /// evicted: this (fresh) cache gets copies of its slots and position, so that prefilling the
     /// rest of the prompt gives exactly what prefilling the whole prompt would have.

@@ -47,6 +47,11 @@ enum Cmd {
     /// Accuracy under a budget: passkey, niah, phonebook or longbench, per policy × budget ×
     /// length. Prints a table and writes results.json (and heatmap.svg for niah).
     Eval(eval::EvalArgs),
+    /// Multi-turn chat on stdin, one user message per line: the KV cache is kept between
+    /// turns, so each turn prefills only the new message (under --budget/--policy, a long
+    /// conversation stays in N + B slots per layer and head). Replies stream to stdout; a
+    /// line of stats per turn goes to stderr.
+    Chat(ChatArgs),
     /// Perplexity of a text under the cache settings: prefilled in chunks of B as a prompt
     /// is, evicting after each chunk under --budget/--policy, every token after the first
     /// scored on the logits before it (llama-perplexity's measure, over one window). Prints
@@ -326,23 +331,8 @@ struct RunArgs {
     /// System message (implies --chat).
     #[arg(long)]
     system: Option<String>,
-    /// Temperature; 0 is greedy.
-    #[arg(long, default_value_t = 0.0)]
-    temp: f32,
-    #[arg(long, default_value_t = 0)]
-    top_k: usize,
-    #[arg(long, default_value_t = 1.0)]
-    top_p: f32,
-    #[arg(long, default_value_t = 0.0)]
-    min_p: f32,
-    /// Repetition penalty (1 = off).
-    #[arg(long, default_value_t = 1.0)]
-    repeat_penalty: f32,
-    /// Tokens the repetition penalty looks back on.
-    #[arg(long, default_value_t = 64)]
-    repeat_last_n: usize,
-    #[arg(long, default_value_t = 299_792_458)]
-    seed: u64,
+    #[command(flatten)]
+    sampling: SamplingArgs,
     /// Stop when this string is generated (repeatable).
     #[arg(long)]
     stop: Vec<String>,
@@ -386,6 +376,7 @@ fn real_main() -> Result<()> {
         }
         Cmd::Info { model } => info(&model),
         Cmd::Perplexity(a) => perplexity(&a),
+        Cmd::Chat(a) => chat(&a),
         Cmd::CheckDevice {
             device,
             dtype,
@@ -754,16 +745,119 @@ fn run(a: RunArgs) -> Result<()> {
 }
 
 /// The sampling settings of `run`.
+/// Sampling options shared by `run` and `chat`.
+#[derive(Args)]
+struct SamplingArgs {
+    /// Temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temp: f32,
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f32,
+    /// Repetition penalty (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    repeat_penalty: f32,
+    /// Tokens the repetition penalty looks back on.
+    #[arg(long, default_value_t = 64)]
+    repeat_last_n: usize,
+    #[arg(long, default_value_t = 299_792_458)]
+    seed: u64,
+}
+
 fn sampling(a: &RunArgs) -> Sampling {
-    Sampling {
-        temperature: a.temp,
-        top_k: a.top_k,
-        top_p: a.top_p,
-        min_p: a.min_p,
-        repetition_penalty: a.repeat_penalty,
-        repeat_last_n: a.repeat_last_n,
-        seed: a.seed,
+    a.sampling.get()
+}
+
+impl SamplingArgs {
+    fn get(&self) -> Sampling {
+        Sampling {
+            temperature: self.temp,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repetition_penalty: self.repeat_penalty,
+            repeat_last_n: self.repeat_last_n,
+            seed: self.seed,
+        }
     }
+}
+
+/// `keydiff chat`: one user message per line of stdin.
+#[derive(Args)]
+struct ChatArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// System message.
+    #[arg(long)]
+    system: Option<String>,
+    /// Tokens to generate at most per reply.
+    #[arg(short = 'n', long, default_value_t = 512)]
+    max_tokens: usize,
+    #[command(flatten)]
+    sampling: SamplingArgs,
+}
+
+fn chat(a: &ChatArgs) -> Result<()> {
+    use std::io::{BufRead, IsTerminal, Write};
+    let sampling = a.sampling.get();
+    sampling
+        .validate()
+        .map_err(|e| anyhow::anyhow!("invalid parameter: {e}"))?;
+    let engine = a.model.load()?;
+    let params = GenerateParams {
+        max_tokens: a.max_tokens,
+        sampling,
+        ..Default::default()
+    };
+    let mut conv = keydiff::Conversation::new(a.system.as_deref());
+    let interactive = std::io::stdin().is_terminal();
+    let cache = engine.config().cache.clone();
+    if interactive {
+        eprintln!(
+            "chat with {} (policy {}, budget {}): one message per line, Ctrl-D to end",
+            engine.origin(),
+            cache.policy.name(),
+            cache.budget.map_or("none".to_string(), |n| n.to_string())
+        );
+    }
+    let mut lines = std::io::stdin().lock().lines();
+    loop {
+        if interactive {
+            eprint!("> ");
+        }
+        let Some(line) = lines.next() else { break };
+        let line = line.context("cannot read stdin")?;
+        let line = line.trim();
+        if line.is_empty() {
+            continue;
+        }
+        let mut out = std::io::stdout().lock();
+        let result = engine.chat_turn(&mut conv, line, &params, |ev| {
+            if let Event::Text(t) = ev {
+                let _ = out.write_all(t.as_bytes());
+                let _ = out.flush();
+            }
+        })?;
+        writeln!(out)?;
+        let s = &result.stats;
+        eprintln!(
+            "[turn: {} new tokens ({} kept), {} generated | TTFT {:.3} s | decode {:.1} tok/s | \
+             cache {} slots at position {} | {} evictions | stop: {:?}]",
+            s.prompt_tokens,
+            s.prefix_tokens,
+            s.generated_tokens,
+            s.ttft_s,
+            s.decode_tok_s,
+            conv.cache_len(),
+            conv.position(),
+            s.eviction.evictions,
+            s.stop_reason
+        );
+    }
+    Ok(())
 }
 
 fn generate(a: &RunArgs, engine: &Engine, prompt: Prompt) -> Result<()> {

@@ -398,9 +398,20 @@ impl Engine {
         max_tokens: usize,
         extra: u64,
     ) -> Result<KvCache> {
+        self.check_cache_memory(&cache, cache.slots_for(max_tokens), extra)?;
+        Ok(self.loaded.model.new_cache(cache, max_tokens)?)
+    }
+
+    /// Refuses, on the CPU, a cache of `slots` per layer and head (and the activations of a
+    /// request on it, and `extra` bytes) that cannot fit in memory; warns when it would swap.
+    pub(crate) fn check_cache_memory(
+        &self,
+        cache: &CacheConfig,
+        slots: usize,
+        extra: u64,
+    ) -> Result<()> {
         if let Some(budget) = self.memory_budget() {
             let m = self.model_config();
-            let slots = cache.slots_for(max_tokens);
             let dtype = self.loaded.model.kv_dtype();
             let kv = m.kv_cache_bytes(slots, dtype);
             let eager = self.loaded.model.attention() == AttentionBackend::Eager;
@@ -431,7 +442,7 @@ impl Engine {
                 tracing::warn!("{}, beyond {budget}: the system will swap", what());
             }
         }
-        Ok(self.loaded.model.new_cache(cache, max_tokens)?)
+        Ok(())
     }
 
     /// Token ids of `text` (BOS first when the model adds one). Special tokens written in the
@@ -450,6 +461,18 @@ impl Engine {
         }
         ids.extend_from_slice(enc.get_ids());
         Ok(ids)
+    }
+
+    /// Token ids of `text` with special tokens parsed and no BOS: a chat template's text
+    /// that continues a conversation.
+    pub(crate) fn tokenize_special(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self
+            .loaded
+            .vocab
+            .tokenizer
+            .encode(text, false)
+            .map_err(|e| EngineError::Tokenizer(e.to_string()))?;
+        Ok(enc.get_ids().to_vec())
     }
 
     /// Token ids of `text` as a continuation: never a BOS, special tokens not parsed.
@@ -518,7 +541,7 @@ impl Engine {
     }
 
     /// Refuses token ids outside the model's vocabulary.
-    fn check_vocab(&self, ids: &[u32]) -> Result<()> {
+    pub(crate) fn check_vocab(&self, ids: &[u32]) -> Result<()> {
         let vocab = self.model_config().vocab_size;
         if let Some(&bad) = ids.iter().find(|&&t| t as usize >= vocab) {
             return Err(EngineError::BadParams(format!(
@@ -610,7 +633,6 @@ impl Engine {
         params.sampling.validate().map_err(EngineError::BadParams)?;
         let t0 = Instant::now();
         let model = &self.loaded.model;
-        let vocab = &self.loaded.vocab;
         let context = model.config().max_position_embeddings;
         let prompt = self.prompt_tokens(&params.prompt)?;
         let n = prompt.len();
@@ -619,19 +641,42 @@ impl Engine {
         }
         // The cache holds at most the prompt and the output, never beyond the context.
         let mut cache = self.new_cache(n.saturating_add(params.max_tokens).min(context))?;
-        let peak_kv_bytes = cache.bytes();
         let start = start_from(&mut cache, &prompt, prefix)?;
+        let (out, _) = self.run_request(&mut cache, &prompt, start, params, t0, &mut on_event)?;
+        Ok(out)
+    }
+
+    /// Prefills `prompt[start..]` into `cache` (which holds `prompt[..start]`, or for a chat
+    /// turn whatever came before) and decodes. Returns the output and the last sampled
+    /// token, which is not in the cache.
+    pub(crate) fn run_request(
+        &self,
+        cache: &mut KvCache,
+        prompt: &[u32],
+        start: usize,
+        params: &GenerateParams,
+        t0: Instant,
+        on_event: &mut impl FnMut(Event<'_>),
+    ) -> Result<(Output, Option<u32>)> {
+        let model = &self.loaded.model;
+        let vocab = &self.loaded.vocab;
+        let context = model.config().max_position_embeddings;
+        let n = prompt.len();
+        let peak_kv_bytes = cache.bytes();
         cache.set_profiling(params.profile);
 
         let chunk = self.cfg.cache.chunk;
         let tp = Instant::now();
         let mut logits = None;
-        for (i, piece) in prompt[start..].chunks(chunk).enumerate() {
-            logits = Some(model.forward(piece, &mut cache, false)?);
-            on_event(Event::Prefill {
-                done: (start + i * chunk + piece.len()).min(n),
-                total: n,
-            });
+        let mut done = start;
+        while done < n {
+            // Chunks of B; in a chat turn the cache may come out of decode with up to N + K - 1
+            // slots, so the first chunk takes only the room left (it then evicts to N).
+            let room = cache.capacity() - cache.len();
+            let piece = &prompt[done..(done + chunk.min(room).max(1)).min(n)];
+            logits = Some(model.forward(piece, cache, false)?);
+            done += piece.len();
+            on_event(Event::Prefill { done, total: n });
         }
         let mut logits = logits.expect("non-empty prompt").to_vec1::<f32>()?;
         let prefill_s = tp.elapsed().as_secs_f64();
@@ -641,7 +686,7 @@ impl Engine {
         cache.set_profiling(false);
 
         let mut sampler = Sampler::new(params.sampling.clone());
-        let mut history = prompt.clone();
+        let mut history = prompt.to_vec();
         let mut stream = TextStream::new(&vocab.tokenizer, params.stop.clone());
         let mut generated = Vec::new();
         let mut ttft_s = 0.0;
@@ -670,11 +715,11 @@ impl Engine {
             if generated.len() >= params.max_tokens {
                 break;
             }
-            if history.len() >= context {
+            if cache.position() + 1 >= context {
                 reason = StopReason::Context;
                 break;
             }
-            logits = model.forward(&[tok], &mut cache, true)?.to_vec1::<f32>()?;
+            logits = model.forward(&[tok], cache, true)?.to_vec1::<f32>()?;
             decode_steps += 1;
         }
         let rest = stream.finish();
@@ -705,12 +750,16 @@ impl Engine {
             budget: self.cfg.cache.budget,
             stop_reason: reason,
         };
-        Ok(Output {
-            text: stream.text().to_string(),
-            prompt_tokens: prompt,
-            tokens: generated,
-            stats,
-        })
+        let last = generated.last().copied();
+        Ok((
+            Output {
+                text: stream.text().to_string(),
+                prompt_tokens: prompt.to_vec(),
+                tokens: generated,
+                stats,
+            },
+            last,
+        ))
     }
 
     /// Changes the cache settings (policy, budget, chunk) for later requests; the model stays

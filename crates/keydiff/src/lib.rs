@@ -11,6 +11,7 @@
 //! ```
 
 pub mod bench;
+mod conversation;
 mod engine;
 mod error;
 pub mod kernel_check;
@@ -21,6 +22,7 @@ mod source;
 mod stream;
 
 pub use candle_core::{DType, Device};
+pub use conversation::Conversation;
 pub use engine::{
     Breakdown, Engine, EngineConfig, Event, GenerateParams, Output, Prefix, Prompt, Stats,
     StopReason, DEFAULT_CHUNK,

@@ -1,0 +1,148 @@
+//! Multi-turn chat that keeps its KV cache between turns: each turn prefills only what the
+//! chat template adds (the end of the last reply, the new user message, the assistant header)
+//! on top of the cache, evicting under the engine's budget as a long prompt would, so a long
+//! conversation runs in the fixed memory of N + B slots.
+
+use std::time::Instant;
+
+use keydiff_cache::KvCache;
+use keydiff_model::Message;
+
+use crate::engine::{Engine, GenerateParams, Output, Prompt, StopReason};
+use crate::error::{EngineError, Result};
+use crate::Event;
+
+/// A conversation: its messages and the cache that holds them.
+pub struct Conversation {
+    messages: Vec<Message>,
+    cache: Option<KvCache>,
+    /// The template text the cache holds (with `pending`): what the next turn's rendering must
+    /// start with for the cache to be reused.
+    fed_text: String,
+    /// The reply's last token, sampled but not yet in the cache (none after an end-of-turn
+    /// token, which the template writes itself).
+    pending: Option<u32>,
+}
+
+impl Conversation {
+    /// A new conversation, with a system message when given.
+    pub fn new(system: Option<&str>) -> Self {
+        Self {
+            messages: system
+                .map(|s| {
+                    vec![Message {
+                        role: "system".into(),
+                        content: s.to_string(),
+                    }]
+                })
+                .unwrap_or_default(),
+            cache: None,
+            fed_text: String::new(),
+            pending: None,
+        }
+    }
+
+    /// The messages so far (system, user and assistant).
+    pub fn messages(&self) -> &[Message] {
+        &self.messages
+    }
+
+    /// Tokens the conversation has seen (the absolute position of the next one).
+    pub fn position(&self) -> usize {
+        self.cache.as_ref().map_or(0, |c| c.position())
+    }
+
+    /// Slots the cache holds now (at most N + B with a budget).
+    pub fn cache_len(&self) -> usize {
+        self.cache.as_ref().map_or(0, |c| c.len())
+    }
+}
+
+impl Engine {
+    /// One turn of `conv`: appends the user message `user`, prefills what the chat template
+    /// adds on top of the cache, and generates the reply (appended as the assistant message).
+    ///
+    /// The cache is reused when the template's rendering of the whole conversation starts
+    /// with the text it already holds (true of ChatML, Llama 3 and most templates); otherwise
+    /// (a template that rewrites earlier turns) the conversation is prefilled afresh, which
+    /// `stats.prefix_tokens` = 0 shows. `params.prompt` is ignored; `Output::prompt_tokens`
+    /// are the tokens this turn prefilled, and `stats.prefix_tokens` the tokens kept from
+    /// earlier turns. With a budget the cache holds at most N + B slots whatever the length
+    /// of the conversation; without one it grows (at least doubling) up to the context.
+    pub fn chat_turn(
+        &self,
+        conv: &mut Conversation,
+        user: &str,
+        params: &GenerateParams,
+        mut on_event: impl FnMut(Event<'_>),
+    ) -> Result<Output> {
+        params.sampling.validate().map_err(EngineError::BadParams)?;
+        if user.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        let t0 = Instant::now();
+        let mut messages = conv.messages.clone();
+        messages.push(Message {
+            role: "user".into(),
+            content: user.to_string(),
+        });
+        let text = self.render_chat(&messages)?;
+        let reuse = conv.cache.is_some() && text.starts_with(&conv.fed_text);
+        let (feed, kept) = if reuse {
+            let delta = &text[conv.fed_text.len()..];
+            let mut ids: Vec<u32> = conv.pending.into_iter().collect();
+            ids.extend(self.tokenize_special(delta)?);
+            (ids, conv.position())
+        } else {
+            if conv.cache.is_some() {
+                tracing::warn!(
+                    "the chat template rewrites earlier turns: prefilling the conversation afresh"
+                );
+            }
+            conv.cache = None;
+            (self.prompt_tokens(&Prompt::Chat(messages.clone()))?, 0)
+        };
+        if feed.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        self.check_vocab(&feed)?;
+        let context = self.model_config().max_position_embeddings;
+        if kept + feed.len() > context {
+            return Err(EngineError::PromptTooLong {
+                tokens: kept + feed.len(),
+                context,
+            });
+        }
+        let need = (kept + feed.len())
+            .saturating_add(params.max_tokens)
+            .min(context);
+        let cfg = self.config().cache.clone();
+        let mut cache = match conv.cache.take() {
+            // A budgeted cache gets its N + B slots once; a full one what this turn needs.
+            None => self.new_cache(if cfg.budget.is_some() { context } else { need })?,
+            Some(c) if cfg.budget.is_none() && c.capacity() < need => {
+                let grown = need.max(2 * c.capacity()).min(context);
+                self.check_cache_memory(&cfg, grown, 0)?;
+                c.grown(grown)?
+            }
+            Some(c) => c,
+        };
+        // On an error the cache (which may hold part of this turn) is dropped: the next turn
+        // prefills the conversation afresh, without the failed message.
+        let (mut out, last) = self.run_request(&mut cache, &feed, 0, params, t0, &mut on_event)?;
+        out.stats.prefix_tokens = kept;
+        let content = self.detokenize(&out.tokens)?;
+        conv.pending = match out.stats.stop_reason {
+            StopReason::Eos => None,
+            _ => last,
+        };
+        conv.fed_text = format!("{text}{content}");
+        messages.push(Message {
+            role: "assistant".into(),
+            content,
+        });
+        conv.messages = messages;
+        conv.cache = Some(cache);
+        Ok(out)
+    }
+}

@@ -1,0 +1,168 @@
+//! Multi-turn chat that keeps the KV cache between turns (`Engine::chat_turn`, `keydiff chat`).
+
+use std::io::Write;
+use std::process::{Command, Stdio};
+
+use keydiff::{
+    CacheConfig, Conversation, Engine, EngineConfig, GenerateParams, Message, ModelSource,
+    PolicyKind, Prompt,
+};
+use keydiff_tests::{keydiff_bin, model, SMOLLM2};
+
+fn engine(cache: CacheConfig) -> Engine {
+    let cfg = EngineConfig {
+        cache,
+        ..Default::default()
+    };
+    Engine::load(&ModelSource::Gguf(model(SMOLLM2)), &cfg).unwrap()
+}
+
+fn params(n: usize) -> GenerateParams {
+    GenerateParams {
+        max_tokens: n,
+        ..Default::default()
+    }
+}
+
+const TURNS: [&str; 3] = [
+    "What is the capital of France? Answer in one word.",
+    "And the capital of Italy?",
+    "Name a famous painter from one of those two countries.",
+];
+
+/// With a full cache, each turn prefills only what the template adds, the cache grows as the
+/// conversation does, and every reply is the one a fresh request on the whole conversation
+/// gives: the same prompt tokens (the replies are fed as generated, not re-tokenized; here
+/// they re-tokenize the same) and the same greedy tokens.
+#[test]
+fn turns_reuse_the_cache_and_match_fresh_requests() {
+    let e = engine(CacheConfig::full(32));
+    let system = "You are a helpful assistant.";
+    let mut conv = Conversation::new(Some(system));
+    let mut fed: Vec<u32> = Vec::new();
+    let mut last_kv = 0;
+    for (i, user) in TURNS.iter().enumerate() {
+        let before = conv.messages().to_vec();
+        let kept = conv.position();
+        let out = e.chat_turn(&mut conv, user, &params(16), |_| {}).unwrap();
+        assert_eq!(out.stats.prefix_tokens, kept, "turn {i}");
+        assert!(!out.tokens.is_empty(), "turn {i}");
+        // A fresh request on the whole conversation so far.
+        let mut messages = before;
+        messages.push(Message {
+            role: "user".into(),
+            content: user.to_string(),
+        });
+        let fresh = e
+            .generate(
+                &GenerateParams {
+                    prompt: Prompt::Chat(messages),
+                    ..params(16)
+                },
+                |_| {},
+            )
+            .unwrap();
+        fed.extend(&out.prompt_tokens);
+        assert_eq!(
+            fed, fresh.prompt_tokens,
+            "turn {i}: the cache holds other tokens"
+        );
+        assert_eq!(
+            out.tokens, fresh.tokens,
+            "turn {i}: {:?} vs {:?}",
+            out.text, fresh.text
+        );
+        if i > 0 {
+            assert!(
+                out.prompt_tokens.len() < fresh.prompt_tokens.len() / 2,
+                "turn {i}"
+            );
+            assert!(
+                out.stats.peak_kv_bytes > last_kv,
+                "turn {i}: the cache did not grow"
+            );
+        }
+        last_kv = out.stats.peak_kv_bytes;
+        // The reply is in the cache, but its last token only once the next turn feeds it.
+        fed.extend(&out.tokens[..out.tokens.len() - 1]);
+        assert_eq!(conv.position(), fed.len(), "turn {i}");
+        fed.push(*out.tokens.last().unwrap());
+        if out.stats.stop_reason == keydiff::StopReason::Eos {
+            // The template writes the end-of-turn token itself: the next turn feeds it.
+            fed.pop();
+        }
+    }
+    assert_eq!(conv.messages().len(), 1 + 2 * TURNS.len());
+    assert_eq!(conv.messages()[2].role, "assistant");
+    assert!(
+        conv.messages()[2].content.contains("Paris"),
+        "{:?}",
+        conv.messages()
+    );
+}
+
+/// Under a budget the conversation stays in N + B slots, whatever its length: turns start
+/// after decode left up to N + K - 1 slots (the first chunk takes the room left), evict, and
+/// go on; positions keep counting.
+#[test]
+fn a_budgeted_conversation_stays_in_its_slots() {
+    let cache = CacheConfig {
+        policy: PolicyKind::parse("keydiff", 32, 0).unwrap(),
+        budget: Some(48),
+        ..CacheConfig::full(16)
+    };
+    let e = engine(cache);
+    let mut conv = Conversation::new(None);
+    let mut kv = None;
+    let mut evictions = 0;
+    for user in TURNS.iter().chain(TURNS.iter()) {
+        let out = e.chat_turn(&mut conv, user, &params(24), |_| {}).unwrap();
+        assert!(conv.cache_len() <= 48 + 16, "{} slots", conv.cache_len());
+        assert_eq!(
+            *kv.get_or_insert(out.stats.peak_kv_bytes),
+            out.stats.peak_kv_bytes
+        );
+        assert!(out.stats.eviction.evictions >= evictions);
+        evictions = out.stats.eviction.evictions;
+    }
+    assert!(evictions > 0);
+    assert!(
+        conv.position() > 2 * (48 + 16),
+        "position {}",
+        conv.position()
+    );
+}
+
+#[test]
+fn chat_command_answers_each_line() {
+    let mut child = Command::new(keydiff_bin())
+        .args(["chat", "-m", model(SMOLLM2).to_str().unwrap(), "-n", "16"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"What is the capital of France?\n\nAnd of Italy?\n")
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let (so, se) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{se}");
+    let replies: Vec<&str> = so.lines().collect();
+    assert_eq!(replies.len(), 2, "{so}");
+    assert!(replies[0].contains("Paris"), "{so}");
+    assert!(replies[1].contains("Rome"), "{so}");
+    // The blank line is skipped; the second turn kept the first one's tokens.
+    let kept: Vec<usize> = se
+        .lines()
+        .filter_map(|l| l.split(" kept)").next()?.rsplit('(').next()?.parse().ok())
+        .collect();
+    assert_eq!(kept.len(), 2, "{se}");
+    assert!(kept[0] == 0 && kept[1] > 30, "{se}");
+}
