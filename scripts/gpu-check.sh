@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One run on a GPU host (see GPU.md): environment, eviction-kernel parity and timing, CPU-vs-GPU
-# model parity (eager attention, and flash when the binary has it), prefix reuse on the device,
-# a short TTFT sweep, then, as time allows, the kernels under compute-sanitizer.
+# model parity (eager attention, and flash when the binary has it), perplexity parity, prefix
+# reuse on the device, a short TTFT sweep, then, as time allows, the kernels under
+# compute-sanitizer.
 # Build the binary here first (scripts/build-cuda.sh), carry it, then on the GPU host:
 #   scripts/gpu-check.sh            (logs go to $OUT when set, else bench/gpu-check-logs/)
 # Prints a summary table last. Needs no Rust toolchain and no network on the GPU host.
@@ -78,6 +79,26 @@ for f in sorted(glob.glob(sys.argv[1] + "/parity-*.jsonl")):
         print(f"  {r['dtype']:5} {r.get('kv_dtype', r['dtype']):5} {r.get('attention', 'eager'):5} {r['preset'].split('/')[-1]:24} {r['policy']:14} {d['cosine']:9.6f} {d['max_rel']:9.2e} {'same' if r['top1_equal'] else 'DIFF'}")
 PY
 [ $parity_ok = 1 ] && note "parity: PASS" || note "parity: FAIL"
+
+echo "== 3a. perplexity on the GPU against the CPU: every logit row, log-softmax, the targets' NLL"
+ppl_ok=1
+for dt in f32 bf16; do
+  if ! timeout 100 "$bin" check-device --device "$device" --dtype "$dt" --attention eager --prompt-len 700 \
+      --chunk 64 --budget 256 --policies keydiff,tova --perplexity > "$out/ppl-$dt.jsonl" 2>> "$errors"; then
+    ppl_ok=0
+    tail -5 "$errors"
+  fi
+done
+python3 - "$out" >> "$summary" <<'PY'
+import json, sys, glob
+print("perplexity (CPU f32 reference; per-token NLL, random weights: NLL ~ ln(vocab)):")
+print(f"  {'dtype':5} {'preset':24} {'policy':10} {'max|dNLL|':>10} {'corr':>9}")
+for f in sorted(glob.glob(sys.argv[1] + "/ppl-*.jsonl")):
+    for line in open(f):
+        r = json.loads(line); n = r["nll"]
+        print(f"  {r['dtype']:5} {r['preset'].split('/')[-1]:24} {r['policy']:10} {n['max_abs']:10.2e} {n['correlation']:9.6f}")
+PY
+[ $ppl_ok = 1 ] && note "perplexity parity: PASS" || note "perplexity parity: FAIL"
 
 echo "== 3c. flash attention against the CPU (only binaries built with --features flash-attn)"
 if timeout 150 "$bin" check-device --device "$device" --dtype bf16 --attention flash --prompt-len 700 \

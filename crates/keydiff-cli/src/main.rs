@@ -103,6 +103,10 @@ enum Cmd {
         /// Policies to check under the budget.
         #[arg(long, value_delimiter = ',', default_value = "keydiff")]
         policies: Vec<String>,
+        /// Also compare perplexity: every token's NLL after the same chunked prefill (adds
+        /// `nll` to each line; fails when the NLLs correlate below 0.99).
+        #[arg(long)]
+        perplexity: bool,
     },
     /// Check and time the eviction kernels on a device: fused KeyDiff scoring, selection with
     /// its move plan, and slot moves, against the CPU references (candle ops, a sort), on odd
@@ -139,6 +143,11 @@ enum Cmd {
 /// bf16 keeps 8 bits of mantissa: logits of a correct run agree to ~0.999; a wrong kernel,
 /// position or eviction gives ~0.
 const MIN_DEVICE_COSINE: f32 = 0.99;
+
+/// Least correlation of per-token NLLs between the CPU f32 and the device that `check-device
+/// --perplexity` accepts: a random model's NLLs all sit near ln(vocab), so agreement is asked
+/// of which tokens are harder (bf16 on the CPU: 0.9994; a broken op: ~0).
+const MIN_NLL_CORRELATION: f64 = 0.99;
 
 fn parse_memory(s: &str) -> std::result::Result<u64, String> {
     keydiff::parse_size(s)
@@ -388,6 +397,7 @@ fn real_main() -> Result<()> {
             seed,
             budget,
             policies,
+            perplexity,
         } => {
             let dev = parse_device(&device)?;
             let dt = parse_dtype(&dtype)?;
@@ -430,22 +440,36 @@ fn real_main() -> Result<()> {
                     let (d, used) =
                         keydiff::parity::compare_devices(p, seed, &reference, &other, prompt_len)
                             .with_context(|| format!("preset {}", p.display()))?;
+                    let nll = if perplexity {
+                        Some(
+                            keydiff::parity::compare_device_perplexity(
+                                p, seed, &reference, &other, prompt_len,
+                            )
+                            .with_context(|| format!("perplexity, preset {}", p.display()))?,
+                        )
+                    } else {
+                        None
+                    };
                     let v = serde_json::json!({
                         "preset": p.display().to_string(), "device": device, "dtype": dtype,
                         "kv_dtype": kv_dt.unwrap_or(dt).as_str(), "attention": used.name(),
                         "policy": cache.policy.name(), "budget": cache.budget,
                         "prompt_len": prompt_len, "chunk": chunk, "diff": d,
-                        "top1_equal": d.top1_equal(),
+                        "top1_equal": d.top1_equal(), "nll": nll,
                     });
                     println!("{v}");
-                    if d.cosine < MIN_DEVICE_COSINE {
+                    let nll_bad = nll.as_ref().is_some_and(|n| {
+                        n.correlation.is_nan() || n.correlation < MIN_NLL_CORRELATION
+                    });
+                    if d.cosine < MIN_DEVICE_COSINE || nll_bad {
                         failed.push(format!("{} {}", p.display(), cache.policy.name()));
                     }
                 }
             }
             if !failed.is_empty() {
                 bail!(
-                    "logits differ from the CPU (cosine < {MIN_DEVICE_COSINE}) on: {}",
+                    "logits differ from the CPU (cosine < {MIN_DEVICE_COSINE}, or NLL \
+                     correlation < {MIN_NLL_CORRELATION}) on: {}",
                     failed.join(", ")
                 );
             }

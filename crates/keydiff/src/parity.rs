@@ -91,3 +91,61 @@ pub fn compare_devices(
     let lb = b.prefill_logits(&tokens, other.cache.chunk)?;
     Ok((compare_logits(&la, &lb), b.config().attention))
 }
+
+/// How far the per-token NLLs of a perplexity run are from a reference run's.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct NllDiff {
+    /// max |other − reference| over the scored tokens.
+    pub max_abs: f32,
+    /// Pearson correlation of the two NLL sequences: which tokens are harder must agree, even
+    /// for a random model whose NLLs all sit near ln(vocab).
+    pub correlation: f64,
+    pub reference_mean: f64,
+    pub other_mean: f64,
+}
+
+/// Compares two per-token NLL sequences of the same tokens.
+pub fn compare_nlls(reference: &[f32], other: &[f32]) -> NllDiff {
+    let mean = |v: &[f32]| v.iter().map(|&x| x as f64).sum::<f64>() / v.len().max(1) as f64;
+    let (ma, mb) = (mean(reference), mean(other));
+    let (mut sab, mut saa, mut sbb) = (0f64, 0f64, 0f64);
+    for (a, b) in reference.iter().zip(other) {
+        let (a, b) = (*a as f64 - ma, *b as f64 - mb);
+        sab += a * b;
+        saa += a * a;
+        sbb += b * b;
+    }
+    NllDiff {
+        max_abs: reference
+            .iter()
+            .zip(other)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max),
+        correlation: sab / (saa * sbb).sqrt().max(f64::MIN_POSITIVE),
+        reference_mean: ma,
+        other_mean: mb,
+    }
+}
+
+/// [`compare_devices`] for perplexity: the same seeded random model and tokens under two
+/// configs, every token scored after a chunked prefill (with eviction when the configs have
+/// a budget); compares the per-token NLLs.
+pub fn compare_device_perplexity(
+    preset: &Path,
+    seed: u64,
+    reference: &EngineConfig,
+    other: &EngineConfig,
+    prompt_len: usize,
+) -> Result<NllDiff> {
+    let source = ModelSource::Random {
+        config: preset.to_path_buf(),
+        seed,
+        on_host: true,
+    };
+    let a = Engine::load(&source, reference)?;
+    let tokens = random_tokens(prompt_len, a.model_config().vocab_size, seed);
+    let pa = a.perplexity(&tokens)?;
+    drop(a);
+    let pb = Engine::load(&source, other)?.perplexity(&tokens)?;
+    Ok(compare_nlls(&pa.nll, &pb.nll))
+}
