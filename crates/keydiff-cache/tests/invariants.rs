@@ -242,3 +242,40 @@ fn a_budget_beyond_the_request_allocates_only_the_request() {
     let c = KvCache::new(small, 1, KV, D, 1000, DType::F32, &Device::Cpu).unwrap();
     assert_eq!(c.capacity(), 24);
 }
+
+/// `KvCache::grown`: a full cache that a conversation outgrows keeps every slot, position and
+/// counter in a larger buffer; a budgeted cache, or a smaller capacity, is refused.
+#[test]
+fn a_full_cache_grows_without_losing_slots() {
+    let mut c = KvCache::new(CacheConfig::full(4), 2, KV, D, 10, DType::F32, &Device::Cpu).unwrap();
+    for l in 0..2 {
+        let k = chunk_tensor(0, 7, l as u64);
+        let v = chunk_tensor(0, 7, 100 + l as u64);
+        c.layer_mut(l).append(&k, &v, 0).unwrap();
+    }
+    c.advance(7);
+    let g = c.grown(32).unwrap();
+    assert_eq!((g.capacity(), g.len(), g.position()), (32, 7, 7));
+    for l in 0..2 {
+        let (a, b) = (c.layer(l), g.layer(l));
+        let same = |x: Tensor, y: Tensor| {
+            assert_eq!(
+                x.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                y.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+            )
+        };
+        same(a.keys().unwrap(), b.keys().unwrap());
+        same(a.values().unwrap(), b.values().unwrap());
+        for h in 0..KV {
+            assert_eq!(a.positions(h).unwrap(), b.positions(h).unwrap());
+        }
+    }
+    assert!(c.grown(6).is_err(), "shrinking below the slots held");
+    let budgeted = CacheConfig {
+        policy: PolicyKind::parse("keydiff", 4, 0).unwrap(),
+        budget: Some(8),
+        ..CacheConfig::full(4)
+    };
+    let b = KvCache::new(budgeted, 1, KV, D, 100, DType::F32, &Device::Cpu).unwrap();
+    assert!(b.grown(64).is_err(), "a budgeted cache grew");
+}
