@@ -223,15 +223,20 @@ fn copies_are_dropped_at_the_exact_thresholds() {
     assert_eq!(fallback.text, direct.text);
 }
 
+/// The tiny Llama preset with seeded random weights.
+fn tiny_llama() -> ModelSource {
+    ModelSource::Random {
+        config: root().join("configs/tiny-llama.json"),
+        seed: 2,
+        on_host: false,
+    }
+}
+
 /// A budgeted KV cache is reserved at load; a full cache, which grows with the request, is
 /// checked when the request allocates it and refused with the numbers and the fixes.
 #[test]
 fn kv_caches_that_cannot_fit_are_refused_per_request() {
-    let source = ModelSource::Random {
-        config: root().join("configs/tiny-llama.json"),
-        seed: 2,
-        on_host: false,
-    };
+    let source = tiny_llama();
     let base = Engine::load(&source, &EngineConfig::default()).unwrap();
     let m = base.model_config().clone();
     let weights = base.weight_plan().peak();
@@ -298,11 +303,7 @@ fn kv_caches_that_cannot_fit_are_refused_per_request() {
 /// that.
 #[test]
 fn perplexity_plans_its_logits() {
-    let source = ModelSource::Random {
-        config: root().join("configs/tiny-llama.json"),
-        seed: 2,
-        on_host: false,
-    };
+    let source = tiny_llama();
     let base = Engine::load(&source, &EngineConfig::default()).unwrap();
     let m = base.model_config().clone();
     let (resident, transient) = (base.weight_plan().resident, base.weight_plan().transient);

@@ -78,7 +78,8 @@ fn fit_weights(
         return Ok((asked, plan));
     };
     let reserve = (mem.reserve)(cfg);
-    let mut options = vec![asked];
+    // The options in the order they are tried, each with its plan.
+    let mut options = vec![(asked, plan)];
     for c in [
         CpuWeights {
             dense_prefill: false,
@@ -86,12 +87,11 @@ fn fit_weights(
         },
         CpuWeights::AS_STORED,
     ] {
-        if !options.contains(&c) {
-            options.push(c);
+        if options.iter().all(|(o, _)| *o != c) {
+            options.push((c, weights.plan(cfg, c)));
         }
     }
-    for &c in &options {
-        let p = weights.plan(cfg, c);
+    for &(c, p) in &options {
         if p.peak().saturating_add(reserve) <= mem.budget.ram {
             if c != asked {
                 tracing::warn!(
@@ -112,8 +112,7 @@ fn fit_weights(
             return Ok((c, p));
         }
     }
-    let last = *options.last().expect("one option");
-    let p = weights.plan(cfg, last);
+    let (last, p) = *options.last().expect("one option");
     let need = p.peak().saturating_add(reserve);
     if need <= mem.budget.total {
         tracing::warn!(

@@ -449,41 +449,38 @@ impl Engine {
     /// text are parsed as such only when `special` is true.
     pub fn tokenize(&self, text: &str, special: bool) -> Result<Vec<u32>> {
         let v = &self.loaded.vocab;
-        let enc = if special {
-            v.tokenizer.encode(text, false)
+        let mut ids: Vec<u32> = if v.add_bos {
+            v.bos_id.into_iter().collect()
         } else {
-            v.tokenizer.encode_fast(text, false)
+            Vec::new()
         };
-        let enc = enc.map_err(|e| EngineError::Tokenizer(e.to_string()))?;
-        let mut ids = Vec::with_capacity(enc.len() + 1);
-        if v.add_bos {
-            ids.extend(v.bos_id);
-        }
-        ids.extend_from_slice(enc.get_ids());
+        ids.extend(self.encode(text, special)?);
         Ok(ids)
+    }
+
+    /// Token ids of `text`, never a BOS; special tokens parsed only when `special` is true.
+    fn encode(&self, text: &str, special: bool) -> Result<Vec<u32>> {
+        let t = &self.loaded.vocab.tokenizer;
+        let enc = if special {
+            t.encode(text, false)
+        } else {
+            t.encode_fast(text, false)
+        };
+        Ok(enc
+            .map_err(|e| EngineError::Tokenizer(e.to_string()))?
+            .get_ids()
+            .to_vec())
     }
 
     /// Token ids of `text` with special tokens parsed and no BOS: a chat template's text
     /// that continues a conversation.
     pub(crate) fn tokenize_special(&self, text: &str) -> Result<Vec<u32>> {
-        let enc = self
-            .loaded
-            .vocab
-            .tokenizer
-            .encode(text, false)
-            .map_err(|e| EngineError::Tokenizer(e.to_string()))?;
-        Ok(enc.get_ids().to_vec())
+        self.encode(text, true)
     }
 
     /// Token ids of `text` as a continuation: never a BOS, special tokens not parsed.
     pub fn tokenize_continuation(&self, text: &str) -> Result<Vec<u32>> {
-        let enc = self
-            .loaded
-            .vocab
-            .tokenizer
-            .encode_fast(text, false)
-            .map_err(|e| EngineError::Tokenizer(e.to_string()))?;
-        Ok(enc.get_ids().to_vec())
+        self.encode(text, false)
     }
 
     /// Text of `ids` (special tokens skipped).

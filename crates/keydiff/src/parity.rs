@@ -78,6 +78,24 @@ pub fn compare_devices(
     other: &EngineConfig,
     prompt_len: usize,
 ) -> Result<(LogitDiff, AttentionBackend)> {
+    let (la, lb, attention) = on_both(preset, seed, reference, other, prompt_len, |e, t| {
+        e.prefill_logits(t, e.config().cache.chunk)
+    })?;
+    Ok((compare_logits(&la, &lb), attention))
+}
+
+/// Loads the same seeded random model of `preset`'s shape (drawn on the host, so every device
+/// gets the same weights) under `reference`, then under `other`, one at a time, and runs `f`
+/// on the same `prompt_len` random tokens in each. Returns both results and the attention
+/// backend `other` resolved to.
+fn on_both<T>(
+    preset: &Path,
+    seed: u64,
+    reference: &EngineConfig,
+    other: &EngineConfig,
+    prompt_len: usize,
+    f: impl Fn(&Engine, &[u32]) -> Result<T>,
+) -> Result<(T, T, AttentionBackend)> {
     let source = ModelSource::Random {
         config: preset.to_path_buf(),
         seed,
@@ -85,11 +103,11 @@ pub fn compare_devices(
     };
     let a = Engine::load(&source, reference)?;
     let tokens = random_tokens(prompt_len, a.model_config().vocab_size, seed);
-    let la = a.prefill_logits(&tokens, reference.cache.chunk)?;
+    let ra = f(&a, &tokens)?;
     drop(a);
     let b = Engine::load(&source, other)?;
-    let lb = b.prefill_logits(&tokens, other.cache.chunk)?;
-    Ok((compare_logits(&la, &lb), b.config().attention))
+    let rb = f(&b, &tokens)?;
+    Ok((ra, rb, b.config().attention))
 }
 
 /// How far the per-token NLLs of a perplexity run are from a reference run's.
@@ -137,15 +155,8 @@ pub fn compare_device_perplexity(
     other: &EngineConfig,
     prompt_len: usize,
 ) -> Result<NllDiff> {
-    let source = ModelSource::Random {
-        config: preset.to_path_buf(),
-        seed,
-        on_host: true,
-    };
-    let a = Engine::load(&source, reference)?;
-    let tokens = random_tokens(prompt_len, a.model_config().vocab_size, seed);
-    let pa = a.perplexity(&tokens)?;
-    drop(a);
-    let pb = Engine::load(&source, other)?.perplexity(&tokens)?;
+    let (pa, pb, _) = on_both(preset, seed, reference, other, prompt_len, |e, t| {
+        e.perplexity(t)
+    })?;
     Ok(compare_nlls(&pa.nll, &pb.nll))
 }
