@@ -768,7 +768,6 @@ fn run(a: RunArgs) -> Result<()> {
     generate(&a, &engine, prompt)
 }
 
-/// The sampling settings of `run`.
 /// Sampling options shared by `run` and `chat`.
 #[derive(Args)]
 struct SamplingArgs {
@@ -784,9 +783,17 @@ struct SamplingArgs {
     /// Repetition penalty (1 = off).
     #[arg(long, default_value_t = 1.0)]
     repeat_penalty: f32,
-    /// Tokens the repetition penalty looks back on.
+    /// Tokens the penalties look back on.
     #[arg(long, default_value_t = 64)]
     repeat_last_n: usize,
+    /// Subtracted from a token's logit per occurrence in the last --repeat-last-n tokens
+    /// (0 = off).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    frequency_penalty: f32,
+    /// Subtracted once from the logit of every token in the last --repeat-last-n tokens
+    /// (0 = off).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    presence_penalty: f32,
     #[arg(long, default_value_t = 299_792_458)]
     seed: u64,
 }
@@ -804,6 +811,8 @@ impl SamplingArgs {
             min_p: self.min_p,
             repetition_penalty: self.repeat_penalty,
             repeat_last_n: self.repeat_last_n,
+            frequency_penalty: self.frequency_penalty,
+            presence_penalty: self.presence_penalty,
             seed: self.seed,
         }
     }
@@ -892,6 +901,7 @@ fn generate(a: &RunArgs, engine: &Engine, prompt: Prompt) -> Result<()> {
         stop: a.stop.clone(),
         ignore_eos: a.ignore_eos,
         profile: a.profile,
+        cancel: None,
     };
     let chunk = engine.config().cache.chunk;
     let mut bar: Option<indicatif::ProgressBar> = None;

@@ -1,5 +1,7 @@
 //! The engine: load a model once, then generate with chunked prefill and streamed text.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::{DType, Device};
@@ -103,6 +105,32 @@ pub struct GenerateParams {
     /// Time the prefill's regions ([`Stats::breakdown`]). This synchronises the device at every
     /// region boundary, so it slows GPU runs: benchmarks use a separate profiled run.
     pub profile: bool,
+    /// Checked before every prefill chunk and every decode step: once cancelled, the request
+    /// ends there with [`StopReason::Cancelled`] and what it generated so far (a server stops
+    /// the work of a client that went away).
+    pub cancel: Option<CancelToken>,
+}
+
+/// A flag that stops a running request from another thread (or from its own event callback).
+/// Clones share the flag.
+#[derive(Debug, Clone, Default)]
+pub struct CancelToken(Arc<AtomicBool>);
+
+impl CancelToken {
+    /// A token not cancelled yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Asks the request to stop at its next chunk or token.
+    pub fn cancel(&self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+
+    /// True once [`CancelToken::cancel`] was called on it or a clone.
+    pub fn is_cancelled(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
 }
 
 impl Default for GenerateParams {
@@ -114,6 +142,7 @@ impl Default for GenerateParams {
             stop: Vec::new(),
             ignore_eos: false,
             profile: false,
+            cancel: None,
         }
     }
 }
@@ -136,6 +165,8 @@ pub enum StopReason {
     MaxTokens,
     /// The model's context is full.
     Context,
+    /// [`GenerateParams::cancel`] was cancelled.
+    Cancelled,
 }
 
 /// Timings and sizes of one request.
@@ -663,10 +694,19 @@ impl Engine {
         cache.set_profiling(params.profile);
 
         let chunk = self.cfg.cache.chunk;
+        let cancelled = || {
+            params
+                .cancel
+                .as_ref()
+                .is_some_and(CancelToken::is_cancelled)
+        };
         let tp = Instant::now();
         let mut logits = None;
         let mut done = start;
         while done < n {
+            if cancelled() {
+                break;
+            }
             // Chunks of B; in a chat turn the cache may come out of decode with up to N + K - 1
             // slots, so the first chunk takes only the room left (it then evicts to N).
             let room = cache.capacity() - cache.len();
@@ -675,7 +715,6 @@ impl Engine {
             done += piece.len();
             on_event(Event::Prefill { done, total: n });
         }
-        let mut logits = logits.expect("non-empty prompt").to_vec1::<f32>()?;
         let prefill_s = tp.elapsed().as_secs_f64();
         let breakdown = cache
             .profile()
@@ -690,7 +729,18 @@ impl Engine {
         let td = Instant::now();
         let mut decode_steps = 0usize;
         let mut reason = StopReason::MaxTokens;
-        while generated.len() < params.max_tokens {
+        // Cancelled during prefill: nothing to sample from.
+        let mut logits = if done < n {
+            reason = StopReason::Cancelled;
+            Vec::new()
+        } else {
+            logits.expect("non-empty prompt").to_vec1::<f32>()?
+        };
+        while reason != StopReason::Cancelled && generated.len() < params.max_tokens {
+            if cancelled() {
+                reason = StopReason::Cancelled;
+                break;
+            }
             let tok = sampler.sample(&mut logits, &history);
             if generated.is_empty() {
                 ttft_s = t0.elapsed().as_secs_f64();
@@ -730,7 +780,7 @@ impl Engine {
             chunk,
             ttft_s,
             prefill_s,
-            prefill_tok_s: (n - start) as f64 / prefill_s.max(1e-9),
+            prefill_tok_s: (done - start) as f64 / prefill_s.max(1e-9),
             prefix_tokens: start,
             decode_s,
             decode_tok_s: if decode_steps > 0 {

@@ -24,8 +24,8 @@ mod stream;
 pub use candle_core::{DType, Device};
 pub use conversation::Conversation;
 pub use engine::{
-    Breakdown, Engine, EngineConfig, Event, GenerateParams, Output, Prefix, Prompt, Stats,
-    StopReason, DEFAULT_CHUNK,
+    Breakdown, CancelToken, Engine, EngineConfig, Event, GenerateParams, Output, Prefix, Prompt,
+    Stats, StopReason, DEFAULT_CHUNK,
 };
 pub use error::{EngineError, Result};
 pub use keydiff_cache::config::SNAPKV_WINDOW;

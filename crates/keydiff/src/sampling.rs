@@ -17,7 +17,16 @@ pub struct Sampling {
     pub min_p: f32,
     /// Penalty on tokens seen in the last `repeat_last_n` tokens (1 = off).
     pub repetition_penalty: f32,
+    /// Tokens the penalties look back on (llama.cpp's `penalty_last_n`).
     pub repeat_last_n: usize,
+    /// Subtracted from a token's logit per occurrence in the last `repeat_last_n` tokens
+    /// (OpenAI's `frequency_penalty`; 0 = off).
+    #[serde(default)]
+    pub frequency_penalty: f32,
+    /// Subtracted once from the logit of every token in the last `repeat_last_n` tokens
+    /// (OpenAI's `presence_penalty`; 0 = off).
+    #[serde(default)]
+    pub presence_penalty: f32,
     pub seed: u64,
 }
 
@@ -32,6 +41,8 @@ impl Default for Sampling {
             repetition_penalty: 1.0,
             // llama.cpp's default penalty window
             repeat_last_n: 64,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
             seed: 299_792_458,
         }
     }
@@ -60,6 +71,14 @@ impl Sampling {
                 self.repetition_penalty
             ));
         }
+        for (name, v) in [
+            ("frequency penalty", self.frequency_penalty),
+            ("presence penalty", self.presence_penalty),
+        ] {
+            if !(-2.0..=2.0).contains(&v) {
+                return Err(format!("{name} {v} must be in [-2, 2] (0 is off)"));
+            }
+        }
         Ok(())
     }
 }
@@ -80,19 +99,26 @@ impl Sampler {
     /// Picks the next token from `logits` (one per vocab entry), given the tokens so far.
     pub fn sample(&mut self, logits: &mut [f32], history: &[u32]) -> u32 {
         let c = &self.cfg;
-        if c.repetition_penalty != 1.0 && c.repeat_last_n > 0 {
+        let penalised =
+            c.repetition_penalty != 1.0 || c.frequency_penalty != 0.0 || c.presence_penalty != 0.0;
+        if penalised && c.repeat_last_n > 0 {
+            // llama.cpp's penalties sampler: each token seen in the window once, with its
+            // count there.
             let start = history.len().saturating_sub(c.repeat_last_n);
             let mut seen: Vec<u32> = history[start..].to_vec();
             seen.sort_unstable();
-            seen.dedup();
-            for &t in &seen {
-                if let Some(l) = logits.get_mut(t as usize) {
+            for run in seen.chunk_by(|a, b| a == b) {
+                let Some(l) = logits.get_mut(run[0] as usize) else {
+                    continue;
+                };
+                if c.repetition_penalty != 1.0 {
                     *l = if *l > 0.0 {
                         *l / c.repetition_penalty
                     } else {
                         *l * c.repetition_penalty
                     };
                 }
+                *l -= run.len() as f32 * c.frequency_penalty + c.presence_penalty;
             }
         }
         if c.temperature <= 0.0 {
@@ -211,6 +237,14 @@ mod tests {
                 repetition_penalty: f32::INFINITY,
                 ..Default::default()
             },
+            Sampling {
+                frequency_penalty: 2.5,
+                ..Default::default()
+            },
+            Sampling {
+                presence_penalty: f32::NAN,
+                ..Default::default()
+            },
         ];
         for s in bad {
             assert!(s.validate().is_err(), "{s:?} accepted");
@@ -260,6 +294,34 @@ mod tests {
         };
         let mut l = vec![1.0, 0.8, -1.0];
         assert_eq!(s(cfg).sample(&mut l, &[0]), 1);
+    }
+
+    #[test]
+    fn frequency_and_presence_penalties_count_the_window() {
+        let cfg = Sampling {
+            frequency_penalty: 0.25,
+            presence_penalty: 0.125,
+            ..Default::default()
+        };
+        // Token 0 twice and token 1 once in the window: 1 - 2·0.25 - 0.125, 0.75 - 0.25 - 0.125.
+        let mut l = vec![1.0f32, 0.75, 0.5];
+        assert_eq!(s(cfg.clone()).sample(&mut l, &[0, 1, 0]), 2);
+        assert_eq!(l, [0.375, 0.375, 0.5]);
+        // A window of 2 sees token 0 once.
+        let mut l = vec![1.0f32, 0.75, 0.5];
+        s(Sampling {
+            repeat_last_n: 2,
+            ..cfg.clone()
+        })
+        .sample(&mut l, &[0, 1, 0]);
+        assert_eq!(l, [0.625, 0.375, 0.5]);
+        // A negative presence penalty favours what was said.
+        let mut l = vec![1.0f32, 0.75, 0.25];
+        let favour = Sampling {
+            presence_penalty: -0.5,
+            ..Default::default()
+        };
+        assert_eq!(s(favour).sample(&mut l, &[1]), 1);
     }
 
     #[test]
