@@ -5,7 +5,7 @@ mod eval;
 mod plot;
 
 use std::io::{Read, Write};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
@@ -52,6 +52,11 @@ enum Cmd {
     /// conversation stays in N + B slots per layer and head). Replies stream to stdout; a
     /// line of stats per turn goes to stderr.
     Chat(ChatArgs),
+    /// OpenAI-compatible HTTP server: POST /v1/completions and /v1/chat/completions (with
+    /// "stream": true as server-sent events), GET /v1/models and /health. Requests run one at
+    /// a time under the cache settings given here, in arrival order; a request whose client
+    /// disconnects is cancelled. Stops on Ctrl-C or SIGTERM.
+    Serve(ServeArgs),
     /// Perplexity of a text under the cache settings: prefilled in chunks of B as a prompt
     /// is, evicting after each chunk under --budget/--policy, every token after the first
     /// scored on the logits before it (llama-perplexity's measure, over one window). Prints
@@ -386,6 +391,7 @@ fn real_main() -> Result<()> {
         Cmd::Info { model } => info(&model),
         Cmd::Perplexity(a) => perplexity(&a),
         Cmd::Chat(a) => chat(&a),
+        Cmd::Serve(a) => serve(&a),
         Cmd::CheckDevice {
             device,
             dtype,
@@ -890,6 +896,90 @@ fn chat(a: &ChatArgs) -> Result<()> {
             s.stop_reason
         );
     }
+    Ok(())
+}
+
+/// `keydiff serve`.
+#[derive(Args)]
+struct ServeArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port to listen on (0: any free port; the one taken is printed).
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// Model id that /v1/models lists and responses carry (default: the model's file or
+    /// hub name).
+    #[arg(long)]
+    served_model_name: Option<String>,
+    /// Requests that may wait while one runs; beyond that a request gets 503.
+    #[arg(long, default_value_t = 16)]
+    max_queue: usize,
+    /// Tokens generated when a request sets no max_tokens (default: until end of generation
+    /// or the context).
+    #[arg(short = 'n', long)]
+    max_tokens: Option<usize>,
+}
+
+fn serve(a: &ServeArgs) -> Result<()> {
+    if a.max_queue == 0 {
+        bail!("--max-queue must be at least 1");
+    }
+    if a.max_tokens == Some(0) {
+        bail!("--max-tokens must be at least 1");
+    }
+    let engine = a.model.load()?;
+    let id = a.served_model_name.clone().unwrap_or_else(|| {
+        let m = &a.model.load.model;
+        let name = Path::new(m).file_name().map_or(m.clone(), |f| {
+            f.to_string_lossy().trim_end_matches(".gguf").to_string()
+        });
+        if name.is_empty() {
+            m.clone()
+        } else {
+            name
+        }
+    });
+    let cache = engine.config().cache.clone();
+    let cfg = keydiff_server::ServerConfig {
+        model_id: id.clone(),
+        max_queue: a.max_queue,
+        max_tokens: a.max_tokens,
+    };
+    let addr = format!("{}:{}", a.host, a.port);
+    let server = keydiff_server::Server::bind(&addr, engine, cfg)?;
+    eprintln!(
+        "keydiff: serving `{id}` on http://{} (policy {}, budget {}): POST /v1/completions, \
+         /v1/chat/completions; GET /v1/models, /health. Ctrl-C stops.",
+        server.local_addr(),
+        cache.policy.name(),
+        cache.budget.map_or("none".to_string(), |n| n.to_string())
+    );
+    server.run(async {
+        let ctrl_c = tokio::signal::ctrl_c();
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{signal, SignalKind};
+            match signal(SignalKind::terminate()) {
+                Ok(mut term) => {
+                    tokio::select! {
+                        _ = ctrl_c => {}
+                        _ = term.recv() => {}
+                    }
+                }
+                Err(_) => {
+                    let _ = ctrl_c.await;
+                }
+            }
+        }
+        #[cfg(not(unix))]
+        {
+            let _ = ctrl_c.await;
+        }
+        eprintln!("keydiff: stopping (running requests finish first)");
+    })?;
     Ok(())
 }
 

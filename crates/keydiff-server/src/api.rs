@@ -1,0 +1,310 @@
+//! The OpenAI wire format: requests, their checks and their mapping onto [`GenerateParams`],
+//! and the response bodies.
+//!
+//! Unknown fields are ignored, as OpenAI clients send many; fields this server cannot honour
+//! (`n` > 1, `logprobs`, `logit_bias`, `best_of`, `suffix`, `tools`, a non-text
+//! `response_format`, image content) are refused with a 400 naming the field rather than
+//! ignored, so that no client gets an answer it did not ask for.
+
+use keydiff::{GenerateParams, Message, Output, Prompt, Sampling, StopReason};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::error::ApiError;
+
+/// `stop`: one string or several.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum StopInput {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// Sampling and length fields shared by both endpoints. `top_k`, `min_p`,
+/// `repetition_penalty`, `repeat_last_n` and `ignore_eos` are extensions (vLLM's and
+/// llama.cpp's names).
+#[derive(Debug, Default, Deserialize)]
+pub struct Common {
+    pub model: Option<String>,
+    pub max_tokens: Option<usize>,
+    pub max_completion_tokens: Option<usize>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<i64>,
+    pub min_p: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    pub repeat_last_n: Option<usize>,
+    pub frequency_penalty: Option<f32>,
+    pub presence_penalty: Option<f32>,
+    pub seed: Option<u64>,
+    pub stop: Option<StopInput>,
+    pub stream: Option<bool>,
+    pub stream_options: Option<StreamOptions>,
+    pub n: Option<usize>,
+    pub logprobs: Option<Value>,
+    pub top_logprobs: Option<Value>,
+    pub logit_bias: Option<serde_json::Map<String, Value>>,
+    pub ignore_eos: Option<bool>,
+}
+
+/// `POST /v1/completions`.
+#[derive(Debug, Deserialize)]
+pub struct CompletionRequest {
+    /// A string, token ids, or a one-element array of either (checked in [`Self::map`]).
+    pub prompt: Value,
+    pub echo: Option<bool>,
+    pub suffix: Option<String>,
+    pub best_of: Option<usize>,
+    #[serde(flatten)]
+    pub common: Common,
+}
+
+/// A chat message's content: a string, or parts of which only text is understood.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Content {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ContentPart {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub text: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: Option<Content>,
+}
+
+/// `POST /v1/chat/completions`.
+#[derive(Debug, Deserialize)]
+pub struct ChatRequest {
+    pub messages: Vec<ChatMessage>,
+    pub tools: Option<Vec<Value>>,
+    pub response_format: Option<Value>,
+    #[serde(flatten)]
+    pub common: Common,
+}
+
+/// Parses a JSON body, naming what is wrong with it.
+pub fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    serde_json::from_slice(body)
+        .map_err(|e| ApiError::invalid(format!("invalid request body: {e}"), None))
+}
+
+/// A request mapped onto the engine, with how to answer it.
+#[derive(Debug)]
+pub struct Mapped {
+    pub params: GenerateParams,
+    pub stream: bool,
+    pub include_usage: bool,
+}
+
+/// Limits and defaults the server applies to every request.
+#[derive(Debug, Clone, Copy)]
+pub struct Defaults {
+    /// Tokens generated when a request sets no `max_tokens` (`None`: up to the context).
+    pub max_tokens: Option<usize>,
+}
+
+impl Common {
+    /// Checks the shared fields and builds the engine's parameters for `prompt`.
+    pub fn map(&self, prompt: Prompt, defaults: Defaults) -> Result<Mapped, ApiError> {
+        let bad = |m: String, p: &'static str| Err(ApiError::invalid(m, Some(p)));
+        if let Some(n) = self.n.filter(|&n| n != 1) {
+            return bad(format!("n = {n}: one choice per request is supported"), "n");
+        }
+        let off = |v: &Option<Value>| match v {
+            None | Some(Value::Null) | Some(Value::Bool(false)) => true,
+            Some(Value::Number(n)) => n.as_u64() == Some(0),
+            _ => false,
+        };
+        if !off(&self.logprobs) {
+            return bad("logprobs are not supported".into(), "logprobs");
+        }
+        if !off(&self.top_logprobs) {
+            return bad("top_logprobs are not supported".into(), "top_logprobs");
+        }
+        if self.logit_bias.as_ref().is_some_and(|m| !m.is_empty()) {
+            return bad("logit_bias is not supported".into(), "logit_bias");
+        }
+        let max_tokens = match self.max_completion_tokens.or(self.max_tokens) {
+            Some(0) => return bad("max_tokens must be at least 1".into(), "max_tokens"),
+            Some(n) => n,
+            // Until end of generation or the context; the engine sizes the cache to what the
+            // context leaves.
+            None => defaults.max_tokens.unwrap_or(usize::MAX),
+        };
+        let stop: Vec<String> = match &self.stop {
+            None => Vec::new(),
+            Some(StopInput::One(s)) => vec![s.clone()],
+            Some(StopInput::Many(v)) => v.clone(),
+        };
+        if stop.iter().any(String::is_empty) {
+            return bad("stop strings must not be empty".into(), "stop");
+        }
+        let d = Sampling::default();
+        let sampling = Sampling {
+            // OpenAI's defaults: temperature 1, top-p 1, a fresh seed per request.
+            temperature: self.temperature.unwrap_or(1.0),
+            top_p: self.top_p.unwrap_or(1.0),
+            top_k: self.top_k.map_or(0, |k| k.max(0) as usize),
+            min_p: self.min_p.unwrap_or(0.0),
+            repetition_penalty: self.repetition_penalty.unwrap_or(1.0),
+            repeat_last_n: self.repeat_last_n.unwrap_or(d.repeat_last_n),
+            frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
+            presence_penalty: self.presence_penalty.unwrap_or(0.0),
+            seed: self.seed.unwrap_or_else(rand::random),
+        };
+        sampling
+            .validate()
+            .map_err(|e| ApiError::invalid(format!("invalid sampling parameter: {e}"), None))?;
+        Ok(Mapped {
+            params: GenerateParams {
+                prompt,
+                max_tokens,
+                sampling,
+                stop,
+                ignore_eos: self.ignore_eos.unwrap_or(false),
+                profile: false,
+                cancel: None,
+            },
+            stream: self.stream.unwrap_or(false),
+            include_usage: self
+                .stream_options
+                .as_ref()
+                .is_some_and(|o| o.include_usage),
+        })
+    }
+}
+
+impl CompletionRequest {
+    pub fn map(self, defaults: Defaults) -> Result<Mapped, ApiError> {
+        let bad = |m: &str, p: &'static str| Err(ApiError::invalid(m, Some(p)));
+        if self.best_of.is_some_and(|b| b != 1) {
+            return bad("best_of is not supported", "best_of");
+        }
+        if self.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
+            return bad("suffix (fill-in-the-middle) is not supported", "suffix");
+        }
+        let prompt = match self.prompt {
+            Value::Array(mut v) if v.len() == 1 && !v[0].is_number() => prompt(v.remove(0))?,
+            Value::Array(v) if v.iter().all(|x| !x.is_number()) && !v.is_empty() => {
+                return bad(
+                    "one prompt per request is supported: send a batch as separate requests",
+                    "prompt",
+                )
+            }
+            p => prompt(p)?,
+        };
+        self.common.map(prompt, defaults)
+    }
+}
+
+/// A single prompt: a string or an array of token ids.
+fn prompt(v: Value) -> Result<Prompt, ApiError> {
+    match v {
+        Value::String(t) => Ok(Prompt::Text(t)),
+        Value::Array(ids) => ids
+            .iter()
+            .map(|x| x.as_u64().and_then(|t| u32::try_from(t).ok()))
+            .collect::<Option<Vec<u32>>>()
+            .map(Prompt::Tokens)
+            .ok_or_else(|| {
+                ApiError::invalid(
+                    "prompt must be a string or an array of token ids (integers >= 0)",
+                    Some("prompt"),
+                )
+            }),
+        other => Err(ApiError::invalid(
+            format!("prompt must be a string or an array of token ids, not {other}"),
+            Some("prompt"),
+        )),
+    }
+}
+
+impl ChatRequest {
+    pub fn map(self, defaults: Defaults) -> Result<Mapped, ApiError> {
+        let bad = |m: String, p: &'static str| Err(ApiError::invalid(m, Some(p)));
+        if self.tools.as_ref().is_some_and(|t| !t.is_empty()) {
+            return bad("tools are not supported".into(), "tools");
+        }
+        if let Some(f) = &self.response_format {
+            let kind = f.get("type").and_then(Value::as_str);
+            if !(f.is_null() || kind == Some("text")) {
+                return bad(
+                    format!("response_format {f} is not supported (only text)"),
+                    "response_format",
+                );
+            }
+        }
+        if self.messages.is_empty() {
+            return bad("messages must not be empty".into(), "messages");
+        }
+        let mut messages = Vec::with_capacity(self.messages.len());
+        for m in self.messages {
+            let content = match m.content {
+                None => String::new(),
+                Some(Content::Text(t)) => t,
+                Some(Content::Parts(parts)) => {
+                    let mut text = String::new();
+                    for p in parts {
+                        match (p.kind.as_str(), p.text) {
+                            ("text", Some(t)) => text.push_str(&t),
+                            (kind, _) => {
+                                return bad(
+                                    format!("content part `{kind}` is not supported (text only)"),
+                                    "messages",
+                                )
+                            }
+                        }
+                    }
+                    text
+                }
+            };
+            // OpenAI's `developer` role is the system prompt of chat templates.
+            let role = match m.role.as_str() {
+                "developer" => "system".to_string(),
+                _ => m.role,
+            };
+            messages.push(Message { role, content });
+        }
+        self.common.map(Prompt::Chat(messages), defaults)
+    }
+}
+
+/// OpenAI's `finish_reason`.
+pub fn finish_reason(r: StopReason) -> &'static str {
+    match r {
+        StopReason::Eos | StopReason::StopString => "stop",
+        StopReason::MaxTokens | StopReason::Context => "length",
+        StopReason::Cancelled => "cancelled",
+    }
+}
+
+/// `usage`, from what the engine counted.
+pub fn usage(out: &Output) -> Value {
+    let prompt = out.stats.prompt_tokens;
+    let completion = out.tokens.len();
+    json!({
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    })
+}
+
+/// The engine's timings and cache figures for the request (TTFT, prefill and decode speed,
+/// peak KV bytes, evictions, policy, budget): the `keydiff` field of a response.
+pub fn stats(out: &Output) -> Value {
+    serde_json::to_value(&out.stats).unwrap_or(Value::Null)
+}

@@ -1,0 +1,97 @@
+//! Errors: those a request gets (OpenAI's error body with an HTTP status) and those of the
+//! server itself.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use keydiff::EngineError;
+
+/// A request's error, sent as `{"error": {"message", "type", "param", "code"}}`.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{message}")]
+pub struct ApiError {
+    pub status: StatusCode,
+    /// OpenAI's error type: `invalid_request_error`, `server_error`, ….
+    pub kind: &'static str,
+    pub message: String,
+    /// The request field at fault, when one is.
+    pub param: Option<&'static str>,
+}
+
+impl ApiError {
+    /// 400: the request is malformed or asks for something this server does not do.
+    pub fn invalid(message: impl Into<String>, param: Option<&'static str>) -> Self {
+        Self {
+            status: StatusCode::BAD_REQUEST,
+            kind: "invalid_request_error",
+            message: message.into(),
+            param,
+        }
+    }
+
+    /// 500: the server failed.
+    pub fn internal(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            kind: "server_error",
+            message: message.into(),
+            param: None,
+        }
+    }
+
+    /// 503: the server cannot take the request now.
+    pub fn unavailable(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            kind: "server_error",
+            message: message.into(),
+            param: None,
+        }
+    }
+
+    /// The JSON error object (inside `{"error": …}`).
+    pub fn body(&self) -> serde_json::Value {
+        serde_json::json!({
+            "message": self.message,
+            "type": self.kind,
+            "param": self.param,
+            "code": self.status.as_u16(),
+        })
+    }
+}
+
+impl From<EngineError> for ApiError {
+    fn from(e: EngineError) -> Self {
+        let message = e.to_string();
+        match e {
+            EngineError::EmptyPrompt | EngineError::PromptTooLong { .. } => {
+                Self::invalid(message, Some("prompt"))
+            }
+            EngineError::NoChatTemplate => Self::invalid(message, Some("messages")),
+            EngineError::BadParams(_) | EngineError::Tokenizer(_) => Self::invalid(message, None),
+            // The request's KV cache does not fit in the memory there is now.
+            EngineError::OutOfMemory(_) => Self::unavailable(message),
+            _ => Self::internal(message),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = axum::Json(serde_json::json!({ "error": self.body() }));
+        (self.status, body).into_response()
+    }
+}
+
+/// What can stop the server itself.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: String,
+        source: std::io::Error,
+    },
+    #[error("server I/O: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("the generation worker panicked")]
+    Worker,
+}

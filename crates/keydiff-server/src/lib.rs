@@ -1,0 +1,664 @@
+//! An OpenAI-compatible HTTP server over one [`Engine`].
+//!
+//! Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (both with `"stream": true`
+//! as server-sent events), `GET /v1/models`, `GET /health`.
+//!
+//! One engine runs one request at a time, as the engine is built to (a long prompt under a
+//! fixed KV budget). Requests wait in a bounded queue and run in arrival order; when the queue
+//! is full a request gets 503 at once. A request whose client goes away (a closed stream, or a
+//! dropped connection) is cancelled at its next prefill chunk or token, so it frees the engine
+//! for the next one.
+//!
+//! ```no_run
+//! use keydiff::{Engine, EngineConfig, ModelSource};
+//! use keydiff_server::{Server, ServerConfig};
+//! let engine = Engine::load(&ModelSource::parse("models/SmolLM2-135M-Instruct.Q4_1.gguf")?,
+//!                           &EngineConfig::default())?;
+//! let server = Server::bind("127.0.0.1:8080", engine, ServerConfig::new("smollm2"))?;
+//! server.run(async { let _ = tokio::signal::ctrl_c().await; })?;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+pub mod api;
+mod error;
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{mpsc as std_mpsc, Arc};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use keydiff::{CancelToken, Engine, Event, GenerateParams, Output, StopReason};
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+
+pub use error::{ApiError, ServerError};
+
+use api::{ChatRequest, CompletionRequest, Defaults, Mapped};
+
+/// Largest request body: a prompt at the longest contexts (128K tokens as text or ids) fits
+/// many times over; axum's default of 2 MB would not.
+const MAX_BODY_BYTES: usize = 64 << 20;
+
+/// How the server presents the model and queues requests.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// The model id `/v1/models` lists and responses carry. Requests may name any model:
+    /// there is one.
+    pub model_id: String,
+    /// Requests that may wait while one runs; beyond that a request gets 503.
+    pub max_queue: usize,
+    /// Tokens generated when a request sets no `max_tokens` (`None`: until end of generation
+    /// or the context, as vLLM does).
+    pub max_tokens: Option<usize>,
+}
+
+impl ServerConfig {
+    /// `model_id`, a queue of 16, no default token limit.
+    pub fn new(model_id: impl Into<String>) -> Self {
+        Self {
+            model_id: model_id.into(),
+            max_queue: 16,
+            max_tokens: None,
+        }
+    }
+}
+
+/// Counters `/health` reports.
+#[derive(Debug, Default)]
+struct Counters {
+    /// Waiting in the queue.
+    queued: AtomicUsize,
+    /// Running now (0 or 1).
+    running: AtomicUsize,
+    /// Finished and answered.
+    completed: AtomicU64,
+    /// Stopped because their client went away (or dropped while queued).
+    cancelled: AtomicU64,
+    /// Failed with an error.
+    failed: AtomicU64,
+    /// Refused because the queue was full.
+    rejected: AtomicU64,
+    prompt_tokens: AtomicU64,
+    generated_tokens: AtomicU64,
+}
+
+/// What the worker tells a request's handler.
+enum Msg {
+    /// The first prefill chunk ran: the request was accepted.
+    Started,
+    Text(String),
+    Done(Result<Box<Output>, ApiError>),
+}
+
+struct Job {
+    params: GenerateParams,
+    cancel: CancelToken,
+    events: mpsc::UnboundedSender<Msg>,
+}
+
+struct AppState {
+    cfg: ServerConfig,
+    context: usize,
+    policy: String,
+    budget: Option<usize>,
+    jobs: std_mpsc::SyncSender<Job>,
+    counters: Arc<Counters>,
+}
+
+/// A bound server, not serving yet.
+pub struct Server {
+    listener: std::net::TcpListener,
+    app: Router,
+    worker: std::thread::JoinHandle<()>,
+}
+
+impl Server {
+    /// Listens on `addr` (`host:port`; port 0 picks a free one, see [`Server::local_addr`])
+    /// and starts the generation worker that owns `engine`.
+    pub fn bind(addr: &str, engine: Engine, cfg: ServerConfig) -> Result<Self, ServerError> {
+        let listener = std::net::TcpListener::bind(addr).map_err(|source| ServerError::Bind {
+            addr: addr.to_string(),
+            source,
+        })?;
+        listener.set_nonblocking(true)?;
+        let (app, worker) = router(engine, cfg);
+        Ok(Self {
+            listener,
+            app,
+            worker,
+        })
+    }
+
+    /// The address it listens on.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.listener
+            .local_addr()
+            .expect("a bound listener has an address")
+    }
+
+    /// Serves until `shutdown` completes, then lets running requests finish (a streaming
+    /// request whose client stays connected runs to its end) and stops the worker.
+    pub fn run(
+        self,
+        shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    ) -> Result<(), ServerError> {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()?;
+        let Self {
+            listener,
+            app,
+            worker,
+        } = self;
+        rt.block_on(async move {
+            let listener = tokio::net::TcpListener::from_std(listener)?;
+            axum::serve(listener, app)
+                .with_graceful_shutdown(shutdown)
+                .await
+        })?;
+        // Dropping the runtime drops the router, the queue's last sender: the worker ends.
+        drop(rt);
+        worker.join().map_err(|_| ServerError::Worker)
+    }
+
+    /// Serves on a thread of its own until the handle is stopped or dropped.
+    pub fn spawn(self) -> ServerHandle {
+        let addr = self.local_addr();
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let thread = std::thread::spawn(move || {
+            self.run(async move {
+                let _ = rx.await;
+            })
+        });
+        ServerHandle {
+            addr,
+            stop: Some(tx),
+            thread: Some(thread),
+        }
+    }
+}
+
+/// A server running on its own thread ([`Server::spawn`]).
+pub struct ServerHandle {
+    addr: SocketAddr,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<Result<(), ServerError>>>,
+}
+
+impl ServerHandle {
+    /// The address it listens on.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Its base URL, `http://addr`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Stops it and waits until it has stopped.
+    pub fn stop(mut self) -> Result<(), ServerError> {
+        self.shut()
+    }
+
+    fn shut(&mut self) -> Result<(), ServerError> {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+        match self.thread.take() {
+            Some(t) => t.join().map_err(|_| ServerError::Worker)?,
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for ServerHandle {
+    fn drop(&mut self) {
+        let _ = self.shut();
+    }
+}
+
+/// The routes over `engine`, and the worker thread that runs its requests one at a time.
+pub fn router(engine: Engine, cfg: ServerConfig) -> (Router, std::thread::JoinHandle<()>) {
+    let (jobs, rx) = std_mpsc::sync_channel(cfg.max_queue.max(1));
+    let counters = Arc::new(Counters::default());
+    let cache = engine.config().cache.clone();
+    let state = Arc::new(AppState {
+        context: engine.model_config().max_position_embeddings,
+        policy: cache.policy.name(),
+        budget: cache.budget,
+        cfg,
+        jobs,
+        counters: counters.clone(),
+    });
+    let worker = std::thread::Builder::new()
+        .name("keydiff-worker".into())
+        .spawn(move || work(engine, rx, counters))
+        .expect("cannot start the generation thread");
+    let app = Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(state);
+    (app, worker)
+}
+
+/// The worker: runs queued requests in order until every sender is gone.
+fn work(engine: Engine, rx: std_mpsc::Receiver<Job>, counters: Arc<Counters>) {
+    while let Ok(job) = rx.recv() {
+        counters.queued.fetch_sub(1, Ordering::Relaxed);
+        if job.events.is_closed() {
+            // Its client left while it waited.
+            counters.cancelled.fetch_add(1, Ordering::Relaxed);
+            continue;
+        }
+        counters.running.store(1, Ordering::Relaxed);
+        let mut started = false;
+        let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            engine.generate(&job.params, |ev| {
+                if job.events.is_closed() {
+                    job.cancel.cancel();
+                    return;
+                }
+                let msg = match ev {
+                    Event::Prefill { .. } if !started => {
+                        started = true;
+                        Msg::Started
+                    }
+                    Event::Prefill { .. } => return,
+                    Event::Text(t) => Msg::Text(t.to_string()),
+                };
+                let _ = job.events.send(msg);
+            })
+        }));
+        counters.running.store(0, Ordering::Relaxed);
+        let result = match result {
+            Ok(r) => r.map(Box::new).map_err(ApiError::from),
+            Err(panic) => {
+                let what = panic
+                    .downcast_ref::<String>()
+                    .map(String::as_str)
+                    .or_else(|| panic.downcast_ref::<&str>().copied())
+                    .unwrap_or("unknown");
+                tracing::error!("generation panicked: {what}");
+                Err(ApiError::internal(format!("generation failed: {what}")))
+            }
+        };
+        match &result {
+            Ok(out) if out.stats.stop_reason == StopReason::Cancelled => {
+                counters.cancelled.fetch_add(1, Ordering::Relaxed);
+                tracing::info!(
+                    "request cancelled after {} tokens: its client went away",
+                    out.tokens.len()
+                );
+            }
+            Ok(out) => {
+                let s = &out.stats;
+                counters.completed.fetch_add(1, Ordering::Relaxed);
+                counters
+                    .prompt_tokens
+                    .fetch_add(s.prompt_tokens as u64, Ordering::Relaxed);
+                counters
+                    .generated_tokens
+                    .fetch_add(out.tokens.len() as u64, Ordering::Relaxed);
+                tracing::info!(
+                    "request: prompt {} tok, TTFT {:.3} s, prefill {:.1} tok/s, {} generated at \
+                     {:.1} tok/s, peak KV {} B, {} evictions, stop {:?}",
+                    s.prompt_tokens,
+                    s.ttft_s,
+                    s.prefill_tok_s,
+                    s.generated_tokens,
+                    s.decode_tok_s,
+                    s.peak_kv_bytes,
+                    s.eviction.evictions,
+                    s.stop_reason
+                );
+            }
+            Err(e) => {
+                counters.failed.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!("request failed ({}): {}", e.status, e.message);
+            }
+        }
+        let _ = job.events.send(Msg::Done(result));
+    }
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// Queues a request; its messages arrive on the returned receiver.
+fn submit(
+    st: &AppState,
+    mut params: GenerateParams,
+) -> Result<(mpsc::UnboundedReceiver<Msg>, CancelToken), ApiError> {
+    let cancel = CancelToken::new();
+    params.cancel = Some(cancel.clone());
+    let (events, rx) = mpsc::unbounded_channel();
+    st.counters.queued.fetch_add(1, Ordering::Relaxed);
+    let job = Job {
+        params,
+        cancel: cancel.clone(),
+        events,
+    };
+    match st.jobs.try_send(job) {
+        Ok(()) => Ok((rx, cancel)),
+        Err(e) => {
+            st.counters.queued.fetch_sub(1, Ordering::Relaxed);
+            Err(match e {
+                std_mpsc::TrySendError::Full(_) => {
+                    st.counters.rejected.fetch_add(1, Ordering::Relaxed);
+                    ApiError::unavailable(format!(
+                        "server busy: {} requests are waiting; retry later",
+                        st.cfg.max_queue
+                    ))
+                }
+                std_mpsc::TrySendError::Disconnected(_) => {
+                    ApiError::internal("the generation worker has stopped")
+                }
+            })
+        }
+    }
+}
+
+/// Cancels its request when dropped: a handler dropped because its client went away stops
+/// the generation it asked for.
+struct CancelOnDrop(CancelToken);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        self.0.cancel();
+    }
+}
+
+/// Which endpoint a response is for.
+#[derive(Clone, Copy, PartialEq)]
+enum Kind {
+    Completion,
+    Chat,
+}
+
+/// The response shapes of one request.
+struct Reply {
+    kind: Kind,
+    id: String,
+    created: u64,
+    model: String,
+    /// Text sent before the generated text (`echo`).
+    echo: Option<String>,
+}
+
+impl Reply {
+    fn new(kind: Kind, model: &str) -> Self {
+        let prefix = match kind {
+            Kind::Completion => "cmpl",
+            Kind::Chat => "chatcmpl",
+        };
+        Self {
+            kind,
+            id: format!("{prefix}-{:016x}", rand::random::<u64>()),
+            created: unix_now(),
+            model: model.to_string(),
+            echo: None,
+        }
+    }
+
+    /// The whole response of a request that is not streamed.
+    fn full(&self, out: &Output) -> Value {
+        let reason = api::finish_reason(out.stats.stop_reason);
+        let text = format!("{}{}", self.echo.as_deref().unwrap_or(""), out.text);
+        let (object, choice) = match self.kind {
+            Kind::Completion => (
+                "text_completion",
+                json!({"index": 0, "text": text, "logprobs": null, "finish_reason": reason}),
+            ),
+            Kind::Chat => (
+                "chat.completion",
+                json!({
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": null,
+                    "finish_reason": reason,
+                }),
+            ),
+        };
+        json!({
+            "id": self.id,
+            "object": object,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": api::usage(out),
+            "keydiff": api::stats(out),
+        })
+    }
+
+    /// One streamed chunk: a piece of text (`None` with `finish` for the last one).
+    fn chunk(&self, text: Option<&str>, role: bool, finish: Option<&str>) -> Value {
+        let (object, choice) = match self.kind {
+            Kind::Completion => (
+                "text_completion",
+                json!({
+                    "index": 0,
+                    "text": text.unwrap_or(""),
+                    "logprobs": null,
+                    "finish_reason": finish,
+                }),
+            ),
+            Kind::Chat => {
+                let mut delta = serde_json::Map::new();
+                if role {
+                    delta.insert("role".into(), "assistant".into());
+                }
+                if let Some(t) = text {
+                    delta.insert("content".into(), t.into());
+                }
+                (
+                    "chat.completion.chunk",
+                    json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}),
+                )
+            }
+        };
+        json!({
+            "id": self.id,
+            "object": object,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        })
+    }
+
+    fn usage_chunk(&self, out: &Output) -> Value {
+        let object = match self.kind {
+            Kind::Completion => "text_completion",
+            Kind::Chat => "chat.completion.chunk",
+        };
+        json!({
+            "id": self.id,
+            "object": object,
+            "created": self.created,
+            "model": self.model,
+            "choices": [],
+            "usage": api::usage(out),
+        })
+    }
+}
+
+async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+    let req: CompletionRequest = match api::parse(&body) {
+        Ok(r) => r,
+        Err(e) => return e.into_response(),
+    };
+    let echo = req.echo.unwrap_or(false);
+    let mapped = match req.map(defaults(&st)) {
+        Ok(m) => m,
+        Err(e) => return e.into_response(),
+    };
+    let mut reply = Reply::new(Kind::Completion, &st.cfg.model_id);
+    if echo {
+        match &mapped.params.prompt {
+            keydiff::Prompt::Text(t) => reply.echo = Some(t.clone()),
+            _ => {
+                return ApiError::invalid("echo needs a text prompt", Some("echo")).into_response()
+            }
+        }
+    }
+    respond(st, mapped, reply).await
+}
+
+async fn chat_completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+    let req: ChatRequest = match api::parse(&body) {
+        Ok(r) => r,
+        Err(e) => return e.into_response(),
+    };
+    match req.map(defaults(&st)) {
+        Ok(m) => {
+            let reply = Reply::new(Kind::Chat, &st.cfg.model_id);
+            respond(st, m, reply).await
+        }
+        Err(e) => e.into_response(),
+    }
+}
+
+fn defaults(st: &AppState) -> Defaults {
+    Defaults {
+        max_tokens: st.cfg.max_tokens,
+    }
+}
+
+/// Runs a mapped request and answers it, whole or as a stream.
+async fn respond(st: Arc<AppState>, m: Mapped, mut reply: Reply) -> Response {
+    let Mapped {
+        params,
+        stream,
+        include_usage,
+    } = m;
+    let (mut rx, cancel) = match submit(&st, params) {
+        Ok(x) => x,
+        Err(e) => return e.into_response(),
+    };
+    let guard = CancelOnDrop(cancel);
+    // Wait until the request is running (or has failed): a request refused by the engine
+    // (a prompt beyond the context, a cache that does not fit) gets its status code even
+    // when it asked for a stream.
+    let first = match rx.recv().await {
+        Some(Msg::Done(Err(e))) => return e.into_response(),
+        Some(m) => m,
+        None => return ApiError::internal("the generation worker stopped").into_response(),
+    };
+    if !stream {
+        let mut msg = Some(first);
+        loop {
+            match msg.take() {
+                Some(Msg::Done(Ok(out))) => return Json(reply.full(&out)).into_response(),
+                Some(Msg::Done(Err(e))) => return e.into_response(),
+                Some(_) => {}
+                None => return ApiError::internal("the generation worker stopped").into_response(),
+            }
+            msg = rx.recv().await;
+        }
+    }
+    let (tx, mut sse_rx) = mpsc::unbounded_channel::<Result<SseEvent, Infallible>>();
+    tokio::spawn(async move {
+        let _guard = guard;
+        let send = |v: Value| tx.send(Ok(SseEvent::default().data(v.to_string())));
+        let mut pending = Some(first);
+        loop {
+            let msg = match pending.take() {
+                Some(m) => m,
+                None => tokio::select! {
+                    m = rx.recv() => match m {
+                        Some(m) => m,
+                        None => break,
+                    },
+                    // The client went away: dropping `_guard` cancels the request.
+                    _ = tx.closed() => return,
+                },
+            };
+            let text = match msg {
+                Msg::Started => {
+                    // The chat role, or an echoed prompt, opens the stream.
+                    let opening = match (reply.kind, reply.echo.take()) {
+                        (Kind::Chat, _) => Some(reply.chunk(Some(""), true, None)),
+                        (Kind::Completion, Some(e)) => Some(reply.chunk(Some(&e), false, None)),
+                        (Kind::Completion, None) => None,
+                    };
+                    if opening.is_some_and(|c| send(c).is_err()) {
+                        return;
+                    }
+                    continue;
+                }
+                Msg::Text(t) => t,
+                Msg::Done(Ok(out)) => {
+                    let reason = api::finish_reason(out.stats.stop_reason);
+                    let mut last = reply.chunk(None, false, Some(reason));
+                    last["keydiff"] = api::stats(&out);
+                    let _ = send(last);
+                    if include_usage {
+                        let _ = send(reply.usage_chunk(&out));
+                    }
+                    break;
+                }
+                Msg::Done(Err(e)) => {
+                    let _ = send(json!({ "error": e.body() }));
+                    break;
+                }
+            };
+            if send(reply.chunk(Some(&text), false, None)).is_err() {
+                return;
+            }
+        }
+        let _ = tx.send(Ok(SseEvent::default().data("[DONE]")));
+    });
+    let events = futures_util::stream::poll_fn(move |cx| sse_rx.poll_recv(cx));
+    Sse::new(events)
+        .keep_alive(KeepAlive::default())
+        .into_response()
+}
+
+async fn models(State(st): State<Arc<AppState>>) -> Json<Value> {
+    Json(json!({
+        "object": "list",
+        "data": [{
+            "id": st.cfg.model_id,
+            "object": "model",
+            "created": 0,
+            "owned_by": "keydiff",
+            "max_model_len": st.context,
+        }],
+    }))
+}
+
+async fn health(State(st): State<Arc<AppState>>) -> Json<Value> {
+    let c = &st.counters;
+    let n = |a: &AtomicU64| a.load(Ordering::Relaxed);
+    Json(json!({
+        "status": "ok",
+        "model": st.cfg.model_id,
+        "context": st.context,
+        "policy": st.policy,
+        "budget": st.budget,
+        "queued": c.queued.load(Ordering::Relaxed),
+        "running": c.running.load(Ordering::Relaxed),
+        "max_queue": st.cfg.max_queue,
+        "completed": n(&c.completed),
+        "cancelled": n(&c.cancelled),
+        "failed": n(&c.failed),
+        "rejected": n(&c.rejected),
+        "prompt_tokens": n(&c.prompt_tokens),
+        "generated_tokens": n(&c.generated_tokens),
+    }))
+}

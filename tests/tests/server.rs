@@ -1,0 +1,523 @@
+//! The OpenAI-compatible server (`keydiff-server`, `keydiff serve`) over HTTP on the real
+//! SmolLM2: answers equal the engine's, streams add up to the whole answer, bad requests get
+//! 400 naming the field, a client that leaves is cancelled, a full queue answers 503.
+
+use std::io::{BufRead, BufReader};
+use std::time::{Duration, Instant};
+
+use keydiff::{
+    CacheConfig, Engine, EngineConfig, GenerateParams, Message, ModelSource, PolicyKind, Prompt,
+    StopReason,
+};
+use keydiff_server::{Server, ServerConfig, ServerHandle};
+use keydiff_tests::{keydiff_bin, model, SMOLLM2};
+use serde_json::{json, Value};
+
+fn engine(cache: CacheConfig) -> Engine {
+    let cfg = EngineConfig {
+        cache,
+        ..Default::default()
+    };
+    Engine::load(&ModelSource::Gguf(model(SMOLLM2)), &cfg).unwrap()
+}
+
+/// KeyDiff under the budget `n` with chunks of `b`.
+fn keydiff_cache(n: usize, b: usize) -> CacheConfig {
+    CacheConfig {
+        policy: PolicyKind::parse("keydiff", 32, 0).unwrap(),
+        budget: Some(n),
+        ..CacheConfig::full(b)
+    }
+}
+
+fn start(cache: CacheConfig, max_queue: usize) -> ServerHandle {
+    let cfg = ServerConfig {
+        max_queue,
+        ..ServerConfig::new("smol")
+    };
+    Server::bind("127.0.0.1:0", engine(cache), cfg)
+        .unwrap()
+        .spawn()
+}
+
+/// POSTs `body`; the status and the JSON answer (4xx/5xx included).
+fn post(url: &str, body: &Value) -> (u16, Value) {
+    match ureq::post(url).send_json(body) {
+        Ok(r) => (r.status(), r.into_json().unwrap()),
+        Err(ureq::Error::Status(code, r)) => (code, r.into_json().unwrap()),
+        Err(e) => panic!("{url}: {e}"),
+    }
+}
+
+fn get(url: &str) -> Value {
+    ureq::get(url).call().unwrap().into_json().unwrap()
+}
+
+/// The `data:` payloads of a server-sent event stream, up to and without `[DONE]`.
+fn events(resp: ureq::Response) -> Vec<Value> {
+    assert_eq!(resp.header("content-type"), Some("text/event-stream"));
+    let mut out = Vec::new();
+    for line in BufReader::new(resp.into_reader()).lines() {
+        let line = line.unwrap();
+        let Some(data) = line.strip_prefix("data: ") else {
+            continue;
+        };
+        if data == "[DONE]" {
+            return out;
+        }
+        out.push(serde_json::from_str(data).unwrap());
+    }
+    panic!("the stream ended without [DONE]")
+}
+
+/// Polls `/health` until `ready` holds (at most a minute: the server acts on a closed
+/// connection at its next token).
+fn wait_health(base: &str, what: &str, ready: impl Fn(&Value) -> bool) -> Value {
+    let t0 = Instant::now();
+    loop {
+        let h = get(&format!("{base}/health"));
+        if ready(&h) {
+            return h;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(60), "{what}: {h}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn greedy(prompt: Prompt, n: usize) -> GenerateParams {
+    GenerateParams {
+        prompt,
+        max_tokens: n,
+        ..Default::default()
+    }
+}
+
+/// Both endpoints, whole and streamed, under a budget that evicts: the same tokens, text and
+/// cache figures as the engine gives in process.
+#[test]
+fn answers_equal_the_engine_whole_and_streamed() {
+    let cache = keydiff_cache(64, 32);
+    let server = start(cache.clone(), 4);
+    let base = server.url();
+    let local = engine(cache);
+
+    let long = format!(
+        "{}\nQuestion: what does the text repeat? Answer:",
+        "The quick brown fox jumps over the lazy dog. ".repeat(20)
+    );
+    let want = local
+        .generate(&greedy(Prompt::Text(long.clone()), 12), |_| {})
+        .unwrap();
+    assert!(want.stats.eviction.evictions > 0, "the budget must evict");
+    let body = json!({"model": "anything", "prompt": long, "max_tokens": 12, "temperature": 0});
+    let (code, got) = post(&format!("{base}/v1/completions"), &body);
+    assert_eq!(code, 200, "{got}");
+    assert_eq!(got["object"], "text_completion");
+    assert_eq!(got["model"], "smol");
+    assert_eq!(got["choices"][0]["text"], want.text);
+    let reason = match want.stats.stop_reason {
+        StopReason::MaxTokens => "length",
+        _ => "stop",
+    };
+    assert_eq!(got["choices"][0]["finish_reason"], reason);
+    let usage = &got["usage"];
+    assert_eq!(usage["prompt_tokens"], want.stats.prompt_tokens);
+    assert_eq!(usage["completion_tokens"], want.tokens.len());
+    assert_eq!(
+        usage["total_tokens"],
+        want.stats.prompt_tokens + want.tokens.len()
+    );
+    let k = &got["keydiff"];
+    assert_eq!(k["policy"], "keydiff");
+    assert_eq!(k["budget"], 64);
+    assert_eq!(k["eviction"]["evictions"], want.stats.eviction.evictions);
+    assert_eq!(k["final_cache_len"], want.stats.final_cache_len);
+    assert_eq!(k["peak_kv_bytes"], want.stats.peak_kv_bytes);
+
+    // Token ids as the prompt, and `echo`.
+    let (code, by_ids) = post(
+        &format!("{base}/v1/completions"),
+        &json!({"prompt": want.prompt_tokens, "max_tokens": 12, "temperature": 0}),
+    );
+    assert_eq!(code, 200, "{by_ids}");
+    assert_eq!(by_ids["choices"][0]["text"], want.text);
+    let (_, echoed) = post(
+        &format!("{base}/v1/completions"),
+        &json!({"prompt": long, "max_tokens": 12, "temperature": 0, "echo": true}),
+    );
+    assert_eq!(echoed["choices"][0]["text"], format!("{long}{}", want.text));
+
+    // Chat, whole and streamed with usage.
+    let messages = vec![
+        Message::new("system", "You are a helpful assistant."),
+        Message::new("user", "What is the capital of France?"),
+    ];
+    let want = local
+        .generate(&greedy(Prompt::Chat(messages), 24), |_| {})
+        .unwrap();
+    let body = json!({
+        "messages": [
+            {"role": "developer", "content": "You are a helpful assistant."},
+            {"role": "user", "content": [{"type": "text", "text": "What is the capital of "},
+                                         {"type": "text", "text": "France?"}]},
+        ],
+        "max_completion_tokens": 24,
+        "temperature": 0,
+    });
+    let (code, got) = post(&format!("{base}/v1/chat/completions"), &body);
+    assert_eq!(code, 200, "{got}");
+    assert_eq!(got["object"], "chat.completion");
+    assert_eq!(got["choices"][0]["message"]["role"], "assistant");
+    assert_eq!(got["choices"][0]["message"]["content"], want.text);
+    assert!(want.text.contains("Paris"), "{}", want.text);
+    assert_eq!(got["usage"]["prompt_tokens"], want.stats.prompt_tokens);
+
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true});
+    let resp = ureq::post(&format!("{base}/v1/chat/completions"))
+        .send_json(&streamed)
+        .unwrap();
+    let ev = events(resp);
+    assert!(ev.len() >= 4, "{ev:?}");
+    assert!(ev.iter().all(|e| e["object"] == "chat.completion.chunk"));
+    assert!(ev.iter().all(|e| e["id"] == ev[0]["id"]));
+    assert_eq!(ev[0]["choices"][0]["delta"]["role"], "assistant");
+    let text: String = ev
+        .iter()
+        .filter_map(|e| e["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(text, want.text);
+    let last = &ev[ev.len() - 2];
+    assert_eq!(last["choices"][0]["finish_reason"], "stop");
+    assert_eq!(last["keydiff"]["generated_tokens"], want.tokens.len());
+    let usage = &ev[ev.len() - 1];
+    assert_eq!(usage["choices"], json!([]));
+    assert_eq!(usage["usage"], got["usage"]);
+
+    let h = get(&format!("{base}/health"));
+    assert_eq!(h["completed"], 5, "{h}");
+    assert_eq!(h["failed"], 0, "{h}");
+    let m = get(&format!("{base}/v1/models"));
+    assert_eq!(m["data"][0]["id"], "smol");
+    assert_eq!(m["data"][0]["max_model_len"], 8192);
+    server.stop().unwrap();
+}
+
+/// Sampled requests with a seed repeat; the penalties and the stop strings reach the engine.
+#[test]
+fn seeds_penalties_and_stops_are_honoured() {
+    let server = start(CacheConfig::full(128), 4);
+    let url = format!("{}/v1/completions", server.url());
+    let body = json!({"prompt": "Once upon a time", "max_tokens": 16, "temperature": 0.9,
+                      "top_p": 0.95, "top_k": 40, "seed": 7});
+    let a = post(&url, &body).1["choices"][0]["text"].clone();
+    let b = post(&url, &body).1["choices"][0]["text"].clone();
+    assert_eq!(a, b);
+
+    let local = engine(CacheConfig::full(128));
+    let mut params = greedy(Prompt::Text("Once upon a time".into()), 24);
+    params.sampling.frequency_penalty = 1.5;
+    params.sampling.presence_penalty = 0.5;
+    let want = local.generate(&params, |_| {}).unwrap();
+    let plain = local
+        .generate(&greedy(Prompt::Text("Once upon a time".into()), 24), |_| {})
+        .unwrap();
+    assert_ne!(
+        want.tokens, plain.tokens,
+        "the penalties change greedy text"
+    );
+    let (_, got) = post(
+        &url,
+        &json!({"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0,
+                "frequency_penalty": 1.5, "presence_penalty": 0.5}),
+    );
+    assert_eq!(got["choices"][0]["text"], want.text);
+
+    // A stop string inside the greedy text ends it there, unemitted.
+    let cut = plain.text.find(' ').map_or(2, |i| i + 1);
+    let stop = &plain.text[cut..cut + 3];
+    let (_, got) = post(
+        &url,
+        &json!({"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0,
+                "stop": [stop]}),
+    );
+    let text = got["choices"][0]["text"].as_str().unwrap();
+    assert!(
+        !text.contains(stop) && plain.text.starts_with(text),
+        "{text:?}"
+    );
+    assert_eq!(got["choices"][0]["finish_reason"], "stop");
+}
+
+/// Every request this server cannot honour gets a 400 (or 404) with OpenAI's error body
+/// naming the problem; none reaches the engine as something else.
+#[test]
+fn bad_requests_are_refused_naming_the_problem() {
+    let server = start(CacheConfig::full(128), 4);
+    let base = server.url();
+    let c = format!("{base}/v1/completions");
+    let chat = format!("{base}/v1/chat/completions");
+    let user = json!([{"role": "user", "content": "hi"}]);
+    let too_long = "word ".repeat(9000);
+    let cases: Vec<(&str, Value, Option<&str>, &str)> = vec![
+        (&c, json!({"max_tokens": 4}), None, "missing field `prompt`"),
+        (
+            &c,
+            json!({"prompt": ""}),
+            Some("prompt"),
+            "the prompt is empty",
+        ),
+        (
+            &c,
+            json!({"prompt": []}),
+            Some("prompt"),
+            "the prompt is empty",
+        ),
+        (&c, json!({"prompt": 5}), Some("prompt"), "prompt must be"),
+        (
+            &c,
+            json!({"prompt": [1, "a"]}),
+            Some("prompt"),
+            "prompt must be",
+        ),
+        (
+            &c,
+            json!({"prompt": ["a", "b"]}),
+            Some("prompt"),
+            "one prompt per request",
+        ),
+        (
+            &c,
+            json!({"prompt": [99999999]}),
+            None,
+            "outside the vocabulary",
+        ),
+        (
+            &c,
+            json!({"prompt": too_long}),
+            Some("prompt"),
+            "beyond the model's context of 8192",
+        ),
+        (&c, json!({"prompt": "hi", "n": 2}), Some("n"), "one choice"),
+        (
+            &c,
+            json!({"prompt": "hi", "logprobs": 3}),
+            Some("logprobs"),
+            "not supported",
+        ),
+        (
+            &c,
+            json!({"prompt": "hi", "best_of": 2}),
+            Some("best_of"),
+            "not supported",
+        ),
+        (
+            &c,
+            json!({"prompt": "hi", "suffix": "x"}),
+            Some("suffix"),
+            "not supported",
+        ),
+        (
+            &c,
+            json!({"prompt": [1, 2], "echo": true}),
+            Some("echo"),
+            "text prompt",
+        ),
+        (
+            &c,
+            json!({"prompt": "hi", "max_tokens": 0}),
+            Some("max_tokens"),
+            "at least 1",
+        ),
+        (
+            &c,
+            json!({"prompt": "hi", "max_tokens": -1}),
+            None,
+            "invalid value",
+        ),
+        (
+            &c,
+            json!({"prompt": "hi", "stop": ""}),
+            Some("stop"),
+            "must not be empty",
+        ),
+        (
+            &c,
+            json!({"prompt": "hi", "temperature": -1}),
+            None,
+            "temperature -1",
+        ),
+        (&c, json!({"prompt": "hi", "top_p": 0}), None, "top-p 0"),
+        (
+            &c,
+            json!({"prompt": "hi", "presence_penalty": 3}),
+            None,
+            "presence penalty 3",
+        ),
+        (
+            &c,
+            json!({"prompt": "hi", "logit_bias": {"1": 5}}),
+            Some("logit_bias"),
+            "not supported",
+        ),
+        (
+            &chat,
+            json!({"messages": []}),
+            Some("messages"),
+            "must not be empty",
+        ),
+        (
+            &chat,
+            json!({"prompt": "hi"}),
+            None,
+            "missing field `messages`",
+        ),
+        (
+            &chat,
+            json!({"messages": user, "tools": [{"type": "function"}]}),
+            Some("tools"),
+            "not supported",
+        ),
+        (
+            &chat,
+            json!({"messages": user, "logprobs": true}),
+            Some("logprobs"),
+            "not supported",
+        ),
+        (
+            &chat,
+            json!({"messages": user, "response_format": {"type": "json_object"}}),
+            Some("response_format"),
+            "only text",
+        ),
+        (
+            &chat,
+            json!({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
+            Some("messages"),
+            "`image_url` is not supported",
+        ),
+        // Refused before the stream opens: a status, not an event.
+        (
+            &chat,
+            json!({"messages": [{"role": "user", "content": too_long}], "stream": true}),
+            Some("prompt"),
+            "beyond the model's context",
+        ),
+    ];
+    for (url, body, param, msg) in cases {
+        let (code, got) = post(url, &body);
+        assert_eq!(code, 400, "{body}: {got}");
+        let e = &got["error"];
+        assert_eq!(e["type"], "invalid_request_error", "{body}: {got}");
+        assert_eq!(e["param"], json!(param), "{body}: {got}");
+        let m = e["message"].as_str().unwrap();
+        assert!(m.contains(msg), "{body}: {m:?} lacks {msg:?}");
+    }
+    // Not JSON at all.
+    match ureq::post(&c).send_string("{not json") {
+        Err(ureq::Error::Status(400, r)) => {
+            let v: Value = r.into_json().unwrap();
+            let m = v["error"]["message"].as_str().unwrap().to_string();
+            assert!(m.starts_with("invalid request body"), "{m}");
+        }
+        other => panic!("{other:?}"),
+    }
+    match ureq::get(&format!("{base}/v1/embeddings")).call() {
+        Err(ureq::Error::Status(404, _)) => {}
+        other => panic!("{other:?}"),
+    }
+    let h = get(&format!("{base}/health"));
+    assert_eq!(h["completed"], 0, "{h}");
+}
+
+/// A streaming client that disconnects is cancelled at once (its request would run to the
+/// context otherwise); one waiting in a full queue is answered 503; the engine is free again.
+#[test]
+fn leaving_clients_are_cancelled_and_a_full_queue_refuses() {
+    let server = start(keydiff_cache(256, 128), 1);
+    let base = server.url();
+    let chat = format!("{base}/v1/chat/completions");
+    let endless = json!({"messages": [{"role": "user", "content": "Count to a million."}],
+                         "ignore_eos": true, "temperature": 0, "stream": true});
+
+    // A: streams without end; read a few pieces, keep the connection.
+    let a = ureq::post(&chat).send_json(&endless).unwrap();
+    let mut a = BufReader::new(a.into_reader()).lines();
+    for _ in 0..6 {
+        a.next().unwrap().unwrap();
+    }
+    // B waits behind A; C finds the queue (of 1) full.
+    let b_url = format!("{base}/v1/completions");
+    let b = std::thread::spawn(move || {
+        post(
+            &b_url,
+            &json!({"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}),
+        )
+    });
+    wait_health(&base, "B queued", |h| h["queued"] == 1 && h["running"] == 1);
+    let (code, c) = post(&format!("{base}/v1/completions"), &json!({"prompt": "x"}));
+    assert_eq!(code, 503, "{c}");
+    assert!(
+        c["error"]["message"].as_str().unwrap().contains("busy"),
+        "{c}"
+    );
+
+    // A leaves: it is cancelled, and B runs.
+    drop(a);
+    let (code, got) = b.join().unwrap();
+    assert_eq!(code, 200, "{got}");
+    assert_eq!(got["usage"]["completion_tokens"], 4);
+    let h = wait_health(&base, "A cancelled", |h| h["cancelled"] == 1);
+    assert_eq!(h["completed"], 1, "{h}");
+    assert_eq!(h["rejected"], 1, "{h}");
+    assert_eq!(h["running"], 0, "{h}");
+    assert_eq!(h["queued"], 0, "{h}");
+}
+
+/// `keydiff serve` end to end: it prints where it listens (port 0 takes a free one), answers,
+/// and stops cleanly on SIGTERM.
+#[test]
+fn the_cli_serves_and_stops_on_sigterm() {
+    use std::process::{Command, Stdio};
+    let mut child = Command::new(keydiff_bin())
+        .args(["serve", "-m", SMOLLM2, "--port", "0", "--budget", "128"])
+        .current_dir(keydiff_tests::root())
+        .stderr(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut err = BufReader::new(child.stderr.take().unwrap());
+    let mut line = String::new();
+    let url = loop {
+        line.clear();
+        assert!(err.read_line(&mut line).unwrap() > 0, "serve exited early");
+        if let Some(i) = line.find("http://") {
+            let rest = &line[i..];
+            break rest[..rest.find(' ').unwrap()].to_string();
+        }
+    };
+    assert!(line.contains("policy keydiff, budget 128"), "{line}");
+    let (code, got) = post(
+        &format!("{url}/v1/chat/completions"),
+        &json!({"messages": [{"role": "user", "content": "What is the capital of France?"}],
+                "temperature": 0, "max_tokens": 16}),
+    );
+    assert_eq!(code, 200, "{got}");
+    assert!(
+        got["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .contains("Paris"),
+        "{got}"
+    );
+    assert_eq!(got["model"], "SmolLM2-135M-Instruct.Q4_1");
+    let pid = child.id().to_string();
+    assert!(Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let status = child.wait().unwrap();
+    assert!(status.success(), "{status:?}");
+}
