@@ -473,6 +473,16 @@ fn leaving_clients_are_cancelled_and_a_full_queue_refuses() {
     assert_eq!(h["rejected"], 1, "{h}");
     assert_eq!(h["running"], 0, "{h}");
     assert_eq!(h["queued"], 0, "{h}");
+
+    // A client of a whole (not streamed) answer that gives up is cancelled too.
+    let mut whole = endless.clone();
+    whole["stream"] = json!(false);
+    let impatient = ureq::AgentBuilder::new()
+        .timeout_read(Duration::from_secs(1))
+        .build();
+    assert!(impatient.post(&chat).send_json(&whole).is_err());
+    let h = wait_health(&base, "the impatient client cancelled", |h| h["cancelled"] == 2);
+    assert_eq!(h["running"], 0, "{h}");
 }
 
 /// `keydiff serve` end to end: it prints where it listens (port 0 takes a free one), answers,
