@@ -481,7 +481,9 @@ fn leaving_clients_are_cancelled_and_a_full_queue_refuses() {
         .timeout_read(Duration::from_secs(1))
         .build();
     assert!(impatient.post(&chat).send_json(&whole).is_err());
-    let h = wait_health(&base, "the impatient client cancelled", |h| h["cancelled"] == 2);
+    let h = wait_health(&base, "the impatient client cancelled", |h| {
+        h["cancelled"] == 2
+    });
     assert_eq!(h["running"], 0, "{h}");
 }
 
@@ -522,12 +524,36 @@ fn the_cli_serves_and_stops_on_sigterm() {
         "{got}"
     );
     assert_eq!(got["model"], "SmolLM2-135M-Instruct.Q4_1");
+
+    // A stream that would run to the context is stopped by SIGTERM with an error event.
+    let endless = json!({"messages": [{"role": "user", "content": "Count to a million."}],
+                         "ignore_eos": true, "temperature": 0, "stream": true});
+    let resp = ureq::post(&format!("{url}/v1/chat/completions"))
+        .send_json(&endless)
+        .unwrap();
+    let mut lines = BufReader::new(resp.into_reader()).lines();
+    for _ in 0..6 {
+        lines.next().unwrap().unwrap();
+    }
     let pid = child.id().to_string();
     assert!(Command::new("kill")
         .args(["-TERM", &pid])
         .status()
         .unwrap()
         .success());
+    let rest: Vec<String> = lines.map(|l| l.unwrap()).collect();
+    let error = rest
+        .iter()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .find(|v| v.get("error").is_some())
+        .unwrap_or_else(|| panic!("no error event in {rest:?}"));
+    let m = error["error"]["message"].as_str().unwrap();
+    assert!(m.contains("shutting down: generation stopped after"), "{m}");
+    assert_eq!(
+        rest.iter().rev().find(|l| !l.is_empty()).unwrap(),
+        "data: [DONE]"
+    );
     let status = child.wait().unwrap();
     assert!(status.success(), "{status:?}");
 }

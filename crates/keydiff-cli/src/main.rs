@@ -55,7 +55,7 @@ enum Cmd {
     /// OpenAI-compatible HTTP server: POST /v1/completions and /v1/chat/completions (with
     /// "stream": true as server-sent events), GET /v1/models and /health. Requests run one at
     /// a time under the cache settings given here, in arrival order; a request whose client
-    /// disconnects is cancelled. Stops on Ctrl-C or SIGTERM.
+    /// disconnects is cancelled. Ctrl-C or SIGTERM stops the running request and exits.
     Serve(ServeArgs),
     /// Perplexity of a text under the cache settings: prefilled in chunks of B as a prompt
     /// is, evicting after each chunk under --budget/--policy, every token after the first
@@ -978,7 +978,7 @@ fn serve(a: &ServeArgs) -> Result<()> {
         {
             let _ = ctrl_c.await;
         }
-        eprintln!("keydiff: stopping (running requests finish first)");
+        eprintln!("keydiff: stopping: the running request ends at its next token");
     })?;
     Ok(())
 }

@@ -117,7 +117,27 @@ struct AppState {
 pub struct Server {
     listener: std::net::TcpListener,
     app: Router,
-    worker: std::thread::JoinHandle<()>,
+    worker: Worker,
+}
+
+/// The thread that runs requests, one at a time ([`router`]).
+pub struct Worker {
+    thread: std::thread::JoinHandle<()>,
+    stopping: CancelToken,
+}
+
+impl Worker {
+    /// Stops the running request at its next chunk or token and refuses the queued ones
+    /// (503, "the server is shutting down"); later requests are refused too.
+    pub fn stop_requests(&self) {
+        self.stopping.cancel();
+    }
+
+    /// Waits for the thread to end, which it does once the router (holding the queue) is
+    /// dropped.
+    pub fn join(self) -> Result<(), ServerError> {
+        self.thread.join().map_err(|_| ServerError::Worker)
+    }
 }
 
 impl Server {
@@ -144,8 +164,9 @@ impl Server {
             .expect("a bound listener has an address")
     }
 
-    /// Serves until `shutdown` completes, then lets running requests finish (a streaming
-    /// request whose client stays connected runs to its end) and stops the worker.
+    /// Serves until `shutdown` completes. Then the running request is stopped at its next
+    /// chunk or token and queued ones are refused (each client gets an error saying the
+    /// server is shutting down), the answers are delivered, and the worker ends.
     pub fn run(
         self,
         shutdown: impl std::future::Future<Output = ()> + Send + 'static,
@@ -159,15 +180,19 @@ impl Server {
             app,
             worker,
         } = self;
+        let stopping = worker.stopping.clone();
         rt.block_on(async move {
             let listener = tokio::net::TcpListener::from_std(listener)?;
             axum::serve(listener, app)
-                .with_graceful_shutdown(shutdown)
+                .with_graceful_shutdown(async move {
+                    shutdown.await;
+                    stopping.cancel();
+                })
                 .await
         })?;
         // Dropping the runtime drops the router, the queue's last sender: the worker ends.
         drop(rt);
-        worker.join().map_err(|_| ServerError::Worker)
+        worker.join()
     }
 
     /// Serves on a thread of its own until the handle is stopped or dropped.
@@ -228,7 +253,9 @@ impl Drop for ServerHandle {
 }
 
 /// The routes over `engine`, and the worker thread that runs its requests one at a time.
-pub fn router(engine: Engine, cfg: ServerConfig) -> (Router, std::thread::JoinHandle<()>) {
+/// To serve them in an app of your own: on shutdown call [`Worker::stop_requests`], let the
+/// server finish, drop the router, then [`Worker::join`] ([`Server::run`] does this).
+pub fn router(engine: Engine, cfg: ServerConfig) -> (Router, Worker) {
     let (jobs, rx) = std_mpsc::sync_channel(cfg.max_queue.max(1));
     let counters = Arc::new(Counters::default());
     let cache = engine.config().cache.clone();
@@ -240,10 +267,13 @@ pub fn router(engine: Engine, cfg: ServerConfig) -> (Router, std::thread::JoinHa
         jobs,
         counters: counters.clone(),
     });
-    let worker = std::thread::Builder::new()
+    let stopping = CancelToken::new();
+    let stop = stopping.clone();
+    let thread = std::thread::Builder::new()
         .name("keydiff-worker".into())
-        .spawn(move || work(engine, rx, counters))
+        .spawn(move || work(engine, rx, counters, stop))
         .expect("cannot start the generation thread");
+    let worker = Worker { thread, stopping };
     let app = Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
@@ -255,7 +285,13 @@ pub fn router(engine: Engine, cfg: ServerConfig) -> (Router, std::thread::JoinHa
 }
 
 /// The worker: runs queued requests in order until every sender is gone.
-fn work(engine: Engine, rx: std_mpsc::Receiver<Job>, counters: Arc<Counters>) {
+fn work(
+    engine: Engine,
+    rx: std_mpsc::Receiver<Job>,
+    counters: Arc<Counters>,
+    stopping: CancelToken,
+) {
+    let shutting_down = || ApiError::unavailable("the server is shutting down");
     while let Ok(job) = rx.recv() {
         counters.queued.fetch_sub(1, Ordering::Relaxed);
         if job.events.is_closed() {
@@ -263,11 +299,16 @@ fn work(engine: Engine, rx: std_mpsc::Receiver<Job>, counters: Arc<Counters>) {
             counters.cancelled.fetch_add(1, Ordering::Relaxed);
             continue;
         }
+        if stopping.is_cancelled() {
+            counters.cancelled.fetch_add(1, Ordering::Relaxed);
+            let _ = job.events.send(Msg::Done(Err(shutting_down())));
+            continue;
+        }
         counters.running.store(1, Ordering::Relaxed);
         let mut started = false;
         let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
             engine.generate(&job.params, |ev| {
-                if job.events.is_closed() {
+                if job.events.is_closed() || stopping.is_cancelled() {
                     job.cancel.cancel();
                     return;
                 }
@@ -284,6 +325,17 @@ fn work(engine: Engine, rx: std_mpsc::Receiver<Job>, counters: Arc<Counters>) {
         }));
         counters.running.store(0, Ordering::Relaxed);
         let result = match result {
+            Ok(Ok(out))
+                if out.stats.stop_reason == StopReason::Cancelled && !job.events.is_closed() =>
+            {
+                // Its client is there: the server is stopping.
+                counters.cancelled.fetch_add(1, Ordering::Relaxed);
+                let _ = job.events.send(Msg::Done(Err(ApiError::unavailable(format!(
+                    "the server is shutting down: generation stopped after {} tokens",
+                    out.tokens.len()
+                )))));
+                continue;
+            }
             Ok(r) => r.map(Box::new).map_err(ApiError::from),
             Err(panic) => {
                 let what = panic
