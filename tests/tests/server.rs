@@ -204,6 +204,57 @@ fn answers_equal_the_engine_whole_and_streamed() {
     server.stop().unwrap();
 }
 
+/// The next turn of a conversation reuses the prompt cache (OpenAI's
+/// `usage.prompt_tokens_details.cached_tokens`) and answers as the engine does fresh; with
+/// the prompt cache off nothing is reused.
+#[test]
+fn a_follow_up_reuses_the_prompt_cache() {
+    let cache = CacheConfig::full(16);
+    let local = engine(cache.clone());
+    let q1 = json!({"role": "user", "content": "What is the capital of France?"});
+    for prompt_cache in [true, false] {
+        let cfg = ServerConfig {
+            prompt_cache,
+            ..ServerConfig::new("smol")
+        };
+        let server = Server::bind("127.0.0.1:0", engine(cache.clone()), cfg)
+            .unwrap()
+            .spawn();
+        let url = format!("{}/v1/chat/completions", server.url());
+        let (_, first) = post(
+            &url,
+            &json!({"messages": [q1], "max_tokens": 24, "temperature": 0}),
+        );
+        assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+        let reply = first["choices"][0]["message"]["content"].as_str().unwrap();
+        let turn2 = vec![
+            Message::new("user", "What is the capital of France?"),
+            Message::new("assistant", reply),
+            Message::new("user", "And the capital of Italy?"),
+        ];
+        let body = json!({"messages": [q1, {"role": "assistant", "content": reply},
+                                       {"role": "user", "content": "And the capital of Italy?"}],
+                          "max_tokens": 24, "temperature": 0});
+        let (code, second) = post(&url, &body);
+        assert_eq!(code, 200, "{second}");
+        let want = local
+            .generate(&greedy(Prompt::Chat(turn2), 24), |_| {})
+            .unwrap();
+        assert_eq!(second["choices"][0]["message"]["content"], want.text);
+        let cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap();
+        assert_eq!(cached, second["keydiff"]["prefix_tokens"].as_u64().unwrap());
+        if prompt_cache {
+            assert!(cached >= first["usage"]["prompt_tokens"].as_u64().unwrap() - 16);
+        } else {
+            assert_eq!(cached, 0);
+        }
+        let h = get(&format!("{}/health", server.url()));
+        assert_eq!(h["cached_prompt_tokens"], cached, "{h}");
+    }
+}
+
 /// Sampled requests with a seed repeat; the penalties and the stop strings reach the engine.
 #[test]
 fn seeds_penalties_and_stops_are_honoured() {

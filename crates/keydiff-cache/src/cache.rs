@@ -238,6 +238,48 @@ impl KvCache {
         Ok(())
     }
 
+    /// Keeps the first `len` tokens and forgets the rest, so that a request whose prompt starts
+    /// with them can go on from here (a server's prompt cache). Only a cache that never evicted
+    /// holds the tokens `0..len` in its first `len` slots, and only a policy that keeps no
+    /// per-slot state can be cut: H2O's attention sums include what later tokens attended, which
+    /// cutting cannot take back. Both are checked.
+    pub fn truncate(&mut self, len: usize) -> Result<()> {
+        if let Some(why) = self.uncuttable() {
+            return Err(CacheError::Config(why));
+        }
+        if len > self.len() {
+            return Err(CacheError::Config(format!(
+                "cannot cut a cache of {} tokens back to {len}",
+                self.len()
+            )));
+        }
+        for l in &mut self.layers {
+            l.truncate(len);
+        }
+        self.position = len;
+        Ok(())
+    }
+
+    /// True when `truncate` can cut this cache back: it never evicted and its policy keeps no
+    /// per-slot state.
+    pub fn can_truncate(&self) -> bool {
+        self.uncuttable().is_none()
+    }
+
+    /// Why [`KvCache::truncate`] cannot cut this cache back, if it cannot.
+    fn uncuttable(&self) -> Option<String> {
+        if self.counters.evictions != 0 {
+            Some("a cache that has evicted cannot be cut back to a prefix".into())
+        } else if self.cfg.policy != PolicyKind::Full && self.policy.needs() == StatsNeed::AllRows {
+            Some(format!(
+                "policy `{}` accumulates attention from every later token: its cache cannot be cut back",
+                self.cfg.policy.name()
+            ))
+        } else {
+            None
+        }
+    }
+
     /// Eviction costs so far.
     pub fn counters(&self) -> CacheCounters {
         self.counters

@@ -244,6 +244,14 @@ impl LayerCache {
         Ok(())
     }
 
+    /// Keeps the first `len` slots, which must be positions `0..len` (a cache that never
+    /// evicted); the rest become free.
+    pub(crate) fn truncate(&mut self, len: usize) {
+        debug_assert!(len <= self.len);
+        self.len = len;
+        self.next_position = len;
+    }
+
     /// Forgets every slot; the buffers stay allocated.
     pub fn clear(&mut self) {
         self.len = 0;

@@ -279,3 +279,50 @@ fn a_full_cache_grows_without_losing_slots() {
     let b = KvCache::new(budgeted, 1, KV, D, 100, DType::F32, &Device::Cpu).unwrap();
     assert!(b.grown(64).is_err(), "a budgeted cache grew");
 }
+
+/// `KvCache::truncate`: a cache that never evicted is cut back to its first tokens (slots,
+/// positions and the position follow, and appending goes on from there); cutting beyond what
+/// it holds, an H2O cache (whose sums include later tokens) are refused.
+#[test]
+fn a_cache_that_never_evicted_is_cut_back_to_a_prefix() {
+    let mut c = KvCache::new(CacheConfig::full(4), 2, KV, D, 16, DType::F32, &Device::Cpu).unwrap();
+    for l in 0..2 {
+        let k = chunk_tensor(0, 7, l as u64);
+        let v = chunk_tensor(0, 7, 100 + l as u64);
+        c.layer_mut(l).append(&k, &v, 0).unwrap();
+    }
+    c.advance(7);
+    let before = c.layer(1).keys().unwrap();
+    assert!(c.can_truncate());
+    assert!(c.truncate(8).is_err(), "cut beyond the slots held");
+    c.truncate(4).unwrap();
+    assert_eq!((c.len(), c.position()), (4, 4));
+    let kept = c.layer(1).keys().unwrap();
+    assert_eq!(
+        kept.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+        before
+            .narrow(1, 0, 4)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+    );
+    for h in 0..KV {
+        assert_eq!(c.layer(0).positions(h).unwrap(), vec![0, 1, 2, 3]);
+    }
+    // Appending goes on at position 4, in slot 4.
+    let k = chunk_tensor(4, 2, 7);
+    c.layer_mut(0).append(&k, &k, 4).unwrap();
+    assert_eq!(c.layer(0).positions(0).unwrap(), vec![0, 1, 2, 3, 4, 5]);
+
+    let h2o = CacheConfig {
+        policy: PolicyKind::parse("h2o", 4, 0).unwrap(),
+        budget: Some(8),
+        ..CacheConfig::full(4)
+    };
+    let mut h = KvCache::new(h2o, 1, KV, D, 100, DType::F32, &Device::Cpu).unwrap();
+    assert!(!h.can_truncate());
+    let e = h.truncate(0).unwrap_err().to_string();
+    assert!(e.contains("accumulates attention"), "{e}");
+}

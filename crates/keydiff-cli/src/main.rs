@@ -921,6 +921,11 @@ struct ServeArgs {
     /// or the context).
     #[arg(short = 'n', long)]
     max_tokens: Option<usize>,
+    /// Do not keep the last request's KV cache (by default a request that starts with the
+    /// last one's tokens, such as the next turn of a conversation, prefills only the rest,
+    /// where that gives what a fresh prefill gives).
+    #[arg(long)]
+    no_prompt_cache: bool,
 }
 
 fn serve(a: &ServeArgs) -> Result<()> {
@@ -947,6 +952,7 @@ fn serve(a: &ServeArgs) -> Result<()> {
         model_id: id.clone(),
         max_queue: a.max_queue,
         max_tokens: a.max_tokens,
+        prompt_cache: !a.no_prompt_cache,
     };
     let addr = format!("{}:{}", a.host, a.port);
     let server = keydiff_server::Server::bind(&addr, engine, cfg)?;

@@ -300,6 +300,7 @@ pub fn usage(out: &Output) -> Value {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": out.stats.prefix_tokens},
     })
 }
 

@@ -35,7 +35,7 @@ use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use keydiff::{CancelToken, Engine, Event, GenerateParams, Output, StopReason};
+use keydiff::{CancelToken, Engine, Event, GenerateParams, Output, PromptCache, StopReason};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
@@ -58,6 +58,10 @@ pub struct ServerConfig {
     /// Tokens generated when a request sets no `max_tokens` (`None`: until end of generation
     /// or the context, as vLLM does).
     pub max_tokens: Option<usize>,
+    /// Keep the last request's KV cache, so that a request that starts with its tokens (a
+    /// growing conversation, another question on the same document) prefills only the rest
+    /// ([`Engine::generate_cached`]; llama.cpp's `cache_prompt`).
+    pub prompt_cache: bool,
 }
 
 impl ServerConfig {
@@ -67,6 +71,7 @@ impl ServerConfig {
             model_id: model_id.into(),
             max_queue: 16,
             max_tokens: None,
+            prompt_cache: true,
         }
     }
 }
@@ -87,6 +92,8 @@ struct Counters {
     /// Refused because the queue was full.
     rejected: AtomicU64,
     prompt_tokens: AtomicU64,
+    /// Prompt tokens taken from the prompt cache instead of being prefilled.
+    cached_tokens: AtomicU64,
     generated_tokens: AtomicU64,
 }
 
@@ -269,9 +276,10 @@ pub fn router(engine: Engine, cfg: ServerConfig) -> (Router, Worker) {
     });
     let stopping = CancelToken::new();
     let stop = stopping.clone();
+    let prompt_cache = state.cfg.prompt_cache.then(PromptCache::new);
     let thread = std::thread::Builder::new()
         .name("keydiff-worker".into())
-        .spawn(move || work(engine, rx, counters, stop))
+        .spawn(move || work(engine, rx, counters, stop, prompt_cache))
         .expect("cannot start the generation thread");
     let worker = Worker { thread, stopping };
     let app = Router::new()
@@ -290,6 +298,7 @@ fn work(
     rx: std_mpsc::Receiver<Job>,
     counters: Arc<Counters>,
     stopping: CancelToken,
+    mut prompt_cache: Option<PromptCache>,
 ) {
     let shutting_down = || ApiError::unavailable("the server is shutting down");
     while let Ok(job) = rx.recv() {
@@ -307,7 +316,7 @@ fn work(
         counters.running.store(1, Ordering::Relaxed);
         let mut started = false;
         let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
-            engine.generate(&job.params, |ev| {
+            let on_event = |ev: Event<'_>| {
                 if job.events.is_closed() || stopping.is_cancelled() {
                     job.cancel.cancel();
                     return;
@@ -321,8 +330,18 @@ fn work(
                     Event::Text(t) => Msg::Text(t.to_string()),
                 };
                 let _ = job.events.send(msg);
-            })
+            };
+            match prompt_cache.as_mut() {
+                Some(pc) => engine.generate_cached(&job.params, pc, on_event),
+                None => engine.generate(&job.params, on_event),
+            }
         }));
+        if result.is_err() {
+            // A panic may have left the held cache half-written.
+            if let Some(pc) = prompt_cache.as_mut() {
+                pc.clear();
+            }
+        }
         counters.running.store(0, Ordering::Relaxed);
         let result = match result {
             Ok(Ok(out))
@@ -362,12 +381,16 @@ fn work(
                     .prompt_tokens
                     .fetch_add(s.prompt_tokens as u64, Ordering::Relaxed);
                 counters
+                    .cached_tokens
+                    .fetch_add(s.prefix_tokens as u64, Ordering::Relaxed);
+                counters
                     .generated_tokens
                     .fetch_add(out.tokens.len() as u64, Ordering::Relaxed);
                 tracing::info!(
-                    "request: prompt {} tok, TTFT {:.3} s, prefill {:.1} tok/s, {} generated at \
+                    "request: prompt {} tok ({} cached), TTFT {:.3} s, prefill {:.1} tok/s, {} generated at \
                      {:.1} tok/s, peak KV {} B, {} evictions, stop {:?}",
                     s.prompt_tokens,
+                    s.prefix_tokens,
                     s.ttft_s,
                     s.prefill_tok_s,
                     s.generated_tokens,
@@ -711,6 +734,8 @@ async fn health(State(st): State<Arc<AppState>>) -> Json<Value> {
         "failed": n(&c.failed),
         "rejected": n(&c.rejected),
         "prompt_tokens": n(&c.prompt_tokens),
+        "cached_prompt_tokens": n(&c.cached_tokens),
+        "prompt_cache": st.cfg.prompt_cache,
         "generated_tokens": n(&c.generated_tokens),
     }))
 }

@@ -418,7 +418,7 @@ impl Engine {
     /// A cache for a request of at most `max_tokens` tokens under `cache`, after checking on
     /// the CPU that it and the request's activations fit in memory: a cache that cannot fit
     /// is refused with the numbers instead of taking the process down.
-    fn alloc_cache(&self, cache: CacheConfig, max_tokens: usize) -> Result<KvCache> {
+    pub(crate) fn alloc_cache(&self, cache: CacheConfig, max_tokens: usize) -> Result<KvCache> {
         self.alloc_cache_with(cache, max_tokens, 0)
     }
 

@@ -17,6 +17,7 @@ mod error;
 pub mod kernel_check;
 pub mod parity;
 mod perplexity;
+mod prompt_cache;
 mod sampling;
 mod source;
 mod stream;
@@ -35,6 +36,7 @@ pub use keydiff_model::{
     AttentionBackend, CpuWeights, MemoryBudget, Message, ModelConfig, ModelFormat,
 };
 pub use perplexity::Perplexity;
+pub use prompt_cache::PromptCache;
 pub use sampling::{Sampler, Sampling};
 pub use source::ModelSource;
 pub use stream::TextStream;

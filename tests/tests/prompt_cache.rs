@@ -1,0 +1,161 @@
+//! `Engine::generate_cached` / `PromptCache`: the next request that starts with the tokens of
+//! the last one prefills only the rest, and answers as a fresh request does.
+
+use keydiff::{
+    CacheConfig, Engine, EngineConfig, GenerateParams, Message, ModelSource, PolicyKind, Prompt,
+    PromptCache,
+};
+use keydiff_tests::{model, SMOLLM2};
+
+fn engine(cache: CacheConfig) -> Engine {
+    let cfg = EngineConfig {
+        cache,
+        ..Default::default()
+    };
+    Engine::load(&ModelSource::Gguf(model(SMOLLM2)), &cfg).unwrap()
+}
+
+fn budget(policy: &str, n: usize, b: usize) -> CacheConfig {
+    CacheConfig {
+        policy: PolicyKind::parse(policy, 8, 0).unwrap(),
+        budget: Some(n),
+        ..CacheConfig::full(b)
+    }
+}
+
+fn greedy(prompt: Prompt, n: usize) -> GenerateParams {
+    GenerateParams {
+        prompt,
+        max_tokens: n,
+        ..Default::default()
+    }
+}
+
+fn chat(turns: &[(&str, &str)]) -> Prompt {
+    Prompt::Chat(turns.iter().map(|(r, c)| Message::new(*r, *c)).collect())
+}
+
+/// Runs `p` through the prompt cache and fresh; both must give the same tokens. Returns the
+/// cached run's output.
+fn same_as_fresh(e: &Engine, pc: &mut PromptCache, p: &GenerateParams) -> keydiff::Output {
+    let cached = e.generate_cached(p, pc, |_| {}).unwrap();
+    let fresh = e.generate(p, |_| {}).unwrap();
+    assert_eq!(cached.tokens, fresh.tokens, "{:?}", cached.text);
+    assert_eq!(cached.prompt_tokens, fresh.prompt_tokens);
+    cached
+}
+
+/// A growing conversation under a full cache: the second request reuses the first one's
+/// prompt and reply (whole chunks of them), prefills the rest, and answers as a fresh
+/// request; the same request again reuses all but its last chunk; an unrelated one reuses
+/// nothing.
+#[test]
+fn a_growing_conversation_reuses_the_last_cache() {
+    let e = engine(CacheConfig::full(16));
+    let mut pc = PromptCache::new();
+    let q1 = "What is the capital of France?";
+    let first = same_as_fresh(&e, &mut pc, &greedy(chat(&[("user", q1)]), 24));
+    assert_eq!(first.stats.prefix_tokens, 0);
+    let held = pc.tokens().len();
+    assert!(held > first.prompt_tokens.len(), "the reply is held too");
+    assert_eq!(
+        pc.tokens()[..first.prompt_tokens.len()],
+        first.prompt_tokens[..]
+    );
+
+    let turn2 = greedy(
+        chat(&[
+            ("user", q1),
+            ("assistant", &first.text),
+            ("user", "And the capital of Italy?"),
+        ]),
+        24,
+    );
+    let second = same_as_fresh(&e, &mut pc, &turn2);
+    let reused = second.stats.prefix_tokens;
+    assert!(reused >= first.prompt_tokens.len() - 16, "{reused} reused");
+    assert_eq!(reused % 16, 0);
+    assert!(reused <= held);
+    assert_eq!(
+        second.prompt_tokens[..reused],
+        first
+            .prompt_tokens
+            .iter()
+            .chain(&first.tokens)
+            .copied()
+            .collect::<Vec<_>>()[..reused]
+    );
+
+    // The same request again: all but the last (partial) chunk, and at least one token, left.
+    let n = second.prompt_tokens.len();
+    let again = same_as_fresh(&e, &mut pc, &turn2);
+    assert_eq!(again.stats.prefix_tokens, (n - 1) / 16 * 16);
+
+    let other = same_as_fresh(
+        &e,
+        &mut pc,
+        &greedy(Prompt::Text("Once upon a time".into()), 8),
+    );
+    assert_eq!(other.stats.prefix_tokens, 0);
+}
+
+/// Under a budget, reuse stops where a fresh prefill would have evicted: at most N tokens,
+/// never from a cache that evicted, never under H2O.
+#[test]
+fn under_a_budget_only_what_never_evicted_is_reused() {
+    let e = engine(budget("keydiff", 64, 16));
+    let mut pc = PromptCache::new();
+    let q1 = "What is the capital of France?";
+    let first = same_as_fresh(&e, &mut pc, &greedy(chat(&[("user", q1)]), 8));
+    assert_eq!(first.stats.eviction.evictions, 0);
+    let long = "The quick brown fox jumps over the lazy dog. ".repeat(12);
+    let turn2 = greedy(
+        chat(&[
+            ("user", q1),
+            ("assistant", &first.text),
+            ("user", &format!("{long} What does the text repeat?")),
+        ]),
+        8,
+    );
+    let second = same_as_fresh(&e, &mut pc, &turn2);
+    assert!(second.stats.prefix_tokens > 0);
+    assert!(second.stats.prefix_tokens <= 64);
+    assert!(second.stats.eviction.evictions > 0);
+    // That cache evicted: nothing is held, the next request prefills afresh.
+    assert!(pc.tokens().is_empty() && pc.bytes() == 0);
+    let third = same_as_fresh(&e, &mut pc, &turn2);
+    assert_eq!(third.stats.prefix_tokens, 0);
+
+    let e = engine(budget("h2o", 64, 16));
+    let mut pc = PromptCache::new();
+    let p = greedy(chat(&[("user", q1)]), 8);
+    same_as_fresh(&e, &mut pc, &p);
+    assert!(pc.tokens().is_empty(), "H2O's cache cannot be cut back");
+    assert_eq!(same_as_fresh(&e, &mut pc, &p).stats.prefix_tokens, 0);
+}
+
+/// A cache can hold more than N tokens without having evicted (decode evicts only at N + K);
+/// a fresh prefill of those tokens would have evicted, so at most N of them are reused.
+#[test]
+fn no_more_than_the_budget_is_reused() {
+    let e = engine(budget("keydiff", 56, 16));
+    let mut pc = PromptCache::new();
+    let text = "In the beginning the universe was created. This has made a lot of people very \
+                angry and been widely regarded as a bad move. ";
+    let ids = e.tokenize(&text.repeat(4), false).unwrap();
+    let p1 = GenerateParams {
+        ignore_eos: true,
+        ..greedy(Prompt::Tokens(ids[..50].to_vec()), 15)
+    };
+    let first = same_as_fresh(&e, &mut pc, &p1);
+    assert_eq!(first.stats.eviction.evictions, 0);
+    assert_eq!(pc.tokens().len(), 64, "50 prompt + 14 fed of 15 generated");
+    let mut next: Vec<u32> = pc.tokens().to_vec();
+    next.extend_from_slice(&ids[50..90]);
+    let second = same_as_fresh(&e, &mut pc, &greedy(Prompt::Tokens(next), 8));
+    assert_eq!(
+        second.stats.prefix_tokens, 48,
+        "N = 56 rounded down to chunks of 16"
+    );
+    assert!(second.stats.eviction.evictions > 0);
+}
