@@ -12,6 +12,12 @@ Streams chat completions and records, per request:
 --concurrency C sends C requests at once (they queue: the server runs one at a time), so the
 TTFT of the k-th includes the k-1 before it.
 
+--follow-up: each request is a two-turn conversation on its own document (the document
+starts with the request's number, so nothing is shared between requests): the first turn asks
+a question, the second sends the whole conversation again with a new question, as an OpenAI
+chat client does. Reported per turn, with the prompt tokens the server reused from its prompt
+cache (usage.prompt_tokens_details.cached_tokens).
+
 Usage: scripts/bench-serve.py --url http://127.0.0.1:8080 [--prompt-words 1500]
                               [--max-tokens 64] [--requests 5] [--concurrency 1] [--json OUT]
 Standard library only.
@@ -38,6 +44,11 @@ def prompt(words: int, i: int) -> str:
     return f"{text}\n\nRequest {i}: summarise the text above in one sentence."
 
 
+def document(words: int, i: int) -> str:
+    base = FILLER.split()
+    return f"Document {i}. " + " ".join(base[k % len(base)] for k in range(words))
+
+
 def one(url: str, body: dict) -> dict:
     u = urllib.parse.urlparse(url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=3600)
@@ -50,6 +61,7 @@ def one(url: str, body: dict) -> dict:
         raise SystemExit(f"HTTP {resp.status}: {resp.read().decode()}")
     first = last = None
     pieces = 0
+    text = []
     stats = usage = None
     for raw in resp:
         line = raw.decode().strip()
@@ -67,6 +79,7 @@ def one(url: str, body: dict) -> dict:
             stats = ev["keydiff"]
         for ch in ev.get("choices", []):
             if ch.get("delta", {}).get("content"):
+                text.append(ch["delta"]["content"])
                 now = time.perf_counter()
                 first = first if first is not None else now
                 last = now
@@ -83,6 +96,8 @@ def one(url: str, body: dict) -> dict:
         "prompt_tokens": usage["prompt_tokens"],
         "completion_tokens": n,
         "pieces": pieces,
+        "cached_tokens": usage.get("prompt_tokens_details", {}).get("cached_tokens", 0),
+        "text": "".join(text),
     }
 
 
@@ -93,8 +108,11 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--requests", type=int, default=5)
     ap.add_argument("--concurrency", type=int, default=1)
+    ap.add_argument("--follow-up", action="store_true")
     ap.add_argument("--json")
     a = ap.parse_args()
+    if a.follow_up:
+        return follow_up(a)
 
     def body(i: int) -> dict:
         return {
@@ -143,6 +161,35 @@ def main() -> None:
     print(f"| {fmt(col('client_ttft_s'), 1e3)} | {fmt(col('engine_ttft_s'), 1e3)} | "
           f"{fmt(col('overhead_s'), 1e3, 2)} | {fmt(col('client_decode_tok_s'))} | "
           f"{fmt(col('engine_decode_tok_s'))} |")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"args": vars(a), "rows": rows}, f, indent=1)
+
+
+def follow_up(a) -> None:
+    def body(messages):
+        return {"messages": messages, "max_tokens": a.max_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+
+    def conversation(i):
+        doc = document(a.prompt_words, i)
+        m = [{"role": "user", "content": f"{doc}\n\nWhat is this document about?"}]
+        r1 = one(a.url, body(m))
+        m += [{"role": "assistant", "content": r1["text"]},
+              {"role": "user", "content": "Name one item on the committee's agenda."}]
+        r2 = one(a.url, body(m))
+        return r1, r2
+
+    conversation(-1)  # warm-up
+    rows = [conversation(i) for i in range(a.requests)]
+    print(f"{a.requests} two-turn conversations, document {a.prompt_words} words, "
+          f"{a.max_tokens} generated per turn; each row: turn 1 | turn 2")
+    print("| turn | prompt tokens | cached tokens | client TTFT ms | engine TTFT ms |")
+    print("|---|---|---|---|---|")
+    for r1, r2 in rows:
+        for t, r in (("1", r1), ("2", r2)):
+            print(f"| {t} | {r['prompt_tokens']} | {r['cached_tokens']} | "
+                  f"{r['client_ttft_s'] * 1e3:.1f} | {r['engine_ttft_s'] * 1e3:.1f} |")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"args": vars(a), "rows": rows}, f, indent=1)
