@@ -608,3 +608,71 @@ fn the_cli_serves_and_stops_on_sigterm() {
     let status = child.wait().unwrap();
     assert!(status.success(), "{status:?}");
 }
+
+/// `/tokenize` and `/detokenize` give the engine's tokens and text (the prompt tokens a
+/// completion would count); `/metrics` reports the counters in Prometheus' text format.
+#[test]
+fn tokenize_detokenize_and_metrics() {
+    let server = start(CacheConfig::full(128), 4);
+    let base = server.url();
+    let local = engine(CacheConfig::full(128));
+    let text = "The capital of France is";
+    let (code, t) = post(&format!("{base}/tokenize"), &json!({"prompt": text}));
+    assert_eq!(code, 200, "{t}");
+    let want = local.prompt_tokens(&Prompt::Text(text.into())).unwrap();
+    assert_eq!(t["tokens"], json!(want));
+    assert_eq!(t["count"], want.len());
+    assert_eq!(t["max_model_len"], 8192);
+    let msgs = vec![Message::new("user", "Hi")];
+    let (_, t) = post(
+        &format!("{base}/tokenize"),
+        &json!({"messages": [{"role": "user", "content": "Hi"}]}),
+    );
+    assert_eq!(
+        t["tokens"],
+        json!(local.prompt_tokens(&Prompt::Chat(msgs)).unwrap())
+    );
+    let (code, e) = post(&format!("{base}/tokenize"), &json!({}));
+    assert_eq!(code, 400, "{e}");
+    assert!(e["error"]["message"].as_str().unwrap().contains("either"));
+
+    let (_, d) = post(&format!("{base}/detokenize"), &json!({"tokens": want}));
+    assert_eq!(d["prompt"], local.detokenize(&want).unwrap());
+    let (code, e) = post(
+        &format!("{base}/detokenize"),
+        &json!({"tokens": [1, 99999999]}),
+    );
+    assert_eq!(code, 400, "{e}");
+    assert!(e["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("outside the vocabulary"));
+
+    let (_, done) = post(
+        &format!("{base}/v1/completions"),
+        &json!({"prompt": text, "max_tokens": 5, "temperature": 0, "ignore_eos": true}),
+    );
+    assert_eq!(done["usage"]["completion_tokens"], 5);
+    let m = ureq::get(&format!("{base}/metrics")).call().unwrap();
+    assert!(m.header("content-type").unwrap().starts_with("text/plain"));
+    let m = m.into_string().unwrap();
+    for line in [
+        "keydiff_requests_total{outcome=\"completed\"} 1",
+        "keydiff_requests_total{outcome=\"failed\"} 0",
+        "keydiff_generated_tokens_total 5",
+        &format!("keydiff_prompt_tokens_total {}", want.len()),
+        "keydiff_time_to_first_token_seconds_count 1",
+        "keydiff_requests_running 0",
+        "# TYPE keydiff_prefill_seconds summary",
+    ] {
+        assert!(m.lines().any(|l| l == line), "{line:?} not in\n{m}");
+    }
+    let ttft: f64 = m
+        .lines()
+        .find_map(|l| l.strip_prefix("keydiff_time_to_first_token_seconds_sum "))
+        .unwrap()
+        .parse()
+        .unwrap();
+    let reported = done["keydiff"]["ttft_s"].as_f64().unwrap();
+    assert!((ttft - reported).abs() < 1e-5, "{ttft} vs {reported}");
+}

@@ -248,39 +248,72 @@ impl ChatRequest {
                 );
             }
         }
-        if self.messages.is_empty() {
-            return bad("messages must not be empty".into(), "messages");
-        }
-        let mut messages = Vec::with_capacity(self.messages.len());
-        for m in self.messages {
-            let content = match m.content {
-                None => String::new(),
-                Some(Content::Text(t)) => t,
-                Some(Content::Parts(parts)) => {
-                    let mut text = String::new();
-                    for p in parts {
-                        match (p.kind.as_str(), p.text) {
-                            ("text", Some(t)) => text.push_str(&t),
-                            (kind, _) => {
-                                return bad(
-                                    format!("content part `{kind}` is not supported (text only)"),
-                                    "messages",
-                                )
-                            }
-                        }
-                    }
-                    text
-                }
-            };
-            // OpenAI's `developer` role is the system prompt of chat templates.
-            let role = match m.role.as_str() {
-                "developer" => "system".to_string(),
-                _ => m.role,
-            };
-            messages.push(Message { role, content });
-        }
+        let messages = messages(self.messages)?;
         self.common.map(Prompt::Chat(messages), defaults)
     }
+}
+
+/// Chat messages in the engine's form: text content only, `developer` as `system`.
+pub fn messages(list: Vec<ChatMessage>) -> Result<Vec<Message>, ApiError> {
+    let bad = |m: String| Err(ApiError::invalid(m, Some("messages")));
+    if list.is_empty() {
+        return bad("messages must not be empty".into());
+    }
+    let mut messages = Vec::with_capacity(list.len());
+    for m in list {
+        let content = match m.content {
+            None => String::new(),
+            Some(Content::Text(t)) => t,
+            Some(Content::Parts(parts)) => {
+                let mut text = String::new();
+                for p in parts {
+                    match (p.kind.as_str(), p.text) {
+                        ("text", Some(t)) => text.push_str(&t),
+                        (kind, _) => {
+                            return bad(format!(
+                                "content part `{kind}` is not supported (text only)"
+                            ))
+                        }
+                    }
+                }
+                text
+            }
+        };
+        // OpenAI's `developer` role is the system prompt of chat templates.
+        let role = match m.role.as_str() {
+            "developer" => "system".to_string(),
+            _ => m.role,
+        };
+        messages.push(Message { role, content });
+    }
+    Ok(messages)
+}
+
+/// `POST /tokenize` (vLLM's): a prompt or chat messages, tokenized as the completion
+/// endpoints would (BOS, chat template).
+#[derive(Debug, Deserialize)]
+pub struct TokenizeRequest {
+    pub prompt: Option<String>,
+    pub messages: Option<Vec<ChatMessage>>,
+}
+
+impl TokenizeRequest {
+    pub fn prompt(self) -> Result<Prompt, ApiError> {
+        match (self.prompt, self.messages) {
+            (Some(p), None) => Ok(Prompt::Text(p)),
+            (None, Some(m)) => Ok(Prompt::Chat(messages(m)?)),
+            _ => Err(ApiError::invalid(
+                "give either `prompt` or `messages`",
+                Some("prompt"),
+            )),
+        }
+    }
+}
+
+/// `POST /detokenize` (vLLM's).
+#[derive(Debug, Deserialize)]
+pub struct DetokenizeRequest {
+    pub tokens: Vec<u32>,
 }
 
 /// OpenAI's `finish_reason`.

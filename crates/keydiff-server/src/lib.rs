@@ -1,7 +1,8 @@
 //! An OpenAI-compatible HTTP server over one [`Engine`].
 //!
 //! Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (both with `"stream": true`
-//! as server-sent events), `GET /v1/models`, `GET /health`.
+//! as server-sent events), `GET /v1/models`, `POST /tokenize`, `POST /detokenize`,
+//! `GET /health` (JSON) and `GET /metrics` (Prometheus text).
 //!
 //! One engine runs one request at a time, as the engine is built to (a long prompt under a
 //! fixed KV budget). Requests wait in a bounded queue and run in arrival order; when the queue
@@ -95,6 +96,10 @@ struct Counters {
     /// Prompt tokens taken from the prompt cache instead of being prefilled.
     cached_tokens: AtomicU64,
     generated_tokens: AtomicU64,
+    /// Sums over completed requests, in microseconds: time to first token, prefill, decode.
+    ttft_us: AtomicU64,
+    prefill_us: AtomicU64,
+    decode_us: AtomicU64,
 }
 
 /// What the worker tells a request's handler.
@@ -112,6 +117,8 @@ struct Job {
 }
 
 struct AppState {
+    /// Shared with the worker, for tokenization while it generates.
+    engine: Arc<Engine>,
     cfg: ServerConfig,
     context: usize,
     policy: String,
@@ -266,7 +273,9 @@ pub fn router(engine: Engine, cfg: ServerConfig) -> (Router, Worker) {
     let (jobs, rx) = std_mpsc::sync_channel(cfg.max_queue.max(1));
     let counters = Arc::new(Counters::default());
     let cache = engine.config().cache.clone();
+    let engine = Arc::new(engine);
     let state = Arc::new(AppState {
+        engine: engine.clone(),
         context: engine.model_config().max_position_embeddings,
         policy: cache.policy.name(),
         budget: cache.budget,
@@ -286,7 +295,10 @@ pub fn router(engine: Engine, cfg: ServerConfig) -> (Router, Worker) {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
         .route("/health", get(health))
+        .route("/metrics", get(metrics))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state);
     (app, worker)
@@ -294,7 +306,7 @@ pub fn router(engine: Engine, cfg: ServerConfig) -> (Router, Worker) {
 
 /// The worker: runs queued requests in order until every sender is gone.
 fn work(
-    engine: Engine,
+    engine: Arc<Engine>,
     rx: std_mpsc::Receiver<Job>,
     counters: Arc<Counters>,
     stopping: CancelToken,
@@ -386,6 +398,14 @@ fn work(
                 counters
                     .generated_tokens
                     .fetch_add(out.tokens.len() as u64, Ordering::Relaxed);
+                let us = |x: f64| (x * 1e6).round() as u64;
+                counters.ttft_us.fetch_add(us(s.ttft_s), Ordering::Relaxed);
+                counters
+                    .prefill_us
+                    .fetch_add(us(s.prefill_s), Ordering::Relaxed);
+                counters
+                    .decode_us
+                    .fetch_add(us(s.decode_s), Ordering::Relaxed);
                 tracing::info!(
                     "request: prompt {} tok ({} cached), TTFT {:.3} s, prefill {:.1} tok/s, {} generated at \
                      {:.1} tok/s, peak KV {} B, {} evictions, stop {:?}",
@@ -715,6 +735,143 @@ async fn models(State(st): State<Arc<AppState>>) -> Json<Value> {
             "max_model_len": st.context,
         }],
     }))
+}
+
+/// Runs `f` on the engine off the async threads (tokenizing a long prompt takes a while).
+async fn with_engine<T: Send + 'static>(
+    st: &AppState,
+    f: impl FnOnce(&Engine) -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    let engine = st.engine.clone();
+    tokio::task::spawn_blocking(move || f(&engine))
+        .await
+        .map_err(|e| ApiError::internal(format!("tokenizer task failed: {e}")))?
+}
+
+async fn tokenize(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+    let run = async {
+        let prompt = api::parse::<api::TokenizeRequest>(&body)?.prompt()?;
+        let tokens = with_engine(&st, move |e| Ok(e.prompt_tokens(&prompt)?)).await?;
+        Ok::<_, ApiError>(json!({
+            "count": tokens.len(),
+            "max_model_len": st.context,
+            "tokens": tokens,
+        }))
+    };
+    match run.await {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn detokenize(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+    let run = async {
+        let req: api::DetokenizeRequest = api::parse(&body)?;
+        let text = with_engine(&st, move |e| {
+            e.check_vocab(&req.tokens)?;
+            Ok(e.detokenize(&req.tokens)?)
+        })
+        .await?;
+        Ok::<_, ApiError>(json!({ "prompt": text }))
+    };
+    match run.await {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// Prometheus text exposition of the counters.
+async fn metrics(State(st): State<Arc<AppState>>) -> Response {
+    use std::fmt::Write;
+    let c = &st.counters;
+    let n = |a: &AtomicU64| a.load(Ordering::Relaxed);
+    let secs = |a: &AtomicU64| n(a) as f64 / 1e6;
+    let mut out = String::new();
+    let mut metric = |name: &str, kind: &str, help: &str, samples: &[(&str, String)]| {
+        let _ = writeln!(
+            out,
+            "# HELP keydiff_{name} {help}\n# TYPE keydiff_{name} {kind}"
+        );
+        for (labels, v) in samples {
+            let _ = writeln!(out, "keydiff_{name}{labels} {v}");
+        }
+    };
+    metric(
+        "requests_total",
+        "counter",
+        "Requests by outcome.",
+        &[
+            ("{outcome=\"completed\"}", n(&c.completed).to_string()),
+            ("{outcome=\"cancelled\"}", n(&c.cancelled).to_string()),
+            ("{outcome=\"failed\"}", n(&c.failed).to_string()),
+            ("{outcome=\"rejected\"}", n(&c.rejected).to_string()),
+        ],
+    );
+    let gauge = |a: &AtomicUsize| a.load(Ordering::Relaxed).to_string();
+    metric(
+        "requests_queued",
+        "gauge",
+        "Requests waiting.",
+        &[("", gauge(&c.queued))],
+    );
+    metric(
+        "requests_running",
+        "gauge",
+        "Requests running (0 or 1).",
+        &[("", gauge(&c.running))],
+    );
+    for (name, help, v) in [
+        (
+            "prompt_tokens_total",
+            "Prompt tokens of completed requests.",
+            &c.prompt_tokens,
+        ),
+        (
+            "cached_prompt_tokens_total",
+            "Prompt tokens reused from the prompt cache.",
+            &c.cached_tokens,
+        ),
+        (
+            "generated_tokens_total",
+            "Tokens generated by completed requests.",
+            &c.generated_tokens,
+        ),
+    ] {
+        metric(name, "counter", help, &[("", n(v).to_string())]);
+    }
+    let done = n(&c.completed).to_string();
+    for (name, help, v) in [
+        (
+            "time_to_first_token_seconds",
+            "Time to first token of completed requests.",
+            &c.ttft_us,
+        ),
+        (
+            "prefill_seconds",
+            "Prefill time of completed requests.",
+            &c.prefill_us,
+        ),
+        (
+            "decode_seconds",
+            "Decode time of completed requests.",
+            &c.decode_us,
+        ),
+    ] {
+        metric(
+            name,
+            "summary",
+            help,
+            &[("_sum", secs(v).to_string()), ("_count", done.clone())],
+        );
+    }
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "text/plain; version=0.0.4",
+        )],
+        out,
+    )
+        .into_response()
 }
 
 async fn health(State(st): State<Arc<AppState>>) -> Json<Value> {

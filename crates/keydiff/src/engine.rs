@@ -569,7 +569,7 @@ impl Engine {
     }
 
     /// Refuses token ids outside the model's vocabulary.
-    pub(crate) fn check_vocab(&self, ids: &[u32]) -> Result<()> {
+    pub fn check_vocab(&self, ids: &[u32]) -> Result<()> {
         let vocab = self.model_config().vocab_size;
         if let Some(&bad) = ids.iter().find(|&&t| t as usize >= vocab) {
             return Err(EngineError::BadParams(format!(
