@@ -403,3 +403,28 @@ fn chat_without_a_template() {
     assert!(!err.contains("panicked"), "{err}");
     expect(&err, "this model has no chat template");
 }
+
+/// `serve` refuses settings with no meaning before it loads anything, and an address it
+/// cannot listen on by name.
+#[test]
+fn serve_settings() {
+    expect(
+        &fails(&["serve", "--api-key", ""]),
+        "--api-key (or KEYDIFF_API_KEY) is empty",
+    );
+    expect(
+        &fails(&["serve", "--max-queue", "0"]),
+        "--max-queue must be at least 1",
+    );
+    expect(
+        &fails(&["serve", "-n", "0"]),
+        "--max-tokens must be at least 1",
+    );
+    let err = fails(&["serve", "--host", "203.0.113.7", "--port", "1"]);
+    expect(&err, "cannot listen on 203.0.113.7:1");
+    // A port in use fails before the model loads (none is given here).
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port().to_string();
+    let err = fails(&["serve", "-m", "no/such/model.gguf", "--port", &port]);
+    expect(&err, &format!("cannot listen on 127.0.0.1:{port}"));
+}

@@ -676,3 +676,49 @@ fn tokenize_detokenize_and_metrics() {
     let reported = done["keydiff"]["ttft_s"].as_f64().unwrap();
     assert!((ttft - reported).abs() < 1e-5, "{ttft} vs {reported}");
 }
+
+/// With an API key, every endpoint but `/health` needs `Authorization: Bearer <key>`.
+#[test]
+fn an_api_key_is_required_when_set() {
+    let cfg = ServerConfig {
+        api_key: Some("s3cret".into()),
+        ..ServerConfig::new("smol")
+    };
+    let server = Server::bind("127.0.0.1:0", engine(CacheConfig::full(128)), cfg)
+        .unwrap()
+        .spawn();
+    let base = server.url();
+    let status = |path: &str, auth: Option<&str>| {
+        let mut r = ureq::get(&format!("{base}{path}"));
+        if let Some(a) = auth {
+            r = r.set("Authorization", a);
+        }
+        match r.call() {
+            Ok(r) => r.status(),
+            Err(ureq::Error::Status(c, r)) => {
+                if c == 401 {
+                    let v: Value = r.into_json().unwrap();
+                    assert!(v["error"]["message"].as_str().unwrap().contains("API key"));
+                }
+                c
+            }
+            Err(e) => panic!("{e}"),
+        }
+    };
+    assert_eq!(status("/v1/models", None), 401);
+    assert_eq!(status("/v1/models", Some("Bearer s3cre")), 401);
+    assert_eq!(status("/v1/models", Some("Bearer s3cret!")), 401);
+    assert_eq!(status("/v1/models", Some("s3cret")), 401);
+    assert_eq!(status("/metrics", None), 401);
+    assert_eq!(status("/v1/models", Some("Bearer s3cret")), 200);
+    assert_eq!(status("/health", None), 200);
+    match ureq::post(&format!("{base}/v1/completions")).send_json(json!({"prompt": "hi"})) {
+        Err(ureq::Error::Status(401, _)) => {}
+        other => panic!("{other:?}"),
+    }
+    let ok = ureq::post(&format!("{base}/v1/completions"))
+        .set("Authorization", "Bearer s3cret")
+        .send_json(json!({"prompt": "hi", "max_tokens": 2}))
+        .unwrap();
+    assert_eq!(ok.status(), 200);
+}

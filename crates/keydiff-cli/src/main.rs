@@ -926,6 +926,9 @@ struct ServeArgs {
     /// where that gives what a fresh prefill gives).
     #[arg(long)]
     no_prompt_cache: bool,
+    /// Require `Authorization: Bearer KEY` on every endpoint but /health (401 otherwise).
+    #[arg(long, env = "KEYDIFF_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
 }
 
 fn serve(a: &ServeArgs) -> Result<()> {
@@ -935,6 +938,12 @@ fn serve(a: &ServeArgs) -> Result<()> {
     if a.max_tokens == Some(0) {
         bail!("--max-tokens must be at least 1");
     }
+    if a.api_key.as_deref() == Some("") {
+        // Most likely an unset variable: refuse rather than serve without the key asked for.
+        bail!("--api-key (or KEYDIFF_API_KEY) is empty");
+    }
+    // Before the model loads (which can take minutes): a taken port fails at once.
+    let listener = keydiff_server::listen(&format!("{}:{}", a.host, a.port))?;
     let engine = a.model.load()?;
     let id = a.served_model_name.clone().unwrap_or_else(|| {
         let m = &a.model.load.model;
@@ -953,15 +962,20 @@ fn serve(a: &ServeArgs) -> Result<()> {
         max_queue: a.max_queue,
         max_tokens: a.max_tokens,
         prompt_cache: !a.no_prompt_cache,
+        api_key: a.api_key.clone(),
     };
-    let addr = format!("{}:{}", a.host, a.port);
-    let server = keydiff_server::Server::bind(&addr, engine, cfg)?;
+    let server = keydiff_server::Server::from_listener(listener, engine, cfg)?;
     eprintln!(
         "keydiff: serving `{id}` on http://{} (policy {}, budget {}): POST /v1/completions, \
-         /v1/chat/completions; GET /v1/models, /health. Ctrl-C stops.",
+         /v1/chat/completions; GET /v1/models, /health.{} Ctrl-C stops.",
         server.local_addr(),
         cache.policy.name(),
-        cache.budget.map_or("none".to_string(), |n| n.to_string())
+        cache.budget.map_or("none".to_string(), |n| n.to_string()),
+        if a.api_key.is_some() {
+            " API key required."
+        } else {
+            ""
+        }
     );
     server.run(async {
         let ctrl_c = tokio::signal::ctrl_c();

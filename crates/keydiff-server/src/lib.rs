@@ -63,6 +63,9 @@ pub struct ServerConfig {
     /// growing conversation, another question on the same document) prefills only the rest
     /// ([`Engine::generate_cached`]; llama.cpp's `cache_prompt`).
     pub prompt_cache: bool,
+    /// When set, every endpoint but `/health` needs `Authorization: Bearer <key>` (401
+    /// otherwise), as vLLM's and llama.cpp's `--api-key`.
+    pub api_key: Option<String>,
 }
 
 impl ServerConfig {
@@ -73,6 +76,7 @@ impl ServerConfig {
             max_queue: 16,
             max_tokens: None,
             prompt_cache: true,
+            api_key: None,
         }
     }
 }
@@ -158,10 +162,16 @@ impl Server {
     /// Listens on `addr` (`host:port`; port 0 picks a free one, see [`Server::local_addr`])
     /// and starts the generation worker that owns `engine`.
     pub fn bind(addr: &str, engine: Engine, cfg: ServerConfig) -> Result<Self, ServerError> {
-        let listener = std::net::TcpListener::bind(addr).map_err(|source| ServerError::Bind {
-            addr: addr.to_string(),
-            source,
-        })?;
+        Self::from_listener(listen(addr)?, engine, cfg)
+    }
+
+    /// Serves on a listener bound beforehand (with [`listen`], say, before a model that takes
+    /// a while to load, so that a taken port fails at once).
+    pub fn from_listener(
+        listener: std::net::TcpListener,
+        engine: Engine,
+        cfg: ServerConfig,
+    ) -> Result<Self, ServerError> {
         listener.set_nonblocking(true)?;
         let (app, worker) = router(engine, cfg);
         Ok(Self {
@@ -224,6 +234,14 @@ impl Server {
             thread: Some(thread),
         }
     }
+}
+
+/// Binds `addr` (`host:port`), naming it in the error.
+pub fn listen(addr: &str) -> Result<std::net::TcpListener, ServerError> {
+    std::net::TcpListener::bind(addr).map_err(|source| ServerError::Bind {
+        addr: addr.to_string(),
+        source,
+    })
 }
 
 /// A server running on its own thread ([`Server::spawn`]).
@@ -291,17 +309,56 @@ pub fn router(engine: Engine, cfg: ServerConfig) -> (Router, Worker) {
         .spawn(move || work(engine, rx, counters, stop, prompt_cache))
         .expect("cannot start the generation thread");
     let worker = Worker { thread, stopping };
-    let app = Router::new()
+    let guarded = Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
-        .route("/health", get(health))
         .route("/metrics", get(metrics))
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            authorize,
+        ));
+    let app = Router::new()
+        .merge(guarded)
+        .route("/health", get(health))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state);
     (app, worker)
+}
+
+/// Refuses a request without the server's API key (when it has one).
+async fn authorize(
+    State(st): State<Arc<AppState>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if let Some(key) = &st.cfg.api_key {
+        let given = req
+            .headers()
+            .get(axum::http::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .unwrap_or("");
+        // Compared in time independent of where they differ.
+        let same = given.len() == key.len()
+            && given
+                .bytes()
+                .zip(key.bytes())
+                .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+                == 0;
+        if !same {
+            return ApiError {
+                status: axum::http::StatusCode::UNAUTHORIZED,
+                kind: "invalid_request_error",
+                message: "missing or incorrect API key (Authorization: Bearer <key>)".into(),
+                param: None,
+            }
+            .into_response();
+        }
+    }
+    next.run(req).await
 }
 
 /// The worker: runs queued requests in order until every sender is gone.
