@@ -159,3 +159,54 @@ fn no_more_than_the_budget_is_reused() {
     );
     assert!(second.stats.eviction.evictions > 0);
 }
+
+/// `Reuse::Continue` under a budget: a conversation sent whole each turn (as an OpenAI client
+/// does) goes on from the evicted cache, prefilling only each turn's new tokens, and answers
+/// exactly as `Engine::chat_turn` does for the same conversation. A prompt that does not
+/// extend the held tokens starts afresh.
+#[test]
+fn continuing_a_conversation_matches_chat_turns() {
+    let e = engine(budget("keydiff", 48, 16));
+    let mut pc = PromptCache::with_reuse(keydiff::Reuse::Continue);
+    let mut conv = keydiff::Conversation::new(None);
+    let params = GenerateParams {
+        max_tokens: 24,
+        ..Default::default()
+    };
+    let turns = [
+        "What is the capital of France? Tell me about the city in detail.",
+        "And the capital of Italy?",
+        "Which of the two is older?",
+    ];
+    let mut held = 0;
+    let mut evictions = 0;
+    for (i, user) in turns.iter().enumerate() {
+        let mut messages = conv.messages().to_vec();
+        messages.push(Message::new("user", *user));
+        let turn = e.chat_turn(&mut conv, user, &params, |_| {}).unwrap();
+        let p = GenerateParams {
+            prompt: Prompt::Chat(messages),
+            ..params.clone()
+        };
+        let out = e.generate_cached(&p, &mut pc, |_| {}).unwrap();
+        assert_eq!(out.tokens, turn.tokens, "turn {i}: {:?}", out.text);
+        assert_eq!(out.stats.prefix_tokens, held, "turn {i}");
+        assert_eq!(turn.stats.prefix_tokens, held, "turn {i}");
+        assert!(out.stats.final_cache_len <= 48 + 16, "turn {i}");
+        held = pc.tokens().len();
+        evictions = out.stats.eviction.evictions;
+    }
+    assert!(evictions > 0, "the conversation must outgrow the budget");
+    // Another conversation: nothing is continued.
+    let other = GenerateParams {
+        prompt: chat(&[("user", "Hello!")]),
+        ..params.clone()
+    };
+    assert_eq!(
+        e.generate_cached(&other, &mut pc, |_| {})
+            .unwrap()
+            .stats
+            .prefix_tokens,
+        0
+    );
+}

@@ -212,7 +212,7 @@ fn a_follow_up_reuses_the_prompt_cache() {
     let cache = CacheConfig::full(16);
     let local = engine(cache.clone());
     let q1 = json!({"role": "user", "content": "What is the capital of France?"});
-    for prompt_cache in [true, false] {
+    for prompt_cache in [Some(keydiff::Reuse::Exact), None] {
         let cfg = ServerConfig {
             prompt_cache,
             ..ServerConfig::new("smol")
@@ -245,7 +245,7 @@ fn a_follow_up_reuses_the_prompt_cache() {
             .as_u64()
             .unwrap();
         assert_eq!(cached, second["keydiff"]["prefix_tokens"].as_u64().unwrap());
-        if prompt_cache {
+        if prompt_cache.is_some() {
             assert!(cached >= first["usage"]["prompt_tokens"].as_u64().unwrap() - 16);
         } else {
             assert_eq!(cached, 0);
@@ -721,4 +721,47 @@ fn an_api_key_is_required_when_set() {
         .send_json(json!({"prompt": "hi", "max_tokens": 2}))
         .unwrap();
     assert_eq!(ok.status(), 200);
+}
+
+/// `--prompt-cache continue` under a budget: the next turn goes on from the evicted cache
+/// and answers as `Engine::chat_turn` does.
+#[test]
+fn continue_mode_goes_on_from_an_evicted_cache() {
+    let cache = keydiff_cache(48, 16);
+    let cfg = ServerConfig {
+        prompt_cache: Some(keydiff::Reuse::Continue),
+        ..ServerConfig::new("smol")
+    };
+    let server = Server::bind("127.0.0.1:0", engine(cache.clone()), cfg)
+        .unwrap()
+        .spawn();
+    let url = format!("{}/v1/chat/completions", server.url());
+    let local = engine(cache);
+    let mut conv = keydiff::Conversation::new(None);
+    let params = GenerateParams {
+        max_tokens: 24,
+        ..Default::default()
+    };
+    let mut messages: Vec<Value> = Vec::new();
+    let mut held = 0;
+    for user in [
+        "What is the capital of France? Tell me about the city in detail.",
+        "And the capital of Italy?",
+    ] {
+        let want = local.chat_turn(&mut conv, user, &params, |_| {}).unwrap();
+        messages.push(json!({"role": "user", "content": user}));
+        let (code, got) = post(
+            &url,
+            &json!({"messages": messages, "max_tokens": 24, "temperature": 0}),
+        );
+        assert_eq!(code, 200, "{got}");
+        assert_eq!(got["choices"][0]["message"]["content"], want.text);
+        assert_eq!(got["usage"]["prompt_tokens_details"]["cached_tokens"], held);
+        let fed_reply = want.tokens.len() - 1; // the last sampled token is not fed
+        held = got["usage"]["prompt_tokens"].as_u64().unwrap() as usize + fed_reply;
+        messages.push(json!({"role": "assistant", "content": want.text}));
+    }
+    assert!(conv.cache_len() <= 48 + 16);
+    let h = get(&format!("{}/health", server.url()));
+    assert_eq!(h["prompt_cache"], "continue");
 }

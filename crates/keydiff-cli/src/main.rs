@@ -921,11 +921,14 @@ struct ServeArgs {
     /// or the context).
     #[arg(short = 'n', long)]
     max_tokens: Option<usize>,
-    /// Do not keep the last request's KV cache (by default a request that starts with the
-    /// last one's tokens, such as the next turn of a conversation, prefills only the rest,
-    /// where that gives what a fresh prefill gives).
-    #[arg(long)]
-    no_prompt_cache: bool,
+    /// Keep the last request's KV cache for the next request that starts with its tokens
+    /// (the next turn of a conversation, another question on a document): `exact` reuses only
+    /// what gives a fresh request's answer (whole chunks where no eviction would have
+    /// happened); `continue` also goes on from an evicted cache when the prompt extends all of
+    /// it, as `keydiff chat` does (under --budget a long conversation then prefills only each
+    /// turn, and answers as a chat, not as a fresh request); `off`.
+    #[arg(long, default_value = "exact")]
+    prompt_cache: String,
     /// Require `Authorization: Bearer KEY` on every endpoint but /health (401 otherwise).
     #[arg(long, env = "KEYDIFF_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
@@ -942,6 +945,12 @@ fn serve(a: &ServeArgs) -> Result<()> {
         // Most likely an unset variable: refuse rather than serve without the key asked for.
         bail!("--api-key (or KEYDIFF_API_KEY) is empty");
     }
+    let prompt_cache = match a.prompt_cache.as_str() {
+        "off" => None,
+        mode => Some(mode.parse::<keydiff::Reuse>().map_err(|_| {
+            anyhow::anyhow!("--prompt-cache `{mode}`: expected exact, continue or off")
+        })?),
+    };
     // Before the model loads (which can take minutes): a taken port fails at once.
     let listener = keydiff_server::listen(&format!("{}:{}", a.host, a.port))?;
     let engine = a.model.load()?;
@@ -961,7 +970,7 @@ fn serve(a: &ServeArgs) -> Result<()> {
         model_id: id.clone(),
         max_queue: a.max_queue,
         max_tokens: a.max_tokens,
-        prompt_cache: !a.no_prompt_cache,
+        prompt_cache,
         api_key: a.api_key.clone(),
     };
     let server = keydiff_server::Server::from_listener(listener, engine, cfg)?;

@@ -36,7 +36,7 @@ use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use keydiff::{CancelToken, Engine, Event, GenerateParams, Output, PromptCache, StopReason};
+use keydiff::{CancelToken, Engine, Event, GenerateParams, Output, PromptCache, Reuse, StopReason};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
@@ -61,8 +61,9 @@ pub struct ServerConfig {
     pub max_tokens: Option<usize>,
     /// Keep the last request's KV cache, so that a request that starts with its tokens (a
     /// growing conversation, another question on the same document) prefills only the rest
-    /// ([`Engine::generate_cached`]; llama.cpp's `cache_prompt`).
-    pub prompt_cache: bool,
+    /// ([`Engine::generate_cached`]; llama.cpp's `cache_prompt`), reusing what [`Reuse`] says
+    /// (`None`: every request prefills its whole prompt).
+    pub prompt_cache: Option<Reuse>,
     /// When set, every endpoint but `/health` needs `Authorization: Bearer <key>` (401
     /// otherwise), as vLLM's and llama.cpp's `--api-key`.
     pub api_key: Option<String>,
@@ -75,7 +76,7 @@ impl ServerConfig {
             model_id: model_id.into(),
             max_queue: 16,
             max_tokens: None,
-            prompt_cache: true,
+            prompt_cache: Some(Reuse::Exact),
             api_key: None,
         }
     }
@@ -303,7 +304,7 @@ pub fn router(engine: Engine, cfg: ServerConfig) -> (Router, Worker) {
     });
     let stopping = CancelToken::new();
     let stop = stopping.clone();
-    let prompt_cache = state.cfg.prompt_cache.then(PromptCache::new);
+    let prompt_cache = state.cfg.prompt_cache.map(PromptCache::with_reuse);
     let thread = std::thread::Builder::new()
         .name("keydiff-worker".into())
         .spawn(move || work(engine, rx, counters, stop, prompt_cache))
@@ -949,7 +950,11 @@ async fn health(State(st): State<Arc<AppState>>) -> Json<Value> {
         "rejected": n(&c.rejected),
         "prompt_tokens": n(&c.prompt_tokens),
         "cached_prompt_tokens": n(&c.cached_tokens),
-        "prompt_cache": st.cfg.prompt_cache,
+        "prompt_cache": match st.cfg.prompt_cache {
+            None => "off",
+            Some(Reuse::Exact) => "exact",
+            Some(Reuse::Continue) => "continue",
+        },
         "generated_tokens": n(&c.generated_tokens),
     }))
 }

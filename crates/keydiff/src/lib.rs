@@ -36,7 +36,7 @@ pub use keydiff_model::{
     AttentionBackend, CpuWeights, MemoryBudget, Message, ModelConfig, ModelFormat,
 };
 pub use perplexity::Perplexity;
-pub use prompt_cache::PromptCache;
+pub use prompt_cache::{PromptCache, Reuse};
 pub use sampling::{Sampler, Sampling};
 pub use source::ModelSource;
 pub use stream::TextStream;

@@ -9,18 +9,61 @@ use keydiff_cache::KvCache;
 use crate::engine::{Engine, Event, GenerateParams, Output};
 use crate::error::{EngineError, Result};
 
+/// What a [`PromptCache`] may reuse.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Reuse {
+    /// Only what gives exactly a fresh request's result: whole chunks of the common prefix,
+    /// where no eviction would have happened.
+    #[default]
+    Exact,
+    /// Also go on from the whole held cache, evicted or not, when the new prompt extends every
+    /// token it holds: a conversation then runs as [`Engine::chat_turn`] runs it, each turn
+    /// prefilling only what it adds, in N + B slots under a budget. Under a budget the answer
+    /// differs from a fresh request on the whole conversation (whose prefill would evict at
+    /// other points); it equals the turn of a [`crate::Conversation`]. Otherwise as `Exact`.
+    Continue,
+}
+
+impl std::str::FromStr for Reuse {
+    type Err = EngineError;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "exact" => Ok(Self::Exact),
+            "continue" => Ok(Self::Continue),
+            other => Err(EngineError::BadParams(format!(
+                "unknown prompt cache mode `{other}` (expected exact or continue)"
+            ))),
+        }
+    }
+}
+
 /// The KV cache of the last request run through [`Engine::generate_cached`], and the tokens it
 /// holds.
 #[derive(Default)]
 pub struct PromptCache {
+    reuse: Reuse,
     tokens: Vec<u32>,
     cache: Option<KvCache>,
 }
 
 impl PromptCache {
-    /// An empty prompt cache.
+    /// An empty prompt cache that reuses only what gives a fresh request's result.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// An empty prompt cache with the given reuse.
+    pub fn with_reuse(reuse: Reuse) -> Self {
+        Self {
+            reuse,
+            ..Self::default()
+        }
+    }
+
+    /// What it may reuse.
+    pub fn reuse(&self) -> Reuse {
+        self.reuse
     }
 
     /// The tokens held (the last prompt and what was generated after it, as far as they were
@@ -43,16 +86,18 @@ impl PromptCache {
 
 impl Engine {
     /// [`Engine::generate`], starting from the cache of the previous request run through `pc`
-    /// where that gives what a fresh prefill gives, and keeping this request's cache in `pc`
-    /// for the next one. `stats.prefix_tokens` says how many prompt tokens were reused.
+    /// and keeping this request's cache in `pc` for the next one. `stats.prefix_tokens` says
+    /// how many prompt tokens were reused.
     ///
-    /// Reused: the longest common prefix of the held tokens and the new prompt, rounded down to
-    /// a whole number of chunks (so that the rest is prefilled in the chunks a fresh prefill
-    /// would use), leaving at least one token to prefill, and only while no eviction would have
-    /// happened in it: the held cache never evicted, and under a budget N the reused prefix is
-    /// at most N. H2O (whose attention sums include later tokens) never reuses. The reused
-    /// tokens' K/V may differ from a fresh prefill's by float rounding where they were made by
-    /// decode steps (the reply of a previous turn); tested: greedy output equal.
+    /// [`Reuse::Exact`] reuses the longest common prefix of the held tokens and the new prompt,
+    /// rounded down to a whole number of chunks (so that the rest is prefilled in the chunks a
+    /// fresh prefill would use), leaving at least one token to prefill, and only while no
+    /// eviction would have happened in it: the held cache never evicted, and under a budget N
+    /// the reused prefix is at most N. H2O (whose attention sums include later tokens) never
+    /// reuses this way. The reused tokens' K/V may differ from a fresh prefill's by float
+    /// rounding where they were made by decode steps (the reply of a previous turn); tested:
+    /// greedy output equal. [`Reuse::Continue`] also goes on from the whole held cache when the
+    /// prompt extends all of it.
     pub fn generate_cached(
         &self,
         params: &GenerateParams,
@@ -69,16 +114,37 @@ impl Engine {
         }
         let need = n.saturating_add(params.max_tokens).min(context);
         let cfg = self.config().cache.clone();
-        let reuse = self.reusable(pc, &prompt);
+        // Continuing needs a budgeted cache's N + B slots from the start, as a chat does: a
+        // shorter one could not hold the next turn, and a budgeted cache does not grow.
+        let alloc = match (pc.reuse, cfg.budget) {
+            (Reuse::Continue, Some(_)) => context,
+            _ => need,
+        };
+        let go_on = self.continuable(pc, &prompt);
+        let reuse = if go_on > 0 {
+            0
+        } else {
+            self.reusable(pc, &prompt)
+        };
         let held = pc.cache.take();
         pc.tokens.clear();
         let (mut cache, start) = match held {
+            Some(c) if go_on > 0 => {
+                if c.capacity() >= cfg.slots_for(need) {
+                    (c, go_on)
+                } else {
+                    // Only a cache without a budget is short here: it grows, as a chat's does.
+                    let grown = need.max(2 * c.capacity()).min(context);
+                    self.check_cache_memory(&cfg, grown, 0)?;
+                    (c.grown(grown)?, go_on)
+                }
+            }
             Some(mut c) if reuse > 0 => {
                 c.truncate(reuse)?;
                 if c.capacity() >= cfg.slots_for(need) {
                     (c, reuse)
                 } else {
-                    let mut bigger = self.alloc_cache(cfg, need)?;
+                    let mut bigger = self.alloc_cache(cfg, alloc)?;
                     bigger.resume_from(&c)?;
                     (bigger, reuse)
                 }
@@ -86,11 +152,11 @@ impl Engine {
             held => {
                 // Freed before the new cache is allocated.
                 drop(held);
-                (self.new_cache(need)?, 0)
+                (self.new_cache(alloc)?, 0)
             }
         };
         let (out, _) = self.run_request(&mut cache, &prompt, start, params, t0, &mut on_event)?;
-        if cache.can_truncate() {
+        if pc.reuse == Reuse::Continue || cache.can_truncate() {
             let fed = cache.position();
             pc.tokens = prompt
                 .iter()
@@ -103,7 +169,24 @@ impl Engine {
         Ok(out)
     }
 
-    /// Prompt tokens of `prompt` that `pc`'s cache can stand in for (see
+    /// The held tokens when `pc` may go on from its whole cache for `prompt` (it continues,
+    /// and the prompt extends every token held), else 0.
+    fn continuable(&self, pc: &PromptCache, prompt: &[u32]) -> usize {
+        match &pc.cache {
+            Some(c)
+                if pc.reuse == Reuse::Continue
+                    && c.config() == &self.config().cache
+                    && !pc.tokens.is_empty()
+                    && prompt.len() > pc.tokens.len()
+                    && prompt.starts_with(&pc.tokens) =>
+            {
+                pc.tokens.len()
+            }
+            _ => 0,
+        }
+    }
+
+    /// Prompt tokens of `prompt` that `pc`'s cache can stand in for exactly (see
     /// [`Engine::generate_cached`]).
     fn reusable(&self, pc: &PromptCache, prompt: &[u32]) -> usize {
         let Some(c) = &pc.cache else {
