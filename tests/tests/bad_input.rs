@@ -420,6 +420,10 @@ fn serve_settings() {
         &fails(&["serve", "-n", "0"]),
         "--max-tokens must be at least 1",
     );
+    expect(
+        &fails(&["serve", "--prompt-cache", "always"]),
+        "--prompt-cache `always`: expected exact, continue or off",
+    );
     let err = fails(&["serve", "--host", "203.0.113.7", "--port", "1"]);
     expect(&err, "cannot listen on 203.0.113.7:1");
     // A port in use fails before the model loads (none is given here).
