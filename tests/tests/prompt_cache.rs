@@ -210,3 +210,63 @@ fn continuing_a_conversation_matches_chat_turns() {
         0
     );
 }
+
+/// A reply cut by `max_tokens` may not re-tokenize to the tokens generated (a word split
+/// across tokens in another way); the client sends the text back, and the conversation still
+/// continues, from the text, as `Engine::chat_turn` continues it.
+#[test]
+fn a_reply_that_retokenizes_differently_still_continues() {
+    let e = engine(budget("keydiff", 48, 16));
+    let user = "Write the word 'unbelievably' five times, then count to ten.";
+    let mut differing = 0;
+    for n in 2..=14 {
+        let mut pc = PromptCache::with_reuse(keydiff::Reuse::Continue);
+        let mut conv = keydiff::Conversation::new(None);
+        let params = GenerateParams {
+            max_tokens: n,
+            ..Default::default()
+        };
+        let first = e
+            .generate_cached(
+                &GenerateParams {
+                    prompt: chat(&[("user", user)]),
+                    ..params.clone()
+                },
+                &mut pc,
+                |_| {},
+            )
+            .unwrap();
+        e.chat_turn(&mut conv, user, &params, |_| {}).unwrap();
+        let retok = e.tokenize_continuation(&first.text).unwrap();
+        let mut generated = first.tokens.clone();
+        if first.stats.stop_reason == keydiff::StopReason::Eos {
+            generated.pop();
+        }
+        if retok != generated {
+            differing += 1;
+        }
+        let held = pc.tokens().len();
+        let next = chat(&[
+            ("user", user),
+            ("assistant", &first.text),
+            ("user", "Again."),
+        ]);
+        let out = e
+            .generate_cached(
+                &GenerateParams {
+                    prompt: next,
+                    ..params.clone()
+                },
+                &mut pc,
+                |_| {},
+            )
+            .unwrap();
+        let turn = e.chat_turn(&mut conv, "Again.", &params, |_| {}).unwrap();
+        assert_eq!(out.stats.prefix_tokens, held, "max_tokens {n}");
+        assert_eq!(out.tokens, turn.tokens, "max_tokens {n}");
+    }
+    assert!(
+        differing > 0,
+        "no reply re-tokenized differently: the text path went untested"
+    );
+}

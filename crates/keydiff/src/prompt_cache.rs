@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use keydiff_cache::KvCache;
 
-use crate::engine::{Engine, Event, GenerateParams, Output};
+use crate::engine::{Engine, Event, GenerateParams, Output, Prompt, StopReason};
 use crate::error::{EngineError, Result};
 
 /// What a [`PromptCache`] may reuse.
@@ -43,8 +43,15 @@ impl std::str::FromStr for Reuse {
 #[derive(Default)]
 pub struct PromptCache {
     reuse: Reuse,
+    /// Tokens fed to the cache.
     tokens: Vec<u32>,
     cache: Option<KvCache>,
+    /// The text those tokens and `pending` stand for (the prompt's text or rendered chat,
+    /// then the reply as sent), when known: a conversation is continued from the text, as
+    /// [`Engine::chat_turn`] does, so that a reply that re-tokenizes differently still matches.
+    text: Option<String>,
+    /// Generated tokens the text includes but the cache was not fed (the last sampled one).
+    pending: Vec<u32>,
 }
 
 impl PromptCache {
@@ -81,6 +88,8 @@ impl PromptCache {
     pub fn clear(&mut self) {
         self.tokens.clear();
         self.cache = None;
+        self.text = None;
+        self.pending.clear();
     }
 }
 
@@ -107,7 +116,16 @@ impl Engine {
         params.sampling.validate().map_err(EngineError::BadParams)?;
         let t0 = Instant::now();
         let context = self.model_config().max_position_embeddings;
-        let prompt = self.prompt_tokens(&params.prompt)?;
+        let text = match &params.prompt {
+            Prompt::Text(t) => Some(t.clone()),
+            Prompt::Chat(m) => Some(self.render_chat(m)?),
+            Prompt::Tokens(_) => None,
+        };
+        // Continuing a conversation: the held tokens, then what the text adds.
+        let (prompt, go_on) = match self.continuation(pc, &params.prompt, text.as_deref())? {
+            Some(c) => c,
+            None => (self.prompt_tokens(&params.prompt)?, 0),
+        };
         let n = prompt.len();
         if n > context {
             return Err(EngineError::PromptTooLong { tokens: n, context });
@@ -120,14 +138,13 @@ impl Engine {
             (Reuse::Continue, Some(_)) => context,
             _ => need,
         };
-        let go_on = self.continuable(pc, &prompt);
         let reuse = if go_on > 0 {
             0
         } else {
             self.reusable(pc, &prompt)
         };
         let held = pc.cache.take();
-        pc.tokens.clear();
+        pc.clear();
         let (mut cache, start) = match held {
             Some(c) if go_on > 0 => {
                 if c.capacity() >= cfg.slots_for(need) {
@@ -164,26 +181,57 @@ impl Engine {
                 .take(fed)
                 .copied()
                 .collect();
+            // The reply as the client got it; after a stop string it lacks tokens the cache
+            // was fed, and a prompt cut short in prefill has no reply.
+            let whole = fed >= n && out.stats.stop_reason != StopReason::StopString;
+            if let (Some(t), true) = (&text, whole) {
+                let mut pending = out.tokens[fed - n..].to_vec();
+                if out.stats.stop_reason == StopReason::Eos {
+                    // The end-of-turn token is the template's text, which the next turn adds.
+                    pending.pop();
+                }
+                pc.text = Some(format!("{t}{}", out.text));
+                pc.pending = pending;
+            }
             pc.cache = Some(cache);
         }
         Ok(out)
     }
 
-    /// The held tokens when `pc` may go on from its whole cache for `prompt` (it continues,
-    /// and the prompt extends every token held), else 0.
-    fn continuable(&self, pc: &PromptCache, prompt: &[u32]) -> usize {
+    /// When `pc` may go on from its whole cache: the request's tokens (the held ones, then
+    /// what it adds) and how many are held. The prompt must extend the held conversation:
+    /// its text extends the held text (the added text is tokenized on its own, after the
+    /// pending reply token, as [`Engine::chat_turn`] does), or its tokens extend the held
+    /// tokens.
+    fn continuation(
+        &self,
+        pc: &PromptCache,
+        prompt: &Prompt,
+        text: Option<&str>,
+    ) -> Result<Option<(Vec<u32>, usize)>> {
+        let held = pc.tokens.len();
         match &pc.cache {
-            Some(c)
-                if pc.reuse == Reuse::Continue
-                    && c.config() == &self.config().cache
-                    && !pc.tokens.is_empty()
-                    && prompt.len() > pc.tokens.len()
-                    && prompt.starts_with(&pc.tokens) =>
-            {
-                pc.tokens.len()
-            }
-            _ => 0,
+            Some(c) if pc.reuse == Reuse::Continue && c.config() == &self.config().cache => {}
+            _ => return Ok(None),
         }
+        if held == 0 {
+            return Ok(None);
+        }
+        if let (Some(t), Some(h)) = (text, &pc.text) {
+            if let Some(delta) = t.strip_prefix(h.as_str()).filter(|d| !d.is_empty()) {
+                let added = match prompt {
+                    Prompt::Chat(_) => self.tokenize_special(delta)?,
+                    _ => self.tokenize_continuation(delta)?,
+                };
+                let mut ids = pc.tokens.clone();
+                ids.extend(&pc.pending);
+                ids.extend(added);
+                self.check_vocab(&ids)?;
+                return Ok((ids.len() > held).then_some((ids, held)));
+            }
+        }
+        let ids = self.prompt_tokens(prompt)?;
+        Ok((ids.len() > held && ids.starts_with(&pc.tokens)).then_some((ids, held)))
     }
 
     /// Prompt tokens of `prompt` that `pc`'s cache can stand in for exactly (see
