@@ -122,8 +122,7 @@ fn a_budgeted_conversation_stays_in_its_slots() {
             *kv.get_or_insert(out.stats.peak_kv_bytes),
             out.stats.peak_kv_bytes
         );
-        assert!(out.stats.eviction.evictions >= evictions);
-        evictions = out.stats.eviction.evictions;
+        evictions += out.stats.eviction.evictions;
     }
     assert!(evictions > 0);
     assert!(

@@ -194,7 +194,14 @@ fn continuing_a_conversation_matches_chat_turns() {
         assert_eq!(turn.stats.prefix_tokens, held, "turn {i}");
         assert!(out.stats.final_cache_len <= 48 + 16, "turn {i}");
         held = pc.tokens().len();
-        evictions = out.stats.eviction.evictions;
+        evictions += out.stats.eviction.evictions;
+        let counts =
+            |o: &keydiff::Output| (o.stats.eviction.evictions, o.stats.eviction.evicted_slots);
+        assert_eq!(
+            counts(&out),
+            counts(&turn),
+            "turn {i}: this turn's evictions"
+        );
     }
     assert!(evictions > 0, "the conversation must outgrow the budget");
     // Another conversation: nothing is continued.

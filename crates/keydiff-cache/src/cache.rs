@@ -22,6 +22,19 @@ pub struct CacheCounters {
     pub select_move_s: f64,
 }
 
+impl CacheCounters {
+    /// What was added since `before` (counters of the same cache, taken earlier): one
+    /// request's share of a cache that a conversation or a prompt cache carries on.
+    pub fn since(&self, before: &CacheCounters) -> CacheCounters {
+        CacheCounters {
+            evictions: self.evictions - before.evictions,
+            evicted_slots: self.evicted_slots - before.evicted_slots,
+            score_s: self.score_s - before.score_s,
+            select_move_s: self.select_move_s - before.select_move_s,
+        }
+    }
+}
+
 /// Seconds of the model's own regions, summed over layers, collected only when profiling is on
 /// (the device is synchronised at each region boundary, which costs time on GPUs, so normal runs
 /// leave it off).

@@ -691,6 +691,9 @@ impl Engine {
         let context = model.config().max_position_embeddings;
         let n = prompt.len();
         let peak_kv_bytes = cache.bytes();
+        // A carried-on cache (a chat turn, a prompt cache) has counters of its own: the
+        // request reports what it added.
+        let counted = cache.counters();
         cache.set_profiling(params.profile);
 
         let chunk = self.cfg.cache.chunk;
@@ -718,7 +721,7 @@ impl Engine {
         let prefill_s = tp.elapsed().as_secs_f64();
         let breakdown = cache
             .profile()
-            .map(|p| Breakdown::new(p, cache.counters(), prefill_s));
+            .map(|p| Breakdown::new(p, cache.counters().since(&counted), prefill_s));
         cache.set_profiling(false);
 
         let mut sampler = Sampler::new(params.sampling.clone());
@@ -791,7 +794,7 @@ impl Engine {
             peak_kv_bytes,
             kv_dtype: self.loaded.model.kv_dtype().as_str().to_string(),
             final_cache_len: cache.len(),
-            eviction: cache.counters(),
+            eviction: cache.counters().since(&counted),
             breakdown,
             policy: self.cfg.cache.policy.name(),
             budget: self.cfg.cache.budget,
