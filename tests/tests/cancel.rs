@@ -135,3 +135,60 @@ fn a_chat_turn_cancelled_in_prefill_is_not_recorded() {
     assert_eq!(next.tokens, again.tokens);
     assert_eq!(conv.messages(), fresh.messages());
 }
+
+/// A chat turn cancelled during its reply keeps the reply so far, and the next turn goes on
+/// as a conversation with that reply would (full cache: as a fresh request on it); the last
+/// sampled token is not fed twice.
+#[test]
+fn a_chat_turn_cancelled_in_its_reply_goes_on() {
+    let e = engine();
+    let mut conv = Conversation::new(None);
+    let cancel = CancelToken::new();
+    let params = GenerateParams {
+        max_tokens: 40,
+        ignore_eos: true,
+        cancel: Some(cancel.clone()),
+        ..Default::default()
+    };
+    let mut pieces = 0;
+    let first = e
+        .chat_turn(
+            &mut conv,
+            "Tell me about the history of Paris.",
+            &params,
+            |ev| {
+                if let Event::Text(_) = ev {
+                    pieces += 1;
+                    if pieces == 3 {
+                        cancel.cancel();
+                    }
+                }
+            },
+        )
+        .unwrap();
+    assert_eq!(first.stats.stop_reason, StopReason::Cancelled);
+    assert!(!first.tokens.is_empty() && first.tokens.len() < 40);
+    let greedy = GenerateParams {
+        max_tokens: 12,
+        ..Default::default()
+    };
+    let before = conv.position();
+    let next = e
+        .chat_turn(&mut conv, "And of Rome?", &greedy, |_| {})
+        .unwrap();
+    assert_eq!(next.stats.prefix_tokens, before);
+    let fresh = e
+        .generate(
+            &GenerateParams {
+                prompt: Prompt::Chat(conv.messages()[..conv.messages().len() - 1].to_vec()),
+                ..greedy.clone()
+            },
+            |_| {},
+        )
+        .unwrap();
+    assert_eq!(
+        next.tokens, fresh.tokens,
+        "{:?} vs {:?}",
+        next.text, fresh.text
+    );
+}

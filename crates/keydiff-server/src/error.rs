@@ -3,7 +3,7 @@
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use keydiff::EngineError;
+use keydiff::{EngineError, ModelError};
 
 /// A request's error, sent as `{"error": {"message", "type", "param", "code"}}`.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -66,7 +66,10 @@ impl From<EngineError> for ApiError {
             EngineError::EmptyPrompt | EngineError::PromptTooLong { .. } => {
                 Self::invalid(message, Some("prompt"))
             }
-            EngineError::NoChatTemplate => Self::invalid(message, Some("messages")),
+            // A template that rejects the messages (e.g. roles that do not alternate).
+            EngineError::NoChatTemplate | EngineError::Model(ModelError::ChatTemplate(_)) => {
+                Self::invalid(message, Some("messages"))
+            }
             EngineError::BadParams(_) | EngineError::Tokenizer(_) => Self::invalid(message, None),
             // The request's KV cache does not fit in the memory there is now.
             EngineError::OutOfMemory(_) => Self::unavailable(message),
@@ -94,4 +97,44 @@ pub enum ServerError {
     Io(#[from] std::io::Error),
     #[error("the generation worker panicked")]
     Worker,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What the client got wrong is a 400 naming the field; what the server lacks, 503;
+    /// the rest, 500.
+    #[test]
+    fn engine_errors_get_the_status_of_whose_fault_they_are() {
+        let cases = [
+            (EngineError::EmptyPrompt, 400, Some("prompt")),
+            (
+                EngineError::PromptTooLong {
+                    tokens: 9,
+                    context: 8,
+                },
+                400,
+                Some("prompt"),
+            ),
+            (EngineError::NoChatTemplate, 400, Some("messages")),
+            (
+                EngineError::Model(ModelError::ChatTemplate(
+                    "Conversation roles must alternate".into(),
+                )),
+                400,
+                Some("messages"),
+            ),
+            (EngineError::BadParams("top-p".into()), 400, None),
+            (EngineError::OutOfMemory("KV".into()), 503, None),
+            (EngineError::Hub("offline".into()), 500, None),
+        ];
+        for (e, status, param) in cases {
+            let what = e.to_string();
+            let a = ApiError::from(e);
+            assert_eq!(a.status.as_u16(), status, "{what}");
+            assert_eq!(a.param, param, "{what}");
+            assert_eq!(a.message, what);
+        }
+    }
 }

@@ -26,7 +26,7 @@ mod error;
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::panic::AssertUnwindSafe;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{mpsc as std_mpsc, Arc};
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -117,8 +117,29 @@ enum Msg {
 
 struct Job {
     params: GenerateParams,
-    cancel: CancelToken,
+    ticket: Arc<Ticket>,
     events: mpsc::UnboundedSender<Msg>,
+}
+
+/// A job's place in the queue, shared by its handler and the worker.
+struct Ticket {
+    cancel: CancelToken,
+    /// [`QUEUED`], [`STARTED`] or [`GONE`]: whichever of the worker (taking it) and the
+    /// handler (dropped while it waits) moves it off `QUEUED` first takes it out of the
+    /// queue count.
+    state: AtomicU8,
+}
+
+const QUEUED: u8 = 0;
+const STARTED: u8 = 1;
+const GONE: u8 = 2;
+
+impl Ticket {
+    fn leave(&self, to: u8) -> bool {
+        self.state
+            .compare_exchange(QUEUED, to, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+    }
 }
 
 struct AppState {
@@ -128,7 +149,7 @@ struct AppState {
     context: usize,
     policy: String,
     budget: Option<usize>,
-    jobs: std_mpsc::SyncSender<Job>,
+    jobs: std_mpsc::Sender<Job>,
     counters: Arc<Counters>,
 }
 
@@ -142,14 +163,36 @@ pub struct Server {
 /// The thread that runs requests, one at a time ([`router`]).
 pub struct Worker {
     thread: std::thread::JoinHandle<()>,
+    stop: Arc<Stop>,
+}
+
+/// Shutdown, shared by [`Worker`] and its thread.
+#[derive(Default)]
+struct Stop {
     stopping: CancelToken,
+    /// The running request's token.
+    running: std::sync::Mutex<Option<CancelToken>>,
+}
+
+impl Stop {
+    fn stop(&self) {
+        self.stopping.cancel();
+        if let Some(t) = self
+            .running
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+        {
+            t.cancel();
+        }
+    }
 }
 
 impl Worker {
     /// Stops the running request at its next chunk or token and refuses the queued ones
     /// (503, "the server is shutting down"); later requests are refused too.
     pub fn stop_requests(&self) {
-        self.stopping.cancel();
+        self.stop.stop();
     }
 
     /// Waits for the thread to end, which it does once the router (holding the queue) is
@@ -205,13 +248,13 @@ impl Server {
             app,
             worker,
         } = self;
-        let stopping = worker.stopping.clone();
+        let stop = worker.stop.clone();
         rt.block_on(async move {
             let listener = tokio::net::TcpListener::from_std(listener)?;
             axum::serve(listener, app)
                 .with_graceful_shutdown(async move {
                     shutdown.await;
-                    stopping.cancel();
+                    stop.stop();
                 })
                 .await
         })?;
@@ -289,7 +332,9 @@ impl Drop for ServerHandle {
 /// To serve them in an app of your own: on shutdown call [`Worker::stop_requests`], let the
 /// server finish, drop the router, then [`Worker::join`] ([`Server::run`] does this).
 pub fn router(engine: Engine, cfg: ServerConfig) -> (Router, Worker) {
-    let (jobs, rx) = std_mpsc::sync_channel(cfg.max_queue.max(1));
+    // Unbounded: `submit` bounds the jobs that still wait, and a job whose client left is
+    // not one of them.
+    let (jobs, rx) = std_mpsc::channel();
     let counters = Arc::new(Counters::default());
     let cache = engine.config().cache.clone();
     let engine = Arc::new(engine);
@@ -302,14 +347,14 @@ pub fn router(engine: Engine, cfg: ServerConfig) -> (Router, Worker) {
         jobs,
         counters: counters.clone(),
     });
-    let stopping = CancelToken::new();
-    let stop = stopping.clone();
+    let stop = Arc::new(Stop::default());
+    let shared = stop.clone();
     let prompt_cache = state.cfg.prompt_cache.map(PromptCache::with_reuse);
     let thread = std::thread::Builder::new()
         .name("keydiff-worker".into())
-        .spawn(move || work(engine, rx, counters, stop, prompt_cache))
+        .spawn(move || work(engine, rx, counters, shared, prompt_cache))
         .expect("cannot start the generation thread");
-    let worker = Worker { thread, stopping };
+    let worker = Worker { thread, stop };
     let guarded = Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
@@ -367,18 +412,20 @@ fn work(
     engine: Arc<Engine>,
     rx: std_mpsc::Receiver<Job>,
     counters: Arc<Counters>,
-    stopping: CancelToken,
+    stop: Arc<Stop>,
     mut prompt_cache: Option<PromptCache>,
 ) {
     let shutting_down = || ApiError::unavailable("the server is shutting down");
     while let Ok(job) = rx.recv() {
-        counters.queued.fetch_sub(1, Ordering::Relaxed);
-        if job.events.is_closed() {
-            // Its client left while it waited.
+        if !job.ticket.leave(STARTED) {
+            // Its client left while it waited (and took it out of the count).
             counters.cancelled.fetch_add(1, Ordering::Relaxed);
             continue;
         }
-        if stopping.is_cancelled() {
+        counters.queued.fetch_sub(1, Ordering::Relaxed);
+        // Published before the check, so that a stop either sees this token or is seen.
+        *stop.running.lock().unwrap_or_else(|e| e.into_inner()) = Some(job.ticket.cancel.clone());
+        if stop.stopping.is_cancelled() {
             counters.cancelled.fetch_add(1, Ordering::Relaxed);
             let _ = job.events.send(Msg::Done(Err(shutting_down())));
             continue;
@@ -387,8 +434,8 @@ fn work(
         let mut started = false;
         let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
             let on_event = |ev: Event<'_>| {
-                if job.events.is_closed() || stopping.is_cancelled() {
-                    job.cancel.cancel();
+                if job.events.is_closed() {
+                    job.ticket.cancel.cancel();
                     return;
                 }
                 let msg = match ev {
@@ -413,6 +460,7 @@ fn work(
             }
         }
         counters.running.store(0, Ordering::Relaxed);
+        *stop.running.lock().unwrap_or_else(|e| e.into_inner()) = None;
         let result = match result {
             Ok(Ok(out))
                 if out.stats.stop_reason == StopReason::Cancelled && !job.events.is_closed() =>
@@ -493,47 +541,62 @@ fn unix_now() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-/// Queues a request; its messages arrive on the returned receiver.
+/// Queues a request, unless `max_queue` requests wait already; its messages arrive on the
+/// returned receiver. Dropping the guard cancels it, and takes it out of the queue when it
+/// has not started.
 fn submit(
     st: &AppState,
     mut params: GenerateParams,
-) -> Result<(mpsc::UnboundedReceiver<Msg>, CancelToken), ApiError> {
-    let cancel = CancelToken::new();
-    params.cancel = Some(cancel.clone());
+) -> Result<(mpsc::UnboundedReceiver<Msg>, TicketGuard), ApiError> {
+    let max = st.cfg.max_queue.max(1);
+    let c = &st.counters;
+    if c.queued
+        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |q| {
+            (q < max).then_some(q + 1)
+        })
+        .is_err()
+    {
+        c.rejected.fetch_add(1, Ordering::Relaxed);
+        return Err(ApiError::unavailable(format!(
+            "server busy: {max} requests are waiting; retry later"
+        )));
+    }
+    let ticket = Arc::new(Ticket {
+        cancel: CancelToken::new(),
+        state: AtomicU8::new(QUEUED),
+    });
+    params.cancel = Some(ticket.cancel.clone());
     let (events, rx) = mpsc::unbounded_channel();
-    st.counters.queued.fetch_add(1, Ordering::Relaxed);
+    let guard = TicketGuard {
+        ticket: ticket.clone(),
+        counters: st.counters.clone(),
+    };
     let job = Job {
         params,
-        cancel: cancel.clone(),
+        ticket,
         events,
     };
-    match st.jobs.try_send(job) {
-        Ok(()) => Ok((rx, cancel)),
-        Err(e) => {
-            st.counters.queued.fetch_sub(1, Ordering::Relaxed);
-            Err(match e {
-                std_mpsc::TrySendError::Full(_) => {
-                    st.counters.rejected.fetch_add(1, Ordering::Relaxed);
-                    ApiError::unavailable(format!(
-                        "server busy: {} requests are waiting; retry later",
-                        st.cfg.max_queue
-                    ))
-                }
-                std_mpsc::TrySendError::Disconnected(_) => {
-                    ApiError::internal("the generation worker has stopped")
-                }
-            })
-        }
+    match st.jobs.send(job) {
+        Ok(()) => Ok((rx, guard)),
+        // The guard takes it out of the count.
+        Err(_) => Err(ApiError::internal("the generation worker has stopped")),
     }
 }
 
-/// Cancels its request when dropped: a handler dropped because its client went away stops
-/// the generation it asked for.
-struct CancelOnDrop(CancelToken);
+/// Held by a request's handler (and its stream): dropped, because the client went away or
+/// the answer is complete, it cancels the request, and takes it out of the queue count when
+/// it had not started.
+struct TicketGuard {
+    ticket: Arc<Ticket>,
+    counters: Arc<Counters>,
+}
 
-impl Drop for CancelOnDrop {
+impl Drop for TicketGuard {
     fn drop(&mut self) {
-        self.0.cancel();
+        self.ticket.cancel.cancel();
+        if self.ticket.leave(GONE) {
+            self.counters.queued.fetch_sub(1, Ordering::Relaxed);
+        }
     }
 }
 
@@ -699,11 +762,10 @@ async fn respond(st: Arc<AppState>, m: Mapped, mut reply: Reply) -> Response {
         stream,
         include_usage,
     } = m;
-    let (mut rx, cancel) = match submit(&st, params) {
+    let (mut rx, guard) = match submit(&st, params) {
         Ok(x) => x,
         Err(e) => return e.into_response(),
     };
-    let guard = CancelOnDrop(cancel);
     // Wait until the request is running (or has failed): a request refused by the engine
     // (a prompt beyond the context, a cache that does not fit) gets its status code even
     // when it asked for a stream.
@@ -735,7 +797,10 @@ async fn respond(st: Arc<AppState>, m: Mapped, mut reply: Reply) -> Response {
                 None => tokio::select! {
                     m = rx.recv() => match m {
                         Some(m) => m,
-                        None => break,
+                        // The worker is gone without an answer: say so, not a clean end.
+                        None => Msg::Done(Err(ApiError::internal(
+                            "the generation worker stopped",
+                        ))),
                     },
                     // The client went away: dropping `_guard` cancels the request.
                     _ = tx.closed() => return,

@@ -740,10 +740,6 @@ impl Engine {
             logits.expect("non-empty prompt").to_vec1::<f32>()?
         };
         while reason != StopReason::Cancelled && generated.len() < params.max_tokens {
-            if cancelled() {
-                reason = StopReason::Cancelled;
-                break;
-            }
             let tok = sampler.sample(&mut logits, &history);
             if generated.is_empty() {
                 ttft_s = t0.elapsed().as_secs_f64();
@@ -767,6 +763,12 @@ impl Engine {
             }
             if cache.position() + 1 >= context {
                 reason = StopReason::Context;
+                break;
+            }
+            // Checked here, so that whatever ends the request, its last sampled token is not
+            // in the cache (a chat turn or a prompt cache feeds it next).
+            if cancelled() {
+                reason = StopReason::Cancelled;
                 break;
             }
             logits = model.forward(&[tok], cache, true)?.to_vec1::<f32>()?;

@@ -33,7 +33,7 @@ pub use keydiff_cache::config::SNAPKV_WINDOW;
 pub use keydiff_cache::{Anchor, CacheConfig, CacheCounters, PolicyKind, StatsNeed};
 pub use keydiff_model::memory::{human as human_bytes, parse_size};
 pub use keydiff_model::{
-    AttentionBackend, CpuWeights, MemoryBudget, Message, ModelConfig, ModelFormat,
+    AttentionBackend, CpuWeights, MemoryBudget, Message, ModelConfig, ModelError, ModelFormat,
 };
 pub use perplexity::Perplexity;
 pub use prompt_cache::{PromptCache, Reuse};

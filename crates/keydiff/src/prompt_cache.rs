@@ -146,14 +146,19 @@ impl Engine {
         let held = pc.cache.take();
         pc.clear();
         let (mut cache, start) = match held {
+            Some(c) if go_on > 0 && c.capacity() >= cfg.slots_for(need) => (c, go_on),
             Some(c) if go_on > 0 => {
-                if c.capacity() >= cfg.slots_for(need) {
-                    (c, go_on)
-                } else {
-                    // Only a cache without a budget is short here: it grows, as a chat's does.
-                    let grown = need.max(2 * c.capacity()).min(context);
-                    self.check_cache_memory(&cfg, grown, 0)?;
-                    (c.grown(grown)?, go_on)
+                // Only a cache without a budget is short here: it grows, as a chat's does.
+                // The copy briefly needs both; when that does not fit, the prompt is
+                // prefilled afresh in the memory the old cache held.
+                let grown = need.max(2 * c.capacity()).min(context);
+                match self.check_cache_memory(&cfg, grown, 0) {
+                    Ok(()) => (c.grown(grown)?, go_on),
+                    Err(EngineError::OutOfMemory(_)) => {
+                        drop(c);
+                        (self.new_cache(alloc)?, 0)
+                    }
+                    Err(e) => return Err(e),
                 }
             }
             Some(mut c) if reuse > 0 => {
@@ -161,9 +166,18 @@ impl Engine {
                 if c.capacity() >= cfg.slots_for(need) {
                     (c, reuse)
                 } else {
-                    let mut bigger = self.alloc_cache(cfg, alloc)?;
-                    bigger.resume_from(&c)?;
-                    (bigger, reuse)
+                    match self.alloc_cache(cfg, alloc) {
+                        Ok(mut bigger) => {
+                            bigger.resume_from(&c)?;
+                            (bigger, reuse)
+                        }
+                        // As above: afresh, in the memory the old cache held.
+                        Err(EngineError::OutOfMemory(_)) => {
+                            drop(c);
+                            (self.new_cache(alloc)?, 0)
+                        }
+                        Err(e) => return Err(e),
+                    }
                 }
             }
             held => {
