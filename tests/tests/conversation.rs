@@ -165,3 +165,38 @@ fn chat_command_answers_each_line() {
     assert_eq!(kept.len(), 2, "{se}");
     assert!(kept[0] == 0 && kept[1] > 30, "{se}");
 }
+
+/// `chat --stop`: a reply ends at the stop string, which is not printed; the conversation
+/// goes on.
+#[test]
+fn chat_command_stops_at_a_stop_string() {
+    let mut child = Command::new(keydiff_bin())
+        .args(["chat", "-m", model(SMOLLM2).to_str().unwrap(), "-n", "16"])
+        .args(["--stop", "Paris"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"What is the capital of France?\nAnd of Italy?\n")
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let (so, se) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{se}");
+    let replies: Vec<&str> = so.lines().collect();
+    assert_eq!(replies.len(), 2, "{so}");
+    assert!(!so.contains("Paris"), "{so}");
+    assert!(replies[1].contains("Rome"), "{so}");
+    let stops: Vec<&str> = se
+        .lines()
+        .filter_map(|l| l.split("stop: ").nth(1))
+        .collect();
+    assert_eq!(stops[0], "StopString]", "{se}");
+}

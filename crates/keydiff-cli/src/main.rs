@@ -837,6 +837,9 @@ struct ChatArgs {
     max_tokens: usize,
     #[command(flatten)]
     sampling: SamplingArgs,
+    /// End a reply when this string is generated (repeatable; it is not printed).
+    #[arg(long)]
+    stop: Vec<String>,
 }
 
 fn chat(a: &ChatArgs) -> Result<()> {
@@ -849,6 +852,7 @@ fn chat(a: &ChatArgs) -> Result<()> {
     let params = GenerateParams {
         max_tokens: a.max_tokens,
         sampling,
+        stop: a.stop.clone(),
         ..Default::default()
     };
     let mut conv = keydiff::Conversation::new(a.system.as_deref());
