@@ -37,16 +37,18 @@ FILLER = (
 )
 
 
-def prompt(words: int, i: int) -> str:
+def filler(words: int) -> str:
     base = FILLER.split()
-    text = " ".join(base[k % len(base)] for k in range(words))
+    return " ".join(base[k % len(base)] for k in range(words))
+
+
+def prompt(words: int, i: int) -> str:
     # A distinct question per request, so no cache of any kind could answer it.
-    return f"{text}\n\nRequest {i}: summarise the text above in one sentence."
+    return f"{filler(words)}\n\nRequest {i}: summarise the text above in one sentence."
 
 
 def document(words: int, i: int) -> str:
-    base = FILLER.split()
-    return f"Document {i}. " + " ".join(base[k % len(base)] for k in range(words))
+    return f"Document {i}. {filler(words)}"
 
 
 def one(url: str, body: dict) -> dict:

@@ -132,27 +132,30 @@ fn a_budgeted_conversation_stays_in_its_slots() {
     );
 }
 
-#[test]
-fn chat_command_answers_each_line() {
+/// Runs `keydiff chat` on SmolLM2 (16 tokens a reply) with `args`, `input` on stdin;
+/// checks that it succeeded and returns its stdout and stderr.
+fn chat_cli(args: &[&str], input: &[u8]) -> (String, String) {
     let mut child = Command::new(keydiff_bin())
         .args(["chat", "-m", model(SMOLLM2).to_str().unwrap(), "-n", "16"])
+        .args(args)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(b"What is the capital of France?\n\nAnd of Italy?\n")
-        .unwrap();
+    child.stdin.take().unwrap().write_all(input).unwrap();
     let out = child.wait_with_output().unwrap();
     let (so, se) = (
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr),
+        String::from_utf8_lossy(&out.stdout).to_string(),
+        String::from_utf8_lossy(&out.stderr).to_string(),
     );
     assert!(out.status.success(), "{se}");
+    (so, se)
+}
+
+#[test]
+fn chat_command_answers_each_line() {
+    let (so, se) = chat_cli(&[], b"What is the capital of France?\n\nAnd of Italy?\n");
     let replies: Vec<&str> = so.lines().collect();
     assert_eq!(replies.len(), 2, "{so}");
     assert!(replies[0].contains("Paris"), "{so}");
@@ -170,26 +173,10 @@ fn chat_command_answers_each_line() {
 /// goes on.
 #[test]
 fn chat_command_stops_at_a_stop_string() {
-    let mut child = Command::new(keydiff_bin())
-        .args(["chat", "-m", model(SMOLLM2).to_str().unwrap(), "-n", "16"])
-        .args(["--stop", "Paris"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(b"What is the capital of France?\nAnd of Italy?\n")
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
-    let (so, se) = (
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr),
+    let (so, se) = chat_cli(
+        &["--stop", "Paris"],
+        b"What is the capital of France?\nAnd of Italy?\n",
     );
-    assert!(out.status.success(), "{se}");
     let replies: Vec<&str> = so.lines().collect();
     assert_eq!(replies.len(), 2, "{so}");
     assert!(!so.contains("Paris"), "{so}");

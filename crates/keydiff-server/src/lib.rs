@@ -433,11 +433,8 @@ fn work(
         counters.running.store(1, Ordering::Relaxed);
         let mut started = false;
         let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            // A client that leaves drops its handler's ticket guard, which cancels the request.
             let on_event = |ev: Event<'_>| {
-                if job.events.is_closed() {
-                    job.ticket.cancel.cancel();
-                    return;
-                }
                 let msg = match ev {
                     Event::Prefill { .. } if !started => {
                         started = true;
@@ -632,6 +629,25 @@ impl Reply {
         }
     }
 
+    /// A response object: `id`, `object`, `created`, `model` and `choices`.
+    fn envelope(&self, object: &str, choices: Value) -> Value {
+        json!({
+            "id": self.id,
+            "object": object,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        })
+    }
+
+    /// The `object` of a streamed chunk.
+    fn chunk_object(&self) -> &'static str {
+        match self.kind {
+            Kind::Completion => "text_completion",
+            Kind::Chat => "chat.completion.chunk",
+        }
+    }
+
     /// The whole response of a request that is not streamed.
     fn full(&self, out: &Output) -> Value {
         let reason = api::finish_reason(out.stats.stop_reason);
@@ -651,29 +667,21 @@ impl Reply {
                 }),
             ),
         };
-        json!({
-            "id": self.id,
-            "object": object,
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-            "usage": api::usage(out),
-            "keydiff": api::stats(out),
-        })
+        let mut v = self.envelope(object, json!([choice]));
+        v["usage"] = api::usage(out);
+        v["keydiff"] = api::stats(out);
+        v
     }
 
     /// One streamed chunk: a piece of text (`None` with `finish` for the last one).
     fn chunk(&self, text: Option<&str>, role: bool, finish: Option<&str>) -> Value {
-        let (object, choice) = match self.kind {
-            Kind::Completion => (
-                "text_completion",
-                json!({
-                    "index": 0,
-                    "text": text.unwrap_or(""),
-                    "logprobs": null,
-                    "finish_reason": finish,
-                }),
-            ),
+        let choice = match self.kind {
+            Kind::Completion => json!({
+                "index": 0,
+                "text": text.unwrap_or(""),
+                "logprobs": null,
+                "finish_reason": finish,
+            }),
             Kind::Chat => {
                 let mut delta = serde_json::Map::new();
                 if role {
@@ -682,71 +690,41 @@ impl Reply {
                 if let Some(t) = text {
                     delta.insert("content".into(), t.into());
                 }
-                (
-                    "chat.completion.chunk",
-                    json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}),
-                )
+                json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
             }
         };
-        json!({
-            "id": self.id,
-            "object": object,
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-        })
+        self.envelope(self.chunk_object(), json!([choice]))
     }
 
+    /// The chunk that closes a stream with `stream_options.include_usage`.
     fn usage_chunk(&self, out: &Output) -> Value {
-        let object = match self.kind {
-            Kind::Completion => "text_completion",
-            Kind::Chat => "chat.completion.chunk",
-        };
-        json!({
-            "id": self.id,
-            "object": object,
-            "created": self.created,
-            "model": self.model,
-            "choices": [],
-            "usage": api::usage(out),
-        })
+        let mut v = self.envelope(self.chunk_object(), json!([]));
+        v["usage"] = api::usage(out);
+        v
     }
 }
 
-async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
-    let req: CompletionRequest = match api::parse(&body) {
-        Ok(r) => r,
-        Err(e) => return e.into_response(),
-    };
+async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Result<Response, ApiError> {
+    let req: CompletionRequest = api::parse(&body)?;
     let echo = req.echo.unwrap_or(false);
-    let mapped = match req.map(defaults(&st)) {
-        Ok(m) => m,
-        Err(e) => return e.into_response(),
-    };
+    let mapped = req.map(defaults(&st))?;
     let mut reply = Reply::new(Kind::Completion, &st.cfg.model_id);
     if echo {
         match &mapped.params.prompt {
             keydiff::Prompt::Text(t) => reply.echo = Some(t.clone()),
-            _ => {
-                return ApiError::invalid("echo needs a text prompt", Some("echo")).into_response()
-            }
+            _ => return Err(ApiError::invalid("echo needs a text prompt", Some("echo"))),
         }
     }
-    respond(st, mapped, reply).await
+    Ok(respond(st, mapped, reply).await)
 }
 
-async fn chat_completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
-    let req: ChatRequest = match api::parse(&body) {
-        Ok(r) => r,
-        Err(e) => return e.into_response(),
-    };
-    match req.map(defaults(&st)) {
-        Ok(m) => {
-            let reply = Reply::new(Kind::Chat, &st.cfg.model_id);
-            respond(st, m, reply).await
-        }
-        Err(e) => e.into_response(),
-    }
+async fn chat_completions(
+    State(st): State<Arc<AppState>>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let mapped = api::parse::<ChatRequest>(&body)?.map(defaults(&st))?;
+    let reply = Reply::new(Kind::Chat, &st.cfg.model_id);
+    Ok(respond(st, mapped, reply).await)
 }
 
 fn defaults(st: &AppState) -> Defaults {
@@ -871,36 +849,24 @@ async fn with_engine<T: Send + 'static>(
         .map_err(|e| ApiError::internal(format!("tokenizer task failed: {e}")))?
 }
 
-async fn tokenize(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
-    let run = async {
-        let prompt = api::parse::<api::TokenizeRequest>(&body)?.prompt()?;
-        let tokens = with_engine(&st, move |e| Ok(e.prompt_tokens(&prompt)?)).await?;
-        Ok::<_, ApiError>(json!({
-            "count": tokens.len(),
-            "max_model_len": st.context,
-            "tokens": tokens,
-        }))
-    };
-    match run.await {
-        Ok(v) => Json(v).into_response(),
-        Err(e) => e.into_response(),
-    }
+async fn tokenize(State(st): State<Arc<AppState>>, body: Bytes) -> Result<Json<Value>, ApiError> {
+    let prompt = api::parse::<api::TokenizeRequest>(&body)?.prompt()?;
+    let tokens = with_engine(&st, move |e| Ok(e.prompt_tokens(&prompt)?)).await?;
+    Ok(Json(json!({
+        "count": tokens.len(),
+        "max_model_len": st.context,
+        "tokens": tokens,
+    })))
 }
 
-async fn detokenize(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
-    let run = async {
-        let req: api::DetokenizeRequest = api::parse(&body)?;
-        let text = with_engine(&st, move |e| {
-            e.check_vocab(&req.tokens)?;
-            Ok(e.detokenize(&req.tokens)?)
-        })
-        .await?;
-        Ok::<_, ApiError>(json!({ "prompt": text }))
-    };
-    match run.await {
-        Ok(v) => Json(v).into_response(),
-        Err(e) => e.into_response(),
-    }
+async fn detokenize(State(st): State<Arc<AppState>>, body: Bytes) -> Result<Json<Value>, ApiError> {
+    let req: api::DetokenizeRequest = api::parse(&body)?;
+    let text = with_engine(&st, move |e| {
+        e.check_vocab(&req.tokens)?;
+        Ok(e.detokenize(&req.tokens)?)
+    })
+    .await?;
+    Ok(Json(json!({ "prompt": text })))
 }
 
 /// Prometheus text exposition of the counters.

@@ -122,10 +122,7 @@ impl Engine {
             Prompt::Tokens(_) => None,
         };
         // Continuing a conversation: the held tokens, then what the text adds.
-        let (prompt, go_on) = match self.continuation(pc, &params.prompt, text.as_deref())? {
-            Some(c) => c,
-            None => (self.prompt_tokens(&params.prompt)?, 0),
-        };
+        let (prompt, go_on) = self.continuation(pc, &params.prompt, text.as_deref())?;
         let n = prompt.len();
         if n > context {
             return Err(EngineError::PromptTooLong { tokens: n, context });
@@ -212,26 +209,25 @@ impl Engine {
         Ok(out)
     }
 
-    /// When `pc` may go on from its whole cache: the request's tokens (the held ones, then
-    /// what it adds) and how many are held. The prompt must extend the held conversation:
-    /// its text extends the held text (the added text is tokenized on its own, after the
-    /// pending reply token, as [`Engine::chat_turn`] does), or its tokens extend the held
-    /// tokens.
+    /// The request's tokens, and how many of them `pc` holds when it may go on from its whole
+    /// cache (else 0). Going on needs a prompt that extends the held conversation: its text
+    /// extends the held text (the added text is tokenized on its own, after the pending reply
+    /// token, as [`Engine::chat_turn`] does; the tokens are then the held ones and those), or
+    /// its tokens extend the held tokens.
     fn continuation(
         &self,
         pc: &PromptCache,
         prompt: &Prompt,
         text: Option<&str>,
-    ) -> Result<Option<(Vec<u32>, usize)>> {
+    ) -> Result<(Vec<u32>, usize)> {
         let held = pc.tokens.len();
-        match &pc.cache {
-            Some(c) if pc.reuse == Reuse::Continue && c.config() == &self.config().cache => {}
-            _ => return Ok(None),
-        }
-        if held == 0 {
-            return Ok(None);
-        }
-        if let (Some(t), Some(h)) = (text, &pc.text) {
+        let can = held > 0
+            && pc.reuse == Reuse::Continue
+            && pc
+                .cache
+                .as_ref()
+                .is_some_and(|c| c.config() == &self.config().cache);
+        if let (true, Some(t), Some(h)) = (can, text, &pc.text) {
             if let Some(delta) = t.strip_prefix(h.as_str()).filter(|d| !d.is_empty()) {
                 let added = match prompt {
                     Prompt::Chat(_) => self.tokenize_special(delta)?,
@@ -241,11 +237,18 @@ impl Engine {
                 ids.extend(&pc.pending);
                 ids.extend(added);
                 self.check_vocab(&ids)?;
-                return Ok((ids.len() > held).then_some((ids, held)));
+                if ids.len() > held {
+                    return Ok((ids, held));
+                }
             }
         }
         let ids = self.prompt_tokens(prompt)?;
-        Ok((ids.len() > held && ids.starts_with(&pc.tokens)).then_some((ids, held)))
+        let go_on = if can && ids.len() > held && ids.starts_with(&pc.tokens) {
+            held
+        } else {
+            0
+        };
+        Ok((ids, go_on))
     }
 
     /// Prompt tokens of `prompt` that `pc`'s cache can stand in for exactly (see
