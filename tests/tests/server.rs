@@ -355,9 +355,21 @@ fn bad_requests_are_refused_naming_the_problem() {
         (&c, json!({"prompt": "hi", "n": 2}), Some("n"), "one choice"),
         (
             &c,
-            json!({"prompt": "hi", "logprobs": 3}),
+            json!({"prompt": "hi", "logprobs": 21}),
             Some("logprobs"),
-            "not supported",
+            "from 0 to 20",
+        ),
+        (
+            &c,
+            json!({"prompt": "hi", "logprobs": true}),
+            Some("logprobs"),
+            "must be an integer",
+        ),
+        (
+            &c,
+            json!({"prompt": "hi", "top_logprobs": 2}),
+            Some("top_logprobs"),
+            "chat field",
         ),
         (
             &c,
@@ -373,9 +385,9 @@ fn bad_requests_are_refused_naming_the_problem() {
         ),
         (
             &c,
-            json!({"prompt": [1, 2], "echo": true}),
-            Some("echo"),
-            "text prompt",
+            json!({"prompt": [1, 99999999], "echo": true}),
+            None,
+            "outside the vocabulary",
         ),
         (
             &c,
@@ -434,9 +446,21 @@ fn bad_requests_are_refused_naming_the_problem() {
         ),
         (
             &chat,
-            json!({"messages": user, "logprobs": true}),
+            json!({"messages": user, "logprobs": 3}),
             Some("logprobs"),
-            "not supported",
+            "true or false",
+        ),
+        (
+            &chat,
+            json!({"messages": user, "top_logprobs": 3}),
+            Some("top_logprobs"),
+            "needs logprobs set to true",
+        ),
+        (
+            &chat,
+            json!({"messages": user, "logprobs": true, "top_logprobs": 21}),
+            Some("top_logprobs"),
+            "from 0 to 20",
         ),
         (
             &chat,

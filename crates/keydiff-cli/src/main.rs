@@ -353,6 +353,10 @@ struct RunArgs {
     /// Print the final stats as one JSON object on stdout instead of the timing line.
     #[arg(long)]
     json: bool,
+    /// Add each generated token's log-probability (the model's, before sampling) and its K
+    /// most likely alternatives to the JSON output (K at most 20).
+    #[arg(long, value_name = "K", requires = "json")]
+    logprobs: Option<usize>,
     /// Break prefill time down by region (attention, statistics, eviction, MLP). Synchronises
     /// the device at every region boundary, which slows GPU runs.
     #[arg(long)]
@@ -1016,6 +1020,25 @@ fn serve(a: &ServeArgs) -> Result<()> {
     Ok(())
 }
 
+/// Generated tokens' logprobs for `run --json`: id, text, log-probability, alternatives.
+fn logprobs_json(engine: &Engine, lps: &[keydiff::TokenLogprob]) -> Result<serde_json::Value> {
+    let item = |id: u32, lp: f32| -> Result<serde_json::Value> {
+        let text = engine.token_pieces(&[id])?[0].text();
+        Ok(serde_json::json!({"id": id, "text": text, "logprob": lp}))
+    };
+    lps.iter()
+        .map(|e| {
+            let mut v = item(e.token, e.logprob)?;
+            v["top"] = e
+                .top
+                .iter()
+                .map(|&(id, lp)| item(id, lp))
+                .collect::<Result<_>>()?;
+            Ok(v)
+        })
+        .collect()
+}
+
 fn generate(a: &RunArgs, engine: &Engine, prompt: Prompt) -> Result<()> {
     let params = GenerateParams {
         prompt,
@@ -1025,6 +1048,8 @@ fn generate(a: &RunArgs, engine: &Engine, prompt: Prompt) -> Result<()> {
         ignore_eos: a.ignore_eos,
         profile: a.profile,
         cancel: None,
+        logprobs: a.logprobs,
+        prompt_logprobs: None,
     };
     let chunk = engine.config().cache.chunk;
     let mut bar: Option<indicatif::ProgressBar> = None;
@@ -1057,10 +1082,14 @@ fn generate(a: &RunArgs, engine: &Engine, prompt: Prompt) -> Result<()> {
                 let _ = out.flush();
             }
         }
+        Event::Logprob(_) | Event::PromptLogprobs { .. } => {}
     })?;
     let s = &result.stats;
     if a.json {
-        let v = serde_json::json!({ "text": result.text, "stats": s });
+        let mut v = serde_json::json!({ "text": result.text, "stats": s });
+        if let Some(lps) = &result.logprobs {
+            v["logprobs"] = logprobs_json(engine, lps)?;
+        }
         println!("{}", serde_json::to_string(&v)?);
     } else {
         println!();

@@ -33,6 +33,7 @@ impl Message {
 /// A model's chat template, compiled once.
 pub struct ChatTemplate {
     env: Environment<'static>,
+    source: String,
     bos_token: Option<String>,
     eos_token: Option<String>,
 }
@@ -55,9 +56,15 @@ impl ChatTemplate {
             .map_err(template_err)?;
         Ok(Self {
             env,
+            source: source.to_string(),
             bos_token,
             eos_token,
         })
+    }
+
+    /// The template's Jinja source.
+    pub fn source(&self) -> &str {
+        &self.source
     }
 
     /// Renders `messages`; with `add_generation_prompt` the text ends where the assistant's reply

@@ -2,11 +2,15 @@
 //! and the response bodies.
 //!
 //! Unknown fields are ignored, as OpenAI clients send many; fields this server cannot honour
-//! (`n` > 1, `logprobs`, `logit_bias`, `best_of`, `suffix`, `tools`, a non-text
-//! `response_format`, image content) are refused with a 400 naming the field rather than
-//! ignored, so that no client gets an answer it did not ask for.
+//! (`n` > 1, `logit_bias`, `best_of`, `suffix`, `tools`, a non-text `response_format`, image
+//! content) are refused with a 400 naming the field rather than ignored, so that no client
+//! gets an answer it did not ask for.
+//!
+//! `logprobs` follow each endpoint's form: an integer (0 to [`MAX_TOP_LOGPROBS`] alternatives)
+//! for completions, where `echo` adds the prompt's; `logprobs: true` with `top_logprobs` for
+//! chat.
 
-use keydiff::{GenerateParams, Message, Output, Prompt, Sampling, StopReason};
+use keydiff::{GenerateParams, Message, Output, Prompt, Sampling, StopReason, MAX_TOP_LOGPROBS};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
@@ -106,6 +110,8 @@ pub fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError>
 #[derive(Debug)]
 pub struct Mapped {
     pub params: GenerateParams,
+    /// Send the prompt before the generated text (completions' `echo`).
+    pub echo: bool,
     pub stream: bool,
     pub include_usage: bool,
 }
@@ -118,22 +124,17 @@ pub struct Defaults {
 }
 
 impl Common {
-    /// Checks the shared fields and builds the engine's parameters for `prompt`.
-    pub fn map(&self, prompt: Prompt, defaults: Defaults) -> Result<Mapped, ApiError> {
+    /// Checks the shared fields and builds the engine's parameters for `prompt`, with
+    /// `logprobs` alternatives per generated token when asked.
+    pub fn map(
+        &self,
+        prompt: Prompt,
+        defaults: Defaults,
+        logprobs: Option<usize>,
+    ) -> Result<Mapped, ApiError> {
         let bad = |m: String, p: &'static str| Err(ApiError::invalid(m, Some(p)));
         if let Some(n) = self.n.filter(|&n| n != 1) {
             return bad(format!("n = {n}: one choice per request is supported"), "n");
-        }
-        let off = |v: &Option<Value>| match v {
-            None | Some(Value::Null) | Some(Value::Bool(false)) => true,
-            Some(Value::Number(n)) => n.as_u64() == Some(0),
-            _ => false,
-        };
-        if !off(&self.logprobs) {
-            return bad("logprobs are not supported".into(), "logprobs");
-        }
-        if !off(&self.top_logprobs) {
-            return bad("top_logprobs are not supported".into(), "top_logprobs");
         }
         if self.logit_bias.as_ref().is_some_and(|m| !m.is_empty()) {
             return bad("logit_bias is not supported".into(), "logit_bias");
@@ -178,7 +179,10 @@ impl Common {
                 ignore_eos: self.ignore_eos.unwrap_or(false),
                 profile: false,
                 cancel: None,
+                logprobs,
+                prompt_logprobs: None,
             },
+            echo: false,
             stream: self.stream.unwrap_or(false),
             include_usage: self
                 .stream_options
@@ -207,8 +211,43 @@ impl CompletionRequest {
             }
             p => prompt(p)?,
         };
-        self.common.map(prompt, defaults)
+        if !null(&self.common.top_logprobs) {
+            return bad(
+                "top_logprobs is a chat field: completions take `logprobs: <alternatives>`",
+                "top_logprobs",
+            );
+        }
+        let logprobs = match &self.common.logprobs {
+            None | Some(Value::Null) => None,
+            Some(v) => Some(alternatives(v).ok_or_else(|| {
+                ApiError::invalid(
+                    format!(
+                        "logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS} (alternatives \
+                         per token), not {v}"
+                    ),
+                    Some("logprobs"),
+                )
+            })?),
+        };
+        let mut m = self.common.map(prompt, defaults, logprobs)?;
+        m.echo = self.echo.unwrap_or(false);
+        if m.echo {
+            m.params.prompt_logprobs = logprobs;
+        }
+        Ok(m)
     }
+}
+
+/// An absent or `null` field.
+fn null(v: &Option<Value>) -> bool {
+    matches!(v, None | Some(Value::Null))
+}
+
+/// A count of logprob alternatives: an integer from 0 to [`MAX_TOP_LOGPROBS`].
+fn alternatives(v: &Value) -> Option<usize> {
+    v.as_u64()
+        .and_then(|k| usize::try_from(k).ok())
+        .filter(|&k| k <= MAX_TOP_LOGPROBS)
 }
 
 /// A single prompt: a string or an array of token ids.
@@ -248,8 +287,36 @@ impl ChatRequest {
                 );
             }
         }
+        let on = match &self.common.logprobs {
+            None | Some(Value::Null) | Some(Value::Bool(false)) => false,
+            Some(Value::Bool(true)) => true,
+            Some(v) => {
+                return bad(
+                    format!("logprobs must be true or false for chat, not {v}"),
+                    "logprobs",
+                )
+            }
+        };
+        let top = match &self.common.top_logprobs {
+            None | Some(Value::Null) => None,
+            Some(v) => Some(alternatives(v).ok_or_else(|| {
+                ApiError::invalid(
+                    format!(
+                        "top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}, not {v}"
+                    ),
+                    Some("top_logprobs"),
+                )
+            })?),
+        };
+        if top.is_some() && !on {
+            return bad(
+                "top_logprobs needs logprobs set to true".into(),
+                "top_logprobs",
+            );
+        }
         let messages = messages(self.messages)?;
-        self.common.map(Prompt::Chat(messages), defaults)
+        let logprobs = on.then(|| top.unwrap_or(0));
+        self.common.map(Prompt::Chat(messages), defaults, logprobs)
     }
 }
 
@@ -295,9 +362,23 @@ pub fn messages(list: Vec<ChatMessage>) -> Result<Vec<Message>, ApiError> {
 pub struct TokenizeRequest {
     pub prompt: Option<String>,
     pub messages: Option<Vec<ChatMessage>>,
+    /// `false` tokenizes a `prompt` as Hugging Face's `tokenizer(text,
+    /// add_special_tokens=False)` does: no BOS, special tokens written in the text parsed (what
+    /// a client that sends the ids back as a prompt, such as lm-evaluation-harness, expects).
+    /// The default, `true`, tokenizes it as `/v1/completions` does.
+    pub add_special_tokens: Option<bool>,
 }
 
 impl TokenizeRequest {
+    /// The text to tokenize without special-token handling (`add_special_tokens: false`),
+    /// else `None`.
+    pub fn raw_text(&self) -> Option<&str> {
+        match (&self.prompt, &self.messages, self.add_special_tokens) {
+            (Some(p), None, Some(false)) => Some(p),
+            _ => None,
+        }
+    }
+
     pub fn prompt(self) -> Result<Prompt, ApiError> {
         match (self.prompt, self.messages) {
             (Some(p), None) => Ok(Prompt::Text(p)),

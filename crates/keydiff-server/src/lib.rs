@@ -1,8 +1,9 @@
 //! An OpenAI-compatible HTTP server over one [`Engine`].
 //!
 //! Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (both with `"stream": true`
-//! as server-sent events), `GET /v1/models`, `POST /tokenize`, `POST /detokenize`,
-//! `GET /health` (JSON) and `GET /metrics` (Prometheus text).
+//! as server-sent events, both with `logprobs`), `GET /v1/models`, `POST /tokenize`,
+//! `POST /detokenize`, `GET /tokenizer_info`, `GET /health` (JSON) and `GET /metrics`
+//! (Prometheus text).
 //!
 //! One engine runs one request at a time, as the engine is built to (a long prompt under a
 //! fixed KV budget). Requests wait in a bounded queue and run in arrival order; when the queue
@@ -22,6 +23,7 @@
 
 pub mod api;
 mod error;
+mod logprobs;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -36,7 +38,10 @@ use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use keydiff::{CancelToken, Engine, Event, GenerateParams, Output, PromptCache, Reuse, StopReason};
+use keydiff::{
+    CancelToken, Engine, Event, GenerateParams, Output, PromptCache, Reuse, StopReason,
+    TokenLogprob,
+};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
@@ -111,6 +116,10 @@ struct Counters {
 enum Msg {
     /// The first prefill chunk ran: the request was accepted.
     Started,
+    /// The prompt's tokens and their log-probabilities (all but the first), after the prefill.
+    PromptLogprobs(Vec<u32>, Vec<TokenLogprob>),
+    /// A generated token's log-probability, before the text it completes.
+    Logprob(TokenLogprob),
     Text(String),
     Done(Result<Box<Output>, ApiError>),
 }
@@ -361,6 +370,7 @@ pub fn router(engine: Engine, cfg: ServerConfig) -> (Router, Worker) {
         .route("/v1/models", get(models))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
+        .route("/tokenizer_info", get(tokenizer_info))
         .route("/metrics", get(metrics))
         .route_layer(axum::middleware::from_fn_with_state(
             state.clone(),
@@ -441,6 +451,10 @@ fn work(
                         Msg::Started
                     }
                     Event::Prefill { .. } => return,
+                    Event::PromptLogprobs { tokens, logprobs } => {
+                        Msg::PromptLogprobs(tokens.to_vec(), logprobs.to_vec())
+                    }
+                    Event::Logprob(t) => Msg::Logprob(t.clone()),
                     Event::Text(t) => Msg::Text(t.to_string()),
                 };
                 let _ = job.events.send(msg);
@@ -612,6 +626,10 @@ struct Reply {
     model: String,
     /// Text sent before the generated text (`echo`).
     echo: Option<String>,
+    /// The engine whose tokens the logprobs name, when the request asked for logprobs.
+    logprobs: Option<Arc<Engine>>,
+    /// The text offsets of completion logprobs, across a stream's chunks.
+    offsets: logprobs::CompletionLogprobs,
 }
 
 impl Reply {
@@ -626,7 +644,34 @@ impl Reply {
             created: unix_now(),
             model: model.to_string(),
             echo: None,
+            logprobs: None,
+            offsets: Default::default(),
         }
+    }
+
+    /// The `logprobs` of generated tokens `lps` (`null` unless the request asked).
+    fn generated_logprobs(&mut self, lps: &[TokenLogprob]) -> Result<Value, ApiError> {
+        let Some(engine) = &self.logprobs else {
+            return Ok(Value::Null);
+        };
+        match self.kind {
+            Kind::Completion => {
+                let tokens: Vec<u32> = lps.iter().map(|e| e.token).collect();
+                let entries: Vec<_> = lps.iter().map(Some).collect();
+                self.offsets.object(engine, &tokens, &entries)
+            }
+            Kind::Chat => logprobs::chat(engine, lps),
+        }
+    }
+
+    /// The completion `logprobs` of an echoed prompt: `tokens`, and the log-probabilities of
+    /// all but the first.
+    fn prompt_logprobs(&mut self, tokens: &[u32], lps: &[TokenLogprob]) -> Result<Value, ApiError> {
+        let Some(engine) = &self.logprobs else {
+            return Ok(Value::Null);
+        };
+        let entries: Vec<_> = std::iter::once(None).chain(lps.iter().map(Some)).collect();
+        self.offsets.object(engine, tokens, &entries)
     }
 
     /// A response object: `id`, `object`, `created`, `model` and `choices`.
@@ -649,20 +694,35 @@ impl Reply {
     }
 
     /// The whole response of a request that is not streamed.
-    fn full(&self, out: &Output) -> Value {
+    fn full(&mut self, out: &Output) -> Result<Value, ApiError> {
         let reason = api::finish_reason(out.stats.stop_reason);
         let text = format!("{}{}", self.echo.as_deref().unwrap_or(""), out.text);
+        let generated = out.logprobs.as_deref().unwrap_or_default();
+        let logprobs = match (self.kind, &out.prompt_logprobs) {
+            (Kind::Completion, Some(p)) if self.echo.is_some() => {
+                let mut v = self.prompt_logprobs(&out.prompt_tokens, p)?;
+                let g = self.generated_logprobs(generated)?;
+                for key in ["tokens", "token_logprobs", "top_logprobs", "text_offset"] {
+                    let more = g[key].as_array().cloned().unwrap_or_default();
+                    if let Some(a) = v[key].as_array_mut() {
+                        a.extend(more);
+                    }
+                }
+                v
+            }
+            _ => self.generated_logprobs(generated)?,
+        };
         let (object, choice) = match self.kind {
             Kind::Completion => (
                 "text_completion",
-                json!({"index": 0, "text": text, "logprobs": null, "finish_reason": reason}),
+                json!({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}),
             ),
             Kind::Chat => (
                 "chat.completion",
                 json!({
                     "index": 0,
                     "message": {"role": "assistant", "content": text},
-                    "logprobs": null,
+                    "logprobs": logprobs,
                     "finish_reason": reason,
                 }),
             ),
@@ -670,16 +730,23 @@ impl Reply {
         let mut v = self.envelope(object, json!([choice]));
         v["usage"] = api::usage(out);
         v["keydiff"] = api::stats(out);
-        v
+        Ok(v)
     }
 
-    /// One streamed chunk: a piece of text (`None` with `finish` for the last one).
-    fn chunk(&self, text: Option<&str>, role: bool, finish: Option<&str>) -> Value {
+    /// One streamed chunk: a piece of text (`None` with `finish` for the last one) and the
+    /// `logprobs` of the tokens it completes.
+    fn chunk(
+        &self,
+        text: Option<&str>,
+        role: bool,
+        finish: Option<&str>,
+        logprobs: Value,
+    ) -> Value {
         let choice = match self.kind {
             Kind::Completion => json!({
                 "index": 0,
                 "text": text.unwrap_or(""),
-                "logprobs": null,
+                "logprobs": logprobs,
                 "finish_reason": finish,
             }),
             Kind::Chat => {
@@ -690,7 +757,7 @@ impl Reply {
                 if let Some(t) = text {
                     delta.insert("content".into(), t.into());
                 }
-                json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
+                json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
             }
         };
         self.envelope(self.chunk_object(), json!([choice]))
@@ -705,15 +772,21 @@ impl Reply {
 }
 
 async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Result<Response, ApiError> {
-    let req: CompletionRequest = api::parse(&body)?;
-    let echo = req.echo.unwrap_or(false);
-    let mapped = req.map(defaults(&st))?;
+    let mapped = api::parse::<CompletionRequest>(&body)?.map(defaults(&st))?;
     let mut reply = Reply::new(Kind::Completion, &st.cfg.model_id);
-    if echo {
-        match &mapped.params.prompt {
-            keydiff::Prompt::Text(t) => reply.echo = Some(t.clone()),
-            _ => return Err(ApiError::invalid("echo needs a text prompt", Some("echo"))),
-        }
+    if mapped.echo {
+        reply.echo = Some(match &mapped.params.prompt {
+            keydiff::Prompt::Tokens(ids) => {
+                let ids = ids.clone();
+                with_engine(&st, move |e| {
+                    e.check_vocab(&ids)?;
+                    Ok(e.detokenize(&ids)?)
+                })
+                .await?
+            }
+            keydiff::Prompt::Text(t) => t.clone(),
+            keydiff::Prompt::Chat(_) => unreachable!("completions take no messages"),
+        });
     }
     Ok(respond(st, mapped, reply).await)
 }
@@ -739,7 +812,13 @@ async fn respond(st: Arc<AppState>, m: Mapped, mut reply: Reply) -> Response {
         params,
         stream,
         include_usage,
+        echo: _,
     } = m;
+    if params.logprobs.is_some() {
+        reply.logprobs = Some(st.engine.clone());
+    }
+    // An echoed prompt with logprobs is sent once they are known, after the prefill.
+    let echo_waits = params.prompt_logprobs.is_some();
     let (mut rx, guard) = match submit(&st, params) {
         Ok(x) => x,
         Err(e) => return e.into_response(),
@@ -756,7 +835,12 @@ async fn respond(st: Arc<AppState>, m: Mapped, mut reply: Reply) -> Response {
         let mut msg = Some(first);
         loop {
             match msg.take() {
-                Some(Msg::Done(Ok(out))) => return Json(reply.full(&out)).into_response(),
+                Some(Msg::Done(Ok(out))) => {
+                    return match reply.full(&out) {
+                        Ok(v) => Json(v).into_response(),
+                        Err(e) => e.into_response(),
+                    }
+                }
                 Some(Msg::Done(Err(e))) => return e.into_response(),
                 Some(_) => {}
                 None => return ApiError::internal("the generation worker stopped").into_response(),
@@ -769,6 +853,8 @@ async fn respond(st: Arc<AppState>, m: Mapped, mut reply: Reply) -> Response {
         let _guard = guard;
         let send = |v: Value| tx.send(Ok(SseEvent::default().data(v.to_string())));
         let mut pending = Some(first);
+        // Logprobs of tokens whose text has not been sent yet.
+        let mut lps: Vec<TokenLogprob> = Vec::new();
         loop {
             let msg = match pending.take() {
                 Some(m) => m,
@@ -784,27 +870,50 @@ async fn respond(st: Arc<AppState>, m: Mapped, mut reply: Reply) -> Response {
                     _ = tx.closed() => return,
                 },
             };
-            let text = match msg {
+            let chunk = match msg {
                 Msg::Started => {
                     // The chat role, or an echoed prompt, opens the stream.
-                    let opening = match (reply.kind, reply.echo.take()) {
-                        (Kind::Chat, _) => Some(reply.chunk(Some(""), true, None)),
-                        (Kind::Completion, Some(e)) => Some(reply.chunk(Some(&e), false, None)),
-                        (Kind::Completion, None) => None,
-                    };
-                    if opening.is_some_and(|c| send(c).is_err()) {
-                        return;
+                    match reply.kind {
+                        Kind::Chat => Ok(reply.chunk(Some(""), true, None, Value::Null)),
+                        Kind::Completion if echo_waits => continue,
+                        Kind::Completion => match reply.echo.take() {
+                            Some(e) => Ok(reply.chunk(Some(&e), false, None, Value::Null)),
+                            None => continue,
+                        },
                     }
+                }
+                Msg::PromptLogprobs(tokens, p) => {
+                    let Some(e) = reply.echo.take() else { continue };
+                    reply
+                        .prompt_logprobs(&tokens, &p)
+                        .map(|l| reply.chunk(Some(&e), false, None, l))
+                }
+                Msg::Logprob(t) => {
+                    lps.push(t);
                     continue;
                 }
-                Msg::Text(t) => t,
+                Msg::Text(t) => reply
+                    .generated_logprobs(&std::mem::take(&mut lps))
+                    .map(|l| reply.chunk(Some(&t), false, None, l)),
                 Msg::Done(Ok(out)) => {
                     let reason = api::finish_reason(out.stats.stop_reason);
-                    let mut last = reply.chunk(None, false, Some(reason));
-                    last["keydiff"] = api::stats(&out);
-                    let _ = send(last);
-                    if include_usage {
-                        let _ = send(reply.usage_chunk(&out));
+                    // Tokens that added no text (an end of turn, a cut stop string).
+                    let rest = match lps.is_empty() {
+                        true => Ok(Value::Null),
+                        false => reply.generated_logprobs(&std::mem::take(&mut lps)),
+                    };
+                    match rest {
+                        Ok(l) => {
+                            let mut last = reply.chunk(None, false, Some(reason), l);
+                            last["keydiff"] = api::stats(&out);
+                            let _ = send(last);
+                            if include_usage {
+                                let _ = send(reply.usage_chunk(&out));
+                            }
+                        }
+                        Err(e) => {
+                            let _ = send(json!({ "error": e.body() }));
+                        }
                     }
                     break;
                 }
@@ -813,7 +922,14 @@ async fn respond(st: Arc<AppState>, m: Mapped, mut reply: Reply) -> Response {
                     break;
                 }
             };
-            if send(reply.chunk(Some(&text), false, None)).is_err() {
+            let sent = match chunk {
+                Ok(c) => send(c),
+                Err(e) => {
+                    let _ = send(json!({ "error": e.body() }));
+                    break;
+                }
+            };
+            if sent.is_err() {
                 return;
             }
         }
@@ -850,13 +966,34 @@ async fn with_engine<T: Send + 'static>(
 }
 
 async fn tokenize(State(st): State<Arc<AppState>>, body: Bytes) -> Result<Json<Value>, ApiError> {
-    let prompt = api::parse::<api::TokenizeRequest>(&body)?.prompt()?;
-    let tokens = with_engine(&st, move |e| Ok(e.prompt_tokens(&prompt)?)).await?;
+    let req = api::parse::<api::TokenizeRequest>(&body)?;
+    let raw = req.raw_text().map(str::to_string);
+    let prompt = req.prompt()?;
+    let tokens = with_engine(&st, move |e| match raw {
+        Some(text) => Ok(e.tokenize_special(&text)?),
+        None => Ok(e.prompt_tokens(&prompt)?),
+    })
+    .await?;
     Ok(Json(json!({
         "count": tokens.len(),
         "max_model_len": st.context,
         "tokens": tokens,
     })))
+}
+
+/// `GET /tokenizer_info` (vLLM's): the special tokens, the chat template and the context, for
+/// clients that tokenize through this server (lm-evaluation-harness's remote tokenizer).
+async fn tokenizer_info(State(st): State<Arc<AppState>>) -> Json<Value> {
+    let e = &st.engine;
+    Json(json!({
+        "tokenizer_class": "keydiff",
+        "bos_token": e.bos_token(),
+        "eos_token": e.eos_token(),
+        "pad_token": null,
+        "add_bos_token": e.adds_bos(),
+        "chat_template": e.chat_template(),
+        "model_max_length": st.context,
+    }))
 }
 
 async fn detokenize(State(st): State<Arc<AppState>>, body: Bytes) -> Result<Json<Value>, ApiError> {

@@ -76,7 +76,14 @@ impl Engine {
         params: &GenerateParams,
         mut on_event: impl FnMut(Event<'_>),
     ) -> Result<Output> {
-        params.sampling.validate().map_err(EngineError::BadParams)?;
+        params.validate()?;
+        if params.prompt_logprobs.is_some() {
+            return Err(EngineError::BadParams(
+                "prompt logprobs are not available in a chat turn, which prefills only what \
+                 the conversation adds"
+                    .into(),
+            ));
+        }
         if user.is_empty() {
             return Err(EngineError::EmptyPrompt);
         }

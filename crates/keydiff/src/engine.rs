@@ -13,6 +13,7 @@ use keydiff_model::{
 };
 
 use crate::error::{EngineError, Result};
+use crate::logprobs::{rows_logprobs, token_logprob, TokenLogprob, TokenPiece, MAX_TOP_LOGPROBS};
 use crate::sampling::{Sampler, Sampling};
 use crate::source::ModelSource;
 use crate::stream::TextStream;
@@ -109,6 +110,14 @@ pub struct GenerateParams {
     /// ends there with [`StopReason::Cancelled`] and what it generated so far (a server stops
     /// the work of a client that went away).
     pub cancel: Option<CancelToken>,
+    /// Report each generated token's log-probability with this many alternatives (at most
+    /// [`MAX_TOP_LOGPROBS`]; `Some(0)`: the token's own only) in [`Output::logprobs`] and as
+    /// [`Event::Logprob`] events.
+    pub logprobs: Option<usize>,
+    /// Report the prompt tokens' log-probabilities, each after the tokens before it, with this
+    /// many alternatives, in [`Output::prompt_logprobs`]. The prefill then computes every
+    /// row's logits, and the whole prompt is prefilled (no reused prefix).
+    pub prompt_logprobs: Option<usize>,
 }
 
 /// A flag that stops a running request from another thread (or from its own event callback).
@@ -143,7 +152,28 @@ impl Default for GenerateParams {
             ignore_eos: false,
             profile: false,
             cancel: None,
+            logprobs: None,
+            prompt_logprobs: None,
         }
+    }
+}
+
+impl GenerateParams {
+    /// Refuses settings the engine cannot honour: meaningless sampling values, or more
+    /// logprob alternatives than [`MAX_TOP_LOGPROBS`].
+    pub fn validate(&self) -> Result<()> {
+        self.sampling.validate().map_err(EngineError::BadParams)?;
+        for (name, top) in [
+            ("logprobs", self.logprobs),
+            ("prompt logprobs", self.prompt_logprobs),
+        ] {
+            if let Some(k) = top.filter(|&k| k > MAX_TOP_LOGPROBS) {
+                return Err(EngineError::BadParams(format!(
+                    "{name}: {k} alternatives asked, at most {MAX_TOP_LOGPROBS}"
+                )));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -154,6 +184,15 @@ pub enum Event<'a> {
     Prefill { done: usize, total: usize },
     /// A piece of generated text, ready to print.
     Text(&'a str),
+    /// A generated token's log-probability, when [`GenerateParams::logprobs`] asks for them:
+    /// sent as soon as the token is sampled, before the text it completes.
+    Logprob(&'a TokenLogprob),
+    /// The prompt's tokens and their log-probabilities (`logprobs[i]` is `tokens[i + 1]`'s),
+    /// once the prefill is done, when [`GenerateParams::prompt_logprobs`] asks for them.
+    PromptLogprobs {
+        tokens: &'a [u32],
+        logprobs: &'a [TokenLogprob],
+    },
 }
 
 /// Why generation ended.
@@ -257,6 +296,11 @@ pub struct Output {
     pub prompt_tokens: Vec<u32>,
     /// Generated token ids (an end-of-generation token included when one ended the run).
     pub tokens: Vec<u32>,
+    /// Each generated token's log-probability, when [`GenerateParams::logprobs`] asked.
+    pub logprobs: Option<Vec<TokenLogprob>>,
+    /// The log-probability of every prompt token after the first (which has nothing before
+    /// it), when [`GenerateParams::prompt_logprobs`] asked.
+    pub prompt_logprobs: Option<Vec<TokenLogprob>>,
     pub stats: Stats,
 }
 
@@ -504,8 +548,8 @@ impl Engine {
     }
 
     /// Token ids of `text` with special tokens parsed and no BOS: a chat template's text
-    /// that continues a conversation.
-    pub(crate) fn tokenize_special(&self, text: &str) -> Result<Vec<u32>> {
+    /// that continues a conversation, or Hugging Face's `add_special_tokens=False`.
+    pub fn tokenize_special(&self, text: &str) -> Result<Vec<u32>> {
         self.encode(text, true)
     }
 
@@ -521,6 +565,35 @@ impl Engine {
             .tokenizer
             .decode(ids, true)
             .map_err(|e| EngineError::Tokenizer(e.to_string()))
+    }
+
+    /// What each of `ids` stands for: its bytes, and whether it is a special token
+    /// (for logprobs).
+    pub fn token_pieces(&self, ids: &[u32]) -> Result<Vec<TokenPiece>> {
+        self.check_vocab(ids)?;
+        crate::logprobs::token_pieces(&self.loaded.vocab.tokenizer, ids)
+    }
+
+    /// The text of the BOS token, when the model has one.
+    pub fn bos_token(&self) -> Option<String> {
+        let v = &self.loaded.vocab;
+        v.tokenizer.id_to_token(v.bos_id?)
+    }
+
+    /// The text of the first end-of-generation token.
+    pub fn eos_token(&self) -> Option<String> {
+        let v = &self.loaded.vocab;
+        v.tokenizer.id_to_token(*v.eos_ids.first()?)
+    }
+
+    /// Whether a BOS token is put before a text prompt.
+    pub fn adds_bos(&self) -> bool {
+        self.loaded.vocab.add_bos
+    }
+
+    /// The chat template's source, when the model has one.
+    pub fn chat_template(&self) -> Option<&str> {
+        Some(self.loaded.vocab.chat_template.as_ref()?.source())
     }
 
     /// Renders messages with the model's chat template, generation prompt appended.
@@ -658,7 +731,7 @@ impl Engine {
         prefix: Option<&Prefix>,
         mut on_event: impl FnMut(Event<'_>),
     ) -> Result<Output> {
-        params.sampling.validate().map_err(EngineError::BadParams)?;
+        params.validate()?;
         let t0 = Instant::now();
         let model = &self.loaded.model;
         let context = model.config().max_position_embeddings;
@@ -668,7 +741,14 @@ impl Engine {
             return Err(EngineError::PromptTooLong { tokens: n, context });
         }
         // The cache holds at most the prompt and the output, never beyond the context.
-        let mut cache = self.new_cache(n.saturating_add(params.max_tokens).min(context))?;
+        let max_tokens = n.saturating_add(params.max_tokens).min(context);
+        let mut cache = match params.prompt_logprobs {
+            Some(_) => {
+                let extra = self.chunk_logits_bytes(n);
+                self.alloc_cache_with(self.cfg.cache.clone(), max_tokens, extra)?
+            }
+            None => self.new_cache(max_tokens)?,
+        };
         let start = start_from(&mut cache, &prompt, prefix)?;
         let (out, _) = self.run_request(&mut cache, &prompt, start, params, t0, &mut on_event)?;
         Ok(out)
@@ -686,6 +766,13 @@ impl Engine {
         t0: Instant,
         on_event: &mut impl FnMut(Event<'_>),
     ) -> Result<(Output, Option<u32>)> {
+        params.validate()?;
+        if params.prompt_logprobs.is_some() && start > 0 {
+            return Err(EngineError::BadParams(format!(
+                "prompt logprobs need the whole prompt prefilled, but {start} of its tokens \
+                 come from a cache"
+            )));
+        }
         let model = &self.loaded.model;
         let vocab = &self.loaded.vocab;
         let context = model.config().max_position_embeddings;
@@ -705,6 +792,7 @@ impl Engine {
         };
         let tp = Instant::now();
         let mut logits = None;
+        let mut prompt_lp = Vec::new();
         let mut done = start;
         while done < n {
             if cancelled() {
@@ -714,11 +802,31 @@ impl Engine {
             // slots, so the first chunk takes only the room left (it then evicts to N).
             let room = cache.capacity() - cache.len();
             let piece = &prompt[done..(done + chunk.min(room).max(1)).min(n)];
-            logits = Some(model.forward(piece, cache, false)?);
+            logits = Some(match params.prompt_logprobs {
+                None => model.forward(piece, cache, false)?,
+                Some(top) => {
+                    // Row i predicts prompt token done + i + 1; the last row of the prompt
+                    // predicts the first generated token.
+                    let all = model.forward_all(piece, cache)?;
+                    let scored = (done + piece.len()).min(n - 1) - done;
+                    let targets = &prompt[done + 1..done + 1 + scored];
+                    if scored > 0 {
+                        let rows = all.narrow(0, 0, scored)?;
+                        prompt_lp.extend(rows_logprobs(&rows, targets, top)?);
+                    }
+                    all.get(piece.len() - 1)?
+                }
+            });
             done += piece.len();
             on_event(Event::Prefill { done, total: n });
         }
         let prefill_s = tp.elapsed().as_secs_f64();
+        if params.prompt_logprobs.is_some() && done == n {
+            on_event(Event::PromptLogprobs {
+                tokens: prompt,
+                logprobs: &prompt_lp,
+            });
+        }
         let breakdown = cache
             .profile()
             .map(|p| Breakdown::new(p, cache.counters().since(&counted), prefill_s));
@@ -739,10 +847,17 @@ impl Engine {
         } else {
             logits.expect("non-empty prompt").to_vec1::<f32>()?
         };
+        let mut logprobs = Vec::new();
         while reason != StopReason::Cancelled && generated.len() < params.max_tokens {
+            // The model's distribution, before the sampler's penalties and temperature.
+            let raw = params.logprobs.map(|top| (logits.clone(), top));
             let tok = sampler.sample(&mut logits, &history);
             if generated.is_empty() {
                 ttft_s = t0.elapsed().as_secs_f64();
+            }
+            if let Some((raw, top)) = raw {
+                logprobs.push(token_logprob(&raw, tok, top)?);
+                on_event(Event::Logprob(logprobs.last().expect("just pushed")));
             }
             generated.push(tok);
             history.push(tok);
@@ -808,6 +923,8 @@ impl Engine {
                 text: stream.text().to_string(),
                 prompt_tokens: prompt.to_vec(),
                 tokens: generated,
+                logprobs: params.logprobs.map(|_| logprobs),
+                prompt_logprobs: params.prompt_logprobs.map(|_| prompt_lp),
                 stats,
             },
             last,
@@ -848,8 +965,7 @@ impl Engine {
         // The last token is only a target: the tokens before it are run.
         let inputs = &tokens[..tokens.len() - 1];
         let chunk = self.cfg.cache.chunk;
-        // A chunk's logit rows in f32, and the temporaries of their log-softmax.
-        let logits = 4 * 4 * (chunk.min(inputs.len()) * self.model_config().vocab_size) as u64;
+        let logits = self.chunk_logits_bytes(inputs.len());
         let mut cache = self.alloc_cache_with(self.cfg.cache.clone(), inputs.len(), logits)?;
         let mut nll = Vec::with_capacity(inputs.len());
         for (i, piece) in inputs.chunks(chunk).enumerate() {
@@ -869,6 +985,12 @@ impl Engine {
             evicted_slots: counters.evicted_slots,
             peak_kv_bytes: cache.bytes(),
         })
+    }
+
+    /// What a prefill of `tokens` tokens that keeps every row's logits needs beyond its cache:
+    /// a chunk's logit rows in f32, and the temporaries of their log-softmax or host copy.
+    fn chunk_logits_bytes(&self, tokens: usize) -> u64 {
+        4 * 4 * (self.cfg.cache.chunk.min(tokens) * self.model_config().vocab_size) as u64
     }
 
     /// A fresh cache under the engine's cache settings, for a request that will see at most

@@ -15,6 +15,7 @@ mod conversation;
 mod engine;
 mod error;
 pub mod kernel_check;
+pub mod logprobs;
 pub mod parity;
 mod perplexity;
 mod prompt_cache;
@@ -35,6 +36,7 @@ pub use keydiff_model::memory::{human as human_bytes, parse_size};
 pub use keydiff_model::{
     AttentionBackend, CpuWeights, MemoryBudget, Message, ModelConfig, ModelError, ModelFormat,
 };
+pub use logprobs::{TokenLogprob, TokenPiece, MAX_TOP_LOGPROBS};
 pub use perplexity::Perplexity;
 pub use prompt_cache::{PromptCache, Reuse};
 pub use sampling::{Sampler, Sampling};

@@ -113,7 +113,13 @@ impl Engine {
         pc: &mut PromptCache,
         mut on_event: impl FnMut(Event<'_>),
     ) -> Result<Output> {
-        params.sampling.validate().map_err(EngineError::BadParams)?;
+        params.validate()?;
+        if params.prompt_logprobs.is_some() {
+            // Every prompt row's logits are needed, so nothing can be reused; the request
+            // runs afresh and the next one finds no cache.
+            pc.clear();
+            return self.generate_from(params, None, on_event);
+        }
         let t0 = Instant::now();
         let context = self.model_config().max_position_embeddings;
         let text = match &params.prompt {

@@ -1,0 +1,93 @@
+//! The `logprobs` objects of responses, in the two shapes OpenAI uses.
+//!
+//! - `/v1/completions`: `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`, one
+//!   entry per token. With `echo`, the prompt's tokens come first, the first of them with
+//!   `null`s (nothing comes before it). `top_logprobs` maps token text to log-probability and,
+//!   as OpenAI documents, also holds the chosen token, so it has up to `logprobs + 1` entries.
+//!   `text_offset` is the character offset of each token in the returned `text`; special
+//!   tokens (BOS, end of turn) take no room there, as the text leaves them out.
+//! - `/v1/chat/completions`: `{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}`.
+//!
+//! A token that ends inside a UTF-8 character shows as U+FFFD in `token`; `bytes` (chat) has
+//! its exact bytes.
+
+use std::collections::HashMap;
+
+use keydiff::{Engine, TokenLogprob, TokenPiece};
+use serde_json::{json, Map, Value};
+
+use crate::error::ApiError;
+
+/// Token pieces of every id the entries mention (tokens and alternatives).
+fn pieces<'a>(
+    engine: &Engine,
+    ids: impl Iterator<Item = &'a u32>,
+) -> Result<HashMap<u32, TokenPiece>, ApiError> {
+    let mut ids: Vec<u32> = ids.copied().collect();
+    ids.sort_unstable();
+    ids.dedup();
+    let pieces = engine.token_pieces(&ids)?;
+    Ok(ids.into_iter().zip(pieces).collect())
+}
+
+/// Builds `/v1/completions` logprobs objects, keeping the text offset across the chunks of a
+/// stream.
+#[derive(Debug, Default)]
+pub struct CompletionLogprobs {
+    /// Characters of the response's text before the next token.
+    offset: usize,
+}
+
+impl CompletionLogprobs {
+    /// The object for `tokens`, `entries[i]` the log-probability of `tokens[i]` (`None` for a
+    /// prompt's first token).
+    pub fn object(
+        &mut self,
+        engine: &Engine,
+        tokens: &[u32],
+        entries: &[Option<&TokenLogprob>],
+    ) -> Result<Value, ApiError> {
+        let alternatives = entries
+            .iter()
+            .flatten()
+            .flat_map(|e| e.top.iter().map(|t| &t.0));
+        let map = pieces(engine, tokens.iter().chain(alternatives))?;
+        let ordered: Vec<TokenPiece> = tokens.iter().map(|t| map[t].clone()).collect();
+        let (offsets, end) = keydiff::logprobs::text_offsets(&ordered, self.offset);
+        self.offset = end;
+        let top = |e: &TokenLogprob| {
+            let mut m = Map::new();
+            for (id, lp) in e.top.iter().chain(std::iter::once(&(e.token, e.logprob))) {
+                m.insert(map[id].text(), json!(lp));
+            }
+            Value::Object(m)
+        };
+        Ok(json!({
+            "tokens": ordered.iter().map(TokenPiece::text).collect::<Vec<_>>(),
+            "token_logprobs": entries.iter().map(|e| e.map(|e| e.logprob)).collect::<Vec<_>>(),
+            "top_logprobs": entries.iter().map(|e| e.map(top)).collect::<Vec<_>>(),
+            "text_offset": offsets,
+        }))
+    }
+}
+
+/// The `/v1/chat/completions` logprobs object of `entries`.
+pub fn chat(engine: &Engine, entries: &[TokenLogprob]) -> Result<Value, ApiError> {
+    let ids = entries
+        .iter()
+        .flat_map(|e| std::iter::once(&e.token).chain(e.top.iter().map(|t| &t.0)));
+    let map = pieces(engine, ids)?;
+    let item = |id: &u32, lp: f32| {
+        let p = &map[id];
+        json!({"token": p.text(), "logprob": lp, "bytes": p.bytes})
+    };
+    let content: Vec<Value> = entries
+        .iter()
+        .map(|e| {
+            let mut v = item(&e.token, e.logprob);
+            v["top_logprobs"] = e.top.iter().map(|(id, lp)| item(id, *lp)).collect();
+            v
+        })
+        .collect();
+    Ok(json!({ "content": content }))
+}

@@ -1,0 +1,243 @@
+//! Log-probabilities of tokens (OpenAI's `logprobs`), and the bytes each token stands for.
+//!
+//! A log-probability is taken from the model's own distribution: the log-softmax of the raw
+//! logits, before penalties, temperature or any truncation (vLLM's default, and what an
+//! evaluation harness scores a continuation with). Under a KV budget it is the distribution of
+//! the evicting engine, which is the point of asking for it here.
+
+use candle_core::Tensor;
+use tokenizers::{DecoderWrapper, Tokenizer};
+
+use crate::error::{EngineError, Result};
+
+/// The most alternatives a request may ask for per token (vLLM's default `max_logprobs`).
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// One token's log-probability and the most likely tokens in its place.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct TokenLogprob {
+    pub token: u32,
+    pub logprob: f32,
+    /// The `top` most likely tokens with their log-probabilities, most likely first (ties: the
+    /// lower id first).
+    pub top: Vec<(u32, f32)>,
+}
+
+/// The log-softmax of `logits` at `token`, and its `top` most likely entries. The log of the
+/// normaliser is summed in f64 so that a large vocabulary loses no precision.
+pub fn token_logprob(logits: &[f32], token: u32, top: usize) -> Result<TokenLogprob> {
+    let Some(&picked) = logits.get(token as usize) else {
+        return Err(EngineError::BadParams(format!(
+            "token {token} is outside the vocabulary of {}",
+            logits.len()
+        )));
+    };
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    if !max.is_finite() {
+        return Err(EngineError::BadParams(format!(
+            "the logits' largest value is {max}: no distribution to take logprobs from"
+        )));
+    }
+    let sum: f64 = logits.iter().map(|&l| f64::from(l - max).exp()).sum();
+    let lse = f64::from(max) + sum.ln();
+    let lp = |l: f32| (f64::from(l) - lse) as f32;
+    let top = top.min(logits.len());
+    let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
+    let order = |a: &u32, b: &u32| {
+        logits[*b as usize]
+            .total_cmp(&logits[*a as usize])
+            .then(a.cmp(b))
+    };
+    if top > 0 && top < ids.len() {
+        ids.select_nth_unstable_by(top - 1, order);
+    }
+    ids.truncate(top);
+    ids.sort_unstable_by(order);
+    Ok(TokenLogprob {
+        token,
+        logprob: lp(picked),
+        top: ids
+            .into_iter()
+            .map(|i| (i, lp(logits[i as usize])))
+            .collect(),
+    })
+}
+
+/// [`token_logprob`] for every row of `logits` (`[rows, vocab]`, any device), row `i` taken at
+/// `targets[i]`.
+pub fn rows_logprobs(logits: &Tensor, targets: &[u32], top: usize) -> Result<Vec<TokenLogprob>> {
+    let rows = logits.to_dtype(candle_core::DType::F32)?.to_vec2::<f32>()?;
+    if rows.len() != targets.len() {
+        return Err(EngineError::BadParams(format!(
+            "{} logit rows for {} target tokens",
+            rows.len(),
+            targets.len()
+        )));
+    }
+    rows.iter()
+        .zip(targets)
+        .map(|(row, &t)| token_logprob(row, t, top))
+        .collect()
+}
+
+/// What a token stands for in text.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TokenPiece {
+    /// Its bytes: part of a UTF-8 character when a byte-level token splits one.
+    pub bytes: Vec<u8>,
+    /// A special token (BOS, `<|im_end|>`, ...): decoded text leaves it out.
+    pub special: bool,
+}
+
+impl TokenPiece {
+    /// The bytes as text, a split character shown as U+FFFD (as OpenAI's `token` field).
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.bytes).into_owned()
+    }
+}
+
+/// The pieces of `ids`. With a byte-level decoder (Llama 3, Qwen 2.5, SmolLM2, every GGUF we
+/// load) a token's vocabulary string maps back to its exact bytes through GPT-2's byte
+/// alphabet; added tokens are their content. Other decoders fall back to decoding the token
+/// alone.
+pub fn token_pieces(tokenizer: &Tokenizer, ids: &[u32]) -> Result<Vec<TokenPiece>> {
+    let byte_level = matches!(tokenizer.get_decoder(), Some(DecoderWrapper::ByteLevel(_)));
+    let added = tokenizer.get_added_vocabulary().get_added_tokens_decoder();
+    let table = byte_level.then(char_bytes);
+    ids.iter()
+        .map(|&id| {
+            if let Some(t) = added.get(&id) {
+                return Ok(TokenPiece {
+                    bytes: t.content.as_bytes().to_vec(),
+                    special: t.special,
+                });
+            }
+            let unknown = || EngineError::BadParams(format!("token {id} is not in the vocabulary"));
+            let bytes = match &table {
+                Some(table) => {
+                    let s = tokenizer.id_to_token(id).ok_or_else(unknown)?;
+                    s.chars()
+                        .map(|c| table(c).ok_or_else(unknown))
+                        .collect::<Result<Vec<u8>>>()?
+                }
+                None => tokenizer
+                    .decode(&[id], false)
+                    .map_err(|e| EngineError::Tokenizer(e.to_string()))?
+                    .into_bytes(),
+            };
+            Ok(TokenPiece {
+                bytes,
+                special: false,
+            })
+        })
+        .collect()
+}
+
+/// GPT-2's byte-level alphabet backwards: the byte a vocabulary character stands for. Printable
+/// bytes (`!`..=`~`, `¡`..=`¬`, `®`..=`ÿ`) stand for themselves; the other 68 bytes were given
+/// the characters from U+0100 on, in byte order.
+fn char_bytes() -> impl Fn(char) -> Option<u8> {
+    let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+    let mut table = [0u8; 68];
+    let mut n = 0;
+    for b in 0..=255u8 {
+        if !printable(b) {
+            table[n] = b;
+            n += 1;
+        }
+    }
+    move |c: char| {
+        let c = c as u32;
+        match c {
+            0..=255 if printable(c as u8) => Some(c as u8),
+            256..=323 => Some(table[(c - 256) as usize]),
+            _ => None,
+        }
+    }
+}
+
+/// The character offset (Python's `str` index, as OpenAI's `text_offset`) at which each
+/// piece starts in the text they decode to, counting from `start`, and the offset after the
+/// last; special pieces take no room.
+pub fn text_offsets(pieces: &[TokenPiece], start: usize) -> (Vec<usize>, usize) {
+    let mut at = start;
+    let offsets = pieces
+        .iter()
+        .map(|p| {
+            let here = at;
+            if !p.special {
+                // Characters begin at every byte that is not a UTF-8 continuation byte.
+                at += p.bytes.iter().filter(|&&b| b & 0xC0 != 0x80).count();
+            }
+            here
+        })
+        .collect();
+    (offsets, at)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn logprobs_are_a_log_softmax_with_the_top_entries_in_order() {
+        let logits = [1.0f32, 3.0, 2.0, 3.0, -1.0];
+        let z: f64 = logits.iter().map(|&l| f64::from(l).exp()).sum();
+        let want = |i: usize| (f64::from(logits[i]) - z.ln()) as f32;
+        let t = token_logprob(&logits, 2, 3).unwrap();
+        assert_eq!(t.token, 2);
+        assert!((t.logprob - want(2)).abs() < 1e-6);
+        // Ties broken by id: 1 before 3.
+        let ids: Vec<u32> = t.top.iter().map(|p| p.0).collect();
+        assert_eq!(ids, [1, 3, 2]);
+        for (i, lp) in &t.top {
+            assert!((lp - want(*i as usize)).abs() < 1e-6);
+        }
+        let all = token_logprob(&logits, 0, 99).unwrap();
+        assert_eq!(all.top.len(), 5);
+        let p: f64 = all.top.iter().map(|p| f64::from(p.1).exp()).sum();
+        assert!((p - 1.0).abs() < 1e-6);
+        assert!(token_logprob(&logits, 0, 0).unwrap().top.is_empty());
+        assert!(token_logprob(&logits, 5, 1).is_err());
+        assert!(token_logprob(&[f32::NEG_INFINITY; 3], 0, 1).is_err());
+    }
+
+    #[test]
+    fn large_logits_do_not_overflow() {
+        let logits = [1000.0f32, 1000.0];
+        let t = token_logprob(&logits, 0, 1).unwrap();
+        assert!((t.logprob - (-std::f32::consts::LN_2)).abs() < 1e-6);
+    }
+
+    #[test]
+    fn the_byte_alphabet_is_a_bijection_onto_the_byte_level_chars() {
+        let table = char_bytes();
+        let alphabet = tokenizers::pre_tokenizers::byte_level::ByteLevel::alphabet();
+        assert_eq!(alphabet.len(), 256);
+        let mut seen: Vec<u8> = alphabet.iter().map(|&c| table(c).unwrap()).collect();
+        seen.sort_unstable();
+        assert_eq!(seen, (0..=255).collect::<Vec<u8>>());
+        // GPT-2's own examples: 'Ġ' is a space, 'Ċ' a newline.
+        assert_eq!(table('Ġ'), Some(b' '));
+        assert_eq!(table('Ċ'), Some(b'\n'));
+        assert_eq!(table('€'), None);
+    }
+
+    #[test]
+    fn offsets_count_characters_and_skip_special_pieces() {
+        let piece = |b: &[u8], special| TokenPiece {
+            bytes: b.to_vec(),
+            special,
+        };
+        // "<s>", "a", then "é" split over two tokens, then "b".
+        let pieces = [
+            piece(b"<s>", true),
+            piece(b"a", false),
+            piece(&[0xC3], false),
+            piece(&[0xA9], false),
+            piece(b"b", false),
+        ];
+        assert_eq!(text_offsets(&pieces, 2), (vec![2, 2, 3, 4, 4], 5));
+        assert_eq!(pieces[2].text(), "\u{FFFD}");
+    }
+}
