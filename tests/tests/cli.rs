@@ -264,3 +264,60 @@ fn perplexity_reports_json_and_truncation() {
         "{so}"
     );
 }
+
+/// `run --json --logprobs K`: one entry per generated token with K alternatives, the greedy
+/// token first among them; `--logprobs` without `--json`, or above 20, is refused.
+#[test]
+fn run_reports_logprobs_in_json() {
+    let m = model(SMOLLM2);
+    let m = m.to_str().unwrap();
+    let args = [
+        "run",
+        "-m",
+        m,
+        "-p",
+        "The capital of France is",
+        "-n",
+        "4",
+        "--json",
+    ];
+    let (so, _) = ok(&[&args[..], &["--logprobs", "3"]].concat());
+    let v: serde_json::Value = serde_json::from_str(so.trim()).unwrap();
+    let lps = v["logprobs"].as_array().unwrap();
+    assert_eq!(
+        lps.len() as u64,
+        v["stats"]["generated_tokens"].as_u64().unwrap()
+    );
+    let mut text = String::new();
+    for lp in lps {
+        let top = lp["top"].as_array().unwrap();
+        assert_eq!(top.len(), 3, "{lp}");
+        assert_eq!(top[0]["id"], lp["id"], "greedy picks the most likely: {lp}");
+        assert!(lp["logprob"].as_f64().unwrap() <= 0.0);
+        text.push_str(lp["text"].as_str().unwrap());
+    }
+    assert!(
+        text.starts_with(v["text"].as_str().unwrap()),
+        "{text:?} vs {v}"
+    );
+    let (plain, _) = ok(&args);
+    let plain: serde_json::Value = serde_json::from_str(plain.trim()).unwrap();
+    assert!(plain.get("logprobs").is_none());
+    for (extra, msg) in [
+        (&["--logprobs", "21"][..], "at most 20"),
+        (&["--logprobs"][..], "a value is required"),
+    ] {
+        let out = Command::new(keydiff_bin())
+            .args([&args[..], extra].concat())
+            .output()
+            .unwrap();
+        let se = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && se.contains(msg), "{extra:?}: {se}");
+    }
+    let out = Command::new(keydiff_bin())
+        .args(["run", "-m", m, "-p", "Hi", "--logprobs", "2"])
+        .output()
+        .unwrap();
+    let se = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && se.contains("--json"), "{se}");
+}

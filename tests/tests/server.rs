@@ -817,3 +817,277 @@ fn continue_mode_goes_on_from_an_evicted_cache() {
     let h = get(&format!("{}/health", server.url()));
     assert_eq!(h["prompt_cache"], "continue");
 }
+
+/// The `logprobs` arrays of completion chunks, joined in order.
+fn joined_completion_logprobs(chunks: &[Value]) -> Value {
+    let mut all =
+        json!({"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []});
+    for c in chunks {
+        let lp = &c["choices"][0]["logprobs"];
+        if lp.is_null() {
+            continue;
+        }
+        for key in ["tokens", "token_logprobs", "top_logprobs", "text_offset"] {
+            let more = lp[key].as_array().unwrap().clone();
+            all[key].as_array_mut().unwrap().extend(more);
+        }
+    }
+    all
+}
+
+/// Checks a completion's `logprobs` against the engine's tokens and log-probabilities:
+/// `entries[i]` for `tokens[i]` (`None`: `null`), token texts, and text offsets into `text`.
+fn check_completion_logprobs(
+    local: &Engine,
+    lp: &Value,
+    text: &str,
+    tokens: &[u32],
+    entries: &[Option<&keydiff::TokenLogprob>],
+) {
+    let n = tokens.len();
+    for key in ["tokens", "token_logprobs", "top_logprobs", "text_offset"] {
+        assert_eq!(lp[key].as_array().unwrap().len(), n, "{key}: {lp}");
+    }
+    let pieces = local.token_pieces(tokens).unwrap();
+    let chars: Vec<char> = text.chars().collect();
+    for (i, (piece, entry)) in pieces.iter().zip(entries).enumerate() {
+        assert_eq!(lp["tokens"][i], piece.text(), "token {i}");
+        match entry {
+            None => {
+                assert!(lp["token_logprobs"][i].is_null());
+                assert!(lp["top_logprobs"][i].is_null());
+            }
+            Some(e) => {
+                let got = lp["token_logprobs"][i].as_f64().unwrap();
+                assert!((got - e.logprob as f64).abs() < 1e-6, "token {i}");
+                // The alternatives, and the chosen token (OpenAI: up to logprobs + 1).
+                let top = lp["top_logprobs"][i].as_object().unwrap();
+                for (id, l) in e.top.iter().chain([&(e.token, e.logprob)]) {
+                    let key = local.token_pieces(&[*id]).unwrap()[0].text();
+                    let got = top[&key].as_f64().unwrap();
+                    assert!((got - *l as f64).abs() < 1e-6, "token {i}: {key:?}");
+                }
+                assert!(top.len() <= e.top.len() + 1);
+            }
+        }
+        // Where a token is whole characters, the text has it at its offset.
+        let at = lp["text_offset"][i].as_u64().unwrap() as usize;
+        if let (false, Ok(s)) = (piece.special, std::str::from_utf8(&piece.bytes)) {
+            if at < chars.len() {
+                let here: String = chars[at..].iter().take(s.chars().count()).collect();
+                assert_eq!(here, s, "token {i} at {at}");
+            }
+        }
+    }
+}
+
+/// Logprobs as lm-evaluation-harness asks for them (`local-completions`: token ids, echo,
+/// `logprobs: 1`, `max_tokens: 1`, scored as its `parse_logprobs` does) under a budget that
+/// evicts: the continuation's log-likelihood and greediness are the engine's. Completions'
+/// logprobs whole and streamed, echo streamed, chat's `logprobs`/`top_logprobs` whole and
+/// streamed; `/tokenizer_info` and `/tokenize` without special tokens, which lm-eval's
+/// remote tokenizer uses.
+#[test]
+fn logprobs_score_prompts_and_replies() {
+    let cache = keydiff_cache(64, 32);
+    let server = start(cache.clone(), 4);
+    let base = server.url();
+    let c = format!("{base}/v1/completions");
+    let local = engine(cache);
+
+    // lm-eval's loglikelihood request for (context, continuation).
+    let context = format!(
+        "{}\nQuestion: which animal jumps? Answer:",
+        "The quick brown fox jumps over the lazy dog. ".repeat(12)
+    );
+    let ctx = local.prompt_tokens(&Prompt::Text(context.clone())).unwrap();
+    let cont = local.tokenize_continuation(" The fox").unwrap();
+    let ids: Vec<u32> = ctx.iter().chain(&cont).copied().collect();
+    let body = json!({"model": "smol", "prompt": [ids], "temperature": 0, "max_tokens": 1,
+                      "logprobs": 1, "seed": 1234, "echo": true});
+    let (code, got) = post(&c, &body);
+    assert_eq!(code, 200, "{got}");
+    let want = local
+        .generate(
+            &GenerateParams {
+                prompt: Prompt::Tokens(ids.clone()),
+                max_tokens: 1,
+                logprobs: Some(1),
+                prompt_logprobs: Some(1),
+                ..Default::default()
+            },
+            |_| {},
+        )
+        .unwrap();
+    assert!(want.stats.eviction.evictions > 0, "the budget must evict");
+    let choice = &got["choices"][0];
+    let lp = &choice["logprobs"];
+    // parse_logprobs: token_logprobs[ctxlen:-1], greedy where each is its top's maximum.
+    let ctxlen = ctx.len();
+    let scored = &lp["token_logprobs"].as_array().unwrap()[ctxlen..ids.len()];
+    let tops = &lp["top_logprobs"].as_array().unwrap()[ctxlen..ids.len()];
+    let loglik: f64 = scored.iter().map(|v| v.as_f64().unwrap()).sum();
+    let greedy = scored.iter().zip(tops).all(|(t, top)| {
+        let max = top
+            .as_object()
+            .unwrap()
+            .values()
+            .map(|v| v.as_f64().unwrap())
+            .fold(f64::NEG_INFINITY, f64::max);
+        t.as_f64().unwrap() == max
+    });
+    let plp = want.prompt_logprobs.as_ref().unwrap();
+    let want_loglik: f64 = plp[ctxlen - 1..].iter().map(|l| l.logprob as f64).sum();
+    let want_greedy = plp[ctxlen - 1..].iter().all(|l| l.top[0].0 == l.token);
+    assert!(
+        (loglik - want_loglik).abs() < 1e-5,
+        "{loglik} vs {want_loglik}"
+    );
+    assert_eq!(greedy, want_greedy);
+    let echoed = local.detokenize(&ids).unwrap();
+    let text = choice["text"].as_str().unwrap();
+    assert_eq!(text, format!("{echoed}{}", want.text));
+    let all_tokens: Vec<u32> = ids.iter().chain(&want.tokens).copied().collect();
+    let entries: Vec<_> = std::iter::once(None)
+        .chain(plp.iter().map(Some))
+        .chain(want.logprobs.as_ref().unwrap().iter().map(Some))
+        .collect();
+    check_completion_logprobs(&local, lp, text, &all_tokens, &entries);
+
+    // Logprobs of a reply, whole and streamed; echo streamed. (With prompt logprobs every
+    // prompt row goes through the LM head, without them only the last: the first reply
+    // token's logits may differ in the last bits, so each is compared with its own kind.)
+    let prompt = "Write a list of three fruits:";
+    let reply = |prompt_logprobs| {
+        let p = GenerateParams {
+            prompt: Prompt::Text(prompt.into()),
+            max_tokens: 10,
+            logprobs: Some(3),
+            prompt_logprobs,
+            ..Default::default()
+        };
+        local.generate(&p, |_| {}).unwrap()
+    };
+    let want = reply(None);
+    let body = json!({"prompt": prompt, "max_tokens": 10, "temperature": 0, "logprobs": 3});
+    let (_, whole) = post(&c, &body);
+    let lp = &whole["choices"][0]["logprobs"];
+    let entries: Vec<_> = want.logprobs.as_ref().unwrap().iter().map(Some).collect();
+    check_completion_logprobs(&local, lp, &want.text, &want.tokens, &entries);
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let ev = events(ureq::post(&c).send_json(&streamed).unwrap());
+    assert_eq!(&joined_completion_logprobs(&ev), lp);
+    streamed["echo"] = json!(true);
+    let ev = events(ureq::post(&c).send_json(&streamed).unwrap());
+    let text: String = ev
+        .iter()
+        .filter_map(|e| e["choices"][0]["text"].as_str())
+        .collect();
+    assert_eq!(text, format!("{prompt}{}", want.text));
+    assert_eq!(
+        ev[0]["choices"][0]["text"], prompt,
+        "the echo opens the stream"
+    );
+    let want = reply(Some(3));
+    assert_eq!(text, format!("{prompt}{}", want.text));
+    let prompt_tokens = want.prompt_tokens.clone();
+    let all_tokens: Vec<u32> = prompt_tokens.iter().chain(&want.tokens).copied().collect();
+    let entries: Vec<_> = std::iter::once(None)
+        .chain(want.prompt_logprobs.as_ref().unwrap().iter().map(Some))
+        .chain(want.logprobs.as_ref().unwrap().iter().map(Some))
+        .collect();
+    check_completion_logprobs(
+        &local,
+        &joined_completion_logprobs(&ev),
+        &text,
+        &all_tokens,
+        &entries,
+    );
+
+    // Chat: logprobs true with two alternatives, whole and streamed.
+    let messages = vec![Message::new("user", "Name a colour.")];
+    let want = local
+        .generate(
+            &GenerateParams {
+                prompt: Prompt::Chat(messages),
+                max_tokens: 6,
+                logprobs: Some(2),
+                ..Default::default()
+            },
+            |_| {},
+        )
+        .unwrap();
+    let body = json!({"messages": [{"role": "user", "content": "Name a colour."}],
+                      "max_tokens": 6, "temperature": 0, "logprobs": true, "top_logprobs": 2});
+    let (code, whole) = post(&format!("{base}/v1/chat/completions"), &body);
+    assert_eq!(code, 200, "{whole}");
+    let content = whole["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .unwrap();
+    let lps = want.logprobs.as_ref().unwrap();
+    assert_eq!(content.len(), lps.len());
+    let mut bytes = Vec::new();
+    for (item, e) in content.iter().zip(lps) {
+        let piece = &local.token_pieces(&[e.token]).unwrap()[0];
+        assert_eq!(item["token"], piece.text());
+        assert_eq!(item["bytes"], json!(piece.bytes));
+        assert!((item["logprob"].as_f64().unwrap() - e.logprob as f64).abs() < 1e-6);
+        let top = item["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 2);
+        for (t, (id, l)) in top.iter().zip(&e.top) {
+            assert_eq!(t["token"], local.token_pieces(&[*id]).unwrap()[0].text());
+            assert!((t["logprob"].as_f64().unwrap() - *l as f64).abs() < 1e-6);
+        }
+        if !piece.special {
+            bytes.extend(&piece.bytes);
+        }
+    }
+    assert_eq!(
+        String::from_utf8(bytes).unwrap(),
+        whole["choices"][0]["message"]["content"].as_str().unwrap()
+    );
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let ev = events(
+        ureq::post(&format!("{base}/v1/chat/completions"))
+            .send_json(&streamed)
+            .unwrap(),
+    );
+    let joined: Vec<Value> = ev
+        .iter()
+        .filter_map(|e| e["choices"][0]["logprobs"]["content"].as_array())
+        .flatten()
+        .cloned()
+        .collect();
+    assert_eq!(&joined, content);
+    // Without logprobs, none.
+    let (_, plain) = post(
+        &c,
+        &json!({"prompt": prompt, "max_tokens": 2, "temperature": 0}),
+    );
+    assert!(plain["choices"][0]["logprobs"].is_null());
+
+    // What lm-eval's remote tokenizer asks.
+    let info = get(&format!("{base}/tokenizer_info"));
+    let eos = local.eos_token().unwrap();
+    assert_eq!(info["eos_token"], eos);
+    assert_eq!(info["model_max_length"], 8192);
+    assert!(info["chat_template"].as_str().unwrap().contains("im_start"));
+    let (_, t) = post(
+        &format!("{base}/tokenize"),
+        &json!({"prompt": eos, "add_special_tokens": false}),
+    );
+    let eos_id = local.tokenize_special(&eos).unwrap();
+    assert_eq!(eos_id.len(), 1);
+    assert_eq!(t["tokens"], json!(eos_id));
+    let (_, t) = post(
+        &format!("{base}/tokenize"),
+        &json!({"prompt": "Hello world", "add_special_tokens": false}),
+    );
+    assert_eq!(
+        t["tokens"],
+        json!(local.tokenize_continuation("Hello world").unwrap())
+    );
+    server.stop().unwrap();
+}
