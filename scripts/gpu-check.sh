@@ -80,7 +80,7 @@ for f in sorted(glob.glob(sys.argv[1] + "/parity-*.jsonl")):
 PY
 [ $parity_ok = 1 ] && note "parity: PASS" || note "parity: FAIL"
 
-echo "== 3a. perplexity on the GPU against the CPU: every logit row, log-softmax, the targets' NLL"
+echo "== 3a. perplexity on the GPU against the CPU: every logit row, log-softmax, the targets' NLL; prompt logprobs (device top-k) against them"
 ppl_ok=1
 for dt in f32 bf16; do
   if ! timeout 100 "$bin" check-device --device "$device" --dtype "$dt" --attention eager --prompt-len 700 \
@@ -92,11 +92,12 @@ done
 python3 - "$out" >> "$summary" <<'PY'
 import json, sys, glob
 print("perplexity (CPU f32 reference; per-token NLL, random weights: NLL ~ ln(vocab)):")
-print(f"  {'dtype':5} {'preset':24} {'policy':10} {'max|dNLL|':>10} {'corr':>9}")
+print(f"  {'dtype':5} {'preset':24} {'policy':10} {'max|dNLL|':>10} {'corr':>9} {'logprobs':>9}")
 for f in sorted(glob.glob(sys.argv[1] + "/ppl-*.jsonl")):
     for line in open(f):
-        r = json.loads(line); n = r["nll"]
-        print(f"  {r['dtype']:5} {r['preset'].split('/')[-1]:24} {r['policy']:10} {n['max_abs']:10.2e} {n['correlation']:9.6f}")
+        r = json.loads(line); n = r["nll"]; lp = n.get("logprobs_max_abs")
+        lp = f"{lp:9.1e}" if isinstance(lp, (int, float)) else f"{'-':>9}"
+        print(f"  {r['dtype']:5} {r['preset'].split('/')[-1]:24} {r['policy']:10} {n['max_abs']:10.2e} {n['correlation']:9.6f} {lp}")
 PY
 [ $ppl_ok = 1 ] && note "perplexity parity: PASS" || note "perplexity parity: FAIL"
 

@@ -225,3 +225,49 @@ test_device!(
     perplexity_matches_cpu_f32_cpu,
     perplexity_matches_cpu_f32_cuda
 );
+
+/// Prompt logprobs on the device (`rows_logprobs_on_device`: log-softmax, targets, top-k by
+/// rounds of argmax) against the host twin `token_logprob`, on random rows of Qwen's
+/// vocabulary size (151936, past any one-block limit), in f32 and bf16.
+fn logprobs_match_the_host(dev: &Device) -> Result<()> {
+    use keydiff::logprobs::{rows_logprobs_on_device, token_logprob};
+    let (rows, vocab) = (5, 151_936);
+    let host = candle_core::Tensor::randn(0f32, 4.0, (rows, vocab), &Device::Cpu)?;
+    let targets: Vec<u32> = (0..rows as u32)
+        .map(|r| r * 30_011 % vocab as u32)
+        .collect();
+    for dtype in [DType::F32, DType::BF16] {
+        // The host twin reads the same (rounded) values.
+        let host = host.to_dtype(dtype)?.to_dtype(DType::F32)?;
+        let on_dev = host.to_dtype(dtype)?.to_device(dev)?;
+        let got = rows_logprobs_on_device(&on_dev, &targets, 8)?;
+        let rows_host = host.to_vec2::<f32>()?;
+        for ((g, row), &t) in got.iter().zip(&rows_host).zip(&targets) {
+            let want = token_logprob(row, t, 8)?;
+            ensure!(
+                g.token == t && (g.logprob - want.logprob).abs() < 1e-4,
+                "{g:?} vs {want:?}"
+            );
+            ensure!(g.top.len() == 8, "{g:?}");
+            for (a, b) in g.top.iter().zip(&want.top) {
+                // Equal values (bf16 has many ties) may come in either order.
+                ensure!(
+                    (a.1 - b.1).abs() < 1e-4,
+                    "{dtype:?}: {:?} vs {:?}",
+                    g.top,
+                    want.top
+                );
+                ensure!(
+                    a.0 == b.0 || (row[a.0 as usize] == row[b.0 as usize]),
+                    "{dtype:?}"
+                );
+            }
+        }
+    }
+    Ok(())
+}
+test_device!(
+    logprobs_match_the_host,
+    logprobs_match_the_host_cpu,
+    logprobs_match_the_host_cuda
+);

@@ -154,6 +154,11 @@ const MIN_DEVICE_COSINE: f32 = 0.99;
 /// of which tokens are harder (bf16 on the CPU: 0.9994; a broken op: ~0).
 const MIN_NLL_CORRELATION: f64 = 0.99;
 
+/// Largest |−logprob − NLL| that `check-device --perplexity` accepts between a run's prompt
+/// logprobs and its own perplexity: the same logits on the same device, so only the
+/// log-softmax's rounding differs (f32: ~1e-6; a wrong row or target: ~1).
+const MAX_LOGPROB_NLL_DIFF: f32 = 1e-3;
+
 fn parse_memory(s: &str) -> std::result::Result<u64, String> {
     keydiff::parse_size(s)
 }
@@ -469,7 +474,11 @@ fn real_main() -> Result<()> {
                     });
                     println!("{v}");
                     let nll_bad = nll.as_ref().is_some_and(|n| {
-                        n.correlation.is_nan() || n.correlation < MIN_NLL_CORRELATION
+                        n.correlation.is_nan()
+                            || n.correlation < MIN_NLL_CORRELATION
+                            || !n
+                                .logprobs_max_abs
+                                .is_some_and(|d| d <= MAX_LOGPROB_NLL_DIFF)
                     });
                     if d.cosine < MIN_DEVICE_COSINE || nll_bad {
                         failed.push(format!("{} {}", p.display(), cache.policy.name()));
@@ -478,8 +487,9 @@ fn real_main() -> Result<()> {
             }
             if !failed.is_empty() {
                 bail!(
-                    "logits differ from the CPU (cosine < {MIN_DEVICE_COSINE}, or NLL \
-                     correlation < {MIN_NLL_CORRELATION}) on: {}",
+                    "logits differ from the CPU (cosine < {MIN_DEVICE_COSINE}, NLL \
+                     correlation < {MIN_NLL_CORRELATION}, or prompt logprobs further than \
+                     {MAX_LOGPROB_NLL_DIFF} from the NLLs) on: {}",
                     failed.join(", ")
                 );
             }

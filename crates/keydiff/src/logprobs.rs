@@ -5,7 +5,7 @@
 //! evaluation harness scores a continuation with). Under a KV budget it is the distribution of
 //! the evicting engine, which is the point of asking for it here.
 
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 use tokenizers::{DecoderWrapper, Tokenizer};
 
 use crate::error::{EngineError, Result};
@@ -63,21 +63,84 @@ pub fn token_logprob(logits: &[f32], token: u32, top: usize) -> Result<TokenLogp
     })
 }
 
-/// [`token_logprob`] for every row of `logits` (`[rows, vocab]`, any device), row `i` taken at
-/// `targets[i]`.
+/// [`token_logprob`] for every row of `logits` (`[rows, vocab]`), row `i` taken at
+/// `targets[i]`. On the CPU the rows are read as they are; on a GPU the log-softmax and the
+/// top alternatives are computed there ([`rows_logprobs_on_device`]), so that a chunk's
+/// `rows × vocab` logits never cross to the host.
 pub fn rows_logprobs(logits: &Tensor, targets: &[u32], top: usize) -> Result<Vec<TokenLogprob>> {
-    let rows = logits.to_dtype(candle_core::DType::F32)?.to_vec2::<f32>()?;
-    if rows.len() != targets.len() {
-        return Err(EngineError::BadParams(format!(
-            "{} logit rows for {} target tokens",
-            rows.len(),
-            targets.len()
-        )));
+    if !logits.device().is_cpu() {
+        return rows_logprobs_on_device(logits, targets, top);
     }
+    let rows = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+    check_rows(rows.len(), targets)?;
     rows.iter()
         .zip(targets)
         .map(|(row, &t)| token_logprob(row, t, top))
         .collect()
+}
+
+fn check_rows(rows: usize, targets: &[u32]) -> Result<()> {
+    if rows != targets.len() {
+        return Err(EngineError::BadParams(format!(
+            "{rows} logit rows for {} target tokens",
+            targets.len()
+        )));
+    }
+    Ok(())
+}
+
+/// [`rows_logprobs`] in candle ops on the logits' device: the log-sum-exp and the targets'
+/// logits by row, and the top alternatives by `top` rounds of argmax, each masking out what it
+/// found. Only `rows × (1 + 2 top)` numbers come back. Equal alternatives may come in another
+/// order than [`token_logprob`]'s (lower id first).
+pub fn rows_logprobs_on_device(
+    logits: &Tensor,
+    targets: &[u32],
+    top: usize,
+) -> Result<Vec<TokenLogprob>> {
+    let logits = logits.to_dtype(DType::F32)?;
+    let (rows, vocab) = logits.dims2()?;
+    check_rows(rows, targets)?;
+    if let Some(&t) = targets.iter().find(|&&t| t as usize >= vocab) {
+        return Err(EngineError::BadParams(format!(
+            "token {t} is outside the vocabulary of {vocab}"
+        )));
+    }
+    let dev = logits.device();
+    let max = logits.max_keepdim(1)?;
+    let lse = (logits.broadcast_sub(&max)?.exp()?.sum_keepdim(1)?.log()? + &max)?;
+    let index = Tensor::new(targets, dev)?.unsqueeze(1)?;
+    let picked = (logits.gather(&index, 1)? - &lse)?
+        .squeeze(1)?
+        .to_vec1::<f32>()?;
+    let top = top.min(vocab);
+    let mut alternatives = vec![Vec::with_capacity(top); rows];
+    let mut work = logits.clone();
+    let columns = Tensor::arange(0u32, vocab as u32, dev)?.unsqueeze(0)?;
+    let masked = Tensor::full(f32::NEG_INFINITY, (rows, vocab), dev)?;
+    for k in 0..top {
+        let best = work.argmax_keepdim(1)?;
+        let value = (work.gather(&best, 1)? - &lse)?
+            .squeeze(1)?
+            .to_vec1::<f32>()?;
+        let ids = best.squeeze(1)?.to_vec1::<u32>()?;
+        for (row, (id, v)) in alternatives.iter_mut().zip(ids.into_iter().zip(value)) {
+            row.push((id, v));
+        }
+        if k + 1 < top {
+            work = columns.broadcast_eq(&best)?.where_cond(&masked, &work)?;
+        }
+    }
+    Ok(targets
+        .iter()
+        .zip(picked)
+        .zip(alternatives)
+        .map(|((&token, logprob), top)| TokenLogprob {
+            token,
+            logprob,
+            top,
+        })
+        .collect())
 }
 
 /// What a token stands for in text.
@@ -200,6 +263,44 @@ mod tests {
         assert!(token_logprob(&logits, 0, 0).unwrap().top.is_empty());
         assert!(token_logprob(&logits, 5, 1).is_err());
         assert!(token_logprob(&[f32::NEG_INFINITY; 3], 0, 1).is_err());
+    }
+
+    /// The device path (run here on the CPU, as on a GPU) against the host's, on random
+    /// rows with a large vocabulary.
+    #[test]
+    fn the_device_path_equals_the_host_path() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+        let (rows, vocab) = (7, 50_000);
+        let data: Vec<f32> = (0..rows * vocab)
+            .map(|_| rng.random_range(-20.0f32..20.0))
+            .collect();
+        let logits =
+            Tensor::from_vec(data.clone(), (rows, vocab), &candle_core::Device::Cpu).unwrap();
+        let targets: Vec<u32> = (0..rows)
+            .map(|_| rng.random_range(0..vocab as u32))
+            .collect();
+        for top in [0, 1, 5, 20] {
+            let device = rows_logprobs_on_device(&logits, &targets, top).unwrap();
+            let host = rows_logprobs(&logits, &targets, top).unwrap();
+            assert_eq!(device.len(), rows);
+            for (d, h) in device.iter().zip(&host) {
+                assert_eq!(d.token, h.token);
+                assert!(
+                    (d.logprob - h.logprob).abs() < 1e-4,
+                    "{} vs {}",
+                    d.logprob,
+                    h.logprob
+                );
+                let ids = |t: &TokenLogprob| t.top.iter().map(|p| p.0).collect::<Vec<_>>();
+                assert_eq!(ids(d), ids(h), "top {top}");
+                for (a, b) in d.top.iter().zip(&h.top) {
+                    assert!((a.1 - b.1).abs() < 1e-4);
+                }
+            }
+        }
+        assert!(rows_logprobs_on_device(&logits, &[0, 1], 1).is_err());
+        assert!(rows_logprobs_on_device(&logits, &[vocab as u32; 7], 1).is_err());
     }
 
     #[test]

@@ -5,7 +5,7 @@ use std::path::Path;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use crate::engine::{Engine, EngineConfig};
+use crate::engine::{Engine, EngineConfig, GenerateParams, Prompt};
 use crate::error::Result;
 use crate::source::ModelSource;
 use crate::AttentionBackend;
@@ -120,6 +120,11 @@ pub struct NllDiff {
     pub correlation: f64,
     pub reference_mean: f64,
     pub other_mean: f64,
+    /// max |−logprob − NLL| of each run's prompt logprobs ([`GenerateParams::prompt_logprobs`],
+    /// with alternatives) against its own perplexity NLLs, over both runs: the same logits
+    /// through the logprob path (on a GPU, its device log-softmax and top-k). `None` from
+    /// [`compare_nlls`] alone.
+    pub logprobs_max_abs: Option<f32>,
 }
 
 /// Compares two per-token NLL sequences of the same tokens.
@@ -142,6 +147,7 @@ pub fn compare_nlls(reference: &[f32], other: &[f32]) -> NllDiff {
         correlation: sab / (saa * sbb).sqrt().max(f64::MIN_POSITIVE),
         reference_mean: ma,
         other_mean: mb,
+        logprobs_max_abs: None,
     }
 }
 
@@ -156,7 +162,33 @@ pub fn compare_device_perplexity(
     prompt_len: usize,
 ) -> Result<NllDiff> {
     let (pa, pb, _) = on_both(preset, seed, reference, other, prompt_len, |e, t| {
-        e.perplexity(t)
+        let ppl = e.perplexity(t)?;
+        let p = GenerateParams {
+            prompt: Prompt::Tokens(t.to_vec()),
+            max_tokens: 1,
+            prompt_logprobs: Some(5),
+            ..Default::default()
+        };
+        let lps = e.generate(&p, |_| {})?.prompt_logprobs.unwrap_or_default();
+        let mut worst = if lps.len() == ppl.nll.len() {
+            0f32
+        } else {
+            f32::INFINITY
+        };
+        for (lp, nll) in lps.iter().zip(&ppl.nll) {
+            worst = worst.max((-lp.logprob - nll).abs());
+            // The alternatives come most likely first, and none is less likely than the
+            // target unless the target is not among them.
+            let sorted = lp.top.windows(2).all(|w| w[0].1 >= w[1].1);
+            let first = lp.top.first().map_or(f32::NAN, |t| t.1);
+            if !sorted || lp.top.len() != 5 || first < lp.logprob {
+                worst = f32::INFINITY;
+            }
+        }
+        Ok((ppl, worst))
     })?;
-    Ok(compare_nlls(&pa.nll, &pb.nll))
+    Ok(NllDiff {
+        logprobs_max_abs: Some(pa.1.max(pb.1)),
+        ..compare_nlls(&pa.0.nll, &pb.0.nll)
+    })
 }
