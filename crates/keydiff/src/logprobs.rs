@@ -23,8 +23,9 @@ pub struct TokenLogprob {
     pub top: Vec<(u32, f32)>,
 }
 
-/// The log-softmax of `logits` at `token`, and its `top` most likely entries. The log of the
-/// normaliser is summed in f64 so that a large vocabulary loses no precision.
+/// The log-softmax of `logits` at `token`, and its `top` most likely entries. The
+/// exponentials are summed in f64 so that a large vocabulary loses no precision; the top
+/// entries are kept in one pass, in a list of at most `top`.
 pub fn token_logprob(logits: &[f32], token: u32, top: usize) -> Result<TokenLogprob> {
     let Some(&picked) = logits.get(token as usize) else {
         return Err(EngineError::BadParams(format!(
@@ -38,28 +39,29 @@ pub fn token_logprob(logits: &[f32], token: u32, top: usize) -> Result<TokenLogp
             "the logits' largest value is {max}: no distribution to take logprobs from"
         )));
     }
-    let sum: f64 = logits.iter().map(|&l| f64::from(l - max).exp()).sum();
+    // f32 exponentials (they vectorise), summed in f64 by blocks.
+    let sum: f64 = logits
+        .chunks(1024)
+        .map(|b| f64::from(b.iter().map(|&l| (l - max).exp()).sum::<f32>()))
+        .sum();
     let lse = f64::from(max) + sum.ln();
     let lp = |l: f32| (f64::from(l) - lse) as f32;
-    let top = top.min(logits.len());
-    let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
-    let order = |a: &u32, b: &u32| {
-        logits[*b as usize]
-            .total_cmp(&logits[*a as usize])
-            .then(a.cmp(b))
-    };
-    if top > 0 && top < ids.len() {
-        ids.select_nth_unstable_by(top - 1, order);
+    // The best `top` so far, most likely first (ties: the lower id, which comes first).
+    let mut best: Vec<(u32, f32)> = Vec::with_capacity(top + 1);
+    if top > 0 {
+        for (i, &l) in logits.iter().enumerate() {
+            if best.len() == top && l <= best[top - 1].1 {
+                continue;
+            }
+            let at = best.partition_point(|b| b.1 >= l);
+            best.insert(at, (i as u32, l));
+            best.truncate(top);
+        }
     }
-    ids.truncate(top);
-    ids.sort_unstable_by(order);
     Ok(TokenLogprob {
         token,
         logprob: lp(picked),
-        top: ids
-            .into_iter()
-            .map(|i| (i, lp(logits[i as usize])))
-            .collect(),
+        top: best.into_iter().map(|(i, l)| (i, lp(l))).collect(),
     })
 }
 
@@ -73,10 +75,28 @@ pub fn rows_logprobs(logits: &Tensor, targets: &[u32], top: usize) -> Result<Vec
     }
     let rows = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
     check_rows(rows.len(), targets)?;
-    rows.iter()
-        .zip(targets)
-        .map(|(row, &t)| token_logprob(row, t, top))
-        .collect()
+    // Rows are independent: split them over the cores (the prefill waits for them).
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let per = rows.len().div_ceil(threads).max(1);
+    std::thread::scope(|s| {
+        let parts: Vec<_> = rows
+            .chunks(per)
+            .zip(targets.chunks(per))
+            .map(|(rows, targets)| {
+                s.spawn(move || {
+                    rows.iter()
+                        .zip(targets)
+                        .map(|(row, &t)| token_logprob(row, t, top))
+                        .collect::<Result<Vec<_>>>()
+                })
+            })
+            .collect();
+        let mut out = Vec::with_capacity(targets.len());
+        for p in parts {
+            out.extend(p.join().expect("a logprob thread panicked")?);
+        }
+        Ok(out)
+    })
 }
 
 fn check_rows(rows: usize, targets: &[u32]) -> Result<()> {
