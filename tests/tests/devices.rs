@@ -217,6 +217,12 @@ fn perplexity_matches_cpu_f32(dev: &Device) -> Result<()> {
             d.max_abs < max_abs && d.correlation > min_corr,
             "{dtype:?}: {d:?}"
         );
+        // Each run's prompt logprobs (on the device: its log-softmax and top-k) are its own
+        // NLLs, row for row.
+        ensure!(
+            d.logprobs_max_abs.is_some_and(|x| x < 1e-3),
+            "{dtype:?}: {d:?}"
+        );
     }
     Ok(())
 }

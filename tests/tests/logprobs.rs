@@ -342,6 +342,17 @@ fn token_pieces_are_the_bytes_of_the_text() {
         let eos = e.eos_token().unwrap();
         let eos_ids = e.tokenize_special(&eos).unwrap();
         assert_eq!(eos_ids.len(), 1, "{path}: {eos}");
+        // Without special-token parsing the same text is plain text, several tokens.
+        let plain = e.tokenize_continuation(&eos).unwrap();
+        assert!(
+            plain.len() > 1 && !plain.contains(&eos_ids[0]),
+            "{path}: {plain:?}"
+        );
+        let text_prompt = e.prompt_tokens(&Prompt::Text(format!("a{eos}b"))).unwrap();
+        assert!(
+            !text_prompt.contains(&eos_ids[0]),
+            "{path}: {text_prompt:?}"
+        );
         let eos_piece = &pieces[eos_ids[0] as usize];
         assert!(eos_piece.special, "{path}");
         assert_eq!(eos_piece.text(), eos);

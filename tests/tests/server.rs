@@ -1061,12 +1061,18 @@ fn logprobs_score_prompts_and_replies() {
         .cloned()
         .collect();
     assert_eq!(&joined, content);
-    // Without logprobs, none.
+    // Without logprobs, none; `logprobs: false` and `top_logprobs: 0` ask for none either.
     let (_, plain) = post(
         &c,
         &json!({"prompt": prompt, "max_tokens": 2, "temperature": 0}),
     );
     assert!(plain["choices"][0]["logprobs"].is_null());
+    let (code, off) = post(
+        &c,
+        &json!({"prompt": prompt, "max_tokens": 2, "logprobs": false, "top_logprobs": 0}),
+    );
+    assert_eq!(code, 200, "{off}");
+    assert!(off["choices"][0]["logprobs"].is_null());
 
     // What lm-eval's remote tokenizer asks.
     let info = get(&format!("{base}/tokenizer_info"));
@@ -1081,6 +1087,11 @@ fn logprobs_score_prompts_and_replies() {
     let eos_id = local.tokenize_special(&eos).unwrap();
     assert_eq!(eos_id.len(), 1);
     assert_eq!(t["tokens"], json!(eos_id));
+    // By default, as a completion's text prompt: the special token's text is plain text.
+    let (_, t) = post(&format!("{base}/tokenize"), &json!({ "prompt": eos }));
+    let as_text = local.prompt_tokens(&Prompt::Text(eos.clone())).unwrap();
+    assert_eq!(t["tokens"], json!(as_text));
+    assert_ne!(as_text, eos_id);
     let (_, t) = post(
         &format!("{base}/tokenize"),
         &json!({"prompt": "Hello world", "add_special_tokens": false}),

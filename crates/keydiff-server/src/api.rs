@@ -211,23 +211,18 @@ impl CompletionRequest {
             }
             p => prompt(p)?,
         };
-        if !null(&self.common.top_logprobs) {
+        // `top_logprobs` is chat's; 0 (or null) asks for nothing and is let through.
+        let top = &self.common.top_logprobs;
+        if !null(top) && top.as_ref().and_then(Value::as_u64) != Some(0) {
             return bad(
                 "top_logprobs is a chat field: completions take `logprobs: <alternatives>`",
                 "top_logprobs",
             );
         }
+        // `false`, as vLLM reads it: no logprobs.
         let logprobs = match &self.common.logprobs {
-            None | Some(Value::Null) => None,
-            Some(v) => Some(alternatives(v).ok_or_else(|| {
-                ApiError::invalid(
-                    format!(
-                        "logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS} (alternatives \
-                         per token), not {v}"
-                    ),
-                    Some("logprobs"),
-                )
-            })?),
+            Some(Value::Bool(false)) => None,
+            v => alternatives(v, "logprobs")?,
         };
         let mut m = self.common.map(prompt, defaults, logprobs)?;
         m.echo = self.echo.unwrap_or(false);
@@ -243,11 +238,25 @@ fn null(v: &Option<Value>) -> bool {
     matches!(v, None | Some(Value::Null))
 }
 
-/// A count of logprob alternatives: an integer from 0 to [`MAX_TOP_LOGPROBS`].
-fn alternatives(v: &Value) -> Option<usize> {
+/// The field `param`: a count of logprob alternatives, an integer from 0 to
+/// [`MAX_TOP_LOGPROBS`] (`None` when absent or `null`).
+fn alternatives(v: &Option<Value>, param: &'static str) -> Result<Option<usize>, ApiError> {
+    let Some(v) = v.as_ref().filter(|v| !v.is_null()) else {
+        return Ok(None);
+    };
     v.as_u64()
         .and_then(|k| usize::try_from(k).ok())
         .filter(|&k| k <= MAX_TOP_LOGPROBS)
+        .map(Some)
+        .ok_or_else(|| {
+            ApiError::invalid(
+                format!(
+                    "{param} must be an integer from 0 to {MAX_TOP_LOGPROBS} (alternatives per \
+                     token), not {v}"
+                ),
+                Some(param),
+            )
+        })
 }
 
 /// A single prompt: a string or an array of token ids.
@@ -297,17 +306,7 @@ impl ChatRequest {
                 )
             }
         };
-        let top = match &self.common.top_logprobs {
-            None | Some(Value::Null) => None,
-            Some(v) => Some(alternatives(v).ok_or_else(|| {
-                ApiError::invalid(
-                    format!(
-                        "top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}, not {v}"
-                    ),
-                    Some("top_logprobs"),
-                )
-            })?),
-        };
+        let top = alternatives(&self.common.top_logprobs, "top_logprobs")?;
         if top.is_some() && !on {
             return bad(
                 "top_logprobs needs logprobs set to true".into(),

@@ -836,10 +836,14 @@ async fn respond(st: Arc<AppState>, m: Mapped, mut reply: Reply) -> Response {
         loop {
             match msg.take() {
                 Some(Msg::Done(Ok(out))) => {
-                    return match reply.full(&out) {
-                        Ok(v) => Json(v).into_response(),
-                        Err(e) => e.into_response(),
-                    }
+                    // Logprobs of a long prompt make a large body: built off the async threads.
+                    let built = tokio::task::spawn_blocking(move || reply.full(&out)).await;
+                    return match built {
+                        Ok(Ok(v)) => Json(v).into_response(),
+                        Ok(Err(e)) => e.into_response(),
+                        Err(e) => ApiError::internal(format!("building the response: {e}"))
+                            .into_response(),
+                    };
                 }
                 Some(Msg::Done(Err(e))) => return e.into_response(),
                 Some(_) => {}
@@ -884,9 +888,24 @@ async fn respond(st: Arc<AppState>, m: Mapped, mut reply: Reply) -> Response {
                 }
                 Msg::PromptLogprobs(tokens, p) => {
                     let Some(e) = reply.echo.take() else { continue };
-                    reply
-                        .prompt_logprobs(&tokens, &p)
-                        .map(|l| reply.chunk(Some(&e), false, None, l))
+                    // A long prompt's logprobs: built off the async threads.
+                    let built = tokio::task::spawn_blocking(move || {
+                        let l = reply.prompt_logprobs(&tokens, &p);
+                        (l.map(|l| reply.chunk(Some(&e), false, None, l)), reply)
+                    })
+                    .await;
+                    match built {
+                        Ok((chunk, back)) => {
+                            reply = back;
+                            chunk
+                        }
+                        Err(e) => {
+                            let e = ApiError::internal(format!("building the response: {e}"));
+                            let _ = send(json!({ "error": e.body() }));
+                            let _ = tx.send(Ok(SseEvent::default().data("[DONE]")));
+                            return;
+                        }
+                    }
                 }
                 Msg::Logprob(t) => {
                     lps.push(t);

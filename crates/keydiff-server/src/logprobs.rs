@@ -8,8 +8,9 @@
 //!   tokens (BOS, end of turn) take no room there, as the text leaves them out.
 //! - `/v1/chat/completions`: `{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}`.
 //!
-//! A token that ends inside a UTF-8 character shows as U+FFFD in `token`; `bytes` (chat) has
-//! its exact bytes.
+//! A token that ends inside a UTF-8 character shows as `bytes:\xe6\x97` in `token` (OpenAI's
+//! form); `bytes` (chat) has its exact bytes. A log-probability of −∞ (a token the model rules
+//! out) is sent as −9999, as vLLM does: JSON has no infinity.
 
 use std::collections::HashMap;
 
@@ -26,8 +27,16 @@ fn pieces<'a>(
     let mut ids: Vec<u32> = ids.copied().collect();
     ids.sort_unstable();
     ids.dedup();
-    let pieces = engine.token_pieces(&ids)?;
+    // The ids come from the engine: a failure here is the server's, not the request's.
+    let pieces = engine
+        .token_pieces(&ids)
+        .map_err(|e| ApiError::internal(format!("logprobs: {e}")))?;
     Ok(ids.into_iter().zip(pieces).collect())
+}
+
+/// A log-probability as sent: finite, at least −9999.
+fn finite(lp: f32) -> f32 {
+    lp.max(-9999.0)
 }
 
 /// Builds `/v1/completions` logprobs objects, keeping the text offset across the chunks of a
@@ -58,13 +67,21 @@ impl CompletionLogprobs {
         let top = |e: &TokenLogprob| {
             let mut m = Map::new();
             for (id, lp) in e.top.iter().chain(std::iter::once(&(e.token, e.logprob))) {
-                m.insert(map[id].text(), json!(lp));
+                // Two tokens with the same text keep the larger value.
+                let lp = finite(*lp);
+                let slot = m.entry(map[id].text()).or_insert(json!(lp));
+                if slot.as_f64().is_some_and(|v| (lp as f64) > v) {
+                    *slot = json!(lp);
+                }
             }
             Value::Object(m)
         };
         Ok(json!({
             "tokens": ordered.iter().map(TokenPiece::text).collect::<Vec<_>>(),
-            "token_logprobs": entries.iter().map(|e| e.map(|e| e.logprob)).collect::<Vec<_>>(),
+            "token_logprobs": entries
+                .iter()
+                .map(|e| e.map(|e| finite(e.logprob)))
+                .collect::<Vec<_>>(),
             "top_logprobs": entries.iter().map(|e| e.map(top)).collect::<Vec<_>>(),
             "text_offset": offsets,
         }))
@@ -79,7 +96,7 @@ pub fn chat(engine: &Engine, entries: &[TokenLogprob]) -> Result<Value, ApiError
     let map = pieces(engine, ids)?;
     let item = |id: &u32, lp: f32| {
         let p = &map[id];
-        json!({"token": p.text(), "logprob": lp, "bytes": p.bytes})
+        json!({"token": p.text(), "logprob": finite(lp), "bytes": p.bytes})
     };
     let content: Vec<Value> = entries
         .iter()

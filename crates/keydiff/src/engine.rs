@@ -299,7 +299,8 @@ pub struct Output {
     /// Each generated token's log-probability, when [`GenerateParams::logprobs`] asked.
     pub logprobs: Option<Vec<TokenLogprob>>,
     /// The log-probability of every prompt token after the first (which has nothing before
-    /// it), when [`GenerateParams::prompt_logprobs`] asked.
+    /// it), when [`GenerateParams::prompt_logprobs`] asked (`None` when a cancel stopped the
+    /// prefill).
     pub prompt_logprobs: Option<Vec<TokenLogprob>>,
     pub stats: Stats,
 }
@@ -343,6 +344,8 @@ impl Prefix {
 pub struct Engine {
     loaded: Loaded,
     cfg: EngineConfig,
+    /// The tokenizer with special-token text read as plain text, made on first use.
+    plain_tokenizer: std::sync::OnceLock<tokenizers::Tokenizer>,
 }
 
 impl Engine {
@@ -399,7 +402,11 @@ impl Engine {
             kv_dtype = loaded.model.kv_dtype().as_str(),
             "model loaded"
         );
-        Ok(Self { loaded, cfg })
+        Ok(Self {
+            loaded,
+            cfg,
+            plain_tokenizer: std::sync::OnceLock::new(),
+        })
     }
 
     /// The model's hyper-parameters.
@@ -535,13 +542,18 @@ impl Engine {
 
     /// Token ids of `text`, never a BOS; special tokens parsed only when `special` is true.
     fn encode(&self, text: &str, special: bool) -> Result<Vec<u32>> {
-        let t = &self.loaded.vocab.tokenizer;
-        let enc = if special {
-            t.encode(text, false)
+        let t = if special {
+            &self.loaded.vocab.tokenizer
         } else {
-            t.encode_fast(text, false)
+            // The tokenizers crate splits special-token text out unless told to encode it
+            // as text, a setting of the tokenizer itself: a copy keeps that setting.
+            self.plain_tokenizer.get_or_init(|| {
+                let mut t = self.loaded.vocab.tokenizer.clone();
+                t.set_encode_special_tokens(true);
+                t
+            })
         };
-        Ok(enc
+        Ok(t.encode_fast(text, false)
             .map_err(|e| EngineError::Tokenizer(e.to_string()))?
             .get_ids()
             .to_vec())
@@ -924,7 +936,11 @@ impl Engine {
                 prompt_tokens: prompt.to_vec(),
                 tokens: generated,
                 logprobs: params.logprobs.map(|_| logprobs),
-                prompt_logprobs: params.prompt_logprobs.map(|_| prompt_lp),
+                // A prefill cut short by a cancel scored only part of the prompt: none.
+                prompt_logprobs: params
+                    .prompt_logprobs
+                    .filter(|_| done == n)
+                    .map(|_| prompt_lp),
                 stats,
             },
             last,
@@ -988,9 +1004,10 @@ impl Engine {
     }
 
     /// What a prefill of `tokens` tokens that keeps every row's logits needs beyond its cache:
-    /// a chunk's logit rows in f32, and the temporaries of their log-softmax or host copy.
+    /// a chunk's logit rows in f32, and the temporaries of their log-softmax, top-k masks or
+    /// host copy (24 bytes per logit).
     fn chunk_logits_bytes(&self, tokens: usize) -> u64 {
-        4 * 4 * (self.cfg.cache.chunk.min(tokens) * self.model_config().vocab_size) as u64
+        6 * 4 * (self.cfg.cache.chunk.min(tokens) * self.model_config().vocab_size) as u64
     }
 
     /// A fresh cache under the engine's cache settings, for a request that will see at most

@@ -137,7 +137,8 @@ pub fn rows_logprobs_on_device(
     let mut alternatives = vec![Vec::with_capacity(top); rows];
     let mut work = logits.clone();
     let columns = Tensor::arange(0u32, vocab as u32, dev)?.unsqueeze(0)?;
-    let masked = Tensor::full(f32::NEG_INFINITY, (rows, vocab), dev)?;
+    // One value seen at every position (a stride-0 view, nothing allocated).
+    let masked = Tensor::new(f32::NEG_INFINITY, dev)?.broadcast_as((rows, vocab))?;
     for k in 0..top {
         let best = work.argmax_keepdim(1)?;
         let value = (work.gather(&best, 1)? - &lse)?
@@ -173,16 +174,25 @@ pub struct TokenPiece {
 }
 
 impl TokenPiece {
-    /// The bytes as text, a split character shown as U+FFFD (as OpenAI's `token` field).
+    /// The token as text: its bytes when they are whole UTF-8 characters, else OpenAI's form
+    /// for a token that splits a character, `bytes:\xe6\x97` (so that two such tokens never
+    /// show as the same text).
     pub fn text(&self) -> String {
-        String::from_utf8_lossy(&self.bytes).into_owned()
+        match std::str::from_utf8(&self.bytes) {
+            Ok(s) => s.to_string(),
+            Err(_) => {
+                let hex: String = self.bytes.iter().map(|b| format!("\\x{b:02x}")).collect();
+                format!("bytes:{hex}")
+            }
+        }
     }
 }
 
 /// The pieces of `ids`. With a byte-level decoder (Llama 3, Qwen 2.5, SmolLM2, every GGUF we
 /// load) a token's vocabulary string maps back to its exact bytes through GPT-2's byte
-/// alphabet; added tokens are their content. Other decoders fall back to decoding the token
-/// alone.
+/// alphabet; added tokens are their content. Otherwise the SentencePiece conventions apply:
+/// `<0xHH>` is the byte HH and `▁` a space. An id the tokenizer does not know (a padded
+/// vocabulary's rows past the last token) stands for no text.
 pub fn token_pieces(tokenizer: &Tokenizer, ids: &[u32]) -> Result<Vec<TokenPiece>> {
     let byte_level = matches!(tokenizer.get_decoder(), Some(DecoderWrapper::ByteLevel(_)));
     let added = tokenizer.get_added_vocabulary().get_added_tokens_decoder();
@@ -195,18 +205,24 @@ pub fn token_pieces(tokenizer: &Tokenizer, ids: &[u32]) -> Result<Vec<TokenPiece
                     special: t.special,
                 });
             }
-            let unknown = || EngineError::BadParams(format!("token {id} is not in the vocabulary"));
+            let Some(s) = tokenizer.id_to_token(id) else {
+                return Ok(TokenPiece {
+                    bytes: Vec::new(),
+                    special: true,
+                });
+            };
             let bytes = match &table {
-                Some(table) => {
-                    let s = tokenizer.id_to_token(id).ok_or_else(unknown)?;
-                    s.chars()
-                        .map(|c| table(c).ok_or_else(unknown))
-                        .collect::<Result<Vec<u8>>>()?
-                }
-                None => tokenizer
-                    .decode(&[id], false)
-                    .map_err(|e| EngineError::Tokenizer(e.to_string()))?
-                    .into_bytes(),
+                Some(table) => s
+                    .chars()
+                    .map(|c| {
+                        table(c).ok_or_else(|| {
+                            EngineError::Tokenizer(format!(
+                                "token {id} ({s:?}) is not byte-level BPE text"
+                            ))
+                        })
+                    })
+                    .collect::<Result<Vec<u8>>>()?,
+                None => sentencepiece_bytes(&s),
             };
             Ok(TokenPiece {
                 bytes,
@@ -214,6 +230,19 @@ pub fn token_pieces(tokenizer: &Tokenizer, ids: &[u32]) -> Result<Vec<TokenPiece
             })
         })
         .collect()
+}
+
+/// A SentencePiece token's bytes: `<0xHH>` is the byte HH (byte fallback), `▁` a space.
+fn sentencepiece_bytes(s: &str) -> Vec<u8> {
+    let hex = s
+        .strip_prefix("<0x")
+        .and_then(|h| h.strip_suffix('>'))
+        .filter(|h| h.len() == 2)
+        .and_then(|h| u8::from_str_radix(h, 16).ok());
+    match hex {
+        Some(b) => vec![b],
+        None => s.replace('\u{2581}', " ").into_bytes(),
+    }
 }
 
 /// GPT-2's byte-level alphabet backwards: the byte a vocabulary character stands for. Printable
@@ -344,6 +373,33 @@ mod tests {
         assert_eq!(table('€'), None);
     }
 
+    /// A SentencePiece-style tokenizer (Metaspace decoder, byte fallback): `▁` is a space,
+    /// `<0xHH>` a byte, added tokens their content, unknown ids no text.
+    #[test]
+    fn sentencepiece_pieces() {
+        use tokenizers::decoders::metaspace::Metaspace;
+        use tokenizers::models::bpe::BPE;
+        let vocab: tokenizers::models::bpe::Vocab =
+            [("<unk>", 0), ("<0xE6>", 1), ("\u{2581}the", 2), ("a", 3)]
+                .into_iter()
+                .map(|(t, i)| (t.to_string(), i))
+                .collect();
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, Vec::new())
+            .build()
+            .unwrap();
+        let mut t = Tokenizer::new(bpe);
+        t.with_decoder(Some(Metaspace::default()));
+        t.add_special_tokens([tokenizers::AddedToken::from("</s>", true)])
+            .unwrap();
+        let eos = t.token_to_id("</s>").unwrap();
+        let p = token_pieces(&t, &[1, 2, 3, eos, 999]).unwrap();
+        let bytes: Vec<&[u8]> = p.iter().map(|p| &p.bytes[..]).collect();
+        assert_eq!(bytes, [&[0xE6][..], b" the", b"a", b"</s>", b""]);
+        let special: Vec<bool> = p.iter().map(|p| p.special).collect();
+        assert_eq!(special, [false, false, false, true, true]);
+    }
+
     #[test]
     fn offsets_count_characters_and_skip_special_pieces() {
         let piece = |b: &[u8], special| TokenPiece {
@@ -359,6 +415,7 @@ mod tests {
             piece(b"b", false),
         ];
         assert_eq!(text_offsets(&pieces, 2), (vec![2, 2, 3, 4, 4], 5));
-        assert_eq!(pieces[2].text(), "\u{FFFD}");
+        assert_eq!(pieces[2].text(), "bytes:\\xc3");
+        assert_eq!(pieces[1].text(), "a");
     }
 }

@@ -163,20 +163,27 @@ pub fn compare_device_perplexity(
 ) -> Result<NllDiff> {
     let (pa, pb, _) = on_both(preset, seed, reference, other, prompt_len, |e, t| {
         let ppl = e.perplexity(t)?;
+        // Perplexity runs all but the last token: so does this prompt, in the same chunks.
         let p = GenerateParams {
-            prompt: Prompt::Tokens(t.to_vec()),
+            prompt: Prompt::Tokens(t[..t.len() - 1].to_vec()),
             max_tokens: 1,
             prompt_logprobs: Some(5),
             ..Default::default()
         };
         let lps = e.generate(&p, |_| {})?.prompt_logprobs.unwrap_or_default();
-        let mut worst = if lps.len() == ppl.nll.len() {
+        let mut worst = if lps.len() + 1 == ppl.nll.len() {
             0f32
         } else {
             f32::INFINITY
         };
         for (lp, nll) in lps.iter().zip(&ppl.nll) {
-            worst = worst.max((-lp.logprob - nll).abs());
+            let d = (-lp.logprob - nll).abs();
+            // A NaN counts as the worst.
+            worst = if d.is_nan() {
+                f32::INFINITY
+            } else {
+                worst.max(d)
+            };
             // The alternatives come most likely first, and none is less likely than the
             // target unless the target is not among them.
             let sorted = lp.top.windows(2).all(|w| w[0].1 >= w[1].1);

@@ -116,7 +116,8 @@ impl Engine {
         params.validate()?;
         if params.prompt_logprobs.is_some() {
             // Every prompt row's logits are needed, so nothing can be reused; the request
-            // runs afresh and the next one finds no cache.
+            // runs afresh and the next one finds no cache (freed first, as below: the new
+            // cache may need its memory).
             pc.clear();
             return self.generate_from(params, None, on_event);
         }
