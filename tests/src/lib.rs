@@ -65,6 +65,24 @@ pub fn fixture(name: &str) -> Fixture {
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
 }
 
+/// llama.cpp's per-token NLL over a text's tokens, one full-cache pass
+/// (scripts/gen-ppl-fixtures.py).
+#[derive(Debug, Clone, serde::Deserialize)]
+pub struct PplFixture {
+    pub model_file: String,
+    pub tokens: Vec<u32>,
+    /// `nll[i]`: the NLL of `tokens[i + 1]`.
+    pub nll: Vec<f64>,
+    pub mean_nll: f64,
+}
+
+/// Loads `tests/fixtures/llamacpp/ppl-<name>.json`.
+pub fn ppl_fixture(name: &str) -> PplFixture {
+    let p = root().join(format!("tests/fixtures/llamacpp/ppl-{name}.json"));
+    let text = std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+}
+
 /// Path of the built `keydiff` binary (cargo builds it for integration tests of this package).
 pub fn keydiff_bin() -> PathBuf {
     let exe = std::env::current_exe().expect("test exe path");

@@ -8,20 +8,7 @@ use keydiff::{
     CacheConfig, Conversation, Engine, EngineConfig, EngineError, Event, GenerateParams,
     ModelSource, PolicyKind, Prompt, PromptCache, Sampling, TokenLogprob,
 };
-use keydiff_tests::{model, root, QWEN, SMOLLM2};
-
-/// llama.cpp's per-token NLL over 1024 tokens (scripts/gen-ppl-fixtures.py).
-#[derive(serde::Deserialize)]
-struct PplFixture {
-    tokens: Vec<u32>,
-    nll: Vec<f64>,
-    mean_nll: f64,
-}
-
-fn ppl_fixture(name: &str) -> PplFixture {
-    let p = root().join(format!("tests/fixtures/llamacpp/ppl-{name}.json"));
-    serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap()
-}
+use keydiff_tests::{model, ppl_fixture, root, QWEN, SMOLLM2};
 
 fn engine(path: &str, cache: CacheConfig) -> Engine {
     let cfg = EngineConfig {

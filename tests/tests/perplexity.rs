@@ -3,20 +3,7 @@
 //! against llama.cpp's on the same tokens.
 
 use keydiff::{CacheConfig, CpuWeights, Engine, EngineConfig, ModelSource, PolicyKind};
-use keydiff_tests::{model, root, QWEN, SMOLLM2};
-
-#[derive(serde::Deserialize)]
-struct PplFixture {
-    model_file: String,
-    tokens: Vec<u32>,
-    nll: Vec<f64>,
-    mean_nll: f64,
-}
-
-fn fixture(name: &str) -> PplFixture {
-    let p = root().join(format!("tests/fixtures/llamacpp/ppl-{name}.json"));
-    serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap()
-}
+use keydiff_tests::{model, ppl_fixture as fixture, root, QWEN, SMOLLM2};
 
 fn cache(policy: &str, budget: Option<usize>, chunk: usize) -> CacheConfig {
     CacheConfig {
