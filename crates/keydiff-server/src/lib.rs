@@ -126,6 +126,9 @@ enum Msg {
 
 struct Job {
     params: GenerateParams,
+    /// The client reads a stream: send it logprobs as they come (a whole answer takes them
+    /// from the output).
+    stream: bool,
     ticket: Arc<Ticket>,
     events: mpsc::UnboundedSender<Msg>,
 }
@@ -451,6 +454,7 @@ fn work(
                         Msg::Started
                     }
                     Event::Prefill { .. } => return,
+                    Event::PromptLogprobs { .. } | Event::Logprob(_) if !job.stream => return,
                     Event::PromptLogprobs { tokens, logprobs } => {
                         Msg::PromptLogprobs(tokens.to_vec(), logprobs.to_vec())
                     }
@@ -558,6 +562,7 @@ fn unix_now() -> u64 {
 fn submit(
     st: &AppState,
     mut params: GenerateParams,
+    stream: bool,
 ) -> Result<(mpsc::UnboundedReceiver<Msg>, TicketGuard), ApiError> {
     let max = st.cfg.max_queue.max(1);
     let c = &st.counters;
@@ -584,6 +589,7 @@ fn submit(
     };
     let job = Job {
         params,
+        stream,
         ticket,
         events,
     };
@@ -819,7 +825,7 @@ async fn respond(st: Arc<AppState>, m: Mapped, mut reply: Reply) -> Response {
     }
     // An echoed prompt with logprobs is sent once they are known, after the prefill.
     let echo_waits = params.prompt_logprobs.is_some();
-    let (mut rx, guard) = match submit(&st, params) {
+    let (mut rx, guard) = match submit(&st, params, stream) {
         Ok(x) => x,
         Err(e) => return e.into_response(),
     };
