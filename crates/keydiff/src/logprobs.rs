@@ -24,8 +24,9 @@ pub struct TokenLogprob {
 }
 
 /// The log-softmax of `logits` at `token`, and its `top` most likely entries. The
-/// exponentials are summed in f64 so that a large vocabulary loses no precision; the top
-/// entries are kept in one pass, in a list of at most `top`.
+/// exponentials are summed in f32 over blocks of 1024 and the blocks in f64, so that a large
+/// vocabulary loses no precision; the top entries are kept in one pass, in a list of at most
+/// `top`.
 pub fn token_logprob(logits: &[f32], token: u32, top: usize) -> Result<TokenLogprob> {
     let Some(&picked) = logits.get(token as usize) else {
         return Err(EngineError::BadParams(format!(
