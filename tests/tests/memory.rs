@@ -298,9 +298,9 @@ fn kv_caches_that_cannot_fit_are_refused_per_request() {
     assert!(err.to_string().contains("not enough memory"), "{err}");
 }
 
-/// Perplexity also plans its chunk's logit rows (B × vocab f32 and the log-softmax
-/// temporaries): refused one byte short of the cache, activations and logits, run at exactly
-/// that.
+/// Perplexity also plans its chunk's logit rows (B × vocab f32 and the temporaries of a
+/// log-softmax or the top-k of prompt logprobs: 24 bytes a logit): refused one byte short of
+/// the cache, activations and logits, run at exactly that.
 #[test]
 fn perplexity_plans_its_logits() {
     let source = tiny_llama();
@@ -310,7 +310,7 @@ fn perplexity_plans_its_logits() {
     let (chunk, budget) = (32, 64);
     let slots = budget + chunk;
     let need = m.kv_cache_bytes(slots, DType::F32) + m.request_scratch_bytes(slots, chunk, true);
-    let logits = 16 * (chunk * m.vocab_size) as u64;
+    let logits = 24 * (chunk * m.vocab_size) as u64;
     assert!(logits > transient, "the threshold must leave room to load");
     let tokens = keydiff::parity::random_tokens(200, m.vocab_size, 9);
     let run = |limit: u64| {
