@@ -670,14 +670,26 @@ impl Reply {
         }
     }
 
-    /// The completion `logprobs` of an echoed prompt: `tokens`, and the log-probabilities of
-    /// all but the first.
-    fn prompt_logprobs(&mut self, tokens: &[u32], lps: &[TokenLogprob]) -> Result<Value, ApiError> {
+    /// The completion `logprobs` of an echoed prompt, `tokens` with the log-probabilities of
+    /// all but the first (`lps`), then of the generated tokens `generated`.
+    fn prompt_logprobs(
+        &mut self,
+        tokens: &[u32],
+        lps: &[TokenLogprob],
+        generated: &[TokenLogprob],
+    ) -> Result<Value, ApiError> {
         let Some(engine) = &self.logprobs else {
             return Ok(Value::Null);
         };
-        let entries: Vec<_> = std::iter::once(None).chain(lps.iter().map(Some)).collect();
-        self.offsets.object(engine, tokens, &entries)
+        let tokens: Vec<u32> = tokens
+            .iter()
+            .copied()
+            .chain(generated.iter().map(|e| e.token))
+            .collect();
+        let entries: Vec<_> = std::iter::once(None)
+            .chain(lps.iter().chain(generated).map(Some))
+            .collect();
+        self.offsets.object(engine, &tokens, &entries)
     }
 
     /// A response object: `id`, `object`, `created`, `model` and `choices`.
@@ -706,15 +718,7 @@ impl Reply {
         let generated = out.logprobs.as_deref().unwrap_or_default();
         let logprobs = match (self.kind, &out.prompt_logprobs) {
             (Kind::Completion, Some(p)) if self.echo.is_some() => {
-                let mut v = self.prompt_logprobs(&out.prompt_tokens, p)?;
-                let g = self.generated_logprobs(generated)?;
-                for key in ["tokens", "token_logprobs", "top_logprobs", "text_offset"] {
-                    let more = g[key].as_array().cloned().unwrap_or_default();
-                    if let Some(a) = v[key].as_array_mut() {
-                        a.extend(more);
-                    }
-                }
-                v
+                self.prompt_logprobs(&out.prompt_tokens, p, generated)?
             }
             _ => self.generated_logprobs(generated)?,
         };
@@ -896,7 +900,7 @@ async fn respond(st: Arc<AppState>, m: Mapped, mut reply: Reply) -> Response {
                     let Some(e) = reply.echo.take() else { continue };
                     // A long prompt's logprobs: built off the async threads.
                     let built = tokio::task::spawn_blocking(move || {
-                        let l = reply.prompt_logprobs(&tokens, &p);
+                        let l = reply.prompt_logprobs(&tokens, &p, &[]);
                         (l.map(|l| reply.chunk(Some(&e), false, None, l)), reply)
                     })
                     .await;
