@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One run on a GPU host (see GPU.md): environment, eviction-kernel parity and timing, CPU-vs-GPU
 # model parity (eager attention, and flash when the binary has it), perplexity parity, prefix
-# reuse on the device, a short TTFT sweep, then, as time allows, the kernels under
-# compute-sanitizer.
+# reuse on the device, the memory plan against the driver, a short TTFT sweep, then, as time
+# allows, the kernels under compute-sanitizer.
 # Build the binary here first (scripts/build-cuda.sh), carry it, then on the GPU host:
 #   scripts/gpu-check.sh            (logs go to $OUT when set, else bench/gpu-check-logs/)
 # Prints a summary table last. Needs no Rust toolchain and no network on the GPU host.
@@ -140,6 +140,37 @@ reused = sum(1 for r in a.values() if r.get("prefix_tokens", 0) > 0)
 ok = len(same) == len(b) == len(a) and reused > 0
 print(f"prefix reuse: {'PASS' if ok else 'FAIL'} ({len(same)}/{len(b)} records identical, {reused} started from a prefix)")
 PY
+
+echo "== 3d. the memory plan on the device: planned weights against what the load took"
+# The plan is made from shapes before any tensor exists; the driver's free memory before and
+# after the load says what it took (keydiff info). A limit of half the plan must be refused
+# before anything is allocated.
+if timeout 90 "$bin" info --random-weights -m "$preset" --device "$device" --dtype bf16 \
+    > "$out/memory-info.json" 2>> "$errors"; then
+  python3 - "$out/memory-info.json" >> "$summary" <<'PY' || note "memory plan: could not read keydiff info"
+import json, sys
+m = json.load(open(sys.argv[1]))["memory"]
+plan, taken = m["planned_weight_bytes"], m["device_taken_by_load"]
+gib = lambda b: f"{b / 2**30:.3f} GiB"
+if taken is None:
+    print(f"memory plan: weights planned {gib(plan)}, held {gib(m['weight_bytes'])}; no driver figure on this device")
+else:
+    print(f"memory plan: weights planned {gib(plan)}, the load took {gib(taken)} of device memory "
+          f"({taken / plan:.3f}x the plan); {m['available']}")
+PY
+else
+  note "memory plan: keydiff info FAILED (exit $?)"
+fi
+half=$(python3 -c 'import json,sys;print(json.load(open(sys.argv[1]))["memory"]["planned_weight_bytes"]//2)' \
+    "$out/memory-info.json" 2>/dev/null || echo 1073741824)
+if timeout 60 "$bin" run --random-weights -m "$preset" --device "$device" --dtype bf16 \
+    --memory-limit "$half" -p "hi" -n 1 > /dev/null 2> "$out/memory-refusal.txt"; then
+  note "memory refusal: FAIL (loaded under --memory-limit $half, half its planned weights)"
+elif grep -q "not enough memory" "$out/memory-refusal.txt"; then
+  note "memory refusal: PASS ($(grep -o 'need [0-9.]* [GMK]iB' "$out/memory-refusal.txt" | head -1) > $half bytes)"
+else
+  note "memory refusal: FAIL (another error)"; tail -3 "$out/memory-refusal.txt" | tee -a "$errors"
+fi
 
 echo "== 4. TTFT sweep: $preset random weights, bf16, prompt $plen, budget $budget_n"
 # One process: weights are initialised once; 1 warm-up and 2 measured runs per case,

@@ -277,3 +277,99 @@ test_device!(
     logprobs_match_the_host_cpu,
     logprobs_match_the_host_cuda
 );
+
+/// Memory is planned on the device the model runs on (host memory on the CPU, the GPU's on
+/// CUDA): the weights' plan is what the loaded model holds there; under a limit, a model is
+/// loaded at exactly its weights and reserved cache, refused a byte below, and a full cache
+/// that cannot fit is refused per request with the fixes that apply to its dtype, while a
+/// short request under the same limit runs. On CUDA the driver also reports what the load took.
+fn memory_is_planned_on_the_device(dev: &Device) -> Result<()> {
+    use keydiff::{EngineError, GenerateParams, ModelSource, Prompt};
+    let source = ModelSource::Random {
+        config: root().join("configs/tiny-llama.json"),
+        seed: 2,
+        on_host: true,
+    };
+    let dtype = if dev.is_cpu() {
+        DType::F32
+    } else {
+        DType::BF16
+    };
+    let (chunk, budget, long) = (32, 64, 2000);
+    for kv_dtype in [DType::F32, DType::BF16] {
+        let cfg = |cache: CacheConfig, memory_limit| EngineConfig {
+            device: dev.clone(),
+            dtype,
+            kv_dtype: Some(kv_dtype),
+            cache,
+            attention: keydiff::AttentionBackend::Eager,
+            memory_limit,
+            ..Default::default()
+        };
+        let cache = |policy: &str, n: Option<usize>| -> Result<CacheConfig> {
+            Ok(CacheConfig {
+                policy: PolicyKind::parse(policy, 32, 0)?,
+                budget: n,
+                ..CacheConfig::full(chunk)
+            })
+        };
+        let base = keydiff::Engine::load(&source, &cfg(cache("full", None)?, None))?;
+        let plan = base.weight_plan();
+        ensure!(
+            plan.resident > 0 && plan.resident == base.weight_bytes(),
+            "planned {plan:?}, the model holds {} bytes",
+            base.weight_bytes()
+        );
+        ensure!(
+            base.load_taken_bytes().is_some() != dev.is_cpu(),
+            "the driver's figure is reported on GPUs only: {:?}",
+            base.load_taken_bytes()
+        );
+        let m = base.model_config().clone();
+        drop(base);
+        let need = |slots: usize| {
+            m.kv_cache_bytes(slots, kv_dtype) + m.request_scratch_bytes(slots, chunk, true)
+        };
+        let limit = plan.peak() + need(budget + chunk);
+        let budgeted = cache("keydiff", Some(budget))?;
+        let err = keydiff::Engine::load(&source, &cfg(budgeted.clone(), Some(limit - 1)))
+            .err()
+            .ok_or_else(|| anyhow::anyhow!("loaded a byte short of its plan"))?;
+        ensure!(err.to_string().contains("not enough memory"), "{err}");
+        let params = GenerateParams {
+            prompt: Prompt::Tokens(keydiff::parity::random_tokens(long - 10, m.vocab_size, 3)),
+            max_tokens: 10,
+            ignore_eos: true,
+            ..Default::default()
+        };
+        let e = keydiff::Engine::load(&source, &cfg(budgeted, Some(limit)))?;
+        ensure!(e.generate(&params, |_| {})?.tokens.len() == 10);
+        drop(e);
+
+        let e = keydiff::Engine::load(&source, &cfg(cache("full", None)?, Some(limit)))?;
+        let err = e.generate(&params, |_| {}).err().ok_or_else(|| {
+            anyhow::anyhow!("a full cache of {long} slots ran under a limit for {budget}")
+        })?;
+        ensure!(matches!(err, EngineError::OutOfMemory(_)), "{err:?}");
+        let msg = err.to_string();
+        ensure!(
+            msg.contains(&format!("KV cache of {long} slots")) && msg.contains("--budget"),
+            "{msg}"
+        );
+        ensure!(
+            msg.contains("--kv-dtype f16") == (kv_dtype.size_in_bytes() > 2),
+            "f16 is suggested only for a wider cache ({kv_dtype:?}): {msg}"
+        );
+        let short = GenerateParams {
+            prompt: Prompt::Tokens(vec![1, 2, 3]),
+            ..params
+        };
+        ensure!(e.generate(&short, |_| {})?.tokens.len() == 10);
+    }
+    Ok(())
+}
+test_device!(
+    memory_is_planned_on_the_device,
+    memory_is_planned_on_the_device_cpu,
+    memory_is_planned_on_the_device_cuda
+);

@@ -190,9 +190,11 @@ struct LoadArgs {
     /// slower) instead of dense prefill copies and Q8_0 copies of Q4_1/Q5_x.
     #[arg(long)]
     as_stored: bool,
-    /// Host memory keydiff may plan with (e.g. 16G, 512MiB; default: what the system reports
-    /// available, under the cgroup's limit and `ulimit -v`). On the CPU, weight copies that do
-    /// not fit are dropped, and a model or KV cache that cannot fit is refused with the numbers.
+    /// Memory keydiff may plan with on its device (e.g. 16G, 512MiB): host memory on the CPU,
+    /// the GPU's memory on CUDA. Default: what there is (on the CPU what the system reports
+    /// available, under the cgroup's limit and `ulimit -v`; on CUDA the device's free memory).
+    /// CPU weight copies that do not fit are dropped, and a model or KV cache that cannot fit
+    /// is refused with the numbers before it is allocated.
     #[arg(long, value_parser = parse_memory)]
     memory_limit: Option<u64>,
     /// Chunk attention: eager (materialised probabilities), flash (fused kernel: candle-nn's on
@@ -735,6 +737,8 @@ fn info(args: &ModelArgs) -> Result<()> {
         "memory": {
             "weight_bytes": engine.weight_bytes(),
             "weights": keydiff::human_bytes(engine.weight_bytes()),
+            "planned_weight_bytes": engine.weight_plan().resident,
+            "device_taken_by_load": engine.load_taken_bytes(),
             "cpu_weights": engine.cpu_weights().map(|c| c.describe()),
             "available": engine.memory_budget().map(|b| b.to_string()),
         },

@@ -44,11 +44,12 @@ pub struct Loaded {
     /// The CPU options the GGUF weights were loaded with: those asked for, or fewer copies
     /// when the memory plan did not leave room for them. `None` for other sources and devices.
     pub cpu_weights: Option<CpuWeights>,
-    /// The host memory the weights were planned to take (empty on GPUs).
+    /// The memory the weights were planned to take on their device.
     pub weight_plan: WeightPlan,
 }
 
-/// Memory to plan a model's host allocations against before loading it.
+/// Memory to plan a model's allocations against before loading it (host memory on the CPU,
+/// the device's on a GPU).
 pub struct MemoryPlan<'a> {
     pub budget: MemoryBudget,
     /// Bytes to leave free beside the weights for requests (a budgeted KV cache,
@@ -58,7 +59,9 @@ pub struct MemoryPlan<'a> {
 
 /// The CPU options to load `weights` with under `mem`: `asked` when the weights and the
 /// reserve fit in RAM, else without the dense prefill copies, else as stored; as stored beyond
-/// RAM when swap holds it (with a warning); an error with the numbers when nothing fits.
+/// RAM when swap holds it (with a warning); an error with the numbers when nothing fits. On a
+/// GPU there are no copies to drop: the weights as stored fit in the device's memory or are
+/// refused.
 fn fit_weights(
     weights: &Weights,
     cfg: &ModelConfig,
@@ -66,12 +69,11 @@ fn fit_weights(
     mem: Option<&MemoryPlan>,
     what: &str,
 ) -> Result<(CpuWeights, WeightPlan)> {
-    let describe = |c: CpuWeights| {
-        if weights.gguf_content().is_some() {
-            c.describe()
-        } else {
-            "dense weights"
-        }
+    let on_cpu = weights.device_dtype().0.is_cpu();
+    let describe = |c: CpuWeights| match (weights.gguf_content().is_some(), on_cpu) {
+        (true, true) => c.describe(),
+        (true, false) => "weights as stored",
+        (false, _) => "dense weights",
     };
     let plan = weights.plan(cfg, asked);
     let Some(mem) = mem else {
@@ -87,7 +89,7 @@ fn fit_weights(
         },
         CpuWeights::AS_STORED,
     ] {
-        if options.iter().all(|(o, _)| *o != c) {
+        if on_cpu && options.iter().all(|(o, _)| *o != c) {
             options.push((c, weights.plan(cfg, c)));
         }
     }

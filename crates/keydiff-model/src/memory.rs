@@ -1,13 +1,15 @@
-//! Host memory: how much there is to plan with, and sizes as people write them.
+//! Memory: how much there is to plan with, on the host or a GPU, and sizes as people write them.
 //!
-//! The engine plans its large host allocations (the weights, their CPU copies, the KV cache)
-//! against this, so that a model or a cache that cannot fit is refused with the numbers, or made
-//! to fit by dropping optional copies, instead of the process being killed by the kernel's OOM
-//! killer or aborting in the allocator. GPU memory is not planned here: candle reports a failed
-//! device allocation as an error.
+//! The engine plans its large allocations (the weights, their CPU copies, the KV cache) against
+//! this, so that a model or a cache that cannot fit is refused with the numbers, or made to fit
+//! by dropping optional copies, instead of the process being killed by the kernel's OOM killer,
+//! aborting in the allocator, or failing a device allocation minutes into a prefill. On the CPU
+//! the budget is host memory; on a CUDA device it is the device's free memory.
 
 use std::fmt;
 use std::path::Path;
+
+use candle_core::Device;
 
 /// Memory the engine may plan its host allocations with.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -48,6 +50,52 @@ impl MemoryBudget {
         .filter_map(|(room, name)| Some((room?, name)))
         .collect();
         budget_from(&meminfo, &caps)
+    }
+
+    /// What `device` has free now: host memory on the CPU (see [`MemoryBudget::detect`]), the
+    /// device's free memory on CUDA (after synchronising it, so that buffers freed on its
+    /// stream are back with the driver). `None` where it cannot be known (other devices, a
+    /// failed query, which is logged).
+    pub fn detect_on(device: &Device) -> Option<Self> {
+        match device {
+            Device::Cpu => Self::detect(),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(d) => {
+                let query = || -> Result<(usize, usize), String> {
+                    device.synchronize().map_err(|e| e.to_string())?;
+                    d.cuda_stream()
+                        .context()
+                        .mem_get_info()
+                        .map_err(|e| e.to_string())
+                };
+                match query() {
+                    Ok((free, total)) => {
+                        let name = match device.location() {
+                            candle_core::DeviceLocation::Cuda { gpu_id } => {
+                                format!("cuda:{gpu_id}")
+                            }
+                            other => format!("{other:?}"),
+                        };
+                        Some(Self::device_free(&name, free as u64, total as u64))
+                    }
+                    Err(e) => {
+                        tracing::warn!("cannot read the free memory of the GPU ({e}): not planned");
+                        None
+                    }
+                }
+            }
+            _ => None,
+        }
+    }
+
+    /// A device's budget from its driver's figures: `free` of `total` bytes (no swap on a
+    /// device). `device` names it in messages.
+    pub fn device_free(device: &str, free: u64, total: u64) -> Self {
+        Self {
+            ram: free,
+            total: free,
+            source: format!("free memory of {device}, {} in all", human(total)),
+        }
     }
 
     /// This budget less `bytes` already taken (saturating).
@@ -233,6 +281,22 @@ mod tests {
     const MEMINFO: &str = "MemTotal:       24576000 kB\nMemFree:        20000000 kB\n\
         MemAvailable:   22000000 kB\nCached:          1000000 kB\nSwapTotal:       4000000 kB\n\
         SwapFree:        3000000 kB\n";
+
+    #[test]
+    fn device_budgets_are_their_free_memory() {
+        let b = MemoryBudget::device_free("cuda:0", 3 << 30, 141 << 30);
+        assert_eq!((b.ram, b.total), (3 << 30, 3 << 30), "no swap on a device");
+        assert_eq!(
+            b.to_string(),
+            "3.0 GiB available (free memory of cuda:0, 141.0 GiB in all)"
+        );
+        assert_eq!(b.less(1 << 30).ram, 2 << 30);
+        // The CPU's is the host's.
+        assert_eq!(
+            MemoryBudget::detect_on(&Device::Cpu).is_some(),
+            MemoryBudget::detect().is_some()
+        );
+    }
 
     #[test]
     fn meminfo_gives_available_and_swap() {

@@ -264,10 +264,13 @@ enum Role {
     Plain,
 }
 
-/// Host memory the weights take once loaded, planned before anything is read.
+/// Memory the weights take once loaded, on the device they load to (host memory on the CPU),
+/// planned before anything is read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct WeightPlan {
-    /// Bytes held by the loaded model: what [`crate::Model::weight_bytes`] then reports.
+    /// Bytes held by the loaded model: what [`crate::Model::weight_bytes`] then reports. On
+    /// CUDA, candle pads each quantized tensor's buffer by 512 columns' worth of blocks (288
+    /// bytes for Q4_0), which neither counts.
     pub resident: u64,
     /// The most one tensor needs in passing while it loads (its file bytes and a dequantized
     /// f32 copy).
@@ -440,19 +443,23 @@ impl Weights {
         v
     }
 
-    /// The host memory the model's weights will take under `cpu` (for GGUF sources; the
-    /// others ignore it), computed from the shapes and stored types alone. On a GPU nothing
-    /// stays on the host: the plan is empty. Tensors the source lacks are left out (loading
-    /// then fails on them by name).
+    /// The memory the model's weights will take on their device under `cpu` (for GGUF
+    /// sources on the CPU; the others ignore it), computed from the shapes and stored types
+    /// alone. On a GPU the weights are kept as stored (quantized ones stay quantized, candle's
+    /// CUDA kernels run every type), in device memory. Tensors the source lacks are left out
+    /// (loading then fails on them by name).
     pub fn plan(&self, cfg: &ModelConfig, cpu: CpuWeights) -> WeightPlan {
         let (device, dtype) = self.device_dtype();
         let mut plan = WeightPlan {
             resident: 0,
             transient: 0,
         };
-        if !device.is_cpu() {
-            return plan;
-        }
+        // The copies are made on the CPU only (`CpuWeights::prepare`).
+        let cpu = if device.is_cpu() {
+            cpu
+        } else {
+            CpuWeights::AS_STORED
+        };
         let dsize = dtype.size_in_bytes() as u64;
         let bytes_of = |t: GgmlDType, n: u64| n / t.block_size() as u64 * t.type_size() as u64;
         for (name, role, n) in self.model_tensors(cfg) {

@@ -42,12 +42,13 @@ pub struct EngineConfig {
     /// (fused kernel; on CUDA it needs the `flash-attn` feature) or auto (resolved at load;
     /// [`Engine::config`] then reports the choice).
     pub attention: AttentionBackend,
-    /// Host memory the engine may plan with, in bytes (`None`: what the system reports
-    /// available, `MemAvailable` and free swap under the cgroup's limit and `ulimit -v`). On
-    /// the CPU the weights, their copies and each request's KV cache are planned against it
-    /// before they are allocated: optional weight copies are dropped when they do not fit,
-    /// and a model or cache that cannot fit is refused with the numbers. GPU memory is not
-    /// planned (candle reports a failed device allocation as an error).
+    /// Memory the engine may plan with on its device, in bytes: host memory on the CPU, the
+    /// GPU's memory on CUDA (`None`: what there is, measured when needed: on the CPU
+    /// `MemAvailable` and free swap under the cgroup's limit and `ulimit -v`, on CUDA the
+    /// device's free memory). The weights, their CPU copies and each request's KV cache and
+    /// activations are planned against it before they are allocated: optional weight copies
+    /// are dropped when they do not fit, and a model or cache that cannot fit is refused with
+    /// the numbers.
     pub memory_limit: Option<u64>,
 }
 
@@ -68,15 +69,12 @@ impl Default for EngineConfig {
 }
 
 impl EngineConfig {
-    /// The host memory budget to plan with now: the limit, or what the system reports; `None`
-    /// off the CPU or where the system does not say.
+    /// The memory budget of the device to plan with now: the limit, or what the system or
+    /// the driver reports; `None` where neither says.
     fn memory_budget(&self) -> Option<MemoryBudget> {
-        if !self.device.is_cpu() {
-            return None;
-        }
         match self.memory_limit {
             Some(b) => Some(MemoryBudget::fixed(b)),
-            None => MemoryBudget::detect(),
+            None => MemoryBudget::detect_on(&self.device),
         }
     }
 }
@@ -346,6 +344,8 @@ pub struct Engine {
     cfg: EngineConfig,
     /// The tokenizer with special-token text read as plain text, made on first use.
     plain_tokenizer: std::sync::OnceLock<tokenizers::Tokenizer>,
+    /// Device memory the load took, as the driver reports it (GPUs only).
+    load_taken: Option<u64>,
 }
 
 impl Engine {
@@ -371,6 +371,14 @@ impl Engine {
             reserve: &reserve,
         });
         let mem = mem.as_ref();
+        // On a GPU, what the load takes is measured as well as planned (`keydiff info`).
+        let free = || {
+            (!cfg.device.is_cpu())
+                .then(|| MemoryBudget::detect_on(&cfg.device))
+                .flatten()
+                .map(|b| b.ram)
+        };
+        let free_before = free();
         let mut loaded = match source {
             ModelSource::Gguf(p) => load_gguf(p, &cfg.device, cfg.dtype, cfg.cpu_weights, mem)?,
             ModelSource::HfDir(d) => load_hf_dir(d, &cfg.device, cfg.dtype, mem)?,
@@ -396,16 +404,22 @@ impl Engine {
             kv_dtype: Some(loaded.model.kv_dtype()),
             ..cfg.clone()
         };
+        let load_taken = free_before
+            .zip(free())
+            .map(|(before, after)| before.saturating_sub(after));
         tracing::info!(
             origin = %loaded.origin,
             attention = %cfg.attention,
             kv_dtype = loaded.model.kv_dtype().as_str(),
+            weights_planned = loaded.weight_plan.resident,
+            device_memory_taken = load_taken,
             "model loaded"
         );
         Ok(Self {
             loaded,
             cfg,
             plain_tokenizer: std::sync::OnceLock::new(),
+            load_taken,
         })
     }
 
@@ -450,14 +464,22 @@ impl Engine {
         self.loaded.model.weight_bytes()
     }
 
-    /// The host memory the weights were planned to take before loading (what
-    /// [`Engine::weight_bytes`] should then report; empty on GPUs).
+    /// The memory the weights were planned to take on their device before loading (what
+    /// [`Engine::weight_bytes`] should then report).
     pub fn weight_plan(&self) -> keydiff_model::WeightPlan {
         self.loaded.weight_plan
     }
 
-    /// The host memory requests are planned against now: what the system reports available,
-    /// or the configured limit less the weights. `None` on GPUs.
+    /// The device memory the model's load took, as the driver reported its free memory
+    /// before and after (CUDA only; it includes anything else that allocated on the device
+    /// meanwhile). Against [`Engine::weight_plan`], it shows how good the plan is.
+    pub fn load_taken_bytes(&self) -> Option<u64> {
+        self.load_taken
+    }
+
+    /// The memory requests are planned against now, on the engine's device: what the system
+    /// (CPU) or the driver (CUDA) reports free, or the configured limit less the weights.
+    /// `None` where neither says.
     pub fn memory_budget(&self) -> Option<MemoryBudget> {
         let b = self.cfg.memory_budget()?;
         Some(match self.cfg.memory_limit {
@@ -466,9 +488,9 @@ impl Engine {
         })
     }
 
-    /// A cache for a request of at most `max_tokens` tokens under `cache`, after checking on
-    /// the CPU that it and the request's activations fit in memory: a cache that cannot fit
-    /// is refused with the numbers instead of taking the process down.
+    /// A cache for a request of at most `max_tokens` tokens under `cache`, after checking
+    /// that it and the request's activations fit in the device's memory: a cache that cannot
+    /// fit is refused with the numbers instead of taking the process down or failing mid-way.
     pub(crate) fn alloc_cache(&self, cache: CacheConfig, max_tokens: usize) -> Result<KvCache> {
         self.alloc_cache_with(cache, max_tokens, 0)
     }
@@ -484,8 +506,9 @@ impl Engine {
         Ok(self.loaded.model.new_cache(cache, max_tokens)?)
     }
 
-    /// Refuses, on the CPU, a cache of `slots` per layer and head (and the activations of a
-    /// request on it, and `extra` bytes) that cannot fit in memory; warns when it would swap.
+    /// Refuses a cache of `slots` per layer and head (and the activations of a request on
+    /// it, and `extra` bytes) that cannot fit in the device's memory; warns when it would
+    /// swap (CPU).
     pub(crate) fn check_cache_memory(
         &self,
         cache: &CacheConfig,
@@ -515,9 +538,14 @@ impl Engine {
             };
             if need > budget.total {
                 return Err(EngineError::OutOfMemory(format!(
-                    "{}; {budget}. Bound the cache with a budget (--budget N), store it in f16 \
-                     (--kv-dtype f16), or ask for fewer tokens (-n)",
-                    what()
+                    "{}; {budget}. Bound the cache with a budget (--budget N), {}or ask for \
+                     fewer tokens (-n)",
+                    what(),
+                    if dtype.size_in_bytes() > 2 {
+                        "store it in f16 (--kv-dtype f16), "
+                    } else {
+                        ""
+                    }
                 )));
             }
             if need > budget.ram {
