@@ -236,20 +236,22 @@ impl ModelConfig {
                 as u64
     }
 
-    /// Host bytes a request needs beside K and V, estimated: the cache's per-slot positions and
-    /// policy state (8 bytes), and a chunk's activations in f32 (hidden states, q/k/v, the MLP,
-    /// one row of logits) with, for eager attention, its scores, mask and probabilities over
-    /// every slot.
+    /// Bytes a request needs beside K and V on its device, estimated: the cache's per-slot
+    /// positions and policy state (8 bytes), a chunk's activations in f32 (hidden states,
+    /// q/k/v, the MLP, one row of logits), one layer's K and V view copied (contiguous or
+    /// widened to f32) for the chunk's attention and, for eager attention, its scores, mask and
+    /// probabilities over every slot.
     pub fn request_scratch_bytes(&self, slots: usize, chunk: usize, eager: bool) -> u64 {
         let (slots, chunk) = (slots as u64, chunk as u64);
         let meta = 8 * slots * (self.num_layers * self.num_kv_heads) as u64;
         let rows = 4 * chunk * (6 * self.hidden_size + 3 * self.intermediate_size) as u64;
+        let view = 2 * 4 * slots * (self.num_kv_heads * self.head_dim) as u64;
         let scores = if eager {
             3 * 4 * chunk * slots * self.num_heads as u64
         } else {
             0
         };
-        meta + rows + 4 * self.vocab_size as u64 + scores
+        meta + rows + view + 4 * self.vocab_size as u64 + scores
     }
 
     /// Reads the config from GGUF metadata (`{arch}.*` keys).
