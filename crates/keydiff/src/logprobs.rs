@@ -129,6 +129,16 @@ pub fn rows_logprobs_on_device(
     }
     let dev = logits.device();
     let max = logits.max_keepdim(1)?;
+    if let Some(m) = max
+        .squeeze(1)?
+        .to_vec1::<f32>()?
+        .into_iter()
+        .find(|m| !m.is_finite())
+    {
+        return Err(EngineError::BadParams(format!(
+            "the logits' largest value is {m}: no distribution to take logprobs from"
+        )));
+    }
     let lse = (logits.broadcast_sub(&max)?.exp()?.sum_keepdim(1)?.log()? + &max)?;
     let index = Tensor::new(targets, dev)?.unsqueeze(1)?;
     let picked = (logits.gather(&index, 1)? - &lse)?
@@ -151,6 +161,15 @@ pub fn rows_logprobs_on_device(
         }
         if k + 1 < top {
             work = columns.broadcast_eq(&best)?.where_cond(&masked, &work)?;
+        }
+    }
+    // A row with fewer than `top` finite logits: once they are taken, argmax meets only
+    // masked entries and repeats one. Such rows (rare: a model's logits are finite) are
+    // taken on the host, which lists the −∞ entries by id, as for any row.
+    for (r, row) in alternatives.iter_mut().enumerate() {
+        if row.iter().any(|a| a.1 == f32::NEG_INFINITY) {
+            let host = logits.get(r)?.to_vec1::<f32>()?;
+            *row = token_logprob(&host, targets[r], top)?.top;
         }
     }
     Ok(targets
@@ -351,6 +370,49 @@ mod tests {
         }
         assert!(rows_logprobs_on_device(&logits, &[0, 1], 1).is_err());
         assert!(rows_logprobs_on_device(&logits, &[vocab as u32; 7], 1).is_err());
+    }
+
+    /// Rows with −∞ logits (fewer finite entries than alternatives asked): the device path
+    /// lists the same distinct ids as the host's, and both refuse a row without a finite one.
+    #[test]
+    fn rows_with_few_finite_logits_list_distinct_alternatives() {
+        let inf = f32::NEG_INFINITY;
+        let data = vec![
+            inf, 2.0, inf, inf, 1.0, inf, //
+            0.5, 0.1, 0.3, 0.2, 0.4, 0.0, //
+            inf, inf, inf, 3.0, inf, inf,
+        ];
+        let dev = candle_core::Device::Cpu;
+        let logits = Tensor::from_vec(data, (3, 6), &dev).unwrap();
+        let targets = [1, 2, 0];
+        for top in [1, 3, 6] {
+            let device = rows_logprobs_on_device(&logits, &targets, top).unwrap();
+            let host = rows_logprobs(&logits, &targets, top).unwrap();
+            for (d, h) in device.iter().zip(&host) {
+                let ids = |t: &TokenLogprob| t.top.iter().map(|p| p.0).collect::<Vec<_>>();
+                assert_eq!(ids(d), ids(h), "top {top}");
+                for (a, b) in d.top.iter().zip(&h.top) {
+                    assert!(a.1 == b.1 || (a.1 - b.1).abs() < 1e-6, "{d:?} vs {h:?}");
+                }
+            }
+            for t in &device {
+                let mut ids: Vec<u32> = t.top.iter().map(|p| p.0).collect();
+                assert_eq!(ids.len(), top);
+                ids.sort();
+                ids.dedup();
+                assert_eq!(ids.len(), top, "{t:?}");
+            }
+        }
+        assert_eq!(
+            rows_logprobs_on_device(&logits, &targets, 3).unwrap()[0]
+                .top
+                .iter()
+                .map(|p| p.0)
+                .collect::<Vec<_>>(),
+            [1, 4, 0]
+        );
+        let none = Tensor::from_vec(vec![inf; 4], (1, 4), &dev).unwrap();
+        assert!(rows_logprobs_on_device(&none, &[0], 1).is_err());
     }
 
     #[test]
