@@ -291,6 +291,21 @@ fn logprob_requests_that_cannot_be_honoured() {
     let mut pc = PromptCache::new();
     e.generate_cached(&long, &mut pc, |_| {}).unwrap();
     assert!(!pc.tokens().is_empty());
+    // A request refused for its prompt leaves the held cache as it was.
+    let held = pc.tokens().to_vec();
+    let context = e.model_config().max_position_embeddings;
+    let too_long = GenerateParams {
+        prompt: Prompt::Tokens(vec![1; context + 1]),
+        prompt_logprobs: Some(1),
+        ..long.clone()
+    };
+    let err = e.generate_cached(&too_long, &mut pc, |_| {}).unwrap_err();
+    assert!(matches!(err, EngineError::PromptTooLong { .. }), "{err:?}");
+    assert_eq!(
+        pc.tokens(),
+        held,
+        "a refused request keeps the prompt cache"
+    );
     let with_lp = GenerateParams {
         prompt_logprobs: Some(1),
         ..long.clone()

@@ -117,7 +117,12 @@ impl Engine {
         if params.prompt_logprobs.is_some() {
             // Every prompt row's logits are needed, so nothing can be reused; the request
             // runs afresh and the next one finds no cache (freed first, as below: the new
-            // cache may need its memory).
+            // cache may need its memory). A prompt refused outright keeps the cache.
+            let n = self.prompt_tokens(&params.prompt)?.len();
+            let context = self.model_config().max_position_embeddings;
+            if n > context {
+                return Err(EngineError::PromptTooLong { tokens: n, context });
+            }
             pc.clear();
             return self.generate_from(params, None, on_event);
         }
