@@ -76,9 +76,24 @@ impl Attention {
         backend: AttentionBackend,
         clock: &mut Clock,
     ) -> Result<Tensor> {
+        let (q, k, v) = self.qkv(x, rope, cos_sin, !decode)?;
+        let y = self.attend_cached(&q, &k, &v, mask, cache, li, pos0, decode, backend, clock)?;
+        let out = self.o.forward(&y, !decode)?;
+        clock.lap(cache, Region::Attention)?;
+        Ok(out)
+    }
+
+    /// The rows' queries `[1, heads, B, d]`, keys and values `[kv_heads, B, d]`, RoPE applied
+    /// at `cos_sin`'s positions (one row each). `pf` selects the linears' prefill weights.
+    fn qkv(
+        &self,
+        x: &Tensor,
+        rope: &Rope,
+        cos_sin: &(Tensor, Tensor),
+        pf: bool,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
         let b = x.dim(0)?;
         let (h, kv, d) = (self.heads, self.kv_heads, self.head_dim);
-        let g = h / kv;
         // [1, heads, B, d]
         let split = |t: Tensor, n: usize| -> Result<Tensor> {
             Ok(t.reshape((b, n, d))?
@@ -86,7 +101,6 @@ impl Attention {
                 .contiguous()?
                 .unsqueeze(0)?)
         };
-        let pf = !decode;
         let q = split(self.q.forward(x, pf)?, h)?;
         let k = split(self.k.forward(x, pf)?, kv)?;
         let v = self
@@ -95,11 +109,33 @@ impl Attention {
             .reshape((b, kv, d))?
             .transpose(0, 1)?;
         let (cos, sin) = cos_sin;
-        // [1, heads, B, d]
         let q = rope.apply(&q, cos, sin)?;
         let k = rope.apply(&k, cos, sin)?.squeeze(0)?;
+        Ok((q, k, v))
+    }
+
+    /// Appends a chunk's `k`, `v` (`[kv_heads, B, d]`, positions from `pos0`) to layer `li`
+    /// of `cache`, attends with its queries `q` (`[1, heads, B, d]`), then lets the cache
+    /// evict. Returns `[B, heads·d]`, before the output projection.
+    #[allow(clippy::too_many_arguments)]
+    fn attend_cached(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: Option<&Tensor>,
+        cache: &mut KvCache,
+        li: usize,
+        pos0: usize,
+        decode: bool,
+        backend: AttentionBackend,
+        clock: &mut Clock,
+    ) -> Result<Tensor> {
+        let b = q.dim(2)?;
+        let (h, kv, d) = (self.heads, self.kv_heads, self.head_dim);
+        let g = h / kv;
         let layer = cache.layer_mut(li);
-        layer.append(&k, &v, pos0)?;
+        layer.append(k, v, pos0)?;
         let rows = cache.stats_rows(b);
         let layer = cache.layer(li);
         let (keys, values) = (layer.keys()?, layer.values()?);
@@ -193,9 +229,7 @@ impl Attention {
         // Times its own parts (statistics folded into policy state, scoring, selection/moves).
         cache.after_attention(li, stats.as_ref(), decode)?;
         clock.restart()?;
-        let out = self.o.forward(&y, pf)?;
-        clock.lap(cache, Region::Attention)?;
-        Ok(out)
+        Ok(y)
     }
 }
 
@@ -413,6 +447,68 @@ impl Model {
     pub fn forward_all(&self, tokens: &[u32], cache: &mut KvCache) -> Result<Tensor> {
         let x = self.hidden(tokens, cache, false)?;
         let logits = self.lm_head.forward(&self.norm.forward(&x)?, true)?;
+        Ok(logits.to_dtype(DType::F32)?)
+    }
+
+    /// One decode step of several sequences at once: `tokens[i]` is the next token of the
+    /// sequence whose cache is `caches[i]` (each at its own position, under its own budget).
+    /// The linears and the LM head run once over the `[n, hidden]` rows, so their weights are
+    /// read once for all sequences; attention, and each cache's eviction, run per sequence.
+    /// Returns the next-token logits, `[n, vocab]` in f32: row `i` equals what
+    /// [`Model::forward`] gives for `tokens[i]` on `caches[i]` alone, up to the rounding of a
+    /// matmul over more rows (none for quantized weights on the CPU, whose rows are
+    /// independent).
+    pub fn forward_batch(&self, tokens: &[u32], caches: &mut [&mut KvCache]) -> Result<Tensor> {
+        let n = tokens.len();
+        if n == 0 || caches.len() != n {
+            return Err(ModelError::Shape(format!(
+                "a batch of {n} tokens for {} caches",
+                caches.len()
+            )));
+        }
+        if let Some(c) = caches.iter().find(|c| c.num_layers() != self.layers.len()) {
+            return Err(ModelError::Shape(format!(
+                "{} layer caches for {} layers",
+                c.num_layers(),
+                self.layers.len()
+            )));
+        }
+        let positions: Vec<usize> = caches.iter().map(|c| c.position()).collect();
+        let ids = Tensor::new(tokens, &self.device)?;
+        // [n, hidden]
+        let mut x = self.embed.forward(&ids, self.dtype)?;
+        let cos_sin = self
+            .rope
+            .cos_sin_at(positions.iter().copied(), self.dtype, &self.device)?;
+        // Profiling is per request; a batch step is not profiled.
+        let mut clock = Clock::new(false, &self.device)?;
+        for (li, layer) in self.layers.iter().enumerate() {
+            let h = layer.attn_norm.forward(&x)?;
+            let (q, k, v) = layer.attn.qkv(&h, &self.rope, &cos_sin, false)?;
+            let mut ys = Vec::with_capacity(n);
+            for (i, cache) in caches.iter_mut().enumerate() {
+                ys.push(layer.attn.attend_cached(
+                    &q.narrow(2, i, 1)?,
+                    &k.narrow(1, i, 1)?,
+                    &v.narrow(1, i, 1)?,
+                    None,
+                    cache,
+                    li,
+                    positions[i],
+                    true,
+                    self.attention,
+                    &mut clock,
+                )?);
+            }
+            let h = layer.attn.o.forward(&Tensor::cat(&ys, 0)?, false)?;
+            x = (x + h)?;
+            let h = layer.mlp.forward(&layer.mlp_norm.forward(&x)?, false)?;
+            x = (x + h)?;
+        }
+        for c in caches.iter_mut() {
+            c.advance(1);
+        }
+        let logits = self.lm_head.forward(&self.norm.forward(&x)?, false)?;
         Ok(logits.to_dtype(DType::F32)?)
     }
 

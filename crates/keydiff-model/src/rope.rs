@@ -45,10 +45,22 @@ impl Rope {
         dtype: DType,
         device: &Device,
     ) -> Result<(Tensor, Tensor)> {
+        self.cos_sin_at(pos0..pos0 + len, dtype, device)
+    }
+
+    /// cos and sin, `[len, head_dim / 2]`, a row for each of `positions` (the rows of a batch
+    /// of sequences, each at its own position).
+    pub fn cos_sin_at(
+        &self,
+        positions: impl ExactSizeIterator<Item = usize>,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<(Tensor, Tensor)> {
         let half = self.inv_freq.len();
+        let len = positions.len();
         let mut cos = Vec::with_capacity(len * half);
         let mut sin = Vec::with_capacity(len * half);
-        for p in pos0..pos0 + len {
+        for p in positions {
             for &f in &self.inv_freq {
                 let theta = p as f32 * f;
                 cos.push(theta.cos());

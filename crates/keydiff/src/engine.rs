@@ -157,6 +157,11 @@ impl Default for GenerateParams {
 }
 
 impl GenerateParams {
+    /// True once [`GenerateParams::cancel`] has been cancelled.
+    pub fn is_cancelled(&self) -> bool {
+        self.cancel.as_ref().is_some_and(CancelToken::is_cancelled)
+    }
+
     /// Refuses settings the engine cannot honour: meaningless sampling values, or more
     /// logprob alternatives than [`MAX_TOP_LOGPROBS`].
     pub fn validate(&self) -> Result<()> {
@@ -303,6 +308,153 @@ pub struct Output {
     pub stats: Stats,
 }
 
+/// A request between its prefill and its end: what it sampled so far, and the distribution
+/// to sample next from. [`Engine::run_request`] drives one alone; a [`crate::Batch`] steps
+/// several together.
+pub(crate) struct Decoding<'e> {
+    engine: &'e Engine,
+    params: GenerateParams,
+    prompt: Vec<u32>,
+    /// Prompt tokens that came from a cache.
+    start: usize,
+    t0: Instant,
+    /// Prompt tokens prefilled (`prompt.len()` unless a cancel cut the prefill short).
+    done: usize,
+    prefill_s: f64,
+    prompt_lp: Vec<TokenLogprob>,
+    breakdown: Option<Breakdown>,
+    counted: CacheCounters,
+    peak_kv_bytes: usize,
+    sampler: Sampler,
+    history: Vec<u32>,
+    stream: TextStream<'e>,
+    generated: Vec<u32>,
+    logprobs: Vec<TokenLogprob>,
+    ttft_s: f64,
+    td: Instant,
+    decode_steps: usize,
+    reason: StopReason,
+    logits: Vec<f32>,
+}
+
+impl<'e> Decoding<'e> {
+    /// Samples the next token (emitting its events) and returns it when it must be fed to
+    /// the model; `None` once the request has ended (an end-of-generation token, a stop
+    /// string, `max_tokens`, the context, a cancel). `position` is the cache's position.
+    pub(crate) fn next(
+        &mut self,
+        position: usize,
+        on_event: &mut impl FnMut(Event<'_>),
+    ) -> Result<Option<u32>> {
+        let params = &self.params;
+        if self.reason != StopReason::MaxTokens || self.generated.len() >= params.max_tokens {
+            return Ok(None);
+        }
+        // The model's distribution, before the sampler's penalties and temperature.
+        let raw = params.logprobs.map(|top| (self.logits.clone(), top));
+        let tok = self.sampler.sample(&mut self.logits, &self.history);
+        if self.generated.is_empty() {
+            self.ttft_s = self.t0.elapsed().as_secs_f64();
+        }
+        if let Some((raw, top)) = raw {
+            self.logprobs.push(token_logprob(&raw, tok, top)?);
+            on_event(Event::Logprob(self.logprobs.last().expect("just pushed")));
+        }
+        self.generated.push(tok);
+        self.history.push(tok);
+        let vocab = &self.engine.loaded.vocab;
+        if !params.ignore_eos && vocab.eos_ids.contains(&tok) {
+            self.reason = StopReason::Eos;
+            return Ok(None);
+        }
+        let piece = self.stream.push(tok)?;
+        if !piece.is_empty() {
+            on_event(Event::Text(&piece));
+        }
+        if self.stream.stopped() {
+            self.reason = StopReason::StopString;
+            return Ok(None);
+        }
+        if self.generated.len() >= params.max_tokens {
+            return Ok(None);
+        }
+        if position + 1 >= self.engine.model_config().max_position_embeddings {
+            self.reason = StopReason::Context;
+            return Ok(None);
+        }
+        // Checked here, so that whatever ends the request, its last sampled token is not in
+        // the cache (a chat turn or a prompt cache feeds it next).
+        if params.is_cancelled() {
+            self.reason = StopReason::Cancelled;
+            return Ok(None);
+        }
+        Ok(Some(tok))
+    }
+
+    /// The logits after the token [`Decoding::next`] returned was fed.
+    pub(crate) fn fed(&mut self, logits: Vec<f32>) {
+        self.logits = logits;
+        self.decode_steps += 1;
+    }
+
+    /// The output, once [`Decoding::next`] has returned `None`; and the last sampled token,
+    /// which is not in `cache`.
+    pub(crate) fn finish(
+        mut self,
+        cache: &KvCache,
+        on_event: &mut impl FnMut(Event<'_>),
+    ) -> (Output, Option<u32>) {
+        let rest = self.stream.finish();
+        if !rest.is_empty() {
+            on_event(Event::Text(&rest));
+        }
+        let decode_s = self.td.elapsed().as_secs_f64();
+        let e = self.engine;
+        let n = self.prompt.len();
+        let stats = Stats {
+            prompt_tokens: n,
+            generated_tokens: self.generated.len(),
+            chunk: e.cfg.cache.chunk,
+            ttft_s: self.ttft_s,
+            prefill_s: self.prefill_s,
+            prefill_tok_s: (self.done - self.start) as f64 / self.prefill_s.max(1e-9),
+            prefix_tokens: self.start,
+            decode_s,
+            decode_tok_s: if self.decode_steps > 0 {
+                self.decode_steps as f64 / decode_s.max(1e-9)
+            } else {
+                0.0
+            },
+            peak_kv_bytes: self.peak_kv_bytes,
+            kv_dtype: e.loaded.model.kv_dtype().as_str().to_string(),
+            final_cache_len: cache.len(),
+            eviction: cache.counters().since(&self.counted),
+            breakdown: self.breakdown,
+            policy: e.cfg.cache.policy.name(),
+            budget: e.cfg.cache.budget,
+            stop_reason: self.reason,
+        };
+        let last = self.generated.last().copied();
+        let complete = self.done == n;
+        (
+            Output {
+                text: self.stream.text().to_string(),
+                prompt_tokens: self.prompt,
+                tokens: self.generated,
+                logprobs: self.params.logprobs.map(|_| self.logprobs),
+                // A prefill cut short by a cancel scored only part of the prompt: none.
+                prompt_logprobs: self
+                    .params
+                    .prompt_logprobs
+                    .filter(|_| complete)
+                    .map(|_| self.prompt_lp),
+                stats,
+            },
+            last,
+        )
+    }
+}
+
 /// A prompt's first tokens, prefilled once so that several requests can start from them (for
 /// example every policy and budget of an evaluation sample).
 ///
@@ -423,6 +575,11 @@ impl Engine {
         })
     }
 
+    /// The loaded model.
+    pub(crate) fn model(&self) -> &keydiff_model::Model {
+        &self.loaded.model
+    }
+
     /// The model's hyper-parameters.
     pub fn model_config(&self) -> &ModelConfig {
         self.loaded.model.config()
@@ -515,7 +672,23 @@ impl Engine {
         slots: usize,
         extra: u64,
     ) -> Result<()> {
-        if let Some(budget) = self.memory_budget() {
+        self.check_cache_memory_beside(cache, slots, extra, 0)
+    }
+
+    /// [`Engine::check_cache_memory`] beside `held` bytes of other requests still running (a
+    /// batch's): taken from a configured limit; a measured budget already sees them.
+    pub(crate) fn check_cache_memory_beside(
+        &self,
+        cache: &CacheConfig,
+        slots: usize,
+        extra: u64,
+        held: u64,
+    ) -> Result<()> {
+        let budget = match self.cfg.memory_limit {
+            Some(_) => self.memory_budget().map(|b| b.less(held)),
+            None => self.memory_budget(),
+        };
+        if let Some(budget) = budget {
             let m = self.model_config();
             let dtype = self.loaded.model.kv_dtype();
             let kv = m.kv_cache_bytes(slots, dtype);
@@ -537,8 +710,13 @@ impl Engine {
                 )
             };
             if need > budget.total {
+                let beside = if held > 0 {
+                    format!(", beside {} of the requests running with it", human(held))
+                } else {
+                    String::new()
+                };
                 return Err(EngineError::OutOfMemory(format!(
-                    "{}; {budget}. Bound the cache with a budget (--budget N), {}or ask for \
+                    "{}{beside}; {budget}. Bound the cache with a budget (--budget N), {}or ask for \
                      fewer tokens (-n)",
                     what(),
                     if dtype.size_in_bytes() > 2 {
@@ -806,6 +984,27 @@ impl Engine {
         t0: Instant,
         on_event: &mut impl FnMut(Event<'_>),
     ) -> Result<(Output, Option<u32>)> {
+        let mut d =
+            self.prefill_request(cache, prompt.to_vec(), start, params.clone(), t0, on_event)?;
+        while let Some(tok) = d.next(cache.position(), on_event)? {
+            let logits = self.loaded.model.forward(&[tok], cache, true)?;
+            d.fed(logits.to_vec1::<f32>()?);
+        }
+        Ok(d.finish(cache, on_event))
+    }
+
+    /// Prefills `prompt[start..]` into `cache` (which holds `prompt[..start]`, or for a chat
+    /// turn whatever came before): the request's state, ready to sample its first token
+    /// ([`Decoding::next`]).
+    pub(crate) fn prefill_request(
+        &self,
+        cache: &mut KvCache,
+        prompt: Vec<u32>,
+        start: usize,
+        params: GenerateParams,
+        t0: Instant,
+        on_event: &mut impl FnMut(Event<'_>),
+    ) -> Result<Decoding<'_>> {
         params.validate()?;
         if params.prompt_logprobs.is_some() && start > 0 {
             return Err(EngineError::BadParams(format!(
@@ -814,8 +1013,6 @@ impl Engine {
             )));
         }
         let model = &self.loaded.model;
-        let vocab = &self.loaded.vocab;
-        let context = model.config().max_position_embeddings;
         let n = prompt.len();
         let peak_kv_bytes = cache.bytes();
         // A carried-on cache (a chat turn, a prompt cache) has counters of its own: the
@@ -824,18 +1021,12 @@ impl Engine {
         cache.set_profiling(params.profile);
 
         let chunk = self.cfg.cache.chunk;
-        let cancelled = || {
-            params
-                .cancel
-                .as_ref()
-                .is_some_and(CancelToken::is_cancelled)
-        };
         let tp = Instant::now();
         let mut logits = None;
         let mut prompt_lp = Vec::new();
         let mut done = start;
         while done < n {
-            if cancelled() {
+            if params.is_cancelled() {
                 break;
             }
             // Chunks of B; in a chat turn the cache may come out of decode with up to N + K - 1
@@ -863,7 +1054,7 @@ impl Engine {
         let prefill_s = tp.elapsed().as_secs_f64();
         if params.prompt_logprobs.is_some() && done == n {
             on_event(Event::PromptLogprobs {
-                tokens: prompt,
+                tokens: &prompt,
                 logprobs: &prompt_lp,
             });
         }
@@ -871,108 +1062,38 @@ impl Engine {
             .profile()
             .map(|p| Breakdown::new(p, cache.counters().since(&counted), prefill_s));
         cache.set_profiling(false);
-
-        let mut sampler = Sampler::new(params.sampling.clone());
-        let mut history = prompt.to_vec();
-        let mut stream = TextStream::new(&vocab.tokenizer, params.stop.clone());
-        let mut generated = Vec::new();
-        let mut ttft_s = 0.0;
-        let td = Instant::now();
-        let mut decode_steps = 0usize;
-        let mut reason = StopReason::MaxTokens;
         // Cancelled during prefill: nothing to sample from.
-        let mut logits = if done < n {
-            reason = StopReason::Cancelled;
-            Vec::new()
+        let (logits, reason) = if done < n {
+            (Vec::new(), StopReason::Cancelled)
         } else {
-            logits.expect("non-empty prompt").to_vec1::<f32>()?
+            (
+                logits.expect("non-empty prompt").to_vec1::<f32>()?,
+                StopReason::MaxTokens,
+            )
         };
-        let mut logprobs = Vec::new();
-        while reason != StopReason::Cancelled && generated.len() < params.max_tokens {
-            // The model's distribution, before the sampler's penalties and temperature.
-            let raw = params.logprobs.map(|top| (logits.clone(), top));
-            let tok = sampler.sample(&mut logits, &history);
-            if generated.is_empty() {
-                ttft_s = t0.elapsed().as_secs_f64();
-            }
-            if let Some((raw, top)) = raw {
-                logprobs.push(token_logprob(&raw, tok, top)?);
-                on_event(Event::Logprob(logprobs.last().expect("just pushed")));
-            }
-            generated.push(tok);
-            history.push(tok);
-            if !params.ignore_eos && vocab.eos_ids.contains(&tok) {
-                reason = StopReason::Eos;
-                break;
-            }
-            let piece = stream.push(tok)?;
-            if !piece.is_empty() {
-                on_event(Event::Text(&piece));
-            }
-            if stream.stopped() {
-                reason = StopReason::StopString;
-                break;
-            }
-            if generated.len() >= params.max_tokens {
-                break;
-            }
-            if cache.position() + 1 >= context {
-                reason = StopReason::Context;
-                break;
-            }
-            // Checked here, so that whatever ends the request, its last sampled token is not
-            // in the cache (a chat turn or a prompt cache feeds it next).
-            if cancelled() {
-                reason = StopReason::Cancelled;
-                break;
-            }
-            logits = model.forward(&[tok], cache, true)?.to_vec1::<f32>()?;
-            decode_steps += 1;
-        }
-        let rest = stream.finish();
-        if !rest.is_empty() {
-            on_event(Event::Text(&rest));
-        }
-        let decode_s = td.elapsed().as_secs_f64();
-        let stats = Stats {
-            prompt_tokens: n,
-            generated_tokens: generated.len(),
-            chunk,
-            ttft_s,
+        Ok(Decoding {
+            engine: self,
+            sampler: Sampler::new(params.sampling.clone()),
+            history: prompt.clone(),
+            stream: TextStream::new(&self.loaded.vocab.tokenizer, params.stop.clone()),
+            params,
+            prompt,
+            start,
+            t0,
+            done,
             prefill_s,
-            prefill_tok_s: (done - start) as f64 / prefill_s.max(1e-9),
-            prefix_tokens: start,
-            decode_s,
-            decode_tok_s: if decode_steps > 0 {
-                decode_steps as f64 / decode_s.max(1e-9)
-            } else {
-                0.0
-            },
-            peak_kv_bytes,
-            kv_dtype: self.loaded.model.kv_dtype().as_str().to_string(),
-            final_cache_len: cache.len(),
-            eviction: cache.counters().since(&counted),
+            prompt_lp,
             breakdown,
-            policy: self.cfg.cache.policy.name(),
-            budget: self.cfg.cache.budget,
-            stop_reason: reason,
-        };
-        let last = generated.last().copied();
-        Ok((
-            Output {
-                text: stream.text().to_string(),
-                prompt_tokens: prompt.to_vec(),
-                tokens: generated,
-                logprobs: params.logprobs.map(|_| logprobs),
-                // A prefill cut short by a cancel scored only part of the prompt: none.
-                prompt_logprobs: params
-                    .prompt_logprobs
-                    .filter(|_| done == n)
-                    .map(|_| prompt_lp),
-                stats,
-            },
-            last,
-        ))
+            counted,
+            peak_kv_bytes,
+            generated: Vec::new(),
+            logprobs: Vec::new(),
+            ttft_s: 0.0,
+            td: Instant::now(),
+            decode_steps: 0,
+            reason,
+            logits,
+        })
     }
 
     /// Changes the cache settings (policy, budget, chunk) for later requests; the model stays
@@ -1034,7 +1155,7 @@ impl Engine {
     /// What a prefill of `tokens` tokens that keeps every row's logits needs beyond its cache:
     /// a chunk's logit rows in f32, and the temporaries of their log-softmax, top-k masks or
     /// host copy (24 bytes per logit).
-    fn chunk_logits_bytes(&self, tokens: usize) -> u64 {
+    pub(crate) fn chunk_logits_bytes(&self, tokens: usize) -> u64 {
         6 * 4 * (self.cfg.cache.chunk.min(tokens) * self.model_config().vocab_size) as u64
     }
 

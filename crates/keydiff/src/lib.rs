@@ -10,6 +10,7 @@
 //! # Ok::<(), keydiff::EngineError>(())
 //! ```
 
+mod batch;
 pub mod bench;
 mod conversation;
 mod engine;
@@ -23,6 +24,7 @@ mod sampling;
 mod source;
 mod stream;
 
+pub use batch::Batch;
 pub use candle_core::{DType, Device};
 pub use conversation::Conversation;
 pub use engine::{

@@ -1,0 +1,392 @@
+//! Batched decoding (`Engine::generate_batch`, `Batch`): every request of a batch gets exactly
+//! what it gets alone (tokens, text, stop reason, logprobs, cache length, evictions) on the
+//! real SmolLM2 under an evicting budget, with its own sampler, stop strings and cancel; a
+//! batch step's logits equal single steps' on a random dense model, and on Qwen to the
+//! difference of candle's kernels for one row and for several; requests can join between
+//! steps; refusals stay with their request; memory is planned beside the running requests'
+//! caches.
+//!
+//! SmolLM2's decode weights are Q8_0 (copies of its Q4_1), whose CPU kernels compute each row
+//! alike however many rows there are, so a batch is bit-exact there. Qwen's `ffn_down` is Q6K:
+//! on x86 candle runs one row on the compact weights and several on repacked tiles with the
+//! activations quantized otherwise, so its batched rows differ from single ones (up to 0.33 in
+//! a logit here), and sampled tokens can diverge where a single run's would be close.
+
+use std::collections::HashMap;
+
+use candle_core::{DType, Device};
+use keydiff::{
+    CacheConfig, CancelToken, Engine, EngineConfig, EngineError, Event, GenerateParams,
+    ModelSource, Output, PolicyKind, Prompt, Sampling, StopReason,
+};
+use keydiff_tests::{model, root, QWEN, SMOLLM2};
+
+fn engine(path: &str, cache: CacheConfig) -> Engine {
+    let cfg = EngineConfig {
+        cache,
+        ..Default::default()
+    };
+    Engine::load(&ModelSource::Gguf(model(path)), &cfg).unwrap()
+}
+
+fn keydiff(n: usize, b: usize) -> CacheConfig {
+    CacheConfig {
+        policy: PolicyKind::parse("keydiff", 8, 0).unwrap(),
+        budget: Some(n),
+        ..CacheConfig::full(b)
+    }
+}
+
+fn text(sentences: usize, topic: &str) -> String {
+    format!("Notes on {topic}. ")
+        + &format!("The committee met on Tuesday to review the plans for {topic}, which had grown twice as fast as expected. ").repeat(sentences)
+}
+
+/// Requests that differ in everything a request can: prompt length (some evict during the
+/// prefill, some only in decode, one not at all), token budget, sampler, penalties, stop
+/// strings, logprobs, chat.
+fn requests() -> Vec<GenerateParams> {
+    let base = GenerateParams {
+        max_tokens: 24,
+        ..Default::default()
+    };
+    vec![
+        GenerateParams {
+            prompt: Prompt::Text(text(12, "the library") + "In short,"),
+            ..base.clone()
+        },
+        GenerateParams {
+            prompt: Prompt::Text("Once upon a time".into()),
+            max_tokens: 40,
+            sampling: Sampling {
+                temperature: 0.8,
+                top_p: 0.9,
+                seed: 7,
+                ..Default::default()
+            },
+            logprobs: Some(3),
+            ..base.clone()
+        },
+        GenerateParams {
+            prompt: Prompt::Text(text(3, "the bridge") + "The bridge"),
+            max_tokens: 5,
+            sampling: Sampling {
+                repetition_penalty: 1.3,
+                frequency_penalty: 0.2,
+                ..Default::default()
+            },
+            ..base.clone()
+        },
+        GenerateParams {
+            prompt: Prompt::Chat(vec![keydiff::Message {
+                role: "user".into(),
+                content: "Name three colours.".into(),
+            }]),
+            stop: vec![",".into()],
+            ignore_eos: true,
+            ..base.clone()
+        },
+        GenerateParams {
+            prompt: Prompt::Text(text(20, "the harbour") + "Therefore"),
+            max_tokens: 30,
+            prompt_logprobs: Some(1),
+            ..base
+        },
+    ]
+}
+
+/// Two outputs are the same run: tokens, text, logprobs, how it ended, what it evicted.
+fn assert_same(batched: &Output, alone: &Output, what: &str) {
+    assert_eq!(batched.tokens, alone.tokens, "{what}: tokens");
+    assert_eq!(batched.text, alone.text, "{what}: text");
+    assert_eq!(batched.logprobs, alone.logprobs, "{what}: logprobs");
+    assert_eq!(
+        batched.prompt_logprobs, alone.prompt_logprobs,
+        "{what}: prompt logprobs"
+    );
+    let (b, a) = (&batched.stats, &alone.stats);
+    assert_eq!(b.stop_reason, a.stop_reason, "{what}: stop reason");
+    assert_eq!(b.final_cache_len, a.final_cache_len, "{what}: cache length");
+    assert_eq!(
+        b.eviction.evictions, a.eviction.evictions,
+        "{what}: evictions"
+    );
+    assert_eq!(b.prompt_tokens, a.prompt_tokens, "{what}: prompt tokens");
+}
+
+/// The batch against each request alone, under a KeyDiff budget that evicts in prefill and
+/// decode; and every event reaches the request it belongs to.
+#[test]
+fn batched_requests_equal_their_runs_alone() {
+    {
+        let path = SMOLLM2;
+        let e = engine(path, keydiff(96, 32));
+        let reqs = requests();
+        let mut texts: HashMap<usize, String> = HashMap::new();
+        let mut lps: HashMap<usize, usize> = HashMap::new();
+        let outs = e
+            .generate_batch(&reqs, |i, ev| match ev {
+                Event::Text(t) => texts.entry(i).or_default().push_str(t),
+                Event::Logprob(_) => *lps.entry(i).or_default() += 1,
+                _ => {}
+            })
+            .unwrap();
+        assert_eq!(outs.len(), reqs.len());
+        let mut evicted = 0;
+        for (i, (out, params)) in outs.into_iter().zip(&reqs).enumerate() {
+            let out = out.unwrap_or_else(|err| panic!("{path} request {i}: {err}"));
+            let alone = e.generate(params, |_| {}).unwrap();
+            assert_same(&out, &alone, &format!("{path} request {i}"));
+            assert_eq!(texts.get(&i).cloned().unwrap_or_default(), out.text, "{i}");
+            assert_eq!(
+                lps.get(&i).copied().unwrap_or(0),
+                out.logprobs.map_or(0, |l| l.len())
+            );
+            evicted += out.stats.eviction.evictions;
+        }
+        assert!(evicted > 0, "{path}: the budget never evicted");
+    }
+}
+
+/// The stop strings and limits end requests at different steps: the reasons differ, so the
+/// batch shrank as it ran (checked through `Batch` directly).
+#[test]
+fn requests_join_and_leave_between_steps() {
+    let e = engine(SMOLLM2, keydiff(64, 16));
+    let reqs = requests();
+    let mut batch = e.batch();
+    let mut outs: HashMap<u64, Output> = HashMap::new();
+    let mut sizes = Vec::new();
+    // Two start; the others join one by one after some steps.
+    for (i, p) in reqs.iter().enumerate().take(2) {
+        assert!(batch.add(i as u64, p, |_| {}).unwrap().is_none());
+    }
+    let mut waiting: Vec<(u64, &GenerateParams)> = reqs
+        .iter()
+        .enumerate()
+        .skip(2)
+        .map(|(i, p)| (i as u64, p))
+        .collect();
+    let mut step = 0;
+    while !batch.is_empty() || !waiting.is_empty() {
+        if step % 3 == 0 {
+            if let Some((id, p)) = (!waiting.is_empty()).then(|| waiting.remove(0)) {
+                if let Some(out) = batch.add(id, p, |_| {}).unwrap() {
+                    outs.insert(id, out);
+                }
+            }
+        }
+        sizes.push(batch.len());
+        for (id, out) in batch.step(|_, _| {}).unwrap() {
+            outs.insert(id, out);
+        }
+        step += 1;
+    }
+    assert!(sizes.iter().any(|&s| s >= 3), "{sizes:?}");
+    assert_eq!(outs.len(), reqs.len());
+    for (i, p) in reqs.iter().enumerate() {
+        let alone = e.generate(p, |_| {}).unwrap();
+        assert_same(&outs[&(i as u64)], &alone, &format!("request {i}"));
+    }
+    let reasons: Vec<StopReason> = (0..reqs.len() as u64)
+        .map(|i| outs[&i].stats.stop_reason)
+        .collect();
+    assert!(reasons.contains(&StopReason::StopString), "{reasons:?}");
+    assert!(reasons.contains(&StopReason::MaxTokens), "{reasons:?}");
+}
+
+/// A refused request (empty, beyond the context, bad parameters) gets its error in its place;
+/// a cancelled one ends with what it had; the others are unaffected.
+#[test]
+fn refusals_and_cancels_stay_with_their_request() {
+    let e = engine(SMOLLM2, keydiff(64, 16));
+    let context = e.model_config().max_position_embeddings;
+    let good = requests().remove(0);
+    let cancel = CancelToken::new();
+    let reqs = vec![
+        GenerateParams {
+            prompt: Prompt::Text(String::new()),
+            ..good.clone()
+        },
+        good.clone(),
+        GenerateParams {
+            prompt: Prompt::Tokens(vec![1; context + 1]),
+            ..good.clone()
+        },
+        GenerateParams {
+            logprobs: Some(99),
+            ..good.clone()
+        },
+        GenerateParams {
+            cancel: Some(cancel.clone()),
+            max_tokens: 100,
+            ignore_eos: true,
+            ..good.clone()
+        },
+    ];
+    let mut seen = 0;
+    let outs = e
+        .generate_batch(&reqs, |i, ev| {
+            if i == 4 && matches!(ev, Event::Text(_)) {
+                seen += 1;
+                if seen == 3 {
+                    cancel.cancel();
+                }
+            }
+        })
+        .unwrap();
+    let mut outs = outs.into_iter();
+    assert!(matches!(
+        outs.next().unwrap(),
+        Err(EngineError::EmptyPrompt)
+    ));
+    let alone = e.generate(&good, |_| {}).unwrap();
+    assert_same(&outs.next().unwrap().unwrap(), &alone, "the good request");
+    assert!(matches!(
+        outs.next().unwrap(),
+        Err(EngineError::PromptTooLong { .. })
+    ));
+    assert!(matches!(
+        outs.next().unwrap(),
+        Err(EngineError::BadParams(_))
+    ));
+    let cancelled = outs.next().unwrap().unwrap();
+    assert_eq!(cancelled.stats.stop_reason, StopReason::Cancelled);
+    assert!(
+        (3..10).contains(&cancelled.tokens.len()),
+        "{}",
+        cancelled.tokens.len()
+    );
+}
+
+/// One batch step against single steps, for sequences at different positions under an
+/// evicting budget: each row's logits equal its sequence's alone, to the rounding of a dense
+/// f32 matmul over more rows (random Llama), exactly (SmolLM2), and within the difference of
+/// candle's one-row and tiled Q6K kernels (Qwen).
+#[test]
+fn a_batch_step_equals_single_steps() {
+    let config = root().join("configs/tiny-llama.json");
+    let random =
+        keydiff_model::load_random(&config, &Device::Cpu, DType::F32, 5, false, None).unwrap();
+    batch_step_against_single_steps(&random.model, 1e-4, "random f32 Llama");
+    let gguf = |path: &str| {
+        keydiff_model::load_gguf(
+            &model(path),
+            &Device::Cpu,
+            DType::F32,
+            keydiff::CpuWeights::FAST,
+            None,
+        )
+        .unwrap()
+    };
+    batch_step_against_single_steps(&gguf(SMOLLM2).model, 0.0, "SmolLM2");
+    batch_step_against_single_steps(&gguf(QWEN).model, 1.0, "Qwen");
+}
+
+fn batch_step_against_single_steps(m: &keydiff_model::Model, tol: f32, what: &str) {
+    let cache = keydiff(40, 16);
+    let prompts: Vec<Vec<u32>> = [70usize, 9, 33]
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| keydiff::parity::random_tokens(n, m.config().vocab_size, i as u64))
+        .collect();
+    let prefilled = || {
+        prompts
+            .iter()
+            .map(|p| {
+                let mut c = m.new_cache(cache.clone(), p.len() + 4).unwrap();
+                for chunk in p.chunks(16) {
+                    m.forward(chunk, &mut c, false).unwrap();
+                }
+                c
+            })
+            .collect::<Vec<_>>()
+    };
+    let next = [5u32, 17, 3];
+    let mut batched = prefilled();
+    let mut refs: Vec<&mut keydiff_cache::KvCache> = batched.iter_mut().collect();
+    let rows = m
+        .forward_batch(&next, &mut refs)
+        .unwrap()
+        .to_vec2::<f32>()
+        .unwrap();
+    let mut single = prefilled();
+    for (i, c) in single.iter_mut().enumerate() {
+        let want = m
+            .forward(&[next[i]], c, true)
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        let diff = rows[i]
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(diff <= tol, "{what}, sequence {i}: max |Δ| {diff}");
+        let argmax = |r: &[f32]| {
+            r.iter()
+                .enumerate()
+                .fold((0, f32::MIN), |b, (j, &x)| if x > b.1 { (j, x) } else { b })
+                .0
+        };
+        if tol == 0.0 {
+            assert_eq!(argmax(&rows[i]), argmax(&want), "{what}, sequence {i}");
+        }
+        assert_eq!(c.len(), batched[i].len(), "sequence {i}: cache length");
+        assert_eq!(c.position(), batched[i].position());
+    }
+    assert!(
+        m.forward_batch(&next, &mut []).is_err(),
+        "3 tokens, 0 caches"
+    );
+}
+
+/// Under a memory limit, a request's cache is planned beside the caches of the requests
+/// running with it: the second of two budgeted requests is refused with the numbers when the
+/// limit holds one, and runs once the first has ended.
+#[test]
+fn batch_memory_is_planned_beside_the_running_caches() {
+    let source = ModelSource::Random {
+        config: root().join("configs/tiny-llama.json"),
+        seed: 2,
+        on_host: false,
+    };
+    let (chunk, n) = (32, 256);
+    let base = Engine::load(&source, &EngineConfig::default()).unwrap();
+    let m = base.model_config().clone();
+    let plan = base.weight_plan();
+    drop(base);
+    let kv = m.kv_cache_bytes(n + chunk, DType::F32);
+    let need = kv + m.request_scratch_bytes(n + chunk, chunk, true);
+    assert!(
+        plan.transient < kv / 2,
+        "the test needs a cache larger than the load's transient memory"
+    );
+    // Room for the weights, one request's cache and activations, and half a cache more.
+    let limit = plan.resident + need + kv / 2;
+    let cfg = EngineConfig {
+        cache: keydiff(n, chunk),
+        memory_limit: Some(limit),
+        ..Default::default()
+    };
+    let e = Engine::load(&source, &cfg).unwrap();
+    let p = GenerateParams {
+        // Longer than N + B: the cache gets its N + B slots.
+        prompt: Prompt::Tokens(vec![3; n + chunk + 12]),
+        max_tokens: 3,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let mut batch = e.batch();
+    assert!(batch.add(0, &p, |_| {}).unwrap().is_none());
+    let err = batch.add(1, &p, |_| {}).unwrap_err();
+    assert!(matches!(err, EngineError::OutOfMemory(_)), "{err:?}");
+    assert!(
+        err.to_string().contains("of the requests running with it"),
+        "{err}"
+    );
+    while !batch.is_empty() {
+        batch.step(|_, _| {}).unwrap();
+    }
+    assert!(batch.add(1, &p, |_| {}).unwrap().is_none());
+}
