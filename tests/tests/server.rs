@@ -1102,3 +1102,79 @@ fn logprobs_score_prompts_and_replies() {
     );
     server.stop().unwrap();
 }
+
+/// Continuous batching (`max_batch` 4): requests that come while one runs join it instead of
+/// waiting for its end, each answer (whole or streamed) is the engine's for that request
+/// alone, a client that leaves cancels only its own request, and /health counts the batch.
+#[test]
+fn requests_run_together_with_max_batch() {
+    let cache = keydiff_cache(64, 32);
+    let cfg = ServerConfig {
+        max_batch: 4,
+        prompt_cache: None,
+        ..ServerConfig::new("smol")
+    };
+    let server = Server::bind("127.0.0.1:0", engine(cache.clone()), cfg)
+        .unwrap()
+        .spawn();
+    let base = server.url();
+    let chat = format!("{base}/v1/chat/completions");
+    let completions = format!("{base}/v1/completions");
+    let local = engine(cache);
+
+    // A streams without end; B and C come while it runs and finish before it does.
+    let endless = json!({"messages": [{"role": "user", "content": "Count to a million."}],
+                         "ignore_eos": true, "temperature": 0, "stream": true});
+    let a = ureq::post(&chat).send_json(&endless).unwrap();
+    let mut a = BufReader::new(a.into_reader()).lines();
+    for _ in 0..4 {
+        a.next().unwrap().unwrap();
+    }
+    let prompts = [
+        format!(
+            "{}\nQuestion: what does the text repeat? Answer:",
+            "The quick brown fox jumps over the lazy dog. ".repeat(12)
+        ),
+        "The capital of France is".to_string(),
+    ];
+    let clients: Vec<_> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let url = completions.clone();
+            let body = json!({"prompt": p, "max_tokens": 10 + 4 * i, "temperature": 0,
+                              "stream": i == 1});
+            std::thread::spawn(move || {
+                if i == 1 {
+                    let chunks = events(ureq::post(&url).send_json(&body).unwrap());
+                    let text: String = chunks
+                        .iter()
+                        .filter_map(|c| c["choices"][0]["text"].as_str())
+                        .collect();
+                    (200, json!({"choices": [{"text": text}]}))
+                } else {
+                    post(&url, &body)
+                }
+            })
+        })
+        .collect();
+    for (i, (c, p)) in clients.into_iter().zip(&prompts).enumerate() {
+        let (code, got) = c.join().unwrap();
+        assert_eq!(code, 200, "{got}");
+        let want = local
+            .generate(&greedy(Prompt::Text(p.clone()), 10 + 4 * i), |_| {})
+            .unwrap();
+        assert_eq!(got["choices"][0]["text"], want.text, "request {i}");
+    }
+    // A still runs: B and C did not wait for it.
+    let h = get(&format!("{base}/health"));
+    assert_eq!(h["running"], 1, "{h}");
+    assert_eq!(h["completed"], 2, "{h}");
+    for _ in 0..4 {
+        a.next().unwrap().unwrap();
+    }
+    drop(a);
+    let h = wait_health(&base, "A cancelled", |h| h["cancelled"] == 1);
+    assert_eq!(h["running"], 0, "{h}");
+    assert_eq!(h["failed"], 0, "{h}");
+}

@@ -948,9 +948,16 @@ struct ServeArgs {
     /// what gives a fresh request's answer (whole chunks where no eviction would have
     /// happened); `continue` also goes on from an evicted cache when the prompt extends all of
     /// it, as `keydiff chat` does (under --budget a long conversation then prefills only each
-    /// turn, and answers as a chat, not as a fresh request); `off`.
-    #[arg(long, default_value = "exact")]
-    prompt_cache: String,
+    /// turn, and answers as a chat, not as a fresh request); `off`. Default: exact, or off
+    /// with --max-batch above 1 (the prompt cache needs one request at a time).
+    #[arg(long)]
+    prompt_cache: Option<String>,
+    /// Requests decoded together at most (continuous batching): each is prefilled alone, then
+    /// the running ones go through the model together each step, and waiting requests join
+    /// between steps. Each has its own KV cache (N + B slots under --budget). 1: one request
+    /// at a time, with the prompt cache.
+    #[arg(long, default_value_t = 1)]
+    max_batch: usize,
     /// Require `Authorization: Bearer KEY` on every endpoint but /health (401 otherwise).
     #[arg(long, env = "KEYDIFF_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
@@ -967,8 +974,15 @@ fn serve(a: &ServeArgs) -> Result<()> {
         // Most likely an unset variable: refuse rather than serve without the key asked for.
         bail!("--api-key (or KEYDIFF_API_KEY) is empty");
     }
-    let prompt_cache = match a.prompt_cache.as_str() {
+    if a.max_batch == 0 {
+        bail!("--max-batch must be at least 1");
+    }
+    let default_cache = if a.max_batch > 1 { "off" } else { "exact" };
+    let prompt_cache = match a.prompt_cache.as_deref().unwrap_or(default_cache) {
         "off" => None,
+        _ if a.max_batch > 1 => {
+            bail!("--prompt-cache needs one request at a time (--max-batch 1)")
+        }
         mode => Some(mode.parse::<keydiff::Reuse>().map_err(|_| {
             anyhow::anyhow!("--prompt-cache `{mode}`: expected exact, continue or off")
         })?),
@@ -994,6 +1008,7 @@ fn serve(a: &ServeArgs) -> Result<()> {
         max_tokens: a.max_tokens,
         prompt_cache,
         api_key: a.api_key.clone(),
+        max_batch: a.max_batch,
     };
     let server = keydiff_server::Server::from_listener(listener, engine, cfg)?;
     eprintln!(

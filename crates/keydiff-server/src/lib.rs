@@ -72,6 +72,11 @@ pub struct ServerConfig {
     /// When set, every endpoint but `/health` needs `Authorization: Bearer <key>` (401
     /// otherwise), as vLLM's and llama.cpp's `--api-key`.
     pub api_key: Option<String>,
+    /// Requests decoded together at most (continuous batching, [`keydiff::Batch`]): each is
+    /// prefilled alone, then all running ones step through the model together; waiting
+    /// requests join between steps. 1 runs one request at a time, the only mode with the
+    /// prompt cache (a batch keeps no cache after a request).
+    pub max_batch: usize,
 }
 
 impl ServerConfig {
@@ -83,6 +88,7 @@ impl ServerConfig {
             max_tokens: None,
             prompt_cache: Some(Reuse::Exact),
             api_key: None,
+            max_batch: 1,
         }
     }
 }
@@ -182,21 +188,25 @@ pub struct Worker {
 #[derive(Default)]
 struct Stop {
     stopping: CancelToken,
-    /// The running request's token.
-    running: std::sync::Mutex<Option<CancelToken>>,
+    /// The running requests' tokens.
+    running: std::sync::Mutex<Vec<CancelToken>>,
 }
 
 impl Stop {
     fn stop(&self) {
         self.stopping.cancel();
-        if let Some(t) = self
-            .running
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .as_ref()
-        {
+        for t in self.running().iter() {
             t.cancel();
         }
+    }
+
+    fn running(&self) -> std::sync::MutexGuard<'_, Vec<CancelToken>> {
+        self.running.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Forgets a request that ended.
+    fn finished(&self, token: &CancelToken) {
+        self.running().retain(|t| !t.same(token));
     }
 }
 
@@ -361,10 +371,19 @@ pub fn router(engine: Engine, cfg: ServerConfig) -> (Router, Worker) {
     });
     let stop = Arc::new(Stop::default());
     let shared = stop.clone();
-    let prompt_cache = state.cfg.prompt_cache.map(PromptCache::with_reuse);
+    let max_batch = state.cfg.max_batch.max(1);
+    let prompt_cache = match state.cfg.prompt_cache {
+        Some(_) if max_batch > 1 => {
+            tracing::warn!(
+                "the prompt cache is off: it needs one request at a time (--max-batch 1)"
+            );
+            None
+        }
+        reuse => reuse.map(PromptCache::with_reuse),
+    };
     let thread = std::thread::Builder::new()
         .name("keydiff-worker".into())
-        .spawn(move || work(engine, rx, counters, shared, prompt_cache))
+        .spawn(move || work(engine, rx, counters, shared, prompt_cache, max_batch))
         .expect("cannot start the generation thread");
     let worker = Worker { thread, stop };
     let guarded = Router::new()
@@ -426,21 +445,141 @@ fn work(
     rx: std_mpsc::Receiver<Job>,
     counters: Arc<Counters>,
     stop: Arc<Stop>,
+    prompt_cache: Option<PromptCache>,
+    max_batch: usize,
+) {
+    if max_batch > 1 {
+        work_batched(&engine, &rx, &counters, &stop, max_batch);
+    } else {
+        work_one_by_one(&engine, &rx, &counters, &stop, prompt_cache);
+    }
+}
+
+/// Takes `job` off the queue for running: false when its client left while it waited, or the
+/// server is stopping (it is then answered).
+fn take(job: &Job, counters: &Counters, stop: &Stop) -> bool {
+    if !job.ticket.leave(STARTED) {
+        // Its client left while it waited (and took it out of the count).
+        counters.cancelled.fetch_add(1, Ordering::Relaxed);
+        return false;
+    }
+    counters.queued.fetch_sub(1, Ordering::Relaxed);
+    // Published before the check, so that a stop either sees this token or is seen.
+    stop.running().push(job.ticket.cancel.clone());
+    if stop.stopping.is_cancelled() {
+        stop.finished(&job.ticket.cancel);
+        counters.cancelled.fetch_add(1, Ordering::Relaxed);
+        let _ = job.events.send(Msg::Done(Err(ApiError::unavailable(
+            "the server is shutting down",
+        ))));
+        return false;
+    }
+    true
+}
+
+/// What a job's handler hears of an engine event (`started`: whether it heard `Started`).
+fn message(job: &Job, started: &mut bool, ev: Event<'_>) -> Option<Msg> {
+    Some(match ev {
+        Event::Prefill { .. } if !*started => {
+            *started = true;
+            Msg::Started
+        }
+        Event::Prefill { .. } => return None,
+        Event::PromptLogprobs { .. } | Event::Logprob(_) if !job.stream => return None,
+        Event::PromptLogprobs { tokens, logprobs } => {
+            Msg::PromptLogprobs(tokens.to_vec(), logprobs.to_vec())
+        }
+        Event::Logprob(t) => Msg::Logprob(t.clone()),
+        Event::Text(t) => Msg::Text(t.to_string()),
+    })
+}
+
+/// A panic's message, for the client and the log.
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    let what = panic
+        .downcast_ref::<String>()
+        .map(String::as_str)
+        .or_else(|| panic.downcast_ref::<&str>().copied())
+        .unwrap_or("unknown");
+    tracing::error!("generation panicked: {what}");
+    format!("generation failed: {what}")
+}
+
+/// Answers a job that ended (its output, or why it failed) and counts it.
+fn settle(job: Job, result: Result<Output, ApiError>, counters: &Counters, stop: &Stop) {
+    stop.finished(&job.ticket.cancel);
+    let result = match result {
+        Ok(out) if out.stats.stop_reason == StopReason::Cancelled && !job.events.is_closed() => {
+            // Its client is there: the server is stopping.
+            counters.cancelled.fetch_add(1, Ordering::Relaxed);
+            let _ = job.events.send(Msg::Done(Err(ApiError::unavailable(format!(
+                "the server is shutting down: generation stopped after {} tokens",
+                out.tokens.len()
+            )))));
+            return;
+        }
+        r => r.map(Box::new),
+    };
+    match &result {
+        Ok(out) if out.stats.stop_reason == StopReason::Cancelled => {
+            counters.cancelled.fetch_add(1, Ordering::Relaxed);
+            tracing::info!(
+                "request cancelled after {} tokens: its client went away",
+                out.tokens.len()
+            );
+        }
+        Ok(out) => {
+            let s = &out.stats;
+            counters.completed.fetch_add(1, Ordering::Relaxed);
+            counters
+                .prompt_tokens
+                .fetch_add(s.prompt_tokens as u64, Ordering::Relaxed);
+            counters
+                .cached_tokens
+                .fetch_add(s.prefix_tokens as u64, Ordering::Relaxed);
+            counters
+                .generated_tokens
+                .fetch_add(out.tokens.len() as u64, Ordering::Relaxed);
+            let us = |x: f64| (x * 1e6).round() as u64;
+            counters.ttft_us.fetch_add(us(s.ttft_s), Ordering::Relaxed);
+            counters
+                .prefill_us
+                .fetch_add(us(s.prefill_s), Ordering::Relaxed);
+            counters
+                .decode_us
+                .fetch_add(us(s.decode_s), Ordering::Relaxed);
+            tracing::info!(
+                "request: prompt {} tok ({} cached), TTFT {:.3} s, prefill {:.1} tok/s, {} generated at \
+                 {:.1} tok/s, peak KV {} B, {} evictions, stop {:?}",
+                s.prompt_tokens,
+                s.prefix_tokens,
+                s.ttft_s,
+                s.prefill_tok_s,
+                s.generated_tokens,
+                s.decode_tok_s,
+                s.peak_kv_bytes,
+                s.eviction.evictions,
+                s.stop_reason
+            );
+        }
+        Err(e) => {
+            counters.failed.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!("request failed ({}): {}", e.status, e.message);
+        }
+    }
+    let _ = job.events.send(Msg::Done(result));
+}
+
+/// One request at a time, with the prompt cache.
+fn work_one_by_one(
+    engine: &Engine,
+    rx: &std_mpsc::Receiver<Job>,
+    counters: &Counters,
+    stop: &Stop,
     mut prompt_cache: Option<PromptCache>,
 ) {
-    let shutting_down = || ApiError::unavailable("the server is shutting down");
     while let Ok(job) = rx.recv() {
-        if !job.ticket.leave(STARTED) {
-            // Its client left while it waited (and took it out of the count).
-            counters.cancelled.fetch_add(1, Ordering::Relaxed);
-            continue;
-        }
-        counters.queued.fetch_sub(1, Ordering::Relaxed);
-        // Published before the check, so that a stop either sees this token or is seen.
-        *stop.running.lock().unwrap_or_else(|e| e.into_inner()) = Some(job.ticket.cancel.clone());
-        if stop.stopping.is_cancelled() {
-            counters.cancelled.fetch_add(1, Ordering::Relaxed);
-            let _ = job.events.send(Msg::Done(Err(shutting_down())));
+        if !take(&job, counters, stop) {
             continue;
         }
         counters.running.store(1, Ordering::Relaxed);
@@ -448,20 +587,9 @@ fn work(
         let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
             // A client that leaves drops its handler's ticket guard, which cancels the request.
             let on_event = |ev: Event<'_>| {
-                let msg = match ev {
-                    Event::Prefill { .. } if !started => {
-                        started = true;
-                        Msg::Started
-                    }
-                    Event::Prefill { .. } => return,
-                    Event::PromptLogprobs { .. } | Event::Logprob(_) if !job.stream => return,
-                    Event::PromptLogprobs { tokens, logprobs } => {
-                        Msg::PromptLogprobs(tokens.to_vec(), logprobs.to_vec())
-                    }
-                    Event::Logprob(t) => Msg::Logprob(t.clone()),
-                    Event::Text(t) => Msg::Text(t.to_string()),
-                };
-                let _ = job.events.send(msg);
+                if let Some(msg) = message(&job, &mut started, ev) {
+                    let _ = job.events.send(msg);
+                }
             };
             match prompt_cache.as_mut() {
                 Some(pc) => engine.generate_cached(&job.params, pc, on_event),
@@ -475,78 +603,101 @@ fn work(
             }
         }
         counters.running.store(0, Ordering::Relaxed);
-        *stop.running.lock().unwrap_or_else(|e| e.into_inner()) = None;
         let result = match result {
-            Ok(Ok(out))
-                if out.stats.stop_reason == StopReason::Cancelled && !job.events.is_closed() =>
-            {
-                // Its client is there: the server is stopping.
-                counters.cancelled.fetch_add(1, Ordering::Relaxed);
-                let _ = job.events.send(Msg::Done(Err(ApiError::unavailable(format!(
-                    "the server is shutting down: generation stopped after {} tokens",
-                    out.tokens.len()
-                )))));
+            Ok(r) => r.map_err(ApiError::from),
+            Err(panic) => Err(ApiError::internal(panic_message(&*panic))),
+        };
+        settle(job, result, counters, stop);
+    }
+}
+
+/// Continuous batching: up to `max_batch` requests decode together ([`keydiff::Batch`]).
+/// Between two steps, waiting requests join (each prefilled alone, the others waiting) and
+/// ended ones leave.
+fn work_batched(
+    engine: &Engine,
+    rx: &std_mpsc::Receiver<Job>,
+    counters: &Counters,
+    stop: &Stop,
+    max_batch: usize,
+) {
+    let mut batch = engine.batch();
+    let mut running: std::collections::HashMap<u64, (Job, bool)> = Default::default();
+    let mut next_id = 0u64;
+    loop {
+        // Joining: wait for a request when none runs, else take those already waiting.
+        while batch.len() < max_batch {
+            let job = if batch.is_empty() {
+                match rx.recv() {
+                    Ok(job) => job,
+                    Err(_) => return,
+                }
+            } else {
+                match rx.try_recv() {
+                    Ok(job) => job,
+                    Err(_) => break,
+                }
+            };
+            if !take(&job, counters, stop) {
                 continue;
             }
-            Ok(r) => r.map(Box::new).map_err(ApiError::from),
-            Err(panic) => {
-                let what = panic
-                    .downcast_ref::<String>()
-                    .map(String::as_str)
-                    .or_else(|| panic.downcast_ref::<&str>().copied())
-                    .unwrap_or("unknown");
-                tracing::error!("generation panicked: {what}");
-                Err(ApiError::internal(format!("generation failed: {what}")))
+            let id = next_id;
+            next_id += 1;
+            let mut started = false;
+            let added = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                batch.add(id, &job.params, |ev| {
+                    if let Some(msg) = message(&job, &mut started, ev) {
+                        let _ = job.events.send(msg);
+                    }
+                })
+            }));
+            match added {
+                Ok(Ok(None)) => {
+                    running.insert(id, (job, started));
+                }
+                Ok(Ok(Some(out))) => settle(job, Ok(out), counters, stop),
+                Ok(Err(e)) => settle(job, Err(e.into()), counters, stop),
+                Err(panic) => {
+                    let e = ApiError::internal(panic_message(&*panic));
+                    settle(job, Err(e), counters, stop);
+                }
             }
-        };
-        match &result {
-            Ok(out) if out.stats.stop_reason == StopReason::Cancelled => {
-                counters.cancelled.fetch_add(1, Ordering::Relaxed);
-                tracing::info!(
-                    "request cancelled after {} tokens: its client went away",
-                    out.tokens.len()
-                );
+            counters.running.store(batch.len(), Ordering::Relaxed);
+        }
+        if batch.is_empty() {
+            continue;
+        }
+        let stepped = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            batch.step(|id, ev| {
+                if let Some((job, started)) = running.get_mut(&id) {
+                    if let Some(msg) = message(job, started, ev) {
+                        let _ = job.events.send(msg);
+                    }
+                }
+            })
+        }));
+        match stepped {
+            Ok(Ok(ended)) => {
+                for (id, out) in ended {
+                    if let Some((job, _)) = running.remove(&id) {
+                        settle(job, Ok(out), counters, stop);
+                    }
+                }
             }
-            Ok(out) => {
-                let s = &out.stats;
-                counters.completed.fetch_add(1, Ordering::Relaxed);
-                counters
-                    .prompt_tokens
-                    .fetch_add(s.prompt_tokens as u64, Ordering::Relaxed);
-                counters
-                    .cached_tokens
-                    .fetch_add(s.prefix_tokens as u64, Ordering::Relaxed);
-                counters
-                    .generated_tokens
-                    .fetch_add(out.tokens.len() as u64, Ordering::Relaxed);
-                let us = |x: f64| (x * 1e6).round() as u64;
-                counters.ttft_us.fetch_add(us(s.ttft_s), Ordering::Relaxed);
-                counters
-                    .prefill_us
-                    .fetch_add(us(s.prefill_s), Ordering::Relaxed);
-                counters
-                    .decode_us
-                    .fetch_add(us(s.decode_s), Ordering::Relaxed);
-                tracing::info!(
-                    "request: prompt {} tok ({} cached), TTFT {:.3} s, prefill {:.1} tok/s, {} generated at \
-                     {:.1} tok/s, peak KV {} B, {} evictions, stop {:?}",
-                    s.prompt_tokens,
-                    s.prefix_tokens,
-                    s.ttft_s,
-                    s.prefill_tok_s,
-                    s.generated_tokens,
-                    s.decode_tok_s,
-                    s.peak_kv_bytes,
-                    s.eviction.evictions,
-                    s.stop_reason
-                );
-            }
-            Err(e) => {
-                counters.failed.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!("request failed ({}): {}", e.status, e.message);
+            failed => {
+                // The step failed for all: every running request is answered with why.
+                let why = match failed {
+                    Ok(Err(e)) => ApiError::from(e),
+                    Err(panic) => ApiError::internal(panic_message(&*panic)),
+                    Ok(Ok(_)) => unreachable!("matched above"),
+                };
+                batch = engine.batch();
+                for (_, (job, _)) in running.drain() {
+                    settle(job, Err(why.clone()), counters, stop);
+                }
             }
         }
-        let _ = job.events.send(Msg::Done(result));
+        counters.running.store(batch.len(), Ordering::Relaxed);
     }
 }
 

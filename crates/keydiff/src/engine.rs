@@ -129,6 +129,11 @@ impl CancelToken {
         Self::default()
     }
 
+    /// True when `other` is this token or a clone of it.
+    pub fn same(&self, other: &CancelToken) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+
     /// Asks the request to stop at its next chunk or token.
     pub fn cancel(&self) {
         self.0.store(true, Ordering::Relaxed);
