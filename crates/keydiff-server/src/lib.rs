@@ -5,11 +5,13 @@
 //! `POST /detokenize`, `GET /tokenizer_info`, `GET /health` (JSON) and `GET /metrics`
 //! (Prometheus text).
 //!
-//! One engine runs one request at a time, as the engine is built to (a long prompt under a
-//! fixed KV budget). Requests wait in a bounded queue and run in arrival order; when the queue
-//! is full a request gets 503 at once. A request whose client goes away (a closed stream, or a
-//! dropped connection) is cancelled at its next prefill chunk or token, so it frees the engine
-//! for the next one.
+//! By default one engine runs one request at a time, as the engine is built to (a long prompt
+//! under a fixed KV budget), keeping the last request's cache for the next
+//! ([`ServerConfig::prompt_cache`]); with [`ServerConfig::max_batch`] above 1, up to that many
+//! requests decode together, joining between steps ([`keydiff::Batch`]). Requests wait in a
+//! bounded queue and start in arrival order; when the queue is full a request gets 503 at
+//! once. A request whose client goes away (a closed stream, or a dropped connection) is
+//! cancelled at its next prefill chunk or token, so it frees the engine for the next one.
 //!
 //! ```no_run
 //! use keydiff::{Engine, EngineConfig, ModelSource};
@@ -178,7 +180,7 @@ pub struct Server {
     worker: Worker,
 }
 
-/// The thread that runs requests, one at a time ([`router`]).
+/// The thread that runs requests ([`router`]): one at a time, or batched.
 pub struct Worker {
     thread: std::thread::JoinHandle<()>,
     stop: Arc<Stop>,
@@ -350,7 +352,8 @@ impl Drop for ServerHandle {
     }
 }
 
-/// The routes over `engine`, and the worker thread that runs its requests one at a time.
+/// The routes over `engine`, and the worker thread that runs its requests (one at a time, or up
+/// to `max_batch` together).
 /// To serve them in an app of your own: on shutdown call [`Worker::stop_requests`], let the
 /// server finish, drop the router, then [`Worker::join`] ([`Server::run`] does this).
 pub fn router(engine: Engine, cfg: ServerConfig) -> (Router, Worker) {

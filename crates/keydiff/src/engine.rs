@@ -495,7 +495,8 @@ impl Prefix {
     }
 }
 
-/// A loaded model ready to serve requests, one at a time.
+/// A loaded model ready to serve requests: one at a time, or several decoded together
+/// ([`Engine::batch`], [`Engine::generate_batch`]).
 pub struct Engine {
     loaded: Loaded,
     cfg: EngineConfig,
