@@ -180,7 +180,7 @@ fn decode_sweep_reports_throughput_and_bounded_cache() {
         seed: 1,
         breakdown: false,
     };
-    let r = bench::decode(&mut e, &plan, 150, |_, _, _| {}).unwrap();
+    let r = bench::decode(&mut e, &plan, 150, 1, |_, _, _| {}).unwrap();
     assert_eq!(r.len(), 2);
     assert_eq!(r[0].final_cache_len, 300 + 150, "full keeps everything");
     assert!(r[1].final_cache_len <= 128 + 64, "{:?}", r[1]);
@@ -188,8 +188,21 @@ fn decode_sweep_reports_throughput_and_bounded_cache() {
         assert_eq!(x.decode_steps, 150);
         assert!(x.decode.median > 0.0);
         assert_eq!(x.decode_tok_s.len(), 2);
+        assert_eq!(x.batch, 1);
     }
     assert!(r[1].peak_kv_bytes < r[0].peak_kv_bytes);
+
+    // Three requests decoded together: each runs the same steps and keeps the same cache as
+    // one alone; the rate is theirs together.
+    let b = bench::decode(&mut e, &plan, 150, 3, |_, _, _| {}).unwrap();
+    for (x, one) in b.iter().zip(&r) {
+        assert_eq!(x.batch, 3);
+        assert_eq!(x.decode_steps, 150);
+        assert_eq!(x.final_cache_len, one.final_cache_len);
+        assert_eq!(x.peak_kv_bytes, one.peak_kv_bytes);
+        assert!(x.decode.median > 0.0);
+    }
+    assert!(bench::decode(&mut e, &plan, 150, 0, |_, _, _| {}).is_err());
 }
 
 fn run_cli(args: &[&str]) -> std::process::Output {

@@ -80,6 +80,10 @@ pub struct DecodeArgs {
     /// Tokens generated after the first (decode steps timed).
     #[arg(long, default_value_t = 128)]
     gen_len: usize,
+    /// Requests decoded together (continuous batching, as `serve --max-batch`): each size is
+    /// a case of its own; the rate is the batch's, all requests together.
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    batch: Vec<usize>,
 }
 
 pub fn bench(cmd: BenchCmd) -> Result<()> {
@@ -236,8 +240,17 @@ fn decode(a: DecodeArgs) -> Result<()> {
     let out = a.sweep.out_dir("decode")?;
     let mut engine = a.sweep.load(&a.chunks)?;
     let prov = Provenance::collect(&engine, a.sweep.load.random_weights, command_line());
-    let bar = progress_bar(bench::ttft_runs(&plan, false));
-    let results = bench::decode(&mut engine, &plan, a.gen_len, on_run(&bar))?;
+    let bar = progress_bar(bench::ttft_runs(&plan, false) * a.batch.len());
+    let mut results = Vec::new();
+    for &n in &a.batch {
+        results.extend(bench::decode(
+            &mut engine,
+            &plan,
+            a.gen_len,
+            n,
+            on_run(&bar),
+        )?);
+    }
     bar.finish_and_clear();
 
     print!("{}", decode_table(&results, &prov, &plan));
@@ -337,11 +350,12 @@ fn decode_table(results: &[DecodeResult], prov: &Provenance, plan: &Plan) -> Str
     let mut s = header(prov, plan);
     let _ = writeln!(
         s,
-        "{:>6} {:>4} {:>15} {:>6} {:>6} {:>9} {:>9} {:>9} {:>10} {:>7} {:>10}",
+        "{:>6} {:>4} {:>15} {:>6} {:>5} {:>6} {:>9} {:>9} {:>9} {:>10} {:>7} {:>10}",
         "L",
         "B",
         "policy",
         "N",
+        "batch",
         "steps",
         "tok/s med",
         "min",
@@ -353,11 +367,12 @@ fn decode_table(results: &[DecodeResult], prov: &Provenance, plan: &Plan) -> Str
     for r in results {
         let _ = writeln!(
             s,
-            "{:>6} {:>4} {:>15} {:>6} {:>6} {:>9.2} {:>9.2} {:>9.2} {:>10} {:>7.1} {:>10}",
+            "{:>6} {:>4} {:>15} {:>6} {:>5} {:>6} {:>9.2} {:>9.2} {:>9.2} {:>10} {:>7.1} {:>10}",
             r.prompt_len,
             r.chunk,
             r.policy,
             budget_str(r.budget),
+            r.batch,
             r.decode_steps,
             r.decode.median,
             r.decode.min,
@@ -368,6 +383,10 @@ fn decode_table(results: &[DecodeResult], prov: &Provenance, plan: &Plan) -> Str
                 .map_or_else(|| "-".into(), |b| format!("{:.0}", b as f64 / MIB))
         );
     }
+    s.push_str(
+        "# batch > 1: that many requests decode together; tok/s is theirs together, steps and \
+         evictions are one request's, KV MiB one request's cache\n",
+    );
     s.push_str("# RSS: the process's peak resident memory after all runs (weights included)\n");
     if let Some(b) = results.iter().find_map(|r| r.device_used_bytes) {
         let _ = writeln!(
@@ -465,6 +484,7 @@ fn decode_csv(results: &[DecodeResult]) -> Csv {
         "chunk",
         "policy",
         "budget",
+        "batch",
         "reps",
         "decode_steps",
         "decode_tok_s_median",
@@ -484,6 +504,7 @@ fn decode_csv(results: &[DecodeResult]) -> Csv {
                 r.chunk.to_string(),
                 r.policy.clone(),
                 r.budget.map_or_else(String::new, |n| n.to_string()),
+                r.batch.to_string(),
                 r.decode_tok_s.len().to_string(),
                 r.decode_steps.to_string(),
                 format!("{:.3}", r.decode.median),

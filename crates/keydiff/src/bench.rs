@@ -11,6 +11,8 @@
 //!   is free, so measured runs carry it. On GPUs it would stall the queue, so it comes from one
 //!   extra, separate profiled run per case that is not part of the TTFT figures.
 
+use std::time::Instant;
+
 use crate::engine::{Breakdown, Engine, GenerateParams, Prompt, Stats};
 use crate::error::{EngineError, Result};
 use crate::parity::random_tokens;
@@ -310,6 +312,58 @@ fn request(
     Ok(engine.generate(&params, |_| {})?.stats)
 }
 
+/// Prefills `batch` prompts (`tokens` and rotations of it) under the case's cache settings,
+/// one after the other, then decodes them together ([`crate::Batch`]) until each has
+/// `max_tokens`, greedy, ignoring end-of-generation. The first request's stats, with
+/// `decode_s` the wall time of the batch's decode steps and `decode_tok_s` the aggregate
+/// rate over all requests' steps.
+fn request_batch(
+    engine: &mut Engine,
+    case: &Case,
+    tokens: Vec<u32>,
+    max_tokens: usize,
+    batch: usize,
+) -> Result<Stats> {
+    engine.set_cache_config(case.cache.clone())?;
+    let device = engine.config().device.clone();
+    device.synchronize()?;
+    let params: Vec<GenerateParams> = (0..batch)
+        .map(|i| {
+            let mut t = tokens.clone();
+            let len = t.len().max(1);
+            t.rotate_left(i * 7 % len);
+            GenerateParams {
+                prompt: Prompt::Tokens(t),
+                max_tokens,
+                ignore_eos: true,
+                ..Default::default()
+            }
+        })
+        .collect();
+    let mut running = engine.batch();
+    for (i, p) in params.iter().enumerate() {
+        if running.add(i as u64, p, |_| {})?.is_some() {
+            return Err(EngineError::BadParams(
+                "a batched request ended at its first token: ask for more tokens".into(),
+            ));
+        }
+    }
+    device.synchronize()?;
+    let t = Instant::now();
+    let mut outs = Vec::with_capacity(batch);
+    while !running.is_empty() {
+        outs.extend(running.step(|_, _| {})?);
+    }
+    device.synchronize()?;
+    let wall = t.elapsed().as_secs_f64();
+    outs.sort_by_key(|(id, _)| *id);
+    let steps: usize = outs.iter().map(|(_, o)| o.tokens.len() - 1).sum();
+    let mut stats = outs.swap_remove(0).1.stats;
+    stats.decode_s = wall;
+    stats.decode_tok_s = steps as f64 / wall.max(1e-9);
+    Ok(stats)
+}
+
 /// Measured decode throughput of one case.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct DecodeResult {
@@ -317,9 +371,12 @@ pub struct DecodeResult {
     pub chunk: usize,
     pub policy: String,
     pub budget: Option<usize>,
+    /// Requests decoded together (1: one request alone).
+    pub batch: usize,
     /// Decode steps per request (tokens after the first).
     pub decode_steps: usize,
-    /// Decode tokens per second of every measured run, in round order.
+    /// Decode tokens per second of every measured run, in round order: all requests of a
+    /// batch together.
     pub decode_tok_s: Vec<f64>,
     pub decode: Spread,
     /// Evictions per request, prefill and decode.
@@ -336,16 +393,19 @@ pub struct DecodeResult {
 }
 
 /// Runs a decode sweep: prefill each case's prompt, then generate `steps` tokens past the first,
-/// greedy, ignoring end-of-generation. The breakdown flag of `plan` is ignored.
+/// greedy, ignoring end-of-generation; with `batch` above 1, that many requests (the prompt
+/// and rotations of it) decode together and the rate is theirs together. The breakdown flag
+/// of `plan` is ignored.
 pub fn decode(
     engine: &mut Engine,
     plan: &Plan,
     steps: usize,
+    batch: usize,
     mut on_run: impl FnMut(Phase, &Case, &Stats),
 ) -> Result<Vec<DecodeResult>> {
-    if plan.reps == 0 || steps == 0 {
+    if plan.reps == 0 || steps == 0 || batch == 0 {
         return Err(EngineError::BadParams(
-            "--reps and --gen-len must be at least 1".into(),
+            "--reps, --gen-len and --batch must be at least 1".into(),
         ));
     }
     let context = engine.model_config().max_position_embeddings;
@@ -357,8 +417,9 @@ pub fn decode(
             });
         }
     }
-    let runs = rounds(engine, plan, &mut on_run, |engine, c, p, _| {
-        request(engine, c, p, steps + 1, false)
+    let runs = rounds(engine, plan, &mut on_run, |engine, c, p, _| match batch {
+        1 => request(engine, c, p, steps + 1, false),
+        n => request_batch(engine, c, p, steps + 1, n),
     })?;
     let rss = peak_rss_bytes();
     let device_used = device_used_bytes(&engine.config().device);
@@ -373,6 +434,7 @@ pub fn decode(
                 chunk: c.cache.chunk,
                 policy: c.cache.policy.name(),
                 budget: c.cache.budget,
+                batch,
                 decode_steps: stats[0].generated_tokens.saturating_sub(1),
                 decode: Spread::of(&tok_s),
                 decode_tok_s: tok_s,
