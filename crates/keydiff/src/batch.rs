@@ -98,6 +98,30 @@ impl<'e> Batch<'e> {
         self.running.iter().map(|r| r.cache.bytes()).sum()
     }
 
+    /// Bytes of the running requests' caches that the memory budget does not see yet: all of
+    /// them under a configured limit (it is not measured); under a measured budget on the CPU,
+    /// the slots not written yet (a zeroed allocation's pages are mapped when first written,
+    /// so `MemAvailable` counts them free until then; slots fill up to N + B under a budget);
+    /// none on a GPU, whose allocations take their memory at once.
+    fn unseen_bytes(&self) -> u64 {
+        let e = self.engine;
+        let measured = e.config().memory_limit.is_none();
+        if measured && !e.config().device.is_cpu() {
+            return 0;
+        }
+        self.running
+            .iter()
+            .map(|r| {
+                let (bytes, cap) = (r.cache.bytes() as u64, r.cache.capacity().max(1) as u64);
+                if measured {
+                    bytes * (cap - (r.cache.len() as u64).min(cap)) / cap
+                } else {
+                    bytes
+                }
+            })
+            .sum()
+    }
+
     /// Prefills a request (its events go to `on_event`; the running requests wait) and samples
     /// its first token. It then runs with the others' steps, or, when that token already ends
     /// it, its output is returned here. Its KV cache is planned beside the running ones'.
@@ -122,12 +146,7 @@ impl<'e> Batch<'e> {
             Some(_) => e.chunk_logits_bytes(n),
             None => 0,
         };
-        e.check_cache_memory_beside(
-            &cfg,
-            cfg.slots_for(max_tokens),
-            logits,
-            self.cache_bytes() as u64,
-        )?;
+        e.check_cache_memory_beside(&cfg, cfg.slots_for(max_tokens), logits, self.unseen_bytes())?;
         let mut cache = e.model().new_cache(cfg, max_tokens)?;
         let mut decoding =
             e.prefill_request(&mut cache, prompt, 0, params.clone(), t0, &mut on_event)?;

@@ -681,8 +681,8 @@ impl Engine {
         self.check_cache_memory_beside(cache, slots, extra, 0)
     }
 
-    /// [`Engine::check_cache_memory`] beside `held` bytes of other requests still running (a
-    /// batch's): taken from a configured limit; a measured budget already sees them.
+    /// [`Engine::check_cache_memory`] beside `held` bytes that other requests still running
+    /// (a batch's) hold or will touch and the budget does not see: taken from it.
     pub(crate) fn check_cache_memory_beside(
         &self,
         cache: &CacheConfig,
@@ -690,11 +690,7 @@ impl Engine {
         extra: u64,
         held: u64,
     ) -> Result<()> {
-        let budget = match self.cfg.memory_limit {
-            Some(_) => self.memory_budget().map(|b| b.less(held)),
-            None => self.memory_budget(),
-        };
-        if let Some(budget) = budget {
+        if let Some(budget) = self.memory_budget().map(|b| b.less(held)) {
             let m = self.model_config();
             let dtype = self.loaded.model.kv_dtype();
             let kv = m.kv_cache_bytes(slots, dtype);
