@@ -34,7 +34,14 @@ def prompt(i: int) -> str:
 
 def stream(url: str, body: dict, out: dict) -> None:
     """Streams one completion; records the time to the first token, the end and the
-    final chunk's `keydiff` figures."""
+    final chunk's `keydiff` figures, or the error (raised again by the caller)."""
+    try:
+        _stream(url, body, out)
+    except BaseException as e:  # noqa: BLE001 - handed to the main thread
+        out["error"] = e
+
+
+def _stream(url: str, body: dict, out: dict) -> None:
     u = urllib.parse.urlparse(url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=3600)
     t0 = time.perf_counter()
@@ -42,7 +49,7 @@ def stream(url: str, body: dict, out: dict) -> None:
                  headers={"content-type": "application/json"})
     resp = conn.getresponse()
     if resp.status != 200:
-        raise SystemExit(f"HTTP {resp.status}: {resp.read()[:300]}")
+        raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:300]}")
     first = None
     for line in resp:
         line = line.decode().strip()
@@ -55,6 +62,8 @@ def stream(url: str, body: dict, out: dict) -> None:
             out["keydiff"] = chunk["keydiff"]
         if chunk.get("usage"):
             out["tokens"] = chunk["usage"]["completion_tokens"]
+    if first is None:
+        raise RuntimeError("the stream carried no text")
     out["ttft"] = first
     out["end"] = time.perf_counter() - t0
 
@@ -71,6 +80,9 @@ def round_(url: str, clients: int, tokens: int, r: int) -> dict:
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
+    for o in outs:
+        if "error" in o:
+            raise SystemExit(f"{url}: {o['error']}")
     generated = sum(o["tokens"] for o in outs)
     assert generated == clients * tokens, generated
     return {"wall_s": wall, "tok_s": generated / wall,

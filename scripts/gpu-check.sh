@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One run on a GPU host (see GPU.md): environment, eviction-kernel parity and timing, CPU-vs-GPU
 # model parity (eager attention, and flash when the binary has it), perplexity parity, prefix
-# reuse on the device, the memory plan against the driver, a short TTFT sweep, then, as time
-# allows, the kernels under compute-sanitizer.
+# reuse on the device, the memory plan against the driver, a short TTFT sweep, batched decode,
+# then, as time allows, the kernels under compute-sanitizer.
 # Build the binary here first (scripts/build-cuda.sh), carry it, then on the GPU host:
 #   scripts/gpu-check.sh            (logs go to $OUT when set, else bench/gpu-check-logs/)
 # Prints a summary table last. Needs no Rust toolchain and no network on the GPU host.
@@ -186,6 +186,23 @@ else
   cat "$out/ttft/table.txt.tmp" >> "$summary" 2>/dev/null
 fi
 rm -f "$out/ttft/table.txt.tmp"
+
+echo "== 4b. batched decoding: 1 and 8 requests decoded together ($preset random weights, bf16)"
+# Decode tok/s of the batch (bench decode --batch, as serve --max-batch runs it): on a GPU a
+# step of 8 rows should cost little more than one.
+left=$((deadline - SECONDS))
+if [ "$left" -lt 60 ]; then
+  note "batch: skipped (${left}s left of the ${deadline}s budget)"
+else
+  mkdir -p "$out/batch"
+  if timeout 60 "$bin" bench decode --random-weights -m "$preset" --device "$device" --dtype bf16 \
+      --prompt-len 1024 --budget 512 --chunks 128 --policies keydiff --gen-len 32 --batch 1,8 \
+      --warmup 1 --reps 1 --out "$out/batch" > "$out/batch/table.txt" 2>>"$errors"; then
+    { echo "batched decode ($preset random weights, bf16, prompt 1024, N = 512):"; grep -v '^#' "$out/batch/table.txt"; } >> "$summary"
+  else
+    note "batch: FAILED (exit $?); see errors.log"
+  fi
+fi
 
 echo "== 5. eviction share at Llama-3.1-8B's shape: N = 8192, B = 128, prompt 12288"
 # The target: eviction <= 5% of the B = 128 chunk time (see the breakdown columns).

@@ -178,7 +178,7 @@ fn requests_join_and_leave_between_steps() {
         }
         sizes.push(batch.len());
         for (id, out) in batch.step(|_, _| {}).unwrap() {
-            outs.insert(id, out);
+            outs.insert(id, out.unwrap());
         }
         step += 1;
     }

@@ -980,12 +980,15 @@ fn serve(a: &ServeArgs) -> Result<()> {
     let default_cache = if a.max_batch > 1 { "off" } else { "exact" };
     let prompt_cache = match a.prompt_cache.as_deref().unwrap_or(default_cache) {
         "off" => None,
-        _ if a.max_batch > 1 => {
-            bail!("--prompt-cache needs one request at a time (--max-batch 1)")
+        mode => {
+            let reuse = mode.parse::<keydiff::Reuse>().map_err(|_| {
+                anyhow::anyhow!("--prompt-cache `{mode}`: expected exact, continue or off")
+            })?;
+            if a.max_batch > 1 {
+                bail!("--prompt-cache {mode} needs one request at a time (--max-batch 1)");
+            }
+            Some(reuse)
         }
-        mode => Some(mode.parse::<keydiff::Reuse>().map_err(|_| {
-            anyhow::anyhow!("--prompt-cache `{mode}`: expected exact, continue or off")
-        })?),
     };
     // Before the model loads (which can take minutes): a taken port fails at once.
     let listener = keydiff_server::listen(&format!("{}:{}", a.host, a.port))?;

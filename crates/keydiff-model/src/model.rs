@@ -454,10 +454,10 @@ impl Model {
     /// sequence whose cache is `caches[i]` (each at its own position, under its own budget).
     /// The linears and the LM head run once over the `[n, hidden]` rows, so their weights are
     /// read once for all sequences; attention, and each cache's eviction, run per sequence.
-    /// Returns the next-token logits, `[n, vocab]` in f32: row `i` equals what
-    /// [`Model::forward`] gives for `tokens[i]` on `caches[i]` alone, up to the rounding of a
-    /// matmul over more rows (none for quantized weights on the CPU, whose rows are
-    /// independent).
+    /// Returns the next-token logits, `[n, vocab]` in f32: row `i` is what [`Model::forward`]
+    /// gives for `tokens[i]` on `caches[i]` alone, up to the difference between a matmul over
+    /// one row and over several (none for candle's CPU Q8_0; the last bits for dense GEMMs;
+    /// more where candle picks another kernel for several rows, as its x86 Q6K does).
     pub fn forward_batch(&self, tokens: &[u32], caches: &mut [&mut KvCache]) -> Result<Tensor> {
         let n = tokens.len();
         if n == 0 || caches.len() != n {

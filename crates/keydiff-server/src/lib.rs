@@ -100,7 +100,7 @@ impl ServerConfig {
 struct Counters {
     /// Waiting in the queue.
     queued: AtomicUsize,
-    /// Running now (0 or 1).
+    /// Running now (at most `max_batch`).
     running: AtomicUsize,
     /// Finished and answered.
     completed: AtomicU64,
@@ -213,7 +213,7 @@ impl Stop {
 }
 
 impl Worker {
-    /// Stops the running request at its next chunk or token and refuses the queued ones
+    /// Stops the running requests at their next chunk or token and refuses the queued ones
     /// (503, "the server is shutting down"); later requests are refused too.
     pub fn stop_requests(&self) {
         self.stop.stop();
@@ -256,7 +256,7 @@ impl Server {
             .expect("a bound listener has an address")
     }
 
-    /// Serves until `shutdown` completes. Then the running request is stopped at its next
+    /// Serves until `shutdown` completes. Then the running requests are stopped at their next
     /// chunk or token and queued ones are refused (each client gets an error saying the
     /// server is shutting down), the answers are delivered, and the worker ends.
     pub fn run(
@@ -644,6 +644,8 @@ fn work_batched(
             if !take(&job, counters, stop) {
                 continue;
             }
+            // It runs from its prefill on.
+            counters.running.store(batch.len() + 1, Ordering::Relaxed);
             let id = next_id;
             next_id += 1;
             let mut started = false;
@@ -683,7 +685,7 @@ fn work_batched(
             Ok(Ok(ended)) => {
                 for (id, out) in ended {
                     if let Some((job, _)) = running.remove(&id) {
-                        settle(job, Ok(out), counters, stop);
+                        settle(job, out.map_err(ApiError::from), counters, stop);
                     }
                 }
             }
@@ -1226,7 +1228,7 @@ async fn metrics(State(st): State<Arc<AppState>>) -> Response {
     metric(
         "requests_running",
         "gauge",
-        "Requests running (0 or 1).",
+        "Requests running (at most the server's --max-batch).",
         &[("", gauge(&c.running))],
     );
     for (name, help, v) in [

@@ -9,9 +9,12 @@
 //! a list of requests to the end.
 //!
 //! A request's tokens and text are the ones it gets alone (its sampler, penalties, seed, stop
-//! strings, logprobs and cancel are its own), up to the rounding of a matmul over more rows
-//! (none for quantized weights on the CPU, whose rows are independent; dense f32 matmuls may
-//! differ in the last bits).
+//! strings, logprobs and cancel are its own), up to the difference between a matmul over one
+//! row and over several: none for kernels that compute each row alike (candle's CPU Q8_0, so
+//! SmolLM2's decode copies: tested bit for bit), the last bits for dense f32 GEMMs, and more
+//! where candle picks another kernel for several rows (its CPU Q6K on x86 repacks the weights
+//! and quantizes the activations otherwise: up to 0.33 in one of Qwen's logits). Sampled text
+//! can then diverge where two tokens are close.
 
 use std::time::Instant;
 
@@ -48,9 +51,9 @@ impl Engine {
     /// Runs `requests` to their ends, decoding them together: each is prefilled in turn (its
     /// first token sampled as soon as its prefill ends), then all running ones step together
     /// until each ends. `on_event` gets each request's events with its index. A request
-    /// refused on its own (an empty or too long prompt, a cache that does not fit in memory
-    /// beside the others', bad parameters) gets its error in its place; the others run. The
-    /// outer error is a failed decode step, which ends them all.
+    /// refused or failed on its own (an empty or too long prompt, a cache that does not fit in
+    /// memory beside the others', bad parameters, a failed sample) gets its error in its
+    /// place; the others run. The outer error is a failed model pass, which ends them all.
     pub fn generate_batch(
         &self,
         requests: &[GenerateParams],
@@ -67,7 +70,7 @@ impl Engine {
         }
         while !batch.is_empty() {
             for (id, out) in batch.step(|id, e| on_event(id as usize, e))? {
-                outputs[id as usize] = Some(Ok(out));
+                outputs[id as usize] = Some(out);
             }
         }
         Ok(outputs
@@ -166,30 +169,32 @@ impl<'e> Batch<'e> {
 
     /// One decode step of every running request: their next tokens go through the model
     /// together, then each samples the token after. Returns the requests that ended, with
-    /// their ids, in the order they joined. An error ends the batch: its requests' caches
-    /// are in an unknown state.
-    pub fn step(&mut self, mut on_event: impl FnMut(u64, Event<'_>)) -> Result<Vec<(u64, Output)>> {
+    /// their ids, in the order they joined: each with its output, or the error that ended it
+    /// alone (a failed sample: the others go on). The outer error is a failed model pass,
+    /// which ends the batch: its requests' caches are in an unknown state.
+    #[allow(clippy::type_complexity)]
+    pub fn step(
+        &mut self,
+        mut on_event: impl FnMut(u64, Event<'_>),
+    ) -> Result<Vec<(u64, Result<Output>)>> {
         if self.running.is_empty() {
             return Ok(Vec::new());
         }
         let tokens: Vec<u32> = self.running.iter().map(|r| r.next).collect();
-        let logits = {
+        let rows = {
             let mut caches: Vec<&mut KvCache> =
                 self.running.iter_mut().map(|r| &mut r.cache).collect();
-            self.engine.model().forward_batch(&tokens, &mut caches)
+            self.engine
+                .model()
+                .forward_batch(&tokens, &mut caches)
+                .map_err(crate::EngineError::from)
+                .and_then(|l| Ok(l.to_vec2::<f32>()?))
         };
-        let logits = match logits {
-            Ok(l) => l.to_vec2::<f32>(),
-            Err(e) => {
-                self.running.clear();
-                return Err(e.into());
-            }
-        };
-        let rows = match logits {
+        let rows = match rows {
             Ok(rows) => rows,
             Err(e) => {
                 self.running.clear();
-                return Err(e.into());
+                return Err(e);
             }
         };
         let mut ended = Vec::new();
@@ -203,9 +208,8 @@ impl<'e> Batch<'e> {
                     r.next = next;
                     still.push(r);
                 }
-                Ok(None) => ended.push((id, r.decoding.finish(&r.cache, &mut events).0)),
-                // The batch ends: the requests taken out of it are dropped.
-                Err(e) => return Err(e),
+                Ok(None) => ended.push((id, Ok(r.decoding.finish(&r.cache, &mut events).0))),
+                Err(e) => ended.push((id, Err(e))),
             }
         }
         self.running = still;

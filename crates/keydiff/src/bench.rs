@@ -352,7 +352,9 @@ fn request_batch(
     let t = Instant::now();
     let mut outs = Vec::with_capacity(batch);
     while !running.is_empty() {
-        outs.extend(running.step(|_, _| {})?);
+        for (id, out) in running.step(|_, _| {})? {
+            outs.push((id, out?));
+        }
     }
     device.synchronize()?;
     let wall = t.elapsed().as_secs_f64();
