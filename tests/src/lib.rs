@@ -203,3 +203,62 @@ pub fn temp_dir(name: &str) -> std::path::PathBuf {
     std::fs::create_dir_all(&d).expect("temp dir");
     d
 }
+
+/// One batched decode step (`Model::forward_batch`) of three sequences at different positions
+/// (70, 9 and 33 random prompt tokens prefilled in chunks of 16 under `cache`) against a
+/// single step of each on a fresh copy of its cache: per sequence, the largest |Δ| between
+/// the two rows of logits, the single step's largest |logit|, and whether the batched top
+/// token is the single step's. Fails when a cache's length or position differs between the
+/// two.
+pub fn batch_step_vs_single_steps(
+    m: &keydiff_model::Model,
+    cache: &keydiff::CacheConfig,
+) -> Result<Vec<(f32, f32, bool)>> {
+    let prompts: Vec<Vec<u32>> = [70usize, 9, 33]
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| keydiff::parity::random_tokens(n, m.config().vocab_size, i as u64))
+        .collect();
+    let prefilled = || -> Result<Vec<_>> {
+        prompts
+            .iter()
+            .map(|p| {
+                let mut c = m.new_cache(cache.clone(), p.len() + 4)?;
+                for chunk in p.chunks(16) {
+                    m.forward(chunk, &mut c, false)?;
+                }
+                Ok(c)
+            })
+            .collect()
+    };
+    let next = [5u32, 17, 3];
+    let mut batched = prefilled()?;
+    let mut refs: Vec<_> = batched.iter_mut().collect();
+    let rows = m.forward_batch(&next, &mut refs)?.to_vec2::<f32>()?;
+    let argmax = |r: &[f32]| {
+        r.iter()
+            .enumerate()
+            .fold((0, f32::MIN), |b, (j, &x)| if x > b.1 { (j, x) } else { b })
+            .0
+    };
+    let mut out = Vec::new();
+    for (i, mut c) in prefilled()?.into_iter().enumerate() {
+        let want = m.forward(&[next[i]], &mut c, true)?.to_vec1::<f32>()?;
+        anyhow::ensure!(
+            c.len() == batched[i].len() && c.position() == batched[i].position(),
+            "sequence {i}: the batched cache holds {} slots at position {}, alone {} at {}",
+            batched[i].len(),
+            batched[i].position(),
+            c.len(),
+            c.position()
+        );
+        let diff = rows[i]
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        let scale = want.iter().fold(0f32, |a, x| a.max(x.abs()));
+        out.push((diff, scale, argmax(&rows[i]) == argmax(&want)));
+    }
+    Ok(out)
+}

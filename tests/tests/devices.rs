@@ -386,7 +386,6 @@ fn batch_step_matches_single_steps(dev: &Device) -> Result<()> {
     };
     let config = root().join("configs/tiny-qwen.json");
     let loaded = keydiff_model::load_random(&config, dev, dtype, 4, true, None)?;
-    let m = &loaded.model;
     let cache = CacheConfig {
         policy: PolicyKind::KeyDiff {
             anchor: Anchor::Normalized,
@@ -394,39 +393,10 @@ fn batch_step_matches_single_steps(dev: &Device) -> Result<()> {
         budget: Some(40),
         ..CacheConfig::full(16)
     };
-    let prompts: Vec<Vec<u32>> = [70usize, 9, 33]
-        .iter()
-        .enumerate()
-        .map(|(i, &n)| keydiff::parity::random_tokens(n, m.config().vocab_size, i as u64))
-        .collect();
-    let prefilled = || -> Result<Vec<keydiff_cache::KvCache>> {
-        prompts
-            .iter()
-            .map(|p| {
-                let mut c = m.new_cache(cache.clone(), p.len() + 4)?;
-                for chunk in p.chunks(16) {
-                    m.forward(chunk, &mut c, false)?;
-                }
-                Ok(c)
-            })
-            .collect()
-    };
-    let next = [5u32, 17, 3];
-    let mut batched = prefilled()?;
-    let mut refs: Vec<&mut keydiff_cache::KvCache> = batched.iter_mut().collect();
-    let rows = m.forward_batch(&next, &mut refs)?.to_vec2::<f32>()?;
-    let mut single = prefilled()?;
-    for (i, c) in single.iter_mut().enumerate() {
-        let want = m.forward(&[next[i]], c, true)?.to_vec1::<f32>()?;
-        let scale = want.iter().fold(0f32, |a, x| a.max(x.abs()));
-        let diff = rows[i]
-            .iter()
-            .zip(&want)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0f32, f32::max);
+    let rows = keydiff_tests::batch_step_vs_single_steps(&loaded.model, &cache)?;
+    for (i, (diff, scale, _)) in rows.into_iter().enumerate() {
         let tol = if dev.is_cpu() { 1e-4 } else { 2e-2 * scale };
         ensure!(diff <= tol, "sequence {i}: max |Δ| {diff} (scale {scale})");
-        ensure!(c.len() == batched[i].len() && c.position() == batched[i].position());
     }
     Ok(())
 }
