@@ -161,6 +161,8 @@ fn requests_join_and_leave_between_steps() {
     for (i, p) in reqs.iter().enumerate().take(2) {
         assert!(batch.add(i as u64, p, |_| {}).unwrap().is_none());
     }
+    let err = batch.add(1, &reqs[0], |_| {}).unwrap_err();
+    assert!(err.to_string().contains("already running"), "{err}");
     let mut waiting: Vec<(u64, &GenerateParams)> = reqs
         .iter()
         .enumerate()

@@ -128,6 +128,7 @@ impl<'e> Batch<'e> {
     /// Prefills a request (its events go to `on_event`; the running requests wait) and samples
     /// its first token. It then runs with the others' steps, or, when that token already ends
     /// it, its output is returned here. Its KV cache is planned beside the running ones'.
+    /// `id` must not be a running request's.
     pub fn add(
         &mut self,
         id: u64,
@@ -136,6 +137,11 @@ impl<'e> Batch<'e> {
     ) -> Result<Option<Output>> {
         let t0 = Instant::now();
         let e = self.engine;
+        if self.running.iter().any(|r| r.id == id) {
+            return Err(crate::EngineError::BadParams(format!(
+                "request id {id} is already running in this batch"
+            )));
+        }
         params.validate()?;
         let prompt = e.prompt_tokens(&params.prompt)?;
         let n = prompt.len();
