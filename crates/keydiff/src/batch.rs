@@ -142,21 +142,7 @@ impl<'e> Batch<'e> {
                 "request id {id} is already running in this batch"
             )));
         }
-        params.validate()?;
-        let prompt = e.prompt_tokens(&params.prompt)?;
-        let n = prompt.len();
-        let context = e.model_config().max_position_embeddings;
-        if n > context {
-            return Err(crate::EngineError::PromptTooLong { tokens: n, context });
-        }
-        let cfg = e.config().cache.clone();
-        let max_tokens = n.saturating_add(params.max_tokens).min(context);
-        let logits = match params.prompt_logprobs {
-            Some(_) => e.chunk_logits_bytes(n),
-            None => 0,
-        };
-        e.check_cache_memory_beside(&cfg, cfg.slots_for(max_tokens), logits, self.unseen_bytes())?;
-        let mut cache = e.model().new_cache(cfg, max_tokens)?;
+        let (prompt, mut cache) = e.request_cache(params, self.unseen_bytes())?;
         let mut decoding =
             e.prefill_request(&mut cache, prompt, 0, params.clone(), t0, &mut on_event)?;
         match decoding.next(cache.position(), &mut on_event)? {

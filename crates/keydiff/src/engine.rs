@@ -951,10 +951,24 @@ impl Engine {
         prefix: Option<&Prefix>,
         mut on_event: impl FnMut(Event<'_>),
     ) -> Result<Output> {
-        params.validate()?;
         let t0 = Instant::now();
-        let model = &self.loaded.model;
-        let context = model.config().max_position_embeddings;
+        let (prompt, mut cache) = self.request_cache(params, 0)?;
+        let start = start_from(&mut cache, &prompt, prefix)?;
+        let (out, _) = self.run_request(&mut cache, &prompt, start, params, t0, &mut on_event)?;
+        Ok(out)
+    }
+
+    /// A fresh request's prompt tokens and its cache, after checking its parameters, its
+    /// length against the context, and that the cache (with a chunk's logit rows when it asks
+    /// for prompt logprobs) fits in memory beside `held` bytes the budget does not see (a
+    /// batch's running caches).
+    pub(crate) fn request_cache(
+        &self,
+        params: &GenerateParams,
+        held: u64,
+    ) -> Result<(Vec<u32>, KvCache)> {
+        params.validate()?;
+        let context = self.model_config().max_position_embeddings;
         let prompt = self.prompt_tokens(&params.prompt)?;
         let n = prompt.len();
         if n > context {
@@ -962,16 +976,14 @@ impl Engine {
         }
         // The cache holds at most the prompt and the output, never beyond the context.
         let max_tokens = n.saturating_add(params.max_tokens).min(context);
-        let mut cache = match params.prompt_logprobs {
-            Some(_) => {
-                let extra = self.chunk_logits_bytes(n);
-                self.alloc_cache_with(self.cfg.cache.clone(), max_tokens, extra)?
-            }
-            None => self.new_cache(max_tokens)?,
+        let extra = match params.prompt_logprobs {
+            Some(_) => self.chunk_logits_bytes(n),
+            None => 0,
         };
-        let start = start_from(&mut cache, &prompt, prefix)?;
-        let (out, _) = self.run_request(&mut cache, &prompt, start, params, t0, &mut on_event)?;
-        Ok(out)
+        let cfg = self.cfg.cache.clone();
+        self.check_cache_memory_beside(&cfg, cfg.slots_for(max_tokens), extra, held)?;
+        let cache = self.loaded.model.new_cache(cfg, max_tokens)?;
+        Ok((prompt, cache))
     }
 
     /// Prefills `prompt[start..]` into `cache` (which holds `prompt[..start]`, or for a chat
