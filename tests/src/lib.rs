@@ -204,27 +204,38 @@ pub fn temp_dir(name: &str) -> std::path::PathBuf {
     d
 }
 
-/// One batched decode step (`Model::forward_batch`) of three sequences at different positions
-/// (70, 9 and 33 random prompt tokens prefilled in chunks of 16 under `cache`) against a
-/// single step of each on a fresh copy of its cache: per sequence, the largest |Δ| between
-/// the two rows of logits, the single step's largest |logit|, and whether the batched top
-/// token is the single step's. Fails when a cache's length or position differs between the
-/// two.
+/// A batch decode step ([`keydiff_model::Model::forward_batch`]) of three sequences (70, 9
+/// and 33 random prompt tokens prefilled in chunks of 16 under `cache`), then a mixed pass
+/// ([`keydiff_model::Model::forward_segments`]) of their decode steps with two prompt chunks
+/// (a 16-token chunk of a fourth sequence after its first 16 tokens, all its rows' logits; a
+/// 5-token first chunk of a fifth, its last row's), against each alone on a fresh copy of its
+/// cache. Per compared segment (the three batched rows, then the mixed pass's five segments):
+/// the largest |Δ| between the two sets of logits, the single run's largest |logit|, and
+/// whether every row's top token is the single run's. Fails when a cache's length or position
+/// differs between the two.
 pub fn batch_step_vs_single_steps(
     m: &keydiff_model::Model,
     cache: &keydiff::CacheConfig,
 ) -> Result<Vec<(f32, f32, bool)>> {
-    let prompts: Vec<Vec<u32>> = [70usize, 9, 33]
+    use keydiff_model::{Logits, Segment};
+    let prompts: Vec<Vec<u32>> = [70usize, 9, 33, 32, 5]
         .iter()
         .enumerate()
         .map(|(i, &n)| keydiff::parity::random_tokens(n, m.config().vocab_size, i as u64))
         .collect();
+    // The three decoding sequences prefilled, the fourth's first chunk, the fifth empty.
     let prefilled = || -> Result<Vec<_>> {
         prompts
             .iter()
-            .map(|p| {
+            .enumerate()
+            .map(|(i, p)| {
                 let mut c = m.new_cache(cache.clone(), p.len() + 4)?;
-                for chunk in p.chunks(16) {
+                let upto = match i {
+                    3 => 16,
+                    4 => 0,
+                    _ => p.len(),
+                };
+                for chunk in p[..upto].chunks(16) {
                     m.forward(chunk, &mut c, false)?;
                 }
                 Ok(c)
@@ -232,33 +243,83 @@ pub fn batch_step_vs_single_steps(
             .collect()
     };
     let next = [5u32, 17, 3];
-    let mut batched = prefilled()?;
-    let mut refs: Vec<_> = batched.iter_mut().collect();
-    let rows = m.forward_batch(&next, &mut refs)?.to_vec2::<f32>()?;
+    let segments: Vec<Segment<'_>> = next
+        .iter()
+        .map(|t| Segment {
+            tokens: std::slice::from_ref(t),
+            decode: true,
+            logits: Logits::Last,
+        })
+        .chain([
+            Segment {
+                tokens: &prompts[3][16..],
+                decode: false,
+                logits: Logits::All,
+            },
+            Segment {
+                tokens: &prompts[4],
+                decode: false,
+                logits: Logits::Last,
+            },
+        ])
+        .collect();
+    // Each segment alone on a fresh copy of its cache: `[rows, vocab]`, and the cache.
+    let alone = |i: usize| -> Result<(Vec<Vec<f32>>, keydiff::KvCache)> {
+        let mut c = prefilled()?.swap_remove(i);
+        let s = &segments[i];
+        let rows = match s.logits {
+            Logits::All => m.forward_all(s.tokens, &mut c)?.to_vec2::<f32>()?,
+            _ => vec![m.forward(s.tokens, &mut c, s.decode)?.to_vec1::<f32>()?],
+        };
+        Ok((rows, c))
+    };
     let argmax = |r: &[f32]| {
         r.iter()
             .enumerate()
             .fold((0, f32::MIN), |b, (j, &x)| if x > b.1 { (j, x) } else { b })
             .0
     };
-    let mut out = Vec::new();
-    for (i, mut c) in prefilled()?.into_iter().enumerate() {
-        let want = m.forward(&[next[i]], &mut c, true)?.to_vec1::<f32>()?;
+    let compare = |i: usize, got: &[Vec<f32>], c: &keydiff::KvCache| -> Result<(f32, f32, bool)> {
+        let (want, single) = alone(i)?;
         anyhow::ensure!(
-            c.len() == batched[i].len() && c.position() == batched[i].position(),
+            c.len() == single.len() && c.position() == single.position(),
             "sequence {i}: the batched cache holds {} slots at position {}, alone {} at {}",
-            batched[i].len(),
-            batched[i].position(),
             c.len(),
-            c.position()
+            c.position(),
+            single.len(),
+            single.position()
         );
-        let diff = rows[i]
-            .iter()
-            .zip(&want)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0f32, f32::max);
-        let scale = want.iter().fold(0f32, |a, x| a.max(x.abs()));
-        out.push((diff, scale, argmax(&rows[i]) == argmax(&want)));
+        anyhow::ensure!(
+            got.len() == want.len(),
+            "sequence {i}: {} rows of logits, alone {}",
+            got.len(),
+            want.len()
+        );
+        let (mut diff, mut scale, mut same) = (0f32, 0f32, true);
+        for (g, w) in got.iter().zip(&want) {
+            diff = g
+                .iter()
+                .zip(w)
+                .map(|(a, b)| (a - b).abs())
+                .fold(diff, f32::max);
+            scale = w.iter().fold(scale, |a, x| a.max(x.abs()));
+            same &= argmax(g) == argmax(w);
+        }
+        Ok((diff, scale, same))
+    };
+    let mut out = Vec::new();
+    let mut batched = prefilled()?;
+    let mut refs: Vec<_> = batched.iter_mut().take(3).collect();
+    let rows = m.forward_batch(&next, &mut refs)?.to_vec2::<f32>()?;
+    for (i, row) in rows.into_iter().enumerate() {
+        out.push(compare(i, &[row], &batched[i])?);
+    }
+    let mut mixed = prefilled()?;
+    let mut refs: Vec<_> = mixed.iter_mut().collect();
+    let logits = m.forward_segments(&segments, &mut refs)?;
+    for (i, l) in logits.into_iter().enumerate() {
+        let l = l.ok_or_else(|| anyhow::anyhow!("segment {i} got no logits"))?;
+        out.push(compare(i, &l.to_vec2::<f32>()?, &mixed[i])?);
     }
     Ok(out)
 }

@@ -162,7 +162,7 @@ fn requests_join_and_leave_between_steps() {
         assert!(batch.add(i as u64, p, |_| {}).unwrap().is_none());
     }
     let err = batch.add(1, &reqs[0], |_| {}).unwrap_err();
-    assert!(err.to_string().contains("already running"), "{err}");
+    assert!(err.to_string().contains("already in this batch"), "{err}");
     let mut waiting: Vec<(u64, &GenerateParams)> = reqs
         .iter()
         .enumerate()
@@ -195,6 +195,133 @@ fn requests_join_and_leave_between_steps() {
         .collect();
     assert!(reasons.contains(&StopReason::StopString), "{reasons:?}");
     assert!(reasons.contains(&StopReason::MaxTokens), "{reasons:?}");
+}
+
+/// What each step did for each request: tokens sampled (its logprob events) and prompt
+/// tokens prefilled so far (its last prefill event).
+#[derive(Default, Debug, Clone, PartialEq)]
+struct Did {
+    tokens: usize,
+    prefilled: Option<usize>,
+}
+
+fn step_recording(
+    batch: &mut keydiff::Batch<'_>,
+    outs: &mut HashMap<u64, Output>,
+) -> HashMap<u64, Did> {
+    let mut did: HashMap<u64, Did> = HashMap::new();
+    let ended = batch
+        .step(|id, ev| match ev {
+            Event::Logprob(_) => did.entry(id).or_default().tokens += 1,
+            Event::Prefill { done, .. } => did.entry(id).or_default().prefilled = Some(done),
+            _ => {}
+        })
+        .unwrap();
+    for (id, out) in ended {
+        outs.insert(id, out.unwrap());
+    }
+    did
+}
+
+/// A long prompt joining a running request is prefilled a chunk per step beside its decode
+/// steps: the running request gets a token every step while the prompt is prefilled, one
+/// chunk of B per step; and both equal their runs alone, bit for bit (SmolLM2).
+#[test]
+fn joining_prompts_are_prefilled_between_decode_steps() {
+    let e = engine(SMOLLM2, keydiff(64, 16));
+    let reqs = requests();
+    let running = GenerateParams {
+        max_tokens: 80,
+        ignore_eos: true,
+        ..reqs[1].clone()
+    };
+    let joining = GenerateParams {
+        logprobs: Some(1),
+        ..reqs[4].clone()
+    };
+    let mut batch = e.batch();
+    let mut outs = HashMap::new();
+    batch.join(0, &running).unwrap();
+    // Its short prompt is one chunk: the first step prefills it and samples a token.
+    let did = step_recording(&mut batch, &mut outs);
+    assert_eq!(did[&0].tokens, 1, "{did:?}");
+    assert_eq!(batch.prefilling(), 0);
+    batch.join(1, &joining).unwrap();
+    assert_eq!((batch.len(), batch.prefilling()), (2, 1));
+    let mut chunks = 0;
+    let mut last = 0;
+    while batch.prefilling() > 0 {
+        let did = step_recording(&mut batch, &mut outs);
+        assert_eq!(did[&0].tokens, 1, "the running request waited: {did:?}");
+        let now = did[&1].prefilled.expect("a chunk each step");
+        assert!(now > last && now - last <= 16, "{last} -> {now}");
+        last = now;
+        chunks += 1;
+    }
+    let prompt = e.prompt_tokens(&joining.prompt).unwrap().len();
+    assert_eq!(last, prompt);
+    assert_eq!(chunks, prompt.div_ceil(16), "one chunk per step");
+    while !batch.is_empty() {
+        step_recording(&mut batch, &mut outs);
+    }
+    for (id, p) in [(0u64, &running), (1, &joining)] {
+        let alone = e.generate(p, |_| {}).unwrap();
+        assert_same(&outs[&id], &alone, &format!("request {id}"));
+    }
+}
+
+/// With a step budget of three chunks, three joining prompts are prefilled together, a chunk
+/// of each per step, first come first served past the budget; every request equals its run
+/// alone. A joiner cancelled during its prefill ends with no tokens, the others go on; `join`
+/// refuses an id in the batch and a profiled request.
+#[test]
+fn several_prompts_are_prefilled_in_one_step() {
+    let e = engine(SMOLLM2, keydiff(64, 16));
+    let reqs = requests();
+    let mut batch = e.batch();
+    batch.set_prefill_tokens(48);
+    let cancel = CancelToken::new();
+    let cancelled = GenerateParams {
+        cancel: Some(cancel.clone()),
+        ..reqs[4].clone()
+    };
+    let joiners = [&reqs[0], &reqs[2], &reqs[4], &cancelled];
+    for (i, p) in joiners.iter().enumerate() {
+        batch.join(i as u64, p).unwrap();
+    }
+    let err = batch.join(2, &reqs[1]).unwrap_err();
+    assert!(err.to_string().contains("already in this batch"), "{err}");
+    let profiled = GenerateParams {
+        profile: true,
+        ..reqs[1].clone()
+    };
+    let err = batch.join(9, &profiled).unwrap_err();
+    assert!(matches!(err, EngineError::BadParams(_)), "{err}");
+    let mut outs = HashMap::new();
+    let did = step_recording(&mut batch, &mut outs);
+    let mut firsts: Vec<u64> = did
+        .iter()
+        .filter(|(_, d)| d.prefilled.is_some())
+        .map(|(id, _)| *id)
+        .collect();
+    firsts.sort();
+    assert_eq!(
+        firsts,
+        [0, 1, 2],
+        "three chunks, the first three joiners: {did:?}"
+    );
+    cancel.cancel();
+    while !batch.is_empty() {
+        let did = step_recording(&mut batch, &mut outs);
+        assert!(did.get(&3).is_none_or(|d| d.prefilled.is_none()), "{did:?}");
+    }
+    let out = &outs[&3];
+    assert_eq!(out.stats.stop_reason, StopReason::Cancelled);
+    assert!(out.tokens.is_empty());
+    for (i, p) in joiners.iter().enumerate().take(3) {
+        let alone = e.generate(p, |_| {}).unwrap();
+        assert_same(&outs[&(i as u64)], &alone, &format!("request {i}"));
+    }
 }
 
 /// A refused request (empty, beyond the context, bad parameters) gets its error in its place;

@@ -20,5 +20,5 @@ pub use config::{Arch, ModelConfig};
 pub use error::{ModelError, Result};
 pub use load::{load_gguf, load_hf_dir, load_random, Loaded, MemoryPlan, ModelFormat, Vocab};
 pub use memory::MemoryBudget;
-pub use model::Model;
+pub use model::{Logits, Model, Segment};
 pub use weights::{CpuWeights, WeightPlan};

@@ -305,6 +305,37 @@ impl Mlp {
     }
 }
 
+/// What a segment of [`Model::forward_segments`] wants from the LM head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Logits {
+    /// Nothing (a prompt chunk before the last, without prompt logprobs).
+    None,
+    /// The last row's: the next token's distribution.
+    Last,
+    /// Every row's (prompt logprobs).
+    All,
+}
+
+/// A sequence's part of a [`Model::forward_segments`] pass.
+#[derive(Debug, Clone, Copy)]
+pub struct Segment<'a> {
+    /// The tokens, continuing the sequence from its cache's position.
+    pub tokens: &'a [u32],
+    /// A generated token (one) rather than a prompt chunk, as [`Model::forward`]'s `decode`:
+    /// it selects the decode weights and the cache's decode eviction timing.
+    pub decode: bool,
+    /// Which logits to return.
+    pub logits: Logits,
+}
+
+/// Consecutive segments of a pass whose linears run together: their segment indices, their
+/// rows (first, count), and whether they take the prefill weights.
+struct Run {
+    segs: std::ops::Range<usize>,
+    rows: (usize, usize),
+    pf: bool,
+}
+
 #[derive(Debug, Clone)]
 struct Layer {
     attn_norm: RmsNorm,
@@ -459,11 +490,55 @@ impl Model {
     /// one row and over several (none for candle's CPU Q8_0; the last bits for dense GEMMs;
     /// more where candle picks another kernel for several rows, as its x86 Q6K does).
     pub fn forward_batch(&self, tokens: &[u32], caches: &mut [&mut KvCache]) -> Result<Tensor> {
-        let n = tokens.len();
+        let segments: Vec<Segment<'_>> = tokens
+            .iter()
+            .map(|t| Segment {
+                tokens: std::slice::from_ref(t),
+                decode: true,
+                logits: Logits::Last,
+            })
+            .collect();
+        let rows = self
+            .forward_segments(&segments, caches)?
+            .into_iter()
+            .map(|l| l.ok_or_else(|| ModelError::Shape("a decode row without logits".into())))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Tensor::cat(&rows, 0)?)
+    }
+
+    /// One pass over several sequences' segments: `segments[i]` continues the sequence whose
+    /// cache is `caches[i]` (a prompt chunk, or a generated token), so prompt chunks of
+    /// requests joining a batch run in the same pass as the running requests' decode steps
+    /// (chunked prefill mixed with decode, as llama.cpp's server and vLLM do). Embedding,
+    /// norms, Q/K/V/O, MLP and LM head run over all rows; attention, and each cache's append
+    /// and eviction, run per segment, exactly as [`Model::forward`] runs them for that chunk.
+    /// Returns each segment's logits as it asked ([`Logits`]): `[1, vocab]` or `[len, vocab]`
+    /// in f32.
+    ///
+    /// On the CPU the linears run over each prompt chunk alone and over consecutive decode
+    /// rows together, each with the weights [`Model::forward`] would use (a dense prefill
+    /// copy, a decode copy): a prompt chunk's rows are what it gets alone, bit for bit, and
+    /// decode rows are as in [`Model::forward_batch`]. On a GPU they run once over all rows.
+    pub fn forward_segments(
+        &self,
+        segments: &[Segment<'_>],
+        caches: &mut [&mut KvCache],
+    ) -> Result<Vec<Option<Tensor>>> {
+        let n = segments.len();
         if n == 0 || caches.len() != n {
             return Err(ModelError::Shape(format!(
-                "a batch of {n} tokens for {} caches",
+                "a pass over {n} segments for {} caches",
                 caches.len()
+            )));
+        }
+        if let Some(s) = segments
+            .iter()
+            .find(|s| s.tokens.is_empty() || (s.decode && s.tokens.len() != 1))
+        {
+            return Err(ModelError::Shape(format!(
+                "a {} segment of {} tokens",
+                if s.decode { "decode" } else { "prompt" },
+                s.tokens.len()
             )));
         }
         if let Some(c) = caches.iter().find(|c| c.num_layers() != self.layers.len()) {
@@ -473,43 +548,155 @@ impl Model {
                 self.layers.len()
             )));
         }
-        let positions: Vec<usize> = caches.iter().map(|c| c.position()).collect();
-        let ids = Tensor::new(tokens, &self.device)?;
-        // [n, hidden]
+        let pos0: Vec<usize> = caches.iter().map(|c| c.position()).collect();
+        let mut offsets = Vec::with_capacity(n);
+        let (mut ids, mut positions) = (Vec::new(), Vec::new());
+        for (s, &p) in segments.iter().zip(&pos0) {
+            offsets.push(ids.len());
+            ids.extend_from_slice(s.tokens);
+            positions.extend(p..p + s.tokens.len());
+        }
+        // Runs of segments whose linears run together: on the CPU, consecutive decode rows,
+        // and each prompt chunk alone (a dense GEMM's rounding depends on its row count:
+        // alone, a chunk is computed as in a single request); on a GPU, where prefill and
+        // decode weights are the same, all rows.
+        let mut runs: Vec<Run> = Vec::new();
+        for (i, s) in segments.iter().enumerate() {
+            let pf = !s.decode;
+            match runs.last_mut() {
+                Some(r) if (!r.pf && !pf) || !self.device.is_cpu() => {
+                    r.segs.end = i + 1;
+                    r.rows.1 += s.tokens.len();
+                    r.pf |= pf;
+                }
+                _ => runs.push(Run {
+                    segs: i..i + 1,
+                    rows: (offsets[i], s.tokens.len()),
+                    pf,
+                }),
+            }
+        }
+        let cos_sin: Vec<(Tensor, Tensor)> = runs
+            .iter()
+            .map(|r| {
+                let (at, len) = r.rows;
+                self.rope.cos_sin_at(
+                    positions[at..at + len].iter().copied(),
+                    self.dtype,
+                    &self.device,
+                )
+            })
+            .collect::<Result<_>>()?;
+        // A linear (or the MLP) over each run's rows with that run's weights.
+        let by_run = |x: &Tensor, f: &dyn Fn(&Tensor, bool) -> Result<Tensor>| -> Result<Tensor> {
+            if let [r] = runs.as_slice() {
+                return f(x, r.pf);
+            }
+            let parts = runs
+                .iter()
+                .map(|r| f(&x.narrow(0, r.rows.0, r.rows.1)?, r.pf))
+                .collect::<Result<Vec<_>>>()?;
+            Ok(Tensor::cat(&parts, 0)?)
+        };
+        // The flash kernels mask by index; only eager attention adds a mask tensor.
+        let masks = segments
+            .iter()
+            .zip(caches.iter())
+            .map(|(s, c)| {
+                let b = s.tokens.len();
+                if b > 1 && self.attention != AttentionBackend::Flash {
+                    Ok(Some(chunk_mask(b, c.len() + b, self.dtype, &self.device)?))
+                } else {
+                    Ok(None)
+                }
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let ids = Tensor::new(ids.as_slice(), &self.device)?;
+        // [rows, hidden]
         let mut x = self.embed.forward(&ids, self.dtype)?;
-        let cos_sin = self
-            .rope
-            .cos_sin_at(positions.iter().copied(), self.dtype, &self.device)?;
-        // Profiling is per request; a batch step is not profiled.
+        // Profiling is per request; a pass over several is not profiled.
         let mut clock = Clock::new(false, &self.device)?;
         for (li, layer) in self.layers.iter().enumerate() {
             let h = layer.attn_norm.forward(&x)?;
-            let (q, k, v) = layer.attn.qkv(&h, &self.rope, &cos_sin, false)?;
+            let mut qkv = Vec::with_capacity(runs.len());
+            for (r, cs) in runs.iter().zip(&cos_sin) {
+                let h = match runs.len() {
+                    1 => h.clone(),
+                    _ => h.narrow(0, r.rows.0, r.rows.1)?,
+                };
+                qkv.push(layer.attn.qkv(&h, &self.rope, cs, r.pf)?);
+            }
+            let (q, k, v) = match qkv.len() {
+                1 => qkv.pop().expect("one run"),
+                _ => {
+                    let cat = |d: usize, f: fn(&(Tensor, Tensor, Tensor)) -> &Tensor| {
+                        Tensor::cat(&qkv.iter().map(f).collect::<Vec<_>>(), d)
+                    };
+                    (cat(2, |t| &t.0)?, cat(1, |t| &t.1)?, cat(1, |t| &t.2)?)
+                }
+            };
             let mut ys = Vec::with_capacity(n);
             for (i, cache) in caches.iter_mut().enumerate() {
+                let (at, b) = (offsets[i], segments[i].tokens.len());
                 ys.push(layer.attn.attend_cached(
-                    &q.narrow(2, i, 1)?,
-                    &k.narrow(1, i, 1)?,
-                    &v.narrow(1, i, 1)?,
-                    None,
+                    &q.narrow(2, at, b)?,
+                    &k.narrow(1, at, b)?,
+                    &v.narrow(1, at, b)?,
+                    masks[i].as_ref(),
                     cache,
                     li,
-                    positions[i],
-                    true,
+                    pos0[i],
+                    segments[i].decode,
                     self.attention,
                     &mut clock,
                 )?);
             }
-            let h = layer.attn.o.forward(&Tensor::cat(&ys, 0)?, false)?;
+            let y = match ys.len() {
+                1 => ys.pop().expect("one segment"),
+                _ => Tensor::cat(&ys, 0)?,
+            };
+            let h = by_run(&y, &|y, pf| layer.attn.o.forward(y, pf))?;
             x = (x + h)?;
-            let h = layer.mlp.forward(&layer.mlp_norm.forward(&x)?, false)?;
+            let h = layer.mlp_norm.forward(&x)?;
+            let h = by_run(&h, &|h, pf| layer.mlp.forward(h, pf))?;
             x = (x + h)?;
         }
-        for c in caches.iter_mut() {
-            c.advance(1);
+        for (c, s) in caches.iter_mut().zip(segments) {
+            c.advance(s.tokens.len());
         }
-        let logits = self.lm_head.forward(&self.norm.forward(&x)?, false)?;
-        Ok(logits.to_dtype(DType::F32)?)
+        // The LM head over the rows asked for, run by run.
+        let mut out = vec![None; n];
+        for r in &runs {
+            let mut picks = Vec::new();
+            let mut who = Vec::new();
+            for i in r.segs.clone() {
+                let (at, b) = (offsets[i], segments[i].tokens.len());
+                let (from, len) = match segments[i].logits {
+                    Logits::None => continue,
+                    Logits::Last => (at + b - 1, 1),
+                    Logits::All => (at, b),
+                };
+                picks.push(x.narrow(0, from, len)?);
+                who.push((i, len));
+            }
+            if picks.is_empty() {
+                continue;
+            }
+            let rows = match picks.len() {
+                1 => picks.pop().expect("one"),
+                _ => Tensor::cat(&picks, 0)?,
+            };
+            let logits = self
+                .lm_head
+                .forward(&self.norm.forward(&rows)?, r.pf)?
+                .to_dtype(DType::F32)?;
+            let mut at = 0;
+            for (i, len) in who {
+                out[i] = Some(logits.narrow(0, at, len)?);
+                at += len;
+            }
+        }
+        Ok(out)
     }
 
     /// The layers over a chunk: its hidden states before the final norm, `[B, hidden]`.

@@ -1,12 +1,18 @@
 //! Several requests decoded together.
 //!
-//! Each request is prefilled alone, in chunks of B, evicting under its own KV budget as a
-//! single request does; then every running request's next token goes through the model in one
-//! pass ([`keydiff_model::Model::forward_batch`]): the linears and the LM head read their
+//! Every running request's next token goes through the model in one pass
+//! ([`keydiff_model::Model::forward_segments`]): the linears and the LM head read their
 //! weights once for all of them, which is what bounds a decode step (memory bandwidth), while
-//! attention and eviction run per request on its own cache. Requests can join between steps
-//! and leave when they end (continuous batching): [`Batch`]. [`Engine::generate_batch`] runs
-//! a list of requests to the end.
+//! attention and eviction run per request on its own cache. Requests join between steps and
+//! leave when they end (continuous batching): [`Batch`]. [`Engine::generate_batch`] runs a
+//! list of requests to the end.
+//!
+//! A joining request's prompt is prefilled in chunks of B, evicting under its own KV budget as
+//! a single request does. With [`Batch::join`] its chunks run in the batch's steps, beside the
+//! running requests' tokens (chunked prefill mixed with decode, as llama.cpp's server and
+//! vLLM do): a long prompt delays the others' next tokens by a chunk per step, not by its
+//! whole prefill. [`Batch::set_prefill_tokens`] sets how many prompt tokens a step takes (one
+//! chunk by default). [`Batch::add`] prefills a request at once, the others waiting.
 //!
 //! A request's tokens and text are the ones it gets alone (its sampler, penalties, seed, stop
 //! strings, logprobs and cancel are its own), up to the difference between a matmul over one
@@ -14,21 +20,35 @@
 //! SmolLM2's decode copies: tested bit for bit), the last bits for dense f32 GEMMs, and more
 //! where candle picks another kernel for several rows (its CPU Q6K on x86 repacks the weights
 //! and quantizes the activations otherwise: up to 0.33 in one of Qwen's logits). Sampled text
-//! can then diverge where two tokens are close.
+//! can then diverge where two tokens are close. On the CPU each prompt chunk takes its linears
+//! alone (see `forward_segments`), so it is computed as in a single request, bit for bit.
 
+use std::collections::VecDeque;
 use std::time::Instant;
 
 use keydiff_cache::KvCache;
+use keydiff_model::{Logits, Segment};
 
-use crate::engine::Decoding;
-use crate::error::Result;
+use crate::engine::{Decoding, Prefill};
+use crate::error::{EngineError, Result};
 use crate::{Engine, Event, GenerateParams, Output};
 
 /// Requests being decoded together on one engine (see the module docs). Ids are the
 /// caller's, to route events and outputs.
 pub struct Batch<'e> {
     engine: &'e Engine,
+    /// Requests whose prompts are being prefilled in the steps, in the order they joined.
+    joining: VecDeque<Joining<'e>>,
     running: Vec<Running<'e>>,
+    /// Prompt tokens a step takes from the joining requests.
+    prefill_tokens: usize,
+}
+
+/// A request whose prompt is being prefilled in the batch's steps.
+struct Joining<'e> {
+    id: u64,
+    cache: KvCache,
+    prefill: Prefill<'e>,
 }
 
 /// A running request: its cache, its state, and the token it feeds next.
@@ -39,21 +59,28 @@ struct Running<'e> {
     next: u32,
 }
 
+/// What a step returns: the requests that ended, with their ids, each with its output or the
+/// error that ended it alone.
+pub type Ended = Vec<(u64, Result<Output>)>;
+
 impl Engine {
-    /// An empty batch on this engine.
+    /// An empty batch on this engine; a step takes one chunk (B tokens) of prompt.
     pub fn batch(&self) -> Batch<'_> {
         Batch {
             engine: self,
+            joining: VecDeque::new(),
             running: Vec::new(),
+            prefill_tokens: self.config().cache.chunk,
         }
     }
 
-    /// Runs `requests` to their ends, decoding them together: each is prefilled in turn (its
-    /// first token sampled as soon as its prefill ends), then all running ones step together
-    /// until each ends. `on_event` gets each request's events with its index. A request
-    /// refused or failed on its own (an empty or too long prompt, a cache that does not fit in
-    /// memory beside the others', bad parameters, a failed sample) gets its error in its
-    /// place; the others run. The outer error is a failed model pass, which ends them all.
+    /// Runs `requests` to their ends, decoding them together: they join at once, their
+    /// prompts are prefilled a chunk per step beside the running requests' tokens (a
+    /// profiled request is prefilled alone first, see [`Batch::join`]), and each runs until
+    /// it ends. `on_event` gets each request's events with its index. A request refused or
+    /// failed on its own (an empty or too long prompt, a cache that does not fit in memory
+    /// beside the others', bad parameters, a failed sample) gets its error in its place; the
+    /// others run. The outer error is a failed model pass, which ends them all.
     pub fn generate_batch(
         &self,
         requests: &[GenerateParams],
@@ -62,7 +89,12 @@ impl Engine {
         let mut outputs: Vec<Option<Result<Output>>> = requests.iter().map(|_| None).collect();
         let mut batch = self.batch();
         for (i, params) in requests.iter().enumerate() {
-            match batch.add(i as u64, params, |e| on_event(i, e)) {
+            let joined = if params.profile {
+                batch.add(i as u64, params, |e| on_event(i, e))
+            } else {
+                batch.join(i as u64, params).map(|()| None)
+            };
+            match joined {
                 Ok(Some(out)) => outputs[i] = Some(Ok(out)),
                 Ok(None) => {}
                 Err(e) => outputs[i] = Some(Err(e)),
@@ -81,30 +113,50 @@ impl Engine {
 }
 
 impl<'e> Batch<'e> {
-    /// Requests running.
+    /// Requests in the batch: running, or joining (their prompts being prefilled).
     pub fn len(&self) -> usize {
-        self.running.len()
+        self.running.len() + self.joining.len()
     }
 
-    /// True when no request is running.
+    /// True when no request is running or joining.
     pub fn is_empty(&self) -> bool {
-        self.running.is_empty()
+        self.len() == 0
     }
 
-    /// The ids of the running requests, in the order they joined.
+    /// Requests whose prompts are still being prefilled.
+    pub fn prefilling(&self) -> usize {
+        self.joining.len()
+    }
+
+    /// The ids of the requests: the running ones in the order they started decoding, then the
+    /// joining ones in the order they joined.
     pub fn ids(&self) -> Vec<u64> {
-        self.running.iter().map(|r| r.id).collect()
+        let running = self.running.iter().map(|r| r.id);
+        running.chain(self.joining.iter().map(|j| j.id)).collect()
     }
 
-    /// Bytes held by the running requests' KV caches.
+    /// Bytes held by the requests' KV caches.
     pub fn cache_bytes(&self) -> usize {
-        self.running.iter().map(|r| r.cache.bytes()).sum()
+        self.caches().map(KvCache::bytes).sum()
     }
 
-    /// Bytes of the running requests' caches that the memory budget does not see yet: all of
-    /// them under a configured limit (it is not measured); under a measured budget on the CPU,
-    /// the slots not written yet (a zeroed allocation's pages are mapped when first written,
-    /// so `MemAvailable` counts them free until then; slots fill up to N + B under a budget);
+    /// Sets how many prompt tokens a step takes from joining requests: a chunk (at most B)
+    /// from each, in the order they joined, while they fit (one chunk always runs). More
+    /// favours the joiners' time to first token, fewer the running requests' time between
+    /// tokens (vLLM's `max_num_batched_tokens`, llama.cpp's `--batch-size`). At least 1.
+    pub fn set_prefill_tokens(&mut self, tokens: usize) {
+        self.prefill_tokens = tokens.max(1);
+    }
+
+    fn caches(&self) -> impl Iterator<Item = &KvCache> {
+        let running = self.running.iter().map(|r| &r.cache);
+        running.chain(self.joining.iter().map(|j| &j.cache))
+    }
+
+    /// Bytes of the requests' caches that the memory budget does not see yet: all of them
+    /// under a configured limit (it is not measured); under a measured budget on the CPU, the
+    /// slots not written yet (a zeroed allocation's pages are mapped when first written, so
+    /// `MemAvailable` counts them free until then; slots fill up to N + B under a budget);
     /// none on a GPU, whose allocations take their memory at once.
     fn unseen_bytes(&self) -> u64 {
         let e = self.engine;
@@ -112,12 +164,11 @@ impl<'e> Batch<'e> {
         if measured && !e.config().device.is_cpu() {
             return 0;
         }
-        self.running
-            .iter()
-            .map(|r| {
-                let (bytes, cap) = (r.cache.bytes() as u64, r.cache.capacity().max(1) as u64);
+        self.caches()
+            .map(|c| {
+                let (bytes, cap) = (c.bytes() as u64, c.capacity().max(1) as u64);
                 if measured {
-                    bytes * (cap - (r.cache.len() as u64).min(cap)) / cap
+                    bytes * (cap - (c.len() as u64).min(cap)) / cap
                 } else {
                     bytes
                 }
@@ -125,10 +176,19 @@ impl<'e> Batch<'e> {
             .sum()
     }
 
-    /// Prefills a request (its events go to `on_event`; the running requests wait) and samples
+    fn check_new_id(&self, id: u64) -> Result<()> {
+        if self.running.iter().any(|r| r.id == id) || self.joining.iter().any(|j| j.id == id) {
+            return Err(EngineError::BadParams(format!(
+                "request id {id} is already in this batch"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Prefills a request at once (its events go to `on_event`; the others wait) and samples
     /// its first token. It then runs with the others' steps, or, when that token already ends
-    /// it, its output is returned here. Its KV cache is planned beside the running ones'.
-    /// `id` must not be a running request's.
+    /// it, its output is returned here. Its KV cache is planned beside the others'. `id` must
+    /// not be in the batch already.
     pub fn add(
         &mut self,
         id: u64,
@@ -137,15 +197,46 @@ impl<'e> Batch<'e> {
     ) -> Result<Option<Output>> {
         let t0 = Instant::now();
         let e = self.engine;
-        if self.running.iter().any(|r| r.id == id) {
-            return Err(crate::EngineError::BadParams(format!(
-                "request id {id} is already running in this batch"
-            )));
+        self.check_new_id(id)?;
+        let (prompt, mut cache) = e.request_cache(params, self.unseen_bytes())?;
+        let decoding =
+            e.prefill_request(&mut cache, prompt, 0, params.clone(), t0, &mut on_event)?;
+        self.start(id, cache, decoding, &mut on_event)
+    }
+
+    /// Queues a request: its prompt is prefilled in the coming steps, a chunk per step beside
+    /// the running requests' tokens ([`Batch::set_prefill_tokens`]), and its first token is
+    /// sampled in the step that ends its prompt; its events and output come from
+    /// [`Batch::step`]. Refused here: bad parameters, an empty or too long prompt, a KV cache
+    /// that does not fit beside the others', an id already in the batch, and a profiled
+    /// request (its breakdown times its own prefill: [`Batch::add`] it).
+    pub fn join(&mut self, id: u64, params: &GenerateParams) -> Result<()> {
+        let t0 = Instant::now();
+        let e = self.engine;
+        self.check_new_id(id)?;
+        if params.profile {
+            return Err(EngineError::BadParams(
+                "a profiled request times its own prefill: add it to the batch with \
+                 Batch::add, not Batch::join"
+                    .into(),
+            ));
         }
         let (prompt, mut cache) = e.request_cache(params, self.unseen_bytes())?;
-        let mut decoding =
-            e.prefill_request(&mut cache, prompt, 0, params.clone(), t0, &mut on_event)?;
-        match decoding.next(cache.position(), &mut on_event)? {
+        let prefill = Prefill::new(e, &mut cache, prompt, 0, params.clone(), t0)?;
+        self.joining.push_back(Joining { id, cache, prefill });
+        Ok(())
+    }
+
+    /// Samples a prefilled request's first token: it runs, or its output is returned when that
+    /// token ends it.
+    fn start(
+        &mut self,
+        id: u64,
+        cache: KvCache,
+        mut decoding: Decoding<'e>,
+        on_event: &mut impl FnMut(Event<'_>),
+    ) -> Result<Option<Output>> {
+        match decoding.next(cache.position(), on_event)? {
             Some(next) => {
                 self.running.push(Running {
                     id,
@@ -155,41 +246,136 @@ impl<'e> Batch<'e> {
                 });
                 Ok(None)
             }
-            None => Ok(Some(decoding.finish(&cache, &mut on_event).0)),
+            None => Ok(Some(decoding.finish(&cache, on_event).0)),
         }
     }
 
-    /// One decode step of every running request: their next tokens go through the model
-    /// together, then each samples the token after. Returns the requests that ended, with
-    /// their ids, in the order they joined: each with its output, or the error that ended it
-    /// alone (a failed sample: the others go on). The outer error is a failed model pass,
-    /// which ends the batch: its requests' caches are in an unknown state.
-    #[allow(clippy::type_complexity)]
-    pub fn step(
+    /// A joining request whose prefill ended (done, or cancelled): it starts decoding, or
+    /// ends.
+    fn prefilled(
         &mut self,
-        mut on_event: impl FnMut(u64, Event<'_>),
-    ) -> Result<Vec<(u64, Result<Output>)>> {
-        if self.running.is_empty() {
-            return Ok(Vec::new());
+        j: Joining<'e>,
+        on_event: &mut impl FnMut(u64, Event<'_>),
+        ended: &mut Ended,
+    ) {
+        let Joining {
+            id,
+            mut cache,
+            prefill,
+        } = j;
+        let mut events = |e: Event<'_>| on_event(id, e);
+        let started = prefill
+            .finish(&mut cache, &mut events)
+            .and_then(|d| self.start(id, cache, d, &mut events));
+        match started {
+            Ok(None) => {}
+            Ok(Some(out)) => ended.push((id, Ok(out))),
+            Err(e) => ended.push((id, Err(e))),
         }
-        let tokens: Vec<u32> = self.running.iter().map(|r| r.next).collect();
-        let rows = {
-            let mut caches: Vec<&mut KvCache> =
-                self.running.iter_mut().map(|r| &mut r.cache).collect();
+    }
+
+    /// One step: every running request's next token, and the next prompt chunks of joining
+    /// requests, go through the model together; then each running request samples its token
+    /// after, and a request whose prompt this step ended samples its first token (it decodes
+    /// from the next step on). Returns the requests that ended, with their ids: each with its
+    /// output, or the error that ended it alone (a failed sample: the others go on). The
+    /// outer error is a failed model pass, which ends the batch: its requests' caches are in
+    /// an unknown state.
+    pub fn step(&mut self, mut on_event: impl FnMut(u64, Event<'_>)) -> Result<Ended> {
+        let mut ended = Vec::new();
+        // Joiners cancelled before their next chunk leave now.
+        let joining = std::mem::take(&mut self.joining);
+        for j in joining {
+            if j.prefill.piece(&j.cache).is_some() {
+                self.joining.push_back(j);
+            } else {
+                self.prefilled(j, &mut on_event, &mut ended);
+            }
+        }
+        // This step's prompt chunks: one from each joiner in turn, within the token budget.
+        let mut pieces = Vec::new();
+        let mut budget = self.prefill_tokens;
+        for j in &self.joining {
+            let piece = j.prefill.piece(&j.cache).expect("kept above");
+            if !pieces.is_empty() && piece.len() > budget {
+                break;
+            }
+            budget = budget.saturating_sub(piece.len());
+            let logits = j.prefill.logits(&piece);
+            pieces.push((piece, logits));
+        }
+        if self.running.is_empty() && pieces.is_empty() {
+            return Ok(ended);
+        }
+        let started = Instant::now();
+        let decoded = self.running.len();
+        let passed = {
+            let mut segments = Vec::with_capacity(decoded + pieces.len());
+            let mut caches: Vec<&mut KvCache> = Vec::with_capacity(segments.capacity());
+            for Running { cache, next, .. } in self.running.iter_mut() {
+                segments.push(Segment {
+                    tokens: std::slice::from_ref(next),
+                    decode: true,
+                    logits: Logits::Last,
+                });
+                caches.push(cache);
+            }
+            for (Joining { cache, prefill, .. }, (piece, logits)) in
+                self.joining.iter_mut().zip(&pieces)
+            {
+                segments.push(Segment {
+                    tokens: &prefill.prompt[piece.clone()],
+                    decode: false,
+                    logits: *logits,
+                });
+                caches.push(cache);
+            }
             self.engine
                 .model()
-                .forward_batch(&tokens, &mut caches)
-                .map_err(crate::EngineError::from)
-                .and_then(|l| Ok(l.to_vec2::<f32>()?))
+                .forward_segments(&segments, &mut caches)
+                .map_err(EngineError::from)
+                .and_then(|mut out| {
+                    let prompt_rows = out.split_off(decoded);
+                    let rows = match out.into_iter().collect::<Option<Vec<_>>>() {
+                        Some(rows) if rows.is_empty() => Vec::new(),
+                        Some(rows) => candle_core::Tensor::cat(&rows, 0)?.to_vec2::<f32>()?,
+                        None => {
+                            return Err(EngineError::Model(keydiff_model::ModelError::Shape(
+                                "a decode row without logits".into(),
+                            )))
+                        }
+                    };
+                    Ok((rows, prompt_rows))
+                })
         };
-        let rows = match rows {
-            Ok(rows) => rows,
+        let (rows, prompt_rows) = match passed {
+            Ok(r) => r,
             Err(e) => {
                 self.running.clear();
+                self.joining.clear();
                 return Err(e);
             }
         };
-        let mut ended = Vec::new();
+        // The joiners whose chunks ran; those whose prompts ended start (after the running
+        // requests' samples below, so that they decode from the next step on).
+        // Those still joining keep their places at the front (first come, first served).
+        let mut prefilled = Vec::new();
+        let taken: Vec<Joining<'e>> = self.joining.drain(..pieces.len()).collect();
+        let mut kept = Vec::new();
+        for (mut j, ((piece, _), logits)) in
+            taken.into_iter().zip(pieces.into_iter().zip(prompt_rows))
+        {
+            let id = j.id;
+            let mut events = |e: Event<'_>| on_event(id, e);
+            match j.prefill.took(piece, logits, started, &mut events) {
+                Err(e) => ended.push((id, Err(e))),
+                Ok(()) if j.prefill.is_done() => prefilled.push(j),
+                Ok(()) => kept.push(j),
+            }
+        }
+        for j in kept.into_iter().rev() {
+            self.joining.push_front(j);
+        }
         let mut still = Vec::with_capacity(self.running.len());
         for (mut r, row) in std::mem::take(&mut self.running).into_iter().zip(rows) {
             let id = r.id;
@@ -205,6 +391,9 @@ impl<'e> Batch<'e> {
             }
         }
         self.running = still;
+        for j in prefilled {
+            self.prefilled(j, &mut on_event, &mut ended);
+        }
         Ok(ended)
     }
 }

@@ -4,12 +4,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use candle_core::{DType, Device};
+use candle_core::{DType, Device, Tensor};
 use keydiff_cache::{CacheConfig, CacheCounters, KvCache};
 use keydiff_model::memory::human;
 use keydiff_model::{
-    load_gguf, load_hf_dir, load_random, AttentionBackend, CpuWeights, Loaded, MemoryBudget,
-    MemoryPlan, Message, ModelConfig, ModelFormat,
+    load_gguf, load_hf_dir, load_random, AttentionBackend, CpuWeights, Loaded, Logits,
+    MemoryBudget, MemoryPlan, Message, ModelConfig, ModelFormat,
 };
 
 use crate::error::{EngineError, Result};
@@ -311,6 +311,179 @@ pub struct Output {
     /// prefill).
     pub prompt_logprobs: Option<Vec<TokenLogprob>>,
     pub stats: Stats,
+}
+
+/// A request's prompt being prefilled, a chunk at a time: alone ([`Engine::prefill_request`])
+/// or interleaved with a batch's decode steps ([`crate::Batch::join`]).
+pub(crate) struct Prefill<'e> {
+    engine: &'e Engine,
+    pub(crate) prompt: Vec<u32>,
+    start: usize,
+    params: GenerateParams,
+    t0: Instant,
+    /// When its first chunk started (prefill time runs from there).
+    tp: Option<Instant>,
+    done: usize,
+    /// The last chunk's logits, `[vocab]`.
+    logits: Option<Tensor>,
+    prompt_lp: Vec<TokenLogprob>,
+    counted: CacheCounters,
+    peak_kv_bytes: usize,
+}
+
+impl<'e> Prefill<'e> {
+    /// Checks the request and starts it on `cache` (which holds `prompt[..start]`).
+    pub(crate) fn new(
+        engine: &'e Engine,
+        cache: &mut KvCache,
+        prompt: Vec<u32>,
+        start: usize,
+        params: GenerateParams,
+        t0: Instant,
+    ) -> Result<Self> {
+        params.validate()?;
+        if params.prompt_logprobs.is_some() && start > 0 {
+            return Err(EngineError::BadParams(format!(
+                "prompt logprobs need the whole prompt prefilled, but {start} of its tokens \
+                 come from a cache"
+            )));
+        }
+        // A carried-on cache (a chat turn, a prompt cache) has counters of its own: the
+        // request reports what it added.
+        let counted = cache.counters();
+        cache.set_profiling(params.profile);
+        Ok(Self {
+            engine,
+            peak_kv_bytes: cache.bytes(),
+            prompt,
+            start,
+            params,
+            t0,
+            tp: None,
+            done: start,
+            logits: None,
+            prompt_lp: Vec::new(),
+            counted,
+        })
+    }
+
+    /// The prompt tokens the next chunk takes, or `None` when the prompt is done or the
+    /// request was cancelled. Chunks of B; in a chat turn the cache may come out of decode
+    /// with up to N + K - 1 slots, so the first chunk takes only the room left (it then
+    /// evicts to N).
+    pub(crate) fn piece(&self, cache: &KvCache) -> Option<std::ops::Range<usize>> {
+        let n = self.prompt.len();
+        if self.done >= n || self.params.is_cancelled() {
+            return None;
+        }
+        let room = cache.capacity() - cache.len();
+        let chunk = self.engine.cfg.cache.chunk;
+        Some(self.done..(self.done + chunk.min(room).max(1)).min(n))
+    }
+
+    /// The logits the chunk `piece` needs: every row's for prompt logprobs, else the last
+    /// row's when it ends the prompt.
+    pub(crate) fn logits(&self, piece: &std::ops::Range<usize>) -> Logits {
+        match self.params.prompt_logprobs {
+            Some(_) => Logits::All,
+            None if piece.end == self.prompt.len() => Logits::Last,
+            None => Logits::None,
+        }
+    }
+
+    /// Notes that the chunk `piece`, started at `started`, ran, with the rows
+    /// [`Prefill::logits`] asked for (`[1, vocab]` or `[len, vocab]`; any rows when it asked
+    /// for none).
+    pub(crate) fn took(
+        &mut self,
+        piece: std::ops::Range<usize>,
+        logits: Option<Tensor>,
+        started: Instant,
+        on_event: &mut impl FnMut(Event<'_>),
+    ) -> Result<()> {
+        self.tp.get_or_insert(started);
+        let n = self.prompt.len();
+        if let (Some(top), Some(all)) = (self.params.prompt_logprobs, &logits) {
+            // Row i predicts prompt token done + i + 1; the last row of the prompt predicts
+            // the first generated token.
+            let scored = piece.end.min(n - 1) - piece.start;
+            if scored > 0 {
+                let targets = &self.prompt[piece.start + 1..piece.start + 1 + scored];
+                let rows = all.narrow(0, 0, scored)?;
+                self.prompt_lp.extend(rows_logprobs(&rows, targets, top)?);
+            }
+        }
+        self.logits = match logits {
+            Some(l) => Some(l.get(l.dim(0)? - 1)?),
+            None => None,
+        };
+        self.done = piece.end;
+        on_event(Event::Prefill {
+            done: self.done,
+            total: n,
+        });
+        Ok(())
+    }
+
+    /// True once every prompt token ran.
+    pub(crate) fn is_done(&self) -> bool {
+        self.done >= self.prompt.len()
+    }
+
+    /// The prefill ended (done or cancelled): the request's state, ready to sample its first
+    /// token.
+    pub(crate) fn finish(
+        self,
+        cache: &mut KvCache,
+        on_event: &mut impl FnMut(Event<'_>),
+    ) -> Result<Decoding<'e>> {
+        let n = self.prompt.len();
+        let prefill_s = self.tp.map_or(0.0, |t| t.elapsed().as_secs_f64());
+        if self.params.prompt_logprobs.is_some() && self.done == n {
+            on_event(Event::PromptLogprobs {
+                tokens: &self.prompt,
+                logprobs: &self.prompt_lp,
+            });
+        }
+        let breakdown = cache
+            .profile()
+            .map(|p| Breakdown::new(p, cache.counters().since(&self.counted), prefill_s));
+        cache.set_profiling(false);
+        // Cancelled during prefill: nothing to sample from.
+        let (logits, reason) = match self.logits {
+            Some(l) if self.done == n => (l.to_vec1::<f32>()?, StopReason::MaxTokens),
+            _ if self.done == n => {
+                return Err(EngineError::Model(keydiff_model::ModelError::Shape(
+                    "the prompt's last chunk ran without its logits".into(),
+                )))
+            }
+            _ => (Vec::new(), StopReason::Cancelled),
+        };
+        let e = self.engine;
+        Ok(Decoding {
+            engine: e,
+            sampler: Sampler::new(self.params.sampling.clone()),
+            history: self.prompt.clone(),
+            stream: TextStream::new(&e.loaded.vocab.tokenizer, self.params.stop.clone()),
+            params: self.params,
+            prompt: self.prompt,
+            start: self.start,
+            t0: self.t0,
+            done: self.done,
+            prefill_s,
+            prompt_lp: self.prompt_lp,
+            breakdown,
+            counted: self.counted,
+            peak_kv_bytes: self.peak_kv_bytes,
+            generated: Vec::new(),
+            logprobs: Vec::new(),
+            ttft_s: 0.0,
+            td: Instant::now(),
+            decode_steps: 0,
+            reason,
+            logits,
+        })
+    }
 }
 
 /// A request between its prefill and its end: what it sampled so far, and the distribution
@@ -1019,95 +1192,19 @@ impl Engine {
         t0: Instant,
         on_event: &mut impl FnMut(Event<'_>),
     ) -> Result<Decoding<'_>> {
-        params.validate()?;
-        if params.prompt_logprobs.is_some() && start > 0 {
-            return Err(EngineError::BadParams(format!(
-                "prompt logprobs need the whole prompt prefilled, but {start} of its tokens \
-                 come from a cache"
-            )));
-        }
+        let mut p = Prefill::new(self, cache, prompt, start, params, t0)?;
         let model = &self.loaded.model;
-        let n = prompt.len();
-        let peak_kv_bytes = cache.bytes();
-        // A carried-on cache (a chat turn, a prompt cache) has counters of its own: the
-        // request reports what it added.
-        let counted = cache.counters();
-        cache.set_profiling(params.profile);
-
-        let chunk = self.cfg.cache.chunk;
-        let tp = Instant::now();
-        let mut logits = None;
-        let mut prompt_lp = Vec::new();
-        let mut done = start;
-        while done < n {
-            if params.is_cancelled() {
-                break;
-            }
-            // Chunks of B; in a chat turn the cache may come out of decode with up to N + K - 1
-            // slots, so the first chunk takes only the room left (it then evicts to N).
-            let room = cache.capacity() - cache.len();
-            let piece = &prompt[done..(done + chunk.min(room).max(1)).min(n)];
-            logits = Some(match params.prompt_logprobs {
-                None => model.forward(piece, cache, false)?,
-                Some(top) => {
-                    // Row i predicts prompt token done + i + 1; the last row of the prompt
-                    // predicts the first generated token.
-                    let all = model.forward_all(piece, cache)?;
-                    let scored = (done + piece.len()).min(n - 1) - done;
-                    let targets = &prompt[done + 1..done + 1 + scored];
-                    if scored > 0 {
-                        let rows = all.narrow(0, 0, scored)?;
-                        prompt_lp.extend(rows_logprobs(&rows, targets, top)?);
-                    }
-                    all.get(piece.len() - 1)?
-                }
-            });
-            done += piece.len();
-            on_event(Event::Prefill { done, total: n });
+        while let Some(piece) = p.piece(cache) {
+            let started = Instant::now();
+            let tokens = &p.prompt[piece.clone()];
+            // `forward` runs the LM head on the last row of every chunk (one row).
+            let logits = match p.logits(&piece) {
+                Logits::All => model.forward_all(tokens, cache)?,
+                _ => model.forward(tokens, cache, false)?.unsqueeze(0)?,
+            };
+            p.took(piece, Some(logits), started, on_event)?;
         }
-        let prefill_s = tp.elapsed().as_secs_f64();
-        if params.prompt_logprobs.is_some() && done == n {
-            on_event(Event::PromptLogprobs {
-                tokens: &prompt,
-                logprobs: &prompt_lp,
-            });
-        }
-        let breakdown = cache
-            .profile()
-            .map(|p| Breakdown::new(p, cache.counters().since(&counted), prefill_s));
-        cache.set_profiling(false);
-        // Cancelled during prefill: nothing to sample from.
-        let (logits, reason) = if done < n {
-            (Vec::new(), StopReason::Cancelled)
-        } else {
-            (
-                logits.expect("non-empty prompt").to_vec1::<f32>()?,
-                StopReason::MaxTokens,
-            )
-        };
-        Ok(Decoding {
-            engine: self,
-            sampler: Sampler::new(params.sampling.clone()),
-            history: prompt.clone(),
-            stream: TextStream::new(&self.loaded.vocab.tokenizer, params.stop.clone()),
-            params,
-            prompt,
-            start,
-            t0,
-            done,
-            prefill_s,
-            prompt_lp,
-            breakdown,
-            counted,
-            peak_kv_bytes,
-            generated: Vec::new(),
-            logprobs: Vec::new(),
-            ttft_s: 0.0,
-            td: Instant::now(),
-            decode_steps: 0,
-            reason,
-            logits,
-        })
+        p.finish(cache, on_event)
     }
 
     /// Changes the cache settings (policy, budget, chunk) for later requests; the model stays

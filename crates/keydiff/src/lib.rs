@@ -24,7 +24,7 @@ mod sampling;
 mod source;
 mod stream;
 
-pub use batch::Batch;
+pub use batch::{Batch, Ended};
 pub use candle_core::{DType, Device};
 pub use conversation::Conversation;
 pub use engine::{
@@ -33,7 +33,7 @@ pub use engine::{
 };
 pub use error::{EngineError, Result};
 pub use keydiff_cache::config::SNAPKV_WINDOW;
-pub use keydiff_cache::{Anchor, CacheConfig, CacheCounters, PolicyKind, StatsNeed};
+pub use keydiff_cache::{Anchor, CacheConfig, CacheCounters, KvCache, PolicyKind, StatsNeed};
 pub use keydiff_model::memory::{human as human_bytes, parse_size};
 pub use keydiff_model::{
     AttentionBackend, CpuWeights, MemoryBudget, Message, ModelConfig, ModelError, ModelFormat,
