@@ -424,6 +424,14 @@ fn serve_settings() {
         &fails(&["serve", "--prompt-cache", "always"]),
         "--prompt-cache `always`: expected exact, continue or off",
     );
+    expect(
+        &fails(&["serve", "--max-batch", "4", "--prefill-tokens", "0"]),
+        "--prefill-tokens must be at least 1",
+    );
+    expect(
+        &fails(&["serve", "--prefill-tokens", "256"]),
+        "--prefill-tokens sets a batch's steps: it needs --max-batch above 1",
+    );
     let err = fails(&["serve", "--host", "203.0.113.7", "--port", "1"]);
     expect(&err, "cannot listen on 203.0.113.7:1");
     // A port in use fails before the model loads (none is given here).

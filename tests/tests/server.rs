@@ -1103,14 +1103,16 @@ fn logprobs_score_prompts_and_replies() {
     server.stop().unwrap();
 }
 
-/// Continuous batching (`max_batch` 4): requests that come while one runs join it instead of
-/// waiting for its end, each answer (whole or streamed) is the engine's for that request
-/// alone, a client that leaves cancels only its own request, and /health counts the batch.
+/// Continuous batching (`max_batch` 4, two chunks of prompt a step): requests that come while
+/// one runs join it instead of waiting for its end, each answer (whole or streamed) is the
+/// engine's for that request alone, a client that leaves cancels only its own request, and
+/// /health counts the batch.
 #[test]
 fn requests_run_together_with_max_batch() {
     let cache = keydiff_cache(64, 32);
     let cfg = ServerConfig {
         max_batch: 4,
+        prefill_tokens: Some(64),
         prompt_cache: None,
         ..ServerConfig::new("smol")
     };

@@ -952,12 +952,19 @@ struct ServeArgs {
     /// with --max-batch above 1 (the prompt cache needs one request at a time).
     #[arg(long)]
     prompt_cache: Option<String>,
-    /// Requests decoded together at most (continuous batching): each is prefilled alone, then
-    /// the running ones go through the model together each step, and waiting requests join
-    /// between steps. Each has its own KV cache (N + B slots under --budget). 1: one request
-    /// at a time, with the prompt cache.
+    /// Requests decoded together at most (continuous batching): the running ones go through
+    /// the model together each step; waiting requests join between steps, and their prompts
+    /// are prefilled in the steps, a chunk at a time beside the others' tokens. Each has its
+    /// own KV cache (N + B slots under --budget). 1: one request at a time, with the prompt
+    /// cache.
     #[arg(long, default_value_t = 1)]
     max_batch: usize,
+    /// With --max-batch above 1, prompt tokens a step takes from joining requests: a chunk
+    /// (at most B) from each in arrival order, while they fit (vLLM's
+    /// max-num-batched-tokens). More favours their time to first token, fewer the running
+    /// requests' time between tokens. Default: one chunk, B.
+    #[arg(long)]
+    prefill_tokens: Option<usize>,
     /// Require `Authorization: Bearer KEY` on every endpoint but /health (401 otherwise).
     #[arg(long, env = "KEYDIFF_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
@@ -976,6 +983,13 @@ fn serve(a: &ServeArgs) -> Result<()> {
     }
     if a.max_batch == 0 {
         bail!("--max-batch must be at least 1");
+    }
+    match a.prefill_tokens {
+        Some(0) => bail!("--prefill-tokens must be at least 1"),
+        Some(_) if a.max_batch == 1 => {
+            bail!("--prefill-tokens sets a batch's steps: it needs --max-batch above 1")
+        }
+        _ => {}
     }
     let default_cache = if a.max_batch > 1 { "off" } else { "exact" };
     let prompt_cache = match a.prompt_cache.as_deref().unwrap_or(default_cache) {
@@ -1012,6 +1026,7 @@ fn serve(a: &ServeArgs) -> Result<()> {
         prompt_cache,
         api_key: a.api_key.clone(),
         max_batch: a.max_batch,
+        prefill_tokens: a.prefill_tokens,
     };
     let server = keydiff_server::Server::from_listener(listener, engine, cfg)?;
     eprintln!(

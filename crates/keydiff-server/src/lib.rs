@@ -8,7 +8,8 @@
 //! By default one engine runs one request at a time, as the engine is built to (a long prompt
 //! under a fixed KV budget), keeping the last request's cache for the next
 //! ([`ServerConfig::prompt_cache`]); with [`ServerConfig::max_batch`] above 1, up to that many
-//! requests decode together, joining between steps ([`keydiff::Batch`]). Requests wait in a
+//! requests decode together, joining between steps, their prompts prefilled a chunk per step
+//! beside the running requests' tokens ([`keydiff::Batch`]). Requests wait in a
 //! bounded queue and start in arrival order; when the queue is full a request gets 503 at
 //! once. A request whose client goes away (a closed stream, or a dropped connection) is
 //! cancelled at its next prefill chunk or token, so it frees the engine for the next one.
@@ -74,11 +75,17 @@ pub struct ServerConfig {
     /// When set, every endpoint but `/health` needs `Authorization: Bearer <key>` (401
     /// otherwise), as vLLM's and llama.cpp's `--api-key`.
     pub api_key: Option<String>,
-    /// Requests decoded together at most (continuous batching, [`keydiff::Batch`]): each is
-    /// prefilled alone, then all running ones step through the model together; waiting
-    /// requests join between steps. 1 runs one request at a time, the only mode with the
-    /// prompt cache (a batch keeps no cache after a request).
+    /// Requests decoded together at most (continuous batching, [`keydiff::Batch`]): all
+    /// running ones step through the model together; waiting requests join between steps,
+    /// and their prompts are prefilled in the steps ([`ServerConfig::prefill_tokens`] a step)
+    /// beside the running requests' tokens, which so wait a chunk, not a whole prefill. 1
+    /// runs one request at a time, the only mode with the prompt cache (a batch keeps no
+    /// cache after a request).
     pub max_batch: usize,
+    /// With `max_batch` above 1, prompt tokens a step takes from joining requests, a chunk
+    /// (at most B) from each in arrival order ([`keydiff::Batch::set_prefill_tokens`]);
+    /// `None`: one chunk.
+    pub prefill_tokens: Option<usize>,
 }
 
 impl ServerConfig {
@@ -91,6 +98,7 @@ impl ServerConfig {
             prompt_cache: Some(Reuse::Exact),
             api_key: None,
             max_batch: 1,
+            prefill_tokens: None,
         }
     }
 }
@@ -375,6 +383,7 @@ pub fn router(engine: Engine, cfg: ServerConfig) -> (Router, Worker) {
     let stop = Arc::new(Stop::default());
     let shared = stop.clone();
     let max_batch = state.cfg.max_batch.max(1);
+    let prefill_tokens = state.cfg.prefill_tokens;
     let prompt_cache = match state.cfg.prompt_cache {
         Some(_) if max_batch > 1 => {
             tracing::warn!(
@@ -386,7 +395,16 @@ pub fn router(engine: Engine, cfg: ServerConfig) -> (Router, Worker) {
     };
     let thread = std::thread::Builder::new()
         .name("keydiff-worker".into())
-        .spawn(move || work(engine, rx, counters, shared, prompt_cache, max_batch))
+        .spawn(move || {
+            work(
+                engine,
+                rx,
+                counters,
+                shared,
+                prompt_cache,
+                (max_batch, prefill_tokens),
+            )
+        })
         .expect("cannot start the generation thread");
     let worker = Worker { thread, stop };
     let guarded = Router::new()
@@ -449,10 +467,10 @@ fn work(
     counters: Arc<Counters>,
     stop: Arc<Stop>,
     prompt_cache: Option<PromptCache>,
-    max_batch: usize,
+    (max_batch, prefill_tokens): (usize, Option<usize>),
 ) {
     if max_batch > 1 {
-        work_batched(&engine, &rx, &counters, &stop, max_batch);
+        work_batched(&engine, &rx, &counters, &stop, max_batch, prefill_tokens);
     } else {
         work_one_by_one(&engine, &rx, &counters, &stop, prompt_cache);
     }
@@ -614,17 +632,25 @@ fn work_one_by_one(
     }
 }
 
-/// Continuous batching: up to `max_batch` requests decode together ([`keydiff::Batch`]).
-/// Between two steps, waiting requests join (each prefilled alone, the others waiting) and
-/// ended ones leave.
+/// Continuous batching: up to `max_batch` requests run together ([`keydiff::Batch`]).
+/// Between two steps, waiting requests join (their prompts are prefilled in the following
+/// steps, `prefill_tokens` a step) and ended ones leave.
 fn work_batched(
     engine: &Engine,
     rx: &std_mpsc::Receiver<Job>,
     counters: &Counters,
     stop: &Stop,
     max_batch: usize,
+    prefill_tokens: Option<usize>,
 ) {
-    let mut batch = engine.batch();
+    let new_batch = || {
+        let mut b = engine.batch();
+        if let Some(t) = prefill_tokens {
+            b.set_prefill_tokens(t);
+        }
+        b
+    };
+    let mut batch = new_batch();
     let mut running: std::collections::HashMap<u64, (Job, bool)> = Default::default();
     let mut next_id = 0u64;
     loop {
@@ -644,23 +670,13 @@ fn work_batched(
             if !take(&job, counters, stop) {
                 continue;
             }
-            // It runs from its prefill on.
-            counters.running.store(batch.len() + 1, Ordering::Relaxed);
             let id = next_id;
             next_id += 1;
-            let mut started = false;
-            let added = std::panic::catch_unwind(AssertUnwindSafe(|| {
-                batch.add(id, &job.params, |ev| {
-                    if let Some(msg) = message(&job, &mut started, ev) {
-                        let _ = job.events.send(msg);
-                    }
-                })
-            }));
-            match added {
-                Ok(Ok(None)) => {
-                    running.insert(id, (job, started));
+            let joined = std::panic::catch_unwind(AssertUnwindSafe(|| batch.join(id, &job.params)));
+            match joined {
+                Ok(Ok(())) => {
+                    running.insert(id, (job, false));
                 }
-                Ok(Ok(Some(out))) => settle(job, Ok(out), counters, stop),
                 Ok(Err(e)) => settle(job, Err(e.into()), counters, stop),
                 Err(panic) => {
                     let e = ApiError::internal(panic_message(&*panic));
@@ -696,7 +712,7 @@ fn work_batched(
                     Err(panic) => ApiError::internal(panic_message(&*panic)),
                     Ok(Ok(_)) => unreachable!("matched above"),
                 };
-                batch = engine.batch();
+                batch = new_batch();
                 for (_, (job, _)) in running.drain() {
                     settle(job, Err(why.clone()), counters, stop);
                 }
