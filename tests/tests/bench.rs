@@ -1,9 +1,9 @@
-//! Benchmarks: the prefill time breakdown, the TTFT and decode sweeps, and `keydiff bench`'s
+//! Benchmarks: the prefill time breakdown, the TTFT, decode and join sweeps, and `keydiff bench`'s
 //! files. Tiny random models: these check what is measured and written, not how fast it is.
 
 use std::process::Command;
 
-use keydiff::bench::{self, Phase, Plan};
+use keydiff::bench::{self, JoinMode, Phase, Plan};
 use keydiff::{CacheConfig, Engine, EngineConfig, GenerateParams, ModelSource, PolicyKind, Prompt};
 use keydiff_tests::{keydiff_bin, root, temp_dir};
 
@@ -203,6 +203,96 @@ fn decode_sweep_reports_throughput_and_bounded_cache() {
         assert!(x.decode.median > 0.0);
     }
     assert!(bench::decode(&mut e, &plan, 150, 0, |_, _, _| {}).is_err());
+}
+
+/// A prompt joining running requests, prefilled alone and in the batch's steps: every run is
+/// recorded per case and mode; prefilled alone, the window is the one gap the running
+/// requests waited; in steps (300 tokens, chunks of 64) it spans several, so their mean is at
+/// most their longest. Bad settings are refused before anything runs. The CLI writes its
+/// table, CSV and JSON.
+#[test]
+fn join_bench_measures_a_prompt_alone_and_in_steps() {
+    let mut e = tiny("tiny-llama", CacheConfig::full(64));
+    let policies = [PolicyKind::parse("keydiff", 32, 0).unwrap()];
+    let plan = Plan {
+        cases: bench::cases(&[300], &[128], &[64], &policies, &CacheConfig::full(64)).unwrap(),
+        warmup: 1,
+        reps: 2,
+        seed: 1,
+        breakdown: false,
+    };
+    let modes = [JoinMode::Alone, JoinMode::Steps(64)];
+    let mut runs = Vec::new();
+    let r = bench::join(&mut e, &plan, 3, 40, &modes, |phase, _, mode, _| {
+        runs.push((phase, mode))
+    })
+    .unwrap();
+    assert_eq!(
+        runs.len(),
+        6,
+        "one warm-up and two measured rounds of two modes"
+    );
+    assert_eq!(runs.iter().filter(|r| r.0 == Phase::Measure).count(), 4);
+    assert_eq!(r.len(), 2);
+    assert_eq!((r[0].mode.as_str(), r[0].prefill_tokens), ("alone", 0));
+    assert_eq!((r[1].mode.as_str(), r[1].prefill_tokens), ("steps", 64));
+    for x in &r {
+        assert_eq!(
+            (x.running, x.running_prompt_len, x.prompt_len),
+            (3, 40, 300)
+        );
+        assert_eq!(x.ttft_s.len(), 2);
+        assert!(x.ttft.min > 0.0 && x.max_gap.min > 0.0, "{x:?}");
+    }
+    assert_eq!(r[0].max_gap_s, r[0].mean_gap_s, "alone: one gap");
+    for (max, mean) in r[1].max_gap_s.iter().zip(&r[1].mean_gap_s) {
+        assert!(mean <= max, "{mean} > {max}");
+    }
+    assert!(bench::join(&mut e, &plan, 0, 40, &modes, |_, _, _, _| {}).is_err());
+    let zero = [JoinMode::Steps(0)];
+    assert!(bench::join(&mut e, &plan, 3, 40, &zero, |_, _, _, _| {}).is_err());
+
+    let dir = temp_dir("bench-join");
+    let out = run_cli(&[
+        "bench",
+        "join",
+        "--preset",
+        "tiny-qwen",
+        "--random-weights",
+        "--prompt-len",
+        "200",
+        "--budget",
+        "64",
+        "--policies",
+        "keydiff",
+        "--chunks",
+        "32",
+        "--running",
+        "2",
+        "--running-prompt-len",
+        "16",
+        "--warmup",
+        "0",
+        "--reps",
+        "1",
+        "--out",
+        dir.to_str().unwrap(),
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("max gap s"), "{stdout}");
+    let rows: Vec<serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("results.json")).unwrap()).unwrap();
+    let modes: Vec<&str> = rows.iter().map(|r| r["mode"].as_str().unwrap()).collect();
+    assert_eq!(modes, ["alone", "steps"]);
+    assert_eq!(rows[1]["prefill_tokens"], 32);
+    assert!(rows[0]["commit"].is_string());
+    let csv = std::fs::read_to_string(dir.join("results.csv")).unwrap();
+    assert_eq!(csv.lines().count(), 3, "{csv}");
 }
 
 fn run_cli(args: &[&str]) -> std::process::Output {

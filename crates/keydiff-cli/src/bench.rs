@@ -1,11 +1,13 @@
-//! `keydiff bench ttft|decode`: parse, run the library's sweeps, print and write results.
+//! `keydiff bench ttft|decode|join`: parse, run the library's sweeps, print and write results.
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use clap::{Args, Subcommand};
-use keydiff::bench::{self, Case, DecodeResult, Phase, Plan, Provenance, TtftResult};
+use keydiff::bench::{
+    self, Case, DecodeResult, JoinMode, JoinResult, Phase, Plan, Provenance, TtftResult,
+};
 use keydiff::{CacheConfig, Engine, PolicyKind, Stats};
 
 use crate::{plot, LoadArgs, PolicyArgs};
@@ -17,6 +19,10 @@ pub enum BenchCmd {
     Ttft(TtftArgs),
     /// Decode tokens per second and memory at a budget, after a prompt.
     Decode(DecodeArgs),
+    /// A prompt joining requests that decode together (as `serve --max-batch`): the running
+    /// requests' longest and mean time between tokens while it joins, and its time to first
+    /// token, when it is prefilled alone (the others wait) and in the batch's steps.
+    Join(JoinArgs),
     /// Redraw DIR/ttft.svg from DIR/results.json (e.g. after merging results).
     Plot {
         /// A directory written by `bench ttft`.
@@ -86,10 +92,26 @@ pub struct DecodeArgs {
     batch: Vec<usize>,
 }
 
+#[derive(Args)]
+pub struct JoinArgs {
+    #[command(flatten)]
+    sweep: SweepArgs,
+    /// Prefill chunk sizes B.
+    #[arg(long, value_delimiter = ',', default_value = "128")]
+    chunks: Vec<usize>,
+    /// Requests decoding when the prompt joins.
+    #[arg(long, default_value_t = 4)]
+    running: usize,
+    /// Their prompts' length in tokens.
+    #[arg(long, default_value_t = 128)]
+    running_prompt_len: usize,
+}
+
 pub fn bench(cmd: BenchCmd) -> Result<()> {
     match cmd {
         BenchCmd::Ttft(a) => ttft(a),
         BenchCmd::Decode(a) => decode(a),
+        BenchCmd::Join(a) => join(a),
         BenchCmd::Plot { dir } => replot(&dir),
     }
 }
@@ -260,6 +282,62 @@ fn decode(a: DecodeArgs) -> Result<()> {
     Ok(())
 }
 
+fn join(a: JoinArgs) -> Result<()> {
+    let plan = a.sweep.plan(&a.chunks, false)?;
+    let out = a.sweep.out_dir("join")?;
+    let mut engine = a.sweep.load(&a.chunks)?;
+    let prov = Provenance::collect(&engine, a.sweep.load.random_weights, command_line());
+    let mut results = Vec::new();
+    let bar = progress_bar((plan.warmup + plan.reps) * plan.cases.len() * 2);
+    let plain = !std::io::IsTerminal::is_terminal(&std::io::stderr());
+    // One prompt joins: a step takes one chunk of it (its chunks run one after another, each
+    // evicting), whatever the step's token budget; so a step's budget is its case's B.
+    for &chunk in &a.chunks {
+        let modes = [JoinMode::Alone, JoinMode::Steps(chunk)];
+        let plan = Plan {
+            cases: plan
+                .cases
+                .iter()
+                .filter(|c| c.cache.chunk == chunk)
+                .cloned()
+                .collect(),
+            ..plan.clone()
+        };
+        results.extend(bench::join(
+            &mut engine,
+            &plan,
+            a.running,
+            a.running_prompt_len,
+            &modes,
+            |phase, case, mode, (gap, ttft)| {
+                let what = match phase {
+                    Phase::Measure => "measured",
+                    _ => "warm-up",
+                };
+                let msg = format!(
+                    "({what} {} {}: max gap {:.3} s, TTFT {:.3} s)",
+                    case.label(),
+                    mode.name(),
+                    gap,
+                    ttft
+                );
+                bar.inc(1);
+                if plain {
+                    eprintln!("{msg}");
+                } else {
+                    bar.set_message(msg);
+                }
+            },
+        )?);
+    }
+    bar.finish_and_clear();
+    print!("{}", join_table(&results, &prov, &plan));
+    write_json(&out.join("results.json"), &prov, &results)?;
+    write_csv(&out.join("results.csv"), &prov, &join_csv(&results))?;
+    eprintln!("wrote {0}/results.csv, {0}/results.json", out.display());
+    Ok(())
+}
+
 fn header(prov: &Provenance, plan: &Plan) -> String {
     format!(
         "# {} | {}{} | {} {} (KV {}) {} attention | commit {} | {}\n# {} warm-up + {} measured runs per case, interleaved; prompts: random token ids, seed {} + round\n",
@@ -396,6 +474,111 @@ fn decode_table(results: &[DecodeResult], prov: &Provenance, plan: &Plan) -> Str
         );
     }
     s
+}
+
+/// The `alone` row of the same case, if measured.
+fn join_alone<'a>(results: &'a [JoinResult], r: &JoinResult) -> Option<&'a JoinResult> {
+    results.iter().find(|a| {
+        a.mode == "alone"
+            && (a.prompt_len, a.chunk, &a.policy, a.budget)
+                == (r.prompt_len, r.chunk, &r.policy, r.budget)
+    })
+}
+
+fn join_table(results: &[JoinResult], prov: &Provenance, plan: &Plan) -> String {
+    let mut s = header(prov, plan);
+    let _ = writeln!(
+        s,
+        "{:>6} {:>4} {:>15} {:>6} {:>7} {:>6} {:>7} {:>10} {:>8} {:>8} {:>11} {:>9} {:>8}",
+        "L",
+        "B",
+        "policy",
+        "N",
+        "running",
+        "mode",
+        "tok/step",
+        "max gap s",
+        "/alone",
+        "mean s",
+        "TTFT med s",
+        "max",
+        "/alone"
+    );
+    for r in results {
+        let alone = join_alone(results, r);
+        let ratio = |f: fn(&JoinResult) -> f64| {
+            alone.map_or_else(|| "-".into(), |a| format!("{:.3}", f(r) / f(a)))
+        };
+        let _ = writeln!(
+            s,
+            "{:>6} {:>4} {:>15} {:>6} {:>7} {:>6} {:>7} {:>10.3} {:>8} {:>8.3} {:>11.3} {:>9.3} {:>8}",
+            r.prompt_len,
+            r.chunk,
+            r.policy,
+            budget_str(r.budget),
+            r.running,
+            r.mode,
+            if r.mode == "alone" { "-".to_string() } else { r.prefill_tokens.to_string() },
+            r.max_gap.median,
+            ratio(|x| x.max_gap.median),
+            r.mean_gap.median,
+            r.ttft.median,
+            r.ttft.max,
+            ratio(|x| x.ttft.median)
+        );
+    }
+    s.push_str(
+        "# max gap: the running requests' longest time between two tokens while the prompt \
+         joined (median over runs); mean: their time per token over that window; TTFT: the \
+         joining prompt's; /alone: against the same case prefilled alone, measured in the same \
+         rounds\n",
+    );
+    s
+}
+
+fn join_csv(results: &[JoinResult]) -> Csv {
+    let columns = vec![
+        "prompt_len",
+        "chunk",
+        "policy",
+        "budget",
+        "running",
+        "running_prompt_len",
+        "mode",
+        "prefill_tokens",
+        "reps",
+        "max_gap_s_median",
+        "max_gap_s_min",
+        "max_gap_s_max",
+        "mean_gap_s_median",
+        "ttft_s_median",
+        "ttft_s_min",
+        "ttft_s_max",
+    ];
+    let rows = results
+        .iter()
+        .map(|r| {
+            vec![
+                r.prompt_len.to_string(),
+                r.chunk.to_string(),
+                r.policy.clone(),
+                r.budget.map_or_else(String::new, |n| n.to_string()),
+                r.running.to_string(),
+                r.running_prompt_len.to_string(),
+                r.mode.clone(),
+                r.prefill_tokens.to_string(),
+                r.ttft_s.len().to_string(),
+                format!("{:.4}", r.max_gap.median),
+                format!("{:.4}", r.max_gap.min),
+                format!("{:.4}", r.max_gap.max),
+                format!("{:.4}", r.mean_gap.median),
+                format!("{:.4}", r.ttft.median),
+                format!("{:.4}", r.ttft.min),
+                format!("{:.4}", r.ttft.max),
+            ]
+        })
+        .collect();
+    Csv { columns, rows }
 }
 
 /// Every row carries the provenance (commit, machine, device, command line).

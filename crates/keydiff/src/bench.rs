@@ -1,4 +1,4 @@
-//! Benchmarks: time-to-first-token sweeps and decode throughput.
+//! Benchmarks: time-to-first-token sweeps, decode throughput, and prompts joining a batch.
 //!
 //! How the timing is kept honest:
 //! - The device is synchronised before each measured request; the request ends by copying the
@@ -448,6 +448,224 @@ pub fn decode(
             }
         })
         .collect())
+}
+
+/// How a prompt joins running requests in [`join`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum JoinMode {
+    /// Prefilled at once, the running requests waiting ([`crate::Batch::add`]).
+    Alone,
+    /// Prefilled in the batch's steps, this many prompt tokens a step
+    /// ([`crate::Batch::join`], [`crate::Batch::set_prefill_tokens`]).
+    Steps(usize),
+}
+
+impl JoinMode {
+    /// `alone`, or `steps`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            JoinMode::Alone => "alone",
+            JoinMode::Steps(_) => "steps",
+        }
+    }
+}
+
+/// What running requests and a joining prompt see of each other, for one case and mode.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct JoinResult {
+    /// The joining prompt's length.
+    pub prompt_len: usize,
+    pub chunk: usize,
+    pub policy: String,
+    pub budget: Option<usize>,
+    /// Requests decoding when the prompt joins.
+    pub running: usize,
+    /// Their prompts' length.
+    pub running_prompt_len: usize,
+    /// `alone` or `steps` ([`JoinMode`]).
+    pub mode: String,
+    /// Prompt tokens a step takes (`steps`); 0 for `alone`.
+    pub prefill_tokens: usize,
+    /// The running requests' longest wait between two tokens while the prompt joined, in
+    /// seconds, per measured run in round order.
+    pub max_gap_s: Vec<f64>,
+    pub max_gap: Spread,
+    /// Their mean time per token over the same window (from the join to the step that gave
+    /// the joiner its first token), per measured run.
+    pub mean_gap_s: Vec<f64>,
+    pub mean_gap: Spread,
+    /// The joining request's time to first token, per measured run.
+    pub ttft_s: Vec<f64>,
+    pub ttft: Spread,
+}
+
+/// Measures a prompt joining `running` decoding requests under each of `modes`: the running
+/// requests (`running_prompt_len` tokens each, greedy, two steps in) get one token per step;
+/// then the case's prompt joins, and steps run until it has its first token. Records the
+/// running requests' longest and mean time between tokens over that window, and the joiner's
+/// time to first token. Runs are interleaved: each round runs every case under every mode.
+/// `on_run(phase, case, mode, (max gap, TTFT))` is called after every run.
+pub fn join(
+    engine: &mut Engine,
+    plan: &Plan,
+    running: usize,
+    running_prompt_len: usize,
+    modes: &[JoinMode],
+    mut on_run: impl FnMut(Phase, &Case, JoinMode, (f64, f64)),
+) -> Result<Vec<JoinResult>> {
+    if plan.reps == 0 || running == 0 || running_prompt_len == 0 || modes.is_empty() {
+        return Err(EngineError::BadParams(
+            "--reps, --running and --running-prompt-len must be at least 1, and a mode given"
+                .into(),
+        ));
+    }
+    if modes.contains(&JoinMode::Steps(0)) {
+        return Err(EngineError::BadParams(
+            "prompt tokens per step must be at least 1".into(),
+        ));
+    }
+    let context = engine.model_config().max_position_embeddings;
+    for c in &plan.cases {
+        // The running requests decode up to a token per joined prompt token.
+        let need = (running_prompt_len + c.prompt_len + 8).max(c.prompt_len + 2);
+        if need > context {
+            return Err(EngineError::PromptTooLong {
+                tokens: need,
+                context,
+            });
+        }
+    }
+    let mut runs: Vec<Vec<(f64, f64, f64)>> = vec![Vec::new(); plan.cases.len() * modes.len()];
+    let mut round = |engine: &mut Engine, phase: Phase, seed: u64, r: u64| -> Result<()> {
+        for (ci, c) in plan.cases.iter().enumerate() {
+            let joiner = prompt(engine, c.prompt_len, seed, r);
+            let short = prompt(engine, running_prompt_len, seed ^ 0x5255_4e4e, r);
+            for (mi, &mode) in modes.iter().enumerate() {
+                let m = join_run(engine, c, &joiner, &short, running, mode)?;
+                on_run(phase, c, mode, (m.0, m.2));
+                if phase == Phase::Measure {
+                    runs[ci * modes.len() + mi].push(m);
+                }
+            }
+        }
+        Ok(())
+    };
+    for w in 0..plan.warmup {
+        round(engine, Phase::Warmup, plan.seed ^ 0x5741_524d, w as u64)?;
+    }
+    for r in 0..plan.reps {
+        round(engine, Phase::Measure, plan.seed, r as u64)?;
+    }
+    let mut out = Vec::new();
+    for (ci, c) in plan.cases.iter().enumerate() {
+        for (mi, &mode) in modes.iter().enumerate() {
+            let m = &runs[ci * modes.len() + mi];
+            let col = |f: fn(&(f64, f64, f64)) -> f64| m.iter().map(f).collect::<Vec<f64>>();
+            let (max_gap_s, mean_gap_s, ttft_s) = (col(|x| x.0), col(|x| x.1), col(|x| x.2));
+            out.push(JoinResult {
+                prompt_len: c.prompt_len,
+                chunk: c.cache.chunk,
+                policy: c.cache.policy.name(),
+                budget: c.cache.budget,
+                running,
+                running_prompt_len,
+                mode: mode.name().into(),
+                prefill_tokens: match mode {
+                    JoinMode::Alone => 0,
+                    JoinMode::Steps(t) => t,
+                },
+                max_gap: Spread::of(&max_gap_s),
+                mean_gap: Spread::of(&mean_gap_s),
+                ttft: Spread::of(&ttft_s),
+                max_gap_s,
+                mean_gap_s,
+                ttft_s,
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// One run of [`join`]: (longest gap, mean gap, the joiner's TTFT), in seconds.
+fn join_run(
+    engine: &mut Engine,
+    case: &Case,
+    joiner: &[u32],
+    short: &[u32],
+    running: usize,
+    mode: JoinMode,
+) -> Result<(f64, f64, f64)> {
+    engine.set_cache_config(case.cache.clone())?;
+    let device = engine.config().device.clone();
+    let params = |tokens: Vec<u32>, max_tokens: usize| GenerateParams {
+        prompt: Prompt::Tokens(tokens),
+        max_tokens,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let mut batch = engine.batch();
+    if let JoinMode::Steps(t) = mode {
+        batch.set_prefill_tokens(t);
+    }
+    for i in 0..running {
+        let mut t = short.to_vec();
+        let k = i * 7 % t.len();
+        t.rotate_left(k);
+        // A step gives the joiner at least one prompt token: they outlast its prefill.
+        if batch
+            .add(i as u64, &params(t, joiner.len() + 4), |_| {})?
+            .is_some()
+        {
+            return Err(EngineError::BadParams(
+                "a running request ended at its first token".into(),
+            ));
+        }
+    }
+    let ended = |e: crate::Ended| -> Result<()> {
+        match e.into_iter().find(|(id, _)| *id < running as u64) {
+            Some(_) => Err(EngineError::BadParams(
+                "a running request ended while the prompt joined".into(),
+            )),
+            None => Ok(()),
+        }
+    };
+    for _ in 0..2 {
+        ended(batch.step(|_, _| {})?)?;
+    }
+    device.synchronize()?;
+    let t_join = Instant::now();
+    let mut last = t_join;
+    let mut max_gap = 0f64;
+    let mut steps = 0usize;
+    let id = running as u64;
+    let mut ttft = match mode {
+        JoinMode::Alone => {
+            batch.add(id, &params(joiner.to_vec(), 2), |_| {})?;
+            Some(t_join.elapsed().as_secs_f64())
+        }
+        JoinMode::Steps(_) => {
+            batch.join(id, &params(joiner.to_vec(), 2))?;
+            None
+        }
+    };
+    // Until the step after which the joiner has its first token (for `alone`, the step that
+    // follows its prefill: the running requests' next token).
+    loop {
+        ended(batch.step(|_, _| {})?)?;
+        device.synchronize()?;
+        let now = Instant::now();
+        max_gap = max_gap.max((now - last).as_secs_f64());
+        last = now;
+        steps += 1;
+        if ttft.is_none() && batch.prefilling() == 0 {
+            ttft = Some(t_join.elapsed().as_secs_f64());
+        }
+        if ttft.is_some() {
+            break;
+        }
+    }
+    let mean_gap = (last - t_join).as_secs_f64() / steps as f64;
+    Ok((max_gap, mean_gap, ttft.expect("set before the loop ends")))
 }
 
 /// Memory in use on a CUDA device (driver's total − free, every process), `None` elsewhere.
