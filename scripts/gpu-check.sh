@@ -188,8 +188,9 @@ fi
 rm -f "$out/ttft/table.txt.tmp"
 
 echo "== 4b. batched decoding: 1 and 8 requests decoded together ($preset random weights, bf16)"
-# Decode tok/s of the batch (bench decode --batch, as serve --max-batch runs it): on a GPU a
-# step of 8 rows should cost little more than one.
+# Decode tok/s of the batch (bench decode --batch: the requests' decode steps, as serve
+# --max-batch runs them; their prompts are prefilled first): on a GPU a step of 8 rows should
+# cost little more than one.
 left=$((deadline - SECONDS))
 if [ "$left" -lt 60 ]; then
   note "batch: skipped (${left}s left of the ${deadline}s budget)"

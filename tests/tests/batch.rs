@@ -272,8 +272,8 @@ fn joining_prompts_are_prefilled_between_decode_steps() {
 
 /// With a step budget of three chunks, three joining prompts are prefilled together, a chunk
 /// of each per step, first come first served past the budget; every request equals its run
-/// alone. A joiner cancelled during its prefill ends with no tokens, the others go on; `join`
-/// refuses an id in the batch and a profiled request.
+/// alone. A joiner cancelled during its prefill ends with no tokens, and the next in line
+/// takes its place; `join` refuses an id in the batch and a profiled request.
 #[test]
 fn several_prompts_are_prefilled_in_one_step() {
     let e = engine(SMOLLM2, keydiff(64, 16));
@@ -285,7 +285,7 @@ fn several_prompts_are_prefilled_in_one_step() {
         cancel: Some(cancel.clone()),
         ..reqs[4].clone()
     };
-    let joiners = [&reqs[0], &reqs[2], &reqs[4], &cancelled];
+    let joiners = [&reqs[0], &reqs[2], &cancelled, &reqs[4]];
     for (i, p) in joiners.iter().enumerate() {
         batch.join(i as u64, p).unwrap();
     }
@@ -298,28 +298,35 @@ fn several_prompts_are_prefilled_in_one_step() {
     let err = batch.join(9, &profiled).unwrap_err();
     assert!(matches!(err, EngineError::BadParams(_)), "{err}");
     let mut outs = HashMap::new();
+    let prefilled = |did: &HashMap<u64, Did>| {
+        let mut ids: Vec<u64> = did
+            .iter()
+            .filter(|(_, d)| d.prefilled.is_some())
+            .map(|(id, _)| *id)
+            .collect();
+        ids.sort();
+        ids
+    };
     let did = step_recording(&mut batch, &mut outs);
-    let mut firsts: Vec<u64> = did
-        .iter()
-        .filter(|(_, d)| d.prefilled.is_some())
-        .map(|(id, _)| *id)
-        .collect();
-    firsts.sort();
-    assert_eq!(
-        firsts,
-        [0, 1, 2],
-        "three chunks, the first three joiners: {did:?}"
-    );
+    assert_eq!(prefilled(&did), [0, 1, 2], "the first three: {did:?}");
+    assert_eq!(did[&2].prefilled, Some(16));
     cancel.cancel();
+    let did = step_recording(&mut batch, &mut outs);
+    assert_eq!(
+        prefilled(&did),
+        [0, 1, 3],
+        "the fourth after the cancelled: {did:?}"
+    );
+    assert!(batch.ids().iter().all(|&id| id != 2));
     while !batch.is_empty() {
         let did = step_recording(&mut batch, &mut outs);
-        assert!(did.get(&3).is_none_or(|d| d.prefilled.is_none()), "{did:?}");
+        assert!(!prefilled(&did).contains(&2), "{did:?}");
     }
-    let out = &outs[&3];
+    let out = &outs[&2];
     assert_eq!(out.stats.stop_reason, StopReason::Cancelled);
     assert!(out.tokens.is_empty());
-    for (i, p) in joiners.iter().enumerate().take(3) {
-        let alone = e.generate(p, |_| {}).unwrap();
+    for i in [0, 1, 3] {
+        let alone = e.generate(joiners[i], |_| {}).unwrap();
         assert_same(&outs[&(i as u64)], &alone, &format!("request {i}"));
     }
 }
@@ -474,4 +481,11 @@ fn batch_memory_is_planned_beside_the_running_caches() {
         batch.step(|_, _| {}).unwrap();
     }
     assert!(batch.add(1, &p, |_| {}).unwrap().is_none());
+    // A joining request's cache counts as a running one's, before its prompt has run.
+    let mut batch = e.batch();
+    batch.join(0, &p).unwrap();
+    let err = batch.join(1, &p).unwrap_err();
+    assert!(matches!(err, EngineError::OutOfMemory(_)), "{err:?}");
+    let err = batch.add(1, &p, |_| {}).unwrap_err();
+    assert!(matches!(err, EngineError::OutOfMemory(_)), "{err:?}");
 }

@@ -206,10 +206,8 @@ fn decode_sweep_reports_throughput_and_bounded_cache() {
 }
 
 /// A prompt joining running requests, prefilled alone and in the batch's steps: every run is
-/// recorded per case and mode; prefilled alone, the window is the one gap the running
-/// requests waited; in steps (300 tokens, chunks of 64) it spans several, so their mean is at
-/// most their longest. Bad settings are refused before anything runs. The CLI writes its
-/// table, CSV and JSON.
+/// recorded per case and mode, with its settings. Bad settings are refused before anything
+/// runs. The CLI writes its table, CSV and JSON.
 #[test]
 fn join_bench_measures_a_prompt_alone_and_in_steps() {
     let mut e = tiny("tiny-llama", CacheConfig::full(64));
@@ -243,10 +241,6 @@ fn join_bench_measures_a_prompt_alone_and_in_steps() {
         );
         assert_eq!(x.ttft_s.len(), 2);
         assert!(x.ttft.min > 0.0 && x.max_gap.min > 0.0, "{x:?}");
-    }
-    assert_eq!(r[0].max_gap_s, r[0].mean_gap_s, "alone: one gap");
-    for (max, mean) in r[1].max_gap_s.iter().zip(&r[1].mean_gap_s) {
-        assert!(mean <= max, "{mean} > {max}");
     }
     assert!(bench::join(&mut e, &plan, 0, 40, &modes, |_, _, _, _| {}).is_err());
     let zero = [JoinMode::Steps(0)];

@@ -283,26 +283,30 @@ impl<'e> Batch<'e> {
     /// an unknown state.
     pub fn step(&mut self, mut on_event: impl FnMut(u64, Event<'_>)) -> Result<Ended> {
         let mut ended = Vec::new();
-        // Joiners cancelled before their next chunk leave now.
-        let joining = std::mem::take(&mut self.joining);
-        for j in joining {
-            if j.prefill.piece(&j.cache).is_some() {
-                self.joining.push_back(j);
-            } else {
-                self.prefilled(j, &mut on_event, &mut ended);
-            }
-        }
         // This step's prompt chunks: one from each joiner in turn, within the token budget.
+        // Each joiner's next chunk is read once: a cancel (another thread's) that lands later
+        // is seen at the next step. Joiners cancelled before their next chunk leave now.
         let mut pieces = Vec::new();
         let mut budget = self.prefill_tokens;
-        for j in &self.joining {
-            let piece = j.prefill.piece(&j.cache).expect("kept above");
-            if !pieces.is_empty() && piece.len() > budget {
-                break;
+        let mut full = false;
+        for j in std::mem::take(&mut self.joining) {
+            if full {
+                self.joining.push_back(j);
+                continue;
             }
-            budget = budget.saturating_sub(piece.len());
-            let logits = j.prefill.logits(&piece);
-            pieces.push((piece, logits));
+            match j.prefill.piece(&j.cache) {
+                None => self.prefilled(j, &mut on_event, &mut ended),
+                Some(piece) if !pieces.is_empty() && piece.len() > budget => {
+                    full = true;
+                    self.joining.push_back(j);
+                }
+                Some(piece) => {
+                    budget = budget.saturating_sub(piece.len());
+                    let logits = j.prefill.logits(&piece);
+                    pieces.push((piece, logits));
+                    self.joining.push_back(j);
+                }
+            }
         }
         if self.running.is_empty() && pieces.is_empty() {
             return Ok(ended);

@@ -621,13 +621,17 @@ fn join_run(
             ));
         }
     }
+    // Nothing ends in the window but the joiner after its first token; a failure is an error.
     let ended = |e: crate::Ended| -> Result<()> {
-        match e.into_iter().find(|(id, _)| *id < running as u64) {
-            Some(_) => Err(EngineError::BadParams(
-                "a running request ended while the prompt joined".into(),
-            )),
-            None => Ok(()),
+        for (id, out) in e {
+            out?;
+            if id < running as u64 {
+                return Err(EngineError::BadParams(
+                    "a running request ended while the prompt joined".into(),
+                ));
+            }
         }
+        Ok(())
     };
     for _ in 0..2 {
         ended(batch.step(|_, _| {})?)?;

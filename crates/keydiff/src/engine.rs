@@ -222,9 +222,11 @@ pub struct Stats {
     pub prompt_tokens: usize,
     pub generated_tokens: usize,
     pub chunk: usize,
-    /// Seconds from the call to the first sampled token (tokenization, prefill, sampling).
+    /// Seconds from the call to the first sampled token (tokenization, prefill, sampling; in
+    /// a batch, from [`crate::Batch::join`], so waiting behind earlier joiners too).
     pub ttft_s: f64,
-    /// Seconds spent in the prefill forward passes.
+    /// Seconds spent in the prefill forward passes (in a batch, the steps that ran its
+    /// chunks, which also ran the other requests' rows).
     pub prefill_s: f64,
     /// Prompt tokens prefilled by this request (the prompt less a reused [`Prefix`]) per second
     /// of `prefill_s`.
