@@ -374,10 +374,12 @@ test_device!(
     memory_is_planned_on_the_device_cuda
 );
 
-/// A batched decode step (`Model::forward_batch`) on the device against single steps there:
-/// three sequences at different positions under an evicting KeyDiff budget, each row's logits
+/// A batched decode step (`Model::forward_batch`) and a pass mixing decode rows with prompt
+/// chunks (`Model::forward_segments`) on the device, against each sequence alone there:
+/// sequences at different positions under an evicting KeyDiff budget, each segment's logits
 /// equal to its sequence's alone up to the rounding of a matmul over more rows (f32 on the
-/// CPU; bf16 on CUDA, relative to the logits' scale).
+/// CPU; bf16 on CUDA, where the mixed pass runs all rows through one matmul, relative to the
+/// logits' scale).
 fn batch_step_matches_single_steps(dev: &Device) -> Result<()> {
     let dtype = if dev.is_cpu() {
         DType::F32
@@ -396,7 +398,7 @@ fn batch_step_matches_single_steps(dev: &Device) -> Result<()> {
     let rows = keydiff_tests::batch_step_vs_single_steps(&loaded.model, &cache)?;
     for (i, (diff, scale, _)) in rows.into_iter().enumerate() {
         let tol = if dev.is_cpu() { 1e-4 } else { 2e-2 * scale };
-        ensure!(diff <= tol, "sequence {i}: max |Δ| {diff} (scale {scale})");
+        ensure!(diff <= tol, "segment {i}: max |Δ| {diff} (scale {scale})");
     }
     Ok(())
 }
