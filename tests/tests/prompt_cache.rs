@@ -277,3 +277,189 @@ fn a_reply_that_retokenizes_differently_still_continues() {
         "no reply re-tokenized differently: the text path went untested"
     );
 }
+
+/// Joins `requests` to `batch` and steps it until they all ended; their outputs by id.
+fn run_batch(
+    batch: &mut keydiff::Batch<'_>,
+    requests: &[(u64, &GenerateParams)],
+) -> std::collections::HashMap<u64, keydiff::Output> {
+    for (id, p) in requests {
+        batch.join(*id, p).unwrap();
+    }
+    let mut outs = std::collections::HashMap::new();
+    while !batch.is_empty() {
+        for (id, out) in batch.step(|_, _| {}).unwrap() {
+            outs.insert(id, out.unwrap());
+        }
+    }
+    assert_eq!(outs.len(), requests.len());
+    outs
+}
+
+/// A batch that keeps its requests' caches (`Batch::keep_prompts`, a server's prompt cache
+/// under `--max-batch`): follow-ups on two documents, joining together, each start from the
+/// cache of the earlier request on their own document (whole chunks of it), and answer as
+/// fresh requests; an unrelated prompt reuses nothing; no more caches than slots are kept.
+#[test]
+fn a_batch_keeps_caches_for_the_next_requests() {
+    let e = engine(CacheConfig::full(16));
+    let mut batch = e.batch();
+    batch.keep_prompts(keydiff::Reuse::Exact, 2);
+    let doc = |topic: &str| {
+        format!("Notes on {topic}. ")
+            + &format!("The committee reviewed the plans for {topic} on Tuesday. ").repeat(6)
+    };
+    let ask = |topic: &str, q: &str| greedy(Prompt::Text(format!("{}Q: {q}\nA:", doc(topic))), 12);
+    let first = [ask("the bridge", "When?"), ask("the harbour", "Who?")];
+    let outs = run_batch(&mut batch, &[(0, &first[0]), (1, &first[1])]);
+    assert_eq!(batch.kept_tokens().len(), 2, "{:?}", batch.kept_tokens());
+    assert!(batch.kept_bytes() > 0);
+    for (i, p) in first.iter().enumerate() {
+        let out = &outs[&(i as u64)];
+        assert_eq!(out.stats.prefix_tokens, 0);
+        assert_eq!(out.tokens, e.generate(p, |_| {}).unwrap().tokens);
+    }
+
+    let next = [
+        ask("the harbour", "What did they review?"),
+        ask("the bridge", "What did they review?"),
+        greedy(Prompt::Text("Once upon a time".into()), 12),
+    ];
+    let outs = run_batch(&mut batch, &[(2, &next[0]), (3, &next[1]), (4, &next[2])]);
+    for (i, p) in next.iter().enumerate() {
+        let out = &outs[&(i as u64 + 2)];
+        let fresh = e.generate(p, |_| {}).unwrap();
+        assert_eq!(out.tokens, fresh.tokens, "request {}: {:?}", i + 2, out.text);
+        let reused = out.stats.prefix_tokens;
+        if i == 2 {
+            assert_eq!(reused, 0, "an unrelated prompt");
+            continue;
+        }
+        // The document's tokens are common with the earlier request on it.
+        let topic = if i == 0 { "the harbour" } else { "the bridge" };
+        let doc_tokens = e.tokenize(&doc(topic), true).unwrap().len();
+        assert_eq!(reused % 16, 0);
+        assert!(reused + 16 > doc_tokens - 1, "request {}: {reused} of {doc_tokens}", i + 2);
+        assert!(reused < out.prompt_tokens.len());
+    }
+    assert_eq!(batch.kept_tokens().len(), 2, "at most 2 slots");
+}
+
+/// `Reuse::Continue` in a batch: two conversations sent whole each turn, their turns joining
+/// the batch together, each go on from the cache of their own last turn (prefilling only the
+/// new tokens under an evicting budget) and answer exactly as `Engine::chat_turn` does for
+/// that conversation.
+#[test]
+fn batched_conversations_continue_from_their_own_caches() {
+    let e = engine(budget("keydiff", 48, 16));
+    let mut batch = e.batch();
+    batch.keep_prompts(keydiff::Reuse::Continue, 2);
+    let params = GenerateParams {
+        max_tokens: 16,
+        ..Default::default()
+    };
+    let turns = [
+        [
+            "What is the capital of France? Tell me about the city in detail.",
+            "And the capital of Italy?",
+            "Which of the two is older?",
+        ],
+        [
+            "Write a short poem about the sea, with a storm and a lighthouse in it.",
+            "Now one about the mountains.",
+            "Which of the two do you prefer?",
+        ],
+    ];
+    let mut convs = [
+        keydiff::Conversation::new(None),
+        keydiff::Conversation::new(None),
+    ];
+    let mut held = [0, 0];
+    let mut evictions = 0;
+    for t in 0..3 {
+        let mut reqs = Vec::new();
+        let mut want = Vec::new();
+        for (c, conv) in convs.iter_mut().enumerate() {
+            let mut messages = conv.messages().to_vec();
+            messages.push(Message::new("user", turns[c][t]));
+            want.push(e.chat_turn(conv, turns[c][t], &params, |_| {}).unwrap());
+            reqs.push(GenerateParams {
+                prompt: Prompt::Chat(messages),
+                ..params.clone()
+            });
+        }
+        let outs = run_batch(&mut batch, &[(0, &reqs[0]), (1, &reqs[1])]);
+        for c in 0..2 {
+            let out = &outs[&(c as u64)];
+            assert_eq!(out.tokens, want[c].tokens, "turn {t} of {c}: {:?}", out.text);
+            assert_eq!(out.stats.prefix_tokens, held[c], "turn {t} of {c}");
+            assert_eq!(want[c].stats.prefix_tokens, held[c], "turn {t} of {c}");
+            assert!(out.stats.final_cache_len <= 48 + 16);
+            evictions += out.stats.eviction.evictions;
+        }
+        // Each conversation's cache holds its prompt and reply as far as they were fed.
+        let kept = batch.kept_tokens();
+        assert_eq!(kept.len(), 2);
+        for c in 0..2 {
+            let out = &outs[&(c as u64)];
+            held[c] = out.prompt_tokens.len() + out.tokens.len() - 1;
+            assert!(kept.contains(&held[c]), "{kept:?} {held:?}");
+        }
+    }
+    assert!(evictions > 0, "the conversations must outgrow the budget");
+}
+
+/// Under a memory limit, kept caches make room: a request that does not fit beside them
+/// frees the least recently used, and a request on a kept cache's prompt takes it over
+/// without new memory.
+#[test]
+fn kept_caches_make_room_under_a_memory_limit() {
+    let source = ModelSource::Random {
+        config: keydiff_tests::root().join("configs/tiny-llama.json"),
+        seed: 2,
+        on_host: false,
+    };
+    let (chunk, len) = (32, 300);
+    let base = Engine::load(&source, &EngineConfig::default()).unwrap();
+    let m = base.model_config().clone();
+    let plan = base.weight_plan();
+    drop(base);
+    let slots = CacheConfig::full(chunk).slots_for(len + 3);
+    let kv = m.kv_cache_bytes(slots, candle_core::DType::F32);
+    let need = kv + m.request_scratch_bytes(slots, chunk, true);
+    // Room for the weights, one request's cache and activations, and half a cache more.
+    let cfg = EngineConfig {
+        cache: CacheConfig::full(chunk),
+        memory_limit: Some(plan.resident + need + kv / 2),
+        ..Default::default()
+    };
+    let e = Engine::load(&source, &cfg).unwrap();
+    let request = |token: u32| GenerateParams {
+        prompt: Prompt::Tokens(vec![token; len]),
+        max_tokens: 3,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let (a, b) = (request(3), request(5));
+    let mut batch = e.batch();
+    batch.keep_prompts(keydiff::Reuse::Exact, 4);
+    let out = run_batch(&mut batch, &[(0, &a)]).remove(&0).unwrap();
+    assert_eq!(batch.kept_tokens(), vec![len + 2]);
+    assert_eq!(out.stats.prefix_tokens, 0);
+    // Another prompt: its cache fits only once the kept one is freed.
+    batch.join(1, &b).unwrap();
+    assert!(batch.kept_tokens().is_empty());
+    while !batch.is_empty() {
+        batch.step(|_, _| {}).unwrap();
+    }
+    assert_eq!(batch.kept_tokens(), vec![len + 2]);
+    // The same prompt again: it takes the kept cache over (whole chunks of it).
+    let again = run_batch(&mut batch, &[(2, &b)]).remove(&2).unwrap();
+    assert_eq!(again.stats.prefix_tokens, (len - 1) / chunk * chunk);
+    assert_eq!(again.tokens, e.generate(&b, |_| {}).unwrap().tokens);
+    // Without kept caches, the second request could not have joined beside the first's.
+    let mut plain = e.batch();
+    plain.join(0, &a).unwrap();
+    let err = plain.join(1, &b).unwrap_err();
+    assert!(matches!(err, keydiff::EngineError::OutOfMemory(_)), "{err:?}");
+}

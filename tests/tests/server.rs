@@ -205,16 +205,19 @@ fn answers_equal_the_engine_whole_and_streamed() {
 }
 
 /// The next turn of a conversation reuses the prompt cache (OpenAI's
-/// `usage.prompt_tokens_details.cached_tokens`) and answers as the engine does fresh; with
-/// the prompt cache off nothing is reused.
+/// `usage.prompt_tokens_details.cached_tokens`) and answers as the engine does fresh, one
+/// request at a time and batched (`--max-batch`, whose batch keeps the last requests'
+/// caches); with the prompt cache off nothing is reused.
 #[test]
 fn a_follow_up_reuses_the_prompt_cache() {
     let cache = CacheConfig::full(16);
     let local = engine(cache.clone());
     let q1 = json!({"role": "user", "content": "What is the capital of France?"});
-    for prompt_cache in [Some(keydiff::Reuse::Exact), None] {
+    let exact = Some(keydiff::Reuse::Exact);
+    for (prompt_cache, max_batch) in [(exact, 1), (exact, 2), (None, 1)] {
         let cfg = ServerConfig {
             prompt_cache,
+            max_batch,
             ..ServerConfig::new("smol")
         };
         let server = Server::bind("127.0.0.1:0", engine(cache.clone()), cfg)

@@ -948,15 +948,15 @@ struct ServeArgs {
     /// what gives a fresh request's answer (whole chunks where no eviction would have
     /// happened); `continue` also goes on from an evicted cache when the prompt extends all of
     /// it, as `keydiff chat` does (under --budget a long conversation then prefills only each
-    /// turn, and answers as a chat, not as a fresh request); `off`. Default: exact, or off
-    /// with --max-batch above 1 (the prompt cache needs one request at a time).
+    /// turn, and answers as a chat, not as a fresh request); `off`. With --max-batch above 1
+    /// the last that many requests' caches are kept, and a request starts from the one that
+    /// holds most of its prompt. Default: exact.
     #[arg(long)]
     prompt_cache: Option<String>,
     /// Requests decoded together at most (continuous batching): the running ones go through
     /// the model together each step; waiting requests join between steps, and their prompts
     /// are prefilled in the steps, a chunk at a time beside the others' tokens. Each has its
-    /// own KV cache (N + B slots under --budget). 1: one request at a time, with the prompt
-    /// cache.
+    /// own KV cache (N + B slots under --budget). 1: one request at a time.
     #[arg(long, default_value_t = 1)]
     max_batch: usize,
     /// With --max-batch above 1, prompt tokens a step takes from joining requests: a chunk
@@ -991,18 +991,11 @@ fn serve(a: &ServeArgs) -> Result<()> {
         }
         _ => {}
     }
-    let default_cache = if a.max_batch > 1 { "off" } else { "exact" };
-    let prompt_cache = match a.prompt_cache.as_deref().unwrap_or(default_cache) {
+    let prompt_cache = match a.prompt_cache.as_deref().unwrap_or("exact") {
         "off" => None,
-        mode => {
-            let reuse = mode.parse::<keydiff::Reuse>().map_err(|_| {
-                anyhow::anyhow!("--prompt-cache `{mode}`: expected exact, continue or off")
-            })?;
-            if a.max_batch > 1 {
-                bail!("--prompt-cache {mode} needs one request at a time (--max-batch 1)");
-            }
-            Some(reuse)
-        }
+        mode => Some(mode.parse::<keydiff::Reuse>().map_err(|_| {
+            anyhow::anyhow!("--prompt-cache `{mode}`: expected exact, continue or off")
+        })?),
     };
     // Before the model loads (which can take minutes): a taken port fails at once.
     let listener = keydiff_server::listen(&format!("{}:{}", a.host, a.port))?;

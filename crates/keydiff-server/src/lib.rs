@@ -9,7 +9,8 @@
 //! under a fixed KV budget), keeping the last request's cache for the next
 //! ([`ServerConfig::prompt_cache`]); with [`ServerConfig::max_batch`] above 1, up to that many
 //! requests decode together, joining between steps, their prompts prefilled a chunk per step
-//! beside the running requests' tokens ([`keydiff::Batch`]). Requests wait in a
+//! beside the running requests' tokens ([`keydiff::Batch`]), and the caches of the last
+//! `max_batch` requests are kept for the next ones. Requests wait in a
 //! bounded queue and start in arrival order; when the queue is full a request gets 503 at
 //! once. A request whose client goes away (a closed stream, or a dropped connection) is
 //! cancelled at its next prefill chunk or token, so it frees the engine for the next one.
@@ -70,7 +71,9 @@ pub struct ServerConfig {
     /// Keep the last request's KV cache, so that a request that starts with its tokens (a
     /// growing conversation, another question on the same document) prefills only the rest
     /// ([`Engine::generate_cached`]; llama.cpp's `cache_prompt`), reusing what [`Reuse`] says
-    /// (`None`: every request prefills its whole prompt).
+    /// (`None`: every request prefills its whole prompt). With `max_batch` above 1 the last
+    /// `max_batch` requests' caches are kept, and a request starts from the one that holds
+    /// most of its prompt ([`keydiff::Batch::keep_prompts`]).
     pub prompt_cache: Option<Reuse>,
     /// When set, every endpoint but `/health` needs `Authorization: Bearer <key>` (401
     /// otherwise), as vLLM's and llama.cpp's `--api-key`.
@@ -79,8 +82,7 @@ pub struct ServerConfig {
     /// running ones step through the model together; waiting requests join between steps,
     /// and their prompts are prefilled in the steps ([`ServerConfig::prefill_tokens`] a step)
     /// beside the running requests' tokens, which so wait a chunk, not a whole prefill. 1
-    /// runs one request at a time, the only mode with the prompt cache (a batch keeps no
-    /// cache after a request).
+    /// runs one request at a time.
     pub max_batch: usize,
     /// With `max_batch` above 1, prompt tokens a step takes from joining requests, a chunk
     /// (at most B) from each in arrival order ([`keydiff::Batch::set_prefill_tokens`]);
@@ -384,15 +386,7 @@ pub fn router(engine: Engine, cfg: ServerConfig) -> (Router, Worker) {
     let shared = stop.clone();
     let max_batch = state.cfg.max_batch.max(1);
     let prefill_tokens = state.cfg.prefill_tokens;
-    let prompt_cache = match state.cfg.prompt_cache {
-        Some(_) if max_batch > 1 => {
-            tracing::warn!(
-                "the prompt cache is off: it needs one request at a time (--max-batch 1)"
-            );
-            None
-        }
-        reuse => reuse.map(PromptCache::with_reuse),
-    };
+    let prompt_cache = state.cfg.prompt_cache.map(PromptCache::with_reuse);
     let thread = std::thread::Builder::new()
         .name("keydiff-worker".into())
         .spawn(move || {
@@ -470,7 +464,9 @@ fn work(
     (max_batch, prefill_tokens): (usize, Option<usize>),
 ) {
     if max_batch > 1 {
-        work_batched(&engine, &rx, &counters, &stop, max_batch, prefill_tokens);
+        let reuse = prompt_cache.map(|pc| pc.reuse());
+        let limits = (max_batch, prefill_tokens);
+        work_batched(&engine, &rx, &counters, &stop, limits, reuse);
     } else {
         work_one_by_one(&engine, &rx, &counters, &stop, prompt_cache);
     }
@@ -634,19 +630,24 @@ fn work_one_by_one(
 
 /// Continuous batching: up to `max_batch` requests run together ([`keydiff::Batch`]).
 /// Between two steps, waiting requests join (their prompts are prefilled in the following
-/// steps, `prefill_tokens` a step) and ended ones leave.
+/// steps, `prefill_tokens` a step) and ended ones leave. With a prompt cache, the caches of
+/// the last `max_batch` requests are kept (a slot's each, as llama.cpp's server keeps them),
+/// and a joining request starts from the one that holds most of its prompt.
 fn work_batched(
     engine: &Engine,
     rx: &std_mpsc::Receiver<Job>,
     counters: &Counters,
     stop: &Stop,
-    max_batch: usize,
-    prefill_tokens: Option<usize>,
+    (max_batch, prefill_tokens): (usize, Option<usize>),
+    prompt_cache: Option<Reuse>,
 ) {
     let new_batch = || {
         let mut b = engine.batch();
         if let Some(t) = prefill_tokens {
             b.set_prefill_tokens(t);
+        }
+        if let Some(reuse) = prompt_cache {
+            b.keep_prompts(reuse, max_batch);
         }
         b
     };

@@ -31,7 +31,8 @@ use keydiff_model::{Logits, Segment};
 
 use crate::engine::{Decoding, Prefill};
 use crate::error::{EngineError, Result};
-use crate::{Engine, Event, GenerateParams, Output};
+use crate::prompt_cache::Resumed;
+use crate::{Engine, Event, GenerateParams, Output, PromptCache, Reuse};
 
 /// Requests being decoded together on one engine (see the module docs). Ids are the
 /// caller's, to route events and outputs.
@@ -42,6 +43,22 @@ pub struct Batch<'e> {
     running: Vec<Running<'e>>,
     /// Prompt tokens a step takes from the joining requests.
     prefill_tokens: usize,
+    /// Ended requests' caches kept for later ones ([`Batch::keep_prompts`]).
+    kept: Option<Kept>,
+}
+
+/// Ended requests' caches, most recently used first, at most `slots`.
+struct Kept {
+    reuse: Reuse,
+    slots: usize,
+    caches: VecDeque<PromptCache>,
+}
+
+/// What a request leaves for later ones when the batch keeps caches: its tokens and text
+/// (see `PromptCache::store`).
+struct Keep {
+    prompt: Vec<u32>,
+    text: Option<String>,
 }
 
 /// A request whose prompt is being prefilled in the batch's steps.
@@ -49,6 +66,7 @@ struct Joining<'e> {
     id: u64,
     cache: KvCache,
     prefill: Prefill<'e>,
+    keep: Option<Keep>,
 }
 
 /// A running request: its cache, its state, and the token it feeds next.
@@ -57,6 +75,7 @@ struct Running<'e> {
     cache: KvCache,
     decoding: Decoding<'e>,
     next: u32,
+    keep: Option<Keep>,
 }
 
 /// What a step returns: the requests that ended, with their ids, each with its output or the
@@ -71,6 +90,7 @@ impl Engine {
             joining: VecDeque::new(),
             running: Vec::new(),
             prefill_tokens: self.config().cache.chunk,
+            kept: None,
         }
     }
 
@@ -148,6 +168,39 @@ impl<'e> Batch<'e> {
         self.prefill_tokens = tokens.max(1);
     }
 
+    /// Keeps the KV caches of up to `slots` ended requests for later ones, as a server's
+    /// prompt cache does (llama.cpp's `cache_prompt`, a cache per slot): a request that joins
+    /// (or is added) starts from the kept cache that stands for most of its prompt, exactly as
+    /// [`Engine::generate_cached`] starts from a [`PromptCache`] with this `reuse`, and
+    /// `stats.prefix_tokens` says how many of its tokens it reused. That cache is the
+    /// request's from then on; when it ends, its own cache is kept in turn. The least recently
+    /// used kept cache goes first, when there are more than `slots` or when a joining
+    /// request's cache would not fit in memory beside them. 0 (the default) keeps none.
+    pub fn keep_prompts(&mut self, reuse: Reuse, slots: usize) {
+        self.kept = (slots > 0).then(|| Kept {
+            reuse,
+            slots,
+            caches: VecDeque::new(),
+        });
+    }
+
+    /// The tokens each kept cache holds, most recently used first (see
+    /// [`Batch::keep_prompts`]).
+    pub fn kept_tokens(&self) -> Vec<usize> {
+        self.kept
+            .iter()
+            .flat_map(|k| k.caches.iter().map(|pc| pc.tokens().len()))
+            .collect()
+    }
+
+    /// Bytes held by the kept caches.
+    pub fn kept_bytes(&self) -> usize {
+        self.kept
+            .iter()
+            .flat_map(|k| k.caches.iter().map(PromptCache::bytes))
+            .sum()
+    }
+
     fn caches(&self) -> impl Iterator<Item = &KvCache> {
         let running = self.running.iter().map(|r| &r.cache);
         running.chain(self.joining.iter().map(|j| &j.cache))
@@ -158,13 +211,17 @@ impl<'e> Batch<'e> {
     /// slots not written yet (a zeroed allocation's pages are mapped when first written, so
     /// `MemAvailable` counts them free until then; slots fill up to N + B under a budget);
     /// none on a GPU, whose allocations take their memory at once.
+    /// Kept caches are seen under a measured budget (written, or never to be written while
+    /// kept), and counted whole under a configured limit.
     fn unseen_bytes(&self) -> u64 {
         let e = self.engine;
         let measured = e.config().memory_limit.is_none();
         if measured && !e.config().device.is_cpu() {
             return 0;
         }
-        self.caches()
+        let kept = if measured { 0 } else { self.kept_bytes() as u64 };
+        kept + self
+            .caches()
             .map(|c| {
                 let (bytes, cap) = (c.bytes() as u64, c.capacity().max(1) as u64);
                 if measured {
@@ -173,7 +230,7 @@ impl<'e> Batch<'e> {
                     bytes
                 }
             })
-            .sum()
+            .sum::<u64>()
     }
 
     fn check_new_id(&self, id: u64) -> Result<()> {
@@ -198,10 +255,10 @@ impl<'e> Batch<'e> {
         let t0 = Instant::now();
         let e = self.engine;
         self.check_new_id(id)?;
-        let (prompt, mut cache) = e.request_cache(params, self.unseen_bytes())?;
+        let (prompt, mut cache, start, keep) = self.admit(params)?;
         let decoding =
-            e.prefill_request(&mut cache, prompt, 0, params.clone(), t0, &mut on_event)?;
-        self.start(id, cache, decoding, &mut on_event)
+            e.prefill_request(&mut cache, prompt, start, params.clone(), t0, &mut on_event)?;
+        self.start(id, cache, decoding, keep, &mut on_event)
     }
 
     /// Queues a request: its prompt is prefilled in the coming steps, a chunk per step beside
@@ -221,10 +278,93 @@ impl<'e> Batch<'e> {
                     .into(),
             ));
         }
-        let (prompt, mut cache) = e.request_cache(params, self.unseen_bytes())?;
-        let prefill = Prefill::new(e, &mut cache, prompt, 0, params.clone(), t0)?;
-        self.joining.push_back(Joining { id, cache, prefill });
+        let (prompt, mut cache, start, keep) = self.admit(params)?;
+        let prefill = Prefill::new(e, &mut cache, prompt, start, params.clone(), t0)?;
+        self.joining.push_back(Joining {
+            id,
+            cache,
+            prefill,
+            keep,
+        });
         Ok(())
+    }
+
+    /// A new request's prompt tokens, its cache (holding `prompt[..start]`), `start`, and what
+    /// it keeps: from the kept cache that stands for most of its prompt, when the batch keeps
+    /// caches (the least recently used ones are freed while its cache does not fit).
+    fn admit(
+        &mut self,
+        params: &GenerateParams,
+    ) -> Result<(Vec<u32>, KvCache, usize, Option<Keep>)> {
+        let e = self.engine;
+        if self.kept.is_none() {
+            let (prompt, cache) = e.request_cache(params, self.unseen_bytes())?;
+            return Ok((prompt, cache, 0, None));
+        }
+        loop {
+            let mut pc = self.best_kept(params)?;
+            match e.resume(params, &mut pc, self.unseen_bytes()) {
+                Ok(Resumed {
+                    prompt,
+                    cache,
+                    start,
+                    text,
+                    keep,
+                }) => {
+                    let keep = keep.then(|| Keep {
+                        prompt: prompt.clone(),
+                        text,
+                    });
+                    return Ok((prompt, cache, start, keep));
+                }
+                Err(EngineError::OutOfMemory(why)) => match &mut self.kept {
+                    Some(k) if !k.caches.is_empty() => {
+                        tracing::debug!("freeing a kept prompt cache for a request: {why}");
+                        k.caches.pop_back();
+                    }
+                    _ => return Err(EngineError::OutOfMemory(why)),
+                },
+                Err(err) => return Err(err),
+            }
+        }
+    }
+
+    /// Takes out the kept cache that would stand for most of the request's prompt (the most
+    /// recently used of equals), or gives an empty one when none would.
+    fn best_kept(&mut self, params: &GenerateParams) -> Result<PromptCache> {
+        let e = self.engine;
+        let Some(k) = &mut self.kept else {
+            return Ok(PromptCache::new());
+        };
+        if k.caches.is_empty() || params.prompt_logprobs.is_some() {
+            return Ok(PromptCache::with_reuse(k.reuse));
+        }
+        let text = e.prompt_text(&params.prompt)?;
+        let ids = e.prompt_tokens(&params.prompt)?;
+        let mut best = (0, None);
+        for (i, pc) in k.caches.iter().enumerate() {
+            let r = e.reuse_len(pc, params, text.as_deref(), &ids)?;
+            if r > best.0 {
+                best = (r, Some(i));
+            }
+        }
+        Ok(best
+            .1
+            .and_then(|i| k.caches.remove(i))
+            .unwrap_or_else(|| PromptCache::with_reuse(k.reuse)))
+    }
+
+    /// Keeps an ended request's cache for later ones, when the batch keeps caches and it can
+    /// be reused.
+    fn keep(&mut self, cache: KvCache, keep: Option<Keep>, out: &Output) {
+        if let (Some(k), Some(Keep { prompt, text })) = (&mut self.kept, keep) {
+            let mut pc = PromptCache::with_reuse(k.reuse);
+            pc.store(cache, &prompt, text, out);
+            if !pc.is_empty() {
+                k.caches.push_front(pc);
+                k.caches.truncate(k.slots);
+            }
+        }
     }
 
     /// Samples a prefilled request's first token: it runs, or its output is returned when that
@@ -234,6 +374,7 @@ impl<'e> Batch<'e> {
         id: u64,
         cache: KvCache,
         mut decoding: Decoding<'e>,
+        keep: Option<Keep>,
         on_event: &mut impl FnMut(Event<'_>),
     ) -> Result<Option<Output>> {
         match decoding.next(cache.position(), on_event)? {
@@ -243,10 +384,15 @@ impl<'e> Batch<'e> {
                     cache,
                     decoding,
                     next,
+                    keep,
                 });
                 Ok(None)
             }
-            None => Ok(Some(decoding.finish(&cache, on_event).0)),
+            None => {
+                let out = decoding.finish(&cache, on_event).0;
+                self.keep(cache, keep, &out);
+                Ok(Some(out))
+            }
         }
     }
 
@@ -262,11 +408,12 @@ impl<'e> Batch<'e> {
             id,
             mut cache,
             prefill,
+            keep,
         } = j;
         let mut events = |e: Event<'_>| on_event(id, e);
         let started = prefill
             .finish(&mut cache, &mut events)
-            .and_then(|d| self.start(id, cache, d, &mut events));
+            .and_then(|d| self.start(id, cache, d, keep, &mut events));
         match started {
             Ok(None) => {}
             Ok(Some(out)) => ended.push((id, Ok(out))),
@@ -390,7 +537,11 @@ impl<'e> Batch<'e> {
                     r.next = next;
                     still.push(r);
                 }
-                Ok(None) => ended.push((id, Ok(r.decoding.finish(&r.cache, &mut events).0))),
+                Ok(None) => {
+                    let out = r.decoding.finish(&r.cache, &mut events).0;
+                    self.keep(r.cache, r.keep, &out);
+                    ended.push((id, Ok(out)));
+                }
                 Err(e) => ended.push((id, Err(e))),
             }
         }

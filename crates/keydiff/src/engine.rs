@@ -833,6 +833,18 @@ impl Engine {
         self.alloc_cache_with(cache, max_tokens, 0)
     }
 
+    /// [`Engine::alloc_cache`] beside `held` bytes that the memory budget does not see (see
+    /// [`Engine::check_cache_memory_beside`]).
+    pub(crate) fn alloc_cache_beside(
+        &self,
+        cache: CacheConfig,
+        max_tokens: usize,
+        held: u64,
+    ) -> Result<KvCache> {
+        self.check_cache_memory_beside(&cache, cache.slots_for(max_tokens), 0, held)?;
+        Ok(self.loaded.model.new_cache(cache, max_tokens)?)
+    }
+
     /// [`Engine::alloc_cache`] for a request that needs `extra` bytes more while it runs.
     fn alloc_cache_with(
         &self,

@@ -84,12 +84,67 @@ impl PromptCache {
         self.cache.as_ref().map_or(0, KvCache::bytes)
     }
 
+    /// True when it holds no cache.
+    pub fn is_empty(&self) -> bool {
+        self.cache.is_none()
+    }
+
     /// Frees the cache.
     pub fn clear(&mut self) {
         self.tokens.clear();
         self.cache = None;
         self.text = None;
         self.pending.clear();
+    }
+}
+
+/// A request set up on a [`PromptCache`]: its tokens, its cache (holding `prompt[..start]`),
+/// and what to keep of it when it ends ([`PromptCache::store`]).
+pub(crate) struct Resumed {
+    pub(crate) prompt: Vec<u32>,
+    pub(crate) cache: KvCache,
+    pub(crate) start: usize,
+    /// The prompt's text (a continued conversation goes on from it), when known.
+    pub(crate) text: Option<String>,
+    /// False for a request whose cache is not kept (prompt logprobs).
+    pub(crate) keep: bool,
+}
+
+impl PromptCache {
+    /// Keeps `cache`, which `prompt` (with text `text`) and then `out` ran on, for the next
+    /// request: when it can be reused at all (it never evicted, or it may be continued).
+    pub(crate) fn store(
+        &mut self,
+        cache: KvCache,
+        prompt: &[u32],
+        text: Option<String>,
+        out: &Output,
+    ) {
+        self.clear();
+        if self.reuse != Reuse::Continue && !cache.can_truncate() {
+            return;
+        }
+        let n = prompt.len();
+        let fed = cache.position();
+        self.tokens = prompt
+            .iter()
+            .chain(&out.tokens)
+            .take(fed)
+            .copied()
+            .collect();
+        // The reply as the client got it; after a stop string it lacks tokens the cache was
+        // fed, and a prompt cut short in prefill has no reply.
+        let whole = fed >= n && out.stats.stop_reason != StopReason::StopString;
+        if let (Some(t), true) = (text, whole) {
+            let mut pending = out.tokens[fed - n..].to_vec();
+            if out.stats.stop_reason == StopReason::Eos {
+                // The end-of-turn token is the template's text, which the next turn adds.
+                pending.pop();
+            }
+            self.text = Some(format!("{t}{}", out.text));
+            self.pending = pending;
+        }
+        self.cache = Some(cache);
     }
 }
 
@@ -113,28 +168,82 @@ impl Engine {
         pc: &mut PromptCache,
         mut on_event: impl FnMut(Event<'_>),
     ) -> Result<Output> {
+        let t0 = Instant::now();
+        let Resumed {
+            prompt,
+            mut cache,
+            start,
+            text,
+            keep,
+        } = self.resume(params, pc, 0)?;
+        let (out, _) = self.run_request(&mut cache, &prompt, start, params, t0, &mut on_event)?;
+        if keep {
+            pc.store(cache, &prompt, text, &out);
+        }
+        Ok(out)
+    }
+
+    /// The prompt's text, when it has one (a chat is rendered).
+    pub(crate) fn prompt_text(&self, prompt: &Prompt) -> Result<Option<String>> {
+        Ok(match prompt {
+            Prompt::Text(t) => Some(t.clone()),
+            Prompt::Chat(m) => Some(self.render_chat(m)?),
+            Prompt::Tokens(_) => None,
+        })
+    }
+
+    /// How many tokens of the request on `prompt` (text `text`, tokens `ids`) `pc`'s cache
+    /// would stand for: what [`Engine::resume`] reuses (0 for prompt logprobs).
+    pub(crate) fn reuse_len(
+        &self,
+        pc: &PromptCache,
+        params: &GenerateParams,
+        text: Option<&str>,
+        ids: &[u32],
+    ) -> Result<usize> {
+        if params.prompt_logprobs.is_some() {
+            return Ok(0);
+        }
+        let (prompt, go_on) = self.continuation(pc, &params.prompt, text, Some(ids))?;
+        Ok(if go_on > 0 {
+            go_on
+        } else {
+            self.reusable(pc, &prompt)
+        })
+    }
+
+    /// Sets a request up on `pc` (see [`Engine::generate_cached`]): checks it, takes `pc`'s
+    /// cache (`pc` is left empty) and reuses what it may, else allocates a fresh cache, beside
+    /// `held` bytes that the memory budget does not see (a batch's other caches).
+    pub(crate) fn resume(
+        &self,
+        params: &GenerateParams,
+        pc: &mut PromptCache,
+        held: u64,
+    ) -> Result<Resumed> {
         params.validate()?;
+        let context = self.model_config().max_position_embeddings;
         if params.prompt_logprobs.is_some() {
             // Every prompt row's logits are needed, so nothing can be reused; the request
             // runs afresh and the next one finds no cache (freed first, as below: the new
             // cache may need its memory). A prompt refused outright keeps the cache.
             let n = self.prompt_tokens(&params.prompt)?.len();
-            let context = self.model_config().max_position_embeddings;
             if n > context {
                 return Err(EngineError::PromptTooLong { tokens: n, context });
             }
             pc.clear();
-            return self.generate_from(params, None, on_event);
+            let (prompt, cache) = self.request_cache(params, held)?;
+            return Ok(Resumed {
+                prompt,
+                cache,
+                start: 0,
+                text: None,
+                keep: false,
+            });
         }
-        let t0 = Instant::now();
-        let context = self.model_config().max_position_embeddings;
-        let text = match &params.prompt {
-            Prompt::Text(t) => Some(t.clone()),
-            Prompt::Chat(m) => Some(self.render_chat(m)?),
-            Prompt::Tokens(_) => None,
-        };
+        let text = self.prompt_text(&params.prompt)?;
         // Continuing a conversation: the held tokens, then what the text adds.
-        let (prompt, go_on) = self.continuation(pc, &params.prompt, text.as_deref())?;
+        let (prompt, go_on) = self.continuation(pc, &params.prompt, text.as_deref(), None)?;
         let n = prompt.len();
         if n > context {
             return Err(EngineError::PromptTooLong { tokens: n, context });
@@ -152,20 +261,21 @@ impl Engine {
         } else {
             self.reusable(pc, &prompt)
         };
-        let held = pc.cache.take();
+        let held_cache = pc.cache.take();
         pc.clear();
-        let (mut cache, start) = match held {
+        let fresh = || self.alloc_cache_beside(cfg.clone(), alloc, held);
+        let (cache, start) = match held_cache {
             Some(c) if go_on > 0 && c.capacity() >= cfg.slots_for(need) => (c, go_on),
             Some(c) if go_on > 0 => {
                 // Only a cache without a budget is short here: it grows, as a chat's does.
                 // The copy briefly needs both; when that does not fit, the prompt is
                 // prefilled afresh in the memory the old cache held.
                 let grown = need.max(2 * c.capacity()).min(context);
-                match self.check_cache_memory(&cfg, grown, 0) {
+                match self.check_cache_memory_beside(&cfg, grown, 0, held) {
                     Ok(()) => (c.grown(grown)?, go_on),
                     Err(EngineError::OutOfMemory(_)) => {
                         drop(c);
-                        (self.new_cache(alloc)?, 0)
+                        (fresh()?, 0)
                     }
                     Err(e) => return Err(e),
                 }
@@ -175,7 +285,7 @@ impl Engine {
                 if c.capacity() >= cfg.slots_for(need) {
                     (c, reuse)
                 } else {
-                    match self.alloc_cache(cfg, alloc) {
+                    match fresh() {
                         Ok(mut bigger) => {
                             bigger.resume_from(&c)?;
                             (bigger, reuse)
@@ -183,54 +293,39 @@ impl Engine {
                         // As above: afresh, in the memory the old cache held.
                         Err(EngineError::OutOfMemory(_)) => {
                             drop(c);
-                            (self.new_cache(alloc)?, 0)
+                            (fresh()?, 0)
                         }
                         Err(e) => return Err(e),
                     }
                 }
             }
-            held => {
+            held_cache => {
                 // Freed before the new cache is allocated.
-                drop(held);
-                (self.new_cache(alloc)?, 0)
+                drop(held_cache);
+                (fresh()?, 0)
             }
         };
-        let (out, _) = self.run_request(&mut cache, &prompt, start, params, t0, &mut on_event)?;
-        if pc.reuse == Reuse::Continue || cache.can_truncate() {
-            let fed = cache.position();
-            pc.tokens = prompt
-                .iter()
-                .chain(&out.tokens)
-                .take(fed)
-                .copied()
-                .collect();
-            // The reply as the client got it; after a stop string it lacks tokens the cache
-            // was fed, and a prompt cut short in prefill has no reply.
-            let whole = fed >= n && out.stats.stop_reason != StopReason::StopString;
-            if let (Some(t), true) = (&text, whole) {
-                let mut pending = out.tokens[fed - n..].to_vec();
-                if out.stats.stop_reason == StopReason::Eos {
-                    // The end-of-turn token is the template's text, which the next turn adds.
-                    pending.pop();
-                }
-                pc.text = Some(format!("{t}{}", out.text));
-                pc.pending = pending;
-            }
-            pc.cache = Some(cache);
-        }
-        Ok(out)
+        Ok(Resumed {
+            prompt,
+            cache,
+            start,
+            text,
+            keep: true,
+        })
     }
 
     /// The request's tokens, and how many of them `pc` holds when it may go on from its whole
     /// cache (else 0). Going on needs a prompt that extends the held conversation: its text
     /// extends the held text (the added text is tokenized on its own, after the pending reply
     /// token, as [`Engine::chat_turn`] does; the tokens are then the held ones and those), or
-    /// its tokens extend the held tokens.
+    /// its tokens extend the held tokens. `ids` are the prompt's tokens when known (else they
+    /// are made when needed).
     fn continuation(
         &self,
         pc: &PromptCache,
         prompt: &Prompt,
         text: Option<&str>,
+        ids: Option<&[u32]>,
     ) -> Result<(Vec<u32>, usize)> {
         let held = pc.tokens.len();
         let can = held > 0
@@ -254,7 +349,10 @@ impl Engine {
                 }
             }
         }
-        let ids = self.prompt_tokens(prompt)?;
+        let ids = match ids {
+            Some(ids) => ids.to_vec(),
+            None => self.prompt_tokens(prompt)?,
+        };
         let go_on = if can && ids.len() > held && ids.starts_with(&pc.tokens) {
             held
         } else {
