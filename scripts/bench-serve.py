@@ -16,7 +16,8 @@ TTFT of the k-th includes the k-1 before it.
 starts with the request's number, so nothing is shared between requests): the first turn asks
 a question, the second sends the whole conversation again with a new question, as an OpenAI
 chat client does. Reported per turn, with the prompt tokens the server reused from its prompt
-cache (usage.prompt_tokens_details.cached_tokens).
+cache (usage.prompt_tokens_details.cached_tokens). With --concurrency C, C conversations run
+at once (their turns interleave at the server).
 
 Usage: scripts/bench-serve.py --url http://127.0.0.1:8080 [--prompt-words 1500]
                               [--max-tokens 64] [--requests 5] [--concurrency 1] [--json OUT]
@@ -183,9 +184,23 @@ def follow_up(a) -> None:
         return r1, r2
 
     conversation(-1)  # warm-up
-    rows = [conversation(i) for i in range(a.requests)]
-    print(f"{a.requests} two-turn conversations, document {a.prompt_words} words, "
-          f"{a.max_tokens} generated per turn; each row: turn 1 | turn 2")
+    rows = []
+    lock = threading.Lock()
+    for start in range(0, a.requests, a.concurrency):
+        threads = []
+        for i in range(start, min(start + a.concurrency, a.requests)):
+            def run(i=i):
+                r = conversation(i)
+                with lock:
+                    rows.append((i, r))
+            t = threading.Thread(target=run)
+            t.start()
+            threads.append(t)
+        for t in threads:
+            t.join()
+    rows = [r for _, r in sorted(rows, key=lambda x: x[0])]
+    print(f"{a.requests} two-turn conversations ({a.concurrency} at once), document "
+          f"{a.prompt_words} words, {a.max_tokens} generated per turn; each row: turn 1 | turn 2")
     print("| turn | prompt tokens | cached tokens | client TTFT ms | engine TTFT ms |")
     print("|---|---|---|---|---|")
     for r1, r2 in rows:
