@@ -329,7 +329,13 @@ fn a_batch_keeps_caches_for_the_next_requests() {
     for (i, p) in next.iter().enumerate() {
         let out = &outs[&(i as u64 + 2)];
         let fresh = e.generate(p, |_| {}).unwrap();
-        assert_eq!(out.tokens, fresh.tokens, "request {}: {:?}", i + 2, out.text);
+        assert_eq!(
+            out.tokens,
+            fresh.tokens,
+            "request {}: {:?}",
+            i + 2,
+            out.text
+        );
         let reused = out.stats.prefix_tokens;
         if i == 2 {
             assert_eq!(reused, 0, "an unrelated prompt");
@@ -339,7 +345,11 @@ fn a_batch_keeps_caches_for_the_next_requests() {
         let topic = if i == 0 { "the harbour" } else { "the bridge" };
         let doc_tokens = e.tokenize(&doc(topic), true).unwrap().len();
         assert_eq!(reused % 16, 0);
-        assert!(reused + 16 > doc_tokens - 1, "request {}: {reused} of {doc_tokens}", i + 2);
+        assert!(
+            reused + 16 > doc_tokens - 1,
+            "request {}: {reused} of {doc_tokens}",
+            i + 2
+        );
         assert!(reused < out.prompt_tokens.len());
     }
     assert_eq!(batch.kept_tokens().len(), 2, "at most 2 slots");
@@ -358,15 +368,15 @@ fn batched_conversations_continue_from_their_own_caches() {
         max_tokens: 16,
         ..Default::default()
     };
+    // Each turn's message in the two conversations.
     let turns = [
         [
             "What is the capital of France? Tell me about the city in detail.",
-            "And the capital of Italy?",
-            "Which of the two is older?",
-        ],
-        [
             "Write a short poem about the sea, with a storm and a lighthouse in it.",
-            "Now one about the mountains.",
+        ],
+        ["And the capital of Italy?", "Now one about the mountains."],
+        [
+            "Which of the two is older?",
             "Which of the two do you prefer?",
         ],
     ];
@@ -376,13 +386,13 @@ fn batched_conversations_continue_from_their_own_caches() {
     ];
     let mut held = [0, 0];
     let mut evictions = 0;
-    for t in 0..3 {
+    for (t, users) in turns.iter().enumerate() {
         let mut reqs = Vec::new();
         let mut want = Vec::new();
-        for (c, conv) in convs.iter_mut().enumerate() {
+        for (conv, user) in convs.iter_mut().zip(users) {
             let mut messages = conv.messages().to_vec();
-            messages.push(Message::new("user", turns[c][t]));
-            want.push(e.chat_turn(conv, turns[c][t], &params, |_| {}).unwrap());
+            messages.push(Message::new("user", *user));
+            want.push(e.chat_turn(conv, user, &params, |_| {}).unwrap());
             reqs.push(GenerateParams {
                 prompt: Prompt::Chat(messages),
                 ..params.clone()
@@ -391,7 +401,11 @@ fn batched_conversations_continue_from_their_own_caches() {
         let outs = run_batch(&mut batch, &[(0, &reqs[0]), (1, &reqs[1])]);
         for c in 0..2 {
             let out = &outs[&(c as u64)];
-            assert_eq!(out.tokens, want[c].tokens, "turn {t} of {c}: {:?}", out.text);
+            assert_eq!(
+                out.tokens, want[c].tokens,
+                "turn {t} of {c}: {:?}",
+                out.text
+            );
             assert_eq!(out.stats.prefix_tokens, held[c], "turn {t} of {c}");
             assert_eq!(want[c].stats.prefix_tokens, held[c], "turn {t} of {c}");
             assert!(out.stats.final_cache_len <= 48 + 16);
@@ -461,5 +475,8 @@ fn kept_caches_make_room_under_a_memory_limit() {
     let mut plain = e.batch();
     plain.join(0, &a).unwrap();
     let err = plain.join(1, &b).unwrap_err();
-    assert!(matches!(err, keydiff::EngineError::OutOfMemory(_)), "{err:?}");
+    assert!(
+        matches!(err, keydiff::EngineError::OutOfMemory(_)),
+        "{err:?}"
+    );
 }

@@ -13,6 +13,8 @@
 //! vLLM do): a long prompt delays the others' next tokens by a chunk per step, not by its
 //! whole prefill. [`Batch::set_prefill_tokens`] sets how many prompt tokens a step takes (one
 //! chunk by default). [`Batch::add`] prefills a request at once, the others waiting.
+//! [`Batch::keep_prompts`] keeps ended requests' caches, and a request that joins starts from
+//! the one that holds most of its prompt (a server's prompt cache, one per slot).
 //!
 //! A request's tokens and text are the ones it gets alone (its sampler, penalties, seed, stop
 //! strings, logprobs and cancel are its own), up to the difference between a matmul over one
@@ -219,7 +221,11 @@ impl<'e> Batch<'e> {
         if measured && !e.config().device.is_cpu() {
             return 0;
         }
-        let kept = if measured { 0 } else { self.kept_bytes() as u64 };
+        let kept = if measured {
+            0
+        } else {
+            self.kept_bytes() as u64
+        };
         kept + self
             .caches()
             .map(|c| {
