@@ -477,10 +477,7 @@ fn batch_memory_is_planned_beside_the_running_caches() {
     assert!(batch.add(0, &p, |_| {}).unwrap().is_none());
     let err = batch.add(1, &p, |_| {}).unwrap_err();
     assert!(matches!(err, EngineError::OutOfMemory(_)), "{err:?}");
-    assert!(
-        err.to_string().contains("of the requests running with it"),
-        "{err}"
-    );
+    assert!(err.to_string().contains("for the batch it joins"), "{err}");
     while !batch.is_empty() {
         batch.step(|_, _| {}).unwrap();
     }
@@ -492,4 +489,49 @@ fn batch_memory_is_planned_beside_the_running_caches() {
     assert!(matches!(err, EngineError::OutOfMemory(_)), "{err:?}");
     let err = batch.add(1, &p, |_| {}).unwrap_err();
     assert!(matches!(err, EngineError::OutOfMemory(_)), "{err:?}");
+}
+
+/// Under a memory limit, a step's rows are planned too: a step that may take many prompt
+/// tokens (`set_prefill_tokens` far above B) needs their activations beside the joining
+/// request's cache, and a request that fits with the default (one chunk a step) is refused
+/// with the numbers when they do not fit.
+#[test]
+fn a_step_s_prompt_rows_are_planned() {
+    let source = ModelSource::Random {
+        config: root().join("configs/tiny-llama.json"),
+        seed: 2,
+        on_host: false,
+    };
+    let (chunk, n) = (32, 256);
+    let base = Engine::load(&source, &EngineConfig::default()).unwrap();
+    let m = base.model_config().clone();
+    let plan = base.weight_plan();
+    drop(base);
+    let kv = m.kv_cache_bytes(n + chunk, DType::F32);
+    let need = kv + m.request_scratch_bytes(n + chunk, chunk, true);
+    let limit = plan.resident + need + kv / 2;
+    let cfg = EngineConfig {
+        cache: keydiff(n, chunk),
+        memory_limit: Some(limit),
+        ..Default::default()
+    };
+    let e = Engine::load(&source, &cfg).unwrap();
+    let p = GenerateParams {
+        prompt: Prompt::Tokens(vec![3; n + chunk + 12]),
+        max_tokens: 3,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let mut batch = e.batch();
+    batch.join(0, &p).unwrap();
+    // Prompt rows whose activations take a whole cache's bytes more.
+    let per_row = 4 * (6 * m.hidden_size + 3 * m.intermediate_size) as u64;
+    let mut wide = e.batch();
+    wide.set_prefill_tokens(chunk + (kv / per_row) as usize + 1);
+    let err = wide.join(0, &p).unwrap_err();
+    assert!(matches!(err, EngineError::OutOfMemory(_)), "{err:?}");
+    assert!(err.to_string().contains("for the batch it joins"), "{err}");
+    // Rows of a quarter of a cache's bytes more still fit (half a cache is free).
+    wide.set_prefill_tokens(chunk + (kv / 4 / per_row) as usize);
+    wide.join(0, &p).unwrap();
 }

@@ -166,6 +166,7 @@ impl<'e> Batch<'e> {
     /// from each, in the order they joined, while they fit (one chunk always runs). More
     /// favours the joiners' time to first token, fewer the running requests' time between
     /// tokens (vLLM's `max_num_batched_tokens`, llama.cpp's `--batch-size`). At least 1.
+    /// The activations of the rows beyond B are planned beside each joining request's cache.
     pub fn set_prefill_tokens(&mut self, tokens: usize) {
         self.prefill_tokens = tokens.max(1);
     }
@@ -239,6 +240,22 @@ impl<'e> Batch<'e> {
             .sum::<u64>()
     }
 
+    /// Bytes the batch takes beside a joining request's own plan (its cache and one chunk's
+    /// activations): the caches of the others (see `unseen_bytes`), and the rows a step
+    /// runs beyond one chunk: every other request's decode row with its logits, and the
+    /// prompt rows beyond B that [`Batch::set_prefill_tokens`] lets a step take.
+    fn held_bytes(&self) -> u64 {
+        let e = self.engine;
+        let m = e.model_config();
+        let chunk = e.config().cache.chunk;
+        let others = self.len() as u64;
+        let rows = others + self.prefill_tokens.saturating_sub(chunk) as u64;
+        let per_row = 4 * (6 * m.hidden_size + 3 * m.intermediate_size) as u64;
+        // A decode row's logits: on the device, in the step's concatenation, on the host.
+        let logits = 12 * others * m.vocab_size as u64;
+        self.unseen_bytes() + rows * per_row + logits
+    }
+
     fn check_new_id(&self, id: u64) -> Result<()> {
         if self.running.iter().any(|r| r.id == id) || self.joining.iter().any(|j| j.id == id) {
             return Err(EngineError::BadParams(format!(
@@ -304,12 +321,12 @@ impl<'e> Batch<'e> {
     ) -> Result<(Vec<u32>, KvCache, usize, Option<Keep>)> {
         let e = self.engine;
         if self.kept.is_none() {
-            let (prompt, cache) = e.request_cache(params, self.unseen_bytes())?;
+            let (prompt, cache) = e.request_cache(params, self.held_bytes())?;
             return Ok((prompt, cache, 0, None));
         }
         loop {
             let mut pc = self.best_kept(params)?;
-            match e.resume(params, &mut pc, self.unseen_bytes()) {
+            match e.resume(params, &mut pc, self.held_bytes()) {
                 Ok(Resumed {
                     prompt,
                     cache,

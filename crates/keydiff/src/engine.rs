@@ -900,7 +900,11 @@ impl Engine {
             };
             if need > budget.total {
                 let beside = if held > 0 {
-                    format!(", beside {} of the requests running with it", human(held))
+                    format!(
+                        ", beside {} for the batch it joins (the caches of the other requests, \
+                         running or kept, and the step's rows beyond its own chunk)",
+                        human(held)
+                    )
                 } else {
                     String::new()
                 };
