@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One run on a GPU host (see GPU.md): environment, eviction-kernel parity and timing, CPU-vs-GPU
-# model parity (eager attention, and flash when the binary has it), perplexity parity, prefix
-# reuse on the device, the memory plan against the driver, a short TTFT sweep, batched decode,
-# then, as time allows, the kernels under compute-sanitizer.
+# model parity (eager attention, and flash when the binary has it), perplexity parity, batched
+# passes against single runs on the device, prefix reuse on the device, the memory plan against
+# the driver, a short TTFT sweep, batched decode, then, as time allows, the kernels under
+# compute-sanitizer.
 # Build the binary here first (scripts/build-cuda.sh), carry it, then on the GPU host:
 #   scripts/gpu-check.sh            (logs go to $OUT when set, else bench/gpu-check-logs/)
 # Prints a summary table last. Needs no Rust toolchain and no network on the GPU host.
@@ -117,6 +118,25 @@ elif grep -q "flash-attn" "$out/flash.err"; then
 else
   note "flash parity: FAIL"; tail -5 "$out/flash.err" | tee -a "$errors"
 fi
+
+echo "== 3d. batching on the device: a batch step and a mixed pass (decode rows + prompt chunks) against single runs"
+# serve --max-batch runs all rows of a step through one matmul on a GPU (on the CPU each prompt
+# chunk takes its own): every segment must equal its sequence alone within 2% of the logits'
+# scale (bf16), with the caches' lengths and positions equal, under evicting policies too.
+if timeout 90 "$bin" check-device --batch --device "$device" --dtype bf16 \
+    --policies keydiff,tova,snapkv,h2o,sink > "$out/batch-bf16.jsonl" 2>> "$errors"; then
+  batch_ok=1
+else
+  batch_ok=0; tail -5 "$errors"
+fi
+python3 - "$out/batch-bf16.jsonl" >> "$summary" <<'PY'
+import json, sys
+print("batch vs single (bf16, on the device; max |d| / scale over 3 batched rows + 5 mixed segments):")
+for r in map(json.loads, open(sys.argv[1])):
+    top = sum(s["top1_equal"] for s in r["segments"])
+    print(f"  {r['attention']:5} {r['preset'].split('/')[-1]:24} {r['policy']:14} {r['max_rel']:9.2e} top1 {top}/{len(r['segments'])} {'ok' if r['pass'] else 'FAIL'}")
+PY
+[ $batch_ok = 1 ] && note "batch parity: PASS" || note "batch parity: FAIL"
 
 echo "== 3b. prefix reuse on the device: the same answers as fresh prefills (tiny random, bf16)"
 # KeyDiff is left out: its anchor sums with float atomics on the GPU, so two fresh runs may

@@ -421,14 +421,14 @@ fn a_batch_step_equals_single_steps() {
 }
 
 fn batch_step_against_single_steps(m: &keydiff_model::Model, tol: f32, what: &str) {
-    let rows = keydiff_tests::batch_step_vs_single_steps(m, &keydiff(40, 16)).unwrap();
+    let rows = keydiff::parity::batch_vs_single(m, &keydiff(40, 16)).unwrap();
     assert_eq!(rows.len(), 3 + 5, "three batched rows, five mixed segments");
-    for (i, (diff, _, same_top)) in rows.into_iter().enumerate() {
+    for (i, d) in rows.into_iter().enumerate() {
         // Segments 6 and 7 are the mixed pass's prompt chunks.
         let tol = if i >= 6 { 0.0 } else { tol };
-        assert!(diff <= tol, "{what}, segment {i}: max |Δ| {diff}");
+        assert!(d.max_abs <= tol, "{what}, segment {i}: {d:?}");
         if tol == 0.0 {
-            assert!(same_top, "{what}, segment {i}");
+            assert!(d.top1_equal, "{what}, segment {i}");
         }
     }
     assert!(

@@ -321,3 +321,52 @@ fn run_reports_logprobs_in_json() {
     let se = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && se.contains("--json"), "{se}");
 }
+
+/// `check-device` on the CPU (the GPU host runs it on CUDA, scripts/gpu-check.sh): against
+/// the CPU reference, the logits agree; with `--batch`, every batched and mixed segment
+/// equals its sequence alone, for the full cache and evicting policies, one JSON line each.
+#[test]
+fn check_device_runs_on_the_cpu() {
+    let root = keydiff_tests::root();
+    let (llama, qwen) = (
+        root.join("configs/tiny-llama.json"),
+        root.join("configs/tiny-qwen.json"),
+    );
+    let run = |args: &[&str]| -> Vec<serde_json::Value> {
+        let mut all = vec!["check-device", "--device", "cpu", "--dtype", "f32"];
+        all.extend(["--preset", llama.to_str().unwrap()]);
+        all.extend(["--preset", qwen.to_str().unwrap()]);
+        all.extend(args);
+        let (out, _) = ok(&all);
+        out.lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    };
+    let lines = run(&["--prompt-len", "100", "--chunk", "32", "--budget", "48"]);
+    assert_eq!(
+        lines.len(),
+        2 * 2,
+        "two presets, full and keydiff: {lines:?}"
+    );
+    for l in &lines {
+        assert!(l["diff"]["cosine"].as_f64().unwrap() > 0.9999, "{l}");
+        assert_eq!(l["top1_equal"], true, "{l}");
+    }
+    let lines = run(&["--batch", "--policies", "keydiff,h2o"]);
+    assert_eq!(
+        lines.len(),
+        2 * 3,
+        "two presets, full, keydiff, h2o: {lines:?}"
+    );
+    let policies: Vec<&str> = lines
+        .iter()
+        .map(|l| l["policy"].as_str().unwrap())
+        .collect();
+    assert_eq!(&policies[..3], ["full", "keydiff", "h2o"]);
+    for l in &lines {
+        assert_eq!(l["check"], "batch");
+        assert_eq!(l["pass"], true, "{l}");
+        assert_eq!(l["segments"].as_array().unwrap().len(), 3 + 5, "{l}");
+        assert!(l["max_rel"].as_f64().unwrap() < 1e-5, "{l}");
+    }
+}

@@ -395,10 +395,14 @@ fn batch_step_matches_single_steps(dev: &Device) -> Result<()> {
         budget: Some(40),
         ..CacheConfig::full(16)
     };
-    let rows = keydiff_tests::batch_step_vs_single_steps(&loaded.model, &cache)?;
-    for (i, (diff, scale, _)) in rows.into_iter().enumerate() {
-        let tol = if dev.is_cpu() { 1e-4 } else { 2e-2 * scale };
-        ensure!(diff <= tol, "segment {i}: max |Δ| {diff} (scale {scale})");
+    let rows = keydiff::parity::batch_vs_single(&loaded.model, &cache)?;
+    for (i, d) in rows.into_iter().enumerate() {
+        let tol = if dev.is_cpu() {
+            1e-4
+        } else {
+            keydiff::parity::MAX_BATCH_REL_DIFF * d.scale
+        };
+        ensure!(d.max_abs <= tol, "segment {i}: {d:?}");
     }
     Ok(())
 }

@@ -112,6 +112,13 @@ enum Cmd {
         /// `nll` to each line; fails when the NLLs correlate below 0.99).
         #[arg(long)]
         perplexity: bool,
+        /// Instead: check batching on DEVICE itself. A batch decode step of three sequences,
+        /// then a mixed pass (their decode rows and two prompt chunks of two more), against
+        /// each sequence alone, on the full cache and each of --policies under N = 40, B = 16
+        /// (evicting). One JSON line per preset and policy; fails when a segment's logits
+        /// differ by more than 2% of their scale (1e-4 on the CPU in f32).
+        #[arg(long)]
+        batch: bool,
     },
     /// Check and time the eviction kernels on a device: fused KeyDiff scoring, selection with
     /// its move plan, and slot moves, against the CPU references (candle ops, a sort), on odd
@@ -415,11 +422,24 @@ fn real_main() -> Result<()> {
             budget,
             policies,
             perplexity,
+            batch,
         } => {
             let dev = parse_device(&device)?;
             let dt = parse_dtype(&dtype)?;
             let kv_dt = kv_dtype.as_deref().map(parse_dtype).transpose()?;
             let attention: AttentionBackend = attention.parse()?;
+            if batch {
+                let cfg = EngineConfig {
+                    device: dev,
+                    dtype: dt,
+                    kv_dtype: kv_dt,
+                    cache: CacheConfig::full(16),
+                    cpu_weights: CpuWeights::FAST,
+                    attention,
+                    memory_limit: None,
+                };
+                return check_batch(&cfg, &preset, &policies, seed, (&device, &dtype));
+            }
             let mut caches = vec![CacheConfig::full(chunk)];
             if let Some(n) = budget {
                 for p in &policies {
@@ -968,6 +988,62 @@ struct ServeArgs {
     /// Require `Authorization: Bearer KEY` on every endpoint but /health (401 otherwise).
     #[arg(long, env = "KEYDIFF_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
+}
+
+/// `check-device --batch`: batched passes against single ones on `cfg`'s device.
+fn check_batch(
+    cfg: &EngineConfig,
+    presets: &[PathBuf],
+    policies: &[String],
+    seed: u64,
+    (device, dtype): (&str, &str),
+) -> Result<()> {
+    let mut caches = vec![CacheConfig::full(16)];
+    for p in policies {
+        caches.push(CacheConfig {
+            policy: PolicyKind::parse(p, keydiff::SNAPKV_WINDOW, seed)?,
+            budget: Some(40),
+            ..CacheConfig::full(16)
+        });
+    }
+    let exact = cfg.device.is_cpu() && cfg.dtype == keydiff::DType::F32;
+    let mut failed = Vec::new();
+    for p in presets {
+        for cache in &caches {
+            let (segments, attention) = keydiff::parity::compare_batch(p, seed, cfg, cache)
+                .with_context(|| format!("batch check, preset {}", p.display()))?;
+            let worst = segments
+                .iter()
+                .map(|d| d.max_abs / d.scale.max(f32::MIN_POSITIVE))
+                .fold(0f32, f32::max);
+            let pass = segments.iter().all(|d| {
+                let tol = if exact {
+                    1e-4
+                } else {
+                    keydiff::parity::MAX_BATCH_REL_DIFF * d.scale
+                };
+                d.max_abs <= tol
+            });
+            let v = serde_json::json!({
+                "check": "batch", "preset": p.display().to_string(), "device": device,
+                "dtype": dtype, "attention": attention.name(), "policy": cache.policy.name(),
+                "budget": cache.budget, "chunk": cache.chunk, "segments": segments,
+                "max_rel": worst, "pass": pass,
+            });
+            println!("{v}");
+            if !pass {
+                failed.push(format!("{} {}", p.display(), cache.policy.name()));
+            }
+        }
+    }
+    if !failed.is_empty() {
+        bail!(
+            "a batched pass differs from single ones (beyond {} of the logits' scale) on: {}",
+            keydiff::parity::MAX_BATCH_REL_DIFF,
+            failed.join(", ")
+        );
+    }
+    Ok(())
 }
 
 fn serve(a: &ServeArgs) -> Result<()> {

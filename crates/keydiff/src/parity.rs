@@ -5,8 +5,11 @@ use std::path::Path;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
+use keydiff_cache::{CacheConfig, KvCache};
+use keydiff_model::{Logits, Model, Segment};
+
 use crate::engine::{Engine, EngineConfig, GenerateParams, Prompt};
-use crate::error::Result;
+use crate::error::{EngineError, Result};
 use crate::source::ModelSource;
 use crate::AttentionBackend;
 
@@ -198,4 +201,159 @@ pub fn compare_device_perplexity(
         logprobs_max_abs: Some(pa.1.max(pb.1)),
         ..compare_nlls(&pa.0.nll, &pb.0.nll)
     })
+}
+
+/// How a segment of a batched pass compares with the same segment run alone (see
+/// [`batch_vs_single`]).
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct SegmentDiff {
+    /// Largest |Δ| between the two sets of logits.
+    pub max_abs: f32,
+    /// The single run's largest |logit|.
+    pub scale: f32,
+    /// Every row's top token is the single run's.
+    pub top1_equal: bool,
+}
+
+/// Largest |Δ| relative to the logits' scale that `check-device --batch` accepts between a
+/// batched segment and the same segment alone on a device in bf16/f16 (all rows of a step
+/// share one matmul there); on the CPU in f32 it accepts 1e-4 absolute.
+pub const MAX_BATCH_REL_DIFF: f32 = 2e-2;
+
+/// A batch decode step ([`keydiff_model::Model::forward_batch`]) of three sequences (70, 9
+/// and 33 random prompt tokens prefilled in chunks of 16 under `cache`), then a mixed pass
+/// ([`keydiff_model::Model::forward_segments`]) of their decode steps with two prompt chunks
+/// (a 16-token chunk of a fourth sequence after its first 16 tokens, all its rows' logits; a
+/// 5-token first chunk of a fifth, its last row's), against each alone on a fresh copy of its
+/// cache, on the model's device. One [`SegmentDiff`] per compared segment: the three batched
+/// rows, then the mixed pass's five segments. Fails when a cache's length or position differs
+/// between the two. `cache.chunk` must be at least 16.
+pub fn batch_vs_single(m: &Model, cache: &CacheConfig) -> Result<Vec<SegmentDiff>> {
+    let prompts: Vec<Vec<u32>> = [70usize, 9, 33, 32, 5]
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| random_tokens(n, m.config().vocab_size, i as u64))
+        .collect();
+    // The three decoding sequences prefilled, the fourth's first chunk, the fifth empty.
+    let prefilled = || -> Result<Vec<_>> {
+        prompts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let mut c = m.new_cache(cache.clone(), p.len() + 4)?;
+                let upto = match i {
+                    3 => 16,
+                    4 => 0,
+                    _ => p.len(),
+                };
+                for chunk in p[..upto].chunks(16) {
+                    m.forward(chunk, &mut c, false)?;
+                }
+                Ok(c)
+            })
+            .collect()
+    };
+    let next = [5u32, 17, 3];
+    let segments: Vec<Segment<'_>> = next
+        .iter()
+        .map(|t| Segment {
+            tokens: std::slice::from_ref(t),
+            decode: true,
+            logits: Logits::Last,
+        })
+        .chain([
+            Segment {
+                tokens: &prompts[3][16..],
+                decode: false,
+                logits: Logits::All,
+            },
+            Segment {
+                tokens: &prompts[4],
+                decode: false,
+                logits: Logits::Last,
+            },
+        ])
+        .collect();
+    // Each segment alone on a fresh copy of its cache: `[rows, vocab]`, and the cache.
+    let alone = |i: usize| -> Result<(Vec<Vec<f32>>, KvCache)> {
+        let mut c = prefilled()?.swap_remove(i);
+        let s = &segments[i];
+        let rows = match s.logits {
+            Logits::All => m.forward_all(s.tokens, &mut c)?.to_vec2::<f32>()?,
+            _ => vec![m.forward(s.tokens, &mut c, s.decode)?.to_vec1::<f32>()?],
+        };
+        Ok((rows, c))
+    };
+    let compare = |i: usize, got: &[Vec<f32>], c: &KvCache| -> Result<SegmentDiff> {
+        let (want, single) = alone(i)?;
+        let mismatch = |what: String| {
+            Err(EngineError::Model(keydiff_model::ModelError::Shape(
+                format!("sequence {i}: {what}"),
+            )))
+        };
+        if c.len() != single.len() || c.position() != single.position() {
+            return mismatch(format!(
+                "the batched cache holds {} slots at position {}, alone {} at {}",
+                c.len(),
+                c.position(),
+                single.len(),
+                single.position()
+            ));
+        }
+        if got.len() != want.len() {
+            return mismatch(format!(
+                "{} rows of logits, alone {}",
+                got.len(),
+                want.len()
+            ));
+        }
+        let mut d = SegmentDiff {
+            max_abs: 0.0,
+            scale: 0.0,
+            top1_equal: true,
+        };
+        for (g, w) in got.iter().zip(&want) {
+            let row = compare_logits(w, g);
+            d.max_abs = d.max_abs.max(row.max_abs);
+            d.scale = w.iter().fold(d.scale, |a, x| a.max(x.abs()));
+            d.top1_equal &= row.top1_equal();
+        }
+        Ok(d)
+    };
+    let mut out = Vec::new();
+    let mut batched = prefilled()?;
+    let mut refs: Vec<_> = batched.iter_mut().take(3).collect();
+    let rows = m.forward_batch(&next, &mut refs)?.to_vec2::<f32>()?;
+    for (i, row) in rows.into_iter().enumerate() {
+        out.push(compare(i, &[row], &batched[i])?);
+    }
+    let mut mixed = prefilled()?;
+    let mut refs: Vec<_> = mixed.iter_mut().collect();
+    let logits = m.forward_segments(&segments, &mut refs)?;
+    for (i, l) in logits.into_iter().enumerate() {
+        let l = l.ok_or_else(|| {
+            EngineError::Model(keydiff_model::ModelError::Shape(format!(
+                "segment {i} got no logits"
+            )))
+        })?;
+        out.push(compare(i, &l.to_vec2::<f32>()?, &mixed[i])?);
+    }
+    Ok(out)
+}
+
+/// [`batch_vs_single`] on a seeded random model of `preset`'s shape under `cfg` (its device,
+/// dtypes and attention; the cache is `cache`), and the attention backend it resolved to.
+pub fn compare_batch(
+    preset: &Path,
+    seed: u64,
+    cfg: &EngineConfig,
+    cache: &CacheConfig,
+) -> Result<(Vec<SegmentDiff>, AttentionBackend)> {
+    let source = ModelSource::Random {
+        config: preset.to_path_buf(),
+        seed,
+        on_host: true,
+    };
+    let e = Engine::load(&source, cfg)?;
+    Ok((batch_vs_single(e.model(), cache)?, e.config().attention))
 }
