@@ -326,6 +326,9 @@ impl<'e> Batch<'e> {
         }
         loop {
             let mut pc = self.best_kept(params)?;
+            if pc.is_empty() {
+                self.free_kept_for(params)?;
+            }
             match e.resume(params, &mut pc, self.held_bytes()) {
                 Ok(Resumed {
                     prompt,
@@ -350,6 +353,36 @@ impl<'e> Batch<'e> {
                 Err(err) => return Err(err),
             }
         }
+    }
+
+    /// Frees kept caches, the least recently used first, while a fresh cache for the request
+    /// would not fit in memory beside them without swapping: idle caches do not push the
+    /// running requests into swap. (A cache that would not fit at all is refused by the
+    /// memory check, and `admit` frees kept caches then too.)
+    fn free_kept_for(&mut self, params: &GenerateParams) -> Result<()> {
+        let e = self.engine;
+        if self.kept.as_ref().is_none_or(|k| k.caches.is_empty()) {
+            return Ok(());
+        }
+        let cfg = &e.config().cache;
+        let context = e.model_config().max_position_embeddings;
+        let n = e.prompt_tokens(&params.prompt)?.len();
+        let alloc = match (self.kept.as_ref().map(|k| k.reuse), cfg.budget) {
+            // A continued conversation's cache gets N + B slots from the start.
+            (Some(Reuse::Continue), Some(_)) => context,
+            _ => n.saturating_add(params.max_tokens).min(context),
+        };
+        let slots = cfg.slots_for(alloc);
+        while !e.fits_in_ram(cfg, slots, self.held_bytes()) {
+            match &mut self.kept {
+                Some(k) if !k.caches.is_empty() => {
+                    tracing::debug!("freeing a kept prompt cache: a request needs its memory");
+                    k.caches.pop_back();
+                }
+                _ => break,
+            }
+        }
+        Ok(())
     }
 
     /// Takes out the kept cache that would stand for most of the request's prompt (the most

@@ -868,6 +868,18 @@ impl Engine {
         self.check_cache_memory_beside(cache, slots, extra, 0)
     }
 
+    /// True when a cache of `slots` (and a request's activations on it) fits in the memory
+    /// the device has without swapping, beside `held` bytes (see
+    /// [`Engine::check_cache_memory_beside`]); true when memory is not planned.
+    pub(crate) fn fits_in_ram(&self, cache: &CacheConfig, slots: usize, held: u64) -> bool {
+        self.memory_budget().map(|b| b.less(held)).is_none_or(|b| {
+            let m = self.model_config();
+            let kv = m.kv_cache_bytes(slots, self.loaded.model.kv_dtype());
+            let eager = self.loaded.model.attention() == AttentionBackend::Eager;
+            kv.saturating_add(m.request_scratch_bytes(slots, cache.chunk, eager)) <= b.ram
+        })
+    }
+
     /// [`Engine::check_cache_memory`] beside `held` bytes that other requests still running
     /// (a batch's) hold or will touch and the budget does not see: taken from it.
     pub(crate) fn check_cache_memory_beside(
