@@ -437,11 +437,10 @@ fn batch_step_against_single_steps(m: &keydiff_model::Model, tol: f32, what: &st
     );
 }
 
-/// Under a memory limit, a request's cache is planned beside the caches of the requests
-/// running with it: the second of two budgeted requests is refused with the numbers when the
-/// limit holds one, and runs once the first has ended.
-#[test]
-fn batch_memory_is_planned_beside_the_running_caches() {
+/// A tiny random Llama under KeyDiff N = 256, B = 32, with a memory limit that holds the
+/// weights, one request's cache (N + B slots) and activations, and half a cache more; a
+/// request whose cache gets its N + B slots; the model's config; a cache's bytes.
+fn limited_engine() -> (Engine, GenerateParams, keydiff::ModelConfig, u64) {
     let source = ModelSource::Random {
         config: root().join("configs/tiny-llama.json"),
         seed: 2,
@@ -458,11 +457,9 @@ fn batch_memory_is_planned_beside_the_running_caches() {
         plan.transient < kv / 2,
         "the test needs a cache larger than the load's transient memory"
     );
-    // Room for the weights, one request's cache and activations, and half a cache more.
-    let limit = plan.resident + need + kv / 2;
     let cfg = EngineConfig {
         cache: keydiff(n, chunk),
-        memory_limit: Some(limit),
+        memory_limit: Some(plan.resident + need + kv / 2),
         ..Default::default()
     };
     let e = Engine::load(&source, &cfg).unwrap();
@@ -473,6 +470,15 @@ fn batch_memory_is_planned_beside_the_running_caches() {
         ignore_eos: true,
         ..Default::default()
     };
+    (e, p, m, kv)
+}
+
+/// Under a memory limit, a request's cache is planned beside the caches of the requests
+/// running with it: the second of two budgeted requests is refused with the numbers when the
+/// limit holds one, and runs once the first has ended.
+#[test]
+fn batch_memory_is_planned_beside_the_running_caches() {
+    let (e, p, _, _) = limited_engine();
     let mut batch = e.batch();
     assert!(batch.add(0, &p, |_| {}).unwrap().is_none());
     let err = batch.add(1, &p, |_| {}).unwrap_err();
@@ -497,31 +503,8 @@ fn batch_memory_is_planned_beside_the_running_caches() {
 /// with the numbers when they do not fit.
 #[test]
 fn a_step_s_prompt_rows_are_planned() {
-    let source = ModelSource::Random {
-        config: root().join("configs/tiny-llama.json"),
-        seed: 2,
-        on_host: false,
-    };
-    let (chunk, n) = (32, 256);
-    let base = Engine::load(&source, &EngineConfig::default()).unwrap();
-    let m = base.model_config().clone();
-    let plan = base.weight_plan();
-    drop(base);
-    let kv = m.kv_cache_bytes(n + chunk, DType::F32);
-    let need = kv + m.request_scratch_bytes(n + chunk, chunk, true);
-    let limit = plan.resident + need + kv / 2;
-    let cfg = EngineConfig {
-        cache: keydiff(n, chunk),
-        memory_limit: Some(limit),
-        ..Default::default()
-    };
-    let e = Engine::load(&source, &cfg).unwrap();
-    let p = GenerateParams {
-        prompt: Prompt::Tokens(vec![3; n + chunk + 12]),
-        max_tokens: 3,
-        ignore_eos: true,
-        ..Default::default()
-    };
+    let (e, p, m, kv) = limited_engine();
+    let chunk = e.config().cache.chunk;
     let mut batch = e.batch();
     batch.join(0, &p).unwrap();
     // Prompt rows whose activations take a whole cache's bytes more.

@@ -353,6 +353,18 @@ fn a_batch_keeps_caches_for_the_next_requests() {
         assert!(reused < out.prompt_tokens.len());
     }
     assert_eq!(batch.kept_tokens().len(), 2, "at most 2 slots");
+    // A request refused after it chose a kept cache (its prompt, which starts with a kept
+    // document, is beyond the context) leaves that cache kept.
+    let kept = batch.kept_tokens();
+    let context = e.model_config().max_position_embeddings;
+    let words = "and so on ".repeat(context / 2);
+    let long = greedy(Prompt::Text(format!("{}{words}", doc("the bridge"))), 4);
+    let err = batch.join(9, &long).unwrap_err();
+    assert!(
+        matches!(err, keydiff::EngineError::PromptTooLong { .. }),
+        "{err:?}"
+    );
+    assert_eq!(batch.kept_tokens(), kept);
 }
 
 /// `Reuse::Continue` in a batch: two conversations sent whole each turn, their turns joining

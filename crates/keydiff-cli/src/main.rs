@@ -115,8 +115,9 @@ enum Cmd {
         /// Instead: check batching on DEVICE itself. A batch decode step of three sequences,
         /// then a mixed pass (their decode rows and two prompt chunks of two more), against
         /// each sequence alone, on the full cache and each of --policies under N = 40, B = 16
-        /// (evicting). One JSON line per preset and policy; fails when a segment's logits
-        /// differ by more than 2% of their scale (1e-4 on the CPU in f32).
+        /// (evicting; --chunk, --budget, --prompt-len and --perplexity do not apply). One JSON
+        /// line per preset and policy; fails when a segment's logits differ by more than 2% of
+        /// their scale (1e-4 on the CPU in f32).
         #[arg(long)]
         batch: bool,
     },

@@ -324,8 +324,9 @@ impl<'e> Batch<'e> {
             let (prompt, cache) = e.request_cache(params, self.held_bytes())?;
             return Ok((prompt, cache, 0, None));
         }
+        params.validate()?;
         loop {
-            let mut pc = self.best_kept(params)?;
+            let (mut pc, from) = self.best_kept(params)?;
             if pc.is_empty() {
                 self.free_kept_for(params)?;
             }
@@ -337,28 +338,61 @@ impl<'e> Batch<'e> {
                     text,
                     keep,
                 }) => {
+                    if start > 0 {
+                        self.fit_taken(&cache)?;
+                    }
                     let keep = keep.then(|| Keep {
                         prompt: prompt.clone(),
                         text,
                     });
                     return Ok((prompt, cache, start, keep));
                 }
-                Err(EngineError::OutOfMemory(why)) => match &mut self.kept {
-                    Some(k) if !k.caches.is_empty() => {
-                        tracing::debug!("freeing a kept prompt cache for a request: {why}");
-                        k.caches.pop_back();
+                Err(err) => {
+                    // Refused before it took the cache (a prompt beyond the context, a bad
+                    // token): the cache stays kept, where it was.
+                    if let (Some(k), Some(i), false) = (&mut self.kept, from, pc.is_empty()) {
+                        k.caches.insert(i.min(k.caches.len()), pc);
                     }
-                    _ => return Err(EngineError::OutOfMemory(why)),
-                },
-                Err(err) => return Err(err),
+                    let EngineError::OutOfMemory(why) = err else {
+                        return Err(err);
+                    };
+                    if self.free_oldest().is_none() {
+                        return Err(EngineError::OutOfMemory(why));
+                    }
+                    tracing::debug!("freed a kept prompt cache for a request: {why}");
+                }
+            }
+        }
+    }
+
+    /// Frees the least recently used kept cache; its bytes (`None` when none is kept).
+    fn free_oldest(&mut self) -> Option<u64> {
+        let pc = self.kept.as_mut()?.caches.pop_back()?;
+        Some(pc.bytes() as u64)
+    }
+
+    /// Checks that a request fits on the kept cache it took over (its activations, and the
+    /// part of the cache the budget does not see), freeing the least recently used other
+    /// kept caches while it does not.
+    fn fit_taken(&mut self, cache: &KvCache) -> Result<()> {
+        loop {
+            match self.engine.check_taken_cache(cache, self.held_bytes()) {
+                Err(EngineError::OutOfMemory(why)) => {
+                    if self.free_oldest().is_none() {
+                        return Err(EngineError::OutOfMemory(why));
+                    }
+                }
+                done => return done,
             }
         }
     }
 
     /// Frees kept caches, the least recently used first, while a fresh cache for the request
     /// would not fit in memory beside them without swapping: idle caches do not push the
-    /// running requests into swap. (A cache that would not fit at all is refused by the
-    /// memory check, and `admit` frees kept caches then too.)
+    /// running requests into swap. The bytes freed are counted as free, whether or not the
+    /// system's figures show them yet (an allocator may keep freed memory for the process).
+    /// (A cache that would not fit at all is refused by the memory check, and `admit` frees
+    /// kept caches then too.)
     fn free_kept_for(&mut self, params: &GenerateParams) -> Result<()> {
         let e = self.engine;
         if self.kept.as_ref().is_none_or(|k| k.caches.is_empty()) {
@@ -367,47 +401,54 @@ impl<'e> Batch<'e> {
         let cfg = &e.config().cache;
         let context = e.model_config().max_position_embeddings;
         let n = e.prompt_tokens(&params.prompt)?.len();
+        if n > context {
+            // Refused as such by `resume`; nothing to free for it.
+            return Ok(());
+        }
         let alloc = match (self.kept.as_ref().map(|k| k.reuse), cfg.budget) {
             // A continued conversation's cache gets N + B slots from the start.
             (Some(Reuse::Continue), Some(_)) => context,
             _ => n.saturating_add(params.max_tokens).min(context),
         };
-        let slots = cfg.slots_for(alloc);
-        while !e.fits_in_ram(cfg, slots, self.held_bytes()) {
-            match &mut self.kept {
-                Some(k) if !k.caches.is_empty() => {
-                    tracing::debug!("freeing a kept prompt cache: a request needs its memory");
-                    k.caches.pop_back();
+        let mut short = e.ram_shortfall(cfg, cfg.slots_for(alloc), self.held_bytes());
+        while short > 0 {
+            match self.free_oldest() {
+                None => break,
+                Some(freed) => {
+                    tracing::debug!("freed a kept prompt cache: a request needs its memory");
+                    short = short.saturating_sub(freed);
                 }
-                _ => break,
             }
         }
         Ok(())
     }
 
     /// Takes out the kept cache that would stand for most of the request's prompt (the most
-    /// recently used of equals), or gives an empty one when none would.
-    fn best_kept(&mut self, params: &GenerateParams) -> Result<PromptCache> {
+    /// recently used of equals), with its place in the list, or gives an empty one when none
+    /// would.
+    fn best_kept(&mut self, params: &GenerateParams) -> Result<(PromptCache, Option<usize>)> {
         let e = self.engine;
         let Some(k) = &mut self.kept else {
-            return Ok(PromptCache::new());
+            return Ok((PromptCache::new(), None));
         };
         if k.caches.is_empty() || params.prompt_logprobs.is_some() {
-            return Ok(PromptCache::with_reuse(k.reuse));
+            return Ok((PromptCache::with_reuse(k.reuse), None));
         }
         let text = e.prompt_text(&params.prompt)?;
         let ids = e.prompt_tokens(&params.prompt)?;
         let mut best = (0, None);
         for (i, pc) in k.caches.iter().enumerate() {
-            let r = e.reuse_len(pc, params, text.as_deref(), &ids)?;
+            // A cache the prompt cannot go on from (its continuation would not tokenize)
+            // stands for nothing.
+            let r = e.reuse_len(pc, params, text.as_deref(), &ids).unwrap_or(0);
             if r > best.0 {
                 best = (r, Some(i));
             }
         }
-        Ok(best
-            .1
-            .and_then(|i| k.caches.remove(i))
-            .unwrap_or_else(|| PromptCache::with_reuse(k.reuse)))
+        Ok(match best.1.and_then(|i| Some((k.caches.remove(i)?, i))) {
+            Some((pc, i)) => (pc, Some(i)),
+            None => (PromptCache::with_reuse(k.reuse), None),
+        })
     }
 
     /// Keeps an ended request's cache for later ones, when the batch keeps caches and it can

@@ -868,16 +868,31 @@ impl Engine {
         self.check_cache_memory_beside(cache, slots, extra, 0)
     }
 
-    /// True when a cache of `slots` (and a request's activations on it) fits in the memory
-    /// the device has without swapping, beside `held` bytes (see
-    /// [`Engine::check_cache_memory_beside`]); true when memory is not planned.
-    pub(crate) fn fits_in_ram(&self, cache: &CacheConfig, slots: usize, held: u64) -> bool {
-        self.memory_budget().map(|b| b.less(held)).is_none_or(|b| {
+    /// Bytes a fresh cache of `slots` (and a request's activations on it) lacks to fit in the
+    /// memory the device has without swapping, beside `held` bytes (see
+    /// [`Engine::check_cache_memory_beside`]); 0 when it fits or memory is not planned.
+    pub(crate) fn ram_shortfall(&self, cache: &CacheConfig, slots: usize, held: u64) -> u64 {
+        self.memory_budget().map_or(0, |b| {
+            let b = b.less(held);
             let m = self.model_config();
             let kv = m.kv_cache_bytes(slots, self.loaded.model.kv_dtype());
             let eager = self.loaded.model.attention() == AttentionBackend::Eager;
-            kv.saturating_add(m.request_scratch_bytes(slots, cache.chunk, eager)) <= b.ram
+            kv.saturating_add(m.request_scratch_bytes(slots, cache.chunk, eager))
+                .saturating_sub(b.ram)
         })
+    }
+
+    /// Checks that a request fits on a cache it takes over (a kept prompt cache), beside
+    /// `held` bytes: its activations, and the part of the cache the budget does not see
+    /// (all of it under a configured limit; on the CPU, the slots not written yet).
+    pub(crate) fn check_taken_cache(&self, cache: &KvCache, held: u64) -> Result<()> {
+        let (bytes, cap) = (cache.bytes() as u64, cache.capacity().max(1) as u64);
+        let seen = match (self.cfg.memory_limit, self.cfg.device.is_cpu()) {
+            (Some(_), _) => 0,
+            (None, true) => bytes * (cache.len() as u64).min(cap) / cap,
+            (None, false) => bytes,
+        };
+        self.check_memory(cache.config(), cache.capacity(), 0, held, seen)
     }
 
     /// [`Engine::check_cache_memory`] beside `held` bytes that other requests still running
@@ -888,6 +903,19 @@ impl Engine {
         slots: usize,
         extra: u64,
         held: u64,
+    ) -> Result<()> {
+        self.check_memory(cache, slots, extra, held, 0)
+    }
+
+    /// [`Engine::check_cache_memory_beside`] for a cache of which `seen` bytes are in memory
+    /// already (and so in the measured budget).
+    fn check_memory(
+        &self,
+        cache: &CacheConfig,
+        slots: usize,
+        extra: u64,
+        held: u64,
+        seen: u64,
     ) -> Result<()> {
         if let Some(budget) = self.memory_budget().map(|b| b.less(held)) {
             let m = self.model_config();
@@ -908,9 +936,14 @@ impl Engine {
                     human(kv),
                     if extra > 0 { " and logits" } else { "" },
                     human(need)
-                )
+                ) + &if seen > 0 {
+                    format!(" ({} of it in memory already)", human(seen))
+                } else {
+                    String::new()
+                }
             };
-            if need > budget.total {
+            let more = need.saturating_sub(seen);
+            if more > budget.total {
                 let beside = if held > 0 {
                     format!(
                         ", beside {} for the batch it joins (the caches of the other requests, \
@@ -931,7 +964,7 @@ impl Engine {
                     }
                 )));
             }
-            if need > budget.ram {
+            if more > budget.ram {
                 tracing::warn!("{}, beyond {budget}: the system will swap", what());
             }
         }

@@ -264,6 +264,10 @@ impl Engine {
         let held_cache = pc.cache.take();
         pc.clear();
         let fresh = || self.alloc_cache_beside(cfg.clone(), alloc, held);
+        // While a held cache is copied into a bigger one both exist: under a configured limit
+        // (which measures nothing) the old one is counted; a measured budget sees it.
+        let configured = self.config().memory_limit.is_some();
+        let beside = |c: &KvCache| held + if configured { c.bytes() as u64 } else { 0 };
         let (cache, start) = match held_cache {
             Some(c) if go_on > 0 && c.capacity() >= cfg.slots_for(need) => (c, go_on),
             Some(c) if go_on > 0 => {
@@ -271,7 +275,7 @@ impl Engine {
                 // The copy briefly needs both; when that does not fit, the prompt is
                 // prefilled afresh in the memory the old cache held.
                 let grown = need.max(2 * c.capacity()).min(context);
-                match self.check_cache_memory_beside(&cfg, grown, 0, held) {
+                match self.check_cache_memory_beside(&cfg, grown, 0, beside(&c)) {
                     Ok(()) => (c.grown(grown)?, go_on),
                     Err(EngineError::OutOfMemory(_)) => {
                         drop(c);
@@ -285,7 +289,7 @@ impl Engine {
                 if c.capacity() >= cfg.slots_for(need) {
                     (c, reuse)
                 } else {
-                    match fresh() {
+                    match self.alloc_cache_beside(cfg.clone(), alloc, beside(&c)) {
                         Ok(mut bigger) => {
                             bigger.resume_from(&c)?;
                             (bigger, reuse)
