@@ -255,6 +255,26 @@ fn a_follow_up_reuses_the_prompt_cache() {
         }
         let h = get(&format!("{}/health", server.url()));
         assert_eq!(h["cached_prompt_tokens"], cached, "{h}");
+        // What the prompt cache keeps: the follow-up took the first request's cache over,
+        // and its own is kept (batched too).
+        let kept = h["prompt_cache_entries"].as_u64().unwrap();
+        let bytes = h["prompt_cache_bytes"].as_u64().unwrap();
+        match prompt_cache {
+            Some(_) => {
+                assert_eq!(kept, 1, "{h}");
+                assert!(bytes > 0, "{h}");
+            }
+            None => assert_eq!((kept, bytes), (0, 0), "{h}"),
+        }
+        let m = ureq::get(&format!("{}/metrics", server.url()))
+            .call()
+            .unwrap()
+            .into_string()
+            .unwrap();
+        assert!(
+            m.contains(&format!("keydiff_prompt_cache_bytes {bytes}\n")),
+            "{m}"
+        );
     }
 }
 

@@ -124,6 +124,9 @@ struct Counters {
     /// Prompt tokens taken from the prompt cache instead of being prefilled.
     cached_tokens: AtomicU64,
     generated_tokens: AtomicU64,
+    /// KV caches the prompt cache keeps for later requests, and their bytes.
+    kept_caches: AtomicUsize,
+    kept_bytes: AtomicU64,
     /// Sums over completed requests, in microseconds: time to first token, prefill, decode.
     ttft_us: AtomicU64,
     prefill_us: AtomicU64,
@@ -619,6 +622,9 @@ fn work_one_by_one(
                 pc.clear();
             }
         }
+        if let Some(pc) = &prompt_cache {
+            counters.kept(usize::from(!pc.is_empty()), pc.bytes());
+        }
         counters.running.store(0, Ordering::Relaxed);
         let result = match result {
             Ok(r) => r.map_err(ApiError::from),
@@ -707,7 +713,8 @@ fn work_batched(
                 }
             }
             failed => {
-                // The step failed for all: every running request is answered with why.
+                // The step failed for all: every running request is answered with why (and
+                // the kept caches go with the batch).
                 let why = match failed {
                     Ok(Err(e)) => ApiError::from(e),
                     Err(panic) => ApiError::internal(panic_message(&*panic)),
@@ -720,6 +727,15 @@ fn work_batched(
             }
         }
         counters.running.store(batch.len(), Ordering::Relaxed);
+        counters.kept(batch.kept_tokens().len(), batch.kept_bytes());
+    }
+}
+
+impl Counters {
+    /// Notes what the prompt cache keeps now.
+    fn kept(&self, caches: usize, bytes: usize) {
+        self.kept_caches.store(caches, Ordering::Relaxed);
+        self.kept_bytes.store(bytes as u64, Ordering::Relaxed);
     }
 }
 
@@ -1248,6 +1264,18 @@ async fn metrics(State(st): State<Arc<AppState>>) -> Response {
         "Requests running (at most the server's --max-batch).",
         &[("", gauge(&c.running))],
     );
+    metric(
+        "prompt_cache_entries",
+        "gauge",
+        "KV caches kept for later requests (at most the server's --max-batch).",
+        &[("", gauge(&c.kept_caches))],
+    );
+    metric(
+        "prompt_cache_bytes",
+        "gauge",
+        "Bytes of the KV caches kept for later requests.",
+        &[("", n(&c.kept_bytes).to_string())],
+    );
     for (name, help, v) in [
         (
             "prompt_tokens_total",
@@ -1320,6 +1348,8 @@ async fn health(State(st): State<Arc<AppState>>) -> Json<Value> {
         "rejected": n(&c.rejected),
         "prompt_tokens": n(&c.prompt_tokens),
         "cached_prompt_tokens": n(&c.cached_tokens),
+        "prompt_cache_entries": c.kept_caches.load(Ordering::Relaxed),
+        "prompt_cache_bytes": n(&c.kept_bytes),
         "prompt_cache": match st.cfg.prompt_cache {
             None => "off",
             Some(Reuse::Exact) => "exact",
