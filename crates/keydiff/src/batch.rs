@@ -326,9 +326,9 @@ impl<'e> Batch<'e> {
         }
         params.validate()?;
         loop {
-            let (mut pc, from) = self.best_kept(params)?;
+            let (mut pc, from, tokens) = self.best_kept(params)?;
             if pc.is_empty() {
-                self.free_kept_for(params)?;
+                self.free_kept_for(params, tokens)?;
             }
             match e.resume(params, &mut pc, self.held_bytes()) {
                 Ok(Resumed {
@@ -393,14 +393,18 @@ impl<'e> Batch<'e> {
     /// system's figures show them yet (an allocator may keep freed memory for the process).
     /// (A cache that would not fit at all is refused by the memory check, and `admit` frees
     /// kept caches then too.)
-    fn free_kept_for(&mut self, params: &GenerateParams) -> Result<()> {
+    /// `tokens`: the prompt's, when known.
+    fn free_kept_for(&mut self, params: &GenerateParams, tokens: Option<usize>) -> Result<()> {
         let e = self.engine;
         if self.kept.as_ref().is_none_or(|k| k.caches.is_empty()) {
             return Ok(());
         }
         let cfg = &e.config().cache;
         let context = e.model_config().max_position_embeddings;
-        let n = e.prompt_tokens(&params.prompt)?.len();
+        let n = match tokens {
+            Some(n) => n,
+            None => e.prompt_tokens(&params.prompt)?.len(),
+        };
         if n > context {
             // Refused as such by `resume`; nothing to free for it.
             return Ok(());
@@ -425,14 +429,17 @@ impl<'e> Batch<'e> {
 
     /// Takes out the kept cache that would stand for most of the request's prompt (the most
     /// recently used of equals), with its place in the list, or gives an empty one when none
-    /// would.
-    fn best_kept(&mut self, params: &GenerateParams) -> Result<(PromptCache, Option<usize>)> {
+    /// would; and the prompt's token count when it was counted.
+    fn best_kept(
+        &mut self,
+        params: &GenerateParams,
+    ) -> Result<(PromptCache, Option<usize>, Option<usize>)> {
         let e = self.engine;
         let Some(k) = &mut self.kept else {
-            return Ok((PromptCache::new(), None));
+            return Ok((PromptCache::new(), None, None));
         };
         if k.caches.is_empty() || params.prompt_logprobs.is_some() {
-            return Ok((PromptCache::with_reuse(k.reuse), None));
+            return Ok((PromptCache::with_reuse(k.reuse), None, None));
         }
         let text = e.prompt_text(&params.prompt)?;
         let ids = e.prompt_tokens(&params.prompt)?;
@@ -445,9 +452,10 @@ impl<'e> Batch<'e> {
                 best = (r, Some(i));
             }
         }
+        let n = Some(ids.len());
         Ok(match best.1.and_then(|i| Some((k.caches.remove(i)?, i))) {
-            Some((pc, i)) => (pc, Some(i)),
-            None => (PromptCache::with_reuse(k.reuse), None),
+            Some((pc, i)) => (pc, Some(i), n),
+            None => (PromptCache::with_reuse(k.reuse), None, n),
         })
     }
 
