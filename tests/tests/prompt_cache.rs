@@ -492,3 +492,87 @@ fn kept_caches_make_room_under_a_memory_limit() {
         "{err:?}"
     );
 }
+
+/// A kept cache larger than a request needs (made for a long answer) that does not fit
+/// beside the batch's running request is not forced on it: the request starts afresh in a
+/// cache of its own size.
+#[test]
+fn a_kept_cache_too_large_to_take_over_gives_way_to_a_fresh_one() {
+    let source = ModelSource::Random {
+        config: keydiff_tests::root().join("configs/tiny-llama.json"),
+        seed: 2,
+        on_host: false,
+    };
+    let chunk = 32;
+    let cfg = CacheConfig::full(chunk);
+    let base = Engine::load(&source, &EngineConfig::default()).unwrap();
+    let m = base.model_config().clone();
+    let plan = base.weight_plan();
+    drop(base);
+    let kv = |slots: usize| m.kv_cache_bytes(slots, candle_core::DType::F32);
+    let need = |slots: usize| kv(slots) + m.request_scratch_bytes(slots, chunk, true);
+    let request = |prompt: Vec<u32>, max_tokens: usize| GenerateParams {
+        prompt: Prompt::Tokens(prompt),
+        max_tokens,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    // A: a long answer's cache, kept. R: running beside it. B: a short request on A's prefix.
+    let a = request(vec![3; 200], 2000);
+    let r = request(vec![5; 100], 2000);
+    let mut b_prompt = vec![3; 100];
+    b_prompt.extend([7; 10]);
+    let b = request(b_prompt, 3);
+    let (cap_a, cap_r, cap_b) = (200 + 2000, 100 + 2000, 110 + 3);
+    // R's join beside kept A, and taking A over beside R (its cache, one decode row, its
+    // logits): the limit lies between.
+    let r_beside_a = need(cap_r) + kv(cap_a);
+    let per_row = 4 * (6 * m.hidden_size + 3 * m.intermediate_size) as u64;
+    let held_r = kv(cap_r) + per_row + 12 * m.vocab_size as u64;
+    let taken = need(cap_a) + held_r;
+    assert!(
+        r_beside_a < taken && need(cap_a) < taken,
+        "the test's sizes"
+    );
+    let limit = (r_beside_a.max(need(cap_a)) + taken) / 2;
+    assert!(need(cap_b) + held_r <= limit, "a fresh cache for B fits");
+    let e = Engine::load(
+        &source,
+        &EngineConfig {
+            cache: cfg,
+            memory_limit: Some(plan.resident + limit),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let mut batch = e.batch();
+    batch.keep_prompts(keydiff::Reuse::Exact, 2);
+    // A runs a few tokens only, but its cache has room for its 2000.
+    let mut short_a = a.clone();
+    let cancel = keydiff::CancelToken::new();
+    short_a.cancel = Some(cancel.clone());
+    batch.join(0, &short_a).unwrap();
+    for _ in 0..12 {
+        batch.step(|_, _| {}).unwrap();
+    }
+    cancel.cancel();
+    while !batch.is_empty() {
+        batch.step(|_, _| {}).unwrap();
+    }
+    assert_eq!(batch.kept_tokens().len(), 1);
+    assert!(batch.kept_bytes() as u64 >= kv(cap_a));
+    batch.join(1, &r).unwrap();
+    assert_eq!(batch.kept_tokens().len(), 1, "R fits beside the kept cache");
+    batch.join(2, &b).unwrap();
+    assert!(batch.kept_tokens().is_empty());
+    // Until B ends (R, with its 2000 tokens, is left running).
+    let mut outs = std::collections::HashMap::new();
+    while !outs.contains_key(&2) {
+        for (id, out) in batch.step(|_, _| {}).unwrap() {
+            outs.insert(id, out.unwrap());
+        }
+    }
+    let out_b = &outs[&2];
+    assert_eq!(out_b.stats.prefix_tokens, 0, "B started afresh");
+    assert_eq!(out_b.tokens, e.generate(&b, |_| {}).unwrap().tokens);
+}

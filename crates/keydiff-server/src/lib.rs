@@ -691,6 +691,8 @@ fn work_batched(
                 }
             }
             counters.running.store(batch.len(), Ordering::Relaxed);
+            // Joining may take or free kept caches.
+            counters.kept(batch.kept_tokens().len(), batch.kept_bytes());
         }
         if batch.is_empty() {
             continue;

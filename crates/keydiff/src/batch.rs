@@ -325,8 +325,13 @@ impl<'e> Batch<'e> {
             return Ok((prompt, cache, 0, None));
         }
         params.validate()?;
+        // After a kept cache that was taken over could not hold the request: a fresh one.
+        let mut fresh_only = false;
         loop {
-            let (mut pc, from, tokens) = self.best_kept(params)?;
+            let (mut pc, from, tokens) = match &self.kept {
+                Some(k) if fresh_only => (PromptCache::with_reuse(k.reuse), None, None),
+                _ => self.best_kept(params)?,
+            };
             if pc.is_empty() {
                 self.free_kept_for(params, tokens)?;
             }
@@ -338,8 +343,12 @@ impl<'e> Batch<'e> {
                     text,
                     keep,
                 }) => {
-                    if start > 0 {
-                        self.fit_taken(&cache)?;
+                    if start > 0 && !self.fit_taken(&cache)? {
+                        // It takes more than a fresh cache would (a kept cache can be larger
+                        // than the request needs): dropped, and the request starts afresh.
+                        drop(cache);
+                        fresh_only = true;
+                        continue;
                     }
                     let keep = keep.then(|| Keep {
                         prompt: prompt.clone(),
@@ -365,24 +374,44 @@ impl<'e> Batch<'e> {
         }
     }
 
-    /// Frees the least recently used kept cache; its bytes (`None` when none is kept).
+    /// Frees the least recently used kept cache; what that gives back to the memory budget
+    /// (`None` when none is kept).
     fn free_oldest(&mut self) -> Option<u64> {
         let pc = self.kept.as_mut()?.caches.pop_back()?;
-        Some(pc.bytes() as u64)
+        Some(pc.cache().map_or(0, |c| self.engine.freed_bytes(c)))
     }
 
-    /// Checks that a request fits on the kept cache it took over (its activations, and the
-    /// part of the cache the budget does not see), freeing the least recently used other
-    /// kept caches while it does not.
-    fn fit_taken(&mut self, cache: &KvCache) -> Result<()> {
+    /// Frees kept caches, the least recently used first, until `short` bytes are given back
+    /// (or none is left).
+    fn free_kept(&mut self, mut short: u64) {
+        while short > 0 {
+            match self.free_oldest() {
+                None => break,
+                Some(freed) => {
+                    tracing::debug!("freed a kept prompt cache: a request needs its memory");
+                    short = short.saturating_sub(freed);
+                }
+            }
+        }
+    }
+
+    /// Whether a request fits on the kept cache it took over (its activations, and the part
+    /// of the cache the budget does not see), after freeing the least recently used other
+    /// kept caches while it would swap, or not fit at all.
+    fn fit_taken(&mut self, cache: &KvCache) -> Result<bool> {
+        let e = self.engine;
+        let seen = e.seen_bytes(cache);
+        let short = e.ram_shortfall(cache.config(), cache.capacity(), self.held_bytes(), seen);
+        self.free_kept(short);
         loop {
-            match self.engine.check_taken_cache(cache, self.held_bytes()) {
-                Err(EngineError::OutOfMemory(why)) => {
+            match e.check_taken_cache(cache, self.held_bytes()) {
+                Ok(()) => return Ok(true),
+                Err(EngineError::OutOfMemory(_)) => {
                     if self.free_oldest().is_none() {
-                        return Err(EngineError::OutOfMemory(why));
+                        return Ok(false);
                     }
                 }
-                done => return done,
+                Err(err) => return Err(err),
             }
         }
     }
@@ -414,16 +443,8 @@ impl<'e> Batch<'e> {
             (Some(Reuse::Continue), Some(_)) => context,
             _ => n.saturating_add(params.max_tokens).min(context),
         };
-        let mut short = e.ram_shortfall(cfg, cfg.slots_for(alloc), self.held_bytes());
-        while short > 0 {
-            match self.free_oldest() {
-                None => break,
-                Some(freed) => {
-                    tracing::debug!("freed a kept prompt cache: a request needs its memory");
-                    short = short.saturating_sub(freed);
-                }
-            }
-        }
+        let short = e.ram_shortfall(cfg, cfg.slots_for(alloc), self.held_bytes(), 0);
+        self.free_kept(short);
         Ok(())
     }
 

@@ -868,30 +868,53 @@ impl Engine {
         self.check_cache_memory_beside(cache, slots, extra, 0)
     }
 
-    /// Bytes a fresh cache of `slots` (and a request's activations on it) lacks to fit in the
-    /// memory the device has without swapping, beside `held` bytes (see
-    /// [`Engine::check_cache_memory_beside`]); 0 when it fits or memory is not planned.
-    pub(crate) fn ram_shortfall(&self, cache: &CacheConfig, slots: usize, held: u64) -> u64 {
+    /// Bytes a cache of `slots` (and a request's activations on it), of which `seen` bytes are
+    /// in memory already, lacks to fit in the memory the device has without swapping, beside
+    /// `held` bytes (see [`Engine::check_cache_memory_beside`]); 0 when it fits or memory is
+    /// not planned.
+    pub(crate) fn ram_shortfall(
+        &self,
+        cache: &CacheConfig,
+        slots: usize,
+        held: u64,
+        seen: u64,
+    ) -> u64 {
         self.memory_budget().map_or(0, |b| {
             let b = b.less(held);
             let m = self.model_config();
             let kv = m.kv_cache_bytes(slots, self.loaded.model.kv_dtype());
             let eager = self.loaded.model.attention() == AttentionBackend::Eager;
             kv.saturating_add(m.request_scratch_bytes(slots, cache.chunk, eager))
+                .saturating_sub(seen)
                 .saturating_sub(b.ram)
         })
     }
 
-    /// Checks that a request fits on a cache it takes over (a kept prompt cache), beside
-    /// `held` bytes: its activations, and the part of the cache the budget does not see
-    /// (all of it under a configured limit; on the CPU, the slots not written yet).
-    pub(crate) fn check_taken_cache(&self, cache: &KvCache, held: u64) -> Result<()> {
+    /// Bytes of `cache` that a measured memory budget sees as taken: on the CPU the slots
+    /// written so far (a zeroed allocation's pages are mapped when first written), on a GPU
+    /// all; none under a configured limit, which measures nothing (callers count caches).
+    pub(crate) fn seen_bytes(&self, cache: &KvCache) -> u64 {
         let (bytes, cap) = (cache.bytes() as u64, cache.capacity().max(1) as u64);
-        let seen = match (self.cfg.memory_limit, self.cfg.device.is_cpu()) {
+        match (self.cfg.memory_limit, self.cfg.device.is_cpu()) {
             (Some(_), _) => 0,
             (None, true) => bytes * (cache.len() as u64).min(cap) / cap,
             (None, false) => bytes,
-        };
+        }
+    }
+
+    /// What freeing `cache` gives back to the memory budget: all of it under a configured
+    /// limit (where it was counted), what the measured budget saw taken otherwise.
+    pub(crate) fn freed_bytes(&self, cache: &KvCache) -> u64 {
+        match self.cfg.memory_limit {
+            Some(_) => cache.bytes() as u64,
+            None => self.seen_bytes(cache),
+        }
+    }
+
+    /// Checks that a request fits on a cache it takes over (a kept prompt cache), beside
+    /// `held` bytes: its activations, and the part of the cache the budget does not see.
+    pub(crate) fn check_taken_cache(&self, cache: &KvCache, held: u64) -> Result<()> {
+        let seen = self.seen_bytes(cache);
         self.check_memory(cache.config(), cache.capacity(), 0, held, seen)
     }
 

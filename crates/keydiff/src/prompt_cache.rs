@@ -84,6 +84,11 @@ impl PromptCache {
         self.cache.as_ref().map_or(0, KvCache::bytes)
     }
 
+    /// The cache held, if any.
+    pub(crate) fn cache(&self) -> Option<&KvCache> {
+        self.cache.as_ref()
+    }
+
     /// True when it holds no cache.
     pub fn is_empty(&self) -> bool {
         self.cache.is_none()
