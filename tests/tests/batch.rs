@@ -508,7 +508,7 @@ fn a_step_s_prompt_rows_are_planned() {
     let mut batch = e.batch();
     batch.join(0, &p).unwrap();
     // Prompt rows whose activations take a whole cache's bytes more.
-    let per_row = 4 * (6 * m.hidden_size + 3 * m.intermediate_size) as u64;
+    let per_row = m.row_activation_bytes();
     let mut wide = e.batch();
     wide.set_prefill_tokens(chunk + (kv / per_row) as usize + 1);
     let err = wide.join(0, &p).unwrap_err();

@@ -527,7 +527,7 @@ fn a_kept_cache_too_large_to_take_over_gives_way_to_a_fresh_one() {
     // R's join beside kept A, and taking A over beside R (its cache, one decode row, its
     // logits): the limit lies between.
     let r_beside_a = need(cap_r) + kv(cap_a);
-    let per_row = 4 * (6 * m.hidden_size + 3 * m.intermediate_size) as u64;
+    let per_row = m.row_activation_bytes();
     let held_r = kv(cap_r) + per_row + 12 * m.vocab_size as u64;
     let taken = need(cap_a) + held_r;
     assert!(

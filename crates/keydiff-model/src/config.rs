@@ -236,6 +236,12 @@ impl ModelConfig {
                 as u64
     }
 
+    /// Activation bytes of one token row through a layer in f32, estimated: hidden states,
+    /// q/k/v and the MLP (part of [`ModelConfig::request_scratch_bytes`]).
+    pub fn row_activation_bytes(&self) -> u64 {
+        4 * (6 * self.hidden_size + 3 * self.intermediate_size) as u64
+    }
+
     /// Bytes a request needs beside K and V on its device, estimated: the cache's per-slot
     /// positions and policy state (8 bytes), a chunk's activations in f32 (hidden states,
     /// q/k/v, the MLP, one row of logits), one layer's K and V view copied (contiguous or
@@ -244,7 +250,7 @@ impl ModelConfig {
     pub fn request_scratch_bytes(&self, slots: usize, chunk: usize, eager: bool) -> u64 {
         let (slots, chunk) = (slots as u64, chunk as u64);
         let meta = 8 * slots * (self.num_layers * self.num_kv_heads) as u64;
-        let rows = 4 * chunk * (6 * self.hidden_size + 3 * self.intermediate_size) as u64;
+        let rows = chunk * self.row_activation_bytes();
         let view = 2 * 4 * slots * (self.num_kv_heads * self.head_dim) as u64;
         let scores = if eager {
             3 * 4 * chunk * slots * self.num_heads as u64

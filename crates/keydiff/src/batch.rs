@@ -218,25 +218,13 @@ impl<'e> Batch<'e> {
     /// kept), and counted whole under a configured limit.
     fn unseen_bytes(&self) -> u64 {
         let e = self.engine;
-        let measured = e.config().memory_limit.is_none();
-        if measured && !e.config().device.is_cpu() {
-            return 0;
-        }
-        let kept = if measured {
-            0
-        } else {
-            self.kept_bytes() as u64
+        let kept = match e.config().memory_limit {
+            Some(_) => self.kept_bytes() as u64,
+            None => 0,
         };
-        kept + self
-            .caches()
-            .map(|c| {
-                let (bytes, cap) = (c.bytes() as u64, c.capacity().max(1) as u64);
-                if measured {
-                    bytes * (cap - (c.len() as u64).min(cap)) / cap
-                } else {
-                    bytes
-                }
-            })
+        let caches = self.caches();
+        kept + caches
+            .map(|c| (c.bytes() as u64).saturating_sub(e.seen_bytes(c)))
             .sum::<u64>()
     }
 
@@ -250,7 +238,7 @@ impl<'e> Batch<'e> {
         let chunk = e.config().cache.chunk;
         let others = self.len() as u64;
         let rows = others + self.prefill_tokens.saturating_sub(chunk) as u64;
-        let per_row = 4 * (6 * m.hidden_size + 3 * m.intermediate_size) as u64;
+        let per_row = m.row_activation_bytes();
         // A decode row's logits: on the device, in the step's concatenation, on the host.
         let logits = 12 * others * m.vocab_size as u64;
         self.unseen_bytes() + rows * per_row + logits
