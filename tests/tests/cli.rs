@@ -265,6 +265,105 @@ fn perplexity_reports_json_and_truncation() {
     );
 }
 
+/// `perplexity -c W --stride S` scores in windows; a text beyond the model's context is
+/// scored in windows of the context, not refused or cut.
+#[test]
+fn perplexity_in_windows() {
+    let m = model(SMOLLM2);
+    let text = "The lighthouse keeper had lived on the island for almost thirty years, and in \
+                that time he had learned to read the weather the way other people read the \
+                morning paper.";
+    let json = |args: &[&str]| -> serde_json::Value {
+        let (so, _) = ok(args);
+        serde_json::from_str(so.trim()).unwrap()
+    };
+    let m = m.to_str().unwrap();
+    let base = ["perplexity", "-m", m, "-p", text, "--chunk", "8", "--json"];
+    let one = json(&base);
+    let tokens = one["tokens"].as_u64().unwrap();
+    assert_eq!(
+        (one["windows"].as_u64(), one["stride"].as_u64()),
+        (Some(1), None)
+    );
+    let v = json(&[&base[..], &["-c", "16", "--stride", "8"]].concat());
+    assert_eq!(v["scored"].as_u64().unwrap(), tokens - 1, "{v}");
+    assert_eq!(
+        v["windows"].as_u64().unwrap(),
+        (tokens - 16).div_ceil(8) + 1,
+        "{v}"
+    );
+    assert_eq!(
+        (v["ctx_size"].as_u64(), v["stride"].as_u64()),
+        (Some(16), Some(8))
+    );
+    // Tokens beyond the first window see at most 15 tokens before them, not all.
+    assert_ne!(v["ppl"], one["ppl"]);
+    let (so, _) = ok(&[
+        "perplexity",
+        "-m",
+        m,
+        "-p",
+        text,
+        "-c",
+        "16",
+        "--stride",
+        "4",
+    ]);
+    assert!(so.contains(" windows of 16 tokens, 4 apart"), "{so}");
+
+    // A random model with a context of 48: the text is scored in windows of 48, 24 apart.
+    let cfg = std::fs::read_to_string(keydiff_tests::root().join("configs/tiny-qwen.json"))
+        .unwrap()
+        .replace(
+            "\"max_position_embeddings\": 32768",
+            "\"max_position_embeddings\": 48",
+        );
+    let path = std::env::temp_dir().join(format!("keydiff-ctx48-{}.json", std::process::id()));
+    std::fs::write(&path, cfg).unwrap();
+    let p = path.to_str().unwrap();
+    let v = json(&[
+        "perplexity",
+        "--random-weights",
+        "-m",
+        p,
+        "-p",
+        text,
+        "--json",
+    ]);
+    let tokens = v["tokens"].as_u64().unwrap();
+    assert!(tokens > 60, "{v}");
+    assert_eq!(v["scored"].as_u64().unwrap(), tokens - 1, "{v}");
+    assert_eq!(
+        (v["ctx_size"].as_u64(), v["stride"].as_u64()),
+        (Some(48), Some(24))
+    );
+    assert_eq!(
+        v["windows"].as_u64().unwrap(),
+        (tokens - 48).div_ceil(24) + 1,
+        "{v}"
+    );
+    let out = Command::new(keydiff_bin())
+        .args([
+            "perplexity",
+            "--random-weights",
+            "-m",
+            p,
+            "-p",
+            text,
+            "-c",
+            "49",
+        ])
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_file(&path);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success()
+            && err.contains("window of 49 tokens is beyond the model's context of 48"),
+        "{err}"
+    );
+}
+
 /// `run --json --logprobs K`: one entry per generated token with K alternatives, the greedy
 /// token first among them; `--logprobs` without `--json`, or above 20, is refused.
 #[test]

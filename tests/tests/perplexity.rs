@@ -54,6 +54,46 @@ fn every_row_matches_the_prompt_that_ends_there() {
     }
 }
 
+/// Windows: token t is scored once, in the first window that holds it (window k runs
+/// `k·S .. k·S + W`), exactly as the last-token logits of the prompt that starts at that
+/// window's first token and ends before t, under eviction too. A text within one window gives
+/// `perplexity`'s numbers.
+#[test]
+fn windows_score_each_token_once_on_its_window() {
+    let src = ModelSource::Gguf(model(SMOLLM2));
+    let fx = fixture("smollm2");
+    let tokens = &fx.tokens[..300];
+    let (w, s) = (128, 48);
+    for (policy, budget) in [("full", None), ("keydiff", Some(64))] {
+        let cfg = EngineConfig {
+            cache: cache(policy, budget, 32),
+            ..Default::default()
+        };
+        let e = Engine::load(&src, &cfg).unwrap();
+        let p = e.perplexity_windowed(tokens, w, s).unwrap();
+        assert_eq!(p.nll.len(), tokens.len() - 1);
+        // Starts 0, 48, 96, 144, 192; the last ends at the text's end (300).
+        assert_eq!(p.windows, 5, "{policy}");
+        if budget.is_some() {
+            assert!(p.evictions > 0, "{policy}: nothing evicted");
+        }
+        for i in [0, 1, 100, 126, 127, 128, 174, 175, 176, 223, 250, 271, 298] {
+            let t = i + 1;
+            let start = (0..).map(|k| k * s).find(|b| t < b + w).unwrap();
+            let logits = e.prefill_logits(&tokens[start..=i], 32).unwrap();
+            let want = nll_of(&logits, tokens[t]);
+            let got = p.nll[i] as f64;
+            assert!(
+                (got - want).abs() <= 1e-4 * want.abs().max(1.0),
+                "{policy} token {t} (window at {start}): {got} vs {want}"
+            );
+        }
+        let one = e.perplexity(&tokens[..120]).unwrap();
+        let same = e.perplexity_windowed(&tokens[..120], w, s).unwrap();
+        assert_eq!((same.nll, same.windows), (one.nll, 1), "{policy}");
+    }
+}
+
 /// A budget that never binds gives the full cache's numbers; with dense prefill weights the
 /// chunk size does not matter either.
 #[test]
@@ -161,4 +201,28 @@ fn lengths_at_chunk_edges() {
     let context = e.model_config().max_position_embeddings;
     let err = e.perplexity(&vec![1; context + 1]).unwrap_err().to_string();
     assert!(err.contains("beyond the model's context"), "{err}");
+    // Windows: bad sizes are refused by name; a text beyond the context is scored.
+    for (w, s, why) in [
+        (1, 1, "a perplexity window needs at least 2 tokens, got 1"),
+        (context + 1, 8, "window of"),
+        (
+            16,
+            0,
+            "stride must be from 1 to the window minus 1 (15), got 0",
+        ),
+        (16, 16, "got 16"),
+    ] {
+        let err = e
+            .perplexity_windowed(&tokens, w, s)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(why), "W {w} S {s}: {err}");
+    }
+    let err = e.perplexity_windowed(&tokens[..1], 16, 8).unwrap_err();
+    assert!(err.to_string().contains("at least 2 tokens"), "{err}");
+    for (w, s) in [(16, 8), (16, 15), (9, 1), (2, 1)] {
+        let p = e.perplexity_windowed(&tokens, w, s).unwrap();
+        assert_eq!(p.nll.len(), 39, "W {w} S {s}");
+        assert_eq!(p.windows, (40 - w).div_ceil(s) + 1, "W {w} S {s}");
+    }
 }

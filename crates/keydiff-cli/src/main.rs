@@ -59,9 +59,9 @@ enum Cmd {
     Serve(ServeArgs),
     /// Perplexity of a text under the cache settings: prefilled in chunks of B as a prompt
     /// is, evicting after each chunk under --budget/--policy, every token after the first
-    /// scored on the logits before it (llama-perplexity's measure, over one window). Prints
-    /// the perplexity, the mean NLL ± its standard error and the perplexity of each quarter
-    /// of the text.
+    /// scored on the logits before it (llama-perplexity's measure). A text beyond -c or the
+    /// model's context is scored in overlapping windows (--stride). Prints the perplexity,
+    /// the mean NLL ± its standard error and the perplexity of each quarter of the text.
     Perplexity(PplArgs),
     /// Print the token ids of a text as a JSON array.
     Tokenize {
@@ -665,10 +665,19 @@ struct PplArgs {
     /// Read the text from a file.
     #[arg(short = 'f', long)]
     file: Option<PathBuf>,
-    /// Score only the first N tokens (the run says so); without it, a text beyond the
-    /// model's context is refused.
+    /// Score only the first N tokens (the run says so).
     #[arg(long)]
     max_tokens: Option<usize>,
+    /// Score the text in windows of W tokens, each prefilled afresh under the cache settings
+    /// (llama-perplexity's -c). Default: the whole text in one window, or, for a text beyond
+    /// the model's context, windows of the context.
+    #[arg(short = 'c', long, value_name = "W")]
+    ctx_size: Option<usize>,
+    /// Windows start S tokens apart; each scores only the tokens no earlier window scored,
+    /// so every token beyond the first window has at least W − S tokens before it
+    /// (Hugging Face's strided perplexity). 1 ≤ S < W; needs -c; default W / 2.
+    #[arg(long, value_name = "S", requires = "ctx_size")]
+    stride: Option<usize>,
     /// Print one JSON object instead of the summary line.
     #[arg(long)]
     json: bool,
@@ -690,14 +699,26 @@ fn perplexity(a: &PplArgs) -> Result<()> {
     if let Some(n) = a.max_tokens {
         tokens.truncate(n);
     }
-    let r = engine.perplexity(&tokens)?;
+    let context = engine.model_config().max_position_embeddings;
+    let window = a.ctx_size.unwrap_or(context.min(tokens.len()));
+    let stride = a.stride.unwrap_or((window / 2).max(1));
+    let r = engine.perplexity_windowed(&tokens, window, stride)?;
+    let windowed = r.windows > 1;
+    if windowed && a.ctx_size.is_none() {
+        tracing::info!(
+            "the text's {} tokens are beyond the model's context of {context}: scored in windows \
+             of {window}, {stride} apart",
+            tokens.len()
+        );
+    }
     let cache = engine.config().cache.clone();
     let quarters = r.ppl_by_part(4);
     if a.json {
         let v = serde_json::json!({
             "ppl": r.ppl(), "mean_nll": r.mean_nll(..), "nll_stderr": r.nll_stderr(),
             "ppl_by_quarter": quarters, "tokens": tokens.len(), "text_tokens": total,
-            "scored": r.nll.len(), "policy": cache.policy.name(), "budget": cache.budget,
+            "scored": r.nll.len(), "ctx_size": window, "stride": windowed.then_some(stride),
+            "windows": r.windows, "policy": cache.policy.name(), "budget": cache.budget,
             "chunk": cache.chunk, "window": cache.window, "sinks": cache.sinks,
             "evictions": r.evictions, "evicted_slots": r.evicted_slots,
             "peak_kv_bytes": r.peak_kv_bytes, "seconds": r.seconds,
@@ -715,7 +736,7 @@ fn perplexity(a: &PplArgs) -> Result<()> {
         let q: Vec<String> = quarters.iter().map(|x| format!("{x:.3}")).collect();
         let budget = cache.budget.map_or("none".to_string(), |n| n.to_string());
         println!(
-            "perplexity {:.4} (mean NLL {:.4} ± {:.4}) over {} scored tokens{} | by quarter: {} \
+            "perplexity {:.4} (mean NLL {:.4} ± {:.4}) over {} scored tokens{}{} | by quarter: {} \
              | policy {} budget {budget} chunk {} ({} evictions) | {:.2} s",
             r.ppl(),
             r.mean_nll(..),
@@ -723,6 +744,14 @@ fn perplexity(a: &PplArgs) -> Result<()> {
             r.nll.len(),
             if tokens.len() < total {
                 format!(" (the first {} of the text's {total} tokens)", tokens.len())
+            } else {
+                String::new()
+            },
+            if windowed {
+                format!(
+                    " in {} windows of {window} tokens, {stride} apart",
+                    r.windows
+                )
             } else {
                 String::new()
             },

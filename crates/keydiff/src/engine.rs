@@ -846,7 +846,7 @@ impl Engine {
     }
 
     /// [`Engine::alloc_cache`] for a request that needs `extra` bytes more while it runs.
-    fn alloc_cache_with(
+    pub(crate) fn alloc_cache_with(
         &self,
         cache: CacheConfig,
         max_tokens: usize,
@@ -1301,52 +1301,6 @@ impl Engine {
             .map_err(|e| EngineError::BadParams(e.to_string()))?;
         self.cfg.cache = cache;
         Ok(())
-    }
-
-    /// Perplexity of `tokens` under the engine's cache settings: they are prefilled in chunks
-    /// of B as a prompt is, evicting after each chunk, and token i + 1 is scored on the logits
-    /// at token i (every logit row of every chunk; llama-perplexity's measure over one
-    /// window). At least two tokens, at most the model's context.
-    pub fn perplexity(&self, tokens: &[u32]) -> Result<crate::Perplexity> {
-        if tokens.len() < 2 {
-            return Err(EngineError::BadParams(format!(
-                "perplexity needs at least 2 tokens, got {}",
-                tokens.len()
-            )));
-        }
-        self.check_vocab(tokens)?;
-        let context = self.model_config().max_position_embeddings;
-        if tokens.len() > context {
-            return Err(EngineError::PromptTooLong {
-                tokens: tokens.len(),
-                context,
-            });
-        }
-        let t0 = Instant::now();
-        let model = &self.loaded.model;
-        // The last token is only a target: the tokens before it are run.
-        let inputs = &tokens[..tokens.len() - 1];
-        let chunk = self.cfg.cache.chunk;
-        let logits = self.chunk_logits_bytes(inputs.len());
-        let mut cache = self.alloc_cache_with(self.cfg.cache.clone(), inputs.len(), logits)?;
-        let mut nll = Vec::with_capacity(inputs.len());
-        for (i, piece) in inputs.chunks(chunk).enumerate() {
-            let logits = model.forward_all(piece, &mut cache)?;
-            let next = &tokens[i * chunk + 1..i * chunk + piece.len() + 1];
-            let max = logits.max_keepdim(1)?;
-            let lse = (logits.broadcast_sub(&max)?.exp()?.sum_keepdim(1)?.log()? + &max)?;
-            let target = candle_core::Tensor::new(next, logits.device())?.unsqueeze(1)?;
-            let picked = logits.gather(&target, 1)?;
-            nll.extend((lse - picked)?.squeeze(1)?.to_vec1::<f32>()?);
-        }
-        let counters = cache.counters();
-        Ok(crate::Perplexity {
-            nll,
-            seconds: t0.elapsed().as_secs_f64(),
-            evictions: counters.evictions,
-            evicted_slots: counters.evicted_slots,
-            peak_kv_bytes: cache.bytes(),
-        })
     }
 
     /// What a prefill of `tokens` tokens that keeps every row's logits needs beyond its cache:
