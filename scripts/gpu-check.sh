@@ -2,8 +2,8 @@
 # One run on a GPU host (see GPU.md): environment, eviction-kernel parity and timing, CPU-vs-GPU
 # model parity (eager attention, and flash when the binary has it), perplexity parity, batched
 # passes against single runs on the device, prefix reuse on the device, the memory plan against
-# the driver, a short TTFT sweep, batched decode, then, as time allows, the kernels under
-# compute-sanitizer.
+# the driver, a short TTFT sweep, batched decode, a prompt joining a decoding batch, then, as
+# time allows, the kernels under compute-sanitizer.
 # Build the binary here first (scripts/build-cuda.sh), carry it, then on the GPU host:
 #   scripts/gpu-check.sh            (logs go to $OUT when set, else bench/gpu-check-logs/)
 # Prints a summary table last. Needs no Rust toolchain and no network on the GPU host.
@@ -222,6 +222,25 @@ else
     { echo "batched decode ($preset random weights, bf16, prompt 1024, N = 512):"; grep -v '^#' "$out/batch/table.txt"; } >> "$summary"
   else
     note "batch: FAILED (exit $?); see errors.log"
+  fi
+fi
+
+echo "== 4c. a prompt joining 4 decoding requests: alone vs in the batch's steps ($preset random weights, bf16)"
+# bench join: the running requests' longest gap between tokens and the joiner's TTFT, when its
+# prompt is prefilled alone (the others wait) and a chunk per step beside their decode rows (as
+# serve --max-batch runs it). On a GPU a mixed step should cost about one chunk: the longest
+# gap falls from the whole prefill to about a chunk, at little cost to the joiner's TTFT.
+left=$((deadline - SECONDS))
+if [ "$left" -lt 60 ]; then
+  note "join: skipped (${left}s left of the ${deadline}s budget)"
+else
+  mkdir -p "$out/join"
+  if timeout 60 "$bin" bench join --random-weights -m "$preset" --device "$device" --dtype bf16 \
+      --prompt-len "$plen" --budget "$budget_n" --chunks 128 --policies keydiff --running 4 \
+      --warmup 1 --reps 1 --out "$out/join" > "$out/join/table.txt" 2>>"$errors"; then
+    { echo "join ($preset random weights, bf16, prompt $plen, N = $budget_n, 4 running):"; grep -v '^#' "$out/join/table.txt"; } >> "$summary"
+  else
+    note "join: FAILED (exit $?); see errors.log"
   fi
 fi
 

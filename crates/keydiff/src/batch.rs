@@ -406,8 +406,9 @@ impl<'e> Batch<'e> {
 
     /// Frees kept caches, the least recently used first, while a fresh cache for the request
     /// would not fit in memory beside them without swapping: idle caches do not push the
-    /// running requests into swap. The bytes freed are counted as free, whether or not the
-    /// system's figures show them yet (an allocator may keep freed memory for the process).
+    /// running requests into swap. The shortfall is measured once and the bytes freed are
+    /// counted off it (the next measurement sees them too: it gives the heap's free pages back
+    /// to the system first, `memory::release_freed_heap`).
     /// (A cache that would not fit at all is refused by the memory check, and `admit` frees
     /// kept caches then too.)
     /// `tokens`: the prompt's, when known.
