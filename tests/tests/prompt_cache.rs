@@ -517,13 +517,14 @@ fn a_kept_cache_too_large_to_take_over_gives_way_to_a_fresh_one() {
         ignore_eos: true,
         ..Default::default()
     };
-    // A: a long answer's cache, kept. R: running beside it. B: a short request on A's prefix.
+    // A: a long answer's cache, kept. R: running beside it. B: a short request that goes on
+    // from A's prompt (so it would take A's cache over rather than share a copy of it).
     let a = request(vec![3; 200], 2000);
     let r = request(vec![5; 100], 2000);
-    let mut b_prompt = vec![3; 100];
+    let mut b_prompt = vec![3; 200];
     b_prompt.extend([7; 10]);
     let b = request(b_prompt, 3);
-    let (cap_a, cap_r, cap_b) = (200 + 2000, 100 + 2000, 110 + 3);
+    let (cap_a, cap_r, cap_b) = (200 + 2000, 100 + 2000, 210 + 3);
     // R's join beside kept A, and taking A over beside R (its cache, one decode row, its
     // logits): the limit lies between.
     let r_beside_a = need(cap_r) + kv(cap_a);
@@ -575,4 +576,99 @@ fn a_kept_cache_too_large_to_take_over_gives_way_to_a_fresh_one() {
     let out_b = &outs[&2];
     assert_eq!(out_b.stats.prefix_tokens, 0, "B started afresh");
     assert_eq!(out_b.tokens, e.generate(&b, |_| {}).unwrap().tokens);
+}
+
+/// Requests that start like a kept cache's prompt and then go another way (other questions on
+/// one document), joining together, each start from a copy of its beginning, and answer as
+/// fresh requests; the kept cache stays for the next ones (vLLM's shared prefix blocks).
+#[test]
+fn requests_on_one_document_share_a_kept_cache() {
+    let e = engine(CacheConfig::full(16));
+    let mut batch = e.batch();
+    batch.keep_prompts(keydiff::Reuse::Exact, 4);
+    let doc = "Notes on the bridge. ".to_string()
+        + &"The committee reviewed the plans for the bridge on Tuesday. ".repeat(6);
+    let ask = |q: &str| greedy(Prompt::Text(format!("{doc}Q: {q}\nA:")), 8);
+    run_batch(&mut batch, &[(0, &ask("When?"))]);
+    assert_eq!(batch.kept_tokens().len(), 1);
+    let qs = [ask("Who?"), ask("What did they review?"), ask("Where?")];
+    let outs = run_batch(&mut batch, &[(1, &qs[0]), (2, &qs[1]), (3, &qs[2])]);
+    let doc_tokens = e.tokenize(&doc, true).unwrap().len();
+    for (i, q) in qs.iter().enumerate() {
+        let out = &outs[&(i as u64 + 1)];
+        let reused = out.stats.prefix_tokens;
+        assert!(
+            reused.is_multiple_of(16) && reused + 16 > doc_tokens - 1,
+            "request {}: {reused} of the document's {doc_tokens}",
+            i + 1
+        );
+        assert_eq!(
+            out.tokens,
+            e.generate(q, |_| {}).unwrap().tokens,
+            "request {}",
+            i + 1
+        );
+    }
+    // The first request's cache is kept beside the three new ones (one taken over would be
+    // gone).
+    assert_eq!(batch.kept_tokens().len(), 4, "{:?}", batch.kept_tokens());
+}
+
+/// Sharing a kept cache costs a fresh cache: where that does not fit beside the kept one, the
+/// request takes the kept cache over (cut back to the common prefix) instead; with room for
+/// both, it shares.
+#[test]
+fn a_request_takes_a_kept_cache_over_when_a_copy_does_not_fit() {
+    let source = ModelSource::Random {
+        config: keydiff_tests::root().join("configs/tiny-llama.json"),
+        seed: 2,
+        on_host: false,
+    };
+    let (chunk, len) = (32, 300);
+    let base = Engine::load(&source, &EngineConfig::default()).unwrap();
+    let m = base.model_config().clone();
+    let plan = base.weight_plan();
+    drop(base);
+    let slots = CacheConfig::full(chunk).slots_for(len + 3);
+    let kv = m.kv_cache_bytes(slots, candle_core::DType::F32);
+    let need = kv + m.request_scratch_bytes(slots, chunk, true);
+    let request = |prompt: Vec<u32>| GenerateParams {
+        prompt: Prompt::Tokens(prompt),
+        max_tokens: 3,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let a = request(vec![3; len]);
+    let mut b_prompt = vec![3; 200];
+    b_prompt.extend(vec![5; len - 200]);
+    let b = request(b_prompt);
+    // Room for one request's cache and half a cache more; then for two caches.
+    for (room, shares) in [(need + kv / 2, false), (need + kv + kv / 2, true)] {
+        let cfg = EngineConfig {
+            cache: CacheConfig::full(chunk),
+            memory_limit: Some(plan.resident + room),
+            ..Default::default()
+        };
+        let e = Engine::load(&source, &cfg).unwrap();
+        let mut batch = e.batch();
+        batch.keep_prompts(keydiff::Reuse::Exact, 4);
+        run_batch(&mut batch, &[(0, &a)]);
+        assert_eq!(batch.kept_tokens(), vec![len + 2]);
+        batch.join(1, &b).unwrap();
+        let kept = if shares { vec![len + 2] } else { vec![] };
+        assert_eq!(batch.kept_tokens(), kept, "shares: {shares}");
+        let mut out = None;
+        while !batch.is_empty() {
+            for (_, o) in batch.step(|_, _| {}).unwrap() {
+                out = Some(o.unwrap());
+            }
+        }
+        let out = out.unwrap();
+        assert_eq!(
+            out.stats.prefix_tokens,
+            200 / chunk * chunk,
+            "shares: {shares}"
+        );
+        assert_eq!(out.tokens, e.generate(&b, |_| {}).unwrap().tokens);
+    }
 }

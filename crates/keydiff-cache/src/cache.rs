@@ -196,6 +196,30 @@ impl KvCache {
     /// across chunks in the layers' per-slot state (H2O), never in their own fields. `random`
     /// advances its generator only when it scores, at an eviction, which a prefix never has.
     pub fn resume_from(&mut self, prefix: &KvCache) -> Result<()> {
+        self.resume_from_first(prefix, prefix.len())
+    }
+
+    /// As [`KvCache::resume_from`], from the first `len` tokens of `prefix` only, which is left
+    /// as it is: a request that shares a prompt's beginning with a kept cache goes on from a
+    /// copy of it, and the kept cache stays for others. `prefix` must be one that
+    /// [`KvCache::truncate`] could cut back (it never evicted, and its policy keeps no per-slot
+    /// state), and `len` a whole number of chunks.
+    pub fn resume_from_prefix(&mut self, prefix: &KvCache, len: usize) -> Result<()> {
+        if len > prefix.len() {
+            return Err(CacheError::Config(format!(
+                "cannot take {len} tokens from a cache of {}",
+                prefix.len()
+            )));
+        }
+        if len < prefix.len() {
+            if let Some(why) = prefix.uncuttable() {
+                return Err(CacheError::Config(why));
+            }
+        }
+        self.resume_from_first(prefix, len)
+    }
+
+    fn resume_from_first(&mut self, prefix: &KvCache, len: usize) -> Result<()> {
         if self.position != 0 || !self.is_empty() {
             return Err(CacheError::Config(
                 "a cache can resume from a prefix only while it is fresh".into(),
@@ -214,10 +238,9 @@ impl KvCache {
             )));
         }
         if let Some(n) = self.cfg.budget {
-            if prefix.len() > n {
+            if len > n {
                 return Err(CacheError::Config(format!(
-                    "prefix of {} tokens is longer than the budget {n}: this policy would have evicted in it",
-                    prefix.len()
+                    "prefix of {len} tokens is longer than the budget {n}: this policy would have evicted in it"
                 )));
             }
         }
@@ -227,10 +250,10 @@ impl KvCache {
                 prefix.cfg.chunk, self.cfg.chunk
             )));
         }
-        if !prefix.position.is_multiple_of(self.cfg.chunk) {
+        if !len.is_multiple_of(self.cfg.chunk) {
             return Err(CacheError::Config(format!(
-                "prefix of {} tokens does not end on a chunk boundary (B = {})",
-                prefix.position, self.cfg.chunk
+                "prefix of {len} tokens does not end on a chunk boundary (B = {})",
+                self.cfg.chunk
             )));
         }
         // H2O's state sums attention over every chunk seen: only a prefix made under the same
@@ -245,9 +268,14 @@ impl KvCache {
             )));
         }
         for (dst, src) in self.layers.iter_mut().zip(&prefix.layers) {
-            dst.copy_from(src, with_state)?;
+            if len == prefix.len() {
+                dst.copy_from(src, with_state)?;
+            } else {
+                dst.copy_prefix_from(src, len, with_state)?;
+            }
         }
-        self.position = prefix.position;
+        // A cache that never evicted holds one slot per token seen.
+        self.position = len;
         Ok(())
     }
 

@@ -203,6 +203,20 @@ impl LayerCache {
     /// state when `with_state` (zeros otherwise, as after [`LayerCache::append`]). `src` is left
     /// as it is: the slots are copied, not shared, so both caches can go on independently.
     pub fn copy_from(&mut self, src: &LayerCache, with_state: bool) -> Result<()> {
+        self.copy_first_from(src, src.len, with_state)?;
+        self.next_position = src.next_position;
+        Ok(())
+    }
+
+    /// As [`LayerCache::copy_from`], of `src`'s first `n` slots only: positions `0..n` of a
+    /// cache that never evicted (the next position is then `n`).
+    pub fn copy_prefix_from(&mut self, src: &LayerCache, n: usize, with_state: bool) -> Result<()> {
+        self.copy_first_from(src, n, with_state)?;
+        self.next_position = n;
+        Ok(())
+    }
+
+    fn copy_first_from(&mut self, src: &LayerCache, n: usize, with_state: bool) -> Result<()> {
         if !self.is_empty() {
             return Err(CacheError::Shape(format!(
                 "copy into a cache that holds {} slots",
@@ -219,28 +233,34 @@ impl LayerCache {
                 self.k.dtype()
             )));
         }
-        if src.len > self.capacity() {
+        if n > src.len {
+            return Err(CacheError::Shape(format!(
+                "copy {n} slots of a cache that holds {}",
+                src.len
+            )));
+        }
+        if n > self.capacity() {
             return Err(CacheError::Full {
                 len: 0,
-                chunk: src.len,
+                chunk: n,
                 capacity: self.capacity(),
             });
         }
-        if src.len > 0 {
+        if n > 0 {
             // `slice_set` copies into this cache's own buffers.
-            self.k.slice_set(&src.keys()?.contiguous()?, 1, 0)?;
-            self.v.slice_set(&src.values()?.contiguous()?, 1, 0)?;
+            let first = |t: Tensor| t.narrow(1, 0, n)?.contiguous();
+            self.k.slice_set(&first(src.keys()?)?, 1, 0)?;
+            self.v.slice_set(&first(src.values()?)?, 1, 0)?;
             self.positions
-                .slice_set(&src.positions_tensor()?.contiguous()?, 1, 0)?;
+                .slice_set(&first(src.positions_tensor()?)?, 1, 0)?;
             let state = if with_state {
-                src.state_tensor()?.contiguous()?
+                first(src.state_tensor()?)?
             } else {
-                Tensor::zeros((src.kv_heads(), src.len), DType::F32, self.device())?
+                Tensor::zeros((src.kv_heads(), n), DType::F32, self.device())?
             };
             self.state.slice_set(&state, 1, 0)?;
         }
-        self.len = src.len;
-        self.next_position = src.next_position;
+        self.len = n;
         Ok(())
     }
 

@@ -326,3 +326,89 @@ fn a_cache_that_never_evicted_is_cut_back_to_a_prefix() {
     let e = h.truncate(0).unwrap_err().to_string();
     assert!(e.contains("accumulates attention"), "{e}");
 }
+
+/// `KvCache::resume_from_prefix`: a fresh cache gets a copy of another's first whole chunks
+/// (K, V, positions; the position follows) and goes on from there, while the source keeps all
+/// it held; a prefix that is not whole chunks, longer than the source, or beyond the budget,
+/// a source that evicted, and a cut of an H2O cache are refused.
+#[test]
+fn a_fresh_cache_copies_a_prefix_of_another() {
+    let flat = |t: Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let mut src =
+        KvCache::new(CacheConfig::full(4), 2, KV, D, 16, DType::F32, &Device::Cpu).unwrap();
+    for l in 0..2 {
+        let k = chunk_tensor(0, 11, l as u64);
+        let v = chunk_tensor(0, 11, 100 + l as u64);
+        src.layer_mut(l).append(&k, &v, 0).unwrap();
+    }
+    src.advance(11);
+    let fresh =
+        || KvCache::new(CacheConfig::full(4), 2, KV, D, 16, DType::F32, &Device::Cpu).unwrap();
+    let mut c = fresh();
+    c.resume_from_prefix(&src, 8).unwrap();
+    assert_eq!((c.len(), c.position()), (8, 8));
+    assert_eq!((src.len(), src.position()), (11, 11), "the source changed");
+    for l in 0..2 {
+        let (a, b) = (c.layer(l), src.layer(l));
+        assert_eq!(
+            flat(a.keys().unwrap()),
+            flat(b.keys().unwrap().narrow(1, 0, 8).unwrap())
+        );
+        assert_eq!(
+            flat(a.values().unwrap()),
+            flat(b.values().unwrap().narrow(1, 0, 8).unwrap())
+        );
+        for h in 0..KV {
+            assert_eq!(a.positions(h).unwrap(), (0..8).collect::<Vec<_>>());
+        }
+    }
+    // It goes on at position 8, in slot 8; the source's slot 8 is untouched.
+    let k = chunk_tensor(8, 2, 9);
+    c.layer_mut(0).append(&k, &k, 8).unwrap();
+    assert_eq!(
+        c.layer(0).positions(1).unwrap(),
+        (0..10).collect::<Vec<_>>()
+    );
+    assert_ne!(
+        flat(c.layer(0).keys().unwrap().narrow(1, 8, 1).unwrap()),
+        flat(src.layer(0).keys().unwrap().narrow(1, 8, 1).unwrap())
+    );
+    // The whole source, as `resume_from`.
+    let mut whole = fresh();
+    whole.resume_from_prefix(&src, 0).unwrap();
+    assert_eq!(whole.len(), 0);
+
+    for (len, why) in [
+        (6, "chunk boundary"),
+        (12, "cannot take 12 tokens from a cache of 11"),
+    ] {
+        let e = fresh()
+            .resume_from_prefix(&src, len)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(why), "{len}: {e}");
+    }
+    let budgeted = CacheConfig {
+        policy: PolicyKind::parse("keydiff", 4, 0).unwrap(),
+        budget: Some(4),
+        ..CacheConfig::full(4)
+    };
+    let mut b = KvCache::new(budgeted, 2, KV, D, 16, DType::F32, &Device::Cpu).unwrap();
+    let e = b.resume_from_prefix(&src, 8).unwrap_err().to_string();
+    assert!(e.contains("longer than the budget 4"), "{e}");
+
+    let h2o = CacheConfig {
+        policy: PolicyKind::parse("h2o", 4, 0).unwrap(),
+        budget: Some(8),
+        ..CacheConfig::full(4)
+    };
+    let mut h = KvCache::new(h2o.clone(), 1, KV, D, 16, DType::F32, &Device::Cpu).unwrap();
+    let t = chunk_tensor(0, 8, 3);
+    h.layer_mut(0).append(&t, &t, 0).unwrap();
+    h.advance(8);
+    let mut into = KvCache::new(h2o, 1, KV, D, 16, DType::F32, &Device::Cpu).unwrap();
+    let e = into.resume_from_prefix(&h, 4).unwrap_err().to_string();
+    assert!(e.contains("accumulates attention"), "{e}");
+    into.resume_from_prefix(&h, 8).unwrap();
+    assert_eq!(into.len(), 8);
+}

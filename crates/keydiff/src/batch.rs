@@ -302,7 +302,9 @@ impl<'e> Batch<'e> {
 
     /// A new request's prompt tokens, its cache (holding `prompt[..start]`), `start`, and what
     /// it keeps: from the kept cache that stands for most of its prompt, when the batch keeps
-    /// caches (the least recently used ones are freed while its cache does not fit).
+    /// caches: on a copy of its beginning when the cache also holds tokens the prompt goes
+    /// another way from (the cache stays kept, for others), else taken over (the least
+    /// recently used ones are freed while its cache does not fit).
     fn admit(
         &mut self,
         params: &GenerateParams,
@@ -313,36 +315,31 @@ impl<'e> Batch<'e> {
             return Ok((prompt, cache, 0, None));
         }
         params.validate()?;
+        let prompt = self.prompt_for_kept(params)?;
+        if let Some(r) = self.share_kept(params, prompt.as_ref())? {
+            return Ok(admitted(r));
+        }
         // After a kept cache that was taken over could not hold the request: a fresh one.
         let mut fresh_only = false;
         loop {
-            let (mut pc, from, tokens) = match &self.kept {
-                Some(k) if fresh_only => (PromptCache::with_reuse(k.reuse), None, None),
-                _ => self.best_kept(params)?,
+            let (mut pc, from) = match &self.kept {
+                Some(k) if fresh_only => (PromptCache::with_reuse(k.reuse), None),
+                _ => self.best_kept(params, prompt.as_ref())?,
             };
+            let ids = prompt.as_ref().map(|(_, ids)| ids.as_slice());
             if pc.is_empty() {
-                self.free_kept_for(params, tokens)?;
+                self.free_kept_for(params, ids.map(<[u32]>::len))?;
             }
-            match e.resume(params, &mut pc, self.held_bytes()) {
-                Ok(Resumed {
-                    prompt,
-                    cache,
-                    start,
-                    text,
-                    keep,
-                }) => {
-                    if start > 0 && !self.fit_taken(&cache)? {
+            match e.resume(params, &mut pc, self.held_bytes(), ids) {
+                Ok(r) => {
+                    if r.start > 0 && !self.fit_taken(&r.cache)? {
                         // It takes more than a fresh cache would (a kept cache can be larger
                         // than the request needs): dropped, and the request starts afresh.
-                        drop(cache);
+                        drop(r);
                         fresh_only = true;
                         continue;
                     }
-                    let keep = keep.then(|| Keep {
-                        prompt: prompt.clone(),
-                        text,
-                    });
-                    return Ok((prompt, cache, start, keep));
+                    return Ok(admitted(r));
                 }
                 Err(err) => {
                     // Refused before it took the cache (a prompt beyond the context, a bad
@@ -359,6 +356,53 @@ impl<'e> Batch<'e> {
                     tracing::debug!("freed a kept prompt cache for a request: {why}");
                 }
             }
+        }
+    }
+
+    /// The prompt's text and tokens, to match with the kept caches (`None` when none is kept,
+    /// or for prompt logprobs, which reuse nothing).
+    fn prompt_for_kept(
+        &self,
+        params: &GenerateParams,
+    ) -> Result<Option<(Option<String>, Vec<u32>)>> {
+        let e = self.engine;
+        if self.kept.as_ref().is_none_or(|k| k.caches.is_empty())
+            || params.prompt_logprobs.is_some()
+        {
+            return Ok(None);
+        }
+        Ok(Some((
+            e.prompt_text(&params.prompt)?,
+            e.prompt_tokens(&params.prompt)?,
+        )))
+    }
+
+    /// The request set up on a copy of the beginning of the kept cache that stands for most of
+    /// its prompt, which stays kept and becomes the most recently used (see
+    /// `Engine::share_prefix`); `None` when that does not apply, or the copy does not fit.
+    fn share_kept(
+        &mut self,
+        params: &GenerateParams,
+        prompt: Option<&(Option<String>, Vec<u32>)>,
+    ) -> Result<Option<Resumed>> {
+        let e = self.engine;
+        let (Some((text, ids)), Some(i)) = (prompt, self.best_index(params, prompt)?) else {
+            return Ok(None);
+        };
+        let held = self.held_bytes();
+        let Some(k) = &mut self.kept else {
+            return Ok(None);
+        };
+        match e.share_prefix(params, &k.caches[i], text.as_deref(), ids, held) {
+            Ok(Some(r)) => {
+                if let Some(pc) = k.caches.remove(i) {
+                    k.caches.push_front(pc);
+                }
+                tracing::debug!("a request shares {} tokens of a kept prompt cache", r.start);
+                Ok(Some(r))
+            }
+            Ok(None) | Err(EngineError::OutOfMemory(_)) => Ok(None),
+            Err(e) => Err(e),
         }
     }
 
@@ -437,35 +481,43 @@ impl<'e> Batch<'e> {
         Ok(())
     }
 
-    /// Takes out the kept cache that would stand for most of the request's prompt (the most
-    /// recently used of equals), with its place in the list, or gives an empty one when none
-    /// would; and the prompt's token count when it was counted.
-    fn best_kept(
-        &mut self,
+    /// Where the kept cache that would stand for most of the request's prompt is (the most
+    /// recently used of equals), if any would. `prompt`: see `prompt_for_kept`.
+    fn best_index(
+        &self,
         params: &GenerateParams,
-    ) -> Result<(PromptCache, Option<usize>, Option<usize>)> {
+        prompt: Option<&(Option<String>, Vec<u32>)>,
+    ) -> Result<Option<usize>> {
         let e = self.engine;
-        let Some(k) = &mut self.kept else {
-            return Ok((PromptCache::new(), None, None));
+        let (Some(k), Some((text, ids))) = (&self.kept, prompt) else {
+            return Ok(None);
         };
-        if k.caches.is_empty() || params.prompt_logprobs.is_some() {
-            return Ok((PromptCache::with_reuse(k.reuse), None, None));
-        }
-        let text = e.prompt_text(&params.prompt)?;
-        let ids = e.prompt_tokens(&params.prompt)?;
         let mut best = (0, None);
         for (i, pc) in k.caches.iter().enumerate() {
             // A cache the prompt cannot go on from (its continuation would not tokenize)
             // stands for nothing.
-            let r = e.reuse_len(pc, params, text.as_deref(), &ids).unwrap_or(0);
+            let r = e.reuse_len(pc, params, text.as_deref(), ids).unwrap_or(0);
             if r > best.0 {
                 best = (r, Some(i));
             }
         }
-        let n = Some(ids.len());
-        Ok(match best.1.and_then(|i| Some((k.caches.remove(i)?, i))) {
-            Some((pc, i)) => (pc, Some(i), n),
-            None => (PromptCache::with_reuse(k.reuse), None, n),
+        Ok(best.1)
+    }
+
+    /// Takes out the kept cache that would stand for most of the request's prompt, with its
+    /// place in the list, or gives an empty one when none would.
+    fn best_kept(
+        &mut self,
+        params: &GenerateParams,
+        prompt: Option<&(Option<String>, Vec<u32>)>,
+    ) -> Result<(PromptCache, Option<usize>)> {
+        let best = self.best_index(params, prompt)?;
+        let Some(k) = &mut self.kept else {
+            return Ok((PromptCache::new(), None));
+        };
+        Ok(match best.and_then(|i| Some((k.caches.remove(i)?, i))) {
+            Some((pc, i)) => (pc, Some(i)),
+            None => (PromptCache::with_reuse(k.reuse), None),
         })
     }
 
@@ -666,4 +718,20 @@ impl<'e> Batch<'e> {
         }
         Ok(ended)
     }
+}
+
+/// What `Batch::admit` gives for a request set up on a kept cache or a fresh one.
+fn admitted(r: Resumed) -> (Vec<u32>, KvCache, usize, Option<Keep>) {
+    let Resumed {
+        prompt,
+        cache,
+        start,
+        text,
+        keep,
+    } = r;
+    let keep = keep.then(|| Keep {
+        prompt: prompt.clone(),
+        text,
+    });
+    (prompt, cache, start, keep)
 }

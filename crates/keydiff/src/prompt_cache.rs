@@ -45,6 +45,8 @@ pub struct PromptCache {
     reuse: Reuse,
     /// Tokens fed to the cache.
     tokens: Vec<u32>,
+    /// How many of them were the request's prompt (the rest it generated).
+    prompt_len: usize,
     cache: Option<KvCache>,
     /// The text those tokens and `pending` stand for (the prompt's text or rendered chat,
     /// then the reply as sent), when known: a conversation is continued from the text, as
@@ -97,6 +99,7 @@ impl PromptCache {
     /// Frees the cache.
     pub fn clear(&mut self) {
         self.tokens.clear();
+        self.prompt_len = 0;
         self.cache = None;
         self.text = None;
         self.pending.clear();
@@ -137,6 +140,7 @@ impl PromptCache {
             .take(fed)
             .copied()
             .collect();
+        self.prompt_len = n.min(fed);
         // The reply as the client got it; after a stop string it lacks tokens the cache was
         // fed, and a prompt cut short in prefill has no reply.
         let whole = fed >= n && out.stats.stop_reason != StopReason::StopString;
@@ -180,7 +184,7 @@ impl Engine {
             start,
             text,
             keep,
-        } = self.resume(params, pc, 0)?;
+        } = self.resume(params, pc, 0, None)?;
         let (out, _) = self.run_request(&mut cache, &prompt, start, params, t0, &mut on_event)?;
         if keep {
             pc.store(cache, &prompt, text, &out);
@@ -219,12 +223,14 @@ impl Engine {
 
     /// Sets a request up on `pc` (see [`Engine::generate_cached`]): checks it, takes `pc`'s
     /// cache (`pc` is left empty) and reuses what it may, else allocates a fresh cache, beside
-    /// `held` bytes that the memory budget does not see (a batch's other caches).
+    /// `held` bytes that the memory budget does not see (a batch's other caches). `ids`: the
+    /// prompt's tokens, when known.
     pub(crate) fn resume(
         &self,
         params: &GenerateParams,
         pc: &mut PromptCache,
         held: u64,
+        ids: Option<&[u32]>,
     ) -> Result<Resumed> {
         params.validate()?;
         let context = self.model_config().max_position_embeddings;
@@ -248,19 +254,9 @@ impl Engine {
         }
         let text = self.prompt_text(&params.prompt)?;
         // Continuing a conversation: the held tokens, then what the text adds.
-        let (prompt, go_on) = self.continuation(pc, &params.prompt, text.as_deref(), None)?;
-        let n = prompt.len();
-        if n > context {
-            return Err(EngineError::PromptTooLong { tokens: n, context });
-        }
-        let need = n.saturating_add(params.max_tokens).min(context);
+        let (prompt, go_on) = self.continuation(pc, &params.prompt, text.as_deref(), ids)?;
+        let (need, alloc) = self.request_slots(pc.reuse, prompt.len(), params)?;
         let cfg = self.config().cache.clone();
-        // Continuing needs a budgeted cache's N + B slots from the start, as a chat does: a
-        // shorter one could not hold the next turn, and a budgeted cache does not grow.
-        let alloc = match (pc.reuse, cfg.budget) {
-            (Reuse::Continue, Some(_)) => context,
-            _ => need,
-        };
         let reuse = if go_on > 0 {
             0
         } else {
@@ -323,6 +319,74 @@ impl Engine {
         })
     }
 
+    /// Sets a request up on a fresh cache that starts with a copy of the beginning of `pc`'s
+    /// cache, which `pc` keeps (a batch's kept cache, which other requests can then share):
+    /// when `pc` stands for whole chunks of the prompt exactly (as [`Engine::resume`] would cut
+    /// it back to), and the prompt goes another way than the earlier request's prompt (another
+    /// question on the same document or system prompt), so that cutting the cache back would
+    /// lose what others may reuse. A prompt that starts with all of the earlier prompt (a
+    /// follow-up, the same prompt again) takes the cache over instead ([`Engine::resume`]), and
+    /// so does a request for which a fresh cache would not fit in memory without swapping
+    /// (taking one over needs no more memory). `None` when it does not apply. `text` and `ids`:
+    /// the prompt's; `held`: as for [`Engine::resume`].
+    pub(crate) fn share_prefix(
+        &self,
+        params: &GenerateParams,
+        pc: &PromptCache,
+        text: Option<&str>,
+        ids: &[u32],
+        held: u64,
+    ) -> Result<Option<Resumed>> {
+        let Some(src) = &pc.cache else {
+            return Ok(None);
+        };
+        if params.prompt_logprobs.is_some() {
+            return Ok(None);
+        }
+        let (prompt, go_on) = self.continuation(pc, &params.prompt, text, Some(ids))?;
+        let reuse = self.reusable(pc, &prompt);
+        let common = common_prefix(&pc.tokens, &prompt);
+        if go_on > 0 || reuse == 0 || common >= pc.prompt_len {
+            return Ok(None);
+        }
+        let (_, alloc) = self.request_slots(pc.reuse, prompt.len(), params)?;
+        let cfg = self.config().cache.clone();
+        if self.ram_shortfall(&cfg, cfg.slots_for(alloc), held, 0) > 0 {
+            return Ok(None);
+        }
+        let mut cache = self.alloc_cache_beside(cfg, alloc, held)?;
+        cache.resume_from_prefix(src, reuse)?;
+        Ok(Some(Resumed {
+            prompt,
+            cache,
+            start: reuse,
+            text: text.map(str::to_owned),
+            keep: true,
+        }))
+    }
+
+    /// The cache slots a request of `n` prompt tokens needs at most, and those to allocate for
+    /// it: continuing needs a budgeted cache's N + B slots from the start, as a chat does (a
+    /// shorter one could not hold the next turn, and a budgeted cache does not grow). A prompt
+    /// beyond the context is refused.
+    fn request_slots(
+        &self,
+        reuse: Reuse,
+        n: usize,
+        params: &GenerateParams,
+    ) -> Result<(usize, usize)> {
+        let context = self.model_config().max_position_embeddings;
+        if n > context {
+            return Err(EngineError::PromptTooLong { tokens: n, context });
+        }
+        let need = n.saturating_add(params.max_tokens).min(context);
+        let alloc = match (reuse, self.config().cache.budget) {
+            (Reuse::Continue, Some(_)) => context,
+            _ => need,
+        };
+        Ok((need, alloc))
+    }
+
     /// The request's tokens, and how many of them `pc` holds when it may go on from its whole
     /// cache (else 0). Going on needs a prompt that extends the held conversation: its text
     /// extends the held text (the added text is tokenized on its own, after the pending reply
@@ -380,16 +444,15 @@ impl Engine {
         if !c.can_truncate() || c.config() != cfg {
             return 0;
         }
-        let common = pc
-            .tokens
-            .iter()
-            .zip(prompt)
-            .take_while(|(a, b)| a == b)
-            .count();
-        let mut r = common.min(prompt.len() - 1);
+        let mut r = common_prefix(&pc.tokens, prompt).min(prompt.len() - 1);
         if let Some(budget) = cfg.budget {
             r = r.min(budget);
         }
         r - r % cfg.chunk
     }
+}
+
+/// How many tokens `a` and `b` start with alike.
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
