@@ -201,7 +201,8 @@ fn lengths_at_chunk_edges() {
     let context = e.model_config().max_position_embeddings;
     let err = e.perplexity(&vec![1; context + 1]).unwrap_err().to_string();
     assert!(err.contains("beyond the model's context"), "{err}");
-    // Windows: bad sizes are refused by name; a text beyond the context is scored.
+    // Windows: bad sizes are refused by name; every token is scored once, in the expected
+    // number of windows (a text beyond the context: the CLI test).
     for (w, s, why) in [
         (1, 1, "a perplexity window needs at least 2 tokens, got 1"),
         (context + 1, 8, "window of"),

@@ -672,3 +672,53 @@ fn a_request_takes_a_kept_cache_over_when_a_copy_does_not_fit() {
         assert_eq!(out.tokens, e.generate(&b, |_| {}).unwrap().tokens);
     }
 }
+
+/// A kept cache too small for the request that takes it over (a longer answer) is copied into
+/// a bigger one; the other kept caches make room for it first, least recently used first, so
+/// that the one it goes on from is not the one freed.
+#[test]
+fn a_kept_cache_copied_into_a_bigger_one_keeps_its_place() {
+    let source = ModelSource::Random {
+        config: keydiff_tests::root().join("configs/tiny-llama.json"),
+        seed: 2,
+        on_host: false,
+    };
+    let (chunk, len) = (32, 300);
+    let base = Engine::load(&source, &EngineConfig::default()).unwrap();
+    let m = base.model_config().clone();
+    let plan = base.weight_plan();
+    drop(base);
+    let full = CacheConfig::full(chunk);
+    let kv = |tokens: usize| m.kv_cache_bytes(full.slots_for(tokens), candle_core::DType::F32);
+    let need =
+        |tokens: usize| kv(tokens) + m.request_scratch_bytes(full.slots_for(tokens), chunk, true);
+    let request = |prompt: Vec<u32>, max_tokens: usize| GenerateParams {
+        prompt: Prompt::Tokens(prompt),
+        max_tokens,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let a = request(vec![3; len], 3);
+    let c = request(vec![5; len], 3);
+    let mut b_prompt = vec![3; len];
+    b_prompt.extend([7; 20]);
+    let b = request(b_prompt, 400);
+    // B's bigger cache fits beside A's (while A is copied) but not beside both A's and C's.
+    let limit = need(320 + 400) + kv(len + 3) + kv(len + 3) / 2;
+    let cfg = EngineConfig {
+        cache: full,
+        memory_limit: Some(plan.resident + limit),
+        ..Default::default()
+    };
+    let e = Engine::load(&source, &cfg).unwrap();
+    let mut batch = e.batch();
+    batch.keep_prompts(keydiff::Reuse::Exact, 4);
+    run_batch(&mut batch, &[(0, &a)]);
+    run_batch(&mut batch, &[(1, &c)]);
+    assert_eq!(batch.kept_tokens(), vec![len + 2, len + 2], "C beside A");
+    let out = run_batch(&mut batch, &[(2, &b)]).remove(&2).unwrap();
+    // It went on from A's cache (C was freed for it), and answers as a fresh request.
+    assert_eq!(out.stats.prefix_tokens, len / chunk * chunk);
+    assert_eq!(out.tokens, e.generate(&b, |_| {}).unwrap().tokens);
+    assert_eq!(batch.kept_tokens(), vec![len + 20 + 400 - 1]);
+}

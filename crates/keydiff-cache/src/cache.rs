@@ -201,9 +201,10 @@ impl KvCache {
 
     /// As [`KvCache::resume_from`], from the first `len` tokens of `prefix` only, which is left
     /// as it is: a request that shares a prompt's beginning with a kept cache goes on from a
-    /// copy of it, and the kept cache stays for others. `prefix` must be one that
+    /// copy of it, and the kept cache stays for others. `len` must be a whole number of
+    /// chunks, and, when it is less than all of `prefix`, `prefix` one that
     /// [`KvCache::truncate`] could cut back (it never evicted, and its policy keeps no per-slot
-    /// state), and `len` a whole number of chunks.
+    /// state); all of it is taken as [`KvCache::resume_from`] takes it.
     pub fn resume_from_prefix(&mut self, prefix: &KvCache, len: usize) -> Result<()> {
         if len > prefix.len() {
             return Err(CacheError::Config(format!(

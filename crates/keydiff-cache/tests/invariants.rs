@@ -373,10 +373,10 @@ fn a_fresh_cache_copies_a_prefix_of_another() {
         flat(c.layer(0).keys().unwrap().narrow(1, 8, 1).unwrap()),
         flat(src.layer(0).keys().unwrap().narrow(1, 8, 1).unwrap())
     );
-    // The whole source, as `resume_from`.
-    let mut whole = fresh();
-    whole.resume_from_prefix(&src, 0).unwrap();
-    assert_eq!(whole.len(), 0);
+    // Nothing of it: an empty, fresh cache.
+    let mut none = fresh();
+    none.resume_from_prefix(&src, 0).unwrap();
+    assert_eq!((none.len(), none.position()), (0, 0));
 
     for (len, why) in [
         (6, "chunk boundary"),
@@ -409,6 +409,13 @@ fn a_fresh_cache_copies_a_prefix_of_another() {
     let mut into = KvCache::new(h2o, 1, KV, D, 16, DType::F32, &Device::Cpu).unwrap();
     let e = into.resume_from_prefix(&h, 4).unwrap_err().to_string();
     assert!(e.contains("accumulates attention"), "{e}");
+    // All of it, as `resume_from`: the slots and the policy state.
     into.resume_from_prefix(&h, 8).unwrap();
-    assert_eq!(into.len(), 8);
+    assert_eq!((into.len(), into.position()), (8, 8));
+    let (a, b) = (into.layer(0), h.layer(0));
+    assert_eq!(flat(a.keys().unwrap()), flat(b.keys().unwrap()));
+    assert_eq!(
+        flat(a.state_tensor().unwrap()),
+        flat(b.state_tensor().unwrap())
+    );
 }

@@ -669,7 +669,7 @@ struct PplArgs {
     #[arg(long)]
     max_tokens: Option<usize>,
     /// Score the text in windows of W tokens, each prefilled afresh under the cache settings
-    /// (llama-perplexity's -c). Default: the whole text in one window, or, for a text beyond
+    /// (named as llama-perplexity's -c). Default: the whole text in one window, or, for a text beyond
     /// the model's context, windows of the context.
     #[arg(short = 'c', long, value_name = "W")]
     ctx_size: Option<usize>,

@@ -5,9 +5,10 @@
 
 /// This process's resident set, bytes (Linux).
 fn rss() -> Option<u64> {
-    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
-    let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
-    Some(pages * 4096)
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb << 10)
 }
 
 /// `n` buffers of 6 MiB, every page written (as a prefill writes a cache's slots).
@@ -26,7 +27,7 @@ fn buffers(n: usize) -> Vec<Vec<f32>> {
 #[test]
 fn freed_heap_buffers_count_as_available() {
     if !cfg!(all(target_os = "linux", target_env = "gnu")) || rss().is_none() {
-        eprintln!("skipped: needs Linux with glibc (malloc_trim, /proc/self/statm)");
+        eprintln!("skipped: needs Linux with glibc (malloc_trim, /proc/self/status)");
         return;
     }
     // Freeing a mapped 6 MiB buffer raises glibc's mmap threshold above 6 MiB: the next
@@ -48,6 +49,12 @@ fn freed_heap_buffers_count_as_available() {
         mib(after)
     );
     assert!(budget.is_some(), "no memory budget on Linux");
+    if before - dropped.min(before) >= 100 << 20 {
+        // The allocator gave them back by itself (a fixed mmap threshold, another malloc):
+        // there is nothing for the budget to release.
+        eprintln!("skipped: freeing the buffers gave their memory back without malloc_trim");
+        return;
+    }
     assert!(
         before - after.min(before) >= 200 << 20,
         "measuring the budget gave back {:.0} MiB of 240 freed",

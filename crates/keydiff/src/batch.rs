@@ -327,9 +327,7 @@ impl<'e> Batch<'e> {
                 _ => self.best_kept(params, prompt.as_ref())?,
             };
             let ids = prompt.as_ref().map(|(_, ids)| ids.as_slice());
-            if pc.is_empty() {
-                self.free_kept_for(params, ids.map(<[u32]>::len))?;
-            }
+            self.free_kept_for(params, ids.map(<[u32]>::len), pc.cache())?;
             match e.resume(params, &mut pc, self.held_bytes(), ids) {
                 Ok(r) => {
                     if r.start > 0 && !self.fit_taken(&r.cache)? {
@@ -455,28 +453,42 @@ impl<'e> Batch<'e> {
     /// to the system first, `memory::release_freed_heap`).
     /// (A cache that would not fit at all is refused by the memory check, and `admit` frees
     /// kept caches then too.)
-    /// `tokens`: the prompt's, when known.
-    fn free_kept_for(&mut self, params: &GenerateParams, tokens: Option<usize>) -> Result<()> {
+    /// `tokens`: the prompt's, when known. `taken`: the kept cache the request takes over, if
+    /// any: nothing is freed when it can hold the request (no new cache is allocated), else
+    /// it is copied into a fresh one, which the others make room for.
+    fn free_kept_for(
+        &mut self,
+        params: &GenerateParams,
+        tokens: Option<usize>,
+        taken: Option<&KvCache>,
+    ) -> Result<()> {
         let e = self.engine;
-        if self.kept.as_ref().is_none_or(|k| k.caches.is_empty()) {
+        let Some(reuse) = self.kept.as_ref().map(|k| k.reuse) else {
+            return Ok(());
+        };
+        if self.kept.as_ref().is_some_and(|k| k.caches.is_empty()) {
             return Ok(());
         }
         let cfg = &e.config().cache;
-        let context = e.model_config().max_position_embeddings;
         let n = match tokens {
             Some(n) => n,
             None => e.prompt_tokens(&params.prompt)?.len(),
         };
-        if n > context {
-            // Refused as such by `resume`; nothing to free for it.
+        // A prompt beyond the context is refused as such by `resume`; nothing to free for it.
+        let Ok((need, alloc)) = e.request_slots(reuse, n, params) else {
+            return Ok(());
+        };
+        if taken.is_some_and(|c| c.capacity() >= cfg.slots_for(need)) {
             return Ok(());
         }
-        let alloc = match (self.kept.as_ref().map(|k| k.reuse), cfg.budget) {
-            // A continued conversation's cache gets N + B slots from the start.
-            (Some(Reuse::Continue), Some(_)) => context,
-            _ => n.saturating_add(params.max_tokens).min(context),
+        // While the taken cache is copied both exist: under a configured limit (which
+        // measures nothing) it is counted, as `Engine::resume` counts it; a measured budget
+        // sees it.
+        let copied = match (taken, e.config().memory_limit) {
+            (Some(c), Some(_)) => c.bytes() as u64,
+            _ => 0,
         };
-        let short = e.ram_shortfall(cfg, cfg.slots_for(alloc), self.held_bytes(), 0);
+        let short = e.ram_shortfall(cfg, cfg.slots_for(alloc), self.held_bytes() + copied, 0);
         self.free_kept(short);
         Ok(())
     }

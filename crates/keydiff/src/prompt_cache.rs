@@ -326,9 +326,11 @@ impl Engine {
     /// question on the same document or system prompt), so that cutting the cache back would
     /// lose what others may reuse. A prompt that starts with all of the earlier prompt (a
     /// follow-up, the same prompt again) takes the cache over instead ([`Engine::resume`]), and
-    /// so does a request for which a fresh cache would not fit in memory without swapping
-    /// (taking one over needs no more memory). `None` when it does not apply. `text` and `ids`:
-    /// the prompt's; `held`: as for [`Engine::resume`].
+    /// so does a request for which a fresh cache would not fit in memory without swapping:
+    /// taking one over needs no more memory, or, when it is too small for the request, frees
+    /// it once it is copied into a bigger one (for which a batch frees its least recently used
+    /// kept caches first). `None` when it does not apply. `text` and `ids`: the prompt's;
+    /// `held`: as for [`Engine::resume`].
     pub(crate) fn share_prefix(
         &self,
         params: &GenerateParams,
@@ -369,7 +371,7 @@ impl Engine {
     /// it: continuing needs a budgeted cache's N + B slots from the start, as a chat does (a
     /// shorter one could not hold the next turn, and a budgeted cache does not grow). A prompt
     /// beyond the context is refused.
-    fn request_slots(
+    pub(crate) fn request_slots(
         &self,
         reuse: Reuse,
         n: usize,
