@@ -296,6 +296,29 @@ fn run_batch(
     outs
 }
 
+/// The tiny random Llama (for tests under a memory limit), its hyper-parameters, and the
+/// bytes its weights hold.
+fn tiny_llama() -> (ModelSource, keydiff::ModelConfig, u64) {
+    let source = ModelSource::Random {
+        config: keydiff_tests::root().join("configs/tiny-llama.json"),
+        seed: 2,
+        on_host: false,
+    };
+    let base = Engine::load(&source, &EngineConfig::default()).unwrap();
+    let (m, resident) = (base.model_config().clone(), base.weight_plan().resident);
+    (source, m, resident)
+}
+
+/// Greedy generation of `max_tokens` tokens (EOS ignored) after the token ids `prompt`.
+fn tokens(prompt: Vec<u32>, max_tokens: usize) -> GenerateParams {
+    GenerateParams {
+        prompt: Prompt::Tokens(prompt),
+        max_tokens,
+        ignore_eos: true,
+        ..Default::default()
+    }
+}
+
 /// A batch that keeps its requests' caches (`Batch::keep_prompts`, a server's prompt cache
 /// under `--max-batch`): follow-ups on two documents, joining together, each start from the
 /// cache of the earlier request on their own document (whole chunks of it), and answer as
@@ -440,32 +463,19 @@ fn batched_conversations_continue_from_their_own_caches() {
 /// without new memory.
 #[test]
 fn kept_caches_make_room_under_a_memory_limit() {
-    let source = ModelSource::Random {
-        config: keydiff_tests::root().join("configs/tiny-llama.json"),
-        seed: 2,
-        on_host: false,
-    };
+    let (source, m, resident) = tiny_llama();
     let (chunk, len) = (32, 300);
-    let base = Engine::load(&source, &EngineConfig::default()).unwrap();
-    let m = base.model_config().clone();
-    let plan = base.weight_plan();
-    drop(base);
     let slots = CacheConfig::full(chunk).slots_for(len + 3);
     let kv = m.kv_cache_bytes(slots, candle_core::DType::F32);
     let need = kv + m.request_scratch_bytes(slots, chunk, true);
     // Room for the weights, one request's cache and activations, and half a cache more.
     let cfg = EngineConfig {
         cache: CacheConfig::full(chunk),
-        memory_limit: Some(plan.resident + need + kv / 2),
+        memory_limit: Some(resident + need + kv / 2),
         ..Default::default()
     };
     let e = Engine::load(&source, &cfg).unwrap();
-    let request = |token: u32| GenerateParams {
-        prompt: Prompt::Tokens(vec![token; len]),
-        max_tokens: 3,
-        ignore_eos: true,
-        ..Default::default()
-    };
+    let request = |token: u32| tokens(vec![token; len], 3);
     let (a, b) = (request(3), request(5));
     let mut batch = e.batch();
     batch.keep_prompts(keydiff::Reuse::Exact, 4);
@@ -498,32 +508,18 @@ fn kept_caches_make_room_under_a_memory_limit() {
 /// cache of its own size.
 #[test]
 fn a_kept_cache_too_large_to_take_over_gives_way_to_a_fresh_one() {
-    let source = ModelSource::Random {
-        config: keydiff_tests::root().join("configs/tiny-llama.json"),
-        seed: 2,
-        on_host: false,
-    };
+    let (source, m, resident) = tiny_llama();
     let chunk = 32;
     let cfg = CacheConfig::full(chunk);
-    let base = Engine::load(&source, &EngineConfig::default()).unwrap();
-    let m = base.model_config().clone();
-    let plan = base.weight_plan();
-    drop(base);
     let kv = |slots: usize| m.kv_cache_bytes(slots, candle_core::DType::F32);
     let need = |slots: usize| kv(slots) + m.request_scratch_bytes(slots, chunk, true);
-    let request = |prompt: Vec<u32>, max_tokens: usize| GenerateParams {
-        prompt: Prompt::Tokens(prompt),
-        max_tokens,
-        ignore_eos: true,
-        ..Default::default()
-    };
     // A: a long answer's cache, kept. R: running beside it. B: a short request that goes on
     // from A's prompt (so it would take A's cache over rather than share a copy of it).
-    let a = request(vec![3; 200], 2000);
-    let r = request(vec![5; 100], 2000);
+    let a = tokens(vec![3; 200], 2000);
+    let r = tokens(vec![5; 100], 2000);
     let mut b_prompt = vec![3; 200];
     b_prompt.extend([7; 10]);
-    let b = request(b_prompt, 3);
+    let b = tokens(b_prompt, 3);
     let (cap_a, cap_r, cap_b) = (200 + 2000, 100 + 2000, 210 + 3);
     // R's join beside kept A, and taking A over beside R (its cache, one decode row, its
     // logits): the limit lies between.
@@ -541,7 +537,7 @@ fn a_kept_cache_too_large_to_take_over_gives_way_to_a_fresh_one() {
         &source,
         &EngineConfig {
             cache: cfg,
-            memory_limit: Some(plan.resident + limit),
+            memory_limit: Some(resident + limit),
             ..Default::default()
         },
     )
@@ -619,25 +615,12 @@ fn requests_on_one_document_share_a_kept_cache() {
 /// both, it shares.
 #[test]
 fn a_request_takes_a_kept_cache_over_when_a_copy_does_not_fit() {
-    let source = ModelSource::Random {
-        config: keydiff_tests::root().join("configs/tiny-llama.json"),
-        seed: 2,
-        on_host: false,
-    };
+    let (source, m, resident) = tiny_llama();
     let (chunk, len) = (32, 300);
-    let base = Engine::load(&source, &EngineConfig::default()).unwrap();
-    let m = base.model_config().clone();
-    let plan = base.weight_plan();
-    drop(base);
     let slots = CacheConfig::full(chunk).slots_for(len + 3);
     let kv = m.kv_cache_bytes(slots, candle_core::DType::F32);
     let need = kv + m.request_scratch_bytes(slots, chunk, true);
-    let request = |prompt: Vec<u32>| GenerateParams {
-        prompt: Prompt::Tokens(prompt),
-        max_tokens: 3,
-        ignore_eos: true,
-        ..Default::default()
-    };
+    let request = |prompt: Vec<u32>| tokens(prompt, 3);
     let a = request(vec![3; len]);
     let mut b_prompt = vec![3; 200];
     b_prompt.extend(vec![5; len - 200]);
@@ -646,7 +629,7 @@ fn a_request_takes_a_kept_cache_over_when_a_copy_does_not_fit() {
     for (room, shares) in [(need + kv / 2, false), (need + kv + kv / 2, true)] {
         let cfg = EngineConfig {
             cache: CacheConfig::full(chunk),
-            memory_limit: Some(plan.resident + room),
+            memory_limit: Some(resident + room),
             ..Default::default()
         };
         let e = Engine::load(&source, &cfg).unwrap();
@@ -678,36 +661,22 @@ fn a_request_takes_a_kept_cache_over_when_a_copy_does_not_fit() {
 /// that the one it goes on from is not the one freed.
 #[test]
 fn a_kept_cache_copied_into_a_bigger_one_keeps_its_place() {
-    let source = ModelSource::Random {
-        config: keydiff_tests::root().join("configs/tiny-llama.json"),
-        seed: 2,
-        on_host: false,
-    };
+    let (source, m, resident) = tiny_llama();
     let (chunk, len) = (32, 300);
-    let base = Engine::load(&source, &EngineConfig::default()).unwrap();
-    let m = base.model_config().clone();
-    let plan = base.weight_plan();
-    drop(base);
     let full = CacheConfig::full(chunk);
     let kv = |tokens: usize| m.kv_cache_bytes(full.slots_for(tokens), candle_core::DType::F32);
     let need =
         |tokens: usize| kv(tokens) + m.request_scratch_bytes(full.slots_for(tokens), chunk, true);
-    let request = |prompt: Vec<u32>, max_tokens: usize| GenerateParams {
-        prompt: Prompt::Tokens(prompt),
-        max_tokens,
-        ignore_eos: true,
-        ..Default::default()
-    };
-    let a = request(vec![3; len], 3);
-    let c = request(vec![5; len], 3);
+    let a = tokens(vec![3; len], 3);
+    let c = tokens(vec![5; len], 3);
     let mut b_prompt = vec![3; len];
     b_prompt.extend([7; 20]);
-    let b = request(b_prompt, 400);
+    let b = tokens(b_prompt, 400);
     // B's bigger cache fits beside A's (while A is copied) but not beside both A's and C's.
     let limit = need(320 + 400) + kv(len + 3) + kv(len + 3) / 2;
     let cfg = EngineConfig {
         cache: full,
-        memory_limit: Some(plan.resident + limit),
+        memory_limit: Some(resident + limit),
         ..Default::default()
     };
     let e = Engine::load(&source, &cfg).unwrap();

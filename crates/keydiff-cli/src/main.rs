@@ -669,8 +669,8 @@ struct PplArgs {
     #[arg(long)]
     max_tokens: Option<usize>,
     /// Score the text in windows of W tokens, each prefilled afresh under the cache settings
-    /// (named as llama-perplexity's -c). Default: the whole text in one window, or, for a text beyond
-    /// the model's context, windows of the context.
+    /// (named as llama-perplexity's -c). Default: the whole text in one window, or, for a
+    /// text beyond the model's context, windows of the context.
     #[arg(short = 'c', long, value_name = "W")]
     ctx_size: Option<usize>,
     /// Windows start S tokens apart; each scores only the tokens no earlier window scored,

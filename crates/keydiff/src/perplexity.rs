@@ -3,9 +3,9 @@
 //! logits of the position before it.
 //!
 //! A text longer than one window is scored in overlapping windows (Hugging Face's strided
-//! perplexity; llama-perplexity's `-c`): window k runs tokens `k·S .. k·S + W` on a fresh
-//! cache, and scores only the tokens no earlier window scored. Every token after the first is
-//! scored exactly once, each beyond the first window with at least `W − S` tokens before it.
+//! perplexity): window k runs tokens `k·S .. k·S + W` on a fresh cache, and scores only the
+//! tokens no earlier window scored. Every token after the first is scored exactly once, each
+//! beyond the first window with at least `W − S` tokens before it.
 
 use std::time::Instant;
 
