@@ -316,15 +316,24 @@ impl<'e> Batch<'e> {
         }
         params.validate()?;
         let prompt = self.prompt_for_kept(params)?;
-        if let Some(r) = self.share_kept(params, prompt.as_ref())? {
+        let best = self.best_index(params, prompt.as_ref())?;
+        if let Some(r) = self.share_kept(params, prompt.as_ref(), best)? {
             return Ok(admitted(r));
         }
+        // The best kept cache's place, while the list is as it was when it was found.
+        let mut found = Some(best);
         // After a kept cache that was taken over could not hold the request: a fresh one.
         let mut fresh_only = false;
         loop {
             let (mut pc, from) = match &self.kept {
                 Some(k) if fresh_only => (PromptCache::with_reuse(k.reuse), None),
-                _ => self.best_kept(params, prompt.as_ref())?,
+                _ => {
+                    let best = match found.take() {
+                        Some(best) => best,
+                        None => self.best_index(params, prompt.as_ref())?,
+                    };
+                    self.take_kept(best)
+                }
             };
             let ids = prompt.as_ref().map(|(_, ids)| ids.as_slice());
             self.free_kept_for(params, ids.map(<[u32]>::len), pc.cache())?;
@@ -375,16 +384,17 @@ impl<'e> Batch<'e> {
         )))
     }
 
-    /// The request set up on a copy of the beginning of the kept cache that stands for most of
-    /// its prompt, which stays kept and becomes the most recently used (see
+    /// The request set up on a copy of the beginning of the kept cache at `best`, the one that
+    /// stands for most of its prompt, which stays kept and becomes the most recently used (see
     /// `Engine::share_prefix`); `None` when that does not apply, or the copy does not fit.
     fn share_kept(
         &mut self,
         params: &GenerateParams,
         prompt: Option<&(Option<String>, Vec<u32>)>,
+        best: Option<usize>,
     ) -> Result<Option<Resumed>> {
         let e = self.engine;
-        let (Some((text, ids)), Some(i)) = (prompt, self.best_index(params, prompt)?) else {
+        let (Some((text, ids)), Some(i)) = (prompt, best) else {
             return Ok(None);
         };
         let held = self.held_bytes();
@@ -516,21 +526,16 @@ impl<'e> Batch<'e> {
         Ok(best.1)
     }
 
-    /// Takes out the kept cache that would stand for most of the request's prompt, with its
-    /// place in the list, or gives an empty one when none would.
-    fn best_kept(
-        &mut self,
-        params: &GenerateParams,
-        prompt: Option<&(Option<String>, Vec<u32>)>,
-    ) -> Result<(PromptCache, Option<usize>)> {
-        let best = self.best_index(params, prompt)?;
+    /// Takes out the kept cache at `best` (see `best_index`), with its place in the list, or
+    /// gives an empty one when there is none.
+    fn take_kept(&mut self, best: Option<usize>) -> (PromptCache, Option<usize>) {
         let Some(k) = &mut self.kept else {
-            return Ok((PromptCache::new(), None));
+            return (PromptCache::new(), None);
         };
-        Ok(match best.and_then(|i| Some((k.caches.remove(i)?, i))) {
+        match best.and_then(|i| Some((k.caches.remove(i)?, i))) {
             Some((pc, i)) => (pc, Some(i)),
             None => (PromptCache::with_reuse(k.reuse), None),
-        })
+        }
     }
 
     /// Keeps an ended request's cache for later ones, when the batch keeps caches and it can

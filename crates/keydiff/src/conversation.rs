@@ -113,13 +113,7 @@ impl Engine {
             return Err(EngineError::EmptyPrompt);
         }
         self.check_vocab(&feed)?;
-        let context = self.model_config().max_position_embeddings;
-        if kept + feed.len() > context {
-            return Err(EngineError::PromptTooLong {
-                tokens: kept + feed.len(),
-                context,
-            });
-        }
+        let context = self.within_context(kept + feed.len())?;
         let need = (kept + feed.len())
             .saturating_add(params.max_tokens)
             .min(context);

@@ -761,6 +761,16 @@ impl Engine {
         &self.loaded.model
     }
 
+    /// Refuses `tokens` tokens beyond the model's context (`PromptTooLong`); gives the
+    /// context.
+    pub(crate) fn within_context(&self, tokens: usize) -> Result<usize> {
+        let context = self.model_config().max_position_embeddings;
+        if tokens > context {
+            return Err(EngineError::PromptTooLong { tokens, context });
+        }
+        Ok(context)
+    }
+
     /// The model's hyper-parameters.
     pub fn model_config(&self) -> &ModelConfig {
         self.loaded.model.config()
@@ -1180,13 +1190,7 @@ impl Engine {
             None => 0,
         };
         self.check_vocab(tokens)?;
-        let context = self.model_config().max_position_embeddings;
-        if tokens.len() > context {
-            return Err(EngineError::PromptTooLong {
-                tokens: tokens.len(),
-                context,
-            });
-        }
+        self.within_context(tokens.len())?;
         let mut kv = self.alloc_cache(cache, tokens.len())?;
         if let Some(b) = base {
             kv.resume_from(&b.cache)?;
@@ -1227,12 +1231,9 @@ impl Engine {
         held: u64,
     ) -> Result<(Vec<u32>, KvCache)> {
         params.validate()?;
-        let context = self.model_config().max_position_embeddings;
         let prompt = self.prompt_tokens(&params.prompt)?;
         let n = prompt.len();
-        if n > context {
-            return Err(EngineError::PromptTooLong { tokens: n, context });
-        }
+        let context = self.within_context(n)?;
         // The cache holds at most the prompt and the output, never beyond the context.
         let max_tokens = n.saturating_add(params.max_tokens).min(context);
         let extra = match params.prompt_logprobs {

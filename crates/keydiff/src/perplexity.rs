@@ -40,13 +40,7 @@ impl Engine {
     /// window). At least two tokens, at most the model's context.
     pub fn perplexity(&self, tokens: &[u32]) -> Result<Perplexity> {
         self.check_ppl_tokens(tokens)?;
-        let context = self.model_config().max_position_embeddings;
-        if tokens.len() > context {
-            return Err(EngineError::PromptTooLong {
-                tokens: tokens.len(),
-                context,
-            });
-        }
+        self.within_context(tokens.len())?;
         self.ppl_windows(tokens, tokens.len(), 1)
     }
 

@@ -238,10 +238,7 @@ impl Engine {
             // Every prompt row's logits are needed, so nothing can be reused; the request
             // runs afresh and the next one finds no cache (freed first, as below: the new
             // cache may need its memory). A prompt refused outright keeps the cache.
-            let n = self.prompt_tokens(&params.prompt)?.len();
-            if n > context {
-                return Err(EngineError::PromptTooLong { tokens: n, context });
-            }
+            self.within_context(self.prompt_tokens(&params.prompt)?.len())?;
             pc.clear();
             let (prompt, cache) = self.request_cache(params, held)?;
             return Ok(Resumed {
@@ -377,10 +374,7 @@ impl Engine {
         n: usize,
         params: &GenerateParams,
     ) -> Result<(usize, usize)> {
-        let context = self.model_config().max_position_embeddings;
-        if n > context {
-            return Err(EngineError::PromptTooLong { tokens: n, context });
-        }
+        let context = self.within_context(n)?;
         let need = n.saturating_add(params.max_tokens).min(context);
         let alloc = match (reuse, self.config().cache.budget) {
             (Reuse::Continue, Some(_)) => context,
