@@ -421,6 +421,60 @@ fn run_reports_logprobs_in_json() {
     assert!(!out.status.success() && se.contains("--json"), "{se}");
 }
 
+/// `--logit-bias`: banning the greedy first token gives the runner-up, a +100 bias forces the
+/// third, and the reported logprobs stay the model's; bad forms and ids are refused.
+#[test]
+fn logit_bias_bans_and_forces() {
+    let m = model(SMOLLM2);
+    let m = m.to_str().unwrap();
+    let args = [
+        "run",
+        "-m",
+        m,
+        "-p",
+        "The capital of France is",
+        "-n",
+        "1",
+        "--json",
+        "--logprobs",
+        "3",
+    ];
+    let first = |extra: &[&str]| -> serde_json::Value {
+        let (so, _) = ok(&[&args[..], extra].concat());
+        let v: serde_json::Value = serde_json::from_str(so.trim()).unwrap();
+        v["logprobs"][0].clone()
+    };
+    let plain = first(&[]);
+    let top: Vec<u64> = plain["top"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["id"].as_u64().unwrap())
+        .collect();
+    assert_eq!(plain["id"].as_u64(), Some(top[0]));
+    let ban = format!("{}-inf", top[0]);
+    let banned = first(&["--logit-bias", &ban]);
+    assert_eq!(banned["id"].as_u64(), Some(top[1]), "{banned}");
+    assert_eq!(banned["top"], plain["top"], "logprobs are the model's");
+    let force = format!("{}+100", top[2]);
+    let forced = first(&["-l", &ban, "-l", &force]);
+    assert_eq!(forced["id"].as_u64(), Some(top[2]), "{forced}");
+    for (bias, msg) in [
+        ("12", "expected TOKEN_ID+BIAS"),
+        ("x+1", "expected TOKEN_ID+BIAS"),
+        ("-5+1", "expected TOKEN_ID+BIAS"),
+        ("5+inf", "a number or -inf"),
+        ("99999999+1", "outside the vocabulary of 49152"),
+    ] {
+        let out = Command::new(keydiff_bin())
+            .args([&args[..], &[format!("--logit-bias={bias}").as_str()]].concat())
+            .output()
+            .unwrap();
+        let se = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && se.contains(msg), "{bias}: {se}");
+    }
+}
+
 /// `check-device` on the CPU (the GPU host runs it on CUDA, scripts/gpu-check.sh): against
 /// the CPU reference, the logits agree; with `--batch`, every batched and mixed segment
 /// equals its sequence alone, for the full cache and evicting policies, one JSON line each.

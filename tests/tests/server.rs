@@ -308,6 +308,33 @@ fn seeds_penalties_and_stops_are_honoured() {
     );
     assert_eq!(got["choices"][0]["text"], want.text);
 
+    // logit_bias: -100 on the greedy first token makes the reply start with the runner-up,
+    // as the engine's own logit bias does; logprobs stay the model's.
+    let banned = plain.tokens[0];
+    let mut params = greedy(Prompt::Text("Once upon a time".into()), 8);
+    params.sampling.logit_bias = vec![(banned, -100.0)];
+    let want = local.generate(&params, |_| {}).unwrap();
+    assert_ne!(want.tokens[0], banned);
+    let body = json!({"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0,
+                      "logprobs": 2});
+    let (_, unbiased) = post(&url, &body);
+    let mut body = body;
+    body["logit_bias"] = json!({banned.to_string(): -100});
+    let (code, got) = post(&url, &body);
+    assert_eq!(code, 200, "{got}");
+    assert_eq!(got["choices"][0]["text"], want.text);
+    let top = &got["choices"][0]["logprobs"]["top_logprobs"][0];
+    assert_eq!(
+        top, &unbiased["choices"][0]["logprobs"]["top_logprobs"][0],
+        "{got}"
+    );
+    let texts = |ids: &[u32]| local.detokenize(ids).unwrap();
+    let top = top.as_object().unwrap();
+    assert!(
+        top.contains_key(&texts(&[banned])) && top.contains_key(&texts(&want.tokens[..1])),
+        "the banned token and the runner-up are the two most likely: {top:?}"
+    );
+
     // A stop string inside the greedy text ends it there, unemitted.
     // Three characters after the first space (char boundaries, whatever the text).
     let from = plain.text.find(' ').map_or(1, |i| i + 1);
@@ -445,9 +472,28 @@ fn bad_requests_are_refused_naming_the_problem() {
         ),
         (
             &c,
-            json!({"prompt": "hi", "logit_bias": {"1": 5}}),
+            json!({"prompt": "hi", "logit_bias": {"x": 5}}),
             Some("logit_bias"),
-            "not supported",
+            "key `x` is not a token id",
+        ),
+        (
+            &c,
+            json!({"prompt": "hi", "logit_bias": {"1": 101}}),
+            Some("logit_bias"),
+            "from -100 to 100",
+        ),
+        (
+            &c,
+            json!({"prompt": "hi", "logit_bias": {"1": "up"}}),
+            Some("logit_bias"),
+            "from -100 to 100",
+        ),
+        // Refused before the stream opens, by the engine, which knows the vocabulary.
+        (
+            &c,
+            json!({"prompt": "hi", "logit_bias": {"99999999": 1}, "stream": true}),
+            None,
+            "logit bias on token id 99999999, outside the vocabulary",
         ),
         (
             &chat,

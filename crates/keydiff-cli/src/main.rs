@@ -868,8 +868,24 @@ struct SamplingArgs {
     /// (0 = off).
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     presence_penalty: f32,
+    /// Adds BIAS to a token's logit before sampling (greedy included), llama.cpp's form:
+    /// `15043+1`, `15043-0.5`, `15043-inf` (bans the token). Repeatable.
+    #[arg(long, short = 'l', value_name = "TOKEN_ID(+|-)BIAS", value_parser = parse_logit_bias)]
+    logit_bias: Vec<(u32, f32)>,
     #[arg(long, default_value_t = 299_792_458)]
     seed: u64,
+}
+
+/// `TOKEN_ID+BIAS` or `TOKEN_ID-BIAS` (llama.cpp's `--logit-bias`).
+fn parse_logit_bias(s: &str) -> Result<(u32, f32), String> {
+    let form = || format!("`{s}`: expected TOKEN_ID+BIAS or TOKEN_ID-BIAS, e.g. 15043-inf");
+    let split = s.find(['+', '-']).filter(|&i| i > 0).ok_or_else(form)?;
+    let id = s[..split].parse::<u32>().map_err(|_| form())?;
+    let bias = s[split..].parse::<f32>().map_err(|_| form())?;
+    if bias.is_nan() || bias == f32::INFINITY {
+        return Err(format!("`{s}`: the bias must be a number or -inf"));
+    }
+    Ok((id, bias))
 }
 
 fn sampling(a: &RunArgs) -> Sampling {
@@ -887,6 +903,7 @@ impl SamplingArgs {
             repeat_last_n: self.repeat_last_n,
             frequency_penalty: self.frequency_penalty,
             presence_penalty: self.presence_penalty,
+            logit_bias: self.logit_bias.clone(),
             seed: self.seed,
         }
     }

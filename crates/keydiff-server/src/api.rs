@@ -2,7 +2,7 @@
 //! and the response bodies.
 //!
 //! Unknown fields are ignored, as OpenAI clients send many; fields this server cannot honour
-//! (`n` > 1, `logit_bias`, `best_of`, `suffix`, `tools`, a non-text `response_format`, image
+//! (`n` > 1, `best_of`, `suffix`, `tools`, a non-text `response_format`, image
 //! content) are refused with a 400 naming the field rather than ignored, so that no client
 //! gets an answer it did not ask for.
 //!
@@ -136,9 +136,10 @@ impl Common {
         if let Some(n) = self.n.filter(|&n| n != 1) {
             return bad(format!("n = {n}: one choice per request is supported"), "n");
         }
-        if self.logit_bias.as_ref().is_some_and(|m| !m.is_empty()) {
-            return bad("logit_bias is not supported".into(), "logit_bias");
-        }
+        let logit_bias = match &self.logit_bias {
+            None => Vec::new(),
+            Some(m) => logit_bias(m)?,
+        };
         let max_tokens = match self.max_completion_tokens.or(self.max_tokens) {
             Some(0) => return bad("max_tokens must be at least 1".into(), "max_tokens"),
             Some(n) => n,
@@ -165,6 +166,7 @@ impl Common {
             repeat_last_n: self.repeat_last_n.unwrap_or(d.repeat_last_n),
             frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
             presence_penalty: self.presence_penalty.unwrap_or(0.0),
+            logit_bias,
             seed: self.seed.unwrap_or_else(rand::random),
         };
         sampling
@@ -190,6 +192,26 @@ impl Common {
                 .is_some_and(|o| o.include_usage),
         })
     }
+}
+
+/// OpenAI's `logit_bias`: token ids (as strings, JSON's keys) to biases from −100 to 100,
+/// which OpenAI documents as banning (−100) or forcing (100) a token. Ids outside the
+/// vocabulary are refused by the engine.
+fn logit_bias(m: &serde_json::Map<String, Value>) -> Result<Vec<(u32, f32)>, ApiError> {
+    let bad = |m: String| ApiError::invalid(m, Some("logit_bias"));
+    m.iter()
+        .map(|(k, v)| {
+            let id: u32 = k
+                .parse()
+                .map_err(|_| bad(format!("logit_bias key `{k}` is not a token id")))?;
+            match v.as_f64() {
+                Some(b) if (-100.0..=100.0).contains(&b) => Ok((id, b as f32)),
+                _ => Err(bad(format!(
+                    "logit_bias for token {id} is {v}; it must be a number from -100 to 100"
+                ))),
+            }
+        })
+        .collect()
 }
 
 impl CompletionRequest {

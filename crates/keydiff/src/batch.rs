@@ -314,7 +314,7 @@ impl<'e> Batch<'e> {
             let (prompt, cache) = e.request_cache(params, self.held_bytes())?;
             return Ok((prompt, cache, 0, None));
         }
-        params.validate()?;
+        e.check_params(params)?;
         let prompt = self.prompt_for_kept(params)?;
         let best = self.best_index(params, prompt.as_ref())?;
         if let Some(r) = self.share_kept(params, prompt.as_ref(), best)? {

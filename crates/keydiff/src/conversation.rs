@@ -76,7 +76,7 @@ impl Engine {
         params: &GenerateParams,
         mut on_event: impl FnMut(Event<'_>),
     ) -> Result<Output> {
-        params.validate()?;
+        self.check_params(params)?;
         if params.prompt_logprobs.is_some() {
             return Err(EngineError::BadParams(
                 "prompt logprobs are not available in a chat turn, which prefills only what \

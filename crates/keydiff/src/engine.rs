@@ -343,7 +343,7 @@ impl<'e> Prefill<'e> {
         params: GenerateParams,
         t0: Instant,
     ) -> Result<Self> {
-        params.validate()?;
+        engine.check_params(&params)?;
         if params.prompt_logprobs.is_some() && start > 0 {
             return Err(EngineError::BadParams(format!(
                 "prompt logprobs need the whole prompt prefilled, but {start} of its tokens \
@@ -1130,6 +1130,24 @@ impl Engine {
         Ok(ids)
     }
 
+    /// Refuses a request the engine cannot honour: [`GenerateParams::validate`], and logit
+    /// biases on token ids outside the model's vocabulary.
+    pub fn check_params(&self, params: &GenerateParams) -> Result<()> {
+        params.validate()?;
+        let vocab = self.model_config().vocab_size;
+        match params
+            .sampling
+            .logit_bias
+            .iter()
+            .find(|b| b.0 as usize >= vocab)
+        {
+            Some((bad, _)) => Err(EngineError::BadParams(format!(
+                "logit bias on token id {bad}, outside the vocabulary of {vocab}"
+            ))),
+            None => Ok(()),
+        }
+    }
+
     /// Refuses token ids outside the model's vocabulary.
     pub fn check_vocab(&self, ids: &[u32]) -> Result<()> {
         let vocab = self.model_config().vocab_size;
@@ -1230,7 +1248,7 @@ impl Engine {
         params: &GenerateParams,
         held: u64,
     ) -> Result<(Vec<u32>, KvCache)> {
-        params.validate()?;
+        self.check_params(params)?;
         let prompt = self.prompt_tokens(&params.prompt)?;
         let n = prompt.len();
         let context = self.within_context(n)?;

@@ -232,7 +232,7 @@ impl Engine {
         held: u64,
         ids: Option<&[u32]>,
     ) -> Result<Resumed> {
-        params.validate()?;
+        self.check_params(params)?;
         let context = self.model_config().max_position_embeddings;
         if params.prompt_logprobs.is_some() {
             // Every prompt row's logits are needed, so nothing can be reused; the request

@@ -1,6 +1,7 @@
 //! Token sampling: greedy, temperature, top-k, top-p, min-p, repetition penalty, seeded.
 //!
-//! The order follows llama.cpp's default chain: penalties → top-k → top-p → min-p → temperature.
+//! The order follows llama.cpp's default chain: logit bias → penalties → top-k → top-p → min-p
+//! → temperature.
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -27,6 +28,11 @@ pub struct Sampling {
     /// (OpenAI's `presence_penalty`; 0 = off).
     #[serde(default)]
     pub presence_penalty: f32,
+    /// Added to a token's logit before anything else (OpenAI's `logit_bias`, llama.cpp's
+    /// `--logit-bias`): `(token id, bias)`, a token given twice gets both. −∞ bans the token.
+    /// Applies to greedy decoding too.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub logit_bias: Vec<(u32, f32)>,
     pub seed: u64,
 }
 
@@ -43,6 +49,7 @@ impl Default for Sampling {
             repeat_last_n: 64,
             frequency_penalty: 0.0,
             presence_penalty: 0.0,
+            logit_bias: Vec::new(),
             seed: 299_792_458,
         }
     }
@@ -50,8 +57,9 @@ impl Default for Sampling {
 
 impl Sampling {
     /// Refuses settings with no meaning, as vLLM does, rather than sampling from NaNs:
-    /// a negative or non-finite temperature, top-p outside (0, 1], min-p outside [0, 1], or a
-    /// repetition penalty that is not a positive number.
+    /// a negative or non-finite temperature, top-p outside (0, 1], min-p outside [0, 1], a
+    /// repetition penalty that is not a positive number, or a logit bias that is NaN or +∞.
+    /// (Token ids are checked against the model's vocabulary by the engine.)
     pub fn validate(&self) -> Result<(), String> {
         if !(self.temperature.is_finite() && self.temperature >= 0.0) {
             return Err(format!(
@@ -79,6 +87,15 @@ impl Sampling {
                 return Err(format!("{name} {v} must be in [-2, 2] (0 is off)"));
             }
         }
+        if let Some((t, b)) = self
+            .logit_bias
+            .iter()
+            .find(|(_, b)| b.is_nan() || *b == f32::INFINITY)
+        {
+            return Err(format!(
+                "logit bias {b} for token {t} must be a number or -inf (which bans the token)"
+            ));
+        }
         Ok(())
     }
 }
@@ -99,6 +116,11 @@ impl Sampler {
     /// Picks the next token from `logits` (one per vocab entry), given the tokens so far.
     pub fn sample(&mut self, logits: &mut [f32], history: &[u32]) -> u32 {
         let c = &self.cfg;
+        for &(t, b) in &c.logit_bias {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l += b;
+            }
+        }
         let penalised =
             c.repetition_penalty != 1.0 || c.frequency_penalty != 0.0 || c.presence_penalty != 0.0;
         if penalised && c.repeat_last_n > 0 {
@@ -245,6 +267,14 @@ mod tests {
                 presence_penalty: f32::NAN,
                 ..Default::default()
             },
+            Sampling {
+                logit_bias: vec![(0, f32::NAN)],
+                ..Default::default()
+            },
+            Sampling {
+                logit_bias: vec![(0, 1.0), (3, f32::INFINITY)],
+                ..Default::default()
+            },
         ];
         for s in bad {
             assert!(s.validate().is_err(), "{s:?} accepted");
@@ -284,6 +314,43 @@ mod tests {
         for _ in 0..200 {
             assert!(smp.sample(&mut logits.clone(), &[]) <= 1);
         }
+    }
+
+    #[test]
+    fn logit_bias_comes_first_and_bans() {
+        // Greedy: +1 on token 2 makes it the largest; a token given twice gets both biases.
+        let cfg = Sampling {
+            logit_bias: vec![(2, 0.75), (2, 0.5), (1, -0.25), (9, 5.0)],
+            ..Default::default()
+        };
+        let mut l = vec![0.0f32, 1.0, 0.0];
+        assert_eq!(s(cfg).sample(&mut l, &[]), 2);
+        // An id past the logits (a vocabulary padded in the model) is left alone.
+        assert_eq!(l, [0.0, 0.75, 1.25]);
+        // Before the repetition penalty: 2 + 2 = 4, halved to 2 > 1.5.
+        let mut l = vec![2.0f32, 1.5];
+        let cfg = Sampling {
+            logit_bias: vec![(0, 2.0)],
+            repetition_penalty: 2.0,
+            ..Default::default()
+        };
+        assert_eq!(s(cfg).sample(&mut l, &[0]), 0);
+        assert_eq!(l, [2.0, 1.5]);
+        // -inf bans the most likely token at any temperature.
+        let mut smp = s(Sampling {
+            temperature: 2.0,
+            logit_bias: vec![(0, f32::NEG_INFINITY)],
+            seed: 3,
+            ..Default::default()
+        });
+        for _ in 0..200 {
+            assert_ne!(smp.sample(&mut [5.0, 0.0, 0.0], &[]), 0);
+        }
+        let banned = Sampling {
+            logit_bias: vec![(0, f32::NEG_INFINITY)],
+            ..Default::default()
+        };
+        assert!(banned.validate().is_ok());
     }
 
     #[test]
