@@ -518,3 +518,85 @@ fn a_step_s_prompt_rows_are_planned() {
     wide.set_prefill_tokens(chunk + (kv / 4 / per_row) as usize);
     wide.join(0, &p).unwrap();
 }
+
+/// `Engine::generate_n`: completions of one prompt, prefilled once under a budget that
+/// evicts in the prefill, each equal to the request alone with seed + i (tokens, logprobs,
+/// evictions, how it ended), under KeyDiff and under H2O (whose per-slot sums the copies
+/// carry); the prefill's events go to the first completion only.
+#[test]
+fn several_completions_equal_their_runs_alone() {
+    for policy in ["keydiff", "h2o"] {
+        let cache = CacheConfig {
+            policy: PolicyKind::parse(policy, 8, 0).unwrap(),
+            ..keydiff(96, 32)
+        };
+        let e = engine(SMOLLM2, cache);
+        let params = GenerateParams {
+            prompt: Prompt::Text(text(12, "the library") + "In short,"),
+            max_tokens: 16,
+            sampling: Sampling {
+                temperature: 0.9,
+                top_p: 0.95,
+                seed: 11,
+                ..Default::default()
+            },
+            logprobs: Some(2),
+            ..Default::default()
+        };
+        let mut texts: HashMap<usize, String> = HashMap::new();
+        let mut prefill_events: HashMap<usize, usize> = HashMap::new();
+        let outs = e
+            .generate_n(&params, 3, |i, ev| match ev {
+                Event::Text(t) => texts.entry(i).or_default().push_str(t),
+                Event::Prefill { .. } => *prefill_events.entry(i).or_default() += 1,
+                _ => {}
+            })
+            .unwrap();
+        assert_eq!(outs.len(), 3);
+        let outs: Vec<Output> = outs.into_iter().map(Result::unwrap).collect();
+        for (i, out) in outs.iter().enumerate() {
+            let mut alone = params.clone();
+            alone.sampling.seed = 11 + i as u64;
+            let alone = e.generate(&alone, |_| {}).unwrap();
+            assert_same(out, &alone, &format!("{policy} completion {i}"));
+            assert!(
+                out.stats.eviction.evictions > 0,
+                "{policy}: nothing evicted"
+            );
+            assert_eq!(texts.get(&i).cloned().unwrap_or_default(), out.text);
+        }
+        assert!(
+            outs[0].tokens != outs[1].tokens || outs[1].tokens != outs[2].tokens,
+            "{policy}: three samples, one text"
+        );
+        assert_eq!(prefill_events.keys().collect::<Vec<_>>(), [&0], "{policy}");
+    }
+}
+
+/// Completions of one prompt are planned as a cache each, beside the batch; ids are checked.
+#[test]
+fn several_completions_are_planned_and_checked() {
+    let (e, p, _, _) = limited_engine();
+    let mut batch = e.batch();
+    let err = batch.join_n(&[0, 1], &p).unwrap_err();
+    assert!(matches!(err, EngineError::OutOfMemory(_)), "{err:?}");
+    assert!(
+        err.to_string().contains("2 completions of one prompt"),
+        "{err}"
+    );
+    assert!(batch.is_empty(), "a refused request left something behind");
+    let err = e.generate_n(&p, 2, |_, _| {}).unwrap_err();
+    assert!(matches!(err, EngineError::OutOfMemory(_)), "{err:?}");
+    for ids in [&[][..], &[4, 4][..]] {
+        let err = batch.join_n(ids, &p).unwrap_err();
+        assert!(matches!(err, EngineError::BadParams(_)), "{ids:?}: {err:?}");
+    }
+    batch.join_n(&[7], &p).unwrap();
+    assert_eq!(batch.ids(), [7]);
+    let small = GenerateParams {
+        prompt: Prompt::Tokens(vec![3; 5]),
+        ..p.clone()
+    };
+    let err = batch.join_n(&[8, 7], &small).unwrap_err();
+    assert!(err.to_string().contains("already in this batch"), "{err}");
+}

@@ -157,6 +157,22 @@ impl KvCache {
                 self.len()
             )));
         }
+        let mut copy = self.copied(capacity)?;
+        copy.policy = build(&self.cfg.policy);
+        Ok(copy)
+    }
+
+    /// An exact copy in new buffers: the same slots, positions, policy state, counters,
+    /// position and capacity, and the policy in the state it is in. Several completions of one
+    /// prompt (`n` > 1) each go on from a fork of the prompt's cache, evicted or not, exactly
+    /// as the cache itself would have gone on.
+    pub fn fork(&self) -> Result<Self> {
+        let mut copy = self.copied(self.capacity())?;
+        copy.profile = self.profile;
+        Ok(copy)
+    }
+
+    fn copied(&self, capacity: usize) -> Result<Self> {
         let layers = self
             .layers
             .iter()
@@ -175,7 +191,7 @@ impl KvCache {
         Ok(Self {
             layers,
             cfg: self.cfg.clone(),
-            policy: build(&self.cfg.policy),
+            policy: self.policy.clone_box(),
             counters: self.counters,
             profile: None,
             device: self.device.clone(),

@@ -176,6 +176,82 @@ proptest! {
     }
 }
 
+/// One step of a layer-0 cache: appends `len` tokens, runs the policy (evicting when due)
+/// with statistics drawn from `salt`, advances.
+fn step(cache: &mut KvCache, len: usize, decode: bool, salt: u64) {
+    let pos0 = cache.position();
+    let t = chunk_tensor(pos0, len, salt);
+    cache
+        .layer_mut(0)
+        .append(&t, &(&t * 2.0).unwrap(), pos0)
+        .unwrap();
+    let n = cache.layer(0).len();
+    let st = cache
+        .stats_rows(len)
+        .map(|r| stats(n, r, salt ^ pos0 as u64));
+    cache.after_attention(0, st.as_ref(), decode).unwrap();
+    cache.advance(len);
+}
+
+/// Everything a cache's future depends on, as host values.
+fn snapshot(c: &KvCache) -> (Vec<f32>, Vec<f32>, Vec<Vec<u32>>, Vec<f32>, usize, usize) {
+    let l = c.layer(0);
+    let flat = |t: Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    (
+        flat(l.keys().unwrap()),
+        flat(l.values().unwrap()),
+        (0..KV).map(|h| l.positions(h).unwrap()).collect(),
+        flat(l.state_tensor().unwrap()),
+        c.position(),
+        c.counters().evictions,
+    )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    /// `KvCache::fork` after a prefill that evicted: the fork and the original, fed the same
+    /// decode steps, stay equal (slots, positions, policy state and generator, counters);
+    /// feeding the fork other tokens leaves the original as it was.
+    #[test]
+    fn a_forked_cache_goes_on_as_the_original(
+        policy in policies(),
+        budget in 8usize..24,
+        chunks in 2usize..6,
+        decode in 1usize..30,
+        salt in any::<u64>(),
+    ) {
+        let cfg = CacheConfig {
+            policy,
+            budget: Some(budget),
+            chunk: 8,
+            window: 0.0,
+            sinks: 1,
+            evict_every: Some(4),
+        };
+        prop_assume!(cfg.validate().is_ok());
+        let total = chunks * 8 + decode;
+        let mut a = KvCache::new(cfg, 1, KV, D, total, DType::F32, &Device::Cpu).unwrap();
+        for _ in 0..chunks {
+            step(&mut a, 8, false, salt);
+        }
+        let before = snapshot(&a);
+        let mut b = a.fork().unwrap();
+        prop_assert_eq!(&snapshot(&b), &before);
+        prop_assert_eq!(b.capacity(), a.capacity());
+        // Other tokens at the same position, in a fork only, leave the original as it was.
+        let mut c = a.fork().unwrap();
+        step(&mut c, 1, true, !salt);
+        prop_assert_ne!(snapshot(&c), before.clone());
+        prop_assert_eq!(snapshot(&a), before);
+        for _ in 0..decode {
+            step(&mut a, 1, true, salt);
+            step(&mut b, 1, true, salt);
+        }
+        prop_assert_eq!(snapshot(&a), snapshot(&b));
+    }
+}
+
 /// Heads are independent: changing head 1's keys never changes head 0's survivors (KeyDiff).
 #[test]
 fn heads_are_independent() {

@@ -15,6 +15,8 @@
 //! chunk by default). [`Batch::add`] prefills a request at once, the others waiting.
 //! [`Batch::keep_prompts`] keeps ended requests' caches, and a request that joins starts from
 //! the one that holds most of its prompt (a server's prompt cache, one per slot).
+//! [`Batch::join_n`] joins several completions of one prompt, prefilled once
+//! ([`Engine::generate_n`]).
 //!
 //! A request's tokens and text are the ones it gets alone (its sampler, penalties, seed, stop
 //! strings, logprobs and cancel are its own), up to the difference between a matmul over one
@@ -66,6 +68,9 @@ struct Keep {
 /// A request whose prompt is being prefilled in the batch's steps.
 struct Joining<'e> {
     id: u64,
+    /// The ids of its other completions ([`Batch::join_n`]): each goes on from a fork of the
+    /// prompt's cache once the prefill ends.
+    forks: Vec<u64>,
     cache: KvCache,
     prefill: Prefill<'e>,
     keep: Option<Keep>,
@@ -134,10 +139,42 @@ impl Engine {
     }
 }
 
+impl Engine {
+    /// `n` completions of one prompt (OpenAI's `n`): the prompt is prefilled once, and the
+    /// completions decode together, each from its own copy of the prompt's cache, completion
+    /// `i` sampling with the seed `params.sampling.seed + i` ([`Batch::join_n`]). `on_event`
+    /// gets each completion's events with its index (the prefill's go to completion 0). A
+    /// completion failed on its own (a failed sample) gets its error in its place; the outer
+    /// error is a refused request (as [`Engine::generate`] refuses it, or `n` = 0, or copies
+    /// that do not fit in memory) or a failed model pass.
+    pub fn generate_n(
+        &self,
+        params: &GenerateParams,
+        n: usize,
+        mut on_event: impl FnMut(usize, Event<'_>),
+    ) -> Result<Vec<Result<Output>>> {
+        let ids: Vec<u64> = (0..n as u64).collect();
+        let mut batch = self.batch();
+        batch.join_n(&ids, params)?;
+        let mut outputs: Vec<Option<Result<Output>>> = ids.iter().map(|_| None).collect();
+        while !batch.is_empty() {
+            for (id, out) in batch.step(|id, e| on_event(id as usize, e))? {
+                outputs[id as usize] = Some(out);
+            }
+        }
+        Ok(outputs
+            .into_iter()
+            .map(|o| o.expect("every completion ends"))
+            .collect())
+    }
+}
+
 impl<'e> Batch<'e> {
-    /// Requests in the batch: running, or joining (their prompts being prefilled).
+    /// Sequences in the batch: running, or joining (their prompts being prefilled; a request
+    /// joined with several completions counts one per completion).
     pub fn len(&self) -> usize {
-        self.running.len() + self.joining.len()
+        let joining: usize = self.joining.iter().map(|j| 1 + j.forks.len()).sum();
+        self.running.len() + joining
     }
 
     /// True when no request is running or joining.
@@ -145,16 +182,20 @@ impl<'e> Batch<'e> {
         self.len() == 0
     }
 
-    /// Requests whose prompts are still being prefilled.
+    /// Prompts still being prefilled.
     pub fn prefilling(&self) -> usize {
         self.joining.len()
     }
 
     /// The ids of the requests: the running ones in the order they started decoding, then the
-    /// joining ones in the order they joined.
+    /// joining ones in the order they joined (with their other completions' ids).
     pub fn ids(&self) -> Vec<u64> {
         let running = self.running.iter().map(|r| r.id);
-        running.chain(self.joining.iter().map(|j| j.id)).collect()
+        let joining = self
+            .joining
+            .iter()
+            .flat_map(|j| std::iter::once(j.id).chain(j.forks.iter().copied()));
+        running.chain(joining).collect()
     }
 
     /// Bytes held by the requests' KV caches.
@@ -244,13 +285,38 @@ impl<'e> Batch<'e> {
         self.unseen_bytes() + rows * per_row + logits
     }
 
-    fn check_new_id(&self, id: u64) -> Result<()> {
-        if self.running.iter().any(|r| r.id == id) || self.joining.iter().any(|j| j.id == id) {
-            return Err(EngineError::BadParams(format!(
-                "request id {id} is already in this batch"
-            )));
+    fn check_new_ids(&self, ids: &[u64]) -> Result<()> {
+        let held = self.ids();
+        for (i, id) in ids.iter().enumerate() {
+            if held.contains(id) || ids[..i].contains(id) {
+                return Err(EngineError::BadParams(format!(
+                    "request id {id} is already in this batch"
+                )));
+            }
         }
         Ok(())
+    }
+
+    /// Checks that `forks` copies of a joining request's `cache` fit in memory beside it and
+    /// the batch, with a decode row each (its activations and logits).
+    fn check_forks(&self, cache: &KvCache, forks: usize) -> Result<()> {
+        let Some(more) = forks.checked_sub(1) else {
+            return Ok(());
+        };
+        let e = self.engine;
+        let m = e.model_config();
+        let kv = cache.bytes() as u64;
+        let rows = forks as u64 * (m.row_activation_bytes() + 12 * m.vocab_size as u64);
+        let cfg = cache.config();
+        let held = self.held_bytes() + kv;
+        e.check_cache_memory_beside(cfg, cache.capacity(), more as u64 * kv + rows, held)
+            .map_err(|err| match err {
+                EngineError::OutOfMemory(why) => EngineError::OutOfMemory(format!(
+                    "{} completions of one prompt, a KV cache each: {why}",
+                    forks + 1
+                )),
+                other => other,
+            })
     }
 
     /// Prefills a request at once (its events go to `on_event`; the others wait) and samples
@@ -265,7 +331,7 @@ impl<'e> Batch<'e> {
     ) -> Result<Option<Output>> {
         let t0 = Instant::now();
         let e = self.engine;
-        self.check_new_id(id)?;
+        self.check_new_ids(&[id])?;
         let (prompt, mut cache, start, keep) = self.admit(params)?;
         let decoding =
             e.prefill_request(&mut cache, prompt, start, params.clone(), t0, &mut on_event)?;
@@ -279,9 +345,26 @@ impl<'e> Batch<'e> {
     /// that does not fit beside the others', an id already in the batch, and a profiled
     /// request (its breakdown times its own prefill: [`Batch::add`] it).
     pub fn join(&mut self, id: u64, params: &GenerateParams) -> Result<()> {
+        self.join_n(&[id], params)
+    }
+
+    /// [`Batch::join`] for several completions of one prompt (OpenAI's `n`), one per id: the
+    /// prompt is prefilled once, then each completion goes on from its own copy of the
+    /// prompt's cache ([`KvCache::fork`]), evicted as it is, and decodes as a request of its
+    /// own. Completion `i` samples with the seed `params.sampling.seed + i` (wrapping), so
+    /// each is exactly the request it would be alone with that seed; with greedy sampling
+    /// they are all the same. The prefill's events (progress, prompt logprobs) go to the
+    /// first id. Refused here too: ids already in the batch or given twice, no ids, and
+    /// copies that do not fit in memory beside the batch.
+    pub fn join_n(&mut self, ids: &[u64], params: &GenerateParams) -> Result<()> {
         let t0 = Instant::now();
         let e = self.engine;
-        self.check_new_id(id)?;
+        let Some((&id, forks)) = ids.split_first() else {
+            return Err(EngineError::BadParams(
+                "a request needs at least one id".into(),
+            ));
+        };
+        self.check_new_ids(ids)?;
         if params.profile {
             return Err(EngineError::BadParams(
                 "a profiled request times its own prefill: add it to the batch with \
@@ -290,9 +373,11 @@ impl<'e> Batch<'e> {
             ));
         }
         let (prompt, mut cache, start, keep) = self.admit(params)?;
+        self.check_forks(&cache, forks.len())?;
         let prefill = Prefill::new(e, &mut cache, prompt, start, params.clone(), t0)?;
         self.joining.push_back(Joining {
             id,
+            forks: forks.to_vec(),
             cache,
             prefill,
             keep,
@@ -590,18 +675,44 @@ impl<'e> Batch<'e> {
     ) {
         let Joining {
             id,
+            forks,
             mut cache,
             prefill,
             keep,
         } = j;
         let mut events = |e: Event<'_>| on_event(id, e);
-        let started = prefill
-            .finish(&mut cache, &mut events)
-            .and_then(|d| self.start(id, cache, d, keep, &mut events));
-        match started {
-            Ok(None) => {}
-            Ok(Some(out)) => ended.push((id, Ok(out))),
-            Err(e) => ended.push((id, Err(e))),
+        let decoding = match prefill.finish(&mut cache, &mut events) {
+            Ok(d) => d,
+            Err(e) => {
+                let why = e.to_string();
+                ended.push((id, Err(e)));
+                for f in forks {
+                    ended.push((f, Err(EngineError::SharedPrefill(why.clone()))));
+                }
+                return;
+            }
+        };
+        // The other completions, before the first samples: copies of the prompt's cache and
+        // state, each with its seed.
+        let seed = decoding.seed();
+        let mut started = Vec::with_capacity(1 + forks.len());
+        for (i, f) in forks.into_iter().enumerate() {
+            match cache.fork() {
+                Ok(c) => {
+                    let d = decoding.fork(seed.wrapping_add(i as u64 + 1));
+                    started.push((f, c, d, None));
+                }
+                Err(e) => ended.push((f, Err(e.into()))),
+            }
+        }
+        started.insert(0, (id, cache, decoding, keep));
+        for (id, cache, decoding, keep) in started {
+            let mut events = |e: Event<'_>| on_event(id, e);
+            match self.start(id, cache, decoding, keep, &mut events) {
+                Ok(None) => {}
+                Ok(Some(out)) => ended.push((id, Ok(out))),
+                Err(e) => ended.push((id, Err(e))),
+            }
         }
     }
 

@@ -571,6 +571,47 @@ impl<'e> Decoding<'e> {
         Ok(Some(tok))
     }
 
+    /// The seed of this request's sampler.
+    pub(crate) fn seed(&self) -> u64 {
+        self.params.sampling.seed
+    }
+
+    /// Another completion of the same prompt, before either has sampled: the same prompt,
+    /// prefill figures and next-token distribution, with its own sampler seeded `seed`. It
+    /// goes on from a fork of the prompt's cache ([`KvCache::fork`]).
+    pub(crate) fn fork(&self, seed: u64) -> Self {
+        debug_assert!(
+            self.generated.is_empty(),
+            "a fork of a request that sampled"
+        );
+        let mut params = self.params.clone();
+        params.sampling.seed = seed;
+        let e = self.engine;
+        Self {
+            engine: e,
+            sampler: Sampler::new(params.sampling.clone()),
+            history: self.history.clone(),
+            stream: TextStream::new(&e.loaded.vocab.tokenizer, params.stop.clone()),
+            params,
+            prompt: self.prompt.clone(),
+            start: self.start,
+            t0: self.t0,
+            done: self.done,
+            prefill_s: self.prefill_s,
+            prompt_lp: self.prompt_lp.clone(),
+            breakdown: self.breakdown,
+            counted: self.counted,
+            peak_kv_bytes: self.peak_kv_bytes,
+            generated: Vec::new(),
+            logprobs: Vec::new(),
+            ttft_s: 0.0,
+            td: self.td,
+            decode_steps: 0,
+            reason: self.reason,
+            logits: self.logits.clone(),
+        }
+    }
+
     /// The logits after the token [`Decoding::next`] returned was fed.
     pub(crate) fn fed(&mut self, logits: Vec<f32>) {
         self.logits = logits;

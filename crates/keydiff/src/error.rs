@@ -22,6 +22,10 @@ pub enum EngineError {
     /// A request's KV cache cannot fit in the memory there is (the message has the numbers).
     #[error("not enough memory: {0}")]
     OutOfMemory(String),
+    /// The prefill of a prompt shared by several completions failed (the first completion has
+    /// the error itself).
+    #[error("the prefill of the prompt, shared with another completion, failed: {0}")]
+    SharedPrefill(String),
     #[error(transparent)]
     Cache(#[from] keydiff_cache::CacheError),
     #[error(transparent)]

@@ -5,6 +5,7 @@ use crate::layer::LayerCache;
 use crate::{CacheError, Result};
 
 /// The full cache.
+#[derive(Clone)]
 pub struct Full;
 
 impl Policy for Full {

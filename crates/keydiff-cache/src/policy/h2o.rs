@@ -10,6 +10,7 @@ use crate::layer::LayerCache;
 use crate::{AttnStats, Result};
 
 /// The H2O policy.
+#[derive(Clone)]
 pub struct H2o {
     pub normalized: bool,
 }

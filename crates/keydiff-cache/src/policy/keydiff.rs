@@ -14,6 +14,7 @@ use crate::Result;
 const NORM_EPS: f64 = 1e-12;
 
 /// The KeyDiff policy.
+#[derive(Clone)]
 pub struct KeyDiff {
     pub anchor: Anchor,
 }

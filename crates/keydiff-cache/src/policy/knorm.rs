@@ -7,6 +7,7 @@ use crate::layer::LayerCache;
 use crate::Result;
 
 /// The key-norm policy.
+#[derive(Clone)]
 pub struct Knorm;
 
 impl Policy for Knorm {

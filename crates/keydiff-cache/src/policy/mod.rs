@@ -38,8 +38,20 @@ pub struct AttnStats {
     pub rows: usize,
 }
 
+/// A boxed copy of a policy, in the state it is in (`random`'s generator included), for a
+/// cache copied with [`crate::KvCache::fork`]. Every `Clone` policy has it.
+pub trait PolicyClone {
+    fn clone_box(&self) -> Box<dyn Policy>;
+}
+
+impl<T: Policy + Clone + 'static> PolicyClone for T {
+    fn clone_box(&self) -> Box<dyn Policy> {
+        Box::new(self.clone())
+    }
+}
+
 /// An eviction policy: scores the used slots of one layer; higher scores survive.
-pub trait Policy: Send {
+pub trait Policy: Send + PolicyClone {
     /// What the attention step must compute for this policy.
     fn needs(&self) -> StatsNeed {
         StatsNeed::None

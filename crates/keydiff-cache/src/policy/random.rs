@@ -5,6 +5,7 @@ use crate::layer::LayerCache;
 use crate::Result;
 
 /// Random scores from a seeded SplitMix64 stream.
+#[derive(Clone)]
 pub struct RandomPolicy {
     state: u64,
 }

@@ -9,6 +9,7 @@ use crate::layer::LayerCache;
 use crate::Result;
 
 /// The attention-sink policy.
+#[derive(Clone)]
 pub struct Sink;
 
 impl Policy for Sink {

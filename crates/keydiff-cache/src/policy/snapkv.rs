@@ -16,6 +16,7 @@ use crate::{AttnStats, CacheError, Result};
 pub const POOL_KERNEL: usize = 5;
 
 /// The SnapKV policy.
+#[derive(Clone)]
 pub struct SnapKv {
     pub window: usize,
 }

@@ -9,6 +9,7 @@ use crate::layer::LayerCache;
 use crate::{AttnStats, CacheError, Result};
 
 /// The TOVA policy.
+#[derive(Clone)]
 pub struct Tova {
     pub per_head: bool,
 }
