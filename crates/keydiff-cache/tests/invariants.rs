@@ -193,8 +193,11 @@ fn step(cache: &mut KvCache, len: usize, decode: bool, salt: u64) {
     cache.advance(len);
 }
 
+/// K, V, positions per head, policy state, position and evictions of layer 0.
+type Snapshot = (Vec<f32>, Vec<f32>, Vec<Vec<u32>>, Vec<f32>, usize, usize);
+
 /// Everything a cache's future depends on, as host values.
-fn snapshot(c: &KvCache) -> (Vec<f32>, Vec<f32>, Vec<Vec<u32>>, Vec<f32>, usize, usize) {
+fn snapshot(c: &KvCache) -> Snapshot {
     let l = c.layer(0);
     let flat = |t: Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
     (
