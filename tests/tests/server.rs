@@ -402,7 +402,18 @@ fn bad_requests_are_refused_naming_the_problem() {
             Some("prompt"),
             "beyond the model's context of 8192",
         ),
-        (&c, json!({"prompt": "hi", "n": 2}), Some("n"), "one choice"),
+        (
+            &c,
+            json!({"prompt": "hi", "n": 0}),
+            Some("n"),
+            "from 1 to 128",
+        ),
+        (
+            &c,
+            json!({"prompt": "hi", "n": 129}),
+            Some("n"),
+            "from 1 to 128",
+        ),
         (
             &c,
             json!({"prompt": "hi", "logprobs": 21}),
@@ -1248,4 +1259,136 @@ fn requests_run_together_with_max_batch() {
     let h = wait_health(&base, "A cancelled", |h| h["cancelled"] == 1);
     assert_eq!(h["running"], 0, "{h}");
     assert_eq!(h["failed"], 0, "{h}");
+}
+
+/// The engine's completion `i` of `n` for `prompt`, sampled at temperature 0.9 from `seed`:
+/// what a request with `n` > 1 must answer as its choice `i` (seed + i).
+fn sampled(local: &Engine, prompt: Prompt, seed: u64, i: usize, max: usize) -> keydiff::Output {
+    let mut p = greedy(prompt, max);
+    p.sampling.temperature = 0.9;
+    p.sampling.seed = seed + i as u64;
+    local.generate(&p, |_| {}).unwrap()
+}
+
+/// `n` > 1: one prompt, prefilled once under a budget that evicts, answered with a choice per
+/// completion, each the request alone with seed + i: whole (completions, with logprobs) and
+/// streamed (chat, each choice's role, text and one last chunk), one at a time and under
+/// `--max-batch` (beside another request, and with more completions than the batch holds).
+#[test]
+fn several_completions_per_request() {
+    let cache = keydiff_cache(64, 32);
+    let local = engine(cache.clone());
+    let doc = format!(
+        "{}\nA new story. Once upon a time",
+        "The quick brown fox jumps over the lazy dog. ".repeat(12)
+    );
+    let whole = json!({"prompt": doc, "max_tokens": 8, "temperature": 0.9, "seed": 5,
+                       "n": 3, "logprobs": 1});
+    let check_whole = |got: &Value, what: &str| {
+        let choices = got["choices"].as_array().unwrap();
+        assert_eq!(choices.len(), 3, "{what}: {got}");
+        let mut tokens = 0;
+        for (i, c) in choices.iter().enumerate() {
+            let want = sampled(&local, Prompt::Text(doc.clone()), 5, i, 8);
+            assert!(
+                want.stats.eviction.evictions > 0,
+                "the budget never evicted"
+            );
+            assert_eq!(c["index"], i, "{what}");
+            assert_eq!(c["text"], want.text, "{what}: choice {i}");
+            assert_eq!(
+                c["logprobs"]["tokens"].as_array().unwrap().len(),
+                want.tokens.len()
+            );
+            assert_eq!(
+                c["keydiff"]["eviction"]["evictions"],
+                want.stats.eviction.evictions
+            );
+            tokens += want.tokens.len();
+        }
+        let texts: Vec<&Value> = choices.iter().map(|c| &c["text"]).collect();
+        assert!(
+            texts[0] != texts[1] || texts[1] != texts[2],
+            "{what}: one text"
+        );
+        let u = &got["usage"];
+        assert_eq!(u["completion_tokens"], tokens, "{what}: {u}");
+        let prompt_tokens = local
+            .prompt_tokens(&Prompt::Text(doc.clone()))
+            .unwrap()
+            .len();
+        assert_eq!(u["prompt_tokens"], prompt_tokens, "{what}: {u}");
+    };
+    let question = vec![Message {
+        role: "user".into(),
+        content: "Name a colour and a fruit.".into(),
+    }];
+    let streamed = json!({"messages": [{"role": "user", "content": question[0].content}],
+                          "max_tokens": 12, "temperature": 0.9, "seed": 9, "n": 2,
+                          "stream": true, "stream_options": {"include_usage": true}});
+    let check_stream = |chunks: &[Value]| {
+        let mut texts = [String::new(), String::new()];
+        let (mut roles, mut lasts) = ([0; 2], [0; 2]);
+        for c in &chunks[..chunks.len() - 1] {
+            let choice = &c["choices"][0];
+            let i = choice["index"].as_u64().unwrap() as usize;
+            if choice["delta"]["role"] == "assistant" {
+                roles[i] += 1;
+            }
+            if let Some(t) = choice["delta"]["content"].as_str() {
+                texts[i].push_str(t);
+            }
+            if !choice["finish_reason"].is_null() {
+                lasts[i] += 1;
+            }
+        }
+        assert_eq!((roles, lasts), ([1, 1], [1, 1]), "{chunks:?}");
+        let mut tokens = 0;
+        for (i, text) in texts.iter().enumerate() {
+            let want = sampled(&local, Prompt::Chat(question.clone()), 9, i, 12);
+            assert_eq!(text, &want.text, "streamed choice {i}");
+            tokens += want.tokens.len();
+        }
+        let usage = &chunks[chunks.len() - 1]["usage"];
+        assert_eq!(usage["completion_tokens"], tokens, "{usage}");
+    };
+
+    // One at a time.
+    let server = start(cache.clone(), 4);
+    let base = server.url();
+    let (code, got) = post(&format!("{base}/v1/completions"), &whole);
+    assert_eq!(code, 200, "{got}");
+    check_whole(&got, "one at a time");
+    let resp = ureq::post(&format!("{base}/v1/chat/completions"))
+        .send_json(&streamed)
+        .unwrap();
+    check_stream(&events(resp));
+    let h = get(&format!("{base}/health"));
+    assert_eq!(
+        (&h["completed"], &h["failed"]),
+        (&json!(2), &json!(0)),
+        "{h}"
+    );
+    drop(server);
+
+    // Batched: three completions beside another request in a batch of 4, then three in a
+    // batch of 2 (they run alone, together).
+    for max_batch in [4, 2] {
+        let cfg = ServerConfig {
+            max_batch,
+            prompt_cache: None,
+            ..ServerConfig::new("smol")
+        };
+        let server = Server::bind("127.0.0.1:0", engine(cache.clone()), cfg)
+            .unwrap()
+            .spawn();
+        let base = server.url();
+        let url = format!("{base}/v1/chat/completions");
+        let body = streamed.clone();
+        let other = std::thread::spawn(move || events(ureq::post(&url).send_json(&body).unwrap()));
+        let (code, got) = post(&format!("{base}/v1/completions"), &whole);
+        assert_eq!(code, 200, "{got}");
+        check_whole(&got, &format!("max batch {max_batch}"));
+        check_stream(&other.join().unwrap());
+    }
 }

@@ -2,7 +2,7 @@
 //! and the response bodies.
 //!
 //! Unknown fields are ignored, as OpenAI clients send many; fields this server cannot honour
-//! (`n` > 1, `best_of`, `suffix`, `tools`, a non-text `response_format`, image
+//! (`best_of`, `suffix`, `tools`, a non-text `response_format`, image
 //! content) are refused with a 400 naming the field rather than ignored, so that no client
 //! gets an answer it did not ask for.
 //!
@@ -110,11 +110,17 @@ pub fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError>
 #[derive(Debug)]
 pub struct Mapped {
     pub params: GenerateParams,
+    /// Completions of the prompt (`n`), prefilled once.
+    pub n: usize,
     /// Send the prompt before the generated text (completions' `echo`).
     pub echo: bool,
     pub stream: bool,
     pub include_usage: bool,
 }
+
+/// The most completions one request may ask for (`n`; OpenAI's limit). Each has its own KV
+/// cache, planned against the memory there is when the request starts.
+pub const MAX_N: usize = 128;
 
 /// Limits and defaults the server applies to every request.
 #[derive(Debug, Clone, Copy)]
@@ -133,8 +139,9 @@ impl Common {
         logprobs: Option<usize>,
     ) -> Result<Mapped, ApiError> {
         let bad = |m: String, p: &'static str| Err(ApiError::invalid(m, Some(p)));
-        if let Some(n) = self.n.filter(|&n| n != 1) {
-            return bad(format!("n = {n}: one choice per request is supported"), "n");
+        let n = self.n.unwrap_or(1);
+        if !(1..=MAX_N).contains(&n) {
+            return bad(format!("n = {n}: it must be from 1 to {MAX_N}"), "n");
         }
         let logit_bias = match &self.logit_bias {
             None => Vec::new(),
@@ -184,6 +191,7 @@ impl Common {
                 logprobs,
                 prompt_logprobs: None,
             },
+            n,
             echo: false,
             stream: self.stream.unwrap_or(false),
             include_usage: self
@@ -427,15 +435,18 @@ pub fn finish_reason(r: StopReason) -> &'static str {
     }
 }
 
-/// `usage`, from what the engine counted.
-pub fn usage(out: &Output) -> Value {
-    let prompt = out.stats.prompt_tokens;
-    let completion = out.tokens.len();
+/// `usage`, from what the engine counted: the prompt once (its completions share its
+/// prefill), the tokens of every completion.
+pub fn usage(outs: &[Output]) -> Value {
+    let (prompt, cached) = outs
+        .first()
+        .map_or((0, 0), |o| (o.stats.prompt_tokens, o.stats.prefix_tokens));
+    let completion: usize = outs.iter().map(|o| o.tokens.len()).sum();
     json!({
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": out.stats.prefix_tokens},
+        "prompt_tokens_details": {"cached_tokens": cached},
     })
 }
 

@@ -29,6 +29,7 @@ pub mod api;
 mod error;
 mod logprobs;
 
+use std::collections::HashMap;
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::panic::AssertUnwindSafe;
@@ -139,14 +140,19 @@ enum Msg {
     Started,
     /// The prompt's tokens and their log-probabilities (all but the first), after the prefill.
     PromptLogprobs(Vec<u32>, Vec<TokenLogprob>),
-    /// A generated token's log-probability, before the text it completes.
-    Logprob(TokenLogprob),
-    Text(String),
-    Done(Result<Box<Output>, ApiError>),
+    /// A generated token's log-probability (of completion `.0`), before the text it completes.
+    Logprob(usize, TokenLogprob),
+    Text(usize, String),
+    /// Completion `.0` of several ended (streams only: its last chunk goes now).
+    Ended(usize, Box<Output>),
+    /// The request ended: every completion's output, in order, or why it failed.
+    Done(Result<Vec<Output>, ApiError>),
 }
 
 struct Job {
     params: GenerateParams,
+    /// Completions of the prompt (`n`).
+    n: usize,
     /// The client reads a stream: send it logprobs as they come (a whole answer takes them
     /// from the output).
     stream: bool,
@@ -497,8 +503,9 @@ fn take(job: &Job, counters: &Counters, stop: &Stop) -> bool {
     true
 }
 
-/// What a job's handler hears of an engine event (`started`: whether it heard `Started`).
-fn message(job: &Job, started: &mut bool, ev: Event<'_>) -> Option<Msg> {
+/// What a job's handler hears of an engine event of its completion `choice` (`started`:
+/// whether it heard `Started`).
+fn message(job: &Job, started: &mut bool, choice: usize, ev: Event<'_>) -> Option<Msg> {
     Some(match ev {
         Event::Prefill { .. } if !*started => {
             *started = true;
@@ -509,9 +516,63 @@ fn message(job: &Job, started: &mut bool, ev: Event<'_>) -> Option<Msg> {
         Event::PromptLogprobs { tokens, logprobs } => {
             Msg::PromptLogprobs(tokens.to_vec(), logprobs.to_vec())
         }
-        Event::Logprob(t) => Msg::Logprob(t.clone()),
-        Event::Text(t) => Msg::Text(t.to_string()),
+        Event::Logprob(t) => Msg::Logprob(choice, t.clone()),
+        Event::Text(t) => Msg::Text(choice, t.to_string()),
     })
+}
+
+/// Tells a stream of several completions that completion `choice` ended.
+fn ended(job: &Job, choice: usize, out: &Output) {
+    if job.stream && job.n > 1 {
+        let _ = job.events.send(Msg::Ended(choice, Box::new(out.clone())));
+    }
+}
+
+/// Collects the completions of a job as they end; the first error fails it (and cancels the
+/// others, which then end at their next token).
+struct Completions {
+    outs: Vec<Option<Output>>,
+    failed: Option<ApiError>,
+    left: usize,
+}
+
+impl Completions {
+    fn new(n: usize) -> Self {
+        Self {
+            outs: (0..n).map(|_| None).collect(),
+            failed: None,
+            left: n,
+        }
+    }
+
+    /// Completion `choice` ended; true when it was the last.
+    fn ended(&mut self, job: &Job, choice: usize, out: Result<Output, ApiError>) -> bool {
+        match out {
+            Ok(o) => {
+                ended(job, choice, &o);
+                self.outs[choice] = Some(o);
+            }
+            Err(e) => {
+                if self.failed.is_none() {
+                    job.ticket.cancel.cancel();
+                    self.failed = Some(e);
+                }
+            }
+        }
+        self.left -= 1;
+        self.left == 0
+    }
+
+    fn result(self) -> Result<Vec<Output>, ApiError> {
+        match self.failed {
+            Some(e) => Err(e),
+            None => Ok(self
+                .outs
+                .into_iter()
+                .map(|o| o.expect("every completion ended"))
+                .collect()),
+        }
+    }
 }
 
 /// A panic's message, for the client and the log.
@@ -525,31 +586,33 @@ fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
     format!("generation failed: {what}")
 }
 
-/// Answers a job that ended (its output, or why it failed) and counts it.
-fn settle(job: Job, result: Result<Output, ApiError>, counters: &Counters, stop: &Stop) {
+/// Answers a job that ended (its completions' outputs, or why it failed) and counts it.
+fn settle(job: Job, result: Result<Vec<Output>, ApiError>, counters: &Counters, stop: &Stop) {
     stop.finished(&job.ticket.cancel);
-    let result = match result {
-        Ok(out) if out.stats.stop_reason == StopReason::Cancelled && !job.events.is_closed() => {
-            // Its client is there: the server is stopping.
-            counters.cancelled.fetch_add(1, Ordering::Relaxed);
-            let _ = job.events.send(Msg::Done(Err(ApiError::unavailable(format!(
-                "the server is shutting down: generation stopped after {} tokens",
-                out.tokens.len()
-            )))));
-            return;
-        }
-        r => r.map(Box::new),
+    // Its completions share the cancel: one cancelled means all were.
+    let cancelled = |outs: &[Output]| {
+        outs.iter()
+            .any(|o| o.stats.stop_reason == StopReason::Cancelled)
+            .then(|| outs.iter().map(|o| o.tokens.len()).sum::<usize>())
     };
-    match &result {
-        Ok(out) if out.stats.stop_reason == StopReason::Cancelled => {
-            counters.cancelled.fetch_add(1, Ordering::Relaxed);
-            tracing::info!(
-                "request cancelled after {} tokens: its client went away",
-                out.tokens.len()
-            );
+    if let Some(tokens) = result.as_deref().ok().and_then(cancelled) {
+        counters.cancelled.fetch_add(1, Ordering::Relaxed);
+        if job.events.is_closed() {
+            tracing::info!("request cancelled after {tokens} tokens: its client went away");
+        } else {
+            // Its client is there: the server is stopping.
+            let _ = job.events.send(Msg::Done(Err(ApiError::unavailable(format!(
+                "the server is shutting down: generation stopped after {tokens} tokens"
+            )))));
         }
-        Ok(out) => {
+        return;
+    }
+    match &result {
+        Ok(outs) => {
+            let out = &outs[0];
             let s = &out.stats;
+            let generated: usize = outs.iter().map(|o| o.tokens.len()).sum();
+            let decode_s = outs.iter().map(|o| o.stats.decode_s).fold(0.0, f64::max);
             counters.completed.fetch_add(1, Ordering::Relaxed);
             counters
                 .prompt_tokens
@@ -559,7 +622,7 @@ fn settle(job: Job, result: Result<Output, ApiError>, counters: &Counters, stop:
                 .fetch_add(s.prefix_tokens as u64, Ordering::Relaxed);
             counters
                 .generated_tokens
-                .fetch_add(out.tokens.len() as u64, Ordering::Relaxed);
+                .fetch_add(generated as u64, Ordering::Relaxed);
             let us = |x: f64| (x * 1e6).round() as u64;
             counters.ttft_us.fetch_add(us(s.ttft_s), Ordering::Relaxed);
             counters
@@ -567,16 +630,17 @@ fn settle(job: Job, result: Result<Output, ApiError>, counters: &Counters, stop:
                 .fetch_add(us(s.prefill_s), Ordering::Relaxed);
             counters
                 .decode_us
-                .fetch_add(us(s.decode_s), Ordering::Relaxed);
+                .fetch_add(us(decode_s), Ordering::Relaxed);
             tracing::info!(
-                "request: prompt {} tok ({} cached), TTFT {:.3} s, prefill {:.1} tok/s, {} generated at \
-                 {:.1} tok/s, peak KV {} B, {} evictions, stop {:?}",
+                "request: prompt {} tok ({} cached), TTFT {:.3} s, prefill {:.1} tok/s, {} generated \
+                 ({} completions) in {:.3} s, peak KV {} B, {} evictions, stop {:?}",
                 s.prompt_tokens,
                 s.prefix_tokens,
                 s.ttft_s,
                 s.prefill_tok_s,
-                s.generated_tokens,
-                s.decode_tok_s,
+                generated,
+                outs.len(),
+                decode_s,
                 s.peak_kv_bytes,
                 s.eviction.evictions,
                 s.stop_reason
@@ -606,15 +670,19 @@ fn work_one_by_one(
         let mut started = false;
         let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
             // A client that leaves drops its handler's ticket guard, which cancels the request.
+            if job.n > 1 {
+                return run_n(engine, &job);
+            }
             let on_event = |ev: Event<'_>| {
-                if let Some(msg) = message(&job, &mut started, ev) {
+                if let Some(msg) = message(&job, &mut started, 0, ev) {
                     let _ = job.events.send(msg);
                 }
             };
-            match prompt_cache.as_mut() {
+            let out = match prompt_cache.as_mut() {
                 Some(pc) => engine.generate_cached(&job.params, pc, on_event),
                 None => engine.generate(&job.params, on_event),
-            }
+            };
+            out.map(|o| vec![o]).map_err(ApiError::from)
         }));
         if result.is_err() {
             // A panic may have left the held cache half-written.
@@ -627,11 +695,32 @@ fn work_one_by_one(
         }
         counters.running.store(0, Ordering::Relaxed);
         let result = match result {
-            Ok(r) => r.map_err(ApiError::from),
+            Ok(r) => r,
             Err(panic) => Err(ApiError::internal(panic_message(&*panic))),
         };
         settle(job, result, counters, stop);
     }
+}
+
+/// A job of several completions, alone: its prompt prefilled once, the completions decoded
+/// together ([`keydiff::Batch::join_n`]). The prompt cache is neither used nor changed.
+fn run_n(engine: &Engine, job: &Job) -> Result<Vec<Output>, ApiError> {
+    let ids: Vec<u64> = (0..job.n as u64).collect();
+    let mut batch = engine.batch();
+    batch.join_n(&ids, &job.params)?;
+    let mut started = false;
+    let mut done = Completions::new(job.n);
+    while !batch.is_empty() {
+        let ended = batch.step(|id, ev| {
+            if let Some(msg) = message(job, &mut started, id as usize, ev) {
+                let _ = job.events.send(msg);
+            }
+        })?;
+        for (id, out) in ended {
+            done.ended(job, id as usize, out.map_err(ApiError::from));
+        }
+    }
+    done.result()
 }
 
 /// Continuous batching: up to `max_batch` requests run together ([`keydiff::Batch`]).
@@ -658,31 +747,49 @@ fn work_batched(
         b
     };
     let mut batch = new_batch();
-    let mut running: std::collections::HashMap<u64, (Job, bool)> = Default::default();
+    // The running jobs by their first completion's batch id, with whether they heard
+    // `Started` and their completions so far; completion i of a job has batch id first + i.
+    let mut running: HashMap<u64, (Job, bool, Completions)> = HashMap::new();
+    let owner = |id: u64, running: &HashMap<u64, (Job, bool, Completions)>| {
+        running
+            .iter()
+            .find(|(&first, (job, _, _))| (first..first + job.n as u64).contains(&id))
+            .map(|(&first, _)| (first, (id - first) as usize))
+    };
     let mut next_id = 0u64;
+    // A job taken from the queue that waits for room for its completions.
+    let mut pending: Option<Job> = None;
     loop {
-        // Joining: wait for a request when none runs, else take those already waiting.
-        while batch.len() < max_batch {
-            let job = if batch.is_empty() {
-                match rx.recv() {
+        // Joining: wait for a request when none runs, else take those already waiting, while
+        // their completions fit in `max_batch` (a job of more runs alone).
+        loop {
+            let job = match pending.take() {
+                Some(job) => job,
+                None if batch.is_empty() => match rx.recv() {
                     Ok(job) => job,
                     Err(_) => return,
-                }
-            } else {
-                match rx.try_recv() {
+                },
+                None => match rx.try_recv() {
                     Ok(job) => job,
                     Err(_) => break,
-                }
+                },
             };
+            if !batch.is_empty() && batch.len() + job.n > max_batch {
+                pending = Some(job);
+                break;
+            }
             if !take(&job, counters, stop) {
                 continue;
             }
-            let id = next_id;
-            next_id += 1;
-            let joined = std::panic::catch_unwind(AssertUnwindSafe(|| batch.join(id, &job.params)));
+            let first = next_id;
+            next_id += job.n as u64;
+            let ids: Vec<u64> = (first..next_id).collect();
+            let joined =
+                std::panic::catch_unwind(AssertUnwindSafe(|| batch.join_n(&ids, &job.params)));
             match joined {
                 Ok(Ok(())) => {
-                    running.insert(id, (job, false));
+                    let n = job.n;
+                    running.insert(first, (job, false, Completions::new(n)));
                 }
                 Ok(Err(e)) => settle(job, Err(e.into()), counters, stop),
                 Err(panic) => {
@@ -699,9 +806,11 @@ fn work_batched(
         }
         let stepped = std::panic::catch_unwind(AssertUnwindSafe(|| {
             batch.step(|id, ev| {
-                if let Some((job, started)) = running.get_mut(&id) {
-                    if let Some(msg) = message(job, started, ev) {
-                        let _ = job.events.send(msg);
+                if let Some((first, choice)) = owner(id, &running) {
+                    if let Some((job, started, _)) = running.get_mut(&first) {
+                        if let Some(msg) = message(job, started, choice, ev) {
+                            let _ = job.events.send(msg);
+                        }
                     }
                 }
             })
@@ -709,8 +818,16 @@ fn work_batched(
         match stepped {
             Ok(Ok(ended)) => {
                 for (id, out) in ended {
-                    if let Some((job, _)) = running.remove(&id) {
-                        settle(job, out.map_err(ApiError::from), counters, stop);
+                    let Some((first, choice)) = owner(id, &running) else {
+                        continue;
+                    };
+                    let Some((job, _, done)) = running.get_mut(&first) else {
+                        continue;
+                    };
+                    if done.ended(job, choice, out.map_err(ApiError::from)) {
+                        if let Some((job, _, done)) = running.remove(&first) {
+                            settle(job, done.result(), counters, stop);
+                        }
                     }
                 }
             }
@@ -723,7 +840,7 @@ fn work_batched(
                     Ok(Ok(_)) => unreachable!("matched above"),
                 };
                 batch = new_batch();
-                for (_, (job, _)) in running.drain() {
+                for (_, (job, _, _)) in running.drain() {
                     settle(job, Err(why.clone()), counters, stop);
                 }
             }
@@ -753,6 +870,7 @@ fn unix_now() -> u64 {
 fn submit(
     st: &AppState,
     mut params: GenerateParams,
+    n: usize,
     stream: bool,
 ) -> Result<(mpsc::UnboundedReceiver<Msg>, TicketGuard), ApiError> {
     let max = st.cfg.max_queue.max(1);
@@ -780,6 +898,7 @@ fn submit(
     };
     let job = Job {
         params,
+        n,
         stream,
         ticket,
         events,
@@ -825,12 +944,12 @@ struct Reply {
     echo: Option<String>,
     /// The engine whose tokens the logprobs name, when the request asked for logprobs.
     logprobs: Option<Arc<Engine>>,
-    /// The text offsets of completion logprobs, across a stream's chunks.
-    offsets: logprobs::CompletionLogprobs,
+    /// The text offsets of each completion's logprobs, across a stream's chunks.
+    offsets: Vec<logprobs::CompletionLogprobs>,
 }
 
 impl Reply {
-    fn new(kind: Kind, model: &str) -> Self {
+    fn new(kind: Kind, model: &str, n: usize) -> Self {
         let prefix = match kind {
             Kind::Completion => "cmpl",
             Kind::Chat => "chatcmpl",
@@ -842,12 +961,17 @@ impl Reply {
             model: model.to_string(),
             echo: None,
             logprobs: None,
-            offsets: Default::default(),
+            offsets: (0..n).map(|_| Default::default()).collect(),
         }
     }
 
-    /// The `logprobs` of generated tokens `lps` (`null` unless the request asked).
-    fn generated_logprobs(&mut self, lps: &[TokenLogprob]) -> Result<Value, ApiError> {
+    /// The `logprobs` of completion `choice`'s generated tokens `lps` (`null` unless the
+    /// request asked).
+    fn generated_logprobs(
+        &mut self,
+        choice: usize,
+        lps: &[TokenLogprob],
+    ) -> Result<Value, ApiError> {
         let Some(engine) = &self.logprobs else {
             return Ok(Value::Null);
         };
@@ -855,16 +979,17 @@ impl Reply {
             Kind::Completion => {
                 let tokens: Vec<u32> = lps.iter().map(|e| e.token).collect();
                 let entries: Vec<_> = lps.iter().map(Some).collect();
-                self.offsets.object(engine, &tokens, &entries)
+                self.offsets[choice].object(engine, &tokens, &entries)
             }
             Kind::Chat => logprobs::chat(engine, lps),
         }
     }
 
     /// The completion `logprobs` of an echoed prompt, `tokens` with the log-probabilities of
-    /// all but the first (`lps`), then of the generated tokens `generated`.
+    /// all but the first (`lps`), then of completion `choice`'s generated tokens `generated`.
     fn prompt_logprobs(
         &mut self,
+        choice: usize,
         tokens: &[u32],
         lps: &[TokenLogprob],
         generated: &[TokenLogprob],
@@ -880,7 +1005,7 @@ impl Reply {
         let entries: Vec<_> = std::iter::once(None)
             .chain(lps.iter().chain(generated).map(Some))
             .collect();
-        self.offsets.object(engine, &tokens, &entries)
+        self.offsets[choice].object(engine, &tokens, &entries)
     }
 
     /// A response object: `id`, `object`, `created`, `model` and `choices`.
@@ -902,42 +1027,50 @@ impl Reply {
         }
     }
 
-    /// The whole response of a request that is not streamed.
-    fn full(&mut self, out: &Output) -> Result<Value, ApiError> {
-        let reason = api::finish_reason(out.stats.stop_reason);
-        let text = format!("{}{}", self.echo.as_deref().unwrap_or(""), out.text);
-        let generated = out.logprobs.as_deref().unwrap_or_default();
-        let logprobs = match (self.kind, &out.prompt_logprobs) {
-            (Kind::Completion, Some(p)) if self.echo.is_some() => {
-                self.prompt_logprobs(&out.prompt_tokens, p, generated)?
-            }
-            _ => self.generated_logprobs(generated)?,
-        };
-        let (object, choice) = match self.kind {
-            Kind::Completion => (
-                "text_completion",
-                json!({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}),
-            ),
-            Kind::Chat => (
-                "chat.completion",
-                json!({
-                    "index": 0,
+    /// The whole response of a request that is not streamed: a choice per completion.
+    fn full(&mut self, outs: &[Output]) -> Result<Value, ApiError> {
+        let mut choices = Vec::with_capacity(outs.len());
+        for (i, out) in outs.iter().enumerate() {
+            let reason = api::finish_reason(out.stats.stop_reason);
+            let text = format!("{}{}", self.echo.as_deref().unwrap_or(""), out.text);
+            let generated = out.logprobs.as_deref().unwrap_or_default();
+            let logprobs = match (self.kind, &out.prompt_logprobs) {
+                (Kind::Completion, Some(p)) if self.echo.is_some() => {
+                    self.prompt_logprobs(i, &out.prompt_tokens, p, generated)?
+                }
+                _ => self.generated_logprobs(i, generated)?,
+            };
+            let mut choice = match self.kind {
+                Kind::Completion => {
+                    json!({"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason})
+                }
+                Kind::Chat => json!({
+                    "index": i,
                     "message": {"role": "assistant", "content": text},
                     "logprobs": logprobs,
                     "finish_reason": reason,
                 }),
-            ),
+            };
+            if outs.len() > 1 {
+                choice["keydiff"] = api::stats(out);
+            }
+            choices.push(choice);
+        }
+        let object = match self.kind {
+            Kind::Completion => "text_completion",
+            Kind::Chat => "chat.completion",
         };
-        let mut v = self.envelope(object, json!([choice]));
-        v["usage"] = api::usage(out);
-        v["keydiff"] = api::stats(out);
+        let mut v = self.envelope(object, Value::Array(choices));
+        v["usage"] = api::usage(outs);
+        v["keydiff"] = outs.first().map_or(Value::Null, api::stats);
         Ok(v)
     }
 
-    /// One streamed chunk: a piece of text (`None` with `finish` for the last one) and the
-    /// `logprobs` of the tokens it completes.
+    /// One streamed chunk of completion `choice`: a piece of text (`None` with `finish` for
+    /// its last one) and the `logprobs` of the tokens it completes.
     fn chunk(
         &self,
+        choice: usize,
         text: Option<&str>,
         role: bool,
         finish: Option<&str>,
@@ -945,7 +1078,7 @@ impl Reply {
     ) -> Value {
         let choice = match self.kind {
             Kind::Completion => json!({
-                "index": 0,
+                "index": choice,
                 "text": text.unwrap_or(""),
                 "logprobs": logprobs,
                 "finish_reason": finish,
@@ -958,23 +1091,23 @@ impl Reply {
                 if let Some(t) = text {
                     delta.insert("content".into(), t.into());
                 }
-                json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
+                json!({"index": choice, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
             }
         };
         self.envelope(self.chunk_object(), json!([choice]))
     }
 
     /// The chunk that closes a stream with `stream_options.include_usage`.
-    fn usage_chunk(&self, out: &Output) -> Value {
+    fn usage_chunk(&self, outs: &[Output]) -> Value {
         let mut v = self.envelope(self.chunk_object(), json!([]));
-        v["usage"] = api::usage(out);
+        v["usage"] = api::usage(outs);
         v
     }
 }
 
 async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Result<Response, ApiError> {
     let mapped = api::parse::<CompletionRequest>(&body)?.map(defaults(&st))?;
-    let mut reply = Reply::new(Kind::Completion, &st.cfg.model_id);
+    let mut reply = Reply::new(Kind::Completion, &st.cfg.model_id, mapped.n);
     if mapped.echo {
         reply.echo = Some(match &mapped.params.prompt {
             keydiff::Prompt::Tokens(ids) => {
@@ -997,7 +1130,7 @@ async fn chat_completions(
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let mapped = api::parse::<ChatRequest>(&body)?.map(defaults(&st))?;
-    let reply = Reply::new(Kind::Chat, &st.cfg.model_id);
+    let reply = Reply::new(Kind::Chat, &st.cfg.model_id, mapped.n);
     Ok(respond(st, mapped, reply).await)
 }
 
@@ -1011,6 +1144,7 @@ fn defaults(st: &AppState) -> Defaults {
 async fn respond(st: Arc<AppState>, m: Mapped, mut reply: Reply) -> Response {
     let Mapped {
         params,
+        n,
         stream,
         include_usage,
         echo: _,
@@ -1020,7 +1154,7 @@ async fn respond(st: Arc<AppState>, m: Mapped, mut reply: Reply) -> Response {
     }
     // An echoed prompt with logprobs is sent once they are known, after the prefill.
     let echo_waits = params.prompt_logprobs.is_some();
-    let (mut rx, guard) = match submit(&st, params, stream) {
+    let (mut rx, guard) = match submit(&st, params, n, stream) {
         Ok(x) => x,
         Err(e) => return e.into_response(),
     };
@@ -1057,9 +1191,29 @@ async fn respond(st: Arc<AppState>, m: Mapped, mut reply: Reply) -> Response {
     tokio::spawn(async move {
         let _guard = guard;
         let send = |v: Value| tx.send(Ok(SseEvent::default().data(v.to_string())));
+        let fail = |e: ApiError| {
+            let _ = send(json!({ "error": e.body() }));
+        };
         let mut pending = Some(first);
-        // Logprobs of tokens whose text has not been sent yet.
-        let mut lps: Vec<TokenLogprob> = Vec::new();
+        // Each completion's logprobs of tokens whose text has not been sent yet, and whether
+        // its last chunk went.
+        let mut lps: Vec<Vec<TokenLogprob>> = (0..n).map(|_| Vec::new()).collect();
+        let mut finished = vec![false; n];
+        // Completion `i`'s last chunk: the logprobs of tokens that added no text (an end of
+        // turn, a cut stop string), the finish reason and the engine's figures.
+        let last_chunk =
+            |reply: &mut Reply, lps: &mut Vec<TokenLogprob>, i: usize, out: &Output| {
+                let rest = match lps.is_empty() {
+                    true => Ok(Value::Null),
+                    false => reply.generated_logprobs(i, &std::mem::take(lps)),
+                };
+                rest.map(|l| {
+                    let reason = api::finish_reason(out.stats.stop_reason);
+                    let mut last = reply.chunk(i, None, false, Some(reason), l);
+                    last["keydiff"] = api::stats(out);
+                    last
+                })
+            };
         loop {
             let msg = match pending.take() {
                 Some(m) => m,
@@ -1075,14 +1229,18 @@ async fn respond(st: Arc<AppState>, m: Mapped, mut reply: Reply) -> Response {
                     _ = tx.closed() => return,
                 },
             };
-            let chunk = match msg {
+            let chunks: Result<Vec<Value>, ApiError> = match msg {
                 Msg::Started => {
-                    // The chat role, or an echoed prompt, opens the stream.
+                    // The chat role, or an echoed prompt, opens each completion's stream.
                     match reply.kind {
-                        Kind::Chat => Ok(reply.chunk(Some(""), true, None, Value::Null)),
+                        Kind::Chat => Ok((0..n)
+                            .map(|i| reply.chunk(i, Some(""), true, None, Value::Null))
+                            .collect()),
                         Kind::Completion if echo_waits => continue,
                         Kind::Completion => match reply.echo.take() {
-                            Some(e) => Ok(reply.chunk(Some(&e), false, None, Value::Null)),
+                            Some(e) => Ok((0..n)
+                                .map(|i| reply.chunk(i, Some(&e), false, None, Value::Null))
+                                .collect()),
                             None => continue,
                         },
                     }
@@ -1091,61 +1249,67 @@ async fn respond(st: Arc<AppState>, m: Mapped, mut reply: Reply) -> Response {
                     let Some(e) = reply.echo.take() else { continue };
                     // A long prompt's logprobs: built off the async threads.
                     let built = tokio::task::spawn_blocking(move || {
-                        let l = reply.prompt_logprobs(&tokens, &p, &[]);
-                        (l.map(|l| reply.chunk(Some(&e), false, None, l)), reply)
+                        let chunks = (0..n)
+                            .map(|i| {
+                                let l = reply.prompt_logprobs(i, &tokens, &p, &[])?;
+                                Ok(reply.chunk(i, Some(&e), false, None, l))
+                            })
+                            .collect();
+                        (chunks, reply)
                     })
                     .await;
                     match built {
-                        Ok((chunk, back)) => {
+                        Ok((chunks, back)) => {
                             reply = back;
-                            chunk
+                            chunks
                         }
                         Err(e) => {
-                            let e = ApiError::internal(format!("building the response: {e}"));
-                            let _ = send(json!({ "error": e.body() }));
+                            fail(ApiError::internal(format!("building the response: {e}")));
                             let _ = tx.send(Ok(SseEvent::default().data("[DONE]")));
                             return;
                         }
                     }
                 }
-                Msg::Logprob(t) => {
-                    lps.push(t);
+                Msg::Logprob(i, t) => {
+                    lps[i].push(t);
                     continue;
                 }
-                Msg::Text(t) => reply
-                    .generated_logprobs(&std::mem::take(&mut lps))
-                    .map(|l| reply.chunk(Some(&t), false, None, l)),
-                Msg::Done(Ok(out)) => {
-                    let reason = api::finish_reason(out.stats.stop_reason);
-                    // Tokens that added no text (an end of turn, a cut stop string).
-                    let rest = match lps.is_empty() {
-                        true => Ok(Value::Null),
-                        false => reply.generated_logprobs(&std::mem::take(&mut lps)),
-                    };
-                    match rest {
-                        Ok(l) => {
-                            let mut last = reply.chunk(None, false, Some(reason), l);
-                            last["keydiff"] = api::stats(&out);
-                            let _ = send(last);
+                Msg::Text(i, t) => reply
+                    .generated_logprobs(i, &std::mem::take(&mut lps[i]))
+                    .map(|l| vec![reply.chunk(i, Some(&t), false, None, l)]),
+                Msg::Ended(i, out) => {
+                    finished[i] = true;
+                    last_chunk(&mut reply, &mut lps[i], i, &out).map(|c| vec![c])
+                }
+                Msg::Done(Ok(outs)) => {
+                    let lasts: Result<Vec<Value>, ApiError> = outs
+                        .iter()
+                        .enumerate()
+                        .filter(|(i, _)| !finished[*i])
+                        .map(|(i, out)| last_chunk(&mut reply, &mut lps[i], i, out))
+                        .collect();
+                    match lasts {
+                        Ok(mut chunks) => {
                             if include_usage {
-                                let _ = send(reply.usage_chunk(&out));
+                                chunks.push(reply.usage_chunk(&outs));
+                            }
+                            for c in chunks {
+                                let _ = send(c);
                             }
                         }
-                        Err(e) => {
-                            let _ = send(json!({ "error": e.body() }));
-                        }
+                        Err(e) => fail(e),
                     }
                     break;
                 }
                 Msg::Done(Err(e)) => {
-                    let _ = send(json!({ "error": e.body() }));
+                    fail(e);
                     break;
                 }
             };
-            let sent = match chunk {
-                Ok(c) => send(c),
+            let sent = match chunks {
+                Ok(cs) => cs.into_iter().try_for_each(|c| send(c).map_err(|_| ())),
                 Err(e) => {
-                    let _ = send(json!({ "error": e.body() }));
+                    fail(e);
                     break;
                 }
             };
