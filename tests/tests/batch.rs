@@ -573,10 +573,17 @@ fn several_completions_equal_their_runs_alone() {
     }
 }
 
-/// Completions of one prompt are planned as a cache each, beside the batch; ids are checked.
+/// Completions of one prompt are planned as a cache each, beside the batch, and beside what
+/// the caller holds outside it; ids are checked.
 #[test]
 fn several_completions_are_planned_and_checked() {
-    let (e, p, _, _) = limited_engine();
+    let (e, p, _, kv) = limited_engine();
+    let mut held = e.batch();
+    held.hold_outside(kv);
+    let err = held.join(0, &p).unwrap_err();
+    assert!(matches!(err, EngineError::OutOfMemory(_)), "{err:?}");
+    held.hold_outside(kv / 4);
+    held.join(0, &p).unwrap();
     let mut batch = e.batch();
     let err = batch.join_n(&[0, 1], &p).unwrap_err();
     assert!(matches!(err, EngineError::OutOfMemory(_)), "{err:?}");

@@ -671,7 +671,8 @@ fn work_one_by_one(
         let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
             // A client that leaves drops its handler's ticket guard, which cancels the request.
             if job.n > 1 {
-                return run_n(engine, &job);
+                let held = prompt_cache.as_ref().map_or(0, PromptCache::bytes);
+                return run_n(engine, &job, held as u64);
             }
             let on_event = |ev: Event<'_>| {
                 if let Some(msg) = message(&job, &mut started, 0, ev) {
@@ -703,10 +704,12 @@ fn work_one_by_one(
 }
 
 /// A job of several completions, alone: its prompt prefilled once, the completions decoded
-/// together ([`keydiff::Batch::join_n`]). The prompt cache is neither used nor changed.
-fn run_n(engine: &Engine, job: &Job) -> Result<Vec<Output>, ApiError> {
+/// together ([`keydiff::Batch::join_n`]). The prompt cache (`held` bytes) is neither used
+/// nor changed.
+fn run_n(engine: &Engine, job: &Job, held: u64) -> Result<Vec<Output>, ApiError> {
     let ids: Vec<u64> = (0..job.n as u64).collect();
     let mut batch = engine.batch();
+    batch.hold_outside(held);
     batch.join_n(&ids, &job.params)?;
     let mut started = false;
     let mut done = Completions::new(job.n);

@@ -49,6 +49,9 @@ pub struct Batch<'e> {
     prefill_tokens: usize,
     /// Ended requests' caches kept for later ones ([`Batch::keep_prompts`]).
     kept: Option<Kept>,
+    /// Bytes held outside the batch that a configured memory limit must count
+    /// ([`Batch::hold_outside`]).
+    outside: u64,
 }
 
 /// Ended requests' caches, most recently used first, at most `slots`.
@@ -98,6 +101,7 @@ impl Engine {
             running: Vec::new(),
             prefill_tokens: self.config().cache.chunk,
             kept: None,
+            outside: 0,
         }
     }
 
@@ -228,6 +232,13 @@ impl<'e> Batch<'e> {
         });
     }
 
+    /// Counts `bytes` that the caller holds outside the batch on this engine's device (a
+    /// prompt cache of its own) beside the batch's caches, when the engine's memory is a
+    /// configured limit: a measured budget sees them already.
+    pub fn hold_outside(&mut self, bytes: u64) {
+        self.outside = bytes;
+    }
+
     /// The tokens each kept cache holds, most recently used first (see
     /// [`Batch::keep_prompts`]).
     pub fn kept_tokens(&self) -> Vec<usize> {
@@ -260,7 +271,7 @@ impl<'e> Batch<'e> {
     fn unseen_bytes(&self) -> u64 {
         let e = self.engine;
         let kept = match e.config().memory_limit {
-            Some(_) => self.kept_bytes() as u64,
+            Some(_) => self.kept_bytes() as u64 + self.outside,
             None => 0,
         };
         let caches = self.caches();
