@@ -475,6 +475,37 @@ fn logit_bias_bans_and_forces() {
     }
 }
 
+/// `--format json`: the reply is one JSON object, ended by the model; with `--ignore-eos`
+/// it is refused.
+#[test]
+fn format_json_gives_one_object() {
+    let m = model(SMOLLM2);
+    let args = [
+        "run",
+        "-m",
+        m.to_str().unwrap(),
+        "--chat",
+        "-p",
+        "Describe a cat named Tom (3 years old, grey) as JSON with keys name, age, colour.",
+        "-n",
+        "96",
+        "--format",
+        "json",
+        "--json",
+    ];
+    let (so, _) = ok(&args);
+    let v: serde_json::Value = serde_json::from_str(so.trim()).unwrap();
+    let reply: serde_json::Value = serde_json::from_str(v["text"].as_str().unwrap()).unwrap();
+    assert!(reply.is_object(), "{v}");
+    assert_eq!(v["stats"]["stop_reason"], "eos", "{v}");
+    let out = Command::new(keydiff_bin())
+        .args([&args[..], &["--ignore-eos"]].concat())
+        .output()
+        .unwrap();
+    let se = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && se.contains("JSON mode"), "{se}");
+}
+
 /// `check-device` on the CPU (the GPU host runs it on CUDA, scripts/gpu-check.sh): against
 /// the CPU reference, the logits agree; with `--batch`, every batched and mixed segment
 /// equals its sequence alone, for the full cache and evicting policies, one JSON line each.

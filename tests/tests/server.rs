@@ -544,9 +544,17 @@ fn bad_requests_are_refused_naming_the_problem() {
         ),
         (
             &chat,
-            json!({"messages": user, "response_format": {"type": "json_object"}}),
+            json!({"messages": user, "response_format": {"type": "json_schema",
+                   "json_schema": {"name": "x", "schema": {"type": "object"}}}}),
             Some("response_format"),
-            "only text",
+            "a json_schema is not",
+        ),
+        (
+            &chat,
+            json!({"messages": user, "response_format": {"type": "json_object"},
+                   "ignore_eos": true}),
+            None,
+            "cannot ignore the end of generation",
         ),
         (
             &chat,
@@ -1391,4 +1399,41 @@ fn several_completions_per_request() {
         check_whole(&got, &format!("max batch {max_batch}"));
         check_stream(&other.join().unwrap());
     }
+}
+
+/// `response_format: {"type": "json_object"}`: the reply, whole and streamed, is one JSON
+/// object, the one the engine gives in JSON mode.
+#[test]
+fn json_object_replies() {
+    let server = start(CacheConfig::full(64), 4);
+    let url = format!("{}/v1/chat/completions", server.url());
+    let local = engine(CacheConfig::full(64));
+    let content = "Describe a grey cat called Tom, aged 3, as JSON with keys name, age, colour.";
+    let mut params = greedy(
+        Prompt::Chat(vec![Message {
+            role: "user".into(),
+            content: content.into(),
+        }]),
+        96,
+    );
+    params.sampling.format = keydiff::Format::JsonObject;
+    let want = local.generate(&params, |_| {}).unwrap();
+    assert_eq!(want.stats.stop_reason, StopReason::Eos, "{:?}", want.text);
+    let body = json!({"messages": [{"role": "user", "content": content}], "max_tokens": 96,
+                      "temperature": 0, "response_format": {"type": "json_object"}});
+    let (code, got) = post(&url, &body);
+    assert_eq!(code, 200, "{got}");
+    let text = got["choices"][0]["message"]["content"].as_str().unwrap();
+    assert_eq!(text, want.text);
+    let v: Value = serde_json::from_str(text).unwrap();
+    assert!(v.is_object(), "{v}");
+    assert_eq!(got["choices"][0]["finish_reason"], "stop");
+    let mut body = body;
+    body["stream"] = json!(true);
+    let chunks = events(ureq::post(&url).send_json(&body).unwrap());
+    let streamed: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(streamed, want.text);
 }

@@ -11,7 +11,8 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use keydiff::{
     parse_device, parse_dtype, AttentionBackend, CacheConfig, CpuWeights, Engine, EngineConfig,
-    Event, GenerateParams, Message, ModelSource, PolicyKind, Prompt, Sampling, DEFAULT_CHUNK,
+    Event, Format, GenerateParams, Message, ModelSource, PolicyKind, Prompt, Sampling,
+    DEFAULT_CHUNK,
 };
 
 /// The model `run` uses when `-m` is not given (fetched by scripts/fetch-models.sh).
@@ -872,8 +873,19 @@ struct SamplingArgs {
     /// `15043+1`, `15043-0.5`, `15043-inf` (bans the token). Repeatable.
     #[arg(long, short = 'l', value_name = "TOKEN_ID(+|-)BIAS", value_parser = parse_logit_bias)]
     logit_bias: Vec<(u32, f32)>,
+    /// `json`: the output is one JSON object, then the end of generation (tokens that would
+    /// break it are masked before sampling; OpenAI's `response_format: json_object`).
+    #[arg(long, value_enum, default_value_t = OutputFormat::Text)]
+    format: OutputFormat,
     #[arg(long, default_value_t = 299_792_458)]
     seed: u64,
+}
+
+/// `--format`.
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum OutputFormat {
+    Text,
+    Json,
 }
 
 /// `TOKEN_ID+BIAS` or `TOKEN_ID-BIAS` (llama.cpp's `--logit-bias`).
@@ -904,6 +916,10 @@ impl SamplingArgs {
             frequency_penalty: self.frequency_penalty,
             presence_penalty: self.presence_penalty,
             logit_bias: self.logit_bias.clone(),
+            format: match self.format {
+                OutputFormat::Text => Format::Text,
+                OutputFormat::Json => Format::JsonObject,
+            },
             seed: self.seed,
         }
     }

@@ -2,7 +2,7 @@
 //! and the response bodies.
 //!
 //! Unknown fields are ignored, as OpenAI clients send many; fields this server cannot honour
-//! (`best_of`, `suffix`, `tools`, a non-text `response_format`, image
+//! (`best_of`, `suffix`, `tools`, a `json_schema` `response_format`, image
 //! content) are refused with a 400 naming the field rather than ignored, so that no client
 //! gets an answer it did not ask for.
 //!
@@ -10,7 +10,9 @@
 //! for completions, where `echo` adds the prompt's; `logprobs: true` with `top_logprobs` for
 //! chat.
 
-use keydiff::{GenerateParams, Message, Output, Prompt, Sampling, StopReason, MAX_TOP_LOGPROBS};
+use keydiff::{
+    Format, GenerateParams, Message, Output, Prompt, Sampling, StopReason, MAX_TOP_LOGPROBS,
+};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
@@ -174,6 +176,7 @@ impl Common {
             frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
             presence_penalty: self.presence_penalty.unwrap_or(0.0),
             logit_bias,
+            format: Format::Text,
             seed: self.seed.unwrap_or_else(rand::random),
         };
         sampling
@@ -317,15 +320,22 @@ impl ChatRequest {
         if self.tools.as_ref().is_some_and(|t| !t.is_empty()) {
             return bad("tools are not supported".into(), "tools");
         }
-        if let Some(f) = &self.response_format {
-            let kind = f.get("type").and_then(Value::as_str);
-            if !(f.is_null() || kind == Some("text")) {
-                return bad(
-                    format!("response_format {f} is not supported (only text)"),
-                    "response_format",
-                );
-            }
-        }
+        let format = match &self.response_format {
+            None | Some(Value::Null) => Format::Text,
+            Some(f) => match f.get("type").and_then(Value::as_str) {
+                Some("text") => Format::Text,
+                Some("json_object") => Format::JsonObject,
+                _ => {
+                    return bad(
+                        format!(
+                            "response_format {f} is not supported (text and json_object are; \
+                             a json_schema is not)"
+                        ),
+                        "response_format",
+                    )
+                }
+            },
+        };
         let on = match &self.common.logprobs {
             None | Some(Value::Null) | Some(Value::Bool(false)) => false,
             Some(Value::Bool(true)) => true,
@@ -345,7 +355,11 @@ impl ChatRequest {
         }
         let messages = messages(self.messages)?;
         let logprobs = on.then(|| top.unwrap_or(0));
-        self.common.map(Prompt::Chat(messages), defaults, logprobs)
+        let mut m = self
+            .common
+            .map(Prompt::Chat(messages), defaults, logprobs)?;
+        m.params.sampling.format = format;
+        Ok(m)
     }
 }
 

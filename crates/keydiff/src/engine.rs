@@ -13,8 +13,11 @@ use keydiff_model::{
 };
 
 use crate::error::{EngineError, Result};
-use crate::logprobs::{rows_logprobs, token_logprob, TokenLogprob, TokenPiece, MAX_TOP_LOGPROBS};
-use crate::sampling::{Sampler, Sampling};
+use crate::json_mode::JsonObject;
+use crate::logprobs::{
+    rows_logprobs, token_logprob, token_pieces, TokenLogprob, TokenPiece, MAX_TOP_LOGPROBS,
+};
+use crate::sampling::{Format, Sampler, Sampling};
 use crate::source::ModelSource;
 use crate::stream::TextStream;
 
@@ -167,10 +170,17 @@ impl GenerateParams {
         self.cancel.as_ref().is_some_and(CancelToken::is_cancelled)
     }
 
-    /// Refuses settings the engine cannot honour: meaningless sampling values, or more
-    /// logprob alternatives than [`MAX_TOP_LOGPROBS`].
+    /// Refuses settings the engine cannot honour: meaningless sampling values, more logprob
+    /// alternatives than [`MAX_TOP_LOGPROBS`], or JSON mode with `ignore_eos`.
     pub fn validate(&self) -> Result<()> {
         self.sampling.validate().map_err(EngineError::BadParams)?;
+        if self.ignore_eos && self.sampling.format == Format::JsonObject {
+            return Err(EngineError::BadParams(
+                "JSON mode ends generation with the object; it cannot ignore the end of \
+                 generation"
+                    .into(),
+            ));
+        }
         for (name, top) in [
             ("logprobs", self.logprobs),
             ("prompt logprobs", self.prompt_logprobs),
@@ -462,6 +472,7 @@ impl<'e> Prefill<'e> {
             _ => (Vec::new(), StopReason::Cancelled),
         };
         let e = self.engine;
+        let params_format = self.params.sampling.format;
         Ok(Decoding {
             engine: e,
             sampler: Sampler::new(self.params.sampling.clone()),
@@ -484,6 +495,7 @@ impl<'e> Prefill<'e> {
             decode_steps: 0,
             reason,
             logits,
+            json: (params_format == Format::JsonObject).then(JsonObject::new),
         })
     }
 }
@@ -515,6 +527,8 @@ pub(crate) struct Decoding<'e> {
     decode_steps: usize,
     reason: StopReason,
     logits: Vec<f32>,
+    /// JSON mode's checker, over what was generated so far.
+    json: Option<JsonObject>,
 }
 
 impl<'e> Decoding<'e> {
@@ -532,7 +546,22 @@ impl<'e> Decoding<'e> {
         }
         // The model's distribution, before the sampler's penalties and temperature.
         let raw = params.logprobs.map(|top| (self.logits.clone(), top));
+        let vocab = &self.engine.loaded.vocab;
+        if let Some(json) = &self.json {
+            let tokens = self.engine.token_bytes()?;
+            if json.mask(&mut self.logits, tokens, &vocab.eos_ids) == 0 {
+                return Err(EngineError::BadParams(
+                    "JSON mode: no token of this vocabulary can continue the object".into(),
+                ));
+            }
+        }
         let tok = self.sampler.sample(&mut self.logits, &self.history);
+        if let Some(json) = &mut self.json {
+            let tokens = self.engine.token_bytes()?;
+            if let Some(bytes) = tokens.get(tok as usize) {
+                json.push_all(bytes);
+            }
+        }
         if self.generated.is_empty() {
             self.ttft_s = self.t0.elapsed().as_secs_f64();
         }
@@ -542,7 +571,6 @@ impl<'e> Decoding<'e> {
         }
         self.generated.push(tok);
         self.history.push(tok);
-        let vocab = &self.engine.loaded.vocab;
         if !params.ignore_eos && vocab.eos_ids.contains(&tok) {
             self.reason = StopReason::Eos;
             return Ok(None);
@@ -609,6 +637,7 @@ impl<'e> Decoding<'e> {
             decode_steps: 0,
             reason: self.reason,
             logits: self.logits.clone(),
+            json: self.json,
         }
     }
 
@@ -718,6 +747,8 @@ pub struct Engine {
     cfg: EngineConfig,
     /// The tokenizer with special-token text read as plain text, made on first use.
     plain_tokenizer: std::sync::OnceLock<tokenizers::Tokenizer>,
+    /// Every token's bytes, for JSON mode, made on first use ([`Engine::token_bytes`]).
+    token_bytes: std::sync::OnceLock<std::result::Result<Vec<Box<[u8]>>, String>>,
     /// Device memory the load took, as the driver reports it (GPUs only).
     load_taken: Option<u64>,
 }
@@ -793,6 +824,7 @@ impl Engine {
             loaded,
             cfg,
             plain_tokenizer: std::sync::OnceLock::new(),
+            token_bytes: std::sync::OnceLock::new(),
             load_taken,
         })
     }
@@ -1058,6 +1090,26 @@ impl Engine {
         Ok(ids)
     }
 
+    /// Every token's bytes by id, up to the model's vocabulary (empty for special tokens and
+    /// ids the tokenizer lacks): what JSON mode checks candidates with. Made on first use.
+    pub(crate) fn token_bytes(&self) -> Result<&[Box<[u8]>]> {
+        let made = self.token_bytes.get_or_init(|| {
+            let ids: Vec<u32> = (0..self.model_config().vocab_size as u32).collect();
+            let pieces =
+                token_pieces(&self.loaded.vocab.tokenizer, &ids).map_err(|e| e.to_string())?;
+            Ok(pieces
+                .into_iter()
+                .map(|p| match p.special {
+                    true => Box::default(),
+                    false => p.bytes.into_boxed_slice(),
+                })
+                .collect())
+        });
+        made.as_deref().map_err(|e| {
+            EngineError::Tokenizer(format!("JSON mode needs every token's bytes: {e}"))
+        })
+    }
+
     /// Token ids of `text`, never a BOS; special tokens parsed only when `special` is true.
     fn encode(&self, text: &str, special: bool) -> Result<Vec<u32>> {
         let t = if special {
@@ -1175,6 +1227,9 @@ impl Engine {
     /// biases on token ids outside the model's vocabulary.
     pub fn check_params(&self, params: &GenerateParams) -> Result<()> {
         params.validate()?;
+        if params.sampling.format == Format::JsonObject {
+            self.token_bytes()?;
+        }
         let vocab = self.model_config().vocab_size;
         match params
             .sampling

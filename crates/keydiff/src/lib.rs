@@ -15,6 +15,7 @@ pub mod bench;
 mod conversation;
 mod engine;
 mod error;
+pub mod json_mode;
 pub mod kernel_check;
 pub mod logprobs;
 pub mod parity;
@@ -41,7 +42,7 @@ pub use keydiff_model::{
 pub use logprobs::{TokenLogprob, TokenPiece, MAX_TOP_LOGPROBS};
 pub use perplexity::Perplexity;
 pub use prompt_cache::{PromptCache, Reuse};
-pub use sampling::{Sampler, Sampling};
+pub use sampling::{Format, Sampler, Sampling};
 pub use source::ModelSource;
 pub use stream::TextStream;
 

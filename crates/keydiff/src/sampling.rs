@@ -33,7 +33,28 @@ pub struct Sampling {
     /// Applies to greedy decoding too.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub logit_bias: Vec<(u32, f32)>,
+    /// What the output must be: any text, or one JSON object ([`crate::json_mode`]), applied
+    /// before the logit bias.
+    #[serde(default, skip_serializing_if = "Format::is_text")]
+    pub format: Format,
     pub seed: u64,
+}
+
+/// The form of a request's output.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Format {
+    /// Any text.
+    #[default]
+    Text,
+    /// One JSON object, then the end of generation ([`crate::json_mode`]).
+    JsonObject,
+}
+
+impl Format {
+    fn is_text(&self) -> bool {
+        *self == Format::Text
+    }
 }
 
 impl Default for Sampling {
@@ -50,6 +71,7 @@ impl Default for Sampling {
             frequency_penalty: 0.0,
             presence_penalty: 0.0,
             logit_bias: Vec::new(),
+            format: Format::Text,
             seed: 299_792_458,
         }
     }

@@ -1,0 +1,98 @@
+//! JSON mode (`Sampling::format = Format::JsonObject`) on the real models: every reply is one
+//! JSON object that serde_json parses, ended by the model's end of generation, greedy and
+//! sampled, under an evicting budget, and with several completions at once; the model's
+//! logprobs are reported unmasked.
+
+use keydiff::{
+    CacheConfig, Engine, EngineConfig, Format, GenerateParams, Message, ModelSource, PolicyKind,
+    Prompt, Sampling, StopReason,
+};
+use keydiff_tests::{model, QWEN, SMOLLM2};
+
+fn engine(path: &str) -> Engine {
+    let cfg = EngineConfig {
+        cache: CacheConfig {
+            policy: PolicyKind::parse("keydiff", 8, 0).unwrap(),
+            budget: Some(64),
+            ..CacheConfig::full(32)
+        },
+        ..Default::default()
+    };
+    Engine::load(&ModelSource::Gguf(model(path)), &cfg).unwrap()
+}
+
+fn ask(question: &str, sampling: Sampling) -> GenerateParams {
+    let context = "The cat is called Tom. He is three years old, grey, and likes fish. ".repeat(4);
+    GenerateParams {
+        prompt: Prompt::Chat(vec![Message {
+            role: "user".into(),
+            content: format!("{context}\n{question}"),
+        }]),
+        max_tokens: 160,
+        sampling: Sampling {
+            format: Format::JsonObject,
+            ..sampling
+        },
+        logprobs: Some(1),
+        ..Default::default()
+    }
+}
+
+/// One JSON object, parsed, ended by the model.
+fn check(out: &keydiff::Output, what: &str) {
+    assert_eq!(
+        out.stats.stop_reason,
+        StopReason::Eos,
+        "{what}: {:?}",
+        out.text
+    );
+    let v: serde_json::Value =
+        serde_json::from_str(&out.text).unwrap_or_else(|e| panic!("{what}: {e}: {:?}", out.text));
+    assert!(v.is_object(), "{what}: {v}");
+}
+
+#[test]
+fn replies_are_one_json_object() {
+    for path in [SMOLLM2, QWEN] {
+        let e = engine(path);
+        let q = "Describe the cat as JSON with the keys name, age and colour.";
+        let greedy = e.generate(&ask(q, Sampling::default()), |_| {}).unwrap();
+        check(&greedy, &format!("{path} greedy"));
+        assert!(
+            greedy.stats.eviction.evictions > 0,
+            "{path}: nothing evicted"
+        );
+        // The logprobs are the model's: the chosen token may be one the model did not rank
+        // first (the mask changed the choice), but each is a real log-probability.
+        let lps = greedy.logprobs.as_ref().unwrap();
+        assert_eq!(lps.len(), greedy.tokens.len());
+        assert!(lps
+            .iter()
+            .all(|l| l.logprob <= 0.0 && l.logprob.is_finite()));
+        let sampled = Sampling {
+            temperature: 1.0,
+            seed: 3,
+            ..Default::default()
+        };
+        let outs = e.generate_n(&ask(q, sampled), 3, |_, _| {}).unwrap();
+        for (i, out) in outs.into_iter().enumerate() {
+            check(&out.unwrap(), &format!("{path} sampled {i}"));
+        }
+    }
+}
+
+/// The same prompt without JSON mode: the greedy reply is not a bare JSON object (so the mask
+/// is what made it one above).
+#[test]
+fn without_json_mode_the_reply_is_prose() {
+    let e = engine(SMOLLM2);
+    let mut p = ask(
+        "Describe the cat as JSON with the keys name, age and colour.",
+        Sampling::default(),
+    );
+    p.sampling.format = Format::Text;
+    let out = e.generate(&p, |_| {}).unwrap();
+    let parsed: Result<serde_json::Map<String, serde_json::Value>, _> =
+        serde_json::from_str(&out.text);
+    assert!(parsed.is_err(), "{:?}", out.text);
+}
