@@ -131,15 +131,7 @@ impl Engine {
                 Err(e) => outputs[i] = Some(Err(e)),
             }
         }
-        while !batch.is_empty() {
-            for (id, out) in batch.step(|id, e| on_event(id as usize, e))? {
-                outputs[id as usize] = Some(out);
-            }
-        }
-        Ok(outputs
-            .into_iter()
-            .map(|o| o.expect("every request ends"))
-            .collect())
+        run_out(batch, outputs, on_event)
     }
 }
 
@@ -155,22 +147,31 @@ impl Engine {
         &self,
         params: &GenerateParams,
         n: usize,
-        mut on_event: impl FnMut(usize, Event<'_>),
+        on_event: impl FnMut(usize, Event<'_>),
     ) -> Result<Vec<Result<Output>>> {
         let ids: Vec<u64> = (0..n as u64).collect();
         let mut batch = self.batch();
         batch.join_n(&ids, params)?;
-        let mut outputs: Vec<Option<Result<Output>>> = ids.iter().map(|_| None).collect();
-        while !batch.is_empty() {
-            for (id, out) in batch.step(|id, e| on_event(id as usize, e))? {
-                outputs[id as usize] = Some(out);
-            }
-        }
-        Ok(outputs
-            .into_iter()
-            .map(|o| o.expect("every completion ends"))
-            .collect())
+        run_out(batch, ids.iter().map(|_| None).collect(), on_event)
     }
+}
+
+/// Steps `batch`, whose ids are indices into `outputs`, until every request in it has ended;
+/// each output goes to its place.
+fn run_out(
+    mut batch: Batch<'_>,
+    mut outputs: Vec<Option<Result<Output>>>,
+    mut on_event: impl FnMut(usize, Event<'_>),
+) -> Result<Vec<Result<Output>>> {
+    while !batch.is_empty() {
+        for (id, out) in batch.step(|id, e| on_event(id as usize, e))? {
+            outputs[id as usize] = Some(out);
+        }
+    }
+    Ok(outputs
+        .into_iter()
+        .map(|o| o.expect("every request ends"))
+        .collect())
 }
 
 impl<'e> Batch<'e> {
