@@ -600,6 +600,30 @@ fn several_completions_are_planned_and_checked() {
     }
     batch.join_n(&[7], &p).unwrap();
     assert_eq!(batch.ids(), [7]);
+    // A joining request's other completion counts before its copy is made: as many more
+    // requests fit beside it as beside two requests.
+    let mid = GenerateParams {
+        prompt: Prompt::Tokens(vec![3; 40]),
+        max_tokens: 8,
+        ..p.clone()
+    };
+    let room = |mut b: keydiff::Batch<'_>| {
+        for k in 10.. {
+            if let Err(err) = b.join(k, &mid) {
+                assert!(matches!(err, EngineError::OutOfMemory(_)), "{err:?}");
+                return k - 10;
+            }
+        }
+        unreachable!()
+    };
+    let mut forked = e.batch();
+    forked.join_n(&[0, 1], &mid).unwrap();
+    let mut two = e.batch();
+    two.join(0, &mid).unwrap();
+    two.join(1, &mid).unwrap();
+    let (a, b) = (room(forked), room(two));
+    assert!(b >= 1, "the test needs room for a third request");
+    assert_eq!(a, b);
     let small = GenerateParams {
         prompt: Prompt::Tokens(vec![3; 5]),
         ..p.clone()

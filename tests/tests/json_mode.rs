@@ -62,13 +62,16 @@ fn replies_are_one_json_object() {
             greedy.stats.eviction.evictions > 0,
             "{path}: nothing evicted"
         );
-        // The logprobs are the model's: the chosen token may be one the model did not rank
-        // first (the mask changed the choice), but each is a real log-probability.
+        // The logprobs are the model's, before the mask: greedy, the mask made the model take
+        // a token it did not rank first (it starts its replies with a code fence), which
+        // renormalised logprobs would rank first.
         let lps = greedy.logprobs.as_ref().unwrap();
         assert_eq!(lps.len(), greedy.tokens.len());
-        assert!(lps
-            .iter()
-            .all(|l| l.logprob <= 0.0 && l.logprob.is_finite()));
+        assert!(
+            lps.iter()
+                .any(|l| l.top[0].0 != l.token && l.top[0].1 > l.logprob),
+            "{path}: the mask never changed the choice"
+        );
         let sampled = Sampling {
             temperature: 1.0,
             seed: 3,
@@ -95,4 +98,36 @@ fn without_json_mode_the_reply_is_prose() {
     let parsed: Result<serde_json::Map<String, serde_json::Value>, _> =
         serde_json::from_str(&out.text);
     assert!(parsed.is_err(), "{:?}", out.text);
+}
+
+/// A logit bias that bans what JSON mode needs: the end of generation is refused before the
+/// prefill; every token that could open the object, once the whitespace allowed before it is
+/// spent, ends the request with an error instead of text that is no JSON.
+#[test]
+fn a_logit_bias_that_bans_what_json_needs_is_refused() {
+    let e = engine(SMOLLM2);
+    let ids: Vec<u32> = (0..e.model_config().vocab_size as u32).collect();
+    let pieces = e.token_pieces(&ids).unwrap();
+    let ban = |keep: &dyn Fn(&keydiff::TokenPiece) -> bool| -> Sampling {
+        let logit_bias = (ids.iter().zip(&pieces))
+            .filter(|(_, p)| keep(p))
+            .map(|(&id, _)| (id, f32::NEG_INFINITY))
+            .collect();
+        Sampling {
+            logit_bias,
+            ..Default::default()
+        }
+    };
+    let q = "Describe the cat as JSON.";
+    let err = e
+        .generate(&ask(q, ban(&|p| p.special)), |_| {})
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("bans the end of generation"),
+        "{err}"
+    );
+    let opening = ban(&|p| p.bytes.trim_ascii_start().first() == Some(&b'{'));
+    assert!(opening.logit_bias.len() > 1);
+    let err = e.generate(&ask(q, opening), |_| {}).unwrap_err();
+    assert!(err.to_string().contains("left no token"), "{err}");
 }

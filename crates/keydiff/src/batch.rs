@@ -268,17 +268,26 @@ impl<'e> Batch<'e> {
     /// `MemAvailable` counts them free until then; slots fill up to N + B under a budget);
     /// none on a GPU, whose allocations take their memory at once.
     /// Kept caches are seen under a measured budget (written, or never to be written while
-    /// kept), and counted whole under a configured limit.
+    /// kept), and counted whole under a configured limit. The copies a joining request's other
+    /// completions will take ([`Batch::join_n`]) count whole.
     fn unseen_bytes(&self) -> u64 {
         let e = self.engine;
         let kept = match e.config().memory_limit {
             Some(_) => self.kept_bytes() as u64 + self.outside,
             None => 0,
         };
+        // The copies that joining requests' other completions will take when their prompts
+        // end: not allocated yet.
+        let forks: u64 = self
+            .joining
+            .iter()
+            .map(|j| (j.forks.len() * j.cache.bytes()) as u64)
+            .sum();
         let caches = self.caches();
-        kept + caches
-            .map(|c| (c.bytes() as u64).saturating_sub(e.seen_bytes(c)))
-            .sum::<u64>()
+        kept + forks
+            + caches
+                .map(|c| (c.bytes() as u64).saturating_sub(e.seen_bytes(c)))
+                .sum::<u64>()
     }
 
     /// Bytes the batch takes beside a joining request's own plan (its cache and one chunk's
@@ -311,7 +320,7 @@ impl<'e> Batch<'e> {
 
     /// Checks that `forks` copies of a joining request's `cache` fit in memory beside it and
     /// the batch, with a decode row each (its activations and logits).
-    fn check_forks(&self, cache: &KvCache, forks: usize) -> Result<()> {
+    fn check_forks(&mut self, cache: &KvCache, forks: usize) -> Result<()> {
         let Some(more) = forks.checked_sub(1) else {
             return Ok(());
         };
@@ -320,15 +329,23 @@ impl<'e> Batch<'e> {
         let kv = cache.bytes() as u64;
         let rows = forks as u64 * (m.row_activation_bytes() + 12 * m.vocab_size as u64);
         let cfg = cache.config();
-        let held = self.held_bytes() + kv;
-        e.check_cache_memory_beside(cfg, cache.capacity(), more as u64 * kv + rows, held)
-            .map_err(|err| match err {
-                EngineError::OutOfMemory(why) => EngineError::OutOfMemory(format!(
-                    "{} completions of one prompt, a KV cache each: {why}",
-                    forks + 1
-                )),
-                other => other,
-            })
+        loop {
+            // The request's own cache, where the budget does not see it yet.
+            let held = self.held_bytes() + kv.saturating_sub(e.seen_bytes(cache));
+            match e.check_cache_memory_beside(cfg, cache.capacity(), more as u64 * kv + rows, held)
+            {
+                Ok(()) => return Ok(()),
+                // Kept prompt caches give way, least recently used first.
+                Err(EngineError::OutOfMemory(_)) if self.free_oldest().is_some() => {}
+                Err(EngineError::OutOfMemory(why)) => {
+                    return Err(EngineError::OutOfMemory(format!(
+                        "{} completions of one prompt, a KV cache each: {why}",
+                        forks + 1
+                    )))
+                }
+                Err(other) => return Err(other),
+            }
+        }
     }
 
     /// Prefills a request at once (its events go to `on_event`; the others wait) and samples
@@ -826,7 +843,13 @@ impl<'e> Batch<'e> {
             let id = j.id;
             let mut events = |e: Event<'_>| on_event(id, e);
             match j.prefill.took(piece, logits, started, &mut events) {
-                Err(e) => ended.push((id, Err(e))),
+                Err(e) => {
+                    let why = e.to_string();
+                    ended.push((id, Err(e)));
+                    for &f in &j.forks {
+                        ended.push((f, Err(EngineError::SharedPrefill(why.clone()))));
+                    }
+                }
                 Ok(()) if j.prefill.is_done() => prefilled.push(j),
                 Ok(()) => kept.push(j),
             }

@@ -557,9 +557,18 @@ impl<'e> Decoding<'e> {
         }
         let tok = self.sampler.sample(&mut self.logits, &self.history);
         if let Some(json) = &mut self.json {
+            // The mask comes before the logit bias, which can ban what it left.
             let tokens = self.engine.token_bytes()?;
-            if let Some(bytes) = tokens.get(tok as usize) {
-                json.push_all(bytes);
+            let allowed = match vocab.eos_ids.contains(&tok) {
+                true => json.is_done(),
+                false => tokens
+                    .get(tok as usize)
+                    .is_some_and(|b| !b.is_empty() && !json.is_done() && json.push_all(b)),
+            };
+            if !allowed {
+                return Err(EngineError::BadParams(
+                    "JSON mode: the logit bias left no token that can continue the object".into(),
+                ));
             }
         }
         if self.generated.is_empty() {
@@ -1229,6 +1238,21 @@ impl Engine {
         params.validate()?;
         if params.sampling.format == Format::JsonObject {
             self.token_bytes()?;
+            let eos = &self.loaded.vocab.eos_ids;
+            let banned = |t: &u32| {
+                let bias: f32 = (params.sampling.logit_bias.iter())
+                    .filter(|b| b.0 == *t)
+                    .map(|b| b.1)
+                    .sum();
+                bias == f32::NEG_INFINITY
+            };
+            if !eos.is_empty() && eos.iter().all(banned) {
+                return Err(EngineError::BadParams(
+                    "JSON mode ends generation with the object; the logit bias bans the end of \
+                     generation"
+                        .into(),
+                ));
+            }
         }
         let vocab = self.model_config().vocab_size;
         match params
