@@ -434,9 +434,15 @@ fn bad_requests_are_refused_naming_the_problem() {
         ),
         (
             &c,
-            json!({"prompt": "hi", "best_of": 2}),
+            json!({"prompt": "hi", "best_of": 1, "n": 2}),
             Some("best_of"),
-            "not supported",
+            "from n (2) to 128",
+        ),
+        (
+            &c,
+            json!({"prompt": "hi", "best_of": 3, "stream": true}),
+            Some("best_of"),
+            "cannot be streamed",
         ),
         (
             &c,
@@ -1436,4 +1442,47 @@ fn json_object_replies() {
         .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
         .collect();
     assert_eq!(streamed, want.text);
+}
+
+/// `best_of`: of 4 completions (seeds seed + i, prefilled once), the 2 whose tokens have the
+/// highest mean logprob, best first, as the engine ranks them; `usage` counts all 4; the
+/// logprobs used to rank them are not sent when not asked for.
+#[test]
+fn best_of_returns_the_most_likely() {
+    let server = start(CacheConfig::full(64), 4);
+    let url = format!("{}/v1/completions", server.url());
+    let local = engine(CacheConfig::full(64));
+    let mut runs: Vec<(f64, keydiff::Output, u64)> = (0..4)
+        .map(|i| {
+            let mut p = greedy(Prompt::Text("Once upon a time".into()), 8);
+            p.sampling.temperature = 1.0;
+            p.sampling.seed = 21 + i;
+            p.logprobs = Some(0);
+            let out = local.generate(&p, |_| {}).unwrap();
+            let lps = out.logprobs.as_deref().unwrap();
+            let mean = lps.iter().map(|l| l.logprob as f64).sum::<f64>() / lps.len() as f64;
+            (mean, out, i)
+        })
+        .collect();
+    let tokens: usize = runs.iter().map(|(_, o, _)| o.tokens.len()).sum();
+    runs.sort_by(|a, b| b.0.total_cmp(&a.0));
+    assert!(runs[1].0 > runs[2].0, "the test needs a clear second best");
+    let order: Vec<u64> = runs.iter().map(|r| r.2).collect();
+    assert_ne!(
+        order[..2],
+        [0, 1],
+        "the test needs a ranking other than the seeds' order"
+    );
+    let body = json!({"prompt": "Once upon a time", "max_tokens": 8, "temperature": 1.0,
+                      "seed": 21, "n": 2, "best_of": 4});
+    let (code, got) = post(&url, &body);
+    assert_eq!(code, 200, "{got}");
+    let choices = got["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 2, "{got}");
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], i);
+        assert_eq!(c["text"], runs[i].1.text, "choice {i}");
+        assert!(c["logprobs"].is_null(), "{c}");
+    }
+    assert_eq!(got["usage"]["completion_tokens"], tokens, "{got}");
 }

@@ -2,7 +2,7 @@
 //! and the response bodies.
 //!
 //! Unknown fields are ignored, as OpenAI clients send many; fields this server cannot honour
-//! (`best_of`, `suffix`, `tools`, a `json_schema` `response_format`, image
+//! (`best_of` with a stream, `suffix`, `tools`, a `json_schema` `response_format`, image
 //! content) are refused with a 400 naming the field rather than ignored, so that no client
 //! gets an answer it did not ask for.
 //!
@@ -112,8 +112,13 @@ pub fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError>
 #[derive(Debug)]
 pub struct Mapped {
     pub params: GenerateParams,
-    /// Completions of the prompt (`n`), prefilled once.
+    /// Completions returned (`n`).
     pub n: usize,
+    /// Completions generated, of which the `n` with the highest mean token logprob are
+    /// returned (completions' `best_of`; `n` when absent). All of them are prefilled once.
+    pub best_of: usize,
+    /// Logprobs were turned on to rank `best_of` completions only: leave them out.
+    pub hide_logprobs: bool,
     /// Send the prompt before the generated text (completions' `echo`).
     pub echo: bool,
     pub stream: bool,
@@ -195,6 +200,8 @@ impl Common {
                 prompt_logprobs: None,
             },
             n,
+            best_of: n,
+            hide_logprobs: false,
             echo: false,
             stream: self.stream.unwrap_or(false),
             include_usage: self
@@ -228,9 +235,6 @@ fn logit_bias(m: &serde_json::Map<String, Value>) -> Result<Vec<(u32, f32)>, Api
 impl CompletionRequest {
     pub fn map(self, defaults: Defaults) -> Result<Mapped, ApiError> {
         let bad = |m: &str, p: &'static str| Err(ApiError::invalid(m, Some(p)));
-        if self.best_of.is_some_and(|b| b != 1) {
-            return bad("best_of is not supported", "best_of");
-        }
         if self.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
             return bad("suffix (fill-in-the-middle) is not supported", "suffix");
         }
@@ -258,6 +262,25 @@ impl CompletionRequest {
             v => alternatives(v, "logprobs")?,
         };
         let mut m = self.common.map(prompt, defaults, logprobs)?;
+        if let Some(b) = self.best_of {
+            if !(m.n..=MAX_N).contains(&b) {
+                return Err(ApiError::invalid(
+                    format!("best_of = {b}: it must be from n ({}) to {MAX_N}", m.n),
+                    Some("best_of"),
+                ));
+            }
+            if b > m.n && m.stream {
+                return bad(
+                    "best_of greater than n cannot be streamed (the best are known at the end)",
+                    "best_of",
+                );
+            }
+            m.best_of = b;
+            if b > m.n && m.params.logprobs.is_none() {
+                m.params.logprobs = Some(0);
+                m.hide_logprobs = true;
+            }
+        }
         m.echo = self.echo.unwrap_or(false);
         if m.echo {
             m.params.prompt_logprobs = logprobs;
@@ -447,6 +470,24 @@ pub fn finish_reason(r: StopReason) -> &'static str {
         StopReason::MaxTokens | StopReason::Context => "length",
         StopReason::Cancelled => "cancelled",
     }
+}
+
+/// The `n` of `outs` whose tokens have the highest mean logprob, best first (completions'
+/// `best_of`, as OpenAI ranks them; equal means keep their order); all of them, in order,
+/// when there are `n`. A completion without logprobs ranks last.
+pub fn best(mut outs: Vec<Output>, n: usize) -> Vec<Output> {
+    if outs.len() <= n {
+        return outs;
+    }
+    let mean = |o: &Output| match o.logprobs.as_deref() {
+        Some(l) if !l.is_empty() => {
+            l.iter().map(|t| t.logprob as f64).sum::<f64>() / l.len() as f64
+        }
+        _ => f64::NEG_INFINITY,
+    };
+    outs.sort_by(|a, b| mean(b).total_cmp(&mean(a)));
+    outs.truncate(n);
+    outs
 }
 
 /// `usage`, from what the engine counted: the prompt once (its completions share its

@@ -1148,16 +1148,18 @@ async fn respond(st: Arc<AppState>, m: Mapped, mut reply: Reply) -> Response {
     let Mapped {
         params,
         n,
+        best_of,
+        hide_logprobs,
         stream,
         include_usage,
         echo: _,
     } = m;
-    if params.logprobs.is_some() {
+    if params.logprobs.is_some() && !hide_logprobs {
         reply.logprobs = Some(st.engine.clone());
     }
     // An echoed prompt with logprobs is sent once they are known, after the prefill.
     let echo_waits = params.prompt_logprobs.is_some();
-    let (mut rx, guard) = match submit(&st, params, n, stream) {
+    let (mut rx, guard) = match submit(&st, params, best_of, stream) {
         Ok(x) => x,
         Err(e) => return e.into_response(),
     };
@@ -1173,9 +1175,17 @@ async fn respond(st: Arc<AppState>, m: Mapped, mut reply: Reply) -> Response {
         let mut msg = Some(first);
         loop {
             match msg.take() {
-                Some(Msg::Done(Ok(out))) => {
+                Some(Msg::Done(Ok(outs))) => {
+                    // `usage` counts every completion generated, returned or not.
+                    let usage = api::usage(&outs);
+                    let outs = api::best(outs, n);
                     // Logprobs of a long prompt make a large body: built off the async threads.
-                    let built = tokio::task::spawn_blocking(move || reply.full(&out)).await;
+                    let built = tokio::task::spawn_blocking(move || {
+                        let mut v = reply.full(&outs)?;
+                        v["usage"] = usage;
+                        Ok::<_, ApiError>(v)
+                    })
+                    .await;
                     return match built {
                         Ok(Ok(v)) => Json(v).into_response(),
                         Ok(Err(e)) => e.into_response(),
