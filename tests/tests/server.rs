@@ -386,9 +386,21 @@ fn bad_requests_are_refused_naming_the_problem() {
         ),
         (
             &c,
-            json!({"prompt": ["a", "b"]}),
+            json!({"prompt": ["a", "b"], "stream": true}),
             Some("prompt"),
-            "one prompt per request",
+            "a stream answers one prompt",
+        ),
+        (
+            &c,
+            json!({"prompt": vec!["a"; 129]}),
+            Some("prompt"),
+            "at most 128",
+        ),
+        (
+            &c,
+            json!({"prompt": ["a", 5]}),
+            Some("prompt"),
+            "a string or an array of token ids",
         ),
         (
             &c,
@@ -1485,4 +1497,79 @@ fn best_of_returns_the_most_likely() {
         assert!(c["logprobs"].is_null(), "{c}");
     }
     assert_eq!(got["usage"]["completion_tokens"], tokens, "{got}");
+}
+
+/// A batch of prompts in one completions request (a string and token ids), `n` choices each,
+/// echoed with logprobs: choice k·n + j is completion j of prompt k, equal to the engine's;
+/// `usage` counts each prompt once. One at a time, and under `--max-batch 2`, where three
+/// prompts join as room frees.
+#[test]
+fn a_batch_of_prompts() {
+    let local = engine(CacheConfig::full(64));
+    let texts = [
+        "Once upon a time",
+        "The capital of France is",
+        "Water boils at",
+    ];
+    let ids = local.prompt_tokens(&Prompt::Text(texts[1].into())).unwrap();
+    let want: Vec<keydiff::Output> = texts
+        .iter()
+        .map(|t| {
+            local
+                .generate(&greedy(Prompt::Text(t.to_string()), 6), |_| {})
+                .unwrap()
+        })
+        .collect();
+    let prompt_tokens = |k: usize| want[k].stats.prompt_tokens;
+    let check = |got: &Value, prompts: usize, n: usize, echo: bool| {
+        let choices = got["choices"].as_array().unwrap();
+        assert_eq!(choices.len(), prompts * n, "{got}");
+        for (i, c) in choices.iter().enumerate() {
+            let k = i / n;
+            assert_eq!(c["index"], i);
+            let text = match echo {
+                true => format!("{}{}", texts[k], want[k].text),
+                false => want[k].text.clone(),
+            };
+            assert_eq!(c["text"], text, "choice {i}");
+            if echo {
+                let tokens = c["logprobs"]["tokens"].as_array().unwrap();
+                assert_eq!(tokens.len(), prompt_tokens(k) + want[k].tokens.len(), "{c}");
+            }
+        }
+        let u = &got["usage"];
+        let prompt: usize = (0..prompts).map(prompt_tokens).sum();
+        let completion: usize = (0..prompts).map(|k| n * want[k].tokens.len()).sum();
+        assert_eq!(u["prompt_tokens"], prompt, "{u}");
+        assert_eq!(u["completion_tokens"], completion, "{u}");
+    };
+    let server = start(CacheConfig::full(64), 4);
+    let url = format!("{}/v1/completions", server.url());
+    let body = json!({"prompt": [texts[0], ids], "max_tokens": 6, "temperature": 0, "n": 2,
+                      "echo": true, "logprobs": 1});
+    let (code, got) = post(&url, &body);
+    assert_eq!(code, 200, "{got}");
+    check(&got, 2, 2, true);
+    drop(server);
+    let cfg = ServerConfig {
+        max_batch: 2,
+        prompt_cache: None,
+        ..ServerConfig::new("smol")
+    };
+    let server = Server::bind("127.0.0.1:0", engine(CacheConfig::full(64)), cfg)
+        .unwrap()
+        .spawn();
+    let url = format!("{}/v1/completions", server.url());
+    let (code, got) = post(
+        &url,
+        &json!({"prompt": texts, "max_tokens": 6, "temperature": 0}),
+    );
+    assert_eq!(code, 200, "{got}");
+    check(&got, 3, 1, false);
+    let h = get(&format!("{}/health", server.url()));
+    assert_eq!(
+        (&h["completed"], &h["failed"]),
+        (&json!(1), &json!(0)),
+        "{h}"
+    );
 }

@@ -112,6 +112,9 @@ pub fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError>
 #[derive(Debug)]
 pub struct Mapped {
     pub params: GenerateParams,
+    /// Completions' prompts after the first (`params.prompt`): a batch of prompts in one
+    /// request, each answered with its own choices.
+    pub more: Vec<Prompt>,
     /// Completions returned (`n`).
     pub n: usize,
     /// Completions generated, of which the `n` with the highest mean token logprob are
@@ -128,6 +131,9 @@ pub struct Mapped {
 /// The most completions one request may ask for (`n`; OpenAI's limit). Each has its own KV
 /// cache, planned against the memory there is when the request starts.
 pub const MAX_N: usize = 128;
+
+/// The most prompts one completions request may carry.
+pub const MAX_PROMPTS: usize = 128;
 
 /// Limits and defaults the server applies to every request.
 #[derive(Debug, Clone, Copy)]
@@ -199,6 +205,7 @@ impl Common {
                 logprobs,
                 prompt_logprobs: None,
             },
+            more: Vec::new(),
             n,
             best_of: n,
             hide_logprobs: false,
@@ -238,16 +245,24 @@ impl CompletionRequest {
         if self.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
             return bad("suffix (fill-in-the-middle) is not supported", "suffix");
         }
-        let prompt = match self.prompt {
-            Value::Array(mut v) if v.len() == 1 && !v[0].is_number() => prompt(v.remove(0))?,
-            Value::Array(v) if v.iter().all(|x| !x.is_number()) && !v.is_empty() => {
-                return bad(
-                    "one prompt per request is supported: send a batch as separate requests",
-                    "prompt",
-                )
+        // One prompt (a string or token ids), or a batch of them.
+        let mut prompts = match self.prompt {
+            Value::Array(v) if !v.is_empty() && v.iter().all(|x| !x.is_number()) => {
+                v.into_iter().map(prompt).collect::<Result<Vec<_>, _>>()?
             }
-            p => prompt(p)?,
+            p => vec![prompt(p)?],
         };
+        if prompts.len() > MAX_PROMPTS {
+            return Err(ApiError::invalid(
+                format!(
+                    "{} prompts: at most {MAX_PROMPTS} per request",
+                    prompts.len()
+                ),
+                Some("prompt"),
+            ));
+        }
+        let more = prompts.split_off(1);
+        let prompt = prompts.pop().expect("one prompt at least");
         // `top_logprobs` is chat's; 0 (or null) asks for nothing and is let through.
         let top = &self.common.top_logprobs;
         if !null(top) && top.as_ref().and_then(Value::as_u64) != Some(0) {
@@ -262,6 +277,13 @@ impl CompletionRequest {
             v => alternatives(v, "logprobs")?,
         };
         let mut m = self.common.map(prompt, defaults, logprobs)?;
+        if !more.is_empty() && m.stream {
+            return bad(
+                "a stream answers one prompt: stream each prompt of a batch in its own request",
+                "prompt",
+            );
+        }
+        m.more = more;
         if let Some(b) = self.best_of {
             if !(m.n..=MAX_N).contains(&b) {
                 return Err(ApiError::invalid(
@@ -472,11 +494,12 @@ pub fn finish_reason(r: StopReason) -> &'static str {
     }
 }
 
-/// The `n` of `outs` whose tokens have the highest mean logprob, best first (completions'
-/// `best_of`, as OpenAI ranks them; equal means keep their order); all of them, in order,
-/// when there are `n`. A completion without logprobs ranks last.
-pub fn best(mut outs: Vec<Output>, n: usize) -> Vec<Output> {
-    if outs.len() <= n {
+/// Of each prompt's `best_of` completions in `outs` (prompt after prompt), the `n` whose
+/// tokens have the highest mean logprob, best first (completions' `best_of`, as OpenAI ranks
+/// them; equal means keep their order); all of them, in order, when `best_of` is `n`. A
+/// completion without logprobs ranks last.
+pub fn best(outs: Vec<Output>, best_of: usize, n: usize) -> Vec<Output> {
+    if best_of <= n {
         return outs;
     }
     let mean = |o: &Output| match o.logprobs.as_deref() {
@@ -485,17 +508,31 @@ pub fn best(mut outs: Vec<Output>, n: usize) -> Vec<Output> {
         }
         _ => f64::NEG_INFINITY,
     };
-    outs.sort_by(|a, b| mean(b).total_cmp(&mean(a)));
-    outs.truncate(n);
-    outs
+    let mut groups: Vec<Vec<Output>> = Vec::new();
+    for (i, o) in outs.into_iter().enumerate() {
+        if i % best_of == 0 {
+            groups.push(Vec::with_capacity(best_of));
+        }
+        groups.last_mut().expect("pushed").push(o);
+    }
+    groups
+        .into_iter()
+        .flat_map(|mut g| {
+            g.sort_by(|a, b| mean(b).total_cmp(&mean(a)));
+            g.truncate(n);
+            g
+        })
+        .collect()
 }
 
-/// `usage`, from what the engine counted: the prompt once (its completions share its
-/// prefill), the tokens of every completion.
-pub fn usage(outs: &[Output]) -> Value {
-    let (prompt, cached) = outs
-        .first()
-        .map_or((0, 0), |o| (o.stats.prompt_tokens, o.stats.prefix_tokens));
+/// `usage`, from what the engine counted for `outs`, `per_prompt` completions of each prompt
+/// in turn: each prompt once (its completions share its prefill), the tokens of every
+/// completion.
+pub fn usage(outs: &[Output], per_prompt: usize) -> Value {
+    let firsts = outs.iter().step_by(per_prompt.max(1));
+    let (prompt, cached) = firsts.fold((0, 0), |(p, c), o| {
+        (p + o.stats.prompt_tokens, c + o.stats.prefix_tokens)
+    });
     let completion: usize = outs.iter().map(|o| o.tokens.len()).sum();
     json!({
         "prompt_tokens": prompt,

@@ -29,7 +29,7 @@ pub mod api;
 mod error;
 mod logprobs;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::panic::AssertUnwindSafe;
@@ -151,13 +151,37 @@ enum Msg {
 
 struct Job {
     params: GenerateParams,
-    /// Completions of the prompt (`n`).
+    /// The prompts after the first (`params.prompt`) of a batch of prompts.
+    more: Vec<keydiff::Prompt>,
+    /// Completions of each prompt (`n`, or `best_of`).
     n: usize,
     /// The client reads a stream: send it logprobs as they come (a whole answer takes them
     /// from the output).
     stream: bool,
     ticket: Arc<Ticket>,
     events: mpsc::UnboundedSender<Msg>,
+}
+
+impl Job {
+    fn prompts(&self) -> usize {
+        1 + self.more.len()
+    }
+
+    /// Completions of all its prompts: completion `j` of prompt `k` is choice `k·n + j`.
+    fn choices(&self) -> usize {
+        self.prompts() * self.n
+    }
+
+    /// The request of prompt `k`.
+    fn params_for(&self, k: usize) -> GenerateParams {
+        match k {
+            0 => self.params.clone(),
+            k => GenerateParams {
+                prompt: self.more[k - 1].clone(),
+                ..self.params.clone()
+            },
+        }
+    }
 }
 
 /// A job's place in the queue, shared by its handler and the worker.
@@ -531,14 +555,18 @@ fn ended(job: &Job, choice: usize, out: &Output) {
 /// Collects the completions of a job as they end; the first error fails it (and cancels the
 /// others, which then end at their next token).
 struct Completions {
+    /// The choice of `outs[0]`.
+    base: usize,
     outs: Vec<Option<Output>>,
     failed: Option<ApiError>,
     left: usize,
 }
 
 impl Completions {
-    fn new(n: usize) -> Self {
+    /// Choices `base..base + n`.
+    fn new(base: usize, n: usize) -> Self {
         Self {
+            base,
             outs: (0..n).map(|_| None).collect(),
             failed: None,
             left: n,
@@ -550,7 +578,7 @@ impl Completions {
         match out {
             Ok(o) => {
                 ended(job, choice, &o);
-                self.outs[choice] = Some(o);
+                self.outs[choice - self.base] = Some(o);
             }
             Err(e) => {
                 if self.failed.is_none() {
@@ -670,20 +698,35 @@ fn work_one_by_one(
         let mut started = false;
         let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
             // A client that leaves drops its handler's ticket guard, which cancels the request.
-            if job.n > 1 {
-                let held = prompt_cache.as_ref().map_or(0, PromptCache::bytes);
-                return run_n(engine, &job, held as u64);
-            }
-            let on_event = |ev: Event<'_>| {
-                if let Some(msg) = message(&job, &mut started, 0, ev) {
-                    let _ = job.events.send(msg);
+            // A batch of prompts runs prompt after prompt.
+            let mut outs = Vec::with_capacity(job.choices());
+            for k in 0..job.prompts() {
+                let params = job.params_for(k);
+                let base = k * job.n;
+                if job.n > 1 {
+                    let held = prompt_cache.as_ref().map_or(0, PromptCache::bytes);
+                    outs.extend(run_n(
+                        engine,
+                        &job,
+                        &params,
+                        base,
+                        held as u64,
+                        &mut started,
+                    )?);
+                    continue;
                 }
-            };
-            let out = match prompt_cache.as_mut() {
-                Some(pc) => engine.generate_cached(&job.params, pc, on_event),
-                None => engine.generate(&job.params, on_event),
-            };
-            out.map(|o| vec![o]).map_err(ApiError::from)
+                let on_event = |ev: Event<'_>| {
+                    if let Some(msg) = message(&job, &mut started, base, ev) {
+                        let _ = job.events.send(msg);
+                    }
+                };
+                let out = match prompt_cache.as_mut() {
+                    Some(pc) => engine.generate_cached(&params, pc, on_event),
+                    None => engine.generate(&params, on_event),
+                };
+                outs.push(out?);
+            }
+            Ok(outs)
         }));
         if result.is_err() {
             // A panic may have left the held cache half-written.
@@ -703,24 +746,30 @@ fn work_one_by_one(
     }
 }
 
-/// A job of several completions, alone: its prompt prefilled once, the completions decoded
-/// together ([`keydiff::Batch::join_n`]). The prompt cache (`held` bytes) is neither used
-/// nor changed.
-fn run_n(engine: &Engine, job: &Job, held: u64) -> Result<Vec<Output>, ApiError> {
+/// Prompt `params` of a job with several completions of each, alone: prefilled once, the
+/// completions (choices `base..base + n`) decoded together ([`keydiff::Batch::join_n`]). The
+/// prompt cache (`held` bytes) is neither used nor changed.
+fn run_n(
+    engine: &Engine,
+    job: &Job,
+    params: &GenerateParams,
+    base: usize,
+    held: u64,
+    started: &mut bool,
+) -> Result<Vec<Output>, ApiError> {
     let ids: Vec<u64> = (0..job.n as u64).collect();
     let mut batch = engine.batch();
     batch.hold_outside(held);
-    batch.join_n(&ids, &job.params)?;
-    let mut started = false;
-    let mut done = Completions::new(job.n);
+    batch.join_n(&ids, params)?;
+    let mut done = Completions::new(base, job.n);
     while !batch.is_empty() {
         let ended = batch.step(|id, ev| {
-            if let Some(msg) = message(job, &mut started, id as usize, ev) {
+            if let Some(msg) = message(job, started, base + id as usize, ev) {
                 let _ = job.events.send(msg);
             }
         })?;
         for (id, out) in ended {
-            done.ended(job, id as usize, out.map_err(ApiError::from));
+            done.ended(job, base + id as usize, out.map_err(ApiError::from));
         }
     }
     done.result()
@@ -756,16 +805,56 @@ fn work_batched(
     let owner = |id: u64, running: &HashMap<u64, (Job, bool, Completions)>| {
         running
             .iter()
-            .find(|(&first, (job, _, _))| (first..first + job.n as u64).contains(&id))
+            .find(|(&first, (job, _, _))| (first..first + job.choices() as u64).contains(&id))
             .map(|(&first, _)| (first, (id - first) as usize))
     };
     let mut next_id = 0u64;
     // A job taken from the queue that waits for room for its completions.
     let mut pending: Option<Job> = None;
+    // The prompts of taken jobs that have not joined yet, by their job's first id and their
+    // index: a batch of prompts joins prompt by prompt, as room frees.
+    let mut waiting: VecDeque<(u64, usize)> = VecDeque::new();
     loop {
-        // Joining: wait for a request when none runs, else take those already waiting, while
-        // their completions fit in `max_batch` (a job of more runs alone).
+        // Joining: the prompts of jobs already taken first; then wait for a request when none
+        // runs, else take those already queued, while their completions fit in `max_batch`
+        // (a prompt with more completions runs alone).
         loop {
+            if let Some(&(first, k)) = waiting.front() {
+                let Some((job, _, _)) = running.get(&first) else {
+                    waiting.pop_front();
+                    continue;
+                };
+                if !batch.is_empty() && batch.len() + job.n > max_batch {
+                    break;
+                }
+                waiting.pop_front();
+                let (n, params) = (job.n, job.params_for(k));
+                let ids: Vec<u64> = (0..n).map(|j| first + (k * n + j) as u64).collect();
+                let joined =
+                    std::panic::catch_unwind(AssertUnwindSafe(|| batch.join_n(&ids, &params)));
+                let failed = match joined {
+                    Ok(Ok(())) => None,
+                    Ok(Err(e)) => Some(ApiError::from(e)),
+                    Err(panic) => Some(ApiError::internal(panic_message(&*panic))),
+                };
+                if let Some(e) = failed {
+                    if let Some((job, _, done)) = running.get_mut(&first) {
+                        let mut last = false;
+                        for j in 0..n {
+                            last = done.ended(job, k * n + j, Err(e.clone()));
+                        }
+                        if last {
+                            if let Some((job, _, done)) = running.remove(&first) {
+                                settle(job, done.result(), counters, stop);
+                            }
+                        }
+                    }
+                }
+                counters.running.store(batch.len(), Ordering::Relaxed);
+                // Joining may take or free kept caches.
+                counters.kept(batch.kept_tokens().len(), batch.kept_bytes());
+                continue;
+            }
             let job = match pending.take() {
                 Some(job) => job,
                 None if batch.is_empty() => match rx.recv() {
@@ -785,24 +874,10 @@ fn work_batched(
                 continue;
             }
             let first = next_id;
-            next_id += job.n as u64;
-            let ids: Vec<u64> = (first..next_id).collect();
-            let joined =
-                std::panic::catch_unwind(AssertUnwindSafe(|| batch.join_n(&ids, &job.params)));
-            match joined {
-                Ok(Ok(())) => {
-                    let n = job.n;
-                    running.insert(first, (job, false, Completions::new(n)));
-                }
-                Ok(Err(e)) => settle(job, Err(e.into()), counters, stop),
-                Err(panic) => {
-                    let e = ApiError::internal(panic_message(&*panic));
-                    settle(job, Err(e), counters, stop);
-                }
-            }
-            counters.running.store(batch.len(), Ordering::Relaxed);
-            // Joining may take or free kept caches.
-            counters.kept(batch.kept_tokens().len(), batch.kept_bytes());
+            let total = job.choices();
+            next_id += total as u64;
+            waiting.extend((0..job.prompts()).map(|k| (first, k)));
+            running.insert(first, (job, false, Completions::new(0, total)));
         }
         if batch.is_empty() {
             continue;
@@ -843,6 +918,7 @@ fn work_batched(
                     Ok(Ok(_)) => unreachable!("matched above"),
                 };
                 batch = new_batch();
+                waiting.clear();
                 for (_, (job, _, _)) in running.drain() {
                     settle(job, Err(why.clone()), counters, stop);
                 }
@@ -873,6 +949,7 @@ fn unix_now() -> u64 {
 fn submit(
     st: &AppState,
     mut params: GenerateParams,
+    more: Vec<keydiff::Prompt>,
     n: usize,
     stream: bool,
 ) -> Result<(mpsc::UnboundedReceiver<Msg>, TicketGuard), ApiError> {
@@ -901,6 +978,7 @@ fn submit(
     };
     let job = Job {
         params,
+        more,
         n,
         stream,
         ticket,
@@ -945,6 +1023,10 @@ struct Reply {
     model: String,
     /// Text sent before the generated text (`echo`).
     echo: Option<String>,
+    /// The echoed texts of a batch's prompts after the first.
+    more_echoes: Vec<String>,
+    /// Choices returned per prompt (`n`).
+    n: usize,
     /// The engine whose tokens the logprobs name, when the request asked for logprobs.
     logprobs: Option<Arc<Engine>>,
     /// The text offsets of each completion's logprobs, across a stream's chunks.
@@ -952,7 +1034,8 @@ struct Reply {
 }
 
 impl Reply {
-    fn new(kind: Kind, model: &str, n: usize) -> Self {
+    /// The reply to `prompts` prompts with `n` choices each.
+    fn new(kind: Kind, model: &str, prompts: usize, n: usize) -> Self {
         let prefix = match kind {
             Kind::Completion => "cmpl",
             Kind::Chat => "chatcmpl",
@@ -963,8 +1046,10 @@ impl Reply {
             created: unix_now(),
             model: model.to_string(),
             echo: None,
+            more_echoes: Vec::new(),
+            n,
             logprobs: None,
-            offsets: (0..n).map(|_| Default::default()).collect(),
+            offsets: (0..prompts * n).map(|_| Default::default()).collect(),
         }
     }
 
@@ -1030,12 +1115,17 @@ impl Reply {
         }
     }
 
-    /// The whole response of a request that is not streamed: a choice per completion.
+    /// The whole response of a request that is not streamed: a choice per completion, `n`
+    /// per prompt, prompt after prompt.
     fn full(&mut self, outs: &[Output]) -> Result<Value, ApiError> {
         let mut choices = Vec::with_capacity(outs.len());
         for (i, out) in outs.iter().enumerate() {
             let reason = api::finish_reason(out.stats.stop_reason);
-            let text = format!("{}{}", self.echo.as_deref().unwrap_or(""), out.text);
+            let echo = match i / self.n.max(1) {
+                0 => self.echo.as_deref(),
+                k => self.more_echoes.get(k - 1).map(String::as_str),
+            };
+            let text = format!("{}{}", echo.unwrap_or(""), out.text);
             let generated = out.logprobs.as_deref().unwrap_or_default();
             let logprobs = match (self.kind, &out.prompt_logprobs) {
                 (Kind::Completion, Some(p)) if self.echo.is_some() => {
@@ -1064,7 +1154,7 @@ impl Reply {
             Kind::Chat => "chat.completion",
         };
         let mut v = self.envelope(object, Value::Array(choices));
-        v["usage"] = api::usage(outs);
+        v["usage"] = api::usage(outs, self.n);
         v["keydiff"] = outs.first().map_or(Value::Null, api::stats);
         Ok(v)
     }
@@ -1103,27 +1193,33 @@ impl Reply {
     /// The chunk that closes a stream with `stream_options.include_usage`.
     fn usage_chunk(&self, outs: &[Output]) -> Value {
         let mut v = self.envelope(self.chunk_object(), json!([]));
-        v["usage"] = api::usage(outs);
+        v["usage"] = api::usage(outs, self.n);
         v
     }
 }
 
 async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Result<Response, ApiError> {
     let mapped = api::parse::<CompletionRequest>(&body)?.map(defaults(&st))?;
-    let mut reply = Reply::new(Kind::Completion, &st.cfg.model_id, mapped.n);
+    let prompts = 1 + mapped.more.len();
+    let mut reply = Reply::new(Kind::Completion, &st.cfg.model_id, prompts, mapped.n);
     if mapped.echo {
-        reply.echo = Some(match &mapped.params.prompt {
-            keydiff::Prompt::Tokens(ids) => {
-                let ids = ids.clone();
-                with_engine(&st, move |e| {
-                    e.check_vocab(&ids)?;
-                    Ok(e.detokenize(&ids)?)
-                })
-                .await?
-            }
-            keydiff::Prompt::Text(t) => t.clone(),
-            keydiff::Prompt::Chat(_) => unreachable!("completions take no messages"),
-        });
+        let mut texts = Vec::with_capacity(prompts);
+        for p in std::iter::once(&mapped.params.prompt).chain(&mapped.more) {
+            texts.push(match p {
+                keydiff::Prompt::Tokens(ids) => {
+                    let ids = ids.clone();
+                    with_engine(&st, move |e| {
+                        e.check_vocab(&ids)?;
+                        Ok(e.detokenize(&ids)?)
+                    })
+                    .await?
+                }
+                keydiff::Prompt::Text(t) => t.clone(),
+                keydiff::Prompt::Chat(_) => unreachable!("completions take no messages"),
+            });
+        }
+        reply.more_echoes = texts.split_off(1);
+        reply.echo = texts.pop();
     }
     Ok(respond(st, mapped, reply).await)
 }
@@ -1133,7 +1229,7 @@ async fn chat_completions(
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let mapped = api::parse::<ChatRequest>(&body)?.map(defaults(&st))?;
-    let reply = Reply::new(Kind::Chat, &st.cfg.model_id, mapped.n);
+    let reply = Reply::new(Kind::Chat, &st.cfg.model_id, 1, mapped.n);
     Ok(respond(st, mapped, reply).await)
 }
 
@@ -1147,6 +1243,7 @@ fn defaults(st: &AppState) -> Defaults {
 async fn respond(st: Arc<AppState>, m: Mapped, mut reply: Reply) -> Response {
     let Mapped {
         params,
+        more,
         n,
         best_of,
         hide_logprobs,
@@ -1159,7 +1256,7 @@ async fn respond(st: Arc<AppState>, m: Mapped, mut reply: Reply) -> Response {
     }
     // An echoed prompt with logprobs is sent once they are known, after the prefill.
     let echo_waits = params.prompt_logprobs.is_some();
-    let (mut rx, guard) = match submit(&st, params, best_of, stream) {
+    let (mut rx, guard) = match submit(&st, params, more, best_of, stream) {
         Ok(x) => x,
         Err(e) => return e.into_response(),
     };
@@ -1177,8 +1274,8 @@ async fn respond(st: Arc<AppState>, m: Mapped, mut reply: Reply) -> Response {
             match msg.take() {
                 Some(Msg::Done(Ok(outs))) => {
                     // `usage` counts every completion generated, returned or not.
-                    let usage = api::usage(&outs);
-                    let outs = api::best(outs, n);
+                    let usage = api::usage(&outs, best_of);
+                    let outs = api::best(outs, best_of, n);
                     // Logprobs of a long prompt make a large body: built off the async threads.
                     let built = tokio::task::spawn_blocking(move || {
                         let mut v = reply.full(&outs)?;
