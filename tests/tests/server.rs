@@ -398,6 +398,12 @@ fn bad_requests_are_refused_naming_the_problem() {
         ),
         (
             &c,
+            json!({"prompt": ["a", "", "b"]}),
+            Some("prompt"),
+            "prompt 1: the prompt is empty",
+        ),
+        (
+            &c,
             json!({"prompt": ["a", 5]}),
             Some("prompt"),
             "a string or an array of token ids",

@@ -2,7 +2,7 @@
 //! and the response bodies.
 //!
 //! Unknown fields are ignored, as OpenAI clients send many; fields this server cannot honour
-//! (`best_of` with a stream, `suffix`, `tools`, a `json_schema` `response_format`, image
+//! (`best_of` above `n` with a stream, `suffix`, `tools`, a `json_schema` `response_format`, image
 //! content) are refused with a 400 naming the field rather than ignored, so that no client
 //! gets an answer it did not ask for.
 //!

@@ -591,14 +591,18 @@ impl Completions {
         self.left == 0
     }
 
+    /// `n` completions that will not run (their job was cancelled before their prompt
+    /// joined); true when they were the last.
+    fn skip(&mut self, n: usize) -> bool {
+        self.left = self.left.saturating_sub(n);
+        self.left == 0
+    }
+
+    /// The outputs, in order (fewer than asked when some were skipped), or the first error.
     fn result(self) -> Result<Vec<Output>, ApiError> {
         match self.failed {
             Some(e) => Err(e),
-            None => Ok(self
-                .outs
-                .into_iter()
-                .map(|o| o.expect("every completion ended"))
-                .collect()),
+            None => Ok(self.outs.into_iter().flatten().collect()),
         }
     }
 }
@@ -617,11 +621,15 @@ fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
 /// Answers a job that ended (its completions' outputs, or why it failed) and counts it.
 fn settle(job: Job, result: Result<Vec<Output>, ApiError>, counters: &Counters, stop: &Stop) {
     stop.finished(&job.ticket.cancel);
-    // Its completions share the cancel: one cancelled means all were.
+    // Its completions share the cancel: one cancelled means all were, and a cancel can leave
+    // a batch's later prompts unrun.
+    let choices = job.choices();
     let cancelled = |outs: &[Output]| {
-        outs.iter()
-            .any(|o| o.stats.stop_reason == StopReason::Cancelled)
-            .then(|| outs.iter().map(|o| o.tokens.len()).sum::<usize>())
+        let cut = outs.len() < choices
+            || outs
+                .iter()
+                .any(|o| o.stats.stop_reason == StopReason::Cancelled);
+        cut.then(|| outs.iter().map(|o| o.tokens.len()).sum::<usize>())
     };
     if let Some(tokens) = result.as_deref().ok().and_then(cancelled) {
         counters.cancelled.fetch_add(1, Ordering::Relaxed);
@@ -641,13 +649,18 @@ fn settle(job: Job, result: Result<Vec<Output>, ApiError>, counters: &Counters, 
             let s = &out.stats;
             let generated: usize = outs.iter().map(|o| o.tokens.len()).sum();
             let decode_s = outs.iter().map(|o| o.stats.decode_s).fold(0.0, f64::max);
+            // Each prompt once (its completions share its prefill).
+            let prompts = || outs.iter().step_by(job.n.max(1)).map(|o| &o.stats);
+            let prompt_tokens: usize = prompts().map(|s| s.prompt_tokens).sum();
+            let cached: usize = prompts().map(|s| s.prefix_tokens).sum();
+            let prefill_s: f64 = prompts().map(|s| s.prefill_s).sum();
             counters.completed.fetch_add(1, Ordering::Relaxed);
             counters
                 .prompt_tokens
-                .fetch_add(s.prompt_tokens as u64, Ordering::Relaxed);
+                .fetch_add(prompt_tokens as u64, Ordering::Relaxed);
             counters
                 .cached_tokens
-                .fetch_add(s.prefix_tokens as u64, Ordering::Relaxed);
+                .fetch_add(cached as u64, Ordering::Relaxed);
             counters
                 .generated_tokens
                 .fetch_add(generated as u64, Ordering::Relaxed);
@@ -655,7 +668,7 @@ fn settle(job: Job, result: Result<Vec<Output>, ApiError>, counters: &Counters, 
             counters.ttft_us.fetch_add(us(s.ttft_s), Ordering::Relaxed);
             counters
                 .prefill_us
-                .fetch_add(us(s.prefill_s), Ordering::Relaxed);
+                .fetch_add(us(prefill_s), Ordering::Relaxed);
             counters
                 .decode_us
                 .fetch_add(us(decode_s), Ordering::Relaxed);
@@ -699,8 +712,13 @@ fn work_one_by_one(
         let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
             // A client that leaves drops its handler's ticket guard, which cancels the request.
             // A batch of prompts runs prompt after prompt.
-            let mut outs = Vec::with_capacity(job.choices());
+            let mut outs: Vec<Output> = Vec::with_capacity(job.choices());
             for k in 0..job.prompts() {
+                // Cancelled: the later prompts do not run (`settle` answers it as cancelled).
+                let cut = |o: &Output| o.stats.stop_reason == StopReason::Cancelled;
+                if job.params.is_cancelled() || outs.iter().any(cut) {
+                    break;
+                }
                 let params = job.params_for(k);
                 let base = k * job.n;
                 if job.n > 1 {
@@ -824,11 +842,23 @@ fn work_batched(
                     waiting.pop_front();
                     continue;
                 };
-                if !batch.is_empty() && batch.len() + job.n > max_batch {
+                let (n, cancelled) = (job.n, job.params.is_cancelled());
+                if !cancelled && !batch.is_empty() && batch.len() + n > max_batch {
                     break;
                 }
                 waiting.pop_front();
-                let (n, params) = (job.n, job.params_for(k));
+                let params = (!cancelled).then(|| job.params_for(k));
+                let Some(params) = params else {
+                    // Its client left, or the server is stopping: this prompt does not run.
+                    if let Some((_, _, done)) = running.get_mut(&first) {
+                        if done.skip(n) {
+                            if let Some((job, _, done)) = running.remove(&first) {
+                                settle(job, done.result(), counters, stop);
+                            }
+                        }
+                    }
+                    continue;
+                };
                 let ids: Vec<u64> = (0..n).map(|j| first + (k * n + j) as u64).collect();
                 let joined =
                     std::panic::catch_unwind(AssertUnwindSafe(|| batch.join_n(&ids, &params)));
@@ -1201,6 +1231,28 @@ impl Reply {
 async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Result<Response, ApiError> {
     let mapped = api::parse::<CompletionRequest>(&body)?.map(defaults(&st))?;
     let prompts = 1 + mapped.more.len();
+    if prompts > 1 {
+        // A bad prompt of a batch is refused before any of them runs.
+        let all: Vec<keydiff::Prompt> = std::iter::once(&mapped.params.prompt)
+            .chain(&mapped.more)
+            .cloned()
+            .collect();
+        with_engine(&st, move |e| {
+            for (k, p) in all.iter().enumerate() {
+                let checked = e
+                    .prompt_tokens(p)
+                    .and_then(|ids| e.within_context(ids.len()));
+                if let Err(err) = checked {
+                    return Err(ApiError::invalid(
+                        format!("prompt {k}: {err}"),
+                        Some("prompt"),
+                    ));
+                }
+            }
+            Ok(())
+        })
+        .await?;
+    }
     let mut reply = Reply::new(Kind::Completion, &st.cfg.model_id, prompts, mapped.n);
     if mapped.echo {
         let mut texts = Vec::with_capacity(prompts);

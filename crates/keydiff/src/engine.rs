@@ -845,7 +845,7 @@ impl Engine {
 
     /// Refuses `tokens` tokens beyond the model's context (`PromptTooLong`); gives the
     /// context.
-    pub(crate) fn within_context(&self, tokens: usize) -> Result<usize> {
+    pub fn within_context(&self, tokens: usize) -> Result<usize> {
         let context = self.model_config().max_position_embeddings;
         if tokens > context {
             return Err(EngineError::PromptTooLong { tokens, context });
