@@ -40,6 +40,23 @@ fn start(cache: CacheConfig, max_queue: usize) -> ServerHandle {
         .spawn()
 }
 
+/// A server that decodes up to `max_batch` requests together, without a prompt cache.
+fn start_batched(
+    cache: CacheConfig,
+    max_batch: usize,
+    prefill_tokens: Option<usize>,
+) -> ServerHandle {
+    let cfg = ServerConfig {
+        max_batch,
+        prefill_tokens,
+        prompt_cache: None,
+        ..ServerConfig::new("smol")
+    };
+    Server::bind("127.0.0.1:0", engine(cache), cfg)
+        .unwrap()
+        .spawn()
+}
+
 /// POSTs `body`; the status and the JSON answer (4xx/5xx included).
 fn post(url: &str, body: &Value) -> (u16, Value) {
     match ureq::post(url).send_json(body) {
@@ -1222,15 +1239,7 @@ fn logprobs_score_prompts_and_replies() {
 #[test]
 fn requests_run_together_with_max_batch() {
     let cache = keydiff_cache(64, 32);
-    let cfg = ServerConfig {
-        max_batch: 4,
-        prefill_tokens: Some(64),
-        prompt_cache: None,
-        ..ServerConfig::new("smol")
-    };
-    let server = Server::bind("127.0.0.1:0", engine(cache.clone()), cfg)
-        .unwrap()
-        .spawn();
+    let server = start_batched(cache.clone(), 4, Some(64));
     let base = server.url();
     let chat = format!("{base}/v1/chat/completions");
     let completions = format!("{base}/v1/completions");
@@ -1406,14 +1415,7 @@ fn several_completions_per_request() {
     // Batched: three completions beside another request in a batch of 4, then three in a
     // batch of 2 (they run alone, together).
     for max_batch in [4, 2] {
-        let cfg = ServerConfig {
-            max_batch,
-            prompt_cache: None,
-            ..ServerConfig::new("smol")
-        };
-        let server = Server::bind("127.0.0.1:0", engine(cache.clone()), cfg)
-            .unwrap()
-            .spawn();
+        let server = start_batched(cache.clone(), max_batch, None);
         let base = server.url();
         let url = format!("{base}/v1/chat/completions");
         let body = streamed.clone();
@@ -1557,14 +1559,7 @@ fn a_batch_of_prompts() {
     assert_eq!(code, 200, "{got}");
     check(&got, 2, 2, true);
     drop(server);
-    let cfg = ServerConfig {
-        max_batch: 2,
-        prompt_cache: None,
-        ..ServerConfig::new("smol")
-    };
-    let server = Server::bind("127.0.0.1:0", engine(CacheConfig::full(64)), cfg)
-        .unwrap()
-        .spawn();
+    let server = start_batched(CacheConfig::full(64), 2, None);
     let url = format!("{}/v1/completions", server.url());
     let (code, got) = post(
         &url,
