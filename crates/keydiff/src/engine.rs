@@ -503,6 +503,7 @@ impl<'e> Prefill<'e> {
 /// A request between its prefill and its end: what it sampled so far, and the distribution
 /// to sample next from. [`Engine::run_request`] drives one alone; a [`crate::Batch`] steps
 /// several together.
+#[derive(Clone)]
 pub(crate) struct Decoding<'e> {
     engine: &'e Engine,
     params: GenerateParams,
@@ -621,33 +622,10 @@ impl<'e> Decoding<'e> {
             self.generated.is_empty(),
             "a fork of a request that sampled"
         );
-        let mut params = self.params.clone();
-        params.sampling.seed = seed;
-        let e = self.engine;
-        Self {
-            engine: e,
-            sampler: Sampler::new(params.sampling.clone()),
-            history: self.history.clone(),
-            stream: TextStream::new(&e.loaded.vocab.tokenizer, params.stop.clone()),
-            params,
-            prompt: self.prompt.clone(),
-            start: self.start,
-            t0: self.t0,
-            done: self.done,
-            prefill_s: self.prefill_s,
-            prompt_lp: self.prompt_lp.clone(),
-            breakdown: self.breakdown,
-            counted: self.counted,
-            peak_kv_bytes: self.peak_kv_bytes,
-            generated: Vec::new(),
-            logprobs: Vec::new(),
-            ttft_s: 0.0,
-            td: self.td,
-            decode_steps: 0,
-            reason: self.reason,
-            logits: self.logits.clone(),
-            json: self.json,
-        }
+        let mut d = self.clone();
+        d.params.sampling.seed = seed;
+        d.sampler = Sampler::new(d.params.sampling.clone());
+        d
     }
 
     /// The logits after the token [`Decoding::next`] returned was fed.

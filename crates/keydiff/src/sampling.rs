@@ -123,6 +123,7 @@ impl Sampling {
 }
 
 /// A seeded sampler over host logits.
+#[derive(Clone)]
 pub struct Sampler {
     cfg: Sampling,
     rng: StdRng,

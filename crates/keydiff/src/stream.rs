@@ -8,6 +8,7 @@ use tokenizers::Tokenizer;
 use crate::error::{EngineError, Result};
 
 /// Turns generated token ids into text pieces as they arrive.
+#[derive(Clone)]
 pub struct TextStream<'a> {
     tokenizer: &'a Tokenizer,
     tokens: Vec<u32>,
