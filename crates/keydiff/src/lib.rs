@@ -15,6 +15,7 @@ pub mod bench;
 mod conversation;
 mod engine;
 mod error;
+pub mod grammar;
 pub mod json_mode;
 pub mod kernel_check;
 pub mod logprobs;

@@ -1,0 +1,999 @@
+//! Grammar-constrained generation: llama.cpp's GBNF grammars (`--grammar`, the server's
+//! `grammar`), and what JSON schemas compile to ([`crate::json_schema`]).
+//!
+//! A grammar is rules of the form `name ::= alternatives`, starting from `root`:
+//!
+//! ```text
+//! root   ::= answer ws "." | "unsure"
+//! answer ::= "yes" | "no"        # a comment
+//! ws     ::= [ \t]*
+//! ```
+//!
+//! Elements are `"literals"`, character classes `[a-z0-9_]` and `[^"\\]`, `.` (any character),
+//! rule names and `( groups )`, each followed by `*`, `+`, `?`, `{m}`, `{m,}` or `{m,n}` as
+//! in llama.cpp's grammars. Literals and classes take the escapes `\n \r \t \\ \" \[ \]` and
+//! `\xHH \uHHHH \UHHHHHHHH`. A rule goes on over lines after `::=`, after `|` and inside
+//! parentheses. Undefined rules, a missing `root` and left recursion are refused when the
+//! grammar is parsed.
+//!
+//! [`GrammarState`] follows the text generated so far, as llama.cpp's grammar sampler does:
+//! every way the grammar can be at is a stack of rule positions (shared between the ways, so a
+//! copy is cheap), each stack's top the character class the next character must be in. Before
+//! each token is sampled, [`GrammarState::mask`] sets the logits of the tokens that cannot
+//! come next to −∞, walking the vocabulary sorted by bytes so that tokens sharing a prefix
+//! are checked once for it. Characters are the UTF-8 text's code points; a token may end
+//! inside one, as long as some allowed character starts that way.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// A grammar refused: what is wrong, and where.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("grammar: {0}")]
+pub struct GrammarError(pub String);
+
+/// `{m,n}` repetitions allowed at most.
+pub const MAX_REPEAT: u32 = 65_536;
+
+/// One element of a sequence.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Elem {
+    /// One character in (or, when `negated`, outside) these inclusive code point ranges.
+    Chars {
+        ranges: Vec<(u32, u32)>,
+        negated: bool,
+    },
+    /// A rule by index.
+    Rule(usize),
+}
+
+impl Elem {
+    fn matches(ranges: &[(u32, u32)], negated: bool, c: u32) -> bool {
+        ranges.iter().any(|&(lo, hi)| lo <= c && c <= hi) != negated
+    }
+}
+
+/// A parsed grammar: rule → alternatives → sequence of elements.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Grammar {
+    rules: Vec<Vec<Vec<Elem>>>,
+    names: Vec<String>,
+    root: usize,
+}
+
+impl Grammar {
+    /// Parses GBNF text (see the module docs).
+    pub fn parse(src: &str) -> Result<Grammar, GrammarError> {
+        let mut p = Parser {
+            src,
+            pos: 0,
+            ids: HashMap::new(),
+            rules: Vec::new(),
+            names: Vec::new(),
+            used_at: Vec::new(),
+        };
+        p.grammar()?;
+        let Parser {
+            rules,
+            names,
+            used_at,
+            ids,
+            ..
+        } = p;
+        let mut defined = Vec::with_capacity(rules.len());
+        for (i, r) in rules.into_iter().enumerate() {
+            match r {
+                Some(r) => defined.push(r),
+                None => {
+                    return Err(GrammarError(format!(
+                        "rule `{}` is used (line {}) but not defined",
+                        names[i], used_at[i]
+                    )))
+                }
+            }
+        }
+        let root = *ids
+            .get("root")
+            .ok_or_else(|| GrammarError("no rule named `root`, where the text starts".into()))?;
+        let g = Grammar {
+            rules: defined,
+            names,
+            root,
+        };
+        g.check_left_recursion()?;
+        Ok(g)
+    }
+
+    /// The rules that can match the empty text.
+    fn nullable(&self) -> Vec<bool> {
+        let mut null = vec![false; self.rules.len()];
+        loop {
+            let mut changed = false;
+            for (r, alts) in self.rules.iter().enumerate() {
+                if !null[r]
+                    && alts.iter().any(|seq| {
+                        seq.iter()
+                            .all(|e| matches!(e, Elem::Rule(x) if null[*x]))
+                    })
+                {
+                    null[r] = true;
+                    changed = true;
+                }
+            }
+            if !changed {
+                return null;
+            }
+        }
+    }
+
+    /// Refuses a rule that can reach itself before reading a character: following the text
+    /// would never end.
+    fn check_left_recursion(&self) -> Result<(), GrammarError> {
+        let null = self.nullable();
+        // The rules each rule can start with.
+        let first: Vec<Vec<usize>> = (self.rules.iter())
+            .map(|alts| {
+                let mut out = Vec::new();
+                for seq in alts {
+                    for e in seq {
+                        match e {
+                            Elem::Rule(x) => {
+                                out.push(*x);
+                                if !null[*x] {
+                                    break;
+                                }
+                            }
+                            Elem::Chars { .. } => break,
+                        }
+                    }
+                }
+                out
+            })
+            .collect();
+        // Depth-first search for a cycle: 0 unseen, 1 on the path, 2 done.
+        let mut mark = vec![0u8; self.rules.len()];
+        let mut path = Vec::new();
+        fn visit(
+            r: usize,
+            first: &[Vec<usize>],
+            mark: &mut [u8],
+            path: &mut Vec<usize>,
+        ) -> Option<Vec<usize>> {
+            mark[r] = 1;
+            path.push(r);
+            for &x in &first[r] {
+                if mark[x] == 1 {
+                    let at = path.iter().position(|&p| p == x).expect("on the path");
+                    let mut cycle = path[at..].to_vec();
+                    cycle.push(x);
+                    return Some(cycle);
+                }
+                if mark[x] == 0 {
+                    if let Some(c) = visit(x, first, mark, path) {
+                        return Some(c);
+                    }
+                }
+            }
+            path.pop();
+            mark[r] = 2;
+            None
+        }
+        for r in 0..self.rules.len() {
+            if mark[r] == 0 {
+                if let Some(cycle) = visit(r, &first, &mut mark, &mut path) {
+                    let names: Vec<&str> = cycle.iter().map(|&r| self.names[r].as_str()).collect();
+                    return Err(GrammarError(format!(
+                        "rule `{}` is left-recursive ({}): it can reach itself before reading \
+                         a character",
+                        names[0],
+                        names.join(" → ")
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn elem(&self, f: &Frame) -> &Elem {
+        &self.rules[f.rule as usize][f.alt as usize][f.pos as usize]
+    }
+
+    /// The stack after the element `f` points at.
+    fn next(&self, f: &Frame) -> Stack {
+        let seq = &self.rules[f.rule as usize][f.alt as usize];
+        if f.pos as usize + 1 < seq.len() {
+            Some(Arc::new(Frame {
+                pos: f.pos + 1,
+                parent: f.parent.clone(),
+                ..*f
+            }))
+        } else {
+            f.parent.clone()
+        }
+    }
+
+    /// Pushes onto `out` the stacks `stack` becomes once its rule references are expanded,
+    /// so that each one's top is a character class (or it is empty: the text is complete).
+    fn expand(&self, stack: Stack, out: &mut Vec<Stack>) {
+        let Some(f) = &stack else {
+            push_unique(out, None);
+            return;
+        };
+        match self.elem(f) {
+            Elem::Chars { .. } => push_unique(out, stack),
+            Elem::Rule(r) => {
+                let rest = self.next(f);
+                self.expand_rule(*r, rest, out);
+            }
+        }
+    }
+
+    fn expand_rule(&self, r: usize, rest: Stack, out: &mut Vec<Stack>) {
+        for (alt, seq) in self.rules[r].iter().enumerate() {
+            if seq.is_empty() {
+                self.expand(rest.clone(), out);
+            } else {
+                let f = Frame {
+                    rule: r as u32,
+                    alt: alt as u32,
+                    pos: 0,
+                    parent: rest.clone(),
+                };
+                self.expand(Some(Arc::new(f)), out);
+            }
+        }
+    }
+}
+
+/// A position in a sequence, and the stack below it (where its rule was referenced from,
+/// already moved past the reference).
+#[derive(Debug)]
+struct Frame {
+    rule: u32,
+    alt: u32,
+    pos: u32,
+    parent: Stack,
+}
+
+type Stack = Option<Arc<Frame>>;
+
+fn same(mut a: &Stack, mut b: &Stack) -> bool {
+    loop {
+        match (a, b) {
+            (None, None) => return true,
+            (Some(x), Some(y)) => {
+                if Arc::ptr_eq(x, y) {
+                    return true;
+                }
+                if (x.rule, x.alt, x.pos) != (y.rule, y.alt, y.pos) {
+                    return false;
+                }
+                a = &x.parent;
+                b = &y.parent;
+            }
+            _ => return false,
+        }
+    }
+}
+
+fn push_unique(out: &mut Vec<Stack>, s: Stack) {
+    if !out.iter().any(|o| same(o, &s)) {
+        out.push(s);
+    }
+}
+
+/// Where a grammar is in the text read so far (see the module docs). Cloning it is cheap:
+/// the stacks are shared.
+#[derive(Debug, Clone)]
+pub struct GrammarState {
+    grammar: Arc<Grammar>,
+    stacks: Vec<Stack>,
+    /// A UTF-8 character begun: its bits so far, and how many bytes are still to come.
+    partial: (u32, u8),
+}
+
+impl GrammarState {
+    /// Nothing read yet.
+    pub fn new(grammar: Arc<Grammar>) -> Self {
+        let mut stacks = Vec::new();
+        grammar.expand_rule(grammar.root, None, &mut stacks);
+        Self {
+            grammar,
+            stacks,
+            partial: (0, 0),
+        }
+    }
+
+    /// True when the text read so far is whole: the grammar's `root` matches all of it.
+    pub fn is_done(&self) -> bool {
+        self.partial.1 == 0 && self.stacks.iter().any(Option::is_none)
+    }
+
+    /// Reads `bytes`; false when the grammar allows no text that starts with what has been read
+    /// (the state is then in no meaningful state).
+    pub fn push_all(&mut self, bytes: &[u8]) -> bool {
+        bytes.iter().all(|&b| self.push(b))
+    }
+
+    /// Reads one byte of UTF-8 text; false when the grammar allows no text that starts with
+    /// what has been read.
+    pub fn push(&mut self, b: u8) -> bool {
+        let (bits, left) = self.partial;
+        let c = if left == 0 {
+            let (bits, left) = match b {
+                0..=0x7f => return self.accept(b as u32),
+                0xc0..=0xdf => (b as u32 & 0x1f, 1),
+                0xe0..=0xef => (b as u32 & 0x0f, 2),
+                0xf0..=0xf7 => (b as u32 & 0x07, 3),
+                _ => return false,
+            };
+            self.partial = (bits, left);
+            return self.can_start();
+        } else {
+            if b & 0xc0 != 0x80 {
+                return false;
+            }
+            let bits = bits << 6 | (b as u32 & 0x3f);
+            if left > 1 {
+                self.partial = (bits, left - 1);
+                return self.can_start();
+            }
+            self.partial = (0, 0);
+            bits
+        };
+        self.accept(c)
+    }
+
+    /// Whether some stack's next character can start with the partial character read.
+    fn can_start(&self) -> bool {
+        let (bits, left) = self.partial;
+        let shift = 6 * left as u32;
+        let (lo, hi) = (bits << shift, bits << shift | ((1 << shift) - 1));
+        self.stacks.iter().flatten().any(|f| match self.grammar.elem(f) {
+            Elem::Chars { ranges, negated } => {
+                if *negated {
+                    // Unless one excluded range covers them all.
+                    !ranges.iter().any(|&(a, b)| a <= lo && hi <= b)
+                } else {
+                    ranges.iter().any(|&(a, b)| a <= hi && lo <= b)
+                }
+            }
+            Elem::Rule(_) => unreachable!("stacks are expanded"),
+        })
+    }
+
+    fn accept(&mut self, c: u32) -> bool {
+        let mut out = Vec::new();
+        for f in self.stacks.iter().flatten() {
+            if let Elem::Chars { ranges, negated } = self.grammar.elem(f) {
+                if Elem::matches(ranges, *negated, c) {
+                    self.grammar.expand(self.grammar.next(f), &mut out);
+                }
+            }
+        }
+        self.stacks = out;
+        !self.stacks.is_empty()
+    }
+
+    /// Sets to −∞ the logits of the tokens that cannot come next: tokens whose bytes would
+    /// leave the grammar, tokens with no text (special tokens), and the end-of-generation
+    /// tokens `eos` unless the text is whole. `tokens[id]` is token `id`'s bytes, `by_bytes`
+    /// the ids of the tokens with text sorted by their bytes ([`sorted_by_bytes`]). Returns how
+    /// many tokens are left.
+    pub fn mask(
+        &self,
+        logits: &mut [f32],
+        tokens: &[Box<[u8]>],
+        by_bytes: &[u32],
+        eos: &[u32],
+    ) -> usize {
+        let mut ok = vec![false; logits.len()];
+        self.walk(by_bytes, tokens, 0, &mut ok);
+        let done = self.is_done();
+        for &e in eos {
+            if let Some(o) = ok.get_mut(e as usize) {
+                *o = done;
+            }
+        }
+        let mut left = 0;
+        for (l, ok) in logits.iter_mut().zip(ok) {
+            if ok {
+                left += 1;
+            } else {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+        left
+    }
+
+    /// Marks the tokens in `ids` this state accepts; they share their first `depth` bytes,
+    /// which it has read.
+    fn walk(&self, ids: &[u32], tokens: &[Box<[u8]>], depth: usize, ok: &mut [bool]) {
+        let mut i = 0;
+        // Sorted by bytes, the tokens that end here come first.
+        while i < ids.len() && tokens[ids[i] as usize].len() == depth {
+            if let Some(o) = ok.get_mut(ids[i] as usize) {
+                *o = true;
+            }
+            i += 1;
+        }
+        while i < ids.len() {
+            let b = tokens[ids[i] as usize][depth];
+            let end = i + ids[i..].partition_point(|&t| tokens[t as usize][depth] == b);
+            let mut s = self.clone();
+            if s.push(b) {
+                s.walk(&ids[i..end], tokens, depth + 1, ok);
+            }
+            i = end;
+        }
+    }
+}
+
+/// The ids of the tokens with text (`tokens[id]` not empty), sorted by their bytes: what
+/// [`GrammarState::mask`] walks.
+pub fn sorted_by_bytes(tokens: &[Box<[u8]>]) -> Vec<u32> {
+    let mut ids: Vec<u32> = (0..tokens.len() as u32)
+        .filter(|&t| !tokens[t as usize].is_empty())
+        .collect();
+    ids.sort_by(|&a, &b| tokens[a as usize].cmp(&tokens[b as usize]));
+    ids
+}
+
+struct Parser<'a> {
+    src: &'a str,
+    pos: usize,
+    ids: HashMap<String, usize>,
+    /// `None` until defined.
+    rules: Vec<Option<Vec<Vec<Elem>>>>,
+    names: Vec<String>,
+    /// The line each rule was first used or defined on.
+    used_at: Vec<usize>,
+}
+
+impl Parser<'_> {
+    fn line(&self) -> usize {
+        self.src[..self.pos].matches('\n').count() + 1
+    }
+
+    fn err<T>(&self, what: impl std::fmt::Display) -> Result<T, GrammarError> {
+        Err(GrammarError(format!("line {}: {what}", self.line())))
+    }
+
+    fn peek(&self) -> Option<char> {
+        self.src[self.pos..].chars().next()
+    }
+
+    fn bump(&mut self) -> Option<char> {
+        let c = self.peek()?;
+        self.pos += c.len_utf8();
+        Some(c)
+    }
+
+    /// Spaces, tabs and comments; newlines too when `newlines`.
+    fn space(&mut self, newlines: bool) {
+        while let Some(c) = self.peek() {
+            match c {
+                ' ' | '\t' => self.pos += 1,
+                '\r' | '\n' if newlines => self.pos += 1,
+                '#' => {
+                    let rest = &self.src[self.pos..];
+                    self.pos += rest.find('\n').unwrap_or(rest.len());
+                }
+                _ => break,
+            }
+        }
+    }
+
+    fn rule_id(&mut self, name: &str) -> usize {
+        if let Some(&id) = self.ids.get(name) {
+            return id;
+        }
+        let id = self.rules.len();
+        self.ids.insert(name.to_string(), id);
+        self.rules.push(None);
+        self.names.push(name.to_string());
+        self.used_at.push(self.line());
+        id
+    }
+
+    /// A new rule for a group or a repetition inside rule `parent`.
+    fn fresh(&mut self, parent: &str, alts: Vec<Vec<Elem>>) -> usize {
+        let mut n = self.rules.len();
+        let name = loop {
+            let name = format!("{parent}-{n}");
+            if !self.ids.contains_key(&name) {
+                break name;
+            }
+            n += 1;
+        };
+        let id = self.rule_id(&name);
+        self.rules[id] = Some(alts);
+        id
+    }
+
+    fn name(&mut self) -> Result<String, GrammarError> {
+        let start = self.pos;
+        while self
+            .peek()
+            .is_some_and(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+        {
+            self.pos += 1;
+        }
+        if self.pos == start {
+            return match self.peek() {
+                Some(c) => self.err(format!("expected a rule name, found {c:?}")),
+                None => self.err("expected a rule name, found the end"),
+            };
+        }
+        Ok(self.src[start..self.pos].to_string())
+    }
+
+    fn grammar(&mut self) -> Result<(), GrammarError> {
+        loop {
+            self.space(true);
+            if self.peek().is_none() {
+                break;
+            }
+            let name = self.name()?;
+            self.space(false);
+            if !self.src[self.pos..].starts_with("::=") {
+                return self.err(format!("expected `::=` after the rule name `{name}`"));
+            }
+            self.pos += 3;
+            self.space(true);
+            let id = self.rule_id(&name);
+            if self.rules[id].is_some() {
+                return self.err(format!("rule `{name}` is defined twice"));
+            }
+            let alts = self.alternatives(&name, false)?;
+            self.rules[id] = Some(alts);
+            self.space(false);
+            match self.peek() {
+                None | Some('\n' | '\r') => {}
+                Some(c) => return self.err(format!("unexpected {c:?} in rule `{name}`")),
+            }
+        }
+        if self.rules.is_empty() {
+            return self.err("the grammar has no rules");
+        }
+        Ok(())
+    }
+
+    fn alternatives(&mut self, rule: &str, nested: bool) -> Result<Vec<Vec<Elem>>, GrammarError> {
+        let mut alts = vec![self.sequence(rule, nested)?];
+        while self.peek() == Some('|') {
+            self.pos += 1;
+            self.space(true);
+            alts.push(self.sequence(rule, nested)?);
+        }
+        Ok(alts)
+    }
+
+    fn sequence(&mut self, rule: &str, nested: bool) -> Result<Vec<Elem>, GrammarError> {
+        let mut seq: Vec<Elem> = Vec::new();
+        loop {
+            self.space(nested);
+            let Some(c) = self.peek() else { break };
+            match c {
+                '"' => {
+                    self.pos += 1;
+                    loop {
+                        match self.peek() {
+                            None | Some('\n') => return self.err("unterminated literal"),
+                            Some('"') => {
+                                self.pos += 1;
+                                break;
+                            }
+                            Some(_) => {
+                                let c = self.char()?;
+                                seq.push(Elem::Chars {
+                                    ranges: vec![(c, c)],
+                                    negated: false,
+                                });
+                            }
+                        }
+                    }
+                }
+                '[' => {
+                    self.pos += 1;
+                    let negated = self.peek() == Some('^');
+                    if negated {
+                        self.pos += 1;
+                    }
+                    let mut ranges = Vec::new();
+                    loop {
+                        match self.peek() {
+                            None | Some('\n') => {
+                                return self.err("unterminated character class")
+                            }
+                            Some(']') => {
+                                self.pos += 1;
+                                break;
+                            }
+                            Some(_) => {
+                                let lo = self.char()?;
+                                let rest = &self.src[self.pos..];
+                                let hi = if rest.starts_with('-') && !rest.starts_with("-]") {
+                                    self.pos += 1;
+                                    let hi = self.char()?;
+                                    if hi < lo {
+                                        return self.err(format!(
+                                            "character range {:?}-{:?} is backwards",
+                                            char::from_u32(lo).unwrap_or('?'),
+                                            char::from_u32(hi).unwrap_or('?')
+                                        ));
+                                    }
+                                    hi
+                                } else {
+                                    lo
+                                };
+                                ranges.push((lo, hi));
+                            }
+                        }
+                    }
+                    if ranges.is_empty() {
+                        return self.err("empty character class `[]`");
+                    }
+                    seq.push(Elem::Chars { ranges, negated });
+                }
+                '.' => {
+                    self.pos += 1;
+                    seq.push(Elem::Chars {
+                        ranges: Vec::new(),
+                        negated: true,
+                    });
+                }
+                '(' => {
+                    self.pos += 1;
+                    self.space(true);
+                    let alts = self.alternatives(rule, true)?;
+                    self.space(true);
+                    if self.peek() != Some(')') {
+                        return self.err("expected `)` to close the group");
+                    }
+                    self.pos += 1;
+                    let id = self.fresh(rule, alts);
+                    seq.push(Elem::Rule(id));
+                }
+                '*' | '+' | '?' | '{' => {
+                    let (min, max) = self.repetition()?;
+                    let Some(last) = seq.pop() else {
+                        return self.err(format!("`{c}` with nothing before it to repeat"));
+                    };
+                    self.repeat(rule, &mut seq, last, min, max);
+                }
+                c if c.is_ascii_alphanumeric() || c == '-' || c == '_' => {
+                    // A rule name, unless it starts the next rule (`name ::=`).
+                    let save = self.pos;
+                    let name = self.name()?;
+                    let after = self.pos;
+                    self.space(false);
+                    if self.src[self.pos..].starts_with("::=") {
+                        self.pos = save;
+                        if nested {
+                            return self.err(format!(
+                                "rule `{name}` starts inside a group; is a `)` missing?"
+                            ));
+                        }
+                        break;
+                    }
+                    self.pos = after;
+                    let id = self.rule_id(&name);
+                    seq.push(Elem::Rule(id));
+                }
+                _ => break,
+            }
+        }
+        Ok(seq)
+    }
+
+    /// `*`, `+`, `?` or `{m}`, `{m,}`, `{m,n}`: (min, max), max `None` for no bound.
+    fn repetition(&mut self) -> Result<(u32, Option<u32>), GrammarError> {
+        let c = self.bump().expect("peeked");
+        Ok(match c {
+            '*' => (0, None),
+            '+' => (1, None),
+            '?' => (0, Some(1)),
+            _ => {
+                let num = |p: &mut Self| -> Result<Option<u32>, GrammarError> {
+                    p.space(false);
+                    let start = p.pos;
+                    while p.peek().is_some_and(|c| c.is_ascii_digit()) {
+                        p.pos += 1;
+                    }
+                    if p.pos == start {
+                        return Ok(None);
+                    }
+                    match p.src[start..p.pos].parse::<u32>() {
+                        Ok(n) if n <= MAX_REPEAT => Ok(Some(n)),
+                        _ => p.err(format!(
+                            "repetition count {} is over {MAX_REPEAT}",
+                            &p.src[start..p.pos]
+                        )),
+                    }
+                };
+                let Some(min) = num(self)? else {
+                    return self.err("expected a number after `{`");
+                };
+                self.space(false);
+                let max = match self.bump() {
+                    Some('}') => return Ok((min, Some(min))),
+                    Some(',') => {
+                        let max = num(self)?;
+                        self.space(false);
+                        if self.bump() != Some('}') {
+                            return self.err("expected `}` to close the repetition");
+                        }
+                        max
+                    }
+                    _ => return self.err("expected `,` or `}` in the repetition"),
+                };
+                if let Some(max) = max.filter(|&m| m < min) {
+                    return self.err(format!("repetition {{{min},{max}}} has max < min"));
+                }
+                (min, max)
+            }
+        })
+    }
+
+    /// Appends `last` repeated `min` to `max` times, as llama.cpp rewrites repetitions:
+    /// `min` copies, then `x*` as `r ::= x r |`, or `max - min` nested optional copies.
+    fn repeat(&mut self, rule: &str, seq: &mut Vec<Elem>, last: Elem, min: u32, max: Option<u32>) {
+        for _ in 0..min {
+            seq.push(last.clone());
+        }
+        match max {
+            None => {
+                let id = self.fresh(rule, Vec::new());
+                self.rules[id] = Some(vec![vec![last, Elem::Rule(id)], Vec::new()]);
+                seq.push(Elem::Rule(id));
+            }
+            Some(max) if max > min => {
+                // Innermost first: r_k ::= x r_{k+1} |, the last r ::= x |.
+                let mut inner: Option<usize> = None;
+                for _ in min..max {
+                    let mut alt = vec![last.clone()];
+                    alt.extend(inner.map(Elem::Rule));
+                    inner = Some(self.fresh(rule, vec![alt, Vec::new()]));
+                }
+                seq.push(Elem::Rule(inner.expect("max > min")));
+            }
+            Some(_) => {}
+        }
+    }
+
+    /// One character of a literal or class, with its escapes.
+    fn char(&mut self) -> Result<u32, GrammarError> {
+        let c = self.bump().expect("peeked");
+        if c != '\\' {
+            return Ok(c as u32);
+        }
+        let Some(e) = self.bump() else {
+            return self.err("`\\` at the end");
+        };
+        let hex = |p: &mut Self, n: usize| -> Result<u32, GrammarError> {
+            let digits = p.src[p.pos..].get(..n).unwrap_or("");
+            match u32::from_str_radix(digits, 16) {
+                Ok(v) if digits.len() == n && digits.chars().all(|c| c.is_ascii_hexdigit()) => {
+                    p.pos += n;
+                    Ok(v)
+                }
+                _ => p.err(format!("`\\{e}` needs {n} hex digits")),
+            }
+        };
+        Ok(match e {
+            'n' => '\n' as u32,
+            'r' => '\r' as u32,
+            't' => '\t' as u32,
+            '\\' | '"' | '[' | ']' | '-' | '^' | '/' => e as u32,
+            'x' => hex(self, 2)?,
+            'u' => hex(self, 4)?,
+            'U' => hex(self, 8)?,
+            _ => return self.err(format!("unknown escape `\\{e}`")),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn state(g: &str) -> GrammarState {
+        GrammarState::new(Arc::new(Grammar::parse(g).unwrap()))
+    }
+
+    /// `Some(done)` when `s` starts a text of the grammar, `None` when it does not.
+    fn reads(g: &GrammarState, s: &[u8]) -> Option<bool> {
+        let mut g = g.clone();
+        g.push_all(s).then(|| g.is_done())
+    }
+
+    #[test]
+    fn literals_alternatives_and_classes() {
+        let g = state("root ::= answer ws \".\" | \"unsure\"\nanswer ::= \"yes\" | \"no\" # c\nws ::= [ \\t]*\n");
+        for (s, want) in [
+            ("yes.", Some(true)),
+            ("no \t .", Some(true)),
+            ("unsure", Some(true)),
+            ("uns", Some(false)),
+            ("yes", Some(false)),
+            ("yes..", None),
+            ("maybe", None),
+            ("", Some(false)),
+        ] {
+            assert_eq!(reads(&g, s.as_bytes()), want, "{s:?}");
+        }
+    }
+
+    #[test]
+    fn repetitions() {
+        let g = state("root ::= [a-c]{2,3} \"-\"? [0-9]+ (\"x\" | \"y\")* \"!\"{1}");
+        for (s, want) in [
+            ("ab1!", Some(true)),
+            ("abc-42xyx!", Some(true)),
+            ("a1", None),
+            ("abcd", None),
+            ("ab-!", None),
+            ("ab12", Some(false)),
+            ("ab1!!", None),
+        ] {
+            assert_eq!(reads(&g, s.as_bytes()), want, "{s:?}");
+        }
+        let g = state("root ::= \"a\"{2,} | \"b\"{0,2} \"c\"");
+        for (s, want) in [
+            ("a", Some(false)),
+            ("aa", Some(true)),
+            ("aaaa", Some(true)),
+            ("c", Some(true)),
+            ("bbc", Some(true)),
+            ("bbbc", None),
+        ] {
+            assert_eq!(reads(&g, s.as_bytes()), want, "{s:?}");
+        }
+    }
+
+    #[test]
+    fn negated_classes_any_and_utf8() {
+        let g = state("root ::= \"\\\"\" [^\"\\\\]* \"\\\"\" . \"é\"");
+        assert_eq!(reads(&g, "\"ab c\"xé".as_bytes()), Some(true));
+        assert_eq!(reads(&g, "\"a\\".as_bytes()), None);
+        assert_eq!(reads(&g, "\"naïve 😀\"😀é".as_bytes()), Some(true));
+        // A token may end inside a character the grammar allows...
+        let e = "é".as_bytes();
+        assert_eq!(reads(&g, &[b"\"\"x", &e[..1]].concat()), Some(false));
+        // ...but not inside one it cannot: `é` is C3 A9; C3 starts U+00C0..U+00FF only.
+        let g = state("root ::= [a-z\\u0100-\\u017f]");
+        assert_eq!(reads(&g, &e[..1]), None);
+        assert_eq!(reads(&g, &"ő".as_bytes()[..1]), Some(false));
+        assert_eq!(reads(&g, "ő".as_bytes()), Some(true));
+        assert_eq!(reads(&g, &[0xff]), None);
+        assert_eq!(reads(&g, &[b'a', 0x80]), None);
+    }
+
+    #[test]
+    fn rules_go_on_over_lines_where_llama_cpp_allows() {
+        let g = state(
+            "root ::=\n  \"{\" (\n    \"a\" |\n    \"b\"\n  )* \"}\"\n\n# done\nother ::= \"x\"\n",
+        );
+        assert_eq!(reads(&g, b"{abba}"), Some(true));
+        assert_eq!(reads(&g, b"x"), None);
+    }
+
+    #[test]
+    fn bad_grammars_are_refused_with_the_reason() {
+        for (g, want) in [
+            ("", "no rules"),
+            ("answer ::= \"y\"", "no rule named `root`"),
+            ("root ::= value", "rule `value` is used (line 1) but not defined"),
+            ("root ::= \"a\"\nroot ::= \"b\"", "line 2: rule `root` is defined twice"),
+            ("root ::= root \"a\" | \"b\"", "left-recursive (root → root)"),
+            ("root ::= x\nx ::= \"a\"? root", "left-recursive"),
+            ("root ::= \"abc", "line 1: unterminated literal"),
+            ("root ::= [abc", "unterminated character class"),
+            ("root ::= [z-a]", "backwards"),
+            ("root ::= []", "empty character class"),
+            ("root ::= * \"a\"", "nothing before it"),
+            ("root ::= \"a\"{3,1}", "max < min"),
+            ("root ::= \"a\"{99999999}", "over 65536"),
+            ("root ::= \"a\" )", "unexpected ')'"),
+            ("root ::= (\"a\"", "expected `)`"),
+            ("root ::= \"\\q\"", "unknown escape `\\q`"),
+            ("root ::= \"\\x4\"", "needs 2 hex digits"),
+            ("root \"a\"", "expected `::=` after the rule name `root`"),
+        ] {
+            let e = Grammar::parse(g).unwrap_err().to_string();
+            assert!(e.contains(want), "{g:?}: {e}");
+        }
+    }
+
+    /// JSON objects as in [`crate::json_mode`]: whitespace in one place between any two tokens,
+    /// at most 32 bytes of it, nothing after the object.
+    const JSON: &str = r#"
+root   ::= ws object
+value  ::= object | array | string | number | ("true" | "false" | "null")
+object ::= "{" ws ( member ( "," ws member )* )? "}"
+member ::= string ws ":" ws value ws
+array  ::= "[" ws ( value ws ( "," ws value ws )* )? "]"
+string ::= "\"" ( [^"\\\x00-\x1f] | "\\" ( ["\\/bfnrt] | "u" [0-9a-fA-F]{4} ) )* "\""
+number ::= "-"? ( "0" | [1-9] [0-9]* ) ( "." [0-9]+ )? ( [eE] [-+]? [0-9]+ )?
+ws     ::= [ \t\n\r]{0,32}
+"#;
+
+    /// Text that is mostly JSON, with mistakes.
+    fn jsonish() -> impl Strategy<Value = Vec<u8>> {
+        let piece = prop_oneof![
+            Just(b"{".to_vec()),
+            Just(b"}".to_vec()),
+            Just(b"[".to_vec()),
+            Just(b"]".to_vec()),
+            Just(b"\"".to_vec()),
+            Just(b":".to_vec()),
+            Just(b",".to_vec()),
+            Just(b" ".to_vec()),
+            Just(b"\n".to_vec()),
+            Just(b"\\".to_vec()),
+            Just(b"u00e9".to_vec()),
+            Just(b"true".to_vec()),
+            Just(b"nul".to_vec()),
+            Just(b"-0.5e+3".to_vec()),
+            Just(b"12".to_vec()),
+            Just(b".".to_vec()),
+            Just(b"x".to_vec()),
+            Just("é".as_bytes().to_vec()),
+            Just(vec![0x01]),
+        ];
+        prop::collection::vec(piece, 0..24).prop_map(|v| v.concat())
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+
+        /// The JSON grammar reads exactly what the JSON mode checker reads.
+        #[test]
+        fn json_grammar_matches_the_json_mode_checker(
+            s in prop_oneof![
+                jsonish(),
+                jsonish().prop_map(|s| [b"{\"a\":".to_vec(), s].concat()),
+                jsonish().prop_map(|s| [b"{\"k\": [".to_vec(), s, b"]}".to_vec()].concat()),
+            ]
+        ) {
+            let g = state(JSON);
+            let mut j = crate::json_mode::JsonObject::new();
+            let want = j.push_all(&s).then(|| j.is_done());
+            prop_assert_eq!(reads(&g, &s), want, "{:?}", String::from_utf8_lossy(&s));
+        }
+
+        /// The mask's walk over the sorted vocabulary allows exactly the tokens that reading
+        /// each one's bytes from the state accepts.
+        #[test]
+        fn mask_is_each_token_checked_alone(
+            prefix in jsonish(),
+            vocab in prop::collection::vec(jsonish(), 1..80),
+            eos in 0usize..80,
+        ) {
+            let tokens: Vec<Box<[u8]>> = vocab.into_iter().map(Vec::into_boxed_slice).collect();
+            let eos = [(eos % tokens.len()) as u32];
+            let mut g = state(JSON);
+            // The longest prefix the grammar reads.
+            for &b in &prefix {
+                let mut next = g.clone();
+                if !next.push(b) {
+                    break;
+                }
+                g = next;
+            }
+            let mut logits = vec![0.0f32; tokens.len()];
+            let left = g.mask(&mut logits, &tokens, &sorted_by_bytes(&tokens), &eos);
+            for (id, t) in tokens.iter().enumerate() {
+                let want = if eos.contains(&(id as u32)) {
+                    g.is_done()
+                } else {
+                    !t.is_empty() && g.clone().push_all(t)
+                };
+                prop_assert_eq!(logits[id] == 0.0, want, "token {:?}", String::from_utf8_lossy(t));
+            }
+            prop_assert_eq!(left, logits.iter().filter(|l| **l == 0.0).count());
+        }
+    }
+}
