@@ -111,10 +111,9 @@ impl Grammar {
             let mut changed = false;
             for (r, alts) in self.rules.iter().enumerate() {
                 if !null[r]
-                    && alts.iter().any(|seq| {
-                        seq.iter()
-                            .all(|e| matches!(e, Elem::Rule(x) if null[*x]))
-                    })
+                    && alts
+                        .iter()
+                        .any(|seq| seq.iter().all(|e| matches!(e, Elem::Rule(x) if null[*x])))
                 {
                     null[r] = true;
                     changed = true;
@@ -349,17 +348,20 @@ impl GrammarState {
         let (bits, left) = self.partial;
         let shift = 6 * left as u32;
         let (lo, hi) = (bits << shift, bits << shift | ((1 << shift) - 1));
-        self.stacks.iter().flatten().any(|f| match self.grammar.elem(f) {
-            Elem::Chars { ranges, negated } => {
-                if *negated {
-                    // Unless one excluded range covers them all.
-                    !ranges.iter().any(|&(a, b)| a <= lo && hi <= b)
-                } else {
-                    ranges.iter().any(|&(a, b)| a <= hi && lo <= b)
+        self.stacks
+            .iter()
+            .flatten()
+            .any(|f| match self.grammar.elem(f) {
+                Elem::Chars { ranges, negated } => {
+                    if *negated {
+                        // Unless one excluded range covers them all.
+                        !ranges.iter().any(|&(a, b)| a <= lo && hi <= b)
+                    } else {
+                        ranges.iter().any(|&(a, b)| a <= hi && lo <= b)
+                    }
                 }
-            }
-            Elem::Rule(_) => unreachable!("stacks are expanded"),
-        })
+                Elem::Rule(_) => unreachable!("stacks are expanded"),
+            })
     }
 
     fn accept(&mut self, c: u32) -> bool {
@@ -500,7 +502,8 @@ impl Parser<'_> {
     fn fresh(&mut self, parent: &str, alts: Vec<Vec<Elem>>) -> usize {
         let mut n = self.rules.len();
         let name = loop {
-            let name = format!("{parent}-{n}");
+            // `/` cannot be in a name written in the grammar, so no later rule clashes.
+            let name = format!("{parent}/{n}");
             if !self.ids.contains_key(&name) {
                 break name;
             }
@@ -603,9 +606,7 @@ impl Parser<'_> {
                     let mut ranges = Vec::new();
                     loop {
                         match self.peek() {
-                            None | Some('\n') => {
-                                return self.err("unterminated character class")
-                            }
+                            None | Some('\n') => return self.err("unterminated character class"),
                             Some(']') => {
                                 self.pos += 1;
                                 break;
@@ -885,9 +886,18 @@ mod tests {
         for (g, want) in [
             ("", "no rules"),
             ("answer ::= \"y\"", "no rule named `root`"),
-            ("root ::= value", "rule `value` is used (line 1) but not defined"),
-            ("root ::= \"a\"\nroot ::= \"b\"", "line 2: rule `root` is defined twice"),
-            ("root ::= root \"a\" | \"b\"", "left-recursive (root → root)"),
+            (
+                "root ::= value",
+                "rule `value` is used (line 1) but not defined",
+            ),
+            (
+                "root ::= \"a\"\nroot ::= \"b\"",
+                "line 2: rule `root` is defined twice",
+            ),
+            (
+                "root ::= root \"a\" | \"b\"",
+                "left-recursive (root → root)",
+            ),
             ("root ::= x\nx ::= \"a\"? root", "left-recursive"),
             ("root ::= \"abc", "line 1: unterminated literal"),
             ("root ::= [abc", "unterminated character class"),

@@ -17,6 +17,7 @@ mod engine;
 mod error;
 pub mod grammar;
 pub mod json_mode;
+pub mod json_schema;
 pub mod kernel_check;
 pub mod logprobs;
 pub mod parity;
