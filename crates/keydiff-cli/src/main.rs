@@ -800,7 +800,7 @@ fn info(args: &ModelArgs) -> Result<()> {
 
 fn run(a: RunArgs) -> Result<()> {
     // Before the prompt is read and the model loads, which can take minutes.
-    sampling(&a)
+    sampling(&a)?
         .validate()
         .map_err(|e| anyhow::anyhow!("invalid parameter: {e}"))?;
     if let Some(path) = &a.prompt_tokens {
@@ -875,8 +875,23 @@ struct SamplingArgs {
     logit_bias: Vec<(u32, f32)>,
     /// `json`: the output is one JSON object, then the end of generation (tokens that would
     /// break it are masked before sampling; OpenAI's `response_format: json_object`).
-    #[arg(long, value_enum, default_value_t = OutputFormat::Text)]
+    #[arg(long, value_enum, default_value_t = OutputFormat::Text, group = "constraint")]
     format: OutputFormat,
+    /// The output is a text of this GBNF grammar (llama.cpp's syntax, from rule `root`);
+    /// tokens that would leave it are masked before sampling, and generation ends only once
+    /// the text is whole.
+    #[arg(long, value_name = "GBNF", group = "constraint")]
+    grammar: Option<String>,
+    /// --grammar, read from FILE.
+    #[arg(long, value_name = "FILE", group = "constraint")]
+    grammar_file: Option<PathBuf>,
+    /// The output is a JSON value of this JSON schema (compiled to a grammar: see the README
+    /// for the keywords it compiles; others are refused).
+    #[arg(long, short = 'j', value_name = "SCHEMA", group = "constraint")]
+    json_schema: Option<String>,
+    /// --json-schema, read from FILE.
+    #[arg(long, value_name = "FILE", group = "constraint")]
+    json_schema_file: Option<PathBuf>,
     #[arg(long, default_value_t = 299_792_458)]
     seed: u64,
 }
@@ -900,13 +915,42 @@ fn parse_logit_bias(s: &str) -> Result<(u32, f32), String> {
     Ok((id, bias))
 }
 
-fn sampling(a: &RunArgs) -> Sampling {
+fn sampling(a: &RunArgs) -> Result<Sampling> {
     a.sampling.get()
 }
 
 impl SamplingArgs {
-    fn get(&self) -> Sampling {
-        Sampling {
+    /// The sampling settings; a grammar or a JSON schema is read, compiled and checked here,
+    /// before a model loads.
+    fn get(&self) -> Result<Sampling> {
+        let read = |p: &Path, what: &str| {
+            std::fs::read_to_string(p)
+                .with_context(|| format!("cannot read the {what} file {}", p.display()))
+        };
+        let schema = |text: &str, from: &str| -> Result<String> {
+            let v: serde_json::Value =
+                serde_json::from_str(text).with_context(|| format!("{from} is not JSON"))?;
+            Ok(keydiff::json_schema::to_grammar(&v).with_context(|| format!("{from}"))?)
+        };
+        let format = if let Some(g) = &self.grammar {
+            Format::Grammar(g.clone())
+        } else if let Some(p) = &self.grammar_file {
+            Format::Grammar(read(p, "grammar")?)
+        } else if let Some(s) = &self.json_schema {
+            Format::Grammar(schema(s, "--json-schema")?)
+        } else if let Some(p) = &self.json_schema_file {
+            let from = format!("--json-schema-file {}", p.display());
+            Format::Grammar(schema(&read(p, "JSON schema")?, &from)?)
+        } else {
+            match self.format {
+                OutputFormat::Text => Format::Text,
+                OutputFormat::Json => Format::JsonObject,
+            }
+        };
+        if let Format::Grammar(g) = &format {
+            keydiff::grammar::Grammar::parse(g)?;
+        }
+        Ok(Sampling {
             temperature: self.temp,
             top_k: self.top_k,
             top_p: self.top_p,
@@ -916,12 +960,9 @@ impl SamplingArgs {
             frequency_penalty: self.frequency_penalty,
             presence_penalty: self.presence_penalty,
             logit_bias: self.logit_bias.clone(),
-            format: match self.format {
-                OutputFormat::Text => Format::Text,
-                OutputFormat::Json => Format::JsonObject,
-            },
+            format,
             seed: self.seed,
-        }
+        })
     }
 }
 
@@ -945,7 +986,7 @@ struct ChatArgs {
 
 fn chat(a: &ChatArgs) -> Result<()> {
     use std::io::{BufRead, IsTerminal, Write};
-    let sampling = a.sampling.get();
+    let sampling = a.sampling.get()?;
     sampling
         .validate()
         .map_err(|e| anyhow::anyhow!("invalid parameter: {e}"))?;
@@ -1222,7 +1263,7 @@ fn generate(a: &RunArgs, engine: &Engine, prompt: Prompt) -> Result<()> {
     let params = GenerateParams {
         prompt,
         max_tokens: a.max_tokens,
-        sampling: sampling(a),
+        sampling: sampling(a)?,
         stop: a.stop.clone(),
         ignore_eos: a.ignore_eos,
         profile: a.profile,

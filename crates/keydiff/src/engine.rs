@@ -13,6 +13,7 @@ use keydiff_model::{
 };
 
 use crate::error::{EngineError, Result};
+use crate::grammar::{Grammar, GrammarState};
 use crate::json_mode::JsonObject;
 use crate::logprobs::{
     rows_logprobs, token_logprob, token_pieces, TokenLogprob, TokenPiece, MAX_TOP_LOGPROBS,
@@ -171,15 +172,15 @@ impl GenerateParams {
     }
 
     /// Refuses settings the engine cannot honour: meaningless sampling values, more logprob
-    /// alternatives than [`MAX_TOP_LOGPROBS`], or JSON mode with `ignore_eos`.
+    /// alternatives than [`MAX_TOP_LOGPROBS`], or JSON mode or a grammar with `ignore_eos`.
     pub fn validate(&self) -> Result<()> {
         self.sampling.validate().map_err(EngineError::BadParams)?;
-        if self.ignore_eos && self.sampling.format == Format::JsonObject {
-            return Err(EngineError::BadParams(
-                "JSON mode ends generation with the object; it cannot ignore the end of \
-                 generation"
-                    .into(),
-            ));
+        if self.ignore_eos && self.sampling.format != Format::Text {
+            return Err(EngineError::BadParams(format!(
+                "{} ends generation when the text is whole; it cannot ignore the end of \
+                 generation",
+                Constraint::what(&self.sampling.format)
+            )));
         }
         for (name, top) in [
             ("logprobs", self.logprobs),
@@ -472,7 +473,7 @@ impl<'e> Prefill<'e> {
             _ => (Vec::new(), StopReason::Cancelled),
         };
         let e = self.engine;
-        let params_format = self.params.sampling.format;
+        let constraint = Constraint::new(&self.params.sampling.format)?;
         Ok(Decoding {
             engine: e,
             sampler: Sampler::new(self.params.sampling.clone()),
@@ -495,7 +496,7 @@ impl<'e> Prefill<'e> {
             decode_steps: 0,
             reason,
             logits,
-            json: (params_format == Format::JsonObject).then(JsonObject::new),
+            constraint,
         })
     }
 }
@@ -528,8 +529,65 @@ pub(crate) struct Decoding<'e> {
     decode_steps: usize,
     reason: StopReason,
     logits: Vec<f32>,
-    /// JSON mode's checker, over what was generated so far.
-    json: Option<JsonObject>,
+    /// JSON mode's checker or the grammar's state, over what was generated so far.
+    constraint: Option<Constraint>,
+}
+
+/// What constrains a request's output ([`Format`]), over what was generated so far.
+#[derive(Debug, Clone)]
+enum Constraint {
+    Json(JsonObject),
+    Grammar(GrammarState),
+}
+
+impl Constraint {
+    fn new(format: &Format) -> Result<Option<Self>> {
+        Ok(match format {
+            Format::Text => None,
+            Format::JsonObject => Some(Constraint::Json(JsonObject::new())),
+            Format::Grammar(g) => Some(Constraint::Grammar(GrammarState::new(Arc::new(
+                Grammar::parse(g).map_err(|e| EngineError::BadParams(e.to_string()))?,
+            )))),
+        })
+    }
+
+    /// What constrains the output, in messages.
+    fn what(format: &Format) -> &'static str {
+        match format {
+            Format::Text => "nothing",
+            Format::JsonObject => "JSON mode",
+            Format::Grammar(_) => "the grammar",
+        }
+    }
+
+    /// Sets to −∞ the logits of the tokens that cannot come next; how many are left.
+    fn mask(&self, engine: &Engine, logits: &mut [f32]) -> Result<usize> {
+        let tokens = engine.token_bytes()?;
+        let eos = &engine.loaded.vocab.eos_ids;
+        Ok(match self {
+            Constraint::Json(j) => j.mask(logits, tokens, eos),
+            Constraint::Grammar(g) => g.mask(logits, tokens, engine.tokens_by_bytes()?, eos),
+        })
+    }
+
+    /// Reads token `tok`; false when it cannot come next.
+    fn push(&mut self, engine: &Engine, tok: u32) -> Result<bool> {
+        let tokens = engine.token_bytes()?;
+        let done = match self {
+            Constraint::Json(j) => j.is_done(),
+            Constraint::Grammar(g) => g.is_done(),
+        };
+        if engine.loaded.vocab.eos_ids.contains(&tok) {
+            return Ok(done);
+        }
+        let Some(bytes) = tokens.get(tok as usize).filter(|b| !b.is_empty()) else {
+            return Ok(false);
+        };
+        Ok(match self {
+            Constraint::Json(j) => !done && j.push_all(bytes),
+            Constraint::Grammar(g) => g.push_all(bytes),
+        })
+    }
 }
 
 impl<'e> Decoding<'e> {
@@ -548,30 +606,49 @@ impl<'e> Decoding<'e> {
         // The model's distribution, before the sampler's penalties and temperature.
         let raw = params.logprobs.map(|top| (self.logits.clone(), top));
         let vocab = &self.engine.loaded.vocab;
-        if let Some(json) = &self.json {
-            let tokens = self.engine.token_bytes()?;
-            if json.mask(&mut self.logits, tokens, &vocab.eos_ids) == 0 {
-                return Err(EngineError::BadParams(
-                    "JSON mode: no token of this vocabulary can continue the object".into(),
-                ));
+        let tok = match &mut self.constraint {
+            None => self.sampler.sample(&mut self.logits, &self.history),
+            Some(c) => {
+                let s = &params.sampling;
+                // Sampling first and masking only when the token cannot come (llama.cpp's
+                // trick) draws from the same distribution when nothing truncates it: greedy
+                // picks the same token, and a draw from p kept if allowed, else redrawn from
+                // p over the allowed set A, gives x ∈ A with p(x) + (1 − p(A)) p(x) / p(A) =
+                // p(x) / p(A). Top-k, top-p and min-p truncate before the draw, so they mask
+                // first.
+                let lazy =
+                    s.temperature <= 0.0 || (s.top_k == 0 && s.top_p >= 1.0 && s.min_p == 0.0);
+                let mut first = None;
+                if lazy {
+                    let mut logits = self.logits.clone();
+                    let tok = self.sampler.sample(&mut logits, &self.history);
+                    let mut next = c.clone();
+                    if next.push(self.engine, tok)? {
+                        *c = next;
+                        first = Some(tok);
+                    }
+                }
+                match first {
+                    Some(tok) => tok,
+                    None => {
+                        let what = Constraint::what(&s.format);
+                        if c.mask(self.engine, &mut self.logits)? == 0 {
+                            return Err(EngineError::BadParams(format!(
+                                "{what}: no token of this vocabulary can continue the text"
+                            )));
+                        }
+                        let tok = self.sampler.sample(&mut self.logits, &self.history);
+                        // The mask comes before the logit bias, which can ban what it left.
+                        if !c.push(self.engine, tok)? {
+                            return Err(EngineError::BadParams(format!(
+                                "{what}: the logit bias left no token that can continue the text"
+                            )));
+                        }
+                        tok
+                    }
+                }
             }
-        }
-        let tok = self.sampler.sample(&mut self.logits, &self.history);
-        if let Some(json) = &mut self.json {
-            // The mask comes before the logit bias, which can ban what it left.
-            let tokens = self.engine.token_bytes()?;
-            let allowed = match vocab.eos_ids.contains(&tok) {
-                true => json.is_done(),
-                false => tokens
-                    .get(tok as usize)
-                    .is_some_and(|b| !b.is_empty() && !json.is_done() && json.push_all(b)),
-            };
-            if !allowed {
-                return Err(EngineError::BadParams(
-                    "JSON mode: the logit bias left no token that can continue the object".into(),
-                ));
-            }
-        }
+        };
         if self.generated.is_empty() {
             self.ttft_s = self.t0.elapsed().as_secs_f64();
         }
@@ -736,6 +813,9 @@ pub struct Engine {
     plain_tokenizer: std::sync::OnceLock<tokenizers::Tokenizer>,
     /// Every token's bytes, for JSON mode, made on first use ([`Engine::token_bytes`]).
     token_bytes: std::sync::OnceLock<std::result::Result<Vec<Box<[u8]>>, String>>,
+    /// The ids of the tokens with text sorted by their bytes, for grammars
+    /// ([`Engine::tokens_by_bytes`]).
+    tokens_by_bytes: std::sync::OnceLock<Vec<u32>>,
     /// Device memory the load took, as the driver reports it (GPUs only).
     load_taken: Option<u64>,
 }
@@ -812,6 +892,7 @@ impl Engine {
             cfg,
             plain_tokenizer: std::sync::OnceLock::new(),
             token_bytes: std::sync::OnceLock::new(),
+            tokens_by_bytes: std::sync::OnceLock::new(),
             load_taken,
         })
     }
@@ -1093,8 +1174,20 @@ impl Engine {
                 .collect())
         });
         made.as_deref().map_err(|e| {
-            EngineError::Tokenizer(format!("JSON mode needs every token's bytes: {e}"))
+            EngineError::Tokenizer(format!(
+                "JSON mode and grammars need every token's bytes: {e}"
+            ))
         })
+    }
+
+    /// The ids of the tokens with text, sorted by their bytes: what a grammar's mask walks
+    /// ([`crate::grammar::sorted_by_bytes`]). Made on first use.
+    pub(crate) fn tokens_by_bytes(&self) -> Result<&[u32]> {
+        if let Some(t) = self.tokens_by_bytes.get() {
+            return Ok(t);
+        }
+        let sorted = crate::grammar::sorted_by_bytes(self.token_bytes()?);
+        Ok(self.tokens_by_bytes.get_or_init(|| sorted))
     }
 
     /// Token ids of `text`, never a BOS; special tokens parsed only when `special` is true.
@@ -1214,7 +1307,9 @@ impl Engine {
     /// biases on token ids outside the model's vocabulary.
     pub fn check_params(&self, params: &GenerateParams) -> Result<()> {
         params.validate()?;
-        if params.sampling.format == Format::JsonObject {
+        let format = &params.sampling.format;
+        if *format != Format::Text {
+            Constraint::new(format)?;
             self.token_bytes()?;
             let eos = &self.loaded.vocab.eos_ids;
             let banned = |t: &u32| {
@@ -1225,11 +1320,11 @@ impl Engine {
                 bias == f32::NEG_INFINITY
             };
             if !eos.is_empty() && eos.iter().all(banned) {
-                return Err(EngineError::BadParams(
-                    "JSON mode ends generation with the object; the logit bias bans the end of \
-                     generation"
-                        .into(),
-                ));
+                return Err(EngineError::BadParams(format!(
+                    "{} ends generation when the text is whole; the logit bias bans the end of \
+                     generation",
+                    Constraint::what(format)
+                )));
             }
         }
         let vocab = self.model_config().vocab_size;

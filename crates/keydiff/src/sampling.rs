@@ -33,15 +33,15 @@ pub struct Sampling {
     /// Applies to greedy decoding too.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub logit_bias: Vec<(u32, f32)>,
-    /// What the output must be: any text, or one JSON object ([`crate::json_mode`]), applied
-    /// before the logit bias.
+    /// What the output must be: any text, one JSON object ([`crate::json_mode`]) or a text of
+    /// a grammar ([`crate::grammar`]), applied before the logit bias.
     #[serde(default, skip_serializing_if = "Format::is_text")]
     pub format: Format,
     pub seed: u64,
 }
 
 /// The form of a request's output.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Format {
     /// Any text.
@@ -49,6 +49,10 @@ pub enum Format {
     Text,
     /// One JSON object, then the end of generation ([`crate::json_mode`]).
     JsonObject,
+    /// A text of this GBNF grammar ([`crate::grammar`]); the end of generation can come only
+    /// once the text is whole. A JSON schema is written as one by
+    /// [`crate::json_schema::to_grammar`].
+    Grammar(String),
 }
 
 impl Format {
