@@ -554,3 +554,80 @@ fn check_device_runs_on_the_cpu() {
         assert!(l["max_rel"].as_f64().unwrap() < 1e-5, "{l}");
     }
 }
+
+/// `--grammar` and `-j/--json-schema`: the reply is a whole text of the grammar, a value of
+/// the schema; a bad grammar, an unsupported schema keyword and a missing file are refused
+/// before the model loads, by name.
+#[test]
+fn grammar_and_json_schema_constrain_the_reply() {
+    let m = model(SMOLLM2);
+    let run = |extra: &[&str]| {
+        let base = [
+            "run",
+            "-m",
+            m.to_str().unwrap(),
+            "--chat",
+            "-p",
+            "Describe a cat named Tom (3 years old, grey) as JSON.",
+            "-n",
+            "96",
+            "--json",
+        ];
+        Command::new(keydiff_bin())
+            .args([&base[..], extra].concat())
+            .output()
+            .unwrap()
+    };
+    let out = run(&["--grammar", "root ::= \"Tom is \" [0-9] \" years old.\""]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let text = v["text"].as_str().unwrap();
+    assert!(
+        text.len() == 18 && text.starts_with("Tom is ") && text.ends_with(" years old."),
+        "{text:?}"
+    );
+    assert_eq!(v["stats"]["stop_reason"], "eos", "{v}");
+    let schema = r#"{"type": "object", "properties": {"name": {"type": "string"},
+                     "age": {"type": "integer"}}, "required": ["name", "age"]}"#;
+    let out = run(&["-j", schema]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let reply: serde_json::Value = serde_json::from_str(v["text"].as_str().unwrap()).unwrap();
+    let keys: Vec<&String> = reply.as_object().unwrap().keys().collect();
+    assert_eq!(keys, ["name", "age"], "{reply}");
+    assert!(reply["age"].is_i64(), "{reply}");
+    for (extra, want) in [
+        (
+            &["--grammar", "root ::= answer"][..],
+            "grammar: rule `answer` is used (line 1) but not defined",
+        ),
+        (
+            &["-j", r#"{"type": "string", "pattern": "^a"}"#],
+            "`pattern` is not supported",
+        ),
+        (&["-j", "{nope"], "--json-schema is not JSON"),
+        (
+            &["--grammar-file", "/nonexistent/g.gbnf"],
+            "cannot read the grammar file /nonexistent/g.gbnf",
+        ),
+        (
+            &["--grammar", "root ::= \"a\"", "--format", "json"],
+            "cannot be used with",
+        ),
+    ] {
+        let out = run(extra);
+        let se = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && se.contains(want),
+            "{extra:?}: {se}"
+        );
+    }
+}

@@ -2,9 +2,12 @@
 //! and the response bodies.
 //!
 //! Unknown fields are ignored, as OpenAI clients send many; fields this server cannot honour
-//! (`best_of` above `n` with a stream, `suffix`, `tools`, a `json_schema` `response_format`, image
-//! content) are refused with a 400 naming the field rather than ignored, so that no client
-//! gets an answer it did not ask for.
+//! (`best_of` above `n` with a stream, `suffix`, `tools`, image content, JSON schema keywords
+//! the grammar cannot enforce) are refused with a 400 naming the field rather than ignored, so
+//! that no client gets an answer it did not ask for.
+//!
+//! The output's form is OpenAI's `response_format` (`text`, `json_object`, `json_schema`) or
+//! llama.cpp's `grammar` (GBNF) or `json_schema`, on both endpoints.
 //!
 //! `logprobs` follow each endpoint's form: an integer (0 to [`MAX_TOP_LOGPROBS`] alternatives)
 //! for completions, where `echo` adds the prompt's; `logprobs: true` with `top_logprobs` for
@@ -57,6 +60,11 @@ pub struct Common {
     pub top_logprobs: Option<Value>,
     pub logit_bias: Option<serde_json::Map<String, Value>>,
     pub ignore_eos: Option<bool>,
+    pub response_format: Option<Value>,
+    /// llama.cpp's: a GBNF grammar the output must be a text of.
+    pub grammar: Option<String>,
+    /// llama.cpp's: a JSON schema the output must be a value of.
+    pub json_schema: Option<Value>,
 }
 
 /// `POST /v1/completions`.
@@ -97,7 +105,6 @@ pub struct ChatMessage {
 pub struct ChatRequest {
     pub messages: Vec<ChatMessage>,
     pub tools: Option<Vec<Value>>,
-    pub response_format: Option<Value>,
     #[serde(flatten)]
     pub common: Common,
 }
@@ -187,7 +194,7 @@ impl Common {
             frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
             presence_penalty: self.presence_penalty.unwrap_or(0.0),
             logit_bias,
-            format: Format::Text,
+            format: self.format()?,
             seed: self.seed.unwrap_or_else(rand::random),
         };
         sampling
@@ -216,6 +223,65 @@ impl Common {
                 .as_ref()
                 .is_some_and(|o| o.include_usage),
         })
+    }
+}
+
+impl Common {
+    /// The output's form: OpenAI's `response_format` (`text`, `json_object`, or `json_schema`
+    /// with its `json_schema.schema`), or llama.cpp's `grammar` or `json_schema`; one of them.
+    /// A schema is compiled to a grammar here, so that what it cannot enforce is refused
+    /// before the request queues.
+    fn format(&self) -> Result<Format, ApiError> {
+        let bad = |m: String, p: &'static str| Err(ApiError::invalid(m, Some(p)));
+        let response_format = self.response_format.as_ref().filter(|v| !v.is_null());
+        let given = [
+            response_format.is_some(),
+            self.grammar.is_some(),
+            self.json_schema.is_some(),
+        ];
+        if given.iter().filter(|g| **g).count() > 1 {
+            return bad(
+                "response_format, grammar and json_schema each set the output's form; give one"
+                    .into(),
+                "response_format",
+            );
+        }
+        let schema = |s: &Value, p: &'static str| -> Result<Format, ApiError> {
+            let g = keydiff::json_schema::to_grammar(s)
+                .map_err(|e| ApiError::invalid(e.to_string(), Some(p)))?;
+            keydiff::grammar::Grammar::parse(&g).map_err(|e| {
+                ApiError::invalid(format!("{e} (compiled from the schema)"), Some(p))
+            })?;
+            Ok(Format::Grammar(g))
+        };
+        if let Some(g) = &self.grammar {
+            keydiff::grammar::Grammar::parse(g)
+                .map_err(|e| ApiError::invalid(e.to_string(), Some("grammar")))?;
+            return Ok(Format::Grammar(g.clone()));
+        }
+        if let Some(s) = &self.json_schema {
+            return schema(s, "json_schema");
+        }
+        let Some(f) = response_format else {
+            return Ok(Format::Text);
+        };
+        match f.get("type").and_then(Value::as_str) {
+            Some("text") => Ok(Format::Text),
+            Some("json_object") => Ok(Format::JsonObject),
+            Some("json_schema") => match f.get("json_schema").and_then(|j| j.get("schema")) {
+                Some(s) => schema(s, "response_format"),
+                None => bad(
+                    "response_format json_schema needs its schema in json_schema.schema".into(),
+                    "response_format",
+                ),
+            },
+            _ => bad(
+                format!(
+                    "response_format {f} is not supported (text, json_object and json_schema are)"
+                ),
+                "response_format",
+            ),
+        }
     }
 }
 
@@ -365,22 +431,6 @@ impl ChatRequest {
         if self.tools.as_ref().is_some_and(|t| !t.is_empty()) {
             return bad("tools are not supported".into(), "tools");
         }
-        let format = match &self.response_format {
-            None | Some(Value::Null) => Format::Text,
-            Some(f) => match f.get("type").and_then(Value::as_str) {
-                Some("text") => Format::Text,
-                Some("json_object") => Format::JsonObject,
-                _ => {
-                    return bad(
-                        format!(
-                            "response_format {f} is not supported (text and json_object are; \
-                             a json_schema is not)"
-                        ),
-                        "response_format",
-                    )
-                }
-            },
-        };
         let on = match &self.common.logprobs {
             None | Some(Value::Null) | Some(Value::Bool(false)) => false,
             Some(Value::Bool(true)) => true,
@@ -400,11 +450,7 @@ impl ChatRequest {
         }
         let messages = messages(self.messages)?;
         let logprobs = on.then(|| top.unwrap_or(0));
-        let mut m = self
-            .common
-            .map(Prompt::Chat(messages), defaults, logprobs)?;
-        m.params.sampling.format = format;
-        Ok(m)
+        self.common.map(Prompt::Chat(messages), defaults, logprobs)
     }
 }
 

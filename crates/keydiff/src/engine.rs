@@ -561,32 +561,37 @@ impl Constraint {
     }
 
     /// Sets to −∞ the logits of the tokens that cannot come next; how many are left.
-    fn mask(&self, engine: &Engine, logits: &mut [f32]) -> Result<usize> {
-        let tokens = engine.token_bytes()?;
-        let eos = &engine.loaded.vocab.eos_ids;
-        Ok(match self {
+    /// `tokens[id]` is token `id`'s bytes, `by_bytes` their ids sorted by bytes (for a
+    /// grammar), `eos` the end-of-generation tokens.
+    fn mask(
+        &self,
+        logits: &mut [f32],
+        tokens: &[Box<[u8]>],
+        by_bytes: &[u32],
+        eos: &[u32],
+    ) -> usize {
+        match self {
             Constraint::Json(j) => j.mask(logits, tokens, eos),
-            Constraint::Grammar(g) => g.mask(logits, tokens, engine.tokens_by_bytes()?, eos),
-        })
+            Constraint::Grammar(g) => g.mask(logits, tokens, by_bytes, eos),
+        }
     }
 
     /// Reads token `tok`; false when it cannot come next.
-    fn push(&mut self, engine: &Engine, tok: u32) -> Result<bool> {
-        let tokens = engine.token_bytes()?;
+    fn push(&mut self, tok: u32, tokens: &[Box<[u8]>], eos: &[u32]) -> bool {
         let done = match self {
             Constraint::Json(j) => j.is_done(),
             Constraint::Grammar(g) => g.is_done(),
         };
-        if engine.loaded.vocab.eos_ids.contains(&tok) {
-            return Ok(done);
+        if eos.contains(&tok) {
+            return done;
         }
         let Some(bytes) = tokens.get(tok as usize).filter(|b| !b.is_empty()) else {
-            return Ok(false);
+            return false;
         };
-        Ok(match self {
+        match self {
             Constraint::Json(j) => !done && j.push_all(bytes),
             Constraint::Grammar(g) => g.push_all(bytes),
-        })
+        }
     }
 }
 
@@ -609,44 +614,25 @@ impl<'e> Decoding<'e> {
         let tok = match &mut self.constraint {
             None => self.sampler.sample(&mut self.logits, &self.history),
             Some(c) => {
-                let s = &params.sampling;
-                // Sampling first and masking only when the token cannot come (llama.cpp's
-                // trick) draws from the same distribution when nothing truncates it: greedy
-                // picks the same token, and a draw from p kept if allowed, else redrawn from
-                // p over the allowed set A, gives x ∈ A with p(x) + (1 − p(A)) p(x) / p(A) =
-                // p(x) / p(A). Top-k, top-p and min-p truncate before the draw, so they mask
-                // first.
-                let lazy =
-                    s.temperature <= 0.0 || (s.top_k == 0 && s.top_p >= 1.0 && s.min_p == 0.0);
-                let mut first = None;
-                if lazy {
-                    let mut logits = self.logits.clone();
-                    let tok = self.sampler.sample(&mut logits, &self.history);
-                    let mut next = c.clone();
-                    if next.push(self.engine, tok)? {
-                        *c = next;
-                        first = Some(tok);
-                    }
-                }
-                match first {
-                    Some(tok) => tok,
-                    None => {
-                        let what = Constraint::what(&s.format);
-                        if c.mask(self.engine, &mut self.logits)? == 0 {
-                            return Err(EngineError::BadParams(format!(
-                                "{what}: no token of this vocabulary can continue the text"
-                            )));
-                        }
-                        let tok = self.sampler.sample(&mut self.logits, &self.history);
-                        // The mask comes before the logit bias, which can ban what it left.
-                        if !c.push(self.engine, tok)? {
-                            return Err(EngineError::BadParams(format!(
-                                "{what}: the logit bias left no token that can continue the text"
-                            )));
-                        }
-                        tok
-                    }
-                }
+                let (tokens, eos) = (self.engine.token_bytes()?, &vocab.eos_ids);
+                let by_bytes = match c {
+                    Constraint::Grammar(_) => self.engine.tokens_by_bytes()?,
+                    Constraint::Json(_) => &[],
+                };
+                self.sampler
+                    .sample_constrained(
+                        &mut self.logits,
+                        &self.history,
+                        c,
+                        |c, t| c.push(t, tokens, eos),
+                        |c, l| c.mask(l, tokens, by_bytes, eos),
+                    )
+                    .map_err(|e| {
+                        EngineError::BadParams(format!(
+                            "{}: {e}",
+                            Constraint::what(&params.sampling.format)
+                        ))
+                    })?
             }
         };
         if self.generated.is_empty() {
@@ -1246,6 +1232,11 @@ impl Engine {
     pub fn eos_token(&self) -> Option<String> {
         let v = &self.loaded.vocab;
         v.tokenizer.id_to_token(*v.eos_ids.first()?)
+    }
+
+    /// The end-of-generation token ids (a constrained reply ends with one of them).
+    pub fn eos_ids(&self) -> &[u32] {
+        &self.loaded.vocab.eos_ids
     }
 
     /// Whether a BOS token is put before a text prompt.

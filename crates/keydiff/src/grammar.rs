@@ -287,8 +287,9 @@ fn push_unique(out: &mut Vec<Stack>, s: Stack) {
 pub struct GrammarState {
     grammar: Arc<Grammar>,
     stacks: Vec<Stack>,
-    /// A UTF-8 character begun: its bits so far, and how many bytes are still to come.
-    partial: (u32, u8),
+    /// A UTF-8 character begun: its bits so far, how many bytes are still to come, and the
+    /// least code point its length may encode (shorter, overlong forms are not UTF-8).
+    partial: (u32, u8, u32),
 }
 
 impl GrammarState {
@@ -299,7 +300,7 @@ impl GrammarState {
         Self {
             grammar,
             stacks,
-            partial: (0, 0),
+            partial: (0, 0, 0),
         }
     }
 
@@ -317,16 +318,16 @@ impl GrammarState {
     /// Reads one byte of UTF-8 text; false when the grammar allows no text that starts with
     /// what has been read.
     pub fn push(&mut self, b: u8) -> bool {
-        let (bits, left) = self.partial;
+        let (bits, left, least) = self.partial;
         let c = if left == 0 {
-            let (bits, left) = match b {
+            let (bits, left, least) = match b {
                 0..=0x7f => return self.accept(b as u32),
-                0xc0..=0xdf => (b as u32 & 0x1f, 1),
-                0xe0..=0xef => (b as u32 & 0x0f, 2),
-                0xf0..=0xf7 => (b as u32 & 0x07, 3),
+                0xc0..=0xdf => (b as u32 & 0x1f, 1, 0x80),
+                0xe0..=0xef => (b as u32 & 0x0f, 2, 0x800),
+                0xf0..=0xf7 => (b as u32 & 0x07, 3, 0x1_0000),
                 _ => return false,
             };
-            self.partial = (bits, left);
+            self.partial = (bits, left, least);
             return self.can_start();
         } else {
             if b & 0xc0 != 0x80 {
@@ -334,10 +335,14 @@ impl GrammarState {
             }
             let bits = bits << 6 | (b as u32 & 0x3f);
             if left > 1 {
-                self.partial = (bits, left - 1);
+                self.partial = (bits, left - 1, least);
                 return self.can_start();
             }
-            self.partial = (0, 0);
+            self.partial = (0, 0, 0);
+            if bits < least || char::from_u32(bits).is_none() {
+                // Overlong, a surrogate, or beyond U+10FFFF.
+                return false;
+            }
             bits
         };
         self.accept(c)
@@ -345,9 +350,13 @@ impl GrammarState {
 
     /// Whether some stack's next character can start with the partial character read.
     fn can_start(&self) -> bool {
-        let (bits, left) = self.partial;
+        let (bits, left, least) = self.partial;
         let shift = 6 * left as u32;
-        let (lo, hi) = (bits << shift, bits << shift | ((1 << shift) - 1));
+        let lo = (bits << shift).max(least);
+        let hi = (bits << shift | ((1 << shift) - 1)).min(char::MAX as u32);
+        if lo > hi {
+            return false;
+        }
         self.stacks
             .iter()
             .flatten()
@@ -870,6 +879,16 @@ mod tests {
         assert_eq!(reads(&g, "ő".as_bytes()), Some(true));
         assert_eq!(reads(&g, &[0xff]), None);
         assert_eq!(reads(&g, &[b'a', 0x80]), None);
+        // Overlong forms of `a` (U+0061) are not UTF-8, whatever byte they stop at.
+        assert_eq!(reads(&g, &[0xc1, 0xa1]), None);
+        assert_eq!(reads(&g, &[0xe0, 0x81, 0xa1]), None);
+        assert_eq!(reads(&g, &[0xe0, 0x81]), None);
+        assert_eq!(reads(&g, &[0xf0, 0x80, 0x81, 0xa1]), None);
+        // Nor are surrogates, or code points beyond U+10FFFF.
+        let any = state("root ::= .");
+        assert_eq!(reads(&any, &[0xed, 0xa0, 0x80]), None);
+        assert_eq!(reads(&any, &[0xf4, 0x90]), None);
+        assert_eq!(reads(&any, "\u{10ffff}".as_bytes()), Some(true));
     }
 
     #[test]

@@ -140,6 +140,44 @@ impl Sampler {
         Self { cfg, rng }
     }
 
+    /// Picks the next token as [`Sampler::sample`] would from `logits` with the tokens a
+    /// constraint refuses set to −∞: `push` reads a token into the constraint's `state` (false
+    /// when it cannot come, leaving the state meaningless), `mask` sets the refused tokens'
+    /// logits to −∞ and counts those left. `Err` says why no token can come.
+    ///
+    /// Sampling first and masking only when the token cannot come (llama.cpp's trick) draws
+    /// from the same distribution when nothing truncates it: greedy picks the same token, and
+    /// a draw from p kept if allowed, else redrawn from p over the allowed set A, gives
+    /// x ∈ A with p(x) + (1 − p(A)) p(x) / p(A) = p(x) / p(A). Top-k, top-p and min-p
+    /// truncate before the draw, so with them the mask comes first.
+    pub fn sample_constrained<C: Clone>(
+        &mut self,
+        logits: &mut [f32],
+        history: &[u32],
+        state: &mut C,
+        push: impl Fn(&mut C, u32) -> bool,
+        mask: impl FnOnce(&C, &mut [f32]) -> usize,
+    ) -> Result<u32, &'static str> {
+        let c = &self.cfg;
+        if c.temperature <= 0.0 || (c.top_k == 0 && c.top_p >= 1.0 && c.min_p == 0.0) {
+            let tok = self.sample(&mut logits.to_vec(), history);
+            let mut next = state.clone();
+            if push(&mut next, tok) {
+                *state = next;
+                return Ok(tok);
+            }
+        }
+        if mask(state, logits) == 0 {
+            return Err("no token of this vocabulary can continue the text");
+        }
+        let tok = self.sample(logits, history);
+        // The mask comes before the logit bias, which can ban what it left.
+        match push(state, tok) {
+            true => Ok(tok),
+            false => Err("the logit bias left no token that can continue the text"),
+        }
+    }
+
     /// Picks the next token from `logits` (one per vocab entry), given the tokens so far.
     pub fn sample(&mut self, logits: &mut [f32], history: &[u32]) -> u32 {
         let c = &self.cfg;
@@ -242,6 +280,83 @@ mod tests {
 
     fn s(cfg: Sampling) -> Sampler {
         Sampler::new(cfg)
+    }
+
+    /// The allowed set {1, 3, 4} of six tokens, as a constraint.
+    fn allowed(_: &mut (), t: u32) -> bool {
+        [1, 3, 4].contains(&t)
+    }
+
+    fn mask(_: &(), l: &mut [f32]) -> usize {
+        for (t, l) in l.iter_mut().enumerate() {
+            if !allowed(&mut (), t as u32) {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+        3
+    }
+
+    #[test]
+    fn constrained_sampling_draws_from_the_allowed_distribution() {
+        let logits = [2.0f32, 0.5, 1.5, -0.5, 0.0, 1.0];
+        let e: Vec<f64> = logits.iter().map(|&l| (l as f64).exp()).collect();
+        let pa: f64 = [1, 3, 4].iter().map(|&t| e[t]).sum();
+        let draws = 40_000;
+        // Temperature 1, nothing truncating: sampled first, masked on a miss. Top-k 6 keeps
+        // all six but makes the mask come first: the reference.
+        for top_k in [0, 6] {
+            let mut smp = s(Sampling {
+                temperature: 1.0,
+                top_k,
+                seed: 7,
+                ..Sampling::default()
+            });
+            let mut counts = [0usize; 6];
+            for _ in 0..draws {
+                let t = smp
+                    .sample_constrained(&mut logits.to_vec(), &[], &mut (), allowed, mask)
+                    .unwrap();
+                counts[t as usize] += 1;
+            }
+            for t in 0..6 {
+                let p = if [1, 3, 4].contains(&t) {
+                    e[t] / pa
+                } else {
+                    0.0
+                };
+                let sd = (p * (1.0 - p) / draws as f64).sqrt();
+                let got = counts[t] as f64 / draws as f64;
+                assert!(
+                    (got - p).abs() <= 5.0 * sd + 1e-12,
+                    "top-k {top_k} token {t}: {got} vs {p}"
+                );
+            }
+        }
+        // Greedy: the best allowed token, whether the best of all is allowed or not.
+        let mut g = s(Sampling::default());
+        let mut l = logits.to_vec();
+        assert_eq!(
+            g.sample_constrained(&mut l, &[], &mut (), allowed, mask),
+            Ok(1)
+        );
+        l = vec![0.0, 3.0, 1.0, 2.0, 0.0, 0.0];
+        assert_eq!(
+            g.sample_constrained(&mut l, &[], &mut (), allowed, mask),
+            Ok(1)
+        );
+        // A bias that bans what the mask leaves.
+        let mut b = s(Sampling {
+            logit_bias: vec![
+                (1, f32::NEG_INFINITY),
+                (3, f32::NEG_INFINITY),
+                (4, f32::NEG_INFINITY),
+            ],
+            ..Sampling::default()
+        });
+        assert!(b
+            .sample_constrained(&mut logits.to_vec(), &[], &mut (), allowed, mask)
+            .unwrap_err()
+            .contains("logit bias"));
     }
 
     #[test]
