@@ -587,7 +587,7 @@ fn grammar_and_json_schema_constrain_the_reply() {
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let text = v["text"].as_str().unwrap();
     assert!(
-        text.len() == 18 && text.starts_with("Tom is ") && text.ends_with(" years old."),
+        text.len() == 19 && text.starts_with("Tom is ") && text.ends_with(" years old."),
         "{text:?}"
     );
     assert_eq!(v["stats"]["stop_reason"], "eos", "{v}");

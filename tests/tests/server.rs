@@ -586,9 +586,35 @@ fn bad_requests_are_refused_naming_the_problem() {
         (
             &chat,
             json!({"messages": user, "response_format": {"type": "json_schema",
-                   "json_schema": {"name": "x", "schema": {"type": "object"}}}}),
+                   "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "a+"}}}}),
             Some("response_format"),
-            "a json_schema is not",
+            "`pattern` is not supported",
+        ),
+        (
+            &chat,
+            json!({"messages": user, "response_format": {"type": "json_schema",
+                   "json_schema": {"name": "x"}}}),
+            Some("response_format"),
+            "needs its schema in json_schema.schema",
+        ),
+        (
+            &c,
+            json!({"prompt": "hi", "grammar": "root ::= x"}),
+            Some("grammar"),
+            "rule `x` is used (line 1) but not defined",
+        ),
+        (
+            &c,
+            json!({"prompt": "hi", "json_schema": {"type": "thing"}}),
+            Some("json_schema"),
+            "unknown type",
+        ),
+        (
+            &chat,
+            json!({"messages": user, "grammar": "root ::= \"a\"",
+                   "response_format": {"type": "json_object"}}),
+            Some("response_format"),
+            "give one",
         ),
         (
             &chat,
@@ -1462,6 +1488,66 @@ fn json_object_replies() {
         .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
         .collect();
     assert_eq!(streamed, want.text);
+}
+
+/// `response_format: {"type": "json_schema"}` on chat and llama.cpp's `grammar` on
+/// completions: the reply, whole and streamed, is the one the engine gives under the same
+/// grammar, and a value of the schema.
+#[test]
+fn json_schema_and_grammar_replies() {
+    let server = start(CacheConfig::full(64), 4);
+    let local = engine(CacheConfig::full(64));
+    let schema = json!({"type": "object", "properties": {
+        "name": {"type": "string"}, "age": {"type": "integer"},
+        "colour": {"enum": ["grey", "black"]}}, "required": ["name", "age", "colour"]});
+    let content = "Describe a grey cat called Tom, aged 3, as JSON.";
+    let mut params = greedy(
+        Prompt::Chat(vec![Message {
+            role: "user".into(),
+            content: content.into(),
+        }]),
+        96,
+    );
+    params.sampling.format =
+        keydiff::Format::Grammar(keydiff::json_schema::to_grammar(&schema).unwrap());
+    let want = local.generate(&params, |_| {}).unwrap();
+    assert_eq!(want.stats.stop_reason, StopReason::Eos, "{:?}", want.text);
+    let url = format!("{}/v1/chat/completions", server.url());
+    let body = json!({"messages": [{"role": "user", "content": content}], "max_tokens": 96,
+                      "temperature": 0, "response_format": {"type": "json_schema",
+                      "json_schema": {"name": "cat", "strict": true, "schema": schema}}});
+    let (code, got) = post(&url, &body);
+    assert_eq!(code, 200, "{got}");
+    let text = got["choices"][0]["message"]["content"].as_str().unwrap();
+    assert_eq!(text, want.text);
+    let v: Value = serde_json::from_str(text).unwrap();
+    let keys: Vec<&String> = v.as_object().unwrap().keys().collect();
+    assert_eq!(keys, ["name", "age", "colour"], "{v}");
+    let mut body = body;
+    body["stream"] = json!(true);
+    let chunks = events(ureq::post(&url).send_json(&body).unwrap());
+    let streamed: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(streamed, want.text);
+
+    let grammar = "root ::= \" a \" (\"cat\" | \"dog\") \" named \" [A-Z] [a-z]{1,8} \".\"";
+    let mut params = greedy(Prompt::Text("My pet is".into()), 32);
+    params.sampling.format = keydiff::Format::Grammar(grammar.into());
+    let want = local.generate(&params, |_| {}).unwrap();
+    let (code, got) = post(
+        &format!("{}/v1/completions", server.url()),
+        &json!({"prompt": "My pet is", "max_tokens": 32, "temperature": 0, "grammar": grammar}),
+    );
+    assert_eq!(code, 200, "{got}");
+    let text = got["choices"][0]["text"].as_str().unwrap();
+    assert_eq!(text, want.text);
+    assert!(
+        text.starts_with(" a cat named ") || text.starts_with(" a dog named "),
+        "{text:?}"
+    );
+    assert_eq!(got["choices"][0]["finish_reason"], "stop");
 }
 
 /// `best_of`: of 4 completions (seeds seed + i, prefilled once), the 2 whose tokens have the
