@@ -937,17 +937,8 @@ mod tests {
     }
 
     /// JSON objects as in [`crate::json_mode`]: whitespace in one place between any two tokens,
-    /// at most 32 bytes of it, nothing after the object.
-    const JSON: &str = r#"
-root   ::= ws object
-value  ::= object | array | string | number | ("true" | "false" | "null")
-object ::= "{" ws ( member ( "," ws member )* )? "}"
-member ::= string ws ":" ws value ws
-array  ::= "[" ws ( value ws ( "," ws value ws )* )? "]"
-string ::= "\"" ( [^"\\\x00-\x1f] | "\\" ( ["\\/bfnrt] | "u" [0-9a-fA-F]{4} ) )* "\""
-number ::= "-"? ( "0" | [1-9] [0-9]* ) ( "." [0-9]+ )? ( [eE] [-+]? [0-9]+ )?
-ws     ::= [ \t\n\r]{0,32}
-"#;
+    /// at most 32 bytes of it, nothing after the object. The example the README points to.
+    const JSON: &str = include_str!("../../../examples/grammars/json.gbnf");
 
     /// Text that is mostly JSON, with mistakes.
     fn jsonish() -> impl Strategy<Value = Vec<u8>> {
