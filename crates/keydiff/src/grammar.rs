@@ -21,11 +21,13 @@
 //! copy is cheap), each stack's top the character class the next character must be in. Before
 //! each token is sampled, [`GrammarState::mask`] sets the logits of the tokens that cannot
 //! come next to −∞, walking the vocabulary sorted by bytes so that tokens sharing a prefix
-//! are checked once for it. Characters are the UTF-8 text's code points; a token may end
+//! are checked once for it; the states the walk meets are interned, so that each (state,
+//! byte) is stepped once and then looked up, and the last few masks are kept by state, for
+//! a reply that comes back to one. Characters are the UTF-8 text's code points; a token may end
 //! inside one, as long as some allowed character starts that way.
 
-use std::collections::HashMap;
-use std::sync::Arc;
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
 
 /// A grammar refused: what is wrong, and where.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -290,7 +292,21 @@ pub struct GrammarState {
     /// A UTF-8 character begun: its bits so far, how many bytes are still to come, and the
     /// least code point its length may encode (shorter, overlong forms are not UTF-8).
     partial: (u32, u8, u32),
+    /// Masks computed for states of this grammar, shared by the copies of a state.
+    masks: Arc<Mutex<MaskCache>>,
 }
+
+/// The last few masks computed, by vocabulary and state: a reply often comes back to a state
+/// (inside a string, after each ordinary character), whose mask is then a copy.
+#[derive(Debug, Default)]
+struct MaskCache {
+    /// (key, allowed tokens as bits).
+    entries: VecDeque<(Vec<usize>, Vec<u64>)>,
+}
+
+/// Masks kept per request: at most this many vocabulary bitsets (19 KB each for 151 936
+/// tokens).
+const MASKS_KEPT: usize = 16;
 
 impl GrammarState {
     /// Nothing read yet.
@@ -301,6 +317,7 @@ impl GrammarState {
             grammar,
             stacks,
             partial: (0, 0, 0),
+            masks: Arc::default(),
         }
     }
 
@@ -398,17 +415,51 @@ impl GrammarState {
         by_bytes: &[u32],
         eos: &[u32],
     ) -> usize {
-        let mut ok = vec![false; logits.len()];
-        self.walk(by_bytes, tokens, 0, &mut ok);
-        let done = self.is_done();
-        for &e in eos {
-            if let Some(o) = ok.get_mut(e as usize) {
-                *o = done;
+        // The vocabulary by where its slices are, then the state.
+        let mut key = vec![
+            tokens.as_ptr() as usize,
+            tokens.len(),
+            by_bytes.as_ptr() as usize,
+            by_bytes.len(),
+            eos.as_ptr() as usize,
+            eos.len(),
+            logits.len(),
+        ];
+        key.extend(self.key().into_iter().map(|k| k as usize));
+        let cached = {
+            let masks = self.masks.lock().unwrap_or_else(|e| e.into_inner());
+            masks
+                .entries
+                .iter()
+                .find(|e| e.0 == key)
+                .map(|e| e.1.clone())
+        };
+        let bits = match cached {
+            Some(bits) => bits,
+            None => {
+                let mut ok = vec![false; logits.len()];
+                Memo::new(self).walk(0, by_bytes, tokens, 0, &mut ok);
+                let done = self.is_done();
+                for &e in eos {
+                    if let Some(o) = ok.get_mut(e as usize) {
+                        *o = done;
+                    }
+                }
+                let mut bits = vec![0u64; logits.len().div_ceil(64)];
+                for (i, _) in ok.iter().enumerate().filter(|(_, ok)| **ok) {
+                    bits[i / 64] |= 1 << (i % 64);
+                }
+                let mut masks = self.masks.lock().unwrap_or_else(|e| e.into_inner());
+                if masks.entries.len() == MASKS_KEPT {
+                    masks.entries.pop_front();
+                }
+                masks.entries.push_back((key, bits.clone()));
+                bits
             }
-        }
+        };
         let mut left = 0;
-        for (l, ok) in logits.iter_mut().zip(ok) {
-            if ok {
+        for (i, l) in logits.iter_mut().enumerate() {
+            if bits[i / 64] >> (i % 64) & 1 == 1 {
                 left += 1;
             } else {
                 *l = f32::NEG_INFINITY;
@@ -417,9 +468,79 @@ impl GrammarState {
         left
     }
 
-    /// Marks the tokens in `ids` this state accepts; they share their first `depth` bytes,
-    /// which it has read.
-    fn walk(&self, ids: &[u32], tokens: &[Box<[u8]>], depth: usize, ok: &mut [bool]) {
+    /// What identifies the state: its partial character and its stacks, frame by frame.
+    fn key(&self) -> Vec<u32> {
+        let (bits, left, least) = self.partial;
+        let mut k = vec![bits, left as u32, least];
+        for s in &self.stacks {
+            let mut f = s;
+            while let Some(x) = f {
+                k.extend([x.rule, x.alt, x.pos]);
+                f = &x.parent;
+            }
+            k.push(u32::MAX);
+        }
+        k
+    }
+}
+
+/// The states one mask meets, each once, with the transitions found between them: inside a
+/// string, say, every ordinary character leads back to the same state, so the walk over the
+/// vocabulary steps each (state, byte) once and then looks it up.
+struct Memo {
+    states: Vec<GrammarState>,
+    ids: HashMap<Vec<u32>, u32>,
+    /// `next[state][byte]`: [`UNSEEN`], [`DEAD`] or the state it leads to.
+    next: Vec<[u32; 256]>,
+}
+
+const UNSEEN: u32 = u32::MAX;
+const DEAD: u32 = u32::MAX - 1;
+
+impl Memo {
+    fn new(start: &GrammarState) -> Self {
+        let mut m = Memo {
+            states: Vec::new(),
+            ids: HashMap::new(),
+            next: Vec::new(),
+        };
+        m.intern(start.clone());
+        m
+    }
+
+    fn intern(&mut self, s: GrammarState) -> u32 {
+        let key = s.key();
+        if let Some(&id) = self.ids.get(&key) {
+            return id;
+        }
+        let id = self.states.len() as u32;
+        self.states.push(s);
+        self.ids.insert(key, id);
+        self.next.push([UNSEEN; 256]);
+        id
+    }
+
+    /// The state after byte `b` from state `id`; `None` when the grammar refuses it.
+    fn step(&mut self, id: u32, b: u8) -> Option<u32> {
+        let mut to = self.next[id as usize][b as usize];
+        if to == UNSEEN {
+            let mut s = self.states[id as usize].clone();
+            to = if s.push(b) { self.intern(s) } else { DEAD };
+            self.next[id as usize][b as usize] = to;
+        }
+        (to != DEAD).then_some(to)
+    }
+
+    /// Marks the tokens in `ids` that state `state` accepts; they share their first `depth`
+    /// bytes, which it has read.
+    fn walk(
+        &mut self,
+        state: u32,
+        ids: &[u32],
+        tokens: &[Box<[u8]>],
+        depth: usize,
+        ok: &mut [bool],
+    ) {
         let mut i = 0;
         // Sorted by bytes, the tokens that end here come first.
         while i < ids.len() && tokens[ids[i] as usize].len() == depth {
@@ -431,9 +552,8 @@ impl GrammarState {
         while i < ids.len() {
             let b = tokens[ids[i] as usize][depth];
             let end = i + ids[i..].partition_point(|&t| tokens[t as usize][depth] == b);
-            let mut s = self.clone();
-            if s.push(b) {
-                s.walk(&ids[i..end], tokens, depth + 1, ok);
+            if let Some(next) = self.step(state, b) {
+                self.walk(next, &ids[i..end], tokens, depth + 1, ok);
             }
             i = end;
         }
@@ -1004,7 +1124,12 @@ mod tests {
                 g = next;
             }
             let mut logits = vec![0.0f32; tokens.len()];
-            let left = g.mask(&mut logits, &tokens, &sorted_by_bytes(&tokens), &eos);
+            let by_bytes = sorted_by_bytes(&tokens);
+            let left = g.mask(&mut logits, &tokens, &by_bytes, &eos);
+            // Again, from the cache, on a copy of the state.
+            let mut again = vec![0.0f32; tokens.len()];
+            prop_assert_eq!(g.clone().mask(&mut again, &tokens, &by_bytes, &eos), left);
+            prop_assert_eq!(&again, &logits);
             for (id, t) in tokens.iter().enumerate() {
                 let want = if eos.contains(&(id as u32)) {
                     g.is_done()
