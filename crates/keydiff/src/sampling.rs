@@ -221,10 +221,14 @@ impl Sampler {
         if cand.is_empty() {
             return argmax(logits);
         }
-        cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-        if c.top_k > 0 {
-            cand.truncate(c.top_k.max(1));
+        let order = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        if c.top_k > 0 && c.top_k < cand.len() {
+            // The order is total, so the k first are the same as after a whole sort; only
+            // they are sorted.
+            cand.select_nth_unstable_by(c.top_k - 1, order);
+            cand.truncate(c.top_k);
         }
+        cand.sort_by(order);
         let probs = |cand: &[(u32, f32)], temp: f32| -> Vec<f32> {
             let m = cand[0].1;
             let e: Vec<f32> = cand.iter().map(|(_, l)| ((l - m) / temp).exp()).collect();
@@ -357,6 +361,31 @@ mod tests {
             .sample_constrained(&mut logits.to_vec(), &[], &mut (), allowed, mask)
             .unwrap_err()
             .contains("logit bias"));
+    }
+
+    proptest::proptest! {
+        /// Top-k keeps the k first by logit, ties to the lower id (selected, then sorted), as
+        /// a whole sort would: the draw equals one with the others set to −∞ and no top-k.
+        #[test]
+        fn top_k_selects_what_a_whole_sort_keeps(
+            logits in proptest::collection::vec(-3i8..3, 1..60),
+            k in 1usize..70,
+            seed in 0u64..1000,
+            top_p in 0.5f32..=1.0,
+        ) {
+            // Small integers: many ties.
+            let logits: Vec<f32> = logits.into_iter().map(|l| l as f32 * 0.5).collect();
+            let mut order: Vec<usize> = (0..logits.len()).collect();
+            order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+            let mut kept = vec![f32::NEG_INFINITY; logits.len()];
+            for &i in order.iter().take(k) {
+                kept[i] = logits[i];
+            }
+            let cfg = Sampling { temperature: 0.9, top_p, seed, ..Sampling::default() };
+            let got = s(Sampling { top_k: k, ..cfg.clone() }).sample(&mut logits.clone(), &[]);
+            let want = s(cfg).sample(&mut kept, &[]);
+            proptest::prop_assert_eq!(got, want);
+        }
     }
 
     #[test]
