@@ -930,7 +930,7 @@ impl SamplingArgs {
         let schema = |text: &str, from: &str| -> Result<String> {
             let v: serde_json::Value =
                 serde_json::from_str(text).with_context(|| format!("{from} is not JSON"))?;
-            Ok(keydiff::json_schema::to_grammar(&v).with_context(|| format!("{from}"))?)
+            keydiff::json_schema::to_grammar(&v).with_context(|| from.to_string())
         };
         let format = if let Some(g) = &self.grammar {
             Format::Grammar(g.clone())

@@ -37,6 +37,12 @@ pub struct GrammarError(pub String);
 /// `{m,n}` repetitions allowed at most.
 pub const MAX_REPEAT: u32 = 65_536;
 
+/// Elements the rules may hold in all, once repetitions are written out.
+pub const MAX_ELEMENTS: usize = 1 << 21;
+
+/// Groups nested at most.
+pub const MAX_NESTING: usize = 256;
+
 /// One element of a sequence.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Elem {
@@ -73,6 +79,8 @@ impl Grammar {
             rules: Vec::new(),
             names: Vec::new(),
             used_at: Vec::new(),
+            groups: 0,
+            elements: 0,
         };
         p.grammar()?;
         let Parser {
@@ -89,7 +97,8 @@ impl Grammar {
                 None => {
                     return Err(GrammarError(format!(
                         "rule `{}` is used (line {}) but not defined",
-                        names[i], used_at[i]
+                        names[i],
+                        line_at(src, used_at[i])
                     )))
                 }
             }
@@ -151,44 +160,42 @@ impl Grammar {
                 out
             })
             .collect();
-        // Depth-first search for a cycle: 0 unseen, 1 on the path, 2 done.
+        // Depth-first search for a cycle, with its own stack (a grammar can chain many
+        // rules): 0 unseen, 1 on the path, 2 done. `path` holds (rule, next edge).
         let mut mark = vec![0u8; self.rules.len()];
-        let mut path = Vec::new();
-        fn visit(
-            r: usize,
-            first: &[Vec<usize>],
-            mark: &mut [u8],
-            path: &mut Vec<usize>,
-        ) -> Option<Vec<usize>> {
-            mark[r] = 1;
-            path.push(r);
-            for &x in &first[r] {
-                if mark[x] == 1 {
-                    let at = path.iter().position(|&p| p == x).expect("on the path");
-                    let mut cycle = path[at..].to_vec();
-                    cycle.push(x);
-                    return Some(cycle);
-                }
-                if mark[x] == 0 {
-                    if let Some(c) = visit(x, first, mark, path) {
-                        return Some(c);
-                    }
-                }
+        for start in 0..self.rules.len() {
+            if mark[start] != 0 {
+                continue;
             }
-            path.pop();
-            mark[r] = 2;
-            None
-        }
-        for r in 0..self.rules.len() {
-            if mark[r] == 0 {
-                if let Some(cycle) = visit(r, &first, &mut mark, &mut path) {
-                    let names: Vec<&str> = cycle.iter().map(|&r| self.names[r].as_str()).collect();
-                    return Err(GrammarError(format!(
-                        "rule `{}` is left-recursive ({}): it can reach itself before reading \
-                         a character",
-                        names[0],
-                        names.join(" → ")
-                    )));
+            let mut path: Vec<(usize, usize)> = vec![(start, 0)];
+            mark[start] = 1;
+            while let Some(&mut (r, ref mut edge)) = path.last_mut() {
+                let Some(&x) = first[r].get(*edge) else {
+                    mark[r] = 2;
+                    path.pop();
+                    continue;
+                };
+                *edge += 1;
+                match mark[x] {
+                    0 => {
+                        mark[x] = 1;
+                        path.push((x, 0));
+                    }
+                    1 => {
+                        let at = path.iter().position(|p| p.0 == x).expect("on the path");
+                        let mut names: Vec<&str> = path[at..]
+                            .iter()
+                            .map(|p| self.names[p.0].as_str())
+                            .collect();
+                        names.push(&self.names[x]);
+                        return Err(GrammarError(format!(
+                            "rule `{}` is left-recursive ({}): it can reach itself before \
+                             reading a character",
+                            names[0],
+                            names.join(" → ")
+                        )));
+                    }
+                    _ => {}
                 }
             }
         }
@@ -215,32 +222,47 @@ impl Grammar {
 
     /// Pushes onto `out` the stacks `stack` becomes once its rule references are expanded,
     /// so that each one's top is a character class (or it is empty: the text is complete).
+    /// It ends, as the grammar has no left recursion; it keeps its own list of stacks to
+    /// expand rather than recursing, so that a deep grammar or a long text of nested empty
+    /// endings cannot overflow the thread's stack.
     fn expand(&self, stack: Stack, out: &mut Vec<Stack>) {
-        let Some(f) = &stack else {
-            push_unique(out, None);
-            return;
-        };
-        match self.elem(f) {
-            Elem::Chars { .. } => push_unique(out, stack),
-            Elem::Rule(r) => {
-                let rest = self.next(f);
-                self.expand_rule(*r, rest, out);
+        let mut todo = vec![stack];
+        while let Some(stack) = todo.pop() {
+            let Some(f) = &stack else {
+                push_unique(out, None);
+                continue;
+            };
+            match self.elem(f) {
+                Elem::Chars { .. } => push_unique(out, stack),
+                Elem::Rule(r) => {
+                    let rest = self.next(f);
+                    self.push_rule(*r, rest, &mut todo);
+                }
             }
         }
     }
 
     fn expand_rule(&self, r: usize, rest: Stack, out: &mut Vec<Stack>) {
-        for (alt, seq) in self.rules[r].iter().enumerate() {
+        let mut todo = Vec::new();
+        self.push_rule(r, rest, &mut todo);
+        for s in todo.into_iter().rev() {
+            self.expand(s, out);
+        }
+    }
+
+    /// Pushes rule `r`'s alternatives onto `todo`, the last first (so that they come out in
+    /// order), each over `rest`.
+    fn push_rule(&self, r: usize, rest: Stack, todo: &mut Vec<Stack>) {
+        for (alt, seq) in self.rules[r].iter().enumerate().rev() {
             if seq.is_empty() {
-                self.expand(rest.clone(), out);
+                todo.push(rest.clone());
             } else {
-                let f = Frame {
+                todo.push(Some(Arc::new(Frame {
                     rule: r as u32,
                     alt: alt as u32,
                     pos: 0,
                     parent: rest.clone(),
-                };
-                self.expand(Some(Arc::new(f)), out);
+                })));
             }
         }
     }
@@ -257,6 +279,19 @@ struct Frame {
 }
 
 type Stack = Option<Arc<Frame>>;
+
+impl Drop for Frame {
+    /// Frees a long stack frame by frame, rather than by a recursion as deep as the stack.
+    fn drop(&mut self) {
+        let mut below = self.parent.take();
+        while let Some(f) = below {
+            match Arc::try_unwrap(f) {
+                Ok(mut f) => below = f.parent.take(),
+                Err(_) => break,
+            }
+        }
+    }
+}
 
 fn same(mut a: &Stack, mut b: &Stack) -> bool {
     loop {
@@ -570,6 +605,11 @@ pub fn sorted_by_bytes(tokens: &[Box<[u8]>]) -> Vec<u32> {
     ids
 }
 
+/// The line of byte `pos` of `src`, from 1.
+fn line_at(src: &str, pos: usize) -> usize {
+    src[..pos].matches('\n').count() + 1
+}
+
 struct Parser<'a> {
     src: &'a str,
     pos: usize,
@@ -577,13 +617,17 @@ struct Parser<'a> {
     /// `None` until defined.
     rules: Vec<Option<Vec<Vec<Elem>>>>,
     names: Vec<String>,
-    /// The line each rule was first used or defined on.
+    /// Where (a byte of the source) each rule was first used or defined.
     used_at: Vec<usize>,
+    /// Groups open.
+    groups: usize,
+    /// Elements written out by repetitions so far.
+    elements: usize,
 }
 
 impl Parser<'_> {
     fn line(&self) -> usize {
-        self.src[..self.pos].matches('\n').count() + 1
+        line_at(self.src, self.pos)
     }
 
     fn err<T>(&self, what: impl std::fmt::Display) -> Result<T, GrammarError> {
@@ -623,7 +667,7 @@ impl Parser<'_> {
         self.ids.insert(name.to_string(), id);
         self.rules.push(None);
         self.names.push(name.to_string());
-        self.used_at.push(self.line());
+        self.used_at.push(self.pos);
         id
     }
 
@@ -774,6 +818,10 @@ impl Parser<'_> {
                     });
                 }
                 '(' => {
+                    if self.groups >= MAX_NESTING {
+                        return self.err(format!("groups nested more than {MAX_NESTING} deep"));
+                    }
+                    self.groups += 1;
                     self.pos += 1;
                     self.space(true);
                     let alts = self.alternatives(rule, true)?;
@@ -782,6 +830,7 @@ impl Parser<'_> {
                         return self.err("expected `)` to close the group");
                     }
                     self.pos += 1;
+                    self.groups -= 1;
                     let id = self.fresh(rule, alts);
                     seq.push(Elem::Rule(id));
                 }
@@ -790,6 +839,13 @@ impl Parser<'_> {
                     let Some(last) = seq.pop() else {
                         return self.err(format!("`{c}` with nothing before it to repeat"));
                     };
+                    // Each copy is an element, each optional one a rule of two more.
+                    self.elements += min as usize + 3 * (max.unwrap_or(min) - min) as usize;
+                    if self.elements > MAX_ELEMENTS {
+                        return self.err(format!(
+                            "the repetitions write out more than {MAX_ELEMENTS} elements"
+                        ));
+                    }
                     self.repeat(rule, &mut seq, last, min, max);
                 }
                 c if c.is_ascii_alphanumeric() || c == '-' || c == '_' => {
@@ -1012,6 +1068,30 @@ mod tests {
     }
 
     #[test]
+    fn deep_grammars_and_texts_do_not_overflow_the_stack() {
+        // 20 000 rules, each the next one: expanded, checked and freed without recursing.
+        let mut g = String::from("root ::= r0\n");
+        for i in 0..20_000 {
+            g += &format!("r{i} ::= r{}\n", i + 1);
+        }
+        g += "r20000 ::= \"y\"\n";
+        let s = state(&g);
+        assert_eq!(reads(&s, b"y"), Some(true));
+        // A text nesting 200 000 deep: a stack of 200 000 frames, freed without recursing.
+        let s = state("root ::= a\na ::= \"(\" a \")\" | \"\"");
+        let mut t = s.clone();
+        assert!(t.push_all(&[b'('; 200_000]));
+        assert!(!t.is_done());
+        drop(t);
+        // A stack that ends through 5 000 empty endings at once (each byte re-expands them
+        // all: quadratic, as llama.cpp is on such a grammar).
+        let s = state("root ::= a\na ::= \"(\" a b | \"\"\nb ::= \"\"");
+        let mut t = s.clone();
+        assert!(t.push_all(&[b'('; 5_000]));
+        assert!(t.is_done());
+    }
+
+    #[test]
     fn rules_go_on_over_lines_where_llama_cpp_allows() {
         let g = state(
             "root ::=\n  \"{\" (\n    \"a\" |\n    \"b\"\n  )* \"}\"\n\n# done\nother ::= \"x\"\n",
@@ -1054,6 +1134,14 @@ mod tests {
             let e = Grammar::parse(g).unwrap_err().to_string();
             assert!(e.contains(want), "{g:?}: {e}");
         }
+        // Too large once written out, or nested too deep: refused, not run out of memory or
+        // stack on.
+        let big = format!("root ::= {}", "[a-z]{0,60000} ".repeat(12));
+        let e = Grammar::parse(&big).unwrap_err().to_string();
+        assert!(e.contains("more than 2097152 elements"), "{e}");
+        let deep = format!("root ::= {}\"a\"{}", "(".repeat(300), ")".repeat(300));
+        let e = Grammar::parse(&deep).unwrap_err().to_string();
+        assert!(e.contains("nested more than 256"), "{e}");
     }
 
     /// JSON objects as in [`crate::json_mode`]: whitespace in one place between any two tokens,
