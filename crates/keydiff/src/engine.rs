@@ -545,10 +545,28 @@ impl Constraint {
         Ok(match format {
             Format::Text => None,
             Format::JsonObject => Some(Constraint::Json(JsonObject::new())),
-            Format::Grammar(g) => Some(Constraint::Grammar(GrammarState::new(Arc::new(
-                Grammar::parse(g).map_err(|e| EngineError::BadParams(e.to_string()))?,
-            )))),
+            Format::Grammar(g) => {
+                let g = GrammarState::new(Arc::new(
+                    Grammar::parse(g).map_err(|e| EngineError::BadParams(e.to_string()))?,
+                ));
+                let c = Constraint::Grammar(g);
+                c.check()?;
+                Some(c)
+            }
         })
+    }
+
+    /// Refuses a grammar that needed more ways to read the text at once than it may have:
+    /// what its mask refused may have been allowed.
+    fn check(&self) -> Result<()> {
+        match self {
+            Constraint::Grammar(g) if g.is_ambiguous() => Err(EngineError::BadParams(format!(
+                "grammar: more than {} ways to read the text at once; it is too ambiguous \
+                 to follow",
+                crate::grammar::MAX_STACKS
+            ))),
+            _ => Ok(()),
+        }
     }
 
     /// What constrains the output, in messages.
@@ -619,20 +637,20 @@ impl<'e> Decoding<'e> {
                     Constraint::Grammar(_) => self.engine.tokens_by_bytes()?,
                     Constraint::Json(_) => &[],
                 };
-                self.sampler
-                    .sample_constrained(
-                        &mut self.logits,
-                        &self.history,
-                        c,
-                        |c, t| c.push(t, tokens, eos),
-                        |c, l| c.mask(l, tokens, by_bytes, eos),
-                    )
-                    .map_err(|e| {
-                        EngineError::BadParams(format!(
-                            "{}: {e}",
-                            Constraint::what(&params.sampling.format)
-                        ))
-                    })?
+                let tok = self.sampler.sample_constrained(
+                    &mut self.logits,
+                    &self.history,
+                    c,
+                    |c, t| c.push(t, tokens, eos),
+                    |c, l| c.mask(l, tokens, by_bytes, eos),
+                );
+                c.check()?;
+                tok.map_err(|e| {
+                    EngineError::BadParams(format!(
+                        "{}: {e}",
+                        Constraint::what(&params.sampling.format)
+                    ))
+                })?
             }
         };
         if self.generated.is_empty() {

@@ -27,6 +27,7 @@
 //! inside one, as long as some allowed character starts that way.
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// A grammar refused: what is wrong, and where.
@@ -43,12 +44,16 @@ pub const MAX_ELEMENTS: usize = 1 << 21;
 /// Groups nested at most.
 pub const MAX_NESTING: usize = 256;
 
+/// Ways to read the text at once (stacks) at most; a grammar that needs more is refused as
+/// too ambiguous when it gets there ([`GrammarState::is_ambiguous`]).
+pub const MAX_STACKS: usize = 4096;
+
 /// One element of a sequence.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Elem {
     /// One character in (or, when `negated`, outside) these inclusive code point ranges.
     Chars {
-        ranges: Vec<(u32, u32)>,
+        ranges: Arc<[(u32, u32)]>,
         negated: bool,
     },
     /// A rule by index.
@@ -81,6 +86,7 @@ impl Grammar {
             used_at: Vec::new(),
             groups: 0,
             elements: 0,
+            repeated: Vec::new(),
         };
         p.grammar()?;
         let Parser {
@@ -88,6 +94,7 @@ impl Grammar {
             names,
             used_at,
             ids,
+            repeated,
             ..
         } = p;
         let mut defined = Vec::with_capacity(rules.len());
@@ -111,6 +118,19 @@ impl Grammar {
             names,
             root,
         };
+        // Repeating what can match the empty text more than once gives as many ways to read
+        // each text as there are copies: refused, as its stacks would grow with them.
+        let null = g.nullable();
+        for (e, min, max, at) in repeated {
+            if matches!(e, Elem::Rule(r) if null[r]) && max.is_none_or(|m| m > 1) {
+                let max = max.map_or(String::new(), |m| m.to_string());
+                return Err(GrammarError(format!(
+                    "line {}: repeating (`{{{min},{max}}}`) something that can match the empty \
+                     text is ambiguous; make the repeated part non-empty, or optional once",
+                    line_at(src, at)
+                )));
+            }
+        }
         g.check_left_recursion()?;
         Ok(g)
     }
@@ -225,9 +245,14 @@ impl Grammar {
     /// It ends, as the grammar has no left recursion; it keeps its own list of stacks to
     /// expand rather than recursing, so that a deep grammar or a long text of nested empty
     /// endings cannot overflow the thread's stack.
-    fn expand(&self, stack: Stack, out: &mut Vec<Stack>) {
+    ///
+    /// False, having stopped, when `out` would hold more than [`MAX_STACKS`] stacks.
+    fn expand(&self, stack: Stack, out: &mut Vec<Stack>) -> bool {
         let mut todo = vec![stack];
         while let Some(stack) = todo.pop() {
+            if out.len() > MAX_STACKS {
+                return false;
+            }
             let Some(f) = &stack else {
                 push_unique(out, None);
                 continue;
@@ -240,14 +265,13 @@ impl Grammar {
                 }
             }
         }
+        out.len() <= MAX_STACKS
     }
 
-    fn expand_rule(&self, r: usize, rest: Stack, out: &mut Vec<Stack>) {
+    fn expand_rule(&self, r: usize, rest: Stack, out: &mut Vec<Stack>) -> bool {
         let mut todo = Vec::new();
         self.push_rule(r, rest, &mut todo);
-        for s in todo.into_iter().rev() {
-            self.expand(s, out);
-        }
+        todo.into_iter().rev().all(|s| self.expand(s, out))
     }
 
     /// Pushes rule `r`'s alternatives onto `todo`, the last first (so that they come out in
@@ -327,8 +351,16 @@ pub struct GrammarState {
     /// A UTF-8 character begun: its bits so far, how many bytes are still to come, and the
     /// least code point its length may encode (shorter, overlong forms are not UTF-8).
     partial: (u32, u8, u32),
-    /// Masks computed for states of this grammar, shared by the copies of a state.
-    masks: Arc<Mutex<MaskCache>>,
+    /// What the copies of a state share.
+    shared: Arc<Shared>,
+}
+
+#[derive(Debug, Default)]
+struct Shared {
+    /// Masks computed for states of this grammar.
+    masks: Mutex<MaskCache>,
+    /// Some copy needed more than [`MAX_STACKS`] stacks.
+    ambiguous: AtomicBool,
 }
 
 /// The last few masks computed, by vocabulary and state: a reply often comes back to a state
@@ -347,13 +379,22 @@ impl GrammarState {
     /// Nothing read yet.
     pub fn new(grammar: Arc<Grammar>) -> Self {
         let mut stacks = Vec::new();
-        grammar.expand_rule(grammar.root, None, &mut stacks);
-        Self {
+        let fits = grammar.expand_rule(grammar.root, None, &mut stacks);
+        let s = Self {
             grammar,
             stacks,
             partial: (0, 0, 0),
-            masks: Arc::default(),
-        }
+            shared: Arc::default(),
+        };
+        s.shared.ambiguous.store(!fits, Ordering::Relaxed);
+        s
+    }
+
+    /// True once this state or a copy of it (one the mask tried) needed more than
+    /// [`MAX_STACKS`] ways to read the text at once: what it then refused may have been
+    /// allowed.
+    pub fn is_ambiguous(&self) -> bool {
+        self.shared.ambiguous.load(Ordering::Relaxed)
     }
 
     /// True when the text read so far is whole: the grammar's `root` matches all of it.
@@ -406,21 +447,18 @@ impl GrammarState {
         let shift = 6 * left as u32;
         let lo = (bits << shift).max(least);
         let hi = (bits << shift | ((1 << shift) - 1)).min(char::MAX as u32);
-        if lo > hi {
+        // No character lies there, or only surrogates.
+        if lo > hi || (0xd800 <= lo && hi <= 0xdfff) {
             return false;
         }
         self.stacks
             .iter()
             .flatten()
             .any(|f| match self.grammar.elem(f) {
-                Elem::Chars { ranges, negated } => {
-                    if *negated {
-                        // Unless one excluded range covers them all.
-                        !ranges.iter().any(|&(a, b)| a <= lo && hi <= b)
-                    } else {
-                        ranges.iter().any(|&(a, b)| a <= hi && lo <= b)
-                    }
-                }
+                Elem::Chars { ranges, negated } => match negated {
+                    true => !covers(ranges, lo, hi),
+                    false => ranges.iter().any(|&(a, b)| a <= hi && lo <= b),
+                },
                 Elem::Rule(_) => unreachable!("stacks are expanded"),
             })
     }
@@ -429,8 +467,12 @@ impl GrammarState {
         let mut out = Vec::new();
         for f in self.stacks.iter().flatten() {
             if let Elem::Chars { ranges, negated } = self.grammar.elem(f) {
-                if Elem::matches(ranges, *negated, c) {
-                    self.grammar.expand(self.grammar.next(f), &mut out);
+                if Elem::matches(ranges, *negated, c)
+                    && !self.grammar.expand(self.grammar.next(f), &mut out)
+                {
+                    self.shared.ambiguous.store(true, Ordering::Relaxed);
+                    self.stacks.clear();
+                    return false;
                 }
             }
         }
@@ -462,7 +504,7 @@ impl GrammarState {
         ];
         key.extend(self.key().into_iter().map(|k| k as usize));
         let cached = {
-            let masks = self.masks.lock().unwrap_or_else(|e| e.into_inner());
+            let masks = self.shared.masks.lock().unwrap_or_else(|e| e.into_inner());
             masks
                 .entries
                 .iter()
@@ -484,7 +526,7 @@ impl GrammarState {
                 for (i, _) in ok.iter().enumerate().filter(|(_, ok)| **ok) {
                     bits[i / 64] |= 1 << (i % 64);
                 }
-                let mut masks = self.masks.lock().unwrap_or_else(|e| e.into_inner());
+                let mut masks = self.shared.masks.lock().unwrap_or_else(|e| e.into_inner());
                 if masks.entries.len() == MASKS_KEPT {
                     masks.entries.pop_front();
                 }
@@ -525,12 +567,45 @@ impl GrammarState {
 struct Memo {
     states: Vec<GrammarState>,
     ids: HashMap<Vec<u32>, u32>,
-    /// `next[state][byte]`: [`UNSEEN`], [`DEAD`] or the state it leads to.
-    next: Vec<[u32; 256]>,
+    /// Each state's transitions found: the byte and [`DEAD`] or the state it leads to.
+    next: Vec<Row>,
 }
 
+/// A state's transitions: a short list while it has few (most states of a grammar that
+/// tells many prefixes apart), a table of all 256 bytes ([`UNSEEN`] for those not stepped
+/// yet) once it has more than [`FEW`].
+enum Row {
+    Few(Vec<(u8, u32)>),
+    All(Box<[u32; 256]>),
+}
+
+const FEW: usize = 16;
 const UNSEEN: u32 = u32::MAX;
 const DEAD: u32 = u32::MAX - 1;
+
+impl Row {
+    fn get(&self, b: u8) -> Option<u32> {
+        match self {
+            Row::Few(v) => v.iter().find(|e| e.0 == b).map(|e| e.1),
+            Row::All(t) => Some(t[b as usize]).filter(|&to| to != UNSEEN),
+        }
+    }
+
+    fn set(&mut self, b: u8, to: u32) {
+        match self {
+            Row::Few(v) if v.len() < FEW => v.push((b, to)),
+            Row::Few(v) => {
+                let mut t = Box::new([UNSEEN; 256]);
+                for &(b, to) in v.iter() {
+                    t[b as usize] = to;
+                }
+                t[b as usize] = to;
+                *self = Row::All(t);
+            }
+            Row::All(t) => t[b as usize] = to,
+        }
+    }
+}
 
 impl Memo {
     fn new(start: &GrammarState) -> Self {
@@ -551,18 +626,21 @@ impl Memo {
         let id = self.states.len() as u32;
         self.states.push(s);
         self.ids.insert(key, id);
-        self.next.push([UNSEEN; 256]);
+        self.next.push(Row::Few(Vec::new()));
         id
     }
 
     /// The state after byte `b` from state `id`; `None` when the grammar refuses it.
     fn step(&mut self, id: u32, b: u8) -> Option<u32> {
-        let mut to = self.next[id as usize][b as usize];
-        if to == UNSEEN {
-            let mut s = self.states[id as usize].clone();
-            to = if s.push(b) { self.intern(s) } else { DEAD };
-            self.next[id as usize][b as usize] = to;
-        }
+        let to = match self.next[id as usize].get(b) {
+            Some(to) => to,
+            None => {
+                let mut s = self.states[id as usize].clone();
+                let to = if s.push(b) { self.intern(s) } else { DEAD };
+                self.next[id as usize].set(b, to);
+                to
+            }
+        };
         (to != DEAD).then_some(to)
     }
 
@@ -595,6 +673,18 @@ impl Memo {
     }
 }
 
+/// Whether `ranges` together cover every code point from `lo` to `hi`.
+fn covers(ranges: &[(u32, u32)], lo: u32, hi: u32) -> bool {
+    let mut x = lo;
+    loop {
+        match ranges.iter().find(|&&(a, b)| a <= x && x <= b) {
+            Some(&(_, b)) if b >= hi => return true,
+            Some(&(_, b)) => x = b + 1,
+            None => return false,
+        }
+    }
+}
+
 /// The ids of the tokens with text (`tokens[id]` not empty), sorted by their bytes: what
 /// [`GrammarState::mask`] walks.
 pub fn sorted_by_bytes(tokens: &[Box<[u8]>]) -> Vec<u32> {
@@ -623,6 +713,8 @@ struct Parser<'a> {
     groups: usize,
     /// Elements written out by repetitions so far.
     elements: usize,
+    /// Each repetition: what, min, max, and where it ends (for errors).
+    repeated: Vec<(Elem, u32, Option<u32>, usize)>,
 }
 
 impl Parser<'_> {
@@ -747,9 +839,15 @@ impl Parser<'_> {
 
     fn sequence(&mut self, rule: &str, nested: bool) -> Result<Vec<Elem>, GrammarError> {
         let mut seq: Vec<Elem> = Vec::new();
+        // Where the last symbol (a literal's characters, a class, a name, a group, or a
+        // repetition of one) starts, for a repetition after it; `None` before the first.
+        let mut last: Option<usize> = None;
         loop {
             self.space(nested);
             let Some(c) = self.peek() else { break };
+            if !matches!(c, '*' | '+' | '?' | '{') {
+                last = Some(seq.len());
+            }
             match c {
                 '"' => {
                     self.pos += 1;
@@ -763,7 +861,7 @@ impl Parser<'_> {
                             Some(_) => {
                                 let c = self.char()?;
                                 seq.push(Elem::Chars {
-                                    ranges: vec![(c, c)],
+                                    ranges: Arc::new([(c, c)]),
                                     negated: false,
                                 });
                             }
@@ -808,12 +906,15 @@ impl Parser<'_> {
                     if ranges.is_empty() {
                         return self.err("empty character class `[]`");
                     }
-                    seq.push(Elem::Chars { ranges, negated });
+                    seq.push(Elem::Chars {
+                        ranges: ranges.into(),
+                        negated,
+                    });
                 }
                 '.' => {
                     self.pos += 1;
                     seq.push(Elem::Chars {
-                        ranges: Vec::new(),
+                        ranges: Arc::new([]),
                         negated: true,
                     });
                 }
@@ -836,9 +937,17 @@ impl Parser<'_> {
                 }
                 '*' | '+' | '?' | '{' => {
                     let (min, max) = self.repetition()?;
-                    let Some(last) = seq.pop() else {
+                    let Some(start) = last else {
                         return self.err(format!("`{c}` with nothing before it to repeat"));
                     };
+                    // The whole symbol: one element, or its own rule (a literal of several
+                    // characters, or none).
+                    let mut unit: Vec<Elem> = seq.drain(start..).collect();
+                    let last = match unit.len() {
+                        1 => unit.pop().expect("one"),
+                        _ => Elem::Rule(self.fresh(rule, vec![unit])),
+                    };
+                    self.repeated.push((last.clone(), min, max, self.pos));
                     // Each copy is an element, each optional one a rule of two more.
                     self.elements += min as usize + 3 * (max.unwrap_or(min) - min) as usize;
                     if self.elements > MAX_ELEMENTS {
@@ -1063,8 +1172,65 @@ mod tests {
         // Nor are surrogates, or code points beyond U+10FFFF.
         let any = state("root ::= .");
         assert_eq!(reads(&any, &[0xed, 0xa0, 0x80]), None);
+        // Refused at the byte that makes it a surrogate, not when no token can finish it.
+        assert_eq!(reads(&any, &[0xed, 0xa0]), None);
+        assert_eq!(reads(&any, &[0xed, 0x9f]), Some(false));
+        // Excluded ranges that together cover what a partial character can be.
+        let g = state("root ::= [^\\u0800-\\u0fff\\u1000-\\u1fff]");
+        assert_eq!(reads(&g, &[0xe0, 0xa0]), None);
+        assert_eq!(reads(&g, &[0xe1]), None);
+        assert_eq!(reads(&g, &[0xe2]), Some(false));
         assert_eq!(reads(&any, &[0xf4, 0x90]), None);
         assert_eq!(reads(&any, "\u{10ffff}".as_bytes()), Some(true));
+    }
+
+    #[test]
+    fn a_repetition_repeats_the_whole_symbol_before_it() {
+        let g = state(
+            "root ::= \"ab\"* \"O-O\" \"-O\"? [x-y]{2} (\"c\" | \"de\")+ name?\nname ::= \"zz\"",
+        );
+        for (s, want) in [
+            ("ababO-O-Oxydec", Some(true)),
+            ("O-Oxyc", Some(true)),
+            ("O-Oxycdezz", Some(true)),
+            ("abbO-O", None),
+            ("O-O-xy", None),
+            ("O-Oxyz", None),
+            ("O-Oxycz", Some(false)),
+        ] {
+            assert_eq!(reads(&g, s.as_bytes()), want, "{s:?}");
+        }
+        // An empty literal repeated is the empty literal, not the symbol before it.
+        let g = state("root ::= \"a\" \"\"?");
+        assert_eq!(reads(&g, b""), Some(false));
+        assert_eq!(reads(&g, b"a"), Some(true));
+    }
+
+    #[test]
+    fn ambiguity_is_refused_not_followed_forever() {
+        // Repeating what can be empty: each text would have as many readings as copies.
+        for g in [
+            "root ::= [a]?{0,65536}",
+            "root ::= (\"a\"?)*",
+            "root ::= (\"\")+ \"b\"",
+        ] {
+            let e = Grammar::parse(g).unwrap_err().to_string();
+            assert!(e.contains("can match the empty text"), "{g}: {e}");
+        }
+        // 5000 alternatives that all start alike: more ways to read "x" than MAX_STACKS.
+        let mut g = String::from("root ::= ");
+        g += &(0..5000)
+            .map(|i| format!("a{i}"))
+            .collect::<Vec<_>>()
+            .join(" | ");
+        for i in 0..5000 {
+            g += &format!("\na{i} ::= \"x\" \"{i}\"");
+        }
+        let s = state(&g);
+        assert!(s.is_ambiguous());
+        let s = state(&g.replace("root ::= a0 | a1 | a2 |", "root ::= a0 | a1 | a2 #"));
+        assert!(!s.is_ambiguous());
+        assert_eq!(reads(&s, b"x2"), Some(true));
     }
 
     #[test]

@@ -160,9 +160,12 @@ impl Sampler {
     ) -> Result<u32, &'static str> {
         let c = &self.cfg;
         if c.temperature <= 0.0 || (c.top_k == 0 && c.top_p >= 1.0 && c.min_p == 0.0) {
-            let tok = self.sample(&mut logits.to_vec(), history);
+            let mut first = logits.to_vec();
+            let tok = self.sample(&mut first, history);
             let mut next = state.clone();
-            if push(&mut next, tok) {
+            // (A token drawn from nothing but −∞, the bias having banned everything, is no
+            // draw.)
+            if first[tok as usize].is_finite() && push(&mut next, tok) {
                 *state = next;
                 return Ok(tok);
             }
@@ -171,8 +174,9 @@ impl Sampler {
             return Err("no token of this vocabulary can continue the text");
         }
         let tok = self.sample(logits, history);
-        // The mask comes before the logit bias, which can ban what it left.
-        match push(state, tok) {
+        // The mask comes before the logit bias, which can ban what it left: the sampler then
+        // has only −∞ to pick from.
+        match logits[tok as usize].is_finite() && push(state, tok) {
             true => Ok(tok),
             false => Err("the logit bias left no token that can continue the text"),
         }
@@ -348,7 +352,17 @@ mod tests {
             g.sample_constrained(&mut l, &[], &mut (), allowed, mask),
             Ok(1)
         );
-        // A bias that bans what the mask leaves.
+        // A bias that bans what the mask leaves: an error, even though token 0 (what an
+        // all −∞ argmax gives) would be allowed by another constraint.
+        let all = |_: &mut (), _: u32| true;
+        let mut b = s(Sampling {
+            logit_bias: (0..6).map(|t| (t, f32::NEG_INFINITY)).collect(),
+            ..Sampling::default()
+        });
+        assert!(b
+            .sample_constrained(&mut logits.to_vec(), &[], &mut (), all, |_, _| 6)
+            .unwrap_err()
+            .contains("logit bias"));
         let mut b = s(Sampling {
             logit_bias: vec![
                 (1, f32::NEG_INFINITY),
