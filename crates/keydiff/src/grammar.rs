@@ -46,7 +46,7 @@ pub const MAX_NESTING: usize = 256;
 
 /// Ways to read the text at once (stacks) at most; a grammar that needs more is refused as
 /// too ambiguous when it gets there ([`GrammarState::is_ambiguous`]).
-pub const MAX_STACKS: usize = 4096;
+pub const MAX_STACKS: usize = 16_384;
 
 /// One element of a sequence.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -247,18 +247,18 @@ impl Grammar {
     /// endings cannot overflow the thread's stack.
     ///
     /// False, having stopped, when `out` would hold more than [`MAX_STACKS`] stacks.
-    fn expand(&self, stack: Stack, out: &mut Vec<Stack>) -> bool {
+    fn expand(&self, stack: Stack, out: &mut StackSet) -> bool {
         let mut todo = vec![stack];
         while let Some(stack) = todo.pop() {
             if out.len() > MAX_STACKS {
                 return false;
             }
             let Some(f) = &stack else {
-                push_unique(out, None);
+                out.insert(None);
                 continue;
             };
             match self.elem(f) {
-                Elem::Chars { .. } => push_unique(out, stack),
+                Elem::Chars { .. } => out.insert(stack),
                 Elem::Rule(r) => {
                     let rest = self.next(f);
                     self.push_rule(*r, rest, &mut todo);
@@ -268,7 +268,7 @@ impl Grammar {
         out.len() <= MAX_STACKS
     }
 
-    fn expand_rule(&self, r: usize, rest: Stack, out: &mut Vec<Stack>) -> bool {
+    fn expand_rule(&self, r: usize, rest: Stack, out: &mut StackSet) -> bool {
         let mut todo = Vec::new();
         self.push_rule(r, rest, &mut todo);
         todo.into_iter().rev().all(|s| self.expand(s, out))
@@ -336,10 +336,50 @@ fn same(mut a: &Stack, mut b: &Stack) -> bool {
     }
 }
 
-fn push_unique(out: &mut Vec<Stack>, s: Stack) {
-    if !out.iter().any(|o| same(o, &s)) {
-        out.push(s);
+/// Stacks without repeats: a few compared one by one, more through their hashes.
+#[derive(Default)]
+struct StackSet {
+    stacks: Vec<Stack>,
+    /// Stack indices by hash, once there are more than [`LINEAR`].
+    by_hash: HashMap<u64, Vec<u32>>,
+}
+
+const LINEAR: usize = 16;
+
+impl StackSet {
+    fn len(&self) -> usize {
+        self.stacks.len()
     }
+
+    fn insert(&mut self, s: Stack) {
+        if self.stacks.len() < LINEAR {
+            if !self.stacks.iter().any(|o| same(o, &s)) {
+                self.stacks.push(s);
+            }
+            return;
+        }
+        if self.by_hash.is_empty() {
+            for (i, o) in self.stacks.iter().enumerate() {
+                self.by_hash.entry(hash(o)).or_default().push(i as u32);
+            }
+        }
+        let bucket = self.by_hash.entry(hash(&s)).or_default();
+        if !bucket.iter().any(|&i| same(&self.stacks[i as usize], &s)) {
+            bucket.push(self.stacks.len() as u32);
+            self.stacks.push(s);
+        }
+    }
+}
+
+/// A hash of a stack's frames.
+fn hash(mut s: &Stack) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    while let Some(f) = s {
+        (f.rule, f.alt, f.pos).hash(&mut h);
+        s = &f.parent;
+    }
+    h.finish()
 }
 
 /// Where a grammar is in the text read so far (see the module docs). Cloning it is cheap:
@@ -378,11 +418,11 @@ const MASKS_KEPT: usize = 16;
 impl GrammarState {
     /// Nothing read yet.
     pub fn new(grammar: Arc<Grammar>) -> Self {
-        let mut stacks = Vec::new();
+        let mut stacks = StackSet::default();
         let fits = grammar.expand_rule(grammar.root, None, &mut stacks);
         let s = Self {
             grammar,
-            stacks,
+            stacks: stacks.stacks,
             partial: (0, 0, 0),
             shared: Arc::default(),
         };
@@ -464,7 +504,7 @@ impl GrammarState {
     }
 
     fn accept(&mut self, c: u32) -> bool {
-        let mut out = Vec::new();
+        let mut out = StackSet::default();
         for f in self.stacks.iter().flatten() {
             if let Elem::Chars { ranges, negated } = self.grammar.elem(f) {
                 if Elem::matches(ranges, *negated, c)
@@ -476,7 +516,7 @@ impl GrammarState {
                 }
             }
         }
-        self.stacks = out;
+        self.stacks = out.stacks;
         !self.stacks.is_empty()
     }
 
@@ -796,6 +836,17 @@ impl Parser<'_> {
         Ok(self.src[start..self.pos].to_string())
     }
 
+    /// Whether a rule definition (`name ::=`) starts here.
+    fn starts_rule(&mut self) -> bool {
+        let save = self.pos;
+        let found = self.name().is_ok() && {
+            self.space(false);
+            self.src[self.pos..].starts_with("::=")
+        };
+        self.pos = save;
+        found
+    }
+
     fn grammar(&mut self) -> Result<(), GrammarError> {
         loop {
             self.space(true);
@@ -818,6 +869,8 @@ impl Parser<'_> {
             self.space(false);
             match self.peek() {
                 None | Some('\n' | '\r') => {}
+                // An empty last alternative, then the next rule.
+                Some(_) if self.starts_rule() => {}
                 Some(c) => return self.err(format!("unexpected {c:?} in rule `{name}`")),
             }
         }
@@ -1217,13 +1270,13 @@ mod tests {
             let e = Grammar::parse(g).unwrap_err().to_string();
             assert!(e.contains("can match the empty text"), "{g}: {e}");
         }
-        // 5000 alternatives that all start alike: more ways to read "x" than MAX_STACKS.
+        // 20 000 alternatives that all start alike: more ways to read "x" than MAX_STACKS.
         let mut g = String::from("root ::= ");
-        g += &(0..5000)
+        g += &(0..20_000)
             .map(|i| format!("a{i}"))
             .collect::<Vec<_>>()
             .join(" | ");
-        for i in 0..5000 {
+        for i in 0..20_000 {
             g += &format!("\na{i} ::= \"x\" \"{i}\"");
         }
         let s = state(&g);
@@ -1255,6 +1308,14 @@ mod tests {
         let mut t = s.clone();
         assert!(t.push_all(&[b'('; 5_000]));
         assert!(t.is_done());
+    }
+
+    #[test]
+    fn empty_rules_and_empty_last_alternatives() {
+        let g = state("root ::= a \"x\" b\na ::=\nb ::= \"y\" |\nc ::= \"z\"");
+        assert_eq!(reads(&g, b"x"), Some(true));
+        assert_eq!(reads(&g, b"xy"), Some(true));
+        assert_eq!(reads(&g, b"xz"), None);
     }
 
     #[test]

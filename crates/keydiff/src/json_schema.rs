@@ -14,8 +14,13 @@
 //! `minimum`, `allOf`, ...) is refused with its name and place, rather than ignored.
 //!
 //! As in vLLM's default (xgrammar's strict mode), an object without `additionalProperties`
-//! has only the properties it names; `additionalProperties: true` or a schema allows others
-//! after them. Required properties always come, optional ones may be left out.
+//! has only the properties it names, and `prefixItems` without `items` is a tuple of exactly
+//! those items. Members come in the order of `properties`: required ones always, optional
+//! ones may be left out. `additionalProperties: true` or a schema allows other members after
+//! them; their names are any string, so a declared name can come again there (llama.cpp
+//! excludes the declared names; not done). `const` and `enum` take only `type` beside them,
+//! which keeps the values of its types. Schemas nest at most [`MAX_DEPTH`] deep, `$ref`s
+//! included.
 
 use std::collections::HashMap;
 
@@ -116,6 +121,10 @@ pub fn to_grammar(schema: &Value) -> Result<String, SchemaError> {
         rules: Vec::new(),
         refs: HashMap::new(),
         used: Vec::new(),
+        taken: (PRIMITIVES.iter().map(|p| (p.0.to_string(), 1)))
+            .chain([("root".to_string(), 1)])
+            .collect(),
+        depth: 0,
     };
     let root = c.visit(schema, "root", "#")?;
     if root != "root" {
@@ -178,6 +187,20 @@ fn mentions(body: &str, name: &str) -> bool {
     found
 }
 
+/// Whether `v` is of JSON schema type `t`.
+fn of_type(v: &Value, t: &str) -> bool {
+    match t {
+        "null" => v.is_null(),
+        "boolean" => v.is_boolean(),
+        "integer" => v.is_i64() || v.is_u64() || v.as_f64().is_some_and(|f| f.fract() == 0.0),
+        "number" => v.is_number(),
+        "string" => v.is_string(),
+        "array" => v.is_array(),
+        "object" => v.is_object(),
+        _ => false,
+    }
+}
+
 /// A GBNF literal of `text`.
 fn literal(text: &str) -> String {
     let mut out = String::from("\"");
@@ -204,7 +227,15 @@ struct Converter<'a> {
     refs: HashMap<String, String>,
     /// Primitives used.
     used: Vec<&'static str>,
+    /// Rule names taken, and the next suffix to try for a name.
+    taken: HashMap<String, usize>,
+    /// Schemas being visited, one inside the other.
+    depth: usize,
 }
+
+/// Schemas nested at most, through subschemas or `$ref`s (serde_json stops JSON itself at
+/// 128 levels; a chain of `$ref`s is flat JSON).
+pub const MAX_DEPTH: usize = 256;
 
 impl<'a> Converter<'a> {
     fn prim(&mut self, name: &'static str) -> String {
@@ -215,23 +246,23 @@ impl<'a> Converter<'a> {
     }
 
     /// A rule name for `hint` not taken yet.
-    fn name(&self, hint: &str) -> String {
+    /// A rule name for `hint` not taken yet, now taken.
+    fn name(&mut self, hint: &str) -> String {
         let clean: String = hint
             .chars()
             .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
             .collect();
-        let taken = |n: &str| {
-            self.rules.iter().any(|r| r.0 == n)
-                || self.refs.values().any(|r| r == n)
-                || PRIMITIVES.iter().any(|p| p.0 == n)
-        };
-        if !taken(&clean) {
+        let Some(&from) = self.taken.get(&clean) else {
+            self.taken.insert(clean.clone(), 1);
             return clean;
-        }
-        (1..)
-            .map(|i| format!("{clean}-{i}"))
-            .find(|n| !taken(n))
-            .expect("some name is free")
+        };
+        let (i, name) = (from..)
+            .map(|i| (i, format!("{clean}-{i}")))
+            .find(|(_, n)| !self.taken.contains_key(n))
+            .expect("some name is free");
+        self.taken.insert(clean, i + 1);
+        self.taken.insert(name.clone(), 1);
+        name
     }
 
     fn add(&mut self, hint: &str, body: String) -> String {
@@ -247,6 +278,21 @@ impl<'a> Converter<'a> {
     /// The rule (or primitive) whose texts are the values `s` allows; `hint` names the rule,
     /// `at` is where `s` is, for errors.
     fn visit(&mut self, s: &'a Value, hint: &str, at: &str) -> Result<String, SchemaError> {
+        if self.depth >= MAX_DEPTH {
+            return self.err(
+                at,
+                format!(
+                    "schemas nested more than {MAX_DEPTH} deep (through subschemas or `$ref`s)"
+                ),
+            );
+        }
+        self.depth += 1;
+        let r = self.visit_in(s, hint, at);
+        self.depth -= 1;
+        r
+    }
+
+    fn visit_in(&mut self, s: &'a Value, hint: &str, at: &str) -> Result<String, SchemaError> {
         let s = match s {
             Value::Bool(true) => return Ok(self.prim("value")),
             Value::Bool(false) => return self.err(at, "the schema `false` allows no value"),
@@ -283,16 +329,35 @@ impl<'a> Converter<'a> {
             }
             return self.reference(r, at);
         }
-        if let Some(v) = s.get("const") {
-            let body = format!("{} space", literal(&v.to_string()));
-            self.prim("space");
-            return Ok(self.add(hint, body));
-        }
-        if let Some(e) = s.get("enum") {
-            let Some(e) = e.as_array().filter(|e| !e.is_empty()) else {
-                return self.err(at, "`enum` must be a non-empty array");
+        for key in ["const", "enum"] {
+            let Some(v) = s.get(key) else { continue };
+            let values: &[Value] = match (key, v) {
+                ("const", v) => std::slice::from_ref(v),
+                (_, Value::Array(e)) if !e.is_empty() => e,
+                _ => return self.err(at, "`enum` must be a non-empty array"),
             };
-            let alts: Vec<String> = e.iter().map(|v| literal(&v.to_string())).collect();
+            // Beside them, only `type`, which keeps the values of its types.
+            if let Some(k) = s.keys().find(|k| {
+                !ANNOTATIONS.contains(&k.as_str())
+                    && !["$defs", "definitions", "type", key].contains(&k.as_str())
+            }) {
+                return self.err(at, format!("`{key}` with `{k}` beside it is not supported"));
+            }
+            let types: Vec<&str> = match s.get("type") {
+                None => Vec::new(),
+                Some(Value::String(t)) => vec![t.as_str()],
+                Some(Value::Array(ts)) => ts.iter().filter_map(Value::as_str).collect(),
+                Some(t) => {
+                    return self.err(at, format!("`type` {t} must be a type or a list of them"))
+                }
+            };
+            let alts: Vec<String> = (values.iter())
+                .filter(|v| types.is_empty() || types.iter().any(|t| of_type(v, t)))
+                .map(|v| literal(&v.to_string()))
+                .collect();
+            if alts.is_empty() {
+                return self.err(at, format!("no value of `{key}` is of the `type` given"));
+            }
             self.prim("space");
             return Ok(self.add(hint, format!("({}) space", alts.join(" | "))));
         }
@@ -420,6 +485,12 @@ impl<'a> Converter<'a> {
                 only(&["minLength", "maxLength", "format"])?;
                 let format = s.get("format").and_then(Value::as_str);
                 if let Some(f @ ("date" | "time" | "date-time" | "uuid")) = format {
+                    if let Some(k) = ["minLength", "maxLength"]
+                        .iter()
+                        .find(|k| s.contains_key(**k))
+                    {
+                        return self.err(at, format!("`{k}` with format {f} is not supported"));
+                    }
                     let f = self.prim(match f {
                         "date" => "date",
                         "time" => "time",
@@ -568,7 +639,7 @@ impl<'a> Converter<'a> {
             }
             Some(_) => return self.err(at, "`required` must be an array"),
         };
-        let (mut req, mut opt) = (Vec::new(), Vec::new());
+        let mut members = Vec::new();
         for (name, sub) in props.into_iter().flatten() {
             let value = self.visit(
                 sub,
@@ -580,10 +651,7 @@ impl<'a> Converter<'a> {
                 &format!("{hint}-{name}-kv"),
                 format!(r#"{key} space ":" space {value}"#),
             );
-            match required.contains(&name.as_str()) {
-                true => req.push(kv),
-                false => opt.push(kv),
-            }
+            members.push((kv, required.contains(&name.as_str())));
         }
         let extra = match s.get("additionalProperties") {
             None | Some(Value::Bool(false)) => None,
@@ -600,30 +668,32 @@ impl<'a> Converter<'a> {
                 ))
             }
         };
-        let extras = extra
-            .as_ref()
-            .map(|e| format!(r#" ( "," space {e} )*"#))
-            .unwrap_or_default();
-        let tail = |opt: &[String]| -> String {
-            opt.iter()
-                .map(|o| format!(r#" ( "," space {o} )?"#))
-                .collect()
+        // From the last member back, two rules: what may follow once a member was written
+        // (each member then after a comma), and what may come first (the first member
+        // written has none). Members keep the order of `properties`; required ones must come,
+        // optional ones may; extra ones come last. One rule each: linear in the members.
+        let (mut then, mut first) = match &extra {
+            Some(e) => (
+                format!(r#"( "," space {e} )*"#),
+                format!(r#"( {e} ( "," space {e} )* )?"#),
+            ),
+            None => (String::new(), String::new()),
         };
-        let body = if !req.is_empty() {
-            format!("{}{}{extras}", req.join(r#" "," space "#), tail(&opt))
-        } else {
-            // One of the optional properties (or an extra) comes first, without a comma.
-            let mut firsts: Vec<String> = (0..opt.len())
-                .map(|i| format!("{}{}{extras}", opt[i], tail(&opt[i + 1..])))
-                .collect();
-            if let Some(e) = &extra {
-                firsts.push(format!("{e}{extras}"));
-            }
-            match firsts.is_empty() {
-                true => String::new(),
-                false => format!("( {} )?", firsts.join(" | ")),
-            }
-        };
+        for (i, (kv, required)) in members.iter().enumerate().rev() {
+            let then_next = self.add(&format!("{hint}-then-{i}"), then);
+            let first_next = self.add(&format!("{hint}-first-{i}"), first);
+            (then, first) = match required {
+                true => (
+                    format!(r#""," space {kv} {then_next}"#),
+                    format!("{kv} {then_next}"),
+                ),
+                false => (
+                    format!(r#"( "," space {kv} )? {then_next}"#),
+                    format!("{kv} {then_next} | {first_next}"),
+                ),
+            };
+        }
+        let body = self.add(&format!("{hint}-members"), first);
         Ok(self.add(hint, format!(r#""{{" space {body} "}}" space"#)))
     }
 }
@@ -649,18 +719,22 @@ mod tests {
 
     fn check(schema: Value, good: &[&str], bad: &[&str]) {
         let g = state(&schema);
+        let short = |s: String| s.chars().take(400).collect::<String>();
+        let grammar = || short(to_grammar(&schema).unwrap());
         for t in good {
             assert!(
                 whole(&g, t),
-                "{schema} should allow {t}\n{}",
-                to_grammar(&schema).unwrap()
+                "{} should allow {t}\n{}",
+                short(schema.to_string()),
+                grammar()
             );
         }
         for t in bad {
             assert!(
                 !whole(&g, t),
-                "{schema} should refuse {t}\n{}",
-                to_grammar(&schema).unwrap()
+                "{} should refuse {t}\n{}",
+                short(schema.to_string()),
+                grammar()
             );
         }
     }
@@ -701,6 +775,89 @@ mod tests {
                 r#"{"a": 1}"#,
             ],
         );
+    }
+
+    #[test]
+    fn required_and_optional_members_keep_the_properties_order() {
+        check(
+            json!({"properties": {"a": {"type": "integer"}, "b": {"type": "integer"},
+                   "c": {"type": "integer"}}, "required": ["b"]}),
+            &[
+                r#"{"a": 1, "b": 2}"#,
+                r#"{"b": 2}"#,
+                r#"{"b": 2, "c": 3}"#,
+                r#"{"a":1,"b":2,"c":3}"#,
+            ],
+            &[
+                r#"{"b": 2, "a": 1}"#,
+                r#"{"a": 1}"#,
+                r#"{"a": 1, "c": 3}"#,
+                r#"{}"#,
+                r#"{"b": 2,}"#,
+            ],
+        );
+        // 3000 optional members: a grammar linear in them, and any one of them alone.
+        let props: Map<String, Value> = (0..3000)
+            .map(|i| (format!("p{i}"), json!({"type": "null"})))
+            .collect();
+        let schema = json!({"type": "object", "properties": props});
+        let g = to_grammar(&schema).unwrap();
+        assert!(g.len() < 3000 * 200, "{} bytes", g.len());
+        check(
+            schema,
+            &["{}", r#"{"p2999": null}"#, r#"{"p7": null, "p8": null}"#],
+            &[r#"{"p8": null, "p7": null}"#],
+        );
+    }
+
+    #[test]
+    fn enums_and_consts_with_a_type_or_other_keywords() {
+        check(
+            json!({"type": "string", "enum": ["a", 1, "b"]}),
+            &["\"a\"", "\"b\""],
+            &["1"],
+        );
+        check(
+            json!({"type": ["integer", "null"], "const": 2}),
+            &["2"],
+            &["null"],
+        );
+        for (schema, want) in [
+            (
+                json!({"const": "abc", "maxLength": 2}),
+                "`const` with `maxLength` beside it",
+            ),
+            (
+                json!({"type": "string", "enum": [1, 2]}),
+                "no value of `enum` is of the `type`",
+            ),
+            (
+                json!({"type": "string", "format": "date", "maxLength": 4}),
+                "`maxLength` with format date",
+            ),
+        ] {
+            let e = to_grammar(&schema).unwrap_err().to_string();
+            assert!(e.contains(want), "{schema}: {e}");
+        }
+    }
+
+    #[test]
+    fn a_long_ref_chain_is_refused_not_overflowed() {
+        let chain = |n: usize| {
+            let defs: Map<String, Value> = (0..n)
+                .map(|i| {
+                    (
+                        format!("a{i}"),
+                        json!({"$ref": format!("#/$defs/a{}", i + 1)}),
+                    )
+                })
+                .chain([(format!("a{n}"), json!({"type": "null"}))])
+                .collect();
+            json!({"$defs": defs, "$ref": "#/$defs/a0"})
+        };
+        check(chain(100), &["null"], &["1"]);
+        let e = to_grammar(&chain(20_000)).unwrap_err().to_string();
+        assert!(e.contains("nested more than 256 deep"), "{e}");
     }
 
     #[test]
