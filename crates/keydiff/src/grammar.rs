@@ -13,8 +13,10 @@
 //! rule names and `( groups )`, each followed by `*`, `+`, `?`, `{m}`, `{m,}` or `{m,n}` as
 //! in llama.cpp's grammars. Literals and classes take the escapes `\n \r \t \\ \" \[ \]` and
 //! `\xHH \uHHHH \UHHHHHHHH`. A rule goes on over lines after `::=`, after `|` and inside
-//! parentheses. Undefined rules, a missing `root` and left recursion are refused when the
-//! grammar is parsed.
+//! parentheses. A repetition repeats the whole symbol before it (a literal, not its last
+//! character). Undefined rules, a missing `root`, left recursion, repeating what can match the
+//! empty text, groups nested over [`MAX_NESTING`] deep and repetitions written out to over
+//! [`MAX_ELEMENTS`] elements are refused when the grammar is parsed.
 //!
 //! [`GrammarState`] follows the text generated so far, as llama.cpp's grammar sampler does:
 //! every way the grammar can be at is a stack of rule positions (shared between the ways, so a
