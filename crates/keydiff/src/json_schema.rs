@@ -372,14 +372,7 @@ impl<'a> Converter<'a> {
                         format!("`{key}` with other keywords beside it is not supported"),
                     );
                 }
-                let mut alts = Vec::new();
-                for (i, sub) in subs.iter().enumerate() {
-                    alts.push(self.visit(
-                        sub,
-                        &format!("{hint}-{i}"),
-                        &format!("{at}/{key}/{i}"),
-                    )?);
-                }
+                let alts = self.visit_each(subs, hint, at, key)?;
                 return Ok(self.add(hint, alts.join(" | ")));
             }
         }
@@ -419,6 +412,20 @@ impl<'a> Converter<'a> {
             1 => alts.pop().expect("one"),
             _ => self.add(hint, alts.join(" | ")),
         })
+    }
+
+    /// The rules of the schemas `subs` of keyword `key`: the `i`th named `{hint}-{i}`, at
+    /// `{at}/{key}/{i}`.
+    fn visit_each(
+        &mut self,
+        subs: &'a [Value],
+        hint: &str,
+        at: &str,
+        key: &str,
+    ) -> Result<Vec<String>, SchemaError> {
+        (subs.iter().enumerate())
+            .map(|(i, sub)| self.visit(sub, &format!("{hint}-{i}"), &format!("{at}/{key}/{i}")))
+            .collect()
     }
 
     fn reference(&mut self, r: &'a Value, at: &str) -> Result<String, SchemaError> {
@@ -575,14 +582,7 @@ impl<'a> Converter<'a> {
                     "`prefixItems` with `items`, `minItems` or `maxItems` is not supported",
                 );
             }
-            let mut parts = Vec::new();
-            for (i, sub) in prefix.iter().enumerate() {
-                parts.push(self.visit(
-                    sub,
-                    &format!("{hint}-{i}"),
-                    &format!("{at}/prefixItems/{i}"),
-                )?);
-            }
+            let parts = self.visit_each(prefix, hint, at, "prefixItems")?;
             let body = parts.join(r#" "," space "#);
             return Ok(self.add(hint, format!(r#""[" space {body} "]" space"#)));
         }
