@@ -1399,6 +1399,15 @@ mod tests {
             Just(b"x".to_vec()),
             Just("é".as_bytes().to_vec()),
             Just(vec![0x01]),
+            // UTF-8 in pieces, and bytes no UTF-8 text has there.
+            Just(vec![0xc3]),
+            Just(vec![0xa9]),
+            Just(vec![0xe0]),
+            Just(vec![0xed, 0xa0]),
+            Just(vec![0xf0, 0x9f]),
+            Just(vec![0xf4, 0x90]),
+            Just(vec![0xc0]),
+            Just(vec![0xff]),
         ];
         prop::collection::vec(piece, 0..24).prop_map(|v| v.concat())
     }

@@ -11,8 +11,9 @@
 //!
 //! Whitespace between tokens is limited to [`MAX_WHITESPACE`] bytes in a row (a small model
 //! can otherwise fill its output with newlines, which JSON allows), and nesting to
-//! [`MAX_DEPTH`] levels. Strings are checked for JSON's escapes and control characters; their
-//! other bytes pass as they are (a token may end inside a UTF-8 character).
+//! [`MAX_DEPTH`] levels. Strings are checked for JSON's escapes and control characters, and
+//! their other bytes for UTF-8 (RFC 3629): no overlong forms, surrogates or code points past
+//! U+10FFFF. A token may end inside a character; the next bytes must finish it.
 
 /// Whitespace bytes allowed in a row between the tokens of the object.
 pub const MAX_WHITESPACE: u8 = 32;
@@ -59,6 +60,13 @@ enum Esc {
     Slash,
     /// Hex digits of a `\u` escape still to come.
     Hex(u8),
+    /// Inside a UTF-8 character: the next byte lies in `lo..=hi`, and `more` continuation
+    /// bytes (`80..=BF`) follow it.
+    Utf8 {
+        lo: u8,
+        hi: u8,
+        more: u8,
+    },
 }
 
 /// Where a number is: after `-`, a leading `0`, integer digits, `.`, fraction digits, `e`,
@@ -242,7 +250,19 @@ impl JsonObject {
             }
             (Esc::No, b'\\') => Esc::Slash,
             (Esc::No, 0..=0x1f) => return false,
-            (Esc::No, _) => Esc::No,
+            (Esc::No, 0..=0x7f) => Esc::No,
+            // The first byte of a character of 2 to 4 bytes: what its second byte may be.
+            (Esc::No, 0xc2..=0xdf) => utf8(0x80, 0xbf, 0),
+            (Esc::No, 0xe0) => utf8(0xa0, 0xbf, 1),
+            (Esc::No, 0xed) => utf8(0x80, 0x9f, 1),
+            (Esc::No, 0xe1..=0xef) => utf8(0x80, 0xbf, 1),
+            (Esc::No, 0xf0) => utf8(0x90, 0xbf, 2),
+            (Esc::No, 0xf1..=0xf3) => utf8(0x80, 0xbf, 2),
+            (Esc::No, 0xf4) => utf8(0x80, 0x8f, 2),
+            (Esc::Utf8 { lo, hi, more }, _) if (lo..=hi).contains(&b) => match more {
+                0 => Esc::No,
+                more => utf8(0x80, 0xbf, more - 1),
+            },
             (Esc::Slash, b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't') => Esc::No,
             (Esc::Slash, b'u') => Esc::Hex(4),
             (Esc::Hex(n), _) if b.is_ascii_hexdigit() => match n {
@@ -282,6 +302,10 @@ impl JsonObject {
         }
         left
     }
+}
+
+fn utf8(lo: u8, hi: u8, more: u8) -> Esc {
+    Esc::Utf8 { lo, hi, more }
 }
 
 /// The number state after `b`, or `None` when `b` cannot continue the number.
@@ -356,6 +380,45 @@ mod tests {
         ] {
             assert_eq!(accepts(s), None, "{s:?}");
         }
+    }
+
+    #[test]
+    fn strings_are_utf8() {
+        let read = |bytes: &[u8]| {
+            let mut j = JsonObject::new();
+            j.push_all(b"{\"a\":\"") && j.push_all(bytes)
+        };
+        // One character of each length, and the edges of the ranges.
+        for ok in [
+            "é", "€", "😀", "\u{7f}", "\u{80}", "\u{7ff}", "\u{800}", "\u{d7ff}",
+        ] {
+            assert!(read(ok.as_bytes()), "{ok:?}");
+        }
+        for ok in ["\u{e000}", "\u{ffff}", "\u{10000}", "\u{10ffff}"] {
+            assert!(read(ok.as_bytes()), "{ok:?}");
+        }
+        // A character split over tokens is read byte by byte.
+        assert!(read(&"😀".as_bytes()[..2]));
+        for bad in [
+            &[0x80][..],               // a continuation byte alone
+            &[0xc3, 0x41],             // a character cut short
+            &[0xc3, 0x22],             // ... by the closing quote
+            &[0xc0, 0xaf],             // overlong `/`
+            &[0xc1, 0xbf],             // overlong
+            &[0xe0, 0x80, 0xaf],       // overlong
+            &[0xf0, 0x8f, 0xbf],       // overlong
+            &[0xed, 0xa0, 0x80],       // the surrogate U+D800
+            &[0xf4, 0x90, 0x80],       // past U+10FFFF
+            &[0xf5],                   // no such first byte
+            &[0xff],                   // ...
+            &[0xe2, 0x82, 0xac, 0x82], // a continuation byte after a whole character
+        ] {
+            assert!(!read(bad), "{bad:x?}");
+        }
+        // Keys too.
+        let mut j = JsonObject::new();
+        assert!(!j.push_all(b"{\"\xff"));
+        assert_eq!(accepts("{\"\u{e9}\": \"\u{1f600}\"}"), Some(true));
     }
 
     #[test]
