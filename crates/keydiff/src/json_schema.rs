@@ -7,11 +7,15 @@
 //!
 //! What is compiled: `type` (one or a list), `properties`, `required`, `additionalProperties`,
 //! `items`, `prefixItems`, `minItems`, `maxItems`, `minLength`, `maxLength`, `enum`, `const`,
-//! `anyOf`, `oneOf` (as `anyOf`), `$ref` to `#/...` (recursion allowed), and the string
-//! formats `date`, `time`, `date-time` and `uuid`. Other formats are annotations, as JSON
-//! Schema 2020-12 makes them by default: such a string is any string. Annotations (`title`,
-//! `description`, `default`, `examples`, ...) are ignored. Any other keyword (`pattern`,
-//! `minimum`, `allOf`, ...) is refused with its name and place, rather than ignored.
+//! `anyOf`, `oneOf` (as `anyOf`), `$ref` to `#/...` (recursion allowed), the string
+//! formats `date`, `time`, `date-time` and `uuid`, and `minimum`, `maximum`,
+//! `exclusiveMinimum`, `exclusiveMaximum` on integers (exact digit ranges, to i64). Other
+//! formats are annotations, as JSON Schema 2020-12 makes them by default: such a string is
+//! any string. Annotations (`title`, `description`, `default`, `examples`, ...) are ignored.
+//! Any other keyword (`pattern`, bounds on `number`, `allOf`, ...) is refused with its name
+//! and place, rather than ignored. A keyword applies to the types it constrains and is
+//! ignored by the others in a list (`{"type": ["string", "null"], "maxLength": 8}`); one that
+//! applies to none of them is refused.
 //!
 //! As in vLLM's default (xgrammar's strict mode), an object without `additionalProperties`
 //! has only the properties it names, and `prefixItems` without `items` is a tuple of exactly
@@ -43,6 +47,10 @@ const COMPILED: &[&str] = &[
     "maxItems",
     "minLength",
     "maxLength",
+    "minimum",
+    "exclusiveMinimum",
+    "maximum",
+    "exclusiveMaximum",
     "enum",
     "const",
     "anyOf",
@@ -52,6 +60,115 @@ const COMPILED: &[&str] = &[
     "definitions",
     "format",
 ];
+
+/// The bounds of numbers.
+const BOUNDS: [&str; 4] = ["minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"];
+
+/// The types of JSON Schema.
+const TYPES: [&str; 7] = [
+    "null", "boolean", "integer", "number", "string", "array", "object",
+];
+
+/// The keywords that constrain values of type `t`.
+fn keywords_of(t: &str) -> &'static [&'static str] {
+    match t {
+        "integer" | "number" => &BOUNDS,
+        "string" => &["minLength", "maxLength", "format"],
+        "array" => &["items", "prefixItems", "minItems", "maxItems"],
+        "object" => &["properties", "required", "additionalProperties"],
+        _ => &[],
+    }
+}
+
+/// The first (for a minimum) or last (for a maximum) integer that bound `key` of value `v`
+/// allows; `exact` is `v` when it is an integer in the JSON text.
+fn bound_edge(key: &str, v: f64, exact: Option<i128>) -> i128 {
+    let (floor, ceil) = match exact {
+        Some(i) => (i, i),
+        None => (v.floor() as i128, v.ceil() as i128),
+    };
+    match key {
+        "minimum" => ceil,
+        "exclusiveMinimum" => floor + 1,
+        "maximum" => floor,
+        _ => ceil - 1,
+    }
+}
+
+/// Digits an integer may have when no bound limits it, as in the `integer` primitive.
+const MAX_DIGITS: usize = 16;
+
+/// GBNF alternatives for the decimal numbers from `from` to `to` (to [`MAX_DIGITS`] digits,
+/// or `from`'s, when `to` is `None`), written without leading zeros.
+fn digits_range(from: u128, to: Option<u128>) -> String {
+    let from_len = from.to_string().len();
+    let to_len = match to {
+        Some(t) => t.to_string().len(),
+        None => from_len.max(MAX_DIGITS),
+    };
+    let mut alts = Vec::new();
+    for len in from_len..=to_len {
+        let first = if len == from_len {
+            from
+        } else {
+            10u128.pow(len as u32 - 1)
+        };
+        let last = match to {
+            Some(t) if len == to_len => t,
+            _ => 10u128.pow(len as u32) - 1,
+        };
+        if first <= last {
+            alts.push(same_length(
+                first.to_string().as_bytes(),
+                last.to_string().as_bytes(),
+            ));
+        }
+    }
+    alts.join(" | ")
+}
+
+/// GBNF for the digit strings from `a` to `b`, both `a.len()` digits long, `a <= b`.
+fn same_length(a: &[u8], b: &[u8]) -> String {
+    let common = a.iter().zip(b).take_while(|(x, y)| x == y).count();
+    let prefix = match common {
+        0 => String::new(),
+        _ => format!(
+            "\"{}\" ",
+            std::str::from_utf8(&a[..common]).expect("digits")
+        ),
+    };
+    if common == a.len() {
+        return prefix.trim_end().to_string();
+    }
+    let (a0, b0) = (a[common], b[common]);
+    let (at, bt) = (&a[common + 1..], &b[common + 1..]);
+    let any = match at.len() {
+        0 => String::new(),
+        n => format!(" [0-9]{{{n}}}"),
+    };
+    let mut alts = Vec::new();
+    // From `a`'s first digit: the rest from `a`'s up; all of them if those are zeros.
+    let mut mid_from = a0;
+    if at.iter().any(|&d| d != b'0') {
+        let nines = vec![b'9'; at.len()];
+        alts.push(format!("\"{}\" ({})", a0 as char, same_length(at, &nines)));
+        mid_from += 1;
+    }
+    // The first digits in between: any rest.
+    let mut mid_to = b0;
+    let b_alt = if bt.iter().any(|&d| d != b'9') {
+        let zeros = vec![b'0'; bt.len()];
+        mid_to -= 1;
+        Some(format!("\"{}\" ({})", b0 as char, same_length(&zeros, bt)))
+    } else {
+        None
+    };
+    if mid_from <= mid_to {
+        alts.push(format!("[{}-{}]{any}", mid_from as char, mid_to as char));
+    }
+    alts.extend(b_alt);
+    format!("{prefix}({})", alts.join(" | "))
+}
 
 /// Keywords that constrain nothing.
 const ANNOTATIONS: &[&str] = &[
@@ -400,6 +517,23 @@ impl<'a> Converter<'a> {
             }
             Some(t) => return self.err(at, format!("`type` {t} must be a type or a list of them")),
         };
+        // Each keyword must apply to one of the types; the others ignore it, as JSON Schema
+        // has it (`{"type": ["string", "null"], "maxLength": 8}`).
+        for t in &types {
+            if !TYPES.contains(t) {
+                return self.err(at, format!("unknown type {t:?}"));
+            }
+        }
+        if let Some(k) = s.keys().find(|k| {
+            !ANNOTATIONS.contains(&k.as_str())
+                && !["type", "$defs", "definitions"].contains(&k.as_str())
+                && !types.iter().any(|t| keywords_of(t).contains(&k.as_str()))
+        }) {
+            return self.err(
+                at,
+                format!("`{k}` does not apply to type {}", types.join(" or ")),
+            );
+        }
         let mut alts = Vec::new();
         for t in &types {
             let sub_hint = match types.len() {
@@ -466,30 +600,20 @@ impl<'a> Converter<'a> {
         hint: &str,
         at: &str,
     ) -> Result<String, SchemaError> {
-        let only = |keys: &[&str]| -> Result<(), SchemaError> {
-            match s.keys().find(|k| {
-                !ANNOTATIONS.contains(&k.as_str())
-                    && !["type", "$defs", "definitions"].contains(&k.as_str())
-                    && !keys.contains(&k.as_str())
-            }) {
-                Some(k) => Err(SchemaError(format!(
-                    "`{k}` does not apply to type {t} (at {at})"
-                ))),
-                None => Ok(()),
-            }
-        };
         match t {
-            "null" | "boolean" | "integer" | "number" => {
-                only(&[])?;
-                Ok(self.prim(match t {
-                    "null" => "null",
-                    "boolean" => "boolean",
-                    "integer" => "integer",
-                    _ => "number",
-                }))
-            }
+            "null" => Ok(self.prim("null")),
+            "boolean" => Ok(self.prim("boolean")),
+            "integer" => self.integer(s, hint, at),
+            "number" => match BOUNDS.iter().find(|k| s.contains_key(**k)) {
+                Some(k) => self.err(
+                    at,
+                    format!(
+                        "`{k}` on type number is not supported (bounds are compiled for integers)"
+                    ),
+                ),
+                None => Ok(self.prim("number")),
+            },
             "string" => {
-                only(&["minLength", "maxLength", "format"])?;
                 let format = s.get("format").and_then(Value::as_str);
                 if let Some(f @ ("date" | "time" | "date-time" | "uuid")) = format {
                     if let Some(k) = ["minLength", "maxLength"]
@@ -524,16 +648,62 @@ impl<'a> Converter<'a> {
                 };
                 Ok(self.add(hint, format!(r#""\"" {c}{rep} "\"" space"#)))
             }
-            "array" => {
-                only(&["items", "prefixItems", "minItems", "maxItems"])?;
-                self.array(s, hint, at)
-            }
-            "object" => {
-                only(&["properties", "required", "additionalProperties"])?;
-                self.object(s, hint, at)
-            }
-            _ => self.err(at, format!("unknown type {t:?}")),
+            "array" => self.array(s, hint, at),
+            "object" => self.object(s, hint, at),
+            _ => unreachable!("types are checked before"),
         }
+    }
+
+    /// An integer, within the bounds `s` gives.
+    fn integer(
+        &mut self,
+        s: &'a Map<String, Value>,
+        hint: &str,
+        at: &str,
+    ) -> Result<String, SchemaError> {
+        let mut lo: Option<i128> = None;
+        let mut hi: Option<i128> = None;
+        for key in BOUNDS {
+            let Some(v) = s.get(key) else { continue };
+            // The integers the bound allows begin (or end) here.
+            let edge = match (v.as_i64(), v.as_u64(), v.as_f64()) {
+                (Some(i), _, _) => bound_edge(key, i as f64, Some(i as i128)),
+                (_, Some(u), _) => bound_edge(key, u as f64, Some(u as i128)),
+                (_, _, Some(f)) if f.is_finite() && f.abs() < 9.2e18 => bound_edge(key, f, None),
+                _ => {
+                    return self.err(
+                        at,
+                        format!("`{key}` {v} must be a number (as from draft 6) within ±9.2e18"),
+                    )
+                }
+            };
+            if key.ends_with("inimum") {
+                lo = Some(lo.map_or(edge, |l| l.max(edge)));
+            } else {
+                hi = Some(hi.map_or(edge, |h| h.min(edge)));
+            }
+        }
+        if let (Some(l), Some(h)) = (lo, hi) {
+            if l > h {
+                return self.err(at, format!("the bounds leave no integer (from {l} to {h})"));
+            }
+        }
+        if lo.is_none() && hi.is_none() {
+            return Ok(self.prim("integer"));
+        }
+        let mut alts = Vec::new();
+        // Negative values: `-` and their magnitudes.
+        if lo.is_none_or(|l| l < 0) {
+            let from = hi.map_or(1, |h| (-h).max(1)) as u128;
+            let to = lo.map(|l| (-l) as u128);
+            alts.push(format!(r#""-" ({})"#, digits_range(from, to)));
+        }
+        if hi.is_none_or(|h| h >= 0) {
+            let from = lo.map_or(0, |l| l.max(0)) as u128;
+            alts.push(format!("({})", digits_range(from, hi.map(|h| h as u128))));
+        }
+        self.prim("space");
+        Ok(self.add(hint, format!("({}) space", alts.join(" | "))))
     }
 
     fn count(
@@ -974,8 +1144,8 @@ mod tests {
                 "`pattern` is not supported",
             ),
             (
-                json!({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0}}}),
-                "`minimum` is not supported",
+                json!({"type": "object", "properties": {"n": {"type": "number", "minimum": 0}}}),
+                "`minimum` on type number is not supported",
             ),
             (json!({"allOf": [{}]}), "`allOf` is not supported"),
             (
@@ -1007,6 +1177,105 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("at #/properties/a"), "{e}");
+    }
+
+    #[test]
+    fn integer_bounds() {
+        check(
+            json!({"type": "integer", "minimum": -12, "maximum": 305}),
+            &[
+                "-12", "-9", "-1", "0", "7", "10", "99", "100", "299", "300", "305",
+            ],
+            &[
+                "-13", "-20", "-100", "306", "310", "400", "1000", "-0", "007", "1.0",
+            ],
+        );
+        check(
+            json!({"type": "integer", "exclusiveMinimum": 0.5, "exclusiveMaximum": 10}),
+            &["1", "9"],
+            &["0", "10", "-1"],
+        );
+        check(
+            json!({"type": "integer", "minimum": 1.5, "maximum": 3.9}),
+            &["2", "3"],
+            &["1", "4"],
+        );
+        check(
+            json!({"type": "integer", "minimum": 0}),
+            &["0", "1", "1234567890123456"],
+            &["-1", "12345678901234567", "01"],
+        );
+        check(
+            json!({"type": "integer", "maximum": -5}),
+            &["-5", "-6", "-1000000"],
+            &["-4", "0", "5"],
+        );
+        check(
+            json!({"type": "integer", "minimum": i64::MIN, "maximum": i64::MAX}),
+            &["-9223372036854775808", "9223372036854775807", "0"],
+            &["-9223372036854775809", "9223372036854775808"],
+        );
+        // A keyword applies to the types it constrains and is ignored by the others.
+        check(
+            json!({"type": ["integer", "string", "null"], "minimum": 1, "maxLength": 2}),
+            &["1", "\"ab\"", "null"],
+            &["0", "\"abc\""],
+        );
+        for (schema, want) in [
+            (
+                json!({"type": "integer", "minimum": 3, "maximum": 2}),
+                "leave no integer",
+            ),
+            (
+                json!({"type": "integer", "exclusiveMinimum": true}),
+                "must be a number",
+            ),
+            (json!({"type": "integer", "minimum": 1e30}), "within"),
+            (
+                json!({"type": "number", "minimum": 0}),
+                "`minimum` on type number",
+            ),
+            (
+                json!({"type": ["string", "null"], "minimum": 0}),
+                "`minimum` does not apply to type string or null",
+            ),
+        ] {
+            let e = to_grammar(&schema).unwrap_err().to_string();
+            assert!(e.contains(want), "{schema}: {e}");
+        }
+    }
+
+    proptest::proptest! {
+        /// A bounded integer's grammar allows exactly the integers within the bounds.
+        #[test]
+        fn integer_ranges_are_exact(
+            lo in proptest::option::of(-3000i64..3000),
+            hi in proptest::option::of(-3000i64..3000),
+            big in proptest::option::of(proptest::num::i64::ANY),
+            xs in proptest::collection::vec(-4000i64..4000, 32),
+        ) {
+            let (lo, hi) = match big {
+                Some(b) if b < 0 => (Some(b), hi),
+                Some(b) => (lo, Some(b)),
+                None => (lo, hi),
+            };
+            if lo.is_some_and(|l| hi.is_some_and(|h| l > h)) {
+                return Ok(());
+            }
+            let mut schema = json!({"type": "integer"});
+            if let Some(l) = lo {
+                schema["minimum"] = json!(l);
+            }
+            if let Some(h) = hi {
+                schema["maximum"] = json!(h);
+            }
+            let g = state(&schema);
+            let edges = [lo, hi].into_iter().flatten().flat_map(|e| [e.saturating_sub(1), e, e.saturating_add(1)]);
+            for x in xs.into_iter().chain(edges) {
+                let want = lo.is_none_or(|l| x >= l) && hi.is_none_or(|h| x <= h);
+                proptest::prop_assert_eq!(whole(&g, &x.to_string()), want, "{} in {}", x, schema);
+            }
+        }
     }
 
     #[test]
