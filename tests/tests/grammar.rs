@@ -99,11 +99,24 @@ fn check_cat(v: &Value, what: &str) {
     let o = v.as_object().unwrap_or_else(|| panic!("{what}: {v}"));
     let keys: Vec<&str> = o.keys().map(String::as_str).collect();
     assert!(
-        keys == ["name", "age", "colour"] || keys == ["name", "age", "colour", "likes"],
+        keys == ["name", "age", "colour", "chip"]
+            || keys == ["name", "age", "colour", "chip", "likes"],
         "{what}: {v}"
     );
     assert!(o["name"].is_string(), "{what}: {v}");
-    assert!(o["age"].is_i64(), "{what}: {v}");
+    assert!(
+        o["age"].as_i64().is_some_and(|a| (0..=30).contains(&a)),
+        "{what}: {v}"
+    );
+    let chip = o["chip"].as_str().unwrap_or_else(|| panic!("{what}: {v}"));
+    let b = chip.as_bytes();
+    assert!(
+        b.len() == 6
+            && b[..2].iter().all(u8::is_ascii_uppercase)
+            && b[2] == b'-'
+            && b[3..].iter().all(u8::is_ascii_digit),
+        "{what}: {v}"
+    );
     assert!(
         ["grey", "black", "white"].contains(&o["colour"].as_str().unwrap()),
         "{what}: {v}"
@@ -123,14 +136,15 @@ fn replies_follow_the_json_schema() {
         "type": "object",
         "properties": {
             "name": {"type": "string", "maxLength": 24},
-            "age": {"type": "integer"},
+            "age": {"type": "integer", "minimum": 0, "maximum": 30},
             "colour": {"enum": ["grey", "black", "white"]},
+            "chip": {"type": "string", "pattern": "^[A-Z]{2}-\\d{3}$"},
             "likes": {"type": "array", "items": {"type": "string", "maxLength": 24}, "maxItems": 2}
         },
-        "required": ["name", "age", "colour"]
+        "required": ["name", "age", "colour", "chip"]
     });
     let g = json_schema::to_grammar(&schema).unwrap();
-    let q = "Describe the cat as JSON with the keys name, age, colour and likes.";
+    let q = "Describe the cat as JSON with the keys name, age, colour, chip and likes.";
     for path in [SMOLLM2, QWEN] {
         let e = engine(path);
         for (what, s) in samplings() {

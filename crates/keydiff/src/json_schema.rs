@@ -8,12 +8,13 @@
 //! What is compiled: `type` (one or a list), `properties`, `required`, `additionalProperties`,
 //! `items`, `prefixItems`, `minItems`, `maxItems`, `minLength`, `maxLength`, `enum`, `const`,
 //! `anyOf`, `oneOf` (as `anyOf`), `$ref` to `#/...` (recursion allowed), the string
-//! formats `date`, `time`, `date-time` and `uuid`, and `minimum`, `maximum`,
-//! `exclusiveMinimum`, `exclusiveMaximum` on integers (exact digit ranges, to i64). Other
-//! formats are annotations, as JSON Schema 2020-12 makes them by default: such a string is
-//! any string. Annotations (`title`, `description`, `default`, `examples`, ...) are ignored.
-//! Any other keyword (`pattern`, bounds on `number`, `allOf`, ...) is refused with its name
-//! and place, rather than ignored. A keyword applies to the types it constrains and is
+//! formats `date`, `time`, `date-time` and `uuid`, `pattern` (regular expressions, in the
+//! module `pattern`; not with `minLength`/`maxLength` or a compiled format), and `minimum`,
+//! `maximum`, `exclusiveMinimum`, `exclusiveMaximum` on integers (exact digit ranges, to
+//! i64). Other formats are annotations, as JSON Schema 2020-12 makes them by default: such a
+//! string is any string. Annotations (`title`, `description`, `default`, `examples`, ...) are
+//! ignored. Any other keyword (bounds on `number`, `multipleOf`, `allOf`, `uniqueItems`, ...)
+//! is refused with its name and place, rather than ignored. A keyword applies to the types it constrains and is
 //! ignored by the others in a list (`{"type": ["string", "null"], "maxLength": 8}`); one that
 //! applies to none of them is refused.
 //!
@@ -25,6 +26,8 @@
 //! excludes the declared names; not done). `const` and `enum` take only `type` beside them,
 //! which keeps the values of its types. Schemas nest at most [`MAX_DEPTH`] deep, `$ref`s
 //! included.
+
+mod pattern;
 
 use std::collections::HashMap;
 
@@ -47,6 +50,7 @@ const COMPILED: &[&str] = &[
     "maxItems",
     "minLength",
     "maxLength",
+    "pattern",
     "minimum",
     "exclusiveMinimum",
     "maximum",
@@ -73,7 +77,7 @@ const TYPES: [&str; 7] = [
 fn keywords_of(t: &str) -> &'static [&'static str] {
     match t {
         "integer" | "number" => &BOUNDS,
-        "string" => &["minLength", "maxLength", "format"],
+        "string" => &["minLength", "maxLength", "format", "pattern"],
         "array" => &["items", "prefixItems", "minItems", "maxItems"],
         "object" => &["properties", "required", "additionalProperties"],
         _ => &[],
@@ -616,7 +620,7 @@ impl<'a> Converter<'a> {
             "string" => {
                 let format = s.get("format").and_then(Value::as_str);
                 if let Some(f @ ("date" | "time" | "date-time" | "uuid")) = format {
-                    if let Some(k) = ["minLength", "maxLength"]
+                    if let Some(k) = ["minLength", "maxLength", "pattern"]
                         .iter()
                         .find(|k| s.contains_key(**k))
                     {
@@ -630,6 +634,22 @@ impl<'a> Converter<'a> {
                     });
                     self.prim("space");
                     return Ok(self.add(hint, format!(r#""\"" {f} "\"" space"#)));
+                }
+                if let Some(p) = s.get("pattern") {
+                    let Some(p) = p.as_str() else {
+                        return self.err(at, "`pattern` must be a string");
+                    };
+                    if let Some(k) = ["minLength", "maxLength"]
+                        .iter()
+                        .find(|k| s.contains_key(**k))
+                    {
+                        return self.err(at, format!("`{k}` with `pattern` is not supported"));
+                    }
+                    let c = self.prim("char");
+                    let body = pattern::to_gbnf(p, &format!("{c}*"))
+                        .map_err(|e| SchemaError(format!("`pattern` {p:?}: {e} (at {at})")))?;
+                    self.prim("space");
+                    return Ok(self.add(hint, format!(r#""\"" {body} "\"" space"#)));
                 }
                 let min = self.count(s, "minLength", at)?;
                 let max = self.count(s, "maxLength", at)?;
@@ -1140,8 +1160,8 @@ mod tests {
     fn what_cannot_be_compiled_is_refused_with_its_place() {
         for (schema, want) in [
             (
-                json!({"type": "string", "pattern": "^a+$"}),
-                "`pattern` is not supported",
+                json!({"type": "string", "uniqueItems": true}),
+                "`uniqueItems` is not supported",
             ),
             (
                 json!({"type": "object", "properties": {"n": {"type": "number", "minimum": 0}}}),
@@ -1173,7 +1193,7 @@ mod tests {
             let e = to_grammar(&schema).unwrap_err().to_string();
             assert!(e.contains(want), "{schema}: {e}");
         }
-        let e = to_grammar(&json!({"properties": {"a": {"type": "string", "pattern": "x"}}}))
+        let e = to_grammar(&json!({"properties": {"a": {"type": "string", "pattern": "("}}}))
             .unwrap_err()
             .to_string();
         assert!(e.contains("at #/properties/a"), "{e}");
@@ -1274,6 +1294,140 @@ mod tests {
             for x in xs.into_iter().chain(edges) {
                 let want = lo.is_none_or(|l| x >= l) && hi.is_none_or(|h| x <= h);
                 proptest::prop_assert_eq!(whole(&g, &x.to_string()), want, "{} in {}", x, schema);
+            }
+        }
+    }
+
+    /// The JSON string of `s`.
+    fn quoted(s: &str) -> String {
+        serde_json::to_string(s).unwrap()
+    }
+
+    #[test]
+    fn patterns() {
+        let pat = |p: &str, good: &[&str], bad: &[&str]| {
+            let good: Vec<String> = good.iter().map(|s| quoted(s)).collect();
+            let bad: Vec<String> = bad.iter().map(|s| quoted(s)).collect();
+            let good: Vec<&str> = good.iter().map(String::as_str).collect();
+            let bad: Vec<&str> = bad.iter().map(String::as_str).collect();
+            check(json!({"type": "string", "pattern": p}), &good, &bad);
+        };
+        pat(
+            r"^\d{3}-\d{4}$",
+            &["555-1234"],
+            &["555-123", "5551234", "a555-1234", "555-12345"],
+        );
+        // Unanchored: a match anywhere.
+        pat("ab+", &["ab", "xxabbby", "ab\"\\"], &["", "a", "ba", "a b"]);
+        pat("^ab", &["ab", "abx"], &["xab"]);
+        pat("ab$", &["ab", "xab"], &["abx"]);
+        pat("^a|b$", &["a", "ax", "b", "xb"], &["xa", "bx"]);
+        pat(
+            r"^[A-Z][a-z]*(?: [A-Z][a-z]*)*$",
+            &["Ada", "Ada Lovelace"],
+            &["ada", "Ada lovelace", "Ada  Lovelace", ""],
+        );
+        pat(r"^[^a-z]+$", &["A1 ", "\"\\", "é\n"], &["aA", ""]);
+        pat(r"^.$", &["a", "\"", "\u{1f600}"], &["\n", "ab", ""]);
+        pat(
+            r#"^["\\]\t\x41\u00e9\u{1F600}$"#,
+            &["\"\tAé😀", "\\\tAé😀"],
+            &["\"\t", "x\tAé😀"],
+        );
+        pat(
+            r"^(?<y>\d{4})-(\d\d)?$",
+            &["2026-12", "2026-"],
+            &["26-12", "2026"],
+        );
+        pat(r"^(a*)*b$", &["b", "aaab"], &["a", "ba"]);
+        pat(r"^(a?|b){2,3}$", &["", "ab", "bbb", "a"], &["bbbb", "c"]);
+        pat(r"^x{,2}$", &["x{,2}"], &["xx"]);
+        pat(r"^\s\S\w\W\D$", &[" a_!x"], &["aa_!x", " a_ax", " a_!1"]);
+        pat(r"^[\d.-]+$", &["1.5-2"], &["1,5"]);
+        // The pattern's characters are written as JSON escapes them.
+        let g = state(&json!({"type": "string", "pattern": "^\"\n$"}));
+        assert!(whole(&g, r#""\"\n""#));
+        for (p, want) in [
+            (r"(a", "`(` without `)`"),
+            (r"[a", "`[` without `]`"),
+            (r"a)", "unexpected `)`"),
+            (r"*a", "repeats nothing"),
+            (r"a**", "a quantifier after a quantifier"),
+            (r"a^b", "only at the start"),
+            (r"(a$)", "only at the start"),
+            (r"(?=a)", "lookarounds"),
+            (r"(a)\1", "backreferences"),
+            (r"\bword", "word boundaries"),
+            (r"\p{L}", "Unicode property"),
+            (r"[^\s\S]", "matches no character"),
+            (r"[z-a]", "out of order"),
+            (r"a{3,2}", "below the minimum"),
+            (r"a{70000}", "a repetition over"),
+            (r"\q", "unknown escape"),
+            (r"\ud800", "surrogate"),
+        ] {
+            let e = to_grammar(&json!({"type": "string", "pattern": p}))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(want) && e.contains("at #"), "{p}: {e}");
+        }
+        let e = to_grammar(&json!({"type": "string", "pattern": "a", "maxLength": 3}))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("`maxLength` with `pattern`"), "{e}");
+    }
+
+    /// Regular expressions over a few characters, as text.
+    fn regex_text() -> impl proptest::strategy::Strategy<Value = String> {
+        use proptest::prelude::*;
+        let leaf = prop_oneof![
+            Just("a".to_string()),
+            Just("b".to_string()),
+            Just("\"".to_string()),
+            Just(r"\\".to_string()),
+            Just("[ab]".to_string()),
+            Just("[^a]".to_string()),
+            Just(".".to_string()),
+            Just(r"\d".to_string()),
+            Just(r"\s".to_string()),
+        ];
+        let re = leaf.prop_recursive(4, 24, 3, |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 1..4).prop_map(|v| v.concat()),
+                (inner.clone(), inner.clone()).prop_map(|(a, b)| format!("(?:{a}|{b})")),
+                inner.clone().prop_map(|a| format!("({a})*")),
+                inner.clone().prop_map(|a| format!("(?:{a})+")),
+                inner.clone().prop_map(|a| format!("(?:{a})?")),
+                (inner, 0u32..3, 0u32..3).prop_map(|(a, m, n)| format!(
+                    "(?:{a}){{{},{}}}",
+                    m.min(n),
+                    m.max(n)
+                )),
+            ]
+        });
+        (any::<bool>(), re, any::<bool>()).prop_map(|(start, re, end)| {
+            format!(
+                "{}{re}{}",
+                if start { "^" } else { "" },
+                if end { "$" } else { "" }
+            )
+        })
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(256))]
+
+        /// A pattern's grammar allows exactly the JSON strings whose values the `regex` crate
+        /// matches (the same syntax for these patterns, and the same meaning on ASCII).
+        #[test]
+        fn patterns_match_as_the_regex_crate_does(
+            p in regex_text(),
+            texts in proptest::collection::vec("[ab\"\\\\1 \n]{0,6}", 24),
+        ) {
+            let re = regex::Regex::new(&p).unwrap();
+            let g = state(&json!({"type": "string", "pattern": p}));
+            for t in texts {
+                proptest::prop_assert_eq!(whole(&g, &quoted(&t)), re.is_match(&t), "{:?} on {:?}", p, t);
             }
         }
     }
