@@ -22,8 +22,8 @@
 //! has only the properties it names, and `prefixItems` without `items` is a tuple of exactly
 //! those items. Members come in the order of `properties`: required ones always, optional
 //! ones may be left out. `additionalProperties: true` or a schema allows other members after
-//! them; their names are any string, so a declared name can come again there (llama.cpp
-//! excludes the declared names; not done). `const` and `enum` take only `type` beside them,
+//! them, named anything but a declared name, as llama.cpp has it (`\u` escapes can still
+//! spell one; a declared name with a character JSON escapes lifts the exclusion). `const` and `enum` take only `type` beside them,
 //! which keeps the values of its types. Schemas nest at most [`MAX_DEPTH`] deep, `$ref`s
 //! included.
 
@@ -320,6 +320,62 @@ fn of_type(v: &Value, t: &str) -> bool {
         "object" => v.is_object(),
         _ => false,
     }
+}
+
+/// GBNF for the characters of a JSON string that is none of `names` (each written raw), or
+/// `None` when a name has a character JSON escapes (`"`, `\`, a control character); `char` is
+/// the rule of one character of a string. Written over the trie of the names: at each node,
+/// a name's next character goes on down the trie, any other ends the match, and the string
+/// may end wherever no name ends. Another member's name can still spell a declared one with
+/// `\u` escapes.
+fn not_names(names: &[&str], char: &str) -> Option<String> {
+    if names.is_empty() {
+        return Some(format!("{char}*"));
+    }
+    if names.iter().any(|n| {
+        n.chars()
+            .any(|c| c == '"' || c == '\\' || (c as u32) < 0x20)
+    }) {
+        return None;
+    }
+    let mut sorted: Vec<Vec<char>> = names.iter().map(|n| n.chars().collect()).collect();
+    sorted.sort();
+    sorted.dedup();
+    Some(trie(&sorted, 0, char))
+}
+
+/// [`not_names`] below the common prefix of length `depth` of `names` (sorted).
+fn trie(names: &[Vec<char>], depth: usize, char: &str) -> String {
+    let mut alts = Vec::new();
+    let mut next = Vec::new();
+    let mut ends_here = false;
+    let mut i = 0;
+    while i < names.len() {
+        let Some(&c) = names[i].get(depth) else {
+            ends_here = true;
+            i += 1;
+            continue;
+        };
+        let group = (names[i..].iter())
+            .take_while(|n| n.get(depth) == Some(&c))
+            .count();
+        next.push(c);
+        let below = trie(&names[i..i + group], depth + 1, char);
+        alts.push(format!("{} ({below})", literal(&c.to_string())));
+        i += group;
+    }
+    // Any other character (raw or escaped), then anything.
+    let others: String = next
+        .iter()
+        .map(|&c| pattern::class_char(c as u32))
+        .collect();
+    alts.push(format!(
+        r#"([^"\\\x7F\x00-\x1F{others}] | [\\] (["\\/bfnrt] | "u" [0-9a-fA-F]{{4}})) {char}*"#
+    ));
+    if !ends_here {
+        alts.push(r#""""#.to_string());
+    }
+    alts.join(" | ")
 }
 
 /// A GBNF literal of `text`.
@@ -851,7 +907,16 @@ impl<'a> Converter<'a> {
                     &format!("{hint}-additional"),
                     &format!("{at}/additionalProperties"),
                 )?;
-                let key = self.prim("string");
+                let names: Vec<&str> = props
+                    .into_iter()
+                    .flatten()
+                    .map(|(n, _)| n.as_str())
+                    .collect();
+                let c = self.prim("char");
+                let key = match not_names(&names, c.as_str()) {
+                    Some(body) => format!(r#""\"" ({body}) "\"" space"#),
+                    None => self.prim("string"),
+                };
                 Some(self.add(
                     &format!("{hint}-additional-kv"),
                     format!(r#"{key} ":" space {value}"#),
@@ -1064,6 +1129,42 @@ mod tests {
             &[r#"{"x"}"#],
         );
         check(json!({"type": "object"}), &["{}"], &[r#"{"x": 1}"#]);
+        // An additional member's name is none of the declared ones: not again, but prefixes,
+        // extensions and neighbours of them are other names.
+        check(
+            json!({"type": "object", "properties": {"ab": {}, "abd": {}, "b": {}, "é": {}},
+                   "additionalProperties": true}),
+            &[
+                r#"{"ab": 1, "a": 2}"#,
+                r#"{"x": 1, "": 2, "abc": 3, "abde": 4, "bb": 5, "e": 6, "\n": 7}"#,
+            ],
+            &[
+                r#"{"ab": 1, "ab": 2}"#,
+                r#"{"abd": 1, "ab": 2}"#,
+                r#"{"x": 1, "b": 2}"#,
+                r#"{"é": 1, "é": 2}"#,
+            ],
+        );
+    }
+
+    proptest::proptest! {
+        /// The names of additional members are exactly the strings that are not declared (the
+        /// declared members are strings, the additional ones numbers).
+        #[test]
+        fn additional_names_are_exactly_the_undeclared(
+            declared in proptest::collection::vec("[abé]{0,3}", 1..5),
+            names in proptest::collection::vec("[abcé]{0,4}", 16),
+        ) {
+            let mut props = Map::new();
+            for d in &declared {
+                props.insert(d.clone(), json!({"type": "string"}));
+            }
+            let g = state(&json!({"properties": props, "additionalProperties": {"type": "integer"}}));
+            for n in names {
+                let text = format!("{{{}: 1}}", quoted(&n));
+                proptest::prop_assert_eq!(whole(&g, &text), !declared.contains(&n), "{} with {:?}", text, declared);
+            }
+        }
     }
 
     #[test]

@@ -554,7 +554,8 @@ fn subtract(r: (u32, u32), cut: &[(u32, u32)]) -> Vec<(u32, u32)> {
     out
 }
 
-fn class_char(c: u32) -> String {
+/// `c` in a GBNF class.
+pub(super) fn class_char(c: u32) -> String {
     match c {
         c if c < 0x80 && (c as u8).is_ascii_alphanumeric() => (c as u8 as char).to_string(),
         c if c <= 0xff => format!("\\x{c:02X}"),
