@@ -215,8 +215,7 @@ impl Sampler {
         if c.temperature <= 0.0 {
             return argmax(logits);
         }
-        // Candidates sorted by logit, descending; ties keep the lower id first.
-        let mut cand: Vec<(u32, f32)> = logits
+        let cand: Vec<(u32, f32)> = logits
             .iter()
             .enumerate()
             .filter(|(_, l)| l.is_finite())
@@ -225,50 +224,99 @@ impl Sampler {
         if cand.is_empty() {
             return argmax(logits);
         }
-        let order = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
-        if c.top_k > 0 && c.top_k < cand.len() {
-            // The order is total, so the k first are the same as after a whole sort; only
-            // they are sorted.
-            cand.select_nth_unstable_by(c.top_k - 1, order);
-            cand.truncate(c.top_k);
-        }
-        cand.sort_by(order);
-        let probs = |cand: &[(u32, f32)], temp: f32| -> Vec<f32> {
-            let m = cand[0].1;
-            let e: Vec<f32> = cand.iter().map(|(_, l)| ((l - m) / temp).exp()).collect();
-            let s: f32 = e.iter().sum();
-            e.into_iter().map(|x| x / s).collect()
-        };
-        if c.top_p < 1.0 {
-            let p = probs(&cand, 1.0);
-            let mut acc = 0.0;
-            let mut keep = cand.len();
-            for (i, pi) in p.iter().enumerate() {
-                acc += pi;
-                if acc >= c.top_p {
-                    keep = i + 1;
-                    break;
-                }
-            }
-            cand.truncate(keep.max(1));
-        }
-        if c.min_p > 0.0 {
-            let p = probs(&cand, 1.0);
-            let floor = p[0] * c.min_p;
-            let keep = p.iter().take_while(|&&x| x >= floor).count();
-            cand.truncate(keep.max(1));
-        }
-        let p = probs(&cand, c.temperature);
         let r: f32 = self.rng.random();
-        let mut acc = 0.0;
-        for (i, pi) in p.iter().enumerate() {
-            acc += pi;
-            if r < acc {
-                return cand[i].0;
+        pick(cand, c, r)
+    }
+}
+
+/// Candidates by logit, descending; ties keep the lower id first (a total order).
+fn order(a: &(u32, f32), b: &(u32, f32)) -> std::cmp::Ordering {
+    b.1.total_cmp(&a.1).then(a.0.cmp(&b.0))
+}
+
+/// Candidates sorted by [`order`] only as far as they are read: the first `sorted` are the
+/// first of all in order, and [`Ranked::get`] sorts on (in growing chunks) when asked for one
+/// past them. A draw mostly ends in the first few tokens, so this costs a selection over the
+/// vocabulary where a whole sort cost several milliseconds a step.
+struct Ranked {
+    cand: Vec<(u32, f32)>,
+    sorted: usize,
+}
+
+impl Ranked {
+    fn get(&mut self, i: usize) -> (u32, f32) {
+        if i >= self.sorted {
+            let upto = (self.sorted * 2).max(i + 1).max(64).min(self.cand.len());
+            let rest = &mut self.cand[self.sorted..];
+            let n = upto - self.sorted;
+            if n < rest.len() {
+                rest.select_nth_unstable_by(n - 1, order);
+            }
+            rest[..n].sort_by(order);
+            self.sorted = upto;
+        }
+        self.cand[i]
+    }
+
+    /// Keeps the first `n` in order.
+    fn truncate(&mut self, n: usize) {
+        if n < self.sorted {
+            self.cand.truncate(n);
+            self.sorted = n;
+        } else if n < self.cand.len() {
+            self.get(n - 1);
+            self.cand.truncate(n);
+            self.sorted = self.sorted.min(n);
+        }
+    }
+}
+
+/// Draws from the finite candidates `cand` (non-empty) with top-k, top-p, min-p and the
+/// temperature of `c`, `r` uniform in [0, 1): walking the candidates in [`order`], the first
+/// whose running probability passes `r`. The same draw as sorting all of them first, up to
+/// the rounding of the sums (`tests::pick_whole_sort`).
+fn pick(mut cand: Vec<(u32, f32)>, c: &Sampling, r: f32) -> u32 {
+    if c.top_k > 0 && c.top_k < cand.len() {
+        // The order is total, so the k first are the same as after a whole sort.
+        cand.select_nth_unstable_by(c.top_k - 1, order);
+        cand.truncate(c.top_k);
+    }
+    let max = cand.iter().map(|x| x.1).fold(f32::NEG_INFINITY, f32::max);
+    let mut ranked = Ranked { cand, sorted: 0 };
+    if c.top_p < 1.0 {
+        let total: f32 = ranked.cand.iter().map(|x| (x.1 - max).exp()).sum();
+        let (mut acc, mut keep, len) = (0.0, ranked.cand.len(), ranked.cand.len());
+        for i in 0..len {
+            acc += (ranked.get(i).1 - max).exp() / total;
+            if acc >= c.top_p {
+                keep = i + 1;
+                break;
             }
         }
-        cand[cand.len() - 1].0
+        ranked.truncate(keep.max(1));
     }
+    if c.min_p > 0.0 {
+        // p ≥ p_max · min_p, with p ∝ exp(logit − max): the tokens whose logit is within
+        // −ln(min_p) of the best.
+        let keep = ranked
+            .cand
+            .iter()
+            .filter(|x| (x.1 - max).exp() >= c.min_p)
+            .count();
+        ranked.truncate(keep.max(1));
+    }
+    let weight = |l: f32| ((l - max) / c.temperature).exp();
+    let total: f32 = ranked.cand.iter().map(|x| weight(x.1)).sum();
+    let mut acc = 0.0;
+    let len = ranked.cand.len();
+    for i in 0..len {
+        let (tok, l) = ranked.get(i);
+        acc += weight(l) / total;
+        if r < acc {
+            return tok;
+        }
+    }
+    ranked.get(len - 1).0
 }
 
 /// Index of the largest value; the first one on ties.
@@ -377,7 +425,72 @@ mod tests {
             .contains("logit bias"));
     }
 
+    /// [`pick`] as it was: every candidate sorted first, then the truncations and the draw
+    /// over normalised probabilities. Also returns how near `r` came to a boundary between
+    /// two tokens (where rounding may decide).
+    fn pick_whole_sort(mut cand: Vec<(u32, f32)>, c: &Sampling, r: f32) -> (u32, f32) {
+        cand.sort_by(order);
+        if c.top_k > 0 {
+            cand.truncate(c.top_k);
+        }
+        let probs = |cand: &[(u32, f32)], temp: f32| -> Vec<f32> {
+            let m = cand[0].1;
+            let e: Vec<f32> = cand.iter().map(|(_, l)| ((l - m) / temp).exp()).collect();
+            let s: f32 = e.iter().sum();
+            e.into_iter().map(|x| x / s).collect()
+        };
+        if c.top_p < 1.0 {
+            let p = probs(&cand, 1.0);
+            let mut acc = 0.0;
+            let keep = p.iter().position(|pi| {
+                acc += pi;
+                acc >= c.top_p
+            });
+            cand.truncate(keep.map_or(cand.len(), |k| k + 1));
+        }
+        if c.min_p > 0.0 {
+            let p = probs(&cand, 1.0);
+            let keep = p.iter().take_while(|&&x| x >= p[0] * c.min_p).count();
+            cand.truncate(keep.max(1));
+        }
+        let (mut acc, mut margin) = (0.0f32, f32::INFINITY);
+        for (i, pi) in probs(&cand, c.temperature).iter().enumerate() {
+            acc += pi;
+            margin = margin.min((r - acc).abs());
+            if r < acc {
+                return (cand[i].0, margin);
+            }
+        }
+        (cand[cand.len() - 1].0, margin)
+    }
+
     proptest::proptest! {
+        /// The draw over a partly sorted vocabulary is the draw over a sorted one, unless `r`
+        /// falls within rounding of a boundary.
+        #[test]
+        fn pick_is_the_whole_sort_draw(
+            logits in proptest::collection::vec(-8.0f32..8.0, 1..400),
+            ties in proptest::collection::vec(-2i8..2, 0..200),
+            top_k in proptest::prop_oneof![proptest::strategy::Just(0usize), 1usize..100],
+            top_p in proptest::prop_oneof![proptest::strategy::Just(1.0f32), 0.05f32..1.0],
+            min_p in proptest::prop_oneof![proptest::strategy::Just(0.0f32), 0.001f32..0.5],
+            temperature in 0.1f32..2.0,
+            r in 0.0f32..1.0,
+        ) {
+            // Random logits, and small integers: many ties.
+            let cand: Vec<(u32, f32)> = logits
+                .into_iter()
+                .chain(ties.into_iter().map(|t| t as f32))
+                .enumerate()
+                .map(|(i, l)| (i as u32, l))
+                .collect();
+            let c = Sampling { temperature, top_k, top_p, min_p, ..Sampling::default() };
+            let (want, margin) = pick_whole_sort(cand.clone(), &c, r);
+            if margin > 1e-4 {
+                proptest::prop_assert_eq!(pick(cand, &c, r), want);
+            }
+        }
+
         /// Top-k keeps the k first by logit, ties to the lower id (selected, then sorted), as
         /// a whole sort would: the draw equals one with the others set to −∞ and no top-k.
         #[test]
