@@ -322,62 +322,6 @@ fn of_type(v: &Value, t: &str) -> bool {
     }
 }
 
-/// GBNF for the characters of a JSON string that is none of `names` (each written raw), or
-/// `None` when a name has a character JSON escapes (`"`, `\`, a control character); `char` is
-/// the rule of one character of a string. Written over the trie of the names: at each node,
-/// a name's next character goes on down the trie, any other ends the match, and the string
-/// may end wherever no name ends. Another member's name can still spell a declared one with
-/// `\u` escapes.
-fn not_names(names: &[&str], char: &str) -> Option<String> {
-    if names.is_empty() {
-        return Some(format!("{char}*"));
-    }
-    if names.iter().any(|n| {
-        n.chars()
-            .any(|c| c == '"' || c == '\\' || (c as u32) < 0x20)
-    }) {
-        return None;
-    }
-    let mut sorted: Vec<Vec<char>> = names.iter().map(|n| n.chars().collect()).collect();
-    sorted.sort();
-    sorted.dedup();
-    Some(trie(&sorted, 0, char))
-}
-
-/// [`not_names`] below the common prefix of length `depth` of `names` (sorted).
-fn trie(names: &[Vec<char>], depth: usize, char: &str) -> String {
-    let mut alts = Vec::new();
-    let mut next = Vec::new();
-    let mut ends_here = false;
-    let mut i = 0;
-    while i < names.len() {
-        let Some(&c) = names[i].get(depth) else {
-            ends_here = true;
-            i += 1;
-            continue;
-        };
-        let group = (names[i..].iter())
-            .take_while(|n| n.get(depth) == Some(&c))
-            .count();
-        next.push(c);
-        let below = trie(&names[i..i + group], depth + 1, char);
-        alts.push(format!("{} ({below})", literal(&c.to_string())));
-        i += group;
-    }
-    // Any other character (raw or escaped), then anything.
-    let others: String = next
-        .iter()
-        .map(|&c| pattern::class_char(c as u32))
-        .collect();
-    alts.push(format!(
-        r#"([^"\\\x7F\x00-\x1F{others}] | [\\] (["\\/bfnrt] | "u" [0-9a-fA-F]{{4}})) {char}*"#
-    ));
-    if !ends_here {
-        alts.push(r#""""#.to_string());
-    }
-    alts.join(" | ")
-}
-
 /// A GBNF literal of `text`.
 fn literal(text: &str) -> String {
     let mut out = String::from("\"");
@@ -622,6 +566,68 @@ impl<'a> Converter<'a> {
             .collect()
     }
 
+    /// A rule for the characters of a JSON string that is none of `names` (each written
+    /// raw), or `None` when a name has a character JSON escapes (`"`, `\`, a control
+    /// character). One rule per node of the names' trie: a name's next character goes on
+    /// down it, any other character ends the match, and the string may end wherever no name
+    /// ends. `\u` escapes can still spell a declared name.
+    fn not_names(&mut self, names: &[&str], hint: &str) -> Option<String> {
+        if names.iter().any(|n| {
+            n.chars()
+                .any(|c| c == '"' || c == '\\' || (c as u32) < 0x20)
+        }) {
+            return None;
+        }
+        // The trie, built without recursion: (next characters and their nodes, a name ends).
+        let mut nodes: Vec<(Vec<(char, usize)>, bool)> = vec![(Vec::new(), false)];
+        for name in names {
+            let mut at = 0;
+            for c in name.chars() {
+                at = match nodes[at].0.iter().find(|x| x.0 == c) {
+                    Some(&(_, next)) => next,
+                    None => {
+                        nodes.push((Vec::new(), false));
+                        let next = nodes.len() - 1;
+                        nodes[at].0.push((c, next));
+                        next
+                    }
+                };
+            }
+            nodes[at].1 = true;
+        }
+        let char = self.prim("char");
+        let rules: Vec<String> = (0..nodes.len())
+            .map(|i| self.name(&format!("{hint}-{i}")))
+            .collect();
+        for (i, (next, ends)) in nodes.iter().enumerate() {
+            // (`/` may also be written `\/`.)
+            let mut alts: Vec<String> = (next.iter())
+                .map(|&(c, n)| match c {
+                    '/' => format!(r#"("/" | "\\/") {}"#, rules[n]),
+                    c => format!("{} {}", literal(&c.to_string()), rules[n]),
+                })
+                .collect();
+            // Any other character (raw or escaped), then anything.
+            let others: String = next
+                .iter()
+                .map(|&(c, _)| pattern::class_char(c as u32))
+                .collect();
+            let slash = if next.iter().any(|x| x.0 == '/') {
+                ""
+            } else {
+                "/"
+            };
+            alts.push(format!(
+                r#"([^"\\\x7F\x00-\x1F{others}] | [\\] (["\\{slash}bfnrt] | "u" [0-9a-fA-F]{{4}})) {char}*"#
+            ));
+            if !ends {
+                alts.push(r#""""#.to_string());
+            }
+            self.rules.push((rules[i].clone(), alts.join(" | ")));
+        }
+        Some(rules[0].clone())
+    }
+
     fn reference(&mut self, r: &'a Value, at: &str) -> Result<String, SchemaError> {
         let Some(path) = r.as_str() else {
             return self.err(at, "`$ref` must be a string");
@@ -742,18 +748,27 @@ impl<'a> Converter<'a> {
         for key in BOUNDS {
             let Some(v) = s.get(key) else { continue };
             // The integers the bound allows begin (or end) here.
+            let lower = key.ends_with("inimum");
             let edge = match (v.as_i64(), v.as_u64(), v.as_f64()) {
                 (Some(i), _, _) => bound_edge(key, i as f64, Some(i as i128)),
                 (_, Some(u), _) => bound_edge(key, u as f64, Some(u as i128)),
-                (_, _, Some(f)) if f.is_finite() && f.abs() < 9.2e18 => bound_edge(key, f, None),
+                (_, _, Some(f)) if f.abs() < 1e38 => bound_edge(key, f, None),
+                // Far beyond any integer written: no bound on the open side.
+                (_, _, Some(f)) if (f < 0.0) == lower => continue,
+                (_, _, Some(_)) => {
+                    return self.err(
+                        at,
+                        format!("`{key}` {v}: integers past ±1e38 are not supported"),
+                    )
+                }
                 _ => {
                     return self.err(
                         at,
-                        format!("`{key}` {v} must be a number (as from draft 6) within ±9.2e18"),
+                        format!("`{key}` {v} must be a number (as from draft 6)"),
                     )
                 }
             };
-            if key.ends_with("inimum") {
+            if lower {
                 lo = Some(lo.map_or(edge, |l| l.max(edge)));
             } else {
                 hi = Some(hi.map_or(edge, |h| h.min(edge)));
@@ -912,8 +927,7 @@ impl<'a> Converter<'a> {
                     .flatten()
                     .map(|(n, _)| n.as_str())
                     .collect();
-                let c = self.prim("char");
-                let key = match not_names(&names, c.as_str()) {
+                let key = match self.not_names(&names, &format!("{hint}-additional-name")) {
                     Some(body) => format!(r#""\"" ({body}) "\"" space"#),
                     None => self.prim("string"),
                 };
@@ -1145,6 +1159,19 @@ mod tests {
                 r#"{"é": 1, "é": 2}"#,
             ],
         );
+        // `\/` cannot spell a declared `/`; long names compile flat (one rule a character).
+        check(
+            json!({"properties": {"a/b": {}}, "additionalProperties": true}),
+            &[r#"{"a/b": 1, "a\\b": 2, "a\/c": 3, "a/": 4}"#],
+            &[r#"{"a/b": 1, "a\/b": 2}"#, r#"{"a/b": 1, "a/b": 2}"#],
+        );
+        let long = "x".repeat(100_000);
+        let g = state(&json!({"properties": {&long: {}}, "additionalProperties": true}));
+        assert!(whole(
+            &g,
+            &format!(r#"{{"{long}": 1, "{long}y": 2, "x": 3}}"#)
+        ));
+        assert!(!whole(&g, &format!(r#"{{"x": 3, "{long}": 1}}"#)));
     }
 
     proptest::proptest! {
@@ -1331,6 +1358,17 @@ mod tests {
             &["-5", "-6", "-1000000"],
             &["-4", "0", "5"],
         );
+        // Far bounds: open on their side, or exact to ±1e38.
+        check(
+            json!({"type": "integer", "minimum": -1e300, "maximum": 1e20}),
+            &["-5", "0", "100000000000000000000"],
+            &["100000000000000000001"],
+        );
+        check(
+            json!({"type": "integer", "minimum": 1e20}),
+            &["100000000000000000000", "999999999999999999999"],
+            &["99999999999999999999", "1000000000000000000000"],
+        );
         check(
             json!({"type": "integer", "minimum": i64::MIN, "maximum": i64::MAX}),
             &["-9223372036854775808", "9223372036854775807", "0"],
@@ -1351,7 +1389,8 @@ mod tests {
                 json!({"type": "integer", "exclusiveMinimum": true}),
                 "must be a number",
             ),
-            (json!({"type": "integer", "minimum": 1e30}), "within"),
+            (json!({"type": "integer", "minimum": 1e300}), "past ±1e38"),
+            (json!({"type": "integer", "maximum": -1e300}), "past ±1e38"),
             (
                 json!({"type": "number", "minimum": 0}),
                 "`minimum` on type number",
@@ -1445,6 +1484,22 @@ mod tests {
         pat(r"^x{,2}$", &["x{,2}"], &["xx"]);
         pat(r"^\s\S\w\W\D$", &[" a_!x"], &["aa_!x", " a_ax", " a_!1"]);
         pat(r"^[\d.-]+$", &["1.5-2"], &["1,5"]);
+        pat(r"^[-a]+[a-]$", &["-a-"], &["b"]);
+        pat(r"^a{2}{$", &["aa{"], &["aa"]);
+        // Braces that start no quantifier are literals, read in linear time.
+        let braces = "{".repeat(200_000);
+        pat(&format!("^{braces}$"), &[&braces], &[&braces[1..]]);
+        // Nested groups to the limit, and nullable repetitions a few levels deep.
+        pat(
+            &format!("^{}a{}$", "(".repeat(200), ")".repeat(200)),
+            &["a"],
+            &["", "aa"],
+        );
+        pat(
+            r"^(?:a?(?:b?(?:c?)*)*)*$",
+            &["", "abc", "cba", "ccbbaa"],
+            &["d"],
+        );
         // The pattern's characters are written as JSON escapes them.
         let g = state(&json!({"type": "string", "pattern": "^\"\n$"}));
         assert!(whole(&g, r#""\"\n""#));
@@ -1462,10 +1517,27 @@ mod tests {
             (r"\p{L}", "Unicode property"),
             (r"[^\s\S]", "matches no character"),
             (r"[z-a]", "out of order"),
-            (r"a{3,2}", "below the minimum"),
+            (r"a{3,2}", "maximum is below its minimum"),
             (r"a{70000}", "a repetition over"),
             (r"\q", "unknown escape"),
             (r"\ud800", "surrogate"),
+            (r"a{4294967296}", "a repetition over"),
+            (r"a{1,99999999999}", "a repetition over"),
+            (r"\01", "octal escapes"),
+            (r"[\1]", r"`\1` in a class"),
+            (r"[\B]", r"unknown escape `\B` in a class"),
+            (
+                &format!("{}a{}", "(".repeat(300), ")".repeat(300)),
+                "nested more than 256",
+            ),
+            (
+                &"(?:a?"
+                    .repeat(40)
+                    .chars()
+                    .chain(")*".repeat(40).chars())
+                    .collect::<String>(),
+                "MiB of grammar",
+            ),
         ] {
             let e = to_grammar(&json!({"type": "string", "pattern": p}))
                 .unwrap_err()

@@ -15,7 +15,11 @@
 //! characters by their escapes, so every text the grammar allows is a JSON string whose value
 //! the pattern matches.
 
-use crate::grammar::MAX_REPEAT;
+use crate::grammar::{MAX_NESTING, MAX_REPEAT};
+
+/// Bytes of GBNF a pattern may compile to: rewriting repetitions of what can be empty
+/// (`(a?(b?)*)*`) can double the text per level.
+const MAX_SIZE: usize = 1 << 22;
 
 /// A regular expression.
 #[derive(Debug, Clone, PartialEq)]
@@ -88,14 +92,20 @@ fn complement(set: &[(u32, u32)]) -> Vec<(u32, u32)> {
 /// allows. Errors name the problem and the character offset.
 pub(super) fn to_gbnf(pat: &str, anything: &str) -> Result<String, String> {
     let chars: Vec<char> = pat.chars().collect();
-    let mut p = Parser { chars, pos: 0 };
+    let mut p = Parser {
+        chars,
+        pos: 0,
+        depth: 0,
+    };
+    let mut budget = MAX_SIZE;
     let mut alts = Vec::new();
     loop {
         let start = p.eat('^');
         let seq = p.sequence(true)?;
         let end = p.eat('$');
         let open = |anchored: bool| if anchored { "" } else { anything };
-        let parts: Vec<String> = [open(start).to_string(), render(&seq), open(end).to_string()]
+        let body = render(&seq, &mut budget)?;
+        let parts: Vec<String> = [open(start).to_string(), body, open(end).to_string()]
             .into_iter()
             .filter(|s| !s.is_empty())
             .collect();
@@ -116,6 +126,8 @@ pub(super) fn to_gbnf(pat: &str, anything: &str) -> Result<String, String> {
 struct Parser {
     chars: Vec<char>,
     pos: usize,
+    /// Groups open around `pos`.
+    depth: usize,
 }
 
 impl Parser {
@@ -183,7 +195,12 @@ impl Parser {
                         return self.err("lookarounds and group flags are not supported");
                     }
                 }
+                if self.depth >= MAX_NESTING {
+                    return self.err(format!("groups nested more than {MAX_NESTING} deep"));
+                }
+                self.depth += 1;
                 let inner = self.alternatives()?;
+                self.depth -= 1;
                 if !self.eat(')') {
                     return self.err("`(` without `)`");
                 }
@@ -238,38 +255,40 @@ impl Parser {
     /// `{m}`, `{m,}` or `{m,n}` at `pos`, leaving `pos` on the `}`; `None` (nothing read)
     /// when the brace starts no quantifier, which ECMAScript then reads as a literal `{`.
     fn braces(&mut self) -> Result<Option<(u32, Option<u32>)>, String> {
-        let rest: String = self.chars[self.pos..].iter().collect();
-        let Some(end) = rest.find('}') else {
+        // Reads digits from `at`: their value (saturated) and where they end.
+        let digits = |mut at: usize| -> (Option<u64>, usize) {
+            let mut value: Option<u64> = None;
+            while let Some(d) = self.chars.get(at).and_then(|c| c.to_digit(10)) {
+                value = Some(
+                    value
+                        .unwrap_or(0)
+                        .saturating_mul(10)
+                        .saturating_add(d as u64),
+                );
+                at += 1;
+            }
+            (value, at)
+        };
+        let (Some(min), at) = digits(self.pos + 1) else {
             return Ok(None);
         };
-        let inner = &rest[1..end];
-        let number = |s: &str| -> Option<u32> {
-            (!s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()))
-                .then(|| s.parse().ok())
-                .flatten()
-        };
-        let (min, max) = match inner.split_once(',') {
-            None => match number(inner) {
-                Some(n) => (n, Some(n)),
-                None => return Ok(None),
-            },
-            Some((a, "")) => match number(a) {
-                Some(a) => (a, None),
-                None => return Ok(None),
-            },
-            Some((a, b)) => match (number(a), number(b)) {
-                (Some(a), Some(b)) => (a, Some(b)),
+        let (max, end) = match self.chars.get(at) {
+            Some('}') => (Some(min), at),
+            Some(',') => match digits(at + 1) {
+                (max, end) if self.chars.get(end) == Some(&'}') => (max, end),
                 _ => return Ok(None),
             },
+            _ => return Ok(None),
         };
-        if min > MAX_REPEAT || max.is_some_and(|m| m > MAX_REPEAT) {
+        let limit = MAX_REPEAT as u64;
+        if min > limit || max.is_some_and(|m| m > limit) {
             return self.err(format!("a repetition over {MAX_REPEAT}"));
         }
         if max.is_some_and(|m| m < min) {
-            return self.err(format!("`{{{inner}}}`: the maximum is below the minimum"));
+            return self.err("a repetition whose maximum is below its minimum");
         }
-        self.pos += inner.chars().count() + 1;
-        Ok(Some((min, max)))
+        self.pos = end;
+        Ok(Some((min as u32, max.map(|m| m as u32))))
     }
 
     /// A class, after its `[`.
@@ -369,6 +388,9 @@ impl Parser {
                 }
                 one(c)
             }
+            '0'..='9' if in_class => self.err(format!("`\\{c}` in a class is not supported")),
+            '0' => self.err("octal escapes are not supported"),
+            'B' | 'k' if in_class => self.err(format!("unknown escape `\\{c}` in a class")),
             'b' | 'B' => self.err("word boundaries (`\\b`, `\\B`) are not supported"),
             '1'..='9' | 'k' => self.err("backreferences are not supported"),
             'p' | 'P' => self.err("Unicode property escapes (`\\p{...}`) are not supported"),
@@ -388,29 +410,48 @@ impl Parser {
     }
 }
 
-/// GBNF for `node`, as the characters of a JSON string.
-fn render(node: &Node) -> String {
-    match node {
+/// GBNF for `node`, as the characters of a JSON string; `budget` is the bytes it may still
+/// write (and nodes it may still copy).
+fn render(node: &Node, budget: &mut usize) -> Result<String, String> {
+    let out = match node {
         Node::Set(set) => render_set(set),
         Node::Seq(items) => {
-            let parts: Vec<String> = items
-                .iter()
-                .map(|n| match n {
-                    Node::Alt(_) => format!("({})", render(n)),
-                    n => render(n),
-                })
-                .filter(|s| !s.is_empty())
-                .collect();
+            let mut parts = Vec::new();
+            // Single characters in a row, as JSON writes them: one literal.
+            let mut run = String::new();
+            for n in items {
+                if let Node::Set(set) = n {
+                    if let [(lo, hi)] = set[..] {
+                        if lo == hi {
+                            run += &json_text(lo);
+                            continue;
+                        }
+                    }
+                }
+                if !run.is_empty() {
+                    parts.push(super::literal(&std::mem::take(&mut run)));
+                }
+                let s = render(n, budget)?;
+                if !s.is_empty() {
+                    parts.push(match n {
+                        Node::Alt(_) => format!("({s})"),
+                        _ => s,
+                    });
+                }
+            }
+            if !run.is_empty() {
+                parts.push(super::literal(&run));
+            }
             parts.join(" ")
         }
         Node::Alt(alts) => {
-            let parts: Vec<String> = alts
-                .iter()
-                .map(|n| match render(n) {
+            let mut parts = Vec::new();
+            for n in alts {
+                parts.push(match render(n, budget)? {
                     s if s.is_empty() => r#""""#.to_string(),
                     s => s,
-                })
-                .collect();
+                });
+            }
             parts.join(" | ")
         }
         Node::Repeat(_, _, Some(0)) => String::new(),
@@ -419,13 +460,13 @@ fn render(node: &Node) -> String {
             // `X{m,n}` is `X'{0,n}` for `X'` the non-empty texts of `X`.
             let (inner, min) = match nullable(inner) {
                 false => (inner.as_ref().clone(), *min),
-                true => match non_empty(inner) {
+                true => match non_empty(inner, budget)? {
                     Some(x) => (x, 0),
-                    None => return String::new(),
+                    None => return Ok(String::new()),
                 },
             };
-            let body = match render(&inner) {
-                s if s.is_empty() => return String::new(),
+            let body = match render(&inner, budget)? {
+                s if s.is_empty() => return Ok(String::new()),
                 s => s,
             };
             let q = match (min, *max) {
@@ -438,7 +479,20 @@ fn render(node: &Node) -> String {
             };
             format!("({body}){q}")
         }
-    }
+    };
+    spend(budget, out.len())?;
+    Ok(out)
+}
+
+fn spend(budget: &mut usize, n: usize) -> Result<(), String> {
+    *budget = budget.checked_sub(n).ok_or_else(|| {
+        format!(
+            "the pattern compiles to over {} MiB of grammar (repetitions of what can be empty, \
+             nested)",
+            MAX_SIZE >> 20
+        )
+    })?;
+    Ok(())
 }
 
 /// Whether `n` matches the empty text.
@@ -451,21 +505,30 @@ fn nullable(n: &Node) -> bool {
     }
 }
 
-/// The non-empty texts of `n`, or `None` when it has none.
-fn non_empty(n: &Node) -> Option<Node> {
+/// The non-empty texts of `n`, or `None` when it has none; each node copied spends one of
+/// `budget`.
+fn non_empty(n: &Node, budget: &mut usize) -> Result<Option<Node>, String> {
     let one_of = |mut alts: Vec<Node>| match alts.len() {
         0 => None,
         1 => alts.pop(),
         _ => Some(Node::Alt(alts)),
     };
-    match n {
+    spend(budget, 1)?;
+    Ok(match n {
         Node::Set(_) => Some(n.clone()),
-        Node::Alt(alts) => one_of(alts.iter().filter_map(non_empty).collect()),
+        Node::Alt(alts) => {
+            let mut out = Vec::new();
+            for a in alts {
+                out.extend(non_empty(a, budget)?);
+            }
+            one_of(out)
+        }
         // The first item with a non-empty text, those before it empty, the rest anything.
         Node::Seq(items) => {
             let mut alts = Vec::new();
             for (i, item) in items.iter().enumerate() {
-                if let Some(first) = non_empty(item) {
+                if let Some(first) = non_empty(item, budget)? {
+                    spend(budget, items.len() - i)?;
                     alts.push(Node::Seq(
                         [first]
                             .into_iter()
@@ -481,10 +544,10 @@ fn non_empty(n: &Node) -> Option<Node> {
         }
         Node::Repeat(_, _, Some(0)) => None,
         Node::Repeat(x, min, max) => match nullable(x) {
-            true => Some(Node::Repeat(Box::new(non_empty(x)?), 1, *max)),
+            true => non_empty(x, budget)?.map(|x| Node::Repeat(Box::new(x), 1, *max)),
             false => Some(Node::Repeat(x.clone(), (*min).max(1), *max)),
         },
-    }
+    })
 }
 
 /// GBNF for one character of `set`, written as JSON writes it in a string.
@@ -517,9 +580,7 @@ fn render_set(set: &[(u32, u32)]) -> String {
     for &(lo, hi) in set {
         for &(a, b) in ESCAPED {
             for c in lo.max(a)..=hi.min(b) {
-                let s = char::from_u32(c).expect("a char").to_string();
-                let json = serde_json::to_string(&s).expect("a string");
-                alts.push(super::literal(&json[1..json.len() - 1]));
+                alts.push(super::literal(&json_text(c)));
             }
         }
     }
@@ -528,6 +589,12 @@ fn render_set(set: &[(u32, u32)]) -> String {
         1 => alts.pop().expect("one"),
         _ => format!("({})", alts.join(" | ")),
     }
+}
+
+/// Character `c` as JSON writes it inside a string.
+fn json_text(c: u32) -> String {
+    let json = serde_json::to_string(&char::from_u32(c).expect("a char")).expect("a string");
+    json[1..json.len() - 1].to_string()
 }
 
 /// The parts of `r` outside `cut`.
