@@ -9,7 +9,9 @@
 //! inside or out), groups (`(...)`, `(?:...)`, `(?<name>...)`), `|`, and the quantifiers
 //! `* + ? {m} {m,} {m,n}` (lazy ones too: the language is the same), and the escapes
 //! `\t \n \r \f \v \0 \xHH \uHHHH \u{H...}` and of punctuation. Refused, with the place:
-//! backreferences, lookarounds, word boundaries, `\p{...}`, and `^`/`$` anywhere else.
+//! backreferences, lookarounds, word boundaries, `\p{...}`, and `^`/`$` anywhere else; groups
+//! nested over 256 deep, and patterns that compile to over 4 MiB of grammar (repetitions of
+//! what can be empty, nested, double the text per level).
 //!
 //! The characters are written as JSON writes them: `"` as `\"`, `\` as `\\` and control
 //! characters by their escapes, so every text the grammar allows is a JSON string whose value
