@@ -99,13 +99,17 @@ fn check_cat(v: &Value, what: &str) {
     let o = v.as_object().unwrap_or_else(|| panic!("{what}: {v}"));
     let keys: Vec<&str> = o.keys().map(String::as_str).collect();
     assert!(
-        keys == ["name", "age", "colour", "chip"]
-            || keys == ["name", "age", "colour", "chip", "likes"],
+        keys == ["name", "age", "colour", "chip", "kg"]
+            || keys == ["name", "age", "colour", "chip", "kg", "likes"],
         "{what}: {v}"
     );
     assert!(o["name"].is_string(), "{what}: {v}");
     assert!(
         o["age"].as_i64().is_some_and(|a| (0..=30).contains(&a)),
+        "{what}: {v}"
+    );
+    assert!(
+        o["kg"].as_f64().is_some_and(|w| w > 0.5 && w <= 12.5),
         "{what}: {v}"
     );
     let chip = o["chip"].as_str().unwrap_or_else(|| panic!("{what}: {v}"));
@@ -139,12 +143,13 @@ fn replies_follow_the_json_schema() {
             "age": {"type": "integer", "minimum": 0, "maximum": 30},
             "colour": {"enum": ["grey", "black", "white"]},
             "chip": {"type": "string", "pattern": "^[A-Z]{2}-\\d{3}$"},
+            "kg": {"type": "number", "exclusiveMinimum": 0.5, "maximum": 12.5},
             "likes": {"type": "array", "items": {"type": "string", "maxLength": 24}, "maxItems": 2}
         },
-        "required": ["name", "age", "colour", "chip"]
+        "required": ["name", "age", "colour", "chip", "kg"]
     });
     let g = json_schema::to_grammar(&schema).unwrap();
-    let q = "Describe the cat as JSON with the keys name, age, colour, chip and likes.";
+    let q = "Describe the cat as JSON with the keys name, age, colour, chip, kg and likes.";
     for path in [SMOLLM2, QWEN] {
         let e = engine(path);
         for (what, s) in samplings() {

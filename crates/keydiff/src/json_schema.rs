@@ -11,10 +11,11 @@
 //! formats `date`, `time`, `date-time` and `uuid`, `pattern` (regular expressions, in the
 //! module `pattern`; not with `minLength`/`maxLength` or a compiled format), and `minimum`,
 //! `maximum`, `exclusiveMinimum`, `exclusiveMaximum` on integers (exact digit ranges, to
-//! i64). Other formats are annotations, as JSON Schema 2020-12 makes them by default: such a
+//! ±1e38) and numbers (decimal texts without an exponent, compared digit by digit; the module
+//! `number`). Other formats are annotations, as JSON Schema 2020-12 makes them by default: such a
 //! string is any string. Annotations (`title`, `description`, `default`, `examples`, ...) are
-//! ignored. Any other keyword (bounds on `number`, `multipleOf`, `allOf`, `uniqueItems`, ...)
-//! is refused with its name and place, rather than ignored. A keyword applies to the types it constrains and is
+//! ignored. Any other keyword (`multipleOf`, `allOf`, `uniqueItems`, ...) is refused with its
+//! name and place, rather than ignored. A keyword applies to the types it constrains and is
 //! ignored by the others in a list (`{"type": ["string", "null"], "maxLength": 8}`); one that
 //! applies to none of them is refused.
 //!
@@ -27,6 +28,7 @@
 //! which keeps the values of its types. Schemas nest at most [`MAX_DEPTH`] deep, `$ref`s
 //! included.
 
+mod number;
 mod pattern;
 
 use std::collections::HashMap;
@@ -670,15 +672,14 @@ impl<'a> Converter<'a> {
             "null" => Ok(self.prim("null")),
             "boolean" => Ok(self.prim("boolean")),
             "integer" => self.integer(s, hint, at),
-            "number" => match BOUNDS.iter().find(|k| s.contains_key(**k)) {
-                Some(k) => self.err(
-                    at,
-                    format!(
-                        "`{k}` on type number is not supported (bounds are compiled for integers)"
-                    ),
-                ),
-                None => Ok(self.prim("number")),
-            },
+            "number" => {
+                if !BOUNDS.iter().any(|k| s.contains_key(*k)) {
+                    return Ok(self.prim("number"));
+                }
+                let body = number::bounded(s).map_err(|e| SchemaError(format!("{e} (at {at})")))?;
+                self.prim("space");
+                Ok(self.add(hint, format!("{body} space")))
+            }
             "string" => {
                 let format = s.get("format").and_then(Value::as_str);
                 if let Some(f @ ("date" | "time" | "date-time" | "uuid")) = format {
@@ -1292,8 +1293,8 @@ mod tests {
                 "`uniqueItems` is not supported",
             ),
             (
-                json!({"type": "object", "properties": {"n": {"type": "number", "minimum": 0}}}),
-                "`minimum` on type number is not supported",
+                json!({"type": "object", "properties": {"n": {"type": "number", "multipleOf": 2}}}),
+                "`multipleOf` is not supported",
             ),
             (json!({"allOf": [{}]}), "`allOf` is not supported"),
             (
@@ -1392,10 +1393,6 @@ mod tests {
             (json!({"type": "integer", "minimum": 1e300}), "past ±1e38"),
             (json!({"type": "integer", "maximum": -1e300}), "past ±1e38"),
             (
-                json!({"type": "number", "minimum": 0}),
-                "`minimum` on type number",
-            ),
-            (
                 json!({"type": ["string", "null"], "minimum": 0}),
                 "`minimum` does not apply to type string or null",
             ),
@@ -1434,6 +1431,135 @@ mod tests {
             for x in xs.into_iter().chain(edges) {
                 let want = lo.is_none_or(|l| x >= l) && hi.is_none_or(|h| x <= h);
                 proptest::prop_assert_eq!(whole(&g, &x.to_string()), want, "{} in {}", x, schema);
+            }
+        }
+    }
+
+    #[test]
+    fn number_bounds() {
+        check(
+            json!({"type": "number", "minimum": 0, "maximum": 1}),
+            &[
+                "0",
+                "1",
+                "0.5",
+                "1.0",
+                "0.000",
+                "0.9999",
+                "1.0000000000000000",
+            ],
+            &[
+                "-0.1",
+                "1.01",
+                "1.5",
+                "2",
+                "-0",
+                "1e0",
+                ".5",
+                "01",
+                "1.00000000000000001",
+            ],
+        );
+        check(
+            json!({"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1}),
+            &["0.5", "0.0001", "0.99"],
+            &["0", "1", "0.0", "1.00", "-0.5"],
+        );
+        check(
+            json!({"type": "number", "minimum": -2.5, "maximum": -0.25}),
+            &["-2.5", "-1", "-0.25", "-0.3", "-2.49", "-2.50"],
+            &["-2.51", "-0.24", "0", "-3", "-0.2"],
+        );
+        check(
+            json!({"type": "number", "minimum": 0.1}),
+            &["0.1", "0.10", "5", "1234.5", "0.2"],
+            &["0.09", "0.0999", "0", "-1"],
+        );
+        check(
+            json!({"type": "number", "maximum": 1e-7}),
+            &["0", "-5", "0.0000001", "0.00000009"],
+            &["0.00000011", "1", "0.000001"],
+        );
+        check(
+            json!({"type": "number", "minimum": -1e300, "maximum": 1e300}),
+            &["-5.5", "0", "1234567890123456.5"],
+            &["1e5"],
+        );
+        // With integers in a list: each type its own bounds' grammar.
+        check(
+            json!({"type": ["integer", "number"], "minimum": 1, "maximum": 2}),
+            &["1", "2", "1.5"],
+            &["0", "2.5"],
+        );
+        for (schema, want) in [
+            (
+                json!({"type": "number", "minimum": 2, "maximum": 1}),
+                "leave no number",
+            ),
+            (
+                json!({"type": "number", "exclusiveMinimum": 1, "maximum": 1}),
+                "leave no number",
+            ),
+            (
+                json!({"type": "number", "minimum": 0.12345678901234567}),
+                "more than 16 decimals",
+            ),
+            (json!({"type": "number", "minimum": 1e39}), "past ±1e38"),
+            (
+                json!({"type": "number", "minimum": "1"}),
+                "must be a number",
+            ),
+        ] {
+            let e = to_grammar(&schema).unwrap_err().to_string();
+            assert!(e.contains(want), "{schema}: {e}");
+        }
+    }
+
+    proptest::proptest! {
+        /// A bounded number's grammar allows exactly the decimal texts within the bounds
+        /// (bounds of 3 decimals, values of up to 4, compared as scaled integers).
+        #[test]
+        fn number_ranges_are_exact(
+            lo in proptest::option::of((-30_000i64..30_000, proptest::bool::ANY)),
+            hi in proptest::option::of((-30_000i64..30_000, proptest::bool::ANY)),
+            xs in proptest::collection::vec((proptest::bool::ANY, 0i64..40, "[0-9]{0,4}"), 48),
+        ) {
+            let text = |milli: i64| {
+                let sign = if milli < 0 { "-" } else { "" };
+                format!("{sign}{}.{:03}", milli.abs() / 1000, milli.abs() % 1000)
+            };
+            let mut schema = json!({"type": "number"});
+            for (key, b) in [("imum", lo), ("aximum", hi)] {
+                let Some((milli, inclusive)) = b else { continue };
+                let name = match (key, inclusive) {
+                    ("imum", true) => "minimum",
+                    ("imum", false) => "exclusiveMinimum",
+                    (_, true) => "maximum",
+                    _ => "exclusiveMaximum",
+                };
+                schema[name] = serde_json::from_str(&text(milli)).unwrap();
+            }
+            let Ok(g) = to_grammar(&schema) else {
+                // Only bounds that leave nothing are refused.
+                let (l, li) = lo.unwrap();
+                let (h, hi_in) = hi.unwrap();
+                proptest::prop_assert!(l > h || (l == h && !(li && hi_in)), "{}", schema);
+                return Ok(());
+            };
+            let g = GrammarState::new(Arc::new(Grammar::parse(&g).unwrap()));
+            for (neg, int, frac) in xs {
+                let scaled = int * 10_000 + format!("{frac:0<4}").parse::<i64>().unwrap();
+                if neg && scaled == 0 {
+                    continue; // `-0` is not written
+                }
+                let v = if neg { -scaled } else { scaled };
+                let t = match frac.is_empty() {
+                    true => format!("{}{int}", if neg { "-" } else { "" }),
+                    false => format!("{}{int}.{frac}", if neg { "-" } else { "" }),
+                };
+                let want = lo.is_none_or(|(l, i)| if i { v >= l * 10 } else { v > l * 10 })
+                    && hi.is_none_or(|(h, i)| if i { v <= h * 10 } else { v < h * 10 });
+                proptest::prop_assert_eq!(whole(&g, &t), want, "{} in {}", t, schema);
             }
         }
     }
