@@ -12,10 +12,11 @@
 //! module `pattern`; not with `minLength`/`maxLength` or a compiled format), and `minimum`,
 //! `maximum`, `exclusiveMinimum`, `exclusiveMaximum` on integers (exact digit ranges, to
 //! ±1e38) and numbers (decimal texts without an exponent, compared digit by digit; the module
-//! `number`). Other formats are annotations, as JSON Schema 2020-12 makes them by default: such a
-//! string is any string. Annotations (`title`, `description`, `default`, `examples`, ...) are
-//! ignored. Any other keyword (`multipleOf`, `allOf`, `uniqueItems`, ...) is refused with its
-//! name and place, rather than ignored. A keyword applies to the types it constrains and is
+//! `number`), and `allOf` (one schema as itself, several object schemas merged; see
+//! `merge_all_of`). Other formats are annotations, as JSON Schema 2020-12 makes them by
+//! default: such a string is any string. Annotations (`title`, `description`, `default`,
+//! `examples`, ...) are ignored. Any other keyword (`multipleOf`, `not`, `uniqueItems`,
+//! `minProperties`, ...) is refused with its name and place, rather than ignored. A keyword applies to the types it constrains and is
 //! ignored by the others in a list (`{"type": ["string", "null"], "maxLength": 8}`); one that
 //! applies to none of them is refused.
 //!
@@ -61,6 +62,7 @@ const COMPILED: &[&str] = &[
     "const",
     "anyOf",
     "oneOf",
+    "allOf",
     "$ref",
     "$defs",
     "definitions",
@@ -239,6 +241,8 @@ const PRIMITIVES: &[(&str, &str)] = &[
 
 /// Writes the GBNF grammar of the JSON values `schema` allows (see the module docs).
 pub fn to_grammar(schema: &Value) -> Result<String, SchemaError> {
+    let merged = merge_all_of(schema)?;
+    let schema = &merged;
     let mut c = Converter {
         root: schema,
         rules: Vec::new(),
@@ -322,6 +326,162 @@ fn of_type(v: &Value, t: &str) -> bool {
         "object" => v.is_object(),
         _ => false,
     }
+}
+
+/// The schema with every `allOf` merged into one schema. One subschema stands for itself
+/// (Pydantic's `{"allOf": [{"$ref": ...}], "description": ...}`); several must be object
+/// schemas (a `$ref` to one counts), merged as llama.cpp merges them: the properties of each
+/// in turn, the `required` of all. Beside `allOf`, only annotations and `$defs`.
+fn merge_all_of(root: &Value) -> Result<Value, SchemaError> {
+    schema_with_merges(root, root, "#", 0, &mut HashMap::new())
+}
+
+/// [`merge_all_of`] of the schema `v` at `at`, walking only where schemas are; `refs` keeps
+/// the `$ref`s merged so far, so that each is merged once.
+fn schema_with_merges(
+    v: &Value,
+    root: &Value,
+    at: &str,
+    depth: usize,
+    refs: &mut HashMap<String, Value>,
+) -> Result<Value, SchemaError> {
+    if depth > MAX_DEPTH {
+        return Err(SchemaError(format!(
+            "schemas nested more than {MAX_DEPTH} deep (through subschemas or `$ref`s) (at {at})"
+        )));
+    }
+    let Value::Object(o) = v else {
+        return Ok(v.clone());
+    };
+    let mut sub =
+        |x: &Value, key: &str| schema_with_merges(x, root, &format!("{at}/{key}"), depth + 1, refs);
+    let mut out = o.clone();
+    for (key, x) in o {
+        match (key.as_str(), x) {
+            ("items" | "additionalProperties", _) => {
+                out[key] = sub(x, key)?;
+            }
+            ("prefixItems" | "anyOf" | "oneOf" | "allOf", Value::Array(a)) => {
+                let mut each = Vec::new();
+                for (i, x) in a.iter().enumerate() {
+                    each.push(sub(x, &format!("{key}/{i}"))?);
+                }
+                out[key] = Value::Array(each);
+            }
+            ("properties" | "$defs" | "definitions", Value::Object(m)) => {
+                let mut each = Map::new();
+                for (name, x) in m {
+                    each.insert(name.clone(), sub(x, &format!("{key}/{name}"))?);
+                }
+                out[key] = Value::Object(each);
+            }
+            _ => {}
+        }
+    }
+    let Some(all) = out.remove("allOf") else {
+        return Ok(Value::Object(out));
+    };
+    let err = |what: String, place: &str| Err(SchemaError(format!("{what} (at {place})")));
+    let Some(subs) = all.as_array().filter(|a| !a.is_empty()) else {
+        return err("`allOf` must be a non-empty array of schemas".into(), at);
+    };
+    if let Some(k) = out.keys().find(|k| {
+        !ANNOTATIONS.contains(&k.as_str()) && !["$defs", "definitions"].contains(&k.as_str())
+    }) {
+        return err(format!("`allOf` with `{k}` beside it is not supported"), at);
+    }
+    // What stays beside the merged schema: annotations and definitions.
+    let mut merged = match &subs[..] {
+        [one] => match one {
+            Value::Object(m) => m.clone(),
+            _ => return Ok(one.clone()),
+        },
+        _ => {
+            let mut props = Map::new();
+            let mut required: Vec<Value> = Vec::new();
+            let mut additional: Option<Value> = None;
+            for (i, s) in subs.iter().enumerate() {
+                let place = format!("{at}/allOf/{i}");
+                // A `$ref` stands for what it points at (merged in turn).
+                let target;
+                let s = match s.get("$ref").and_then(Value::as_str) {
+                    Some(path) => {
+                        let found = path.strip_prefix('#').and_then(|p| root.pointer(p));
+                        let Some(found) = found else {
+                            return err(format!("`$ref` {path:?} points at nothing"), &place);
+                        };
+                        target = match refs.get(path) {
+                            Some(t) => t.clone(),
+                            None => {
+                                let t = schema_with_merges(found, root, path, depth + 1, refs)?;
+                                refs.insert(path.to_string(), t.clone());
+                                t
+                            }
+                        };
+                        &target
+                    }
+                    None => s,
+                };
+                let Value::Object(m) = s else {
+                    return err("several `allOf` schemas must be objects'".into(), &place);
+                };
+                for (k, x) in m {
+                    match (k.as_str(), x) {
+                        ("type", Value::String(t)) if t == "object" => {}
+                        ("properties", Value::Object(p)) => {
+                            for (name, x) in p {
+                                props.insert(name.clone(), x.clone());
+                            }
+                        }
+                        ("required", Value::Array(r)) => {
+                            for n in r {
+                                if !required.contains(n) {
+                                    required.push(n.clone());
+                                }
+                            }
+                        }
+                        ("additionalProperties", x) => {
+                            match &additional {
+                                Some(a) if a != x => return err(
+                                    "`allOf` schemas with different `additionalProperties` are \
+                                     not supported"
+                                        .into(),
+                                    &place,
+                                ),
+                                _ => additional = Some(x.clone()),
+                            }
+                        }
+                        (k, _)
+                            if ANNOTATIONS.contains(&k) || k == "$defs" || k == "definitions" => {}
+                        (k, _) => {
+                            return err(
+                                format!(
+                                    "several `allOf` schemas must be objects' (`type`, \
+                                     `properties`, `required`, `additionalProperties`); `{k}` \
+                                     is not supported there"
+                                ),
+                                &place,
+                            )
+                        }
+                    }
+                }
+            }
+            let mut m = Map::new();
+            m.insert("type".into(), "object".into());
+            m.insert("properties".into(), Value::Object(props));
+            if !required.is_empty() {
+                m.insert("required".into(), Value::Array(required));
+            }
+            if let Some(a) = additional {
+                m.insert("additionalProperties".into(), a);
+            }
+            m
+        }
+    };
+    for (k, x) in out {
+        merged.entry(k).or_insert(x);
+    }
+    Ok(Value::Object(merged))
 }
 
 /// A GBNF literal of `text`.
@@ -1296,7 +1456,7 @@ mod tests {
                 json!({"type": "object", "properties": {"n": {"type": "number", "multipleOf": 2}}}),
                 "`multipleOf` is not supported",
             ),
-            (json!({"allOf": [{}]}), "`allOf` is not supported"),
+            (json!({"not": {}}), "`not` is not supported"),
             (
                 json!({"type": "integer", "items": {}}),
                 "`items` does not apply to type integer",
@@ -1432,6 +1592,77 @@ mod tests {
                 let want = lo.is_none_or(|l| x >= l) && hi.is_none_or(|h| x <= h);
                 proptest::prop_assert_eq!(whole(&g, &x.to_string()), want, "{} in {}", x, schema);
             }
+        }
+    }
+
+    #[test]
+    fn all_of() {
+        // Pydantic's form: one `$ref` in `allOf`, with a description beside it.
+        check(
+            json!({"type": "object", "required": ["colour"],
+                   "properties": {"colour": {"allOf": [{"$ref": "#/$defs/Colour"}],
+                                             "description": "the colour"}},
+                   "$defs": {"Colour": {"enum": ["red", "green"]}}}),
+            &[r#"{"colour": "red"}"#],
+            &[r#"{"colour": "blue"}"#, "{}"],
+        );
+        // Several object schemas, one through a `$ref`: properties in turn, `required` joined.
+        check(
+            json!({"allOf": [
+                       {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                       {"$ref": "#/$defs/B"}],
+                   "$defs": {"B": {"properties": {"b": {"type": "string"}, "c": {"type": "null"}},
+                                   "required": ["b"]}}}),
+            &[r#"{"a": 1, "b": "x"}"#, r#"{"a": 1, "b": "x", "c": null}"#],
+            &[
+                r#"{"a": 1}"#,
+                r#"{"b": "x", "a": 1}"#,
+                r#"{"a": 1, "b": "x", "d": 2}"#,
+            ],
+        );
+        // Each `$ref` is merged once: 40 levels of two references each stay linear.
+        let mut defs = Map::new();
+        for i in 0..40 {
+            let next = format!("#/$defs/d{}", i + 1);
+            defs.insert(
+                format!("d{i}"),
+                json!({"allOf": [{"$ref": next}, {"$ref": next}]}),
+            );
+        }
+        defs.insert(
+            "d40".into(),
+            json!({"properties": {"x": {"type": "integer"}}}),
+        );
+        check(
+            json!({"$ref": "#/$defs/d0", "$defs": defs}),
+            &[r#"{"x": 3}"#, "{}"],
+            &[r#"{"y": 3}"#],
+        );
+        for (schema, want) in [
+            (json!({"allOf": []}), "non-empty array"),
+            (
+                json!({"type": "object", "allOf": [{}]}),
+                "`allOf` with `type` beside it is not supported (at #)",
+            ),
+            (
+                json!({"allOf": [{"type": "object"}, {"type": "string"}]}),
+                "`type` is not supported there (at #/allOf/1)",
+            ),
+            (
+                json!({"allOf": [{}, true]}),
+                "must be objects' (at #/allOf/1)",
+            ),
+            (
+                json!({"allOf": [{"additionalProperties": true}, {"additionalProperties": false}]}),
+                "different `additionalProperties`",
+            ),
+            (
+                json!({"$defs": {"a": {"allOf": [{"$ref": "#/$defs/a"}, {}]}}, "$ref": "#/$defs/a"}),
+                "nested more than 256",
+            ),
+        ] {
+            let e = to_grammar(&schema).unwrap_err().to_string();
+            assert!(e.contains(want), "{schema}: {e}");
         }
     }
 
