@@ -260,13 +260,13 @@ impl Ranked {
 
     /// Keeps the first `n` in order.
     fn truncate(&mut self, n: usize) {
-        if n < self.sorted {
+        if n <= self.sorted {
             self.cand.truncate(n);
             self.sorted = n;
         } else if n < self.cand.len() {
-            self.get(n - 1);
+            // The next `n - sorted` in order, unsorted: the draw sorts what it reads of them.
+            self.cand[self.sorted..].select_nth_unstable_by(n - 1 - self.sorted, order);
             self.cand.truncate(n);
-            self.sorted = self.sorted.min(n);
         }
     }
 }
@@ -283,12 +283,17 @@ fn pick(mut cand: Vec<(u32, f32)>, c: &Sampling, r: f32) -> u32 {
     }
     let max = cand.iter().map(|x| x.1).fold(f32::NEG_INFINITY, f32::max);
     let mut ranked = Ranked { cand, sorted: 0 };
+    // Weights and sums in f64: the sums are taken in two orders (all candidates as they lie,
+    // the running sum in rank order), and in f32 the tail of a 150K vocabulary rounds away
+    // in one but not the other, leaving the running sum short of the total.
     if c.top_p < 1.0 {
-        let total: f32 = ranked.cand.iter().map(|x| (x.1 - max).exp()).sum();
+        let w = |l: f32| ((l - max) as f64).exp();
+        let total: f64 = ranked.cand.iter().map(|x| w(x.1)).sum();
+        let target = c.top_p as f64 * total;
         let (mut acc, mut keep, len) = (0.0, ranked.cand.len(), ranked.cand.len());
         for i in 0..len {
-            acc += (ranked.get(i).1 - max).exp() / total;
-            if acc >= c.top_p {
+            acc += w(ranked.get(i).1);
+            if acc >= target {
                 keep = i + 1;
                 break;
             }
@@ -301,21 +306,23 @@ fn pick(mut cand: Vec<(u32, f32)>, c: &Sampling, r: f32) -> u32 {
         let keep = ranked
             .cand
             .iter()
-            .filter(|x| (x.1 - max).exp() >= c.min_p)
+            .filter(|x| ((x.1 - max) as f64).exp() >= c.min_p as f64)
             .count();
         ranked.truncate(keep.max(1));
     }
-    let weight = |l: f32| ((l - max) / c.temperature).exp();
-    let total: f32 = ranked.cand.iter().map(|x| weight(x.1)).sum();
+    let w = |l: f32| ((l - max) as f64 / c.temperature as f64).exp();
+    let total: f64 = ranked.cand.iter().map(|x| w(x.1)).sum();
+    let target = r as f64 * total;
     let mut acc = 0.0;
     let len = ranked.cand.len();
     for i in 0..len {
         let (tok, l) = ranked.get(i);
-        acc += weight(l) / total;
-        if r < acc {
+        acc += w(l);
+        if target < acc {
             return tok;
         }
     }
+    // Only rounding gets here (`r` < 1 and the sums agree to ~1e-16): the last token read.
     ranked.get(len - 1).0
 }
 
@@ -425,43 +432,95 @@ mod tests {
             .contains("logit bias"));
     }
 
-    /// [`pick`] as it was: every candidate sorted first, then the truncations and the draw
-    /// over normalised probabilities. Also returns how near `r` came to a boundary between
-    /// two tokens (where rounding may decide).
-    fn pick_whole_sort(mut cand: Vec<(u32, f32)>, c: &Sampling, r: f32) -> (u32, f32) {
+    /// The draw with every candidate sorted first, in f64 and normalised probabilities, the
+    /// old way round. Also returns how near a decision came to going the other way (`r` to a
+    /// boundary between two tokens, a running sum to top-p, a probability to min-p), where
+    /// rounding may decide.
+    fn pick_whole_sort(mut cand: Vec<(u32, f32)>, c: &Sampling, r: f32) -> (u32, f64) {
         cand.sort_by(order);
         if c.top_k > 0 {
             cand.truncate(c.top_k);
         }
-        let probs = |cand: &[(u32, f32)], temp: f32| -> Vec<f32> {
+        let probs = |cand: &[(u32, f32)], temp: f64| -> Vec<f64> {
             let m = cand[0].1;
-            let e: Vec<f32> = cand.iter().map(|(_, l)| ((l - m) / temp).exp()).collect();
-            let s: f32 = e.iter().sum();
+            let e: Vec<f64> = (cand.iter())
+                .map(|(_, l)| ((l - m) as f64 / temp).exp())
+                .collect();
+            let s: f64 = e.iter().sum();
             e.into_iter().map(|x| x / s).collect()
         };
+        let mut margin = f64::INFINITY;
         if c.top_p < 1.0 {
-            let p = probs(&cand, 1.0);
             let mut acc = 0.0;
-            let keep = p.iter().position(|pi| {
-                acc += pi;
-                acc >= c.top_p
-            });
-            cand.truncate(keep.map_or(cand.len(), |k| k + 1));
+            let mut keep = cand.len();
+            for (i, p) in probs(&cand, 1.0).iter().enumerate() {
+                acc += p;
+                margin = margin.min((acc - c.top_p as f64).abs());
+                if acc >= c.top_p as f64 {
+                    keep = i + 1;
+                    break;
+                }
+            }
+            cand.truncate(keep);
         }
         if c.min_p > 0.0 {
             let p = probs(&cand, 1.0);
-            let keep = p.iter().take_while(|&&x| x >= p[0] * c.min_p).count();
+            for x in &p {
+                margin = margin.min((x / p[0] - c.min_p as f64).abs());
+            }
+            let keep = p
+                .iter()
+                .take_while(|&&x| x / p[0] >= c.min_p as f64)
+                .count();
             cand.truncate(keep.max(1));
         }
-        let (mut acc, mut margin) = (0.0f32, f32::INFINITY);
-        for (i, pi) in probs(&cand, c.temperature).iter().enumerate() {
-            acc += pi;
-            margin = margin.min((r - acc).abs());
-            if r < acc {
+        let mut acc = 0.0;
+        for (i, p) in probs(&cand, c.temperature as f64).iter().enumerate() {
+            acc += p;
+            margin = margin.min((r as f64 - acc).abs());
+            if (r as f64) < acc {
                 return (cand[i].0, margin);
             }
         }
         (cand[cand.len() - 1].0, margin)
+    }
+
+    /// A 150K vocabulary, one token far ahead and a long tail, `r` up to its largest: the
+    /// draw ends in the tail where the whole sort's does, never past the end (in f32 the
+    /// running sum stopped short of the total and handed the rest to the least likely token).
+    #[test]
+    fn a_long_tail_is_drawn_from_where_a_whole_sort_draws() {
+        let mut rng = StdRng::seed_from_u64(3);
+        let cand: Vec<(u32, f32)> = (0..150_000u32)
+            .map(|i| {
+                (
+                    i,
+                    if i == 77 {
+                        12.0
+                    } else {
+                        rng.random_range(-10.0f32..0.0)
+                    },
+                )
+            })
+            .collect();
+        let least = cand.iter().map(|x| x.1).fold(f32::INFINITY, f32::min);
+        for temperature in [0.7, 1.0, 1.5] {
+            for top_p in [1.0, 0.999_999] {
+                let c = Sampling {
+                    temperature,
+                    top_p,
+                    ..Sampling::default()
+                };
+                for r in [0.0, 0.5, 0.9999, 0.999_999, 1.0 - f32::EPSILON / 2.0] {
+                    let got = pick(cand.clone(), &c, r);
+                    let (want, margin) = pick_whole_sort(cand.clone(), &c, r);
+                    assert!(cand[got as usize].1 > least, "t {temperature} r {r}");
+                    if margin > 1e-9 {
+                        assert_eq!(got, want, "t {temperature} top-p {top_p} r {r}");
+                    }
+                }
+            }
+        }
     }
 
     proptest::proptest! {
@@ -486,7 +545,7 @@ mod tests {
                 .collect();
             let c = Sampling { temperature, top_k, top_p, min_p, ..Sampling::default() };
             let (want, margin) = pick_whole_sort(cand.clone(), &c, r);
-            if margin > 1e-4 {
+            if margin > 1e-9 {
                 proptest::prop_assert_eq!(pick(cand, &c, r), want);
             }
         }
