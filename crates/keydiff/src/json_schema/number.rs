@@ -4,8 +4,10 @@
 //! A bounded number is written without an exponent: `-`, an integer part (`0` or no leading
 //! zero) and an optional fraction of 1 to [`MAX_FRACTION`] digits, the forms the `number`
 //! primitive writes without its exponent. A negative zero (`-0`, `-0.0`) is not written; `0`
-//! is. Each bound is read as the decimal its JSON text writes (`0.1` is one tenth, not the
-//! double nearest it), with at most 38 integer digits and [`MAX_FRACTION`] decimals.
+//! is. Each bound is read as the shortest decimal of its double (serde_json parses with
+//! `float_roundtrip`, so `0.1` is one tenth and `3e23` is 3·10²³; a bound written with more
+//! than ~16 significant digits is read as its double), with at most 38 integer digits. A
+//! bound with more than [`MAX_FRACTION`] decimals moves inward onto the numbers written.
 //!
 //! The texts are compared digit by digit: a value's integer part against the bounds' (the
 //! digit ranges integers use), then, where the integer parts are equal, its fraction against
@@ -85,9 +87,6 @@ fn parse(text: &str) -> Result<Signed, String> {
     if int.len() > 38 {
         return Err(format!("{text} has more than 38 integer digits"));
     }
-    if frac.len() > MAX_FRACTION {
-        return Err(format!("{text} has more than {MAX_FRACTION} decimals"));
-    }
     let dec = Dec {
         int: if int.is_empty() {
             0
@@ -97,6 +96,43 @@ fn parse(text: &str) -> Result<Signed, String> {
         frac: frac.to_string(),
     };
     Ok((neg && dec != Dec::zero(), dec))
+}
+
+/// A bound moved onto the numbers written (at most [`MAX_FRACTION`] decimals): one with
+/// more decimals is neither reached nor passed by them, so a lower bound becomes the next
+/// such number up and an upper one the next down, both allowed themselves.
+fn to_grid(v: Signed, lower: bool, inclusive: bool) -> (Signed, bool) {
+    if v.1.frac.len() <= MAX_FRACTION {
+        return (v, inclusive);
+    }
+    let (neg, d) = v;
+    let cut = Dec {
+        int: d.int,
+        frac: d.frac[..MAX_FRACTION].trim_end_matches('0').to_string(),
+    };
+    // Away from zero: one unit of the last decimal more.
+    let up = || {
+        let digits = format!("{:0<width$}", cut.frac, width = MAX_FRACTION);
+        let n: u64 = digits.parse::<u64>().expect("digits") + 1;
+        let carry = n == 10u64.pow(MAX_FRACTION as u32);
+        let frac = if carry {
+            String::new()
+        } else {
+            format!("{n:0width$}", width = MAX_FRACTION)
+                .trim_end_matches('0')
+                .to_string()
+        };
+        Dec {
+            int: d.int + carry as u128,
+            frac,
+        }
+    };
+    // Toward +∞ for a lower bound, −∞ for an upper one.
+    let m = match (lower, neg) {
+        (true, false) | (false, true) => up(),
+        _ => cut.clone(),
+    };
+    ((neg && m != Dec::zero(), m), true)
 }
 
 /// A bound: its value and whether it is allowed itself.
@@ -120,8 +156,9 @@ pub(super) fn bounded(s: &Map<String, Value>) -> Result<String, String> {
             return Err(format!("`{key}` {v}: numbers past ±1e38 are not supported"));
         }
         let value = parse(&v.to_string()).map_err(|e| format!("`{key}`: {e}"))?;
-        let inclusive = !key.starts_with("exclusive");
-        if key.ends_with("inimum") {
+        let is_lower = key.ends_with("inimum");
+        let (value, inclusive) = to_grid(value, is_lower, !key.starts_with("exclusive"));
+        if is_lower {
             // The tighter of two lower bounds: the larger, exclusive on a tie.
             lower = Some(match lower {
                 Some((l, li)) if less(&value, &l) || (value == l && !li) => (l, li),
