@@ -1,9 +1,9 @@
 //! The `keydiff` binary end to end on SmolLM2: run (streamed, JSON, chat, stop strings),
-//! tokenize, info.
+//! tokenize, info; fill in the middle on Qwen2.5-Coder.
 
 use std::process::Command;
 
-use keydiff_tests::{fixture, keydiff_bin, model, SMOLLM2};
+use keydiff_tests::{fixture, keydiff_bin, model, QWEN, SMOLLM2};
 
 fn ok(args: &[&str]) -> (String, String) {
     let out = Command::new(keydiff_bin()).args(args).output().unwrap();
@@ -630,4 +630,40 @@ fn grammar_and_json_schema_constrain_the_reply() {
             "{extra:?}: {se}"
         );
     }
+}
+
+#[test]
+fn suffix_fills_in_the_middle() {
+    let run = |m: &str| {
+        Command::new(keydiff_bin())
+            .args([
+                "run",
+                "-m",
+                model(m).to_str().unwrap(),
+                "--json",
+                "-n",
+                "16",
+            ])
+            .args([
+                "-p",
+                "def add(a, b):\n    return ",
+                "--suffix",
+                "\n\nprint(add(2, 3))\n",
+            ])
+            .output()
+            .unwrap()
+    };
+    let out = run(QWEN);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let text = v["text"].as_str().unwrap();
+    assert!(text.starts_with("a + b"), "{text:?}");
+    let out = run(SMOLLM2);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("no fill-in-the-middle tokens"), "{err}");
 }

@@ -482,8 +482,20 @@ fn bad_requests_are_refused_naming_the_problem() {
         (
             &c,
             json!({"prompt": "hi", "suffix": "x"}),
+            None,
+            "no fill-in-the-middle tokens",
+        ),
+        (
+            &c,
+            json!({"prompt": [1, 2], "suffix": "x"}),
             Some("suffix"),
-            "not supported",
+            "a suffix needs text prompts",
+        ),
+        (
+            &c,
+            json!({"prompt": "hi", "suffix": "x", "echo": true}),
+            Some("echo"),
+            "echo with a suffix",
         ),
         (
             &c,

@@ -361,6 +361,11 @@ struct RunArgs {
     /// System message (implies --chat).
     #[arg(long)]
     system: Option<String>,
+    /// Fill in the middle: the prompt is the text before the hole, this the text after it,
+    /// and the model writes the hole with its FIM tokens (llama.cpp's infill; code models
+    /// such as Qwen2.5-Coder).
+    #[arg(long, conflicts_with_all = ["chat", "system", "prompt_tokens"])]
+    suffix: Option<String>,
     #[command(flatten)]
     sampling: SamplingArgs,
     /// Stop when this string is generated (repeatable).
@@ -837,6 +842,11 @@ fn run(a: RunArgs) -> Result<()> {
             content: text,
         });
         Prompt::Chat(m)
+    } else if let Some(suffix) = &a.suffix {
+        Prompt::Infill {
+            prefix: text,
+            suffix: suffix.clone(),
+        }
     } else {
         Prompt::Text(text)
     };

@@ -32,6 +32,8 @@ pub struct Vocab {
     /// Whether a BOS token is put before the prompt.
     pub add_bos: bool,
     pub chat_template: Option<ChatTemplate>,
+    /// Fill-in-the-middle tokens, when the vocabulary has them.
+    pub fim: Option<crate::tokenizer::Fim>,
 }
 
 /// A model, its vocabulary and a description of both.
@@ -176,6 +178,7 @@ pub fn load_gguf(
         eos_ids: tok.eos_ids,
         add_bos: tok.add_bos,
         chat_template,
+        fim: tok.fim,
     };
     let model = Model::load(&cfg, &weights)?;
     let unused = weights.unused_tensors();
@@ -384,12 +387,14 @@ fn hf_vocab(dir: &Path, hf: &HfConfig) -> Result<Vocab> {
         Some(src) => Some(ChatTemplate::new(src, bos_token, eos_token)?),
         None => None,
     };
+    let fim = crate::tokenizer::Fim::by_text(|t| tokenizer.token_to_id(t));
     Ok(Vocab {
         tokenizer,
         bos_id,
         eos_ids,
         add_bos,
         chat_template,
+        fim,
     })
 }
 
@@ -420,5 +425,6 @@ fn byte_vocab(vocab_size: usize) -> Result<Vocab> {
         eos_ids: vec![],
         add_bos: false,
         chat_template: None,
+        fim: None,
     })
 }

@@ -35,6 +35,30 @@ pub struct GgufTokenizer {
     pub bos_token: Option<String>,
     /// Text of the EOS token, for the chat template's `eos_token`.
     pub eos_token: Option<String>,
+    /// The fill-in-the-middle tokens, when the file has all three.
+    pub fim: Option<Fim>,
+}
+
+/// Fill-in-the-middle tokens: a prompt is `prefix` + text before the hole + `suffix` + text
+/// after it + `middle`, and the model writes the hole (llama.cpp's infill, PSM order).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fim {
+    pub prefix: u32,
+    pub suffix: u32,
+    pub middle: u32,
+}
+
+impl Fim {
+    /// The FIM tokens a vocabulary has by text (`id_of` finds a token's id), as llama.cpp
+    /// detects them when the GGUF keys are absent; `None` unless all three are there.
+    pub fn by_text(id_of: impl Fn(&str) -> Option<u32>) -> Option<Fim> {
+        let find = |texts: &[&str]| texts.iter().find_map(|t| id_of(t));
+        Some(Fim {
+            prefix: find(FIM_PRE.1)?,
+            suffix: find(FIM_SUF.1)?,
+            middle: find(FIM_MID.1)?,
+        })
+    }
 }
 
 // GGUF keys (llama.cpp src/llama-arch.cpp).
@@ -318,6 +342,7 @@ pub fn tokenizer_from_gguf(ct: &Content) -> Result<GgufTokenizer> {
         .collect();
     let mut promoted = eog_by_text.clone();
     let mut eog = Vec::new();
+    let mut fim_ids = Vec::new();
     for (group, ends) in [
         (FIM_PRE, false),
         (FIM_SUF, false),
@@ -327,6 +352,7 @@ pub fn tokenizer_from_gguf(ct: &Content) -> Result<GgufTokenizer> {
         (FIM_SEP, true),
     ] {
         let (id, by_text) = fim(group)?;
+        fim_ids.push(id);
         if let Some(id) = id {
             if by_text {
                 promoted.push(id);
@@ -395,6 +421,14 @@ pub fn tokenizer_from_gguf(ct: &Content) -> Result<GgufTokenizer> {
     let eos_token = text_of(eos_id)?;
     let chat_template = string(ct, KEY_CHAT_TEMPLATE)?.map(str::to_string);
 
+    let fim = match fim_ids[..3] {
+        [Some(prefix), Some(suffix), Some(middle)] => Some(Fim {
+            prefix,
+            suffix,
+            middle,
+        }),
+        _ => None,
+    };
     Ok(GgufTokenizer {
         tokenizer,
         bos_id,
@@ -403,6 +437,7 @@ pub fn tokenizer_from_gguf(ct: &Content) -> Result<GgufTokenizer> {
         chat_template,
         bos_token,
         eos_token,
+        fim,
     })
 }
 
@@ -661,5 +696,47 @@ mod tests {
                 .to_vec();
             assert_eq!(tok.tokenizer.decode(&ids, false).unwrap(), text, "{pre}");
         }
+    }
+
+    #[test]
+    fn fim_tokens_come_from_their_keys_else_their_texts() {
+        assert_eq!(load(None).fim, None, "no FIM tokens, no infill");
+        let mut c = content(None, "gpt2");
+        let Some(Value::Array(tokens)) = c.metadata.get_mut(KEY_TOKENS) else {
+            panic!("tokens")
+        };
+        let first = tokens.len() as u32;
+        for t in [
+            "<|fim_prefix|>",
+            "<|fim_suffix|>",
+            "<|fim_middle|>",
+            "<fim_prefix>",
+        ] {
+            tokens.push(Value::String(t.into()));
+        }
+        let Some(Value::Array(types)) = c.metadata.get_mut(KEY_TOKEN_TYPE) else {
+            panic!("types")
+        };
+        types.extend((0..4).map(|_| Value::I32(1)));
+        let fim = tokenizer_from_gguf(&c).unwrap().fim;
+        let want = Fim {
+            prefix: first,
+            suffix: first + 1,
+            middle: first + 2,
+        };
+        assert_eq!(fim, Some(want));
+        // The GGUF key wins over the text.
+        c.metadata.insert(FIM_PRE.0.into(), Value::U32(first + 3));
+        let fim = tokenizer_from_gguf(&c).unwrap().fim;
+        assert_eq!(
+            fim,
+            Some(Fim {
+                prefix: first + 3,
+                ..want
+            })
+        );
+        // The texts are found as they are for a tokenizer.json, too.
+        let t = tokenizer_from_gguf(&c).unwrap().tokenizer;
+        assert_eq!(Fim::by_text(|x| t.token_to_id(x)), Some(want));
     }
 }

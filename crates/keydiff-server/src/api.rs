@@ -308,8 +308,9 @@ fn logit_bias(m: &serde_json::Map<String, Value>) -> Result<Vec<(u32, f32)>, Api
 impl CompletionRequest {
     pub fn map(self, defaults: Defaults) -> Result<Mapped, ApiError> {
         let bad = |m: &str, p: &'static str| Err(ApiError::invalid(m, Some(p)));
-        if self.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
-            return bad("suffix (fill-in-the-middle) is not supported", "suffix");
+        let suffix = self.suffix.filter(|s| !s.is_empty());
+        if suffix.is_some() && self.echo == Some(true) {
+            return bad("echo with a suffix is not supported", "echo");
         }
         // One prompt (a string or token ids), or a batch of them.
         let mut prompts = match self.prompt {
@@ -326,6 +327,18 @@ impl CompletionRequest {
                 ),
                 Some("prompt"),
             ));
+        }
+        // A suffix: each prompt is the text before the hole (fill in the middle).
+        if let Some(suffix) = &suffix {
+            for p in &mut prompts {
+                let Prompt::Text(prefix) = p else {
+                    return bad("a suffix needs text prompts, not token ids", "suffix");
+                };
+                *p = Prompt::Infill {
+                    prefix: std::mem::take(prefix),
+                    suffix: suffix.clone(),
+                };
+            }
         }
         let more = prompts.split_off(1);
         let prompt = prompts.pop().expect("one prompt at least");

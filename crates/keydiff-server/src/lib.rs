@@ -1267,7 +1267,9 @@ async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Result<Res
                     .await?
                 }
                 keydiff::Prompt::Text(t) => t.clone(),
-                keydiff::Prompt::Chat(_) => unreachable!("completions take no messages"),
+                keydiff::Prompt::Chat(_) | keydiff::Prompt::Infill { .. } => {
+                    unreachable!("completions take no messages, and echo no suffix")
+                }
             });
         }
         reply.more_echoes = texts.split_off(1);

@@ -92,6 +92,10 @@ pub enum Prompt {
     Chat(Vec<Message>),
     /// Token ids, used as given.
     Tokens(Vec<u32>),
+    /// Fill in the middle: the model writes what goes between `prefix` and `suffix`, with its
+    /// FIM tokens (`<|fim_prefix|>` prefix `<|fim_suffix|>` suffix `<|fim_middle|>`, as
+    /// llama.cpp's infill and OpenAI's `suffix`). Special tokens in the texts are not parsed.
+    Infill { prefix: String, suffix: String },
 }
 
 /// One request.
@@ -1304,6 +1308,30 @@ impl Engine {
                 ids
             }
             Prompt::Tokens(t) => t.clone(),
+            Prompt::Infill { prefix, suffix } => {
+                if prefix.is_empty() && suffix.is_empty() {
+                    return Err(EngineError::EmptyPrompt);
+                }
+                let v = &self.loaded.vocab;
+                let Some(fim) = v.fim else {
+                    return Err(EngineError::BadParams(
+                        "this model has no fill-in-the-middle tokens (<|fim_prefix|>, \
+                         <|fim_suffix|>, <|fim_middle|> or their kin), so a suffix cannot be \
+                         honoured"
+                            .into(),
+                    ));
+                };
+                let mut ids: Vec<u32> = match v.add_bos {
+                    true => v.bos_id.into_iter().collect(),
+                    false => Vec::new(),
+                };
+                ids.push(fim.prefix);
+                ids.extend(self.encode(prefix, false)?);
+                ids.push(fim.suffix);
+                ids.extend(self.encode(suffix, false)?);
+                ids.push(fim.middle);
+                ids
+            }
         };
         if ids.is_empty() {
             return Err(EngineError::EmptyPrompt);

@@ -197,7 +197,7 @@ impl Engine {
         Ok(match prompt {
             Prompt::Text(t) => Some(t.clone()),
             Prompt::Chat(m) => Some(self.render_chat(m)?),
-            Prompt::Tokens(_) => None,
+            Prompt::Tokens(_) | Prompt::Infill { .. } => None,
         })
     }
 
