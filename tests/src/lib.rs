@@ -38,6 +38,21 @@ pub fn model(rel: &str) -> PathBuf {
     p
 }
 
+/// A real model (`rel` as for [`model`]) under KeyDiff with a 64-token budget and 32-token
+/// chunks, so that a prompt of a few lines already evicts.
+pub fn evicting_engine(rel: &str) -> keydiff::Engine {
+    use keydiff::{CacheConfig, Engine, EngineConfig, ModelSource, PolicyKind};
+    let cfg = EngineConfig {
+        cache: CacheConfig {
+            policy: PolicyKind::parse("keydiff", 8, 0).unwrap(),
+            budget: Some(64),
+            ..CacheConfig::full(32)
+        },
+        ..Default::default()
+    };
+    Engine::load(&ModelSource::Gguf(model(rel)), &cfg).unwrap()
+}
+
 /// One prompt of a llama.cpp fixture (scripts/gen-fixtures.py).
 #[derive(Debug, Clone, serde::Deserialize)]
 pub struct FixturePrompt {

@@ -4,23 +4,10 @@
 //! evicting budget; what cannot be honoured is refused, before the prefill where it can be.
 
 use keydiff::{
-    json_schema, CacheConfig, Engine, EngineConfig, EngineError, Format, GenerateParams, Message,
-    ModelSource, PolicyKind, Prompt, Sampling, StopReason,
+    json_schema, EngineError, Format, GenerateParams, Message, Prompt, Sampling, StopReason,
 };
-use keydiff_tests::{model, QWEN, SMOLLM2};
+use keydiff_tests::{evicting_engine as engine, QWEN, SMOLLM2};
 use serde_json::{json, Value};
-
-fn engine(path: &str) -> Engine {
-    let cfg = EngineConfig {
-        cache: CacheConfig {
-            policy: PolicyKind::parse("keydiff", 8, 0).unwrap(),
-            budget: Some(64),
-            ..CacheConfig::full(32)
-        },
-        ..Default::default()
-    };
-    Engine::load(&ModelSource::Gguf(model(path)), &cfg).unwrap()
-}
 
 fn ask(question: &str, grammar: &str, sampling: Sampling) -> GenerateParams {
     let context = "The cat is called Tom. He is three years old, grey, and likes fish. ".repeat(4);

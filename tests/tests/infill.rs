@@ -2,22 +2,8 @@
 //! prompt is the model's FIM tokens around the two texts, as llama.cpp's infill builds it, and
 //! a code model writes the hole; a model without FIM tokens refuses.
 
-use keydiff::{
-    CacheConfig, Engine, EngineConfig, EngineError, GenerateParams, ModelSource, PolicyKind, Prompt,
-};
-use keydiff_tests::{model, QWEN, SMOLLM2};
-
-fn engine(path: &str) -> Engine {
-    let cfg = EngineConfig {
-        cache: CacheConfig {
-            policy: PolicyKind::parse("keydiff", 8, 0).unwrap(),
-            budget: Some(64),
-            ..CacheConfig::full(32)
-        },
-        ..Default::default()
-    };
-    Engine::load(&ModelSource::Gguf(model(path)), &cfg).unwrap()
-}
+use keydiff::{EngineError, GenerateParams, Prompt};
+use keydiff_tests::{evicting_engine as engine, QWEN, SMOLLM2};
 
 fn infill(prefix: &str, suffix: &str) -> Prompt {
     Prompt::Infill {

@@ -3,23 +3,8 @@
 //! sampled (a sampled one cut at `max_tokens` is the start of one), under an evicting budget,
 //! and with several completions at once; the model's logprobs are reported unmasked.
 
-use keydiff::{
-    CacheConfig, Engine, EngineConfig, Format, GenerateParams, Message, ModelSource, PolicyKind,
-    Prompt, Sampling, StopReason,
-};
-use keydiff_tests::{model, QWEN, SMOLLM2};
-
-fn engine(path: &str) -> Engine {
-    let cfg = EngineConfig {
-        cache: CacheConfig {
-            policy: PolicyKind::parse("keydiff", 8, 0).unwrap(),
-            budget: Some(64),
-            ..CacheConfig::full(32)
-        },
-        ..Default::default()
-    };
-    Engine::load(&ModelSource::Gguf(model(path)), &cfg).unwrap()
-}
+use keydiff::{Format, GenerateParams, Message, Prompt, Sampling, StopReason};
+use keydiff_tests::{evicting_engine as engine, QWEN, SMOLLM2};
 
 fn ask(question: &str, sampling: Sampling) -> GenerateParams {
     let context = "The cat is called Tom. He is three years old, grey, and likes fish. ".repeat(4);
