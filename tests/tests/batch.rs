@@ -78,10 +78,7 @@ fn requests() -> Vec<GenerateParams> {
             ..base.clone()
         },
         GenerateParams {
-            prompt: Prompt::Chat(vec![keydiff::Message {
-                role: "user".into(),
-                content: "Name three colours.".into(),
-            }]),
+            prompt: Prompt::Chat(vec![keydiff::Message::new("user", "Name three colours.")]),
             stop: vec![",".into()],
             ignore_eos: true,
             ..base.clone()

@@ -123,10 +123,7 @@ fn keydiff_keeps_an_early_fact() {
         text.push_str(filler);
     }
     text.push_str("\nWhat is the secret code? Answer with the number only.");
-    let msgs = vec![Message {
-        role: "user".into(),
-        content: text,
-    }];
+    let msgs = vec![Message::new("user", text)];
     for (label, cfg) in [
         ("full", EngineConfig::default()),
         ("keydiff", budgeted("keydiff", 1024, 128)),

@@ -49,10 +49,7 @@ fn turns_reuse_the_cache_and_match_fresh_requests() {
         assert!(!out.tokens.is_empty(), "turn {i}");
         // A fresh request on the whole conversation so far.
         let mut messages = before;
-        messages.push(Message {
-            role: "user".into(),
-            content: user.to_string(),
-        });
+        messages.push(Message::new("user", user.to_string()));
         let fresh = e
             .generate(
                 &GenerateParams {

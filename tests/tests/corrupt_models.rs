@@ -479,10 +479,7 @@ fn broken_chat_templates_are_named() {
             Some(Value::String(template.into())),
         );
         write(&p, &md, &ts);
-        let chat = Prompt::Chat(vec![keydiff::Message {
-            role: "user".into(),
-            content: "hi".into(),
-        }]);
+        let chat = Prompt::Chat(vec![keydiff::Message::new("user", "hi")]);
         match load_and_run_prompt(&p, chat) {
             Outcome::Failed(e) => assert!(e.contains(needle), "{template}: {e}"),
             other => panic!("{template}: expected `{needle}`, got {other:?}"),

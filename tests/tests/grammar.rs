@@ -12,10 +12,7 @@ use serde_json::{json, Value};
 fn ask(question: &str, grammar: &str, sampling: Sampling) -> GenerateParams {
     let context = "The cat is called Tom. He is three years old, grey, and likes fish. ".repeat(4);
     GenerateParams {
-        prompt: Prompt::Chat(vec![Message {
-            role: "user".into(),
-            content: format!("{context}\n{question}"),
-        }]),
+        prompt: Prompt::Chat(vec![Message::new("user", format!("{context}\n{question}"))]),
         max_tokens: 160,
         sampling: Sampling {
             format: Format::Grammar(grammar.into()),

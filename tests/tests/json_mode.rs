@@ -9,10 +9,7 @@ use keydiff_tests::{evicting_engine as engine, QWEN, SMOLLM2};
 fn ask(question: &str, sampling: Sampling) -> GenerateParams {
     let context = "The cat is called Tom. He is three years old, grey, and likes fish. ".repeat(4);
     GenerateParams {
-        prompt: Prompt::Chat(vec![Message {
-            role: "user".into(),
-            content: format!("{context}\n{question}"),
-        }]),
+        prompt: Prompt::Chat(vec![Message::new("user", format!("{context}\n{question}"))]),
         max_tokens: 160,
         sampling: Sampling {
             format: Format::JsonObject,

@@ -55,9 +55,8 @@ fn check(name: &str, path: &str, dense_prefill: bool, kv_dtype: DType) {
             Some(m) => {
                 let msgs: Vec<Message> = m
                     .iter()
-                    .map(|v| Message {
-                        role: v["role"].as_str().unwrap().into(),
-                        content: v["content"].as_str().unwrap().into(),
+                    .map(|v| {
+                        Message::new(v["role"].as_str().unwrap(), v["content"].as_str().unwrap())
                     })
                     .collect();
                 let rendered = engine.render_chat(&msgs).unwrap();

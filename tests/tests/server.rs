@@ -1398,10 +1398,7 @@ fn several_completions_per_request() {
             .len();
         assert_eq!(u["prompt_tokens"], prompt_tokens, "{what}: {u}");
     };
-    let question = vec![Message {
-        role: "user".into(),
-        content: "Name a colour and a fruit.".into(),
-    }];
+    let question = vec![Message::new("user", "Name a colour and a fruit.")];
     let streamed = json!({"messages": [{"role": "user", "content": question[0].content}],
                           "max_tokens": 12, "temperature": 0.9, "seed": 9, "n": 2,
                           "stream": true, "stream_options": {"include_usage": true}});
@@ -1473,13 +1470,7 @@ fn json_object_replies() {
     let url = format!("{}/v1/chat/completions", server.url());
     let local = engine(CacheConfig::full(64));
     let content = "Describe a grey cat called Tom, aged 3, as JSON with keys name, age, colour.";
-    let mut params = greedy(
-        Prompt::Chat(vec![Message {
-            role: "user".into(),
-            content: content.into(),
-        }]),
-        96,
-    );
+    let mut params = greedy(Prompt::Chat(vec![Message::new("user", content)]), 96);
     params.sampling.format = keydiff::Format::JsonObject;
     let want = local.generate(&params, |_| {}).unwrap();
     assert_eq!(want.stats.stop_reason, StopReason::Eos, "{:?}", want.text);
@@ -1513,13 +1504,7 @@ fn json_schema_and_grammar_replies() {
         "name": {"type": "string"}, "age": {"type": "integer"},
         "colour": {"enum": ["grey", "black"]}}, "required": ["name", "age", "colour"]});
     let content = "Describe a grey cat called Tom, aged 3, as JSON.";
-    let mut params = greedy(
-        Prompt::Chat(vec![Message {
-            role: "user".into(),
-            content: content.into(),
-        }]),
-        96,
-    );
+    let mut params = greedy(Prompt::Chat(vec![Message::new("user", content)]), 96);
     params.sampling.format =
         keydiff::Format::Grammar(keydiff::json_schema::to_grammar(&schema).unwrap());
     let want = local.generate(&params, |_| {}).unwrap();

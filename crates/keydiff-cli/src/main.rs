@@ -832,15 +832,9 @@ fn run(a: RunArgs) -> Result<()> {
     let prompt = if a.chat || a.system.is_some() {
         let mut m = Vec::new();
         if let Some(s) = &a.system {
-            m.push(Message {
-                role: "system".into(),
-                content: s.clone(),
-            });
+            m.push(Message::new("system", s.clone()));
         }
-        m.push(Message {
-            role: "user".into(),
-            content: text,
-        });
+        m.push(Message::new("user", text));
         Prompt::Chat(m)
     } else if let Some(suffix) = &a.suffix {
         Prompt::Infill {

@@ -107,10 +107,8 @@ pub struct RunOptions {
 /// and the prefix.
 pub fn input_ids(engine: &Engine, user: &str, prefix: &str, chat: bool) -> Result<Vec<u32>> {
     if chat {
-        let mut ids = engine.prompt_tokens(&Prompt::Chat(vec![Message {
-            role: "user".into(),
-            content: user.to_string(),
-        }]))?;
+        let mut ids =
+            engine.prompt_tokens(&Prompt::Chat(vec![Message::new("user", user.to_string())]))?;
         if !prefix.is_empty() {
             ids.extend(engine.tokenize_continuation(prefix)?);
         }

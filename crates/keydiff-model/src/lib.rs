@@ -15,7 +15,7 @@ pub mod tokenizer;
 pub mod weights;
 
 pub use attention::AttentionBackend;
-pub use chat::{ChatTemplate, Message};
+pub use chat::{ChatTemplate, Message, ToolCall};
 pub use config::{Arch, ModelConfig};
 pub use error::{ModelError, Result};
 pub use load::{load_gguf, load_hf_dir, load_random, Loaded, MemoryPlan, ModelFormat, Vocab};

@@ -2,17 +2,21 @@
 //! and the response bodies.
 //!
 //! Unknown fields are ignored, as OpenAI clients send many; fields this server cannot honour
-//! (`best_of` above `n` with a stream, `suffix`, `tools`, image content, JSON schema keywords
-//! the grammar cannot enforce) are refused with a 400 naming the field rather than ignored, so
+//! (`best_of` above `n` with a stream, `suffix` with `echo`, image content, JSON schema
+//! keywords the grammar cannot enforce, tools for a model whose calls keydiff cannot read) are refused with a 400 naming the field rather than ignored, so
 //! that no client gets an answer it did not ask for.
 //!
 //! The output's form is OpenAI's `response_format` (`text`, `json_object`, `json_schema`) or
 //! llama.cpp's `grammar` (GBNF) or `json_schema`, on both endpoints.
 //!
+//! Chat takes OpenAI's `tools`, `tool_choice` and `parallel_tool_calls`, and messages with
+//! `tool_calls` and `tool` replies ([`keydiff::tools`]).
+//!
 //! `logprobs` follow each endpoint's form: an integer (0 to [`MAX_TOP_LOGPROBS`] alternatives)
 //! for completions, where `echo` adds the prompt's; `logprobs: true` with `top_logprobs` for
 //! chat.
 
+use keydiff::tools::{Tool, ToolCall, ToolChoice, ToolSyntax};
 use keydiff::{
     Format, GenerateParams, Message, Output, Prompt, Sampling, StopReason, MAX_TOP_LOGPROBS,
 };
@@ -98,6 +102,11 @@ pub struct ContentPart {
 pub struct ChatMessage {
     pub role: String,
     pub content: Option<Content>,
+    /// An assistant's calls: `{"id", "type": "function", "function": {"name", "arguments"}}`,
+    /// the arguments a JSON text.
+    pub tool_calls: Option<Vec<Value>>,
+    /// The call a `tool` message answers.
+    pub tool_call_id: Option<String>,
 }
 
 /// `POST /v1/chat/completions`.
@@ -105,6 +114,8 @@ pub struct ChatMessage {
 pub struct ChatRequest {
     pub messages: Vec<ChatMessage>,
     pub tools: Option<Vec<Value>>,
+    pub tool_choice: Option<Value>,
+    pub parallel_tool_calls: Option<bool>,
     #[serde(flatten)]
     pub common: Common,
 }
@@ -133,6 +144,9 @@ pub struct Mapped {
     pub echo: bool,
     pub stream: bool,
     pub include_usage: bool,
+    /// Read the replies for calls to these tools, written in this syntax (chat with tools and
+    /// a `tool_choice` other than `none`).
+    pub tools: Option<(ToolSyntax, Vec<Tool>)>,
 }
 
 /// The most completions one request may ask for (`n`; OpenAI's limit). Each has its own KV
@@ -147,6 +161,8 @@ pub const MAX_PROMPTS: usize = 128;
 pub struct Defaults {
     /// Tokens generated when a request sets no `max_tokens` (`None`: up to the context).
     pub max_tokens: Option<usize>,
+    /// How the model writes function calls (`None`: it cannot be given tools to call).
+    pub tool_syntax: Option<ToolSyntax>,
 }
 
 impl Common {
@@ -218,6 +234,7 @@ impl Common {
             hide_logprobs: false,
             echo: false,
             stream: self.stream.unwrap_or(false),
+            tools: None,
             include_usage: self
                 .stream_options
                 .as_ref()
@@ -441,9 +458,47 @@ fn prompt(v: Value) -> Result<Prompt, ApiError> {
 impl ChatRequest {
     pub fn map(self, defaults: Defaults) -> Result<Mapped, ApiError> {
         let bad = |m: String, p: &'static str| Err(ApiError::invalid(m, Some(p)));
-        if self.tools.as_ref().is_some_and(|t| !t.is_empty()) {
-            return bad("tools are not supported".into(), "tools");
-        }
+        let tools = keydiff::tools::tools_from_openai(self.tools.as_deref().unwrap_or_default())
+            .map_err(|e| ApiError::invalid(e.to_string(), Some("tools")))?;
+        let choice = match self.tool_choice.as_ref().filter(|v| !v.is_null()) {
+            Some(v) => ToolChoice::from_openai(v, &tools)
+                .map_err(|e| ApiError::invalid(e.to_string(), Some("tool_choice")))?,
+            None if tools.is_empty() => ToolChoice::None,
+            None => ToolChoice::Auto,
+        };
+        // The calls' grammar sets the output's form, unless the model is not to call.
+        let tool_format = match (choice != ToolChoice::None, defaults.tool_syntax) {
+            (false, _) => None,
+            (true, None) => {
+                return bad(
+                    "this model's chat template writes no function calls keydiff can read \
+                     (Hermes <tool_call> blocks, as Qwen 2.5, or Llama 3.x JSON calls), so it \
+                     cannot be given tools to call; tool_choice none renders them only"
+                        .into(),
+                    "tools",
+                )
+            }
+            (true, Some(syntax)) => {
+                let c = &self.common;
+                if c.response_format.as_ref().is_some_and(|v| !v.is_null())
+                    || c.grammar.is_some()
+                    || c.json_schema.is_some()
+                {
+                    return bad(
+                        "tools to call set the output's form (calls, or text then calls); \
+                         response_format, grammar and json_schema cannot be added to it \
+                         (tool_choice none allows them)"
+                            .into(),
+                        "tool_choice",
+                    );
+                }
+                let parallel = self.parallel_tool_calls.unwrap_or(true);
+                let format = syntax
+                    .format(&tools, &choice, parallel)
+                    .map_err(|e| ApiError::invalid(e.to_string(), Some("tools")))?;
+                format.map(|f| (syntax, f))
+            }
+        };
         let on = match &self.common.logprobs {
             None | Some(Value::Null) | Some(Value::Bool(false)) => false,
             Some(Value::Bool(true)) => true,
@@ -463,8 +518,73 @@ impl ChatRequest {
         }
         let messages = messages(self.messages)?;
         let logprobs = on.then(|| top.unwrap_or(0));
-        self.common.map(Prompt::Chat(messages), defaults, logprobs)
+        let prompt = match tools.is_empty() {
+            true => Prompt::Chat(messages),
+            false => Prompt::ChatTools {
+                messages,
+                tools: tools.clone(),
+            },
+        };
+        let mut m = self.common.map(prompt, defaults, logprobs)?;
+        if let Some((syntax, format)) = tool_format {
+            m.params.sampling.format = format;
+            m.tools = Some((syntax, tools));
+        }
+        Ok(m)
     }
+}
+
+/// An assistant message's `tool_calls[j]`, with its arguments read from their JSON text (an
+/// object is taken too).
+fn tool_call(v: &Value, at: &str) -> Result<ToolCall, ApiError> {
+    let bad = |m: String| ApiError::invalid(format!("{at}: {m}"), Some("messages"));
+    let f = v
+        .get("function")
+        .ok_or_else(|| bad("a tool call needs its `function`".into()))?;
+    let name = f
+        .get("name")
+        .and_then(Value::as_str)
+        .ok_or_else(|| bad("a tool call's function needs a string `name`".into()))?;
+    let arguments = match f.get("arguments") {
+        None | Some(Value::Null) => json!({}),
+        Some(Value::String(t)) => serde_json::from_str(t)
+            .map_err(|e| bad(format!("the arguments of `{name}` are not JSON: {e}")))?,
+        Some(o @ Value::Object(_)) => o.clone(),
+        Some(o) => {
+            return Err(bad(format!(
+                "the arguments of `{name}` must be a JSON text, not {o}"
+            )))
+        }
+    };
+    Ok(ToolCall {
+        id: v
+            .get("id")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_string(),
+        name: name.to_string(),
+        arguments,
+    })
+}
+
+/// Calls in OpenAI's form, the arguments a JSON text; with their `index` for a stream's
+/// delta.
+pub fn tool_calls(calls: &[ToolCall], indexed: bool) -> Value {
+    calls
+        .iter()
+        .enumerate()
+        .map(|(k, c)| {
+            let mut v = json!({
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.name, "arguments": c.arguments.to_string()},
+            });
+            if indexed {
+                v["index"] = k.into();
+            }
+            v
+        })
+        .collect()
 }
 
 /// Chat messages in the engine's form: text content only, `developer` as `system`.
@@ -474,7 +594,7 @@ pub fn messages(list: Vec<ChatMessage>) -> Result<Vec<Message>, ApiError> {
         return bad("messages must not be empty".into());
     }
     let mut messages = Vec::with_capacity(list.len());
-    for m in list {
+    for (i, m) in list.into_iter().enumerate() {
         let content = match m.content {
             None => String::new(),
             Some(Content::Text(t)) => t,
@@ -498,7 +618,15 @@ pub fn messages(list: Vec<ChatMessage>) -> Result<Vec<Message>, ApiError> {
             "developer" => "system".to_string(),
             _ => m.role,
         };
-        messages.push(Message { role, content });
+        let tool_calls = (m.tool_calls.iter().flatten().enumerate())
+            .map(|(j, c)| tool_call(c, &format!("messages[{i}].tool_calls[{j}]")))
+            .collect::<Result<Vec<_>, _>>()?;
+        messages.push(Message {
+            role,
+            content,
+            tool_calls,
+            tool_call_id: m.tool_call_id,
+        });
     }
     Ok(messages)
 }

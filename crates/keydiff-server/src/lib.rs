@@ -53,6 +53,7 @@ use tokio::sync::mpsc;
 pub use error::{ApiError, ServerError};
 
 use api::{ChatRequest, CompletionRequest, Defaults, Mapped};
+use keydiff::tools::{Tool, ToolStream, ToolSyntax};
 
 /// Largest request body: a prompt at the longest contexts (128K tokens as text or ids) fits
 /// many times over; axum's default of 2 MB would not.
@@ -1061,6 +1062,8 @@ struct Reply {
     logprobs: Option<Arc<Engine>>,
     /// The text offsets of each completion's logprobs, across a stream's chunks.
     offsets: Vec<logprobs::CompletionLogprobs>,
+    /// Read the replies for calls to these tools, in this syntax.
+    tools: Option<(ToolSyntax, Vec<Tool>)>,
 }
 
 impl Reply {
@@ -1080,6 +1083,7 @@ impl Reply {
             n,
             logprobs: None,
             offsets: (0..prompts * n).map(|_| Default::default()).collect(),
+            tools: None,
         }
     }
 
@@ -1167,12 +1171,28 @@ impl Reply {
                 Kind::Completion => {
                     json!({"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason})
                 }
-                Kind::Chat => json!({
-                    "index": i,
-                    "message": {"role": "assistant", "content": text},
-                    "logprobs": logprobs,
-                    "finish_reason": reason,
-                }),
+                Kind::Chat => {
+                    let mut message = json!({"role": "assistant", "content": text});
+                    let mut reason = reason;
+                    if let Some((syntax, tools)) = &self.tools {
+                        let p = syntax.parse(&text, tools);
+                        if !p.calls.is_empty() {
+                            let content = p.content.trim();
+                            message["content"] = match content.is_empty() {
+                                true => Value::Null,
+                                false => content.into(),
+                            };
+                            message["tool_calls"] = api::tool_calls(&p.calls, false);
+                            reason = tool_reason(reason);
+                        }
+                    }
+                    json!({
+                        "index": i,
+                        "message": message,
+                        "logprobs": logprobs,
+                        "finish_reason": reason,
+                    })
+                }
             };
             if outs.len() > 1 {
                 choice["keydiff"] = api::stats(out);
@@ -1218,6 +1238,13 @@ impl Reply {
             }
         };
         self.envelope(self.chunk_object(), json!([choice]))
+    }
+
+    /// The chunk of completion `choice` that carries its calls.
+    fn tool_calls_chunk(&self, choice: usize, calls: &[keydiff::tools::ToolCall]) -> Value {
+        let delta = json!({"tool_calls": api::tool_calls(calls, true)});
+        let c = json!({"index": choice, "delta": delta, "logprobs": null, "finish_reason": null});
+        self.envelope(self.chunk_object(), json!([c]))
     }
 
     /// The chunk that closes a stream with `stream_options.include_usage`.
@@ -1267,7 +1294,9 @@ async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Result<Res
                     .await?
                 }
                 keydiff::Prompt::Text(t) => t.clone(),
-                keydiff::Prompt::Chat(_) | keydiff::Prompt::Infill { .. } => {
+                keydiff::Prompt::Chat(_)
+                | keydiff::Prompt::ChatTools { .. }
+                | keydiff::Prompt::Infill { .. } => {
                     unreachable!("completions take no messages, and echo no suffix")
                 }
             });
@@ -1287,9 +1316,19 @@ async fn chat_completions(
     Ok(respond(st, mapped, reply).await)
 }
 
+/// OpenAI's `finish_reason` of a reply that called functions: `tool_calls` where it ended by
+/// itself (`stop`), else what ended it (`length`: the calls were read nonetheless).
+fn tool_reason(reason: &'static str) -> &'static str {
+    match reason {
+        "stop" => "tool_calls",
+        r => r,
+    }
+}
+
 fn defaults(st: &AppState) -> Defaults {
     Defaults {
         max_tokens: st.cfg.max_tokens,
+        tool_syntax: st.engine.tool_syntax(),
     }
 }
 
@@ -1304,7 +1343,9 @@ async fn respond(st: Arc<AppState>, m: Mapped, mut reply: Reply) -> Response {
         stream,
         include_usage,
         echo: _,
+        tools,
     } = m;
+    reply.tools = tools;
     if params.logprobs.is_some() && !hide_logprobs {
         reply.logprobs = Some(st.engine.clone());
     }
@@ -1363,21 +1404,46 @@ async fn respond(st: Arc<AppState>, m: Mapped, mut reply: Reply) -> Response {
         // its last chunk went.
         let mut lps: Vec<Vec<TokenLogprob>> = (0..n).map(|_| Vec::new()).collect();
         let mut finished = vec![false; n];
-        // Completion `i`'s last chunk: the logprobs of tokens that added no text (an end of
-        // turn, a cut stop string), the finish reason and the engine's figures.
-        let last_chunk =
-            |reply: &mut Reply, lps: &mut Vec<TokenLogprob>, i: usize, out: &Output| {
-                let rest = match lps.is_empty() {
-                    true => Ok(Value::Null),
-                    false => reply.generated_logprobs(i, &std::mem::take(lps)),
-                };
-                rest.map(|l| {
-                    let reason = api::finish_reason(out.stats.stop_reason);
-                    let mut last = reply.chunk(i, None, false, Some(reason), l);
-                    last["keydiff"] = api::stats(out);
-                    last
-                })
+        // With tools, each completion's text that may be a call, held back until it ends.
+        let mut held: Vec<Option<ToolStream>> = (0..n)
+            .map(|_| {
+                reply
+                    .tools
+                    .as_ref()
+                    .map(|(syntax, _)| ToolStream::new(*syntax))
+            })
+            .collect();
+        // Completion `i`'s last chunks: with tools, the content held back and the calls;
+        // then the logprobs of tokens whose text was not sent with text (an end of turn, a
+        // cut stop string, calls), the finish reason and the engine's figures.
+        let last_chunks = |reply: &mut Reply,
+                           lps: &mut Vec<TokenLogprob>,
+                           held: &mut Option<ToolStream>,
+                           i: usize,
+                           out: &Output| {
+            let mut chunks = Vec::new();
+            let mut reason = api::finish_reason(out.stats.stop_reason);
+            if let (Some(h), Some((_, tools))) = (held.take(), &reply.tools) {
+                let p = h.finish(tools);
+                if !p.content.is_empty() {
+                    chunks.push(reply.chunk(i, Some(&p.content), false, None, Value::Null));
+                }
+                if !p.calls.is_empty() {
+                    chunks.push(reply.tool_calls_chunk(i, &p.calls));
+                    reason = tool_reason(reason);
+                }
+            }
+            let rest = match lps.is_empty() {
+                true => Ok(Value::Null),
+                false => reply.generated_logprobs(i, &std::mem::take(lps)),
             };
+            rest.map(|l| {
+                let mut last = reply.chunk(i, None, false, Some(reason), l);
+                last["keydiff"] = api::stats(out);
+                chunks.push(last);
+                chunks
+            })
+        };
         loop {
             let msg = match pending.take() {
                 Some(m) => m,
@@ -1438,20 +1504,31 @@ async fn respond(st: Arc<AppState>, m: Mapped, mut reply: Reply) -> Response {
                     lps[i].push(t);
                     continue;
                 }
-                Msg::Text(i, t) => reply
-                    .generated_logprobs(i, &std::mem::take(&mut lps[i]))
-                    .map(|l| vec![reply.chunk(i, Some(&t), false, None, l)]),
+                Msg::Text(i, t) => {
+                    let t = match &mut held[i] {
+                        Some(h) => h.push(&t),
+                        None => t,
+                    };
+                    // Held back: its tokens' logprobs go with the text that comes.
+                    if t.is_empty() {
+                        continue;
+                    }
+                    reply
+                        .generated_logprobs(i, &std::mem::take(&mut lps[i]))
+                        .map(|l| vec![reply.chunk(i, Some(&t), false, None, l)])
+                }
                 Msg::Ended(i, out) => {
                     finished[i] = true;
-                    last_chunk(&mut reply, &mut lps[i], i, &out).map(|c| vec![c])
+                    last_chunks(&mut reply, &mut lps[i], &mut held[i], i, &out)
                 }
                 Msg::Done(Ok(outs)) => {
                     let lasts: Result<Vec<Value>, ApiError> = outs
                         .iter()
                         .enumerate()
                         .filter(|(i, _)| !finished[*i])
-                        .map(|(i, out)| last_chunk(&mut reply, &mut lps[i], i, out))
-                        .collect();
+                        .map(|(i, out)| last_chunks(&mut reply, &mut lps[i], &mut held[i], i, out))
+                        .collect::<Result<Vec<_>, _>>()
+                        .map(|v| v.concat());
                     match lasts {
                         Ok(mut chunks) => {
                             if include_usage {

@@ -10,10 +10,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .unwrap_or_else(|| "models/SmolLM2-135M-Instruct.Q4_1.gguf".into());
     let engine = Engine::load(&ModelSource::parse(&path)?, &EngineConfig::default())?;
     let params = GenerateParams {
-        prompt: Prompt::Chat(vec![Message {
-            role: "user".into(),
-            content: "Name three primary colors.".into(),
-        }]),
+        prompt: Prompt::Chat(vec![Message::new("user", "Name three primary colors.")]),
         max_tokens: 48,
         ..Default::default()
     };

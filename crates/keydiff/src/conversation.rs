@@ -29,12 +29,7 @@ impl Conversation {
     pub fn new(system: Option<&str>) -> Self {
         Self {
             messages: system
-                .map(|s| {
-                    vec![Message {
-                        role: "system".into(),
-                        content: s.to_string(),
-                    }]
-                })
+                .map(|s| vec![Message::new("system", s.to_string())])
                 .unwrap_or_default(),
             cache: None,
             fed_text: String::new(),
@@ -89,10 +84,7 @@ impl Engine {
         }
         let t0 = Instant::now();
         let mut messages = conv.messages.clone();
-        messages.push(Message {
-            role: "user".into(),
-            content: user.to_string(),
-        });
+        messages.push(Message::new("user", user.to_string()));
         let text = self.render_chat(&messages)?;
         let reuse = conv.cache.is_some() && text.starts_with(&conv.fed_text);
         let (feed, kept) = if reuse {
@@ -143,10 +135,7 @@ impl Engine {
             _ => last,
         };
         conv.fed_text = format!("{text}{content}");
-        messages.push(Message {
-            role: "assistant".into(),
-            content,
-        });
+        messages.push(Message::new("assistant", content));
         conv.messages = messages;
         conv.cache = Some(cache);
         Ok(out)

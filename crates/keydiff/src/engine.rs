@@ -90,12 +90,28 @@ pub enum Prompt {
     Text(String),
     /// Messages rendered with the model's chat template, generation prompt appended.
     Chat(Vec<Message>),
+    /// Messages and the functions the model may call, rendered with the model's chat template
+    /// (`tools`), generation prompt appended ([`crate::tools`]).
+    ChatTools {
+        messages: Vec<Message>,
+        tools: Vec<crate::tools::Tool>,
+    },
     /// Token ids, used as given.
     Tokens(Vec<u32>),
     /// Fill in the middle: the model writes what goes between `prefix` and `suffix`, with its
     /// FIM tokens (`<|fim_prefix|>` prefix `<|fim_suffix|>` suffix `<|fim_middle|>`, as
     /// llama.cpp's infill and OpenAI's `suffix`). Special tokens in the texts are not parsed.
     Infill { prefix: String, suffix: String },
+}
+
+impl Prompt {
+    /// A chat's messages.
+    pub fn messages(&self) -> Option<&[Message]> {
+        match self {
+            Prompt::Chat(m) | Prompt::ChatTools { messages: m, .. } => Some(m),
+            _ => None,
+        }
+    }
 }
 
 /// One request.
@@ -542,6 +558,136 @@ pub(crate) struct Decoding<'e> {
 enum Constraint {
     Json(JsonObject),
     Grammar(GrammarState),
+    Lazy(Lazy),
+}
+
+/// [`Format::Lazy`]: free text until a trigger, then the grammar from the trigger on.
+#[derive(Debug, Clone)]
+struct Lazy {
+    /// Triggers anywhere in the text.
+    anywhere: Arc<[Box<[u8]>]>,
+    /// Triggers that count at the start of the text only, after whitespace.
+    at_start: Arc<[Box<[u8]>]>,
+    /// The last bytes of the text, fewer than the longest trigger's.
+    tail: Vec<u8>,
+    /// The text after its leading whitespace, while it may still become a start trigger.
+    lead: Option<Vec<u8>>,
+    /// The grammar: nothing read until a trigger comes, then what came from it on.
+    grammar: GrammarState,
+    active: bool,
+}
+
+impl Lazy {
+    fn new(triggers: &[String], at_start: &[String], grammar: GrammarState) -> Result<Self> {
+        let all = triggers.iter().chain(at_start);
+        if triggers.is_empty() && at_start.is_empty() {
+            return Err(EngineError::BadParams(
+                "a lazy grammar needs a trigger".into(),
+            ));
+        }
+        for t in all {
+            if t.is_empty() || !grammar.clone().push_all(t.as_bytes()) {
+                return Err(EngineError::BadParams(format!(
+                    "a lazy grammar must allow a text that starts with its trigger `{t}`"
+                )));
+            }
+        }
+        let bytes = |v: &[String]| v.iter().map(|t| t.as_bytes().into()).collect();
+        Ok(Self {
+            anywhere: bytes(triggers),
+            at_start: bytes(at_start),
+            tail: Vec::new(),
+            lead: (!at_start.is_empty()).then(Vec::new),
+            grammar,
+            active: false,
+        })
+    }
+
+    fn is_done(&self) -> bool {
+        !self.active || self.grammar.is_done()
+    }
+
+    /// The text after its leading whitespace once `bytes` are added, while it may still
+    /// become a start trigger.
+    fn lead_after(&self, bytes: &[u8]) -> Option<Vec<u8>> {
+        let lead = self.lead.as_ref()?;
+        let mut t = lead.clone();
+        t.extend_from_slice(bytes);
+        let ws = t.iter().take_while(|b| b.is_ascii_whitespace()).count();
+        t.drain(..ws);
+        let may = |s: &[u8]| s.starts_with(&t) || t.starts_with(s);
+        self.at_start.iter().any(|s| may(s)).then_some(t)
+    }
+
+    /// The text from the trigger on, when `bytes` bring one.
+    fn trigger_in(&self, bytes: &[u8]) -> Option<Vec<u8>> {
+        if let Some(t) = self.lead_after(bytes) {
+            if self.at_start.iter().any(|s| t.starts_with(s)) {
+                return Some(t);
+            }
+        }
+        // A trigger was not in the tail (it would have come): it ends in `bytes`.
+        let text: Vec<u8> = self.tail.iter().chain(bytes).copied().collect();
+        let p = (0..text.len()).find(|&p| {
+            self.anywhere
+                .iter()
+                .any(|t| text[p..].starts_with(t) && p + t.len() > self.tail.len())
+        })?;
+        Some(text[p..].to_vec())
+    }
+
+    /// Reads a token's bytes; false when the grammar refuses them.
+    fn push_all(&mut self, bytes: &[u8]) -> bool {
+        if self.active {
+            return self.grammar.push_all(bytes);
+        }
+        if let Some(from) = self.trigger_in(bytes) {
+            self.active = true;
+            return self.grammar.push_all(&from);
+        }
+        self.lead = self.lead_after(bytes);
+        self.tail.extend_from_slice(bytes);
+        let keep = self.anywhere.iter().map(|t| t.len() - 1).max().unwrap_or(0);
+        if self.tail.len() > keep {
+            self.tail.drain(..self.tail.len() - keep);
+        }
+        true
+    }
+
+    /// Before a trigger: bans the tokens that would bring one and then leave the grammar.
+    /// After it: the grammar's mask.
+    fn mask(
+        &self,
+        logits: &mut [f32],
+        tokens: &[Box<[u8]>],
+        by_bytes: &[u32],
+        eos: &[u32],
+    ) -> usize {
+        if self.active {
+            return self.grammar.mask(logits, tokens, by_bytes, eos);
+        }
+        // Only a token with a trigger's last byte can end one.
+        let lasts: Vec<u8> = (self.anywhere.iter().chain(self.at_start.iter()))
+            .map(|t| *t.last().expect("not empty"))
+            .collect();
+        let mut left = 0;
+        for (id, l) in logits.iter_mut().enumerate() {
+            if !l.is_finite() {
+                continue;
+            }
+            let bytes = tokens.get(id).map_or(&[][..], |b| &b[..]);
+            if bytes.iter().any(|b| lasts.contains(b)) {
+                if let Some(from) = self.trigger_in(bytes) {
+                    if !self.grammar.clone().push_all(&from) {
+                        *l = f32::NEG_INFINITY;
+                        continue;
+                    }
+                }
+            }
+            left += 1;
+        }
+        left
+    }
 }
 
 impl Constraint {
@@ -557,6 +703,18 @@ impl Constraint {
                 c.check()?;
                 Some(c)
             }
+            Format::Lazy {
+                grammar,
+                triggers,
+                at_start,
+            } => {
+                let g = GrammarState::new(Arc::new(
+                    Grammar::parse(grammar).map_err(|e| EngineError::BadParams(e.to_string()))?,
+                ));
+                let c = Constraint::Lazy(Lazy::new(triggers, at_start, g)?);
+                c.check()?;
+                Some(c)
+            }
         })
     }
 
@@ -564,11 +722,15 @@ impl Constraint {
     /// what its mask refused may have been allowed.
     fn check(&self) -> Result<()> {
         match self {
-            Constraint::Grammar(g) if g.is_ambiguous() => Err(EngineError::BadParams(format!(
-                "grammar: more than {} ways to read the text at once; it is too ambiguous \
+            Constraint::Grammar(g) | Constraint::Lazy(Lazy { grammar: g, .. })
+                if g.is_ambiguous() =>
+            {
+                Err(EngineError::BadParams(format!(
+                    "grammar: more than {} ways to read the text at once; it is too ambiguous \
                  to follow",
-                crate::grammar::MAX_STACKS
-            ))),
+                    crate::grammar::MAX_STACKS
+                )))
+            }
             _ => Ok(()),
         }
     }
@@ -579,6 +741,7 @@ impl Constraint {
             Format::Text => "nothing",
             Format::JsonObject => "JSON mode",
             Format::Grammar(_) => "the grammar",
+            Format::Lazy { .. } => "the grammar after its trigger",
         }
     }
 
@@ -595,6 +758,7 @@ impl Constraint {
         match self {
             Constraint::Json(j) => j.mask(logits, tokens, eos),
             Constraint::Grammar(g) => g.mask(logits, tokens, by_bytes, eos),
+            Constraint::Lazy(l) => l.mask(logits, tokens, by_bytes, eos),
         }
     }
 
@@ -603,9 +767,18 @@ impl Constraint {
         let done = match self {
             Constraint::Json(j) => j.is_done(),
             Constraint::Grammar(g) => g.is_done(),
+            Constraint::Lazy(l) => l.is_done(),
         };
         if eos.contains(&tok) {
             return done;
+        }
+        if let Constraint::Lazy(l) = self {
+            // Before the trigger any token goes, special ones too.
+            let bytes = tokens.get(tok as usize).map_or(&[][..], |b| &b[..]);
+            return match l.active && bytes.is_empty() {
+                true => false,
+                false => l.push_all(bytes),
+            };
         }
         let Some(bytes) = tokens.get(tok as usize).filter(|b| !b.is_empty()) else {
             return false;
@@ -613,6 +786,7 @@ impl Constraint {
         match self {
             Constraint::Json(j) => !done && j.push_all(bytes),
             Constraint::Grammar(g) => g.push_all(bytes),
+            Constraint::Lazy(_) => unreachable!("read above"),
         }
     }
 }
@@ -638,7 +812,9 @@ impl<'e> Decoding<'e> {
             Some(c) => {
                 let (tokens, eos) = (self.engine.token_bytes()?, &vocab.eos_ids);
                 let by_bytes = match c {
-                    Constraint::Grammar(_) => self.engine.tokens_by_bytes()?,
+                    Constraint::Grammar(_) | Constraint::Lazy(_) => {
+                        self.engine.tokens_by_bytes()?
+                    }
                     Constraint::Json(_) => &[],
                 };
                 let tok = self.sampler.sample_constrained(
@@ -1273,13 +1449,30 @@ impl Engine {
 
     /// Renders messages with the model's chat template, generation prompt appended.
     pub fn render_chat(&self, messages: &[Message]) -> Result<String> {
+        self.render_chat_tools(messages, &[])
+    }
+
+    /// Renders messages and the functions the model may call with the model's chat template,
+    /// generation prompt appended.
+    pub fn render_chat_tools(
+        &self,
+        messages: &[Message],
+        tools: &[crate::tools::Tool],
+    ) -> Result<String> {
         let t = self
             .loaded
             .vocab
             .chat_template
             .as_ref()
             .ok_or(EngineError::NoChatTemplate)?;
-        Ok(t.render(messages, true)?)
+        let tools: Vec<serde_json::Value> = tools.iter().map(|t| t.to_openai()).collect();
+        Ok(t.render_with_tools(messages, &tools, true)?)
+    }
+
+    /// How the model writes function calls, told by its chat template; `None` without a
+    /// template or when it writes none keydiff reads ([`crate::tools::ToolSyntax`]).
+    pub fn tool_syntax(&self) -> Option<crate::tools::ToolSyntax> {
+        crate::tools::ToolSyntax::of_template(self.chat_template()?)
     }
 
     /// Token ids of a prompt.
@@ -1291,8 +1484,9 @@ impl Engine {
                 }
                 self.tokenize(t, false)?
             }
-            Prompt::Chat(m) => {
-                let text = self.render_chat(m)?;
+            Prompt::Chat(_) | Prompt::ChatTools { .. } => {
+                let text = self.prompt_text(prompt)?.expect("a chat has text");
+                let m = prompt.messages().expect("a chat");
                 if text.is_empty() {
                     return Err(EngineError::BadParams(format!(
                         "the chat template rendered {} message(s) as an empty prompt",

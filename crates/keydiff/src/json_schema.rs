@@ -241,6 +241,13 @@ const PRIMITIVES: &[(&str, &str)] = &[
 
 /// Writes the GBNF grammar of the JSON values `schema` allows (see the module docs).
 pub fn to_grammar(schema: &Value) -> Result<String, SchemaError> {
+    to_rules(schema, "root")
+}
+
+/// The rules of [`to_grammar`] with the schema's values as rule `name` instead of `root`,
+/// and no rule named `root`: a part of a larger grammar that defines `root` (tool calls,
+/// [`crate::tools`]). Its other rules are named as in [`to_grammar`].
+pub fn to_rules(schema: &Value, name: &str) -> Result<String, SchemaError> {
     let merged = merge_all_of(schema)?;
     let schema = &merged;
     let mut c = Converter {
@@ -249,13 +256,13 @@ pub fn to_grammar(schema: &Value) -> Result<String, SchemaError> {
         refs: HashMap::new(),
         used: Vec::new(),
         taken: (PRIMITIVES.iter().map(|p| (p.0.to_string(), 1)))
-            .chain([("root".to_string(), 1)])
+            .chain([("root".to_string(), 1), (name.to_string(), 1)])
             .collect(),
         depth: 0,
     };
-    let root = c.visit(schema, "root", "#")?;
-    if root != "root" {
-        c.rules.push(("root".into(), root));
+    let root = c.visit(schema, name, "#")?;
+    if root != name {
+        c.rules.push((name.into(), root));
     }
     // The primitives used, and those they use.
     let mut out = String::new();

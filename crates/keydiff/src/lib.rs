@@ -26,6 +26,7 @@ mod prompt_cache;
 mod sampling;
 mod source;
 mod stream;
+pub mod tools;
 
 pub use batch::{Batch, Ended};
 pub use candle_core::{DType, Device};

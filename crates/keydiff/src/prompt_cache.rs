@@ -197,6 +197,7 @@ impl Engine {
         Ok(match prompt {
             Prompt::Text(t) => Some(t.clone()),
             Prompt::Chat(m) => Some(self.render_chat(m)?),
+            Prompt::ChatTools { messages, tools } => Some(self.render_chat_tools(messages, tools)?),
             Prompt::Tokens(_) | Prompt::Infill { .. } => None,
         })
     }
@@ -406,7 +407,7 @@ impl Engine {
         if let (true, Some(t), Some(h)) = (can, text, &pc.text) {
             if let Some(delta) = t.strip_prefix(h.as_str()).filter(|d| !d.is_empty()) {
                 let added = match prompt {
-                    Prompt::Chat(_) => self.tokenize_special(delta)?,
+                    Prompt::Chat(_) | Prompt::ChatTools { .. } => self.tokenize_special(delta)?,
                     _ => self.tokenize_continuation(delta)?,
                 };
                 let mut ids = pc.tokens.clone();

@@ -53,6 +53,15 @@ pub enum Format {
     /// once the text is whole. A JSON schema is written as one by
     /// [`crate::json_schema::to_grammar`].
     Grammar(String),
+    /// Any text until a trigger comes; from there on, a text of `grammar` that starts with
+    /// the trigger, then the end of generation (llama.cpp's lazy grammars; tool calls with
+    /// `tool_choice: auto`, [`crate::tools`]). `triggers` count anywhere in the text,
+    /// `at_start` only where the text begins with them, after whitespace.
+    Lazy {
+        grammar: String,
+        triggers: Vec<String>,
+        at_start: Vec<String>,
+    },
 }
 
 impl Format {

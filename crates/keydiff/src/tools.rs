@@ -1,0 +1,511 @@
+//! Tools (function calling), as OpenAI's chat API, vLLM and llama.cpp's server have them.
+//!
+//! The functions a model may call ([`Tool`]) are rendered into the prompt by the model's own
+//! chat template (`tools`, as transformers hands them over). The model answers with calls in
+//! its own syntax ([`ToolSyntax`], told by the template): Hermes' `<tool_call>` blocks (Qwen
+//! 2.5, Hermes, and the many templates that copied them) or Llama 3.x's JSON object with
+//! `parameters`. [`ToolSyntax::parse`] reads them back out of the text; [`ToolStream`] holds
+//! back what may be a call while a reply streams.
+//!
+//! [`ToolChoice`] says what the model must do:
+//! - `auto`: answer in text or call; once a call starts (its trigger, `<tool_call>` or
+//!   `{"name"`), the rest of the reply follows the grammar of calls to the declared functions
+//!   with arguments their schemas allow ([`Format::Lazy`], llama.cpp's lazy grammars);
+//! - `required` or one named function: the whole reply is such calls ([`Format::Grammar`]);
+//! - `none`: the tools are in the prompt, and the reply is text, not read for calls.
+
+use serde_json::{json, Map, Value};
+
+use crate::json_schema;
+use crate::sampling::Format;
+pub use keydiff_model::ToolCall;
+
+/// A request's tools refused: what is wrong, and where.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct ToolError(pub String);
+
+type Result<T> = std::result::Result<T, ToolError>;
+
+/// The most tools one request may declare (OpenAI's limit).
+pub const MAX_TOOLS: usize = 128;
+
+/// A function the model may call.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Tool {
+    /// `a-z`, `A-Z`, `0-9`, `_` and `-`, at most 64 (OpenAI's rule).
+    pub name: String,
+    pub description: Option<String>,
+    /// A JSON schema of the arguments object; `None`: no arguments (`{}`).
+    pub parameters: Option<Value>,
+}
+
+impl Tool {
+    /// A tool from OpenAI's object, `{"type": "function", "function": {"name", "description",
+    /// "parameters"}}`. Its arguments' schema is compiled here, so that one the grammar cannot
+    /// enforce is refused when the request comes, not when the model calls it.
+    pub fn from_openai(v: &Value) -> Result<Tool> {
+        let bad = |m: String| Err(ToolError(m));
+        let Some(o) = v.as_object() else {
+            return bad(format!("a tool must be an object, not {v}"));
+        };
+        match o.get("type").and_then(Value::as_str) {
+            Some("function") => {}
+            Some(t) => {
+                return bad(format!(
+                    "tool type `{t}` is not supported (only `function`)"
+                ))
+            }
+            None => return bad("a tool needs `\"type\": \"function\"`".into()),
+        }
+        let Some(f) = o.get("function").and_then(Value::as_object) else {
+            return bad("a function tool needs its `function` object".into());
+        };
+        let name = match f.get("name").and_then(Value::as_str) {
+            Some(n) if valid_name(n) => n.to_string(),
+            Some(n) => {
+                return bad(format!(
+                    "function name `{n}`: it must be 1 to 64 of a-z, A-Z, 0-9, `_` and `-`"
+                ))
+            }
+            None => return bad("a function needs a string `name`".into()),
+        };
+        let description = match f.get("description") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(d)) => Some(d.clone()),
+            Some(d) => {
+                return bad(format!(
+                    "function `{name}`: description must be a string, not {d}"
+                ))
+            }
+        };
+        let parameters = match f.get("parameters") {
+            None | Some(Value::Null) => None,
+            Some(p @ Value::Object(_)) => {
+                if p.get("type").is_some_and(|t| t != "object") {
+                    return bad(format!(
+                        "function `{name}`: parameters must be a schema of an object, not of {}",
+                        p["type"]
+                    ));
+                }
+                json_schema::to_grammar(p)
+                    .map_err(|e| ToolError(format!("function `{name}` parameters: {e}")))?;
+                Some(p.clone())
+            }
+            Some(p) => {
+                return bad(format!(
+                    "function `{name}`: parameters must be a JSON schema object, not {p}"
+                ))
+            }
+        };
+        Ok(Tool {
+            name,
+            description,
+            parameters,
+        })
+    }
+
+    /// The object chat templates get (transformers passes OpenAI's form as given).
+    pub fn to_openai(&self) -> Value {
+        let mut f = Map::new();
+        f.insert("name".into(), self.name.clone().into());
+        if let Some(d) = &self.description {
+            f.insert("description".into(), d.clone().into());
+        }
+        if let Some(p) = &self.parameters {
+            f.insert("parameters".into(), p.clone());
+        }
+        json!({"type": "function", "function": f})
+    }
+
+    /// The schema of its arguments object.
+    fn arguments_schema(&self) -> Value {
+        match &self.parameters {
+            Some(p) => p.clone(),
+            None => json!({"type": "object", "properties": {}}),
+        }
+    }
+}
+
+/// Tools from OpenAI's `tools` array: at most [`MAX_TOOLS`], names unique.
+pub fn tools_from_openai(list: &[Value]) -> Result<Vec<Tool>> {
+    if list.len() > MAX_TOOLS {
+        return Err(ToolError(format!(
+            "{} tools: at most {MAX_TOOLS} per request",
+            list.len()
+        )));
+    }
+    let mut tools: Vec<Tool> = Vec::with_capacity(list.len());
+    for (i, v) in list.iter().enumerate() {
+        let t = Tool::from_openai(v).map_err(|e| ToolError(format!("tools[{i}]: {}", e.0)))?;
+        if tools.iter().any(|u| u.name == t.name) {
+            return Err(ToolError(format!(
+                "tools[{i}]: function `{}` is declared twice",
+                t.name
+            )));
+        }
+        tools.push(t);
+    }
+    Ok(tools)
+}
+
+fn valid_name(n: &str) -> bool {
+    (1..=64).contains(&n.len())
+        && n.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
+/// What the model must do with its tools.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum ToolChoice {
+    /// Answer in text; the reply is not read for calls.
+    None,
+    /// Answer in text or call functions (OpenAI's default when there are tools).
+    #[default]
+    Auto,
+    /// Call one function or more.
+    Required,
+    /// Call this function.
+    Function(String),
+}
+
+impl ToolChoice {
+    /// OpenAI's `tool_choice`: `"none"`, `"auto"`, `"required"` or `{"type": "function",
+    /// "function": {"name": ...}}` naming one of `tools`.
+    pub fn from_openai(v: &Value, tools: &[Tool]) -> Result<ToolChoice> {
+        let choice = match v {
+            Value::String(s) => match s.as_str() {
+                "none" => ToolChoice::None,
+                "auto" => ToolChoice::Auto,
+                "required" => ToolChoice::Required,
+                _ => {
+                    return Err(ToolError(format!(
+                        "tool_choice `{s}`: it must be none, auto, required or a function"
+                    )))
+                }
+            },
+            Value::Object(o) => match o
+                .get("function")
+                .and_then(|f| f.get("name"))
+                .and_then(Value::as_str)
+            {
+                Some(n) if o.get("type").and_then(Value::as_str) == Some("function") => {
+                    ToolChoice::Function(n.to_string())
+                }
+                _ => {
+                    return Err(ToolError(format!(
+                        "tool_choice {v}: a function is {{\"type\": \"function\", \"function\": \
+                         {{\"name\": ...}}}}"
+                    )))
+                }
+            },
+            _ => {
+                return Err(ToolError(format!(
+                    "tool_choice must be a string or an object, not {v}"
+                )))
+            }
+        };
+        if choice != ToolChoice::None && tools.is_empty() {
+            return Err(ToolError(
+                "tool_choice other than none needs tools to choose from".into(),
+            ));
+        }
+        if let ToolChoice::Function(n) = &choice {
+            if !tools.iter().any(|t| &t.name == n) {
+                return Err(ToolError(format!(
+                    "tool_choice names function `{n}`, which is not among the tools"
+                )));
+            }
+        }
+        Ok(choice)
+    }
+}
+
+/// How a model writes its calls, told by its chat template.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ToolSyntax {
+    /// `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`, one block per call
+    /// (Hermes; Qwen 2.5 and the templates that copied it).
+    Hermes,
+    /// `{"name": ..., "parameters": {...}}`, the whole reply, one call (Llama 3.1 to 3.3;
+    /// Meta's templates refuse several calls in one message).
+    Llama3,
+}
+
+const HERMES_OPEN: &str = "<tool_call>";
+const HERMES_CLOSE: &str = "</tool_call>";
+const PYTHON_TAG: &str = "<|python_tag|>";
+/// How a call object starts, as the grammar writes it: a reply that starts so is a call.
+const CALL_START: &str = "{\"name\"";
+
+impl ToolSyntax {
+    /// The syntax a chat template writes calls in; `None` when it writes none keydiff knows
+    /// (the model then cannot be given tools).
+    pub fn of_template(source: &str) -> Option<ToolSyntax> {
+        if source.contains(HERMES_OPEN) {
+            Some(ToolSyntax::Hermes)
+        } else if source.contains(PYTHON_TAG) || source.contains("\"parameters\": ") {
+            Some(ToolSyntax::Llama3)
+        } else {
+            None
+        }
+    }
+
+    /// The name of the arguments member of a call.
+    fn arguments_key(self) -> &'static str {
+        match self {
+            ToolSyntax::Hermes => "arguments",
+            ToolSyntax::Llama3 => "parameters",
+        }
+    }
+
+    /// The output form `choice` asks for: `None` for [`ToolChoice::None`]; calls only for
+    /// `Required` and `Function` (several when `parallel` and the syntax has them); text or
+    /// calls from their trigger on for `Auto`.
+    pub fn format(
+        self,
+        tools: &[Tool],
+        choice: &ToolChoice,
+        parallel: bool,
+    ) -> Result<Option<Format>> {
+        let called: Vec<&Tool> = match choice {
+            ToolChoice::None => return Ok(None),
+            ToolChoice::Function(n) => tools.iter().filter(|t| &t.name == n).collect(),
+            ToolChoice::Auto | ToolChoice::Required => tools.iter().collect(),
+        };
+        if called.is_empty() {
+            return Err(ToolError("no tools to call".into()));
+        }
+        let key = self.arguments_key();
+        let calls: Vec<Value> = called
+            .iter()
+            .map(|t| {
+                json!({
+                    "type": "object",
+                    "properties": {"name": {"const": t.name}, key: t.arguments_schema()},
+                    "required": ["name", key],
+                    "additionalProperties": false,
+                })
+            })
+            .collect();
+        let schema = match calls.len() {
+            1 => calls.into_iter().next().expect("one"),
+            _ => json!({ "anyOf": calls }),
+        };
+        let rules = json_schema::to_rules(&schema, "tool-call")
+            .map_err(|e| ToolError(format!("the tools' schemas: {e}")))?;
+        // A named function is called once, as OpenAI does.
+        let parallel =
+            parallel && self == ToolSyntax::Hermes && !matches!(choice, ToolChoice::Function(_));
+        let auto = *choice == ToolChoice::Auto;
+        let root = match self {
+            ToolSyntax::Hermes => {
+                let blocks = match parallel {
+                    true => "block (\"\\n\" block)*",
+                    false => "block",
+                };
+                // With `auto`, a reply that starts with a bare call object is read as calls
+                // too (small Qwen models often leave the tags out).
+                let bare = if auto { " | tool-call" } else { "" };
+                format!(
+                    "root ::= {blocks}{bare}\nblock ::= \"<tool_call>\\n\" tool-call \"\\n</tool_call>\"\n"
+                )
+            }
+            ToolSyntax::Llama3 => "root ::= tool-call\n".to_string(),
+        };
+        let grammar = root + &rules;
+        crate::grammar::Grammar::parse(&grammar)
+            .map_err(|e| ToolError(format!("the tools' grammar: {e}")))?;
+        Ok(Some(match auto {
+            true => Format::Lazy {
+                grammar,
+                triggers: match self {
+                    ToolSyntax::Hermes => vec![HERMES_OPEN.to_string()],
+                    ToolSyntax::Llama3 => Vec::new(),
+                },
+                at_start: vec![CALL_START.to_string()],
+            },
+            false => Format::Grammar(grammar),
+        }))
+    }
+
+    /// The calls to `tools` in `text`, and the text around them. When a call cannot be read
+    /// (not JSON, no such function, arguments that are not an object), there are no calls and
+    /// the whole text is the content, as in vLLM: what the model wrote is not lost.
+    pub fn parse(self, text: &str, tools: &[Tool]) -> Parsed {
+        let calls = match self {
+            ToolSyntax::Hermes => hermes_calls(text, tools),
+            ToolSyntax::Llama3 => json_calls(text, tools),
+        };
+        match calls {
+            Some((content, calls)) if !calls.is_empty() => Parsed { content, calls },
+            _ => Parsed {
+                content: text.to_string(),
+                calls: Vec::new(),
+            },
+        }
+    }
+
+    /// How much of `text` (a reply so far) is surely content, not a call: the bytes that may
+    /// stream. It only grows as `text` grows.
+    pub fn content_len(self, text: &str) -> usize {
+        // A reply that starts with an object may be a call object (or calls after Llama's
+        // `<|python_tag|>`, which has no text).
+        let t = text.trim_start();
+        if t.is_empty() || t.starts_with('{') {
+            return 0;
+        }
+        match self {
+            ToolSyntax::Hermes => match text.find(HERMES_OPEN) {
+                Some(p) => p,
+                // Hold back an end that may begin `<tool_call>`.
+                None => {
+                    let held = (1..HERMES_OPEN.len().min(text.len() + 1))
+                        .rev()
+                        .find(|&k| text.ends_with(&HERMES_OPEN[..k]))
+                        .unwrap_or(0);
+                    text.len() - held
+                }
+            },
+            ToolSyntax::Llama3 => match t.starts_with(PYTHON_TAG) || PYTHON_TAG.starts_with(t) {
+                true => 0,
+                false => text.len(),
+            },
+        }
+    }
+}
+
+/// A reply read for calls.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Parsed {
+    /// The text outside the calls (all of it when there are none), as written.
+    pub content: String,
+    pub calls: Vec<ToolCall>,
+}
+
+/// A fresh call id, as OpenAI writes them (`call_` and 24 letters and digits).
+pub fn call_id() -> String {
+    use rand::Rng;
+    const CHARS: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789";
+    let mut rng = rand::rng();
+    let tail: String = (0..24)
+        .map(|_| CHARS[rng.random_range(0..CHARS.len())] as char)
+        .collect();
+    format!("call_{tail}")
+}
+
+/// A call object (`{"name", <key>: {...}}`) of a declared function.
+fn call(v: &Value, key: &str, tools: &[Tool]) -> Option<ToolCall> {
+    let o = v.as_object()?;
+    let name = o.get("name")?.as_str()?;
+    if !tools.iter().any(|t| t.name == name) {
+        return None;
+    }
+    // Models trained on either name write either; no member is no arguments.
+    let args = o
+        .get(key)
+        .or_else(|| o.get("arguments"))
+        .or_else(|| o.get("parameters"))
+        .cloned()
+        .unwrap_or_else(|| json!({}));
+    if !args.is_object() {
+        return None;
+    }
+    Some(ToolCall {
+        id: call_id(),
+        name: name.to_string(),
+        arguments: args,
+    })
+}
+
+/// `<tool_call>` blocks: the text outside them and their calls. A last block without its
+/// `</tool_call>` (the reply ended there) is read to the end.
+fn hermes_calls(text: &str, tools: &[Tool]) -> Option<(String, Vec<ToolCall>)> {
+    if !text.contains(HERMES_OPEN) {
+        // A reply that is bare call objects.
+        return json_calls(text, tools);
+    }
+    let mut content = String::new();
+    let mut calls = Vec::new();
+    let mut rest = text;
+    while let Some(p) = rest.find(HERMES_OPEN) {
+        content.push_str(&rest[..p]);
+        let body = &rest[p + HERMES_OPEN.len()..];
+        let (json, after) = match body.find(HERMES_CLOSE) {
+            Some(e) => (&body[..e], &body[e + HERMES_CLOSE.len()..]),
+            None => (body, ""),
+        };
+        let v: Value = serde_json::from_str(json.trim()).ok()?;
+        calls.push(call(&v, "arguments", tools)?);
+        rest = after;
+    }
+    content.push_str(rest);
+    Some((content, calls))
+}
+
+/// A reply that is a call object, or several separated by `;` (vLLM reads those in Llama
+/// 3's replies), after an optional `<|python_tag|>`.
+fn json_calls(text: &str, tools: &[Tool]) -> Option<(String, Vec<ToolCall>)> {
+    let t = text.trim();
+    let mut t = t.strip_prefix(PYTHON_TAG).unwrap_or(t).trim_start();
+    if !t.starts_with('{') {
+        return None;
+    }
+    let mut calls = Vec::new();
+    loop {
+        let mut values = serde_json::Deserializer::from_str(t).into_iter::<Value>();
+        let v = values.next()?.ok()?;
+        calls.push(call(&v, "parameters", tools)?);
+        let rest = t[values.byte_offset()..].trim_start();
+        match rest.strip_prefix(';').map(str::trim_start) {
+            None if rest.is_empty() => return Some((String::new(), calls)),
+            Some("") => return Some((String::new(), calls)),
+            Some(next) => t = next,
+            None => return None,
+        }
+    }
+}
+
+/// A streamed reply's text, holding back what may be a call ([`ToolSyntax::content_len`])
+/// until the reply ends and is read ([`ToolStream::finish`]).
+#[derive(Debug, Clone)]
+pub struct ToolStream {
+    syntax: ToolSyntax,
+    text: String,
+    sent: usize,
+}
+
+impl ToolStream {
+    pub fn new(syntax: ToolSyntax) -> Self {
+        Self {
+            syntax,
+            text: String::new(),
+            sent: 0,
+        }
+    }
+
+    /// Takes the next piece of the reply; returns the content that may be sent now.
+    pub fn push(&mut self, piece: &str) -> String {
+        self.text.push_str(piece);
+        let safe = self.syntax.content_len(&self.text);
+        if safe <= self.sent {
+            return String::new();
+        }
+        let out = self.text[self.sent..safe].to_string();
+        self.sent = safe;
+        out
+    }
+
+    /// The reply ended: the content not sent yet, and the calls.
+    pub fn finish(self, tools: &[Tool]) -> Parsed {
+        let mut p = self.syntax.parse(&self.text, tools);
+        // What was sent is the start of the content: content only grows at its end while a
+        // call may be coming, and the content of a parse begins with the text before the
+        // first call.
+        p.content = match p.content.get(self.sent..) {
+            Some(rest) if p.content.starts_with(&self.text[..self.sent]) => rest.to_string(),
+            _ => self.text[self.sent..].to_string(),
+        };
+        p
+    }
+}
