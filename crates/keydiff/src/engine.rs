@@ -1821,3 +1821,119 @@ fn start_from(cache: &mut KvCache, prompt: &[u32], prefix: Option<&Prefix>) -> R
     cache.resume_from(&p.cache)?;
     Ok(p.len())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A lazy constraint with `<tool_call>` anywhere and `{"name"` at the start, over the
+    /// grammar of `<tool_call>\nX\n</tool_call>` or `{"name":1}`.
+    fn lazy() -> Constraint {
+        let grammar = r#"root ::= "<tool_call>\nX\n</tool_call>" | "{\"name\":1}""#.to_string();
+        let format = Format::Lazy {
+            grammar,
+            triggers: vec!["<tool_call>".into()],
+            at_start: vec!["{\"name\"".into()],
+        };
+        Constraint::new(&format).unwrap().unwrap()
+    }
+
+    fn vocab(words: &[&str]) -> Vec<Box<[u8]>> {
+        words.iter().map(|w| w.as_bytes().into()).collect()
+    }
+
+    /// Reads `words` as tokens; false at the first one refused.
+    fn read(c: &mut Constraint, tokens: &[Box<[u8]>], ids: &[u32]) -> bool {
+        ids.iter().all(|&t| c.push(t, tokens, &[0]))
+    }
+
+    #[test]
+    fn a_lazy_grammar_applies_from_its_trigger() {
+        // 0 is the end of generation; 1 a special token with no text.
+        let tokens = vocab(&[
+            "",
+            "",
+            "Hi ",
+            "<tool",
+            "_call>",
+            "\nX\n",
+            "</tool_call>",
+            "_call>Y",
+            "{\"",
+            "name\":1}",
+            " ",
+            "{\"x",
+            "<tool_call>\nX\n</tool_call>",
+        ]);
+        // Free text, special tokens and the end before the trigger.
+        let mut c = lazy();
+        assert!(read(&mut c, &tokens, &[2, 1, 10, 11, 2, 0]));
+        // A trigger across tokens, then the grammar to its end.
+        let mut c = lazy();
+        assert!(read(&mut c, &tokens, &[2, 3, 4, 5]));
+        assert!(
+            !c.clone().push(0, &tokens, &[0]),
+            "the end before the call is whole"
+        );
+        assert!(
+            !c.clone().push(2, &tokens, &[0]),
+            "text the grammar refuses"
+        );
+        assert!(
+            !c.clone().push(1, &tokens, &[0]),
+            "a special token inside the call"
+        );
+        assert!(read(&mut c, &tokens, &[6, 0]));
+        // A token that brings the trigger and what the grammar refuses.
+        let mut c = lazy();
+        assert!(read(&mut c, &tokens, &[3]));
+        assert!(!c.clone().push(7, &tokens, &[0]));
+        // The mask bans exactly the tokens push refuses.
+        let mut logits = vec![0.0; tokens.len()];
+        let left = c.mask(&mut logits, &tokens, &[], &[0]);
+        let allowed: Vec<usize> = (0..tokens.len()).filter(|&i| logits[i] == 0.0).collect();
+        assert_eq!(allowed, [0, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12]);
+        assert_eq!(left, allowed.len());
+        for t in 0..tokens.len() as u32 {
+            assert_eq!(
+                c.clone().push(t, &tokens, &[0]),
+                allowed.contains(&(t as usize)),
+                "{t}"
+            );
+        }
+        // A start trigger after whitespace, at the start only.
+        let mut c = lazy();
+        assert!(read(&mut c, &tokens, &[10, 8, 9, 0]));
+        let mut c = lazy();
+        assert!(read(&mut c, &tokens, &[8]));
+        assert!(
+            read(&mut c, &tokens, &[11, 9, 0]),
+            "`{{\"{{\"x` is text, not a call"
+        );
+        let mut c = lazy();
+        assert!(
+            read(&mut c, &tokens, &[2, 8, 2, 0]),
+            "not at the start: text"
+        );
+        // One token that is a whole call.
+        let mut c = lazy();
+        assert!(read(&mut c, &tokens, &[2, 12, 0]));
+    }
+
+    #[test]
+    fn a_lazy_grammar_must_take_its_triggers() {
+        let format = Format::Lazy {
+            grammar: r#"root ::= "<call>""#.into(),
+            triggers: vec!["<tool_call>".into()],
+            at_start: Vec::new(),
+        };
+        let e = Constraint::new(&format).unwrap_err().to_string();
+        assert!(e.contains("trigger `<tool_call>`"), "{e}");
+        let none = Format::Lazy {
+            grammar: r#"root ::= "x""#.into(),
+            triggers: Vec::new(),
+            at_start: Vec::new(),
+        };
+        assert!(Constraint::new(&none).is_err());
+    }
+}

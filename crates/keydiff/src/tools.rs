@@ -509,3 +509,313 @@ impl ToolStream {
         p
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::grammar::{Grammar, GrammarState};
+    use proptest::prelude::*;
+    use std::sync::Arc;
+
+    fn weather() -> Value {
+        json!({"type": "function", "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {"type": "object", "properties": {
+                "city": {"type": "string"},
+                "unit": {"type": "string", "enum": ["c", "f"]}},
+                "required": ["city"]}}})
+    }
+
+    fn tools() -> Vec<Tool> {
+        tools_from_openai(&[
+            weather(),
+            json!({"type": "function", "function": {"name": "now"}}),
+        ])
+        .unwrap()
+    }
+
+    fn err(v: Value) -> String {
+        tools_from_openai(&[v]).unwrap_err().0
+    }
+
+    #[test]
+    fn tools_are_checked_naming_the_problem() {
+        let t = tools();
+        assert_eq!(t[0].name, "get_weather");
+        assert_eq!(t[1].parameters, None);
+        assert_eq!(t[0].to_openai(), weather());
+        assert!(err(json!({"type": "retrieval"})).contains("`retrieval` is not supported"));
+        assert!(err(json!({"function": {"name": "f"}})).contains("\"type\": \"function\""));
+        let named = |n: &str| json!({"type": "function", "function": {"name": n}});
+        assert!(err(named("get weather")).contains("1 to 64 of a-z"));
+        assert!(err(named(&"x".repeat(65))).contains("1 to 64"));
+        assert!(err(named("")).contains("1 to 64"));
+        let params =
+            |p: Value| json!({"type": "function", "function": {"name": "f", "parameters": p}});
+        assert!(err(params(json!({"type": "string"}))).contains("schema of an object"));
+        assert!(err(params(json!([1]))).contains("JSON schema object"));
+        let e = err(params(json!({"type": "object", "not": {}})));
+        assert!(
+            e.contains("tools[0]") && e.contains("`f` parameters") && e.contains("`not`"),
+            "{e}"
+        );
+        let twice = tools_from_openai(&[named("f"), named("f")]).unwrap_err().0;
+        assert!(
+            twice.contains("tools[1]") && twice.contains("declared twice"),
+            "{twice}"
+        );
+        let many: Vec<Value> = (0..=MAX_TOOLS).map(|i| named(&format!("f{i}"))).collect();
+        assert!(tools_from_openai(&many)
+            .unwrap_err()
+            .0
+            .contains("at most 128"));
+    }
+
+    #[test]
+    fn tool_choice_is_read_and_checked() {
+        let t = tools();
+        let read = |v: Value| ToolChoice::from_openai(&v, &t);
+        assert_eq!(read(json!("auto")), Ok(ToolChoice::Auto));
+        assert_eq!(read(json!("none")), Ok(ToolChoice::None));
+        assert_eq!(read(json!("required")), Ok(ToolChoice::Required));
+        let f = json!({"type": "function", "function": {"name": "now"}});
+        assert_eq!(read(f), Ok(ToolChoice::Function("now".into())));
+        let unknown = json!({"type": "function", "function": {"name": "later"}});
+        assert!(read(unknown)
+            .unwrap_err()
+            .0
+            .contains("`later`, which is not among"));
+        assert!(read(json!("always")).unwrap_err().0.contains("`always`"));
+        assert!(read(json!({"name": "now"})).is_err());
+        assert!(read(json!(1)).is_err());
+        let none = ToolChoice::from_openai(&json!("required"), &[]);
+        assert!(none.unwrap_err().0.contains("needs tools"));
+    }
+
+    #[test]
+    fn the_template_tells_the_syntax() {
+        assert_eq!(
+            ToolSyntax::of_template("{{- '<tool_call>\\n' }}"),
+            Some(ToolSyntax::Hermes)
+        );
+        assert_eq!(
+            ToolSyntax::of_template(r#"{{- '"parameters": ' }}"#),
+            Some(ToolSyntax::Llama3)
+        );
+        assert_eq!(ToolSyntax::of_template("{{ messages }}"), None);
+    }
+
+    fn names(p: &Parsed) -> Vec<(&str, &Value)> {
+        p.calls
+            .iter()
+            .map(|c| (c.name.as_str(), &c.arguments))
+            .collect()
+    }
+
+    #[test]
+    fn hermes_calls_are_read() {
+        let t = tools();
+        let h = ToolSyntax::Hermes;
+        let text = "Let me look.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": \
+                    {\"city\": \"Paris\"}}\n</tool_call>\n<tool_call>\n{\"name\": \"now\", \
+                    \"arguments\": {}}\n</tool_call>";
+        let p = h.parse(text, &t);
+        assert_eq!(
+            names(&p),
+            [
+                ("get_weather", &json!({"city": "Paris"})),
+                ("now", &json!({}))
+            ]
+        );
+        assert_eq!(p.content, "Let me look.\n\n");
+        assert!(p.calls[0].id.starts_with("call_") && p.calls[0].id.len() == 29);
+        assert_ne!(p.calls[0].id, p.calls[1].id);
+        // A last block the reply ended in.
+        let cut = h.parse("<tool_call>\n{\"name\": \"now\"}", &t);
+        assert_eq!(names(&cut), [("now", &json!({}))]);
+        // A bare call object.
+        let bare = h.parse(" {\"name\": \"now\", \"arguments\": {\"tz\": 1}}\n", &t);
+        assert_eq!(names(&bare), [("now", &json!({"tz": 1}))]);
+        assert_eq!(bare.content, "");
+        // What cannot be read is content, all of it.
+        for bad in [
+            "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": }\n</tool_call>",
+            "<tool_call>\n{\"name\": \"delete_all\", \"arguments\": {}}\n</tool_call>",
+            "<tool_call>\n{\"name\": \"now\", \"arguments\": [1]}\n</tool_call>",
+            "{\"name\": \"now\"} and more",
+            "The weather is fine.",
+        ] {
+            let p = h.parse(bad, &t);
+            assert!(p.calls.is_empty(), "{bad}");
+            assert_eq!(p.content, bad);
+        }
+    }
+
+    #[test]
+    fn llama3_calls_are_read() {
+        let t = tools();
+        let l = ToolSyntax::Llama3;
+        let one = l.parse(
+            "{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Oslo\"}}",
+            &t,
+        );
+        assert_eq!(names(&one), [("get_weather", &json!({"city": "Oslo"}))]);
+        let two = l.parse(
+            "<|python_tag|>{\"name\": \"now\", \"parameters\": {}}; {\"name\": \"now\", \
+             \"arguments\": {\"tz\": 2}};",
+            &t,
+        );
+        assert_eq!(
+            names(&two),
+            [("now", &json!({})), ("now", &json!({"tz": 2}))]
+        );
+        for bad in [
+            "It is sunny.",
+            "{\"name\": \"now\"} {\"name\": \"now\"}",
+            "{\"name\": 3}",
+        ] {
+            assert!(l.parse(bad, &t).calls.is_empty(), "{bad}");
+        }
+    }
+
+    /// Whether `g` takes all of `text` as a whole text.
+    fn whole(g: &str, text: &str) -> bool {
+        let mut s = GrammarState::new(Arc::new(Grammar::parse(g).unwrap()));
+        s.push_all(text.as_bytes()) && s.is_done()
+    }
+
+    fn grammar(syntax: ToolSyntax, choice: ToolChoice, parallel: bool) -> String {
+        match syntax.format(&tools(), &choice, parallel).unwrap() {
+            Some(Format::Grammar(g)) => g,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn required_calls_follow_the_schemas() {
+        let h = |p| grammar(ToolSyntax::Hermes, ToolChoice::Required, p);
+        let block = |c: &str| format!("<tool_call>\n{c}\n</tool_call>");
+        let paris = r#"{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}"#;
+        let now = r#"{"name": "now", "arguments": {}}"#;
+        assert!(whole(&h(false), &block(paris)));
+        assert!(whole(&h(false), &block(now)));
+        assert!(!whole(
+            &h(false),
+            &format!("{}\n{}", block(paris), block(now))
+        ));
+        assert!(whole(
+            &h(true),
+            &format!("{}\n{}", block(paris), block(now))
+        ));
+        for bad in [
+            r#"{"name": "get_weather", "arguments": {"unit": "c"}}"#,
+            r#"{"name": "get_weather", "arguments": {"city": "Paris", "unit": "k"}}"#,
+            r#"{"name": "later", "arguments": {}}"#,
+            r#"{"arguments": {}, "name": "now"}"#,
+        ] {
+            assert!(!whole(&h(true), &block(bad)), "{bad}");
+        }
+        // Text before the calls, or a bare call, is not a reply that must call.
+        assert!(!whole(&h(true), &format!("Sure.{}", block(now))));
+        assert!(!whole(&h(true), now));
+        // One named function, once.
+        let named = grammar(ToolSyntax::Hermes, ToolChoice::Function("now".into()), true);
+        assert!(whole(&named, &block(now)));
+        assert!(!whole(&named, &block(paris)));
+        assert!(!whole(&named, &format!("{}\n{}", block(now), block(now))));
+        // Llama 3: the call object, `parameters`.
+        let l = grammar(ToolSyntax::Llama3, ToolChoice::Required, true);
+        assert!(whole(
+            &l,
+            r#"{"name": "get_weather", "parameters": {"city": "Oslo"}}"#
+        ));
+        assert!(!whole(&l, paris));
+        assert_eq!(
+            ToolSyntax::Hermes.format(&tools(), &ToolChoice::None, true),
+            Ok(None)
+        );
+    }
+
+    #[test]
+    fn auto_is_lazy_from_the_trigger() {
+        let Some(Format::Lazy {
+            grammar,
+            triggers,
+            at_start,
+        }) = ToolSyntax::Hermes
+            .format(&tools(), &ToolChoice::Auto, true)
+            .unwrap()
+        else {
+            panic!("lazy")
+        };
+        assert_eq!(triggers, ["<tool_call>"]);
+        assert_eq!(at_start, ["{\"name\""]);
+        // From either trigger on: blocks, or a bare call.
+        let now = r#"{"name": "now", "arguments": {}}"#;
+        assert!(whole(
+            &grammar,
+            &format!("<tool_call>\n{now}\n</tool_call>")
+        ));
+        assert!(whole(&grammar, now));
+        let Some(Format::Lazy { triggers, .. }) = ToolSyntax::Llama3
+            .format(&tools(), &ToolChoice::Auto, true)
+            .unwrap()
+        else {
+            panic!("lazy")
+        };
+        assert!(triggers.is_empty());
+    }
+
+    /// A reply in pieces: prose, call blocks (whole, cut, broken), bare calls, tags cut short.
+    fn reply() -> impl Strategy<Value = String> {
+        let piece = prop_oneof![
+            Just("Sure, ".to_string()),
+            Just("<tool_call>\n{\"name\": \"now\", \"arguments\": {}}\n</tool_call>".to_string()),
+            Just(
+                "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"é\"}}"
+                    .to_string()
+            ),
+            Just("<tool_call>{oops</tool_call>".to_string()),
+            Just("{\"name\": \"now\"}".to_string()),
+            Just("<tool_".to_string()),
+            Just("<".to_string()),
+            Just(" ".to_string()),
+            Just("\n".to_string()),
+            Just("<|python_tag|>".to_string()),
+            "[a-z{}<>_ ]{0,6}",
+        ];
+        prop::collection::vec(piece, 0..6).prop_map(|v| v.concat())
+    }
+
+    proptest! {
+        /// A stream sends, in pieces, the content a whole reply has, and the same calls:
+        /// what it sends early is never taken back.
+        #[test]
+        fn a_stream_adds_up_to_the_whole_reply(
+            text in reply(),
+            cuts in prop::collection::vec(0usize..64, 0..8),
+            llama in any::<bool>(),
+        ) {
+            let syntax = if llama { ToolSyntax::Llama3 } else { ToolSyntax::Hermes };
+            let t = tools();
+            let whole = syntax.parse(&text, &t);
+            let mut bounds: Vec<usize> = cuts.iter().map(|c| c % (text.len() + 1)).collect();
+            bounds.retain(|&b| text.is_char_boundary(b));
+            bounds.push(text.len());
+            bounds.sort_unstable();
+            let mut stream = ToolStream::new(syntax);
+            let mut sent = String::new();
+            let mut at = 0;
+            for b in bounds {
+                let before = syntax.content_len(&text[..at]);
+                sent += &stream.push(&text[at..b]);
+                prop_assert!(syntax.content_len(&text[..b]) >= before);
+                at = b;
+            }
+            let rest = stream.finish(&t);
+            prop_assert_eq!(sent + &rest.content, whole.content.clone());
+            prop_assert_eq!(names(&rest), names(&whole));
+        }
+    }
+}
