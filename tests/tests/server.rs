@@ -575,7 +575,7 @@ fn bad_requests_are_refused_naming_the_problem() {
             &chat,
             json!({"messages": user, "tools": [{"type": "function"}]}),
             Some("tools"),
-            "not supported",
+            "needs its `function` object",
         ),
         (
             &chat,
