@@ -100,6 +100,14 @@ fn calls_come_back_whole_and_streamed() {
         assert_eq!(c["message"]["content"], Value::Null);
         assert_eq!(weather_call(&c["message"])["city"], "Paris", "{choice}");
     }
+    // /tokenize renders the tools as chat does.
+    let body = ask(json!({}));
+    let (_, v) = post(&url, &body);
+    let used = v["usage"]["prompt_tokens"].as_u64().unwrap();
+    let tok = |b: Value| post(&format!("{}/tokenize", server.url()), &b).1["count"].as_u64();
+    let with = tok(json!({"messages": body["messages"], "tools": body["tools"]}));
+    assert_eq!(with, Some(used));
+    assert!(tok(json!({"messages": body["messages"]})).unwrap() + 100 < used);
     // None: the same text, as text.
     let (_, v) = post(&url, &ask(json!({"tool_choice": "none"})));
     let c = &v["choices"][0];

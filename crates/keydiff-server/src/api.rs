@@ -637,6 +637,8 @@ pub fn messages(list: Vec<ChatMessage>) -> Result<Vec<Message>, ApiError> {
 pub struct TokenizeRequest {
     pub prompt: Option<String>,
     pub messages: Option<Vec<ChatMessage>>,
+    /// Tools rendered with `messages`, as chat renders them.
+    pub tools: Option<Vec<Value>>,
     /// `false` tokenizes a `prompt` as Hugging Face's `tokenizer(text,
     /// add_special_tokens=False)` does: no BOS, special tokens written in the text parsed (what
     /// a client that sends the ids back as a prompt, such as lm-evaluation-harness, expects).
@@ -655,9 +657,19 @@ impl TokenizeRequest {
     }
 
     pub fn prompt(self) -> Result<Prompt, ApiError> {
+        let tools = keydiff::tools::tools_from_openai(self.tools.as_deref().unwrap_or_default())
+            .map_err(|e| ApiError::invalid(e.to_string(), Some("tools")))?;
         match (self.prompt, self.messages) {
+            (Some(_), None) if !tools.is_empty() => Err(ApiError::invalid(
+                "tools go with `messages`, not a `prompt`",
+                Some("tools"),
+            )),
             (Some(p), None) => Ok(Prompt::Text(p)),
-            (None, Some(m)) => Ok(Prompt::Chat(messages(m)?)),
+            (None, Some(m)) if tools.is_empty() => Ok(Prompt::Chat(messages(m)?)),
+            (None, Some(m)) => Ok(Prompt::ChatTools {
+                messages: messages(m)?,
+                tools,
+            }),
             _ => Err(ApiError::invalid(
                 "give either `prompt` or `messages`",
                 Some("prompt"),
