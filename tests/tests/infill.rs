@@ -1,14 +1,20 @@
-//! Fill in the middle (`Prompt::Infill`, the CLI's `--suffix`, the server's `suffix`): the
-//! prompt is the model's FIM tokens around the two texts, as llama.cpp's infill builds it, and
-//! a code model writes the hole; a model without FIM tokens refuses.
+//! Fill in the middle (`Prompt::Infill`, the CLI's `--suffix`, the server's `suffix` and
+//! `/infill`): the prompt is the model's FIM tokens around the two texts, with the project's
+//! other files before them for `/infill`, as llama.cpp's infill builds it, and a code model
+//! writes the hole; a model without FIM tokens refuses.
 
-use keydiff::{EngineError, GenerateParams, Prompt};
+use std::io::{BufRead, BufReader};
+
+use keydiff::{EngineError, GenerateParams, InfillFile, Prompt, Sampling};
+use keydiff_server::{Server, ServerConfig};
 use keydiff_tests::{evicting_engine as engine, QWEN, SMOLLM2};
+use serde_json::{json, Value};
 
 fn infill(prefix: &str, suffix: &str) -> Prompt {
     Prompt::Infill {
         prefix: prefix.into(),
         suffix: suffix.into(),
+        repo: None,
     }
 }
 
@@ -62,4 +68,135 @@ fn models_without_fim_tokens_and_empty_infills_are_refused() {
     ));
     // One side empty is a prompt.
     assert!(e.prompt_tokens(&infill("", "return x\n")).is_ok());
+}
+
+/// `/infill`'s prompt: llama.cpp's layout, files before the FIM tokens, each text tokenized
+/// on its own as llama.cpp tokenizes it.
+#[test]
+fn project_files_go_before_the_hole() {
+    let e = engine(QWEN);
+    let files = vec![
+        InfillFile {
+            name: "utils.py".into(),
+            text: "import math\n\ndef area(r):\n    return math.pi * r * r\n".into(),
+        },
+        InfillFile {
+            name: "b.py".into(),
+            text: "X = 1\n".into(),
+        },
+    ];
+    let (prefix, suffix) = ("from utils import area\nprint(", ")\n");
+    let ids = e
+        .prompt_tokens(&Prompt::Infill {
+            prefix: prefix.into(),
+            suffix: suffix.into(),
+            repo: Some(files.clone()),
+        })
+        .unwrap();
+    let special = |t: &str| {
+        let ids = e.tokenize_special(t).unwrap();
+        assert_eq!(ids.len(), 1, "{t} is one token");
+        ids[0]
+    };
+    let plain = |t: &str| e.tokenize_continuation(t).unwrap();
+    let mut want = vec![special("<|repo_name|>")];
+    want.extend(plain("myproject\n"));
+    for f in &files {
+        want.push(special("<|file_sep|>"));
+        want.extend(plain(&format!("{}\n", f.name)));
+        want.extend(plain(&f.text));
+    }
+    want.push(special("<|file_sep|>"));
+    want.extend(plain("filename\n"));
+    want.push(special("<|fim_prefix|>"));
+    want.extend(plain(prefix));
+    want.push(special("<|fim_suffix|>"));
+    want.extend(plain(suffix));
+    want.push(special("<|fim_middle|>"));
+    assert_eq!(ids, want);
+    // The texts of the layout, special tokens left out.
+    assert_eq!(
+        e.detokenize(&ids).unwrap(),
+        format!(
+            "myproject\nutils.py\n{}b.py\nX = 1\nfilename\n{prefix}{suffix}",
+            files[0].text
+        )
+    );
+}
+
+/// llama.cpp's `/infill` over HTTP: the engine's answer, whole and streamed (llama.cpp's
+/// chunks, no `[DONE]`), with llama.cpp's fields; bad `input_extra` is refused naming it.
+#[test]
+fn the_infill_endpoint_answers_as_llama_cpp() {
+    let local = engine(QWEN);
+    let server = Server::bind("127.0.0.1:0", engine(QWEN), ServerConfig::new("q"))
+        .unwrap()
+        .spawn();
+    let url = format!("{}/infill", server.url());
+    let extra = json!([{"filename": "utils.py", "text": "def area(r):\n    return 3.14 * r * r\n"}]);
+    let body = json!({
+        "input_prefix": "from utils import area\n\ndef describe(r):\n    return f\"area {",
+        "input_suffix": "}\"\n",
+        "input_extra": extra,
+        "n_predict": 12,
+        "temperature": 0,
+        "cache_prompt": true,
+        "t_max_predict_ms": 1000,
+    });
+    let whole: Value = ureq::post(&url).send_json(&body).unwrap().into_json().unwrap();
+    let want = local
+        .generate(
+            &GenerateParams {
+                prompt: Prompt::Infill {
+                    prefix: body["input_prefix"].as_str().unwrap().into(),
+                    suffix: body["input_suffix"].as_str().unwrap().into(),
+                    repo: Some(vec![InfillFile {
+                        name: "utils.py".into(),
+                        text: "def area(r):\n    return 3.14 * r * r\n".into(),
+                    }]),
+                },
+                max_tokens: 12,
+                sampling: Sampling {
+                    top_k: 40,
+                    top_p: 0.95,
+                    min_p: 0.05,
+                    ..Sampling::default()
+                },
+                ..Default::default()
+            },
+            |_| {},
+        )
+        .unwrap();
+    assert_eq!(whole["content"], want.text.as_str(), "{whole}");
+    assert_eq!(whole["stop"], true);
+    assert_eq!(whole["tokens_predicted"], 12);
+    assert_eq!(whole["tokens_evaluated"], want.stats.prompt_tokens);
+    assert_eq!(whole["stop_type"], "limit");
+    assert_eq!(whole["timings"]["predicted_n"], 12);
+    assert!(whole["timings"]["prompt_per_second"].as_f64().unwrap() > 0.0);
+
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let r = ureq::post(&url).send_json(&streamed).unwrap();
+    let lines: Vec<String> = BufReader::new(r.into_reader())
+        .lines()
+        .map(|l| l.unwrap())
+        .filter_map(|l| l.strip_prefix("data: ").map(str::to_string))
+        .collect();
+    let chunks: Vec<Value> = lines.iter().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let (last, pieces) = chunks.split_last().unwrap();
+    assert!(pieces.iter().all(|c| c["stop"] == false));
+    let text: String = pieces.iter().map(|c| c["content"].as_str().unwrap()).collect();
+    assert_eq!(text, want.text);
+    assert_eq!(last["stop"], true);
+    assert_eq!(last["content"], "");
+    assert_eq!(last["tokens_predicted"], 12);
+
+    let bad = json!({"input_prefix": "x", "input_extra": [{"filename": 3, "text": "y"}]});
+    let Err(ureq::Error::Status(400, r)) = ureq::post(&url).send_json(&bad) else {
+        panic!("not refused")
+    };
+    let v: Value = r.into_json().unwrap();
+    assert_eq!(v["error"]["param"], "input_extra", "{v}");
+    server.stop().unwrap();
 }

@@ -840,6 +840,7 @@ fn run(a: RunArgs) -> Result<()> {
         Prompt::Infill {
             prefix: text,
             suffix: suffix.clone(),
+            repo: None,
         }
     } else {
         Prompt::Text(text)

@@ -41,11 +41,15 @@ pub struct GgufTokenizer {
 
 /// Fill-in-the-middle tokens: a prompt is `prefix` + text before the hole + `suffix` + text
 /// after it + `middle`, and the model writes the hole (llama.cpp's infill, PSM order).
+/// `repo` and `file_sep`, where the model has them, put other files of the project before
+/// it (Qwen2.5-Coder's `<|repo_name|>` and `<|file_sep|>`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Fim {
     pub prefix: u32,
     pub suffix: u32,
     pub middle: u32,
+    pub repo: Option<u32>,
+    pub file_sep: Option<u32>,
 }
 
 impl Fim {
@@ -57,6 +61,8 @@ impl Fim {
             prefix: find(FIM_PRE.1)?,
             suffix: find(FIM_SUF.1)?,
             middle: find(FIM_MID.1)?,
+            repo: find(FIM_REP.1),
+            file_sep: find(FIM_SEP.1),
         })
     }
 }
@@ -426,6 +432,8 @@ pub fn tokenizer_from_gguf(ct: &Content) -> Result<GgufTokenizer> {
             prefix,
             suffix,
             middle,
+            repo: fim_ids[4],
+            file_sep: fim_ids[5],
         }),
         _ => None,
     };
@@ -711,18 +719,21 @@ mod tests {
             "<|fim_suffix|>",
             "<|fim_middle|>",
             "<fim_prefix>",
+            "<|file_sep|>",
         ] {
             tokens.push(Value::String(t.into()));
         }
         let Some(Value::Array(types)) = c.metadata.get_mut(KEY_TOKEN_TYPE) else {
             panic!("types")
         };
-        types.extend((0..4).map(|_| Value::I32(1)));
+        types.extend((0..5).map(|_| Value::I32(1)));
         let fim = tokenizer_from_gguf(&c).unwrap().fim;
         let want = Fim {
             prefix: first,
             suffix: first + 1,
             middle: first + 2,
+            repo: None,
+            file_sep: Some(first + 4),
         };
         assert_eq!(fim, Some(want));
         // The GGUF key wins over the text.

@@ -354,6 +354,7 @@ impl CompletionRequest {
                 *p = Prompt::Infill {
                     prefix: std::mem::take(prefix),
                     suffix: suffix.clone(),
+                    repo: None,
                 };
             }
         }
@@ -629,6 +630,108 @@ pub fn messages(list: Vec<ChatMessage>) -> Result<Vec<Message>, ApiError> {
         });
     }
     Ok(messages)
+}
+
+/// `POST /infill`, llama.cpp's fill in the middle with the project's other files, which editor
+/// plugins (llama.vim, llama.vscode) call. Its fields are llama.cpp's, with llama.cpp's
+/// defaults; fields that steer llama.cpp's own scheduling (`cache_prompt`, `t_max_prompt_ms`,
+/// `t_max_predict_ms`, `id_slot`, `samplers`, `n_indent`, `response_fields`) are ignored, as
+/// unknown fields are.
+#[derive(Debug, Deserialize)]
+pub struct InfillRequest {
+    #[serde(default)]
+    pub input_prefix: String,
+    #[serde(default)]
+    pub input_suffix: String,
+    /// Other files: `{"filename", "text"}` each.
+    #[serde(default)]
+    pub input_extra: Vec<Value>,
+    /// Text after `input_prefix` (llama.cpp appends it there).
+    #[serde(default)]
+    pub prompt: String,
+    pub n_predict: Option<i64>,
+    pub max_tokens: Option<i64>,
+    pub temperature: Option<f32>,
+    pub top_k: Option<i64>,
+    pub top_p: Option<f32>,
+    pub min_p: Option<f32>,
+    pub repeat_penalty: Option<f32>,
+    pub repeat_last_n: Option<i64>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub seed: Option<i64>,
+    pub stop: Option<Vec<String>>,
+    pub stream: Option<bool>,
+    pub ignore_eos: Option<bool>,
+    pub grammar: Option<String>,
+    pub json_schema: Option<Value>,
+}
+
+impl InfillRequest {
+    pub fn map(self, defaults: Defaults) -> Result<Mapped, ApiError> {
+        let bad = |m: String, p: &'static str| Err(ApiError::invalid(m, Some(p)));
+        let mut repo = Vec::with_capacity(self.input_extra.len());
+        for (i, chunk) in self.input_extra.iter().enumerate() {
+            let text = chunk.get("text").and_then(Value::as_str);
+            let name = match chunk.get("filename") {
+                None => Some("tmp"),
+                Some(n) => n.as_str(),
+            };
+            let (Some(text), Some(name)) = (text, name) else {
+                return bad(
+                    format!(
+                        "input_extra[{i}] must be {{\"filename\": string, \"text\": string}}, \
+                         not {chunk}"
+                    ),
+                    "input_extra",
+                );
+            };
+            repo.push(keydiff::InfillFile {
+                name: name.to_string(),
+                text: text.to_string(),
+            });
+        }
+        // llama.cpp's n_predict: −1 (the default) generates to the end or the context.
+        let max_tokens = match self.n_predict.or(self.max_tokens) {
+            None => None,
+            Some(n) if n < 0 => Some(usize::MAX),
+            Some(n) => Some(n as usize),
+        };
+        let common = Common {
+            max_tokens,
+            // llama.cpp's defaults.
+            temperature: Some(self.temperature.unwrap_or(0.8)),
+            top_k: Some(self.top_k.unwrap_or(40)),
+            top_p: Some(self.top_p.unwrap_or(0.95)),
+            min_p: Some(self.min_p.unwrap_or(0.05)),
+            repetition_penalty: self.repeat_penalty,
+            repeat_last_n: match self.repeat_last_n {
+                Some(-1) => Some(usize::MAX),
+                Some(n) if n < 0 => {
+                    return bad(
+                        format!("repeat_last_n = {n}: it must be -1 (the context) or more"),
+                        "repeat_last_n",
+                    )
+                }
+                n => n.map(|n| n as usize),
+            },
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            seed: self.seed.filter(|&s| s >= 0).map(|s| s as u64),
+            stop: self.stop.map(StopInput::Many),
+            stream: self.stream,
+            ignore_eos: self.ignore_eos,
+            grammar: self.grammar,
+            json_schema: self.json_schema,
+            ..Common::default()
+        };
+        let prompt = Prompt::Infill {
+            prefix: self.input_prefix + &self.prompt,
+            suffix: self.input_suffix,
+            repo: Some(repo),
+        };
+        common.map(prompt, defaults, None)
+    }
 }
 
 /// `POST /tokenize` (vLLM's): a prompt or chat messages, tokenized as the completion

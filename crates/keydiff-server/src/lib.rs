@@ -438,6 +438,7 @@ pub fn router(engine: Engine, cfg: ServerConfig) -> (Router, Worker) {
     let guarded = Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
+        .route("/infill", post(infill))
         .route("/v1/models", get(models))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
@@ -1044,6 +1045,8 @@ impl Drop for TicketGuard {
 enum Kind {
     Completion,
     Chat,
+    /// llama.cpp's `/infill`, answered in llama.cpp's own form.
+    Infill,
 }
 
 /// The response shapes of one request.
@@ -1070,7 +1073,7 @@ impl Reply {
     /// The reply to `prompts` prompts with `n` choices each.
     fn new(kind: Kind, model: &str, prompts: usize, n: usize) -> Self {
         let prefix = match kind {
-            Kind::Completion => "cmpl",
+            Kind::Completion | Kind::Infill => "cmpl",
             Kind::Chat => "chatcmpl",
         };
         Self {
@@ -1104,6 +1107,7 @@ impl Reply {
                 self.offsets[choice].object(engine, &tokens, &entries)
             }
             Kind::Chat => logprobs::chat(engine, lps),
+            Kind::Infill => Ok(Value::Null),
         }
     }
 
@@ -1144,14 +1148,65 @@ impl Reply {
     /// The `object` of a streamed chunk.
     fn chunk_object(&self) -> &'static str {
         match self.kind {
-            Kind::Completion => "text_completion",
+            Kind::Completion | Kind::Infill => "text_completion",
             Kind::Chat => "chat.completion.chunk",
         }
+    }
+
+    /// llama.cpp's answer to `/infill` (and its last streamed chunk, with `content` empty):
+    /// the text, `stop`, the token counts, why it stopped and llama.cpp's `timings`, plus
+    /// the engine's figures.
+    fn infill_object(&self, out: &Output, content: &str) -> Value {
+        let s = &out.stats;
+        let stop_type = match s.stop_reason {
+            StopReason::Eos => "eos",
+            StopReason::StopString => "word",
+            StopReason::MaxTokens | StopReason::Context => "limit",
+            StopReason::Cancelled => "none",
+        };
+        let prefilled = s.prompt_tokens - s.prefix_tokens;
+        let per = |n: usize, secs: f64| {
+            let ms = secs * 1e3;
+            (ms, ms / n.max(1) as f64, n as f64 / secs.max(1e-9))
+        };
+        let (prompt_ms, prompt_per_token_ms, prompt_per_second) = per(prefilled, s.prefill_s);
+        let (predicted_ms, predicted_per_token_ms, predicted_per_second) =
+            per(s.generated_tokens, s.decode_s);
+        json!({
+            "index": 0,
+            "content": content,
+            "id_slot": 0,
+            "stop": true,
+            "model": self.model,
+            "tokens_predicted": s.generated_tokens,
+            "tokens_evaluated": s.prompt_tokens,
+            "tokens_cached": s.prefix_tokens,
+            "truncated": false,
+            "stop_type": stop_type,
+            "stopped_eos": s.stop_reason == StopReason::Eos,
+            "stopped_word": s.stop_reason == StopReason::StopString,
+            "stopped_limit": matches!(s.stop_reason, StopReason::MaxTokens | StopReason::Context),
+            "timings": {
+                "prompt_n": prefilled,
+                "prompt_ms": prompt_ms,
+                "prompt_per_token_ms": prompt_per_token_ms,
+                "prompt_per_second": prompt_per_second,
+                "predicted_n": s.generated_tokens,
+                "predicted_ms": predicted_ms,
+                "predicted_per_token_ms": predicted_per_token_ms,
+                "predicted_per_second": predicted_per_second,
+            },
+            "keydiff": api::stats(out),
+        })
     }
 
     /// The whole response of a request that is not streamed: a choice per completion, `n`
     /// per prompt, prompt after prompt.
     fn full(&mut self, outs: &[Output]) -> Result<Value, ApiError> {
+        if self.kind == Kind::Infill {
+            let out = outs.first().ok_or_else(|| ApiError::internal("no output"))?;
+            return Ok(self.infill_object(out, &out.text));
+        }
         let mut choices = Vec::with_capacity(outs.len());
         for (i, out) in outs.iter().enumerate() {
             let reason = api::finish_reason(out.stats.stop_reason);
@@ -1171,6 +1226,7 @@ impl Reply {
                 Kind::Completion => {
                     json!({"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason})
                 }
+                Kind::Infill => unreachable!("answered above"),
                 Kind::Chat => {
                     let mut message = json!({"role": "assistant", "content": text});
                     let mut reason = reason;
@@ -1200,7 +1256,7 @@ impl Reply {
             choices.push(choice);
         }
         let object = match self.kind {
-            Kind::Completion => "text_completion",
+            Kind::Completion | Kind::Infill => "text_completion",
             Kind::Chat => "chat.completion",
         };
         let mut v = self.envelope(object, Value::Array(choices));
@@ -1220,6 +1276,8 @@ impl Reply {
         logprobs: Value,
     ) -> Value {
         let choice = match self.kind {
+            // llama.cpp's stream: the text, and `stop`.
+            Kind::Infill => return json!({"index": 0, "content": text.unwrap_or(""), "stop": false}),
             Kind::Completion => json!({
                 "index": choice,
                 "text": text.unwrap_or(""),
@@ -1323,6 +1381,13 @@ fn tool_reason(reason: &'static str) -> &'static str {
         "stop" => "tool_calls",
         r => r,
     }
+}
+
+/// `POST /infill` (llama.cpp's).
+async fn infill(State(st): State<Arc<AppState>>, body: Bytes) -> Result<Response, ApiError> {
+    let mapped = api::parse::<api::InfillRequest>(&body)?.map(defaults(&st))?;
+    let reply = Reply::new(Kind::Infill, &st.cfg.model_id, 1, mapped.n);
+    Ok(respond(st, mapped, reply).await)
 }
 
 fn defaults(st: &AppState) -> Defaults {
@@ -1438,8 +1503,14 @@ async fn respond(st: Arc<AppState>, m: Mapped, mut reply: Reply) -> Response {
                 false => reply.generated_logprobs(i, &std::mem::take(lps)),
             };
             rest.map(|l| {
-                let mut last = reply.chunk(i, None, false, Some(reason), l);
-                last["keydiff"] = api::stats(out);
+                let last = match reply.kind {
+                    Kind::Infill => reply.infill_object(out, ""),
+                    _ => {
+                        let mut last = reply.chunk(i, None, false, Some(reason), l);
+                        last["keydiff"] = api::stats(out);
+                        last
+                    }
+                };
                 chunks.push(last);
                 chunks
             })
@@ -1466,8 +1537,8 @@ async fn respond(st: Arc<AppState>, m: Mapped, mut reply: Reply) -> Response {
                         Kind::Chat => Ok((0..n)
                             .map(|i| reply.chunk(i, Some(""), true, None, Value::Null))
                             .collect()),
-                        Kind::Completion if echo_waits => continue,
-                        Kind::Completion => match reply.echo.take() {
+                        Kind::Completion | Kind::Infill if echo_waits => continue,
+                        Kind::Completion | Kind::Infill => match reply.echo.take() {
                             Some(e) => Ok((0..n)
                                 .map(|i| reply.chunk(i, Some(&e), false, None, Value::Null))
                                 .collect()),
@@ -1558,7 +1629,10 @@ async fn respond(st: Arc<AppState>, m: Mapped, mut reply: Reply) -> Response {
                 return;
             }
         }
-        let _ = tx.send(Ok(SseEvent::default().data("[DONE]")));
+        // llama.cpp ends its own streams without `[DONE]`.
+        if reply.kind != Kind::Infill {
+            let _ = tx.send(Ok(SseEvent::default().data("[DONE]")));
+        }
     });
     let events = futures_util::stream::poll_fn(move |cx| sse_rx.poll_recv(cx));
     Sse::new(events)

@@ -101,7 +101,25 @@ pub enum Prompt {
     /// Fill in the middle: the model writes what goes between `prefix` and `suffix`, with its
     /// FIM tokens (`<|fim_prefix|>` prefix `<|fim_suffix|>` suffix `<|fim_middle|>`, as
     /// llama.cpp's infill and OpenAI's `suffix`). Special tokens in the texts are not parsed.
-    Infill { prefix: String, suffix: String },
+    ///
+    /// With `repo` (llama.cpp's `/infill` and its `input_extra`), the prompt is laid out as
+    /// llama.cpp lays it out, for models trained on whole repositories (Qwen2.5-Coder): where
+    /// the model has the tokens, `<|repo_name|>myproject\n`, then each file as
+    /// `<|file_sep|>name\n` and its text (without a file separator, after a `--- snippet ---`
+    /// line), then `<|file_sep|>filename\n` before the FIM tokens (llama.cpp's placeholder
+    /// names of the project and the current file).
+    Infill {
+        prefix: String,
+        suffix: String,
+        repo: Option<Vec<InfillFile>>,
+    },
+}
+
+/// A file of the project beside a fill in the middle (llama.cpp's `input_extra` chunk).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InfillFile {
+    pub name: String,
+    pub text: String,
 }
 
 impl Prompt {
@@ -1502,8 +1520,14 @@ impl Engine {
                 ids
             }
             Prompt::Tokens(t) => t.clone(),
-            Prompt::Infill { prefix, suffix } => {
-                if prefix.is_empty() && suffix.is_empty() {
+            Prompt::Infill {
+                prefix,
+                suffix,
+                repo,
+            } => {
+                let files = repo.as_deref().unwrap_or_default();
+                if prefix.is_empty() && suffix.is_empty() && files.iter().all(|f| f.text.is_empty())
+                {
                     return Err(EngineError::EmptyPrompt);
                 }
                 let v = &self.loaded.vocab;
@@ -1519,6 +1543,26 @@ impl Engine {
                     true => v.bos_id.into_iter().collect(),
                     false => Vec::new(),
                 };
+                if repo.is_some() {
+                    if let Some(r) = fim.repo {
+                        ids.push(r);
+                        ids.extend(self.encode("myproject\n", false)?);
+                    }
+                    for f in files {
+                        match fim.file_sep {
+                            Some(sep) => {
+                                ids.push(sep);
+                                ids.extend(self.encode(&format!("{}\n", f.name), false)?);
+                            }
+                            None => ids.extend(self.encode("\n\n--- snippet ---\n\n", false)?),
+                        }
+                        ids.extend(self.encode(&f.text, false)?);
+                    }
+                    if let Some(sep) = fim.file_sep {
+                        ids.push(sep);
+                        ids.extend(self.encode("filename\n", false)?);
+                    }
+                }
                 ids.push(fim.prefix);
                 ids.extend(self.encode(prefix, false)?);
                 ids.push(fim.suffix);

@@ -32,7 +32,8 @@ pub use batch::{Batch, Ended};
 pub use candle_core::{DType, Device};
 pub use conversation::Conversation;
 pub use engine::{
-    Breakdown, CancelToken, Engine, EngineConfig, Event, GenerateParams, Output, Prefix, Prompt,
+    Breakdown, CancelToken, Engine, EngineConfig, Event, GenerateParams, InfillFile, Output, Prefix,
+    Prompt,
     Stats, StopReason, DEFAULT_CHUNK,
 };
 pub use error::{EngineError, Result};
