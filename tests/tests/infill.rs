@@ -133,7 +133,8 @@ fn the_infill_endpoint_answers_as_llama_cpp() {
         .unwrap()
         .spawn();
     let url = format!("{}/infill", server.url());
-    let extra = json!([{"filename": "utils.py", "text": "def area(r):\n    return 3.14 * r * r\n"}]);
+    let extra =
+        json!([{"filename": "utils.py", "text": "def area(r):\n    return 3.14 * r * r\n"}]);
     let body = json!({
         "input_prefix": "from utils import area\n\ndef describe(r):\n    return f\"area {",
         "input_suffix": "}\"\n",
@@ -143,7 +144,11 @@ fn the_infill_endpoint_answers_as_llama_cpp() {
         "cache_prompt": true,
         "t_max_predict_ms": 1000,
     });
-    let whole: Value = ureq::post(&url).send_json(&body).unwrap().into_json().unwrap();
+    let whole: Value = ureq::post(&url)
+        .send_json(&body)
+        .unwrap()
+        .into_json()
+        .unwrap();
     let want = local
         .generate(
             &GenerateParams {
@@ -183,10 +188,16 @@ fn the_infill_endpoint_answers_as_llama_cpp() {
         .map(|l| l.unwrap())
         .filter_map(|l| l.strip_prefix("data: ").map(str::to_string))
         .collect();
-    let chunks: Vec<Value> = lines.iter().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let chunks: Vec<Value> = lines
+        .iter()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
     let (last, pieces) = chunks.split_last().unwrap();
     assert!(pieces.iter().all(|c| c["stop"] == false));
-    let text: String = pieces.iter().map(|c| c["content"].as_str().unwrap()).collect();
+    let text: String = pieces
+        .iter()
+        .map(|c| c["content"].as_str().unwrap())
+        .collect();
     assert_eq!(text, want.text);
     assert_eq!(last["stop"], true);
     assert_eq!(last["content"], "");

@@ -144,9 +144,9 @@ pub struct Mapped {
     pub echo: bool,
     pub stream: bool,
     pub include_usage: bool,
-    /// Read the replies for calls to these tools, written in this syntax (chat with tools and
-    /// a `tool_choice` other than `none`).
-    pub tools: Option<(ToolSyntax, Vec<Tool>)>,
+    /// Read the replies for calls to these tools, written in this syntax, as `tool_choice`
+    /// asked (chat with tools and a `tool_choice` other than `none`).
+    pub tools: Option<(ToolSyntax, Vec<Tool>, ToolChoice)>,
 }
 
 /// The most completions one request may ask for (`n`; OpenAI's limit). Each has its own KV
@@ -481,7 +481,8 @@ impl ChatRequest {
             }
             (true, Some(syntax)) => {
                 let c = &self.common;
-                if c.response_format.as_ref().is_some_and(|v| !v.is_null())
+                let text = |v: &Value| v.is_null() || v.get("type").is_some_and(|t| t == "text");
+                if c.response_format.as_ref().is_some_and(|v| !text(v))
                     || c.grammar.is_some()
                     || c.json_schema.is_some()
                 {
@@ -497,7 +498,7 @@ impl ChatRequest {
                 let format = syntax
                     .format(&tools, &choice, parallel)
                     .map_err(|e| ApiError::invalid(e.to_string(), Some("tools")))?;
-                format.map(|f| (syntax, f))
+                format.map(|f| (syntax, f, choice.clone()))
             }
         };
         let on = match &self.common.logprobs {
@@ -527,9 +528,9 @@ impl ChatRequest {
             },
         };
         let mut m = self.common.map(prompt, defaults, logprobs)?;
-        if let Some((syntax, format)) = tool_format {
+        if let Some((syntax, format, choice)) = tool_format {
             m.params.sampling.format = format;
-            m.tools = Some((syntax, tools));
+            m.tools = Some((syntax, tools, choice));
         }
         Ok(m)
     }

@@ -53,7 +53,7 @@ use tokio::sync::mpsc;
 pub use error::{ApiError, ServerError};
 
 use api::{ChatRequest, CompletionRequest, Defaults, Mapped};
-use keydiff::tools::{Tool, ToolStream, ToolSyntax};
+use keydiff::tools::{Tool, ToolChoice, ToolStream, ToolSyntax};
 
 /// Largest request body: a prompt at the longest contexts (128K tokens as text or ids) fits
 /// many times over; axum's default of 2 MB would not.
@@ -1065,8 +1065,8 @@ struct Reply {
     logprobs: Option<Arc<Engine>>,
     /// The text offsets of each completion's logprobs, across a stream's chunks.
     offsets: Vec<logprobs::CompletionLogprobs>,
-    /// Read the replies for calls to these tools, in this syntax.
-    tools: Option<(ToolSyntax, Vec<Tool>)>,
+    /// Read the replies for calls to these tools, in this syntax, as `tool_choice` asked.
+    tools: Option<(ToolSyntax, Vec<Tool>, ToolChoice)>,
 }
 
 impl Reply {
@@ -1204,7 +1204,9 @@ impl Reply {
     /// per prompt, prompt after prompt.
     fn full(&mut self, outs: &[Output]) -> Result<Value, ApiError> {
         if self.kind == Kind::Infill {
-            let out = outs.first().ok_or_else(|| ApiError::internal("no output"))?;
+            let out = outs
+                .first()
+                .ok_or_else(|| ApiError::internal("no output"))?;
             return Ok(self.infill_object(out, &out.text));
         }
         let mut choices = Vec::with_capacity(outs.len());
@@ -1230,7 +1232,7 @@ impl Reply {
                 Kind::Chat => {
                     let mut message = json!({"role": "assistant", "content": text});
                     let mut reason = reason;
-                    if let Some((syntax, tools)) = &self.tools {
+                    if let Some((syntax, tools, choice)) = &self.tools {
                         let p = syntax.parse(&text, tools);
                         if !p.calls.is_empty() {
                             let content = p.content.trim();
@@ -1239,7 +1241,7 @@ impl Reply {
                                 false => content.into(),
                             };
                             message["tool_calls"] = api::tool_calls(&p.calls, false);
-                            reason = tool_reason(reason);
+                            reason = tool_reason(reason, choice);
                         }
                     }
                     json!({
@@ -1277,7 +1279,9 @@ impl Reply {
     ) -> Value {
         let choice = match self.kind {
             // llama.cpp's stream: the text, and `stop`.
-            Kind::Infill => return json!({"index": 0, "content": text.unwrap_or(""), "stop": false}),
+            Kind::Infill => {
+                return json!({"index": 0, "content": text.unwrap_or(""), "stop": false})
+            }
             Kind::Completion => json!({
                 "index": choice,
                 "text": text.unwrap_or(""),
@@ -1375,11 +1379,13 @@ async fn chat_completions(
 }
 
 /// OpenAI's `finish_reason` of a reply that called functions: `tool_calls` where it ended by
-/// itself (`stop`), else what ended it (`length`: the calls were read nonetheless).
-fn tool_reason(reason: &'static str) -> &'static str {
-    match reason {
-        "stop" => "tool_calls",
-        r => r,
+/// itself (`stop`), else what ended it (`length`: the calls were read nonetheless). A call
+/// to the function `tool_choice` named ends with `stop`, as in OpenAI's API and vLLM.
+fn tool_reason(reason: &'static str, choice: &ToolChoice) -> &'static str {
+    match (reason, choice) {
+        (_, ToolChoice::Function(_)) => reason,
+        ("stop", _) => "tool_calls",
+        (r, _) => r,
     }
 }
 
@@ -1475,7 +1481,7 @@ async fn respond(st: Arc<AppState>, m: Mapped, mut reply: Reply) -> Response {
                 reply
                     .tools
                     .as_ref()
-                    .map(|(syntax, _)| ToolStream::new(*syntax))
+                    .map(|(syntax, ..)| ToolStream::new(*syntax))
             })
             .collect();
         // Completion `i`'s last chunks: with tools, the content held back and the calls;
@@ -1488,14 +1494,14 @@ async fn respond(st: Arc<AppState>, m: Mapped, mut reply: Reply) -> Response {
                            out: &Output| {
             let mut chunks = Vec::new();
             let mut reason = api::finish_reason(out.stats.stop_reason);
-            if let (Some(h), Some((_, tools))) = (held.take(), &reply.tools) {
+            if let (Some(h), Some((_, tools, choice))) = (held.take(), &reply.tools) {
                 let p = h.finish(tools);
                 if !p.content.is_empty() {
                     chunks.push(reply.chunk(i, Some(&p.content), false, None, Value::Null));
                 }
                 if !p.calls.is_empty() {
                     chunks.push(reply.tool_calls_chunk(i, &p.calls));
-                    reason = tool_reason(reason);
+                    reason = tool_reason(reason, choice);
                 }
             }
             let rest = match lps.is_empty() {

@@ -287,6 +287,49 @@ pub fn to_rules(schema: &Value, name: &str) -> Result<String, SchemaError> {
     Ok(out)
 }
 
+/// `schema` without what [`to_grammar`] cannot enforce, so that its grammar allows at least
+/// the values the schema allows: keywords it does not compile are dropped (in every
+/// subschema), as are `minLength`/`maxLength` beside a `pattern` and a `pattern` beside a
+/// compiled format. For schemas a grammar only guides, such as a function's parameters
+/// without OpenAI's `strict` ([`crate::tools`]); what stays refused (a `$ref` outside the
+/// schema, bounds beyond ±1e38, ...) is still refused by [`to_grammar`].
+pub fn loosen(schema: &Value) -> Value {
+    let Value::Object(s) = schema else {
+        return schema.clone();
+    };
+    let each_value = |v: &Value| match v {
+        Value::Object(m) => Value::Object(m.iter().map(|(k, v)| (k.clone(), loosen(v))).collect()),
+        v => v.clone(),
+    };
+    let each_item = |v: &Value| match v {
+        Value::Array(a) => Value::Array(a.iter().map(loosen).collect()),
+        v => v.clone(),
+    };
+    let mut out = Map::new();
+    for (k, v) in s {
+        let v = match k.as_str() {
+            "properties" | "$defs" | "definitions" => each_value(v),
+            "additionalProperties" | "items" => loosen(v),
+            "prefixItems" | "anyOf" | "oneOf" | "allOf" => each_item(v),
+            k if COMPILED.contains(&k) || ANNOTATIONS.contains(&k) => v.clone(),
+            _ => continue,
+        };
+        out.insert(k.clone(), v);
+    }
+    let compiled_format = matches!(
+        out.get("format").and_then(Value::as_str),
+        Some("date" | "time" | "date-time" | "uuid")
+    );
+    if compiled_format {
+        out.remove("pattern");
+    }
+    if compiled_format || out.contains_key("pattern") {
+        out.remove("minLength");
+        out.remove("maxLength");
+    }
+    Value::Object(out)
+}
+
 fn primitive(name: &str) -> &'static str {
     PRIMITIVES
         .iter()
@@ -1434,6 +1477,37 @@ mod tests {
             &["\"anything\""],
             &["1"],
         );
+    }
+
+    #[test]
+    fn loosened_schemas_compile_what_they_can() {
+        let schema = json!({"type": "object", "properties": {
+            "tags": {"type": "array", "uniqueItems": true, "items": {"type": "string",
+                "pattern": "^[a-z]+$", "maxLength": 8}},
+            "n": {"type": "integer", "multipleOf": 2, "minimum": 0},
+            "not": {"type": "string", "format": "date", "pattern": "^2"},
+            "any": {"not": {"type": "null"}}},
+            "minProperties": 1, "required": ["n"]});
+        assert!(to_grammar(&schema).is_err());
+        let loose = loosen(&schema);
+        assert_eq!(
+            loose,
+            json!({"type": "object", "properties": {
+                "tags": {"type": "array", "items": {"type": "string", "pattern": "^[a-z]+$"}},
+                "n": {"type": "integer", "minimum": 0},
+                "not": {"type": "string", "format": "date"},
+                "any": {}},
+                "required": ["n"]})
+        );
+        check(
+            loose,
+            &[r#"{"tags": ["ab", "ab"], "n": 3, "not": "2024-01-02", "any": null}"#],
+            &[r#"{"tags": ["A"], "n": 3}"#, r#"{"n": -1}"#],
+        );
+        // What is compiled stays as it is.
+        let strict = json!({"type": "object", "properties": {"a": {"$ref": "#/$defs/a"}},
+            "$defs": {"a": {"type": "string", "minLength": 2}}});
+        assert_eq!(loosen(&strict), strict);
     }
 
     #[test]

@@ -32,9 +32,8 @@ pub use batch::{Batch, Ended};
 pub use candle_core::{DType, Device};
 pub use conversation::Conversation;
 pub use engine::{
-    Breakdown, CancelToken, Engine, EngineConfig, Event, GenerateParams, InfillFile, Output, Prefix,
-    Prompt,
-    Stats, StopReason, DEFAULT_CHUNK,
+    Breakdown, CancelToken, Engine, EngineConfig, Event, GenerateParams, InfillFile, Output,
+    Prefix, Prompt, Stats, StopReason, DEFAULT_CHUNK,
 };
 pub use error::{EngineError, Result};
 pub use keydiff_cache::config::SNAPKV_WINDOW;

@@ -36,8 +36,14 @@ pub struct Tool {
     /// `a-z`, `A-Z`, `0-9`, `_` and `-`, at most 64 (OpenAI's rule).
     pub name: String,
     pub description: Option<String>,
-    /// A JSON schema of the arguments object; `None`: no arguments (`{}`).
+    /// A JSON schema of the arguments object, as given; `None`: no arguments (`{}`).
     pub parameters: Option<Value>,
+    /// OpenAI's `strict`: the arguments must follow the whole schema, so keywords the grammar
+    /// cannot enforce are refused. Otherwise they are left out of the grammar
+    /// ([`json_schema::loosen`]), which then allows at least what the schema allows.
+    pub strict: Option<bool>,
+    /// The schema the calls' grammar follows.
+    grammar_schema: Value,
 }
 
 impl Tool {
@@ -79,8 +85,17 @@ impl Tool {
                 ))
             }
         };
-        let parameters = match f.get("parameters") {
+        let strict = match f.get("strict") {
             None | Some(Value::Null) => None,
+            Some(Value::Bool(b)) => Some(*b),
+            Some(v) => {
+                return bad(format!(
+                    "function `{name}`: strict must be true or false, not {v}"
+                ))
+            }
+        };
+        let (parameters, grammar_schema) = match f.get("parameters") {
+            None | Some(Value::Null) => (None, json!({"type": "object", "properties": {}})),
             Some(p @ Value::Object(_)) => {
                 if p.get("type").is_some_and(|t| t != "object") {
                     return bad(format!(
@@ -88,9 +103,26 @@ impl Tool {
                         p["type"]
                     ));
                 }
-                json_schema::to_grammar(p)
+                let mut g = match strict {
+                    Some(true) => p.clone(),
+                    _ => json_schema::loosen(p),
+                };
+                // The arguments are an object, whatever else the schema says; one that names
+                // no members may have any (JSON Schema's meaning, where keydiff's objects
+                // otherwise have only the members they name).
+                if let Value::Object(m) = &mut g {
+                    m.entry("type").or_insert_with(|| "object".into());
+                    let shaped = ["properties", "additionalProperties", "$ref", "anyOf"]
+                        .iter()
+                        .chain(&["oneOf", "allOf", "enum", "const"])
+                        .any(|k| m.contains_key(*k));
+                    if !shaped {
+                        m.insert("additionalProperties".into(), true.into());
+                    }
+                }
+                json_schema::to_grammar(&g)
                     .map_err(|e| ToolError(format!("function `{name}` parameters: {e}")))?;
-                Some(p.clone())
+                (Some(p.clone()), g)
             }
             Some(p) => {
                 return bad(format!(
@@ -102,6 +134,8 @@ impl Tool {
             name,
             description,
             parameters,
+            strict,
+            grammar_schema,
         })
     }
 
@@ -115,15 +149,32 @@ impl Tool {
         if let Some(p) = &self.parameters {
             f.insert("parameters".into(), p.clone());
         }
+        if let Some(s) = self.strict {
+            f.insert("strict".into(), s.into());
+        }
         json!({"type": "function", "function": f})
     }
 
-    /// The schema of its arguments object.
-    fn arguments_schema(&self) -> Value {
-        match &self.parameters {
-            Some(p) => p.clone(),
-            None => json!({"type": "object", "properties": {}}),
+    /// The schema of its arguments object for the grammar, placed at `at` (a JSON pointer)
+    /// in the schema of the calls: its references (`#/$defs/...`, `#`) are moved there.
+    fn arguments_schema(&self, at: &str) -> Value {
+        fn moved(v: &Value, at: &str) -> Value {
+            match v {
+                Value::Object(m) => Value::Object(
+                    m.iter()
+                        .map(|(k, v)| match (k.as_str(), v.as_str()) {
+                            ("$ref", Some(r)) if r.starts_with('#') => {
+                                (k.clone(), Value::String(format!("#{at}{}", &r[1..])))
+                            }
+                            _ => (k.clone(), moved(v, at)),
+                        })
+                        .collect(),
+                ),
+                Value::Array(a) => Value::Array(a.iter().map(|v| moved(v, at)).collect()),
+                v => v.clone(),
+            }
         }
+        moved(&self.grammar_schema, at)
     }
 }
 
@@ -242,7 +293,11 @@ impl ToolSyntax {
     /// The syntax a chat template writes calls in; `None` when it writes none keydiff knows
     /// (the model then cannot be given tools).
     pub fn of_template(source: &str) -> Option<ToolSyntax> {
-        if source.contains(HERMES_OPEN) {
+        // Hermes' JSON in the tags, not the XML-like calls of Qwen3-Coder (`<function=`).
+        if source.contains(HERMES_OPEN)
+            && source.contains("arguments")
+            && !source.contains("<function=")
+        {
             Some(ToolSyntax::Hermes)
         } else if source.contains(PYTHON_TAG) || source.contains("\"parameters\": ") {
             Some(ToolSyntax::Llama3)
@@ -277,12 +332,16 @@ impl ToolSyntax {
             return Err(ToolError("no tools to call".into()));
         }
         let key = self.arguments_key();
-        let calls: Vec<Value> = called
-            .iter()
-            .map(|t| {
+        let one = called.len() == 1;
+        let calls: Vec<Value> = (called.iter().enumerate())
+            .map(|(i, t)| {
+                let at = match one {
+                    true => format!("/properties/{key}"),
+                    false => format!("/anyOf/{i}/properties/{key}"),
+                };
                 json!({
                     "type": "object",
-                    "properties": {"name": {"const": t.name}, key: t.arguments_schema()},
+                    "properties": {"name": {"const": t.name}, key: t.arguments_schema(&at)},
                     "required": ["name", key],
                     "additionalProperties": false,
                 })
@@ -351,22 +410,26 @@ impl ToolSyntax {
     pub fn content_len(self, text: &str) -> usize {
         // A reply that starts with an object may be a call object (or calls after Llama's
         // `<|python_tag|>`, which has no text).
-        let t = text.trim_start();
+        let t = trim_start(text);
         if t.is_empty() || t.starts_with('{') {
             return 0;
         }
         match self {
-            ToolSyntax::Hermes => match text.find(HERMES_OPEN) {
-                Some(p) => p,
-                // Hold back an end that may begin `<tool_call>`.
-                None => {
-                    let held = (1..HERMES_OPEN.len().min(text.len() + 1))
-                        .rev()
-                        .find(|&k| text.ends_with(&HERMES_OPEN[..k]))
-                        .unwrap_or(0);
-                    text.len() - held
-                }
-            },
+            ToolSyntax::Hermes => {
+                let end = match text.find(HERMES_OPEN) {
+                    Some(p) => p,
+                    // Hold back an end that may begin `<tool_call>`.
+                    None => {
+                        let held = (1..HERMES_OPEN.len().min(text.len() + 1))
+                            .rev()
+                            .find(|&k| text.ends_with(&HERMES_OPEN[..k]))
+                            .unwrap_or(0);
+                        text.len() - held
+                    }
+                };
+                // And whitespace that may come before a call, which the content leaves out.
+                text[..end].trim_end().len()
+            }
             ToolSyntax::Llama3 => match t.starts_with(PYTHON_TAG) || PYTHON_TAG.starts_with(t) {
                 true => 0,
                 false => text.len(),
@@ -378,7 +441,8 @@ impl ToolSyntax {
 /// A reply read for calls.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Parsed {
-    /// The text outside the calls (all of it when there are none), as written.
+    /// With calls, the text outside them, without whitespace at its end or between calls
+    /// (empty when there is no other text); without, the whole reply as written.
     pub content: String,
     pub calls: Vec<ToolCall>,
 }
@@ -428,8 +492,13 @@ fn hermes_calls(text: &str, tools: &[Tool]) -> Option<(String, Vec<ToolCall>)> {
     let mut content = String::new();
     let mut calls = Vec::new();
     let mut rest = text;
+    let mut first = true;
     while let Some(p) = rest.find(HERMES_OPEN) {
-        content.push_str(&rest[..p]);
+        // The text before the first call; then only text that is not whitespace.
+        if first || !rest[..p].trim().is_empty() {
+            content.push_str(&rest[..p]);
+        }
+        first = false;
         let body = &rest[p + HERMES_OPEN.len()..];
         let (json, after) = match body.find(HERMES_CLOSE) {
             Some(e) => (&body[..e], &body[e + HERMES_CLOSE.len()..]),
@@ -440,14 +509,21 @@ fn hermes_calls(text: &str, tools: &[Tool]) -> Option<(String, Vec<ToolCall>)> {
         rest = after;
     }
     content.push_str(rest);
+    content.truncate(content.trim_end().len());
     Some((content, calls))
+}
+
+/// `text` without ASCII whitespace at its start (JSON's whitespace, and what the lazy
+/// grammar's start triggers skip).
+fn trim_start(text: &str) -> &str {
+    text.trim_start_matches(|c: char| c.is_ascii_whitespace())
 }
 
 /// A reply that is a call object, or several separated by `;` (vLLM reads those in Llama
 /// 3's replies), after an optional `<|python_tag|>`.
 fn json_calls(text: &str, tools: &[Tool]) -> Option<(String, Vec<ToolCall>)> {
-    let t = text.trim();
-    let mut t = t.strip_prefix(PYTHON_TAG).unwrap_or(t).trim_start();
+    let t = trim_start(text);
+    let mut t = trim_start(t.strip_prefix(PYTHON_TAG).unwrap_or(t));
     if !t.starts_with('{') {
         return None;
     }
@@ -456,8 +532,8 @@ fn json_calls(text: &str, tools: &[Tool]) -> Option<(String, Vec<ToolCall>)> {
         let mut values = serde_json::Deserializer::from_str(t).into_iter::<Value>();
         let v = values.next()?.ok()?;
         calls.push(call(&v, "parameters", tools)?);
-        let rest = t[values.byte_offset()..].trim_start();
-        match rest.strip_prefix(';').map(str::trim_start) {
+        let rest = trim_start(&t[values.byte_offset()..]);
+        match rest.strip_prefix(';').map(trim_start) {
             None if rest.is_empty() => return Some((String::new(), calls)),
             Some("") => return Some((String::new(), calls)),
             Some(next) => t = next,
@@ -555,11 +631,23 @@ mod tests {
             |p: Value| json!({"type": "function", "function": {"name": "f", "parameters": p}});
         assert!(err(params(json!({"type": "string"}))).contains("schema of an object"));
         assert!(err(params(json!([1]))).contains("JSON schema object"));
-        let e = err(params(json!({"type": "object", "not": {}})));
+        // Keywords the grammar cannot enforce: left out of it, refused with `strict`.
+        let unique = json!({"type": "object", "properties": {
+            "t": {"type": "array", "uniqueItems": true}}, "not": {"required": ["t"]}});
+        let loose = tools_from_openai(&[params(unique.clone())]).unwrap();
+        assert_eq!(
+            loose[0].parameters.as_ref(),
+            Some(&unique),
+            "as given, for the template"
+        );
+        let strict = json!({"type": "function", "function": {"name": "f", "strict": true,
+            "parameters": unique}});
+        let e = err(strict);
         assert!(
-            e.contains("tools[0]") && e.contains("`f` parameters") && e.contains("`not`"),
+            e.contains("tools[0]") && e.contains("`f` parameters") && e.contains("`not` is not"),
             "{e}"
         );
+        assert!(err(params(json!({"type": "object", "$ref": "http://x"}))).contains("`$ref`"));
         let twice = tools_from_openai(&[named("f"), named("f")]).unwrap_err().0;
         assert!(
             twice.contains("tools[1]") && twice.contains("declared twice"),
@@ -596,8 +684,13 @@ mod tests {
     #[test]
     fn the_template_tells_the_syntax() {
         assert_eq!(
-            ToolSyntax::of_template("{{- '<tool_call>\\n' }}"),
+            ToolSyntax::of_template("{{- '<tool_call>\\n{\"name\": ...\"arguments\": ' }}"),
             Some(ToolSyntax::Hermes)
+        );
+        // Qwen3-Coder's XML-like calls are not Hermes' JSON.
+        assert_eq!(
+            ToolSyntax::of_template("<tool_call>\n<function={{ name }}> arguments"),
+            None
         );
         assert_eq!(
             ToolSyntax::of_template(r#"{{- '"parameters": ' }}"#),
@@ -628,7 +721,12 @@ mod tests {
                 ("now", &json!({}))
             ]
         );
-        assert_eq!(p.content, "Let me look.\n\n");
+        assert_eq!(p.content, "Let me look.");
+        // Whitespace between and after calls is not content; other text is.
+        let later = h.parse(&format!("{text}\nDone.\n"), &t);
+        assert_eq!(later.content, "Let me look.\n\nDone.");
+        let only = h.parse("<tool_call>{\"name\": \"now\"}</tool_call>\n \n", &t);
+        assert_eq!(only.content, "");
         assert!(p.calls[0].id.starts_with("call_") && p.calls[0].id.len() == 29);
         assert_ne!(p.calls[0].id, p.calls[1].id);
         // A last block the reply ended in.
@@ -735,6 +833,51 @@ mod tests {
             ToolSyntax::Hermes.format(&tools(), &ToolChoice::None, true),
             Ok(None)
         );
+    }
+
+    /// Tools whose schemas refer to their own `$defs` (as Pydantic writes them), or to
+    /// themselves, in one grammar with other tools.
+    #[test]
+    fn references_in_parameters_are_their_own() {
+        let nested = json!({"type": "function", "function": {"name": "move", "parameters": {
+            "type": "object",
+            "$defs": {"Loc": {"type": "object", "properties": {"city": {"type": "string"}},
+                "required": ["city"]}},
+            "properties": {"to": {"$ref": "#/$defs/Loc"}}, "required": ["to"]}}});
+        let tree = json!({"type": "function", "function": {"name": "tree", "parameters": {
+            "type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}},
+            "required": ["kids"]}}});
+        for list in [vec![nested.clone()], vec![weather(), nested, tree]] {
+            let t = tools_from_openai(&list).unwrap();
+            let g = grammar_of(&t, ToolChoice::Required);
+            let go = r#"{"name": "move", "parameters": {"to": {"city": "Oslo"}}}"#;
+            assert!(whole(&g, go));
+            assert!(!whole(
+                &g,
+                r#"{"name": "move", "parameters": {"to": {"town": "Oslo"}}}"#
+            ));
+            if t.len() == 3 {
+                let kids = r#"{"name": "tree", "parameters": {"kids": [{"kids": []}]}}"#;
+                assert!(whole(&g, kids));
+                assert!(!whole(
+                    &g,
+                    r#"{"name": "tree", "parameters": {"kids": [{}]}}"#
+                ));
+            }
+        }
+        // A schema without a type still makes the arguments an object.
+        let untyped = json!({"type": "function", "function": {"name": "f", "parameters": {}}});
+        let t = tools_from_openai(&[untyped]).unwrap();
+        let g = grammar_of(&t, ToolChoice::Required);
+        assert!(whole(&g, r#"{"name": "f", "parameters": {"x": 1}}"#));
+        assert!(!whole(&g, r#"{"name": "f", "parameters": "x"}"#));
+    }
+
+    fn grammar_of(t: &[Tool], choice: ToolChoice) -> String {
+        match ToolSyntax::Llama3.format(t, &choice, true).unwrap() {
+            Some(Format::Grammar(g)) => g,
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]
