@@ -210,4 +210,41 @@ fn the_infill_endpoint_answers_as_llama_cpp() {
     let v: Value = r.into_json().unwrap();
     assert_eq!(v["error"]["param"], "input_extra", "{v}");
     server.stop().unwrap();
+
+    // The same files again (an editor's next request), on a server without a budget: the
+    // prompt cache gives whole chunks back (under a budget, `--prompt-cache continue` does).
+    let full = keydiff::Engine::load(
+        &keydiff::ModelSource::Gguf(keydiff_tests::model(QWEN)),
+        &keydiff::EngineConfig::default(),
+    )
+    .unwrap();
+    let plain = Server::bind("127.0.0.1:0", full, ServerConfig::new("q"))
+        .unwrap()
+        .spawn();
+    let url = format!("{}/infill", plain.url());
+    let mut again = body.clone();
+    let long: String = (0..30)
+        .map(|i| format!("def f{i}(x):\n    return x + {i}\n\n"))
+        .collect();
+    again["input_extra"] = json!([{"filename": "big.py", "text": long}]);
+    let first: Value = ureq::post(&url)
+        .send_json(&again)
+        .unwrap()
+        .into_json()
+        .unwrap();
+    let second: Value = ureq::post(&url)
+        .send_json(&again)
+        .unwrap()
+        .into_json()
+        .unwrap();
+    assert_eq!(first["tokens_cached"], 0);
+    let cached = second["tokens_cached"].as_u64().unwrap();
+    assert!(cached > 0 && cached % 128 == 0, "{second}");
+    assert_eq!(second["content"], first["content"]);
+    assert_eq!(
+        second["timings"]["prompt_n"].as_u64().unwrap() + cached,
+        second["tokens_evaluated"].as_u64().unwrap()
+    );
+
+    plain.stop().unwrap();
 }
