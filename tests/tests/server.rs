@@ -1657,3 +1657,69 @@ fn a_batch_of_prompts() {
         "{h}"
     );
 }
+
+/// llama.cpp's own `/completion`: special-token text in the prompt is parsed (as llama.cpp
+/// does), the answer is the engine's greedy text in llama.cpp's form, whole and streamed.
+#[test]
+fn llama_cpp_completion_endpoint() {
+    let local = engine(keydiff_cache(64, 32));
+    let server = start(keydiff_cache(64, 32), 4);
+    let text = "<|im_start|>user\nName a colour.<|im_end|>\n<|im_start|>assistant\n";
+    let ids = local.tokenize(text, true).unwrap();
+    assert!(ids.len() + 10 < local.tokenize(text, false).unwrap().len());
+    let want = local
+        .generate(
+            &GenerateParams {
+                prompt: Prompt::Tokens(ids.clone()),
+                max_tokens: 8,
+                sampling: keydiff::Sampling {
+                    top_k: 40,
+                    top_p: 0.95,
+                    min_p: 0.05,
+                    ..Default::default()
+                },
+                ..Default::default()
+            },
+            |_| {},
+        )
+        .unwrap();
+    for path in ["/completion", "/completions"] {
+        let url = format!("{}{path}", server.url());
+        let body = json!({"prompt": text, "n_predict": 8, "temperature": 0});
+        let (code, v) = post(&url, &body);
+        assert_eq!(code, 200, "{v}");
+        assert_eq!(v["content"], want.text.as_str(), "{v}");
+        assert_eq!(v["tokens_evaluated"], ids.len());
+        assert_eq!(v["tokens_predicted"], 8);
+        assert_eq!(v["stop"], true);
+        let mut streamed = body.clone();
+        streamed["stream"] = json!(true);
+        let r = ureq::post(&url).send_json(&streamed).unwrap();
+        let chunks: Vec<Value> = BufReader::new(r.into_reader())
+            .lines()
+            .map(|l| l.unwrap())
+            .filter_map(|l| {
+                l.strip_prefix("data: ")
+                    .map(|d| serde_json::from_str(d).unwrap())
+            })
+            .collect();
+        let joined: String = chunks
+            .iter()
+            .filter_map(|c| c["content"].as_str())
+            .collect();
+        assert_eq!(joined, want.text);
+        assert_eq!(chunks.last().unwrap()["stop"], true);
+    }
+    let url = format!("{}/completion", server.url());
+    for (body, param) in [
+        (json!({"prompt": ["a", "b"]}), "prompt"),
+        (json!({"prompt": ""}), "prompt"),
+        (json!({"prompt": "a", "n_predict": 0}), "n_predict"),
+        (json!({"prompt": "a", "repeat_last_n": -2}), "repeat_last_n"),
+    ] {
+        let (code, v) = post(&url, &body);
+        assert_eq!(code, 400, "{body}: {v}");
+        assert_eq!(v["error"]["param"], param, "{v}");
+    }
+    server.stop().unwrap();
+}

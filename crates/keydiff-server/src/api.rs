@@ -633,23 +633,12 @@ pub fn messages(list: Vec<ChatMessage>) -> Result<Vec<Message>, ApiError> {
     Ok(messages)
 }
 
-/// `POST /infill`, llama.cpp's fill in the middle with the project's other files, which editor
-/// plugins (llama.vim, llama.vscode) call. Its fields are llama.cpp's, with llama.cpp's
-/// defaults; fields that steer llama.cpp's own scheduling (`cache_prompt`, `t_max_prompt_ms`,
-/// `t_max_predict_ms`, `id_slot`, `samplers`, `n_indent`, `response_fields`) are ignored, as
-/// unknown fields are.
-#[derive(Debug, Deserialize)]
-pub struct InfillRequest {
-    #[serde(default)]
-    pub input_prefix: String,
-    #[serde(default)]
-    pub input_suffix: String,
-    /// Other files: `{"filename", "text"}` each.
-    #[serde(default)]
-    pub input_extra: Vec<Value>,
-    /// Text after `input_prefix` (llama.cpp appends it there).
-    #[serde(default)]
-    pub prompt: String,
+/// llama.cpp's own sampling and length fields (its `/completion` and `/infill`), with
+/// llama.cpp's defaults. Fields that steer llama.cpp's own slots and timers
+/// (`cache_prompt`, `t_max_prompt_ms`, `t_max_predict_ms`, `id_slot`, `samplers`,
+/// `n_indent`, `response_fields`) are ignored, as unknown fields are.
+#[derive(Debug, Default, Deserialize)]
+pub struct LlamaParams {
     pub n_predict: Option<i64>,
     pub max_tokens: Option<i64>,
     pub temperature: Option<f32>,
@@ -668,54 +657,39 @@ pub struct InfillRequest {
     pub json_schema: Option<Value>,
 }
 
-impl InfillRequest {
-    pub fn map(self, defaults: Defaults) -> Result<Mapped, ApiError> {
-        let bad = |m: String, p: &'static str| Err(ApiError::invalid(m, Some(p)));
-        let mut repo = Vec::with_capacity(self.input_extra.len());
-        for (i, chunk) in self.input_extra.iter().enumerate() {
-            let text = chunk.get("text").and_then(Value::as_str);
-            let name = match chunk.get("filename") {
-                None => Some("tmp"),
-                Some(n) => n.as_str(),
-            };
-            let (Some(text), Some(name)) = (text, name) else {
-                return bad(
-                    format!(
-                        "input_extra[{i}] must be {{\"filename\": string, \"text\": string}}, \
-                         not {chunk}"
-                    ),
-                    "input_extra",
-                );
-            };
-            repo.push(keydiff::InfillFile {
-                name: name.to_string(),
-                text: text.to_string(),
-            });
-        }
+impl LlamaParams {
+    /// The request on `prompt`, as the OpenAI endpoints would run it with these settings.
+    fn map(self, prompt: Prompt, defaults: Defaults) -> Result<Mapped, ApiError> {
         // llama.cpp's n_predict: −1 (the default) generates to the end or the context.
         let max_tokens = match self.n_predict.or(self.max_tokens) {
             None => None,
             Some(n) if n < 0 => Some(usize::MAX),
+            Some(0) => {
+                return Err(ApiError::invalid(
+                    "n_predict = 0 generates nothing; ask for 1 token or more (-1: to the end)",
+                    Some("n_predict"),
+                ))
+            }
             Some(n) => Some(n as usize),
+        };
+        let repeat_last_n = match self.repeat_last_n {
+            Some(-1) => Some(usize::MAX),
+            Some(n) if n < 0 => {
+                return Err(ApiError::invalid(
+                    format!("repeat_last_n = {n}: it must be -1 (the context) or more"),
+                    Some("repeat_last_n"),
+                ))
+            }
+            n => n.map(|n| n as usize),
         };
         let common = Common {
             max_tokens,
-            // llama.cpp's defaults.
             temperature: Some(self.temperature.unwrap_or(0.8)),
             top_k: Some(self.top_k.unwrap_or(40)),
             top_p: Some(self.top_p.unwrap_or(0.95)),
             min_p: Some(self.min_p.unwrap_or(0.05)),
             repetition_penalty: self.repeat_penalty,
-            repeat_last_n: match self.repeat_last_n {
-                Some(-1) => Some(usize::MAX),
-                Some(n) if n < 0 => {
-                    return bad(
-                        format!("repeat_last_n = {n}: it must be -1 (the context) or more"),
-                        "repeat_last_n",
-                    )
-                }
-                n => n.map(|n| n as usize),
-            },
+            repeat_last_n,
             presence_penalty: self.presence_penalty,
             frequency_penalty: self.frequency_penalty,
             seed: self.seed.filter(|&s| s >= 0).map(|s| s as u64),
@@ -726,12 +700,82 @@ impl InfillRequest {
             json_schema: self.json_schema,
             ..Common::default()
         };
+        common.map(prompt, defaults, None)
+    }
+}
+
+/// `POST /completion` (and `/completions`), llama.cpp's own completion endpoint: one prompt,
+/// a string or token ids, answered in llama.cpp's form.
+#[derive(Debug, Deserialize)]
+pub struct LlamaCompletionRequest {
+    pub prompt: Value,
+    #[serde(flatten)]
+    pub params: LlamaParams,
+}
+
+impl LlamaCompletionRequest {
+    pub fn map(self, defaults: Defaults) -> Result<Mapped, ApiError> {
+        let p = match self.prompt {
+            Value::Array(v) if v.iter().any(|x| !x.is_number()) => {
+                return Err(ApiError::invalid(
+                    "prompt must be one string or one array of token ids here (several prompts \
+                     go to /v1/completions)",
+                    Some("prompt"),
+                ))
+            }
+            p => prompt(p)?,
+        };
+        self.params.map(p, defaults)
+    }
+}
+
+/// `POST /infill`, llama.cpp's fill in the middle with the project's other files, which editor
+/// plugins (llama.vim, llama.vscode) call. Its fields are llama.cpp's ([`LlamaParams`]).
+#[derive(Debug, Deserialize)]
+pub struct InfillRequest {
+    #[serde(default)]
+    pub input_prefix: String,
+    #[serde(default)]
+    pub input_suffix: String,
+    /// Other files: `{"filename", "text"}` each.
+    #[serde(default)]
+    pub input_extra: Vec<Value>,
+    /// Text after `input_prefix` (llama.cpp appends it there).
+    #[serde(default)]
+    pub prompt: String,
+    #[serde(flatten)]
+    pub params: LlamaParams,
+}
+
+impl InfillRequest {
+    pub fn map(self, defaults: Defaults) -> Result<Mapped, ApiError> {
+        let mut repo = Vec::with_capacity(self.input_extra.len());
+        for (i, chunk) in self.input_extra.iter().enumerate() {
+            let text = chunk.get("text").and_then(Value::as_str);
+            let name = match chunk.get("filename") {
+                None => Some("tmp"),
+                Some(n) => n.as_str(),
+            };
+            let (Some(text), Some(name)) = (text, name) else {
+                return Err(ApiError::invalid(
+                    format!(
+                        "input_extra[{i}] must be {{\"filename\": string, \"text\": string}}, \
+                         not {chunk}"
+                    ),
+                    Some("input_extra"),
+                ));
+            };
+            repo.push(keydiff::InfillFile {
+                name: name.to_string(),
+                text: text.to_string(),
+            });
+        }
         let prompt = Prompt::Infill {
             prefix: self.input_prefix + &self.prompt,
             suffix: self.input_suffix,
             repo: Some(repo),
         };
-        common.map(prompt, defaults, None)
+        self.params.map(prompt, defaults)
     }
 }
 

@@ -439,6 +439,8 @@ pub fn router(engine: Engine, cfg: ServerConfig) -> (Router, Worker) {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/infill", post(infill))
+        .route("/completion", post(llama_completion))
+        .route("/completions", post(llama_completion))
         .route("/v1/models", get(models))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
@@ -1045,8 +1047,8 @@ impl Drop for TicketGuard {
 enum Kind {
     Completion,
     Chat,
-    /// llama.cpp's `/infill`, answered in llama.cpp's own form.
-    Infill,
+    /// llama.cpp's own endpoints (`/completion`, `/infill`), answered in llama.cpp's form.
+    Llama,
 }
 
 /// The response shapes of one request.
@@ -1073,7 +1075,7 @@ impl Reply {
     /// The reply to `prompts` prompts with `n` choices each.
     fn new(kind: Kind, model: &str, prompts: usize, n: usize) -> Self {
         let prefix = match kind {
-            Kind::Completion | Kind::Infill => "cmpl",
+            Kind::Completion | Kind::Llama => "cmpl",
             Kind::Chat => "chatcmpl",
         };
         Self {
@@ -1107,7 +1109,7 @@ impl Reply {
                 self.offsets[choice].object(engine, &tokens, &entries)
             }
             Kind::Chat => logprobs::chat(engine, lps),
-            Kind::Infill => Ok(Value::Null),
+            Kind::Llama => Ok(Value::Null),
         }
     }
 
@@ -1148,15 +1150,16 @@ impl Reply {
     /// The `object` of a streamed chunk.
     fn chunk_object(&self) -> &'static str {
         match self.kind {
-            Kind::Completion | Kind::Infill => "text_completion",
+            Kind::Completion | Kind::Llama => "text_completion",
             Kind::Chat => "chat.completion.chunk",
         }
     }
 
-    /// llama.cpp's answer to `/infill` (and its last streamed chunk, with `content` empty):
+    /// llama.cpp's answer on its own endpoints (and its last streamed chunk, with `content`
+    /// empty):
     /// the text, `stop`, the token counts, why it stopped and llama.cpp's `timings`, plus
     /// the engine's figures.
-    fn infill_object(&self, out: &Output, content: &str) -> Value {
+    fn llama_object(&self, out: &Output, content: &str) -> Value {
         let s = &out.stats;
         let stop_type = match s.stop_reason {
             StopReason::Eos => "eos",
@@ -1203,11 +1206,11 @@ impl Reply {
     /// The whole response of a request that is not streamed: a choice per completion, `n`
     /// per prompt, prompt after prompt.
     fn full(&mut self, outs: &[Output]) -> Result<Value, ApiError> {
-        if self.kind == Kind::Infill {
+        if self.kind == Kind::Llama {
             let out = outs
                 .first()
                 .ok_or_else(|| ApiError::internal("no output"))?;
-            return Ok(self.infill_object(out, &out.text));
+            return Ok(self.llama_object(out, &out.text));
         }
         let mut choices = Vec::with_capacity(outs.len());
         for (i, out) in outs.iter().enumerate() {
@@ -1228,7 +1231,7 @@ impl Reply {
                 Kind::Completion => {
                     json!({"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason})
                 }
-                Kind::Infill => unreachable!("answered above"),
+                Kind::Llama => unreachable!("answered above"),
                 Kind::Chat => {
                     let mut message = json!({"role": "assistant", "content": text});
                     let mut reason = reason;
@@ -1258,7 +1261,7 @@ impl Reply {
             choices.push(choice);
         }
         let object = match self.kind {
-            Kind::Completion | Kind::Infill => "text_completion",
+            Kind::Completion | Kind::Llama => "text_completion",
             Kind::Chat => "chat.completion",
         };
         let mut v = self.envelope(object, Value::Array(choices));
@@ -1279,9 +1282,7 @@ impl Reply {
     ) -> Value {
         let choice = match self.kind {
             // llama.cpp's stream: the text, and `stop`.
-            Kind::Infill => {
-                return json!({"index": 0, "content": text.unwrap_or(""), "stop": false})
-            }
+            Kind::Llama => return json!({"index": 0, "content": text.unwrap_or(""), "stop": false}),
             Kind::Completion => json!({
                 "index": choice,
                 "text": text.unwrap_or(""),
@@ -1392,7 +1393,30 @@ fn tool_reason(reason: &'static str, choice: &ToolChoice) -> &'static str {
 /// `POST /infill` (llama.cpp's).
 async fn infill(State(st): State<Arc<AppState>>, body: Bytes) -> Result<Response, ApiError> {
     let mapped = api::parse::<api::InfillRequest>(&body)?.map(defaults(&st))?;
-    let reply = Reply::new(Kind::Infill, &st.cfg.model_id, 1, mapped.n);
+    let reply = Reply::new(Kind::Llama, &st.cfg.model_id, 1, mapped.n);
+    Ok(respond(st, mapped, reply).await)
+}
+
+/// `POST /completion` and `/completions` (llama.cpp's own).
+async fn llama_completion(
+    State(st): State<Arc<AppState>>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let mut mapped = api::parse::<api::LlamaCompletionRequest>(&body)?.map(defaults(&st))?;
+    // llama.cpp parses special-token text in this endpoint's prompts (a prompt written in
+    // the chat format), where keydiff's text prompts keep it as text.
+    if let keydiff::Prompt::Text(t) = &mapped.params.prompt {
+        if t.is_empty() {
+            return Err(ApiError::invalid(
+                "prompt must not be empty",
+                Some("prompt"),
+            ));
+        }
+        let t = t.clone();
+        let ids = with_engine(&st, move |e| Ok(e.tokenize(&t, true)?)).await?;
+        mapped.params.prompt = keydiff::Prompt::Tokens(ids);
+    }
+    let reply = Reply::new(Kind::Llama, &st.cfg.model_id, 1, mapped.n);
     Ok(respond(st, mapped, reply).await)
 }
 
@@ -1510,7 +1534,7 @@ async fn respond(st: Arc<AppState>, m: Mapped, mut reply: Reply) -> Response {
             };
             rest.map(|l| {
                 let last = match reply.kind {
-                    Kind::Infill => reply.infill_object(out, ""),
+                    Kind::Llama => reply.llama_object(out, ""),
                     _ => {
                         let mut last = reply.chunk(i, None, false, Some(reason), l);
                         last["keydiff"] = api::stats(out);
@@ -1543,8 +1567,8 @@ async fn respond(st: Arc<AppState>, m: Mapped, mut reply: Reply) -> Response {
                         Kind::Chat => Ok((0..n)
                             .map(|i| reply.chunk(i, Some(""), true, None, Value::Null))
                             .collect()),
-                        Kind::Completion | Kind::Infill if echo_waits => continue,
-                        Kind::Completion | Kind::Infill => match reply.echo.take() {
+                        Kind::Completion | Kind::Llama if echo_waits => continue,
+                        Kind::Completion | Kind::Llama => match reply.echo.take() {
                             Some(e) => Ok((0..n)
                                 .map(|i| reply.chunk(i, Some(&e), false, None, Value::Null))
                                 .collect()),
@@ -1636,7 +1660,7 @@ async fn respond(st: Arc<AppState>, m: Mapped, mut reply: Reply) -> Response {
             }
         }
         // llama.cpp ends its own streams without `[DONE]`.
-        if reply.kind != Kind::Infill {
+        if reply.kind != Kind::Llama {
             let _ = tx.send(Ok(SseEvent::default().data("[DONE]")));
         }
     });
