@@ -227,24 +227,86 @@ fn the_infill_endpoint_answers_as_llama_cpp() {
         .map(|i| format!("def f{i}(x):\n    return x + {i}\n\n"))
         .collect();
     again["input_extra"] = json!([{"filename": "big.py", "text": long}]);
-    let first: Value = ureq::post(&url)
-        .send_json(&again)
-        .unwrap()
-        .into_json()
-        .unwrap();
-    let second: Value = ureq::post(&url)
-        .send_json(&again)
-        .unwrap()
-        .into_json()
-        .unwrap();
-    assert_eq!(first["tokens_cached"], 0);
-    let cached = second["tokens_cached"].as_u64().unwrap();
+    let post = |b: &Value| -> Value { ureq::post(&url).send_json(b).unwrap().into_json().unwrap() };
+    // An editor warms the cache with the files (`n_predict: 0`): no text, the prompt held.
+    let mut warm = again.clone();
+    warm["n_predict"] = json!(0);
+    let warmed = post(&warm);
+    assert_eq!(warmed["content"], "", "{warmed}");
+    assert_eq!(warmed["tokens_predicted"], 0);
+    assert_eq!(warmed["timings"]["cache_n"], 0);
+    assert_eq!(warmed["tokens_cached"], warmed["tokens_evaluated"]);
+    let second = post(&again);
+    let cached = second["timings"]["cache_n"].as_u64().unwrap();
     assert!(cached > 0 && cached % 128 == 0, "{second}");
-    assert_eq!(second["content"], first["content"]);
     assert_eq!(
         second["timings"]["prompt_n"].as_u64().unwrap() + cached,
         second["tokens_evaluated"].as_u64().unwrap()
     );
+    assert_eq!(
+        second["tokens_cached"].as_u64().unwrap(),
+        second["tokens_evaluated"].as_u64().unwrap() + 12
+    );
+    // llama.cpp's `response_fields`: those paths only, as flat keys.
+    let mut fields = again.clone();
+    fields["response_fields"] = json!(["content", "timings/prompt_n", "no/such"]);
+    let picked = post(&fields);
+    let keys: Vec<&String> = picked.as_object().unwrap().keys().collect();
+    assert_eq!(keys, ["content", "timings/prompt_n"], "{picked}");
+    assert_eq!(picked["content"], second["content"]);
+    // `n_indent`: the reply ends where a line starts less indented, cut before its text.
+    let mut block = again.clone();
+    block["n_indent"] = json!(100);
+    block["n_predict"] = json!(48);
+    let ended = post(&block);
+    let text = ended["content"].as_str().unwrap();
+    assert!(text.contains('\n'), "{ended}");
+    assert!(
+        text.lines().skip(1).all(|l| l.trim().is_empty()),
+        "{text:?}"
+    );
+    assert_eq!(ended["stop_type"], "word");
+    assert!(
+        second["content"].as_str().unwrap().starts_with(text),
+        "{second}"
+    );
 
     plain.stop().unwrap();
+}
+
+/// Project files that do not fit lose tokens from their start, leaving the reply its room;
+/// the rest of the prompt is never cut.
+#[test]
+fn project_files_are_cut_to_fit_the_context() {
+    let e = engine(QWEN);
+    let context = e.model_config().max_position_embeddings;
+    let files = vec![
+        InfillFile {
+            name: "old.py".into(),
+            text: "OLD = 1\n".repeat(40),
+        },
+        InfillFile {
+            name: "new.py".into(),
+            text: "NEW = 2\n".into(),
+        },
+    ];
+    let (whole, cut) = e.infill_within("a = ", "\n", &files, 0).unwrap();
+    assert_eq!(cut, 0);
+    let room = context - whole.len() + 50;
+    let (ids, cut) = e.infill_within("a = ", "\n", &files, room).unwrap();
+    assert_eq!(cut, 50);
+    assert_eq!(ids.len() + room, context);
+    // The latest file and the FIM part are whole: the end of the prompt is unchanged.
+    assert_eq!(ids[ids.len() - 30..], whole[whole.len() - 30..]);
+    // No room left for any file: the block is gone, the FIM part stays.
+    let (ids, _) = e.infill_within("a = ", "\n", &files, context).unwrap();
+    let pre = e.tokenize_special("<|fim_prefix|>").unwrap()[0];
+    assert_eq!(ids[0], pre, "{ids:?}");
+    assert!(whole.ends_with(&ids));
+    // A FIM part beyond the context is refused, not cut.
+    let huge = "x = 1\n".repeat(context);
+    assert!(matches!(
+        e.infill_within(&huge, "", &files, 0),
+        Err(EngineError::PromptTooLong { .. })
+    ));
 }

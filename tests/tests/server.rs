@@ -1714,7 +1714,6 @@ fn llama_cpp_completion_endpoint() {
     for (body, param) in [
         (json!({"prompt": ["a", "b"]}), "prompt"),
         (json!({"prompt": ""}), "prompt"),
-        (json!({"prompt": "a", "n_predict": 0}), "n_predict"),
         (json!({"prompt": "a", "repeat_last_n": -2}), "repeat_last_n"),
     ] {
         let (code, v) = post(&url, &body);

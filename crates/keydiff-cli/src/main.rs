@@ -1275,6 +1275,7 @@ fn generate(a: &RunArgs, engine: &Engine, prompt: Prompt) -> Result<()> {
         cancel: None,
         logprobs: a.logprobs,
         prompt_logprobs: None,
+        stop_indent: 0,
     };
     let chunk = engine.config().cache.chunk;
     let mut bar: Option<indicatif::ProgressBar> = None;

@@ -147,6 +147,20 @@ pub struct Mapped {
     /// Read the replies for calls to these tools, written in this syntax, as `tool_choice`
     /// asked (chat with tools and a `tool_choice` other than `none`).
     pub tools: Option<(ToolSyntax, Vec<Tool>, ToolChoice)>,
+    /// How llama.cpp's own endpoints shape the answer.
+    pub llama: LlamaReply,
+}
+
+/// What llama.cpp's endpoints (`/completion`, `/infill`) answer beyond the engine's output.
+#[derive(Debug, Clone, Default)]
+pub struct LlamaReply {
+    /// `n_predict: 0`: the prompt only, into the prompt cache (editor plugins warm it so):
+    /// one token is sampled and left out of the answer.
+    pub prefill_only: bool,
+    /// `response_fields`: only these (paths such as `timings/prompt_n`, as flat keys).
+    pub fields: Vec<String>,
+    /// Tokens of the project's files cut to fit the context (`/infill`).
+    pub cut: usize,
 }
 
 /// The most completions one request may ask for (`n`; OpenAI's limit). Each has its own KV
@@ -227,6 +241,7 @@ impl Common {
                 cancel: None,
                 logprobs,
                 prompt_logprobs: None,
+                stop_indent: 0,
             },
             more: Vec::new(),
             n,
@@ -235,6 +250,7 @@ impl Common {
             echo: false,
             stream: self.stream.unwrap_or(false),
             tools: None,
+            llama: LlamaReply::default(),
             include_usage: self
                 .stream_options
                 .as_ref()
@@ -641,6 +657,12 @@ pub fn messages(list: Vec<ChatMessage>) -> Result<Vec<Message>, ApiError> {
 pub struct LlamaParams {
     pub n_predict: Option<i64>,
     pub max_tokens: Option<i64>,
+    /// End where a line starts less indented ([`GenerateParams::stop_indent`]).
+    pub n_indent: Option<i64>,
+    /// The samplers of llama.cpp's chain: of those keydiff has, the ones not listed are off
+    /// (`temperature` 1, `top_k` 0, `top_p` 1, `min_p` 0). Their order is keydiff's.
+    pub samplers: Option<Vec<String>>,
+    pub response_fields: Option<Vec<String>>,
     pub temperature: Option<f32>,
     pub top_k: Option<i64>,
     pub top_p: Option<f32>,
@@ -650,27 +672,34 @@ pub struct LlamaParams {
     pub presence_penalty: Option<f32>,
     pub frequency_penalty: Option<f32>,
     pub seed: Option<i64>,
-    pub stop: Option<Vec<String>>,
+    pub stop: Option<StopInput>,
     pub stream: Option<bool>,
     pub ignore_eos: Option<bool>,
     pub grammar: Option<String>,
     pub json_schema: Option<Value>,
 }
 
+/// llama.cpp's seed for "a fresh one" (`LLAMA_DEFAULT_SEED`), as negative ones are.
+const LLAMA_RANDOM_SEED: i64 = 0xFFFF_FFFF;
+
 impl LlamaParams {
     /// The request on `prompt`, as the OpenAI endpoints would run it with these settings.
     fn map(self, prompt: Prompt, defaults: Defaults) -> Result<Mapped, ApiError> {
-        // llama.cpp's n_predict: −1 (the default) generates to the end or the context.
-        let max_tokens = match self.n_predict.or(self.max_tokens) {
+        // llama.cpp's n_predict: −1 (the default) generates to the end or the context; 0
+        // only prefills.
+        let n_predict = self.n_predict.or(self.max_tokens);
+        let n_indent = self.n_indent.map_or(0, |n| n.max(0) as usize);
+        let response_fields = self.response_fields.clone().unwrap_or_default();
+        let max_tokens = match n_predict {
             None => None,
             Some(n) if n < 0 => Some(usize::MAX),
-            Some(0) => {
-                return Err(ApiError::invalid(
-                    "n_predict = 0 generates nothing; ask for 1 token or more (-1: to the end)",
-                    Some("n_predict"),
-                ))
-            }
+            Some(0) => Some(1),
             Some(n) => Some(n as usize),
+        };
+        let listed = |name: &str| {
+            self.samplers
+                .as_ref()
+                .is_none_or(|s| s.iter().any(|x| x == name))
         };
         let repeat_last_n = match self.repeat_last_n {
             Some(-1) => Some(usize::MAX),
@@ -684,23 +713,51 @@ impl LlamaParams {
         };
         let common = Common {
             max_tokens,
-            temperature: Some(self.temperature.unwrap_or(0.8)),
-            top_k: Some(self.top_k.unwrap_or(40)),
-            top_p: Some(self.top_p.unwrap_or(0.95)),
-            min_p: Some(self.min_p.unwrap_or(0.05)),
+            temperature: Some(match listed("temperature") {
+                true => self.temperature.unwrap_or(0.8),
+                false => 1.0,
+            }),
+            top_k: Some(match listed("top_k") {
+                true => self.top_k.unwrap_or(40),
+                false => 0,
+            }),
+            top_p: Some(match listed("top_p") {
+                true => self.top_p.unwrap_or(0.95),
+                false => 1.0,
+            }),
+            min_p: Some(match listed("min_p") {
+                true => self.min_p.unwrap_or(0.05),
+                false => 0.0,
+            }),
             repetition_penalty: self.repeat_penalty,
             repeat_last_n,
             presence_penalty: self.presence_penalty,
             frequency_penalty: self.frequency_penalty,
-            seed: self.seed.filter(|&s| s >= 0).map(|s| s as u64),
-            stop: self.stop.map(StopInput::Many),
+            seed: (self.seed)
+                .filter(|&s| (0..LLAMA_RANDOM_SEED).contains(&s))
+                .map(|s| s as u64),
+            // llama.cpp drops empty stop strings.
+            stop: self.stop.map(|s| {
+                let v = match s {
+                    StopInput::One(s) => vec![s],
+                    StopInput::Many(v) => v,
+                };
+                StopInput::Many(v.into_iter().filter(|s| !s.is_empty()).collect())
+            }),
             stream: self.stream,
             ignore_eos: self.ignore_eos,
             grammar: self.grammar,
             json_schema: self.json_schema,
             ..Common::default()
         };
-        common.map(prompt, defaults, None)
+        let mut m = common.map(prompt, defaults, None)?;
+        m.params.stop_indent = n_indent;
+        m.llama = LlamaReply {
+            prefill_only: n_predict == Some(0),
+            fields: response_fields,
+            cut: 0,
+        };
+        Ok(m)
     }
 }
 

@@ -1069,6 +1069,8 @@ struct Reply {
     offsets: Vec<logprobs::CompletionLogprobs>,
     /// Read the replies for calls to these tools, in this syntax, as `tool_choice` asked.
     tools: Option<(ToolSyntax, Vec<Tool>, ToolChoice)>,
+    /// How llama.cpp's own endpoints shape the answer.
+    llama: api::LlamaReply,
 }
 
 impl Reply {
@@ -1089,6 +1091,7 @@ impl Reply {
             logprobs: None,
             offsets: (0..prompts * n).map(|_| Default::default()).collect(),
             tools: None,
+            llama: api::LlamaReply::default(),
         }
     }
 
@@ -1159,58 +1162,87 @@ impl Reply {
     /// empty):
     /// the text, `stop`, the token counts, why it stopped and llama.cpp's `timings`, plus
     /// the engine's figures.
-    fn llama_object(&self, out: &Output, content: &str) -> Value {
+    fn llama_object(&self, out: &Output, streamed: bool) -> Value {
         let s = &out.stats;
+        let l = &self.llama;
+        let predicted = if l.prefill_only {
+            0
+        } else {
+            s.generated_tokens
+        };
         let stop_type = match s.stop_reason {
+            _ if l.prefill_only => "limit",
             StopReason::Eos => "eos",
             StopReason::StopString => "word",
             StopReason::MaxTokens | StopReason::Context => "limit",
             StopReason::Cancelled => "none",
         };
-        let prefilled = s.prompt_tokens - s.prefix_tokens;
+        // A stream's last object carries no text: its chunks did.
+        let content = if streamed || l.prefill_only {
+            ""
+        } else {
+            &out.text
+        };
+        let prefilled = s.prompt_tokens.saturating_sub(s.prefix_tokens);
         let per = |n: usize, secs: f64| {
             let ms = secs * 1e3;
             (ms, ms / n.max(1) as f64, n as f64 / secs.max(1e-9))
         };
         let (prompt_ms, prompt_per_token_ms, prompt_per_second) = per(prefilled, s.prefill_s);
-        let (predicted_ms, predicted_per_token_ms, predicted_per_second) =
-            per(s.generated_tokens, s.decode_s);
-        json!({
+        let decode_s = if l.prefill_only { 0.0 } else { s.decode_s };
+        let (predicted_ms, predicted_per_token_ms, predicted_per_second) = per(predicted, decode_s);
+        let v = json!({
             "index": 0,
             "content": content,
             "id_slot": 0,
             "stop": true,
             "model": self.model,
-            "tokens_predicted": s.generated_tokens,
+            "tokens_predicted": predicted,
             "tokens_evaluated": s.prompt_tokens,
-            "tokens_cached": s.prefix_tokens,
-            "truncated": false,
+            // What the cache holds now, as llama.cpp counts it; `timings.cache_n` is what
+            // came from the prompt cache.
+            "tokens_cached": s.prompt_tokens + predicted,
+            // The project's files were cut, or the context ended the reply.
+            "truncated": l.cut > 0 || s.stop_reason == StopReason::Context,
             "stop_type": stop_type,
-            "stopped_eos": s.stop_reason == StopReason::Eos,
-            "stopped_word": s.stop_reason == StopReason::StopString,
-            "stopped_limit": matches!(s.stop_reason, StopReason::MaxTokens | StopReason::Context),
+            "stopped_eos": stop_type == "eos",
+            "stopped_word": stop_type == "word",
+            "stopped_limit": stop_type == "limit",
             "timings": {
+                "cache_n": s.prefix_tokens,
                 "prompt_n": prefilled,
                 "prompt_ms": prompt_ms,
                 "prompt_per_token_ms": prompt_per_token_ms,
                 "prompt_per_second": prompt_per_second,
-                "predicted_n": s.generated_tokens,
+                "predicted_n": predicted,
                 "predicted_ms": predicted_ms,
                 "predicted_per_token_ms": predicted_per_token_ms,
                 "predicted_per_second": predicted_per_second,
             },
             "keydiff": api::stats(out),
-        })
+        });
+        if l.fields.is_empty() {
+            return v;
+        }
+        // llama.cpp's `response_fields`: the paths asked for, as flat keys.
+        let picked: serde_json::Map<String, Value> = (l.fields.iter())
+            .filter_map(|path| {
+                let mut at = &v;
+                for key in path.split('/') {
+                    at = at.get(key)?;
+                }
+                Some((path.clone(), at.clone()))
+            })
+            .collect();
+        Value::Object(picked)
     }
 
-    /// The whole response of a request that is not streamed: a choice per completion, `n`
-    /// per prompt, prompt after prompt.
     fn full(&mut self, outs: &[Output]) -> Result<Value, ApiError> {
         if self.kind == Kind::Llama {
             let out = outs
                 .first()
                 .ok_or_else(|| ApiError::internal("no output"))?;
-            return Ok(self.llama_object(out, &out.text));
+            return Ok(self.llama_object(out, false));
         }
         let mut choices = Vec::with_capacity(outs.len());
         for (i, out) in outs.iter().enumerate() {
@@ -1392,7 +1424,29 @@ fn tool_reason(reason: &'static str, choice: &ToolChoice) -> &'static str {
 
 /// `POST /infill` (llama.cpp's).
 async fn infill(State(st): State<Arc<AppState>>, body: Bytes) -> Result<Response, ApiError> {
-    let mapped = api::parse::<api::InfillRequest>(&body)?.map(defaults(&st))?;
+    let mut mapped = api::parse::<api::InfillRequest>(&body)?.map(defaults(&st))?;
+    // The project's files are cut from their start to leave the reply room, as llama.cpp
+    // cuts them: a quarter of the context at most.
+    if let keydiff::Prompt::Infill {
+        prefix,
+        suffix,
+        repo,
+    } = &mapped.params.prompt
+    {
+        let (prefix, suffix) = (prefix.clone(), suffix.clone());
+        let repo = repo.clone().unwrap_or_default();
+        let want = mapped.params.max_tokens;
+        let (ids, cut) = with_engine(&st, move |e| {
+            let room = want.min(e.model_config().max_position_embeddings / 4);
+            Ok(e.infill_within(&prefix, &suffix, &repo, room)?)
+        })
+        .await?;
+        if cut > 0 {
+            tracing::info!("/infill: the project's files lost {cut} tokens to fit the context");
+        }
+        mapped.params.prompt = keydiff::Prompt::Tokens(ids);
+        mapped.llama.cut = cut;
+    }
     let reply = Reply::new(Kind::Llama, &st.cfg.model_id, 1, mapped.n);
     Ok(respond(st, mapped, reply).await)
 }
@@ -1439,8 +1493,10 @@ async fn respond(st: Arc<AppState>, m: Mapped, mut reply: Reply) -> Response {
         include_usage,
         echo: _,
         tools,
+        llama,
     } = m;
     reply.tools = tools;
+    reply.llama = llama;
     if params.logprobs.is_some() && !hide_logprobs {
         reply.logprobs = Some(st.engine.clone());
     }
@@ -1469,7 +1525,9 @@ async fn respond(st: Arc<AppState>, m: Mapped, mut reply: Reply) -> Response {
                     // Logprobs of a long prompt make a large body: built off the async threads.
                     let built = tokio::task::spawn_blocking(move || {
                         let mut v = reply.full(&outs)?;
-                        v["usage"] = usage;
+                        if reply.kind != Kind::Llama {
+                            v["usage"] = usage;
+                        }
                         Ok::<_, ApiError>(v)
                     })
                     .await;
@@ -1534,7 +1592,7 @@ async fn respond(st: Arc<AppState>, m: Mapped, mut reply: Reply) -> Response {
             };
             rest.map(|l| {
                 let last = match reply.kind {
-                    Kind::Llama => reply.llama_object(out, ""),
+                    Kind::Llama => reply.llama_object(out, true),
                     _ => {
                         let mut last = reply.chunk(i, None, false, Some(reason), l);
                         last["keydiff"] = api::stats(out);
@@ -1605,6 +1663,8 @@ async fn respond(st: Arc<AppState>, m: Mapped, mut reply: Reply) -> Response {
                     lps[i].push(t);
                     continue;
                 }
+                // `n_predict: 0`: the prompt only.
+                Msg::Text(..) if reply.llama.prefill_only => continue,
                 Msg::Text(i, t) => {
                     let t = match &mut held[i] {
                         Some(h) => h.push(&t),

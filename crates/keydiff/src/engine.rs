@@ -158,6 +158,11 @@ pub struct GenerateParams {
     /// many alternatives, in [`Output::prompt_logprobs`]. The prefill then computes every
     /// row's logits, and the whole prompt is prefilled (no reused prefix).
     pub prompt_logprobs: Option<usize>,
+    /// End generation where a line after the first starts less indented than this many
+    /// spaces or tabs, cut before that line's text ([`StopReason::StopString`]; llama.cpp's
+    /// `n_indent`, which its editor plugins send so that a completion ends with its block).
+    /// 0 never ends it.
+    pub stop_indent: usize,
 }
 
 /// A flag that stops a running request from another thread (or from its own event callback).
@@ -199,6 +204,7 @@ impl Default for GenerateParams {
             cancel: None,
             logprobs: None,
             prompt_logprobs: None,
+            stop_indent: 0,
         }
     }
 }
@@ -257,6 +263,7 @@ pub enum Event<'a> {
 #[serde(rename_all = "snake_case")]
 pub enum StopReason {
     Eos,
+    /// A stop string came (or a line below [`GenerateParams::stop_indent`]).
     StopString,
     MaxTokens,
     /// The model's context is full.
@@ -516,7 +523,8 @@ impl<'e> Prefill<'e> {
             engine: e,
             sampler: Sampler::new(self.params.sampling.clone()),
             history: self.prompt.clone(),
-            stream: TextStream::new(&e.loaded.vocab.tokenizer, self.params.stop.clone()),
+            stream: TextStream::new(&e.loaded.vocab.tokenizer, self.params.stop.clone())
+                .stop_below_indent(self.params.stop_indent),
             params: self.params,
             prompt: self.prompt,
             start: self.start,
@@ -1493,6 +1501,86 @@ impl Engine {
         crate::tools::ToolSyntax::of_template(self.chat_template()?)
     }
 
+    /// A fill in the middle's tokens, in three parts: the whole prompt without the project's
+    /// files, the files' block (empty without `repo`; it goes before the FIM part), and the
+    /// FIM part (from `<|fim_prefix|>` on, also the end of the first).
+    fn infill_parts(
+        &self,
+        prefix: &str,
+        suffix: &str,
+        repo: Option<&[InfillFile]>,
+    ) -> Result<(Vec<u32>, Vec<u32>, Vec<u32>)> {
+        let files = repo.unwrap_or_default();
+        // `/infill` (with `repo`) takes the three FIM tokens alone, as llama.cpp does.
+        if repo.is_none() && prefix.is_empty() && suffix.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        let v = &self.loaded.vocab;
+        let Some(fim) = v.fim else {
+            return Err(EngineError::BadParams(
+                "this model has no fill-in-the-middle tokens (<|fim_prefix|>, \
+                 <|fim_suffix|>, <|fim_middle|> or their kin), so a suffix cannot be \
+                 honoured"
+                    .into(),
+            ));
+        };
+        let mut ids: Vec<u32> = match v.add_bos {
+            true => v.bos_id.into_iter().collect(),
+            false => Vec::new(),
+        };
+        let mut block = Vec::new();
+        if repo.is_some() {
+            if let Some(r) = fim.repo {
+                block.push(r);
+                block.extend(self.encode("myproject\n", false)?);
+            }
+            for f in files {
+                match fim.file_sep {
+                    Some(sep) => {
+                        block.push(sep);
+                        block.extend(self.encode(&format!("{}\n", f.name), false)?);
+                    }
+                    None => block.extend(self.encode("\n\n--- snippet ---\n\n", false)?),
+                }
+                block.extend(self.encode(&f.text, false)?);
+            }
+            if let Some(sep) = fim.file_sep {
+                block.push(sep);
+                block.extend(self.encode("filename\n", false)?);
+            }
+        }
+        let mut part = vec![fim.prefix];
+        part.extend(self.encode(prefix, false)?);
+        part.push(fim.suffix);
+        part.extend(self.encode(suffix, false)?);
+        part.push(fim.middle);
+        ids.extend(&part);
+        Ok((ids, block, part))
+    }
+
+    /// The tokens of a fill in the middle with the project's files (`repo`), which leave
+    /// `room` tokens of the context for the reply: the files' block loses tokens from its
+    /// start as needed, as llama.cpp's `/infill` cuts it (an editor sends what it has
+    /// gathered, and the latest files come last). Returns the ids and how many were cut. The
+    /// rest of the prompt is never cut (beyond the context, it is refused).
+    pub fn infill_within(
+        &self,
+        prefix: &str,
+        suffix: &str,
+        repo: &[InfillFile],
+        room: usize,
+    ) -> Result<(Vec<u32>, usize)> {
+        let (mut ids, block, part) = self.infill_parts(prefix, suffix, Some(repo))?;
+        let context = self.model_config().max_position_embeddings;
+        let fits = context.saturating_sub(room).saturating_sub(ids.len());
+        let cut = block.len().saturating_sub(fits);
+        let at = ids.len() - part.len();
+        ids.splice(at..at, block[cut..].iter().copied());
+        self.check_vocab(&ids)?;
+        self.within_context(ids.len())?;
+        Ok((ids, cut))
+    }
+
     /// Token ids of a prompt.
     pub fn prompt_tokens(&self, prompt: &Prompt) -> Result<Vec<u32>> {
         let ids = match prompt {
@@ -1525,49 +1613,9 @@ impl Engine {
                 suffix,
                 repo,
             } => {
-                let files = repo.as_deref().unwrap_or_default();
-                if prefix.is_empty() && suffix.is_empty() && files.iter().all(|f| f.text.is_empty())
-                {
-                    return Err(EngineError::EmptyPrompt);
-                }
-                let v = &self.loaded.vocab;
-                let Some(fim) = v.fim else {
-                    return Err(EngineError::BadParams(
-                        "this model has no fill-in-the-middle tokens (<|fim_prefix|>, \
-                         <|fim_suffix|>, <|fim_middle|> or their kin), so a suffix cannot be \
-                         honoured"
-                            .into(),
-                    ));
-                };
-                let mut ids: Vec<u32> = match v.add_bos {
-                    true => v.bos_id.into_iter().collect(),
-                    false => Vec::new(),
-                };
-                if repo.is_some() {
-                    if let Some(r) = fim.repo {
-                        ids.push(r);
-                        ids.extend(self.encode("myproject\n", false)?);
-                    }
-                    for f in files {
-                        match fim.file_sep {
-                            Some(sep) => {
-                                ids.push(sep);
-                                ids.extend(self.encode(&format!("{}\n", f.name), false)?);
-                            }
-                            None => ids.extend(self.encode("\n\n--- snippet ---\n\n", false)?),
-                        }
-                        ids.extend(self.encode(&f.text, false)?);
-                    }
-                    if let Some(sep) = fim.file_sep {
-                        ids.push(sep);
-                        ids.extend(self.encode("filename\n", false)?);
-                    }
-                }
-                ids.push(fim.prefix);
-                ids.extend(self.encode(prefix, false)?);
-                ids.push(fim.suffix);
-                ids.extend(self.encode(suffix, false)?);
-                ids.push(fim.middle);
+                let (mut ids, block, part) = self.infill_parts(prefix, suffix, repo.as_deref())?;
+                let at = ids.len() - part.len();
+                ids.splice(at..at, block);
                 ids
             }
         };

@@ -17,6 +17,8 @@ pub struct TextStream<'a> {
     /// Bytes of `text` already handed out.
     emitted: usize,
     stops: Vec<String>,
+    /// End at a line less indented than this ([`TextStream::stop_below_indent`]).
+    indent: Option<usize>,
     stopped: bool,
 }
 
@@ -29,8 +31,17 @@ impl<'a> TextStream<'a> {
             text: String::new(),
             emitted: 0,
             stops: stops.into_iter().filter(|s| !s.is_empty()).collect(),
+            indent: None,
             stopped: false,
         }
+    }
+
+    /// Also ends the text where a line after its first starts with fewer than `n` spaces or
+    /// tabs, cut before that line's first other character (llama.cpp's `n_indent`: a code
+    /// completion ends with its block). 0 never ends it.
+    pub fn stop_below_indent(mut self, n: usize) -> Self {
+        self.indent = (n > 0).then_some(n);
+        self
     }
 
     /// Adds a token; returns the text that is now safe to show (possibly empty).
@@ -48,10 +59,10 @@ impl<'a> TextStream<'a> {
             return Ok(String::new());
         }
         self.text = decoded;
-        if let Some(at) = self
-            .stops
-            .iter()
+        let below = self.indent.and_then(|n| below_indent(&self.text, n));
+        if let Some(at) = (self.stops.iter())
             .filter_map(|s| self.text.find(s.as_str()))
+            .chain(below)
             .min()
         {
             self.text.truncate(at);
@@ -98,6 +109,26 @@ impl<'a> TextStream<'a> {
     }
 }
 
+/// Where `text` ends by llama.cpp's `n_indent` rule: the first character other than a space
+/// or a tab on a line after the first whose indentation is below `n`.
+pub fn below_indent(text: &str, n: usize) -> Option<usize> {
+    let mut at = text.find('\n')? + 1;
+    loop {
+        let line = &text[at..];
+        let indent = line
+            .bytes()
+            .take_while(|b| *b == b' ' || *b == b'\t')
+            .count();
+        match line.as_bytes().get(indent) {
+            None => return None,
+            Some(b'\n') => {}
+            Some(_) if indent < n => return Some(at + indent),
+            Some(_) => {}
+        }
+        at += line.find('\n')? + 1;
+    }
+}
+
 /// Length of the longest suffix of `text` that is a proper prefix of `stop`.
 fn longest_prefix_suffix(text: &str, stop: &str) -> usize {
     (1..stop.len())
@@ -109,6 +140,20 @@ fn longest_prefix_suffix(text: &str, stop: &str) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn indentation_ends_a_block() {
+        let code = "x + 1\n    return y\n\n    z = 2\nprint(z)\n";
+        assert_eq!(below_indent(code, 4), Some(code.find("print").unwrap()));
+        assert_eq!(below_indent(code, 2), Some(code.find("print").unwrap()));
+        assert_eq!(below_indent(code, 5), Some(code.find("return").unwrap()));
+        // The first line is never cut; an empty or blank line is not a line that starts.
+        assert_eq!(below_indent("print(1)\n    a", 4), None);
+        assert_eq!(below_indent("a\n\n  \n    b\n", 4), None);
+        assert_eq!(below_indent("a\n\t\tb", 2), None);
+        assert_eq!(below_indent("a\n  ", 4), None, "the line has not started");
+        assert_eq!(below_indent("no newline", 4), None);
+    }
 
     #[test]
     fn prefix_suffix() {

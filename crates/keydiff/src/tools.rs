@@ -394,7 +394,7 @@ impl ToolSyntax {
     pub fn parse(self, text: &str, tools: &[Tool]) -> Parsed {
         let calls = match self {
             ToolSyntax::Hermes => hermes_calls(text, tools),
-            ToolSyntax::Llama3 => json_calls(text, tools),
+            ToolSyntax::Llama3 => json_calls(text, tools, true),
         };
         match calls {
             Some((content, calls)) if !calls.is_empty() => Parsed { content, calls },
@@ -487,7 +487,7 @@ fn call(v: &Value, key: &str, tools: &[Tool]) -> Option<ToolCall> {
 fn hermes_calls(text: &str, tools: &[Tool]) -> Option<(String, Vec<ToolCall>)> {
     if !text.contains(HERMES_OPEN) {
         // A reply that is bare call objects.
-        return json_calls(text, tools);
+        return json_calls(text, tools, false);
     }
     let mut content = String::new();
     let mut calls = Vec::new();
@@ -520,10 +520,13 @@ fn trim_start(text: &str) -> &str {
 }
 
 /// A reply that is a call object, or several separated by `;` (vLLM reads those in Llama
-/// 3's replies), after an optional `<|python_tag|>`.
-fn json_calls(text: &str, tools: &[Tool]) -> Option<(String, Vec<ToolCall>)> {
+/// 3's replies), after an optional `<|python_tag|>` where `tag` (Llama's).
+fn json_calls(text: &str, tools: &[Tool], tag: bool) -> Option<(String, Vec<ToolCall>)> {
     let t = trim_start(text);
-    let mut t = trim_start(t.strip_prefix(PYTHON_TAG).unwrap_or(t));
+    let mut t = match tag {
+        true => trim_start(t.strip_prefix(PYTHON_TAG).unwrap_or(t)),
+        false => t,
+    };
     if !t.starts_with('{') {
         return None;
     }
