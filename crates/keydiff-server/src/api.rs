@@ -651,8 +651,8 @@ pub fn messages(list: Vec<ChatMessage>) -> Result<Vec<Message>, ApiError> {
 
 /// llama.cpp's own sampling and length fields (its `/completion` and `/infill`), with
 /// llama.cpp's defaults. Fields that steer llama.cpp's own slots and timers
-/// (`cache_prompt`, `t_max_prompt_ms`, `t_max_predict_ms`, `id_slot`, `samplers`,
-/// `n_indent`, `response_fields`) are ignored, as unknown fields are.
+/// (`cache_prompt`, `id_slot`, `t_max_prompt_ms`, `t_max_predict_ms`) are ignored, as
+/// unknown fields are.
 #[derive(Debug, Default, Deserialize)]
 pub struct LlamaParams {
     pub n_predict: Option<i64>,
