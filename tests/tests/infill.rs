@@ -142,7 +142,7 @@ fn the_infill_endpoint_answers_as_llama_cpp() {
         "n_predict": 12,
         "temperature": 0,
         "cache_prompt": true,
-        "t_max_predict_ms": 1000,
+        "t_max_prompt_ms": 500,
     });
     let whole: Value = ureq::post(&url)
         .send_json(&body)
@@ -270,6 +270,22 @@ fn the_infill_endpoint_answers_as_llama_cpp() {
         second["content"].as_str().unwrap().starts_with(text),
         "{second}"
     );
+    // `t_max_predict_ms`: past the time, the reply ends at its first line break.
+    let mut long = again.clone();
+    long["n_predict"] = json!(48);
+    let whole = post(&long);
+    long["t_max_predict_ms"] = json!(1);
+    let timed = post(&long);
+    let (whole, text) = (
+        whole["content"].as_str().unwrap(),
+        timed["content"].as_str().unwrap(),
+    );
+    assert!(
+        whole.starts_with(text) && text.contains('\n'),
+        "{text:?} of {whole:?}"
+    );
+    assert!(timed["tokens_predicted"].as_u64().unwrap() < 48, "{timed}");
+    assert_eq!(timed["stop_type"], "limit");
 
     plain.stop().unwrap();
 }

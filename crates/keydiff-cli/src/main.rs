@@ -1276,6 +1276,7 @@ fn generate(a: &RunArgs, engine: &Engine, prompt: Prompt) -> Result<()> {
         logprobs: a.logprobs,
         prompt_logprobs: None,
         stop_indent: 0,
+        time_limit: None,
     };
     let chunk = engine.config().cache.chunk;
     let mut bar: Option<indicatif::ProgressBar> = None;

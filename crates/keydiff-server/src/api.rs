@@ -242,6 +242,7 @@ impl Common {
                 logprobs,
                 prompt_logprobs: None,
                 stop_indent: 0,
+                time_limit: None,
             },
             more: Vec::new(),
             n,
@@ -650,15 +651,18 @@ pub fn messages(list: Vec<ChatMessage>) -> Result<Vec<Message>, ApiError> {
 }
 
 /// llama.cpp's own sampling and length fields (its `/completion` and `/infill`), with
-/// llama.cpp's defaults. Fields that steer llama.cpp's own slots and timers
-/// (`cache_prompt`, `id_slot`, `t_max_prompt_ms`, `t_max_predict_ms`) are ignored, as
-/// unknown fields are.
+/// llama.cpp's defaults. Fields that steer llama.cpp's own slots (`cache_prompt`, `id_slot`)
+/// and `t_max_prompt_ms` (which llama.cpp does not implement either) are ignored, as unknown
+/// fields are.
 #[derive(Debug, Default, Deserialize)]
 pub struct LlamaParams {
     pub n_predict: Option<i64>,
     pub max_tokens: Option<i64>,
     /// End where a line starts less indented ([`GenerateParams::stop_indent`]).
     pub n_indent: Option<i64>,
+    /// End at a line break after this many milliseconds of generation
+    /// ([`GenerateParams::time_limit`]); 0 or less: no limit.
+    pub t_max_predict_ms: Option<i64>,
     /// The samplers of llama.cpp's chain: of those keydiff has, the ones not listed are off
     /// (`temperature` 1, `top_k` 0, `top_p` 1, `min_p` 0). Their order is keydiff's.
     pub samplers: Option<Vec<String>>,
@@ -689,6 +693,9 @@ impl LlamaParams {
         // only prefills.
         let n_predict = self.n_predict.or(self.max_tokens);
         let n_indent = self.n_indent.map_or(0, |n| n.max(0) as usize);
+        let time_limit = (self.t_max_predict_ms)
+            .filter(|&ms| ms > 0)
+            .map(|ms| std::time::Duration::from_millis(ms as u64));
         let response_fields = self.response_fields.clone().unwrap_or_default();
         let max_tokens = match n_predict {
             None => None,
@@ -752,6 +759,7 @@ impl LlamaParams {
         };
         let mut m = common.map(prompt, defaults, None)?;
         m.params.stop_indent = n_indent;
+        m.params.time_limit = time_limit;
         m.llama = LlamaReply {
             prefill_only: n_predict == Some(0),
             fields: response_fields,

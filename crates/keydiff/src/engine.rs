@@ -163,6 +163,11 @@ pub struct GenerateParams {
     /// `n_indent`, which its editor plugins send so that a completion ends with its block).
     /// 0 never ends it.
     pub stop_indent: usize,
+    /// End generation ([`StopReason::MaxTokens`]) at the first token after this long since
+    /// generation began (after the prefill), once the text has a line break (llama.cpp's
+    /// `t_max_predict_ms`, which its editor plugins send so that a completion comes in time;
+    /// the text then depends on the machine's speed).
+    pub time_limit: Option<std::time::Duration>,
 }
 
 /// A flag that stops a running request from another thread (or from its own event callback).
@@ -205,6 +210,7 @@ impl Default for GenerateParams {
             logprobs: None,
             prompt_logprobs: None,
             stop_indent: 0,
+            time_limit: None,
         }
     }
 }
@@ -881,6 +887,10 @@ impl<'e> Decoding<'e> {
             return Ok(None);
         }
         if self.generated.len() >= params.max_tokens {
+            return Ok(None);
+        }
+        let late = |limit| self.td.elapsed() > limit && self.stream.text().contains('\n');
+        if params.time_limit.is_some_and(late) {
             return Ok(None);
         }
         if position + 1 >= self.engine.model_config().max_position_embeddings {
