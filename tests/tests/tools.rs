@@ -147,8 +147,8 @@ fn calls_come_back_whole_and_streamed() {
     let last = &events.last().unwrap()["choices"][0];
     assert_eq!(last["finish_reason"], "tool_calls");
 
-    // The call and its result go back in; the model answers in text that streams as it
-    // comes, and equals the whole answer.
+    // The call and its result go back in; the model answers in text (with the tools still
+    // there to call) that streams as it comes, and equals the whole answer.
     let turn = json!({
         "messages": [
             {"role": "user", "content": "What is the weather like in Paris today?"},
@@ -158,12 +158,18 @@ fn calls_come_back_whole_and_streamed() {
             {"role": "user", "content": "Thanks. Now answer me in one sentence: how warm is it?"},
         ],
         "tools": [weather()],
-        "tool_choice": "none",
+        "tool_choice": "auto",
         "temperature": 0,
         "max_tokens": 40,
     });
     let (code, v) = post(&url, &turn);
     assert_eq!(code, 200, "{v}");
+    // `auto`, answered in text: the lazy grammar never starts, and the text streams.
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+    assert!(
+        v["choices"][0]["message"].get("tool_calls").is_none(),
+        "{v}"
+    );
     let answer = v["choices"][0]["message"]["content"]
         .as_str()
         .unwrap()
