@@ -667,3 +667,68 @@ fn suffix_fills_in_the_middle() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("no fill-in-the-middle tokens"), "{err}");
 }
+
+#[test]
+fn tools_are_called_from_the_command_line() {
+    let dir = keydiff_tests::temp_dir("cli-tools");
+    let tools = dir.join("tools.json");
+    std::fs::write(
+        &tools,
+        r#"[{"type": "function", "function": {"name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+            "required": ["city"]}}}]"#,
+    )
+    .unwrap();
+    let run = |m: &str, extra: &[&str]| {
+        Command::new(keydiff_bin())
+            .args(["run", "-m", model(m).to_str().unwrap(), "-n", "48"])
+            .args(["--tools", tools.to_str().unwrap()])
+            .args(["-p", "What is the weather like in Paris today?"])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let out = run(QWEN, &["--tool-choice", "required", "--json"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(
+        v["text"].as_str().unwrap().starts_with("<tool_call>"),
+        "{v}"
+    );
+    let call = &v["tool_calls"][0]["function"];
+    assert_eq!(call["name"], "get_weather", "{v}");
+    let args: serde_json::Value =
+        serde_json::from_str(call["arguments"].as_str().unwrap()).unwrap();
+    assert_eq!(args["city"], "Paris", "{v}");
+    // Text mode names the call on stderr.
+    let out = run(QWEN, &["--tool-choice", "get_weather"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("tool call: get_weather {\"city\":\"Paris\""),
+        "{err}"
+    );
+    // What cannot be honoured is refused, naming it.
+    for (m, extra, want) in [
+        (SMOLLM2, &[][..], "writes no function calls"),
+        (
+            QWEN,
+            &["--tool-choice", "later"][..],
+            "`later`, which is not among",
+        ),
+        (
+            QWEN,
+            &["--format", "json"][..],
+            "--format, --grammar and --json-schema",
+        ),
+    ] {
+        let out = run(m, extra);
+        assert!(!out.status.success(), "{extra:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(want), "{extra:?}: {err}");
+    }
+    std::fs::write(&tools, "{\"type\": \"function\"}").unwrap();
+    let out = run(QWEN, &[]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("expected a JSON array of tools"), "{err}");
+}

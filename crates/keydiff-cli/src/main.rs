@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
+use keydiff::tools::{Tool, ToolChoice, ToolSyntax};
 use keydiff::{
     parse_device, parse_dtype, AttentionBackend, CacheConfig, CpuWeights, Engine, EngineConfig,
     Event, Format, GenerateParams, Message, ModelSource, PolicyKind, Prompt, Sampling,
@@ -366,6 +367,15 @@ struct RunArgs {
     /// such as Qwen2.5-Coder).
     #[arg(long, conflicts_with_all = ["chat", "system", "prompt_tokens"])]
     suffix: Option<String>,
+    /// Functions the model may call: a JSON file with OpenAI's `tools` array (implies
+    /// --chat). The model's template renders them; its calls are read from the reply and
+    /// printed (with --json, as OpenAI's `tool_calls`).
+    #[arg(long, conflicts_with_all = ["suffix", "prompt_tokens"])]
+    tools: Option<PathBuf>,
+    /// With --tools: auto (text, or calls once one starts), required (calls only), none
+    /// (text; the tools are only rendered), or a function's name (one call to it).
+    #[arg(long, default_value = "auto", requires = "tools")]
+    tool_choice: String,
     #[command(flatten)]
     sampling: SamplingArgs,
     /// Stop when this string is generated (repeatable).
@@ -808,6 +818,10 @@ fn run(a: RunArgs) -> Result<()> {
     sampling(&a)?
         .validate()
         .map_err(|e| anyhow::anyhow!("invalid parameter: {e}"))?;
+    let tools = match &a.tools {
+        None => None,
+        Some(p) => Some(read_tools(p, &a)?),
+    };
     if let Some(path) = &a.prompt_tokens {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("cannot read token file {}", path.display()))?;
@@ -829,6 +843,30 @@ fn run(a: RunArgs) -> Result<()> {
         }
     };
     let engine = a.model.load()?;
+    if let Some((list, choice)) = tools {
+        let mut m = Vec::new();
+        if let Some(s) = &a.system {
+            m.push(Message::new("system", s.clone()));
+        }
+        m.push(Message::new("user", text));
+        let reading = match (&choice, engine.tool_syntax()) {
+            (ToolChoice::None, _) => None,
+            (_, None) => anyhow::bail!(
+                "--tools: this model's chat template writes no function calls keydiff can read \
+                 (Hermes <tool_call> blocks, as Qwen 2.5, or Llama 3.x JSON calls); \
+                 --tool-choice none renders the tools only"
+            ),
+            (_, Some(syntax)) => {
+                let format = syntax.format(&list, &choice, true).context("--tools")?;
+                Some((syntax, format))
+            }
+        };
+        let prompt = Prompt::ChatTools {
+            messages: m,
+            tools: list.clone(),
+        };
+        return generate_with(&a, &engine, prompt, reading.map(|(s, f)| (s, list, f)));
+    }
     let prompt = if a.chat || a.system.is_some() {
         let mut m = Vec::new();
         if let Some(s) = &a.system {
@@ -1264,11 +1302,62 @@ fn logprobs_json(engine: &Engine, lps: &[keydiff::TokenLogprob]) -> Result<serde
         .collect()
 }
 
+/// `--tools FILE` and `--tool-choice`, read and checked before the model loads.
+fn read_tools(path: &Path, a: &RunArgs) -> Result<(Vec<Tool>, ToolChoice)> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read the tools file {}", path.display()))?;
+    let v: serde_json::Value = serde_json::from_str(&text)
+        .with_context(|| format!("--tools {} is not JSON", path.display()))?;
+    let Some(list) = v.as_array() else {
+        anyhow::bail!(
+            "--tools {}: expected a JSON array of tools ({{\"type\": \"function\", \
+             \"function\": {{...}}}}), not {}",
+            path.display(),
+            if v.is_object() { "an object" } else { "that" }
+        );
+    };
+    let tools = keydiff::tools::tools_from_openai(list)
+        .with_context(|| format!("--tools {}", path.display()))?;
+    let choice = match a.tool_choice.as_str() {
+        c @ ("auto" | "required" | "none") => serde_json::json!(c),
+        name => serde_json::json!({"type": "function", "function": {"name": name}}),
+    };
+    let choice = ToolChoice::from_openai(&choice, &tools).context("--tool-choice")?;
+    let s = &a.sampling;
+    let formatted = s.grammar.is_some()
+        || s.grammar_file.is_some()
+        || s.json_schema.is_some()
+        || s.json_schema_file.is_some()
+        || !matches!(s.format, OutputFormat::Text);
+    if formatted && choice != ToolChoice::None {
+        anyhow::bail!(
+            "--tools set the output's form (calls, or text then calls); --format, --grammar and \
+             --json-schema cannot be added to it (--tool-choice none allows them)"
+        );
+    }
+    Ok((tools, choice))
+}
+
 fn generate(a: &RunArgs, engine: &Engine, prompt: Prompt) -> Result<()> {
+    generate_with(a, engine, prompt, None)
+}
+
+/// Generates from `prompt`; with `tools` (their syntax, the tools, the calls' format), the
+/// reply is constrained by that format and read for calls.
+fn generate_with(
+    a: &RunArgs,
+    engine: &Engine,
+    prompt: Prompt,
+    tools: Option<(ToolSyntax, Vec<Tool>, Option<Format>)>,
+) -> Result<()> {
+    let mut sampling = sampling(a)?;
+    if let Some((_, _, Some(f))) = &tools {
+        sampling.format = f.clone();
+    }
     let params = GenerateParams {
         prompt,
         max_tokens: a.max_tokens,
-        sampling: sampling(a)?,
+        sampling,
         stop: a.stop.clone(),
         ignore_eos: a.ignore_eos,
         profile: a.profile,
@@ -1312,14 +1401,23 @@ fn generate(a: &RunArgs, engine: &Engine, prompt: Prompt) -> Result<()> {
         Event::Logprob(_) | Event::PromptLogprobs { .. } => {}
     })?;
     let s = &result.stats;
+    let calls = tools.map(|(syntax, list, _)| syntax.parse(&result.text, &list));
+    let calls = calls.filter(|p| !p.calls.is_empty());
     if a.json {
         let mut v = serde_json::json!({ "text": result.text, "stats": s });
+        if let Some(p) = &calls {
+            v["content"] = p.content.clone().into();
+            v["tool_calls"] = keydiff_server::api::tool_calls(&p.calls, false);
+        }
         if let Some(lps) = &result.logprobs {
             v["logprobs"] = logprobs_json(engine, lps)?;
         }
         println!("{}", serde_json::to_string(&v)?);
     } else {
         println!();
+        for c in calls.iter().flat_map(|p| &p.calls) {
+            eprintln!("tool call: {} {}", c.name, c.arguments);
+        }
         eprintln!(
             "prompt {} tok | TTFT {:.3} s | prefill {:.1} tok/s | decode {:.1} tok/s ({} tok) | peak KV {:.1} MiB {} | policy {} ({} evictions, {:.3} s) | stop: {:?}",
             s.prompt_tokens,
