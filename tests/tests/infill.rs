@@ -245,7 +245,7 @@ fn the_infill_endpoint_answers_as_llama_cpp() {
     );
     assert_eq!(
         second["tokens_cached"].as_u64().unwrap(),
-        second["tokens_evaluated"].as_u64().unwrap() + 12
+        second["tokens_evaluated"].as_u64().unwrap() + 11
     );
     // llama.cpp's `response_fields`: those paths only, as flat keys.
     let mut fields = again.clone();
@@ -265,7 +265,7 @@ fn the_infill_endpoint_answers_as_llama_cpp() {
         text.lines().skip(1).all(|l| l.trim().is_empty()),
         "{text:?}"
     );
-    assert_eq!(ended["stop_type"], "word");
+    assert_eq!(ended["stop_type"], "limit");
     assert!(
         second["content"].as_str().unwrap().starts_with(text),
         "{second}"
@@ -306,23 +306,39 @@ fn project_files_are_cut_to_fit_the_context() {
             text: "NEW = 2\n".into(),
         },
     ];
-    let (whole, cut) = e.infill_within("a = ", "\n", &files, 0).unwrap();
+    let (whole, cut) = e
+        .infill_within("a = ", "\n", &files, 0, usize::MAX)
+        .unwrap();
     assert_eq!(cut, 0);
     let room = context - whole.len() + 50;
-    let (ids, cut) = e.infill_within("a = ", "\n", &files, room).unwrap();
+    let (ids, cut) = e
+        .infill_within("a = ", "\n", &files, room, usize::MAX)
+        .unwrap();
     assert_eq!(cut, 50);
     assert_eq!(ids.len() + room, context);
     // The latest file and the FIM part are whole: the end of the prompt is unchanged.
     assert_eq!(ids[ids.len() - 30..], whole[whole.len() - 30..]);
     // No room left for any file: the block is gone, the FIM part stays.
-    let (ids, _) = e.infill_within("a = ", "\n", &files, context).unwrap();
+    // A fixed cap on the files cuts them the same whatever the prefix (the prompt cache
+    // then finds them again).
+    let block = whole.len() - 7;
+    for prefix in ["a = ", "a = b + c + d + e + f + g + h"] {
+        let (ids, cut) = e
+            .infill_within(prefix, "\n", &files, 0, block - 20)
+            .unwrap();
+        assert_eq!(cut, 20);
+        assert_eq!(ids[..block - 20], whole[20..block]);
+    }
+    let (ids, _) = e
+        .infill_within("a = ", "\n", &files, context, usize::MAX)
+        .unwrap();
     let pre = e.tokenize_special("<|fim_prefix|>").unwrap()[0];
     assert_eq!(ids[0], pre, "{ids:?}");
     assert!(whole.ends_with(&ids));
     // A FIM part beyond the context is refused, not cut.
     let huge = "x = 1\n".repeat(context);
     assert!(matches!(
-        e.infill_within(&huge, "", &files, 0),
+        e.infill_within(&huge, "", &files, 0, usize::MAX),
         Err(EngineError::PromptTooLong { .. })
     ));
 }

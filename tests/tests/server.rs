@@ -1711,7 +1711,15 @@ fn llama_cpp_completion_endpoint() {
         assert_eq!(chunks.last().unwrap()["stop"], true);
     }
     let url = format!("{}/completion", server.url());
+    // llama.cpp's samplers as letters: temperature (0: greedy) and top-k listed.
+    let (code, v) = post(
+        &url,
+        &json!({"prompt": text, "n_predict": 8, "temperature": 0, "samplers": "kt"}),
+    );
+    assert_eq!(code, 200, "{v}");
+    assert_eq!(v["content"], want.text.as_str(), "{v}");
     for (body, param) in [
+        (json!({"prompt": "a", "samplers": 3}), "samplers"),
         (json!({"prompt": ["a", "b"]}), "prompt"),
         (json!({"prompt": ""}), "prompt"),
         (json!({"prompt": "a", "repeat_last_n": -2}), "repeat_last_n"),

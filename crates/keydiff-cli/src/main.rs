@@ -1311,9 +1311,15 @@ fn read_tools(path: &Path, a: &RunArgs) -> Result<(Vec<Tool>, ToolChoice)> {
     let Some(list) = v.as_array() else {
         anyhow::bail!(
             "--tools {}: expected a JSON array of tools ({{\"type\": \"function\", \
-             \"function\": {{...}}}}), not {}",
+             \"function\": {{...}}}}), not a JSON {}",
             path.display(),
-            if v.is_object() { "an object" } else { "that" }
+            match v {
+                serde_json::Value::Object(_) => "object",
+                serde_json::Value::String(_) => "string",
+                serde_json::Value::Number(_) => "number",
+                serde_json::Value::Bool(_) => "boolean",
+                _ => "null",
+            }
         );
     };
     let tools = keydiff::tools::tools_from_openai(list)

@@ -663,9 +663,11 @@ pub struct LlamaParams {
     /// End at a line break after this many milliseconds of generation
     /// ([`GenerateParams::time_limit`]); 0 or less: no limit.
     pub t_max_predict_ms: Option<i64>,
-    /// The samplers of llama.cpp's chain: of those keydiff has, the ones not listed are off
-    /// (`temperature` 1, `top_k` 0, `top_p` 1, `min_p` 0). Their order is keydiff's.
-    pub samplers: Option<Vec<String>>,
+    /// The samplers of llama.cpp's chain, by name (or alternative name) or as a string of
+    /// their letters (`kpmt`): of those keydiff has, the ones not listed are off
+    /// (`temperature` 1, `top_k` 0, `top_p` 1, `min_p` 0, `penalties` none). Their order is
+    /// keydiff's.
+    pub samplers: Option<Value>,
     pub response_fields: Option<Vec<String>>,
     pub temperature: Option<f32>,
     pub top_k: Option<i64>,
@@ -703,11 +705,12 @@ impl LlamaParams {
             Some(0) => Some(1),
             Some(n) => Some(n as usize),
         };
-        let listed = |name: &str| {
-            self.samplers
-                .as_ref()
-                .is_none_or(|s| s.iter().any(|x| x == name))
+        let samplers = match &self.samplers {
+            None => None,
+            Some(v) => Some(sampler_names(v)?),
         };
+        let listed = |name: &str| samplers.as_ref().is_none_or(|s| s.contains(&name));
+        let penalties = listed("penalties");
         let repeat_last_n = match self.repeat_last_n {
             Some(-1) => Some(usize::MAX),
             Some(n) if n < 0 => {
@@ -736,12 +739,12 @@ impl LlamaParams {
                 true => self.min_p.unwrap_or(0.05),
                 false => 0.0,
             }),
-            repetition_penalty: self.repeat_penalty,
+            repetition_penalty: self.repeat_penalty.filter(|_| penalties),
             repeat_last_n,
-            presence_penalty: self.presence_penalty,
-            frequency_penalty: self.frequency_penalty,
+            presence_penalty: self.presence_penalty.filter(|_| penalties),
+            frequency_penalty: self.frequency_penalty.filter(|_| penalties),
             seed: (self.seed)
-                .filter(|&s| (0..LLAMA_RANDOM_SEED).contains(&s))
+                .filter(|&s| s >= 0 && s != LLAMA_RANDOM_SEED)
                 .map(|s| s as u64),
             // llama.cpp drops empty stop strings.
             stop: self.stop.map(|s| {
@@ -766,6 +769,38 @@ impl LlamaParams {
             cut: 0,
         };
         Ok(m)
+    }
+}
+
+/// The samplers `samplers` lists, by llama.cpp's names: an array of names (its alternative
+/// names too) or a string of letters (`k` top-k, `p` top-p, `m` min-p, `t` temperature,
+/// `e` penalties, as llama.cpp's `--sampling-seq`). Names keydiff does not have are left out.
+fn sampler_names(v: &Value) -> Result<Vec<&'static str>, ApiError> {
+    let by_name = |n: &str| match n {
+        "top_k" | "top-k" => Some("top_k"),
+        "top_p" | "top-p" | "nucleus" => Some("top_p"),
+        "min_p" | "min-p" => Some("min_p"),
+        "temperature" | "temp" => Some("temperature"),
+        "penalties" => Some("penalties"),
+        _ => None,
+    };
+    let by_letter = |c: char| match c {
+        'k' => Some("top_k"),
+        'p' => Some("top_p"),
+        'm' => Some("min_p"),
+        't' => Some("temperature"),
+        'e' => Some("penalties"),
+        _ => None,
+    };
+    match v {
+        Value::String(s) => Ok(s.chars().filter_map(by_letter).collect()),
+        Value::Array(a) if a.iter().all(Value::is_string) => {
+            Ok(a.iter().filter_map(|x| by_name(x.as_str()?)).collect())
+        }
+        _ => Err(ApiError::invalid(
+            format!("samplers must be an array of names or a string of letters, not {v}"),
+            Some("samplers"),
+        )),
     }
 }
 
@@ -900,7 +935,7 @@ pub struct DetokenizeRequest {
 /// OpenAI's `finish_reason`.
 pub fn finish_reason(r: StopReason) -> &'static str {
     match r {
-        StopReason::Eos | StopReason::StopString => "stop",
+        StopReason::Eos | StopReason::StopString | StopReason::Indent => "stop",
         StopReason::MaxTokens | StopReason::Context => "length",
         StopReason::Cancelled => "cancelled",
     }

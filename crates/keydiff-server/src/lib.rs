@@ -1174,7 +1174,7 @@ impl Reply {
             _ if l.prefill_only => "limit",
             StopReason::Eos => "eos",
             StopReason::StopString => "word",
-            StopReason::MaxTokens | StopReason::Context => "limit",
+            StopReason::MaxTokens | StopReason::Context | StopReason::Indent => "limit",
             StopReason::Cancelled => "none",
         };
         // A stream's last object carries no text: its chunks did.
@@ -1199,9 +1199,9 @@ impl Reply {
             "model": self.model,
             "tokens_predicted": predicted,
             "tokens_evaluated": s.prompt_tokens,
-            // What the cache holds now, as llama.cpp counts it; `timings.cache_n` is what
-            // came from the prompt cache.
-            "tokens_cached": s.prompt_tokens + predicted,
+            // What the cache holds now, as llama.cpp counts it (the last token sampled is not
+            // fed); `timings.cache_n` is what came from the prompt cache.
+            "tokens_cached": s.prompt_tokens + predicted.saturating_sub(1),
             // The project's files were cut, or the context ended the reply.
             "truncated": l.cut > 0 || s.stop_reason == StopReason::Context,
             "stop_type": stop_type,
@@ -1425,8 +1425,10 @@ fn tool_reason(reason: &'static str, choice: &ToolChoice) -> &'static str {
 /// `POST /infill` (llama.cpp's).
 async fn infill(State(st): State<Arc<AppState>>, body: Bytes) -> Result<Response, ApiError> {
     let mut mapped = api::parse::<api::InfillRequest>(&body)?.map(defaults(&st))?;
-    // The project's files are cut from their start to leave the reply room, as llama.cpp
-    // cuts them: a quarter of the context at most.
+    // The project's files are cut from their start, as llama.cpp cuts them: to 5/8 of the
+    // context (the same cut for every request on the same files, whatever the prefix), and
+    // further where the reply would have less room than it asks for (a quarter of the
+    // context at most).
     if let keydiff::Prompt::Infill {
         prefix,
         suffix,
@@ -1437,8 +1439,9 @@ async fn infill(State(st): State<Arc<AppState>>, body: Bytes) -> Result<Response
         let repo = repo.clone().unwrap_or_default();
         let want = mapped.params.max_tokens;
         let (ids, cut) = with_engine(&st, move |e| {
-            let room = want.min(e.model_config().max_position_embeddings / 4);
-            Ok(e.infill_within(&prefix, &suffix, &repo, room)?)
+            let context = e.model_config().max_position_embeddings;
+            let room = want.min(context / 4);
+            Ok(e.infill_within(&prefix, &suffix, &repo, room, context / 8 * 5)?)
         })
         .await?;
         if cut > 0 {

@@ -20,7 +20,7 @@ use crate::logprobs::{
 };
 use crate::sampling::{Format, Sampler, Sampling};
 use crate::source::ModelSource;
-use crate::stream::TextStream;
+use crate::stream::{Stopped, TextStream};
 
 /// Prefill chunk size B when none is given: the paper's setting.
 pub const DEFAULT_CHUNK: usize = 128;
@@ -159,12 +159,12 @@ pub struct GenerateParams {
     /// row's logits, and the whole prompt is prefilled (no reused prefix).
     pub prompt_logprobs: Option<usize>,
     /// End generation where a line after the first starts less indented than this many
-    /// spaces or tabs, cut before that line's text ([`StopReason::StopString`]; llama.cpp's
-    /// `n_indent`, which its editor plugins send so that a completion ends with its block).
-    /// 0 never ends it.
+    /// spaces or tabs, cut before that line's text ([`StopReason::Indent`]; llama.cpp's
+    /// `n_indent`, which its editor plugins send so that a completion ends with its block;
+    /// as there, an empty line ends it too). 0 never ends it.
     pub stop_indent: usize,
-    /// End generation ([`StopReason::MaxTokens`]) at the first token after this long since
-    /// generation began (after the prefill), once the text has a line break (llama.cpp's
+    /// End generation ([`StopReason::MaxTokens`]) at the first token with a line break that
+    /// comes after this long since generation began (after the prefill) (llama.cpp's
     /// `t_max_predict_ms`, which its editor plugins send so that a completion comes in time;
     /// the text then depends on the machine's speed).
     pub time_limit: Option<std::time::Duration>,
@@ -269,8 +269,10 @@ pub enum Event<'a> {
 #[serde(rename_all = "snake_case")]
 pub enum StopReason {
     Eos,
-    /// A stop string came (or a line below [`GenerateParams::stop_indent`]).
+    /// A stop string came.
     StopString,
+    /// A line started below [`GenerateParams::stop_indent`].
+    Indent,
     MaxTokens,
     /// The model's context is full.
     Context,
@@ -878,19 +880,24 @@ impl<'e> Decoding<'e> {
             self.reason = StopReason::Eos;
             return Ok(None);
         }
+        let before = self.stream.text().len();
         let piece = self.stream.push(tok)?;
         if !piece.is_empty() {
             on_event(Event::Text(&piece));
         }
-        if self.stream.stopped() {
-            self.reason = StopReason::StopString;
+        if let Some(why) = self.stream.stopped_by() {
+            self.reason = match why {
+                Stopped::String => StopReason::StopString,
+                Stopped::Indent => StopReason::Indent,
+            };
             return Ok(None);
         }
         if self.generated.len() >= params.max_tokens {
             return Ok(None);
         }
-        let late = |limit| self.td.elapsed() > limit && self.stream.text().contains('\n');
-        if params.time_limit.is_some_and(late) {
+        // llama.cpp's `t_max_predict_ms`: a token with a line break, past the time.
+        let line_break = || (self.stream.text().get(before..)).is_some_and(|t| t.contains('\n'));
+        if params.time_limit.is_some_and(|t| self.td.elapsed() > t) && line_break() {
             return Ok(None);
         }
         if position + 1 >= self.engine.model_config().max_position_embeddings {
@@ -1568,22 +1575,25 @@ impl Engine {
         Ok((ids, block, part))
     }
 
-    /// The tokens of a fill in the middle with the project's files (`repo`), which leave
-    /// `room` tokens of the context for the reply: the files' block loses tokens from its
-    /// start as needed, as llama.cpp's `/infill` cuts it (an editor sends what it has
-    /// gathered, and the latest files come last). Returns the ids and how many were cut. The
-    /// rest of the prompt is never cut (beyond the context, it is refused).
+    /// The tokens of a fill in the middle with the project's files (`repo`): the files'
+    /// block keeps at most `files_max` tokens, and fewer where the prompt would leave the
+    /// reply less than `room` tokens of the context, losing tokens from its start, as
+    /// llama.cpp's `/infill` cuts it (an editor sends what it has gathered, the latest files
+    /// last). A fixed `files_max` cuts the same files the same way whatever the prefix, so
+    /// that the next request finds them in the prompt cache. Returns the ids and how many
+    /// were cut. The rest of the prompt is never cut (beyond the context, it is refused).
     pub fn infill_within(
         &self,
         prefix: &str,
         suffix: &str,
         repo: &[InfillFile],
         room: usize,
+        files_max: usize,
     ) -> Result<(Vec<u32>, usize)> {
         let (mut ids, block, part) = self.infill_parts(prefix, suffix, Some(repo))?;
         let context = self.model_config().max_position_embeddings;
         let fits = context.saturating_sub(room).saturating_sub(ids.len());
-        let cut = block.len().saturating_sub(fits);
+        let cut = block.len().saturating_sub(fits.min(files_max));
         let at = ids.len() - part.len();
         ids.splice(at..at, block[cut..].iter().copied());
         self.check_vocab(&ids)?;

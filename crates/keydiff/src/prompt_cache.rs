@@ -141,9 +141,13 @@ impl PromptCache {
             .copied()
             .collect();
         self.prompt_len = n.min(fed);
-        // The reply as the client got it; after a stop string it lacks tokens the cache was
-        // fed, and a prompt cut short in prefill has no reply.
-        let whole = fed >= n && out.stats.stop_reason != StopReason::StopString;
+        // The reply as the client got it; after a stop string (or an indentation stop) it
+        // lacks tokens the cache was fed, and a prompt cut short in prefill has no reply.
+        let cut = matches!(
+            out.stats.stop_reason,
+            StopReason::StopString | StopReason::Indent
+        );
+        let whole = fed >= n && !cut;
         if let (Some(t), true) = (text, whole) {
             let mut pending = out.tokens[fed - n..].to_vec();
             if out.stats.stop_reason == StopReason::Eos {

@@ -19,7 +19,16 @@ pub struct TextStream<'a> {
     stops: Vec<String>,
     /// End at a line less indented than this ([`TextStream::stop_below_indent`]).
     indent: Option<usize>,
-    stopped: bool,
+    stopped: Option<Stopped>,
+}
+
+/// What ended a [`TextStream`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stopped {
+    /// A stop string.
+    String,
+    /// A line below the indentation ([`TextStream::stop_below_indent`]).
+    Indent,
 }
 
 impl<'a> TextStream<'a> {
@@ -32,13 +41,13 @@ impl<'a> TextStream<'a> {
             emitted: 0,
             stops: stops.into_iter().filter(|s| !s.is_empty()).collect(),
             indent: None,
-            stopped: false,
+            stopped: None,
         }
     }
 
     /// Also ends the text where a line after its first starts with fewer than `n` spaces or
-    /// tabs, cut before that line's first other character (llama.cpp's `n_indent`: a code
-    /// completion ends with its block). 0 never ends it.
+    /// tabs, cut before that line's first other character, a line break included (llama.cpp's
+    /// `n_indent`: a code completion ends with its block). 0 never ends it.
     pub fn stop_below_indent(mut self, n: usize) -> Self {
         self.indent = (n > 0).then_some(n);
         self
@@ -46,7 +55,7 @@ impl<'a> TextStream<'a> {
 
     /// Adds a token; returns the text that is now safe to show (possibly empty).
     pub fn push(&mut self, token: u32) -> Result<String> {
-        if self.stopped {
+        if self.stopped.is_some() {
             return Ok(String::new());
         }
         self.tokens.push(token);
@@ -59,14 +68,7 @@ impl<'a> TextStream<'a> {
             return Ok(String::new());
         }
         self.text = decoded;
-        let below = self.indent.and_then(|n| below_indent(&self.text, n));
-        if let Some(at) = (self.stops.iter())
-            .filter_map(|s| self.text.find(s.as_str()))
-            .chain(below)
-            .min()
-        {
-            self.text.truncate(at);
-            self.stopped = true;
+        if self.cut() {
             return Ok(self.take(self.text.len()));
         }
         // Hold back a tail that could begin a stop string.
@@ -79,18 +81,43 @@ impl<'a> TextStream<'a> {
         Ok(self.take(self.text.len() - hold))
     }
 
-    /// Flushes what was held back at the end of generation.
+    /// Ends the text at the first stop string or line below the indentation in it; true
+    /// when one was there.
+    fn cut(&mut self) -> bool {
+        let string = (self.stops.iter())
+            .filter_map(|s| self.text.find(s.as_str()))
+            .min()
+            .map(|at| (at, Stopped::String));
+        let indent = (self.indent)
+            .and_then(|n| below_indent(&self.text, n))
+            .map(|at| (at, Stopped::Indent));
+        let Some((at, why)) = string.into_iter().chain(indent).min_by_key(|c| c.0) else {
+            return false;
+        };
+        self.text.truncate(at);
+        self.stopped = Some(why);
+        true
+    }
+
+    /// Flushes what was held back at the end of generation (a character cut short decoded as
+    /// it is), cut as [`TextStream::push`] cuts.
     pub fn finish(&mut self) -> String {
         if let Ok(rest) = self.tokenizer.decode(&self.tokens, true) {
-            if !self.stopped && rest.len() >= self.text.len() {
+            if self.stopped.is_none() && rest.len() >= self.text.len() {
                 self.text = rest;
+                self.cut();
             }
         }
         self.take(self.text.len())
     }
 
-    /// True once a stop string was seen.
+    /// True once a stop string or a line below the indentation was seen.
     pub fn stopped(&self) -> bool {
+        self.stopped.is_some()
+    }
+
+    /// What ended the text, if anything did.
+    pub fn stopped_by(&self) -> Option<Stopped> {
         self.stopped
     }
 
@@ -109,8 +136,9 @@ impl<'a> TextStream<'a> {
     }
 }
 
-/// Where `text` ends by llama.cpp's `n_indent` rule: the first character other than a space
-/// or a tab on a line after the first whose indentation is below `n`.
+/// Where `text` ends by llama.cpp's `n_indent` rule: on a line after the first, the first
+/// character other than a space or a tab (a line break too: an empty line ends it) where the
+/// indentation before it is below `n`.
 pub fn below_indent(text: &str, n: usize) -> Option<usize> {
     let mut at = text.find('\n')? + 1;
     loop {
@@ -121,7 +149,6 @@ pub fn below_indent(text: &str, n: usize) -> Option<usize> {
             .count();
         match line.as_bytes().get(indent) {
             None => return None,
-            Some(b'\n') => {}
             Some(_) if indent < n => return Some(at + indent),
             Some(_) => {}
         }
@@ -143,13 +170,16 @@ mod tests {
 
     #[test]
     fn indentation_ends_a_block() {
-        let code = "x + 1\n    return y\n\n    z = 2\nprint(z)\n";
+        let code = "x + 1\n    return y\n    z = 2\nprint(z)\n";
         assert_eq!(below_indent(code, 4), Some(code.find("print").unwrap()));
         assert_eq!(below_indent(code, 2), Some(code.find("print").unwrap()));
         assert_eq!(below_indent(code, 5), Some(code.find("return").unwrap()));
-        // The first line is never cut; an empty or blank line is not a line that starts.
+        // The first line is never cut; an empty line ends the block, as in llama.cpp.
         assert_eq!(below_indent("print(1)\n    a", 4), None);
-        assert_eq!(below_indent("a\n\n  \n    b\n", 4), None);
+        assert_eq!(below_indent("a\n\n    b\n", 4), Some(2));
+        assert_eq!(below_indent("a\n  \n", 4), Some(4));
+        assert_eq!(below_indent("a\r\n\r\n", 4), Some(3));
+        assert_eq!(below_indent("a\n    b\n    \n", 4), None, "still indented");
         assert_eq!(below_indent("a\n\t\tb", 2), None);
         assert_eq!(below_indent("a\n  ", 4), None, "the line has not started");
         assert_eq!(below_indent("no newline", 4), None);
