@@ -9,7 +9,11 @@ position, and a 24-token greedy continuation (argmax of the raw logits, one toke
 time, no sampler and no penalties). Run it in the venv made by scripts/python-env.sh, after
 scripts/fetch-models.sh:
 
-    .venv/bin/python scripts/gen-fixtures.py [smollm2|qwen|all]
+    .venv/bin/python scripts/gen-fixtures.py [smollm2|qwen|all|rope]
+
+`rope` writes the same for three prompts under RoPE scaling given as llama.cpp's context
+parameters (`--rope-scaling`, `--rope-scale`, `--yarn-orig-ctx` of its CLI), for
+tests/tests/rope.rs: tests/fixtures/llamacpp/{qwen-yarn,smollm2-yarn,smollm2-linear}.json.
 
 Deterministic: CPU, 2 threads, a fixed seed (unused: nothing is sampled).
 """
@@ -123,8 +127,25 @@ def chat_environment() -> ImmutableSandboxedEnvironment:
     return env
 
 
+# Name: (model, llama.cpp context parameters, the same as keydiff's --rope-* flags).
+ROPE_VARIANTS = {
+    # Qwen 2.5's model card: YaRN x4 from 32768 (128K).
+    "qwen-yarn": ("qwen", dict(rope_scaling_type=llama_cpp.LLAMA_ROPE_SCALING_TYPE_YARN,
+                               rope_freq_scale=0.25, yarn_orig_ctx=32768),
+                  {"rope_scaling": "yarn", "rope_scale": 4.0, "yarn_orig_ctx": 32768}),
+    # The interleaved (GGUF llama) rotation, an original context below the model's.
+    "smollm2-yarn": ("smollm2", dict(rope_scaling_type=llama_cpp.LLAMA_ROPE_SCALING_TYPE_YARN,
+                                     rope_freq_scale=0.25, yarn_orig_ctx=2048),
+                     {"rope_scaling": "yarn", "rope_scale": 4.0, "yarn_orig_ctx": 2048}),
+    "smollm2-linear": ("smollm2", dict(rope_scaling_type=llama_cpp.LLAMA_ROPE_SCALING_TYPE_LINEAR,
+                                       rope_freq_scale=0.5),
+                       {"rope_scaling": "linear", "rope_scale": 2.0}),
+}
+ROPE_PROMPTS = ("code", "prose", "long")
+
+
 class Model:
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, **rope) -> None:
         self.llm = Llama(
             model_path=str(path),
             n_ctx=N_CTX,
@@ -135,6 +156,7 @@ class Model:
             seed=SEED,
             logits_all=False,
             verbose=False,
+            **rope,
         )
         self.n_vocab = self.llm.n_vocab()
         self.vocab = llama_cpp.llama_model_get_vocab(self.llm.model)
@@ -174,14 +196,14 @@ class Model:
         }
 
 
-def build(key: str) -> dict:
+def build(key: str, rope: dict | None = None, flags: dict | None = None) -> dict:
     fname = MODELS[key]
     path = ROOT / "models" / fname
     if not path.exists():
         sys.exit(f"gen-fixtures: {path} missing: run scripts/fetch-models.sh {key}")
     print(f"gen-fixtures: {key}: hashing {fname}", flush=True)
     sha = sha256_file(path)
-    m = Model(path)
+    m = Model(path, **(rope or {}))
     llm = m.llm
     md = llm.metadata
     bos, eos = llm.token_bos(), llm.token_eos()
@@ -208,6 +230,8 @@ def build(key: str) -> dict:
         ("chat", chat_text, True),
         ("long", long_text(), False),
     ]
+    if rope:
+        prompts = [p for p in prompts if p[0] in ROPE_PROMPTS]
     out_prompts = []
     for name, text, special in prompts:
         toks = llm.tokenize(text.encode("utf-8"), add_bos=True, special=special)
@@ -240,7 +264,7 @@ def build(key: str) -> dict:
         print(f"gen-fixtures: {key}: {name}: greedy -> {entry['greedy_text']!r}", flush=True)
         out_prompts.append(entry)
 
-    return {
+    out = {
         "model_file": fname,
         "gguf_sha256": sha,
         "llama_cpp_python": llama_cpp.__version__,
@@ -265,6 +289,10 @@ def build(key: str) -> dict:
         ),
         "prompts": out_prompts,
     }
+    if rope:
+        out["llama_cpp_params"] = rope
+        out["rope_flags"] = flags
+    return out
 
 
 def dump(data: dict) -> str:
@@ -288,10 +316,18 @@ def dump(data: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("which", nargs="?", default="all", choices=["smollm2", "qwen", "all"])
+    ap.add_argument("which", nargs="?", default="all",
+                    choices=["smollm2", "qwen", "all", "rope"])
     args = ap.parse_args()
-    keys = list(MODELS) if args.which == "all" else [args.which]
     OUT_DIR.mkdir(parents=True, exist_ok=True)
+    if args.which == "rope":
+        for name, (key, rope, flags) in ROPE_VARIANTS.items():
+            data = build(key, rope, flags)
+            out = OUT_DIR / f"{name}.json"
+            out.write_text(dump(data) + "\n", encoding="utf-8")
+            print(f"gen-fixtures: wrote {out.relative_to(ROOT)} ({out.stat().st_size} bytes)")
+        return
+    keys = list(MODELS) if args.which == "all" else [args.which]
     for key in keys:
         data = build(key)
         out = OUT_DIR / f"{key}.json"

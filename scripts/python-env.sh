@@ -36,8 +36,12 @@ if have_llama; then
 else
   echo "python-env: building llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION from source (several minutes on 2 cores)"
   # CPU only, native ISA (AVX-512 where the machine has it). No OpenMP-free/BLAS tricks:
-  # this is llama.cpp's stock CPU backend, the baseline we compare against.
-  export CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=ON -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_BLAS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF}"
+  # this is llama.cpp's stock CPU backend, the baseline we compare against. Without AMX:
+  # on these VMs' Sapphire Rapids CPUs, -march=native builds ggml's AMX kernels, and every
+  # decode then crashes with SIGSEGV (seen 2026-12-03); GCC keeps an explicit -mno-* over
+  # what -march=native implies.
+  NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+  export CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=ON -DCMAKE_C_FLAGS='$NO_AMX' -DCMAKE_CXX_FLAGS='$NO_AMX' -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_BLAS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF}"
   export MAKEFLAGS="${MAKEFLAGS:--j2}"
   export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-2}"
   echo "python-env: CMAKE_ARGS=$CMAKE_ARGS"

@@ -71,6 +71,10 @@ pub struct FixturePrompt {
 pub struct Fixture {
     pub model_file: String,
     pub prompts: Vec<FixturePrompt>,
+    /// keydiff's `--rope-*` flags for llama.cpp's RoPE scaling parameters the fixture was
+    /// recorded under (`rope_scaling`, `rope_scale`, `yarn_orig_ctx`), if any.
+    #[serde(default)]
+    pub rope_flags: Option<serde_json::Value>,
 }
 
 /// Loads `tests/fixtures/llamacpp/<name>.json`.

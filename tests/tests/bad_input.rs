@@ -131,6 +131,47 @@ fn prompt_beyond_context() {
 }
 
 #[test]
+fn contradicting_rope_flags() {
+    let m = model(SMOLLM2);
+    let m = m.to_str().unwrap();
+    let err = fails(&["info", "-m", m, "--rope-scaling", "dynamic"]);
+    expect(
+        &err,
+        "--rope-scaling: unknown RoPE scaling `dynamic` (expected none, linear or yarn)",
+    );
+    let err = fails(&[
+        "info",
+        "-m",
+        m,
+        "--yarn-orig-ctx",
+        "4096",
+        "--rope-scale",
+        "2",
+    ]);
+    expect(
+        &err,
+        "the YaRN settings (original context, betas, attention factor) need YaRN",
+    );
+    let err = fails(&["info", "-m", m, "--rope-scaling", "yarn"]);
+    expect(
+        &err,
+        "linear or YaRN RoPE scaling needs a factor (llama.cpp's --rope-scale)",
+    );
+    let err = fails(&[
+        "info",
+        "-m",
+        m,
+        "--rope-scaling",
+        "yarn",
+        "--rope-scale",
+        "0.5",
+    ]);
+    expect(&err, "YaRN RoPE scaling factor 0.5 must be at least 1");
+    let err = fails(&["info", "-m", m, "--rope-freq-base", "0"]);
+    expect(&err, "rope_theta 0 must be finite and positive");
+}
+
+#[test]
 fn unknown_device_and_dtype() {
     let m = model(SMOLLM2);
     let err = fails(&[

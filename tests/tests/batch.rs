@@ -333,7 +333,7 @@ fn several_prompts_are_prefilled_in_one_step() {
 #[test]
 fn refusals_and_cancels_stay_with_their_request() {
     let e = engine(SMOLLM2, keydiff(64, 16));
-    let context = e.model_config().max_position_embeddings;
+    let context = e.model_config().context();
     let good = requests().remove(0);
     let cancel = CancelToken::new();
     let reqs = vec![

@@ -85,6 +85,39 @@ fn info_describes_the_model() {
     assert!(se.contains("prefill runs quantized matmuls"), "{se}");
 }
 
+/// llama.cpp's RoPE flags: YaRN ×4 from 32K gives Qwen 2.5 its 128K context, and prompts
+/// beyond 32K are then taken.
+#[test]
+fn rope_flags_extend_the_context() {
+    let m = model(QWEN);
+    let (so, _) = ok(&["info", "-m", m.to_str().unwrap()]);
+    let v: serde_json::Value = serde_json::from_str(&so).unwrap();
+    assert_eq!(
+        (v["context"].as_u64(), &v["config"]["rope_scaling"]),
+        (Some(32768), &serde_json::Value::Null)
+    );
+    let yarn = [
+        "--rope-scaling",
+        "yarn",
+        "--rope-scale",
+        "4",
+        "--yarn-orig-ctx",
+        "32768",
+    ];
+    let args = [&["info", "-m", m.to_str().unwrap()][..], &yarn].concat();
+    let (so, _) = ok(&args);
+    let v: serde_json::Value = serde_json::from_str(&so).unwrap();
+    assert_eq!(v["context"], 131072);
+    let r = &v["config"]["rope_scaling"];
+    assert_eq!(
+        (r["rope_type"].as_str(), r["factor"].as_f64()),
+        (Some("yarn"), Some(4.0))
+    );
+    assert_eq!(r["original_max_position_embeddings"], 32768);
+    assert!((r["attention_factor"].as_f64().unwrap() - (0.1 * 4f64.ln() + 1.0)).abs() < 1e-12);
+    assert_eq!(v["config"]["max_position_embeddings"], 32768);
+}
+
 #[test]
 fn chat_answers_and_json_stats() {
     let m = model(SMOLLM2);

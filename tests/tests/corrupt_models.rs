@@ -237,13 +237,13 @@ fn metadata_corruptions_are_named() {
         ),
         (
             "llama.rope.scaling.factor",
-            Some(Value::F32(4.0)),
-            "`llama.rope.scaling.factor` is 4 (linear RoPE scaling)",
+            Some(Value::F32(f32::INFINITY)),
+            "`llama.rope.scaling.factor` must be a finite number",
         ),
         (
             "llama.rope.scale_linear",
-            Some(Value::F32(2.0)),
-            "`llama.rope.scale_linear` is 2",
+            Some(Value::F32(-2.0)),
+            "linear RoPE scaling factor -2 must be finite and positive",
         ),
         (
             "llama.rope.scaling.type",
@@ -309,16 +309,148 @@ fn metadata_corruptions_are_named() {
             "{ty:?} {factor:?} {legacy:?}: {got:?}"
         );
     }
-    // A yarn type with a real factor is refused.
-    let mut md = tiny_metadata();
-    set(
-        &mut md,
-        "llama.rope.scaling.type",
-        Some(Value::String("yarn".into())),
-    );
-    set(&mut md, "llama.rope.scaling.factor", Some(Value::F32(4.0)));
-    write(&p, &md, &ts);
-    expect_error("yarn x4", &p, "(yarn RoPE scaling)");
+    // Scalings keydiff does not compute are refused, naming the key.
+    let refused: [(&str, &[(&str, Value)], &str); 4] = [
+        (
+            "longrope",
+            &[("llama.rope.scaling.type", Value::String("longrope".into()))],
+            "`llama.rope.scaling.type` is `longrope` (factor 4)",
+        ),
+        (
+            "yarn log multiplier",
+            &[("llama.rope.scaling.yarn_log_multiplier", Value::F32(0.1))],
+            "`llama.rope.scaling.yarn_log_multiplier` is 0.1",
+        ),
+        (
+            "yarn ext factor",
+            &[("llama.rope.scaling.yarn_ext_factor", Value::F32(0.5))],
+            "`llama.rope.scaling.yarn_ext_factor` is 0.5",
+        ),
+        (
+            "yarn x0.5",
+            &[("llama.rope.scaling.factor", Value::F32(0.5))],
+            "YaRN RoPE scaling factor 0.5 must be at least 1",
+        ),
+    ];
+    for (what, keys, needle) in refused {
+        let mut md = tiny_metadata();
+        set(
+            &mut md,
+            "llama.rope.scaling.type",
+            Some(Value::String("yarn".into())),
+        );
+        set(&mut md, "llama.rope.scaling.factor", Some(Value::F32(4.0)));
+        for (k, v) in keys {
+            set(&mut md, k, Some(v.clone()));
+        }
+        write(&p, &md, &ts);
+        expect_error(what, &p, needle);
+    }
+}
+
+/// GGUF's RoPE scaling keys (as convert_hf_to_gguf.py writes YaRN for Qwen 2.5) are read:
+/// the config holds the scaling and its context, the same as the unscaled file's under the
+/// same scaling given as llama.cpp's flags (which tests/tests/llamacpp_parity.rs holds to
+/// llama.cpp's logits on the real models; this fixture's logits hardly depend on attention),
+/// and `--rope-scaling none` removes it.
+#[test]
+fn rope_scaling_keys_are_read() {
+    use keydiff::{RopeOverride, RopeScaling, RopeScalingType};
+    let d = temp_dir("gguf-rope-scaling");
+    let ts = tiny_tensors();
+    let load = |md: &[(String, Value)], rope: RopeOverride| {
+        let p = d.join("a.gguf");
+        write(&p, md, &ts);
+        let cfg = EngineConfig {
+            cache: CacheConfig::full(32),
+            rope,
+            ..Default::default()
+        };
+        Engine::load(&ModelSource::Gguf(p), &cfg).unwrap()
+    };
+    let yarn = |f: f64| RopeOverride {
+        scaling: Some(RopeScalingType::Yarn),
+        factor: Some(f),
+        ..Default::default()
+    };
+    let plain = load(&tiny_metadata(), RopeOverride::default());
+    assert_eq!(plain.model_config().rope_scaling, None);
+    let cases: Vec<(&str, Vec<(&str, Value)>, RopeOverride, usize)> = vec![
+        (
+            "yarn x4 from 128",
+            vec![
+                ("llama.rope.scaling.type", Value::String("yarn".into())),
+                ("llama.rope.scaling.factor", Value::F32(4.0)),
+                (
+                    "llama.rope.scaling.original_context_length",
+                    Value::U32(128),
+                ),
+                ("llama.rope.scaling.yarn_beta_fast", Value::F32(16.0)),
+                ("llama.rope.scaling.yarn_ext_factor", Value::F32(-1.0)),
+            ],
+            RopeOverride {
+                original_context: Some(128),
+                beta_fast: Some(16.0),
+                ..yarn(4.0)
+            },
+            // The file's 512 stands: 4 × 128 is no more.
+            512,
+        ),
+        (
+            "yarn x4",
+            vec![
+                ("llama.rope.scaling.type", Value::String("yarn".into())),
+                ("llama.rope.scaling.factor", Value::F32(4.0)),
+            ],
+            yarn(4.0),
+            2048,
+        ),
+        (
+            "linear x2, no type",
+            vec![("llama.rope.scaling.factor", Value::F32(2.0))],
+            RopeOverride {
+                scaling: Some(RopeScalingType::Linear),
+                factor: Some(2.0),
+                ..Default::default()
+            },
+            1024,
+        ),
+        (
+            "legacy scale_linear x3",
+            vec![("llama.rope.scale_linear", Value::F32(3.0))],
+            RopeOverride {
+                factor: Some(3.0),
+                ..Default::default()
+            },
+            1536,
+        ),
+    ];
+    for (what, keys, rope, context) in cases {
+        let mut md = tiny_metadata();
+        for (k, v) in keys {
+            set(&mut md, k, Some(v));
+        }
+        let from_file = load(&md, RopeOverride::default());
+        let c = from_file.model_config();
+        assert_eq!(c.context(), context, "{what}");
+        assert!(
+            matches!(
+                (&c.rope_scaling, what.starts_with("yarn")),
+                (Some(RopeScaling::Yarn(_)), true) | (Some(RopeScaling::Linear { .. }), false)
+            ),
+            "{what}: {:?}",
+            c.rope_scaling
+        );
+        let overridden = load(&tiny_metadata(), rope);
+        assert_eq!(overridden.model_config(), c, "{what}");
+        // `--rope-scaling none` on the scaled file gives the unscaled model back.
+        let off = RopeOverride {
+            scaling: Some(RopeScalingType::None),
+            ..Default::default()
+        };
+        let off = load(&md, off);
+        assert_eq!(off.model_config(), plain.model_config(), "{what}");
+    }
 }
 
 /// A zero alignment is found wherever candle would read it: candle would divide by it.
@@ -726,8 +858,18 @@ fn hf_config_corruptions_are_named() {
         ),
         (
             "rope_scaling",
-            serde_json::json!({"rope_type": "yarn", "factor": 4.0}),
-            "unsupported rope_scaling type `yarn`",
+            serde_json::json!({"rope_type": "dynamic", "factor": 4.0}),
+            "unsupported rope_scaling type `dynamic`",
+        ),
+        (
+            "rope_scaling",
+            serde_json::json!({"rope_type": "yarn", "factor": 0.25}),
+            "YaRN RoPE scaling factor 0.25 must be at least 1",
+        ),
+        (
+            "rope_scaling",
+            serde_json::json!({"rope_type": "yarn", "factor": 4.0, "beta_slow": "1"}),
+            "rope_scaling.beta_slow must be a number",
         ),
     ];
     let mut failures = Vec::new();

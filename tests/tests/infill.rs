@@ -295,7 +295,7 @@ fn the_infill_endpoint_answers_as_llama_cpp() {
 #[test]
 fn project_files_are_cut_to_fit_the_context() {
     let e = engine(QWEN);
-    let context = e.model_config().max_position_embeddings;
+    let context = e.model_config().context();
     let files = vec![
         InfillFile {
             name: "old.py".into(),

@@ -1,8 +1,11 @@
 //! Parity with llama.cpp on the real GGUF models: token ids, top-1, top-10 logits, and greedy
-//! continuations, against fixtures recorded by scripts/gen-fixtures.py (llama-cpp-python).
+//! continuations, against fixtures recorded by scripts/gen-fixtures.py (llama-cpp-python),
+//! also under RoPE scaling (YaRN and linear) given as llama.cpp's parameters.
 
 use candle_core::DType;
-use keydiff::{CpuWeights, Engine, EngineConfig, GenerateParams, Message, ModelSource, Prompt};
+use keydiff::{
+    CpuWeights, Engine, EngineConfig, GenerateParams, Message, ModelSource, Prompt, RopeOverride,
+};
 use keydiff_tests::{fixture, model, QWEN, SMOLLM2};
 
 /// Largest accepted |logit − llama.cpp logit| over the reference top-10.
@@ -36,6 +39,10 @@ const GREEDY_EXACT: usize = 8;
 /// ours keep them in f32. So with an f16 cache it is held to the same as dense prefill
 /// (measured: SmolLM2 `digits`, a near-tie, takes the other top-1).
 fn check(name: &str, path: &str, dense_prefill: bool, kv_dtype: DType) {
+    check_rope(name, path, dense_prefill, kv_dtype, RopeOverride::default());
+}
+
+fn check_rope(name: &str, path: &str, dense_prefill: bool, kv_dtype: DType, rope: RopeOverride) {
     let fx = fixture(name);
     // Everything must match only under llama.cpp's own activation numerics.
     let exact = !dense_prefill && kv_dtype == DType::F32;
@@ -46,6 +53,7 @@ fn check(name: &str, path: &str, dense_prefill: bool, kv_dtype: DType) {
             CpuWeights::AS_STORED
         },
         kv_dtype: Some(kv_dtype),
+        rope,
         ..Default::default()
     };
     let engine = Engine::load(&ModelSource::Gguf(model(path)), &cfg).unwrap();
@@ -165,4 +173,65 @@ fn qwen_quantized_f16_cache_matches_llamacpp() {
 #[test]
 fn qwen_dense_prefill_matches_llamacpp() {
     check("qwen", QWEN, true, DType::F32);
+}
+
+/// The fixture's llama.cpp RoPE parameters as keydiff's override (its `--rope-*` flags).
+fn rope_of(name: &str) -> RopeOverride {
+    let flags = fixture(name).rope_flags.expect("a RoPE fixture");
+    RopeOverride {
+        scaling: Some(flags["rope_scaling"].as_str().unwrap().parse().unwrap()),
+        factor: flags["rope_scale"].as_f64(),
+        original_context: flags["yarn_orig_ctx"].as_u64().map(|n| n as usize),
+        ..Default::default()
+    }
+}
+
+/// Under RoPE scaling llama.cpp's logits move away from its unscaled ones by more than the
+/// tolerance, so that matching the scaled fixture needs the scaling computed as llama.cpp
+/// computes it.
+fn scaling_moves_logits(scaled: &str, plain: &str) {
+    let (s, p) = (fixture(scaled), fixture(plain));
+    let moved = s
+        .prompts
+        .iter()
+        .map(|sp| {
+            let pp = p.prompts.iter().find(|pp| pp.name == sp.name).unwrap();
+            assert_eq!(sp.tokens, pp.tokens);
+            sp.top_logits[0].1 - pp.top_logits[0].1
+        })
+        .fold(0f32, |m, d| m.max(d.abs()));
+    assert!(
+        moved > 2.0 * TOP10_TOL,
+        "{scaled}: top logits moved by {moved} only"
+    );
+}
+
+#[test]
+fn qwen_yarn_matches_llamacpp() {
+    scaling_moves_logits("qwen-yarn", "qwen");
+    check_rope("qwen-yarn", QWEN, false, DType::F32, rope_of("qwen-yarn"));
+}
+
+#[test]
+fn smollm2_yarn_matches_llamacpp() {
+    scaling_moves_logits("smollm2-yarn", "smollm2");
+    check_rope(
+        "smollm2-yarn",
+        SMOLLM2,
+        false,
+        DType::F32,
+        rope_of("smollm2-yarn"),
+    );
+}
+
+#[test]
+fn smollm2_linear_matches_llamacpp() {
+    scaling_moves_logits("smollm2-linear", "smollm2");
+    check_rope(
+        "smollm2-linear",
+        SMOLLM2,
+        false,
+        DType::F32,
+        rope_of("smollm2-linear"),
+    );
 }

@@ -293,7 +293,7 @@ fn logprob_requests_that_cannot_be_honoured() {
     assert!(!pc.tokens().is_empty());
     // A request refused for its prompt leaves the held cache as it was.
     let held = pc.tokens().to_vec();
-    let context = e.model_config().max_position_embeddings;
+    let context = e.model_config().context();
     let too_long = GenerateParams {
         prompt: Prompt::Tokens(vec![1; context + 1]),
         prompt_logprobs: Some(1),

@@ -198,7 +198,7 @@ fn lengths_at_chunk_edges() {
     }
     let err = e.perplexity(&tokens[..1]).unwrap_err().to_string();
     assert!(err.contains("at least 2 tokens"), "{err}");
-    let context = e.model_config().max_position_embeddings;
+    let context = e.model_config().context();
     let err = e.perplexity(&vec![1; context + 1]).unwrap_err().to_string();
     assert!(err.contains("beyond the model's context"), "{err}");
     // Windows: bad sizes are refused by name; every token is scored once, in the expected

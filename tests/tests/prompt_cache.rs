@@ -379,7 +379,7 @@ fn a_batch_keeps_caches_for_the_next_requests() {
     // A request refused after it chose a kept cache (its prompt, which starts with a kept
     // document, is beyond the context) leaves that cache kept.
     let kept = batch.kept_tokens();
-    let context = e.model_config().max_position_embeddings;
+    let context = e.model_config().context();
     let words = "and so on ".repeat(context / 2);
     let long = greedy(Prompt::Text(format!("{}{words}", doc("the bridge"))), 4);
     let err = batch.join(9, &long).unwrap_err();

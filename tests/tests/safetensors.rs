@@ -1,6 +1,8 @@
 //! The HF safetensors loader against the GGUF loader, on SmolLM2's real weights.
 
-use keydiff::{parity::compare_logits, Engine, EngineConfig, ModelSource};
+use keydiff::{
+    parity::compare_logits, Engine, EngineConfig, ModelSource, RopeOverride, RopeScalingType,
+};
 use keydiff_tests::{export_hf, fixture, model, temp_dir, SMOLLM2};
 
 /// The exported HF copy holds SmolLM2's weights dequantized to f32; the GGUF path prefills with
@@ -39,5 +41,42 @@ fn hf_directory_matches_gguf() {
         assert!(d.top1_equal(), "{}: top-1 differs: {d:?}", p.name);
         assert!(d.max_rel <= HF_VS_GGUF_TOL, "{}: {d:?}", p.name);
     }
+
+    // YaRN in config.json (Qwen 2.5's model card form) computes what llama.cpp's flags give
+    // the GGUF file (tests/tests/llamacpp_parity.rs holds those to llama.cpp's logits).
+    let path = dir.join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    config["rope_scaling"] = serde_json::json!({"type": "yarn", "factor": 4.0,
+        "original_max_position_embeddings": 2048});
+    std::fs::write(&path, config.to_string()).unwrap();
+    let b = Engine::load(&ModelSource::HfDir(dir.clone()), &cfg).unwrap();
+    let rope = RopeOverride {
+        scaling: Some(RopeScalingType::Yarn),
+        factor: Some(4.0),
+        original_context: Some(2048),
+        ..Default::default()
+    };
+    let cfg = EngineConfig { rope, ..cfg };
+    let a_yarn = Engine::load(&ModelSource::Gguf(model(SMOLLM2)), &cfg).unwrap();
+    assert_eq!(
+        b.model_config().rope_scaling,
+        a_yarn.model_config().rope_scaling
+    );
+    assert_eq!(
+        (a.model_config().context(), b.model_config().context()),
+        (8192, 8192)
+    );
+    let p = fx.prompts.iter().find(|p| p.name == "long").unwrap();
+    let la = a_yarn.prefill_logits(&p.tokens, 128).unwrap();
+    let lb = b.prefill_logits(&p.tokens, 128).unwrap();
+    let d = compare_logits(&la, &lb);
+    eprintln!(
+        "YaRN: HF vs GGUF max abs {:.2e}, relative {:.2e}",
+        d.max_abs, d.max_rel
+    );
+    assert!(d.top1_equal() && d.max_rel <= HF_VS_GGUF_TOL, "{d:?}");
+    let plain = a.prefill_logits(&p.tokens, 128).unwrap();
+    assert!(compare_logits(&plain, &lb).max_rel > 100.0 * HF_VS_GGUF_TOL);
     std::fs::remove_dir_all(dir).ok();
 }

@@ -213,6 +213,63 @@ struct LoadArgs {
     /// else eager).
     #[arg(long, default_value = "auto")]
     attention: String,
+    #[command(flatten)]
+    rope: RopeArgs,
+}
+
+/// RoPE base and scaling, llama.cpp's flags: e.g. `--rope-scaling yarn --rope-scale 4
+/// --yarn-orig-ctx 32768` takes Qwen 2.5 from 32K to 128K tokens of context, as its model card
+/// asks. Without them the model's own settings (config.json's `rope_scaling`, GGUF's
+/// `rope.scaling.*`) apply.
+#[derive(Args)]
+#[command(next_help_heading = "RoPE")]
+struct RopeArgs {
+    /// RoPE scaling: none, linear or yarn (default: the model's; with --rope-scale alone, the
+    /// model's type, or linear).
+    #[arg(long, value_name = "TYPE")]
+    rope_scaling: Option<String>,
+    /// RoPE scaling factor: the context grows by it (YaRN: from --yarn-orig-ctx).
+    #[arg(long, value_name = "F")]
+    rope_scale: Option<f64>,
+    /// RoPE base frequency (`rope_theta`; default: the model's).
+    #[arg(long, value_name = "BASE")]
+    rope_freq_base: Option<f64>,
+    /// YaRN: the context the model was trained for (default: the model's YaRN setting, else
+    /// its context).
+    #[arg(long, value_name = "N")]
+    yarn_orig_ctx: Option<usize>,
+    /// YaRN: frequencies that turn more than this many times over the original context are
+    /// kept (default 32).
+    #[arg(long, value_name = "N")]
+    yarn_beta_fast: Option<f64>,
+    /// YaRN: frequencies that turn fewer than this many times are fully interpolated
+    /// (default 1).
+    #[arg(long, value_name = "N")]
+    yarn_beta_slow: Option<f64>,
+    /// YaRN: multiplies the attention factor 0.1 ln(factor) + 1 (default 1).
+    #[arg(long, value_name = "F")]
+    yarn_attn_factor: Option<f64>,
+}
+
+impl RopeArgs {
+    fn to_override(&self) -> Result<keydiff::RopeOverride> {
+        let scaling = match &self.rope_scaling {
+            Some(s) => Some(
+                s.parse()
+                    .map_err(|e: String| anyhow::anyhow!("--rope-scaling: {e}"))?,
+            ),
+            None => None,
+        };
+        Ok(keydiff::RopeOverride {
+            scaling,
+            factor: self.rope_scale,
+            freq_base: self.rope_freq_base,
+            original_context: self.yarn_orig_ctx,
+            beta_fast: self.yarn_beta_fast,
+            beta_slow: self.yarn_beta_slow,
+            attn_factor: self.yarn_attn_factor,
+        })
+    }
 }
 
 impl LoadArgs {
@@ -255,6 +312,7 @@ impl LoadArgs {
             kv_dtype,
             cache,
             memory_limit: self.memory_limit,
+            rope: self.rope.to_override()?,
         };
         let engine = Engine::load(&source, &cfg)
             .with_context(|| format!("cannot load model `{}`", self.model))?;
@@ -454,6 +512,7 @@ fn real_main() -> Result<()> {
                     cpu_weights: CpuWeights::FAST,
                     attention,
                     memory_limit: None,
+                    rope: Default::default(),
                 };
                 return check_batch(&cfg, &preset, &policies, seed, (&device, &dtype));
             }
@@ -481,6 +540,7 @@ fn real_main() -> Result<()> {
                         cpu_weights: CpuWeights::FAST,
                         attention: AttentionBackend::Eager,
                         memory_limit: None,
+                        rope: Default::default(),
                     };
                     let other = EngineConfig {
                         device: dev.clone(),
@@ -490,6 +550,7 @@ fn real_main() -> Result<()> {
                         cpu_weights: CpuWeights::FAST,
                         attention,
                         memory_limit: None,
+                        rope: Default::default(),
                     };
                     let (d, used) =
                         keydiff::parity::compare_devices(p, seed, &reference, &other, prompt_len)
@@ -715,7 +776,7 @@ fn perplexity(a: &PplArgs) -> Result<()> {
     if let Some(n) = a.max_tokens {
         tokens.truncate(n);
     }
-    let context = engine.model_config().max_position_embeddings;
+    let context = engine.model_config().context();
     let window = a.ctx_size.unwrap_or(context.min(tokens.len()));
     let stride = a.stride.unwrap_or((window / 2).max(1));
     let r = engine.perplexity_windowed(&tokens, window, stride)?;
@@ -794,6 +855,7 @@ fn info(args: &ModelArgs) -> Result<()> {
         "origin": engine.origin(),
         "format": engine.format(),
         "config": c,
+        "context": c.context(),
         "compute_dtype": format!("{:?}", engine.config().dtype),
         "kv_dtype": engine.config().kv_dtype.map(|d| d.as_str()),
         "device": format!("{:?}", engine.config().device),

@@ -165,7 +165,7 @@ fn prepare<'a>(
     settings: &[Setting],
     opts: &RunOptions,
 ) -> Result<Vec<Prepared<'a>>> {
-    let context = engine.model_config().max_position_embeddings;
+    let context = engine.model_config().context();
     let mut out = Vec::with_capacity(samples.len());
     for s in samples {
         let chat = s.chat.unwrap_or(opts.chat);

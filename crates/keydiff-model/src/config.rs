@@ -38,6 +38,340 @@ pub struct Llama3RopeScaling {
     pub original_max_position_embeddings: usize,
 }
 
+/// YaRN (arXiv 2309.00071), as transformers, vLLM and llama.cpp compute it: frequencies that
+/// turn more than `beta_fast` times over the original context are kept, those that turn fewer
+/// than `beta_slow` times are divided by `factor`, with a linear ramp between (in dimension
+/// index); cos and sin are multiplied by `attention_factor`.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct YarnRopeScaling {
+    pub factor: f64,
+    /// The context the model was trained for before the extension.
+    pub original_max_position_embeddings: usize,
+    pub beta_fast: f64,
+    pub beta_slow: f64,
+    /// cos and sin are multiplied by it, so attention logits by its square: by default
+    /// `0.1 ln(factor) + 1` (the paper's, transformers', vLLM's and llama.cpp's).
+    pub attention_factor: f64,
+    /// The ramp's bounds rounded outward to whole dimensions (transformers' `truncate`,
+    /// default true; vLLM and llama.cpp always round).
+    pub truncate: bool,
+}
+
+impl YarnRopeScaling {
+    /// YaRN with the paper's defaults: betas 32 and 1, attention factor `0.1 ln(factor) + 1`.
+    pub fn new(factor: f64, original_max_position_embeddings: usize) -> Self {
+        Self {
+            factor,
+            original_max_position_embeddings,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            attention_factor: yarn_mscale(factor, 1.0),
+            truncate: true,
+        }
+    }
+}
+
+/// transformers' `get_mscale`: `0.1 · mscale · ln(scale) + 1`, or 1 for a scale up to 1.
+pub fn yarn_mscale(scale: f64, mscale: f64) -> f64 {
+    if scale <= 1.0 {
+        1.0
+    } else {
+        0.1 * mscale * scale.ln() + 1.0
+    }
+}
+
+/// How a model's RoPE frequencies are scaled to reach a longer context than it was trained
+/// for (`rope_scaling` of config.json, `{arch}.rope.scaling.*` of GGUF, or `--rope-scaling`).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[serde(tag = "rope_type", rename_all = "lowercase")]
+pub enum RopeScaling {
+    /// Llama 3.1's: low frequencies divided by `factor`, high ones kept, smoothed between.
+    Llama3(Llama3RopeScaling),
+    /// Position interpolation: every frequency divided by `factor` (transformers' `linear`,
+    /// llama.cpp's default type).
+    Linear { factor: f64 },
+    /// YaRN (Qwen 2.5's long-context setting).
+    Yarn(YarnRopeScaling),
+}
+
+impl RopeScaling {
+    /// The context this scaling reaches from a model's `max_position_embeddings`, as vLLM
+    /// derives it: YaRN's original context times its factor (never less than the model's),
+    /// linear scaling's context times its factor; Llama 3.1's config already states its own.
+    pub fn context(&self, trained: usize) -> usize {
+        // `as` saturates: a huge product fails `validate` as beyond MAX_CONTEXT.
+        let scaled = |ctx: usize, factor: f64| (ctx as f64 * factor) as usize;
+        match self {
+            Self::Llama3(_) => trained,
+            Self::Linear { factor } => scaled(trained, *factor).max(1),
+            Self::Yarn(y) => scaled(y.original_max_position_embeddings, y.factor).max(trained),
+        }
+    }
+
+    /// The factor the frequencies are divided by (at most).
+    pub fn factor(&self) -> f64 {
+        match self {
+            Self::Llama3(l) => l.factor,
+            Self::Linear { factor } => *factor,
+            Self::Yarn(y) => y.factor,
+        }
+    }
+
+    /// Checks the values the frequencies are computed from.
+    fn validate(&self) -> std::result::Result<(), String> {
+        let finite_pos = |x: f64| x.is_finite() && x > 0.0;
+        let ok = match self {
+            Self::Llama3(r) => {
+                finite_pos(r.factor)
+                    && finite_pos(r.low_freq_factor)
+                    && r.high_freq_factor.is_finite()
+                    && r.high_freq_factor > r.low_freq_factor
+                    && r.original_max_position_embeddings > 0
+            }
+            Self::Linear { factor } => finite_pos(*factor),
+            Self::Yarn(y) => {
+                if !(y.factor.is_finite() && y.factor >= 1.0) {
+                    return Err(format!(
+                        "YaRN RoPE scaling factor {} must be at least 1",
+                        y.factor
+                    ));
+                }
+                if !(finite_pos(y.beta_fast) && finite_pos(y.beta_slow)) {
+                    return Err(format!(
+                        "YaRN beta_fast {} and beta_slow {} must be finite and positive",
+                        y.beta_fast, y.beta_slow
+                    ));
+                }
+                finite_pos(y.attention_factor) && y.original_max_position_embeddings > 0
+            }
+        };
+        if ok {
+            return Ok(());
+        }
+        Err(match self {
+            Self::Llama3(r) => format!(
+                "rope_scaling {r:?}: needs factor > 0, 0 < low_freq_factor < high_freq_factor \
+                 and original_max_position_embeddings > 0"
+            ),
+            Self::Linear { factor } => {
+                format!("linear RoPE scaling factor {factor} must be finite and positive")
+            }
+            Self::Yarn(y) => format!(
+                "rope_scaling {y:?}: needs attention_factor > 0 and \
+                 original_max_position_embeddings > 0"
+            ),
+        })
+    }
+
+    /// transformers' `rope_scaling` object: `llama3`, `linear` or `yarn` (`type` or
+    /// `rope_type`); `default` and `null` are none. `trained` is the model's
+    /// `max_position_embeddings` (YaRN's original context when it names none).
+    pub fn from_hf(
+        v: &serde_json::Value,
+        trained: usize,
+    ) -> std::result::Result<Option<Self>, String> {
+        use serde_json::Value;
+        let m = match v {
+            Value::Null => return Ok(None),
+            Value::Object(m) => m,
+            v => return Err(format!("rope_scaling must be an object or null, found {v}")),
+        };
+        let kind = m
+            .get("rope_type")
+            .or_else(|| m.get("type"))
+            .and_then(|t| t.as_str())
+            .unwrap_or("");
+        // A number, where null or absent gives `None` and anything else is an error.
+        let num = |k: &str| -> std::result::Result<Option<f64>, String> {
+            match m.get(k) {
+                None | Some(Value::Null) => Ok(None),
+                Some(x) => x
+                    .as_f64()
+                    .map(Some)
+                    .ok_or_else(|| format!("rope_scaling.{k} must be a number, found {x}")),
+            }
+        };
+        let factor =
+            || num("factor")?.ok_or_else(|| format!("rope_scaling `{kind}` needs a `factor`"));
+        Ok(Some(match kind {
+            "default" => return Ok(None),
+            "llama3" => Self::Llama3(
+                serde_json::from_value(v.clone()).map_err(|e| format!("rope_scaling: {e}"))?,
+            ),
+            "linear" => Self::Linear { factor: factor()? },
+            "yarn" => {
+                let factor = factor()?;
+                let original = match m.get("original_max_position_embeddings") {
+                    None | Some(Value::Null) => trained,
+                    Some(x) => x.as_u64().map(|x| x as usize).ok_or_else(|| {
+                        format!(
+                            "rope_scaling.original_max_position_embeddings must be a \
+                             positive integer, found {x}"
+                        )
+                    })?,
+                };
+                let mut y = YarnRopeScaling::new(factor, original);
+                // transformers: `beta_fast or 32`, so 0 is the default too.
+                if let Some(b) = num("beta_fast")?.filter(|&b| b != 0.0) {
+                    y.beta_fast = b;
+                }
+                if let Some(b) = num("beta_slow")?.filter(|&b| b != 0.0) {
+                    y.beta_slow = b;
+                }
+                y.attention_factor = match (
+                    num("attention_factor")?,
+                    num("mscale")?,
+                    num("mscale_all_dim")?,
+                ) {
+                    (Some(a), _, _) => a,
+                    (None, Some(ms), Some(all)) if ms != 0.0 && all != 0.0 => {
+                        yarn_mscale(factor, ms) / yarn_mscale(factor, all)
+                    }
+                    _ => yarn_mscale(factor, 1.0),
+                };
+                if let Some(t) = m.get("truncate") {
+                    y.truncate = t.as_bool().ok_or_else(|| {
+                        format!("rope_scaling.truncate must be a boolean, found {t}")
+                    })?;
+                }
+                Self::Yarn(y)
+            }
+            other => {
+                return Err(format!(
+                    "unsupported rope_scaling type `{other}` (supported: llama3, linear, yarn)"
+                ))
+            }
+        }))
+    }
+}
+
+/// The kinds of RoPE scaling `--rope-scaling` chooses from (llama.cpp's names).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RopeScalingType {
+    None,
+    Linear,
+    Yarn,
+}
+
+impl std::str::FromStr for RopeScalingType {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "none" => Ok(Self::None),
+            "linear" => Ok(Self::Linear),
+            "yarn" => Ok(Self::Yarn),
+            other => Err(format!(
+                "unknown RoPE scaling `{other}` (expected none, linear or yarn)"
+            )),
+        }
+    }
+}
+
+/// Changes to a model's RoPE made when it loads, as llama.cpp's `--rope-scaling`,
+/// `--rope-scale`, `--rope-freq-base` and `--yarn-*` flags make them (vLLM:
+/// `--hf-overrides '{"rope_scaling": ...}'`): e.g. YaRN ×4 from 32K on a Qwen 2.5 GGUF that
+/// does not carry it. Fields left `None` keep the model's own.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RopeOverride {
+    /// The scaling type. `None` keeps the model's; with a factor and no scaling in the model,
+    /// linear (llama.cpp's default type).
+    pub scaling: Option<RopeScalingType>,
+    /// The scaling factor (llama.cpp's `--rope-scale`).
+    pub factor: Option<f64>,
+    /// RoPE's base frequency, `rope_theta`.
+    pub freq_base: Option<f64>,
+    /// YaRN: the context the model was trained for (default: the model's YaRN setting, else
+    /// its context).
+    pub original_context: Option<usize>,
+    /// YaRN: the betas (default 32 and 1).
+    pub beta_fast: Option<f64>,
+    pub beta_slow: Option<f64>,
+    /// YaRN: multiplies the attention factor `0.1 ln(factor) + 1` (llama.cpp's
+    /// `--yarn-attn-factor`, default 1).
+    pub attn_factor: Option<f64>,
+}
+
+impl RopeOverride {
+    /// Whether it changes nothing.
+    pub fn is_empty(&self) -> bool {
+        *self == Self::default()
+    }
+
+    /// Applies the changes to `cfg`, refusing settings that contradict each other.
+    pub fn apply(&self, cfg: &mut ModelConfig) -> std::result::Result<(), String> {
+        if let Some(b) = self.freq_base {
+            cfg.rope_theta = b;
+        }
+        let yarn_args = self.original_context.is_some()
+            || self.beta_fast.is_some()
+            || self.beta_slow.is_some()
+            || self.attn_factor.is_some();
+        let own = cfg.rope_scaling.clone();
+        let kind = match (self.scaling, &own) {
+            (Some(k), _) => k,
+            (None, _) if self.factor.is_none() && !yarn_args => return cfg.validate(),
+            (None, Some(RopeScaling::Yarn(_))) => RopeScalingType::Yarn,
+            (None, Some(RopeScaling::Linear { .. }) | None) => RopeScalingType::Linear,
+            (None, Some(RopeScaling::Llama3(_))) => {
+                return Err(
+                    "the model's RoPE scaling is Llama 3.1's, which takes no factor \
+                            or YaRN settings; give a scaling type (none, linear or yarn) to \
+                            replace it"
+                        .into(),
+                )
+            }
+        };
+        if yarn_args && kind != RopeScalingType::Yarn {
+            return Err(
+                "the YaRN settings (original context, betas, attention factor) need YaRN \
+                 RoPE scaling"
+                    .into(),
+            );
+        }
+        // The factor: given, or the model's own of a linear or YaRN scaling.
+        let own_factor = match &own {
+            Some(RopeScaling::Linear { factor }) => Some(*factor),
+            Some(RopeScaling::Yarn(y)) => Some(y.factor),
+            _ => None,
+        };
+        let factor = || {
+            self.factor.or(own_factor).ok_or_else(|| {
+                "linear or YaRN RoPE scaling needs a factor (llama.cpp's --rope-scale)".to_string()
+            })
+        };
+        cfg.rope_scaling = match kind {
+            RopeScalingType::None => None,
+            RopeScalingType::Linear => Some(RopeScaling::Linear { factor: factor()? }),
+            RopeScalingType::Yarn => {
+                let factor = factor()?;
+                let own = match own {
+                    Some(RopeScaling::Yarn(y)) => Some(y),
+                    _ => None,
+                };
+                let original = self
+                    .original_context
+                    .or(own.as_ref().map(|y| y.original_max_position_embeddings))
+                    .unwrap_or(cfg.max_position_embeddings);
+                let mut y = YarnRopeScaling::new(factor, original);
+                if let Some(o) = &own {
+                    (y.beta_fast, y.beta_slow, y.truncate) = (o.beta_fast, o.beta_slow, o.truncate);
+                    // The model's own attention factor stands while its factor does.
+                    if o.factor == factor {
+                        y.attention_factor = o.attention_factor;
+                    }
+                }
+                y.beta_fast = self.beta_fast.unwrap_or(y.beta_fast);
+                y.beta_slow = self.beta_slow.unwrap_or(y.beta_slow);
+                if let Some(a) = self.attn_factor {
+                    y.attention_factor = a * yarn_mscale(factor, 1.0);
+                }
+                Some(RopeScaling::Yarn(y))
+            }
+        };
+        cfg.validate()
+    }
+}
+
 /// Everything the forward pass needs to know about a model's shape.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct ModelConfig {
@@ -51,8 +385,9 @@ pub struct ModelConfig {
     pub head_dim: usize,
     pub rms_norm_eps: f64,
     pub rope_theta: f64,
-    pub rope_scaling: Option<Llama3RopeScaling>,
-    /// The context the model was trained for; prompts plus output beyond it are refused.
+    pub rope_scaling: Option<RopeScaling>,
+    /// The context the model was trained for (before any RoPE scaling; the context prompts
+    /// plus output may fill is [`ModelConfig::context`]).
     pub max_position_embeddings: usize,
     pub tie_word_embeddings: bool,
     /// q/k/v projections have a bias (Qwen 2.5).
@@ -169,35 +504,13 @@ impl HfConfig {
         };
         let arch = Arch::parse(&arch_name)?;
         let rope_scaling = match &self.rope_scaling {
-            None | Some(serde_json::Value::Null) => None,
-            Some(v) if !v.is_object() => {
-                return Err(ModelError::BadConfig {
+            None => None,
+            Some(v) => RopeScaling::from_hf(v, self.max_position_embeddings).map_err(|reason| {
+                ModelError::BadConfig {
                     path: path.to_path_buf(),
-                    reason: format!("rope_scaling must be an object or null, found {v}"),
-                })
-            }
-            Some(v) => {
-                let kind = v
-                    .get("rope_type")
-                    .or_else(|| v.get("type"))
-                    .and_then(|t| t.as_str())
-                    .unwrap_or("");
-                match kind {
-                    "llama3" => Some(serde_json::from_value(v.clone()).map_err(|e| {
-                        ModelError::BadConfig {
-                            path: path.to_path_buf(),
-                            reason: format!("rope_scaling: {e}"),
-                        }
-                    })?),
-                    "default" => None,
-                    other => {
-                        return Err(ModelError::BadConfig {
-                            path: path.to_path_buf(),
-                            reason: format!("unsupported rope_scaling type `{other}`"),
-                        })
-                    }
+                    reason,
                 }
-            }
+            })?,
         };
         let head_dim = self
             .head_dim
@@ -326,7 +639,7 @@ impl ModelConfig {
             head_dim,
             rms_norm_eps: float("attention.layer_norm_rms_epsilon")?,
             rope_theta: opt_float("rope.freq_base")?.unwrap_or(10_000.0),
-            // GGUF carries Llama 3.1 scaling as the `rope_freqs.weight` tensor instead.
+            // Read below. GGUF carries Llama 3.1 scaling as the `rope_freqs.weight` tensor.
             rope_scaling: None,
             max_position_embeddings: int("context_length")?,
             tie_word_embeddings,
@@ -352,30 +665,61 @@ impl ModelConfig {
             }
         }
         // llama.cpp scales RoPE by `rope.scaling.factor` (or the older `rope.scale_linear`),
-        // linear when no type is given; 0 and 1 mean no scaling.
-        let kind = match md.get(&format!("{a}.rope.scaling.type")) {
+        // linear when no type is given; 0 and 1 mean no scaling, and the type `none` never
+        // scales, whatever the factor.
+        let kind_key = format!("{a}.rope.scaling.type");
+        let kind = match md.get(&kind_key) {
             None => "linear".to_string(),
             Some(v) => v
                 .to_string()
-                .map_err(|_| bad(&format!("{a}.rope.scaling.type"), "a string", v))?
+                .map_err(|_| bad(&kind_key, "a string", v))?
                 .clone(),
         };
-        // llama.cpp never scales when the type is `none`, whatever the factor.
-        let keys: &[&str] = if kind == "none" {
-            &[]
-        } else {
-            &["rope.scaling.factor", "rope.scale_linear"]
-        };
-        for key in keys {
-            if let Some(f) = opt_float(key)? {
-                if f != 0.0 && f != 1.0 {
-                    return Err(unsupported(format!(
-                        "`{a}.{key}` is {f} ({kind} RoPE scaling): only unscaled RoPE and \
-                         Llama 3.1 `rope_freqs` are supported"
-                    )));
-                }
-            }
+        let factor = match opt_float("rope.scaling.factor")? {
+            Some(f) => Some(f),
+            None => opt_float("rope.scale_linear")?,
         }
+        .filter(|&f| f != 0.0 && f != 1.0);
+        let scaling = match (kind.as_str(), factor) {
+            ("none", _) | (_, None) => None,
+            ("linear", Some(factor)) => Some(RopeScaling::Linear { factor }),
+            ("yarn", Some(factor)) => {
+                let original = opt_int("rope.scaling.original_context_length")?
+                    .unwrap_or(cfg.max_position_embeddings);
+                let mut y = YarnRopeScaling::new(factor, original);
+                y.beta_fast = opt_float("rope.scaling.yarn_beta_fast")?.unwrap_or(y.beta_fast);
+                y.beta_slow = opt_float("rope.scaling.yarn_beta_slow")?.unwrap_or(y.beta_slow);
+                // What llama.cpp does with these beyond their defaults differs by
+                // architecture (DeepSeek's and GPT-OSS's attention factors): refused.
+                for (key, defaults) in [
+                    ("rope.scaling.attn_factor", &[1.0][..]),
+                    ("rope.scaling.yarn_attn_factor", &[1.0]),
+                    ("rope.scaling.yarn_ext_factor", &[-1.0, 1.0]),
+                    ("rope.scaling.yarn_log_multiplier", &[0.0]),
+                ] {
+                    if let Some(x) = opt_float(key)?.filter(|x| !defaults.contains(x)) {
+                        return Err(unsupported(format!(
+                            "`{a}.{key}` is {x}: only YaRN's defaults are supported there"
+                        )));
+                    }
+                }
+                Some(RopeScaling::Yarn(y))
+            }
+            (other, Some(f)) => {
+                return Err(unsupported(format!(
+                    "`{kind_key}` is `{other}` (factor {f}): only none, linear and yarn RoPE \
+                     scaling are supported"
+                )))
+            }
+        };
+        let cfg = ModelConfig {
+            rope_scaling: scaling,
+            ..cfg
+        };
+        cfg.validate().map_err(|reason| ModelError::BadGguf {
+            path: path.to_path_buf(),
+            reason,
+        })?;
         let extra = format!("blk.{}.attn_norm.weight", cfg.num_layers);
         if ct.tensor_infos.contains_key(&extra) {
             return Err(unsupported(format!(
@@ -421,17 +765,12 @@ impl ModelConfig {
             ));
         }
         if let Some(r) = &self.rope_scaling {
-            let ok = r.factor.is_finite()
-                && r.factor > 0.0
-                && r.low_freq_factor.is_finite()
-                && r.low_freq_factor > 0.0
-                && r.high_freq_factor.is_finite()
-                && r.high_freq_factor > r.low_freq_factor
-                && r.original_max_position_embeddings > 0;
-            if !ok {
+            r.validate()?;
+            let context = self.context();
+            if context > MAX_CONTEXT {
                 return Err(format!(
-                    "rope_scaling {r:?}: needs factor > 0, 0 < low_freq_factor < \
-                     high_freq_factor and original_max_position_embeddings > 0"
+                    "context length {context} (with RoPE scaling) is beyond the supported \
+                     maximum {MAX_CONTEXT}"
                 ));
             }
         }
@@ -450,8 +789,219 @@ impl ModelConfig {
         Ok(())
     }
 
+    /// The context prompts plus output may fill: `max_position_embeddings`, extended by the
+    /// RoPE scaling as vLLM derives it ([`RopeScaling::context`]).
+    pub fn context(&self) -> usize {
+        match &self.rope_scaling {
+            Some(r) => r.context(self.max_position_embeddings),
+            None => self.max_position_embeddings,
+        }
+    }
+
     /// Query heads per KV head.
     pub fn group_size(&self) -> usize {
         self.num_heads / self.num_kv_heads
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn qwen(scaling: Option<RopeScaling>) -> ModelConfig {
+        ModelConfig {
+            arch: Arch::Qwen2,
+            vocab_size: 16,
+            hidden_size: 128,
+            intermediate_size: 8,
+            num_layers: 1,
+            num_heads: 2,
+            num_kv_heads: 1,
+            head_dim: 64,
+            rms_norm_eps: 1e-6,
+            rope_theta: 1e6,
+            rope_scaling: scaling,
+            max_position_embeddings: 32768,
+            tie_word_embeddings: true,
+            attention_bias: true,
+            rope_interleaved: false,
+        }
+    }
+
+    fn yarn(v: serde_json::Value) -> std::result::Result<YarnRopeScaling, String> {
+        match RopeScaling::from_hf(&v, 32768)? {
+            Some(RopeScaling::Yarn(y)) => Ok(y),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// Qwen 2.5's model card setting, with transformers' defaults for what it leaves out, and
+    /// the context vLLM derives from it.
+    #[test]
+    fn hf_yarn_defaults_and_context() {
+        let y = yarn(json!({"type": "yarn", "factor": 4.0,
+            "original_max_position_embeddings": 32768}))
+        .unwrap();
+        assert_eq!(y, YarnRopeScaling::new(4.0, 32768));
+        assert_eq!((y.beta_fast, y.beta_slow, y.truncate), (32.0, 1.0, true));
+        assert!((y.attention_factor - (0.1 * 4f64.ln() + 1.0)).abs() < 1e-12);
+        assert_eq!(qwen(Some(RopeScaling::Yarn(y))).context(), 131072);
+        // No original context: the model's own; 0 betas are the defaults, as `or 32` reads.
+        let y = yarn(json!({"rope_type": "yarn", "factor": 2, "beta_fast": 0,
+            "attention_factor": 1.5, "truncate": false}))
+        .unwrap();
+        assert_eq!(y.original_max_position_embeddings, 32768);
+        assert_eq!(
+            (y.beta_fast, y.attention_factor, y.truncate),
+            (32.0, 1.5, false)
+        );
+        // A config whose max_position_embeddings is already the extended context keeps it.
+        let mut c = qwen(Some(RopeScaling::Yarn(YarnRopeScaling::new(2.0, 4096))));
+        assert_eq!(c.context(), 32768);
+        c.rope_scaling = Some(RopeScaling::Linear { factor: 2.0 });
+        assert_eq!(c.context(), 65536);
+        c.rope_scaling = None;
+        assert_eq!(c.context(), 32768);
+    }
+
+    #[test]
+    fn hf_scaling_errors_are_named() {
+        let err = |v: serde_json::Value| RopeScaling::from_hf(&v, 32768).unwrap_err();
+        assert!(err(json!({"type": "yarn"})).contains("needs a `factor`"));
+        assert!(err(json!({"type": "yarn", "factor": "4"})).contains("rope_scaling.factor"));
+        assert!(err(json!({"type": "dynamic", "factor": 2.0}))
+            .contains("unsupported rope_scaling type `dynamic`"));
+        assert!(err(json!({"type": "yarn", "factor": 4, "truncate": 1}))
+            .contains("rope_scaling.truncate"));
+        assert!(
+            err(json!({"type": "yarn", "factor": 4, "original_max_position_embeddings": -1}))
+                .contains("original_max_position_embeddings")
+        );
+        assert_eq!(
+            RopeScaling::from_hf(&json!({"type": "default"}), 1),
+            Ok(None)
+        );
+        // Values that parse but cannot scale are refused by `validate`, with the reason.
+        let c = qwen(Some(RopeScaling::Yarn(YarnRopeScaling::new(0.5, 32768))));
+        assert!(c.validate().unwrap_err().contains("must be at least 1"));
+        let c = qwen(Some(RopeScaling::Linear { factor: f64::NAN }));
+        assert!(c
+            .validate()
+            .unwrap_err()
+            .contains("must be finite and positive"));
+        let c = qwen(Some(RopeScaling::Yarn(YarnRopeScaling::new(1e30, 32768))));
+        assert!(c
+            .validate()
+            .unwrap_err()
+            .contains("beyond the supported maximum"));
+    }
+
+    /// llama.cpp's flags: a type, a factor, YaRN's settings, over what the model has.
+    #[test]
+    fn overrides_follow_llama_cpp_flags() {
+        let apply = |o: RopeOverride, own: Option<RopeScaling>| {
+            let mut c = qwen(own);
+            o.apply(&mut c).map(|()| c)
+        };
+        // YaRN ×4 on a model without scaling: 128K.
+        let c = apply(
+            RopeOverride {
+                scaling: Some(RopeScalingType::Yarn),
+                factor: Some(4.0),
+                ..Default::default()
+            },
+            None,
+        )
+        .unwrap();
+        assert_eq!(
+            c.rope_scaling,
+            Some(RopeScaling::Yarn(YarnRopeScaling::new(4.0, 32768)))
+        );
+        assert_eq!(c.context(), 131072);
+        // A factor alone: linear on a model without scaling (llama.cpp's default type), the
+        // model's type otherwise.
+        let factor = |f| RopeOverride {
+            factor: Some(f),
+            ..Default::default()
+        };
+        let c = apply(factor(2.0), None).unwrap();
+        assert_eq!(c.rope_scaling, Some(RopeScaling::Linear { factor: 2.0 }));
+        let own = RopeScaling::Yarn(YarnRopeScaling {
+            beta_fast: 16.0,
+            attention_factor: 1.5,
+            ..YarnRopeScaling::new(4.0, 8192)
+        });
+        let c = apply(factor(8.0), Some(own.clone())).unwrap();
+        let Some(RopeScaling::Yarn(y)) = c.rope_scaling else {
+            panic!()
+        };
+        // The model's betas stay; its attention factor was for its own factor.
+        assert_eq!(
+            (y.factor, y.beta_fast, y.original_max_position_embeddings),
+            (8.0, 16.0, 8192)
+        );
+        assert_eq!(y.attention_factor, yarn_mscale(8.0, 1.0));
+        // Settings of the model's own factor keep its attention factor; --yarn-attn-factor
+        // multiplies the default one.
+        let o = RopeOverride {
+            original_context: Some(4096),
+            ..Default::default()
+        };
+        let Some(RopeScaling::Yarn(y)) = apply(o, Some(own.clone())).unwrap().rope_scaling else {
+            panic!()
+        };
+        assert_eq!(
+            (y.original_max_position_embeddings, y.attention_factor),
+            (4096, 1.5)
+        );
+        let o = RopeOverride {
+            attn_factor: Some(0.5),
+            ..Default::default()
+        };
+        let Some(RopeScaling::Yarn(y)) = apply(o, Some(own.clone())).unwrap().rope_scaling else {
+            panic!()
+        };
+        assert_eq!(y.attention_factor, 0.5 * yarn_mscale(4.0, 1.0));
+        // `none` removes it; the base changes alone.
+        let o = RopeOverride {
+            scaling: Some(RopeScalingType::None),
+            freq_base: Some(5e5),
+            ..Default::default()
+        };
+        let c = apply(o, Some(own.clone())).unwrap();
+        assert_eq!(
+            (c.context(), c.rope_theta, c.rope_scaling),
+            (32768, 5e5, None)
+        );
+        // Contradictions are refused.
+        let o = RopeOverride {
+            scaling: Some(RopeScalingType::Linear),
+            beta_fast: Some(8.0),
+            ..Default::default()
+        };
+        assert!(apply(o, None).unwrap_err().contains("need YaRN"));
+        let o = RopeOverride {
+            scaling: Some(RopeScalingType::Yarn),
+            ..Default::default()
+        };
+        assert!(apply(o, None).unwrap_err().contains("needs a factor"));
+        let llama3 = RopeScaling::Llama3(Llama3RopeScaling {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192,
+        });
+        assert!(apply(factor(2.0), Some(llama3))
+            .unwrap_err()
+            .contains("Llama 3.1"));
+        let o = RopeOverride {
+            freq_base: Some(-1.0),
+            ..Default::default()
+        };
+        assert!(apply(o, None).unwrap_err().contains("rope_theta -1"));
+        assert!(apply(factor(0.0), None)
+            .unwrap_err()
+            .contains("finite and positive"));
     }
 }

@@ -16,7 +16,10 @@ pub mod weights;
 
 pub use attention::AttentionBackend;
 pub use chat::{ChatTemplate, Message, ToolCall};
-pub use config::{Arch, ModelConfig};
+pub use config::{
+    Arch, Llama3RopeScaling, ModelConfig, RopeOverride, RopeScaling, RopeScalingType,
+    YarnRopeScaling,
+};
 pub use error::{ModelError, Result};
 pub use load::{load_gguf, load_hf_dir, load_random, Loaded, MemoryPlan, ModelFormat, Vocab};
 pub use memory::MemoryBudget;

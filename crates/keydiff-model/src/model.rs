@@ -12,7 +12,7 @@ use crate::attention::{
     attention_output, attention_probs, chunk_mask, decode_attention_cpu, flash_attend, row_sums,
     stats_pass, widen_cache_view, AttentionBackend,
 };
-use crate::config::{Arch, ModelConfig};
+use crate::config::{Arch, ModelConfig, RopeOverride};
 use crate::error::{ModelError, Result};
 use crate::rope::Rope;
 use crate::weights::{Embedding, Key, Linear, Weights};
@@ -437,6 +437,17 @@ impl Model {
     /// an explicit `backend` (eager always can).
     pub fn set_attention(&mut self, backend: AttentionBackend) -> Result<()> {
         self.attention = backend.resolve(&self.device, self.dtype, self.cfg.head_dim)?;
+        Ok(())
+    }
+
+    /// Changes the RoPE base or scaling ([`RopeOverride`], llama.cpp's `--rope-*` flags), and
+    /// with it the context ([`ModelConfig::context`]).
+    pub fn set_rope(&mut self, o: &RopeOverride) -> Result<()> {
+        let mut cfg = self.cfg.clone();
+        o.apply(&mut cfg)
+            .map_err(|e| ModelError::Unsupported(format!("RoPE settings: {e}")))?;
+        self.rope = self.rope.rebuilt(&cfg);
+        self.cfg = cfg;
         Ok(())
     }
 

@@ -409,7 +409,7 @@ pub fn router(engine: Engine, cfg: ServerConfig) -> (Router, Worker) {
     let engine = Arc::new(engine);
     let state = Arc::new(AppState {
         engine: engine.clone(),
-        context: engine.model_config().max_position_embeddings,
+        context: engine.model_config().context(),
         policy: cache.policy.name(),
         budget: cache.budget,
         cfg,
@@ -1439,7 +1439,7 @@ async fn infill(State(st): State<Arc<AppState>>, body: Bytes) -> Result<Response
         let repo = repo.clone().unwrap_or_default();
         let want = mapped.params.max_tokens;
         let (ids, cut) = with_engine(&st, move |e| {
-            let context = e.model_config().max_position_embeddings;
+            let context = e.model_config().context();
             let room = want.min(context / 4);
             Ok(e.infill_within(&prefix, &suffix, &repo, room, context / 8 * 5)?)
         })

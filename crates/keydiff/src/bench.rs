@@ -192,7 +192,7 @@ pub fn ttft(
     if plan.reps == 0 {
         return Err(EngineError::BadParams("--reps must be at least 1".into()));
     }
-    let context = engine.model_config().max_position_embeddings;
+    let context = engine.model_config().context();
     for c in &plan.cases {
         if c.prompt_len > context {
             return Err(EngineError::PromptTooLong {
@@ -410,7 +410,7 @@ pub fn decode(
             "--reps, --gen-len and --batch must be at least 1".into(),
         ));
     }
-    let context = engine.model_config().max_position_embeddings;
+    let context = engine.model_config().context();
     for c in &plan.cases {
         if c.prompt_len + steps + 1 > context {
             return Err(EngineError::PromptTooLong {
@@ -524,7 +524,7 @@ pub fn join(
             "prompt tokens per step must be at least 1".into(),
         ));
     }
-    let context = engine.model_config().max_position_embeddings;
+    let context = engine.model_config().context();
     for c in &plan.cases {
         // The running requests decode up to a token per joined prompt token.
         let need = (running_prompt_len + c.prompt_len + 8).max(c.prompt_len + 2);

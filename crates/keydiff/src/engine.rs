@@ -9,7 +9,7 @@ use keydiff_cache::{CacheConfig, CacheCounters, KvCache};
 use keydiff_model::memory::human;
 use keydiff_model::{
     load_gguf, load_hf_dir, load_random, AttentionBackend, CpuWeights, Loaded, Logits,
-    MemoryBudget, MemoryPlan, Message, ModelConfig, ModelFormat,
+    MemoryBudget, MemoryPlan, Message, ModelConfig, ModelFormat, RopeOverride,
 };
 
 use crate::error::{EngineError, Result};
@@ -54,6 +54,10 @@ pub struct EngineConfig {
     /// are dropped when they do not fit, and a model or cache that cannot fit is refused with
     /// the numbers.
     pub memory_limit: Option<u64>,
+    /// Changes to the model's RoPE base and scaling (llama.cpp's `--rope-scaling`,
+    /// `--rope-scale`, `--yarn-orig-ctx`, ...): e.g. YaRN for Qwen 2.5 beyond 32K tokens. The
+    /// context grows with the scaling ([`ModelConfig::context`]).
+    pub rope: RopeOverride,
 }
 
 impl Default for EngineConfig {
@@ -68,6 +72,7 @@ impl Default for EngineConfig {
             cpu_weights: CpuWeights::FAST,
             attention: AttentionBackend::Auto,
             memory_limit: None,
+            rope: RopeOverride::default(),
         }
     }
 }
@@ -900,7 +905,7 @@ impl<'e> Decoding<'e> {
         if params.time_limit.is_some_and(|t| self.td.elapsed() > t) && line_break() {
             return Ok(None);
         }
-        if position + 1 >= self.engine.model_config().max_position_embeddings {
+        if position + 1 >= self.engine.model_config().context() {
             self.reason = StopReason::Context;
             return Ok(None);
         }
@@ -1092,6 +1097,9 @@ impl Engine {
             }
         };
         loaded.model.set_attention(cfg.attention)?;
+        if !cfg.rope.is_empty() {
+            loaded.model.set_rope(&cfg.rope)?;
+        }
         loaded
             .model
             .set_kv_dtype(cfg.kv_dtype.unwrap_or(cfg.dtype))
@@ -1132,7 +1140,7 @@ impl Engine {
     /// Refuses `tokens` tokens beyond the model's context (`PromptTooLong`); gives the
     /// context.
     pub fn within_context(&self, tokens: usize) -> Result<usize> {
-        let context = self.model_config().max_position_embeddings;
+        let context = self.model_config().context();
         if tokens > context {
             return Err(EngineError::PromptTooLong { tokens, context });
         }
@@ -1591,7 +1599,7 @@ impl Engine {
         files_max: usize,
     ) -> Result<(Vec<u32>, usize)> {
         let (mut ids, block, part) = self.infill_parts(prefix, suffix, Some(repo))?;
-        let context = self.model_config().max_position_embeddings;
+        let context = self.model_config().context();
         let fits = context.saturating_sub(room).saturating_sub(ids.len());
         let cut = block.len().saturating_sub(fits.min(files_max));
         let at = ids.len() - part.len();

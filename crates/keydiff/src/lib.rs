@@ -41,6 +41,7 @@ pub use keydiff_cache::{Anchor, CacheConfig, CacheCounters, KvCache, PolicyKind,
 pub use keydiff_model::memory::{human as human_bytes, parse_size};
 pub use keydiff_model::{
     AttentionBackend, CpuWeights, MemoryBudget, Message, ModelConfig, ModelError, ModelFormat,
+    RopeOverride, RopeScaling, RopeScalingType,
 };
 pub use logprobs::{TokenLogprob, TokenPiece, MAX_TOP_LOGPROBS};
 pub use perplexity::Perplexity;

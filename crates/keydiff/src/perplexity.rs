@@ -56,7 +56,7 @@ impl Engine {
         stride: usize,
     ) -> Result<Perplexity> {
         self.check_ppl_tokens(tokens)?;
-        let context = self.model_config().max_position_embeddings;
+        let context = self.model_config().context();
         if window < 2 {
             return Err(EngineError::BadParams(format!(
                 "a perplexity window needs at least 2 tokens, got {window}"

@@ -238,7 +238,7 @@ impl Engine {
         ids: Option<&[u32]>,
     ) -> Result<Resumed> {
         self.check_params(params)?;
-        let context = self.model_config().max_position_embeddings;
+        let context = self.model_config().context();
         if params.prompt_logprobs.is_some() {
             // Every prompt row's logits are needed, so nothing can be reused; the request
             // runs afresh and the next one finds no cache (freed first, as below: the new
