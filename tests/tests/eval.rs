@@ -126,6 +126,14 @@ fn niah_writes_results_heatmap_and_resumes() {
     .concat());
     assert!(!ok && stderr.contains("--attention"), "{stderr}");
     assert_eq!(records(&dir).len(), 24);
+    // And another RoPE scaling.
+    let (ok, _, stderr) = run(&[
+        &base[..],
+        &["--policies", "full", "--rope-scale", "2", "--resume"],
+    ]
+    .concat());
+    assert!(!ok && stderr.contains("--rope-* (RoPE)"), "{stderr}");
+    assert_eq!(records(&dir).len(), 24);
 }
 
 /// A second run into a directory that a run is writing to is refused before it runs anything;

@@ -418,7 +418,7 @@ fn table(a: &EvalArgs, prov: &Provenance, cells: &[Cell], longbench: bool) -> St
 }
 
 /// Refuses to resume into a directory whose earlier run used other options that change the
-/// records (model, dtype, KV dtype, attention, CPU weight copies, chat template, chunk,
+/// records (model, dtype, KV dtype, attention, CPU weight copies, RoPE, chat template, chunk,
 /// protection, seed): their records would be mixed with incomparable ones. Lengths, depths,
 /// budgets, policies and samples may grow.
 fn check_resume(results: &std::path::Path, a: &EvalArgs, engine: &keydiff::Engine) -> Result<()> {
@@ -445,7 +445,12 @@ fn check_resume(results: &std::path::Path, a: &EvalArgs, engine: &keydiff::Engin
         serde_json::Value::String(s) if !s.is_empty() => p["cpu_weights"].clone(),
         _ => serde_json::Value::Null,
     };
-    let checks: [(&str, serde_json::Value, serde_json::Value); 10] = [
+    // Results written before RoPE was recorded: the model's own, not checked.
+    let rope = match &p["rope"] {
+        serde_json::Value::String(s) if !s.is_empty() => p["rope"].clone(),
+        _ => serde_json::Value::Null,
+    };
+    let checks: [(&str, serde_json::Value, serde_json::Value); 11] = [
         ("--chat", o["chat"].clone(), a.chat.into()),
         ("--chunk", o["chunk"].clone(), a.chunk.into()),
         ("--window", o["window"].clone(), a.policy_args.window.into()),
@@ -460,6 +465,7 @@ fn check_resume(results: &std::path::Path, a: &EvalArgs, engine: &keydiff::Engin
             cpu_weights,
             now.cpu_weights.into(),
         ),
+        ("--rope-* (RoPE)", rope, now.rope.into()),
     ];
     for (name, was, is) in checks {
         if !was.is_null() && was != is {

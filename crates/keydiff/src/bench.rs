@@ -720,6 +720,10 @@ pub struct Provenance {
     /// some); empty for other sources, GPUs, and rows written before it was recorded.
     #[serde(default)]
     pub cpu_weights: String,
+    /// RoPE in use, as JSON: `rope_theta`, `rope_scaling` (`null` when unscaled) and the
+    /// context; empty in rows written before it was recorded, which ran the model's own.
+    #[serde(default)]
+    pub rope: String,
     /// The full command line.
     pub command: String,
     pub keydiff_version: String,
@@ -773,6 +777,12 @@ impl Provenance {
             cpu_weights: engine
                 .cpu_weights()
                 .map_or(String::new(), |c| c.describe().to_string()),
+            rope: {
+                let c = engine.model_config();
+                serde_json::json!({"rope_theta": c.rope_theta, "rope_scaling": c.rope_scaling,
+                    "context": c.context()})
+                .to_string()
+            },
             command,
             keydiff_version: env!("CARGO_PKG_VERSION").to_string(),
         }
