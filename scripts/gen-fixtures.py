@@ -179,18 +179,22 @@ class Model:
         order = np.argsort(-logits, kind="stable")[:TOP_K]
         top = [[int(i), float(logits[i])] for i in order]
         greedy: list[int] = []
-        nxt = int(np.argmax(logits))
+        gaps: list[float] = []
         for step in range(N_GREEDY):
-            greedy.append(nxt)
+            top2 = np.sort(logits)[-2:]
+            gaps.append(float(top2[1] - top2[0]))
+            greedy.append(int(np.argmax(logits)))
             if step + 1 == N_GREEDY:
                 break
-            llm.eval([nxt])
-            nxt = int(np.argmax(self.last_logits()))
+            llm.eval([greedy[-1]])
+            logits = self.last_logits()
         first_eog = next((i for i, t in enumerate(greedy) if self.is_eog(t)), None)
         text = llm.detokenize(greedy, special=False).decode("utf-8", errors="replace")
         return {
             "top_logits": top,
             "greedy": greedy,
+            # llama.cpp's gap between its first and second logit at each greedy step.
+            "greedy_gaps": [round(g, 6) for g in gaps],
             "greedy_text": text,
             "greedy_first_eog": first_eog,
         }

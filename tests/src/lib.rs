@@ -62,6 +62,10 @@ pub struct FixturePrompt {
     pub tokens: Vec<u32>,
     pub top_logits: Vec<(u32, f32)>,
     pub greedy: Vec<u32>,
+    /// llama.cpp's gap between its first and second logit at each greedy step (recorded in
+    /// the RoPE fixtures only).
+    #[serde(default)]
+    pub greedy_gaps: Option<Vec<f32>>,
     #[serde(default)]
     pub messages: Option<Vec<serde_json::Value>>,
 }
