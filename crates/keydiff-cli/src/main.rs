@@ -222,32 +222,31 @@ struct LoadArgs {
 /// asks. Without them the model's own settings (config.json's `rope_scaling`, GGUF's
 /// `rope.scaling.*`) apply.
 #[derive(Args)]
-#[command(next_help_heading = "RoPE")]
 struct RopeArgs {
     /// RoPE scaling: none, linear or yarn (default: the model's; with --rope-scale alone, the
     /// model's type, or linear).
-    #[arg(long, value_name = "TYPE")]
+    #[arg(long, help_heading = "RoPE", value_name = "TYPE")]
     rope_scaling: Option<String>,
     /// RoPE scaling factor: the context grows by it (YaRN: from --yarn-orig-ctx).
-    #[arg(long, value_name = "F")]
+    #[arg(long, help_heading = "RoPE", value_name = "F")]
     rope_scale: Option<f64>,
     /// RoPE base frequency (`rope_theta`; default: the model's).
-    #[arg(long, value_name = "BASE")]
+    #[arg(long, help_heading = "RoPE", value_name = "BASE")]
     rope_freq_base: Option<f64>,
     /// YaRN: the context the model was trained for (default: the model's YaRN setting, else
     /// its context).
-    #[arg(long, value_name = "N")]
+    #[arg(long, help_heading = "RoPE", value_name = "N")]
     yarn_orig_ctx: Option<usize>,
     /// YaRN: frequencies that turn more than this many times over the original context are
     /// kept (default 32).
-    #[arg(long, value_name = "N")]
+    #[arg(long, help_heading = "RoPE", value_name = "N")]
     yarn_beta_fast: Option<f64>,
     /// YaRN: frequencies that turn fewer than this many times are fully interpolated
     /// (default 1).
-    #[arg(long, value_name = "N")]
+    #[arg(long, help_heading = "RoPE", value_name = "N")]
     yarn_beta_slow: Option<f64>,
     /// YaRN: multiplies the attention factor 0.1 ln(factor) + 1 (default 1).
-    #[arg(long, value_name = "F")]
+    #[arg(long, help_heading = "RoPE", value_name = "F")]
     yarn_attn_factor: Option<f64>,
 }
 
