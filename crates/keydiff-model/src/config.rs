@@ -108,15 +108,6 @@ impl RopeScaling {
         }
     }
 
-    /// The factor the frequencies are divided by (at most).
-    pub fn factor(&self) -> f64 {
-        match self {
-            Self::Llama3(l) => l.factor,
-            Self::Linear { factor } => *factor,
-            Self::Yarn(y) => y.factor,
-        }
-    }
-
     /// Checks the values the frequencies are computed from.
     fn validate(&self) -> std::result::Result<(), String> {
         let finite_pos = |x: f64| x.is_finite() && x > 0.0;
