@@ -757,6 +757,13 @@ impl ModelConfig {
         }
         if let Some(r) = &self.rope_scaling {
             r.validate()?;
+            // YaRN's ramp divides by ln(rope_theta).
+            if matches!(r, RopeScaling::Yarn(_)) && self.rope_theta <= 1.0 {
+                return Err(format!(
+                    "YaRN RoPE scaling needs rope_theta above 1, found {}",
+                    self.rope_theta
+                ));
+            }
             let context = self.context();
             if context > MAX_CONTEXT {
                 return Err(format!(
@@ -881,6 +888,9 @@ mod tests {
             .validate()
             .unwrap_err()
             .contains("must be finite and positive"));
+        let mut c = qwen(Some(RopeScaling::Yarn(YarnRopeScaling::new(4.0, 32768))));
+        c.rope_theta = 1.0;
+        assert!(c.validate().unwrap_err().contains("rope_theta above 1"));
         let c = qwen(Some(RopeScaling::Yarn(YarnRopeScaling::new(1e30, 32768))));
         assert!(c
             .validate()
