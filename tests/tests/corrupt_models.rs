@@ -310,25 +310,27 @@ fn metadata_corruptions_are_named() {
         );
     }
     // Scalings keydiff does not compute are refused, naming the key.
-    let refused: [(&str, &[(&str, Value)], &str); 4] = [
+    // What, the keys beside YaRN ×4, the error.
+    type Refused = (&'static str, Vec<(&'static str, Value)>, &'static str);
+    let refused: [Refused; 4] = [
         (
             "longrope",
-            &[("llama.rope.scaling.type", Value::String("longrope".into()))],
+            vec![("llama.rope.scaling.type", Value::String("longrope".into()))],
             "`llama.rope.scaling.type` is `longrope` (factor 4)",
         ),
         (
             "yarn log multiplier",
-            &[("llama.rope.scaling.yarn_log_multiplier", Value::F32(0.1))],
+            vec![("llama.rope.scaling.yarn_log_multiplier", Value::F32(0.1))],
             "`llama.rope.scaling.yarn_log_multiplier` is 0.1",
         ),
         (
             "yarn ext factor",
-            &[("llama.rope.scaling.yarn_ext_factor", Value::F32(0.5))],
+            vec![("llama.rope.scaling.yarn_ext_factor", Value::F32(0.5))],
             "`llama.rope.scaling.yarn_ext_factor` is 0.5",
         ),
         (
             "yarn x0.5",
-            &[("llama.rope.scaling.factor", Value::F32(0.5))],
+            vec![("llama.rope.scaling.factor", Value::F32(0.5))],
             "YaRN RoPE scaling factor 0.5 must be at least 1",
         ),
     ];
@@ -341,7 +343,7 @@ fn metadata_corruptions_are_named() {
         );
         set(&mut md, "llama.rope.scaling.factor", Some(Value::F32(4.0)));
         for (k, v) in keys {
-            set(&mut md, k, Some(v.clone()));
+            set(&mut md, k, Some(v));
         }
         write(&p, &md, &ts);
         expect_error(what, &p, needle);
@@ -375,7 +377,14 @@ fn rope_scaling_keys_are_read() {
     };
     let plain = load(&tiny_metadata(), RopeOverride::default());
     assert_eq!(plain.model_config().rope_scaling, None);
-    let cases: Vec<(&str, Vec<(&str, Value)>, RopeOverride, usize)> = vec![
+    // What, the keys, the same as flags, the context.
+    type Case = (
+        &'static str,
+        Vec<(&'static str, Value)>,
+        RopeOverride,
+        usize,
+    );
+    let cases: Vec<Case> = vec![
         (
             "yarn x4 from 128",
             vec![
