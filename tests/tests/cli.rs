@@ -85,8 +85,8 @@ fn info_describes_the_model() {
     assert!(se.contains("prefill runs quantized matmuls"), "{se}");
 }
 
-/// llama.cpp's RoPE flags: YaRN ×4 from 32K gives Qwen 2.5 its 128K context, and prompts
-/// beyond 32K are then taken.
+/// llama.cpp's RoPE flags: YaRN ×4 from 32K gives Qwen 2.5 a context of 128K (`context`,
+/// which bounds prompts), while its trained `max_position_embeddings` stays 32K.
 #[test]
 fn rope_flags_extend_the_context() {
     let m = model(QWEN);
