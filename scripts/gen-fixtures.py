@@ -9,11 +9,15 @@ position, and a 24-token greedy continuation (argmax of the raw logits, one toke
 time, no sampler and no penalties). Run it in the venv made by scripts/python-env.sh, after
 scripts/fetch-models.sh:
 
-    .venv/bin/python scripts/gen-fixtures.py [smollm2|qwen|all|rope]
+    .venv/bin/python scripts/gen-fixtures.py [smollm2|qwen|all|rope|qwen3]
 
 `rope` writes the same for three prompts under RoPE scaling given as llama.cpp's context
 parameters (`--rope-scaling`, `--rope-scale`, `--yarn-orig-ctx` of its CLI), for
 tests/tests/rope.rs: tests/fixtures/llamacpp/{qwen-yarn,smollm2-yarn,smollm2-linear}.json.
+
+`qwen3` writes tests/fixtures/llamacpp/tiny-qwen3.json for a tiny Qwen 3 with seeded random f32
+weights and Qwen's tokenizer, whose GGUF `cargo run --release -p keydiff-tests --example
+tiny-qwen3` writes (keydiff_tests::write_tiny_qwen3; the test writes the same bytes again).
 
 Deterministic: CPU, 2 threads, a fixed seed (unused: nothing is sampled).
 """
@@ -24,7 +28,9 @@ import argparse
 import hashlib
 import json
 import re
+import subprocess
 import sys
+import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -200,14 +206,15 @@ class Model:
         }
 
 
-def build(key: str, rope: dict | None = None, flags: dict | None = None) -> dict:
-    fname = MODELS[key]
-    path = ROOT / "models" / fname
+def build(key: str, rope: dict | None = None, flags: dict | None = None,
+          path: Path | None = None, ctx: dict | None = None) -> dict:
+    fname = MODELS[key] if path is None else path.name
+    path = ROOT / "models" / fname if path is None else path
     if not path.exists():
         sys.exit(f"gen-fixtures: {path} missing: run scripts/fetch-models.sh {key}")
     print(f"gen-fixtures: {key}: hashing {fname}", flush=True)
     sha = sha256_file(path)
-    m = Model(path, **(rope or {}))
+    m = Model(path, **(rope or {}), **(ctx or {}))
     llm = m.llm
     md = llm.metadata
     bos, eos = llm.token_bos(), llm.token_eos()
@@ -296,6 +303,8 @@ def build(key: str, rope: dict | None = None, flags: dict | None = None) -> dict
     if rope:
         out["llama_cpp_params"] = rope
         out["rope_flags"] = flags
+    if ctx:
+        out["llama_cpp_params"] = ctx
     return out
 
 
@@ -321,9 +330,23 @@ def dump(data: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("which", nargs="?", default="all",
-                    choices=["smollm2", "qwen", "all", "rope"])
+                    choices=["smollm2", "qwen", "all", "rope", "qwen3"])
     args = ap.parse_args()
     OUT_DIR.mkdir(parents=True, exist_ok=True)
+    if args.which == "qwen3":
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "tiny-qwen3.gguf"
+            subprocess.run(["cargo", "run", "--release", "-q", "-p", "keydiff-tests",
+                            "--example", "tiny-qwen3", "--", str(path)], check=True, cwd=ROOT)
+            # An f32 KV cache (llama.cpp's default is f16), so that the two engines differ
+            # by summation order only.
+            f32 = llama_cpp.GGML_TYPE_F32
+            data = build("tiny-qwen3", path=path, ctx=dict(type_k=f32, type_v=f32))
+        data["model_file"] = "tiny-qwen3.gguf (keydiff_tests::write_tiny_qwen3)"
+        out = OUT_DIR / "tiny-qwen3.json"
+        out.write_text(dump(data) + "\n", encoding="utf-8")
+        print(f"gen-fixtures: wrote {out.relative_to(ROOT)} ({out.stat().st_size} bytes)")
+        return
     if args.which == "rope":
         for name, (key, rope, flags) in ROPE_VARIANTS.items():
             data = build(key, rope, flags)

@@ -140,6 +140,8 @@ fn hf_name(gguf: &str) -> Option<String> {
             "attn_k" => "self_attn.k_proj",
             "attn_v" => "self_attn.v_proj",
             "attn_output" => "self_attn.o_proj",
+            "attn_q_norm" => "self_attn.q_norm",
+            "attn_k_norm" => "self_attn.k_norm",
             "ffn_gate" => "mlp.gate_proj",
             "ffn_up" => "mlp.up_proj",
             "ffn_down" => "mlp.down_proj",
@@ -188,7 +190,11 @@ pub fn export_hf(gguf: &Path, dir: &Path) -> Result<()> {
     }
     candle_core::safetensors::save(&tensors, dir.join("model.safetensors"))?;
     let config = serde_json::json!({
-        "model_type": match cfg.arch { keydiff_model::Arch::Llama => "llama", keydiff_model::Arch::Qwen2 => "qwen2" },
+        "model_type": match cfg.arch {
+            keydiff_model::Arch::Llama => "llama",
+            keydiff_model::Arch::Qwen2 => "qwen2",
+            keydiff_model::Arch::Qwen3 => "qwen3",
+        },
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
         "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
@@ -225,4 +231,117 @@ pub fn temp_dir(name: &str) -> std::path::PathBuf {
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).expect("temp dir");
     d
+}
+
+/// A tiny Qwen 3 (`general.architecture = qwen3`) with seeded random f32 weights and the real
+/// tokenizer of Qwen2.5-Coder's GGUF (Qwen 3 uses the same), written by candle's GGUF writer.
+/// Its shapes are Qwen 3's in small: 2 layers, hidden 64, 4 query heads and 2 KV heads of
+/// size 32 (so queries are wider than the hidden state, as in Qwen 3's head_dim 128), an
+/// MLP of 192, tied embeddings, RoPE base 1e6, and per-head q/k RMSNorm weights spread over
+/// [0.5, 4] (`unit_qk_norms`: all 1 instead, to show a test depends on them).
+///
+/// The same bytes on every machine: `scripts/gen-fixtures.py qwen3` records llama.cpp's
+/// logits on the file `cargo run -p keydiff-tests --example tiny-qwen3` writes, and the
+/// parity test writes it again.
+pub fn write_tiny_qwen3(path: &Path, unit_qk_norms: bool) -> Result<()> {
+    use candle_core::quantized::gguf_file::Value;
+    use candle_core::quantized::{GgmlDType, QTensor};
+    const HIDDEN: usize = 64;
+    const HEADS: usize = 4;
+    const KV_HEADS: usize = 2;
+    const HEAD_DIM: usize = 32;
+    const FFN: usize = 192;
+    const LAYERS: usize = 2;
+
+    let mut f = std::fs::File::open(model(QWEN))?;
+    let ct = gguf_file::Content::read(&mut f)?;
+    let mut md: Vec<(String, Value)> = ct
+        .metadata
+        .into_iter()
+        .filter(|(k, _)| k.starts_with("tokenizer."))
+        .collect();
+    md.sort_by(|a, b| a.0.cmp(&b.0));
+    let vocab = match md.iter().find(|(k, _)| k == "tokenizer.ggml.tokens") {
+        Some((_, Value::Array(a))) => a.len(),
+        _ => anyhow::bail!("{QWEN} has no token list"),
+    };
+    md.push(("general.architecture".into(), Value::String("qwen3".into())));
+    md.push((
+        "general.name".into(),
+        Value::String("tiny random qwen3".into()),
+    ));
+    for (k, v) in [
+        ("block_count", LAYERS),
+        ("context_length", 4096),
+        ("embedding_length", HIDDEN),
+        ("feed_forward_length", FFN),
+        ("attention.head_count", HEADS),
+        ("attention.head_count_kv", KV_HEADS),
+        ("attention.key_length", HEAD_DIM),
+        ("attention.value_length", HEAD_DIM),
+    ] {
+        md.push((format!("qwen3.{k}"), Value::U32(v as u32)));
+    }
+    md.push(("qwen3.rope.freq_base".into(), Value::F32(1e6)));
+    md.push((
+        "qwen3.attention.layer_norm_rms_epsilon".into(),
+        Value::F32(1e-6),
+    ));
+
+    // splitmix64, uniform in [lo, hi).
+    let mut state = 0x5EED_0003u64;
+    let mut uniform = move |lo: f32, hi: f32| -> f32 {
+        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        lo + (hi - lo) * ((z >> 40) as f32 / (1u64 << 24) as f32)
+    };
+    let mut tensor = |shape: &[usize], lo: f32, hi: f32| -> Result<QTensor> {
+        let n: usize = shape.iter().product();
+        let v: Vec<f32> = (0..n).map(|_| uniform(lo, hi)).collect();
+        let t = Tensor::from_vec(v, shape, &Device::Cpu)?;
+        Ok(QTensor::quantize(&t, GgmlDType::F32)?)
+    };
+    // Linears keep unit variance: U(-a, a) with a = sqrt(3 / fan_in).
+    let lin = |fan_in: usize| (3.0 / fan_in as f32).sqrt();
+    let (q, kv) = (HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM);
+    let mut ts = vec![
+        (
+            "token_embd.weight".to_string(),
+            tensor(&[vocab, HIDDEN], -1.0, 1.0)?,
+        ),
+        (
+            "output_norm.weight".to_string(),
+            tensor(&[HIDDEN], 0.5, 1.5)?,
+        ),
+    ];
+    for l in 0..LAYERS {
+        let (nlo, nhi) = if unit_qk_norms {
+            (1.0, 1.0)
+        } else {
+            (0.5, 4.0)
+        };
+        for (name, shape, lo, hi) in [
+            ("attn_norm", vec![HIDDEN], 0.5, 1.5),
+            ("attn_q", vec![q, HIDDEN], -lin(HIDDEN), lin(HIDDEN)),
+            ("attn_k", vec![kv, HIDDEN], -lin(HIDDEN), lin(HIDDEN)),
+            ("attn_v", vec![kv, HIDDEN], -lin(HIDDEN), lin(HIDDEN)),
+            ("attn_q_norm", vec![HEAD_DIM], nlo, nhi),
+            ("attn_k_norm", vec![HEAD_DIM], nlo, nhi),
+            ("attn_output", vec![HIDDEN, q], -lin(q), lin(q)),
+            ("ffn_norm", vec![HIDDEN], 0.5, 1.5),
+            ("ffn_gate", vec![FFN, HIDDEN], -lin(HIDDEN), lin(HIDDEN)),
+            ("ffn_up", vec![FFN, HIDDEN], -lin(HIDDEN), lin(HIDDEN)),
+            ("ffn_down", vec![HIDDEN, FFN], -lin(FFN), lin(FFN)),
+        ] {
+            ts.push((format!("blk.{l}.{name}.weight"), tensor(&shape, lo, hi)?));
+        }
+    }
+    let mut out = std::fs::File::create(path)?;
+    let md: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let ts: Vec<(&str, &QTensor)> = ts.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    gguf_file::write(&mut out, &md, &ts)?;
+    Ok(())
 }

@@ -10,7 +10,7 @@ use keydiff::{
     CacheConfig, CpuWeights, Engine, EngineConfig, EngineError, GenerateParams, ModelSource,
     PolicyKind, Prompt,
 };
-use keydiff_tests::{export_hf, model, root, temp_dir, QWEN, SMOLLM2};
+use keydiff_tests::{export_hf, model, root, temp_dir, write_tiny_qwen3, QWEN, SMOLLM2};
 
 /// Every combination of the CPU weight options.
 const OPTIONS: [CpuWeights; 4] = [
@@ -104,10 +104,13 @@ fn assert_plan_holds(source: &ModelSource, cfg: &EngineConfig, what: &str) -> En
 fn weight_plans_match_the_loaded_models() {
     let dir = temp_dir("memory-plans");
     let mixed = mixed_gguf(&dir);
+    let qwen3 = dir.join("tiny-qwen3.gguf");
+    write_tiny_qwen3(&qwen3, false).unwrap();
     for (path, dtypes) in [
         (model(SMOLLM2), &[DType::F32, DType::BF16][..]),
         (mixed.clone(), &[DType::F32, DType::F16][..]),
         (model(QWEN), &[DType::F32][..]),
+        (qwen3, &[DType::F32, DType::BF16][..]),
     ] {
         for dtype in dtypes {
             for opts in OPTIONS {
@@ -142,7 +145,7 @@ fn weight_plans_match_the_loaded_models() {
             &format!("hf {dtype:?}"),
         );
     }
-    for preset in ["tiny-llama", "tiny-qwen", "smollm2-135m"] {
+    for preset in ["tiny-llama", "tiny-qwen", "tiny-qwen3", "smollm2-135m"] {
         for dtype in [DType::F32, DType::BF16] {
             let source = ModelSource::Random {
                 config: root().join(format!("configs/{preset}.json")),

@@ -1,9 +1,10 @@
-//! The HF safetensors loader against the GGUF loader, on SmolLM2's real weights.
+//! The HF safetensors loader against the GGUF loader, on SmolLM2's real weights and on a tiny
+//! random Qwen 3.
 
 use keydiff::{
     parity::compare_logits, Engine, EngineConfig, ModelSource, RopeOverride, RopeScalingType,
 };
-use keydiff_tests::{export_hf, fixture, model, temp_dir, SMOLLM2};
+use keydiff_tests::{export_hf, fixture, model, temp_dir, write_tiny_qwen3, SMOLLM2};
 
 /// The exported HF copy holds SmolLM2's weights dequantized to f32; the GGUF path prefills with
 /// dense copies of the same dequantized weights (the CPU default). Both therefore compute the
@@ -78,5 +79,49 @@ fn hf_directory_matches_gguf() {
     assert!(d.top1_equal() && d.max_rel <= HF_VS_GGUF_TOL, "{d:?}");
     let plain = a.prefill_logits(&p.tokens, 128).unwrap();
     assert!(compare_logits(&plain, &lb).max_rel > 100.0 * HF_VS_GGUF_TOL);
+    std::fs::remove_dir_all(dir).ok();
+}
+
+/// A Qwen 3 checkpoint (`model_type: qwen3`, `self_attn.q_norm`/`k_norm`, `head_dim` wider
+/// than hidden / heads) computes what its GGUF computes, and what llama.cpp computes on it.
+#[test]
+fn qwen3_hf_directory_matches_gguf_and_llamacpp() {
+    let dir = temp_dir("tiny-qwen3-hf");
+    let gguf = dir.join("tiny-qwen3.gguf");
+    write_tiny_qwen3(&gguf, false).unwrap();
+    let hf = dir.join("hf");
+    export_hf(&gguf, &hf).unwrap();
+    // As the hub has it: the architecture named only in `architectures`.
+    let path = hf.join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    config.as_object_mut().unwrap().remove("model_type");
+    config["architectures"] = serde_json::json!(["Qwen3ForCausalLM"]);
+    std::fs::write(&path, config.to_string()).unwrap();
+    let cfg = EngineConfig::default();
+    let a = Engine::load(&ModelSource::Gguf(gguf), &cfg).unwrap();
+    let b = Engine::load(&ModelSource::HfDir(hf), &cfg).unwrap();
+    assert_eq!(a.model_config(), b.model_config());
+    assert!(b.model_config().qk_norm);
+    for p in &fixture("tiny-qwen3").prompts {
+        let la = a.prefill_logits(&p.tokens, 128).unwrap();
+        let lb = b.prefill_logits(&p.tokens, 128).unwrap();
+        let d = compare_logits(&la, &lb);
+        let llamacpp = p
+            .top_logits
+            .iter()
+            .map(|&(id, l)| (lb[id as usize] - l).abs())
+            .fold(0f32, f32::max);
+        eprintln!(
+            "{}: HF vs GGUF max abs {:.2e}, relative {:.2e}; vs llama.cpp's top-10 {llamacpp:.2e}",
+            p.name, d.max_abs, d.max_rel
+        );
+        assert!(
+            d.top1_equal() && d.max_rel <= HF_VS_GGUF_TOL,
+            "{}: {d:?}",
+            p.name
+        );
+        assert!(llamacpp <= 2e-3, "{}: {llamacpp} from llama.cpp", p.name);
+    }
     std::fs::remove_dir_all(dir).ok();
 }

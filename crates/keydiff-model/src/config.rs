@@ -8,7 +8,7 @@ use serde::Deserialize;
 
 use crate::error::{ModelError, Result};
 
-/// The transformer families this crate runs. Both are pre-norm decoders with GQA, SwiGLU and RoPE.
+/// The transformer families this crate runs. All are pre-norm decoders with GQA, SwiGLU and RoPE.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Arch {
@@ -16,6 +16,9 @@ pub enum Arch {
     Llama,
     /// Qwen 2.5: q/k/v projections carry biases.
     Qwen2,
+    /// Qwen 3 (dense): no biases; each query and key head is RMS-normalised (its own weight
+    /// per dimension) before RoPE, and the head size is its own (128), not hidden / heads.
+    Qwen3,
 }
 
 impl Arch {
@@ -24,6 +27,7 @@ impl Arch {
         match s {
             "llama" => Ok(Self::Llama),
             "qwen2" => Ok(Self::Qwen2),
+            "qwen3" => Ok(Self::Qwen3),
             other => Err(ModelError::UnsupportedArch(other.to_string())),
         }
     }
@@ -385,6 +389,9 @@ pub struct ModelConfig {
     pub attention_bias: bool,
     /// Q/K rows are permuted for interleaved RoPE (GGUF `llama`); otherwise NeoX halves.
     pub rope_interleaved: bool,
+    /// Each query and key head is RMS-normalised with its own `[head_dim]` weight before
+    /// RoPE (Qwen 3's `q_norm`/`k_norm`, GGUF `attn_q_norm`/`attn_k_norm`).
+    pub qk_norm: bool,
 }
 
 /// Most layers a model may have (llama.cpp's `LLAMA_MAX_LAYERS`).
@@ -490,6 +497,7 @@ impl HfConfig {
             (Some(t), _) => t.clone(),
             (None, Some(a)) if a.starts_with("Llama") => "llama".into(),
             (None, Some(a)) if a.starts_with("Qwen2") => "qwen2".into(),
+            (None, Some(a)) if a == "Qwen3ForCausalLM" => "qwen3".into(),
             (None, Some(a)) => a.clone(),
             (None, None) => String::from("<none>"),
         };
@@ -522,6 +530,7 @@ impl HfConfig {
             tie_word_embeddings: self.tie_word_embeddings,
             attention_bias: self.attention_bias.unwrap_or(arch == Arch::Qwen2),
             rope_interleaved: false,
+            qk_norm: arch == Arch::Qwen3,
         };
         cfg.validate().map_err(|reason| ModelError::BadConfig {
             path: path.to_path_buf(),
@@ -636,6 +645,7 @@ impl ModelConfig {
             tie_word_embeddings,
             attention_bias,
             rope_interleaved: arch == Arch::Llama,
+            qk_norm: arch == Arch::Qwen3,
         };
         cfg.validate().map_err(|reason| ModelError::BadGguf {
             path: path.to_path_buf(),
@@ -824,6 +834,7 @@ mod tests {
             tie_word_embeddings: true,
             attention_bias: true,
             rope_interleaved: false,
+            qk_norm: false,
         }
     }
 

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 pub enum ModelError {
     #[error("model file or directory not found: {0}")]
     NotFound(PathBuf),
-    #[error("unsupported architecture `{0}` (supported: llama, qwen2)")]
+    #[error("unsupported architecture `{0}` (supported: llama, qwen2, qwen3)")]
     UnsupportedArch(String),
     #[error("invalid GGUF file {path}: {reason}")]
     BadGguf { path: PathBuf, reason: String },

@@ -1,6 +1,6 @@
 //! The decoder: embedding, N × (attention + SwiGLU MLP, pre-RMSNorm), final norm, LM head.
 //!
-//! One implementation for Llama 3.x and Qwen 2.5, with dense or GGML-quantized linears. The model
+//! One implementation for Llama 3.x, Qwen 2.5 and Qwen 3, with dense or GGML-quantized linears. The model
 //! owns no cache: each call gets the per-layer [`LayerCache`]s of the request.
 
 use std::time::Instant;
@@ -35,6 +35,8 @@ struct Attention {
     k: Linear,
     v: Linear,
     o: Linear,
+    /// Per-head RMSNorms of queries and keys before RoPE (Qwen 3).
+    qk_norm: Option<(RmsNorm, RmsNorm)>,
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
@@ -49,11 +51,24 @@ impl Attention {
             cfg.hidden_size,
         );
         let bias = cfg.attention_bias;
+        let qk_norm = if cfg.qk_norm {
+            let eps = cfg.rms_norm_eps as f32;
+            let norm = |key| -> Result<RmsNorm> {
+                Ok(RmsNorm {
+                    w: w.norm(key, Some(l), d)?,
+                    eps,
+                })
+            };
+            Some((norm(Key::QNorm)?, norm(Key::KNorm)?))
+        } else {
+            None
+        };
         Ok(Self {
             q: w.linear(Key::Q, Some(l), h * d, hid, bias)?,
             k: w.linear(Key::K, Some(l), kv * d, hid, bias)?,
             v: w.linear(Key::V, Some(l), kv * d, hid, bias)?,
             o: w.linear(Key::O, Some(l), hid, h * d, false)?,
+            qk_norm,
             heads: h,
             kv_heads: kv,
             head_dim: d,
@@ -101,8 +116,13 @@ impl Attention {
                 .contiguous()?
                 .unsqueeze(0)?)
         };
-        let q = split(self.q.forward(x, pf)?, h)?;
-        let k = split(self.k.forward(x, pf)?, kv)?;
+        let mut q = split(self.q.forward(x, pf)?, h)?;
+        let mut k = split(self.k.forward(x, pf)?, kv)?;
+        if let Some((qn, kn)) = &self.qk_norm {
+            // Over each head's d values (the last dimension), before RoPE.
+            q = qn.forward(&q)?;
+            k = kn.forward(&k)?;
+        }
         let v = self
             .v
             .forward(x, pf)?
@@ -401,7 +421,7 @@ impl Model {
                 cfg,
                 match cfg.arch {
                     Arch::Llama => w.rope_freqs(cfg.head_dim / 2)?,
-                    Arch::Qwen2 => None,
+                    Arch::Qwen2 | Arch::Qwen3 => None,
                 },
             ),
             device,
@@ -811,6 +831,10 @@ impl Model {
                 .sum::<u64>()
                     + tensor_bytes(&l.attn_norm.w)
                     + tensor_bytes(&l.mlp_norm.w)
+                    + l.attn
+                        .qk_norm
+                        .as_ref()
+                        .map_or(0, |(q, k)| tensor_bytes(&q.w) + tensor_bytes(&k.w))
             })
             .sum();
         layers + self.embed.bytes() + tensor_bytes(&self.norm.w) + self.lm_head.bytes()

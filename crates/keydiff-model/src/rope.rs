@@ -183,6 +183,7 @@ mod tests {
             tie_word_embeddings: true,
             attention_bias: false,
             rope_interleaved: false,
+            qk_norm: false,
         }
     }
 

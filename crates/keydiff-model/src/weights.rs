@@ -30,6 +30,10 @@ pub enum Key {
     K,
     V,
     O,
+    /// Qwen 3's per-head RMSNorm of the queries, `[head_dim]`.
+    QNorm,
+    /// Qwen 3's per-head RMSNorm of the keys, `[head_dim]`.
+    KNorm,
     Gate,
     Up,
     Down,
@@ -47,6 +51,8 @@ impl Key {
             Key::K => "attn_k",
             Key::V => "attn_v",
             Key::O => "attn_output",
+            Key::QNorm => "attn_q_norm",
+            Key::KNorm => "attn_k_norm",
             Key::Gate => "ffn_gate",
             Key::Up => "ffn_up",
             Key::Down => "ffn_down",
@@ -64,6 +70,8 @@ impl Key {
             Key::K => "self_attn.k_proj",
             Key::V => "self_attn.v_proj",
             Key::O => "self_attn.o_proj",
+            Key::QNorm => "self_attn.q_norm",
+            Key::KNorm => "self_attn.k_norm",
             Key::Gate => "mlp.gate_proj",
             Key::Up => "mlp.up_proj",
             Key::Down => "mlp.down_proj",
@@ -427,6 +435,11 @@ impl Weights {
             add(Key::K, l, Role::Linear, kv * hid, bias(kv));
             add(Key::V, l, Role::Linear, kv * hid, bias(kv));
             add(Key::O, l, Role::Linear, hid * q, None);
+            if cfg.qk_norm {
+                let d = cfg.head_dim as u64;
+                add(Key::QNorm, l, Role::Plain, d, None);
+                add(Key::KNorm, l, Role::Plain, d, None);
+            }
             add(Key::MlpNorm, l, Role::Plain, hid, None);
             add(Key::Gate, l, Role::Linear, inter * hid, None);
             add(Key::Up, l, Role::Linear, inter * hid, None);
