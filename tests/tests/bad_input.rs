@@ -445,6 +445,39 @@ fn chat_without_a_template() {
     expect(&err, "this model has no chat template");
 }
 
+/// Chat template flags: kwargs that are not a JSON object, or that set a variable the
+/// renderer sets; a template file that is missing; a template that does not compile.
+#[test]
+fn chat_template_flags() {
+    let m = model(SMOLLM2);
+    let m = m.to_str().unwrap();
+    let run = |extra: &[&str]| {
+        let mut a = vec!["run", "-m", m, "--chat", "-p", "hi", "-n", "1"];
+        a.extend(extra);
+        fails(&a)
+    };
+    expect(
+        &run(&["--chat-template-kwargs", "[1]"]),
+        "--chat-template-kwargs must be a JSON object, not [1]",
+    );
+    expect(
+        &run(&["--chat-template-kwargs", "{bad"]),
+        "--chat-template-kwargs is not JSON",
+    );
+    expect(
+        &run(&[
+            "--chat-template-kwargs",
+            r#"{"add_generation_prompt": false}"#,
+        ]),
+        "chat template kwargs may not set `add_generation_prompt`",
+    );
+    expect(
+        &run(&["--chat-template-file", "/no/such/template.jinja"]),
+        "--chat-template-file /no/such/template.jinja",
+    );
+    expect(&run(&["--chat-template", "{% for %}"]), "chat template:");
+}
+
 /// `serve` refuses settings with no meaning before it loads anything, and an address it
 /// cannot listen on by name.
 #[test]
@@ -468,6 +501,10 @@ fn serve_settings() {
     expect(
         &fails(&["serve", "--max-batch", "4", "--prefill-tokens", "0"]),
         "--prefill-tokens must be at least 1",
+    );
+    expect(
+        &fails(&["serve", "--reasoning-format", "qwen3"]),
+        "--reasoning-format: unknown reasoning format `qwen3` (auto, none, deepseek)",
     );
     expect(
         &fails(&["serve", "--prefill-tokens", "256"]),

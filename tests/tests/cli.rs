@@ -3,7 +3,7 @@
 
 use std::process::Command;
 
-use keydiff_tests::{fixture, keydiff_bin, model, QWEN, SMOLLM2};
+use keydiff_tests::{fixture, keydiff_bin, model, root, temp_dir, QWEN, SMOLLM2};
 
 fn ok(args: &[&str]) -> (String, String) {
     let out = Command::new(keydiff_bin()).args(args).output().unwrap();
@@ -116,6 +116,66 @@ fn rope_flags_extend_the_context() {
     assert_eq!(r["original_max_position_embeddings"], 32768);
     assert!((r["attention_factor"].as_f64().unwrap() - (0.1 * 4f64.ln() + 1.0)).abs() < 1e-12);
     assert_eq!(v["config"]["max_position_embeddings"], 32768);
+}
+
+/// `--chat-template-file` replaces the model's template (also for a model without one) and
+/// `--chat-template-kwargs` reaches it: Qwen 3's `enable_thinking: false` form adds its empty
+/// `<think>` block to the prompt.
+#[test]
+fn chat_template_flags_shape_the_prompt() {
+    let dir = temp_dir("cli-template");
+    let file = dir.join("thinking.jinja");
+    std::fs::write(
+        &file,
+        "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content + \
+         '<|im_end|>\\n' }}{%- endfor %}{{- '<|im_start|>assistant\\n' }}{%- if \
+         enable_thinking is defined and enable_thinking is false %}{{- \
+         '<think>\\n\\n</think>\\n\\n' }}{%- endif %}",
+    )
+    .unwrap();
+    let m = model(SMOLLM2);
+    let prompt_tokens = |extra: &[&str]| -> u64 {
+        let base = [
+            "run",
+            "-m",
+            m.to_str().unwrap(),
+            "--chat",
+            "-p",
+            "Hi",
+            "-n",
+            "1",
+        ];
+        let (so, _) = ok(&[&base[..], &["--json"], extra].concat());
+        let v: serde_json::Value = serde_json::from_str(&so).unwrap();
+        v["stats"]["prompt_tokens"].as_u64().unwrap()
+    };
+    let own = prompt_tokens(&[]);
+    let given = prompt_tokens(&["--chat-template-file", file.to_str().unwrap()]);
+    let off = prompt_tokens(&[
+        "--chat-template-file",
+        file.to_str().unwrap(),
+        "--chat-template-kwargs",
+        r#"{"enable_thinking": false}"#,
+    ]);
+    // SmolLM2's own template adds a default system message; the file's does not.
+    assert!(given < own, "{given} vs {own}");
+    assert!(off > given, "{off} vs {given}");
+    // A model without a template chats with one given.
+    let preset = root().join("configs/tiny-llama.json");
+    ok(&[
+        "run",
+        "--random-weights",
+        "-m",
+        preset.to_str().unwrap(),
+        "--chat",
+        "-p",
+        "hi",
+        "-n",
+        "2",
+        "--chat-template-file",
+        file.to_str().unwrap(),
+    ]);
+    std::fs::remove_dir_all(dir).ok();
 }
 
 #[test]

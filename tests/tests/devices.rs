@@ -116,7 +116,7 @@ fn bf16_model_matches_cpu_f32(dev: &Device) -> Result<()> {
                 cache: cache.clone(),
                 cpu_weights: CpuWeights::FAST,
                 memory_limit: None,
-                rope: Default::default(),
+                ..Default::default()
             };
             let preset_path = root().join(format!("configs/{preset}.json"));
             let (d, _) = compare_devices(

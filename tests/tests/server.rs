@@ -1730,3 +1730,126 @@ fn llama_cpp_completion_endpoint() {
     }
     server.stop().unwrap();
 }
+
+/// A ChatML template of a reasoning model: `enable_thinking: false` writes an empty
+/// `<think>` block into the generation prompt, as Qwen 3's does.
+const THINKING_TEMPLATE: &str = "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + \
+    m.content + '<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- \
+    '<|im_start|>assistant\\n' }}{%- if enable_thinking is defined and enable_thinking is false \
+    %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}";
+
+/// A server whose model has `THINKING_TEMPLATE` in place of its own, splitting reasoning as
+/// `format` says.
+fn start_thinking(format: keydiff::reasoning::ReasoningFormat) -> (ServerHandle, Engine) {
+    let cfg = EngineConfig {
+        cache: keydiff_cache(32, 16),
+        chat_template: Some(THINKING_TEMPLATE.into()),
+        ..Default::default()
+    };
+    let load = || Engine::load(&ModelSource::Gguf(model(SMOLLM2)), &cfg).unwrap();
+    let scfg = ServerConfig {
+        reasoning_format: format,
+        ..ServerConfig::new("smol")
+    };
+    let server = Server::bind("127.0.0.1:0", load(), scfg).unwrap().spawn();
+    (server, load())
+}
+
+/// Reasoning comes back apart from the answer (`reasoning_content`, whole and streamed) for a
+/// template that writes `</think>`, under an evicting budget, and stays in the content with
+/// `none`; a request's `chat_template_kwargs` reach the template, and reserved names are
+/// refused. The grammar makes the small model write a reasoning block, then an answer.
+#[test]
+fn reasoning_comes_apart_and_template_kwargs_reach_the_template() {
+    use keydiff::reasoning::{split, ReasoningFormat};
+    let (server, local) = start_thinking(ReasoningFormat::Auto);
+    let url = format!("{}/v1/chat/completions", server.url());
+    let grammar = "root ::= \"<think>\" [a-z ]{8,60} \"</think>\\n\\n\" [A-Z] [a-z ]{4,40} \".\"";
+    let question = "Is the sky blue? Think first, then answer.";
+    let mut params = greedy(Prompt::Chat(vec![Message::new("user", question)]), 80);
+    params.sampling.format = keydiff::Format::Grammar(grammar.into());
+    let want = local.generate(&params, |_| {}).unwrap();
+    eprintln!("reply: {:?}", want.text);
+    let parts = split(&want.text, false);
+    let reasoning = parts.reasoning.clone().expect("a reasoning block");
+    assert!(
+        !parts.content.is_empty() && !parts.content.contains("think"),
+        "{want:?}"
+    );
+    assert!(
+        want.stats.eviction.evictions > 0,
+        "the budget evicts: {want:?}"
+    );
+
+    let body = json!({"messages": [{"role": "user", "content": question}], "max_tokens": 80,
+                      "temperature": 0, "grammar": grammar});
+    let (code, got) = post(&url, &body);
+    assert_eq!(code, 200, "{got}");
+    let message = &got["choices"][0]["message"];
+    assert_eq!(message["reasoning_content"], reasoning.as_str(), "{got}");
+    assert_eq!(message["content"], parts.content.as_str(), "{got}");
+
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let chunks = events(ureq::post(&url).send_json(&streamed).unwrap());
+    let joined = |field: &str| -> String {
+        chunks
+            .iter()
+            .filter_map(|c| c["choices"][0]["delta"][field].as_str())
+            .collect()
+    };
+    assert_eq!(joined("reasoning_content"), reasoning);
+    assert_eq!(joined("content"), parts.content);
+    // Reasoning was sent as it came, in several chunks, before any content.
+    let kinds: Vec<bool> = chunks
+        .iter()
+        .filter_map(|c| {
+            let d = &c["choices"][0]["delta"];
+            match (d["reasoning_content"].is_string(), d["content"].as_str()) {
+                (true, _) => Some(true),
+                (false, Some(t)) if !t.is_empty() => Some(false),
+                _ => None,
+            }
+        })
+        .collect();
+    assert!(kinds.iter().filter(|&&r| r).count() > 1, "{kinds:?}");
+    assert!(kinds.windows(2).all(|w| w[0] || !w[1]), "{kinds:?}");
+
+    // `chat_template_kwargs` reach the template: the empty block is in the prompt.
+    let mut off = body.clone();
+    off["chat_template_kwargs"] = json!({"enable_thinking": false});
+    off["grammar"] = json!("root ::= [A-Z] [a-z ]{4,40} \".\"");
+    let (code, got) = post(&url, &off);
+    assert_eq!(code, 200, "{got}");
+    let mut kwargs = keydiff::TemplateKwargs::new();
+    kwargs.insert("enable_thinking".into(), false.into());
+    let messages = vec![Message::new("user", question)];
+    let text = local.render_chat_with(&messages, &[], &kwargs).unwrap();
+    assert!(
+        text.ends_with("assistant\n<think>\n\n</think>\n\n"),
+        "{text:?}"
+    );
+    let prompt = Prompt::ChatTools {
+        messages,
+        tools: vec![],
+        template_kwargs: kwargs,
+    };
+    let n = local.prompt_tokens(&prompt).unwrap().len();
+    assert_eq!(got["usage"]["prompt_tokens"], n);
+    assert!(n > local.prompt_tokens(&params.prompt).unwrap().len());
+    assert!(got["choices"][0]["message"]["reasoning_content"].is_null());
+    let mut reserved = off.clone();
+    reserved["chat_template_kwargs"] = json!({"messages": []});
+    let (code, err) = post(&url, &reserved);
+    assert_eq!(code, 400, "{err}");
+    assert_eq!(err["error"]["param"], "chat_template_kwargs", "{err}");
+
+    // `none`: the reasoning stays in the content, as written.
+    let (plain, _) = start_thinking(ReasoningFormat::None);
+    let (code, got) = post(&format!("{}/v1/chat/completions", plain.url()), &body);
+    assert_eq!(code, 200, "{got}");
+    assert_eq!(got["choices"][0]["message"]["content"], want.text.as_str());
+    assert!(got["choices"][0]["message"]
+        .get("reasoning_content")
+        .is_none());
+}

@@ -283,6 +283,7 @@ fn a_required_call_under_eviction() {
         prompt: Prompt::ChatTools {
             messages,
             tools: tools.clone(),
+            template_kwargs: Default::default(),
         },
         max_tokens: 80,
         sampling: Sampling {

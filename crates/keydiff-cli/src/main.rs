@@ -215,6 +215,52 @@ struct LoadArgs {
     attention: String,
     #[command(flatten)]
     rope: RopeArgs,
+    #[command(flatten)]
+    template: TemplateArgs,
+}
+
+/// The chat template and its variables, llama.cpp's flags.
+#[derive(Args)]
+struct TemplateArgs {
+    /// A Jinja chat template to use in place of the model's (its text; llama.cpp's names of
+    /// built-in templates are not taken).
+    #[arg(long, help_heading = "Chat template", value_name = "JINJA")]
+    chat_template: Option<String>,
+    /// The same, read from a file.
+    #[arg(
+        long,
+        help_heading = "Chat template",
+        value_name = "FILE",
+        conflicts_with = "chat_template"
+    )]
+    chat_template_file: Option<PathBuf>,
+    /// Variables for the chat template, a JSON object: e.g. '{"enable_thinking": false}'
+    /// turns Qwen 3's thinking off.
+    #[arg(long, help_heading = "Chat template", value_name = "JSON")]
+    chat_template_kwargs: Option<String>,
+}
+
+impl TemplateArgs {
+    /// The template given, if any, and the kwargs (empty without the flag).
+    fn resolve(&self) -> Result<(Option<String>, keydiff::TemplateKwargs)> {
+        let template = match (&self.chat_template, &self.chat_template_file) {
+            (Some(t), _) => Some(t.clone()),
+            (None, Some(p)) => Some(
+                std::fs::read_to_string(p)
+                    .with_context(|| format!("--chat-template-file {}", p.display()))?,
+            ),
+            (None, None) => None,
+        };
+        let kwargs = match &self.chat_template_kwargs {
+            None => keydiff::TemplateKwargs::new(),
+            Some(s) => match serde_json::from_str(s) {
+                Ok(serde_json::Value::Object(m)) => m,
+                Ok(other) => bail!("--chat-template-kwargs must be a JSON object, not {other}"),
+                Err(e) => bail!("--chat-template-kwargs is not JSON: {e}"),
+            },
+        };
+        Ok((template, kwargs))
+    }
 }
 
 /// RoPE base and scaling, llama.cpp's flags: e.g. `--rope-scaling yarn --rope-scale 4
@@ -299,6 +345,7 @@ impl LoadArgs {
         let device = parse_device(&self.device)?;
         let dtype = parse_dtype(&self.dtype)?;
         let kv_dtype = self.kv_dtype.as_deref().map(parse_dtype).transpose()?;
+        let (chat_template, chat_template_kwargs) = self.template.resolve()?;
         let cfg = EngineConfig {
             cpu_weights: if self.as_stored {
                 CpuWeights::AS_STORED
@@ -312,6 +359,8 @@ impl LoadArgs {
             cache,
             memory_limit: self.memory_limit,
             rope: self.rope.to_override()?,
+            chat_template,
+            chat_template_kwargs,
         };
         let engine = Engine::load(&source, &cfg)
             .with_context(|| format!("cannot load model `{}`", self.model))?;
@@ -511,7 +560,7 @@ fn real_main() -> Result<()> {
                     cpu_weights: CpuWeights::FAST,
                     attention,
                     memory_limit: None,
-                    rope: Default::default(),
+                    ..Default::default()
                 };
                 return check_batch(&cfg, &preset, &policies, seed, (&device, &dtype));
             }
@@ -539,7 +588,7 @@ fn real_main() -> Result<()> {
                         cpu_weights: CpuWeights::FAST,
                         attention: AttentionBackend::Eager,
                         memory_limit: None,
-                        rope: Default::default(),
+                        ..Default::default()
                     };
                     let other = EngineConfig {
                         device: dev.clone(),
@@ -549,7 +598,7 @@ fn real_main() -> Result<()> {
                         cpu_weights: CpuWeights::FAST,
                         attention,
                         memory_limit: None,
-                        rope: Default::default(),
+                        ..Default::default()
                     };
                     let (d, used) =
                         keydiff::parity::compare_devices(p, seed, &reference, &other, prompt_len)
@@ -925,6 +974,7 @@ fn run(a: RunArgs) -> Result<()> {
         let prompt = Prompt::ChatTools {
             messages: m,
             tools: list.clone(),
+            template_kwargs: keydiff::TemplateKwargs::new(),
         };
         return generate_with(&a, &engine, prompt, reading.map(|(s, f)| (s, list, f)));
     }
@@ -1193,6 +1243,11 @@ struct ServeArgs {
     /// requests' time between tokens. Default: one chunk, B.
     #[arg(long)]
     prefill_tokens: Option<usize>,
+    /// Chat replies' `<think>` blocks: deepseek returns them apart, as `reasoning_content`
+    /// (streams: `delta.reasoning_content`); none leaves them in the content; auto does as
+    /// deepseek for chat templates that write `</think>` (Qwen 3, DeepSeek-R1).
+    #[arg(long, default_value = "auto", value_name = "FORMAT")]
+    reasoning_format: String,
     /// Require `Authorization: Bearer KEY` on every endpoint but /health (401 otherwise).
     #[arg(long, env = "KEYDIFF_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
@@ -1281,6 +1336,10 @@ fn serve(a: &ServeArgs) -> Result<()> {
             anyhow::anyhow!("--prompt-cache `{mode}`: expected exact, continue or off")
         })?),
     };
+    let reasoning_format: keydiff::reasoning::ReasoningFormat = a
+        .reasoning_format
+        .parse()
+        .map_err(|e: String| anyhow::anyhow!("--reasoning-format: {e}"))?;
     // Before the model loads (which can take minutes): a taken port fails at once.
     let listener = keydiff_server::listen(&format!("{}:{}", a.host, a.port))?;
     let engine = a.model.load()?;
@@ -1304,6 +1363,7 @@ fn serve(a: &ServeArgs) -> Result<()> {
         api_key: a.api_key.clone(),
         max_batch: a.max_batch,
         prefill_tokens: a.prefill_tokens,
+        reasoning_format,
     };
     let server = keydiff_server::Server::from_listener(listener, engine, cfg)?;
     eprintln!(

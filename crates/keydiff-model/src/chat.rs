@@ -25,6 +25,10 @@ pub struct Message {
     /// The call a `tool` message answers.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tool_call_id: Option<String>,
+    /// An assistant's reasoning, apart from its `content` (the field of DeepSeek's API,
+    /// llama.cpp's and vLLM's servers); templates of reasoning models (Qwen 3) read it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
 }
 
 impl Message {
@@ -111,8 +115,31 @@ impl ChatTemplate {
         tools: &[serde_json::Value],
         add_generation_prompt: bool,
     ) -> Result<String> {
+        self.render_with(
+            messages,
+            tools,
+            add_generation_prompt,
+            &TemplateKwargs::new(),
+        )
+    }
+
+    /// [`ChatTemplate::render_with_tools`] with extra variables for the template (`kwargs`,
+    /// transformers' `apply_chat_template(**kwargs)`, vLLM's and llama.cpp's
+    /// `chat_template_kwargs`), such as Qwen 3's `enable_thinking`. A name the renderer sets
+    /// itself (see [`RESERVED_TEMPLATE_VARIABLES`]) is refused, as transformers refuses it.
+    pub fn render_with(
+        &self,
+        messages: &[Message],
+        tools: &[serde_json::Value],
+        add_generation_prompt: bool,
+        kwargs: &TemplateKwargs,
+    ) -> Result<String> {
+        check_template_kwargs(kwargs)?;
         // transformers passes `tools` and `documents` as None when there are none.
         let mut ctx = BTreeMap::new();
+        for (k, v) in kwargs {
+            ctx.insert(k.as_str(), Value::from_serialize(v));
+        }
         ctx.insert("messages", Value::from_serialize(messages));
         ctx.insert("add_generation_prompt", Value::from(add_generation_prompt));
         let tools = match tools.is_empty() {
@@ -131,6 +158,33 @@ impl ChatTemplate {
             .get_template(TEMPLATE_NAME)
             .and_then(|t| t.render(ctx))
             .map_err(template_err)
+    }
+}
+
+/// Extra variables for a chat template, by name (JSON values).
+pub type TemplateKwargs = serde_json::Map<String, serde_json::Value>;
+
+/// Variables the renderer sets itself, which `chat_template_kwargs` may not replace.
+pub const RESERVED_TEMPLATE_VARIABLES: [&str; 6] = [
+    "messages",
+    "tools",
+    "documents",
+    "add_generation_prompt",
+    "bos_token",
+    "eos_token",
+];
+
+/// Refuses kwargs that name a variable the renderer sets ([`RESERVED_TEMPLATE_VARIABLES`]).
+pub fn check_template_kwargs(kwargs: &TemplateKwargs) -> Result<()> {
+    match kwargs
+        .keys()
+        .find(|k| RESERVED_TEMPLATE_VARIABLES.contains(&k.as_str()))
+    {
+        Some(k) => Err(ModelError::ChatTemplate(format!(
+            "chat template kwargs may not set `{k}`: the renderer sets it (reserved: {})",
+            RESERVED_TEMPLATE_VARIABLES.join(", ")
+        ))),
+        None => Ok(()),
     }
 }
 
@@ -843,5 +897,81 @@ mod tests {
         assert!(strftime("%Q", 0).is_err());
         let t = ChatTemplate::new("{{ strftime_now('%Y') }}", None, None).unwrap();
         assert_eq!(t.render(&[], false).unwrap().len(), 4);
+    }
+
+    /// A reasoning model's template in the constructs Qwen 3's uses (reversed messages, a
+    /// namespace, `split`/`lstrip`/`rstrip`/`strip('\n')`, `startswith`, `reasoning_content`,
+    /// `enable_thinking` from the kwargs). The expected texts are Jinja2's, in transformers'
+    /// environment. (Qwen 3's own template was checked the same way, on seven conversations
+    /// with tools, tool replies and reasoning: identical.)
+    const REASONING: &str = r#"{#- A reasoning model's template, in the constructs Qwen 3's uses: reversed messages, a namespace, Python string methods, `reasoning_content`, `enable_thinking`. -#}
+{%- set ns = namespace(last_user=messages|length - 1, searching=true) %}
+{%- for m in messages[::-1] %}
+    {%- if ns.searching and m.role == "user" and not (m.content.startswith('<result>') and m.content.endswith('</result>')) %}
+        {%- set ns.searching = false %}
+        {%- set ns.last_user = (messages|length - 1) - loop.index0 %}
+    {%- endif %}
+{%- endfor %}
+{%- for m in messages %}
+    {%- if m.role == "assistant" %}
+        {%- set answer = m.content %}
+        {%- set thought = '' %}
+        {%- if m.reasoning_content is defined and m.reasoning_content is not none %}
+            {%- set thought = m.reasoning_content %}
+        {%- elif '</think>' in m.content %}
+            {%- set answer = m.content.split('</think>')[-1].lstrip('\n') %}
+            {%- set thought = m.content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}
+        {%- endif %}
+        {%- if loop.index0 > ns.last_user and thought %}
+            {{- '[A]<think>\n' + thought.strip('\n') + '\n</think>\n\n' + answer + '[/A]\n' }}
+        {%- else %}
+            {{- '[A]' + answer + '[/A]\n' }}
+        {%- endif %}
+    {%- else %}
+        {{- '[' + m.role|upper + ']' + m.content + '\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '[A]' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\n\n</think>\n\n' }}
+    {%- endif %}
+{%- endif %}
+"#;
+
+    #[test]
+    fn reasoning_template_and_kwargs_render_as_jinja2() {
+        let t = ChatTemplate::new(REASONING, None, None).unwrap();
+        let user = Message::new("user", "Hi");
+        let mut off = TemplateKwargs::new();
+        off.insert("enable_thinking".into(), false.into());
+        let none = TemplateKwargs::new();
+        let render = |m: &[Message], kw: &TemplateKwargs| t.render_with(m, &[], true, kw).unwrap();
+        assert_eq!(render(std::slice::from_ref(&user), &none), "[USER]Hi\n[A]");
+        assert_eq!(
+            render(std::slice::from_ref(&user), &off),
+            "[USER]Hi\n[A]<think>\n\n</think>\n\n"
+        );
+        let conversation = [
+            user,
+            Message::new("assistant", "<think>\nold\n</think>\n\nHello!"),
+            Message::new("user", "2+2?"),
+            Message::new("assistant", "<think>\nadd\n</think>\n\n4"),
+            Message::new("user", "<result>x</result>"),
+            Message {
+                reasoning_content: Some("\nkept\n".into()),
+                ..Message::new("assistant", "4 still")
+            },
+        ];
+        assert_eq!(
+            render(&conversation, &none),
+            "[USER]Hi\n[A]Hello![/A]\n[USER]2+2?\n[A]<think>\nadd\n</think>\n\n4[/A]\n\
+             [USER]<result>x</result>\n[A]<think>\nkept\n</think>\n\n4 still[/A]\n[A]"
+        );
+        // Variables the renderer sets are refused by name.
+        let mut bad = TemplateKwargs::new();
+        bad.insert("add_generation_prompt".into(), false.into());
+        let err = t.render_with(&conversation, &[], true, &bad).unwrap_err();
+        assert!(err.to_string().contains("`add_generation_prompt`"), "{err}");
     }
 }

@@ -15,7 +15,7 @@ pub mod tokenizer;
 pub mod weights;
 
 pub use attention::AttentionBackend;
-pub use chat::{ChatTemplate, Message, ToolCall};
+pub use chat::{ChatTemplate, Message, TemplateKwargs, ToolCall};
 pub use config::{
     Arch, Llama3RopeScaling, ModelConfig, RopeOverride, RopeScaling, RopeScalingType,
     YarnRopeScaling,

@@ -32,6 +32,9 @@ pub struct Vocab {
     /// Whether a BOS token is put before the prompt.
     pub add_bos: bool,
     pub chat_template: Option<ChatTemplate>,
+    /// The BOS and EOS token texts a chat template sees as `bos_token` and `eos_token`
+    /// (also for a template given in place of the model's).
+    pub template_tokens: (Option<String>, Option<String>),
     /// Fill-in-the-middle tokens, when the vocabulary has them.
     pub fim: Option<crate::tokenizer::Fim>,
 }
@@ -178,6 +181,7 @@ pub fn load_gguf(
         eos_ids: tok.eos_ids,
         add_bos: tok.add_bos,
         chat_template,
+        template_tokens: (tok.bos_token, tok.eos_token),
         fim: tok.fim,
     };
     let model = Model::load(&cfg, &weights)?;
@@ -384,7 +388,11 @@ fn hf_vocab(dir: &Path, hf: &HfConfig) -> Result<Vocab> {
         },
     };
     let chat_template = match tc.get("chat_template").and_then(|t| t.as_str()) {
-        Some(src) => Some(ChatTemplate::new(src, bos_token, eos_token)?),
+        Some(src) => Some(ChatTemplate::new(
+            src,
+            bos_token.clone(),
+            eos_token.clone(),
+        )?),
         None => None,
     };
     let fim = crate::tokenizer::Fim::by_text(|t| tokenizer.token_to_id(t));
@@ -394,6 +402,7 @@ fn hf_vocab(dir: &Path, hf: &HfConfig) -> Result<Vocab> {
         eos_ids,
         add_bos,
         chat_template,
+        template_tokens: (bos_token, eos_token),
         fim,
     })
 }
@@ -425,6 +434,7 @@ fn byte_vocab(vocab_size: usize) -> Result<Vocab> {
         eos_ids: vec![],
         add_bos: false,
         chat_template: None,
+        template_tokens: (None, None),
         fim: None,
     })
 }

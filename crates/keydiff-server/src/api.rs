@@ -107,6 +107,8 @@ pub struct ChatMessage {
     pub tool_calls: Option<Vec<Value>>,
     /// The call a `tool` message answers.
     pub tool_call_id: Option<String>,
+    /// An assistant's reasoning (as this server answers it), for templates that read it.
+    pub reasoning_content: Option<String>,
 }
 
 /// `POST /v1/chat/completions`.
@@ -116,6 +118,9 @@ pub struct ChatRequest {
     pub tools: Option<Vec<Value>>,
     pub tool_choice: Option<Value>,
     pub parallel_tool_calls: Option<bool>,
+    /// Variables for the chat template (vLLM's and llama.cpp's field), over the server's
+    /// `--chat-template-kwargs`: e.g. `{"enable_thinking": false}` for Qwen 3.
+    pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
     #[serde(flatten)]
     pub common: Common,
 }
@@ -537,11 +542,13 @@ impl ChatRequest {
         }
         let messages = messages(self.messages)?;
         let logprobs = on.then(|| top.unwrap_or(0));
-        let prompt = match tools.is_empty() {
+        let template_kwargs = template_kwargs(self.chat_template_kwargs)?;
+        let prompt = match tools.is_empty() && template_kwargs.is_empty() {
             true => Prompt::Chat(messages),
             false => Prompt::ChatTools {
                 messages,
                 tools: tools.clone(),
+                template_kwargs,
             },
         };
         let mut m = self.common.map(prompt, defaults, logprobs)?;
@@ -606,6 +613,16 @@ pub fn tool_calls(calls: &[ToolCall], indexed: bool) -> Value {
         .collect()
 }
 
+/// A request's `chat_template_kwargs`, refused when it names a variable the renderer sets.
+fn template_kwargs(
+    kwargs: Option<serde_json::Map<String, Value>>,
+) -> Result<keydiff::TemplateKwargs, ApiError> {
+    let kwargs = kwargs.unwrap_or_default();
+    keydiff::check_template_kwargs(&kwargs)
+        .map_err(|e| ApiError::invalid(e.to_string(), Some("chat_template_kwargs")))?;
+    Ok(kwargs)
+}
+
 /// Chat messages in the engine's form: text content only, `developer` as `system`.
 pub fn messages(list: Vec<ChatMessage>) -> Result<Vec<Message>, ApiError> {
     let bad = |m: String| Err(ApiError::invalid(m, Some("messages")));
@@ -645,6 +662,7 @@ pub fn messages(list: Vec<ChatMessage>) -> Result<Vec<Message>, ApiError> {
             content,
             tool_calls,
             tool_call_id: m.tool_call_id,
+            reasoning_content: m.reasoning_content,
         });
     }
     Ok(messages)
@@ -887,6 +905,8 @@ pub struct TokenizeRequest {
     pub messages: Option<Vec<ChatMessage>>,
     /// Tools rendered with `messages`, as chat renders them.
     pub tools: Option<Vec<Value>>,
+    /// Variables for the chat template, as chat takes them.
+    pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
     /// `false` tokenizes a `prompt` as Hugging Face's `tokenizer(text,
     /// add_special_tokens=False)` does: no BOS, special tokens written in the text parsed (what
     /// a client that sends the ids back as a prompt, such as lm-evaluation-harness, expects).
@@ -913,10 +933,10 @@ impl TokenizeRequest {
                 Some("tools"),
             )),
             (Some(p), None) => Ok(Prompt::Text(p)),
-            (None, Some(m)) if tools.is_empty() => Ok(Prompt::Chat(messages(m)?)),
             (None, Some(m)) => Ok(Prompt::ChatTools {
                 messages: messages(m)?,
                 tools,
+                template_kwargs: template_kwargs(self.chat_template_kwargs)?,
             }),
             _ => Err(ApiError::invalid(
                 "give either `prompt` or `messages`",

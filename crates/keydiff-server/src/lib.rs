@@ -53,6 +53,7 @@ use tokio::sync::mpsc;
 pub use error::{ApiError, ServerError};
 
 use api::{ChatRequest, CompletionRequest, Defaults, Mapped};
+use keydiff::reasoning::{Piece, ReasoningFormat, ReasoningStream};
 use keydiff::tools::{Tool, ToolChoice, ToolStream, ToolSyntax};
 
 /// Largest request body: a prompt at the longest contexts (128K tokens as text or ids) fits
@@ -90,6 +91,9 @@ pub struct ServerConfig {
     /// (at most B) from each in arrival order ([`keydiff::Batch::set_prefill_tokens`]);
     /// `None`: one chunk.
     pub prefill_tokens: Option<usize>,
+    /// Whether chat replies' `<think>` blocks come back apart, as `reasoning_content`
+    /// (llama.cpp's `--reasoning-format`; `Auto`: for chat templates that write `</think>`).
+    pub reasoning_format: ReasoningFormat,
 }
 
 impl ServerConfig {
@@ -103,6 +107,7 @@ impl ServerConfig {
             api_key: None,
             max_batch: 1,
             prefill_tokens: None,
+            reasoning_format: ReasoningFormat::Auto,
         }
     }
 }
@@ -1069,6 +1074,9 @@ struct Reply {
     offsets: Vec<logprobs::CompletionLogprobs>,
     /// Read the replies for calls to these tools, in this syntax, as `tool_choice` asked.
     tools: Option<(ToolSyntax, Vec<Tool>, ToolChoice)>,
+    /// Split chat replies into `reasoning_content` and `content`; `Some(true)`: the prompt
+    /// left the reply inside a `<think>` block.
+    reasoning: Option<bool>,
     /// How llama.cpp's own endpoints shape the answer.
     llama: api::LlamaReply,
 }
@@ -1091,6 +1099,7 @@ impl Reply {
             logprobs: None,
             offsets: (0..prompts * n).map(|_| Default::default()).collect(),
             tools: None,
+            reasoning: None,
             llama: api::LlamaReply::default(),
         }
     }
@@ -1265,7 +1274,17 @@ impl Reply {
                 }
                 Kind::Llama => unreachable!("answered above"),
                 Kind::Chat => {
+                    let (reasoning, text) = match self.reasoning {
+                        Some(open) => {
+                            let s = keydiff::reasoning::split(&text, open);
+                            (s.reasoning, s.content)
+                        }
+                        None => (None, text),
+                    };
                     let mut message = json!({"role": "assistant", "content": text});
+                    if let Some(r) = reasoning {
+                        message["reasoning_content"] = r.into();
+                    }
                     let mut reason = reason;
                     if let Some((syntax, tools, choice)) = &self.tools {
                         let p = syntax.parse(&text, tools);
@@ -1333,6 +1352,14 @@ impl Reply {
             }
         };
         self.envelope(self.chunk_object(), json!([choice]))
+    }
+
+    /// A streamed chunk of chat completion `choice`'s reasoning.
+    fn reasoning_chunk(&self, choice: usize, text: &str, logprobs: Value) -> Value {
+        let delta = json!({"reasoning_content": text});
+        let c =
+            json!({"index": choice, "delta": delta, "logprobs": logprobs, "finish_reason": null});
+        self.envelope(self.chunk_object(), json!([c]))
     }
 
     /// The chunk of completion `choice` that carries its calls.
@@ -1407,7 +1434,23 @@ async fn chat_completions(
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let mapped = api::parse::<ChatRequest>(&body)?.map(defaults(&st))?;
-    let reply = Reply::new(Kind::Chat, &st.cfg.model_id, 1, mapped.n);
+    let mut reply = Reply::new(Kind::Chat, &st.cfg.model_id, 1, mapped.n);
+    if st.cfg.reasoning_format.applies(st.engine.chat_template()) {
+        // Whether the template opened the block in the prompt (DeepSeek-R1's does).
+        let open = match &mapped.params.prompt {
+            keydiff::Prompt::Chat(m) => st.engine.render_chat(m).ok(),
+            keydiff::Prompt::ChatTools {
+                messages,
+                tools,
+                template_kwargs,
+            } => st
+                .engine
+                .render_chat_with(messages, tools, template_kwargs)
+                .ok(),
+            _ => None,
+        };
+        reply.reasoning = Some(open.is_some_and(|t| keydiff::reasoning::opens_reasoning(&t)));
+    }
     Ok(respond(st, mapped, reply).await)
 }
 
@@ -1569,16 +1612,36 @@ async fn respond(st: Arc<AppState>, m: Mapped, mut reply: Reply) -> Response {
                     .map(|(syntax, ..)| ToolStream::new(*syntax))
             })
             .collect();
+        // Splitting reasoning from content, each completion's stream of pieces.
+        let mut thinking: Vec<Option<ReasoningStream>> = (0..n)
+            .map(|_| reply.reasoning.map(ReasoningStream::new))
+            .collect();
         // Completion `i`'s last chunks: with tools, the content held back and the calls;
         // then the logprobs of tokens whose text was not sent with text (an end of turn, a
         // cut stop string, calls), the finish reason and the engine's figures.
         let last_chunks = |reply: &mut Reply,
                            lps: &mut Vec<TokenLogprob>,
                            held: &mut Option<ToolStream>,
+                           thinking: &mut Option<ReasoningStream>,
                            i: usize,
                            out: &Output| {
             let mut chunks = Vec::new();
             let mut reason = api::finish_reason(out.stats.stop_reason);
+            let rest = thinking.take().map(ReasoningStream::finish);
+            for piece in rest.into_iter().flatten() {
+                match piece {
+                    Piece::Reasoning(r) => chunks.push(reply.reasoning_chunk(i, &r, Value::Null)),
+                    Piece::Content(c) => {
+                        let c = match held {
+                            Some(h) => h.push(&c),
+                            None => c,
+                        };
+                        if !c.is_empty() {
+                            chunks.push(reply.chunk(i, Some(&c), false, None, Value::Null));
+                        }
+                    }
+                }
+            }
             if let (Some(h), Some((_, tools, choice))) = (held.take(), &reply.tools) {
                 let p = h.finish(tools);
                 if !p.content.is_empty() {
@@ -1669,28 +1732,72 @@ async fn respond(st: Arc<AppState>, m: Mapped, mut reply: Reply) -> Response {
                 // `n_predict: 0`: the prompt only.
                 Msg::Text(..) if reply.llama.prefill_only => continue,
                 Msg::Text(i, t) => {
-                    let t = match &mut held[i] {
-                        Some(h) => h.push(&t),
-                        None => t,
+                    let pieces = match &mut thinking[i] {
+                        Some(r) => r.push(&t),
+                        None => vec![Piece::Content(t)],
                     };
+                    // (reasoning?, text) to send, content through the tool calls' hold.
+                    let mut sends = Vec::new();
+                    for piece in pieces {
+                        match piece {
+                            Piece::Reasoning(r) => sends.push((true, r)),
+                            Piece::Content(c) => {
+                                let c = match &mut held[i] {
+                                    Some(h) => h.push(&c),
+                                    None => c,
+                                };
+                                if !c.is_empty() {
+                                    sends.push((false, c));
+                                }
+                            }
+                        }
+                    }
                     // Held back: its tokens' logprobs go with the text that comes.
-                    if t.is_empty() {
+                    if sends.is_empty() {
                         continue;
                     }
                     reply
                         .generated_logprobs(i, &std::mem::take(&mut lps[i]))
-                        .map(|l| vec![reply.chunk(i, Some(&t), false, None, l)])
+                        .map(|l| {
+                            let mut l = Some(l);
+                            sends
+                                .iter()
+                                .map(|(reasoning, t)| {
+                                    let l = l.take().unwrap_or(Value::Null);
+                                    match reasoning {
+                                        true => reply.reasoning_chunk(i, t, l),
+                                        false => reply.chunk(i, Some(t), false, None, l),
+                                    }
+                                })
+                                .collect()
+                        })
                 }
                 Msg::Ended(i, out) => {
                     finished[i] = true;
-                    last_chunks(&mut reply, &mut lps[i], &mut held[i], i, &out)
+                    last_chunks(
+                        &mut reply,
+                        &mut lps[i],
+                        &mut held[i],
+                        &mut thinking[i],
+                        i,
+                        &out,
+                    )
                 }
                 Msg::Done(Ok(outs)) => {
                     let lasts: Result<Vec<Value>, ApiError> = outs
                         .iter()
                         .enumerate()
                         .filter(|(i, _)| !finished[*i])
-                        .map(|(i, out)| last_chunks(&mut reply, &mut lps[i], &mut held[i], i, out))
+                        .map(|(i, out)| {
+                            last_chunks(
+                                &mut reply,
+                                &mut lps[i],
+                                &mut held[i],
+                                &mut thinking[i],
+                                i,
+                                out,
+                            )
+                        })
                         .collect::<Result<Vec<_>, _>>()
                         .map(|v| v.concat());
                     match lasts {

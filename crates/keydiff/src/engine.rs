@@ -58,6 +58,13 @@ pub struct EngineConfig {
     /// `--rope-scale`, `--yarn-orig-ctx`, ...): e.g. YaRN for Qwen 2.5 beyond 32K tokens. The
     /// context grows with the scaling ([`ModelConfig::context`]).
     pub rope: RopeOverride,
+    /// A Jinja chat template to use in place of the model's (llama.cpp's `--chat-template`,
+    /// vLLM's `--chat-template`): for a model without one, or to fix or change its own.
+    pub chat_template: Option<String>,
+    /// Variables every chat template render gets beside the messages (llama.cpp's
+    /// `--chat-template-kwargs`), such as `{"enable_thinking": false}` for Qwen 3; a request's
+    /// own ([`Prompt::ChatTools`]) override them by name.
+    pub chat_template_kwargs: crate::TemplateKwargs,
 }
 
 impl Default for EngineConfig {
@@ -73,6 +80,8 @@ impl Default for EngineConfig {
             attention: AttentionBackend::Auto,
             memory_limit: None,
             rope: RopeOverride::default(),
+            chat_template: None,
+            chat_template_kwargs: crate::TemplateKwargs::new(),
         }
     }
 }
@@ -96,10 +105,13 @@ pub enum Prompt {
     /// Messages rendered with the model's chat template, generation prompt appended.
     Chat(Vec<Message>),
     /// Messages and the functions the model may call, rendered with the model's chat template
-    /// (`tools`), generation prompt appended ([`crate::tools`]).
+    /// (`tools`, none for a plain chat), generation prompt appended ([`crate::tools`]), with
+    /// variables for the template (`template_kwargs`: a request's `chat_template_kwargs`,
+    /// over [`EngineConfig::chat_template_kwargs`]).
     ChatTools {
         messages: Vec<Message>,
         tools: Vec<crate::tools::Tool>,
+        template_kwargs: crate::TemplateKwargs,
     },
     /// Token ids, used as given.
     Tokens(Vec<u32>),
@@ -1096,6 +1108,11 @@ impl Engine {
                 return Self::load(&local, cfg);
             }
         };
+        keydiff_model::chat::check_template_kwargs(&cfg.chat_template_kwargs)?;
+        if let Some(src) = &cfg.chat_template {
+            let (bos, eos) = loaded.vocab.template_tokens.clone();
+            loaded.vocab.chat_template = Some(keydiff_model::ChatTemplate::new(src, bos, eos)?);
+        }
         loaded.model.set_attention(cfg.attention)?;
         if !cfg.rope.is_empty() {
             loaded.model.set_rope(&cfg.rope)?;
@@ -1510,6 +1527,17 @@ impl Engine {
         messages: &[Message],
         tools: &[crate::tools::Tool],
     ) -> Result<String> {
+        self.render_chat_with(messages, tools, &crate::TemplateKwargs::new())
+    }
+
+    /// Renders messages and tools with the chat template, generation prompt appended, and
+    /// `kwargs` as variables over [`EngineConfig::chat_template_kwargs`].
+    pub fn render_chat_with(
+        &self,
+        messages: &[Message],
+        tools: &[crate::tools::Tool],
+        kwargs: &crate::TemplateKwargs,
+    ) -> Result<String> {
         let t = self
             .loaded
             .vocab
@@ -1517,7 +1545,9 @@ impl Engine {
             .as_ref()
             .ok_or(EngineError::NoChatTemplate)?;
         let tools: Vec<serde_json::Value> = tools.iter().map(|t| t.to_openai()).collect();
-        Ok(t.render_with_tools(messages, &tools, true)?)
+        let mut all = self.cfg.chat_template_kwargs.clone();
+        all.extend(kwargs.iter().map(|(k, v)| (k.clone(), v.clone())));
+        Ok(t.render_with(messages, &tools, true, &all)?)
     }
 
     /// How the model writes function calls, told by its chat template; `None` without a

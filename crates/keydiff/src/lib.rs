@@ -23,6 +23,7 @@ pub mod logprobs;
 pub mod parity;
 mod perplexity;
 mod prompt_cache;
+pub mod reasoning;
 mod sampling;
 mod source;
 mod stream;
@@ -38,10 +39,11 @@ pub use engine::{
 pub use error::{EngineError, Result};
 pub use keydiff_cache::config::SNAPKV_WINDOW;
 pub use keydiff_cache::{Anchor, CacheConfig, CacheCounters, KvCache, PolicyKind, StatsNeed};
+pub use keydiff_model::chat::check_template_kwargs;
 pub use keydiff_model::memory::{human as human_bytes, parse_size};
 pub use keydiff_model::{
     AttentionBackend, CpuWeights, MemoryBudget, Message, ModelConfig, ModelError, ModelFormat,
-    RopeOverride, RopeScaling, RopeScalingType,
+    RopeOverride, RopeScaling, RopeScalingType, TemplateKwargs,
 };
 pub use logprobs::{TokenLogprob, TokenPiece, MAX_TOP_LOGPROBS};
 pub use perplexity::Perplexity;

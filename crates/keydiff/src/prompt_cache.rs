@@ -201,7 +201,11 @@ impl Engine {
         Ok(match prompt {
             Prompt::Text(t) => Some(t.clone()),
             Prompt::Chat(m) => Some(self.render_chat(m)?),
-            Prompt::ChatTools { messages, tools } => Some(self.render_chat_tools(messages, tools)?),
+            Prompt::ChatTools {
+                messages,
+                tools,
+                template_kwargs,
+            } => Some(self.render_chat_with(messages, tools, template_kwargs)?),
             Prompt::Tokens(_) | Prompt::Infill { .. } => None,
         })
     }
