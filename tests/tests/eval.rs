@@ -136,6 +136,56 @@ fn niah_writes_results_heatmap_and_resumes() {
     assert_eq!(records(&dir).len(), 24);
 }
 
+/// A chat evaluation records the chat template it rendered with, and `--resume` refuses
+/// another template or other template variables (they change every prompt).
+#[test]
+fn chat_evaluations_resume_under_their_template_only() {
+    let dir = temp_dir("eval-template");
+    let template = "{%- for m in messages %}<|{{ m.role }}|>{{ m.content }}{%- endfor %}\
+                    <|assistant|>{{ greeting | default('') }}";
+    let base = [
+        "eval",
+        "passkey",
+        "-m",
+        "tiny-qwen",
+        "--random-weights",
+        "--chat",
+        "--chat-template",
+        template,
+        "--lengths",
+        "600",
+        "--samples",
+        "1",
+        "--policies",
+        "full",
+        "--chunk",
+        "64",
+        "--out",
+        dir.to_str().unwrap(),
+    ];
+    let (ok, _, stderr) = run(&base);
+    assert!(ok, "{stderr}");
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("results.json")).unwrap()).unwrap();
+    let recorded: serde_json::Value =
+        serde_json::from_str(json["provenance"]["chat_template"].as_str().unwrap()).unwrap();
+    assert_eq!(
+        recorded["sha256"].as_str().map(str::len),
+        Some(64),
+        "{recorded}"
+    );
+    let kwargs = ["--chat-template-kwargs", r#"{"greeting": "Sure."}"#];
+    let (ok, _, stderr) = run(&[&base[..], &kwargs, &["--resume"]].concat());
+    assert!(
+        !ok && stderr.contains("--chat-template*/--chat-template-kwargs"),
+        "{stderr}"
+    );
+    let (ok, _, stderr) = run(&[&base[..], &["--resume"]].concat());
+    assert!(ok, "{stderr}");
+    assert_eq!(records(&dir).len(), 1);
+    std::fs::remove_dir_all(dir).ok();
+}
+
 /// A second run into a directory that a run is writing to is refused before it runs anything;
 /// once the first is gone, the directory is free again.
 #[test]

@@ -450,7 +450,13 @@ fn check_resume(results: &std::path::Path, a: &EvalArgs, engine: &keydiff::Engin
         serde_json::Value::String(s) if !s.is_empty() => p["rope"].clone(),
         _ => serde_json::Value::Null,
     };
-    let checks: [(&str, serde_json::Value, serde_json::Value); 11] = [
+    // Results written before the chat template was recorded, or made without `--chat`
+    // (which renders nothing): not checked.
+    let chat_template = match &p["chat_template"] {
+        serde_json::Value::String(s) if !s.is_empty() && a.chat => p["chat_template"].clone(),
+        _ => serde_json::Value::Null,
+    };
+    let checks: [(&str, serde_json::Value, serde_json::Value); 12] = [
         ("--chat", o["chat"].clone(), a.chat.into()),
         ("--chunk", o["chunk"].clone(), a.chunk.into()),
         ("--window", o["window"].clone(), a.policy_args.window.into()),
@@ -466,6 +472,11 @@ fn check_resume(results: &std::path::Path, a: &EvalArgs, engine: &keydiff::Engin
             now.cpu_weights.into(),
         ),
         ("--rope-* (RoPE)", rope, now.rope.into()),
+        (
+            "--chat-template*/--chat-template-kwargs",
+            chat_template,
+            now.chat_template.into(),
+        ),
     ];
     for (name, was, is) in checks {
         if !was.is_null() && was != is {

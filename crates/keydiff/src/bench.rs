@@ -724,6 +724,10 @@ pub struct Provenance {
     /// context; empty in rows written before it was recorded, which ran the model's own.
     #[serde(default)]
     pub rope: String,
+    /// The chat template in use, as JSON: the `sha256` of its source (`null` without one) and
+    /// the `kwargs` every render gets; empty in rows written before it was recorded.
+    #[serde(default)]
+    pub chat_template: String,
     /// The full command line.
     pub command: String,
     pub keydiff_version: String,
@@ -781,6 +785,18 @@ impl Provenance {
                 let c = engine.model_config();
                 serde_json::json!({"rope_theta": c.rope_theta, "rope_scaling": c.rope_scaling,
                     "context": c.context()})
+                .to_string()
+            },
+            chat_template: {
+                use sha2::{Digest, Sha256};
+                let sha = engine.chat_template().map(|t| {
+                    Sha256::digest(t.as_bytes())
+                        .iter()
+                        .map(|b| format!("{b:02x}"))
+                        .collect::<String>()
+                });
+                serde_json::json!({"sha256": sha,
+                    "kwargs": engine.config().chat_template_kwargs})
                 .to_string()
             },
             command,
