@@ -98,6 +98,63 @@ fn turns_reuse_the_cache_and_match_fresh_requests() {
     );
 }
 
+/// A template that rewrites earlier turns, as Qwen 3's drops the reasoning of earlier replies:
+/// each turn goes on from the tokens the cache and the re-rendered conversation have in
+/// common (the cache is cut back to them), and its reply is still the one a fresh request on
+/// the whole conversation gives. A grammar makes SmolLM2 reason before it answers.
+#[test]
+fn a_rewriting_template_keeps_the_tokens_in_common() {
+    let template = "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' }}{%- if \
+        m.role == 'assistant' %}{{- m.content.split('</think>')[-1].lstrip('\\n') }}{%- else \
+        %}{{- m.content }}{%- endif %}{{- '<|im_end|>\\n' }}{%- endfor %}{{- \
+        '<|im_start|>assistant\\n' }}";
+    let cfg = EngineConfig {
+        cache: CacheConfig::full(32),
+        chat_template: Some(template.into()),
+        ..Default::default()
+    };
+    let e = Engine::load(&ModelSource::Gguf(model(SMOLLM2)), &cfg).unwrap();
+    let mut p = params(40);
+    p.sampling.format = keydiff::Format::Grammar(
+        "root ::= \"<think>\" [a-z ]{4,30} \"</think>\\n\\n\" [A-Z] [a-z ]{2,20} \".\"".into(),
+    );
+    let mut conv = Conversation::new(None);
+    for (i, user) in TURNS.iter().enumerate() {
+        let before = conv.messages().to_vec();
+        let at = conv.position();
+        let out = e.chat_turn(&mut conv, user, &p, |_| {}).unwrap();
+        assert!(out.text.starts_with("<think>"), "turn {i}: {:?}", out.text);
+        let mut messages = before;
+        messages.push(Message::new("user", user.to_string()));
+        let fresh = e
+            .generate(
+                &GenerateParams {
+                    prompt: Prompt::Chat(messages),
+                    ..p.clone()
+                },
+                |_| {},
+            )
+            .unwrap();
+        let kept = out.stats.prefix_tokens;
+        assert_eq!(
+            out.prompt_tokens,
+            fresh.prompt_tokens[kept..],
+            "turn {i}: kept {kept}"
+        );
+        assert_eq!(out.tokens, fresh.tokens, "turn {i}");
+        if i > 0 {
+            // The last reply's reasoning is gone from the rendering: the cache is cut back
+            // to before it, and keeps every earlier turn.
+            assert!(0 < kept && kept < at, "turn {i}: kept {kept} of {at}");
+        }
+        eprintln!(
+            "turn {i}: kept {kept} of {at} tokens, fed {}: {:?}",
+            out.prompt_tokens.len(),
+            out.text
+        );
+    }
+}
+
 /// Under a budget the conversation stays in N + B slots, whatever its length: turns start
 /// after decode left up to N + K - 1 slots (the first chunk takes the room left), evict, and
 /// go on; positions keep counting.

@@ -22,6 +22,8 @@ pub struct Conversation {
     /// The reply's last token, sampled but not yet in the cache (none after an end-of-turn
     /// token, which the template writes itself).
     pending: Option<u32>,
+    /// The tokens the cache holds, in order (its first slots while it has not evicted).
+    fed_tokens: Vec<u32>,
 }
 
 impl Conversation {
@@ -34,6 +36,7 @@ impl Conversation {
             cache: None,
             fed_text: String::new(),
             pending: None,
+            fed_tokens: Vec::new(),
         }
     }
 
@@ -58,9 +61,12 @@ impl Engine {
     /// adds on top of the cache, and generates the reply (appended as the assistant message).
     ///
     /// The cache is reused when the template's rendering of the whole conversation starts
-    /// with the text it already holds (true of ChatML, Llama 3 and most templates); otherwise
-    /// (a template that rewrites earlier turns) the conversation is prefilled afresh, which
-    /// `stats.prefix_tokens` = 0 shows. `params.prompt` is ignored; `Output::prompt_tokens`
+    /// with the text it already holds (true of ChatML, Llama 3 and most templates). A
+    /// template that rewrites earlier turns (Qwen 3's drops the reasoning of earlier replies)
+    /// keeps the tokens the cache and the conversation's tokens have in common, where the
+    /// cache can be cut back to them (it never evicted, and its policy keeps no attention
+    /// sums); otherwise the conversation is prefilled afresh, which `stats.prefix_tokens` = 0
+    /// shows. `params.prompt` is ignored; `Output::prompt_tokens`
     /// are the tokens this turn prefilled, and `stats.prefix_tokens` the tokens kept from
     /// earlier turns. With a budget the cache holds at most N + B slots whatever the length
     /// of the conversation; without one it grows (at least doubling) up to the context.
@@ -93,13 +99,35 @@ impl Engine {
             ids.extend(self.tokenize_special(delta)?);
             (ids, conv.position())
         } else {
-            if conv.cache.is_some() {
-                tracing::warn!(
-                    "the chat template rewrites earlier turns: prefilling the conversation afresh"
-                );
+            let ids = self.prompt_tokens(&Prompt::Chat(messages.clone()))?;
+            let common = (conv.fed_tokens.iter().zip(&ids))
+                .take_while(|(a, b)| a == b)
+                .count();
+            // At least one token is fed, for the logits of the reply's first.
+            let keep = common.min(ids.len() - 1);
+            match conv.cache.as_mut() {
+                Some(c) if keep > 0 && keep <= c.len() && c.can_truncate() => {
+                    tracing::info!(
+                        kept = keep,
+                        "the chat template rewrites earlier turns: going on from the tokens \
+                         in common"
+                    );
+                    c.truncate(keep)?;
+                    conv.fed_tokens.truncate(keep);
+                    (ids[keep..].to_vec(), keep)
+                }
+                cache => {
+                    if cache.is_some() {
+                        tracing::warn!(
+                            "the chat template rewrites earlier turns: prefilling the \
+                             conversation afresh"
+                        );
+                    }
+                    conv.cache = None;
+                    conv.fed_tokens.clear();
+                    (ids, 0)
+                }
             }
-            conv.cache = None;
-            (self.prompt_tokens(&Prompt::Chat(messages.clone()))?, 0)
         };
         if feed.is_empty() {
             return Err(EngineError::EmptyPrompt);
@@ -129,6 +157,10 @@ impl Engine {
             return Ok(out);
         }
         out.stats.prefix_tokens = kept;
+        // The cache holds what was fed and the reply but for its last token.
+        conv.fed_tokens.extend(&feed);
+        conv.fed_tokens
+            .extend(&out.tokens[..out.tokens.len().saturating_sub(1)]);
         let content = self.detokenize(&out.tokens)?;
         conv.pending = match out.stats.stop_reason {
             StopReason::Eos => None,
