@@ -160,6 +160,31 @@ fn chat_template_flags_shape_the_prompt() {
     // SmolLM2's own template adds a default system message; the file's does not.
     assert!(given < own, "{given} vs {own}");
     assert!(off > given, "{off} vs {given}");
+    // The template writes `</think>`: with --json, the reasoning comes apart from the answer.
+    let (so, _) = ok(&[
+        "run",
+        "-m",
+        m.to_str().unwrap(),
+        "--chat",
+        "-p",
+        "Is the sky blue?",
+        "-n",
+        "60",
+        "--json",
+        "--chat-template-file",
+        file.to_str().unwrap(),
+        "--grammar",
+        r#"root ::= "<think>" [a-z ]{4,30} "</think>\n\n" [A-Z] [a-z ]{2,20} ".""#,
+    ]);
+    let v: serde_json::Value = serde_json::from_str(&so).unwrap();
+    let text = v["text"].as_str().unwrap();
+    let (reasoning, content) = (v["reasoning_content"].as_str(), v["content"].as_str());
+    let (reasoning, content) = (reasoning.unwrap(), content.unwrap());
+    assert!(!reasoning.is_empty() && !content.is_empty(), "{v}");
+    let split = keydiff::reasoning::split(text, false);
+    assert_eq!(split.reasoning.as_deref(), Some(reasoning), "{v}");
+    assert_eq!(split.content, content, "{v}");
+    assert!(text.starts_with("<think>") && text.ends_with(content) && !content.contains("think"));
     // A model without a template chats with one given.
     let preset = root().join("configs/tiny-llama.json");
     ok(&[

@@ -1528,10 +1528,31 @@ fn generate_with(
         Event::Logprob(_) | Event::PromptLogprobs { .. } => {}
     })?;
     let s = &result.stats;
-    let calls = tools.map(|(syntax, list, _)| syntax.parse(&result.text, &list));
+    // A reasoning model's chat reply (its template writes `</think>`): the reasoning apart.
+    let rendered = match &params.prompt {
+        Prompt::Chat(m) => Some(engine.render_chat(m)?),
+        Prompt::ChatTools {
+            messages,
+            tools,
+            template_kwargs,
+        } => Some(engine.render_chat_with(messages, tools, template_kwargs)?),
+        _ => None,
+    };
+    let thinking = rendered
+        .filter(|_| keydiff::reasoning::ReasoningFormat::Auto.applies(engine.chat_template()))
+        .map(|r| {
+            let open = keydiff::reasoning::opens_reasoning(&r);
+            keydiff::reasoning::split(&result.text, open)
+        });
+    let answer = thinking.as_ref().map_or(&result.text, |t| &t.content);
+    let calls = tools.map(|(syntax, list, _)| syntax.parse(answer, &list));
     let calls = calls.filter(|p| !p.calls.is_empty());
     if a.json {
         let mut v = serde_json::json!({ "text": result.text, "stats": s });
+        if let Some(t) = &thinking {
+            v["reasoning_content"] = t.reasoning.clone().into();
+            v["content"] = t.content.clone().into();
+        }
         if let Some(p) = &calls {
             v["content"] = p.content.clone().into();
             v["tool_calls"] = keydiff_server::api::tool_calls(&p.calls, false);
