@@ -476,6 +476,19 @@ fn chat_template_flags() {
         "--chat-template-file /no/such/template.jinja",
     );
     expect(&run(&["--chat-template", "{% for %}"]), "chat template:");
+    expect(
+        &run(&["--reasoning-budget", "512"]),
+        "--reasoning-budget 512: only -1 (unrestricted) and 0 (no thinking) are supported",
+    );
+    expect(
+        &run(&[
+            "--reasoning-budget",
+            "0",
+            "--chat-template-kwargs",
+            r#"{"enable_thinking": true}"#,
+        ]),
+        "--reasoning-budget 0 contradicts `enable_thinking: true`",
+    );
 }
 
 /// `serve` refuses settings with no meaning before it loads anything, and an address it

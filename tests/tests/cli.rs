@@ -160,6 +160,14 @@ fn chat_template_flags_shape_the_prompt() {
     // SmolLM2's own template adds a default system message; the file's does not.
     assert!(given < own, "{given} vs {own}");
     assert!(off > given, "{off} vs {given}");
+    // llama.cpp's way to say the same.
+    let budget = prompt_tokens(&[
+        "--chat-template-file",
+        file.to_str().unwrap(),
+        "--reasoning-budget",
+        "0",
+    ]);
+    assert_eq!(budget, off);
     // The template writes `</think>`: with --json, the reasoning comes apart from the answer.
     let (so, _) = ok(&[
         "run",

@@ -238,6 +238,15 @@ struct TemplateArgs {
     /// turns Qwen 3's thinking off.
     #[arg(long, help_heading = "Chat template", value_name = "JSON")]
     chat_template_kwargs: Option<String>,
+    /// Thinking allowed (llama.cpp's flag): -1 unrestricted, 0 none (the template gets
+    /// `enable_thinking: false`, as Qwen 3's reads it).
+    #[arg(
+        long,
+        help_heading = "Chat template",
+        value_name = "N",
+        allow_negative_numbers = true
+    )]
+    reasoning_budget: Option<i64>,
 }
 
 impl TemplateArgs {
@@ -259,6 +268,22 @@ impl TemplateArgs {
                 Err(e) => bail!("--chat-template-kwargs is not JSON: {e}"),
             },
         };
+        let mut kwargs = kwargs;
+        match self.reasoning_budget {
+            None | Some(-1) => {}
+            Some(0) => match kwargs.get("enable_thinking") {
+                Some(serde_json::Value::Bool(true)) => {
+                    bail!("--reasoning-budget 0 contradicts `enable_thinking: true` in --chat-template-kwargs")
+                }
+                _ => {
+                    kwargs.insert("enable_thinking".into(), false.into());
+                }
+            },
+            Some(n) => bail!(
+                "--reasoning-budget {n}: only -1 (unrestricted) and 0 (no thinking) are \
+                 supported, as in llama.cpp"
+            ),
+        }
         Ok((template, kwargs))
     }
 }
