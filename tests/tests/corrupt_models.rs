@@ -591,6 +591,65 @@ fn unused_tensors_are_refused() {
     );
 }
 
+/// Qwen 3's q/k norms: missing, of another size than a head, or in a Qwen 2 file, each is
+/// refused naming the tensor; and a model run with them must have them all.
+#[test]
+fn qwen3_norms_are_checked() {
+    let d = temp_dir("gguf-qwen3");
+    let good = d.join("q3.gguf");
+    keydiff_tests::write_tiny_qwen3(&good, false).unwrap();
+    let mut f = std::fs::File::open(&good).unwrap();
+    let ct = gguf_file::Content::read(&mut f).unwrap();
+    let md: Vec<(String, Value)> = ct.metadata.clone().into_iter().collect();
+    let mut names: Vec<&String> = ct.tensor_infos.keys().collect();
+    names.sort();
+    let ts: Vec<(String, QTensor)> = names
+        .iter()
+        .map(|n| ((*n).clone(), ct.tensor(&mut f, n, &Device::Cpu).unwrap()))
+        .collect();
+    let p = d.join("bad.gguf");
+    let without = |gone: &str| -> Vec<(String, QTensor)> {
+        ts.iter()
+            .filter(|(n, _)| n != gone)
+            .map(|(n, t)| {
+                let t = t.dequantize(&Device::Cpu).unwrap();
+                (n.clone(), QTensor::quantize(&t, GgmlDType::F32).unwrap())
+            })
+            .collect()
+    };
+    for gone in ["blk.1.attn_q_norm.weight", "blk.0.attn_k_norm.weight"] {
+        write(&p, &md, &without(gone));
+        expect_error(gone, &p, gone);
+    }
+    // A norm over the whole hidden state instead of one head.
+    let mut wide = without("blk.0.attn_q_norm.weight");
+    let t = Tensor::ones(64, candle_core::DType::F32, &Device::Cpu).unwrap();
+    wide.push((
+        "blk.0.attn_q_norm.weight".into(),
+        QTensor::quantize(&t, GgmlDType::F32).unwrap(),
+    ));
+    write(&p, &md, &wide);
+    expect_error("hidden-wide q norm", &p, "blk.0.attn_q_norm.weight");
+    // The same tensors declared as Qwen 2, which has no such norms.
+    let qwen2: Vec<(String, Value)> = md
+        .iter()
+        .map(|(k, v)| match k.strip_prefix("qwen3.") {
+            Some(rest) => (format!("qwen2.{rest}"), v.clone()),
+            None if k == "general.architecture" => (k.clone(), Value::String("qwen2".into())),
+            None => (k.clone(), v.clone()),
+        })
+        .collect();
+    write(&p, &qwen2, &without(""));
+    expect_error(
+        "qwen3 tensors as qwen2",
+        &p,
+        "tensor(s) that a Qwen2 model does not use: `blk.0.attn_k_norm.weight`",
+    );
+    let got = load_and_run(&good);
+    assert!(matches!(got, Outcome::Ran), "{got:?}");
+    std::fs::remove_dir_all(d).ok();
+}
+
 /// A broken chat template fails with its error, not a panic; one that renders nothing says so.
 #[test]
 fn broken_chat_templates_are_named() {
