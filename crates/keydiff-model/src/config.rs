@@ -511,9 +511,11 @@ impl HfConfig {
                 }
             })?,
         };
-        let head_dim = self
-            .head_dim
-            .unwrap_or(self.hidden_size / self.num_attention_heads.max(1));
+        // transformers' default: hidden / heads, but 128 for Qwen 3 (`Qwen3Config`).
+        let head_dim = self.head_dim.unwrap_or(match arch {
+            Arch::Qwen3 => 128,
+            _ => self.hidden_size / self.num_attention_heads.max(1),
+        });
         let cfg = ModelConfig {
             arch,
             vocab_size: self.vocab_size,
@@ -910,6 +912,47 @@ mod tests {
     }
 
     /// llama.cpp's flags: a type, a factor, YaRN's settings, over what the model has.
+    #[test]
+    fn hf_qwen3_configs() {
+        let parse = |v: serde_json::Value| {
+            let hf: HfConfig = serde_json::from_value(v).unwrap();
+            hf.to_model_config(Path::new("config.json"))
+        };
+        let base = json!({"vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 3072,
+            "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+            "rms_norm_eps": 1e-6, "rope_theta": 1e6, "max_position_embeddings": 40960,
+            "tie_word_embeddings": true});
+        let with = |extra: serde_json::Value| {
+            let mut v = base.clone();
+            v.as_object_mut()
+                .unwrap()
+                .extend(extra.as_object().unwrap().clone());
+            v
+        };
+        // Named by `architectures` only, without `head_dim`: transformers' Qwen3Config
+        // default of 128 (not hidden / heads = 64), q/k norms, no biases, NeoX RoPE.
+        let c = parse(with(json!({"architectures": ["Qwen3ForCausalLM"]}))).unwrap();
+        assert_eq!(c.arch, Arch::Qwen3);
+        assert_eq!(c.head_dim, 128);
+        assert!(c.qk_norm && !c.attention_bias && !c.rope_interleaved);
+        let c = parse(with(json!({"model_type": "qwen3", "head_dim": 64}))).unwrap();
+        assert_eq!((c.arch, c.head_dim), (Arch::Qwen3, 64));
+        // Qwen 2.5 has neither the norms nor that default.
+        let c = parse(with(json!({"model_type": "qwen2"}))).unwrap();
+        assert!(!c.qk_norm && c.attention_bias && c.head_dim == 64);
+        // The MoE variant is refused by name.
+        for moe in [
+            json!({"model_type": "qwen3_moe"}),
+            json!({"architectures": ["Qwen3MoeForCausalLM"]}),
+        ] {
+            let err = parse(with(moe)).unwrap_err().to_string();
+            assert!(
+                err.contains("unsupported architecture `Qwen3Moe") || err.contains("`qwen3_moe`"),
+                "{err}"
+            );
+        }
+    }
+
     #[test]
     fn overrides_follow_llama_cpp_flags() {
         let apply = |o: RopeOverride, own: Option<RopeScaling>| {
