@@ -1,7 +1,8 @@
 //! The decoder: embedding, N × (attention + SwiGLU MLP, pre-RMSNorm), final norm, LM head.
 //!
-//! One implementation for Llama 3.x, Qwen 2.5 and Qwen 3, with dense or GGML-quantized linears. The model
-//! owns no cache: each call gets the per-layer [`LayerCache`]s of the request.
+//! One implementation for Llama 3.x, Qwen 2.5 and Qwen 3, with dense or GGML-quantized
+//! linears. The model owns no cache: each call gets the per-layer [`LayerCache`]s of the
+//! request.
 
 use std::time::Instant;
 

@@ -1070,6 +1070,11 @@ impl Engine {
         cfg.cache
             .validate()
             .map_err(|e| EngineError::BadParams(e.to_string()))?;
+        // A given chat template and its variables are checked before the weights load.
+        keydiff_model::chat::check_template_kwargs(&cfg.chat_template_kwargs)?;
+        if let Some(src) = &cfg.chat_template {
+            keydiff_model::ChatTemplate::new(src, None, None)?;
+        }
         // Room to leave beside the weights: a budgeted cache is allocated at N + B slots for
         // every request; a full cache depends on the prompt and is checked per request.
         let kv_dtype = cfg.kv_dtype.unwrap_or(cfg.dtype);
@@ -1108,7 +1113,6 @@ impl Engine {
                 return Self::load(&local, cfg);
             }
         };
-        keydiff_model::chat::check_template_kwargs(&cfg.chat_template_kwargs)?;
         if let Some(src) = &cfg.chat_template {
             let (bos, eos) = loaded.vocab.template_tokens.clone();
             loaded.vocab.chat_template = Some(keydiff_model::ChatTemplate::new(src, bos, eos)?);
