@@ -1506,6 +1506,12 @@ fn generate_with(
     if let Some((_, _, Some(f))) = &tools {
         sampling.format = f.clone();
     }
+    // A reasoning model's chat reply (its template writes `</think>`): the reasoning apart,
+    // and tool calls read in the answer only.
+    let reasoning = engine.reasoning_start(&prompt, keydiff::reasoning::ReasoningFormat::Auto)?;
+    if let Format::Lazy { reasoning: r, .. } = &mut sampling.format {
+        *r = reasoning;
+    }
     let params = GenerateParams {
         prompt,
         max_tokens: a.max_tokens,
@@ -1553,22 +1559,7 @@ fn generate_with(
         Event::Logprob(_) | Event::PromptLogprobs { .. } => {}
     })?;
     let s = &result.stats;
-    // A reasoning model's chat reply (its template writes `</think>`): the reasoning apart.
-    let rendered = match &params.prompt {
-        Prompt::Chat(m) => Some(engine.render_chat(m)?),
-        Prompt::ChatTools {
-            messages,
-            tools,
-            template_kwargs,
-        } => Some(engine.render_chat_with(messages, tools, template_kwargs)?),
-        _ => None,
-    };
-    let thinking = rendered
-        .filter(|_| keydiff::reasoning::ReasoningFormat::Auto.applies(engine.chat_template()))
-        .map(|r| {
-            let open = keydiff::reasoning::opens_reasoning(&r);
-            keydiff::reasoning::split(&result.text, open)
-        });
+    let thinking = reasoning.map(|open| keydiff::reasoning::split(&result.text, open));
     let answer = thinking.as_ref().map_or(&result.text, |t| &t.content);
     let calls = tools.map(|(syntax, list, _)| syntax.parse(answer, &list));
     let calls = calls.filter(|p| !p.calls.is_empty());

@@ -1433,23 +1433,15 @@ async fn chat_completions(
     State(st): State<Arc<AppState>>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    let mapped = api::parse::<ChatRequest>(&body)?.map(defaults(&st))?;
+    let mut mapped = api::parse::<ChatRequest>(&body)?.map(defaults(&st))?;
     let mut reply = Reply::new(Kind::Chat, &st.cfg.model_id, 1, mapped.n);
-    if st.cfg.reasoning_format.applies(st.engine.chat_template()) {
-        // Whether the template opened the block in the prompt (DeepSeek-R1's does).
-        let open = match &mapped.params.prompt {
-            keydiff::Prompt::Chat(m) => st.engine.render_chat(m).ok(),
-            keydiff::Prompt::ChatTools {
-                messages,
-                tools,
-                template_kwargs,
-            } => st
-                .engine
-                .render_chat_with(messages, tools, template_kwargs)
-                .ok(),
-            _ => None,
-        };
-        reply.reasoning = Some(open.is_some_and(|t| keydiff::reasoning::opens_reasoning(&t)));
+    reply.reasoning = st
+        .engine
+        .reasoning_start(&mapped.params.prompt, st.cfg.reasoning_format)
+        .map_err(|e| ApiError::invalid(e.to_string(), Some("messages")))?;
+    // Tool calls are read in the answer: a trigger inside the reasoning does not count.
+    if let keydiff::Format::Lazy { reasoning, .. } = &mut mapped.params.sampling.format {
+        *reasoning = reply.reasoning;
     }
     Ok(respond(st, mapped, reply).await)
 }

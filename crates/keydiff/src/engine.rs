@@ -626,10 +626,31 @@ struct Lazy {
     /// The grammar: nothing read until a trigger comes, then what came from it on.
     grammar: GrammarState,
     active: bool,
+    /// Where the reply stands against a reasoning block, whose text no trigger counts in.
+    think: Think,
+}
+
+/// A reply's reasoning block (`<think>…</think>`, [`crate::reasoning`]) as a lazy grammar
+/// sees it: triggers count only after it, and the answer after it is the text's start.
+#[derive(Debug, Clone)]
+enum Think {
+    /// No block, or after it.
+    Off,
+    /// Before the first byte that is not whitespace: the bytes held, which may open one.
+    Start(Vec<u8>),
+    /// Inside it: its last bytes, fewer than `</think>`'s.
+    Inside(Vec<u8>),
 }
 
 impl Lazy {
-    fn new(triggers: &[String], at_start: &[String], grammar: GrammarState) -> Result<Self> {
+    /// `reasoning`: `None` reads every byte for triggers; `Some(open)` skips a reasoning
+    /// block at the start of the reply (`open`: the prompt opened it).
+    fn new(
+        triggers: &[String],
+        at_start: &[String],
+        grammar: GrammarState,
+        reasoning: Option<bool>,
+    ) -> Result<Self> {
         let all = triggers.iter().chain(at_start);
         if triggers.is_empty() && at_start.is_empty() {
             return Err(EngineError::BadParams(
@@ -651,6 +672,11 @@ impl Lazy {
             lead: (!at_start.is_empty()).then(Vec::new),
             grammar,
             active: false,
+            think: match reasoning {
+                None => Think::Off,
+                Some(false) => Think::Start(Vec::new()),
+                Some(true) => Think::Inside(Vec::new()),
+            },
         })
     }
 
@@ -689,6 +715,39 @@ impl Lazy {
 
     /// Reads a token's bytes; false when the grammar refuses them.
     fn push_all(&mut self, bytes: &[u8]) -> bool {
+        use crate::reasoning::{THINK_END, THINK_START};
+        let (open, close) = (THINK_START.as_bytes(), THINK_END.as_bytes());
+        match &mut self.think {
+            Think::Off => {}
+            Think::Start(held) => {
+                held.extend_from_slice(bytes);
+                let ws = held.iter().take_while(|b| b.is_ascii_whitespace()).count();
+                let t = &held[ws..];
+                if let Some(rest) = t.strip_prefix(open) {
+                    let rest = rest.to_vec();
+                    self.think = Think::Inside(Vec::new());
+                    return self.push_all(&rest);
+                }
+                if open.starts_with(t) {
+                    return true;
+                }
+                // No block: the held text is the reply's start.
+                let held = std::mem::take(held);
+                self.think = Think::Off;
+                return self.push_all(&held);
+            }
+            Think::Inside(tail) => {
+                let mut text = std::mem::take(tail);
+                text.extend_from_slice(bytes);
+                if let Some(p) = text.windows(close.len()).position(|w| w == close) {
+                    self.think = Think::Off;
+                    return self.push_all(&text[p + close.len()..]);
+                }
+                let keep = text.len().min(close.len() - 1);
+                *tail = text[text.len() - keep..].to_vec();
+                return true;
+            }
+        }
         if self.active {
             return self.grammar.push_all(bytes);
         }
@@ -718,9 +777,27 @@ impl Lazy {
             return self.grammar.mask(logits, tokens, by_bytes, eos);
         }
         // Only a token with a trigger's last byte can end one.
-        let lasts: Vec<u8> = (self.anywhere.iter().chain(self.at_start.iter()))
+        let mut lasts: Vec<u8> = (self.anywhere.iter().chain(self.at_start.iter()))
             .map(|t| *t.last().expect("not empty"))
             .collect();
+        if !matches!(self.think, Think::Off) {
+            // Before or in a reasoning block a token may also end it (`>`) and go on into
+            // the answer: each such token is read on a copy.
+            lasts.push(b'>');
+            let mut left = 0;
+            for (id, l) in logits.iter_mut().enumerate() {
+                if !l.is_finite() {
+                    continue;
+                }
+                let bytes = tokens.get(id).map_or(&[][..], |b| &b[..]);
+                if bytes.iter().any(|b| lasts.contains(b)) && !self.clone().push_all(bytes) {
+                    *l = f32::NEG_INFINITY;
+                    continue;
+                }
+                left += 1;
+            }
+            return left;
+        }
         let mut left = 0;
         for (id, l) in logits.iter_mut().enumerate() {
             if !l.is_finite() {
@@ -758,11 +835,12 @@ impl Constraint {
                 grammar,
                 triggers,
                 at_start,
+                reasoning,
             } => {
                 let g = GrammarState::new(Arc::new(
                     Grammar::parse(grammar).map_err(|e| EngineError::BadParams(e.to_string()))?,
                 ));
-                let c = Constraint::Lazy(Lazy::new(triggers, at_start, g)?);
+                let c = Constraint::Lazy(Lazy::new(triggers, at_start, g, *reasoning)?);
                 c.check()?;
                 Some(c)
             }
@@ -1554,6 +1632,30 @@ impl Engine {
         Ok(t.render_with(messages, &tools, true, &all)?)
     }
 
+    /// How the reply to `prompt` splits into reasoning and answer under `format`
+    /// ([`crate::reasoning`]): `Some(open)` for a chat whose template `format` applies to
+    /// (`open`: the rendered prompt opens the block, as DeepSeek-R1's does), `None` for other
+    /// prompts and templates.
+    pub fn reasoning_start(
+        &self,
+        prompt: &Prompt,
+        format: crate::reasoning::ReasoningFormat,
+    ) -> Result<Option<bool>> {
+        if !format.applies(self.chat_template()) {
+            return Ok(None);
+        }
+        let text = match prompt {
+            Prompt::Chat(m) => self.render_chat(m)?,
+            Prompt::ChatTools {
+                messages,
+                tools,
+                template_kwargs,
+            } => self.render_chat_with(messages, tools, template_kwargs)?,
+            _ => return Ok(None),
+        };
+        Ok(Some(crate::reasoning::opens_reasoning(&text)))
+    }
+
     /// How the model writes function calls, told by its chat template; `None` without a
     /// template or when it writes none keydiff reads ([`crate::tools::ToolSyntax`]).
     pub fn tool_syntax(&self) -> Option<crate::tools::ToolSyntax> {
@@ -1988,6 +2090,7 @@ mod tests {
             grammar,
             triggers: vec!["<tool_call>".into()],
             at_start: vec!["{\"name\"".into()],
+            reasoning: None,
         };
         Constraint::new(&format).unwrap().unwrap()
     }
@@ -2074,12 +2177,90 @@ mod tests {
         assert!(read(&mut c, &tokens, &[2, 12, 0]));
     }
 
+    /// With `reasoning`, a `<think>` block at the start of the reply is free text: a trigger
+    /// inside it does not count, the answer after it starts the text (start triggers count
+    /// there), and the mask still bans exactly what reading refuses.
+    #[test]
+    fn a_lazy_grammar_skips_a_reasoning_block() {
+        let tokens = vocab(&[
+            "",
+            "",
+            "<think>",
+            "I could use <tool_call> here",
+            "</think>",
+            "\n\n",
+            "<tool_call>",
+            "\nX\n",
+            "</tool_call>",
+            "</think>\n<tool_call>Y",
+            "{\"",
+            "name\":1}",
+            "Hi ",
+            " ",
+            "<thi",
+            "nk>",
+        ]);
+        let lazy_with = |reasoning| {
+            let format = Format::Lazy {
+                grammar: r#"root ::= "<tool_call>\nX\n</tool_call>" | "{\"name\":1}""#.into(),
+                triggers: vec!["<tool_call>".into()],
+                at_start: vec!["{\"name\"".into()],
+                reasoning,
+            };
+            Constraint::new(&format).unwrap().unwrap()
+        };
+        // Without it, the trigger in the reasoning starts the grammar, which refuses the rest.
+        let mut c = lazy_with(None);
+        assert!(read(&mut c, &tokens, &[2]));
+        assert!(!c.clone().push(3, &tokens, &[0]));
+        // With it, the reasoning is text, and so is an answer without a call.
+        let mut c = lazy_with(Some(false));
+        assert!(read(&mut c, &tokens, &[2, 3, 4, 5, 12, 0]));
+        // A call in the answer follows the grammar.
+        let mut c = lazy_with(Some(false));
+        assert!(read(&mut c, &tokens, &[2, 3, 4, 5, 6]));
+        assert!(!c.clone().push(12, &tokens, &[0]));
+        assert!(read(&mut c, &tokens, &[7, 8, 0]));
+        // The answer's start is the text's: a start trigger after the block.
+        let mut c = lazy_with(Some(false));
+        assert!(read(&mut c, &tokens, &[2, 3, 4, 5, 10, 11, 0]));
+        // Whitespace and a tag split across tokens; a prompt that opened the block.
+        let mut c = lazy_with(Some(false));
+        assert!(read(&mut c, &tokens, &[13, 14, 15, 3, 4, 12, 0]));
+        let mut c = lazy_with(Some(true));
+        assert!(read(&mut c, &tokens, &[3, 4, 5, 6, 7, 8, 0]));
+        // A reply that does not open a block reads as without reasoning.
+        let mut c = lazy_with(Some(false));
+        assert!(read(&mut c, &tokens, &[12]));
+        assert!(!c.clone().push(3, &tokens, &[0]));
+        // The mask bans exactly what reading refuses, before, in and after the block.
+        for prefix in [&[][..], &[14], &[13], &[2], &[2, 3], &[2, 3, 4], &[12]] {
+            let mut c = lazy_with(Some(false));
+            assert!(read(&mut c, &tokens, prefix));
+            let mut logits = vec![0.0; tokens.len()];
+            let left = c.mask(&mut logits, &tokens, &[], &[0]);
+            for t in 0..tokens.len() as u32 {
+                assert_eq!(
+                    c.clone().push(t, &tokens, &[0]),
+                    logits[t as usize] == 0.0,
+                    "after {prefix:?}: token {t}"
+                );
+            }
+            assert_eq!(left, logits.iter().filter(|l| l.is_finite()).count());
+        }
+        // Token 9 ends the block and starts a call the grammar refuses.
+        let mut c = lazy_with(Some(false));
+        assert!(read(&mut c, &tokens, &[2]));
+        assert!(!c.clone().push(9, &tokens, &[0]));
+    }
+
     #[test]
     fn a_lazy_grammar_must_take_its_triggers() {
         let format = Format::Lazy {
             grammar: r#"root ::= "<call>""#.into(),
             triggers: vec!["<tool_call>".into()],
             at_start: Vec::new(),
+            reasoning: None,
         };
         let e = Constraint::new(&format).unwrap_err().to_string();
         assert!(e.contains("trigger `<tool_call>`"), "{e}");
@@ -2087,6 +2268,7 @@ mod tests {
             grammar: r#"root ::= "x""#.into(),
             triggers: Vec::new(),
             at_start: Vec::new(),
+            reasoning: None,
         };
         assert!(Constraint::new(&none).is_err());
     }

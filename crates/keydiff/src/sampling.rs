@@ -56,11 +56,15 @@ pub enum Format {
     /// Any text until a trigger comes; from there on, a text of `grammar` that starts with
     /// the trigger, then the end of generation (llama.cpp's lazy grammars; tool calls with
     /// `tool_choice: auto`, [`crate::tools`]). `triggers` count anywhere in the text,
-    /// `at_start` only where the text begins with them, after whitespace.
+    /// `at_start` only where the text begins with them, after whitespace. With `reasoning`
+    /// (`Some(open)`: the prompt opened the block), a `<think>…</think>` block at the start
+    /// of the reply is free text where no trigger counts, and the answer after it is the
+    /// text's start ([`crate::reasoning`]).
     Lazy {
         grammar: String,
         triggers: Vec<String>,
         at_start: Vec<String>,
+        reasoning: Option<bool>,
     },
 }
 

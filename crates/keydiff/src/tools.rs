@@ -383,6 +383,7 @@ impl ToolSyntax {
                     ToolSyntax::Llama3 => Vec::new(),
                 },
                 at_start: vec![CALL_START.to_string()],
+                reasoning: None,
             },
             false => Format::Grammar(grammar),
         }))
@@ -889,6 +890,7 @@ mod tests {
             grammar,
             triggers,
             at_start,
+            ..
         }) = ToolSyntax::Hermes
             .format(&tools(), &ToolChoice::Auto, true)
             .unwrap()
