@@ -241,16 +241,10 @@ fn rope_of(name: &str) -> RopeOverride {
     }
 }
 
-/// The scaled fixture tells scaled from unscaled: the model run without the scaling misses
-/// its top-10 logits by more than the tolerance, so that matching it needs the scaling
-/// computed as llama.cpp computes it.
-fn fixture_needs_the_scaling(name: &str, path: &str) {
-    let cfg = EngineConfig {
-        cpu_weights: CpuWeights::AS_STORED,
-        ..Default::default()
-    };
-    let engine = Engine::load(&ModelSource::Gguf(model(path)), &cfg).unwrap();
-    let worst = fixture(name)
+/// `engine`'s largest |logit − llama.cpp logit| over the top-10 of every prompt of fixture
+/// `name`, after a prefill.
+fn worst_top10_error(engine: &Engine, name: &str) -> f32 {
+    fixture(name)
         .prompts
         .iter()
         .map(|p| {
@@ -260,7 +254,19 @@ fn fixture_needs_the_scaling(name: &str, path: &str) {
                 .map(|&(id, l)| (logits[id as usize] - l).abs())
                 .fold(0f32, f32::max)
         })
-        .fold(0f32, f32::max);
+        .fold(0f32, f32::max)
+}
+
+/// The scaled fixture tells scaled from unscaled: the model run without the scaling misses
+/// its top-10 logits by more than the tolerance, so that matching it needs the scaling
+/// computed as llama.cpp computes it.
+fn fixture_needs_the_scaling(name: &str, path: &str) {
+    let cfg = EngineConfig {
+        cpu_weights: CpuWeights::AS_STORED,
+        ..Default::default()
+    };
+    let engine = Engine::load(&ModelSource::Gguf(model(path)), &cfg).unwrap();
+    let worst = worst_top10_error(&engine, name);
     eprintln!("{name} without the scaling: top-10 logit error {worst}");
     assert!(
         worst > TOP10_TOL,
@@ -316,17 +322,7 @@ fn tiny_qwen3_matches_llamacpp() {
     let unit = dir.join("tiny-qwen3-unit-norms.gguf");
     write_tiny_qwen3(&unit, true).unwrap();
     let engine = Engine::load(&ModelSource::Gguf(unit), &EngineConfig::default()).unwrap();
-    let worst = fixture("tiny-qwen3")
-        .prompts
-        .iter()
-        .map(|p| {
-            let logits = engine.prefill_logits(&p.tokens, 128).unwrap();
-            p.top_logits
-                .iter()
-                .map(|&(id, l)| (logits[id as usize] - l).abs())
-                .fold(0f32, f32::max)
-        })
-        .fold(0f32, f32::max);
+    let worst = worst_top10_error(&engine, "tiny-qwen3");
     eprintln!("tiny-qwen3 with unit q/k norm weights: top-10 logit error {worst}");
     assert!(worst > 100.0 * TOL, "unit q/k norms miss by {worst} only");
     let _ = std::fs::remove_dir_all(&dir);
