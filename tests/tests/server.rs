@@ -1838,6 +1838,14 @@ fn reasoning_comes_apart_and_template_kwargs_reach_the_template() {
     assert_eq!(got["usage"]["prompt_tokens"], n);
     assert!(n > local.prompt_tokens(&params.prompt).unwrap().len());
     assert!(got["choices"][0]["message"]["reasoning_content"].is_null());
+    // `/tokenize` renders them the same way.
+    let (code, tok) = post(
+        &format!("{}/tokenize", server.url()),
+        &json!({"messages": [{"role": "user", "content": question}],
+                "chat_template_kwargs": {"enable_thinking": false}}),
+    );
+    assert_eq!(code, 200, "{tok}");
+    assert_eq!(tok["count"], n, "{tok}");
     let mut reserved = off.clone();
     reserved["chat_template_kwargs"] = json!({"messages": []});
     let (code, err) = post(&url, &reserved);
