@@ -9,7 +9,7 @@ position, and a 24-token greedy continuation (argmax of the raw logits, one toke
 time, no sampler and no penalties). Run it in the venv made by scripts/python-env.sh, after
 scripts/fetch-models.sh:
 
-    .venv/bin/python scripts/gen-fixtures.py [smollm2|qwen|all|rope|qwen3]
+    .venv/bin/python scripts/gen-fixtures.py [smollm2|qwen|all|rope|qwen3|qwen3moe]
 
 `rope` writes the same for three prompts under RoPE scaling given as llama.cpp's context
 parameters (`--rope-scaling`, `--rope-scale`, `--yarn-orig-ctx` of its CLI), for
@@ -18,6 +18,10 @@ tests/tests/rope.rs: tests/fixtures/llamacpp/{qwen-yarn,smollm2-yarn,smollm2-lin
 `qwen3` writes tests/fixtures/llamacpp/tiny-qwen3.json for a tiny Qwen 3 with seeded random f32
 weights and Qwen's tokenizer, whose GGUF `cargo run --release -p keydiff-tests --example
 tiny-qwen3` writes (keydiff_tests::write_tiny_qwen3; the test writes the same bytes again).
+
+`qwen3moe` writes tests/fixtures/llamacpp/tiny-qwen3moe.json and tiny-qwen3moe-q8_0.json for the
+same model with a mixture of 8 experts (2 per token) in each layer, its experts stored as F32
+and as Q8_0 (keydiff_tests::write_tiny_qwen3_moe; the example's `--moe [q8_0]`).
 
 Deterministic: CPU, 2 threads, a fixed seed (unused: nothing is sampled).
 """
@@ -330,7 +334,7 @@ def dump(data: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("which", nargs="?", default="all",
-                    choices=["smollm2", "qwen", "all", "rope", "qwen3"])
+                    choices=["smollm2", "qwen", "all", "rope", "qwen3", "qwen3moe"])
     args = ap.parse_args()
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     if args.which == "qwen3":
@@ -346,6 +350,21 @@ def main() -> None:
         out = OUT_DIR / "tiny-qwen3.json"
         out.write_text(dump(data) + "\n", encoding="utf-8")
         print(f"gen-fixtures: wrote {out.relative_to(ROOT)} ({out.stat().st_size} bytes)")
+        return
+    if args.which == "qwen3moe":
+        for name, extra in [("tiny-qwen3moe", []), ("tiny-qwen3moe-q8_0", ["q8_0"])]:
+            with tempfile.TemporaryDirectory() as tmp:
+                path = Path(tmp) / f"{name}.gguf"
+                subprocess.run(["cargo", "run", "--release", "-q", "-p", "keydiff-tests",
+                                "--example", "tiny-qwen3", "--", str(path), "--moe", *extra],
+                               check=True, cwd=ROOT)
+                f32 = llama_cpp.GGML_TYPE_F32
+                data = build(name, path=path, ctx=dict(type_k=f32, type_v=f32))
+            data["model_file"] = (f"{name}.gguf (keydiff_tests::write_tiny_qwen3_moe, "
+                                  f"experts {extra[0] if extra else 'f32'})")
+            out = OUT_DIR / f"{name}.json"
+            out.write_text(dump(data) + "\n", encoding="utf-8")
+            print(f"gen-fixtures: wrote {out.relative_to(ROOT)} ({out.stat().st_size} bytes)")
         return
     if args.which == "rope":
         for name, (key, rope, flags) in ROPE_VARIANTS.items():

@@ -145,6 +145,7 @@ fn hf_name(gguf: &str) -> Option<String> {
             "ffn_gate" => "mlp.gate_proj",
             "ffn_up" => "mlp.up_proj",
             "ffn_down" => "mlp.down_proj",
+            "ffn_gate_inp" => "mlp.gate",
             _ => return None,
         })
     };
@@ -177,6 +178,26 @@ pub fn export_hf(gguf: &Path, dir: &Path) -> Result<()> {
     let cfg = keydiff_model::ModelConfig::from_gguf(&ct, gguf)?;
     let mut tensors = HashMap::new();
     for name in ct.tensor_infos.keys() {
+        // A mixture's stacked experts: one tensor per expert.
+        let experts = [
+            ("ffn_gate_exps", "gate_proj"),
+            ("ffn_up_exps", "up_proj"),
+            ("ffn_down_exps", "down_proj"),
+        ];
+        if let ["blk", l, t, "weight"] = name.split('.').collect::<Vec<_>>().as_slice() {
+            if let Some((_, proj)) = experts.iter().find(|(g, _)| g == t) {
+                let w = ct
+                    .tensor(&mut f, name, &Device::Cpu)?
+                    .dequantize(&Device::Cpu)?;
+                for e in 0..w.dim(0)? {
+                    tensors.insert(
+                        format!("model.layers.{l}.mlp.experts.{e}.{proj}.weight"),
+                        w.get(e)?.to_dtype(DType::F32)?,
+                    );
+                }
+                continue;
+            }
+        }
         let Some(hf) = hf_name(name) else { continue };
         let mut t = ct
             .tensor(&mut f, name, &Device::Cpu)?
@@ -189,11 +210,12 @@ pub fn export_hf(gguf: &Path, dir: &Path) -> Result<()> {
         tensors.insert(hf, t.to_dtype(DType::F32)?);
     }
     candle_core::safetensors::save(&tensors, dir.join("model.safetensors"))?;
-    let config = serde_json::json!({
+    let mut config = serde_json::json!({
         "model_type": match cfg.arch {
             keydiff_model::Arch::Llama => "llama",
             keydiff_model::Arch::Qwen2 => "qwen2",
             keydiff_model::Arch::Qwen3 => "qwen3",
+            keydiff_model::Arch::Qwen3Moe => "qwen3_moe",
         },
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
@@ -202,6 +224,18 @@ pub fn export_hf(gguf: &Path, dir: &Path) -> Result<()> {
         "max_position_embeddings": cfg.max_position_embeddings,
         "tie_word_embeddings": cfg.tie_word_embeddings, "attention_bias": cfg.attention_bias,
     });
+    if let Some(m) = &cfg.moe {
+        config.as_object_mut().expect("an object").extend(
+            serde_json::json!({
+                "num_experts": m.num_experts, "num_experts_per_tok": m.experts_per_token,
+                "moe_intermediate_size": m.expert_intermediate_size,
+                "norm_topk_prob": m.norm_topk_prob,
+            })
+            .as_object()
+            .expect("an object")
+            .clone(),
+        );
+    }
     std::fs::write(
         dir.join("config.json"),
         serde_json::to_string_pretty(&config)?,
@@ -244,6 +278,30 @@ pub fn temp_dir(name: &str) -> std::path::PathBuf {
 /// logits on the file `cargo run -p keydiff-tests --example tiny-qwen3` writes, and the
 /// parity test writes it again.
 pub fn write_tiny_qwen3(path: &Path, unit_qk_norms: bool) -> Result<()> {
+    write_tiny_qwen3_like(path, unit_qk_norms, None)
+}
+
+/// A tiny Qwen 3 MoE (`general.architecture = qwen3moe`): [`write_tiny_qwen3`]'s model with a
+/// mixture in place of each MLP, as Qwen3-30B-A3B has in small: 8 experts of width 64, 2 of
+/// them run per token, renormalised. The router is drawn wider than the other linears
+/// (U(-3a, 3a)) so that each token's choice is clear. Experts are stored as `experts`
+/// (F32 for the exact-parity fixture, Q8_0 or Q4_0 to test the split of a stacked quantized
+/// tensor); everything else is F32.
+///
+/// `scripts/gen-fixtures.py qwen3moe` records llama.cpp's logits on the files
+/// `cargo run -p keydiff-tests --example tiny-qwen3 -- OUT.gguf --moe [q8_0]` writes.
+pub fn write_tiny_qwen3_moe(path: &Path, experts: candle_core::quantized::GgmlDType) -> Result<()> {
+    write_tiny_qwen3_like(path, false, Some(experts))
+}
+
+/// Experts per layer, experts per token and expert width of [`write_tiny_qwen3_moe`].
+pub const TINY_MOE: (usize, usize, usize) = (8, 2, 64);
+
+fn write_tiny_qwen3_like(
+    path: &Path,
+    unit_qk_norms: bool,
+    moe: Option<candle_core::quantized::GgmlDType>,
+) -> Result<()> {
     use candle_core::quantized::gguf_file::Value;
     use candle_core::quantized::{GgmlDType, QTensor};
     const HIDDEN: usize = 64;
@@ -265,11 +323,22 @@ pub fn write_tiny_qwen3(path: &Path, unit_qk_norms: bool) -> Result<()> {
         Some((_, Value::Array(a))) => a.len(),
         _ => anyhow::bail!("{QWEN} has no token list"),
     };
-    md.push(("general.architecture".into(), Value::String("qwen3".into())));
+    let arch = if moe.is_some() { "qwen3moe" } else { "qwen3" };
+    let (experts, used, expert_ff) = TINY_MOE;
+    md.push(("general.architecture".into(), Value::String(arch.into())));
     md.push((
         "general.name".into(),
-        Value::String("tiny random qwen3".into()),
+        Value::String(format!("tiny random {arch}")),
     ));
+    if moe.is_some() {
+        for (k, v) in [
+            ("expert_count", experts),
+            ("expert_used_count", used),
+            ("expert_feed_forward_length", expert_ff),
+        ] {
+            md.push((format!("{arch}.{k}"), Value::U32(v as u32)));
+        }
+    }
     for (k, v) in [
         ("block_count", LAYERS),
         ("context_length", 4096),
@@ -280,11 +349,11 @@ pub fn write_tiny_qwen3(path: &Path, unit_qk_norms: bool) -> Result<()> {
         ("attention.key_length", HEAD_DIM),
         ("attention.value_length", HEAD_DIM),
     ] {
-        md.push((format!("qwen3.{k}"), Value::U32(v as u32)));
+        md.push((format!("{arch}.{k}"), Value::U32(v as u32)));
     }
-    md.push(("qwen3.rope.freq_base".into(), Value::F32(1e6)));
+    md.push((format!("{arch}.rope.freq_base"), Value::F32(1e6)));
     md.push((
-        "qwen3.attention.layer_norm_rms_epsilon".into(),
+        format!("{arch}.attention.layer_norm_rms_epsilon"),
         Value::F32(1e-6),
     ));
 
@@ -298,23 +367,24 @@ pub fn write_tiny_qwen3(path: &Path, unit_qk_norms: bool) -> Result<()> {
         z ^= z >> 31;
         lo + (hi - lo) * ((z >> 40) as f32 / (1u64 << 24) as f32)
     };
-    let mut tensor = |shape: &[usize], lo: f32, hi: f32| -> Result<QTensor> {
+    let mut tensor = |shape: &[usize], lo: f32, hi: f32, t: GgmlDType| -> Result<QTensor> {
         let n: usize = shape.iter().product();
         let v: Vec<f32> = (0..n).map(|_| uniform(lo, hi)).collect();
-        let t = Tensor::from_vec(v, shape, &Device::Cpu)?;
-        Ok(QTensor::quantize(&t, GgmlDType::F32)?)
+        let x = Tensor::from_vec(v, shape, &Device::Cpu)?;
+        Ok(QTensor::quantize(&x, t)?)
     };
+    let f32t = GgmlDType::F32;
     // Linears keep unit variance: U(-a, a) with a = sqrt(3 / fan_in).
     let lin = |fan_in: usize| (3.0 / fan_in as f32).sqrt();
     let (q, kv) = (HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM);
     let mut ts = vec![
         (
             "token_embd.weight".to_string(),
-            tensor(&[vocab, HIDDEN], -1.0, 1.0)?,
+            tensor(&[vocab, HIDDEN], -1.0, 1.0, f32t)?,
         ),
         (
             "output_norm.weight".to_string(),
-            tensor(&[HIDDEN], 0.5, 1.5)?,
+            tensor(&[HIDDEN], 0.5, 1.5, f32t)?,
         ),
     ];
     for l in 0..LAYERS {
@@ -323,20 +393,38 @@ pub fn write_tiny_qwen3(path: &Path, unit_qk_norms: bool) -> Result<()> {
         } else {
             (0.5, 4.0)
         };
-        for (name, shape, lo, hi) in [
-            ("attn_norm", vec![HIDDEN], 0.5, 1.5),
-            ("attn_q", vec![q, HIDDEN], -lin(HIDDEN), lin(HIDDEN)),
-            ("attn_k", vec![kv, HIDDEN], -lin(HIDDEN), lin(HIDDEN)),
-            ("attn_v", vec![kv, HIDDEN], -lin(HIDDEN), lin(HIDDEN)),
-            ("attn_q_norm", vec![HEAD_DIM], nlo, nhi),
-            ("attn_k_norm", vec![HEAD_DIM], nlo, nhi),
-            ("attn_output", vec![HIDDEN, q], -lin(q), lin(q)),
-            ("ffn_norm", vec![HIDDEN], 0.5, 1.5),
-            ("ffn_gate", vec![FFN, HIDDEN], -lin(HIDDEN), lin(HIDDEN)),
-            ("ffn_up", vec![FFN, HIDDEN], -lin(HIDDEN), lin(HIDDEN)),
-            ("ffn_down", vec![HIDDEN, FFN], -lin(FFN), lin(FFN)),
-        ] {
-            ts.push((format!("blk.{l}.{name}.weight"), tensor(&shape, lo, hi)?));
+        let mut layer = vec![
+            ("attn_norm", vec![HIDDEN], 0.5, 1.5, f32t),
+            ("attn_q", vec![q, HIDDEN], -lin(HIDDEN), lin(HIDDEN), f32t),
+            ("attn_k", vec![kv, HIDDEN], -lin(HIDDEN), lin(HIDDEN), f32t),
+            ("attn_v", vec![kv, HIDDEN], -lin(HIDDEN), lin(HIDDEN), f32t),
+            ("attn_q_norm", vec![HEAD_DIM], nlo, nhi, f32t),
+            ("attn_k_norm", vec![HEAD_DIM], nlo, nhi, f32t),
+            ("attn_output", vec![HIDDEN, q], -lin(q), lin(q), f32t),
+            ("ffn_norm", vec![HIDDEN], 0.5, 1.5, f32t),
+        ];
+        let (a, b) = (lin(HIDDEN), lin(expert_ff));
+        match moe {
+            None => layer.extend([
+                ("ffn_gate", vec![FFN, HIDDEN], -a, a, f32t),
+                ("ffn_up", vec![FFN, HIDDEN], -a, a, f32t),
+                ("ffn_down", vec![HIDDEN, FFN], -lin(FFN), lin(FFN), f32t),
+            ]),
+            Some(t) => layer.extend([
+                (
+                    "ffn_gate_inp",
+                    vec![experts, HIDDEN],
+                    -3.0 * a,
+                    3.0 * a,
+                    f32t,
+                ),
+                ("ffn_gate_exps", vec![experts, expert_ff, HIDDEN], -a, a, t),
+                ("ffn_up_exps", vec![experts, expert_ff, HIDDEN], -a, a, t),
+                ("ffn_down_exps", vec![experts, HIDDEN, expert_ff], -b, b, t),
+            ]),
+        }
+        for (name, shape, lo, hi, t) in layer {
+            ts.push((format!("blk.{l}.{name}.weight"), tensor(&shape, lo, hi, t)?));
         }
     }
     let mut out = std::fs::File::create(path)?;

@@ -19,6 +19,10 @@ pub enum Arch {
     /// Qwen 3 (dense): no biases; each query and key head is RMS-normalised (its own weight
     /// per dimension) before RoPE, and the head size is its own (128), not hidden / heads.
     Qwen3,
+    /// Qwen 3 MoE (Qwen3-30B-A3B, Qwen3-235B-A22B, Qwen3-Coder-30B-A3B): Qwen 3's attention,
+    /// and in every layer a mixture of SwiGLU experts in place of the MLP ([`MoeConfig`]).
+    #[serde(rename = "qwen3moe")]
+    Qwen3Moe,
 }
 
 impl Arch {
@@ -28,9 +32,25 @@ impl Arch {
             "llama" => Ok(Self::Llama),
             "qwen2" => Ok(Self::Qwen2),
             "qwen3" => Ok(Self::Qwen3),
+            // GGUF's name, then transformers'.
+            "qwen3moe" | "qwen3_moe" => Ok(Self::Qwen3Moe),
             other => Err(ModelError::UnsupportedArch(other.to_string())),
         }
     }
+}
+
+/// A mixture-of-experts feed-forward block, as Qwen 3 MoE has in every layer: a router (a
+/// linear `[experts, hidden]`) scores each token row; the `experts_per_token` experts of
+/// highest softmax probability run on the row (SwiGLU MLPs of width
+/// `expert_intermediate_size`) and their outputs are summed, weighted by those probabilities,
+/// renormalised to sum to 1 when `norm_topk_prob` (transformers' `Qwen3MoeSparseMoeBlock`,
+/// llama.cpp's `build_moe_ffn` with softmax gating).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct MoeConfig {
+    pub num_experts: usize,
+    pub experts_per_token: usize,
+    pub expert_intermediate_size: usize,
+    pub norm_topk_prob: bool,
 }
 
 /// Llama 3 `rope_scaling` with `rope_type = "llama3"`.
@@ -392,7 +412,14 @@ pub struct ModelConfig {
     /// Each query and key head is RMS-normalised with its own `[head_dim]` weight before
     /// RoPE (Qwen 3's `q_norm`/`k_norm`, GGUF `attn_q_norm`/`attn_k_norm`).
     pub qk_norm: bool,
+    /// Every layer's feed-forward block is a mixture of experts (Qwen 3 MoE); otherwise an
+    /// MLP of `intermediate_size`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub moe: Option<MoeConfig>,
 }
+
+/// Most experts a mixture may have (llama.cpp's `LLAMA_MAX_EXPERTS`).
+pub const MAX_EXPERTS: usize = 512;
 
 /// Most layers a model may have (llama.cpp's `LLAMA_MAX_LAYERS`).
 pub const MAX_LAYERS: usize = 512;
@@ -467,6 +494,22 @@ pub struct HfConfig {
     pub bos_token_id: Option<serde_json::Value>,
     #[serde(default)]
     pub eos_token_id: Option<serde_json::Value>,
+    /// Qwen 3 MoE: experts per layer, experts run per token, each expert's MLP width, and
+    /// whether the chosen experts' weights are renormalised (transformers' default: false).
+    #[serde(default)]
+    pub num_experts: Option<usize>,
+    #[serde(default)]
+    pub num_experts_per_tok: Option<usize>,
+    #[serde(default)]
+    pub moe_intermediate_size: Option<usize>,
+    #[serde(default)]
+    pub norm_topk_prob: Option<bool>,
+    /// Qwen 3 MoE: every `decoder_sparse_step`-th layer is sparse, except `mlp_only_layers`
+    /// (only 1 and none are supported: every layer sparse, as in every released model).
+    #[serde(default)]
+    pub decoder_sparse_step: Option<usize>,
+    #[serde(default)]
+    pub mlp_only_layers: Option<Vec<usize>>,
 }
 
 fn default_rope_theta() -> f64 {
@@ -498,6 +541,7 @@ impl HfConfig {
             (None, Some(a)) if a.starts_with("Llama") => "llama".into(),
             (None, Some(a)) if a.starts_with("Qwen2") => "qwen2".into(),
             (None, Some(a)) if a == "Qwen3ForCausalLM" => "qwen3".into(),
+            (None, Some(a)) if a == "Qwen3MoeForCausalLM" => "qwen3_moe".into(),
             (None, Some(a)) => a.clone(),
             (None, None) => String::from("<none>"),
         };
@@ -511,11 +555,53 @@ impl HfConfig {
                 }
             })?,
         };
-        // transformers' default: hidden / heads, but 128 for Qwen 3 (`Qwen3Config`).
+        // transformers' default: hidden / heads, but 128 for Qwen 3 (`Qwen3Config`,
+        // `Qwen3MoeConfig`).
         let head_dim = self.head_dim.unwrap_or(match arch {
-            Arch::Qwen3 => 128,
+            Arch::Qwen3 | Arch::Qwen3Moe => 128,
             _ => self.hidden_size / self.num_attention_heads.max(1),
         });
+        let bad = |reason: String| ModelError::BadConfig {
+            path: path.to_path_buf(),
+            reason,
+        };
+        let moe = match arch {
+            Arch::Qwen3Moe => {
+                if let Some(step) = self.decoder_sparse_step.filter(|&s| s != 1) {
+                    return Err(bad(format!(
+                        "decoder_sparse_step {step}: only 1 (every layer a mixture of \
+                         experts) is supported"
+                    )));
+                }
+                if let Some(l) = self.mlp_only_layers.as_ref().filter(|l| !l.is_empty()) {
+                    return Err(bad(format!(
+                        "mlp_only_layers {l:?}: dense layers in a Qwen 3 MoE model are not \
+                         supported"
+                    )));
+                }
+                let need = |v: Option<usize>, k: &str| {
+                    v.ok_or_else(|| bad(format!("a qwen3_moe config needs `{k}`")))
+                };
+                Some(MoeConfig {
+                    num_experts: need(self.num_experts, "num_experts")?,
+                    experts_per_token: need(self.num_experts_per_tok, "num_experts_per_tok")?,
+                    expert_intermediate_size: need(
+                        self.moe_intermediate_size,
+                        "moe_intermediate_size",
+                    )?,
+                    norm_topk_prob: self.norm_topk_prob.unwrap_or(false),
+                })
+            }
+            _ => {
+                if let Some(n) = self.num_experts.filter(|&n| n > 0) {
+                    return Err(bad(format!(
+                        "`{arch_name}` with {n} experts: mixtures of experts are supported \
+                         for Qwen 3 MoE only"
+                    )));
+                }
+                None
+            }
+        };
         let cfg = ModelConfig {
             arch,
             vocab_size: self.vocab_size,
@@ -532,12 +618,10 @@ impl HfConfig {
             tie_word_embeddings: self.tie_word_embeddings,
             attention_bias: self.attention_bias.unwrap_or(arch == Arch::Qwen2),
             rope_interleaved: false,
-            qk_norm: arch == Arch::Qwen3,
+            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe),
+            moe,
         };
-        cfg.validate().map_err(|reason| ModelError::BadConfig {
-            path: path.to_path_buf(),
-            reason,
-        })?;
+        cfg.validate().map_err(bad)?;
         Ok(cfg)
     }
 }
@@ -554,7 +638,12 @@ impl ModelConfig {
     /// Activation bytes of one token row through a layer in f32, estimated: hidden states,
     /// q/k/v and the MLP (part of [`ModelConfig::request_scratch_bytes`]).
     pub fn row_activation_bytes(&self) -> u64 {
-        4 * (6 * self.hidden_size + 3 * self.intermediate_size) as u64
+        // A mixture also holds its router's probabilities and each expert's gathered rows
+        // and output.
+        let moe = self.moe.as_ref().map_or(0, |m| {
+            m.num_experts + 2 * m.experts_per_token * self.hidden_size
+        });
+        4 * (6 * self.hidden_size + 3 * self.ffn_row_width() + moe) as u64
     }
 
     /// Bytes a request needs beside K and V on its device, estimated: the cache's per-slot
@@ -630,11 +719,54 @@ impl ModelConfig {
         };
         let tie_word_embeddings = !ct.tensor_infos.contains_key("output.weight");
         let attention_bias = ct.tensor_infos.contains_key("blk.0.attn_q.bias");
+        let moe = match arch {
+            Arch::Qwen3Moe => {
+                // llama.cpp always renormalises Qwen 3 MoE's chosen weights and gates by
+                // softmax; a file that says otherwise is refused rather than misread.
+                let norm_key = format!("{a}.expert_weights_norm");
+                if let Some(v) = md.get(&norm_key) {
+                    match v {
+                        gguf_file::Value::Bool(true) => {}
+                        v => return Err(bad(&norm_key, "true (Qwen 3 MoE renormalises)", v)),
+                    }
+                }
+                if let Some(g) = opt_int("expert_gating_func")?.filter(|&g| g != 1) {
+                    return Err(bad(
+                        &format!("{a}.expert_gating_func"),
+                        "1 (softmax, Qwen 3 MoE's gating)",
+                        &gguf_file::Value::U32(g as u32),
+                    ));
+                }
+                Some(MoeConfig {
+                    num_experts: int("expert_count")?,
+                    experts_per_token: int("expert_used_count")?,
+                    expert_intermediate_size: int("expert_feed_forward_length")?,
+                    norm_topk_prob: true,
+                })
+            }
+            _ => {
+                if let Some(n) = opt_int("expert_count")?.filter(|&n| n > 0) {
+                    return Err(ModelError::BadGguf {
+                        path: path.to_path_buf(),
+                        reason: format!(
+                            "`{a}.expert_count` is {n}: mixtures of experts are supported for \
+                             Qwen 3 MoE (`qwen3moe`) only"
+                        ),
+                    });
+                }
+                None
+            }
+        };
+        // A MoE file's dense width is unused (and may be absent).
+        let intermediate_size = match &moe {
+            Some(m) => opt_int("feed_forward_length")?.unwrap_or(m.expert_intermediate_size),
+            None => int("feed_forward_length")?,
+        };
         let cfg = ModelConfig {
             arch,
             vocab_size,
             hidden_size,
-            intermediate_size: int("feed_forward_length")?,
+            intermediate_size,
             num_layers: int("block_count")?,
             num_heads,
             num_kv_heads,
@@ -647,7 +779,8 @@ impl ModelConfig {
             tie_word_embeddings,
             attention_bias,
             rope_interleaved: arch == Arch::Llama,
-            qk_norm: arch == Arch::Qwen3,
+            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe),
+            moe,
         };
         cfg.validate().map_err(|reason| ModelError::BadGguf {
             path: path.to_path_buf(),
@@ -796,7 +929,36 @@ impl ModelConfig {
         if self.max_position_embeddings == 0 {
             return Err("context length must be non-zero".into());
         }
+        if let Some(m) = &self.moe {
+            if m.num_experts == 0 || m.num_experts > MAX_EXPERTS {
+                return Err(format!(
+                    "{} experts per layer (expected 1 to {MAX_EXPERTS})",
+                    m.num_experts
+                ));
+            }
+            if m.experts_per_token == 0 || m.experts_per_token > m.num_experts {
+                return Err(format!(
+                    "{} experts per token of {} (expected 1 to {})",
+                    m.experts_per_token, m.num_experts, m.num_experts
+                ));
+            }
+            if m.expert_intermediate_size == 0 || m.expert_intermediate_size > MAX_WIDTH {
+                return Err(format!(
+                    "expert intermediate size {} (expected 1 to {MAX_WIDTH})",
+                    m.expert_intermediate_size
+                ));
+            }
+        }
         Ok(())
+    }
+
+    /// Width of the feed-forward activations of one token row: the MLP's, or the chosen
+    /// experts' together.
+    pub fn ffn_row_width(&self) -> usize {
+        match &self.moe {
+            Some(m) => m.experts_per_token * m.expert_intermediate_size,
+            None => self.intermediate_size,
+        }
     }
 
     /// The context prompts plus output may fill: `max_position_embeddings`, extended by the
@@ -837,6 +999,7 @@ mod tests {
             attention_bias: true,
             rope_interleaved: false,
             qk_norm: false,
+            moe: None,
         }
     }
 

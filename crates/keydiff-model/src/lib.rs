@@ -17,7 +17,7 @@ pub mod weights;
 pub use attention::AttentionBackend;
 pub use chat::{ChatTemplate, Message, TemplateKwargs, ToolCall};
 pub use config::{
-    Arch, Llama3RopeScaling, ModelConfig, RopeOverride, RopeScaling, RopeScalingType,
+    Arch, Llama3RopeScaling, ModelConfig, MoeConfig, RopeOverride, RopeScaling, RopeScalingType,
     YarnRopeScaling,
 };
 pub use error::{ModelError, Result};

@@ -324,6 +324,92 @@ impl Mlp {
         self.down
             .forward(&(a * self.up.forward(x, prefill)?)?, prefill)
     }
+
+    fn linears(&self) -> [&Linear; 3] {
+        [&self.gate, &self.up, &self.down]
+    }
+}
+
+/// A mixture of SwiGLU experts ([`crate::MoeConfig`]).
+#[derive(Debug, Clone)]
+struct Moe {
+    router: Linear,
+    experts: Vec<Mlp>,
+    top_k: usize,
+    norm_topk_prob: bool,
+}
+
+impl Moe {
+    /// `x`: `[rows, hidden]` → `[rows, hidden]`. The router's softmax is taken in f32 and read
+    /// on the host, where each row's experts are chosen; each chosen expert then runs once
+    /// over the rows that chose it, and its outputs, weighted, are added into an f32 sum.
+    fn forward(&self, x: &Tensor, prefill: bool) -> Result<Tensor> {
+        let logits = self.router.forward(x, prefill)?.to_dtype(DType::F32)?;
+        let probs = candle_nn::ops::softmax_last_dim(&logits)?.to_vec2::<f32>()?;
+        let (rows, weights) = route(&probs, self.top_k, self.norm_topk_prob);
+        let mut sum = Tensor::zeros(x.dims(), DType::F32, x.device())?;
+        for ((expert, rows), weights) in self.experts.iter().zip(rows).zip(weights) {
+            if rows.is_empty() {
+                continue;
+            }
+            let n = rows.len();
+            let ids = Tensor::from_vec(rows, n, x.device())?;
+            let w = Tensor::from_vec(weights, (n, 1), x.device())?;
+            let y = expert.forward(&x.index_select(&ids, 0)?, prefill)?;
+            let y = y.to_dtype(DType::F32)?.broadcast_mul(&w)?;
+            sum = sum.index_add(&ids, &y, 0)?;
+        }
+        Ok(sum.to_dtype(x.dtype())?)
+    }
+}
+
+/// Top-k routing of each row's expert probabilities `probs[row][expert]`: for each expert,
+/// the rows that chose it and their weights. A row chooses its `k` most probable experts
+/// (the lower index first among equals); their weights are the probabilities, divided by
+/// their sum when `norm`.
+fn route(probs: &[Vec<f32>], k: usize, norm: bool) -> (Vec<Vec<u32>>, Vec<Vec<f32>>) {
+    let n = probs.first().map_or(0, Vec::len);
+    let (mut rows, mut weights) = (vec![Vec::new(); n], vec![Vec::new(); n]);
+    let mut order: Vec<usize> = Vec::with_capacity(n);
+    for (r, p) in probs.iter().enumerate() {
+        order.clear();
+        order.extend(0..n);
+        // Stable: equal probabilities keep index order.
+        order.sort_by(|&a, &b| p[b].total_cmp(&p[a]));
+        let chosen = &order[..k.min(n)];
+        let total: f32 = chosen.iter().map(|&e| p[e]).sum();
+        for &e in chosen {
+            rows[e].push(r as u32);
+            weights[e].push(if norm { p[e] / total } else { p[e] });
+        }
+    }
+    (rows, weights)
+}
+
+/// A layer's feed-forward block.
+#[derive(Debug, Clone)]
+enum Ffn {
+    Mlp(Mlp),
+    Moe(Moe),
+}
+
+impl Ffn {
+    fn forward(&self, x: &Tensor, prefill: bool) -> Result<Tensor> {
+        match self {
+            Ffn::Mlp(m) => m.forward(x, prefill),
+            Ffn::Moe(m) => m.forward(x, prefill),
+        }
+    }
+
+    /// Every linear it holds.
+    fn linears(&self) -> Vec<&Linear> {
+        match self {
+            Ffn::Mlp(m) => m.linears().to_vec(),
+            Ffn::Moe(m) => std::iter::once(&m.router)
+                .chain(m.experts.iter().flat_map(Mlp::linears))
+                .collect(),
+        }
+    }
 }
 
 /// What a segment of [`Model::forward_segments`] wants from the LM head.
@@ -362,7 +448,7 @@ struct Layer {
     attn_norm: RmsNorm,
     attn: Attention,
     mlp_norm: RmsNorm,
-    mlp: Mlp,
+    mlp: Ffn,
 }
 
 /// A loaded model, ready to run chunks.
@@ -395,15 +481,35 @@ impl Model {
         let hid = cfg.hidden_size;
         let mut layers = Vec::with_capacity(cfg.num_layers);
         for l in 0..cfg.num_layers {
+            let mlp = match &cfg.moe {
+                None => Ffn::Mlp(Mlp {
+                    gate: w.linear(Key::Gate, Some(l), cfg.intermediate_size, hid, false)?,
+                    up: w.linear(Key::Up, Some(l), cfg.intermediate_size, hid, false)?,
+                    down: w.linear(Key::Down, Some(l), hid, cfg.intermediate_size, false)?,
+                }),
+                Some(m) => {
+                    let (n, ff) = (m.num_experts, m.expert_intermediate_size);
+                    let gate = w.experts(Key::GateExps, l, n, ff, hid)?;
+                    let up = w.experts(Key::UpExps, l, n, ff, hid)?;
+                    let down = w.experts(Key::DownExps, l, n, hid, ff)?;
+                    Ffn::Moe(Moe {
+                        router: w.linear(Key::Router, Some(l), n, hid, false)?,
+                        experts: gate
+                            .into_iter()
+                            .zip(up)
+                            .zip(down)
+                            .map(|((gate, up), down)| Mlp { gate, up, down })
+                            .collect(),
+                        top_k: m.experts_per_token,
+                        norm_topk_prob: m.norm_topk_prob,
+                    })
+                }
+            };
             layers.push(Layer {
                 attn_norm: norm(Key::AttnNorm, Some(l), hid)?,
                 attn: Attention::new(cfg, w, l)?,
                 mlp_norm: norm(Key::MlpNorm, Some(l), hid)?,
-                mlp: Mlp {
-                    gate: w.linear(Key::Gate, Some(l), cfg.intermediate_size, hid, false)?,
-                    up: w.linear(Key::Up, Some(l), cfg.intermediate_size, hid, false)?,
-                    down: w.linear(Key::Down, Some(l), hid, cfg.intermediate_size, false)?,
-                },
+                mlp,
             });
         }
         let lm_head = if w.lm_head_tied(cfg) {
@@ -422,7 +528,7 @@ impl Model {
                 cfg,
                 match cfg.arch {
                     Arch::Llama => w.rope_freqs(cfg.head_dim / 2)?,
-                    Arch::Qwen2 | Arch::Qwen3 => None,
+                    Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe => None,
                 },
             ),
             device,
@@ -795,19 +901,31 @@ impl Model {
         self.dtype
     }
 
-    /// Linears of layer 0 and the LM head by role, for `keydiff info`.
-    fn linears(&self) -> [(&'static str, &Linear); 8] {
+    /// Linears of layer 0 (a mixture's router and first expert) and the LM head by role, for
+    /// `keydiff info`.
+    fn linears(&self) -> Vec<(&'static str, &Linear)> {
         let l = &self.layers[0];
-        [
+        let mut v = vec![
             ("attn_q", &l.attn.q),
             ("attn_k", &l.attn.k),
             ("attn_v", &l.attn.v),
             ("attn_output", &l.attn.o),
-            ("ffn_gate", &l.mlp.gate),
-            ("ffn_up", &l.mlp.up),
-            ("ffn_down", &l.mlp.down),
-            ("lm_head", &self.lm_head),
-        ]
+        ];
+        match &l.mlp {
+            Ffn::Mlp(m) => v.extend([
+                ("ffn_gate", &m.gate),
+                ("ffn_up", &m.up),
+                ("ffn_down", &m.down),
+            ]),
+            Ffn::Moe(m) => v.extend([
+                ("ffn_gate_inp", &m.router),
+                ("ffn_gate_exps", &m.experts[0].gate),
+                ("ffn_up_exps", &m.experts[0].up),
+                ("ffn_down_exps", &m.experts[0].down),
+            ]),
+        }
+        v.push(("lm_head", &self.lm_head));
+        v
     }
 
     /// Host or device bytes held by the weights (with CPU copies; see
@@ -818,18 +936,11 @@ impl Model {
             .layers
             .iter()
             .map(|l| {
-                [
-                    &l.attn.q,
-                    &l.attn.k,
-                    &l.attn.v,
-                    &l.attn.o,
-                    &l.mlp.gate,
-                    &l.mlp.up,
-                    &l.mlp.down,
-                ]
-                .iter()
-                .map(|x| x.bytes())
-                .sum::<u64>()
+                [&l.attn.q, &l.attn.k, &l.attn.v, &l.attn.o]
+                    .into_iter()
+                    .chain(l.mlp.linears())
+                    .map(Linear::bytes)
+                    .sum::<u64>()
                     + tensor_bytes(&l.attn_norm.w)
                     + tensor_bytes(&l.mlp_norm.w)
                     + l.attn

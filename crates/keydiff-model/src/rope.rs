@@ -184,6 +184,7 @@ mod tests {
             attention_bias: false,
             rope_interleaved: false,
             qk_norm: false,
+            moe: None,
         }
     }
 

@@ -37,6 +37,13 @@ pub enum Key {
     Gate,
     Up,
     Down,
+    /// A mixture's router, `[experts, hidden]`.
+    Router,
+    /// A mixture's experts' gate, up and down projections: one `[experts, out, in]` tensor
+    /// in GGUF, one `[out, in]` tensor per expert in HF checkpoints.
+    GateExps,
+    UpExps,
+    DownExps,
 }
 
 impl Key {
@@ -56,6 +63,10 @@ impl Key {
             Key::Gate => "ffn_gate",
             Key::Up => "ffn_up",
             Key::Down => "ffn_down",
+            Key::Router => "ffn_gate_inp",
+            Key::GateExps => "ffn_gate_exps",
+            Key::UpExps => "ffn_up_exps",
+            Key::DownExps => "ffn_down_exps",
         }
     }
 
@@ -75,6 +86,11 @@ impl Key {
             Key::Gate => "mlp.gate_proj",
             Key::Up => "mlp.up_proj",
             Key::Down => "mlp.down_proj",
+            Key::Router => "mlp.gate",
+            // Within `mlp.experts.{e}` (see `Key::expert_name`).
+            Key::GateExps => "gate_proj",
+            Key::UpExps => "up_proj",
+            Key::DownExps => "down_proj",
         }
     }
 
@@ -85,6 +101,16 @@ impl Key {
             (true, None) => self.gguf().to_string(),
             (false, Some(l)) => format!("model.layers.{l}.{}", self.hf()),
             (false, None) => self.hf().to_string(),
+        }
+    }
+
+    /// Name (without `.weight`) of an expert projection of layer `l`: GGUF stacks the
+    /// experts in one tensor, HF names each (`model.layers.{l}.mlp.experts.{e}.gate_proj`).
+    fn expert_name(self, gguf: bool, l: usize, e: usize) -> String {
+        if gguf {
+            self.name(true, Some(l))
+        } else {
+            format!("model.layers.{l}.mlp.experts.{e}.{}", self.hf())
         }
     }
 }
@@ -266,6 +292,9 @@ impl CpuWeights {
 enum Role {
     /// A linear weight (a quantized one may get CPU copies, see [`CpuWeights`]).
     Linear,
+    /// The weights of this many experts, stacked (GGUF) or one (HF): linears that may be
+    /// re-quantized but get no dense prefill copies (see [`Weights::experts`]).
+    Experts(u64),
     /// The embedding table (kept quantized when stored quantized).
     Embedding,
     /// Anything else (norms, biases): dense, in the model's dtype.
@@ -420,39 +449,64 @@ impl Weights {
         );
         let vocab = cfg.vocab_size as u64;
         let mut v = Vec::new();
-        let mut add = |key: Key, layer, role, n: u64, bias: Option<u64>| {
+        let add = |v: &mut Vec<_>, key: Key, layer, role, n: u64, bias: Option<u64>| {
             let base = key.name(g, layer);
             v.push((format!("{base}.weight"), role, n));
             if let Some(b) = bias {
                 v.push((format!("{base}.bias"), Role::Plain, b));
             }
         };
-        for l in 0..cfg.num_layers {
-            let l = Some(l);
+        for layer in 0..cfg.num_layers {
+            let l = Some(layer);
             let bias = |n| cfg.attention_bias.then_some(n);
-            add(Key::AttnNorm, l, Role::Plain, hid, None);
-            add(Key::Q, l, Role::Linear, q * hid, bias(q));
-            add(Key::K, l, Role::Linear, kv * hid, bias(kv));
-            add(Key::V, l, Role::Linear, kv * hid, bias(kv));
-            add(Key::O, l, Role::Linear, hid * q, None);
+            add(&mut v, Key::AttnNorm, l, Role::Plain, hid, None);
+            add(&mut v, Key::Q, l, Role::Linear, q * hid, bias(q));
+            add(&mut v, Key::K, l, Role::Linear, kv * hid, bias(kv));
+            add(&mut v, Key::V, l, Role::Linear, kv * hid, bias(kv));
+            add(&mut v, Key::O, l, Role::Linear, hid * q, None);
             if cfg.qk_norm {
                 let d = cfg.head_dim as u64;
-                add(Key::QNorm, l, Role::Plain, d, None);
-                add(Key::KNorm, l, Role::Plain, d, None);
+                add(&mut v, Key::QNorm, l, Role::Plain, d, None);
+                add(&mut v, Key::KNorm, l, Role::Plain, d, None);
             }
-            add(Key::MlpNorm, l, Role::Plain, hid, None);
-            add(Key::Gate, l, Role::Linear, inter * hid, None);
-            add(Key::Up, l, Role::Linear, inter * hid, None);
-            add(Key::Down, l, Role::Linear, hid * inter, None);
+            add(&mut v, Key::MlpNorm, l, Role::Plain, hid, None);
+            match &cfg.moe {
+                None => {
+                    add(&mut v, Key::Gate, l, Role::Linear, inter * hid, None);
+                    add(&mut v, Key::Up, l, Role::Linear, inter * hid, None);
+                    add(&mut v, Key::Down, l, Role::Linear, hid * inter, None);
+                }
+                Some(m) => {
+                    let (e, ff) = (m.num_experts as u64, m.expert_intermediate_size as u64);
+                    add(&mut v, Key::Router, l, Role::Linear, e * hid, None);
+                    for key in [Key::GateExps, Key::UpExps, Key::DownExps] {
+                        if g {
+                            v.push((
+                                format!("{}.weight", key.expert_name(true, layer, 0)),
+                                Role::Experts(e),
+                                e * ff * hid,
+                            ));
+                        } else {
+                            for x in 0..m.num_experts {
+                                v.push((
+                                    format!("{}.weight", key.expert_name(false, layer, x)),
+                                    Role::Experts(1),
+                                    ff * hid,
+                                ));
+                            }
+                        }
+                    }
+                }
+            }
         }
-        add(Key::Embed, None, Role::Embedding, vocab * hid, None);
-        add(Key::FinalNorm, None, Role::Plain, hid, None);
+        add(&mut v, Key::Embed, None, Role::Embedding, vocab * hid, None);
+        add(&mut v, Key::FinalNorm, None, Role::Plain, hid, None);
         let head = if self.lm_head_tied(cfg) {
             Key::Embed
         } else {
             Key::LmHead
         };
-        add(head, None, Role::Linear, vocab * hid, None);
+        add(&mut v, head, None, Role::Linear, vocab * hid, None);
         v
     }
 
@@ -487,6 +541,16 @@ impl Weights {
                     let passing = stored + 4 * n;
                     match (role, t.block_size() > 1) {
                         (Role::Embedding, true) => (stored, stored),
+                        // Read whole on the host, then copied expert by expert (each
+                        // dequantized in passing when re-quantized).
+                        (Role::Experts(e), true) => match t {
+                            GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1
+                                if cpu.requantize_slow =>
+                            {
+                                (bytes_of(GgmlDType::Q8_0, n), stored + 4 * n / e.max(1))
+                            }
+                            _ => (stored, stored),
+                        },
                         (Role::Linear, true) => {
                             let decode = match t {
                                 GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1
@@ -542,11 +606,18 @@ impl Weights {
     }
 
     fn qtensor(&self, name: &str) -> Result<QTensor> {
+        let Weights::Gguf { device, .. } = self else {
+            unreachable!("qtensor on a non-GGUF source")
+        };
+        self.qtensor_on(name, device)
+    }
+
+    /// A GGUF tensor as stored, read onto `device`.
+    fn qtensor_on(&self, name: &str, device: &Device) -> Result<QTensor> {
         let Weights::Gguf {
             path,
             content,
             file,
-            device,
             used,
             ..
         } = self
@@ -620,7 +691,17 @@ impl Weights {
         in_dim: usize,
         bias: bool,
     ) -> Result<Linear> {
-        let base = key.name(self.is_gguf(), layer);
+        self.linear_named(&key.name(self.is_gguf(), layer), out_dim, in_dim, bias)
+    }
+
+    /// [`Weights::linear`] of the tensor `{base}.weight` (and `{base}.bias`).
+    fn linear_named(
+        &self,
+        base: &str,
+        out_dim: usize,
+        in_dim: usize,
+        bias: bool,
+    ) -> Result<Linear> {
         let wname = format!("{base}.weight");
         let mut dense = None;
         let stored;
@@ -660,6 +741,72 @@ impl Weights {
             b,
             stored,
         })
+    }
+
+    /// The `n` experts' projections `key` of layer `l`, each a linear `[out_dim, in_dim]`
+    /// without bias. A GGUF file's stacked `[n, out_dim, in_dim]` tensor is read on the host
+    /// and split into one quantized matrix per expert, as stored (or re-quantized, under
+    /// [`CpuWeights::requantize_slow`]); experts get no dense prefill copy, whatever
+    /// [`CpuWeights::dense_prefill`] says: a chunk's rows spread over the experts (each sees
+    /// about B·k/n of them), so the copies would cost the weights' size several times over for
+    /// little speed.
+    pub fn experts(
+        &self,
+        key: Key,
+        l: usize,
+        n: usize,
+        out_dim: usize,
+        in_dim: usize,
+    ) -> Result<Vec<Linear>> {
+        let Weights::Gguf {
+            device,
+            dtype,
+            opts,
+            ..
+        } = self
+        else {
+            return (0..n)
+                .map(|e| self.linear_named(&key.expert_name(false, l, e), out_dim, in_dim, false))
+                .collect();
+        };
+        let name = format!("{}.weight", key.expert_name(true, l, 0));
+        let q = self.qtensor_on(&name, &Device::Cpu)?;
+        if q.shape().dims() != [n, out_dim, in_dim] {
+            return Err(ModelError::Shape(format!(
+                "tensor `{name}` has shape {:?}, expected [{n}, {out_dim}, {in_dim}]",
+                q.shape().dims()
+            )));
+        }
+        let t = q.dtype();
+        let data = q.data()?;
+        // Rows are whole blocks (the GGUF layout check makes sure), so each expert's
+        // out_dim rows are a contiguous run of bytes.
+        let per = out_dim * in_dim / t.block_size() * t.type_size();
+        if data.len() != n * per {
+            return Err(ModelError::Shape(format!(
+                "tensor `{name}` holds {} bytes, expected {} for {n} experts of {per}",
+                data.len(),
+                n * per
+            )));
+        }
+        let opts = CpuWeights {
+            dense_prefill: false,
+            ..*opts
+        };
+        (0..n)
+            .map(|e| {
+                let bytes = std::borrow::Cow::Borrowed(&data[e * per..(e + 1) * per]);
+                let storage = candle_core::quantized::QStorage::from_data(bytes, device, t)?;
+                let q = QTensor::new(storage, (out_dim, in_dim))?;
+                let (q, _) = opts.prepare(q, device, *dtype)?;
+                Ok(Linear {
+                    w: gguf_matmul(q, *dtype)?,
+                    dense: None,
+                    b: None,
+                    stored: format!("{t:?}"),
+                })
+            })
+            .collect()
     }
 
     /// The embedding table `[vocab, hidden]`; kept quantized when stored quantized.
