@@ -650,6 +650,107 @@ fn qwen3_norms_are_checked() {
     std::fs::remove_dir_all(d).ok();
 }
 
+/// Qwen 3 MoE: a missing or misshapen expert tensor, missing mixture settings, settings that
+/// llama.cpp would run otherwise than we do, and a mixture in another architecture, each fail
+/// by name.
+#[test]
+fn qwen3_moe_tensors_and_settings_are_checked() {
+    let d = temp_dir("gguf-qwen3moe");
+    let good = d.join("moe.gguf");
+    keydiff_tests::write_tiny_qwen3_moe(&good, GgmlDType::Q8_0).unwrap();
+    let mut f = std::fs::File::open(&good).unwrap();
+    let ct = gguf_file::Content::read(&mut f).unwrap();
+    let md: Vec<(String, Value)> = ct.metadata.clone().into_iter().collect();
+    let mut names: Vec<&String> = ct.tensor_infos.keys().collect();
+    names.sort();
+    let ts: Vec<(String, QTensor)> = names
+        .iter()
+        .map(|n| ((*n).clone(), ct.tensor(&mut f, n, &Device::Cpu).unwrap()))
+        .collect();
+    let p = d.join("bad.gguf");
+    let replaced = |name: &str, with: Option<QTensor>| -> Vec<(String, QTensor)> {
+        let mut v: Vec<(String, QTensor)> = ts
+            .iter()
+            .filter(|(n, _)| n != name)
+            .map(|(n, t)| {
+                let q = QTensor::quantize(&t.dequantize(&Device::Cpu).unwrap(), t.dtype());
+                (n.clone(), q.unwrap())
+            })
+            .collect();
+        if let Some(t) = with {
+            v.push((name.to_string(), t));
+        }
+        v
+    };
+    for gone in [
+        "blk.1.ffn_down_exps.weight",
+        "blk.0.ffn_gate_inp.weight",
+        "blk.0.ffn_up_exps.weight",
+    ] {
+        write(&p, &md, &replaced(gone, None));
+        expect_error(gone, &p, gone);
+    }
+    // Seven experts stacked where the metadata says eight.
+    let seven = Tensor::zeros((7, 64, 64), candle_core::DType::F32, &Device::Cpu).unwrap();
+    let seven = QTensor::quantize(&seven, GgmlDType::Q8_0).unwrap();
+    write(
+        &p,
+        &md,
+        &replaced("blk.0.ffn_gate_exps.weight", Some(seven)),
+    );
+    expect_error(
+        "seven experts",
+        &p,
+        "tensor `blk.0.ffn_gate_exps.weight` has shape [7, 64, 64], expected [8, 64, 64]",
+    );
+    let same = replaced("", None);
+    for (key, v, needle) in [
+        ("qwen3moe.expert_count", None, "qwen3moe.expert_count"),
+        (
+            "qwen3moe.expert_used_count",
+            None,
+            "qwen3moe.expert_used_count",
+        ),
+        (
+            "qwen3moe.expert_feed_forward_length",
+            None,
+            "qwen3moe.expert_feed_forward_length",
+        ),
+        (
+            "qwen3moe.expert_used_count",
+            Some(Value::U32(9)),
+            "9 experts per token of 8",
+        ),
+        (
+            "qwen3moe.expert_weights_norm",
+            Some(Value::Bool(false)),
+            "`qwen3moe.expert_weights_norm` must be true",
+        ),
+        (
+            "qwen3moe.expert_gating_func",
+            Some(Value::U32(2)),
+            "`qwen3moe.expert_gating_func` must be 1 (softmax",
+        ),
+    ] {
+        let mut m = md.clone();
+        set(&mut m, key, v.clone());
+        write(&p, &m, &same);
+        expect_error(&format!("{key} = {v:?}"), &p, needle);
+    }
+    // The expert count on a Llama (Mixtral's GGUF layout) is refused, not ignored.
+    let mut m = tiny_metadata();
+    set(&mut m, "llama.expert_count", Some(Value::U32(8)));
+    write(&p, &m, &tiny_tensors());
+    expect_error(
+        "llama with experts",
+        &p,
+        "`llama.expert_count` is 8: mixtures of experts are supported for Qwen 3 MoE",
+    );
+    let got = load_and_run(&good);
+    assert!(matches!(got, Outcome::Ran), "{got:?}");
+    std::fs::remove_dir_all(d).ok();
+}
+
 /// A broken chat template fails with its error, not a panic; one that renders nothing says so.
 #[test]
 fn broken_chat_templates_are_named() {

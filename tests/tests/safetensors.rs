@@ -1,10 +1,15 @@
 //! The HF safetensors loader against the GGUF loader, on SmolLM2's real weights and on a tiny
-//! random Qwen 3.
+//! random Qwen 3 and Qwen 3 MoE.
 
+use std::path::Path;
+
+use candle_core::quantized::GgmlDType;
 use keydiff::{
     parity::compare_logits, Engine, EngineConfig, ModelSource, RopeOverride, RopeScalingType,
 };
-use keydiff_tests::{export_hf, fixture, model, temp_dir, write_tiny_qwen3, SMOLLM2};
+use keydiff_tests::{
+    export_hf, fixture, model, temp_dir, write_tiny_qwen3, write_tiny_qwen3_moe, SMOLLM2,
+};
 
 /// The exported HF copy holds SmolLM2's weights dequantized to f32; the GGUF path prefills with
 /// dense copies of the same dequantized weights (the CPU default). Both therefore compute the
@@ -89,21 +94,59 @@ fn qwen3_hf_directory_matches_gguf_and_llamacpp() {
     let dir = temp_dir("tiny-qwen3-hf");
     let gguf = dir.join("tiny-qwen3.gguf");
     write_tiny_qwen3(&gguf, false).unwrap();
+    let (_, b) = hf_matches_gguf(&dir, &gguf, "Qwen3ForCausalLM", "tiny-qwen3");
+    assert!(b.model_config().qk_norm);
+    std::fs::remove_dir_all(dir).ok();
+}
+
+/// A Qwen 3 MoE checkpoint (`mlp.gate`, `mlp.experts.{e}.{gate,up,down}_proj`, one tensor
+/// per expert) computes what its GGUF computes (stacked experts), and what llama.cpp
+/// computes on it. Its `norm_topk_prob` is read: without it (transformers' default, false)
+/// the chosen experts' weights are not renormalised, and the logits move.
+#[test]
+fn qwen3_moe_hf_directory_matches_gguf_and_llamacpp() {
+    let dir = temp_dir("tiny-qwen3moe-hf");
+    let gguf = dir.join("tiny-qwen3moe.gguf");
+    write_tiny_qwen3_moe(&gguf, GgmlDType::F32).unwrap();
+    let (a, b) = hf_matches_gguf(&dir, &gguf, "Qwen3MoeForCausalLM", "tiny-qwen3moe");
+    assert!(b.model_config().moe.as_ref().unwrap().norm_topk_prob);
+    let path = dir.join("hf").join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    config.as_object_mut().unwrap().remove("norm_topk_prob");
+    std::fs::write(&path, config.to_string()).unwrap();
+    let c = Engine::load(
+        &ModelSource::HfDir(dir.join("hf")),
+        &EngineConfig::default(),
+    )
+    .unwrap();
+    assert!(!c.model_config().moe.as_ref().unwrap().norm_topk_prob);
+    let p = &fixture("tiny-qwen3moe").prompts[0];
+    let la = a.prefill_logits(&p.tokens, 128).unwrap();
+    let lc = c.prefill_logits(&p.tokens, 128).unwrap();
+    let d = compare_logits(&la, &lc);
+    eprintln!("without norm_topk_prob: {d:?}");
+    assert!(d.max_rel > 100.0 * HF_VS_GGUF_TOL, "{d:?}");
+    std::fs::remove_dir_all(dir).ok();
+}
+
+/// Exports `gguf` as an HF directory under `dir` whose architecture is named only in
+/// `architectures` (as the hub has it), loads both, and checks that they agree with each
+/// other and with llama.cpp's fixture `name`.
+fn hf_matches_gguf(dir: &Path, gguf: &Path, architecture: &str, name: &str) -> (Engine, Engine) {
     let hf = dir.join("hf");
-    export_hf(&gguf, &hf).unwrap();
-    // As the hub has it: the architecture named only in `architectures`.
+    export_hf(gguf, &hf).unwrap();
     let path = hf.join("config.json");
     let mut config: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
     config.as_object_mut().unwrap().remove("model_type");
-    config["architectures"] = serde_json::json!(["Qwen3ForCausalLM"]);
+    config["architectures"] = serde_json::json!([architecture]);
     std::fs::write(&path, config.to_string()).unwrap();
     let cfg = EngineConfig::default();
-    let a = Engine::load(&ModelSource::Gguf(gguf), &cfg).unwrap();
+    let a = Engine::load(&ModelSource::Gguf(gguf.to_path_buf()), &cfg).unwrap();
     let b = Engine::load(&ModelSource::HfDir(hf), &cfg).unwrap();
     assert_eq!(a.model_config(), b.model_config());
-    assert!(b.model_config().qk_norm);
-    for p in &fixture("tiny-qwen3").prompts {
+    for p in &fixture(name).prompts {
         let la = a.prefill_logits(&p.tokens, 128).unwrap();
         let lb = b.prefill_logits(&p.tokens, 128).unwrap();
         let d = compare_logits(&la, &lb);
@@ -113,15 +156,20 @@ fn qwen3_hf_directory_matches_gguf_and_llamacpp() {
             .map(|&(id, l)| (lb[id as usize] - l).abs())
             .fold(0f32, f32::max);
         eprintln!(
-            "{}: HF vs GGUF max abs {:.2e}, relative {:.2e}; vs llama.cpp's top-10 {llamacpp:.2e}",
+            "{name}/{}: HF vs GGUF max abs {:.2e}, relative {:.2e}; vs llama.cpp's top-10 \
+             {llamacpp:.2e}",
             p.name, d.max_abs, d.max_rel
         );
         assert!(
             d.top1_equal() && d.max_rel <= HF_VS_GGUF_TOL,
-            "{}: {d:?}",
+            "{name}/{}: {d:?}",
             p.name
         );
-        assert!(llamacpp <= 2e-3, "{}: {llamacpp} from llama.cpp", p.name);
+        assert!(
+            llamacpp <= 2e-3,
+            "{name}/{}: {llamacpp} from llama.cpp",
+            p.name
+        );
     }
-    std::fs::remove_dir_all(dir).ok();
+    (a, b)
 }

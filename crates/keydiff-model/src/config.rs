@@ -1103,17 +1103,71 @@ mod tests {
         // Qwen 2.5 has neither the norms nor that default.
         let c = parse(with(json!({"model_type": "qwen2"}))).unwrap();
         assert!(!c.qk_norm && c.attention_bias && c.head_dim == 64);
-        // The MoE variant is refused by name.
-        for moe in [
-            json!({"model_type": "qwen3_moe"}),
-            json!({"architectures": ["Qwen3MoeForCausalLM"]}),
-        ] {
-            let err = parse(with(moe)).unwrap_err().to_string();
-            assert!(
-                err.contains("unsupported architecture `Qwen3Moe") || err.contains("`qwen3_moe`"),
-                "{err}"
-            );
-        }
+        // Qwen 3 MoE (Qwen3-30B-A3B's config.json, in part): the mixture's settings, Qwen 3's
+        // attention.
+        let moe = json!({"model_type": "qwen3_moe", "num_experts": 128,
+            "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": true,
+            "decoder_sparse_step": 1, "mlp_only_layers": []});
+        let c = parse(with(moe.clone())).unwrap();
+        assert_eq!(c.arch, Arch::Qwen3Moe);
+        assert!(c.qk_norm && !c.attention_bias && c.head_dim == 128);
+        assert_eq!(
+            c.moe,
+            Some(MoeConfig {
+                num_experts: 128,
+                experts_per_token: 8,
+                expert_intermediate_size: 768,
+                norm_topk_prob: true,
+            })
+        );
+        assert_eq!(c.ffn_row_width(), 8 * 768);
+        // Named by `architectures`; transformers' default leaves the weights as they are.
+        let mut v = with(moe.clone());
+        let o = v.as_object_mut().unwrap();
+        o.remove("model_type");
+        o.remove("norm_topk_prob");
+        o.insert("architectures".into(), json!(["Qwen3MoeForCausalLM"]));
+        let c = parse(v).unwrap();
+        assert_eq!(
+            (c.arch, c.moe.unwrap().norm_topk_prob),
+            (Arch::Qwen3Moe, false)
+        );
+        // What the engine cannot run, or cannot know, is refused by name.
+        let refused = |extra: serde_json::Value, want: &str| {
+            let mut v = with(moe.clone());
+            let o = v.as_object_mut().unwrap();
+            for (k, x) in extra.as_object().unwrap() {
+                if x.is_null() {
+                    o.remove(k);
+                } else {
+                    o.insert(k.clone(), x.clone());
+                }
+            }
+            let err = parse(v).unwrap_err().to_string();
+            assert!(err.contains(want), "{extra}: {err}");
+        };
+        refused(json!({"decoder_sparse_step": 2}), "decoder_sparse_step 2");
+        refused(json!({"mlp_only_layers": [0, 3]}), "mlp_only_layers [0, 3]");
+        refused(json!({"num_experts": null}), "needs `num_experts`");
+        refused(
+            json!({"moe_intermediate_size": null}),
+            "needs `moe_intermediate_size`",
+        );
+        refused(
+            json!({"num_experts_per_tok": 129}),
+            "129 experts per token of 128",
+        );
+        refused(json!({"num_experts_per_tok": 0}), "0 experts per token");
+        refused(json!({"num_experts": 100000}), "100000 experts per layer");
+        // Other mixtures are not read as dense models.
+        let err = parse(with(json!({"model_type": "qwen3", "num_experts": 8})))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("Qwen 3 MoE only"), "{err}");
+        let err = parse(with(json!({"model_type": "qwen2_moe"})))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("`qwen2_moe`"), "{err}");
     }
 
     #[test]
