@@ -37,7 +37,7 @@ fn chunk_size_does_not_change_logits_smollm2() {
 
 #[test]
 fn chunk_size_does_not_change_logits_random_archs() {
-    for preset in ["tiny-llama", "tiny-qwen", "tiny-qwen3"] {
+    for preset in ["tiny-llama", "tiny-qwen", "tiny-qwen3", "tiny-qwen3moe"] {
         let source = ModelSource::Random {
             config: root().join(format!("configs/{preset}.json")),
             seed: 3,

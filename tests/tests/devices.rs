@@ -90,10 +90,10 @@ test_device!(
     eviction_timing_is_consistent_cuda
 );
 
-/// Model parity: the same seeded random Llama-, Qwen 2.5- and Qwen 3-shaped models in CPU f32 and in bf16 on
+/// Model parity: the same seeded random Llama-, Qwen 2.5-, Qwen 3- and Qwen 3 MoE-shaped models in CPU f32 and in bf16 on
 /// the device, after a multi-chunk prefill with KeyDiff eviction (and full, for contrast).
 fn bf16_model_matches_cpu_f32(dev: &Device) -> Result<()> {
-    for preset in ["tiny-llama", "tiny-qwen", "tiny-qwen3"] {
+    for preset in ["tiny-llama", "tiny-qwen", "tiny-qwen3", "tiny-qwen3moe"] {
         for policy in [
             PolicyKind::Full,
             PolicyKind::KeyDiff {

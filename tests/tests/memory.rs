@@ -10,7 +10,9 @@ use keydiff::{
     CacheConfig, CpuWeights, Engine, EngineConfig, EngineError, GenerateParams, ModelSource,
     PolicyKind, Prompt,
 };
-use keydiff_tests::{export_hf, model, root, temp_dir, write_tiny_qwen3, QWEN, SMOLLM2};
+use keydiff_tests::{
+    export_hf, model, root, temp_dir, write_tiny_qwen3, write_tiny_qwen3_moe, QWEN, SMOLLM2,
+};
 
 /// Every combination of the CPU weight options.
 const OPTIONS: [CpuWeights; 4] = [
@@ -106,11 +108,15 @@ fn weight_plans_match_the_loaded_models() {
     let mixed = mixed_gguf(&dir);
     let qwen3 = dir.join("tiny-qwen3.gguf");
     write_tiny_qwen3(&qwen3, false).unwrap();
+    // Stacked experts, split on load: Q4_1 ones are re-quantized under `requantize_slow`.
+    let moe = dir.join("tiny-qwen3moe-q4_1.gguf");
+    write_tiny_qwen3_moe(&moe, GgmlDType::Q4_1).unwrap();
     for (path, dtypes) in [
         (model(SMOLLM2), &[DType::F32, DType::BF16][..]),
         (mixed.clone(), &[DType::F32, DType::F16][..]),
         (model(QWEN), &[DType::F32][..]),
         (qwen3, &[DType::F32, DType::BF16][..]),
+        (moe, &[DType::F32, DType::BF16][..]),
     ] {
         for dtype in dtypes {
             for opts in OPTIONS {
@@ -145,7 +151,13 @@ fn weight_plans_match_the_loaded_models() {
             &format!("hf {dtype:?}"),
         );
     }
-    for preset in ["tiny-llama", "tiny-qwen", "tiny-qwen3", "smollm2-135m"] {
+    for preset in [
+        "tiny-llama",
+        "tiny-qwen",
+        "tiny-qwen3",
+        "tiny-qwen3moe",
+        "smollm2-135m",
+    ] {
         for dtype in [DType::F32, DType::BF16] {
             let source = ModelSource::Random {
                 config: root().join(format!("configs/{preset}.json")),

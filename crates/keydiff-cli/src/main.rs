@@ -96,7 +96,7 @@ enum Cmd {
         #[arg(long, default_value = "auto")]
         attention: String,
         /// Preset configs to check.
-        #[arg(long, default_values = ["configs/tiny-llama.json", "configs/tiny-qwen.json", "configs/tiny-qwen3.json"])]
+        #[arg(long, default_values = ["configs/tiny-llama.json", "configs/tiny-qwen.json", "configs/tiny-qwen3.json", "configs/tiny-qwen3moe.json"])]
         preset: Vec<PathBuf>,
         #[arg(long, default_value_t = 300)]
         prompt_len: usize,

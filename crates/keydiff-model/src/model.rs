@@ -970,3 +970,93 @@ impl Model {
 pub fn argmax(logits: &Tensor) -> Result<u32> {
     Ok(logits.argmax(D::Minus1)?.to_scalar::<u32>()?)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn routing_takes_the_top_k_and_renormalises() {
+        let probs = vec![
+            vec![0.1, 0.5, 0.3, 0.1],
+            // A tie for second place: the lower index wins.
+            vec![0.4, 0.2, 0.2, 0.2],
+        ];
+        let (rows, weights) = route(&probs, 2, true);
+        assert_eq!(rows, vec![vec![1], vec![0, 1], vec![0], vec![]]);
+        let close = |a: f32, b: f32| (a - b).abs() < 1e-6;
+        assert!(close(weights[1][0], 0.5 / 0.8) && close(weights[2][0], 0.3 / 0.8));
+        assert!(close(weights[0][0], 0.4 / 0.6) && close(weights[1][1], 0.2 / 0.6));
+        // Without renormalisation the probabilities stand; with k = n every expert runs.
+        let (_, weights) = route(&probs, 2, false);
+        assert_eq!(weights[1], vec![0.5, 0.2]);
+        let (rows, _) = route(&probs, 4, true);
+        assert!(rows.iter().all(|r| r == &vec![0, 1]));
+    }
+
+    /// The mixture (experts run over gathered rows, outputs scattered back) against running
+    /// every expert on every row and summing the chosen ones row by row.
+    #[test]
+    fn mixture_matches_a_dense_reference() -> Result<()> {
+        let (hid, ff, n, k, rows) = (16, 8, 6, 2, 9);
+        let dev = Device::Cpu;
+        let w = Weights::random(&dev, DType::F32, 7, true)?;
+        let (gate, up, down) = (
+            w.experts(Key::GateExps, 0, n, ff, hid)?,
+            w.experts(Key::UpExps, 0, n, ff, hid)?,
+            w.experts(Key::DownExps, 0, n, hid, ff)?,
+        );
+        let experts: Vec<Mlp> = gate
+            .into_iter()
+            .zip(up)
+            .zip(down)
+            .map(|((gate, up), down)| Mlp { gate, up, down })
+            .collect();
+        // Its probabilities are computed the same way here, so near-ties choose alike.
+        let router = w.linear(Key::Router, Some(0), n, hid, false)?;
+        let x = Tensor::randn(0f32, 1.0, (rows, hid), &dev)?;
+        for norm in [true, false] {
+            let moe = Moe {
+                router: router.clone(),
+                experts: experts.clone(),
+                top_k: k,
+                norm_topk_prob: norm,
+            };
+            let got = moe.forward(&x, true)?.to_vec2::<f32>()?;
+            let probs = candle_nn::ops::softmax_last_dim(&moe.router.forward(&x, true)?)?
+                .to_vec2::<f32>()?;
+            let all: Vec<Vec<Vec<f32>>> = experts
+                .iter()
+                .map(|e| Ok(e.forward(&x, true)?.to_vec2::<f32>()?))
+                .collect::<Result<_>>()?;
+            let mut used = vec![false; n];
+            for r in 0..rows {
+                let mut order: Vec<usize> = (0..n).collect();
+                order.sort_by(|&a, &b| probs[r][b].total_cmp(&probs[r][a]));
+                let total: f32 = order[..k].iter().map(|&e| probs[r][e]).sum();
+                for c in 0..hid {
+                    let want: f32 = order[..k]
+                        .iter()
+                        .map(|&e| {
+                            used[e] = true;
+                            let w = if norm {
+                                probs[r][e] / total
+                            } else {
+                                probs[r][e]
+                            };
+                            w * all[e][r][c]
+                        })
+                        .sum();
+                    assert!(
+                        (got[r][c] - want).abs() < 1e-5,
+                        "row {r} col {c}: {} vs {want}",
+                        got[r][c]
+                    );
+                }
+            }
+            // The rows spread over several experts, not one.
+            assert!(used.iter().filter(|&&u| u).count() > k);
+        }
+        Ok(())
+    }
+}
