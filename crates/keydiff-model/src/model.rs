@@ -481,6 +481,10 @@ impl Model {
         let hid = cfg.hidden_size;
         let mut layers = Vec::with_capacity(cfg.num_layers);
         for l in 0..cfg.num_layers {
+            // In this order, so that a file missing several tensors names its first.
+            let attn_norm = norm(Key::AttnNorm, Some(l), hid)?;
+            let attn = Attention::new(cfg, w, l)?;
+            let mlp_norm = norm(Key::MlpNorm, Some(l), hid)?;
             let mlp = match &cfg.moe {
                 None => Ffn::Mlp(Mlp {
                     gate: w.linear(Key::Gate, Some(l), cfg.intermediate_size, hid, false)?,
@@ -489,11 +493,12 @@ impl Model {
                 }),
                 Some(m) => {
                     let (n, ff) = (m.num_experts, m.expert_intermediate_size);
+                    let router = w.linear(Key::Router, Some(l), n, hid, false)?;
                     let gate = w.experts(Key::GateExps, l, n, ff, hid)?;
                     let up = w.experts(Key::UpExps, l, n, ff, hid)?;
                     let down = w.experts(Key::DownExps, l, n, hid, ff)?;
                     Ffn::Moe(Moe {
-                        router: w.linear(Key::Router, Some(l), n, hid, false)?,
+                        router,
                         experts: gate
                             .into_iter()
                             .zip(up)
@@ -506,9 +511,9 @@ impl Model {
                 }
             };
             layers.push(Layer {
-                attn_norm: norm(Key::AttnNorm, Some(l), hid)?,
-                attn: Attention::new(cfg, w, l)?,
-                mlp_norm: norm(Key::MlpNorm, Some(l), hid)?,
+                attn_norm,
+                attn,
+                mlp_norm,
                 mlp,
             });
         }
