@@ -1741,9 +1741,18 @@ const THINKING_TEMPLATE: &str = "{%- for m in messages %}{{- '<|im_start|>' + m.
 /// A server whose model has `THINKING_TEMPLATE` in place of its own, splitting reasoning as
 /// `format` says.
 fn start_thinking(format: keydiff::reasoning::ReasoningFormat) -> (ServerHandle, Engine) {
+    start_with_template(format, THINKING_TEMPLATE)
+}
+
+/// A server whose model has `template` in place of its own, splitting reasoning as `format`
+/// says, and the same engine for reference.
+fn start_with_template(
+    format: keydiff::reasoning::ReasoningFormat,
+    template: &str,
+) -> (ServerHandle, Engine) {
     let cfg = EngineConfig {
         cache: keydiff_cache(32, 16),
-        chat_template: Some(THINKING_TEMPLATE.into()),
+        chat_template: Some(template.into()),
         ..Default::default()
     };
     let load = || Engine::load(&ModelSource::Gguf(model(SMOLLM2)), &cfg).unwrap();
@@ -1860,4 +1869,71 @@ fn reasoning_comes_apart_and_template_kwargs_reach_the_template() {
     assert!(got["choices"][0]["message"]
         .get("reasoning_content")
         .is_none());
+}
+
+/// A reasoning model's reply under OpenAI's `response_format`: JSON mode shapes the answer
+/// after the reasoning block, as vLLM applies structured outputs under a reasoning parser.
+/// Here the prompt opens the block (as DeepSeek-R1's template does), so the reply starts in
+/// it: free text, which the small model does not close in 12 tokens, where generation may
+/// not end. With `--reasoning-format none`, JSON mode applies from the reply's first token.
+/// (llama.cpp's `grammar` field constrains the whole reply, reasoning included: the test
+/// above writes the block with it.)
+#[test]
+fn response_formats_shape_the_answer_after_the_reasoning() {
+    use keydiff::reasoning::ReasoningFormat;
+    // Earlier replies' reasoning is dropped, as DeepSeek-R1's template does: it writes
+    // `</think>`, which is how `auto` knows a reasoning model.
+    const OPENED: &str = "{%- for m in messages %}{%- set c = m.content %}{%- if '</think>' in \
+        c %}{%- set c = c.split('</think>')[-1] %}{%- endif %}{{- '<|im_start|>' + m.role + \
+        '\\n' + c + '<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- \
+        '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}";
+    let question = "Give me a JSON object with your name.";
+    let body = json!({"messages": [{"role": "user", "content": question}], "max_tokens": 12,
+                      "temperature": 0, "response_format": {"type": "json_object"}});
+    let (server, local) = start_with_template(ReasoningFormat::Auto, OPENED);
+    let prompt = Prompt::Chat(vec![Message::new("user", question)]);
+    assert_eq!(
+        local
+            .reasoning_start(&prompt, ReasoningFormat::Auto)
+            .unwrap(),
+        Some(true)
+    );
+    let plain = local.generate(&greedy(prompt.clone(), 12), |_| {}).unwrap();
+    assert_eq!(
+        plain.stats.stop_reason,
+        keydiff::StopReason::MaxTokens,
+        "{plain:?}"
+    );
+    assert!(!plain.text.contains("</think>"), "{plain:?}");
+    assert!(
+        !plain.text.trim_start().starts_with('{'),
+        "the test needs free text to tell the two apart: {plain:?}"
+    );
+    let url = format!("{}/v1/chat/completions", server.url());
+    let (code, got) = post(&url, &body);
+    assert_eq!(code, 200, "{got}");
+    let choice = &got["choices"][0];
+    // The block is free: the reply is what the model writes without a format.
+    let want = keydiff::reasoning::split(&plain.text, true);
+    let reasoning = want.reasoning.expect("all reasoning");
+    assert!(
+        !reasoning.is_empty() && want.content.is_empty(),
+        "{plain:?}"
+    );
+    assert_eq!(choice["message"]["reasoning_content"], reasoning, "{got}");
+    assert_eq!(choice["message"]["content"], "", "{got}");
+    assert_eq!(choice["finish_reason"], "length", "{got}");
+    // The same request without reasoning apart: JSON from the first token.
+    let (none, _) = start_with_template(ReasoningFormat::None, OPENED);
+    let (code, got) = post(&format!("{}/v1/chat/completions", none.url()), &body);
+    assert_eq!(code, 200, "{got}");
+    let content = got["choices"][0]["message"]["content"].as_str().unwrap();
+    assert!(content.trim_start().starts_with('{'), "{got}");
+    // In the library: the format that the server used, from the engine.
+    let mut params = greedy(prompt, 12);
+    params.sampling.format = keydiff::Format::JsonObject.after_reasoning(Some(true));
+    let out = local.generate(&params, |_| {}).unwrap();
+    assert_eq!(out.text, plain.text);
+    server.stop().unwrap();
+    none.stop().unwrap();
 }

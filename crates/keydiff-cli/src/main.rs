@@ -1503,14 +1503,12 @@ fn generate_with(
     tools: Option<(ToolSyntax, Vec<Tool>, Option<Format>)>,
 ) -> Result<()> {
     let mut sampling = sampling(a)?;
-    if let Some((_, _, Some(f))) = &tools {
-        sampling.format = f.clone();
-    }
     // A reasoning model's chat reply (its template writes `</think>`): the reasoning apart,
-    // and tool calls read in the answer only.
+    // and tool calls read and constrained in the answer only (`--grammar`, `--json-schema`
+    // and `--format` constrain the whole reply, as llama.cpp's do).
     let reasoning = engine.reasoning_start(&prompt, keydiff::reasoning::ReasoningFormat::Auto)?;
-    if let Format::Lazy { reasoning: r, .. } = &mut sampling.format {
-        *r = reasoning;
+    if let Some((_, _, Some(f))) = &tools {
+        sampling.format = f.clone().after_reasoning(reasoning);
     }
     let params = GenerateParams {
         prompt,

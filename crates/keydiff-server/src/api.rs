@@ -152,6 +152,11 @@ pub struct Mapped {
     /// Read the replies for calls to these tools, written in this syntax, as `tool_choice`
     /// asked (chat with tools and a `tool_choice` other than `none`).
     pub tools: Option<(ToolSyntax, Vec<Tool>, ToolChoice)>,
+    /// The output's form was set by OpenAI's `response_format` or by the tools' calls, which
+    /// shape the answer: a reasoning model's reasoning block before it is left free
+    /// ([`keydiff::Format::after_reasoning`], as vLLM does). llama.cpp's `grammar` and
+    /// `json_schema` fields constrain the whole reply, as in llama.cpp.
+    pub answer_format: bool,
     /// How llama.cpp's own endpoints shape the answer.
     pub llama: LlamaReply,
 }
@@ -256,6 +261,7 @@ impl Common {
             echo: false,
             stream: self.stream.unwrap_or(false),
             tools: None,
+            answer_format: self.response_format.as_ref().is_some_and(|v| !v.is_null()),
             llama: LlamaReply::default(),
             include_usage: self
                 .stream_options
@@ -554,6 +560,7 @@ impl ChatRequest {
         let mut m = self.common.map(prompt, defaults, logprobs)?;
         if let Some((syntax, format, choice)) = tool_format {
             m.params.sampling.format = format;
+            m.answer_format = true;
             m.tools = Some((syntax, tools, choice));
         }
         Ok(m)

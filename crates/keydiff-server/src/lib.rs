@@ -1439,9 +1439,11 @@ async fn chat_completions(
         .engine
         .reasoning_start(&mapped.params.prompt, st.cfg.reasoning_format)
         .map_err(|e| ApiError::invalid(e.to_string(), Some("messages")))?;
-    // Tool calls are read in the answer: a trigger inside the reasoning does not count.
-    if let keydiff::Format::Lazy { reasoning, .. } = &mut mapped.params.sampling.format {
-        *reasoning = reply.reasoning;
+    // Tool calls and response formats shape the answer: the reasoning before it is free,
+    // and a lazy grammar's trigger inside it does not count.
+    if mapped.answer_format {
+        let format = std::mem::replace(&mut mapped.params.sampling.format, keydiff::Format::Text);
+        mapped.params.sampling.format = format.after_reasoning(reply.reasoning);
     }
     Ok(respond(st, mapped, reply).await)
 }
@@ -1530,6 +1532,7 @@ async fn respond(st: Arc<AppState>, m: Mapped, mut reply: Reply) -> Response {
         stream,
         include_usage,
         echo: _,
+        answer_format: _,
         tools,
         llama,
     } = m;

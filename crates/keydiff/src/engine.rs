@@ -610,6 +610,99 @@ enum Constraint {
     Json(JsonObject),
     Grammar(GrammarState),
     Lazy(Lazy),
+    AfterThink(Box<AfterThink>),
+}
+
+/// [`Format::AfterReasoning`]: a reasoning block of free text, then JSON mode or a grammar
+/// over the answer after it (its leading whitespace aside).
+#[derive(Debug, Clone)]
+struct AfterThink {
+    think: Think,
+    /// The answer has brought whitespace only so far (none of it read by `inner`).
+    lead: bool,
+    inner: Constraint,
+}
+
+impl AfterThink {
+    fn in_answer(&self) -> bool {
+        matches!(self.think, Think::Off)
+    }
+
+    fn is_done(&self) -> bool {
+        self.in_answer() && self.inner.is_done()
+    }
+
+    /// Reads a token's bytes; false when the answer's constraint refuses them.
+    fn push_all(&mut self, bytes: &[u8]) -> bool {
+        let Some(mut answer) = self.think.feed(bytes) else {
+            return true;
+        };
+        if self.lead {
+            let ws = answer
+                .iter()
+                .take_while(|b| b.is_ascii_whitespace())
+                .count();
+            answer.drain(..ws);
+            if answer.is_empty() {
+                return true;
+            }
+            self.lead = false;
+        }
+        self.inner.push_bytes(&answer)
+    }
+
+    /// In the answer: the inner constraint's mask (and whitespace before the answer). Before
+    /// or in the reasoning block: bans ending generation, and the tokens that would end the
+    /// block (or, at the start, show there is none) with an answer the constraint refuses.
+    fn mask(
+        &self,
+        logits: &mut [f32],
+        tokens: &[Box<[u8]>],
+        by_bytes: &[u32],
+        eos: &[u32],
+    ) -> usize {
+        let bytes_of = |id: usize| tokens.get(id).map_or(&[][..], |b| &b[..]);
+        if self.in_answer() {
+            if !self.lead {
+                return self.inner.mask(logits, tokens, by_bytes, eos);
+            }
+            // A token that starts with whitespace is read past it: each on a copy.
+            let before = logits.to_vec();
+            self.inner.mask(logits, tokens, by_bytes, eos);
+            let mut left = 0;
+            for (id, l) in logits.iter_mut().enumerate() {
+                let b = bytes_of(id);
+                if before[id].is_finite() && b.first().is_some_and(u8::is_ascii_whitespace) {
+                    *l = match self.clone().push_all(b) {
+                        true => before[id],
+                        false => f32::NEG_INFINITY,
+                    };
+                }
+                if l.is_finite() {
+                    left += 1;
+                }
+            }
+            return left;
+        }
+        // At the start any token may show there is no block; inside it only one with the
+        // closing `>` may end it.
+        let start = matches!(self.think, Think::Start(_));
+        let mut left = 0;
+        for (id, l) in logits.iter_mut().enumerate() {
+            if !l.is_finite() {
+                continue;
+            }
+            let b = bytes_of(id);
+            if eos.contains(&(id as u32))
+                || ((start || b.contains(&b'>')) && !self.clone().push_all(b))
+            {
+                *l = f32::NEG_INFINITY;
+                continue;
+            }
+            left += 1;
+        }
+        left
+    }
 }
 
 /// [`Format::Lazy`]: free text until a trigger, then the grammar from the trigger on.
@@ -642,6 +735,56 @@ enum Think {
     Inside(Vec<u8>),
 }
 
+impl Think {
+    /// Where the reply stands once a reasoning model's `reasoning`: `None` (no block is
+    /// looked for) or `Some(open)` (`open`: the prompt opened it).
+    fn new(reasoning: Option<bool>) -> Self {
+        match reasoning {
+            None => Think::Off,
+            Some(false) => Think::Start(Vec::new()),
+            Some(true) => Think::Inside(Vec::new()),
+        }
+    }
+
+    /// Reads reply bytes; returns those of the answer (after the block, or all of them once
+    /// the reply shows it has none), or `None` while they are in the block or may open one.
+    fn feed(&mut self, bytes: &[u8]) -> Option<Vec<u8>> {
+        use crate::reasoning::{THINK_END, THINK_START};
+        let (open, close) = (THINK_START.as_bytes(), THINK_END.as_bytes());
+        match self {
+            Think::Off => Some(bytes.to_vec()),
+            Think::Start(held) => {
+                held.extend_from_slice(bytes);
+                let ws = held.iter().take_while(|b| b.is_ascii_whitespace()).count();
+                let t = &held[ws..];
+                if let Some(rest) = t.strip_prefix(open) {
+                    let rest = rest.to_vec();
+                    *self = Think::Inside(Vec::new());
+                    return self.feed(&rest);
+                }
+                if open.starts_with(t) {
+                    return None;
+                }
+                // No block: the held text is the reply's start.
+                let held = std::mem::take(held);
+                *self = Think::Off;
+                Some(held)
+            }
+            Think::Inside(tail) => {
+                let mut text = std::mem::take(tail);
+                text.extend_from_slice(bytes);
+                if let Some(p) = text.windows(close.len()).position(|w| w == close) {
+                    *self = Think::Off;
+                    return Some(text[p + close.len()..].to_vec());
+                }
+                let keep = text.len().min(close.len() - 1);
+                *tail = text[text.len() - keep..].to_vec();
+                None
+            }
+        }
+    }
+}
+
 impl Lazy {
     /// `reasoning`: `None` reads every byte for triggers; `Some(open)` skips a reasoning
     /// block at the start of the reply (`open`: the prompt opened it).
@@ -672,11 +815,7 @@ impl Lazy {
             lead: (!at_start.is_empty()).then(Vec::new),
             grammar,
             active: false,
-            think: match reasoning {
-                None => Think::Off,
-                Some(false) => Think::Start(Vec::new()),
-                Some(true) => Think::Inside(Vec::new()),
-            },
+            think: Think::new(reasoning),
         })
     }
 
@@ -715,39 +854,17 @@ impl Lazy {
 
     /// Reads a token's bytes; false when the grammar refuses them.
     fn push_all(&mut self, bytes: &[u8]) -> bool {
-        use crate::reasoning::{THINK_END, THINK_START};
-        let (open, close) = (THINK_START.as_bytes(), THINK_END.as_bytes());
-        match &mut self.think {
-            Think::Off => {}
-            Think::Start(held) => {
-                held.extend_from_slice(bytes);
-                let ws = held.iter().take_while(|b| b.is_ascii_whitespace()).count();
-                let t = &held[ws..];
-                if let Some(rest) = t.strip_prefix(open) {
-                    let rest = rest.to_vec();
-                    self.think = Think::Inside(Vec::new());
-                    return self.push_all(&rest);
+        let owned;
+        let bytes = match self.think {
+            Think::Off => bytes,
+            _ => match self.think.feed(bytes) {
+                None => return true,
+                Some(b) => {
+                    owned = b;
+                    &owned[..]
                 }
-                if open.starts_with(t) {
-                    return true;
-                }
-                // No block: the held text is the reply's start.
-                let held = std::mem::take(held);
-                self.think = Think::Off;
-                return self.push_all(&held);
-            }
-            Think::Inside(tail) => {
-                let mut text = std::mem::take(tail);
-                text.extend_from_slice(bytes);
-                if let Some(p) = text.windows(close.len()).position(|w| w == close) {
-                    self.think = Think::Off;
-                    return self.push_all(&text[p + close.len()..]);
-                }
-                let keep = text.len().min(close.len() - 1);
-                *tail = text[text.len() - keep..].to_vec();
-                return true;
-            }
-        }
+            },
+        };
         if self.active {
             return self.grammar.push_all(bytes);
         }
@@ -844,6 +961,23 @@ impl Constraint {
                 c.check()?;
                 Some(c)
             }
+            Format::AfterReasoning { format, open } => match Constraint::new(format)? {
+                None => None,
+                Some(inner @ (Constraint::Json(_) | Constraint::Grammar(_))) => {
+                    Some(Constraint::AfterThink(Box::new(AfterThink {
+                        think: Think::new(Some(*open)),
+                        lead: true,
+                        inner,
+                    })))
+                }
+                Some(_) => {
+                    return Err(EngineError::BadParams(
+                        "after a reasoning block: JSON mode or a grammar (a lazy grammar \
+                         reads the reasoning itself)"
+                            .into(),
+                    ))
+                }
+            },
         })
     }
 
@@ -851,6 +985,7 @@ impl Constraint {
     /// what its mask refused may have been allowed.
     fn check(&self) -> Result<()> {
         match self {
+            Constraint::AfterThink(a) => a.inner.check(),
             Constraint::Grammar(g) | Constraint::Lazy(Lazy { grammar: g, .. })
                 if g.is_ambiguous() =>
             {
@@ -871,6 +1006,29 @@ impl Constraint {
             Format::JsonObject => "JSON mode",
             Format::Grammar(_) => "the grammar",
             Format::Lazy { .. } => "the grammar after its trigger",
+            Format::AfterReasoning { format, .. } => match **format {
+                Format::JsonObject => "JSON mode after the reasoning",
+                _ => "the grammar after the reasoning",
+            },
+        }
+    }
+
+    fn is_done(&self) -> bool {
+        match self {
+            Constraint::Json(j) => j.is_done(),
+            Constraint::Grammar(g) => g.is_done(),
+            Constraint::Lazy(l) => l.is_done(),
+            Constraint::AfterThink(a) => a.is_done(),
+        }
+    }
+
+    /// Reads bytes of the text (not a special token's).
+    fn push_bytes(&mut self, bytes: &[u8]) -> bool {
+        match self {
+            Constraint::Json(j) => !j.is_done() && j.push_all(bytes),
+            Constraint::Grammar(g) => g.push_all(bytes),
+            Constraint::Lazy(l) => l.push_all(bytes),
+            Constraint::AfterThink(a) => a.push_all(bytes),
         }
     }
 
@@ -888,35 +1046,27 @@ impl Constraint {
             Constraint::Json(j) => j.mask(logits, tokens, eos),
             Constraint::Grammar(g) => g.mask(logits, tokens, by_bytes, eos),
             Constraint::Lazy(l) => l.mask(logits, tokens, by_bytes, eos),
+            Constraint::AfterThink(a) => a.mask(logits, tokens, by_bytes, eos),
         }
     }
 
     /// Reads token `tok`; false when it cannot come next.
     fn push(&mut self, tok: u32, tokens: &[Box<[u8]>], eos: &[u32]) -> bool {
-        let done = match self {
-            Constraint::Json(j) => j.is_done(),
-            Constraint::Grammar(g) => g.is_done(),
-            Constraint::Lazy(l) => l.is_done(),
-        };
         if eos.contains(&tok) {
-            return done;
+            return self.is_done();
         }
-        if let Constraint::Lazy(l) = self {
-            // Before the trigger any token goes, special ones too.
-            let bytes = tokens.get(tok as usize).map_or(&[][..], |b| &b[..]);
-            return match l.active && bytes.is_empty() {
-                true => false,
-                false => l.push_all(bytes),
-            };
-        }
-        let Some(bytes) = tokens.get(tok as usize).filter(|b| !b.is_empty()) else {
-            return false;
+        let bytes = tokens.get(tok as usize).map_or(&[][..], |b| &b[..]);
+        // Before a lazy grammar's trigger, and in a reasoning block, any token goes, special
+        // ones too; elsewhere a token must bring text.
+        let free = match self {
+            Constraint::Lazy(l) => !l.active,
+            Constraint::AfterThink(a) => !a.in_answer(),
+            _ => false,
         };
-        match self {
-            Constraint::Json(j) => !done && j.push_all(bytes),
-            Constraint::Grammar(g) => g.push_all(bytes),
-            Constraint::Lazy(_) => unreachable!("read above"),
+        if bytes.is_empty() && !free {
+            return false;
         }
+        self.push_bytes(bytes)
     }
 }
 
@@ -941,7 +1091,7 @@ impl<'e> Decoding<'e> {
             Some(c) => {
                 let (tokens, eos) = (self.engine.token_bytes()?, &vocab.eos_ids);
                 let by_bytes = match c {
-                    Constraint::Grammar(_) | Constraint::Lazy(_) => {
+                    Constraint::Grammar(_) | Constraint::Lazy(_) | Constraint::AfterThink(_) => {
                         self.engine.tokens_by_bytes()?
                     }
                     Constraint::Json(_) => &[],
@@ -2252,6 +2402,120 @@ mod tests {
         let mut c = lazy_with(Some(false));
         assert!(read(&mut c, &tokens, &[2]));
         assert!(!c.clone().push(9, &tokens, &[0]));
+    }
+
+    /// `Format::AfterReasoning`: the reasoning block is free (a call's text inside it too),
+    /// generation cannot end in it, the answer after it (whitespace aside) follows the grammar
+    /// or JSON mode, a reply without a block is all answer, and the mask bans exactly what
+    /// reading refuses, before, in and after the block.
+    #[test]
+    fn a_format_after_reasoning_leaves_the_block_free() {
+        let tokens = vocab(&[
+            "",
+            "",
+            "<think>",
+            "Call f? {no json here",
+            "</think>",
+            "\n\n",
+            "<tool_call>",
+            "\nX\n",
+            "</tool_call>",
+            "</think>\n<tool_call>",
+            "</think>Hi",
+            "Hi ",
+            " ",
+            "<thi",
+            "nk>",
+            "{\"a\": 1}",
+            "\n<tool_call>",
+            " {\"a\": 1}",
+        ]);
+        let by_bytes = crate::grammar::sorted_by_bytes(&tokens);
+        let grammar = Format::Grammar(r#"root ::= "<tool_call>\nX\n</tool_call>""#.into());
+        let after = |format: &Format, open| {
+            let f = format.clone().after_reasoning(Some(open));
+            assert!(matches!(f, Format::AfterReasoning { .. }), "{f:?}");
+            Constraint::new(&f).unwrap().unwrap()
+        };
+        // Reasoning, then the call.
+        let mut c = after(&grammar, false);
+        assert!(read(&mut c, &tokens, &[2, 3, 4, 5, 6, 7, 8, 0]));
+        // Not ended inside the block, nor before the call is whole.
+        let mut c = after(&grammar, false);
+        assert!(read(&mut c, &tokens, &[2, 3]));
+        assert!(!c.clone().push(0, &tokens, &[0]));
+        assert!(read(&mut c, &tokens, &[4, 5]));
+        assert!(
+            !c.clone().push(0, &tokens, &[0]),
+            "the answer must be a call"
+        );
+        assert!(
+            !c.clone().push(11, &tokens, &[0]),
+            "text instead of the call"
+        );
+        // One token that ends the block and starts the call; one that starts text instead.
+        let mut c = after(&grammar, false);
+        assert!(read(&mut c, &tokens, &[2, 3]));
+        assert!(c.clone().push(9, &tokens, &[0]));
+        assert!(!c.clone().push(10, &tokens, &[0]));
+        // No block: the call from the start (after whitespace, the tag split across tokens
+        // read as a possible block first).
+        let mut c = after(&grammar, false);
+        assert!(read(&mut c, &tokens, &[12, 6, 7, 8, 0]));
+        let mut c = after(&grammar, false);
+        assert!(!c.push(11, &tokens, &[0]));
+        // A prompt that opened the block.
+        let mut c = after(&grammar, true);
+        assert!(read(&mut c, &tokens, &[3, 4, 6, 7, 8, 0]));
+        // JSON mode after the block.
+        let mut c = after(&Format::JsonObject, false);
+        assert!(read(&mut c, &tokens, &[13, 14, 3, 4, 5, 15, 0]));
+        let mut c = after(&Format::JsonObject, false);
+        assert!(read(&mut c, &tokens, &[2, 4]));
+        assert!(!c.clone().push(11, &tokens, &[0]));
+        // The mask bans exactly what reading refuses.
+        for (format, prefix) in [
+            (&grammar, &[][..]),
+            (&grammar, &[13]),
+            (&grammar, &[12]),
+            (&grammar, &[2]),
+            (&grammar, &[2, 3]),
+            (&grammar, &[2, 3, 4]),
+            (&grammar, &[2, 3, 4, 5]),
+            (&grammar, &[2, 3, 4, 6]),
+            (&Format::JsonObject, &[2, 4]),
+            (&Format::JsonObject, &[2, 4, 5]),
+            (&Format::JsonObject, &[]),
+        ] {
+            let mut c = after(format, false);
+            assert!(read(&mut c, &tokens, prefix));
+            let mut logits = vec![0.0; tokens.len()];
+            let left = c.mask(&mut logits, &tokens, &by_bytes, &[0]);
+            for t in 0..tokens.len() as u32 {
+                assert_eq!(
+                    c.clone().push(t, &tokens, &[0]),
+                    logits[t as usize] == 0.0,
+                    "{format:?} after {prefix:?}: token {t}"
+                );
+            }
+            assert_eq!(left, logits.iter().filter(|l| l.is_finite()).count());
+        }
+        // Without reasoning, or on text, nothing changes; a lazy grammar takes it itself.
+        assert_eq!(grammar.clone().after_reasoning(None), grammar);
+        assert_eq!(Format::Text.after_reasoning(Some(false)), Format::Text);
+        let lazy = Format::Lazy {
+            grammar: r#"root ::= "<tool_call>\nX\n</tool_call>""#.into(),
+            triggers: vec!["<tool_call>".into()],
+            at_start: Vec::new(),
+            reasoning: None,
+        };
+        assert!(matches!(
+            lazy.after_reasoning(Some(true)),
+            Format::Lazy {
+                reasoning: Some(true),
+                ..
+            }
+        ));
     }
 
     #[test]

@@ -66,11 +66,47 @@ pub enum Format {
         at_start: Vec<String>,
         reasoning: Option<bool>,
     },
+    /// `format` (JSON mode or a grammar) over the answer of a reasoning model's reply: a
+    /// `<think>…</think>` block at its start (`open`: the prompt opened it) is free text, and
+    /// the answer after it, its leading whitespace aside, must be of `format`; generation
+    /// cannot end inside the block. A reply without a block is all answer. This is how vLLM
+    /// applies structured outputs under a reasoning parser, and how llama.cpp lets a reasoning
+    /// model think before a required tool call.
+    AfterReasoning { format: Box<Format>, open: bool },
 }
 
 impl Format {
     fn is_text(&self) -> bool {
         *self == Format::Text
+    }
+
+    /// This format for a reply that `reasoning` says opens with a reasoning block
+    /// ([`crate::Engine::reasoning_start`]: `Some(open)`), or not (`None`): JSON mode and
+    /// grammars then constrain the answer after the block ([`Format::AfterReasoning`]), and a
+    /// lazy grammar's triggers count only there. Text, and a format without a reasoning
+    /// block, stay as they are.
+    pub fn after_reasoning(self, reasoning: Option<bool>) -> Format {
+        let Some(open) = reasoning else {
+            return self;
+        };
+        match self {
+            Format::JsonObject | Format::Grammar(_) => Format::AfterReasoning {
+                format: Box::new(self),
+                open,
+            },
+            Format::Lazy {
+                grammar,
+                triggers,
+                at_start,
+                ..
+            } => Format::Lazy {
+                grammar,
+                triggers,
+                at_start,
+                reasoning: Some(open),
+            },
+            other => other,
+        }
     }
 }
 
