@@ -259,6 +259,27 @@ pub fn export_hf(gguf: &Path, dir: &Path) -> Result<()> {
     Ok(())
 }
 
+/// A GGUF file's metadata and its tensors, each by name and sorted.
+pub type GgufParts = (
+    Vec<(String, gguf_file::Value)>,
+    Vec<(String, candle_core::quantized::QTensor)>,
+);
+
+/// A GGUF file's metadata and tensors, to write again changed.
+pub fn read_gguf(path: &Path) -> Result<GgufParts> {
+    let mut f = std::fs::File::open(path)?;
+    let ct = gguf_file::Content::read(&mut f)?;
+    let mut md: Vec<(String, gguf_file::Value)> = ct.metadata.clone().into_iter().collect();
+    md.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut names: Vec<&String> = ct.tensor_infos.keys().collect();
+    names.sort();
+    let ts = names
+        .iter()
+        .map(|n| Ok(((*n).clone(), ct.tensor(&mut f, n, &Device::Cpu)?)))
+        .collect::<Result<_>>()?;
+    Ok((md, ts))
+}
+
 /// A fresh, empty temporary directory for one test.
 pub fn temp_dir(name: &str) -> std::path::PathBuf {
     let d = std::env::temp_dir().join(format!("keydiff-test-{}-{name}", std::process::id()));

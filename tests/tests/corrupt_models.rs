@@ -598,15 +598,7 @@ fn qwen3_norms_are_checked() {
     let d = temp_dir("gguf-qwen3");
     let good = d.join("q3.gguf");
     keydiff_tests::write_tiny_qwen3(&good, false).unwrap();
-    let mut f = std::fs::File::open(&good).unwrap();
-    let ct = gguf_file::Content::read(&mut f).unwrap();
-    let md: Vec<(String, Value)> = ct.metadata.clone().into_iter().collect();
-    let mut names: Vec<&String> = ct.tensor_infos.keys().collect();
-    names.sort();
-    let ts: Vec<(String, QTensor)> = names
-        .iter()
-        .map(|n| ((*n).clone(), ct.tensor(&mut f, n, &Device::Cpu).unwrap()))
-        .collect();
+    let (md, ts) = keydiff_tests::read_gguf(&good).unwrap();
     let p = d.join("bad.gguf");
     let without = |gone: &str| -> Vec<(String, QTensor)> {
         ts.iter()
@@ -658,15 +650,7 @@ fn qwen3_moe_tensors_and_settings_are_checked() {
     let d = temp_dir("gguf-qwen3moe");
     let good = d.join("moe.gguf");
     keydiff_tests::write_tiny_qwen3_moe(&good, GgmlDType::Q8_0).unwrap();
-    let mut f = std::fs::File::open(&good).unwrap();
-    let ct = gguf_file::Content::read(&mut f).unwrap();
-    let md: Vec<(String, Value)> = ct.metadata.clone().into_iter().collect();
-    let mut names: Vec<&String> = ct.tensor_infos.keys().collect();
-    names.sort();
-    let ts: Vec<(String, QTensor)> = names
-        .iter()
-        .map(|n| ((*n).clone(), ct.tensor(&mut f, n, &Device::Cpu).unwrap()))
-        .collect();
+    let (md, ts) = keydiff_tests::read_gguf(&good).unwrap();
     let p = d.join("bad.gguf");
     let replaced = |name: &str, with: Option<QTensor>| -> Vec<(String, QTensor)> {
         let mut v: Vec<(String, QTensor)> = ts

@@ -405,26 +405,12 @@ fn tiny_qwen3_moe_matches_llamacpp() {
 fn with_experts_used(from: &Path, to: &Path, k: usize) {
     use candle_core::quantized::gguf_file::{self, Value};
     use candle_core::quantized::QTensor;
-    let mut f = std::fs::File::open(from).unwrap();
-    let ct = gguf_file::Content::read(&mut f).unwrap();
-    let mut md: Vec<(String, Value)> = ct.metadata.clone().into_iter().collect();
-    md.sort_by(|a, b| a.0.cmp(&b.0));
+    let (mut md, ts) = keydiff_tests::read_gguf(from).unwrap();
     for (key, v) in md.iter_mut() {
         if key == "qwen3moe.expert_used_count" {
             *v = Value::U32(k as u32);
         }
     }
-    let mut names: Vec<&String> = ct.tensor_infos.keys().collect();
-    names.sort();
-    let ts: Vec<(String, QTensor)> = names
-        .iter()
-        .map(|n| {
-            (
-                (*n).clone(),
-                ct.tensor(&mut f, n, &candle_core::Device::Cpu).unwrap(),
-            )
-        })
-        .collect();
     let mut out = std::fs::File::create(to).unwrap();
     let md: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let ts: Vec<(&str, &QTensor)> = ts.iter().map(|(k, v)| (k.as_str(), v)).collect();

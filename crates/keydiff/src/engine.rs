@@ -2254,6 +2254,20 @@ mod tests {
         ids.iter().all(|&t| c.push(t, tokens, &[0]))
     }
 
+    /// The mask bans exactly the tokens reading refuses, and counts the rest.
+    fn assert_mask_is_push(c: &Constraint, tokens: &[Box<[u8]>], by_bytes: &[u32], what: &str) {
+        let mut logits = vec![0.0; tokens.len()];
+        let left = c.mask(&mut logits, tokens, by_bytes, &[0]);
+        for t in 0..tokens.len() as u32 {
+            assert_eq!(
+                c.clone().push(t, tokens, &[0]),
+                logits[t as usize] == 0.0,
+                "{what}: token {t}"
+            );
+        }
+        assert_eq!(left, logits.iter().filter(|l| l.is_finite()).count());
+    }
+
     #[test]
     fn a_lazy_grammar_applies_from_its_trigger() {
         // 0 is the end of generation; 1 a special token with no text.
@@ -2387,16 +2401,7 @@ mod tests {
         for prefix in [&[][..], &[14], &[13], &[2], &[2, 3], &[2, 3, 4], &[12]] {
             let mut c = lazy_with(Some(false));
             assert!(read(&mut c, &tokens, prefix));
-            let mut logits = vec![0.0; tokens.len()];
-            let left = c.mask(&mut logits, &tokens, &[], &[0]);
-            for t in 0..tokens.len() as u32 {
-                assert_eq!(
-                    c.clone().push(t, &tokens, &[0]),
-                    logits[t as usize] == 0.0,
-                    "after {prefix:?}: token {t}"
-                );
-            }
-            assert_eq!(left, logits.iter().filter(|l| l.is_finite()).count());
+            assert_mask_is_push(&c, &tokens, &[], &format!("after {prefix:?}"));
         }
         // Token 9 ends the block and starts a call the grammar refuses.
         let mut c = lazy_with(Some(false));
@@ -2489,16 +2494,8 @@ mod tests {
         ] {
             let mut c = after(format, false);
             assert!(read(&mut c, &tokens, prefix));
-            let mut logits = vec![0.0; tokens.len()];
-            let left = c.mask(&mut logits, &tokens, &by_bytes, &[0]);
-            for t in 0..tokens.len() as u32 {
-                assert_eq!(
-                    c.clone().push(t, &tokens, &[0]),
-                    logits[t as usize] == 0.0,
-                    "{format:?} after {prefix:?}: token {t}"
-                );
-            }
-            assert_eq!(left, logits.iter().filter(|l| l.is_finite()).count());
+            let what = format!("{format:?} after {prefix:?}");
+            assert_mask_is_push(&c, &tokens, &by_bytes, &what);
         }
         // Without reasoning, or on text, nothing changes; a lazy grammar takes it itself.
         assert_eq!(grammar.clone().after_reasoning(None), grammar);
