@@ -484,6 +484,11 @@ pub struct HfConfig {
     pub rope_theta: f64,
     #[serde(default)]
     pub rope_scaling: Option<serde_json::Value>,
+    /// Transformers 5's form of `rope_theta` and `rope_scaling` together (`{"rope_type":
+    /// "default", "rope_theta": 1e6}`, or a scaling's fields beside `rope_theta`); where it
+    /// is given, it stands over both.
+    #[serde(default)]
+    pub rope_parameters: Option<serde_json::Value>,
     #[serde(default = "default_max_pos")]
     pub max_position_embeddings: usize,
     #[serde(default)]
@@ -496,7 +501,8 @@ pub struct HfConfig {
     pub eos_token_id: Option<serde_json::Value>,
     /// Qwen 3 MoE: experts per layer, experts run per token, each expert's MLP width, and
     /// whether the chosen experts' weights are renormalised (transformers' default: false).
-    #[serde(default)]
+    /// Transformers 5 may save the first as `num_local_experts`.
+    #[serde(default, alias = "num_local_experts")]
     pub num_experts: Option<usize>,
     #[serde(default)]
     pub num_experts_per_tok: Option<usize>,
@@ -546,25 +552,46 @@ impl HfConfig {
             (None, None) => String::from("<none>"),
         };
         let arch = Arch::parse(&arch_name)?;
-        let rope_scaling = match &self.rope_scaling {
-            None => None,
-            Some(v) => RopeScaling::from_hf(v, self.max_position_embeddings).map_err(|reason| {
-                ModelError::BadConfig {
-                    path: path.to_path_buf(),
-                    reason,
-                }
-            })?,
-        };
-        // transformers' default: hidden / heads, but 128 for Qwen 3 (`Qwen3Config`,
-        // `Qwen3MoeConfig`).
-        let head_dim = self.head_dim.unwrap_or(match arch {
-            Arch::Qwen3 | Arch::Qwen3Moe => 128,
-            _ => self.hidden_size / self.num_attention_heads.max(1),
-        });
-        let bad = |reason: String| ModelError::BadConfig {
+        let bad_config = |reason: String| ModelError::BadConfig {
             path: path.to_path_buf(),
             reason,
         };
+        let (rope_theta, rope_scaling) =
+            match self.rope_parameters.as_ref().filter(|v| !v.is_null()) {
+                Some(p) => {
+                    let theta = match p.get("rope_theta") {
+                        None | Some(serde_json::Value::Null) => self.rope_theta,
+                        Some(t) => t.as_f64().ok_or_else(|| {
+                            bad_config(format!(
+                                "rope_parameters.rope_theta must be a number, found {t}"
+                            ))
+                        })?,
+                    };
+                    let kind = p.get("rope_type").or_else(|| p.get("type"));
+                    let scaling = match kind {
+                        // Only a base given: no scaling.
+                        None => None,
+                        Some(_) => RopeScaling::from_hf(p, self.max_position_embeddings)
+                            .map_err(|e| bad_config(format!("rope_parameters: {e}")))?,
+                    };
+                    (theta, scaling)
+                }
+                None => (
+                    self.rope_theta,
+                    match &self.rope_scaling {
+                        None => None,
+                        Some(v) => RopeScaling::from_hf(v, self.max_position_embeddings)
+                            .map_err(bad_config)?,
+                    },
+                ),
+            };
+        // transformers' default: hidden / heads, but 128 for Qwen 3 (`Qwen3Config`; its
+        // MoE config has no default, and its attention takes hidden / heads).
+        let head_dim = self.head_dim.unwrap_or(match arch {
+            Arch::Qwen3 => 128,
+            _ => self.hidden_size / self.num_attention_heads.max(1),
+        });
+        let bad = bad_config;
         let moe = match arch {
             Arch::Qwen3Moe => {
                 if let Some(step) = self.decoder_sparse_step.filter(|&s| s != 1) {
@@ -612,7 +639,7 @@ impl HfConfig {
             num_kv_heads: self.num_key_value_heads.unwrap_or(self.num_attention_heads),
             head_dim,
             rms_norm_eps: self.rms_norm_eps,
-            rope_theta: self.rope_theta,
+            rope_theta,
             rope_scaling,
             max_position_embeddings: self.max_position_embeddings,
             tie_word_embeddings: self.tie_word_embeddings,
@@ -1110,7 +1137,9 @@ mod tests {
             "decoder_sparse_step": 1, "mlp_only_layers": []});
         let c = parse(with(moe.clone())).unwrap();
         assert_eq!(c.arch, Arch::Qwen3Moe);
-        assert!(c.qk_norm && !c.attention_bias && c.head_dim == 128);
+        // Without `head_dim`, hidden / heads: transformers' Qwen3MoeConfig has no default
+        // of 128 (the released configs all give 128).
+        assert!(c.qk_norm && !c.attention_bias && c.head_dim == 64);
         assert_eq!(
             c.moe,
             Some(MoeConfig {
@@ -1132,6 +1161,12 @@ mod tests {
             (c.arch, c.moe.unwrap().norm_topk_prob),
             (Arch::Qwen3Moe, false)
         );
+        // Transformers 5 saves the expert count as `num_local_experts`.
+        let mut v = with(moe.clone());
+        let o = v.as_object_mut().unwrap();
+        o.remove("num_experts");
+        o.insert("num_local_experts".into(), json!(64));
+        assert_eq!(parse(v).unwrap().moe.unwrap().num_experts, 64);
         // What the engine cannot run, or cannot know, is refused by name.
         let refused = |extra: serde_json::Value, want: &str| {
             let mut v = with(moe.clone());
@@ -1168,6 +1203,59 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("`qwen2_moe`"), "{err}");
+    }
+
+    /// Transformers 5's `rope_parameters` (base and scaling in one object) stands over
+    /// `rope_theta` and `rope_scaling`, rather than leaving the default base of 10000.
+    #[test]
+    fn hf_rope_parameters() {
+        let parse = |extra: serde_json::Value| {
+            let mut v = json!({"model_type": "qwen2", "vocab_size": 16, "hidden_size": 128,
+                "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
+                "num_key_value_heads": 1, "rms_norm_eps": 1e-6,
+                "max_position_embeddings": 32768});
+            v.as_object_mut()
+                .unwrap()
+                .extend(extra.as_object().unwrap().clone());
+            let hf: HfConfig = serde_json::from_value(v).unwrap();
+            hf.to_model_config(Path::new("config.json"))
+        };
+        let c =
+            parse(json!({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}})).unwrap();
+        assert_eq!((c.rope_theta, c.rope_scaling), (1e6, None));
+        let c = parse(json!({"rope_theta": 5e5, "rope_parameters": {"rope_theta": 1e6}})).unwrap();
+        assert_eq!(c.rope_theta, 1e6);
+        let c = parse(
+            json!({"rope_parameters": {"rope_type": "yarn", "factor": 4.0,
+            "original_max_position_embeddings": 32768, "rope_theta": 1e6}}),
+        )
+        .unwrap();
+        assert_eq!(c.context(), 131072);
+        assert_eq!(
+            (c.rope_theta, c.rope_scaling),
+            (
+                1e6,
+                Some(RopeScaling::Yarn(YarnRopeScaling::new(4.0, 32768)))
+            )
+        );
+        // Without it, the old fields as before.
+        let c = parse(json!({"rope_theta": 5e5})).unwrap();
+        assert_eq!(c.rope_theta, 5e5);
+        for (bad, want) in [
+            (
+                json!({"rope_theta": "1e6"}),
+                "rope_parameters.rope_theta must be a number",
+            ),
+            (
+                json!({"rope_type": "dynamic", "factor": 2.0}),
+                "rope_parameters: unsupported",
+            ),
+        ] {
+            let err = parse(json!({ "rope_parameters": bad }))
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(want), "{err}");
+        }
     }
 
     #[test]

@@ -342,24 +342,29 @@ struct Moe {
 impl Moe {
     /// `x`: `[rows, hidden]` → `[rows, hidden]`. The router's softmax is taken in f32 and read
     /// on the host, where each row's experts are chosen; each chosen expert then runs once
-    /// over the rows that chose it, and its outputs, weighted, are added into an f32 sum.
+    /// over the rows that chose it, and all their outputs, weighted, are added into an f32
+    /// sum at once.
     fn forward(&self, x: &Tensor, prefill: bool) -> Result<Tensor> {
         let logits = self.router.forward(x, prefill)?.to_dtype(DType::F32)?;
         let probs = candle_nn::ops::softmax_last_dim(&logits)?.to_vec2::<f32>()?;
         let (rows, weights) = route(&probs, self.top_k, self.norm_topk_prob);
-        let mut sum = Tensor::zeros(x.dims(), DType::F32, x.device())?;
+        let (mut ids, mut outs) = (Vec::new(), Vec::new());
         for ((expert, rows), weights) in self.experts.iter().zip(rows).zip(weights) {
             if rows.is_empty() {
                 continue;
             }
-            let n = rows.len();
-            let ids = Tensor::from_vec(rows, n, x.device())?;
-            let w = Tensor::from_vec(weights, (n, 1), x.device())?;
-            let y = expert.forward(&x.index_select(&ids, 0)?, prefill)?;
-            let y = y.to_dtype(DType::F32)?.broadcast_mul(&w)?;
-            sum = sum.index_add(&ids, &y, 0)?;
+            let at = Tensor::new(rows.as_slice(), x.device())?;
+            let w = Tensor::from_vec(weights, (rows.len(), 1), x.device())?;
+            let y = expert.forward(&x.index_select(&at, 0)?, prefill)?;
+            outs.push(y.to_dtype(DType::F32)?.broadcast_mul(&w)?);
+            ids.extend(rows);
         }
-        Ok(sum.to_dtype(x.dtype())?)
+        let n = ids.len();
+        let ids = Tensor::from_vec(ids, n, x.device())?;
+        let sum = Tensor::zeros(x.dims(), DType::F32, x.device())?;
+        Ok(sum
+            .index_add(&ids, &Tensor::cat(&outs, 0)?, 0)?
+            .to_dtype(x.dtype())?)
     }
 }
 

@@ -551,6 +551,8 @@ impl Weights {
                             }
                             _ => (stored, stored),
                         },
+                        // Read whole on the host, each expert then widened to f32 and cast.
+                        (Role::Experts(e), false) => (n * dsize, stored + 4 * n / e.max(1)),
                         (Role::Linear, true) => {
                             let decode = match t {
                                 GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1
@@ -745,8 +747,9 @@ impl Weights {
 
     /// The `n` experts' projections `key` of layer `l`, each a linear `[out_dim, in_dim]`
     /// without bias. A GGUF file's stacked `[n, out_dim, in_dim]` tensor is read on the host
-    /// and split into one quantized matrix per expert, as stored (or re-quantized, under
-    /// [`CpuWeights::requantize_slow`]); experts get no dense prefill copy, whatever
+    /// and split into one matrix per expert: quantized ones as stored (or re-quantized, under
+    /// [`CpuWeights::requantize_slow`]), F32/F16/BF16 ones dense in the model's dtype, as
+    /// the other linears are. Experts get no dense prefill copy, whatever
     /// [`CpuWeights::dense_prefill`] says: a chunk's rows spread over the experts (each sees
     /// about B·k/n of them), so the copies would cost the weights' size several times over for
     /// little speed.

@@ -685,7 +685,7 @@ impl AfterThink {
             return left;
         }
         // At the start any token may show there is no block; inside it only one with the
-        // closing `>` may end it.
+        // closing `>` may end it. A token that leaves the block is read on a copy.
         let start = matches!(self.think, Think::Start(_));
         let mut left = 0;
         for (id, l) in logits.iter_mut().enumerate() {
@@ -693,9 +693,8 @@ impl AfterThink {
                 continue;
             }
             let b = bytes_of(id);
-            if eos.contains(&(id as u32))
-                || ((start || b.contains(&b'>')) && !self.clone().push_all(b))
-            {
+            let leaves = (start || b.contains(&b'>')) && self.think.clone().feed(b).is_some();
+            if eos.contains(&(id as u32)) || (leaves && !self.clone().push_all(b)) {
                 *l = f32::NEG_INFINITY;
                 continue;
             }
@@ -723,8 +722,9 @@ struct Lazy {
     think: Think,
 }
 
-/// A reply's reasoning block (`<think>…</think>`, [`crate::reasoning`]) as a lazy grammar
-/// sees it: triggers count only after it, and the answer after it is the text's start.
+/// Where a reply stands against its reasoning block (`<think>…</think>`,
+/// [`crate::reasoning`]), for a constraint that applies to the answer after it (a lazy
+/// grammar's triggers, [`AfterThink`]).
 #[derive(Debug, Clone)]
 enum Think {
     /// No block, or after it.
