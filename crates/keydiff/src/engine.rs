@@ -736,7 +736,7 @@ enum Think {
 }
 
 impl Think {
-    /// Where the reply stands once a reasoning model's `reasoning`: `None` (no block is
+    /// Where a reply stands before its first token: `reasoning` is `None` (no block is
     /// looked for) or `Some(open)` (`open`: the prompt opened it).
     fn new(reasoning: Option<bool>) -> Self {
         match reasoning {
