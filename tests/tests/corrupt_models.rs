@@ -84,6 +84,23 @@ fn tiny_tensors() -> Vec<(String, QTensor)> {
     ts
 }
 
+/// A copy of `ts` (each tensor in its stored type) without tensor `name`, or with `with` in
+/// its place.
+fn replaced(ts: &[(String, QTensor)], name: &str, with: Option<QTensor>) -> Vec<(String, QTensor)> {
+    let mut v: Vec<(String, QTensor)> = ts
+        .iter()
+        .filter(|(n, _)| n != name)
+        .map(|(n, t)| {
+            let q = QTensor::quantize(&t.dequantize(&Device::Cpu).unwrap(), t.dtype());
+            (n.clone(), q.unwrap())
+        })
+        .collect();
+    if let Some(t) = with {
+        v.push((name.to_string(), t));
+    }
+    v
+}
+
 fn write(path: &Path, md: &[(String, Value)], ts: &[(String, QTensor)]) {
     let mut out = std::fs::File::create(path).unwrap();
     let md: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
@@ -600,15 +617,7 @@ fn qwen3_norms_are_checked() {
     keydiff_tests::write_tiny_qwen3(&good, false).unwrap();
     let (md, ts) = keydiff_tests::read_gguf(&good).unwrap();
     let p = d.join("bad.gguf");
-    let without = |gone: &str| -> Vec<(String, QTensor)> {
-        ts.iter()
-            .filter(|(n, _)| n != gone)
-            .map(|(n, t)| {
-                let t = t.dequantize(&Device::Cpu).unwrap();
-                (n.clone(), QTensor::quantize(&t, GgmlDType::F32).unwrap())
-            })
-            .collect()
-    };
+    let without = |gone: &str| replaced(&ts, gone, None);
     for gone in ["blk.1.attn_q_norm.weight", "blk.0.attn_k_norm.weight"] {
         write(&p, &md, &without(gone));
         expect_error(gone, &p, gone);
@@ -652,20 +661,7 @@ fn qwen3_moe_tensors_and_settings_are_checked() {
     keydiff_tests::write_tiny_qwen3_moe(&good, GgmlDType::Q8_0).unwrap();
     let (md, ts) = keydiff_tests::read_gguf(&good).unwrap();
     let p = d.join("bad.gguf");
-    let replaced = |name: &str, with: Option<QTensor>| -> Vec<(String, QTensor)> {
-        let mut v: Vec<(String, QTensor)> = ts
-            .iter()
-            .filter(|(n, _)| n != name)
-            .map(|(n, t)| {
-                let q = QTensor::quantize(&t.dequantize(&Device::Cpu).unwrap(), t.dtype());
-                (n.clone(), q.unwrap())
-            })
-            .collect();
-        if let Some(t) = with {
-            v.push((name.to_string(), t));
-        }
-        v
-    };
+    let replaced = |name: &str, with: Option<QTensor>| replaced(&ts, name, with);
     for gone in [
         "blk.1.ffn_down_exps.weight",
         "blk.0.ffn_gate_inp.weight",
