@@ -5,12 +5,12 @@ use std::time::Instant;
 use candle_core::{DType, Device};
 
 use crate::config::{CacheConfig, PolicyKind};
-use crate::layer::LayerCache;
+use crate::layer::{LayerCache, LayerParts};
 use crate::policy::{build, AttnStats, Policy, StatsNeed};
 use crate::{CacheError, Result};
 
 /// What eviction cost, summed over layers.
-#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct CacheCounters {
     /// Evictions performed (one per layer and eviction point).
     pub evictions: usize,
@@ -47,6 +47,22 @@ pub struct Profile {
     pub stats_s: f64,
     /// Norm, gate/up/down projections and the residual adds.
     pub mlp_s: f64,
+}
+
+/// A cache's contents apart from its buffers' free room: what a saved cache holds
+/// ([`KvCache::parts`], [`KvCache::from_parts`]).
+#[derive(Debug, Clone)]
+pub struct KvCacheParts {
+    /// The settings it ran under.
+    pub config: CacheConfig,
+    /// Tokens seen (the absolute position of the next one).
+    pub position: usize,
+    /// Eviction counters so far (a cache that evicted can no longer be cut back).
+    pub counters: CacheCounters,
+    /// The policy object's own state ([`Policy::saved_state`]).
+    pub policy_state: Vec<u64>,
+    /// Every layer's used slots.
+    pub layers: Vec<LayerParts>,
 }
 
 /// The KV cache of every layer of one request, under one policy.
@@ -170,6 +186,78 @@ impl KvCache {
         let mut copy = self.copied(self.capacity())?;
         copy.profile = self.profile;
         Ok(copy)
+    }
+
+    /// Everything this cache holds (the layers' used slots as views on its device), for
+    /// saving it: [`KvCache::from_parts`] makes the same cache again.
+    pub fn parts(&self) -> Result<KvCacheParts> {
+        Ok(KvCacheParts {
+            config: self.cfg.clone(),
+            position: self.position,
+            counters: self.counters,
+            policy_state: self.policy.saved_state(),
+            layers: self
+                .layers
+                .iter()
+                .map(LayerCache::parts)
+                .collect::<Result<_>>()?,
+        })
+    }
+
+    /// The cache `parts` describe, with room for `capacity` slots per head, on `device`: it
+    /// goes on exactly as the cache they were taken from would have (slots, positions,
+    /// per-slot state, the policy in its state, counters). What may come from a file is
+    /// checked: the settings, that every layer has the same shape and length, that positions
+    /// are consistent (see [`LayerCache::from_parts`]), and that the length fits `capacity`.
+    pub fn from_parts(parts: &KvCacheParts, capacity: usize, device: &Device) -> Result<Self> {
+        let cfg = parts.config.clone();
+        cfg.validate()?;
+        let Some(first) = parts.layers.first() else {
+            return Err(CacheError::Shape("a cache of no layers".into()));
+        };
+        let shape = first.keys.dims().to_vec();
+        if let Some((i, l)) = parts
+            .layers
+            .iter()
+            .enumerate()
+            .find(|(_, l)| l.keys.dims() != shape.as_slice() || l.keys.dtype() != first.keys.dtype())
+        {
+            return Err(CacheError::Shape(format!(
+                "layer {i} holds {:?} {} keys, layer 0 {shape:?} {}",
+                l.keys.dims(),
+                l.keys.dtype().as_str(),
+                first.keys.dtype().as_str()
+            )));
+        }
+        let in_order = parts.counters.evictions == 0;
+        if in_order && shape[1] != parts.position {
+            return Err(CacheError::Shape(format!(
+                "a cache that never evicted holds one slot per token seen: {} slots for {} tokens",
+                shape[1], parts.position
+            )));
+        }
+        if let Some(l) = parts.layers.iter().find(|l| l.next_position > parts.position) {
+            return Err(CacheError::Shape(format!(
+                "a layer's next position {} is past the tokens seen, {}",
+                l.next_position, parts.position
+            )));
+        }
+        let layers = parts
+            .layers
+            .iter()
+            .map(|l| LayerCache::from_parts(l, capacity, in_order, device))
+            .collect::<Result<Vec<_>>>()?;
+        let mut policy = build(&cfg.policy);
+        policy.restore_state(&parts.policy_state)?;
+        Ok(Self {
+            layers,
+            cfg,
+            policy,
+            counters: parts.counters,
+            profile: None,
+            device: device.clone(),
+            position: parts.position,
+        })
     }
 
     fn copied(&self, capacity: usize) -> Result<Self> {

@@ -3,7 +3,7 @@
 use crate::{CacheError, Result};
 
 /// KeyDiff anchor: the normalised mean (paper, kvpress) or the plain mean (Qualcomm runtime).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Anchor {
     /// μ = mean of k/‖k‖.
@@ -13,7 +13,7 @@ pub enum Anchor {
 }
 
 /// An eviction policy, exactly as POLICIES.md defines it.
-#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(tag = "policy", rename_all = "kebab-case")]
 pub enum PolicyKind {
     /// Nothing is evicted; the budget is the model's context.
@@ -96,7 +96,7 @@ impl PolicyKind {
 }
 
 /// The cache settings of one request.
-#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct CacheConfig {
     pub policy: PolicyKind,
     /// N: slots per layer and KV head that survive each eviction (`None` with `full`).

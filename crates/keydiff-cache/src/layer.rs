@@ -5,6 +5,22 @@ use candle_core::{DType, Device, Tensor};
 use crate::select::{ApplyPlan, SelectPlan};
 use crate::{CacheError, Result};
 
+/// The used slots of one layer, apart from its buffers' free room: what a saved cache holds
+/// ([`LayerCache::parts`], [`LayerCache::from_parts`]).
+#[derive(Debug, Clone)]
+pub struct LayerParts {
+    /// `[kv_heads, len, head_dim]`, f32, f16 or bf16.
+    pub keys: Tensor,
+    /// `[kv_heads, len, head_dim]`, the dtype of the keys.
+    pub values: Tensor,
+    /// `[kv_heads, len]` u32.
+    pub positions: Tensor,
+    /// `[kv_heads, len]` f32.
+    pub state: Tensor,
+    /// One past the largest position appended.
+    pub next_position: usize,
+}
+
 /// K and V of one layer, preallocated at `capacity` slots per KV head.
 ///
 /// Every head has the same number of used slots (`len`), but after per-head eviction slot `s` of
@@ -49,6 +65,102 @@ impl LayerCache {
             positions: Tensor::zeros((kv_heads, capacity), DType::U32, device)?,
             state: Tensor::zeros((kv_heads, capacity), DType::F32, device)?,
             next_position: 0,
+        })
+    }
+
+    /// A layer whose first slots hold `parts` (as [`LayerCache::parts`] gave them, from a file
+    /// perhaps), with room for `capacity` slots, on `device`. Shapes, dtypes and positions are
+    /// checked: every head's positions distinct and below the next position, and with
+    /// `in_order` (a cache that never evicted) exactly `0..len`.
+    pub fn from_parts(
+        parts: &LayerParts,
+        capacity: usize,
+        in_order: bool,
+        device: &Device,
+    ) -> Result<Self> {
+        let (heads, len, dim) = parts.keys.dims3()?;
+        let bad = |why: String| Err(CacheError::Shape(why));
+        if parts.values.dims() != [heads, len, dim] {
+            return bad(format!(
+                "values {:?} beside keys {:?}",
+                parts.values.dims(),
+                parts.keys.dims()
+            ));
+        }
+        for (name, t, dtype) in [
+            ("positions", &parts.positions, DType::U32),
+            ("state", &parts.state, DType::F32),
+        ] {
+            if t.dims() != [heads, len] || t.dtype() != dtype {
+                return bad(format!(
+                    "{name} {:?} {} for {heads} heads of {len} slots (expected {})",
+                    t.dims(),
+                    t.dtype().as_str(),
+                    dtype.as_str()
+                ));
+            }
+        }
+        let dtype = parts.keys.dtype();
+        if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) || parts.values.dtype() != dtype
+        {
+            return bad(format!(
+                "keys in {} and values in {} (expected one of f32, f16, bf16)",
+                dtype.as_str(),
+                parts.values.dtype().as_str()
+            ));
+        }
+        if len > capacity {
+            return Err(CacheError::Full {
+                len: 0,
+                chunk: len,
+                capacity,
+            });
+        }
+        let next = parts.next_position;
+        for (h, row) in parts.positions.to_vec2::<u32>()?.into_iter().enumerate() {
+            if in_order {
+                if row.iter().enumerate().any(|(i, &p)| p as usize != i) || next != len {
+                    return bad(format!(
+                        "head {h}: a cache that never evicted holds positions 0..{len} in order, \
+                         and the next position is {len} (it is {next})"
+                    ));
+                }
+                continue;
+            }
+            let mut sorted = row;
+            sorted.sort_unstable();
+            if sorted.windows(2).any(|w| w[0] == w[1]) {
+                return bad(format!("head {h} holds a position twice"));
+            }
+            if sorted.last().is_some_and(|&p| p as usize >= next) {
+                return bad(format!(
+                    "head {h} holds position {} at or past the next position {next}",
+                    sorted[sorted.len() - 1]
+                ));
+            }
+        }
+        let mut layer = Self::new(heads, dim, capacity, dtype, device)?;
+        if len > 0 {
+            let on = |t: &Tensor| t.to_device(device)?.contiguous();
+            layer.k.slice_set(&on(&parts.keys)?, 1, 0)?;
+            layer.v.slice_set(&on(&parts.values)?, 1, 0)?;
+            layer.positions.slice_set(&on(&parts.positions)?, 1, 0)?;
+            layer.state.slice_set(&on(&parts.state)?, 1, 0)?;
+        }
+        layer.len = len;
+        layer.next_position = next;
+        Ok(layer)
+    }
+
+    /// The used slots (views on the cache's device) and the next position: what a saved cache
+    /// holds of this layer.
+    pub fn parts(&self) -> Result<LayerParts> {
+        Ok(LayerParts {
+            keys: self.keys()?,
+            values: self.values()?,
+            positions: self.positions_tensor()?,
+            state: self.state_tensor()?,
+            next_position: self.next_position,
         })
     }
 

@@ -18,9 +18,9 @@ mod layer;
 pub mod policy;
 pub mod select;
 
-pub use cache::{CacheCounters, KvCache, Profile};
+pub use cache::{CacheCounters, KvCache, KvCacheParts, Profile};
 pub use config::{Anchor, CacheConfig, PolicyKind};
-pub use layer::LayerCache;
+pub use layer::{LayerCache, LayerParts};
 pub use policy::{AttnStats, Policy, StatsNeed};
 
 /// Errors of the cache crate.

@@ -254,6 +254,112 @@ proptest! {
     }
 }
 
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    /// `KvCache::parts` then `KvCache::from_parts` (a saved cache loaded again), after a prefill
+    /// that evicted or not: the copy holds the same slots, positions, state and counters, and
+    /// fed the same decode steps it stays equal to the original (the policy's generator
+    /// included). Taken through the host and back in another capacity, as a file is.
+    #[test]
+    fn a_cache_made_from_its_parts_goes_on_as_the_original(
+        policy in policies(),
+        budget in 8usize..24,
+        chunks in 1usize..6,
+        decode in 1usize..30,
+        salt in any::<u64>(),
+    ) {
+        let cfg = CacheConfig {
+            policy,
+            budget: Some(budget),
+            chunk: 8,
+            window: 0.0,
+            sinks: 1,
+            evict_every: Some(4),
+        };
+        prop_assume!(cfg.validate().is_ok());
+        let total = chunks * 8 + decode;
+        let mut a = KvCache::new(cfg, 1, KV, D, total, DType::F32, &Device::Cpu).unwrap();
+        for _ in 0..chunks {
+            step(&mut a, 8, false, salt);
+        }
+        let mut parts = a.parts().unwrap();
+        for l in &mut parts.layers {
+            // As a file stores them: contiguous host copies of the used slots.
+            for t in [&mut l.keys, &mut l.values, &mut l.positions, &mut l.state] {
+                *t = t.copy().unwrap();
+            }
+        }
+        let mut b = KvCache::from_parts(&parts, a.capacity() + 3, &Device::Cpu).unwrap();
+        prop_assert_eq!(snapshot(&b), snapshot(&a));
+        prop_assert_eq!(b.counters(), a.counters());
+        prop_assert_eq!(b.config(), a.config());
+        prop_assert_eq!(b.can_truncate(), a.can_truncate());
+        for _ in 0..decode {
+            step(&mut a, 1, true, salt);
+            step(&mut b, 1, true, salt);
+        }
+        prop_assert_eq!(snapshot(&a), snapshot(&b));
+    }
+}
+
+/// Parts that could not come from a cache are refused, each naming what is wrong.
+#[test]
+fn inconsistent_parts_are_refused() {
+    let cfg = CacheConfig {
+        policy: PolicyKind::Random { seed: 3 },
+        budget: Some(16),
+        chunk: 8,
+        window: 0.0,
+        sinks: 0,
+        evict_every: None,
+    };
+    let mut a = KvCache::new(cfg.clone(), 1, KV, D, 64, DType::F32, &Device::Cpu).unwrap();
+    step(&mut a, 8, false, 1);
+    let good = a.parts().unwrap();
+    let refused = |p: &keydiff_cache::KvCacheParts, cap: usize| {
+        KvCache::from_parts(p, cap, &Device::Cpu)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default()
+    };
+    assert!(KvCache::from_parts(&good, 24, &Device::Cpu).is_ok());
+    assert!(refused(&good, 7).contains("capacity 7"), "{}", refused(&good, 7));
+    // A cache that never evicted holds positions 0..len in order.
+    let mut p = good.clone();
+    let pos: Vec<u32> = (0..KV as u32 * 8).map(|i| (i % 8 + 1) % 8).collect();
+    p.layers[0].positions = Tensor::from_vec(pos, (KV, 8), &Device::Cpu).unwrap();
+    assert!(refused(&p, 24).contains("in order"), "{}", refused(&p, 24));
+    // One that evicted may hold any positions, each once, below the next.
+    p.counters.evictions = 1;
+    p.position = 20;
+    p.layers[0].next_position = 20;
+    assert!(KvCache::from_parts(&p, 24, &Device::Cpu).is_ok());
+    let twice: Vec<u32> = (0..KV as u32 * 8).map(|i| i % 8 / 2).collect();
+    p.layers[0].positions = Tensor::from_vec(twice, (KV, 8), &Device::Cpu).unwrap();
+    assert!(refused(&p, 24).contains("twice"), "{}", refused(&p, 24));
+    let past: Vec<u32> = (0..KV as u32 * 8).map(|i| i % 8 + 13).collect();
+    p.layers[0].positions = Tensor::from_vec(past, (KV, 8), &Device::Cpu).unwrap();
+    assert!(refused(&p, 24).contains("past the next position"), "{}", refused(&p, 24));
+    // Shapes and dtypes.
+    let mut p = good.clone();
+    p.layers[0].values = p.layers[0].values.narrow(1, 0, 4).unwrap();
+    assert!(refused(&p, 24).contains("values"), "{}", refused(&p, 24));
+    let mut p = good.clone();
+    p.layers[0].state = p.layers[0].state.to_dtype(DType::F16).unwrap();
+    assert!(refused(&p, 24).contains("state"), "{}", refused(&p, 24));
+    let mut p = good.clone();
+    p.position = 9;
+    assert!(refused(&p, 24).contains("one slot per token"), "{}", refused(&p, 24));
+    // The random policy's generator is one word.
+    let mut p = good.clone();
+    p.policy_state = vec![];
+    assert!(refused(&p, 24).contains("one word"), "{}", refused(&p, 24));
+    let mut p = good;
+    p.config.budget = Some(4);
+    assert!(refused(&p, 24).contains("budget 4"), "{}", refused(&p, 24));
+}
+
 /// Heads are independent: changing head 1's keys never changes head 0's survivors (KeyDiff).
 #[test]
 fn heads_are_independent() {

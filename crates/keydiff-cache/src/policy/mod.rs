@@ -68,6 +68,25 @@ pub trait Policy: Send + PolicyClone {
     /// Scores of the used slots, `[kv_heads][len]`, on the host.
     fn score(&mut self, layer: &LayerCache, stats: Option<&AttnStats>) -> Result<Vec<Vec<f32>>>;
 
+    /// What the policy object itself carries from one eviction to the next (`random`: its
+    /// generator's state), for a cache saved to a file ([`crate::KvCache::parts`]). Empty for
+    /// policies that keep nothing (their per-slot state is in the layers).
+    fn saved_state(&self) -> Vec<u64> {
+        Vec::new()
+    }
+
+    /// Puts back what [`Policy::saved_state`] gave.
+    fn restore_state(&mut self, words: &[u64]) -> Result<()> {
+        if words.is_empty() {
+            Ok(())
+        } else {
+            Err(crate::CacheError::Config(format!(
+                "this policy keeps no state, and {} word(s) of it were given",
+                words.len()
+            )))
+        }
+    }
+
     /// Scores of the used slots as a `[kv_heads, len]` f32 tensor on the cache's device, which
     /// the eviction uses. The default uploads [`Policy::score`]; policies that can score on the
     /// device (all but `random`) override it, so that nothing goes through the host.

@@ -32,4 +32,21 @@ impl Policy for RandomPolicy {
             .map(|_| (0..layer.len()).map(|_| self.next()).collect())
             .collect())
     }
+
+    fn saved_state(&self) -> Vec<u64> {
+        vec![self.state]
+    }
+
+    fn restore_state(&mut self, words: &[u64]) -> Result<()> {
+        match words {
+            [w] => {
+                self.state = *w;
+                Ok(())
+            }
+            _ => Err(crate::CacheError::Config(format!(
+                "the random policy's state is one word, not {}",
+                words.len()
+            ))),
+        }
+    }
 }
