@@ -858,3 +858,92 @@ fn tools_are_called_from_the_command_line() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("expected a JSON array of tools"), "{err}");
 }
+
+/// `run --prompt-cache FILE` (llama.cpp's flags): the first run makes the file with the
+/// prompt's evicted cache; a run whose prompt extends it prefills only what it adds, with the
+/// text and stats that the library's continued cache gives (`cache_file.rs` checks those
+/// against the cache kept in memory); `--prompt-cache-ro` leaves the file as it is; other
+/// cache settings are refused, naming the file and both settings.
+#[test]
+fn prompt_cache_file_skips_the_saved_prefill() {
+    let m = model(SMOLLM2);
+    let dir = temp_dir("cli-prompt-cache");
+    let file = dir.join("doc.kv");
+    let doc = "The lighthouse keeper wrote in his log every evening. ".repeat(12);
+    let run = |prompt: &str, extra: &[&str]| -> (serde_json::Value, String) {
+        let mut args = vec![
+            "run",
+            "-m",
+            m.to_str().unwrap(),
+            "--budget",
+            "64",
+            "--chunk",
+            "16",
+            "-p",
+            prompt,
+            "-n",
+            "6",
+            "--json",
+            "--prompt-cache",
+            file.to_str().unwrap(),
+        ];
+        args.extend_from_slice(extra);
+        let (so, se) = ok(&args);
+        (serde_json::from_str(so.trim()).unwrap(), se)
+    };
+    let (first, se) = run(&doc, &[]);
+    let n = first["stats"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(first["stats"]["prefix_tokens"], 0);
+    assert!(first["stats"]["eviction"]["evictions"].as_u64().unwrap() > 0);
+    assert!(
+        se.contains(&format!("saved {n} tokens (64 slots per layer and KV head")),
+        "{se}"
+    );
+    let saved = std::fs::read(&file).unwrap();
+
+    let question = format!("{doc}What did the keeper write?");
+    let (second, se) = run(&question, &["--prompt-cache-ro"]);
+    assert_eq!(
+        second["stats"]["prefix_tokens"].as_u64().unwrap(),
+        n,
+        "{se}"
+    );
+    assert!(second["stats"]["prompt_tokens"].as_u64().unwrap() > n);
+    assert!(se.contains(&format!("{n} of ")), "{se}");
+    assert!(!se.contains("saved"), "{se}");
+    assert_eq!(
+        std::fs::read(&file).unwrap(),
+        saved,
+        "--prompt-cache-ro wrote"
+    );
+    // The same again: the same answer from the same file.
+    let (third, _) = run(&question, &["--prompt-cache-ro"]);
+    assert_eq!(third["text"], second["text"]);
+
+    let out = Command::new(keydiff_bin())
+        .args([
+            "run",
+            "-m",
+            m.to_str().unwrap(),
+            "--budget",
+            "128",
+            "--chunk",
+            "16",
+            "-p",
+            &question,
+            "-n",
+            "2",
+            "--prompt-cache",
+            file.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(&format!("KV cache file {}", file.display()))
+            && err.contains("made under policy keydiff, budget 64, chunk 16")
+            && err.contains("this run has policy keydiff, budget 128"),
+        "{err}"
+    );
+}

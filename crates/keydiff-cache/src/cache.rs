@@ -216,12 +216,9 @@ impl KvCache {
             return Err(CacheError::Shape("a cache of no layers".into()));
         };
         let shape = first.keys.dims().to_vec();
-        if let Some((i, l)) = parts
-            .layers
-            .iter()
-            .enumerate()
-            .find(|(_, l)| l.keys.dims() != shape.as_slice() || l.keys.dtype() != first.keys.dtype())
-        {
+        if let Some((i, l)) = parts.layers.iter().enumerate().find(|(_, l)| {
+            l.keys.dims() != shape.as_slice() || l.keys.dtype() != first.keys.dtype()
+        }) {
             return Err(CacheError::Shape(format!(
                 "layer {i} holds {:?} {} keys, layer 0 {shape:?} {}",
                 l.keys.dims(),
@@ -236,7 +233,11 @@ impl KvCache {
                 shape[1], parts.position
             )));
         }
-        if let Some(l) = parts.layers.iter().find(|l| l.next_position > parts.position) {
+        if let Some(l) = parts
+            .layers
+            .iter()
+            .find(|l| l.next_position > parts.position)
+        {
             return Err(CacheError::Shape(format!(
                 "a layer's next position {} is past the tokens seen, {}",
                 l.next_position, parts.position

@@ -324,7 +324,11 @@ fn inconsistent_parts_are_refused() {
             .unwrap_or_default()
     };
     assert!(KvCache::from_parts(&good, 24, &Device::Cpu).is_ok());
-    assert!(refused(&good, 7).contains("capacity 7"), "{}", refused(&good, 7));
+    assert!(
+        refused(&good, 7).contains("capacity 7"),
+        "{}",
+        refused(&good, 7)
+    );
     // A cache that never evicted holds positions 0..len in order.
     let mut p = good.clone();
     let pos: Vec<u32> = (0..KV as u32 * 8).map(|i| (i % 8 + 1) % 8).collect();
@@ -340,7 +344,11 @@ fn inconsistent_parts_are_refused() {
     assert!(refused(&p, 24).contains("twice"), "{}", refused(&p, 24));
     let past: Vec<u32> = (0..KV as u32 * 8).map(|i| i % 8 + 13).collect();
     p.layers[0].positions = Tensor::from_vec(past, (KV, 8), &Device::Cpu).unwrap();
-    assert!(refused(&p, 24).contains("past the next position"), "{}", refused(&p, 24));
+    assert!(
+        refused(&p, 24).contains("past the next position"),
+        "{}",
+        refused(&p, 24)
+    );
     // Shapes and dtypes.
     let mut p = good.clone();
     p.layers[0].values = p.layers[0].values.narrow(1, 0, 4).unwrap();
@@ -350,7 +358,11 @@ fn inconsistent_parts_are_refused() {
     assert!(refused(&p, 24).contains("state"), "{}", refused(&p, 24));
     let mut p = good.clone();
     p.position = 9;
-    assert!(refused(&p, 24).contains("one slot per token"), "{}", refused(&p, 24));
+    assert!(
+        refused(&p, 24).contains("one slot per token"),
+        "{}",
+        refused(&p, 24)
+    );
     // The random policy's generator is one word.
     let mut p = good.clone();
     p.policy_state = vec![];

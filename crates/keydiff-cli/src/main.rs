@@ -42,7 +42,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Generate text from a prompt.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Benchmarks: time to first token (ttft) and decode throughput (decode).
     #[command(subcommand)]
     Bench(bench::BenchCmd),
@@ -523,6 +523,23 @@ struct RunArgs {
     /// the device at every region boundary, which slows GPU runs.
     #[arg(long)]
     profile: bool,
+    /// Keep the prompt's KV cache in this file and start from it (llama.cpp's flag): a later
+    /// run whose prompt extends the saved one prefills only what it adds. Made when missing;
+    /// a file made with another model, cache dtype or cache settings is refused.
+    #[arg(long, value_name = "FILE")]
+    prompt_cache: Option<PathBuf>,
+    /// With --prompt-cache: save the reply's cache too (llama.cpp's flag), for a next prompt
+    /// that extends this prompt and its reply.
+    #[arg(long, requires = "prompt_cache")]
+    prompt_cache_all: bool,
+    /// With --prompt-cache: start from the file but leave it as it is (llama.cpp's flag).
+    #[arg(long, requires = "prompt_cache", conflicts_with = "prompt_cache_all")]
+    prompt_cache_ro: bool,
+    /// With --prompt-cache: `continue` (default) goes on from the whole saved cache, evicted
+    /// or not, when the prompt extends what it holds (as `keydiff chat` goes on); `exact`
+    /// reuses only what gives a fresh run's result (whole chunks, never an evicted cache).
+    #[arg(long, value_name = "MODE", requires = "prompt_cache")]
+    prompt_cache_reuse: Option<String>,
 }
 
 fn main() {
@@ -541,7 +558,7 @@ fn main() {
 
 fn real_main() -> Result<()> {
     match Cli::parse().cmd {
-        Cmd::Run(a) => run(a),
+        Cmd::Run(a) => run(*a),
         Cmd::Bench(b) => bench::bench(b),
         Cmd::Eval(a) => eval::eval(a),
         Cmd::Tokenize {
@@ -1490,6 +1507,29 @@ fn read_tools(path: &Path, a: &RunArgs) -> Result<(Vec<Tool>, ToolChoice)> {
     Ok((tools, choice))
 }
 
+/// The prompt cache of `--prompt-cache FILE`: the file's, or an empty one when there is no
+/// file yet.
+fn open_prompt_cache(a: &RunArgs, engine: &Engine, path: &Path) -> Result<keydiff::PromptCache> {
+    let reuse: keydiff::Reuse = a
+        .prompt_cache_reuse
+        .as_deref()
+        .unwrap_or("continue")
+        .parse()
+        .context("--prompt-cache-reuse")?;
+    let mut pc = if path.exists() {
+        engine.load_prompt_cache(path, reuse).with_context(|| {
+            format!(
+                "--prompt-cache: delete {} or give another file to start afresh",
+                path.display()
+            )
+        })?
+    } else {
+        keydiff::PromptCache::with_reuse(reuse)
+    };
+    pc.set_prompt_only(!a.prompt_cache_all);
+    Ok(pc)
+}
+
 fn generate(a: &RunArgs, engine: &Engine, prompt: Prompt) -> Result<()> {
     generate_with(a, engine, prompt, None)
 }
@@ -1526,7 +1566,11 @@ fn generate_with(
     let chunk = engine.config().cache.chunk;
     let mut bar: Option<indicatif::ProgressBar> = None;
     let mut out = std::io::stdout();
-    let result = engine.generate(&params, |ev| match ev {
+    let mut pc = match &a.prompt_cache {
+        Some(path) => Some(open_prompt_cache(a, engine, path)?),
+        None => None,
+    };
+    let on_event = |ev: Event<'_>| match ev {
         Event::Prefill { done, total } => {
             if total > PROGRESS_MIN_CHUNKS * chunk {
                 let b = bar.get_or_insert_with(|| {
@@ -1555,7 +1599,35 @@ fn generate_with(
             }
         }
         Event::Logprob(_) | Event::PromptLogprobs { .. } => {}
-    })?;
+    };
+    let result = match &mut pc {
+        Some(pc) => engine.generate_cached(&params, pc, on_event)?,
+        None => engine.generate(&params, on_event)?,
+    };
+    if let (Some(path), Some(pc)) = (&a.prompt_cache, &pc) {
+        let s = &result.stats;
+        eprintln!(
+            "prompt cache: {} of {} prompt tokens from {}",
+            s.prefix_tokens,
+            s.prompt_tokens,
+            path.display()
+        );
+        if !a.prompt_cache_ro {
+            match engine.save_prompt_cache(pc, path)? {
+                Some(bytes) => eprintln!(
+                    "prompt cache: saved {} tokens ({} slots per layer and KV head, {}) to {}",
+                    pc.tokens().len(),
+                    pc.slots(),
+                    keydiff::human_bytes(bytes),
+                    path.display()
+                ),
+                None => eprintln!(
+                    "prompt cache: nothing saved: under --prompt-cache-reuse exact a cache that \
+                     evicted cannot be reused"
+                ),
+            }
+        }
+    }
     let s = &result.stats;
     let thinking = reasoning.map(|open| keydiff::reasoning::split(&result.text, open));
     let answer = thinking.as_ref().map_or(&result.text, |t| &t.content);

@@ -51,6 +51,9 @@ pub struct Loaded {
     pub cpu_weights: Option<CpuWeights>,
     /// The memory the weights were planned to take on their device.
     pub weight_plan: WeightPlan,
+    /// The files it was read from (a GGUF; an HF directory's config, tokenizer and
+    /// safetensors; a preset's config), for telling models apart (a saved KV cache's model).
+    pub files: Vec<PathBuf>,
 }
 
 /// Memory to plan a model's allocations against before loading it (host memory on the CPU,
@@ -210,6 +213,7 @@ pub fn load_gguf(
         origin: path.display().to_string(),
         cpu_weights: device.is_cpu().then_some(opts),
         weight_plan,
+        files: vec![path.to_path_buf()],
     })
 }
 
@@ -245,6 +249,8 @@ pub fn load_hf_dir(
     let (_, weight_plan) = fit_weights(&weights, &cfg, CpuWeights::AS_STORED, mem, &what)?;
     let model = Model::load(&cfg, &weights)?;
     let vocab = hf_vocab(dir, &hf)?;
+    let mut read = vec![cfg_path, dir.join("tokenizer.json")];
+    read.extend(files);
     Ok(Loaded {
         model,
         vocab,
@@ -252,6 +258,7 @@ pub fn load_hf_dir(
         origin: dir.display().to_string(),
         cpu_weights: None,
         weight_plan,
+        files: read,
     })
 }
 
@@ -279,6 +286,7 @@ pub fn load_random(
         origin: format!("{} (random weights, seed {seed})", config.display()),
         cpu_weights: None,
         weight_plan,
+        files: vec![config.to_path_buf()],
     })
 }
 

@@ -1290,6 +1290,8 @@ pub struct Engine {
     tokens_by_bytes: std::sync::OnceLock<Vec<u32>>,
     /// Device memory the load took, as the driver reports it (GPUs only).
     load_taken: Option<u64>,
+    /// The model's digest ([`Engine::model_digest`]), made on first use.
+    digest: std::sync::OnceLock<std::result::Result<String, String>>,
 }
 
 impl Engine {
@@ -1378,12 +1380,23 @@ impl Engine {
             token_bytes: std::sync::OnceLock::new(),
             tokens_by_bytes: std::sync::OnceLock::new(),
             load_taken,
+            digest: std::sync::OnceLock::new(),
         })
     }
 
     /// The loaded model.
     pub(crate) fn model(&self) -> &keydiff_model::Model {
         &self.loaded.model
+    }
+
+    /// The model, its vocabulary and where they came from.
+    pub(crate) fn loaded(&self) -> &Loaded {
+        &self.loaded
+    }
+
+    /// Where the model's digest is kept once made.
+    pub(crate) fn digest_cell(&self) -> &std::sync::OnceLock<std::result::Result<String, String>> {
+        &self.digest
     }
 
     /// Refuses `tokens` tokens beyond the model's context (`PromptTooLong`); gives the
@@ -2106,8 +2119,18 @@ impl Engine {
         t0: Instant,
         on_event: &mut impl FnMut(Event<'_>),
     ) -> Result<(Output, Option<u32>)> {
-        let mut d =
+        let d =
             self.prefill_request(cache, prompt.to_vec(), start, params.clone(), t0, on_event)?;
+        self.decode_request(d, cache, on_event)
+    }
+
+    /// Decodes a prefilled request ([`Engine::prefill_request`]) token by token to its end.
+    pub(crate) fn decode_request(
+        &self,
+        mut d: Decoding<'_>,
+        cache: &mut KvCache,
+        on_event: &mut impl FnMut(Event<'_>),
+    ) -> Result<(Output, Option<u32>)> {
         while let Some(tok) = d.next(cache.position(), on_event)? {
             let logits = self.loaded.model.forward(&[tok], cache, true)?;
             d.fed(logits.to_vec1::<f32>()?);

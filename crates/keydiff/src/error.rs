@@ -26,6 +26,12 @@ pub enum EngineError {
     /// the error itself).
     #[error("the prefill of the prompt, shared with another completion, failed: {0}")]
     SharedPrefill(String),
+    /// A saved KV cache that cannot be written, read or used here (the reason says which).
+    #[error("KV cache file {}: {reason}", path.display())]
+    CacheFile {
+        path: std::path::PathBuf,
+        reason: String,
+    },
     #[error(transparent)]
     Cache(#[from] keydiff_cache::CacheError),
     #[error(transparent)]

@@ -12,6 +12,7 @@
 
 mod batch;
 pub mod bench;
+mod cache_file;
 mod conversation;
 mod engine;
 mod error;
@@ -30,6 +31,7 @@ mod stream;
 pub mod tools;
 
 pub use batch::{Batch, Ended};
+pub use cache_file::{CACHE_FILE_FORMAT, CACHE_FILE_VERSION};
 pub use candle_core::{DType, Device};
 pub use conversation::Conversation;
 pub use engine::{

@@ -44,16 +44,18 @@ impl std::str::FromStr for Reuse {
 pub struct PromptCache {
     reuse: Reuse,
     /// Tokens fed to the cache.
-    tokens: Vec<u32>,
+    pub(crate) tokens: Vec<u32>,
     /// How many of them were the request's prompt (the rest it generated).
-    prompt_len: usize,
-    cache: Option<KvCache>,
+    pub(crate) prompt_len: usize,
+    pub(crate) cache: Option<KvCache>,
     /// The text those tokens and `pending` stand for (the prompt's text or rendered chat,
     /// then the reply as sent), when known: a conversation is continued from the text, as
     /// [`Engine::chat_turn`] does, so that a reply that re-tokenizes differently still matches.
-    text: Option<String>,
+    pub(crate) text: Option<String>,
     /// Generated tokens the text includes but the cache was not fed (the last sampled one).
-    pending: Vec<u32>,
+    pub(crate) pending: Vec<u32>,
+    /// Keep the cache as the prompt left it, without the reply.
+    prompt_only: bool,
 }
 
 impl PromptCache {
@@ -70,6 +72,15 @@ impl PromptCache {
         }
     }
 
+    /// Keeps only the prompt's part of a request's cache, not its reply (llama.cpp's
+    /// `--prompt-cache` without `--prompt-cache-all`): the next request then goes on from the
+    /// prompt, e.g. a document, whatever the reply was. An evicting cache is copied when its
+    /// prompt is prefilled (its decode may evict further); one that never evicts is cut back
+    /// when the request ends. Off by default.
+    pub fn set_prompt_only(&mut self, on: bool) {
+        self.prompt_only = on;
+    }
+
     /// What it may reuse.
     pub fn reuse(&self) -> Reuse {
         self.reuse
@@ -79,6 +90,11 @@ impl PromptCache {
     /// fed to the model).
     pub fn tokens(&self) -> &[u32] {
         &self.tokens
+    }
+
+    /// Slots per layer and KV head the held cache uses (0 when empty).
+    pub fn slots(&self) -> usize {
+        self.cache.as_ref().map_or(0, KvCache::len)
     }
 
     /// Bytes of the KV buffers held (0 when empty).
@@ -161,6 +177,24 @@ impl PromptCache {
     }
 }
 
+impl PromptCache {
+    /// As [`PromptCache::store`], of a cache that holds (the beginning of) `prompt` only, as
+    /// the prefill left it.
+    pub(crate) fn store_prompt(&mut self, cache: KvCache, prompt: &[u32], text: Option<String>) {
+        self.clear();
+        if self.reuse != Reuse::Continue && !cache.can_truncate() {
+            return;
+        }
+        let fed = cache.position().min(prompt.len());
+        self.tokens = prompt[..fed].to_vec();
+        self.prompt_len = fed;
+        if fed == prompt.len() {
+            self.text = text;
+        }
+        self.cache = Some(cache);
+    }
+}
+
 impl Engine {
     /// [`Engine::generate`], starting from the cache of the previous request run through `pc`
     /// and keeping this request's cache in `pc` for the next one. `stats.prefix_tokens` says
@@ -189,10 +223,46 @@ impl Engine {
             text,
             keep,
         } = self.resume(params, pc, 0, None)?;
-        let (out, _) = self.run_request(&mut cache, &prompt, start, params, t0, &mut on_event)?;
-        if keep {
-            pc.store(cache, &prompt, text, &out);
+        if !(keep && pc.prompt_only) {
+            let (out, _) =
+                self.run_request(&mut cache, &prompt, start, params, t0, &mut on_event)?;
+            if keep {
+                pc.store(cache, &prompt, text, &out);
+            }
+            return Ok(out);
         }
+        let d = self.prefill_request(
+            &mut cache,
+            prompt.clone(),
+            start,
+            params.clone(),
+            t0,
+            &mut on_event,
+        )?;
+        // The cache as the prompt left it: a budgeted one may evict while it decodes, so it
+        // is copied now (N + B slots, beside it in memory); one that never evicts is cut back
+        // to the prompt afterwards.
+        let copy = match cache.config().budget {
+            Some(_) => {
+                let beside = if self.config().memory_limit.is_some() {
+                    cache.bytes() as u64
+                } else {
+                    0
+                };
+                self.check_cache_memory_beside(cache.config(), cache.capacity(), 0, beside)?;
+                Some(cache.fork()?)
+            }
+            None => None,
+        };
+        let (out, _) = self.decode_request(d, &mut cache, &mut on_event)?;
+        let kept = match copy {
+            Some(c) => c,
+            None => {
+                cache.truncate(cache.position().min(prompt.len()))?;
+                cache
+            }
+        };
+        pc.store_prompt(kept, &prompt, text);
         Ok(out)
     }
 

@@ -1,0 +1,387 @@
+//! A [`PromptCache`] saved to a file and loaded again (llama.cpp's `--prompt-cache`): a long
+//! document prefilled once under a budget, kept as its N slots per layer and head, goes on in a
+//! later process without its prefill.
+//!
+//! The file is safetensors: per layer `layers.{i}.keys` and `layers.{i}.values`
+//! (`[kv_heads, len, head_dim]` in the cache's dtype), `layers.{i}.positions` (u32) and
+//! `layers.{i}.state` (f32, `[kv_heads, len]`), only the used slots; its metadata has
+//! `format: keydiff-kv-cache` and, under `keydiff`, a JSON [`Header`]: the model's digest, the
+//! cache settings, the tokens the cache stands for and what a continued conversation needs.
+
+use std::collections::HashMap;
+use std::io::{Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
+
+use candle_core::safetensors::Load;
+use candle_core::{Device, Tensor};
+use keydiff_cache::{CacheConfig, CacheCounters, KvCache, KvCacheParts, LayerParts};
+use keydiff_model::{Loaded, ModelFormat};
+use sha2::{Digest, Sha256};
+
+use crate::engine::Engine;
+use crate::error::{EngineError, Result};
+use crate::prompt_cache::{PromptCache, Reuse};
+
+/// The `format` a cache file's metadata names.
+pub const CACHE_FILE_FORMAT: &str = "keydiff-kv-cache";
+/// The version of the layout this keydiff writes and reads.
+pub const CACHE_FILE_VERSION: u32 = 1;
+
+/// What a cache file holds besides its tensors.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+struct Header {
+    version: u32,
+    /// The keydiff that wrote it.
+    written_by: String,
+    model: ModelId,
+    /// The cache's dtype (`f32`, `f16`, `bf16`).
+    kv_dtype: String,
+    cache: CacheConfig,
+    /// Tokens seen: the position of the next one.
+    position: usize,
+    counters: CacheCounters,
+    policy_state: Vec<u64>,
+    /// Each layer's next position.
+    next_positions: Vec<usize>,
+    /// The tokens the cache was fed.
+    tokens: Vec<u32>,
+    /// How many of them were the prompt.
+    prompt_len: usize,
+    /// The text they stand for, when known (a conversation goes on from it).
+    text: Option<String>,
+    /// Generated tokens in the text that the cache was not fed.
+    pending: Vec<u32>,
+}
+
+/// Which model a cache was made with.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+struct ModelId {
+    /// See [`Engine::model_digest`].
+    digest: String,
+    /// Where it was loaded from (for messages only: the same file elsewhere is the same model).
+    origin: String,
+    layers: usize,
+    kv_heads: usize,
+    head_dim: usize,
+}
+
+/// Model files up to this size are hashed whole.
+const WHOLE_BYTES: u64 = 64 << 20;
+/// Beyond it: the first MiB (GGUF metadata, safetensors headers) and 256 windows of 64 KiB
+/// spread over the file.
+const HEAD_BYTES: u64 = 1 << 20;
+const SAMPLES: u64 = 256;
+const SAMPLE_BYTES: u64 = 64 << 10;
+
+/// SHA-256 over each file the model was read from (its size, and its bytes: all of them up to
+/// 64 MiB, beyond that the first MiB and 256 windows of 64 KiB spread over it, 17 MiB read
+/// where the whole of an 8B model would take seconds), the model's hyper-parameters as it runs
+/// them (RoPE settings included), and for random weights their origin (preset and seed).
+/// Another checkpoint, quantization or fine-tune changes the sampled weight bytes (a
+/// fine-tune changes every linear, and linears fill such files); the same file copied
+/// elsewhere keeps its digest.
+pub(crate) fn model_digest(loaded: &Loaded) -> std::result::Result<String, String> {
+    let mut h = Sha256::new();
+    h.update(b"keydiff model digest 1\0");
+    for path in &loaded.files {
+        let io = |e: std::io::Error| format!("{}: {e}", path.display());
+        let mut f = std::fs::File::open(path).map_err(io)?;
+        let len = f.metadata().map_err(io)?.len();
+        h.update(len.to_le_bytes());
+        if len <= WHOLE_BYTES {
+            std::io::copy(&mut f, &mut h).map_err(io)?;
+            continue;
+        }
+        let mut read_at = |at: u64, n: u64| -> std::result::Result<(), String> {
+            let mut buf = vec![0u8; n as usize];
+            f.seek(SeekFrom::Start(at)).map_err(io)?;
+            f.read_exact(&mut buf).map_err(io)?;
+            h.update(&buf);
+            Ok(())
+        };
+        read_at(0, HEAD_BYTES)?;
+        for k in 0..SAMPLES {
+            read_at((len - SAMPLE_BYTES) * k / (SAMPLES - 1), SAMPLE_BYTES)?;
+        }
+    }
+    let cfg = serde_json::to_string(loaded.model.config()).map_err(|e| e.to_string())?;
+    h.update(cfg.as_bytes());
+    if loaded.format == ModelFormat::Random {
+        h.update(loaded.origin.as_bytes());
+    }
+    Ok(h.finalize()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect::<String>())
+}
+
+/// The settings of a cache in a line, for messages.
+fn describe(c: &CacheConfig) -> String {
+    match c.budget {
+        None => format!("a full cache in chunks of {}", c.chunk),
+        Some(n) => format!(
+            "policy {}, budget {n}, chunk {}, window {}, sinks {}, evict-every {}",
+            c.policy.name(),
+            c.chunk,
+            c.window,
+            c.sinks,
+            c.evict_every()
+        ),
+    }
+}
+
+impl Engine {
+    /// Writes the cache `pc` holds to `path` (through a temporary file beside it, renamed over
+    /// `path`, so that a reader never sees half a file), with the tokens it stands for and
+    /// this model's digest; the bytes written. `None` when `pc` holds nothing: it keeps only
+    /// caches it may reuse (an evicted cache only under [`Reuse::Continue`]).
+    pub fn save_prompt_cache(&self, pc: &PromptCache, path: &Path) -> Result<Option<u64>> {
+        let Some(cache) = pc.cache() else {
+            return Ok(None);
+        };
+        let bad = |reason: String| EngineError::CacheFile {
+            path: path.to_path_buf(),
+            reason,
+        };
+        let parts = cache.parts()?;
+        let m = self.model_config();
+        let header = Header {
+            version: CACHE_FILE_VERSION,
+            written_by: format!("keydiff {}", env!("CARGO_PKG_VERSION")),
+            model: ModelId {
+                digest: self.model_digest()?,
+                origin: self.loaded().origin.clone(),
+                layers: m.num_layers,
+                kv_heads: m.num_kv_heads,
+                head_dim: m.head_dim,
+            },
+            kv_dtype: self.model().kv_dtype().as_str().to_string(),
+            cache: parts.config.clone(),
+            position: parts.position,
+            counters: parts.counters,
+            policy_state: parts.policy_state.clone(),
+            next_positions: parts.layers.iter().map(|l| l.next_position).collect(),
+            tokens: pc.tokens.clone(),
+            prompt_len: pc.prompt_len,
+            text: pc.text.clone(),
+            pending: pc.pending.clone(),
+        };
+        let json = serde_json::to_string(&header).map_err(|e| bad(e.to_string()))?;
+        let meta = HashMap::from([
+            ("format".to_string(), CACHE_FILE_FORMAT.to_string()),
+            ("keydiff".to_string(), json),
+        ]);
+        // Contiguous host copies, so that writing them cannot fail half-way.
+        let host = |t: &Tensor| t.to_device(&Device::Cpu)?.contiguous();
+        let mut tensors = Vec::with_capacity(4 * parts.layers.len());
+        for (i, l) in parts.layers.iter().enumerate() {
+            for (name, t) in [
+                ("keys", &l.keys),
+                ("values", &l.values),
+                ("positions", &l.positions),
+                ("state", &l.state),
+            ] {
+                tensors.push((format!("layers.{i}.{name}"), host(t)?));
+            }
+        }
+        let tmp = temporary_beside(path);
+        safetensors::serialize_to_file(tensors, Some(meta), &tmp).map_err(|e| {
+            let _ = std::fs::remove_file(&tmp);
+            bad(format!("cannot write {}: {e}", tmp.display()))
+        })?;
+        std::fs::rename(&tmp, path).map_err(|e| {
+            let _ = std::fs::remove_file(&tmp);
+            bad(format!("cannot move {} over it: {e}", tmp.display()))
+        })?;
+        let bytes = std::fs::metadata(path)
+            .map_err(|e| bad(e.to_string()))?
+            .len();
+        tracing::info!(
+            path = %path.display(),
+            tokens = pc.tokens.len(),
+            slots = cache.len(),
+            bytes,
+            "prompt cache saved"
+        );
+        Ok(Some(bytes))
+    }
+
+    /// Reads a cache [`Engine::save_prompt_cache`] wrote into a [`PromptCache`] that reuses as
+    /// `reuse` says, on this engine's device. Refused, with the reason, when the file is not
+    /// one (or is damaged), was made with another model (see [`Engine::model_digest`]),
+    /// another cache dtype or other cache settings than this engine's, or does not fit in
+    /// memory.
+    pub fn load_prompt_cache(&self, path: &Path, reuse: Reuse) -> Result<PromptCache> {
+        let bad = |reason: String| EngineError::CacheFile {
+            path: path.to_path_buf(),
+            reason,
+        };
+        let bytes = std::fs::read(path).map_err(|e| {
+            bad(if e.kind() == std::io::ErrorKind::NotFound {
+                "no such file".into()
+            } else {
+                e.to_string()
+            })
+        })?;
+        let not_st = |e: safetensors::SafeTensorError| bad(format!("not a safetensors file: {e}"));
+        let st = safetensors::SafeTensors::deserialize(&bytes).map_err(not_st)?;
+        let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).map_err(not_st)?;
+        let meta = header.metadata().clone().unwrap_or_default();
+        if meta.get("format").map(String::as_str) != Some(CACHE_FILE_FORMAT) {
+            return Err(bad(format!(
+                "not a keydiff KV cache (its metadata has no `format: {CACHE_FILE_FORMAT}`)"
+            )));
+        }
+        let json = meta
+            .get("keydiff")
+            .ok_or_else(|| bad("its metadata has no `keydiff` header".into()))?;
+        let version = serde_json::from_str::<serde_json::Value>(json)
+            .ok()
+            .and_then(|v| v.get("version").and_then(|v| v.as_u64()));
+        if version != Some(CACHE_FILE_VERSION as u64) {
+            return Err(bad(format!(
+                "a cache file of version {}; this keydiff reads version {CACHE_FILE_VERSION}",
+                version.map_or("(none)".into(), |v| v.to_string())
+            )));
+        }
+        let h: Header = serde_json::from_str(json).map_err(|e| bad(format!("its header: {e}")))?;
+        let digest = self.model_digest()?;
+        if h.model.digest != digest {
+            return Err(bad(format!(
+                "made with another model ({}, digest {}…); this one is {} (digest {}…)",
+                h.model.origin,
+                &h.model.digest[..h.model.digest.len().min(12)],
+                self.loaded().origin,
+                &digest[..12]
+            )));
+        }
+        let kv_dtype = self.model().kv_dtype().as_str();
+        if h.kv_dtype != kv_dtype {
+            return Err(bad(format!(
+                "holds a {} cache; this run's is {kv_dtype} (--kv-dtype)",
+                h.kv_dtype
+            )));
+        }
+        let cfg = &self.config().cache;
+        if &h.cache != cfg {
+            return Err(bad(format!(
+                "made under {}; this run has {}",
+                describe(&h.cache),
+                describe(cfg)
+            )));
+        }
+        let m = self.model_config();
+        if h.tokens.len() != h.position || h.prompt_len > h.tokens.len() {
+            return Err(bad(format!(
+                "its header lists {} tokens ({} of the prompt) for a cache that saw {}",
+                h.tokens.len(),
+                h.prompt_len,
+                h.position
+            )));
+        }
+        if h.position == 0 || h.position > m.context() {
+            return Err(bad(format!(
+                "it saw {} tokens; the model's context is {}",
+                h.position,
+                m.context()
+            )));
+        }
+        self.check_vocab(&h.tokens)
+            .and_then(|()| self.check_vocab(&h.pending))
+            .map_err(|e| bad(e.to_string()))?;
+        if h.next_positions.len() != m.num_layers {
+            return Err(bad(format!(
+                "{} layers; the model has {}",
+                h.next_positions.len(),
+                m.num_layers
+            )));
+        }
+        let mut layers = Vec::with_capacity(m.num_layers);
+        for (i, &next_position) in h.next_positions.iter().enumerate() {
+            let get = |name: &str| -> Result<Tensor> {
+                let key = format!("layers.{i}.{name}");
+                let view = st
+                    .tensor(&key)
+                    .map_err(|_| bad(format!("tensor `{key}` is missing")))?;
+                view.load(&Device::Cpu)
+                    .map_err(|e| bad(format!("tensor `{key}`: {e}")))
+            };
+            let l = LayerParts {
+                keys: get("keys")?,
+                values: get("values")?,
+                positions: get("positions")?,
+                state: get("state")?,
+                next_position,
+            };
+            let dims = l.keys.dims();
+            if dims.len() != 3 || dims[0] != m.num_kv_heads || dims[2] != m.head_dim {
+                return Err(bad(format!(
+                    "layer {i}'s keys are {dims:?}; this model's are [{}, slots, {}]",
+                    m.num_kv_heads, m.head_dim
+                )));
+            }
+            if l.keys.dtype().as_str() != kv_dtype {
+                return Err(bad(format!(
+                    "layer {i}'s keys are {}, its header says {kv_dtype}",
+                    l.keys.dtype().as_str()
+                )));
+            }
+            layers.push(l);
+        }
+        if st.len() != 4 * m.num_layers {
+            return Err(bad(format!(
+                "{} tensors; a cache of {} layers has {}",
+                st.len(),
+                m.num_layers,
+                4 * m.num_layers
+            )));
+        }
+        let parts = KvCacheParts {
+            config: h.cache,
+            position: h.position,
+            counters: h.counters,
+            policy_state: h.policy_state,
+            layers,
+        };
+        let len = parts.layers[0].keys.dims()[1];
+        // Room to go on: a budgeted cache's N + B slots (as a conversation's), a full one's
+        // slots (it grows when a request needs more).
+        let capacity = match cfg.budget {
+            Some(_) => cfg.slots_for(m.context()).max(len),
+            None => len,
+        };
+        self.check_cache_memory(cfg, capacity, 0)?;
+        let cache = KvCache::from_parts(&parts, capacity, &self.config().device)
+            .map_err(|e| bad(e.to_string()))?;
+        tracing::info!(
+            path = %path.display(),
+            tokens = h.tokens.len(),
+            slots = len,
+            "prompt cache loaded"
+        );
+        let mut pc = PromptCache::with_reuse(reuse);
+        pc.tokens = h.tokens;
+        pc.prompt_len = h.prompt_len;
+        pc.cache = Some(cache);
+        pc.text = h.text;
+        pc.pending = h.pending;
+        Ok(pc)
+    }
+
+    /// A digest of the model as this engine runs it: the files it was read from, sampled, and
+    /// its hyper-parameters (see the module's documentation). Saved caches carry it, and a
+    /// cache made with another model is refused. Computed once.
+    pub fn model_digest(&self) -> Result<String> {
+        self.digest_cell()
+            .get_or_init(|| model_digest(self.loaded()))
+            .clone()
+            .map_err(|e| EngineError::BadParams(format!("cannot read the model's files: {e}")))
+    }
+}
+
+/// `path` with `.tmp-<pid>` added to its name.
+fn temporary_beside(path: &Path) -> PathBuf {
+    let mut name = path.file_name().unwrap_or_default().to_os_string();
+    name.push(format!(".tmp-{}", std::process::id()));
+    path.with_file_name(name)
+}

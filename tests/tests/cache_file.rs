@@ -1,0 +1,312 @@
+//! Prompt caches saved to a file and loaded again (`Engine::save_prompt_cache`,
+//! `Engine::load_prompt_cache`; `keydiff run --prompt-cache`, tested in `cli.rs`): a loaded
+//! cache goes on exactly as the one kept in memory, and a file that is not one, is damaged, or
+//! was made with another model or other settings is refused, saying why.
+
+use std::path::Path;
+
+use keydiff::{
+    CacheConfig, DType, Engine, EngineConfig, GenerateParams, ModelSource, PolicyKind, Prompt,
+    PromptCache, Reuse,
+};
+use keydiff_tests::{model, root, temp_dir, write_tiny_qwen3, SMOLLM2};
+
+fn engine_on(source: &ModelSource, cache: CacheConfig, kv_dtype: Option<DType>) -> Engine {
+    let cfg = EngineConfig {
+        cache,
+        kv_dtype,
+        ..Default::default()
+    };
+    Engine::load(source, &cfg).unwrap()
+}
+
+fn smollm2(cache: CacheConfig) -> Engine {
+    engine_on(&ModelSource::Gguf(model(SMOLLM2)), cache, None)
+}
+
+fn budget(policy: &str, n: usize, b: usize) -> CacheConfig {
+    CacheConfig {
+        policy: PolicyKind::parse(policy, 8, 7).unwrap(),
+        budget: Some(n),
+        ..CacheConfig::full(b)
+    }
+}
+
+/// Greedy, with every token's logprobs (compared bit for bit).
+fn greedy(prompt: Prompt, n: usize) -> GenerateParams {
+    GenerateParams {
+        prompt,
+        max_tokens: n,
+        logprobs: Some(3),
+        ..Default::default()
+    }
+}
+
+const DOC: &str = "The lighthouse keeper wrote in his log every evening. On Monday the sea was \
+    calm and three ships passed. On Tuesday a storm came from the west and no ship passed. On \
+    Wednesday the keeper repaired the lamp and painted the door green. On Thursday a fishing \
+    boat brought him bread, apples and a letter from his sister. On Friday the fog was so \
+    thick that he rang the bell every ten minutes until dawn.";
+
+/// What two runs must agree on: tokens, logprobs, the prompt tokens reused, and the evictions.
+fn same_run(a: &keydiff::Output, b: &keydiff::Output, what: &str) {
+    assert_eq!(a.tokens, b.tokens, "{what}: {:?} / {:?}", a.text, b.text);
+    assert_eq!(
+        format!("{:?}", a.logprobs),
+        format!("{:?}", b.logprobs),
+        "{what}: logprobs"
+    );
+    assert_eq!(a.stats.prefix_tokens, b.stats.prefix_tokens, "{what}");
+    assert_eq!(a.prompt_tokens, b.prompt_tokens, "{what}");
+    let ev = |o: &keydiff::Output| (o.stats.eviction.evictions, o.stats.eviction.evicted_slots);
+    assert_eq!(ev(a), ev(b), "{what}: evictions");
+}
+
+/// `Reuse::Continue` under a budget, the prompt only kept: a document's evicted cache,
+/// saved and loaded, answers a question on the document exactly as the cache kept in memory
+/// does (the same tokens and logprobs, the whole document reused, the same evictions), and
+/// the cache the question leaves goes on alike too. Under KeyDiff, H2O (whose per-slot
+/// attention sums the file carries) and `random` (whose generator it carries). The file
+/// holds only the used slots.
+#[test]
+fn a_saved_cache_goes_on_as_the_one_in_memory() {
+    let dir = temp_dir("cache-file-continue");
+    for policy in ["keydiff", "h2o", "random"] {
+        let e = smollm2(budget(policy, 64, 16));
+        let mut mem = PromptCache::with_reuse(Reuse::Continue);
+        mem.set_prompt_only(true);
+        let first = e
+            .generate_cached(&greedy(Prompt::Text(DOC.into()), 6), &mut mem, |_| {})
+            .unwrap();
+        assert!(first.stats.eviction.evictions > 0, "{policy}: must evict");
+        // The prompt only: not the reply.
+        assert_eq!(mem.tokens(), &first.prompt_tokens[..], "{policy}");
+        assert!(mem.slots() <= 64 + 16, "{policy}");
+
+        let path = dir.join(format!("{policy}.kv"));
+        let bytes = e.save_prompt_cache(&mem, &path).unwrap().unwrap();
+        let m = e.model_config();
+        let kv = 2 * m.num_layers * m.num_kv_heads * mem.slots() * m.head_dim * 4;
+        let per_slot = 8 * m.num_layers * m.num_kv_heads * mem.slots();
+        assert!(
+            (bytes as usize) > kv + per_slot && (bytes as usize) < kv + per_slot + 64 * 1024,
+            "{policy}: {bytes} bytes for {kv} of K and V"
+        );
+        let mut file = e.load_prompt_cache(&path, Reuse::Continue).unwrap();
+        file.set_prompt_only(true);
+        assert_eq!(file.tokens(), mem.tokens(), "{policy}");
+        assert_eq!(file.slots(), mem.slots(), "{policy}");
+
+        let q1 = format!("{DOC} What did the keeper paint?");
+        let q2 = format!("{q1} Answer in one word.");
+        for (i, q) in [q1, q2].into_iter().enumerate() {
+            let p = greedy(Prompt::Text(q), 10);
+            let a = e.generate_cached(&p, &mut mem, |_| {}).unwrap();
+            let b = e.generate_cached(&p, &mut file, |_| {}).unwrap();
+            same_run(&a, &b, &format!("{policy}, question {i}"));
+            assert!(
+                a.stats.prefix_tokens >= first.prompt_tokens.len(),
+                "{policy}, question {i}: {} reused",
+                a.stats.prefix_tokens
+            );
+        }
+    }
+}
+
+/// `Reuse::Exact` with a full cache: a saved document's cache gives a question on it
+/// exactly a fresh request's answer, reusing whole chunks of the document.
+#[test]
+fn an_exact_reuse_from_a_file_answers_as_a_fresh_request() {
+    let dir = temp_dir("cache-file-exact");
+    let e = smollm2(CacheConfig::full(16));
+    let mut pc = PromptCache::new();
+    pc.set_prompt_only(true);
+    let doc = greedy(Prompt::Text(DOC.into()), 4);
+    let first = e.generate_cached(&doc, &mut pc, |_| {}).unwrap();
+    assert_eq!(pc.tokens(), &first.prompt_tokens[..]);
+    let path = dir.join("doc.kv");
+    e.save_prompt_cache(&pc, &path).unwrap().unwrap();
+    drop(pc);
+    let mut pc = e.load_prompt_cache(&path, Reuse::Exact).unwrap();
+    let p = greedy(Prompt::Text(format!("{DOC} What came on Thursday?")), 12);
+    let cached = e.generate_cached(&p, &mut pc, |_| {}).unwrap();
+    let fresh = e.generate(&p, |_| {}).unwrap();
+    assert_eq!(cached.tokens, fresh.tokens, "{:?}", cached.text);
+    assert_eq!(
+        format!("{:?}", cached.logprobs),
+        format!("{:?}", fresh.logprobs)
+    );
+    let n = first.prompt_tokens.len();
+    assert_eq!(cached.stats.prefix_tokens, n / 16 * 16);
+    assert!(cached.stats.prefix_tokens > 0);
+}
+
+/// Under `exact`, an evicted cache cannot be reused, so nothing is kept to save.
+#[test]
+fn nothing_is_saved_that_cannot_be_reused() {
+    let e = smollm2(budget("keydiff", 32, 16));
+    let mut pc = PromptCache::new();
+    pc.set_prompt_only(true);
+    let out = e
+        .generate_cached(&greedy(Prompt::Text(DOC.into()), 2), &mut pc, |_| {})
+        .unwrap();
+    assert!(out.stats.eviction.evictions > 0);
+    let path = temp_dir("cache-file-nothing").join("doc.kv");
+    assert_eq!(e.save_prompt_cache(&pc, &path).unwrap(), None);
+    assert!(!path.exists());
+}
+
+fn tiny_llama(seed: u64) -> ModelSource {
+    ModelSource::Random {
+        config: root().join("configs/tiny-llama.json"),
+        seed,
+        on_host: false,
+    }
+}
+
+/// The message of loading `path` on `e`, which must fail; it names the file.
+fn refusal(e: &Engine, path: &Path) -> String {
+    let msg = match e.load_prompt_cache(path, Reuse::Continue) {
+        Ok(_) => panic!("{} loaded", path.display()),
+        Err(err) => err.to_string(),
+    };
+    assert!(msg.contains(&path.display().to_string()), "{msg}");
+    msg
+}
+
+/// Files that are not a cache of this model under these settings are refused, each with the
+/// reason; the same file elsewhere still loads.
+#[test]
+fn files_that_cannot_be_used_are_refused() {
+    let dir = temp_dir("cache-file-refused");
+    let cfg = budget("keydiff", 32, 8);
+    let e = engine_on(&tiny_llama(2), cfg.clone(), None);
+    let mut pc = PromptCache::with_reuse(Reuse::Continue);
+    pc.set_prompt_only(true);
+    let prompt: Vec<u32> = (0..45).map(|i| (i * 37 % 250) as u32).collect();
+    let params = GenerateParams {
+        prompt: Prompt::Tokens(prompt.clone()),
+        max_tokens: 3,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    e.generate_cached(&params, &mut pc, |_| {}).unwrap();
+    let good = dir.join("good.kv");
+    e.save_prompt_cache(&pc, &good).unwrap().unwrap();
+    let bytes = std::fs::read(&good).unwrap();
+
+    // The same file elsewhere loads, and goes on from the 45 tokens.
+    let moved = dir.join("moved.kv");
+    std::fs::copy(&good, &moved).unwrap();
+    let mut again = e.load_prompt_cache(&moved, Reuse::Continue).unwrap();
+    assert_eq!(again.tokens(), &prompt[..]);
+    let mut longer = prompt.clone();
+    longer.extend([5, 6, 7]);
+    let out = e
+        .generate_cached(
+            &GenerateParams {
+                prompt: Prompt::Tokens(longer),
+                ..params.clone()
+            },
+            &mut again,
+            |_| {},
+        )
+        .unwrap();
+    assert_eq!(out.stats.prefix_tokens, 45);
+
+    let missing = dir.join("missing.kv");
+    assert!(refusal(&e, &missing).contains("no such file"));
+
+    let garbage = dir.join("garbage.kv");
+    std::fs::write(&garbage, b"these are not tensors at all").unwrap();
+    assert!(refusal(&e, &garbage).contains("not a safetensors file"));
+
+    let cut = dir.join("cut.kv");
+    std::fs::write(&cut, &bytes[..bytes.len() / 2]).unwrap();
+    assert!(refusal(&e, &cut).contains("not a safetensors file"));
+
+    let other = dir.join("other.safetensors");
+    let t = candle_core::Tensor::zeros((2, 3), DType::F32, &candle_core::Device::Cpu).unwrap();
+    candle_core::safetensors::save(&std::collections::HashMap::from([("w", t)]), &other).unwrap();
+    assert!(refusal(&e, &other).contains("not a keydiff KV cache"));
+
+    // Header fields, edited in place (the header is JSON inside the file's JSON metadata).
+    let edited = |from: &str, to: &str, name: &str| {
+        let (from, to) = (from.as_bytes(), to.as_bytes());
+        assert_eq!(from.len(), to.len());
+        let at = bytes
+            .windows(from.len())
+            .position(|w| w == from)
+            .unwrap_or_else(|| panic!("{} not in the file", String::from_utf8_lossy(from)));
+        let mut b = bytes.clone();
+        b[at..at + to.len()].copy_from_slice(to);
+        let p = dir.join(name);
+        std::fs::write(&p, b).unwrap();
+        p
+    };
+    let v = edited(r#"\"version\":1"#, r#"\"version\":7"#, "version.kv");
+    assert!(
+        refusal(&e, &v).contains("version 7; this keydiff reads version 1"),
+        "{}",
+        refusal(&e, &v)
+    );
+    let p = edited(r#"\"position\":45"#, r#"\"position\":44"#, "position.kv");
+    assert!(
+        refusal(&e, &p).contains("45 tokens (45 of the prompt) for a cache that saw 44"),
+        "{}",
+        refusal(&e, &p)
+    );
+
+    // Another model: the same preset with other random weights.
+    let seed3 = engine_on(&tiny_llama(3), cfg.clone(), None);
+    assert!(refusal(&seed3, &good).contains("made with another model"));
+    // Other cache settings, another cache dtype.
+    let wider = engine_on(&tiny_llama(2), budget("keydiff", 40, 8), None);
+    let msg = refusal(&wider, &good);
+    assert!(
+        msg.contains("made under policy keydiff, budget 32, chunk 8")
+            && msg.contains("this run has policy keydiff, budget 40"),
+        "{msg}"
+    );
+    let half = engine_on(&tiny_llama(2), cfg, Some(DType::F16));
+    assert!(refusal(&half, &good).contains("holds a f32 cache; this run's is f16"));
+}
+
+/// The model digest tells weight files apart by their bytes, not by their paths: a copy of a
+/// GGUF has its digest, the same model with other q/k norm weights does not.
+#[test]
+fn the_model_digest_follows_the_weights() {
+    let dir = temp_dir("cache-file-digest");
+    let (a, b, c) = (dir.join("a.gguf"), dir.join("b.gguf"), dir.join("c.gguf"));
+    write_tiny_qwen3(&a, false).unwrap();
+    std::fs::copy(&a, &b).unwrap();
+    write_tiny_qwen3(&c, true).unwrap();
+    let digest = |p: &Path| {
+        engine_on(
+            &ModelSource::Gguf(p.to_path_buf()),
+            CacheConfig::full(16),
+            None,
+        )
+        .model_digest()
+        .unwrap()
+    };
+    let da = digest(&a);
+    assert_eq!(da.len(), 64);
+    assert_eq!(da, digest(&b));
+    assert_ne!(da, digest(&c));
+    // The RoPE settings the model runs with are part of it.
+    let yarn = Engine::load(
+        &ModelSource::Gguf(a.clone()),
+        &EngineConfig {
+            cache: CacheConfig::full(16),
+            rope: keydiff::RopeOverride {
+                scaling: None,
+                freq_base: Some(12345.0),
+                ..Default::default()
+            },
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert_ne!(da, yarn.model_digest().unwrap());
+}
