@@ -1937,3 +1937,157 @@ fn response_formats_shape_the_answer_after_the_reasoning() {
     server.stop().unwrap();
     none.stop().unwrap();
 }
+
+/// llama.cpp's slot actions (`POST /slots/{id}?action=save|restore|erase`, with
+/// `--slot-save-path`): a document's evicted cache (`--prompt-cache continue`, budget 48)
+/// saved from one server is restored into another, one at a time or batched, and a follow-up
+/// there reuses all of it and answers as the engine does from the same file; erase frees the
+/// slot; what cannot be done is refused, naming why.
+#[test]
+fn slots_save_restore_and_erase_prompt_caches() {
+    let cache = keydiff_cache(48, 16);
+    let dir = keydiff_tests::temp_dir("server-slots");
+    let serve = |max_batch: usize, slot_save_path: Option<std::path::PathBuf>| {
+        let cfg = ServerConfig {
+            prompt_cache: Some(keydiff::Reuse::Continue),
+            max_batch,
+            slot_save_path,
+            ..ServerConfig::new("smol")
+        };
+        Server::bind("127.0.0.1:0", engine(cache.clone()), cfg)
+            .unwrap()
+            .spawn()
+    };
+    let a = serve(1, Some(dir.clone()));
+    let doc =
+        "The lighthouse keeper wrote in his log every evening, and the log grew long. ".repeat(4);
+    let (code, first) = post(
+        &format!("{}/v1/completions", a.url()),
+        &json!({"prompt": doc, "max_tokens": 4, "temperature": 0}),
+    );
+    assert_eq!(code, 200, "{first}");
+    assert!(first["keydiff"]["eviction"]["evictions"].as_u64().unwrap() > 0);
+    let slot = |s: &ServerHandle, id: &str, action: &str, body: Value| {
+        post(&format!("{}/slots/{id}?action={action}", s.url()), &body)
+    };
+    let (code, saved) = slot(&a, "0", "save", json!({"filename": "doc.kv"}));
+    assert_eq!(code, 200, "{saved}");
+    let file = dir.join("doc.kv");
+    assert_eq!(saved["id_slot"], 0);
+    assert_eq!(saved["filename"], "doc.kv");
+    assert_eq!(
+        saved["n_written"].as_u64().unwrap(),
+        std::fs::metadata(&file).unwrap().len()
+    );
+    // The prompt and the reply but its last token, which was never fed.
+    let n_saved = saved["n_saved"].as_u64().unwrap();
+    assert_eq!(
+        n_saved,
+        first["usage"]["prompt_tokens"].as_u64().unwrap() + 3,
+        "{saved}"
+    );
+    let (code, erased) = slot(&a, "0", "erase", json!({}));
+    assert_eq!((code, erased["n_erased"].as_u64()), (200, Some(n_saved)));
+    assert_eq!(
+        get(&format!("{}/health", a.url()))["prompt_cache_entries"],
+        0
+    );
+    let (code, empty) = slot(&a, "0", "save", json!({"filename": "empty.kv"}));
+    assert_eq!(code, 400);
+    assert!(
+        empty["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("holds no prompt cache"),
+        "{empty}"
+    );
+
+    // What the engine gives from the same file.
+    let local = engine(cache.clone());
+    let follow = format!(
+        "{doc}{} Then what?",
+        first["choices"][0]["text"].as_str().unwrap()
+    );
+    let p = greedy(Prompt::Text(follow.clone()), 8);
+    let mut pc = local
+        .load_prompt_cache(&file, keydiff::Reuse::Continue)
+        .unwrap();
+    let want = local.generate_cached(&p, &mut pc, |_| {}).unwrap();
+    assert_eq!(want.stats.prefix_tokens as u64, n_saved);
+    for server in [serve(1, Some(dir.clone())), serve(2, Some(dir.clone()))] {
+        let (code, restored) = slot(&server, "0", "restore", json!({"filename": "doc.kv"}));
+        assert_eq!(code, 200, "{restored}");
+        assert_eq!(restored["n_restored"].as_u64(), Some(n_saved));
+        assert_eq!(
+            restored["n_read"].as_u64().unwrap(),
+            saved["n_written"].as_u64().unwrap()
+        );
+        assert_eq!(
+            get(&format!("{}/health", server.url()))["prompt_cache_entries"],
+            1
+        );
+        let (code, got) = post(
+            &format!("{}/v1/completions", server.url()),
+            &json!({"prompt": follow, "max_tokens": 8, "temperature": 0}),
+        );
+        assert_eq!(code, 200, "{got}");
+        assert_eq!(
+            got["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64(),
+            Some(n_saved)
+        );
+        assert_eq!(got["choices"][0]["text"], want.text);
+        // The follow-up's cache is kept in turn: the document, the follow-up and its reply.
+        let (code, erased) = slot(&server, "0", "erase", json!({}));
+        assert_eq!(code, 200, "{erased}");
+        assert!(erased["n_erased"].as_u64().unwrap() > n_saved, "{erased}");
+        assert_eq!(
+            get(&format!("{}/health", server.url()))["prompt_cache_entries"],
+            0
+        );
+    }
+
+    // Refusals.
+    let refused =
+        |s: &ServerHandle, id: &str, action: &str, body: Value, status: u16, want: &str| {
+            let (code, v) = slot(s, id, action, body);
+            assert_eq!(code, status, "{id} {action}: {v}");
+            let msg = v["error"]["message"].as_str().unwrap();
+            assert!(msg.contains(want), "{id} {action}: {msg}");
+        };
+    let f = |name: &str| json!({ "filename": name });
+    refused(&a, "0", "restore", f("missing.kv"), 400, "no such file");
+    refused(&a, "0", "save", f("../doc.kv"), 400, "invalid filename");
+    refused(&a, "0", "save", f(""), 400, "invalid filename");
+    refused(
+        &a,
+        "1",
+        "erase",
+        json!({}),
+        400,
+        "invalid slot 1: this server has 1",
+    );
+    refused(&a, "x", "erase", json!({}), 400, "invalid slot id `x`");
+    refused(
+        &a,
+        "0",
+        "dance",
+        json!({}),
+        400,
+        "invalid slot action `dance`",
+    );
+    refused(&a, "0", "save", json!({}), 400, "filename");
+    let none = serve(1, None);
+    refused(&none, "0", "save", f("doc.kv"), 501, "--slot-save-path");
+    // Under exact reuse an evicted cache could stand for nothing.
+    let exact = Server::bind(
+        "127.0.0.1:0",
+        engine(cache),
+        ServerConfig {
+            slot_save_path: Some(dir),
+            ..ServerConfig::new("smol")
+        },
+    )
+    .unwrap()
+    .spawn();
+    refused(&exact, "0", "restore", f("doc.kv"), 400, "exact reuse");
+}

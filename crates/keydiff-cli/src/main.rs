@@ -1293,6 +1293,11 @@ struct ServeArgs {
     /// Require `Authorization: Bearer KEY` on every endpoint but /health (401 otherwise).
     #[arg(long, env = "KEYDIFF_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
+    /// Directory where `POST /slots/{id}?action=save|restore` (llama.cpp's slot actions)
+    /// write and read prompt caches, as `run --prompt-cache` files (without it those actions
+    /// answer 501).
+    #[arg(long, value_name = "DIR")]
+    slot_save_path: Option<PathBuf>,
 }
 
 /// `check-device --batch`: batched passes against single ones on `cfg`'s device.
@@ -1372,6 +1377,11 @@ fn serve(a: &ServeArgs) -> Result<()> {
         }
         _ => {}
     }
+    if let Some(dir) = &a.slot_save_path {
+        if !dir.is_dir() {
+            bail!("--slot-save-path {}: not a directory", dir.display());
+        }
+    }
     let prompt_cache = match a.prompt_cache.as_deref().unwrap_or("exact") {
         "off" => None,
         mode => Some(mode.parse::<keydiff::Reuse>().map_err(|_| {
@@ -1406,6 +1416,7 @@ fn serve(a: &ServeArgs) -> Result<()> {
         max_batch: a.max_batch,
         prefill_tokens: a.prefill_tokens,
         reasoning_format,
+        slot_save_path: a.slot_save_path.clone(),
     };
     let server = keydiff_server::Server::from_listener(listener, engine, cfg)?;
     eprintln!(

@@ -959,6 +959,37 @@ pub struct DetokenizeRequest {
     pub tokens: Vec<u32>,
 }
 
+/// `POST /slots/{id}?action=save|restore`'s body (llama.cpp's).
+#[derive(Debug, Deserialize)]
+pub struct SlotFileRequest {
+    /// A file name in the server's `--slot-save-path`.
+    pub filename: String,
+}
+
+/// A slot file's name, which must stay in `--slot-save-path` (llama.cpp's rule: a plain file
+/// name, no directories): not empty, at most 255 bytes, no `/`, `\`, NUL or other control
+/// characters, not `.` or `..`.
+pub fn check_slot_filename(name: &str) -> Result<(), ApiError> {
+    let bad = name.is_empty()
+        || name.len() > 255
+        || name == "."
+        || name == ".."
+        || name
+            .chars()
+            .any(|c| c == '/' || c == '\\' || c.is_control());
+    if bad {
+        return Err(ApiError::invalid(
+            format!(
+                "invalid filename `{}`: a plain file name in the server's --slot-save-path \
+                 (no directories, no control characters, at most 255 bytes)",
+                name.escape_debug()
+            ),
+            Some("filename"),
+        ));
+    }
+    Ok(())
+}
+
 /// OpenAI's `finish_reason`.
 pub fn finish_reason(r: StopReason) -> &'static str {
     match r {

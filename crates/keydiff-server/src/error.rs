@@ -71,6 +71,8 @@ impl From<EngineError> for ApiError {
                 Self::invalid(message, Some("messages"))
             }
             EngineError::BadParams(_) | EngineError::Tokenizer(_) => Self::invalid(message, None),
+            // A slot file to restore that is missing, damaged or made otherwise.
+            EngineError::CacheFile { .. } => Self::invalid(message, Some("filename")),
             // The request's KV cache does not fit in the memory there is now.
             EngineError::OutOfMemory(_) => Self::unavailable(message),
             _ => Self::internal(message),
@@ -127,6 +129,14 @@ mod tests {
             ),
             (EngineError::BadParams("top-p".into()), 400, None),
             (EngineError::OutOfMemory("KV".into()), 503, None),
+            (
+                EngineError::CacheFile {
+                    path: "a.kv".into(),
+                    reason: "no such file".into(),
+                },
+                400,
+                Some("filename"),
+            ),
             (EngineError::Hub("offline".into()), 500, None),
         ];
         for (e, status, param) in cases {

@@ -33,9 +33,10 @@ use std::collections::{HashMap, VecDeque};
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::panic::AssertUnwindSafe;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{mpsc as std_mpsc, Arc};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, State};
@@ -94,6 +95,9 @@ pub struct ServerConfig {
     /// Whether chat replies' `<think>` blocks come back apart, as `reasoning_content`
     /// (llama.cpp's `--reasoning-format`; `Auto`: for chat templates that write `</think>`).
     pub reasoning_format: ReasoningFormat,
+    /// Where `POST /slots/{id}?action=save|restore` write and read prompt caches
+    /// (llama.cpp's `--slot-save-path`); `None`: those actions are refused (501).
+    pub slot_save_path: Option<std::path::PathBuf>,
 }
 
 impl ServerConfig {
@@ -108,6 +112,7 @@ impl ServerConfig {
             max_batch: 1,
             prefill_tokens: None,
             reasoning_format: ReasoningFormat::Auto,
+            slot_save_path: None,
         }
     }
 }
@@ -151,6 +156,8 @@ enum Msg {
     Text(usize, String),
     /// Completion `.0` of several ended (streams only: its last chunk goes now).
     Ended(usize, Box<Output>),
+    /// A slot action's answer.
+    Slot(Result<Value, ApiError>),
     /// The request ended: every completion's output, in order, or why it failed.
     Done(Result<Vec<Output>, ApiError>),
 }
@@ -166,6 +173,22 @@ struct Job {
     stream: bool,
     ticket: Arc<Ticket>,
     events: mpsc::UnboundedSender<Msg>,
+    /// A slot action instead of a generation (`POST /slots/{id}`).
+    slot: Option<SlotTask>,
+}
+
+/// What `POST /slots/{id}?action=...` asks of the worker (llama.cpp's slot actions): a kept
+/// prompt cache saved to a file, restored from one, or freed.
+struct SlotTask {
+    id: usize,
+    action: SlotAction,
+}
+
+enum SlotAction {
+    /// The file's name as given, and its path under `--slot-save-path`.
+    Save(String, PathBuf),
+    Restore(String, PathBuf),
+    Erase,
 }
 
 impl Job {
@@ -451,6 +474,7 @@ pub fn router(engine: Engine, cfg: ServerConfig) -> (Router, Worker) {
         .route("/detokenize", post(detokenize))
         .route("/tokenizer_info", get(tokenizer_info))
         .route("/metrics", get(metrics))
+        .route("/slots/{id}", post(slot_action))
         .route_layer(axum::middleware::from_fn_with_state(
             state.clone(),
             authorize,
@@ -716,6 +740,17 @@ fn work_one_by_one(
         if !take(&job, counters, stop) {
             continue;
         }
+        if let Some(task) = &job.slot {
+            let r = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                slot_one_by_one(engine, prompt_cache.as_mut(), task)
+            }))
+            .unwrap_or_else(|panic| Err(ApiError::internal(panic_message(&*panic))));
+            if let Some(pc) = &prompt_cache {
+                counters.kept(usize::from(!pc.is_empty()), pc.bytes());
+            }
+            answer_slot(job, r, stop);
+            continue;
+        }
         counters.running.store(1, Ordering::Relaxed);
         let mut started = false;
         let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
@@ -912,6 +947,15 @@ fn work_batched(
             if !take(&job, counters, stop) {
                 continue;
             }
+            if let Some(task) = &job.slot {
+                let r = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                    slot_batched(engine, &mut batch, prompt_cache, task)
+                }))
+                .unwrap_or_else(|panic| Err(ApiError::internal(panic_message(&*panic))));
+                counters.kept(batch.kept_tokens().len(), batch.kept_bytes());
+                answer_slot(job, r, stop);
+                continue;
+            }
             let first = next_id;
             let total = job.choices();
             next_id += total as u64;
@@ -968,6 +1012,136 @@ fn work_batched(
     }
 }
 
+/// Answers a slot action.
+fn answer_slot(job: Job, r: Result<Value, ApiError>, stop: &Stop) {
+    stop.finished(&job.ticket.cancel);
+    if let Err(e) = &r {
+        tracing::warn!("slot action failed ({}): {}", e.status, e.message);
+    }
+    let _ = job.events.send(Msg::Slot(r));
+}
+
+/// A slot action one request at a time: slot 0 is the prompt cache.
+fn slot_one_by_one(
+    engine: &Engine,
+    pc: Option<&mut PromptCache>,
+    task: &SlotTask,
+) -> Result<Value, ApiError> {
+    let Some(pc) = pc else {
+        return Err(no_prompt_cache());
+    };
+    if task.id != 0 {
+        return Err(bad_slot(task.id, 1));
+    }
+    let t0 = Instant::now();
+    match &task.action {
+        SlotAction::Save(name, path) => saved(engine, pc, task.id, name, path, t0),
+        SlotAction::Restore(name, path) => {
+            let loaded = engine.load_prompt_cache(path, pc.reuse())?;
+            let n = loaded.tokens().len();
+            *pc = loaded;
+            Ok(restored(task.id, name, path, n, t0))
+        }
+        SlotAction::Erase => {
+            let n = pc.tokens().len();
+            pc.clear();
+            Ok(json!({"id_slot": task.id, "n_erased": n}))
+        }
+    }
+}
+
+/// A slot action under `--max-batch K`: slot `i` is the `i`-th kept cache, most recently used
+/// first; a restored cache is kept as the most recently used (slot 0).
+fn slot_batched(
+    engine: &Engine,
+    batch: &mut keydiff::Batch<'_>,
+    reuse: Option<Reuse>,
+    task: &SlotTask,
+) -> Result<Value, ApiError> {
+    let (Some(reuse), slots) = (reuse, batch.max_kept()) else {
+        return Err(no_prompt_cache());
+    };
+    if task.id >= slots {
+        return Err(bad_slot(task.id, slots));
+    }
+    let t0 = Instant::now();
+    match &task.action {
+        SlotAction::Save(name, path) => match batch.kept_cache(task.id) {
+            Some(pc) => saved(engine, pc, task.id, name, path, t0),
+            None => Err(empty_slot(task.id)),
+        },
+        SlotAction::Restore(name, path) => {
+            let loaded = engine.load_prompt_cache(path, reuse)?;
+            let n = loaded.tokens().len();
+            batch.keep_cache(loaded)?;
+            Ok(restored(0, name, path, n, t0))
+        }
+        SlotAction::Erase => Ok(json!({
+            "id_slot": task.id,
+            "n_erased": batch.forget_kept(task.id).unwrap_or(0),
+        })),
+    }
+}
+
+/// Saves `pc` as slot `id`'s file: llama.cpp's answer.
+fn saved(
+    engine: &Engine,
+    pc: &PromptCache,
+    id: usize,
+    name: &str,
+    path: &Path,
+    t0: Instant,
+) -> Result<Value, ApiError> {
+    match engine.save_prompt_cache(pc, path) {
+        Ok(Some(bytes)) => Ok(json!({
+            "id_slot": id,
+            "filename": name,
+            "n_saved": pc.tokens().len(),
+            "n_written": bytes,
+            "timings": {"save_ms": t0.elapsed().as_secs_f64() * 1e3},
+        })),
+        Ok(None) => Err(empty_slot(id)),
+        Err(e) => Err(ApiError::internal(e.to_string())),
+    }
+}
+
+fn restored(id: usize, name: &str, path: &Path, tokens: usize, t0: Instant) -> Value {
+    json!({
+        "id_slot": id,
+        "filename": name,
+        "n_restored": tokens,
+        "n_read": std::fs::metadata(path).map_or(0, |m| m.len()),
+        "timings": {"restore_ms": t0.elapsed().as_secs_f64() * 1e3},
+    })
+}
+
+fn no_prompt_cache() -> ApiError {
+    ApiError::invalid(
+        "this server keeps no prompt cache (--prompt-cache off): its slots hold nothing",
+        None,
+    )
+}
+
+fn bad_slot(id: usize, slots: usize) -> ApiError {
+    ApiError::invalid(
+        format!(
+            "invalid slot {id}: this server has {slots} (0 to {})",
+            slots - 1
+        ),
+        Some("id_slot"),
+    )
+}
+
+fn empty_slot(id: usize) -> ApiError {
+    ApiError::invalid(
+        format!(
+            "slot {id} holds no prompt cache to save (none ran yet, or it could not be reused: \
+             under --prompt-cache exact a cache that evicted is not kept)"
+        ),
+        Some("id_slot"),
+    )
+}
+
 impl Counters {
     /// Notes what the prompt cache keeps now.
     fn kept(&self, caches: usize, bytes: usize) {
@@ -987,10 +1161,22 @@ fn unix_now() -> u64 {
 /// has not started.
 fn submit(
     st: &AppState,
+    params: GenerateParams,
+    more: Vec<keydiff::Prompt>,
+    n: usize,
+    stream: bool,
+) -> Result<(mpsc::UnboundedReceiver<Msg>, TicketGuard), ApiError> {
+    queue(st, params, more, n, stream, None)
+}
+
+/// Queues a job: a request, or with `slot` a slot action (which takes no room in a batch).
+fn queue(
+    st: &AppState,
     mut params: GenerateParams,
     more: Vec<keydiff::Prompt>,
     n: usize,
     stream: bool,
+    slot: Option<SlotTask>,
 ) -> Result<(mpsc::UnboundedReceiver<Msg>, TicketGuard), ApiError> {
     let max = st.cfg.max_queue.max(1);
     let c = &st.counters;
@@ -1022,6 +1208,7 @@ fn submit(
         stream,
         ticket,
         events,
+        slot,
     };
     match st.jobs.send(job) {
         Ok(()) => Ok((rx, guard)),
@@ -1812,6 +1999,10 @@ async fn respond(st: Arc<AppState>, m: Mapped, mut reply: Reply) -> Response {
                     fail(e);
                     break;
                 }
+                Msg::Slot(_) => {
+                    fail(ApiError::internal("a slot action's answer in a stream"));
+                    break;
+                }
             };
             let sent = match chunks {
                 Ok(cs) => cs.into_iter().try_for_each(|c| send(c).map_err(|_| ())),
@@ -1898,6 +2089,79 @@ async fn detokenize(State(st): State<Arc<AppState>>, body: Bytes) -> Result<Json
     })
     .await?;
     Ok(Json(json!({ "prompt": text })))
+}
+
+/// `POST /slots/{id}?action=save|restore|erase` (llama.cpp's slot actions): saves slot `id`'s
+/// prompt cache to `{"filename": ...}` under `--slot-save-path`, restores one from there, or
+/// frees it. Queued as a request is, and run between requests (a batch's steps).
+async fn slot_action(
+    State(st): State<Arc<AppState>>,
+    axum::extract::Path(id): axum::extract::Path<String>,
+    uri: axum::http::Uri,
+    body: Bytes,
+) -> Result<Json<Value>, ApiError> {
+    let id: usize = id.parse().map_err(|_| {
+        ApiError::invalid(
+            format!("invalid slot id `{id}`: expected a number"),
+            Some("id_slot"),
+        )
+    })?;
+    let action = uri
+        .query()
+        .unwrap_or("")
+        .split('&')
+        .find_map(|kv| kv.strip_prefix("action="))
+        .unwrap_or("");
+    let file = |st: &AppState| -> Result<(String, PathBuf), ApiError> {
+        let Some(dir) = &st.cfg.slot_save_path else {
+            return Err(ApiError {
+                status: axum::http::StatusCode::NOT_IMPLEMENTED,
+                kind: "not_supported_error",
+                message: "slot save and restore need a directory for the files: start the \
+                          server with --slot-save-path DIR"
+                    .into(),
+                param: None,
+            });
+        };
+        let req: api::SlotFileRequest = api::parse(&body)?;
+        api::check_slot_filename(&req.filename)?;
+        let path = dir.join(&req.filename);
+        Ok((req.filename, path))
+    };
+    let action = match action {
+        "save" => {
+            let (name, path) = file(&st)?;
+            SlotAction::Save(name, path)
+        }
+        "restore" => {
+            let (name, path) = file(&st)?;
+            SlotAction::Restore(name, path)
+        }
+        "erase" => SlotAction::Erase,
+        other => {
+            return Err(ApiError::invalid(
+                format!("invalid slot action `{other}` (expected ?action=save, restore or erase)"),
+                Some("action"),
+            ))
+        }
+    };
+    let task = SlotTask { id, action };
+    let (mut rx, _guard) = queue(
+        &st,
+        GenerateParams::default(),
+        Vec::new(),
+        0,
+        false,
+        Some(task),
+    )?;
+    loop {
+        match rx.recv().await {
+            Some(Msg::Slot(r)) => return r.map(Json),
+            Some(Msg::Done(Err(e))) => return Err(e),
+            Some(_) => {}
+            None => return Err(ApiError::internal("the generation worker stopped")),
+        }
+    }
 }
 
 /// Prometheus text exposition of the counters.

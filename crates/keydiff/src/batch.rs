@@ -249,6 +249,42 @@ impl<'e> Batch<'e> {
             .collect()
     }
 
+    /// How many caches the batch keeps at most (0: none; see [`Batch::keep_prompts`]).
+    pub fn max_kept(&self) -> usize {
+        self.kept.as_ref().map_or(0, |k| k.slots)
+    }
+
+    /// The kept cache at `i`, most recently used first (a server's slot `i`).
+    pub fn kept_cache(&self, i: usize) -> Option<&PromptCache> {
+        self.kept.as_ref()?.caches.get(i)
+    }
+
+    /// Keeps `pc` (a cache loaded from a file, say) as the most recently used, for later
+    /// requests; beyond the slots, the least recently used goes. Refused when the batch keeps
+    /// no caches, when `pc` holds none, or when it reuses otherwise than the batch.
+    pub fn keep_cache(&mut self, pc: PromptCache) -> Result<()> {
+        let Some(k) = &mut self.kept else {
+            return Err(EngineError::BadParams(
+                "this batch keeps no prompt caches".into(),
+            ));
+        };
+        if pc.is_empty() || pc.reuse() != k.reuse {
+            return Err(EngineError::BadParams(format!(
+                "a prompt cache to keep must hold a cache and reuse as the batch does ({:?})",
+                k.reuse
+            )));
+        }
+        k.caches.push_front(pc);
+        k.caches.truncate(k.slots);
+        Ok(())
+    }
+
+    /// Frees the kept cache at `i` (see [`Batch::kept_cache`]); the tokens it held.
+    pub fn forget_kept(&mut self, i: usize) -> Option<usize> {
+        let pc = self.kept.as_mut()?.caches.remove(i)?;
+        Some(pc.tokens().len())
+    }
+
     /// Bytes held by the kept caches.
     pub fn kept_bytes(&self) -> usize {
         self.kept

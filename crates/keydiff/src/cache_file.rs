@@ -209,8 +209,9 @@ impl Engine {
     /// Reads a cache [`Engine::save_prompt_cache`] wrote into a [`PromptCache`] that reuses as
     /// `reuse` says, on this engine's device. Refused, with the reason, when the file is not
     /// one (or is damaged), was made with another model (see [`Engine::model_digest`]),
-    /// another cache dtype or other cache settings than this engine's, or does not fit in
-    /// memory.
+    /// another cache dtype or other cache settings than this engine's, holds a cache that
+    /// evicted while `reuse` is [`Reuse::Exact`] (which could reuse none of it), or does not
+    /// fit in memory.
     pub fn load_prompt_cache(&self, path: &Path, reuse: Reuse) -> Result<PromptCache> {
         let bad = |reason: String| EngineError::CacheFile {
             path: path.to_path_buf(),
@@ -351,6 +352,13 @@ impl Engine {
             None => len,
         };
         self.check_cache_memory(cfg, capacity, 0)?;
+        if reuse == Reuse::Exact && parts.counters.evictions > 0 {
+            return Err(bad(
+                "its cache has evicted, and exact reuse takes only what a fresh prefill shares \
+                 (continue goes on from it)"
+                    .into(),
+            ));
+        }
         let cache = KvCache::from_parts(&parts, capacity, &self.config().device)
             .map_err(|e| bad(e.to_string()))?;
         tracing::info!(
