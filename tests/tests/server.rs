@@ -1796,6 +1796,8 @@ fn reasoning_comes_apart_and_template_kwargs_reach_the_template() {
     assert_eq!(code, 200, "{got}");
     let message = &got["choices"][0]["message"];
     assert_eq!(message["reasoning_content"], reasoning.as_str(), "{got}");
+    // vLLM's name for it too.
+    assert_eq!(message["reasoning"], reasoning.as_str(), "{got}");
     assert_eq!(message["content"], parts.content.as_str(), "{got}");
 
     let mut streamed = body.clone();
@@ -1808,6 +1810,7 @@ fn reasoning_comes_apart_and_template_kwargs_reach_the_template() {
             .collect()
     };
     assert_eq!(joined("reasoning_content"), reasoning);
+    assert_eq!(joined("reasoning"), reasoning);
     assert_eq!(joined("content"), parts.content);
     // Reasoning was sent as it came, in several chunks, before any content.
     let kinds: Vec<bool> = chunks
@@ -1869,6 +1872,7 @@ fn reasoning_comes_apart_and_template_kwargs_reach_the_template() {
     assert!(got["choices"][0]["message"]
         .get("reasoning_content")
         .is_none());
+    assert!(got["choices"][0]["message"].get("reasoning").is_none());
 }
 
 /// A reasoning model's reply under OpenAI's `response_format`: JSON mode shapes the answer

@@ -109,6 +109,9 @@ pub struct ChatMessage {
     pub tool_call_id: Option<String>,
     /// An assistant's reasoning (as this server answers it), for templates that read it.
     pub reasoning_content: Option<String>,
+    /// The same under vLLM's name (since vLLM 0.11; OpenAI's guidance for gpt-oss), which
+    /// clients of vLLM send back.
+    pub reasoning: Option<String>,
 }
 
 /// `POST /v1/chat/completions`.
@@ -669,7 +672,7 @@ pub fn messages(list: Vec<ChatMessage>) -> Result<Vec<Message>, ApiError> {
             content,
             tool_calls,
             tool_call_id: m.tool_call_id,
-            reasoning_content: m.reasoning_content,
+            reasoning_content: m.reasoning_content.or(m.reasoning),
         });
     }
     Ok(messages)
@@ -1051,4 +1054,30 @@ pub fn usage(outs: &[Output], per_prompt: usize) -> Value {
 /// peak KV bytes, evictions, policy, budget): the `keydiff` field of a response.
 pub fn stats(out: &Output) -> Value {
     serde_json::to_value(&out.stats).unwrap_or(Value::Null)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An assistant's reasoning sent back reaches the template, under DeepSeek's and
+    /// llama.cpp's name or vLLM's (`reasoning_content` first when a client sends both).
+    #[test]
+    fn reasoning_sent_back_under_either_name() {
+        let list: Vec<ChatMessage> = serde_json::from_value(json!([
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello", "reasoning_content": "greet"},
+            {"role": "assistant", "content": "Hello", "reasoning": "wave"},
+            {"role": "assistant", "content": "Hello", "reasoning_content": "a", "reasoning": "b"},
+            {"role": "assistant", "content": "Hello"},
+        ]))
+        .unwrap();
+        let got: Vec<Option<String>> = messages(list)
+            .unwrap()
+            .into_iter()
+            .map(|m| m.reasoning_content)
+            .collect();
+        let want = [None, Some("greet"), Some("wave"), Some("a"), None];
+        assert_eq!(got, want.map(|w| w.map(String::from)));
+    }
 }

@@ -1470,7 +1470,10 @@ impl Reply {
                     };
                     let mut message = json!({"role": "assistant", "content": text});
                     if let Some(r) = reasoning {
-                        message["reasoning_content"] = r.into();
+                        // DeepSeek's and llama.cpp's name, and vLLM's since 0.11: clients read
+                        // one or the other.
+                        message["reasoning_content"] = r.clone().into();
+                        message["reasoning"] = r.into();
                     }
                     let mut reason = reason;
                     if let Some((syntax, tools, choice)) = &self.tools {
@@ -1543,7 +1546,7 @@ impl Reply {
 
     /// A streamed chunk of chat completion `choice`'s reasoning.
     fn reasoning_chunk(&self, choice: usize, text: &str, logprobs: Value) -> Value {
-        let delta = json!({"reasoning_content": text});
+        let delta = json!({"reasoning_content": text, "reasoning": text});
         let c =
             json!({"index": choice, "delta": delta, "logprobs": logprobs, "finish_reason": null});
         self.envelope(self.chunk_object(), json!([c]))
