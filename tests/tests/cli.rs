@@ -947,3 +947,54 @@ fn prompt_cache_file_skips_the_saved_prefill() {
         "{err}"
     );
 }
+
+/// `-c/--ctx-size N` (llama.cpp's): the context is N tokens, prompt and output together.
+/// Generation stops there (a full cache holds N slots at most), a longer prompt is refused
+/// naming the flag, and a context beyond the model's is refused at load.
+#[test]
+fn ctx_size_bounds_the_context() {
+    let m = model(SMOLLM2);
+    let run = |extra: &[&str]| {
+        let mut args = vec!["run", "-m", m.to_str().unwrap(), "--json"];
+        args.extend_from_slice(extra);
+        Command::new(keydiff_bin()).args(&args).output().unwrap()
+    };
+    let out = run(&["-c", "24", "-p", "Once upon a time", "-n", "64"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let s = &v["stats"];
+    assert_eq!(s["stop_reason"], "context", "{s}");
+    let (prompt, generated) = (
+        s["prompt_tokens"].as_u64().unwrap(),
+        s["generated_tokens"].as_u64().unwrap(),
+    );
+    assert_eq!(prompt + generated, 24, "{s}");
+    // 30 layers × 3 KV heads × 64 × K and V × 4 bytes a slot, 24 slots.
+    assert_eq!(
+        s["peak_kv_bytes"].as_u64(),
+        Some(24 * 30 * 3 * 64 * 2 * 4),
+        "{s}"
+    );
+    // 0 is the model's context.
+    let out = run(&["-c", "0", "-p", "Once upon a time", "-n", "8"]);
+    assert!(out.status.success());
+    for (extra, want) in [
+        (
+            ["-c", "4", "-p", "Once upon a time, far away"],
+            "beyond the context set to run with (-c/--ctx-size) of 4",
+        ),
+        (
+            ["-c", "9000", "-p", "Once upon a time"],
+            "a context of 9000 tokens is beyond this model's 8192",
+        ),
+    ] {
+        let out = run(&extra);
+        assert!(!out.status.success(), "{extra:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(want), "{extra:?}: {err}");
+    }
+}

@@ -2095,3 +2095,27 @@ fn slots_save_restore_and_erase_prompt_caches() {
     .spawn();
     refused(&exact, "0", "restore", f("doc.kv"), 400, "exact reuse");
 }
+
+/// A server run with a shorter context (`serve -c N`, `EngineConfig::context`) reports it as
+/// `max_model_len` and refuses a prompt beyond it, naming the setting.
+#[test]
+fn a_shorter_context_is_served_as_max_model_len() {
+    let cfg = EngineConfig {
+        context: Some(32),
+        ..Default::default()
+    };
+    let e = Engine::load(&ModelSource::Gguf(model(SMOLLM2)), &cfg).unwrap();
+    let server = Server::bind("127.0.0.1:0", e, ServerConfig::new("smol"))
+        .unwrap()
+        .spawn();
+    let m = get(&format!("{}/v1/models", server.url()));
+    assert_eq!(m["data"][0]["max_model_len"], 32, "{m}");
+    let (code, err) = post(
+        &format!("{}/v1/completions", server.url()),
+        &json!({"prompt": "word ".repeat(40), "max_tokens": 4}),
+    );
+    assert_eq!(code, 400, "{err}");
+    assert_eq!(err["error"]["param"], "prompt");
+    let msg = err["error"]["message"].as_str().unwrap();
+    assert!(msg.contains("(-c/--ctx-size) of 32"), "{msg}");
+}

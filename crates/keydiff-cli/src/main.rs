@@ -345,6 +345,12 @@ impl RopeArgs {
 impl LoadArgs {
     /// Loads the model under `cache` settings.
     fn load(&self, cache: CacheConfig) -> Result<Engine> {
+        self.load_with(cache, None)
+    }
+
+    /// Loads the model under `cache` settings, with a context of `context` tokens (`None`:
+    /// the model's).
+    fn load_with(&self, cache: CacheConfig, context: Option<usize>) -> Result<Engine> {
         let source = if self.random_weights {
             let p = PathBuf::from(&self.model);
             let config = if p.exists() {
@@ -386,6 +392,7 @@ impl LoadArgs {
             rope: self.rope.to_override()?,
             chat_template,
             chat_template_kwargs,
+            context,
         };
         let engine = Engine::load(&source, &cfg)
             .with_context(|| format!("cannot load model `{}`", self.model))?;
@@ -465,12 +472,29 @@ impl ModelArgs {
     fn load(&self) -> Result<Engine> {
         self.load.load(self.cache_config()?)
     }
+
+    /// [`ModelArgs::load`] with `-c/--ctx-size`.
+    fn load_in(&self, ctx: &ContextArgs) -> Result<Engine> {
+        self.load.load_with(self.cache_config()?, ctx.ctx_size)
+    }
+}
+
+/// The context to run with (`run`, `chat`, `serve`).
+#[derive(Args)]
+struct ContextArgs {
+    /// Context size in tokens, prompt and output together (llama.cpp's -c, vLLM's
+    /// --max-model-len): at most the model's (with its RoPE scaling); 0: the model's. Longer
+    /// prompts are refused, generation stops there, and a full cache never takes more.
+    #[arg(short = 'c', long, value_name = "N")]
+    ctx_size: Option<usize>,
 }
 
 #[derive(Args)]
 struct RunArgs {
     #[command(flatten)]
     model: ModelArgs,
+    #[command(flatten)]
+    ctx: ContextArgs,
     /// Prompt text.
     #[arg(short = 'p', long, conflicts_with = "file")]
     prompt: Option<String>,
@@ -979,7 +1003,7 @@ fn run(a: RunArgs) -> Result<()> {
             .with_context(|| format!("cannot read token file {}", path.display()))?;
         let ids: Vec<u32> = serde_json::from_str(&text)
             .with_context(|| format!("{} is not a JSON array of token ids", path.display()))?;
-        let engine = a.model.load()?;
+        let engine = a.model.load_in(&a.ctx)?;
         return generate(&a, &engine, Prompt::Tokens(ids));
     }
     let text = match (&a.prompt, &a.file) {
@@ -994,7 +1018,7 @@ fn run(a: RunArgs) -> Result<()> {
             s
         }
     };
-    let engine = a.model.load()?;
+    let engine = a.model.load_in(&a.ctx)?;
     if let Some((list, choice)) = tools {
         let mut m = Vec::new();
         if let Some(s) = &a.system {
@@ -1167,6 +1191,8 @@ impl SamplingArgs {
 struct ChatArgs {
     #[command(flatten)]
     model: ModelArgs,
+    #[command(flatten)]
+    ctx: ContextArgs,
     /// System message.
     #[arg(long)]
     system: Option<String>,
@@ -1186,7 +1212,7 @@ fn chat(a: &ChatArgs) -> Result<()> {
     sampling
         .validate()
         .map_err(|e| anyhow::anyhow!("invalid parameter: {e}"))?;
-    let engine = a.model.load()?;
+    let engine = a.model.load_in(&a.ctx)?;
     let params = GenerateParams {
         max_tokens: a.max_tokens,
         sampling,
@@ -1246,6 +1272,8 @@ fn chat(a: &ChatArgs) -> Result<()> {
 struct ServeArgs {
     #[command(flatten)]
     model: ModelArgs,
+    #[command(flatten)]
+    ctx: ContextArgs,
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
@@ -1394,7 +1422,7 @@ fn serve(a: &ServeArgs) -> Result<()> {
         .map_err(|e: String| anyhow::anyhow!("--reasoning-format: {e}"))?;
     // Before the model loads (which can take minutes): a taken port fails at once.
     let listener = keydiff_server::listen(&format!("{}:{}", a.host, a.port))?;
-    let engine = a.model.load()?;
+    let engine = a.model.load_in(&a.ctx)?;
     let id = a.served_model_name.clone().unwrap_or_else(|| {
         let m = &a.model.load.model;
         let name = Path::new(m).file_name().map_or(m.clone(), |f| {

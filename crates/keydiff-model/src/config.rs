@@ -416,6 +416,12 @@ pub struct ModelConfig {
     /// MLP of `intermediate_size`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub moe: Option<MoeConfig>,
+    /// A shorter context to run with than the model allows (llama.cpp's `-c`, vLLM's
+    /// `--max-model-len`; [`ModelConfig::limit_context`]): it changes no computation, only
+    /// how many tokens a request may fill, so it is not serialized (a saved cache's model
+    /// digest does not depend on it).
+    #[serde(skip)]
+    pub context_limit: Option<usize>,
 }
 
 /// Most experts a mixture may have (llama.cpp's `LLAMA_MAX_EXPERTS`).
@@ -647,6 +653,7 @@ impl HfConfig {
             rope_interleaved: false,
             qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe),
             moe,
+            context_limit: None,
         };
         cfg.validate().map_err(bad)?;
         Ok(cfg)
@@ -808,6 +815,7 @@ impl ModelConfig {
             rope_interleaved: arch == Arch::Llama,
             qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe),
             moe,
+            context_limit: None,
         };
         cfg.validate().map_err(|reason| ModelError::BadGguf {
             path: path.to_path_buf(),
@@ -991,9 +999,42 @@ impl ModelConfig {
     /// The context prompts plus output may fill: `max_position_embeddings`, extended by the
     /// RoPE scaling as vLLM derives it ([`RopeScaling::context`]).
     pub fn context(&self) -> usize {
+        let full = self.full_context();
+        self.context_limit.map_or(full, |n| n.min(full))
+    }
+
+    /// Whether a limit makes [`ModelConfig::context`] shorter than the model's.
+    pub fn context_limited(&self) -> bool {
+        self.context() < self.full_context()
+    }
+
+    /// The context the model allows: [`ModelConfig::context`] without a limit.
+    pub fn full_context(&self) -> usize {
         match &self.rope_scaling {
             Some(r) => r.context(self.max_position_embeddings),
             None => self.max_position_embeddings,
+        }
+    }
+
+    /// Runs with a context of `n` tokens (prompt and output together), at most the model's;
+    /// `None` (or 0, llama.cpp's "the model's") lifts a limit. A longer one is refused: it
+    /// takes RoPE scaling, which changes the computation (`--rope-scaling`).
+    pub fn limit_context(&mut self, n: Option<usize>) -> std::result::Result<(), String> {
+        let full = self.full_context();
+        match n.filter(|&n| n > 0) {
+            Some(n) if n > full => Err(format!(
+                "a context of {n} tokens is beyond this model's {full}{}; a longer one takes \
+                 RoPE scaling (--rope-scaling yarn --rope-scale F, where the model supports it)",
+                if self.rope_scaling.is_some() {
+                    " (with its RoPE scaling)"
+                } else {
+                    ""
+                }
+            )),
+            n => {
+                self.context_limit = n;
+                Ok(())
+            }
         }
     }
 
@@ -1027,6 +1068,7 @@ mod tests {
             rope_interleaved: false,
             qk_norm: false,
             moe: None,
+            context_limit: None,
         }
     }
 

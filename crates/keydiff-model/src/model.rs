@@ -588,6 +588,11 @@ impl Model {
         Ok(())
     }
 
+    /// Runs with a shorter context than the model's (see [`ModelConfig::limit_context`]).
+    pub fn limit_context(&mut self, n: Option<usize>) -> std::result::Result<(), String> {
+        self.cfg.limit_context(n)
+    }
+
     /// The attention backend in use (eager or flash, never `Auto`).
     pub fn attention(&self) -> AttentionBackend {
         self.attention

@@ -185,6 +185,7 @@ mod tests {
             rope_interleaved: false,
             qk_norm: false,
             moe: None,
+            context_limit: None,
         }
     }
 

@@ -115,6 +115,7 @@ mod tests {
                 EngineError::PromptTooLong {
                     tokens: 9,
                     context: 8,
+                    limited: false,
                 },
                 400,
                 Some("prompt"),

@@ -198,6 +198,7 @@ pub fn ttft(
             return Err(EngineError::PromptTooLong {
                 tokens: c.prompt_len,
                 context,
+                limited: engine.model_config().context_limited(),
             });
         }
     }
@@ -416,6 +417,7 @@ pub fn decode(
             return Err(EngineError::PromptTooLong {
                 tokens: c.prompt_len + steps + 1,
                 context,
+                limited: engine.model_config().context_limited(),
             });
         }
     }
@@ -532,6 +534,7 @@ pub fn join(
             return Err(EngineError::PromptTooLong {
                 tokens: need,
                 context,
+                limited: engine.model_config().context_limited(),
             });
         }
     }

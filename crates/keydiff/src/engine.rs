@@ -65,6 +65,11 @@ pub struct EngineConfig {
     /// `--chat-template-kwargs`), such as `{"enable_thinking": false}` for Qwen 3; a request's
     /// own ([`Prompt::ChatTools`]) override them by name.
     pub chat_template_kwargs: crate::TemplateKwargs,
+    /// The context to run with, prompt and output together (llama.cpp's `-c`, vLLM's
+    /// `--max-model-len`): at most the model's ([`ModelConfig::context`], RoPE scaling
+    /// included); `None` or 0: the model's. Longer prompts are refused and generation stops
+    /// there, and a full cache never needs more slots.
+    pub context: Option<usize>,
 }
 
 impl Default for EngineConfig {
@@ -82,6 +87,7 @@ impl Default for EngineConfig {
             rope: RopeOverride::default(),
             chat_template: None,
             chat_template_kwargs: crate::TemplateKwargs::new(),
+            context: None,
         }
     }
 }
@@ -1353,6 +1359,10 @@ impl Engine {
         }
         loaded
             .model
+            .limit_context(cfg.context)
+            .map_err(EngineError::BadParams)?;
+        loaded
+            .model
             .set_kv_dtype(cfg.kv_dtype.unwrap_or(cfg.dtype))
             .map_err(|e| EngineError::BadParams(e.to_string()))?;
         // The config reports the backend and cache dtype in use: `Auto` resolved for this
@@ -1404,7 +1414,11 @@ impl Engine {
     pub fn within_context(&self, tokens: usize) -> Result<usize> {
         let context = self.model_config().context();
         if tokens > context {
-            return Err(EngineError::PromptTooLong { tokens, context });
+            return Err(EngineError::PromptTooLong {
+                tokens,
+                context,
+                limited: self.model_config().context_limited(),
+            });
         }
         Ok(context)
     }

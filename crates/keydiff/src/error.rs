@@ -9,8 +9,14 @@ pub enum EngineError {
     Model(#[from] ModelError),
     #[error("the prompt is empty")]
     EmptyPrompt,
-    #[error("the prompt has {tokens} tokens, beyond the model's context of {context}")]
-    PromptTooLong { tokens: usize, context: usize },
+    /// `limited`: the context is the one the engine was set to run with
+    /// ([`crate::EngineConfig::context`]), shorter than the model's.
+    #[error("the prompt has {tokens} tokens, beyond {} of {context}", whose_context(.limited))]
+    PromptTooLong {
+        tokens: usize,
+        context: usize,
+        limited: bool,
+    },
     #[error("this model has no chat template (tokenizer.chat_template / tokenizer_config.json)")]
     NoChatTemplate,
     #[error("Hugging Face hub: {0}")]
@@ -40,3 +46,11 @@ pub enum EngineError {
 
 /// Result alias of this crate.
 pub type Result<T> = std::result::Result<T, EngineError>;
+
+fn whose_context(limited: &bool) -> &'static str {
+    if *limited {
+        "the context set to run with (-c/--ctx-size)"
+    } else {
+        "the model's context"
+    }
+}
