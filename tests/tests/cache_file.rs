@@ -270,6 +270,100 @@ fn files_that_cannot_be_used_are_refused() {
     );
     let half = engine_on(&tiny_llama(2), cfg, Some(DType::F16));
     assert!(refusal(&half, &good).contains("holds a f32 cache; this run's is f16"));
+    // Under exact reuse, an evicted cache could stand for nothing.
+    let msg = match e.load_prompt_cache(&good, Reuse::Exact) {
+        Ok(_) => panic!("an evicted cache loaded under exact reuse"),
+        Err(err) => err.to_string(),
+    };
+    assert!(msg.contains("has evicted, and exact reuse"), "{msg}");
+
+    // Hostile contents: the file rewritten with one thing changed. Each is refused, none
+    // panics.
+    let rewrite =
+        |name: &str,
+         change: &dyn Fn(&mut serde_json::Value, &mut Vec<(String, candle_core::Tensor)>)| {
+            let (_, md) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+            let mut meta = md.metadata().clone().unwrap();
+            let mut header: serde_json::Value = serde_json::from_str(&meta["keydiff"]).unwrap();
+            let mut tensors: Vec<(String, candle_core::Tensor)> =
+                candle_core::safetensors::load_buffer(&bytes, &candle_core::Device::Cpu)
+                    .unwrap()
+                    .into_iter()
+                    .collect();
+            tensors.sort_by(|a, b| a.0.cmp(&b.0));
+            change(&mut header, &mut tensors);
+            meta.insert("keydiff".into(), header.to_string());
+            let p = dir.join(name);
+            safetensors::serialize_to_file(tensors, Some(meta), &p).unwrap();
+            p
+        };
+    let set =
+        |tensors: &mut Vec<(String, candle_core::Tensor)>, key: &str, t: candle_core::Tensor| {
+            let slot = tensors.iter_mut().find(|(k, _)| k == key).unwrap();
+            slot.1 = t;
+        };
+    // A digest that is not one (not hex, multi-byte characters).
+    let p = rewrite("digest.kv", &|h, _| {
+        h["model"]["digest"] = "é".repeat(20).into()
+    });
+    assert!(refusal(&e, &p).contains("made with another model"));
+    // A position twice in a head of an evicted cache.
+    let p = rewrite("twice.kv", &|_, t| {
+        let pos = t
+            .iter()
+            .find(|(k, _)| k == "layers.1.positions")
+            .unwrap()
+            .1
+            .clone();
+        let mut rows = pos.to_vec2::<u32>().unwrap();
+        rows[0][1] = rows[0][0];
+        let flat: Vec<u32> = rows.concat();
+        let dims = pos.dims2().unwrap();
+        set(
+            t,
+            "layers.1.positions",
+            candle_core::Tensor::from_vec(flat, dims, &candle_core::Device::Cpu).unwrap(),
+        );
+    });
+    assert!(
+        refusal(&e, &p).contains("holds a position twice"),
+        "{}",
+        refusal(&e, &p)
+    );
+    // Keys one wider than the model's heads, keys in another dtype, a tensor left out.
+    let p = rewrite("wide.kv", &|_, t| {
+        let k = t
+            .iter()
+            .find(|(k, _)| k == "layers.1.keys")
+            .unwrap()
+            .1
+            .clone();
+        let wide = candle_core::Tensor::cat(&[&k, &k.narrow(2, 0, 1).unwrap()], 2).unwrap();
+        set(t, "layers.1.keys", wide);
+    });
+    assert!(
+        refusal(&e, &p).contains("tensor `layers.1.keys` is"),
+        "{}",
+        refusal(&e, &p)
+    );
+    let p = rewrite("dtype.kv", &|_, t| {
+        let k = t
+            .iter()
+            .find(|(k, _)| k == "layers.0.values")
+            .unwrap()
+            .1
+            .clone();
+        set(t, "layers.0.values", k.to_dtype(DType::F16).unwrap());
+    });
+    assert!(
+        refusal(&e, &p).contains("tensor `layers.0.values` is"),
+        "{}",
+        refusal(&e, &p)
+    );
+    let p = rewrite("missing.kv", &|_, t| {
+        t.retain(|(k, _)| k != "layers.1.state")
+    });
+    assert!(refusal(&e, &p).contains("7 tensors"), "{}", refusal(&e, &p));
 }
 
 /// The model digest tells weight files apart by their bytes, not by their paths: a copy of a

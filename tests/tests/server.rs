@@ -2060,6 +2060,14 @@ fn slots_save_restore_and_erase_prompt_caches() {
         };
     let f = |name: &str| json!({ "filename": name });
     refused(&a, "0", "restore", f("missing.kv"), 400, "no such file");
+    // Named as the client named it, not by the server's directory.
+    let (_, v) = slot(&a, "0", "restore", f("missing.kv"));
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(
+        msg.starts_with("KV cache file missing.kv:") && !msg.contains(dir.to_str().unwrap()),
+        "{msg}"
+    );
+    refused(&a, "0", "save", f("C:doc.kv"), 400, "invalid filename");
     refused(&a, "0", "save", f("../doc.kv"), 400, "invalid filename");
     refused(&a, "0", "save", f(""), 400, "invalid filename");
     refused(

@@ -215,10 +215,14 @@ impl KvCache {
         let Some(first) = parts.layers.first() else {
             return Err(CacheError::Shape("a cache of no layers".into()));
         };
-        let shape = first.keys.dims().to_vec();
-        if let Some((i, l)) = parts.layers.iter().enumerate().find(|(_, l)| {
-            l.keys.dims() != shape.as_slice() || l.keys.dtype() != first.keys.dtype()
-        }) {
+        let (heads, len, dim) = first.keys.dims3()?;
+        let shape = [heads, len, dim];
+        if let Some((i, l)) = parts
+            .layers
+            .iter()
+            .enumerate()
+            .find(|(_, l)| l.keys.dims() != shape || l.keys.dtype() != first.keys.dtype())
+        {
             return Err(CacheError::Shape(format!(
                 "layer {i} holds {:?} {} keys, layer 0 {shape:?} {}",
                 l.keys.dims(),

@@ -1565,7 +1565,8 @@ fn open_prompt_cache(a: &RunArgs, engine: &Engine, path: &Path) -> Result<keydif
     } else {
         keydiff::PromptCache::with_reuse(reuse)
     };
-    pc.set_prompt_only(!a.prompt_cache_all);
+    // Read-only: nothing is saved, so the cache is not copied either.
+    pc.set_prompt_only(!a.prompt_cache_all && !a.prompt_cache_ro);
     Ok(pc)
 }
 
@@ -1662,7 +1663,7 @@ fn generate_with(
                 ),
                 None => eprintln!(
                     "prompt cache: nothing saved: under --prompt-cache-reuse exact a cache that \
-                     evicted cannot be reused"
+                     evicted, or whose policy sums attention (H2O), cannot be reused"
                 ),
             }
         }

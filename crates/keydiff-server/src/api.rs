@@ -970,21 +970,22 @@ pub struct SlotFileRequest {
 }
 
 /// A slot file's name, which must stay in `--slot-save-path` (llama.cpp's rule: a plain file
-/// name, no directories): not empty, at most 255 bytes, no `/`, `\`, NUL or other control
-/// characters, not `.` or `..`.
+/// name, no directories): not empty, at most 240 bytes (room for the temporary name it is
+/// written under), no `/`, `\`, `:` (a Windows drive), NUL or other control characters, not
+/// `.` or `..`.
 pub fn check_slot_filename(name: &str) -> Result<(), ApiError> {
     let bad = name.is_empty()
-        || name.len() > 255
+        || name.len() > 240
         || name == "."
         || name == ".."
         || name
             .chars()
-            .any(|c| c == '/' || c == '\\' || c.is_control());
+            .any(|c| c == '/' || c == '\\' || c == ':' || c.is_control());
     if bad {
         return Err(ApiError::invalid(
             format!(
                 "invalid filename `{}`: a plain file name in the server's --slot-save-path \
-                 (no directories, no control characters, at most 255 bytes)",
+                 (no directories or drives, no control characters, at most 240 bytes)",
                 name.escape_debug()
             ),
             Some("filename"),

@@ -1037,9 +1037,9 @@ fn slot_one_by_one(
     match &task.action {
         SlotAction::Save(name, path) => saved(engine, pc, task.id, name, path, t0),
         SlotAction::Restore(name, path) => {
-            let loaded = engine.load_prompt_cache(path, pc.reuse())?;
-            let n = loaded.tokens().len();
-            *pc = loaded;
+            let n = engine
+                .restore_prompt_cache(path, pc)
+                .map_err(|e| slot_file_error(e, name, path))?;
             Ok(restored(task.id, name, path, n, t0))
         }
         SlotAction::Erase => {
@@ -1058,7 +1058,7 @@ fn slot_batched(
     reuse: Option<Reuse>,
     task: &SlotTask,
 ) -> Result<Value, ApiError> {
-    let (Some(reuse), slots) = (reuse, batch.max_kept()) else {
+    let (Some(_), slots) = (reuse, batch.max_kept()) else {
         return Err(no_prompt_cache());
     };
     if task.id >= slots {
@@ -1071,9 +1071,9 @@ fn slot_batched(
             None => Err(empty_slot(task.id)),
         },
         SlotAction::Restore(name, path) => {
-            let loaded = engine.load_prompt_cache(path, reuse)?;
-            let n = loaded.tokens().len();
-            batch.keep_cache(loaded)?;
+            let n = batch
+                .restore(path)
+                .map_err(|e| slot_file_error(e, name, path))?;
             Ok(restored(0, name, path, n, t0))
         }
         SlotAction::Erase => Ok(json!({
@@ -1101,8 +1101,23 @@ fn saved(
             "timings": {"save_ms": t0.elapsed().as_secs_f64() * 1e3},
         })),
         Ok(None) => Err(empty_slot(id)),
-        Err(e) => Err(ApiError::internal(e.to_string())),
+        Err(e) => {
+            let mut e = slot_file_error(e, name, path);
+            if e.status == axum::http::StatusCode::BAD_REQUEST {
+                // Writing failed: the server's fault, not the request's.
+                e = ApiError::internal(e.message);
+            }
+            Err(e)
+        }
     }
+}
+
+/// An engine error about slot file `path`, naming it as the client did (`name`), not by the
+/// server's directory.
+fn slot_file_error(e: keydiff::EngineError, name: &str, path: &Path) -> ApiError {
+    let mut e = ApiError::from(e);
+    e.message = e.message.replace(&path.display().to_string(), name);
+    e
 }
 
 fn restored(id: usize, name: &str, path: &Path, tokens: usize, t0: Instant) -> Value {

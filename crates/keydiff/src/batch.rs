@@ -279,6 +279,33 @@ impl<'e> Batch<'e> {
         Ok(())
     }
 
+    /// Loads a saved prompt cache ([`Engine::load_prompt_cache`]) and keeps it as the most
+    /// recently used (see [`Batch::keep_cache`]), planned beside the batch's caches: while it
+    /// does not fit, the least recently used kept caches are freed first. The tokens it holds.
+    pub fn restore(&mut self, path: &std::path::Path) -> Result<usize> {
+        let Some(reuse) = self.kept.as_ref().map(|k| k.reuse) else {
+            return Err(EngineError::BadParams(
+                "this batch keeps no prompt caches".into(),
+            ));
+        };
+        let pc = loop {
+            match self
+                .engine
+                .load_prompt_cache_beside(path, reuse, self.held_bytes())
+            {
+                Err(EngineError::OutOfMemory(why)) => {
+                    if self.free_oldest().is_none() {
+                        return Err(EngineError::OutOfMemory(why));
+                    }
+                }
+                r => break r?,
+            }
+        };
+        let n = pc.tokens().len();
+        self.keep_cache(pc)?;
+        Ok(n)
+    }
+
     /// Frees the kept cache at `i` (see [`Batch::kept_cache`]); the tokens it held.
     pub fn forget_kept(&mut self, i: usize) -> Option<usize> {
         let pc = self.kept.as_mut()?.caches.remove(i)?;

@@ -79,7 +79,8 @@ const SAMPLE_BYTES: u64 = 64 << 10;
 /// them (RoPE settings included), and for random weights their origin (preset and seed).
 /// Another checkpoint, quantization or fine-tune changes the sampled weight bytes (a
 /// fine-tune changes every linear, and linears fill such files); the same file copied
-/// elsewhere keeps its digest.
+/// elsewhere keeps its digest. Beyond 64 MiB it is a sample: two files that differ only in
+/// bytes no window reads (a few norm weights, say) share a digest.
 pub(crate) fn model_digest(loaded: &Loaded) -> std::result::Result<String, String> {
     let mut h = Sha256::new();
     h.update(b"keydiff model digest 1\0");
@@ -136,7 +137,7 @@ impl Engine {
     /// this model's digest; the bytes written. `None` when `pc` holds nothing: it keeps only
     /// caches it may reuse (an evicted cache only under [`Reuse::Continue`]).
     pub fn save_prompt_cache(&self, pc: &PromptCache, path: &Path) -> Result<Option<u64>> {
-        let Some(cache) = pc.cache() else {
+        let Some(cache) = pc.cache().filter(|c| c.position() > 0) else {
             return Ok(None);
         };
         let bad = |reason: String| EngineError::CacheFile {
@@ -213,20 +214,37 @@ impl Engine {
     /// evicted while `reuse` is [`Reuse::Exact`] (which could reuse none of it), or does not
     /// fit in memory.
     pub fn load_prompt_cache(&self, path: &Path, reuse: Reuse) -> Result<PromptCache> {
+        self.load_prompt_cache_beside(path, reuse, 0)
+    }
+
+    /// [`Engine::load_prompt_cache`] beside `held` bytes that the memory budget does not see
+    /// (caches a server keeps or runs).
+    pub fn load_prompt_cache_beside(
+        &self,
+        path: &Path,
+        reuse: Reuse,
+        held: u64,
+    ) -> Result<PromptCache> {
         let bad = |reason: String| EngineError::CacheFile {
             path: path.to_path_buf(),
             reason,
         };
-        let bytes = std::fs::read(path).map_err(|e| {
+        let file = std::fs::File::open(path).map_err(|e| {
             bad(if e.kind() == std::io::ErrorKind::NotFound {
                 "no such file".into()
             } else {
                 e.to_string()
             })
         })?;
+        // Mapped, not read: the tensors are copied once, layer by layer, and only after the
+        // header has been checked and the cache planned against the memory there is.
+        // SAFETY: the file is only read, and a cache file is not modified while it is loaded
+        // (it is replaced by a rename when saved again).
+        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| bad(e.to_string()))?;
+        let bytes: &[u8] = &map;
         let not_st = |e: safetensors::SafeTensorError| bad(format!("not a safetensors file: {e}"));
-        let st = safetensors::SafeTensors::deserialize(&bytes).map_err(not_st)?;
-        let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).map_err(not_st)?;
+        let st = safetensors::SafeTensors::deserialize(bytes).map_err(not_st)?;
+        let (_, header) = safetensors::SafeTensors::read_metadata(bytes).map_err(not_st)?;
         let meta = header.metadata().clone().unwrap_or_default();
         if meta.get("format").map(String::as_str) != Some(CACHE_FILE_FORMAT) {
             return Err(bad(format!(
@@ -248,12 +266,13 @@ impl Engine {
         let h: Header = serde_json::from_str(json).map_err(|e| bad(format!("its header: {e}")))?;
         let digest = self.model_digest()?;
         if h.model.digest != digest {
+            let short = |d: &str| d.chars().take(12).collect::<String>();
             return Err(bad(format!(
                 "made with another model ({}, digest {}…); this one is {} (digest {}…)",
                 h.model.origin,
-                &h.model.digest[..h.model.digest.len().min(12)],
+                short(&h.model.digest),
                 self.loaded().origin,
-                &digest[..12]
+                short(&digest)
             )));
         }
         let kv_dtype = self.model().kv_dtype().as_str();
@@ -271,6 +290,20 @@ impl Engine {
                 describe(cfg)
             )));
         }
+        // What `PromptCache::store` would not keep under exact reuse: it could stand for none
+        // of a prompt.
+        let sums = cfg.policy.stats_need() == keydiff_cache::StatsNeed::AllRows;
+        if reuse == Reuse::Exact && (h.counters.evictions > 0 || sums) {
+            return Err(bad(format!(
+                "its cache {}, and exact reuse takes only what a fresh prefill shares \
+                 (continue goes on from it)",
+                if sums {
+                    "sums attention over every token (H2O)"
+                } else {
+                    "has evicted"
+                }
+            )));
+        }
         let m = self.model_config();
         if h.tokens.len() != h.position || h.prompt_len > h.tokens.len() {
             return Err(bad(format!(
@@ -282,7 +315,7 @@ impl Engine {
         }
         if h.position == 0 || h.position > m.context() {
             return Err(bad(format!(
-                "it saw {} tokens; the model's context is {}",
+                "it saw {} tokens; the context is {}",
                 h.position,
                 m.context()
             )));
@@ -290,52 +323,75 @@ impl Engine {
         self.check_vocab(&h.tokens)
             .and_then(|()| self.check_vocab(&h.pending))
             .map_err(|e| bad(e.to_string()))?;
-        if h.next_positions.len() != m.num_layers {
+        if h.next_positions.len() != m.num_layers || st.len() != 4 * m.num_layers {
             return Err(bad(format!(
-                "{} layers; the model has {}",
+                "{} layers and {} tensors; a cache of this model's {} layers has {}",
                 h.next_positions.len(),
-                m.num_layers
+                st.len(),
+                m.num_layers,
+                4 * m.num_layers
             )));
         }
+        // Every tensor's shape, before anything is copied: the slots are layer 0's keys'.
+        let view = |i: usize, name: &str| {
+            let key = format!("layers.{i}.{name}");
+            st.tensor(&key)
+                .map(|v| (key.clone(), v))
+                .map_err(|_| bad(format!("tensor `{key}` is missing")))
+        };
+        let (_, k0) = view(0, "keys")?;
+        let len = match k0.shape() {
+            [_, len, _] => *len,
+            other => return Err(bad(format!("layer 0's keys are {other:?}"))),
+        };
+        let (kv, d) = (m.num_kv_heads, m.head_dim);
+        let elem = self.model().kv_dtype().size_in_bytes();
+        let kv_st = safetensors::Dtype::from(self.model().kv_dtype());
+        for i in 0..m.num_layers {
+            for (name, shape, dtype) in [
+                ("keys", vec![kv, len, d], kv_st),
+                ("values", vec![kv, len, d], kv_st),
+                ("positions", vec![kv, len], safetensors::Dtype::U32),
+                ("state", vec![kv, len], safetensors::Dtype::F32),
+            ] {
+                let (key, v) = view(i, name)?;
+                if v.shape() != shape.as_slice() || v.dtype() != dtype {
+                    return Err(bad(format!(
+                        "tensor `{key}` is {:?} {:?}; this model's cache of {len} slots needs \
+                         {shape:?} {dtype:?}",
+                        v.shape(),
+                        v.dtype()
+                    )));
+                }
+            }
+        }
+        // Room to go on: a budgeted cache's N + B slots (as a conversation's), a full one's
+        // slots (it grows when a request needs more). On the CPU each layer's slots pass
+        // through a host copy on their way in.
+        let capacity = match cfg.budget {
+            Some(_) => cfg.slots_for(m.context()).max(len),
+            None => len,
+        };
+        let passing = if self.config().device.is_cpu() {
+            (m.num_layers * kv * len * (2 * elem * d + 8)) as u64
+        } else {
+            0
+        };
+        self.check_cache_memory_beside(cfg, capacity, passing, held)?;
         let mut layers = Vec::with_capacity(m.num_layers);
         for (i, &next_position) in h.next_positions.iter().enumerate() {
             let get = |name: &str| -> Result<Tensor> {
-                let key = format!("layers.{i}.{name}");
-                let view = st
-                    .tensor(&key)
-                    .map_err(|_| bad(format!("tensor `{key}` is missing")))?;
-                view.load(&Device::Cpu)
+                let (key, v) = view(i, name)?;
+                v.load(&Device::Cpu)
                     .map_err(|e| bad(format!("tensor `{key}`: {e}")))
             };
-            let l = LayerParts {
+            layers.push(LayerParts {
                 keys: get("keys")?,
                 values: get("values")?,
                 positions: get("positions")?,
                 state: get("state")?,
                 next_position,
-            };
-            let dims = l.keys.dims();
-            if dims.len() != 3 || dims[0] != m.num_kv_heads || dims[2] != m.head_dim {
-                return Err(bad(format!(
-                    "layer {i}'s keys are {dims:?}; this model's are [{}, slots, {}]",
-                    m.num_kv_heads, m.head_dim
-                )));
-            }
-            if l.keys.dtype().as_str() != kv_dtype {
-                return Err(bad(format!(
-                    "layer {i}'s keys are {}, its header says {kv_dtype}",
-                    l.keys.dtype().as_str()
-                )));
-            }
-            layers.push(l);
-        }
-        if st.len() != 4 * m.num_layers {
-            return Err(bad(format!(
-                "{} tensors; a cache of {} layers has {}",
-                st.len(),
-                m.num_layers,
-                4 * m.num_layers
-            )));
+            });
         }
         let parts = KvCacheParts {
             config: h.cache,
@@ -344,21 +400,6 @@ impl Engine {
             policy_state: h.policy_state,
             layers,
         };
-        let len = parts.layers[0].keys.dims()[1];
-        // Room to go on: a budgeted cache's N + B slots (as a conversation's), a full one's
-        // slots (it grows when a request needs more).
-        let capacity = match cfg.budget {
-            Some(_) => cfg.slots_for(m.context()).max(len),
-            None => len,
-        };
-        self.check_cache_memory(cfg, capacity, 0)?;
-        if reuse == Reuse::Exact && parts.counters.evictions > 0 {
-            return Err(bad(
-                "its cache has evicted, and exact reuse takes only what a fresh prefill shares \
-                 (continue goes on from it)"
-                    .into(),
-            ));
-        }
         let cache = KvCache::from_parts(&parts, capacity, &self.config().device)
             .map_err(|e| bad(e.to_string()))?;
         tracing::info!(
@@ -376,14 +417,34 @@ impl Engine {
         Ok(pc)
     }
 
+    /// Loads a saved prompt cache in place of the one `pc` holds ([`Engine::load_prompt_cache`],
+    /// reusing as `pc` does), planned beside it (both exist until the new one is in); `pc` is
+    /// left as it was when the file is refused. The tokens it holds.
+    pub fn restore_prompt_cache(&self, path: &Path, pc: &mut PromptCache) -> Result<usize> {
+        let held = match self.config().memory_limit {
+            Some(_) => pc.bytes() as u64,
+            // A measured budget sees the held cache's written slots, and the rest is never
+            // written while it is held.
+            None => 0,
+        };
+        let loaded = self.load_prompt_cache_beside(path, pc.reuse(), held)?;
+        let prompt_only = pc.prompt_only;
+        *pc = loaded;
+        pc.set_prompt_only(prompt_only);
+        Ok(pc.tokens().len())
+    }
+
     /// A digest of the model as this engine runs it: the files it was read from, sampled, and
     /// its hyper-parameters (see the module's documentation). Saved caches carry it, and a
     /// cache made with another model is refused. Computed once.
     pub fn model_digest(&self) -> Result<String> {
-        self.digest_cell()
-            .get_or_init(|| model_digest(self.loaded()))
-            .clone()
-            .map_err(|e| EngineError::BadParams(format!("cannot read the model's files: {e}")))
+        if let Some(d) = self.digest_cell().get() {
+            return Ok(d.clone());
+        }
+        // Kept once made; a failure to read the files is not kept (it may pass).
+        let d = model_digest(self.loaded())
+            .map_err(|e| EngineError::BadParams(format!("cannot read the model's files: {e}")))?;
+        Ok(self.digest_cell().get_or_init(|| d).clone())
     }
 }
 

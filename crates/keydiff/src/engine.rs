@@ -1297,7 +1297,7 @@ pub struct Engine {
     /// Device memory the load took, as the driver reports it (GPUs only).
     load_taken: Option<u64>,
     /// The model's digest ([`Engine::model_digest`]), made on first use.
-    digest: std::sync::OnceLock<std::result::Result<String, String>>,
+    digest: std::sync::OnceLock<String>,
 }
 
 impl Engine {
@@ -1405,7 +1405,7 @@ impl Engine {
     }
 
     /// Where the model's digest is kept once made.
-    pub(crate) fn digest_cell(&self) -> &std::sync::OnceLock<std::result::Result<String, String>> {
+    pub(crate) fn digest_cell(&self) -> &std::sync::OnceLock<String> {
         &self.digest
     }
 

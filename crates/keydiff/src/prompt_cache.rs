@@ -55,7 +55,7 @@ pub struct PromptCache {
     /// Generated tokens the text includes but the cache was not fed (the last sampled one).
     pub(crate) pending: Vec<u32>,
     /// Keep the cache as the prompt left it, without the reply.
-    prompt_only: bool,
+    pub(crate) prompt_only: bool,
 }
 
 impl PromptCache {
@@ -240,29 +240,42 @@ impl Engine {
             &mut on_event,
         )?;
         // The cache as the prompt left it: a budgeted one may evict while it decodes, so it
-        // is copied now (N + B slots, beside it in memory); one that never evicts is cut back
-        // to the prompt afterwards.
-        let copy = match cache.config().budget {
+        // is copied now (N + B slots, beside it in memory), when it can be kept at all; one
+        // that never evicts is cut back to the prompt afterwards. The copy is optional: where
+        // it does not fit, the request runs and nothing is kept.
+        enum Keep {
+            Copy(KvCache),
+            Cut,
+            Nothing,
+        }
+        let keep = match cache.config().budget {
+            None => Keep::Cut,
+            Some(_) if pc.reuse != Reuse::Continue && !cache.can_truncate() => Keep::Nothing,
             Some(_) => {
                 let beside = if self.config().memory_limit.is_some() {
                     cache.bytes() as u64
                 } else {
                     0
                 };
-                self.check_cache_memory_beside(cache.config(), cache.capacity(), 0, beside)?;
-                Some(cache.fork()?)
+                match self.check_cache_memory_beside(cache.config(), cache.capacity(), 0, beside) {
+                    Ok(()) => Keep::Copy(cache.fork()?),
+                    Err(EngineError::OutOfMemory(why)) => {
+                        tracing::warn!("the prompt's cache is not kept: its copy {why}");
+                        Keep::Nothing
+                    }
+                    Err(e) => return Err(e),
+                }
             }
-            None => None,
         };
         let (out, _) = self.decode_request(d, &mut cache, &mut on_event)?;
-        let kept = match copy {
-            Some(c) => c,
-            None => {
+        match keep {
+            Keep::Copy(c) => pc.store_prompt(c, &prompt, text),
+            Keep::Cut => {
                 cache.truncate(cache.position().min(prompt.len()))?;
-                cache
+                pc.store_prompt(cache, &prompt, text);
             }
-        };
-        pc.store_prompt(kept, &prompt, text);
+            Keep::Nothing => pc.clear(),
+        }
         Ok(out)
     }
 
