@@ -156,6 +156,9 @@ fn nothing_is_saved_that_cannot_be_reused() {
     assert!(!path.exists());
 }
 
+/// A file's tensors by name.
+type Named = Vec<(String, candle_core::Tensor)>;
+
 fn tiny_llama(seed: u64) -> ModelSource {
     ModelSource::Random {
         config: root().join("configs/tiny-llama.json"),
@@ -279,24 +282,22 @@ fn files_that_cannot_be_used_are_refused() {
 
     // Hostile contents: the file rewritten with one thing changed. Each is refused, none
     // panics.
-    let rewrite =
-        |name: &str,
-         change: &dyn Fn(&mut serde_json::Value, &mut Vec<(String, candle_core::Tensor)>)| {
-            let (_, md) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
-            let mut meta = md.metadata().clone().unwrap();
-            let mut header: serde_json::Value = serde_json::from_str(&meta["keydiff"]).unwrap();
-            let mut tensors: Vec<(String, candle_core::Tensor)> =
-                candle_core::safetensors::load_buffer(&bytes, &candle_core::Device::Cpu)
-                    .unwrap()
-                    .into_iter()
-                    .collect();
-            tensors.sort_by(|a, b| a.0.cmp(&b.0));
-            change(&mut header, &mut tensors);
-            meta.insert("keydiff".into(), header.to_string());
-            let p = dir.join(name);
-            safetensors::serialize_to_file(tensors, Some(meta), &p).unwrap();
-            p
-        };
+    let rewrite = |name: &str, change: &dyn Fn(&mut serde_json::Value, &mut Named)| {
+        let (_, md) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+        let mut meta = md.metadata().clone().unwrap();
+        let mut header: serde_json::Value = serde_json::from_str(&meta["keydiff"]).unwrap();
+        let mut tensors: Named =
+            candle_core::safetensors::load_buffer(&bytes, &candle_core::Device::Cpu)
+                .unwrap()
+                .into_iter()
+                .collect();
+        tensors.sort_by(|a, b| a.0.cmp(&b.0));
+        change(&mut header, &mut tensors);
+        meta.insert("keydiff".into(), header.to_string());
+        let p = dir.join(name);
+        safetensors::serialize_to_file(tensors, Some(meta), &p).unwrap();
+        p
+    };
     let set =
         |tensors: &mut Vec<(String, candle_core::Tensor)>, key: &str, t: candle_core::Tensor| {
             let slot = tensors.iter_mut().find(|(k, _)| k == key).unwrap();
