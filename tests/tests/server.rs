@@ -2127,3 +2127,119 @@ fn a_shorter_context_is_served_as_max_model_len() {
     let msg = err["error"]["message"].as_str().unwrap();
     assert!(msg.contains("(-c/--ctx-size) of 32"), "{msg}");
 }
+
+/// A GGUF's recommended sampling (`general.sampling.*`, llama.cpp's keys) fills what a
+/// request leaves out (vLLM's `--generation-config auto`, llama.cpp's server): the answer is
+/// the engine's under those settings; with `generation_config: false`, OpenAI's defaults;
+/// a request's own fields win. A value out of range is not used.
+#[test]
+fn a_checkpoints_sampling_fills_what_a_request_leaves_out() {
+    use candle_core::quantized::gguf_file::{self, Value};
+    let dir = keydiff_tests::temp_dir("sampling-defaults");
+    let base = dir.join("base.gguf");
+    keydiff_tests::write_tiny_qwen3(&base, false).unwrap();
+    let with = |name: &str, extra: Vec<(&str, Value)>| {
+        let (mut md, ts) = keydiff_tests::read_gguf(&base).unwrap();
+        md.extend(extra.into_iter().map(|(k, v)| (k.to_string(), v)));
+        let p = dir.join(name);
+        let mut out = std::fs::File::create(&p).unwrap();
+        let md: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        let ts: Vec<(&str, &candle_core::quantized::QTensor)> =
+            ts.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        gguf_file::write(&mut out, &md, &ts).unwrap();
+        p
+    };
+    let path = with(
+        "sampling.gguf",
+        vec![
+            ("general.sampling.temp", Value::F32(0.25)),
+            ("general.sampling.top_k", Value::I32(7)),
+            ("general.sampling.top_p", Value::F32(0.5)),
+            ("general.sampling.min_p", Value::F32(0.125)),
+            ("general.sampling.penalty_repeat", Value::F32(1.125)),
+            ("general.sampling.penalty_last_n", Value::I32(32)),
+        ],
+    );
+    let load = |p: &std::path::Path| {
+        Engine::load(
+            &ModelSource::Gguf(p.to_path_buf()),
+            &EngineConfig::default(),
+        )
+        .unwrap()
+    };
+    let local = load(&path);
+    let want = keydiff::SamplingDefaults {
+        temperature: Some(0.25),
+        top_k: Some(7),
+        top_p: Some(0.5),
+        min_p: Some(0.125),
+        repetition_penalty: Some(1.125),
+        repeat_last_n: Some(32),
+    };
+    assert_eq!(local.sampling_defaults(), want);
+    let bad = with(
+        "bad.gguf",
+        vec![("general.sampling.top_p", Value::F32(2.0))],
+    );
+    assert_eq!(
+        load(&bad).sampling_defaults(),
+        keydiff::SamplingDefaults::default()
+    );
+
+    let engine_text = |s: keydiff::Sampling| {
+        let p = GenerateParams {
+            prompt: Prompt::Text("The weather today".into()),
+            max_tokens: 16,
+            sampling: s,
+            ignore_eos: true,
+            ..Default::default()
+        };
+        local.generate(&p, |_| {}).unwrap().text
+    };
+    let recommended = engine_text(keydiff::Sampling {
+        temperature: 0.25,
+        top_k: 7,
+        top_p: 0.5,
+        min_p: 0.125,
+        repetition_penalty: 1.125,
+        repeat_last_n: 32,
+        seed: 5,
+        ..Default::default()
+    });
+    let openai = engine_text(keydiff::Sampling {
+        temperature: 1.0,
+        top_p: 1.0,
+        seed: 5,
+        ..Default::default()
+    });
+    assert_ne!(recommended, openai, "the test must tell the two apart");
+    for (generation_config, want) in [(true, &recommended), (false, &openai)] {
+        let cfg = ServerConfig {
+            generation_config,
+            ..ServerConfig::new("tiny")
+        };
+        let server = Server::bind("127.0.0.1:0", load(&path), cfg)
+            .unwrap()
+            .spawn();
+        let url = format!("{}/v1/completions", server.url());
+        let body = json!({"prompt": "The weather today", "max_tokens": 16, "seed": 5,
+                          "ignore_eos": true});
+        let (code, got) = post(&url, &body);
+        assert_eq!(code, 200, "{got}");
+        assert_eq!(
+            &got["choices"][0]["text"], want,
+            "generation_config {generation_config}"
+        );
+        // The request's own fields win: greedy.
+        let mut greedy_body = body.clone();
+        greedy_body["temperature"] = json!(0);
+        greedy_body["repetition_penalty"] = json!(1.0);
+        let (_, got) = post(&url, &greedy_body);
+        let greedy = engine_text(keydiff::Sampling {
+            temperature: 0.0,
+            seed: 5,
+            ..Default::default()
+        });
+        assert_eq!(got["choices"][0]["text"], greedy.as_str());
+    }
+}

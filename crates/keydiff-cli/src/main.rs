@@ -974,6 +974,7 @@ fn info(args: &ModelArgs) -> Result<()> {
         "kv_dtype": engine.config().kv_dtype.map(|d| d.as_str()),
         "device": format!("{:?}", engine.config().device),
         "attention": engine.config().attention.name(),
+        "sampling_defaults": engine.sampling_defaults(),
         "weights": map(engine.weight_kinds()),
         "runtime_weights": map(engine.runtime_kinds()),
         "memory": {
@@ -1321,6 +1322,13 @@ struct ServeArgs {
     /// Require `Authorization: Bearer KEY` on every endpoint but /health (401 otherwise).
     #[arg(long, env = "KEYDIFF_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
+    /// Sampling for the fields a request leaves out: `auto` takes the checkpoint's
+    /// recommendation (GGUF general.sampling.*, generation_config.json; `keydiff info` shows
+    /// it), as vLLM's --generation-config auto and llama.cpp's server do; `none` (or `vllm`)
+    /// keeps the API's own defaults (OpenAI's temperature 1, top-p 1; llama.cpp's for its
+    /// endpoints).
+    #[arg(long, default_value = "auto", value_name = "MODE")]
+    generation_config: String,
     /// Directory where `POST /slots/{id}?action=save|restore` (llama.cpp's slot actions)
     /// write and read prompt caches, as `run --prompt-cache` files (without it those actions
     /// answer 501).
@@ -1405,6 +1413,11 @@ fn serve(a: &ServeArgs) -> Result<()> {
         }
         _ => {}
     }
+    let generation_config = match a.generation_config.as_str() {
+        "auto" => true,
+        "none" | "vllm" => false,
+        other => bail!("--generation-config `{other}`: expected auto or none"),
+    };
     if let Some(dir) = &a.slot_save_path {
         if !dir.is_dir() {
             bail!("--slot-save-path {}: not a directory", dir.display());
@@ -1445,6 +1458,7 @@ fn serve(a: &ServeArgs) -> Result<()> {
         prefill_tokens: a.prefill_tokens,
         reasoning_format,
         slot_save_path: a.slot_save_path.clone(),
+        generation_config,
     };
     let server = keydiff_server::Server::from_listener(listener, engine, cfg)?;
     eprintln!(

@@ -21,7 +21,9 @@ pub use config::{
     YarnRopeScaling,
 };
 pub use error::{ModelError, Result};
-pub use load::{load_gguf, load_hf_dir, load_random, Loaded, MemoryPlan, ModelFormat, Vocab};
+pub use load::{
+    load_gguf, load_hf_dir, load_random, Loaded, MemoryPlan, ModelFormat, SamplingDefaults, Vocab,
+};
 pub use memory::MemoryBudget;
 pub use model::{Logits, Model, Segment};
 pub use weights::{CpuWeights, WeightPlan};

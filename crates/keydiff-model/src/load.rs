@@ -37,6 +37,108 @@ pub struct Vocab {
     pub template_tokens: (Option<String>, Option<String>),
     /// Fill-in-the-middle tokens, when the vocabulary has them.
     pub fim: Option<crate::tokenizer::Fim>,
+    /// The sampling its authors recommend, when the checkpoint says.
+    pub sampling: SamplingDefaults,
+}
+
+/// Sampling settings a checkpoint recommends (GGUF `general.sampling.*`, llama.cpp's keys;
+/// HF `generation_config.json`), which servers use for what a request leaves out (as
+/// llama.cpp's and vLLM's do). `None`: the checkpoint does not say. A value out of its range
+/// is dropped with a warning, never used.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct SamplingDefaults {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub temperature: Option<f32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub top_k: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub top_p: Option<f32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub min_p: Option<f32>,
+    /// llama.cpp's `penalty_repeat`, HF's `repetition_penalty`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub repetition_penalty: Option<f32>,
+    /// llama.cpp's `penalty_last_n`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub repeat_last_n: Option<usize>,
+}
+
+impl SamplingDefaults {
+    /// Builds them from named numbers (`get(name)`, `None` when absent or not a number),
+    /// checking each against its range. `names`: the keys of temperature, top-k, top-p, min-p,
+    /// the repetition penalty and its window, in that order (`None`: not in this format).
+    fn read(get: impl Fn(&str) -> Option<f64>, names: [Option<&str>; 6], origin: &str) -> Self {
+        let value = |i: usize, ok: &dyn Fn(f64) -> bool| -> Option<f64> {
+            let name = names[i]?;
+            let v = get(name)?;
+            if ok(v) {
+                Some(v)
+            } else {
+                tracing::warn!("{origin}: `{name}` = {v} is out of range; not used");
+                None
+            }
+        };
+        let count = |v: f64| v >= 0.0 && v.fract() == 0.0 && v <= u32::MAX as f64;
+        Self {
+            temperature: value(0, &|v| v >= 0.0).map(|v| v as f32),
+            top_k: value(1, &count).map(|v| v as usize),
+            top_p: value(2, &|v| v > 0.0 && v <= 1.0).map(|v| v as f32),
+            min_p: value(3, &|v| (0.0..=1.0).contains(&v)).map(|v| v as f32),
+            repetition_penalty: value(4, &|v| v > 0.0).map(|v| v as f32),
+            repeat_last_n: value(5, &count).map(|v| v as usize),
+        }
+    }
+
+    /// From a GGUF file's `general.sampling.*` keys.
+    pub fn from_gguf(ct: &candle_core::quantized::gguf_file::Content, origin: &str) -> Self {
+        use candle_core::quantized::gguf_file::Value as V;
+        let get = |name: &str| -> Option<f64> {
+            let x = match ct.metadata.get(name)? {
+                V::F32(x) => *x as f64,
+                V::F64(x) => *x,
+                V::U8(x) => *x as f64,
+                V::U16(x) => *x as f64,
+                V::U32(x) => *x as f64,
+                V::U64(x) => *x as f64,
+                V::I8(x) => *x as f64,
+                V::I16(x) => *x as f64,
+                V::I32(x) => *x as f64,
+                V::I64(x) => *x as f64,
+                _ => return None,
+            };
+            x.is_finite().then_some(x)
+        };
+        Self::read(
+            get,
+            [
+                Some("general.sampling.temp"),
+                Some("general.sampling.top_k"),
+                Some("general.sampling.top_p"),
+                Some("general.sampling.min_p"),
+                Some("general.sampling.penalty_repeat"),
+                Some("general.sampling.penalty_last_n"),
+            ],
+            origin,
+        )
+    }
+
+    /// From an HF `generation_config.json` (vLLM's reading: the values stand whatever
+    /// `do_sample` says).
+    pub fn from_generation_config(gc: &serde_json::Value, origin: &str) -> Self {
+        let get = |name: &str| gc.get(name)?.as_f64().filter(|x| x.is_finite());
+        Self::read(
+            get,
+            [
+                Some("temperature"),
+                Some("top_k"),
+                Some("top_p"),
+                Some("min_p"),
+                Some("repetition_penalty"),
+                None,
+            ],
+            origin,
+        )
+    }
 }
 
 /// A model, its vocabulary and a description of both.
@@ -186,6 +288,7 @@ pub fn load_gguf(
         chat_template,
         template_tokens: (tok.bos_token, tok.eos_token),
         fim: tok.fim,
+        sampling: SamplingDefaults::from_gguf(content, &path.display().to_string()),
     };
     let model = Model::load(&cfg, &weights)?;
     let unused = weights.unused_tensors();
@@ -404,6 +507,7 @@ fn hf_vocab(dir: &Path, hf: &HfConfig) -> Result<Vocab> {
         None => None,
     };
     let fim = crate::tokenizer::Fim::by_text(|t| tokenizer.token_to_id(t));
+    let origin = dir.join("generation_config.json").display().to_string();
     Ok(Vocab {
         tokenizer,
         bos_id,
@@ -412,6 +516,7 @@ fn hf_vocab(dir: &Path, hf: &HfConfig) -> Result<Vocab> {
         chat_template,
         template_tokens: (bos_token, eos_token),
         fim,
+        sampling: SamplingDefaults::from_generation_config(&gc, &origin),
     })
 }
 
@@ -444,5 +549,43 @@ fn byte_vocab(vocab_size: usize) -> Result<Vocab> {
         chat_template: None,
         template_tokens: (None, None),
         fim: None,
+        sampling: SamplingDefaults::default(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `generation_config.json`'s sampling fields, as vLLM reads them; values out of range
+    /// are dropped, the rest kept.
+    #[test]
+    fn sampling_defaults_from_a_generation_config() {
+        let gc = serde_json::json!({
+            "do_sample": true, "temperature": 0.6, "top_k": 20, "top_p": 0.95,
+            "min_p": 0.0, "repetition_penalty": 1.05, "eos_token_id": [1, 2]
+        });
+        let d = SamplingDefaults::from_generation_config(&gc, "test");
+        assert_eq!(
+            d,
+            SamplingDefaults {
+                temperature: Some(0.6),
+                top_k: Some(20),
+                top_p: Some(0.95),
+                min_p: Some(0.0),
+                repetition_penalty: Some(1.05),
+                repeat_last_n: None,
+            }
+        );
+        let bad = serde_json::json!({"temperature": -1.0, "top_k": 2.5, "top_p": 0.0,
+                                     "min_p": 1.5, "repetition_penalty": 0.0});
+        assert_eq!(
+            SamplingDefaults::from_generation_config(&bad, "test"),
+            SamplingDefaults::default()
+        );
+        assert_eq!(
+            SamplingDefaults::from_generation_config(&serde_json::json!({}), "test"),
+            SamplingDefaults::default()
+        );
+    }
 }

@@ -190,6 +190,9 @@ pub struct Defaults {
     pub max_tokens: Option<usize>,
     /// How the model writes function calls (`None`: it cannot be given tools to call).
     pub tool_syntax: Option<ToolSyntax>,
+    /// The checkpoint's recommended sampling, for the fields a request leaves out (empty
+    /// with `--generation-config none`).
+    pub sampling: keydiff::SamplingDefaults,
 }
 
 impl Common {
@@ -226,14 +229,22 @@ impl Common {
             return bad("stop strings must not be empty".into(), "stop");
         }
         let d = Sampling::default();
+        // What the request leaves out: the checkpoint's recommendation (vLLM's and llama.cpp's
+        // servers), else OpenAI's defaults (temperature 1, top-p 1), with a fresh seed.
+        let m = &defaults.sampling;
         let sampling = Sampling {
-            // OpenAI's defaults: temperature 1, top-p 1, a fresh seed per request.
-            temperature: self.temperature.unwrap_or(1.0),
-            top_p: self.top_p.unwrap_or(1.0),
-            top_k: self.top_k.map_or(0, |k| k.max(0) as usize),
-            min_p: self.min_p.unwrap_or(0.0),
-            repetition_penalty: self.repetition_penalty.unwrap_or(1.0),
-            repeat_last_n: self.repeat_last_n.unwrap_or(d.repeat_last_n),
+            temperature: self.temperature.or(m.temperature).unwrap_or(1.0),
+            top_p: self.top_p.or(m.top_p).unwrap_or(1.0),
+            top_k: (self.top_k.map(|k| k.max(0) as usize))
+                .or(m.top_k)
+                .unwrap_or(0),
+            min_p: self.min_p.or(m.min_p).unwrap_or(0.0),
+            repetition_penalty: (self.repetition_penalty)
+                .or(m.repetition_penalty)
+                .unwrap_or(1.0),
+            repeat_last_n: (self.repeat_last_n)
+                .or(m.repeat_last_n)
+                .unwrap_or(d.repeat_last_n),
             frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
             presence_penalty: self.presence_penalty.unwrap_or(0.0),
             logit_bias,
@@ -738,6 +749,8 @@ impl LlamaParams {
             Some(v) => Some(sampler_names(v)?),
         };
         let listed = |name: &str| samplers.as_ref().is_none_or(|s| s.contains(&name));
+        // llama.cpp's defaults, under the checkpoint's recommendation where it gives one.
+        let m = defaults.sampling;
         let penalties = listed("penalties");
         let repeat_last_n = match self.repeat_last_n {
             Some(-1) => Some(usize::MAX),
@@ -752,22 +765,24 @@ impl LlamaParams {
         let common = Common {
             max_tokens,
             temperature: Some(match listed("temperature") {
-                true => self.temperature.unwrap_or(0.8),
+                true => self.temperature.or(m.temperature).unwrap_or(0.8),
                 false => 1.0,
             }),
             top_k: Some(match listed("top_k") {
-                true => self.top_k.unwrap_or(40),
+                true => (self.top_k).or(m.top_k.map(|k| k as i64)).unwrap_or(40),
                 false => 0,
             }),
             top_p: Some(match listed("top_p") {
-                true => self.top_p.unwrap_or(0.95),
+                true => self.top_p.or(m.top_p).unwrap_or(0.95),
                 false => 1.0,
             }),
             min_p: Some(match listed("min_p") {
-                true => self.min_p.unwrap_or(0.05),
+                true => self.min_p.or(m.min_p).unwrap_or(0.05),
                 false => 0.0,
             }),
-            repetition_penalty: self.repeat_penalty.filter(|_| penalties),
+            repetition_penalty: (self.repeat_penalty)
+                .or(m.repetition_penalty)
+                .filter(|_| penalties),
             repeat_last_n,
             presence_penalty: self.presence_penalty.filter(|_| penalties),
             frequency_penalty: self.frequency_penalty.filter(|_| penalties),

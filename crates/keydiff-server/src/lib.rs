@@ -95,6 +95,10 @@ pub struct ServerConfig {
     /// Whether chat replies' `<think>` blocks come back apart, as `reasoning_content`
     /// (llama.cpp's `--reasoning-format`; `Auto`: for chat templates that write `</think>`).
     pub reasoning_format: ReasoningFormat,
+    /// Use the checkpoint's recommended sampling (GGUF `general.sampling.*`,
+    /// `generation_config.json`) for the fields a request leaves out, as vLLM's
+    /// `--generation-config auto` and llama.cpp's server do; false: the API's own defaults.
+    pub generation_config: bool,
     /// Where `POST /slots/{id}?action=save|restore` write and read prompt caches
     /// (llama.cpp's `--slot-save-path`); `None`: those actions are refused (501).
     pub slot_save_path: Option<std::path::PathBuf>,
@@ -112,6 +116,7 @@ impl ServerConfig {
             max_batch: 1,
             prefill_tokens: None,
             reasoning_format: ReasoningFormat::Auto,
+            generation_config: true,
             slot_save_path: None,
         }
     }
@@ -1723,6 +1728,10 @@ fn defaults(st: &AppState) -> Defaults {
     Defaults {
         max_tokens: st.cfg.max_tokens,
         tool_syntax: st.engine.tool_syntax(),
+        sampling: match st.cfg.generation_config {
+            true => st.engine.sampling_defaults(),
+            false => keydiff::SamplingDefaults::default(),
+        },
     }
 }
 

@@ -1747,6 +1747,12 @@ impl Engine {
         crate::logprobs::token_pieces(&self.loaded.vocab.tokenizer, ids)
     }
 
+    /// The sampling the checkpoint recommends (GGUF `general.sampling.*`,
+    /// `generation_config.json`): what `keydiff serve` uses for fields a request leaves out.
+    pub fn sampling_defaults(&self) -> keydiff_model::SamplingDefaults {
+        self.loaded.vocab.sampling
+    }
+
     /// The text of the BOS token, when the model has one.
     pub fn bos_token(&self) -> Option<String> {
         let v = &self.loaded.vocab;

@@ -45,7 +45,7 @@ pub use keydiff_model::chat::check_template_kwargs;
 pub use keydiff_model::memory::{human as human_bytes, parse_size};
 pub use keydiff_model::{
     AttentionBackend, CpuWeights, MemoryBudget, Message, ModelConfig, ModelError, ModelFormat,
-    RopeOverride, RopeScaling, RopeScalingType, TemplateKwargs,
+    RopeOverride, RopeScaling, RopeScalingType, SamplingDefaults, TemplateKwargs,
 };
 pub use logprobs::{TokenLogprob, TokenPiece, MAX_TOP_LOGPROBS};
 pub use perplexity::Perplexity;
