@@ -2,7 +2,7 @@
 # One run on a GPU host (see GPU.md): environment, eviction-kernel parity and timing, CPU-vs-GPU
 # model parity (eager attention, and flash when the binary has it), perplexity parity, batched
 # passes against single runs on the device, prefix reuse on the device, the memory plan against
-# the driver, a short TTFT sweep, batched decode, a prompt joining a decoding batch, then, as
+# the driver, a prompt cache saved and loaded on the device, a short TTFT sweep, batched decode, a prompt joining a decoding batch, then, as
 # time allows, the kernels under compute-sanitizer.
 # Build the binary here first (scripts/build-cuda.sh), carry it, then on the GPU host:
 #   scripts/gpu-check.sh            (logs go to $OUT when set, else bench/gpu-check-logs/)
@@ -190,6 +190,29 @@ elif grep -q "not enough memory" "$out/memory-refusal.txt"; then
   note "memory refusal: PASS ($(grep -o 'need [0-9.]* [GMK]iB' "$out/memory-refusal.txt" | head -1) > $half bytes)"
 else
   note "memory refusal: FAIL (another error)"; tail -3 "$out/memory-refusal.txt" | tee -a "$errors"
+fi
+
+echo "== 3e. a prompt cache saved from the device and loaded back onto it (run --prompt-cache)"
+# The cache's slots go to the host for the file and back to the device: the second run must
+# take the first prompt's tokens from the file and answer.
+pc_prompt="The lighthouse keeper wrote in his log every evening, and the log grew long. "
+pc_prompt="$pc_prompt$pc_prompt$pc_prompt$pc_prompt"
+rm -f "$out/prompt-cache.kv"
+pc_args=(--random-weights -m tiny-qwen --device "$device" --dtype bf16 --budget 64 --chunk 32 --json)
+if timeout 60 "$bin" run "${pc_args[@]}" -p "$pc_prompt" -n 4 --prompt-cache "$out/prompt-cache.kv" \
+      > "$out/prompt-cache-1.json" 2>> "$errors" \
+   && timeout 60 "$bin" run "${pc_args[@]}" -p "${pc_prompt}What did he write?" -n 4 \
+      --prompt-cache "$out/prompt-cache.kv" --prompt-cache-ro > "$out/prompt-cache-2.json" 2>> "$errors"; then
+  python3 - "$out" >> "$summary" <<'PY' || note "prompt cache file: could not read the runs"
+import json, os, sys
+a, b = (json.load(open(f"{sys.argv[1]}/prompt-cache-{i}.json"))["stats"] for i in (1, 2))
+ok = b["prefix_tokens"] == a["prompt_tokens"] > 0 and a["eviction"]["evictions"] > 0
+size = os.path.getsize(f"{sys.argv[1]}/prompt-cache.kv")
+print(f"prompt cache file: {'PASS' if ok else 'FAIL'} ({b['prefix_tokens']} of {b['prompt_tokens']} "
+      f"prompt tokens from a {size}-byte file; the first run evicted {a['eviction']['evictions']} times)")
+PY
+else
+  note "prompt cache file: FAILED (exit $?)"
 fi
 
 echo "== 4. TTFT sweep: $preset random weights, bf16, prompt $plen, budget $budget_n"
