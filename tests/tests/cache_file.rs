@@ -405,3 +405,54 @@ fn the_model_digest_follows_the_weights() {
     .unwrap();
     assert_ne!(da, yarn.model_digest().unwrap());
 }
+
+/// A conversation saved after its first turn (`Engine::save_conversation`) and loaded again
+/// (`Engine::load_conversation`, `keydiff chat --prompt-cache`) goes on exactly as the one
+/// kept in memory: the next turn's tokens, logprobs, kept tokens and evictions. A prompt
+/// cache's file is not a conversation.
+#[test]
+fn a_saved_conversation_goes_on_as_the_one_in_memory() {
+    let dir = temp_dir("cache-file-conversation");
+    let e = smollm2(budget("keydiff", 48, 16));
+    let params = GenerateParams {
+        max_tokens: 16,
+        logprobs: Some(2),
+        ..Default::default()
+    };
+    let mut mem = keydiff::Conversation::new(Some("You are a helpful assistant."));
+    let first = e
+        .chat_turn(
+            &mut mem,
+            &format!("{DOC} What did the keeper paint?"),
+            &params,
+            |_| {},
+        )
+        .unwrap();
+    assert!(first.stats.eviction.evictions > 0, "must evict");
+    let path = dir.join("chat.kv");
+    e.save_conversation(&mem, &path).unwrap().unwrap();
+    let mut file = e.load_conversation(&path).unwrap();
+    assert_eq!(file.messages(), mem.messages());
+    assert_eq!(
+        (file.position(), file.cache_len()),
+        (mem.position(), mem.cache_len())
+    );
+    for user in ["And on Thursday?", "Which day was calm?"] {
+        let a = e.chat_turn(&mut mem, user, &params, |_| {}).unwrap();
+        let b = e.chat_turn(&mut file, user, &params, |_| {}).unwrap();
+        same_run(&a, &b, user);
+        assert!(a.stats.prefix_tokens > 0, "{user}");
+    }
+    // A prompt cache's file holds no conversation.
+    let mut pc = PromptCache::with_reuse(Reuse::Continue);
+    e.generate_cached(&greedy(Prompt::Text(DOC.into()), 2), &mut pc, |_| {})
+        .unwrap();
+    let other = dir.join("prompt.kv");
+    e.save_prompt_cache(&pc, &other).unwrap().unwrap();
+    assert!(refusal(&e, &dir.join("nothing.kv")).contains("no such file"));
+    let msg = match e.load_conversation(&other) {
+        Ok(_) => panic!("a prompt cache loaded as a conversation"),
+        Err(err) => err.to_string(),
+    };
+    assert!(msg.contains("not a conversation"), "{msg}");
+}

@@ -998,3 +998,77 @@ fn ctx_size_bounds_the_context() {
         assert!(err.contains(want), "{extra:?}: {err}");
     }
 }
+
+/// `chat --prompt-cache FILE`: a conversation saved after each turn goes on in a later
+/// process, whose reply to the next message is the one a single session gives; a different
+/// `--system` is refused.
+#[test]
+fn chat_resumes_a_saved_conversation() {
+    use std::io::Write;
+    let m = model(SMOLLM2);
+    let dir = temp_dir("cli-chat-resume");
+    let file = dir.join("chat.kv");
+    let chat_as = |system: &str, input: &str, extra: &[&str]| {
+        let mut args = vec![
+            "chat",
+            "-m",
+            m.to_str().unwrap(),
+            "--budget",
+            "64",
+            "--chunk",
+            "16",
+            "-n",
+            "12",
+            "--system",
+            system,
+        ];
+        args.extend_from_slice(extra);
+        let mut child = Command::new(keydiff_bin())
+            .args(&args)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(input.as_bytes())
+            .unwrap();
+        child.wait_with_output().unwrap()
+    };
+    let chat = |input: &str, extra: &[&str]| chat_as("You are brief.", input, extra);
+    let (q1, q2) = (
+        "Name three colours of the rainbow, and say which one is between the other two.",
+        "And the other colours?",
+    );
+    let both = chat(&format!("{q1}\n{q2}\n"), &[]);
+    assert!(both.status.success());
+    let replies: Vec<String> = String::from_utf8_lossy(&both.stdout)
+        .lines()
+        .map(str::to_string)
+        .collect();
+    let f = file.to_str().unwrap();
+    let first = chat(&format!("{q1}\n"), &["--prompt-cache", f]);
+    assert!(
+        first.status.success(),
+        "{}",
+        String::from_utf8_lossy(&first.stderr)
+    );
+    assert!(String::from_utf8_lossy(&first.stderr).contains("saved to"));
+    let second = chat(&format!("{q2}\n"), &["--prompt-cache", f]);
+    let err = String::from_utf8_lossy(&second.stderr);
+    assert!(second.status.success(), "{err}");
+    assert!(
+        err.contains("resumed the conversation") && err.contains("3 messages"),
+        "{err}"
+    );
+    let reply = String::from_utf8_lossy(&second.stdout)
+        .trim_end()
+        .to_string();
+    assert_eq!(Some(&reply), replies.last(), "{replies:?}");
+    let other = chat_as("Be long.", &format!("{q2}\n"), &["--prompt-cache", f]);
+    assert!(!other.status.success());
+    assert!(String::from_utf8_lossy(&other.stderr).contains("--system differs"));
+}

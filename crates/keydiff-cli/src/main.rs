@@ -1205,6 +1205,11 @@ struct ChatArgs {
     /// End a reply when this string is generated (repeatable; it is not printed).
     #[arg(long)]
     stop: Vec<String>,
+    /// Keep the conversation (its messages and KV cache) in this file: resumed from it when
+    /// it exists, saved after every turn, so a later `keydiff chat` goes on without
+    /// prefilling what was said (under --budget the file holds N slots per layer and head).
+    #[arg(long, value_name = "FILE")]
+    prompt_cache: Option<PathBuf>,
 }
 
 fn chat(a: &ChatArgs) -> Result<()> {
@@ -1220,7 +1225,34 @@ fn chat(a: &ChatArgs) -> Result<()> {
         stop: a.stop.clone(),
         ..Default::default()
     };
-    let mut conv = keydiff::Conversation::new(a.system.as_deref());
+    let mut conv = match &a.prompt_cache {
+        Some(path) if path.exists() => {
+            let conv = engine.load_conversation(path).with_context(|| {
+                format!(
+                    "--prompt-cache: delete {} or give another file to start afresh",
+                    path.display()
+                )
+            })?;
+            let saved = conv.messages().first().filter(|m| m.role == "system");
+            if let Some(s) = &a.system {
+                if saved.map(|m| m.content.as_str()) != Some(s.as_str()) {
+                    bail!(
+                        "--system differs from the system message of the conversation saved in {}",
+                        path.display()
+                    );
+                }
+            }
+            eprintln!(
+                "resumed the conversation in {}: {} messages, {} tokens, {} cached slots",
+                path.display(),
+                conv.messages().len(),
+                conv.position(),
+                conv.cache_len()
+            );
+            conv
+        }
+        _ => keydiff::Conversation::new(a.system.as_deref()),
+    };
     let interactive = std::io::stdin().is_terminal();
     let cache = engine.config().cache.clone();
     if interactive {
@@ -1264,6 +1296,15 @@ fn chat(a: &ChatArgs) -> Result<()> {
             s.eviction.evictions,
             s.stop_reason
         );
+        if let Some(path) = &a.prompt_cache {
+            if let Some(bytes) = engine.save_conversation(&conv, path)? {
+                eprintln!(
+                    "[saved to {} ({})]",
+                    path.display(),
+                    keydiff::human_bytes(bytes)
+                );
+            }
+        }
     }
     Ok(())
 }

@@ -18,6 +18,9 @@ use keydiff_cache::{CacheConfig, CacheCounters, KvCache, KvCacheParts, LayerPart
 use keydiff_model::{Loaded, ModelFormat};
 use sha2::{Digest, Sha256};
 
+use keydiff_model::Message;
+
+use crate::conversation::Conversation;
 use crate::engine::Engine;
 use crate::error::{EngineError, Result};
 use crate::prompt_cache::{PromptCache, Reuse};
@@ -51,6 +54,18 @@ struct Header {
     text: Option<String>,
     /// Generated tokens in the text that the cache was not fed.
     pending: Vec<u32>,
+    /// A saved [`Conversation`]'s messages (`keydiff chat`); none for a prompt cache.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    messages: Option<Vec<SavedMessage>>,
+}
+
+/// A conversation's message in a cache file.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+struct SavedMessage {
+    role: String,
+    content: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    reasoning_content: Option<String>,
 }
 
 /// Which model a cache was made with.
@@ -140,6 +155,50 @@ impl Engine {
         let Some(cache) = pc.cache().filter(|c| c.position() > 0) else {
             return Ok(None);
         };
+        let saved = Saved {
+            tokens: &pc.tokens,
+            prompt_len: pc.prompt_len,
+            text: pc.text.as_deref(),
+            pending: &pc.pending,
+            messages: None,
+        };
+        self.write_cache_file(cache, saved, path).map(Some)
+    }
+
+    /// Writes `conv` (its messages and its cache) to `path`, as
+    /// [`Engine::save_prompt_cache`] writes a prompt cache: `keydiff chat --prompt-cache`
+    /// resumes it in a later process. The bytes written; `None` before its first turn.
+    pub fn save_conversation(&self, conv: &Conversation, path: &Path) -> Result<Option<u64>> {
+        let Some(cache) = conv.cache.as_ref().filter(|c| c.position() > 0) else {
+            return Ok(None);
+        };
+        if let Some(m) = conv.messages.iter().find(|m| !m.tool_calls.is_empty()) {
+            return Err(EngineError::BadParams(format!(
+                "a conversation with tool calls cannot be saved (a `{}` message has them)",
+                m.role
+            )));
+        }
+        let messages = conv
+            .messages
+            .iter()
+            .map(|m| SavedMessage {
+                role: m.role.clone(),
+                content: m.content.clone(),
+                reasoning_content: m.reasoning_content.clone(),
+            })
+            .collect();
+        let pending: Vec<u32> = conv.pending.into_iter().collect();
+        let saved = Saved {
+            tokens: &conv.fed_tokens,
+            prompt_len: conv.fed_tokens.len(),
+            text: Some(&conv.fed_text),
+            pending: &pending,
+            messages: Some(messages),
+        };
+        self.write_cache_file(cache, saved, path).map(Some)
+    }
+
+    fn write_cache_file(&self, cache: &KvCache, saved: Saved<'_>, path: &Path) -> Result<u64> {
         let bad = |reason: String| EngineError::CacheFile {
             path: path.to_path_buf(),
             reason,
@@ -162,10 +221,11 @@ impl Engine {
             counters: parts.counters,
             policy_state: parts.policy_state.clone(),
             next_positions: parts.layers.iter().map(|l| l.next_position).collect(),
-            tokens: pc.tokens.clone(),
-            prompt_len: pc.prompt_len,
-            text: pc.text.clone(),
-            pending: pc.pending.clone(),
+            tokens: saved.tokens.to_vec(),
+            prompt_len: saved.prompt_len,
+            text: saved.text.map(str::to_owned),
+            pending: saved.pending.to_vec(),
+            messages: saved.messages,
         };
         let json = serde_json::to_string(&header).map_err(|e| bad(e.to_string()))?;
         let meta = HashMap::from([
@@ -199,12 +259,12 @@ impl Engine {
             .len();
         tracing::info!(
             path = %path.display(),
-            tokens = pc.tokens.len(),
+            tokens = saved.tokens.len(),
             slots = cache.len(),
             bytes,
-            "prompt cache saved"
+            "KV cache saved"
         );
-        Ok(Some(bytes))
+        Ok(bytes)
     }
 
     /// Reads a cache [`Engine::save_prompt_cache`] wrote into a [`PromptCache`] that reuses as
@@ -225,6 +285,56 @@ impl Engine {
         reuse: Reuse,
         held: u64,
     ) -> Result<PromptCache> {
+        let (h, cache) = self.read_cache_file(path, reuse, held)?;
+        let mut pc = PromptCache::with_reuse(reuse);
+        pc.tokens = h.tokens;
+        pc.prompt_len = h.prompt_len;
+        pc.cache = Some(cache);
+        pc.text = h.text;
+        pc.pending = h.pending;
+        Ok(pc)
+    }
+
+    /// Reads a conversation [`Engine::save_conversation`] wrote, to go on with its next turn
+    /// (refused, with the reason, as [`Engine::load_prompt_cache`] refuses a file, and when
+    /// the file holds a prompt cache rather than a conversation).
+    pub fn load_conversation(&self, path: &Path) -> Result<Conversation> {
+        let (h, cache) = self.read_cache_file(path, Reuse::Continue, 0)?;
+        let bad = |reason: &str| EngineError::CacheFile {
+            path: path.to_path_buf(),
+            reason: reason.into(),
+        };
+        let messages = h.messages.ok_or_else(|| {
+            bad("it holds a prompt cache (run --prompt-cache), not a conversation")
+        })?;
+        let (Some(text), [] | [_]) = (h.text, h.pending.as_slice()) else {
+            return Err(bad(
+                "its conversation has no text, or more than one pending token",
+            ));
+        };
+        if h.prompt_len != h.tokens.len() {
+            return Err(bad("its conversation's tokens do not add up"));
+        }
+        Ok(Conversation {
+            messages: messages
+                .into_iter()
+                .map(|m| Message {
+                    role: m.role,
+                    content: m.content,
+                    reasoning_content: m.reasoning_content,
+                    ..Message::default()
+                })
+                .collect(),
+            cache: Some(cache),
+            fed_text: text,
+            pending: h.pending.first().copied(),
+            fed_tokens: h.tokens,
+        })
+    }
+
+    /// Reads and checks a cache file (see [`Engine::load_prompt_cache`]): its header and its
+    /// cache, on this engine's device.
+    fn read_cache_file(&self, path: &Path, reuse: Reuse, held: u64) -> Result<(Header, KvCache)> {
         let bad = |reason: String| EngineError::CacheFile {
             path: path.to_path_buf(),
             reason,
@@ -263,7 +373,8 @@ impl Engine {
                 version.map_or("(none)".into(), |v| v.to_string())
             )));
         }
-        let h: Header = serde_json::from_str(json).map_err(|e| bad(format!("its header: {e}")))?;
+        let mut h: Header =
+            serde_json::from_str(json).map_err(|e| bad(format!("its header: {e}")))?;
         let digest = self.model_digest()?;
         if h.model.digest != digest {
             let short = |d: &str| d.chars().take(12).collect::<String>();
@@ -394,10 +505,10 @@ impl Engine {
             });
         }
         let parts = KvCacheParts {
-            config: h.cache,
+            config: h.cache.clone(),
             position: h.position,
             counters: h.counters,
-            policy_state: h.policy_state,
+            policy_state: std::mem::take(&mut h.policy_state),
             layers,
         };
         let cache = KvCache::from_parts(&parts, capacity, &self.config().device)
@@ -406,15 +517,9 @@ impl Engine {
             path = %path.display(),
             tokens = h.tokens.len(),
             slots = len,
-            "prompt cache loaded"
+            "KV cache loaded"
         );
-        let mut pc = PromptCache::with_reuse(reuse);
-        pc.tokens = h.tokens;
-        pc.prompt_len = h.prompt_len;
-        pc.cache = Some(cache);
-        pc.text = h.text;
-        pc.pending = h.pending;
-        Ok(pc)
+        Ok((h, cache))
     }
 
     /// Loads a saved prompt cache in place of the one `pc` holds ([`Engine::load_prompt_cache`],
@@ -446,6 +551,15 @@ impl Engine {
             .map_err(|e| EngineError::BadParams(format!("cannot read the model's files: {e}")))?;
         Ok(self.digest_cell().get_or_init(|| d).clone())
     }
+}
+
+/// What a cache file holds beside the cache.
+struct Saved<'a> {
+    tokens: &'a [u32],
+    prompt_len: usize,
+    text: Option<&'a str>,
+    pending: &'a [u32],
+    messages: Option<Vec<SavedMessage>>,
 }
 
 /// `path` with `.tmp-<pid>` added to its name.

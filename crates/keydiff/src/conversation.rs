@@ -14,16 +14,16 @@ use crate::Event;
 
 /// A conversation: its messages and the cache that holds them.
 pub struct Conversation {
-    messages: Vec<Message>,
-    cache: Option<KvCache>,
+    pub(crate) messages: Vec<Message>,
+    pub(crate) cache: Option<KvCache>,
     /// The template text the cache holds (with `pending`): what the next turn's rendering must
     /// start with for the cache to be reused.
-    fed_text: String,
+    pub(crate) fed_text: String,
     /// The reply's last token, sampled but not yet in the cache (none after an end-of-turn
     /// token, which the template writes itself).
-    pending: Option<u32>,
+    pub(crate) pending: Option<u32>,
     /// The tokens the cache holds, in order (its first slots while it has not evicted).
-    fed_tokens: Vec<u32>,
+    pub(crate) fed_tokens: Vec<u32>,
 }
 
 impl Conversation {
