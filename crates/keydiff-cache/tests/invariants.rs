@@ -210,6 +210,33 @@ fn snapshot(c: &KvCache) -> Snapshot {
     )
 }
 
+/// A one-layer cache under `policy` and `budget` (B = 8, K = 4, one sink) with room for
+/// `chunks` chunks and `decode` steps, after its chunks were prefilled; `None` when the
+/// settings are invalid.
+fn prefilled(
+    policy: PolicyKind,
+    budget: usize,
+    chunks: usize,
+    decode: usize,
+    salt: u64,
+) -> Option<KvCache> {
+    let cfg = CacheConfig {
+        policy,
+        budget: Some(budget),
+        chunk: 8,
+        window: 0.0,
+        sinks: 1,
+        evict_every: Some(4),
+    };
+    cfg.validate().ok()?;
+    let total = chunks * 8 + decode;
+    let mut a = KvCache::new(cfg, 1, KV, D, total, DType::F32, &Device::Cpu).unwrap();
+    for _ in 0..chunks {
+        step(&mut a, 8, false, salt);
+    }
+    Some(a)
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(48))]
 
@@ -224,20 +251,9 @@ proptest! {
         decode in 1usize..30,
         salt in any::<u64>(),
     ) {
-        let cfg = CacheConfig {
-            policy,
-            budget: Some(budget),
-            chunk: 8,
-            window: 0.0,
-            sinks: 1,
-            evict_every: Some(4),
-        };
-        prop_assume!(cfg.validate().is_ok());
-        let total = chunks * 8 + decode;
-        let mut a = KvCache::new(cfg, 1, KV, D, total, DType::F32, &Device::Cpu).unwrap();
-        for _ in 0..chunks {
-            step(&mut a, 8, false, salt);
-        }
+        let a = prefilled(policy, budget, chunks, decode, salt);
+        prop_assume!(a.is_some());
+        let mut a = a.unwrap();
         let before = snapshot(&a);
         let mut b = a.fork().unwrap();
         prop_assert_eq!(&snapshot(&b), &before);
@@ -269,20 +285,9 @@ proptest! {
         decode in 1usize..30,
         salt in any::<u64>(),
     ) {
-        let cfg = CacheConfig {
-            policy,
-            budget: Some(budget),
-            chunk: 8,
-            window: 0.0,
-            sinks: 1,
-            evict_every: Some(4),
-        };
-        prop_assume!(cfg.validate().is_ok());
-        let total = chunks * 8 + decode;
-        let mut a = KvCache::new(cfg, 1, KV, D, total, DType::F32, &Device::Cpu).unwrap();
-        for _ in 0..chunks {
-            step(&mut a, 8, false, salt);
-        }
+        let a = prefilled(policy, budget, chunks, decode, salt);
+        prop_assume!(a.is_some());
+        let mut a = a.unwrap();
         let mut parts = a.parts().unwrap();
         for l in &mut parts.layers {
             // As a file stores them: contiguous host copies of the used slots.
