@@ -244,7 +244,7 @@ impl Engine {
         // that never evicts is cut back to the prompt afterwards. The copy is optional: where
         // it does not fit, the request runs and nothing is kept.
         enum Keep {
-            Copy(KvCache),
+            Copy(Box<KvCache>),
             Cut,
             Nothing,
         }
@@ -258,7 +258,7 @@ impl Engine {
                     0
                 };
                 match self.check_cache_memory_beside(cache.config(), cache.capacity(), 0, beside) {
-                    Ok(()) => Keep::Copy(cache.fork()?),
+                    Ok(()) => Keep::Copy(Box::new(cache.fork()?)),
                     Err(EngineError::OutOfMemory(why)) => {
                         tracing::warn!("the prompt's cache is not kept: its copy {why}");
                         Keep::Nothing
@@ -269,7 +269,7 @@ impl Engine {
         };
         let (out, _) = self.decode_request(d, &mut cache, &mut on_event)?;
         match keep {
-            Keep::Copy(c) => pc.store_prompt(c, &prompt, text),
+            Keep::Copy(c) => pc.store_prompt(*c, &prompt, text),
             Keep::Cut => {
                 cache.truncate(cache.position().min(prompt.len()))?;
                 pc.store_prompt(cache, &prompt, text);
