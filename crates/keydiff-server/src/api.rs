@@ -109,7 +109,7 @@ pub struct ChatMessage {
     pub tool_call_id: Option<String>,
     /// An assistant's reasoning (as this server answers it), for templates that read it.
     pub reasoning_content: Option<String>,
-    /// The same under vLLM's name (since vLLM 0.11; OpenAI's guidance for gpt-oss), which
+    /// The same under vLLM's name (since late 2025; OpenAI's guidance for gpt-oss), which
     /// clients of vLLM send back.
     pub reasoning: Option<String>,
 }

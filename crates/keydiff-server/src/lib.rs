@@ -1490,7 +1490,7 @@ impl Reply {
                     };
                     let mut message = json!({"role": "assistant", "content": text});
                     if let Some(r) = reasoning {
-                        // DeepSeek's and llama.cpp's name, and vLLM's since 0.11: clients read
+                        // DeepSeek's and llama.cpp's name, and vLLM's since late 2025: clients read
                         // one or the other.
                         message["reasoning_content"] = r.clone().into();
                         message["reasoning"] = r.into();
