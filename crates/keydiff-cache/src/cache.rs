@@ -411,6 +411,69 @@ impl KvCache {
         Ok(())
     }
 
+    /// Forgets the `n` newest tokens, appended in decode since the cache last evicted: a
+    /// speculative draft's tokens that were not accepted ([`KvCache::draft_room`] bounds a
+    /// draft so that none of its tokens evicts). The cache is then as it was before they
+    /// were appended, evicted or not, except under a policy that accumulates attention from
+    /// every token (H2O), whose sums cannot take theirs back: refused.
+    pub fn rewind(&mut self, n: usize) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        if let Some(why) = self.unrewindable() {
+            return Err(CacheError::Config(why));
+        }
+        if n > self.position {
+            return Err(CacheError::Config(format!(
+                "cannot forget {n} tokens of a cache that has seen {}",
+                self.position
+            )));
+        }
+        if let Some(l) = self.layers.iter().find(|l| l.rewindable() < n) {
+            return Err(CacheError::Config(format!(
+                "cannot forget the last {n} tokens: only {} were appended since the cache last \
+                 evicted",
+                l.rewindable()
+            )));
+        }
+        for l in &mut self.layers {
+            l.rewind(n)?;
+        }
+        self.position -= n;
+        Ok(())
+    }
+
+    /// Why [`KvCache::rewind`] can never take tokens back under this cache's policy, if so.
+    pub fn unrewindable(&self) -> Option<String> {
+        (self.cfg.policy != PolicyKind::Full && self.policy.needs() == StatsNeed::AllRows).then(
+            || {
+                format!(
+                    "policy `{}` accumulates attention from every token: tokens it has seen \
+                     cannot be taken back",
+                    self.cfg.policy.name()
+                )
+            },
+        )
+    }
+
+    /// How many decode tokens can follow the next one such that none of them evicts and all
+    /// fit in the buffers: the longest speculative draft after a token whose slots
+    /// [`KvCache::rewind`] can take back. The next token itself may evict (it is never taken
+    /// back). Under a budget N with eviction every K tokens, a decode token evicts when the
+    /// cache reaches N + K slots, so the room is what is left below that.
+    pub fn draft_room(&self) -> usize {
+        let (len, cap) = (self.len(), self.capacity());
+        let after_next = match self.cfg.budget {
+            Some(n) if len + 1 >= n + self.cfg.evict_every() => n.min(len + 1),
+            _ => len + 1,
+        };
+        let below_eviction = match self.cfg.budget {
+            Some(n) => (n + self.cfg.evict_every()).saturating_sub(after_next + 1),
+            None => usize::MAX,
+        };
+        cap.saturating_sub(after_next).min(below_eviction)
+    }
+
     /// True when `truncate` can cut this cache back: it never evicted and its policy keeps no
     /// per-slot state.
     pub fn can_truncate(&self) -> bool {

@@ -40,6 +40,9 @@ pub struct LayerCache {
     state: Tensor,
     /// One past the largest position ever appended.
     next_position: usize,
+    /// The last slots appended since the slots were last moved (an eviction, a copy): these
+    /// are the newest tokens, in order at the end, so [`LayerCache::rewind`] can forget them.
+    fresh: usize,
 }
 
 impl LayerCache {
@@ -65,6 +68,7 @@ impl LayerCache {
             positions: Tensor::zeros((kv_heads, capacity), DType::U32, device)?,
             state: Tensor::zeros((kv_heads, capacity), DType::F32, device)?,
             next_position: 0,
+            fresh: 0,
         })
     }
 
@@ -209,6 +213,7 @@ impl LayerCache {
             self.len,
         )?;
         self.len += chunk;
+        self.fresh += chunk;
         self.next_position = self.next_position.max(pos0 + chunk);
         Ok(())
     }
@@ -373,6 +378,7 @@ impl LayerCache {
             self.state.slice_set(&state, 1, 0)?;
         }
         self.len = n;
+        self.fresh = 0;
         Ok(())
     }
 
@@ -380,13 +386,38 @@ impl LayerCache {
     /// evicted); the rest become free.
     pub(crate) fn truncate(&mut self, len: usize) {
         debug_assert!(len <= self.len);
+        self.fresh = self.fresh.saturating_sub(self.len - len);
         self.len = len;
         self.next_position = len;
+    }
+
+    /// Slots at the end that [`LayerCache::rewind`] can forget: appended since the slots were
+    /// last moved (evicted, copied in).
+    pub fn rewindable(&self) -> usize {
+        self.fresh
+    }
+
+    /// Forgets the `n` newest slots, appended since the slots were last moved
+    /// ([`LayerCache::rewindable`]): a speculative draft's tokens that were not accepted. The
+    /// next position goes back by `n`, as these held the newest positions.
+    pub fn rewind(&mut self, n: usize) -> Result<()> {
+        if n > self.fresh {
+            return Err(CacheError::Config(format!(
+                "cannot forget the last {n} slots: only {} were appended since the cache last \
+                 moved its slots",
+                self.fresh
+            )));
+        }
+        self.len -= n;
+        self.fresh -= n;
+        self.next_position -= n;
+        Ok(())
     }
 
     /// Forgets every slot; the buffers stay allocated.
     pub fn clear(&mut self) {
         self.len = 0;
+        self.fresh = 0;
         self.next_position = 0;
     }
 
@@ -441,6 +472,7 @@ impl LayerCache {
             buf.narrow(1, 0, used)?.inplace_op2(plan, &ApplyPlan)?;
         }
         self.len = new_len;
+        self.fresh = 0;
         Ok(())
     }
 

@@ -308,6 +308,94 @@ proptest! {
     }
 }
 
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    /// A speculative draft taken back: after a token (which may evict), the draft's tokens
+    /// (at most `KvCache::draft_room`, so none evicts) are decoded, and the `rejected` last of
+    /// them forgotten with `KvCache::rewind`. The cache is then the one that decoded only the
+    /// kept tokens (slots, positions, state, counters), and goes on alike. A policy that
+    /// accumulates attention from every token (H2O) refuses to rewind.
+    #[test]
+    fn a_rewound_draft_leaves_the_cache_that_decoded_only_the_kept_tokens(
+        policy in policies(),
+        budget in 8usize..24,
+        chunks in 1usize..5,
+        before in 0usize..12,
+        draft in 1usize..10,
+        rejected in 0usize..10,
+        salt in any::<u64>(),
+    ) {
+        let a = prefilled(policy, budget, chunks, before + 1 + draft + 8, salt);
+        prop_assume!(a.is_some());
+        let mut a = a.unwrap();
+        for _ in 0..before {
+            step(&mut a, 1, true, salt);
+        }
+        let draft = draft.min(a.draft_room());
+        let rejected = rejected.min(draft);
+        let mut b = a.fork().unwrap();
+        step(&mut a, 1, true, salt);
+        let evicted = a.counters().evictions;
+        for _ in 0..draft {
+            step(&mut a, 1, true, salt);
+        }
+        prop_assert_eq!(a.counters().evictions, evicted, "a draft within the room evicted");
+        if a.unrewindable().is_some() {
+            prop_assert!(a.rewind(rejected.max(1)).is_err());
+            return Ok(());
+        }
+        a.rewind(rejected).unwrap();
+        for _ in 0..1 + draft - rejected {
+            step(&mut b, 1, true, salt);
+        }
+        prop_assert_eq!(snapshot(&a), snapshot(&b));
+        let slots = |c: &KvCache| c.counters().evicted_slots;
+        prop_assert_eq!(slots(&a), slots(&b));
+        for _ in 0..8 {
+            step(&mut a, 1, true, !salt);
+            step(&mut b, 1, true, !salt);
+        }
+        prop_assert_eq!(snapshot(&a), snapshot(&b));
+    }
+}
+
+/// `KvCache::rewind` forgets only tokens appended since the cache last evicted (or copied its
+/// slots), and `draft_room` stops a draft before the decode step that evicts: at N + K slots.
+#[test]
+fn only_tokens_appended_since_the_last_eviction_can_be_taken_back() {
+    let mut a = prefilled(PolicyKind::parse("keydiff", 4, 0).unwrap(), 12, 3, 40, 5).unwrap();
+    // 24 tokens prefilled into N = 12: evicted back to 12; nothing appended since.
+    assert_eq!((a.len(), a.counters().evictions), (12, 2));
+    let err = a.rewind(1).unwrap_err().to_string();
+    assert!(err.contains("since the cache last evicted"), "{err}");
+    // K = 4: decode evicts when the cache reaches 16 slots. The next token makes 13, and a
+    // draft of 2 more stays below 16.
+    assert_eq!(a.draft_room(), 2);
+    step(&mut a, 1, true, 5);
+    step(&mut a, 1, true, 5);
+    assert_eq!(a.draft_room(), 0);
+    a.rewind(2).unwrap();
+    assert_eq!((a.len(), a.position()), (12, 24));
+    // The token that makes 16 evicts back to 12, so a draft after it may take 13 to 15.
+    for _ in 0..3 {
+        step(&mut a, 1, true, 5);
+    }
+    assert_eq!(a.len(), 15);
+    assert_eq!(a.draft_room(), 3);
+    step(&mut a, 1, true, 5);
+    assert_eq!((a.len(), a.counters().evictions), (12, 3));
+    assert!(a.rewind(1).is_err());
+    let mut full =
+        KvCache::new(CacheConfig::full(8), 1, KV, D, 10, DType::F32, &Device::Cpu).unwrap();
+    step(&mut full, 6, false, 1);
+    // A full cache: room for what its buffers hold after the next token.
+    assert_eq!(full.draft_room(), 3);
+    full.rewind(6).unwrap();
+    assert_eq!((full.len(), full.position()), (0, 0));
+    assert!(full.rewind(1).is_err());
+}
+
 /// Parts that could not come from a cache are refused, each naming what is wrong.
 #[test]
 fn inconsistent_parts_are_refused() {

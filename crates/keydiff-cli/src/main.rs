@@ -533,6 +533,8 @@ struct RunArgs {
     tool_choice: String,
     #[command(flatten)]
     sampling: SamplingArgs,
+    #[command(flatten)]
+    spec: SpecArgs,
     /// Stop when this string is generated (repeatable).
     #[arg(long)]
     stop: Vec<String>,
@@ -1117,6 +1119,54 @@ struct SamplingArgs {
     seed: u64,
 }
 
+/// Speculative decoding, shared by `run`, `chat` and `serve`.
+#[derive(Args)]
+struct SpecArgs {
+    /// Speculative decoding: `ngram` looks the last few tokens up in the prompt and the
+    /// output so far and proposes the tokens that followed them there (prompt lookup: vLLM's
+    /// `ngram`, llama.cpp's `ngram-simple`), verified in one pass; the output is the same
+    /// tokens, in fewer passes where the reply copies its prompt or itself.
+    #[arg(long, value_enum, value_name = "TYPE")]
+    spec_type: Option<SpecType>,
+    /// With --spec-type: tokens proposed at most per pass (llama.cpp's --draft-max).
+    #[arg(long, alias = "draft", value_name = "N", requires = "spec_type")]
+    draft_max: Option<usize>,
+    /// With --spec-type: the longest run of last tokens looked up, tried first (vLLM's
+    /// prompt_lookup_max).
+    #[arg(long, value_name = "N", requires = "spec_type")]
+    spec_ngram_max: Option<usize>,
+    /// With --spec-type: the shortest run of last tokens looked up (vLLM's
+    /// prompt_lookup_min).
+    #[arg(long, value_name = "N", requires = "spec_type")]
+    spec_ngram_min: Option<usize>,
+}
+
+/// `--spec-type`.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum SpecType {
+    None,
+    Ngram,
+}
+
+impl SpecArgs {
+    /// The settings asked for, checked; `None` without --spec-type (or with `none`).
+    fn get(&self) -> Result<Option<keydiff::NgramSpec>> {
+        if self.spec_type != Some(SpecType::Ngram) {
+            return Ok(None);
+        }
+        let d = keydiff::NgramSpec::default();
+        let spec = keydiff::NgramSpec {
+            ngram_min: self.spec_ngram_min.unwrap_or(d.ngram_min),
+            ngram_max: self
+                .spec_ngram_max
+                .unwrap_or(d.ngram_max.max(self.spec_ngram_min.unwrap_or(0))),
+            draft_max: self.draft_max.unwrap_or(d.draft_max),
+        };
+        spec.validate()?;
+        Ok(Some(spec))
+    }
+}
+
 /// `--format`.
 #[derive(Clone, Copy, clap::ValueEnum)]
 enum OutputFormat {
@@ -1202,6 +1252,8 @@ struct ChatArgs {
     max_tokens: usize,
     #[command(flatten)]
     sampling: SamplingArgs,
+    #[command(flatten)]
+    spec: SpecArgs,
     /// End a reply when this string is generated (repeatable; it is not printed).
     #[arg(long)]
     stop: Vec<String>,
@@ -1223,6 +1275,7 @@ fn chat(a: &ChatArgs) -> Result<()> {
         max_tokens: a.max_tokens,
         sampling,
         stop: a.stop.clone(),
+        speculative: a.spec.get()?,
         ..Default::default()
     };
     let mut conv = match &a.prompt_cache {
@@ -1375,6 +1428,8 @@ struct ServeArgs {
     /// answer 501).
     #[arg(long, value_name = "DIR")]
     slot_save_path: Option<PathBuf>,
+    #[command(flatten)]
+    spec: SpecArgs,
 }
 
 /// `check-device --batch`: batched passes against single ones on `cfg`'s device.
@@ -1454,6 +1509,13 @@ fn serve(a: &ServeArgs) -> Result<()> {
         }
         _ => {}
     }
+    let speculative = a.spec.get()?;
+    if speculative.is_some() && a.max_batch > 1 {
+        bail!(
+            "--spec-type verifies one request's draft at a time: it needs --max-batch 1 \
+             (a batch decodes its requests a token each per step)"
+        );
+    }
     let generation_config = match a.generation_config.as_str() {
         "auto" => true,
         "none" | "vllm" => false,
@@ -1500,6 +1562,7 @@ fn serve(a: &ServeArgs) -> Result<()> {
         reasoning_format,
         slot_save_path: a.slot_save_path.clone(),
         generation_config,
+        speculative,
     };
     let server = keydiff_server::Server::from_listener(listener, engine, cfg)?;
     eprintln!(
@@ -1657,6 +1720,7 @@ fn generate_with(
         prompt_logprobs: None,
         stop_indent: 0,
         time_limit: None,
+        speculative: a.spec.get()?,
     };
     let chunk = engine.config().cache.chunk;
     let mut bar: Option<indicatif::ProgressBar> = None;

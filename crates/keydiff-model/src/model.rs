@@ -634,6 +634,68 @@ impl Model {
         Ok(logits.to_dtype(DType::F32)?)
     }
 
+    /// Decode steps over `tokens` in one pass, as a speculative draft is verified: row `i` of
+    /// the result is what [`Model::forward`] gives for `tokens[i]` as a decode step after
+    /// `tokens[..i]` were decoded one by one, `[len, vocab]` in f32. The linears and the LM
+    /// head run once over all rows with the decode weights, so the weights are read once for
+    /// all of them; attention runs row by row in each layer: a row appends its key and value,
+    /// attends over the cache as it then is and lets the cache evict as a decode step does,
+    /// so each row sees the cache token-by-token decoding would give it. Rows differ from
+    /// single steps only as a matmul over one row differs from one over several (not at all
+    /// for candle's CPU Q8_0; see [`Model::forward_batch`]). The cache can take back the last
+    /// rows with [`KvCache::rewind`] when none of them evicted ([`KvCache::draft_room`]).
+    pub fn forward_decode_rows(&self, tokens: &[u32], cache: &mut KvCache) -> Result<Tensor> {
+        let pos0 = cache.position();
+        let b = tokens.len();
+        if b == 0 {
+            return Err(ModelError::Shape("empty chunk".into()));
+        }
+        if cache.num_layers() != self.layers.len() {
+            return Err(ModelError::Shape(format!(
+                "{} layer caches for {} layers",
+                cache.num_layers(),
+                self.layers.len()
+            )));
+        }
+        let ids = Tensor::new(tokens, &self.device)?;
+        // [B, hidden]
+        let mut x = self.embed.forward(&ids, self.dtype)?;
+        let cos_sin = self.rope.cos_sin(pos0, b, self.dtype, &self.device)?;
+        let mut clock = Clock::new(cache.profiling(), &self.device)?;
+        for (li, layer) in self.layers.iter().enumerate() {
+            let h = layer.attn_norm.forward(&x)?;
+            let (q, k, v) = layer.attn.qkv(&h, &self.rope, &cos_sin, false)?;
+            let mut ys = Vec::with_capacity(b);
+            for i in 0..b {
+                ys.push(layer.attn.attend_cached(
+                    &q.narrow(2, i, 1)?.contiguous()?,
+                    &k.narrow(1, i, 1)?.contiguous()?,
+                    &v.narrow(1, i, 1)?.contiguous()?,
+                    None,
+                    cache,
+                    li,
+                    pos0 + i,
+                    true,
+                    self.attention,
+                    &mut clock,
+                )?);
+            }
+            let y = match ys.len() {
+                1 => ys.pop().expect("one row"),
+                _ => Tensor::cat(&ys, 0)?,
+            };
+            let h = layer.attn.o.forward(&y, false)?;
+            clock.lap(cache, Region::Attention)?;
+            x = (x + h)?;
+            let h = layer.mlp.forward(&layer.mlp_norm.forward(&x)?, false)?;
+            x = (x + h)?;
+            clock.lap(cache, Region::Mlp)?;
+        }
+        cache.advance(b);
+        let logits = self.lm_head.forward(&self.norm.forward(&x)?, false)?;
+        Ok(logits.to_dtype(DType::F32)?)
+    }
+
     /// One decode step of several sequences at once: `tokens[i]` is the next token of the
     /// sequence whose cache is `caches[i]` (each at its own position, under its own budget).
     /// The linears and the LM head run once over the `[n, hidden]` rows, so their weights are

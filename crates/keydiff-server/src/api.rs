@@ -193,6 +193,8 @@ pub struct Defaults {
     /// The checkpoint's recommended sampling, for the fields a request leaves out (empty
     /// with `--generation-config none`).
     pub sampling: keydiff::SamplingDefaults,
+    /// Speculative decoding for every request (`keydiff serve --spec-type`).
+    pub speculative: Option<keydiff::NgramSpec>,
 }
 
 impl Common {
@@ -267,6 +269,7 @@ impl Common {
                 prompt_logprobs: None,
                 stop_indent: 0,
                 time_limit: None,
+                speculative: defaults.speculative,
             },
             more: Vec::new(),
             n,

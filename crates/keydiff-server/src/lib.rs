@@ -102,6 +102,9 @@ pub struct ServerConfig {
     /// Where `POST /slots/{id}?action=save|restore` write and read prompt caches
     /// (llama.cpp's `--slot-save-path`); `None`: those actions are refused (501).
     pub slot_save_path: Option<std::path::PathBuf>,
+    /// Decode every request speculatively by n-gram lookup ([`keydiff::NgramSpec`]; the same
+    /// output in fewer passes). Only with `max_batch` 1: a batch refuses such requests.
+    pub speculative: Option<keydiff::NgramSpec>,
 }
 
 impl ServerConfig {
@@ -118,6 +121,7 @@ impl ServerConfig {
             reasoning_format: ReasoningFormat::Auto,
             generation_config: true,
             slot_save_path: None,
+            speculative: None,
         }
     }
 }
@@ -1732,6 +1736,7 @@ fn defaults(st: &AppState) -> Defaults {
             true => st.engine.sampling_defaults(),
             false => keydiff::SamplingDefaults::default(),
         },
+        speculative: st.cfg.speculative,
     }
 }
 

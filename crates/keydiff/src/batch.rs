@@ -487,6 +487,13 @@ impl<'e> Batch<'e> {
         params: &GenerateParams,
     ) -> Result<(Vec<u32>, KvCache, usize, Option<Keep>)> {
         let e = self.engine;
+        if params.speculative.is_some() {
+            return Err(EngineError::BadParams(
+                "speculative decoding verifies one request's draft at a time; a batch decodes \
+                 its requests a token each per step (run it alone: Engine::generate)"
+                    .into(),
+            ));
+        }
         if self.kept.is_none() {
             let (prompt, cache) = e.request_cache(params, self.held_bytes())?;
             return Ok((prompt, cache, 0, None));

@@ -191,6 +191,10 @@ pub struct GenerateParams {
     /// `t_max_predict_ms`, which its editor plugins send so that a completion comes in time;
     /// the text then depends on the machine's speed).
     pub time_limit: Option<std::time::Duration>,
+    /// Speculative decoding by n-gram lookup ([`crate::NgramSpec`]): the same output, in
+    /// fewer decode passes where the text repeats itself or its prompt. Not under a policy
+    /// that accumulates attention from every token (H2O), which then decodes token by token.
+    pub speculative: Option<crate::NgramSpec>,
 }
 
 /// A flag that stops a running request from another thread (or from its own event callback).
@@ -234,6 +238,7 @@ impl Default for GenerateParams {
             prompt_logprobs: None,
             stop_indent: 0,
             time_limit: None,
+            speculative: None,
         }
     }
 }
@@ -248,6 +253,9 @@ impl GenerateParams {
     /// alternatives than [`MAX_TOP_LOGPROBS`], or JSON mode or a grammar with `ignore_eos`.
     pub fn validate(&self) -> Result<()> {
         self.sampling.validate().map_err(EngineError::BadParams)?;
+        if let Some(s) = &self.speculative {
+            s.validate()?;
+        }
         if self.ignore_eos && self.sampling.format != Format::Text {
             return Err(EngineError::BadParams(format!(
                 "{} ends generation when the text is whole; it cannot ignore the end of \
@@ -338,6 +346,10 @@ pub struct Stats {
     /// The budget N, when one is set.
     pub budget: Option<usize>,
     pub stop_reason: StopReason,
+    /// Drafted and accepted tokens, when the request decoded speculatively
+    /// ([`GenerateParams::speculative`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub speculative: Option<crate::SpecCounters>,
 }
 
 /// Prefill time by region, summed over layers and chunks (a profiled request).
@@ -571,6 +583,9 @@ impl<'e> Prefill<'e> {
             ttft_s: 0.0,
             td: Instant::now(),
             decode_steps: 0,
+            spec: crate::SpecCounters::default(),
+            spec_text: Vec::new(),
+            spec_len: usize::MAX,
             reason,
             logits,
             constraint,
@@ -604,6 +619,12 @@ pub(crate) struct Decoding<'e> {
     ttft_s: f64,
     td: Instant,
     decode_steps: usize,
+    /// Speculative drafts so far.
+    spec: crate::SpecCounters,
+    /// The prompt and the output, where drafts are looked up (built when first needed).
+    spec_text: Vec<u32>,
+    /// The next draft's length at most (within [`crate::NgramSpec::draft_max`]).
+    spec_len: usize,
     reason: StopReason,
     logits: Vec<f32>,
     /// JSON mode's checker or the grammar's state, over what was generated so far.
@@ -1164,6 +1185,21 @@ impl<'e> Decoding<'e> {
         Ok(Some(tok))
     }
 
+    /// The draft to verify after `tok`, the token about to be fed: looked up in the prompt
+    /// and the output, as long as the cache can take back and the request may still use.
+    fn draft(&mut self, spec: &crate::NgramSpec, tok: u32, cache: &KvCache) -> Vec<u32> {
+        debug_assert_eq!(self.generated.last(), Some(&tok));
+        let left = self.params.max_tokens.saturating_sub(self.generated.len());
+        // The prompt, then the output as it grows (copied once, not at every token).
+        if self.spec_text.is_empty() {
+            self.spec_text.extend_from_slice(&self.prompt);
+        }
+        let have = self.spec_text.len() - self.prompt.len();
+        self.spec_text.extend_from_slice(&self.generated[have..]);
+        self.spec_len = self.spec_len.min(spec.draft_max);
+        spec.draft_for(&self.spec_text, cache, left.min(self.spec_len))
+    }
+
     /// The seed of this request's sampler.
     pub(crate) fn seed(&self) -> u64 {
         self.params.sampling.seed
@@ -1225,6 +1261,7 @@ impl<'e> Decoding<'e> {
             policy: e.cfg.cache.policy.name(),
             budget: e.cfg.cache.budget,
             stop_reason: self.reason,
+            speculative: self.params.speculative.map(|_| self.spec),
         };
         let last = self.generated.last().copied();
         let complete = self.done == n;
@@ -2151,9 +2188,50 @@ impl Engine {
         cache: &mut KvCache,
         on_event: &mut impl FnMut(Event<'_>),
     ) -> Result<(Output, Option<u32>)> {
-        while let Some(tok) = d.next(cache.position(), on_event)? {
-            let logits = self.loaded.model.forward(&[tok], cache, true)?;
-            d.fed(logits.to_vec1::<f32>()?);
+        let model = &self.loaded.model;
+        let mut next = d.next(cache.position(), on_event)?;
+        while let Some(tok) = next {
+            let draft = match d
+                .params
+                .speculative
+                .filter(|_| cache.unrewindable().is_none())
+            {
+                Some(spec) => d.draft(&spec, tok, cache),
+                None => Vec::new(),
+            };
+            if draft.is_empty() {
+                let logits = model.forward(&[tok], cache, true)?;
+                d.fed(logits.to_vec1::<f32>()?);
+                next = d.next(cache.position(), on_event)?;
+                continue;
+            }
+            // One pass over the token and the draft; then each drafted token is kept while it
+            // is the token sampled after the ones before it.
+            let p0 = cache.position();
+            let mut fed = Vec::with_capacity(draft.len() + 1);
+            fed.push(tok);
+            fed.extend_from_slice(&draft);
+            let rows = model.forward_decode_rows(&fed, cache)?.to_vec2::<f32>()?;
+            let mut rows = rows.into_iter();
+            let mut kept = 0;
+            next = loop {
+                d.fed(rows.next().expect("a row per fed token"));
+                let sampled = d.next(p0 + kept + 1, on_event)?;
+                match sampled {
+                    Some(s) if kept < draft.len() && s == draft[kept] => kept += 1,
+                    other => break other,
+                }
+            };
+            cache.rewind(draft.len() - kept)?;
+            d.spec.passes += 1;
+            d.spec.drafted += draft.len();
+            d.spec.accepted += kept;
+            // Transformers' heuristic schedule: two more after a draft taken whole, one fewer
+            // after a miss, so a text that stops repeating itself costs short drafts.
+            d.spec_len = match kept == draft.len() {
+                true => d.spec_len + 2,
+                false => d.spec_len.saturating_sub(1).max(1),
+            };
         }
         Ok(d.finish(cache, on_event))
     }

@@ -27,6 +27,7 @@ mod prompt_cache;
 pub mod reasoning;
 mod sampling;
 mod source;
+mod speculative;
 mod stream;
 pub mod tools;
 
@@ -52,6 +53,7 @@ pub use perplexity::Perplexity;
 pub use prompt_cache::{PromptCache, Reuse};
 pub use sampling::{Format, Sampler, Sampling};
 pub use source::ModelSource;
+pub use speculative::{NgramSpec, SpecCounters, MAX_DRAFT};
 pub use stream::TextStream;
 
 /// The commit this library was built from (`git describe --always --dirty`), when it was built
