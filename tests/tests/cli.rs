@@ -1072,3 +1072,88 @@ fn chat_resumes_a_saved_conversation() {
     assert!(!other.status.success());
     assert!(String::from_utf8_lossy(&other.stderr).contains("--system differs"));
 }
+
+/// `run --spec-type ngram`: the same text as without, under a budget that evicts in decode;
+/// the JSON stats and the timing line report the drafts. `--draft-max` without
+/// `--spec-type`, and `serve --spec-type` with `--max-batch` above 1, are refused.
+#[test]
+fn spec_type_ngram_gives_the_same_text_in_fewer_passes() {
+    let m = model(SMOLLM2);
+    let prompt = "The committee met on Tuesday to review the budget. The treasurer reported \
+        that spending on the library had risen by twelve percent.\n\nThe same sentences \
+        again:\n\nThe committee met on Tuesday";
+    let base = [
+        "run",
+        "-m",
+        m.to_str().unwrap(),
+        "-p",
+        prompt,
+        "-n",
+        "40",
+        "--budget",
+        "32",
+        "--chunk",
+        "16",
+        "--json",
+    ];
+    let json = |extra: &[&str]| -> serde_json::Value {
+        let mut args = base.to_vec();
+        args.extend_from_slice(extra);
+        serde_json::from_str(&ok(&args).0).unwrap()
+    };
+    let plain = json(&[]);
+    let spec = json(&["--spec-type", "ngram", "--draft-max", "6"]);
+    assert_eq!(plain["text"], spec["text"]);
+    let c = &spec["stats"]["speculative"];
+    assert!(c["accepted"].as_u64().unwrap() > 0, "{c}");
+    assert!(
+        c["drafted"].as_u64().unwrap() <= 6 * c["passes"].as_u64().unwrap(),
+        "{c}"
+    );
+    assert!(plain["stats"].get("speculative").is_none());
+    let (_, err) = ok(&base[..base.len() - 1]
+        .iter()
+        .copied()
+        .chain(["--spec-type", "ngram"])
+        .collect::<Vec<_>>());
+    assert!(err.contains("drafted tokens accepted"), "{err}");
+    for args in [
+        vec![
+            "run",
+            "-m",
+            m.to_str().unwrap(),
+            "-p",
+            "Hi",
+            "--draft-max",
+            "4",
+        ],
+        vec![
+            "serve",
+            "-m",
+            m.to_str().unwrap(),
+            "--spec-type",
+            "ngram",
+            "--max-batch",
+            "2",
+        ],
+        vec![
+            "run",
+            "-m",
+            m.to_str().unwrap(),
+            "-p",
+            "Hi",
+            "--spec-type",
+            "ngram",
+            "--draft-max",
+            "0",
+        ],
+    ] {
+        let out = Command::new(keydiff_bin()).args(&args).output().unwrap();
+        assert!(!out.status.success(), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("--spec-type") || err.contains("draft"),
+            "{args:?}: {err}"
+        );
+    }
+}

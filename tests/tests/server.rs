@@ -2243,3 +2243,49 @@ fn a_checkpoints_sampling_fills_what_a_request_leaves_out() {
         assert_eq!(got["choices"][0]["text"], greedy.as_str());
     }
 }
+
+/// `serve --spec-type ngram` (`ServerConfig::speculative`): a request decodes speculatively
+/// and answers what a server without it answers (greedy, the same text and logprobs);
+/// llama.cpp's endpoint reports `timings.draft_n` and `draft_n_accepted`, and the `keydiff`
+/// stats the counters.
+#[test]
+fn a_speculative_server_answers_as_one_without() {
+    let prompt = "The committee met on Tuesday to review the budget. The treasurer reported that \
+        spending on the library had risen by twelve percent.\n\nThe same sentences again:\n\n\
+        The committee met on Tuesday";
+    let body = json!({"prompt": prompt, "max_tokens": 24, "temperature": 0, "logprobs": 2});
+    let serve = |spec: Option<keydiff::NgramSpec>| {
+        let e = Engine::load(&ModelSource::Gguf(model(SMOLLM2)), &EngineConfig::default()).unwrap();
+        let cfg = ServerConfig {
+            speculative: spec,
+            ..ServerConfig::new("smol")
+        };
+        Server::bind("127.0.0.1:0", e, cfg).unwrap().spawn()
+    };
+    let plain = serve(None);
+    let spec = serve(Some(keydiff::NgramSpec::default()));
+    let url = |s: &ServerHandle, path: &str| format!("{}{path}", s.url());
+    let (c1, a) = post(&url(&plain, "/v1/completions"), &body);
+    let (c2, b) = post(&url(&spec, "/v1/completions"), &body);
+    assert_eq!((c1, c2), (200, 200), "{a} {b}");
+    assert_eq!(a["choices"][0]["text"], b["choices"][0]["text"]);
+    assert_eq!(a["choices"][0]["logprobs"], b["choices"][0]["logprobs"]);
+    let counters = &b["keydiff"]["speculative"];
+    assert!(counters["accepted"].as_u64().unwrap() > 0, "{b}");
+    assert!(a["keydiff"].get("speculative").is_none(), "{a}");
+    let (code, l) = post(
+        &url(&spec, "/completion"),
+        &json!({"prompt": prompt, "n_predict": 24}),
+    );
+    assert_eq!(code, 200, "{l}");
+    assert!(l["timings"]["draft_n"].as_u64().unwrap() > 0, "{l}");
+    assert!(
+        l["timings"]["draft_n_accepted"].as_u64().unwrap() > 0,
+        "{l}"
+    );
+    let (_, l) = post(
+        &url(&plain, "/completion"),
+        &json!({"prompt": prompt, "n_predict": 24}),
+    );
+    assert!(l["timings"].get("draft_n").is_none(), "{l}");
+}

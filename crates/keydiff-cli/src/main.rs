@@ -1141,6 +1141,17 @@ struct SpecArgs {
     spec_ngram_min: Option<usize>,
 }
 
+/// What speculation saved: drafts taken, and decode passes.
+fn speculation_line(c: &keydiff::SpecCounters) -> String {
+    format!(
+        "speculative: {} of {} drafted tokens accepted ({:.0}%) in {} verification passes",
+        c.accepted,
+        c.drafted,
+        100.0 * c.acceptance(),
+        c.passes
+    )
+}
+
 /// `--spec-type`.
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 enum SpecType {
@@ -1349,6 +1360,9 @@ fn chat(a: &ChatArgs) -> Result<()> {
             s.eviction.evictions,
             s.stop_reason
         );
+        if let Some(c) = &s.speculative {
+            eprintln!("[{}]", speculation_line(c));
+        }
         if let Some(path) = &a.prompt_cache {
             if let Some(bytes) = engine.save_conversation(&conv, path)? {
                 eprintln!(
@@ -1825,6 +1839,9 @@ fn generate_with(
             s.eviction.score_s + s.eviction.select_move_s,
             s.stop_reason
         );
+        if let Some(c) = &s.speculative {
+            eprintln!("{}", speculation_line(c));
+        }
         if let Some(b) = &s.breakdown {
             let pct = |x: f64| 100.0 * x / s.prefill_s.max(1e-12);
             eprintln!(

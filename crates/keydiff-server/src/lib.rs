@@ -1411,7 +1411,7 @@ impl Reply {
         let (prompt_ms, prompt_per_token_ms, prompt_per_second) = per(prefilled, s.prefill_s);
         let decode_s = if l.prefill_only { 0.0 } else { s.decode_s };
         let (predicted_ms, predicted_per_token_ms, predicted_per_second) = per(predicted, decode_s);
-        let v = json!({
+        let mut v = json!({
             "index": 0,
             "content": content,
             "id_slot": 0,
@@ -1441,6 +1441,11 @@ impl Reply {
             },
             "keydiff": api::stats(out),
         });
+        // llama.cpp's speculative counts, when the request drafted.
+        if let Some(c) = s.speculative.filter(|c| c.drafted > 0) {
+            v["timings"]["draft_n"] = json!(c.drafted);
+            v["timings"]["draft_n_accepted"] = json!(c.accepted);
+        }
         if l.fields.is_empty() {
             return v;
         }

@@ -2189,6 +2189,9 @@ impl Engine {
         on_event: &mut impl FnMut(Event<'_>),
     ) -> Result<(Output, Option<u32>)> {
         let model = &self.loaded.model;
+        if let (Some(_), Some(why)) = (&d.params.speculative, cache.unrewindable()) {
+            tracing::warn!("speculative decoding is off for this request: {why}");
+        }
         let mut next = d.next(cache.position(), on_event)?;
         while let Some(tok) = next {
             let draft = match d
