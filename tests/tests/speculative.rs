@@ -6,7 +6,7 @@ use keydiff::{
     CacheConfig, Engine, EngineConfig, GenerateParams, ModelSource, NgramSpec, Output, PolicyKind,
     Prompt, Sampling,
 };
-use keydiff_tests::{model, temp_dir, write_tiny_qwen3_moe, SMOLLM2};
+use keydiff_tests::{model, temp_dir, write_tiny_qwen3_moe, QWEN, SMOLLM2};
 
 /// A text the model goes on to copy: the repeated sentence is in the prompt.
 const COPY: &str = "The old lighthouse keeper wrote in his log every evening. On Monday the sea \
@@ -129,6 +129,7 @@ fn every_draft_size_gives_the_same_tokens() {
             ngram_min: min,
             ngram_max: max,
             draft_max: draft,
+            exact: false,
         };
         let out = run(&e, &params(0.0, Some(spec)));
         assert_eq!(plain.tokens, out.tokens, "{spec:?}");
@@ -138,10 +139,45 @@ fn every_draft_size_gives_the_same_tokens() {
     let bad = NgramSpec {
         ngram_min: 3,
         ngram_max: 2,
-        draft_max: 4,
+        ..NgramSpec::default()
     };
     let err = e.generate(&params(0.0, Some(bad)), |_| {}).unwrap_err();
     assert!(err.to_string().contains("n-gram sizes"), "{err}");
+}
+
+/// Qwen2.5-Coder's GGUF decodes its `ffn_down` as Q6K, whose x86 kernel computes several rows
+/// otherwise than one: with `exact`, the verification pass runs that weight row by row, and
+/// the tokens and logprobs are token-by-token decoding's bit for bit, under KeyDiff evicting
+/// in decode; drafts were taken.
+#[test]
+fn exact_speculation_is_bit_for_bit_where_kernels_differ() {
+    let e = engine(
+        &ModelSource::Gguf(model(QWEN)),
+        CacheConfig {
+            policy: PolicyKind::parse("keydiff", 8, 7).unwrap(),
+            budget: Some(48),
+            ..CacheConfig::full(16)
+        },
+    );
+    let mut p = params(0.0, None);
+    p.max_tokens = 40;
+    let plain = run(&e, &p);
+    p.speculative = Some(NgramSpec {
+        exact: true,
+        ..NgramSpec::default()
+    });
+    let spec = run(&e, &p);
+    assert_eq!(
+        plain.tokens, spec.tokens,
+        "{:?} / {:?}",
+        plain.text, spec.text
+    );
+    assert_eq!(
+        format!("{:?}", plain.logprobs),
+        format!("{:?}", spec.logprobs)
+    );
+    assert!(spec.stats.speculative.unwrap().accepted > 0);
+    assert!(spec.stats.eviction.evictions > 0);
 }
 
 /// A mixture of experts (tiny random Qwen 3 MoE, Q8_0 experts): the verification pass routes

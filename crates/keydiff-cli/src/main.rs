@@ -1139,6 +1139,12 @@ struct SpecArgs {
     /// prompt_lookup_min).
     #[arg(long, value_name = "N", requires = "spec_type")]
     spec_ngram_min: Option<usize>,
+    /// With --spec-type: verify bit for bit, so the output is exactly token-by-token
+    /// decoding's: weights whose kernel computes several rows otherwise than one (x86 Q6K,
+    /// CUDA matmuls) run row by row in the verification pass (slower). Without it, the same up
+    /// to the last bits of rounding, as a batch (exact anyway on the CPU for Q8_0).
+    #[arg(long, requires = "spec_type")]
+    spec_exact: bool,
 }
 
 /// What speculation saved: drafts taken, and decode passes.
@@ -1172,6 +1178,7 @@ impl SpecArgs {
                 .spec_ngram_max
                 .unwrap_or(d.ngram_max.max(self.spec_ngram_min.unwrap_or(0))),
             draft_max: self.draft_max.unwrap_or(d.draft_max),
+            exact: self.spec_exact,
         };
         spec.validate()?;
         Ok(Some(spec))

@@ -16,7 +16,7 @@ use crate::attention::{
 use crate::config::{Arch, ModelConfig, RopeOverride};
 use crate::error::{ModelError, Result};
 use crate::rope::Rope;
-use crate::weights::{Embedding, Key, Linear, Weights};
+use crate::weights::{Embedding, Key, Linear, Pass, Weights};
 
 #[derive(Debug, Clone)]
 struct RmsNorm {
@@ -106,8 +106,9 @@ impl Attention {
         x: &Tensor,
         rope: &Rope,
         cos_sin: &(Tensor, Tensor),
-        pf: bool,
+        pass: impl Into<Pass>,
     ) -> Result<(Tensor, Tensor, Tensor)> {
+        let pf = pass.into();
         let b = x.dim(0)?;
         let (h, kv, d) = (self.heads, self.kv_heads, self.head_dim);
         // [1, heads, B, d]
@@ -319,7 +320,8 @@ struct Mlp {
 }
 
 impl Mlp {
-    fn forward(&self, x: &Tensor, prefill: bool) -> Result<Tensor> {
+    fn forward(&self, x: &Tensor, pass: impl Into<Pass>) -> Result<Tensor> {
+        let prefill = pass.into();
         let a = self.gate.forward(x, prefill)?.silu()?;
         self.down
             .forward(&(a * self.up.forward(x, prefill)?)?, prefill)
@@ -344,7 +346,8 @@ impl Moe {
     /// on the host, where each row's experts are chosen; each chosen expert then runs once
     /// over the rows that chose it, and all their outputs, weighted, are added into an f32
     /// sum at once.
-    fn forward(&self, x: &Tensor, prefill: bool) -> Result<Tensor> {
+    fn forward(&self, x: &Tensor, pass: impl Into<Pass>) -> Result<Tensor> {
+        let prefill = pass.into();
         let logits = self.router.forward(x, prefill)?.to_dtype(DType::F32)?;
         let probs = candle_nn::ops::softmax_last_dim(&logits)?.to_vec2::<f32>()?;
         let (rows, weights) = route(&probs, self.top_k, self.norm_topk_prob);
@@ -399,7 +402,8 @@ enum Ffn {
 }
 
 impl Ffn {
-    fn forward(&self, x: &Tensor, prefill: bool) -> Result<Tensor> {
+    fn forward(&self, x: &Tensor, pass: impl Into<Pass>) -> Result<Tensor> {
+        let prefill = pass.into();
         match self {
             Ffn::Mlp(m) => m.forward(x, prefill),
             Ffn::Moe(m) => m.forward(x, prefill),
@@ -642,9 +646,21 @@ impl Model {
     /// attends over the cache as it then is and lets the cache evict as a decode step does,
     /// so each row sees the cache token-by-token decoding would give it. Rows differ from
     /// single steps only as a matmul over one row differs from one over several (not at all
-    /// for candle's CPU Q8_0; see [`Model::forward_batch`]). The cache can take back the last
-    /// rows with [`KvCache::rewind`] when none of them evicted ([`KvCache::draft_room`]).
-    pub fn forward_decode_rows(&self, tokens: &[u32], cache: &mut KvCache) -> Result<Tensor> {
+    /// for candle's CPU Q8_0; see [`Model::forward_batch`]), and with `exact` not at all:
+    /// weights whose kernel computes several rows otherwise than one run row by row
+    /// ([`Pass::DecodeRows`]). The cache can take back the last rows with
+    /// [`KvCache::rewind`] when none of them evicted ([`KvCache::draft_room`]).
+    pub fn forward_decode_rows(
+        &self,
+        tokens: &[u32],
+        cache: &mut KvCache,
+        exact: bool,
+    ) -> Result<Tensor> {
+        let pass = if exact {
+            Pass::DecodeRows
+        } else {
+            Pass::Decode
+        };
         let pos0 = cache.position();
         let b = tokens.len();
         if b == 0 {
@@ -664,7 +680,7 @@ impl Model {
         let mut clock = Clock::new(cache.profiling(), &self.device)?;
         for (li, layer) in self.layers.iter().enumerate() {
             let h = layer.attn_norm.forward(&x)?;
-            let (q, k, v) = layer.attn.qkv(&h, &self.rope, &cos_sin, false)?;
+            let (q, k, v) = layer.attn.qkv(&h, &self.rope, &cos_sin, pass)?;
             let mut ys = Vec::with_capacity(b);
             for i in 0..b {
                 ys.push(layer.attn.attend_cached(
@@ -684,15 +700,15 @@ impl Model {
                 1 => ys.pop().expect("one row"),
                 _ => Tensor::cat(&ys, 0)?,
             };
-            let h = layer.attn.o.forward(&y, false)?;
+            let h = layer.attn.o.forward(&y, pass)?;
             clock.lap(cache, Region::Attention)?;
             x = (x + h)?;
-            let h = layer.mlp.forward(&layer.mlp_norm.forward(&x)?, false)?;
+            let h = layer.mlp.forward(&layer.mlp_norm.forward(&x)?, pass)?;
             x = (x + h)?;
             clock.lap(cache, Region::Mlp)?;
         }
         cache.advance(b);
-        let logits = self.lm_head.forward(&self.norm.forward(&x)?, false)?;
+        let logits = self.lm_head.forward(&self.norm.forward(&x)?, pass)?;
         Ok(logits.to_dtype(DType::F32)?)
     }
 

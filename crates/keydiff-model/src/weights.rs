@@ -128,6 +128,35 @@ pub struct Linear {
     b: Option<Tensor>,
     /// Storage type in the checkpoint (`Q4_1`, `BF16`, ...).
     stored: String,
+    /// Whether the decode weight computes each of several rows as it computes that row alone
+    /// (found once, when first asked: [`Pass::DecodeRows`]).
+    rows_alone: std::sync::OnceLock<bool>,
+}
+
+/// Which weights a linear runs on, over which rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pass {
+    /// A prompt chunk: the dense prefill copy, where there is one.
+    Prefill,
+    /// Decode rows, all at once with the decode weight.
+    Decode,
+    /// Decode rows that must each get exactly what a pass over that row alone gives (a
+    /// speculative draft verified bit for bit): all at once where the decode weight's kernel
+    /// computes each row as it computes a row alone, else row by row. candle picks other
+    /// kernels for several rows for some types and devices (x86 Q6K, CUDA's quantized and
+    /// dense matmuls); each weight is checked once, on two rows.
+    DecodeRows,
+}
+
+impl From<bool> for Pass {
+    /// `true`: [`Pass::Prefill`]; `false`: [`Pass::Decode`].
+    fn from(prefill: bool) -> Self {
+        if prefill {
+            Pass::Prefill
+        } else {
+            Pass::Decode
+        }
+    }
 }
 
 /// `QMatMul::from_qtensor`, with unquantized GGUF weights (F32/F16/BF16, which candle keeps as
@@ -145,15 +174,50 @@ fn gguf_matmul(q: QTensor, dtype: DType) -> Result<QMatMul> {
 impl Linear {
     /// `x`: `[.., in]` → `[.., out]`, in `x`'s dtype. `prefill` selects the dense copy when
     /// there is one.
-    pub fn forward(&self, x: &Tensor, prefill: bool) -> Result<Tensor> {
-        let y = match (&self.dense, &self.w) {
-            (Some(w), _) if prefill => x.matmul(&w.t()?)?,
-            (_, _) => self.quantized_forward(x)?,
+    pub fn forward(&self, x: &Tensor, pass: impl Into<Pass>) -> Result<Tensor> {
+        let pass = pass.into();
+        let y = match (&self.dense, pass) {
+            (Some(w), Pass::Prefill) => x.matmul(&w.t()?)?,
+            (_, Pass::DecodeRows) if x.dim(0)? > 1 && !self.rows_alone(x)? => {
+                let rows = (0..x.dim(0)?)
+                    .map(|i| self.quantized_forward(&x.narrow(0, i, 1)?))
+                    .collect::<Result<Vec<_>>>()?;
+                Tensor::cat(&rows, 0)?
+            }
+            _ => self.quantized_forward(x)?,
         };
         Ok(match &self.b {
             Some(b) => y.broadcast_add(b)?,
             None => y,
         })
+    }
+
+    /// True when the decode weight computes each of several rows of `x`'s dtype and device
+    /// as it computes that row alone: checked once, on two reproducible rows, bit for bit.
+    fn rows_alone(&self, x: &Tensor) -> Result<bool> {
+        if let Some(&alone) = self.rows_alone.get() {
+            return Ok(alone);
+        }
+        let k = x.dim(candle_core::D::Minus1)?;
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let values: Vec<f32> = (0..2 * k)
+            .map(|_| {
+                state = state
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                (state >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+            })
+            .collect();
+        let probe = Tensor::from_vec(values, (2, k), x.device())?.to_dtype(x.dtype())?;
+        let bits = |t: Tensor| -> Result<Vec<u32>> {
+            let v = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+            Ok(v.into_iter().map(f32::to_bits).collect())
+        };
+        let both = bits(self.quantized_forward(&probe)?)?;
+        let mut alone = bits(self.quantized_forward(&probe.narrow(0, 0, 1)?)?)?;
+        alone.extend(bits(self.quantized_forward(&probe.narrow(0, 1, 1)?)?)?);
+        let same = both == alone;
+        Ok(*self.rows_alone.get_or_init(|| same))
     }
 
     fn quantized_forward(&self, x: &Tensor) -> Result<Tensor> {
@@ -742,6 +806,7 @@ impl Weights {
             dense,
             b,
             stored,
+            rows_alone: Default::default(),
         })
     }
 
@@ -807,6 +872,7 @@ impl Weights {
                     dense: None,
                     b: None,
                     stored: format!("{t:?}"),
+                    rows_alone: Default::default(),
                 })
             })
             .collect()
@@ -871,6 +937,7 @@ impl Weights {
             dense,
             b: None,
             stored,
+            rows_alone: Default::default(),
         })
     }
 
@@ -998,6 +1065,7 @@ mod tests {
                     dense: None,
                     b: None,
                     stored: format!("{stored:?}"),
+                    rows_alone: Default::default(),
                 };
                 let y = linear.forward(&x.to_dtype(dtype)?, false)?;
                 assert_eq!(y.dtype(), dtype, "{stored:?} weights, {dtype:?} model");

@@ -585,7 +585,7 @@ impl<'e> Prefill<'e> {
             decode_steps: 0,
             spec: crate::SpecCounters::default(),
             spec_text: Vec::new(),
-            spec_len: usize::MAX,
+            spec_schedule: None,
             reason,
             logits,
             constraint,
@@ -623,8 +623,8 @@ pub(crate) struct Decoding<'e> {
     spec: crate::SpecCounters,
     /// The prompt and the output, where drafts are looked up (built when first needed).
     spec_text: Vec<u32>,
-    /// The next draft's length at most (within [`crate::NgramSpec::draft_max`]).
-    spec_len: usize,
+    /// The next drafts' lengths, from how the last ones went.
+    spec_schedule: Option<crate::speculative::Schedule>,
     reason: StopReason,
     logits: Vec<f32>,
     /// JSON mode's checker or the grammar's state, over what was generated so far.
@@ -1196,8 +1196,13 @@ impl<'e> Decoding<'e> {
         }
         let have = self.spec_text.len() - self.prompt.len();
         self.spec_text.extend_from_slice(&self.generated[have..]);
-        self.spec_len = self.spec_len.min(spec.draft_max);
-        spec.draft_for(&self.spec_text, cache, left.min(self.spec_len))
+        let len = (self.spec_schedule)
+            .get_or_insert_with(|| crate::speculative::Schedule::new(spec))
+            .next_len();
+        if len == 0 {
+            return Vec::new();
+        }
+        spec.draft_for(&self.spec_text, cache, left.min(len))
     }
 
     /// The seed of this request's sampler.
@@ -2214,7 +2219,10 @@ impl Engine {
             let mut fed = Vec::with_capacity(draft.len() + 1);
             fed.push(tok);
             fed.extend_from_slice(&draft);
-            let rows = model.forward_decode_rows(&fed, cache)?.to_vec2::<f32>()?;
+            let exact = d.params.speculative.is_some_and(|s| s.exact);
+            let rows = model
+                .forward_decode_rows(&fed, cache, exact)?
+                .to_vec2::<f32>()?;
             let mut rows = rows.into_iter();
             let mut kept = 0;
             next = loop {
@@ -2229,12 +2237,9 @@ impl Engine {
             d.spec.passes += 1;
             d.spec.drafted += draft.len();
             d.spec.accepted += kept;
-            // Transformers' heuristic schedule: two more after a draft taken whole, one fewer
-            // after a miss, so a text that stops repeating itself costs short drafts.
-            d.spec_len = match kept == draft.len() {
-                true => d.spec_len + 2,
-                false => d.spec_len.saturating_sub(1).max(1),
-            };
+            if let (Some(s), Some(spec)) = (&mut d.spec_schedule, &d.params.speculative) {
+                s.update(spec, draft.len(), kept);
+            }
         }
         Ok(d.finish(cache, on_event))
     }

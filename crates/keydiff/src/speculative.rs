@@ -8,7 +8,10 @@
 //!
 //! The output is the one decoding token by token gives: every generated token is still sampled
 //! from the model's distribution after the tokens before it (drafted tokens only save the
-//! passes), in order, with the same sampler, so greedy and seeded sampling give the same tokens.
+//! passes), in order, with the same sampler, so greedy and seeded sampling give the same tokens
+//! (bit for bit with [`NgramSpec::exact`], or where the weights' kernels compute several rows
+//! as they compute one, as on the CPU for Q8_0; otherwise up to the rounding of a pass over
+//! several rows, as a batch's).
 //! The draft stops before the cache would evict ([`KvCache::draft_room`]), so rejected
 //! tokens can be taken back ([`KvCache::rewind`]).
 
@@ -27,6 +30,15 @@ pub struct NgramSpec {
     /// Tokens proposed at most per pass (llama.cpp's `--draft-max`, vLLM's
     /// `num_speculative_tokens`).
     pub draft_max: usize,
+    /// Verify bit for bit: a weight whose kernel computes several rows otherwise than one
+    /// (CPU x86 Q6K; CUDA's quantized and dense matmuls) runs row by row in the verification
+    /// pass, so every logit is the one token-by-token decoding computes (slower where such
+    /// weights are). Off, the pass runs each weight once over all rows, as a batch does: the
+    /// same distribution up to the last bits of rounding, which can flip a near tie, as in
+    /// vLLM's and llama.cpp's speculative decoding. Rows are exact either way on the CPU for
+    /// Q8_0 (and the Q4_1/Q5_0/Q5_1 weights run as Q8_0).
+    #[serde(default)]
+    pub exact: bool,
 }
 
 /// The most tokens a draft may propose, and the longest n-gram looked up.
@@ -38,6 +50,7 @@ impl Default for NgramSpec {
             ngram_min: 2,
             ngram_max: 4,
             draft_max: 8,
+            exact: false,
         }
     }
 }
@@ -106,6 +119,56 @@ impl NgramSpec {
     }
 }
 
+/// How long a request's next draft may be, from how its last ones went: transformers'
+/// heuristic schedule (two more after a draft taken whole, one fewer after one that was not),
+/// and after a draft of one token that missed, a pause of 2, 4, ... up to 64 tokens without
+/// drafting, so that text that does not repeat costs few verification rows. It depends on the
+/// tokens only, never on timings, so a request's passes are the same on every run.
+#[derive(Debug, Clone)]
+pub(crate) struct Schedule {
+    len: usize,
+    pause: usize,
+    backoff: usize,
+}
+
+/// The longest pause of [`Schedule`], in tokens.
+const MAX_PAUSE: usize = 64;
+
+impl Schedule {
+    pub(crate) fn new(spec: &NgramSpec) -> Self {
+        Self {
+            len: spec.draft_max,
+            pause: 0,
+            backoff: 0,
+        }
+    }
+
+    /// The longest draft after the next token (0 while paused; each call is a token).
+    pub(crate) fn next_len(&mut self) -> usize {
+        if self.pause > 0 {
+            self.pause -= 1;
+            return 0;
+        }
+        self.len
+    }
+
+    /// After a draft of `drafted` tokens of which the first `kept` were taken.
+    pub(crate) fn update(&mut self, spec: &NgramSpec, drafted: usize, kept: usize) {
+        if kept == drafted {
+            self.len = (self.len + 2).min(spec.draft_max);
+        } else {
+            if kept == 0 && self.len == 1 {
+                self.backoff = (self.backoff * 2).clamp(2, MAX_PAUSE);
+                self.pause = self.backoff;
+            }
+            self.len = self.len.saturating_sub(1).max(1);
+        }
+        if kept > 0 {
+            self.backoff = 0;
+        }
+    }
+}
+
 /// Drafted and accepted tokens of a request ([`crate::Stats::speculative`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct SpecCounters {
@@ -137,6 +200,7 @@ mod tests {
             ngram_min: min,
             ngram_max: max,
             draft_max: draft,
+            exact: false,
         }
     }
 
@@ -166,6 +230,39 @@ mod tests {
         // The latest earlier [a b] ends one period back: its continuation runs into the end.
         let text = [1, 2, 1, 2, 1, 2];
         assert_eq!(spec(2, 2, 8).draft(&text, 8), vec![1, 2]);
+    }
+
+    #[test]
+    fn drafts_shrink_on_misses_and_pause_after_misses_of_one() {
+        let spec = spec(2, 4, 4);
+        let mut s = Schedule::new(&spec);
+        assert_eq!(s.next_len(), 4);
+        // Taken whole: stays at the most; a miss: one fewer, down to one.
+        s.update(&spec, 4, 4);
+        assert_eq!(s.next_len(), 4);
+        for want in [3, 2, 1, 1] {
+            s.update(&spec, 4, 1);
+            assert_eq!(s.next_len(), want);
+        }
+        // A draft of one that missed: 2 tokens without drafts, then 4, 8, ... up to 64.
+        let mut paused = Vec::new();
+        for _ in 0..7 {
+            s.update(&spec, 1, 0);
+            let mut n = 0;
+            while s.next_len() == 0 {
+                n += 1;
+            }
+            paused.push(n);
+        }
+        assert_eq!(paused, [2, 4, 8, 16, 32, 64, 64]);
+        // A draft taken ends the pauses; the length grows back by two.
+        s.update(&spec, 1, 1);
+        assert_eq!(s.next_len(), 3);
+        s.update(&spec, 1, 0);
+        s.update(&spec, 2, 0);
+        assert_eq!(s.next_len(), 1);
+        s.update(&spec, 1, 0);
+        assert_eq!((s.next_len(), s.next_len(), s.next_len()), (0, 0, 1));
     }
 
     #[test]
