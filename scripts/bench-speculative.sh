@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Speculative decoding by n-gram lookup (`--spec-type ngram`) against token-by-token decoding,
-# greedy, on three chat tasks: `doc` quotes a document (the first 900 words of the GPL-3 text,
+# Speculative decoding by n-gram lookup (`--spec-type ngram`, and with `--spec-exact`) against
+# token-by-token decoding, greedy, on three chat tasks: `doc` quotes a document (the first 900 words of the GPL-3 text,
 # under --budget 512, so the prompt evicts), `code` rewrites a function it is given (textwrap's
 # `dedent` from Python's standard library), `free` writes a story (nothing to copy).
 # Alternated, 3 rounds. Prints: task, mode, round, generated tokens, decode tok/s, drafted and
@@ -31,9 +31,10 @@ for task in doc code free; do
   flags=()
   [[ $task == doc ]] && flags=(--budget 512)
   for r in 1 2 3; do
-    for mode in plain ngram; do
+    for mode in plain ngram exact; do
       extra=()
       [[ $mode == ngram ]] && extra=(--spec-type ngram)
+      [[ $mode == exact ]] && extra=(--spec-type ngram --spec-exact)
       "$bin" run -m "$model" --chat -f "$tmp/$task.txt" -n "$n" --json "${flags[@]}" \
         "${extra[@]}" "$@" > "$tmp/$mode.json" 2>/dev/null
       python3 - "$tmp" "$task" "$mode" "$r" <<'PY'
@@ -43,7 +44,7 @@ v = json.load(open(f"{tmp}/{mode}.json"))
 s = v["stats"]
 c = s.get("speculative") or {"drafted": "", "accepted": ""}
 same = ""
-if mode == "ngram":
+if mode != "plain":
     same = v["text"] == json.load(open(f"{tmp}/plain.json"))["text"]
 print(task, mode, r, s["generated_tokens"], f"{s['decode_tok_s']:.1f}", c["drafted"],
       c["accepted"], same, flush=True)

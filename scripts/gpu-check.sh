@@ -2,7 +2,8 @@
 # One run on a GPU host (see GPU.md): environment, eviction-kernel parity and timing, CPU-vs-GPU
 # model parity (eager attention, and flash when the binary has it), perplexity parity, batched
 # passes against single runs on the device, prefix reuse on the device, the memory plan against
-# the driver, a prompt cache saved and loaded on the device, a short TTFT sweep, batched decode, a prompt joining a decoding batch, then, as
+# the driver, a prompt cache saved and loaded on the device, speculative decoding on the
+# device, a short TTFT sweep, batched decode, a prompt joining a decoding batch, then, as
 # time allows, the kernels under compute-sanitizer.
 # Build the binary here first (scripts/build-cuda.sh), carry it, then on the GPU host:
 #   scripts/gpu-check.sh            (logs go to $OUT when set, else bench/gpu-check-logs/)
@@ -213,6 +214,31 @@ print(f"prompt cache file: {'PASS' if ok else 'FAIL'} ({b['prefix_tokens']} of {
 PY
 else
   note "prompt cache file: FAILED (exit $?)"
+fi
+
+echo "== 3f. speculative decoding on the device (run --spec-type ngram, --spec-exact)"
+# The verification pass appends, attends and evicts row by row on the device and takes back
+# the rows not accepted: with --spec-exact the text must be token-by-token decoding's; without
+# it, CUDA's several-row matmuls may round otherwise (recorded, not failed). TOVA, not KeyDiff,
+# whose anchor sums with float atomics on the GPU (two plain runs may differ; see 3c).
+sp_args=(--random-weights -m tiny-qwen --device "$device" --dtype bf16 --budget 64 --chunk 32
+  --policy tova --json -p "$pc_prompt" -n 96)
+if timeout 60 "$bin" run "${sp_args[@]}" > "$out/spec-plain.json" 2>> "$errors" \
+   && timeout 60 "$bin" run "${sp_args[@]}" --spec-type ngram --spec-exact > "$out/spec-exact.json" 2>> "$errors" \
+   && timeout 60 "$bin" run "${sp_args[@]}" --spec-type ngram > "$out/spec-fast.json" 2>> "$errors"; then
+  python3 - "$out" >> "$summary" <<'PY' || note "speculative: could not read the runs"
+import json, sys
+a, b, c = (json.load(open(f"{sys.argv[1]}/spec-{m}.json")) for m in ("plain", "exact", "fast"))
+sb, sc = b["stats"]["speculative"], c["stats"]["speculative"]
+ok = a["text"] == b["text"] and sb["drafted"] > 0
+print(f"speculative: {'PASS' if ok else 'FAIL'} (--spec-exact: same text {a['text'] == b['text']}, "
+      f"{sb['accepted']}/{sb['drafted']} drafted tokens taken; without: same text "
+      f"{a['text'] == c['text']}, {sc['accepted']}/{sc['drafted']}; decode tok/s plain "
+      f"{a['stats']['decode_tok_s']:.0f}, exact {b['stats']['decode_tok_s']:.0f}, "
+      f"fast {c['stats']['decode_tok_s']:.0f})")
+PY
+else
+  note "speculative: FAILED (exit $?)"
 fi
 
 echo "== 4. TTFT sweep: $preset random weights, bf16, prompt $plen, budget $budget_n"

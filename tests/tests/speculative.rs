@@ -224,3 +224,35 @@ fn a_batch_refuses_speculative_requests() {
         .unwrap_err();
     assert!(err.to_string().contains("speculative"), "{err}");
 }
+
+/// A conversation's turn looks its drafts up in the earlier turns too (they are in its cache,
+/// not in the turn's prompt): asked to copy its last reply, the second turn takes drafts from
+/// it (25 tokens taken, 7 when only the turn's own tokens are looked up), and every turn's
+/// tokens are those of the same conversation decoded token by token.
+#[test]
+fn a_chat_turn_drafts_from_earlier_turns() {
+    let e = engine(&ModelSource::Gguf(model(SMOLLM2)), CacheConfig::full(16));
+    let turns = [
+        "Write one sentence about a red fox.",
+        "Copy your previous sentence, word for word.",
+    ];
+    let talk = |spec: Option<NgramSpec>| -> Vec<Output> {
+        let mut conv = keydiff::Conversation::new(None);
+        let p = GenerateParams {
+            max_tokens: 48,
+            speculative: spec,
+            ..Default::default()
+        };
+        turns
+            .iter()
+            .map(|t| e.chat_turn(&mut conv, t, &p, |_| {}).unwrap())
+            .collect()
+    };
+    let plain = talk(None);
+    let spec = talk(Some(NgramSpec::default()));
+    for (a, b) in plain.iter().zip(&spec) {
+        assert_eq!(a.tokens, b.tokens, "{:?} / {:?}", a.text, b.text);
+    }
+    let second = spec[1].stats.speculative.unwrap();
+    assert!(second.accepted >= 16, "{second:?}: {:?}", spec[1].text);
+}

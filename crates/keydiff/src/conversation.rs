@@ -150,7 +150,15 @@ impl Engine {
         };
         // On an error the cache (which may hold part of this turn) is dropped: the next turn
         // prefills the conversation afresh, without the failed message.
-        let (mut out, last) = self.run_request(&mut cache, &feed, 0, params, t0, &mut on_event)?;
+        let (mut out, last) = self.run_request_after(
+            &mut cache,
+            &conv.fed_tokens,
+            &feed,
+            0,
+            params,
+            t0,
+            &mut on_event,
+        )?;
         if out.stats.stop_reason == StopReason::Cancelled && out.tokens.is_empty() {
             // Cancelled before the reply began (perhaps inside the prefill): the turn is not
             // recorded, and the next one prefills the conversation afresh.

@@ -585,6 +585,8 @@ impl<'e> Prefill<'e> {
             decode_steps: 0,
             spec: crate::SpecCounters::default(),
             spec_text: Vec::new(),
+            spec_base: 0,
+            spec_earlier: Vec::new(),
             spec_schedule: None,
             reason,
             logits,
@@ -621,8 +623,13 @@ pub(crate) struct Decoding<'e> {
     decode_steps: usize,
     /// Speculative drafts so far.
     spec: crate::SpecCounters,
-    /// The prompt and the output, where drafts are looked up (built when first needed).
+    /// What came before the prompt, the prompt and the output, where drafts are looked up
+    /// (built when first needed).
     spec_text: Vec<u32>,
+    /// Where the output starts in `spec_text`.
+    spec_base: usize,
+    /// Tokens before the prompt (a conversation's earlier turns), to look drafts up in too.
+    spec_earlier: Vec<u32>,
     /// The next drafts' lengths, from how the last ones went.
     spec_schedule: Option<crate::speculative::Schedule>,
     reason: StopReason,
@@ -1190,11 +1197,14 @@ impl<'e> Decoding<'e> {
     fn draft(&mut self, spec: &crate::NgramSpec, tok: u32, cache: &KvCache) -> Vec<u32> {
         debug_assert_eq!(self.generated.last(), Some(&tok));
         let left = self.params.max_tokens.saturating_sub(self.generated.len());
-        // The prompt, then the output as it grows (copied once, not at every token).
-        if self.spec_text.is_empty() {
+        // What came before, the prompt, then the output as it grows (copied once, not at
+        // every token).
+        if self.spec_base == 0 {
+            self.spec_text = std::mem::take(&mut self.spec_earlier);
             self.spec_text.extend_from_slice(&self.prompt);
+            self.spec_base = self.spec_text.len();
         }
-        let have = self.spec_text.len() - self.prompt.len();
+        let have = self.spec_text.len() - self.spec_base;
         self.spec_text.extend_from_slice(&self.generated[have..]);
         let len = (self.spec_schedule)
             .get_or_insert_with(|| crate::speculative::Schedule::new(spec))
@@ -1203,6 +1213,14 @@ impl<'e> Decoding<'e> {
             return Vec::new();
         }
         spec.draft_for(&self.spec_text, cache, left.min(len))
+    }
+
+    /// Tokens that came before the prompt (a conversation's earlier turns, in its cache):
+    /// speculative drafts are looked up in them too.
+    pub(crate) fn look_up_in(&mut self, earlier: &[u32]) {
+        if self.params.speculative.is_some() {
+            self.spec_earlier = earlier.to_vec();
+        }
     }
 
     /// The seed of this request's sampler.
@@ -2181,8 +2199,25 @@ impl Engine {
         t0: Instant,
         on_event: &mut impl FnMut(Event<'_>),
     ) -> Result<(Output, Option<u32>)> {
-        let d =
+        self.run_request_after(cache, &[], prompt, start, params, t0, on_event)
+    }
+
+    /// [`Engine::run_request`] for a prompt that follows `earlier` tokens in `cache` (a
+    /// conversation's turn): speculative drafts are looked up in them too.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn run_request_after(
+        &self,
+        cache: &mut KvCache,
+        earlier: &[u32],
+        prompt: &[u32],
+        start: usize,
+        params: &GenerateParams,
+        t0: Instant,
+        on_event: &mut impl FnMut(Event<'_>),
+    ) -> Result<(Output, Option<u32>)> {
+        let mut d =
             self.prefill_request(cache, prompt.to_vec(), start, params.clone(), t0, on_event)?;
+        d.look_up_in(earlier);
         self.decode_request(d, cache, on_event)
     }
 
