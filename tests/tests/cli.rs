@@ -1075,7 +1075,7 @@ fn chat_resumes_a_saved_conversation() {
 
 /// `run --spec-type ngram`: the same text as without, under a budget that evicts in decode;
 /// the JSON stats and the timing line report the drafts. `--draft-max` without
-/// `--spec-type`, and `serve --spec-type` with `--max-batch` above 1, are refused.
+/// `--spec-type`, and `serve --spec-exact` with `--max-batch` above 1, are refused.
 #[test]
 fn spec_type_ngram_gives_the_same_text_in_fewer_passes() {
     let m = model(SMOLLM2);
@@ -1133,6 +1133,7 @@ fn spec_type_ngram_gives_the_same_text_in_fewer_passes() {
             m.to_str().unwrap(),
             "--spec-type",
             "ngram",
+            "--spec-exact",
             "--max-batch",
             "2",
         ],

@@ -214,15 +214,58 @@ fn a_mixture_of_experts_speculates_alike() {
     assert!(spec.stats.speculative.unwrap().drafted > 0);
 }
 
-/// A batch decodes its requests a token each per step: it refuses a speculative one.
+/// Speculative requests in a batch (`serve --max-batch`): each request's draft runs in the
+/// batch's steps as decode rows beside the other requests' rows and prompt chunks, and every
+/// request gets the tokens and logprobs it gets alone, decoded token by token (SmolLM2's Q8_0
+/// rows are computed alone in any pass), under KeyDiff evicting in decode, greedy and
+/// sampled, a request without speculation among them; drafts were taken. A batch refuses
+/// `exact`, which would run its rows one by one.
 #[test]
-fn a_batch_refuses_speculative_requests() {
-    let e = engine(&ModelSource::Gguf(model(SMOLLM2)), CacheConfig::full(16));
-    let mut batch = e.batch();
-    let err = batch
-        .join(1, &params(0.0, Some(NgramSpec::default())))
-        .unwrap_err();
-    assert!(err.to_string().contains("speculative"), "{err}");
+fn speculative_requests_in_a_batch_get_what_they_get_alone() {
+    let e = engine(
+        &ModelSource::Gguf(model(SMOLLM2)),
+        CacheConfig {
+            policy: PolicyKind::parse("keydiff", 8, 7).unwrap(),
+            budget: Some(48),
+            ..CacheConfig::full(16)
+        },
+    );
+    let spec = Some(NgramSpec::default());
+    let mut story = params(0.0, spec);
+    story.prompt = Prompt::Text("Once upon a time, in a small village by the sea,".into());
+    let mut other = params(0.0, None);
+    other.prompt = Prompt::Text(format!("{COPY} Tuesday"));
+    let requests = [params(0.0, spec), params(0.8, spec), story, other];
+    let batched = e.generate_batch(&requests, |_, _| {}).unwrap();
+    let mut taken = 0;
+    for (i, (p, b)) in requests.iter().zip(batched).enumerate() {
+        let b = b.unwrap();
+        let mut alone = p.clone();
+        alone.speculative = None;
+        let a = run(&e, &alone);
+        assert_eq!(
+            a.tokens, b.tokens,
+            "request {i}: {:?} / {:?}",
+            a.text, b.text
+        );
+        assert_eq!(
+            format!("{:?}", a.logprobs),
+            format!("{:?}", b.logprobs),
+            "request {i}"
+        );
+        assert_eq!(
+            a.stats.eviction.evictions, b.stats.eviction.evictions,
+            "request {i}"
+        );
+        taken += b.stats.speculative.map_or(0, |c| c.accepted);
+    }
+    assert!(taken > 0, "no draft was taken in the batch");
+    let exact = Some(NgramSpec {
+        exact: true,
+        ..NgramSpec::default()
+    });
+    let err = e.batch().join(1, &params(0.0, exact)).unwrap_err();
+    assert!(err.to_string().contains("exact"), "{err}");
 }
 
 /// A conversation's turn looks its drafts up in the earlier turns too (they are in its cache,

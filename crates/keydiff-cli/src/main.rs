@@ -1531,10 +1531,11 @@ fn serve(a: &ServeArgs) -> Result<()> {
         _ => {}
     }
     let speculative = a.spec.get()?;
-    if speculative.is_some() && a.max_batch > 1 {
+    if speculative.is_some_and(|s| s.exact) && a.max_batch > 1 {
         bail!(
-            "--spec-type verifies one request's draft at a time: it needs --max-batch 1 \
-             (a batch decodes its requests a token each per step)"
+            "--spec-exact runs weights row by row where their kernels compute several rows \
+             otherwise; a batch runs all its rows through each weight at once: it needs \
+             --max-batch 1"
         );
     }
     let generation_config = match a.generation_config.as_str() {

@@ -437,8 +437,10 @@ pub enum Logits {
 pub struct Segment<'a> {
     /// The tokens, continuing the sequence from its cache's position.
     pub tokens: &'a [u32],
-    /// A generated token (one) rather than a prompt chunk, as [`Model::forward`]'s `decode`:
-    /// it selects the decode weights and the cache's decode eviction timing.
+    /// Generated tokens rather than a prompt chunk, as [`Model::forward`]'s `decode`: it
+    /// selects the decode weights and the cache's decode eviction timing. Several tokens (one
+    /// and its speculative draft) are decode steps in one pass, attended row by row as
+    /// [`Model::forward_decode_rows`] attends them.
     pub decode: bool,
     /// Which logits to return.
     pub logits: Logits,
@@ -762,14 +764,10 @@ impl Model {
                 caches.len()
             )));
         }
-        if let Some(s) = segments
-            .iter()
-            .find(|s| s.tokens.is_empty() || (s.decode && s.tokens.len() != 1))
-        {
+        if let Some(s) = segments.iter().find(|s| s.tokens.is_empty()) {
             return Err(ModelError::Shape(format!(
-                "a {} segment of {} tokens",
+                "an empty {} segment",
                 if s.decode { "decode" } else { "prompt" },
-                s.tokens.len()
             )));
         }
         if let Some(c) = caches.iter().find(|c| c.num_layers() != self.layers.len()) {
@@ -835,7 +833,7 @@ impl Model {
             .zip(caches.iter())
             .map(|(s, c)| {
                 let b = s.tokens.len();
-                if b > 1 && self.attention != AttentionBackend::Flash {
+                if b > 1 && !s.decode && self.attention != AttentionBackend::Flash {
                     Ok(Some(chunk_mask(b, c.len() + b, self.dtype, &self.device)?))
                 } else {
                     Ok(None)
@@ -869,18 +867,25 @@ impl Model {
             let mut ys = Vec::with_capacity(n);
             for (i, cache) in caches.iter_mut().enumerate() {
                 let (at, b) = (offsets[i], segments[i].tokens.len());
-                ys.push(layer.attn.attend_cached(
-                    &q.narrow(2, at, b)?,
-                    &k.narrow(1, at, b)?,
-                    &v.narrow(1, at, b)?,
-                    masks[i].as_ref(),
-                    cache,
-                    li,
-                    pos0[i],
-                    segments[i].decode,
-                    self.attention,
-                    &mut clock,
-                )?);
+                // Decode rows one at a time, each a decode step; a prompt chunk at once.
+                let steps = match segments[i].decode {
+                    true => (0..b).map(|r| (at + r, 1, pos0[i] + r)).collect(),
+                    false => vec![(at, b, pos0[i])],
+                };
+                for (from, len, pos) in steps {
+                    ys.push(layer.attn.attend_cached(
+                        &q.narrow(2, from, len)?.contiguous()?,
+                        &k.narrow(1, from, len)?.contiguous()?,
+                        &v.narrow(1, from, len)?.contiguous()?,
+                        masks[i].as_ref(),
+                        cache,
+                        li,
+                        pos,
+                        segments[i].decode,
+                        self.attention,
+                        &mut clock,
+                    )?);
+                }
             }
             let y = match ys.len() {
                 1 => ys.pop().expect("one segment"),

@@ -103,7 +103,8 @@ pub struct ServerConfig {
     /// (llama.cpp's `--slot-save-path`); `None`: those actions are refused (501).
     pub slot_save_path: Option<std::path::PathBuf>,
     /// Decode every request speculatively by n-gram lookup ([`keydiff::NgramSpec`]; the same
-    /// output in fewer passes). Only with `max_batch` 1: a batch refuses such requests.
+    /// output in fewer passes). In a batch (`max_batch` above 1) each request's draft runs in
+    /// the batch's steps beside the others' rows; a batch refuses `exact`.
     pub speculative: Option<keydiff::NgramSpec>,
 }
 

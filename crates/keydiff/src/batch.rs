@@ -85,6 +85,8 @@ struct Running<'e> {
     cache: KvCache,
     decoding: Decoding<'e>,
     next: u32,
+    /// This step's tokens: `next`, and its speculative draft when the request has one.
+    fed: Vec<u32>,
     keep: Option<Keep>,
 }
 
@@ -487,10 +489,11 @@ impl<'e> Batch<'e> {
         params: &GenerateParams,
     ) -> Result<(Vec<u32>, KvCache, usize, Option<Keep>)> {
         let e = self.engine;
-        if params.speculative.is_some() {
+        if params.speculative.is_some_and(|s| s.exact) {
             return Err(EngineError::BadParams(
-                "speculative decoding verifies one request's draft at a time; a batch decodes \
-                 its requests a token each per step (run it alone: Engine::generate)"
+                "exact speculative decoding runs weights row by row where their kernels compute \
+                 several rows otherwise; a batch runs all its rows through each weight at once \
+                 (run it alone: Engine::generate, or serve --max-batch 1)"
                     .into(),
             ));
         }
@@ -752,6 +755,7 @@ impl<'e> Batch<'e> {
                     cache,
                     decoding,
                     next,
+                    fed: Vec::new(),
                     keep,
                 });
                 Ok(None)
@@ -857,11 +861,17 @@ impl<'e> Batch<'e> {
         let passed = {
             let mut segments = Vec::with_capacity(decoded + pieces.len());
             let mut caches: Vec<&mut KvCache> = Vec::with_capacity(segments.capacity());
-            for Running { cache, next, .. } in self.running.iter_mut() {
+            for r in self.running.iter_mut() {
+                r.fed = r.decoding.with_draft(r.next, &r.cache);
+            }
+            for Running { cache, fed, .. } in self.running.iter_mut() {
                 segments.push(Segment {
-                    tokens: std::slice::from_ref(next),
+                    tokens: fed,
                     decode: true,
-                    logits: Logits::Last,
+                    logits: match fed.len() {
+                        1 => Logits::Last,
+                        _ => Logits::All,
+                    },
                 });
                 caches.push(cache);
             }
@@ -881,9 +891,21 @@ impl<'e> Batch<'e> {
                 .map_err(EngineError::from)
                 .and_then(|mut out| {
                     let prompt_rows = out.split_off(decoded);
+                    // Each running request's rows: one, or its token's and its draft's.
                     let rows = match out.into_iter().collect::<Option<Vec<_>>>() {
                         Some(rows) if rows.is_empty() => Vec::new(),
-                        Some(rows) => candle_core::Tensor::cat(&rows, 0)?.to_vec2::<f32>()?,
+                        Some(rows) => {
+                            let lens: Vec<usize> = rows
+                                .iter()
+                                .map(|t| t.dim(0))
+                                .collect::<candle_core::Result<_>>()?;
+                            let mut all = candle_core::Tensor::cat(&rows, 0)?
+                                .to_vec2::<f32>()?
+                                .into_iter();
+                            lens.iter()
+                                .map(|&n| all.by_ref().take(n).collect::<Vec<_>>())
+                                .collect()
+                        }
                         None => {
                             return Err(EngineError::Model(keydiff_model::ModelError::Shape(
                                 "a decode row without logits".into(),
@@ -928,11 +950,22 @@ impl<'e> Batch<'e> {
             self.joining.push_front(j);
         }
         let mut still = Vec::with_capacity(self.running.len());
-        for (mut r, row) in std::mem::take(&mut self.running).into_iter().zip(rows) {
+        for (mut r, mut rows) in std::mem::take(&mut self.running).into_iter().zip(rows) {
             let id = r.id;
-            r.decoding.fed(row);
             let mut events = |e: Event<'_>| on_event(id, e);
-            match r.decoding.next(r.cache.position(), &mut events) {
+            let next = match r.fed.len() {
+                1 => match rows.pop() {
+                    Some(row) => {
+                        r.decoding.fed(row);
+                        r.decoding.next(r.cache.position(), &mut events)
+                    }
+                    None => Err(EngineError::Model(keydiff_model::ModelError::Shape(
+                        "a decode row without logits".into(),
+                    ))),
+                },
+                _ => (r.decoding).verify(rows, &r.fed[1..], &mut r.cache, &mut events),
+            };
+            match next {
                 Ok(Some(next)) => {
                     r.next = next;
                     still.push(r);

@@ -1215,6 +1215,62 @@ impl<'e> Decoding<'e> {
         spec.draft_for(&self.spec_text, cache, left.min(len))
     }
 
+    /// The tokens to feed next: `tok`, the token [`Decoding::next`] returned, and when the
+    /// request decodes speculatively, the draft to verify after it (none under a policy whose
+    /// cache cannot take tokens back).
+    pub(crate) fn with_draft(&mut self, tok: u32, cache: &KvCache) -> Vec<u32> {
+        let mut fed = vec![tok];
+        if let Some(spec) = self.params.speculative {
+            if cache.unrewindable().is_none() {
+                fed.extend(self.draft(&spec, tok, cache));
+            }
+        }
+        fed
+    }
+
+    /// After a pass over a token and its `draft` ([`Decoding::with_draft`], then
+    /// [`keydiff_model::Model::forward_decode_rows`] or a batch's decode rows), whose rows'
+    /// logits are `rows`: each row is fed and sampled in turn, a drafted token kept while it
+    /// is the token sampled, and the rest taken back from `cache`. Returns what
+    /// [`Decoding::next`] returned last: the token to feed next, or `None` once the request
+    /// has ended.
+    pub(crate) fn verify(
+        &mut self,
+        rows: Vec<Vec<f32>>,
+        draft: &[u32],
+        cache: &mut KvCache,
+        on_event: &mut impl FnMut(Event<'_>),
+    ) -> Result<Option<u32>> {
+        if rows.len() != draft.len() + 1 {
+            return Err(EngineError::Model(keydiff_model::ModelError::Shape(
+                format!(
+                    "{} rows of logits for a token and a draft of {}",
+                    rows.len(),
+                    draft.len()
+                ),
+            )));
+        }
+        // The cache's position before the pass.
+        let p0 = cache.position() - rows.len();
+        let mut rows = rows.into_iter();
+        let mut kept = 0;
+        let next = loop {
+            self.fed(rows.next().expect("a row per fed token"));
+            match self.next(p0 + kept + 1, on_event)? {
+                Some(s) if kept < draft.len() && s == draft[kept] => kept += 1,
+                other => break other,
+            }
+        };
+        cache.rewind(draft.len() - kept)?;
+        self.spec.passes += 1;
+        self.spec.drafted += draft.len();
+        self.spec.accepted += kept;
+        if let (Some(s), Some(spec)) = (&mut self.spec_schedule, &self.params.speculative) {
+            s.update(spec, draft.len(), kept);
+        }
+        Ok(next)
+    }
+
     /// Tokens that came before the prompt (a conversation's earlier turns, in its cache):
     /// speculative drafts are looked up in them too.
     pub(crate) fn look_up_in(&mut self, earlier: &[u32]) {
@@ -2234,47 +2290,16 @@ impl Engine {
         }
         let mut next = d.next(cache.position(), on_event)?;
         while let Some(tok) = next {
-            let draft = match d
-                .params
-                .speculative
-                .filter(|_| cache.unrewindable().is_none())
-            {
-                Some(spec) => d.draft(&spec, tok, cache),
-                None => Vec::new(),
-            };
-            if draft.is_empty() {
-                let logits = model.forward(&[tok], cache, true)?;
+            let fed = d.with_draft(tok, cache);
+            if fed.len() == 1 {
+                let logits = model.forward(&fed, cache, true)?;
                 d.fed(logits.to_vec1::<f32>()?);
                 next = d.next(cache.position(), on_event)?;
                 continue;
             }
-            // One pass over the token and the draft; then each drafted token is kept while it
-            // is the token sampled after the ones before it.
-            let p0 = cache.position();
-            let mut fed = Vec::with_capacity(draft.len() + 1);
-            fed.push(tok);
-            fed.extend_from_slice(&draft);
             let exact = d.params.speculative.is_some_and(|s| s.exact);
-            let rows = model
-                .forward_decode_rows(&fed, cache, exact)?
-                .to_vec2::<f32>()?;
-            let mut rows = rows.into_iter();
-            let mut kept = 0;
-            next = loop {
-                d.fed(rows.next().expect("a row per fed token"));
-                let sampled = d.next(p0 + kept + 1, on_event)?;
-                match sampled {
-                    Some(s) if kept < draft.len() && s == draft[kept] => kept += 1,
-                    other => break other,
-                }
-            };
-            cache.rewind(draft.len() - kept)?;
-            d.spec.passes += 1;
-            d.spec.drafted += draft.len();
-            d.spec.accepted += kept;
-            if let (Some(s), Some(spec)) = (&mut d.spec_schedule, &d.params.speculative) {
-                s.update(spec, draft.len(), kept);
-            }
+            let rows = model.forward_decode_rows(&fed, cache, exact)?;
+            next = d.verify(rows.to_vec2::<f32>()?, &fed[1..], cache, on_event)?;
         }
         Ok(d.finish(cache, on_event))
     }
