@@ -2246,8 +2246,8 @@ fn a_checkpoints_sampling_fills_what_a_request_leaves_out() {
 
 /// `serve --spec-type ngram` (`ServerConfig::speculative`): a request decodes speculatively
 /// and answers what a server without it answers (greedy, the same text and logprobs);
-/// llama.cpp's endpoint reports `timings.draft_n` and `draft_n_accepted`, and the `keydiff`
-/// stats the counters.
+/// llama.cpp's endpoint reports `timings.draft_n` and `draft_n_accepted`, the `keydiff`
+/// stats the counters, and `/metrics` their sums.
 #[test]
 fn a_speculative_server_answers_as_one_without() {
     let prompt = "The committee met on Tuesday to review the budget. The treasurer reported that \
@@ -2279,13 +2279,24 @@ fn a_speculative_server_answers_as_one_without() {
     );
     assert_eq!(code, 200, "{l}");
     assert!(l["timings"]["draft_n"].as_u64().unwrap() > 0, "{l}");
-    assert!(
-        l["timings"]["draft_n_accepted"].as_u64().unwrap() > 0,
-        "{l}"
-    );
+    let l_accepted = l["timings"]["draft_n_accepted"].as_u64().unwrap();
+    assert!(l_accepted > 0, "{l}");
     let (_, l) = post(
         &url(&plain, "/completion"),
         &json!({"prompt": prompt, "n_predict": 24}),
     );
     assert!(l["timings"].get("draft_n").is_none(), "{l}");
+    // Prometheus counters over both requests, as vLLM's spec_decode_num_*_tokens.
+    let text = ureq::get(&url(&spec, "/metrics"))
+        .call()
+        .unwrap()
+        .into_string()
+        .unwrap();
+    let value = |name: &str| -> u64 {
+        let line = (text.lines().find(|l| l.starts_with(name))).unwrap_or_else(|| panic!("{text}"));
+        line.rsplit(' ').next().unwrap().parse().unwrap()
+    };
+    let accepted = counters["accepted"].as_u64().unwrap() + l_accepted;
+    assert_eq!(value("keydiff_spec_decode_accepted_tokens_total"), accepted);
+    assert!(value("keydiff_spec_decode_draft_tokens_total") >= accepted);
 }
