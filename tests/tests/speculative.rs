@@ -299,3 +299,25 @@ fn a_chat_turn_drafts_from_earlier_turns() {
     let second = spec[1].stats.speculative.unwrap();
     assert!(second.accepted >= 16, "{second:?}: {:?}", spec[1].text);
 }
+
+/// At the end of the context (`-c`), drafts stop inside it: the request ends where
+/// token-by-token decoding ends it (`stop_reason: context`), with the same tokens.
+#[test]
+fn drafts_stay_inside_the_context() {
+    let cfg = EngineConfig {
+        cache: CacheConfig {
+            policy: PolicyKind::parse("keydiff", 8, 7).unwrap(),
+            budget: Some(48),
+            ..CacheConfig::full(16)
+        },
+        context: Some(100),
+        ..Default::default()
+    };
+    let e = Engine::load(&ModelSource::Gguf(model(SMOLLM2)), &cfg).unwrap();
+    let plain = run(&e, &params(0.0, None));
+    let spec = run(&e, &params(0.0, Some(NgramSpec::default())));
+    assert_eq!(plain.stats.stop_reason, keydiff::StopReason::Context);
+    assert_eq!(spec.stats.stop_reason, keydiff::StopReason::Context);
+    assert_eq!(plain.tokens, spec.tokens);
+    assert!(spec.stats.speculative.unwrap().accepted > 0);
+}

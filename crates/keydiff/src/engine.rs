@@ -1196,7 +1196,10 @@ impl<'e> Decoding<'e> {
     /// and the output, as long as the cache can take back and the request may still use.
     fn draft(&mut self, spec: &crate::NgramSpec, tok: u32, cache: &KvCache) -> Vec<u32> {
         debug_assert_eq!(self.generated.last(), Some(&tok));
-        let left = self.params.max_tokens.saturating_sub(self.generated.len());
+        // Drafted tokens at positions inside the context, that the request may still take.
+        let context = self.engine.model_config().context();
+        let left = (self.params.max_tokens.saturating_sub(self.generated.len()))
+            .min(context.saturating_sub(cache.position() + 1));
         // What came before, the prompt, then the output as it grows (copied once, not at
         // every token).
         if self.spec_base == 0 {
