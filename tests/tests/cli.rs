@@ -1117,44 +1117,56 @@ fn spec_type_ngram_gives_the_same_text_in_fewer_passes() {
         .chain(["--spec-type", "ngram"])
         .collect::<Vec<_>>());
     assert!(err.contains("drafted tokens accepted"), "{err}");
-    for args in [
-        vec![
-            "run",
-            "-m",
-            m.to_str().unwrap(),
-            "-p",
-            "Hi",
-            "--draft-max",
-            "4",
-        ],
-        vec![
-            "serve",
-            "-m",
-            m.to_str().unwrap(),
-            "--spec-type",
-            "ngram",
-            "--spec-exact",
-            "--max-batch",
-            "2",
-        ],
-        vec![
-            "run",
-            "-m",
-            m.to_str().unwrap(),
-            "-p",
-            "Hi",
-            "--spec-type",
-            "ngram",
-            "--draft-max",
-            "0",
-        ],
+    let m = m.to_str().unwrap();
+    for (args, want) in [
+        (
+            vec!["run", "-m", m, "-p", "Hi", "--draft-max", "4"],
+            "--spec-type <TYPE>",
+        ),
+        (
+            vec![
+                "run",
+                "-m",
+                m,
+                "-p",
+                "Hi",
+                "--spec-type",
+                "none",
+                "--spec-exact",
+            ],
+            "need --spec-type ngram",
+        ),
+        (
+            vec![
+                "serve",
+                "-m",
+                m,
+                "--spec-type",
+                "ngram",
+                "--spec-exact",
+                "--max-batch",
+                "2",
+            ],
+            "it needs --max-batch 1",
+        ),
+        (
+            vec![
+                "run",
+                "-m",
+                m,
+                "-p",
+                "Hi",
+                "--spec-type",
+                "ngram",
+                "--draft-max",
+                "0",
+            ],
+            "a draft of 0 tokens",
+        ),
     ] {
         let out = Command::new(keydiff_bin()).args(&args).output().unwrap();
         assert!(!out.status.success(), "{args:?}");
         let err = String::from_utf8_lossy(&out.stderr);
-        assert!(
-            err.contains("--spec-type") || err.contains("draft"),
-            "{args:?}: {err}"
-        );
+        assert!(err.contains(want), "{args:?}: {err}");
     }
 }

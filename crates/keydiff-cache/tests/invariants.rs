@@ -350,6 +350,7 @@ proptest! {
             step(&mut b, 1, true, salt);
         }
         prop_assert_eq!(snapshot(&a), snapshot(&b));
+        prop_assert_eq!(a.layer(0).next_position(), b.layer(0).next_position());
         let slots = |c: &KvCache| c.counters().evicted_slots;
         prop_assert_eq!(slots(&a), slots(&b));
         for _ in 0..8 {

@@ -1169,14 +1169,21 @@ impl SpecArgs {
     /// The settings asked for, checked; `None` without --spec-type (or with `none`).
     fn get(&self) -> Result<Option<keydiff::NgramSpec>> {
         if self.spec_type != Some(SpecType::Ngram) {
+            let tuned = self.draft_max.is_some()
+                || self.spec_ngram_max.is_some()
+                || self.spec_ngram_min.is_some()
+                || self.spec_exact;
+            if tuned {
+                bail!("--draft-max, --spec-ngram-min/max and --spec-exact need --spec-type ngram");
+            }
             return Ok(None);
         }
         let d = keydiff::NgramSpec::default();
+        // One bound given: the other defaults within it.
+        let (min, max) = (self.spec_ngram_min, self.spec_ngram_max);
         let spec = keydiff::NgramSpec {
-            ngram_min: self.spec_ngram_min.unwrap_or(d.ngram_min),
-            ngram_max: self
-                .spec_ngram_max
-                .unwrap_or(d.ngram_max.max(self.spec_ngram_min.unwrap_or(0))),
+            ngram_min: min.unwrap_or(d.ngram_min.min(max.unwrap_or(usize::MAX))),
+            ngram_max: max.unwrap_or(d.ngram_max.max(min.unwrap_or(0))),
             draft_max: self.draft_max.unwrap_or(d.draft_max),
             exact: self.spec_exact,
         };

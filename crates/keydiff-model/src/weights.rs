@@ -128,9 +128,10 @@ pub struct Linear {
     b: Option<Tensor>,
     /// Storage type in the checkpoint (`Q4_1`, `BF16`, ...).
     stored: String,
-    /// Whether the decode weight computes each of several rows as it computes that row alone
-    /// (found once, when first asked: [`Pass::DecodeRows`]).
-    rows_alone: std::sync::OnceLock<bool>,
+    /// Whether the decode weight computes each of several rows as it computes that row alone,
+    /// by row count and dtype (found once each, when first asked: [`Pass::DecodeRows`]).
+    /// Shared by clones, which hold the same weight.
+    rows_alone: Arc<Mutex<std::collections::HashMap<(usize, DType), bool>>>,
 }
 
 /// Which weights a linear runs on, over which rows.
@@ -144,7 +145,7 @@ pub enum Pass {
     /// speculative draft verified bit for bit): all at once where the decode weight's kernel
     /// computes each row as it computes a row alone, else row by row. candle picks other
     /// kernels for several rows for some types and devices (x86 Q6K, CUDA's quantized and
-    /// dense matmuls); each weight is checked once, on two rows.
+    /// dense matmuls); each weight is checked once per row count.
     DecodeRows,
 }
 
@@ -192,15 +193,20 @@ impl Linear {
         })
     }
 
-    /// True when the decode weight computes each of several rows of `x`'s dtype and device
-    /// as it computes that row alone: checked once, on two reproducible rows, bit for bit.
+    /// True when the decode weight computes each of `x`'s rows (in its dtype, on its
+    /// device) as it computes that row alone: checked once per row count, on as many
+    /// reproducible rows, bit for bit (candle picks kernels by the row count: CUDA's
+    /// matrix-vector kernels change their layout at 5 and 9 rows, aarch64 tiles 4 rows).
     fn rows_alone(&self, x: &Tensor) -> Result<bool> {
-        if let Some(&alone) = self.rows_alone.get() {
+        let (m, k) = x.dims2()?;
+        let known = |map: &std::collections::HashMap<(usize, DType), bool>| {
+            map.get(&(m, x.dtype())).copied()
+        };
+        if let Some(alone) = known(&self.rows_alone.lock().expect("not poisoned")) {
             return Ok(alone);
         }
-        let k = x.dim(candle_core::D::Minus1)?;
         let mut state = 0x9e37_79b9_7f4a_7c15u64;
-        let values: Vec<f32> = (0..2 * k)
+        let values: Vec<f32> = (0..m * k)
             .map(|_| {
                 state = state
                     .wrapping_mul(6364136223846793005)
@@ -208,16 +214,19 @@ impl Linear {
                 (state >> 40) as f32 / (1u64 << 23) as f32 - 1.0
             })
             .collect();
-        let probe = Tensor::from_vec(values, (2, k), x.device())?.to_dtype(x.dtype())?;
+        let probe = Tensor::from_vec(values, (m, k), x.device())?.to_dtype(x.dtype())?;
         let bits = |t: Tensor| -> Result<Vec<u32>> {
             let v = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
             Ok(v.into_iter().map(f32::to_bits).collect())
         };
-        let both = bits(self.quantized_forward(&probe)?)?;
-        let mut alone = bits(self.quantized_forward(&probe.narrow(0, 0, 1)?)?)?;
-        alone.extend(bits(self.quantized_forward(&probe.narrow(0, 1, 1)?)?)?);
-        let same = both == alone;
-        Ok(*self.rows_alone.get_or_init(|| same))
+        let all = bits(self.quantized_forward(&probe)?)?;
+        let mut one_by_one = Vec::with_capacity(all.len());
+        for i in 0..m {
+            one_by_one.extend(bits(self.quantized_forward(&probe.narrow(0, i, 1)?)?)?);
+        }
+        let same = all == one_by_one;
+        (self.rows_alone.lock().expect("not poisoned")).insert((m, x.dtype()), same);
+        Ok(same)
     }
 
     fn quantized_forward(&self, x: &Tensor) -> Result<Tensor> {

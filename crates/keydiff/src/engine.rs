@@ -1196,10 +1196,13 @@ impl<'e> Decoding<'e> {
     /// and the output, as long as the cache can take back and the request may still use.
     fn draft(&mut self, spec: &crate::NgramSpec, tok: u32, cache: &KvCache) -> Vec<u32> {
         debug_assert_eq!(self.generated.last(), Some(&tok));
-        // Drafted tokens at positions inside the context, that the request may still take.
+        // A drafted token is kept only when the token sampled after it may come too: within
+        // `max_tokens` and inside the context (`Decoding::next` ends the request before
+        // feeding a token that reaches either).
         let context = self.engine.model_config().context();
         let left = (self.params.max_tokens.saturating_sub(self.generated.len()))
-            .min(context.saturating_sub(cache.position() + 1));
+            .min(context.saturating_sub(cache.position() + 1))
+            .saturating_sub(1);
         // What came before, the prompt, then the output as it grows (copied once, not at
         // every token).
         if self.spec_base == 0 {
