@@ -663,22 +663,9 @@ impl Model {
         } else {
             Pass::Decode
         };
-        let pos0 = cache.position();
-        let b = tokens.len();
-        if b == 0 {
-            return Err(ModelError::Shape("empty chunk".into()));
-        }
-        if cache.num_layers() != self.layers.len() {
-            return Err(ModelError::Shape(format!(
-                "{} layer caches for {} layers",
-                cache.num_layers(),
-                self.layers.len()
-            )));
-        }
-        let ids = Tensor::new(tokens, &self.device)?;
+        let (pos0, b) = (cache.position(), tokens.len());
         // [B, hidden]
-        let mut x = self.embed.forward(&ids, self.dtype)?;
-        let cos_sin = self.rope.cos_sin(pos0, b, self.dtype, &self.device)?;
+        let (mut x, cos_sin) = self.embed_chunk(tokens, cache)?;
         let mut clock = Clock::new(cache.profiling(), &self.device)?;
         for (li, layer) in self.layers.iter().enumerate() {
             let h = layer.attn_norm.forward(&x)?;
@@ -935,11 +922,10 @@ impl Model {
         Ok(out)
     }
 
-    /// The layers over a chunk: its hidden states before the final norm, `[B, hidden]`.
-    fn hidden(&self, tokens: &[u32], cache: &mut KvCache, decode: bool) -> Result<Tensor> {
-        let pos0 = cache.position();
-        let b = tokens.len();
-        if b == 0 {
+    /// A chunk's embeddings, `[B, hidden]`, and its RoPE tables from the cache's position,
+    /// after checking the chunk and the cache against the model.
+    fn embed_chunk(&self, tokens: &[u32], cache: &KvCache) -> Result<(Tensor, (Tensor, Tensor))> {
+        if tokens.is_empty() {
             return Err(ModelError::Shape("empty chunk".into()));
         }
         if cache.num_layers() != self.layers.len() {
@@ -950,9 +936,18 @@ impl Model {
             )));
         }
         let ids = Tensor::new(tokens, &self.device)?;
+        let x = self.embed.forward(&ids, self.dtype)?;
+        let cos_sin =
+            self.rope
+                .cos_sin(cache.position(), tokens.len(), self.dtype, &self.device)?;
+        Ok((x, cos_sin))
+    }
+
+    /// The layers over a chunk: its hidden states before the final norm, `[B, hidden]`.
+    fn hidden(&self, tokens: &[u32], cache: &mut KvCache, decode: bool) -> Result<Tensor> {
+        let (pos0, b) = (cache.position(), tokens.len());
         // [B, hidden]
-        let mut x = self.embed.forward(&ids, self.dtype)?;
-        let cos_sin = self.rope.cos_sin(pos0, b, self.dtype, &self.device)?;
+        let (mut x, cos_sin) = self.embed_chunk(tokens, cache)?;
         let total = cache.len() + b;
         // The flash kernels mask by index; only eager attention adds a mask tensor.
         let mask = if b > 1 && self.attention != AttentionBackend::Flash {
