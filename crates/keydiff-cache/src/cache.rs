@@ -368,8 +368,7 @@ impl KvCache {
         }
         // H2O's state sums attention over every chunk seen: only a prefix made under the same
         // policy has it. Other policies keep no per-slot state across chunks.
-        let with_state =
-            self.cfg.policy != PolicyKind::Full && self.policy.needs() == StatsNeed::AllRows;
+        let with_state = self.sums_every_token();
         if with_state && prefix.cfg.policy != self.cfg.policy {
             return Err(CacheError::Config(format!(
                 "policy `{}` accumulates attention over every chunk, and the prefix (made under `{}`) did not",
@@ -443,17 +442,27 @@ impl KvCache {
         Ok(())
     }
 
+    /// True when the policy folds the attention of every token into per-slot state (H2O):
+    /// such a cache can be neither cut back nor rewound.
+    fn sums_every_token(&self) -> bool {
+        self.cfg.policy != PolicyKind::Full && self.policy.needs() == StatsNeed::AllRows
+    }
+
+    /// True when [`KvCache::rewind`] can take tokens back under this cache's policy (a cheap
+    /// check for every decode step; [`KvCache::unrewindable`] says why not).
+    pub fn can_rewind(&self) -> bool {
+        !self.sums_every_token()
+    }
+
     /// Why [`KvCache::rewind`] can never take tokens back under this cache's policy, if so.
     pub fn unrewindable(&self) -> Option<String> {
-        (self.cfg.policy != PolicyKind::Full && self.policy.needs() == StatsNeed::AllRows).then(
-            || {
-                format!(
-                    "policy `{}` accumulates attention from every token: tokens it has seen \
-                     cannot be taken back",
-                    self.cfg.policy.name()
-                )
-            },
-        )
+        self.sums_every_token().then(|| {
+            format!(
+                "policy `{}` accumulates attention from every token: tokens it has seen cannot \
+                 be taken back",
+                self.cfg.policy.name()
+            )
+        })
     }
 
     /// How many decode tokens can follow the next one such that none of them evicts and all
@@ -484,7 +493,7 @@ impl KvCache {
     fn uncuttable(&self) -> Option<String> {
         if self.counters.evictions != 0 {
             Some("a cache that has evicted cannot be cut back to a prefix".into())
-        } else if self.cfg.policy != PolicyKind::Full && self.policy.needs() == StatsNeed::AllRows {
+        } else if self.sums_every_token() {
             Some(format!(
                 "policy `{}` accumulates attention from every later token: its cache cannot be cut back",
                 self.cfg.policy.name()

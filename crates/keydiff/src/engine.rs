@@ -1227,7 +1227,7 @@ impl<'e> Decoding<'e> {
     pub(crate) fn with_draft(&mut self, tok: u32, cache: &KvCache) -> Vec<u32> {
         let mut fed = vec![tok];
         if let Some(spec) = self.params.speculative {
-            if cache.unrewindable().is_none() {
+            if cache.can_rewind() {
                 fed.extend(self.draft(&spec, tok, cache));
             }
         }

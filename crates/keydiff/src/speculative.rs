@@ -108,13 +108,11 @@ impl NgramSpec {
         Vec::new()
     }
 
-    /// [`NgramSpec::draft`] for a request whose cache is `cache`: no longer than the cache can
-    /// take back ([`KvCache::draft_room`]), nor than `left` more tokens may be generated after
-    /// the next one.
+    /// [`NgramSpec::draft`] for a request whose cache is `cache` (one that can rewind): no
+    /// longer than the cache can take back ([`KvCache::draft_room`]), nor than `left` more
+    /// tokens may be generated after the next one.
     pub(crate) fn draft_for(&self, text: &[u32], cache: &KvCache, left: usize) -> Vec<u32> {
-        if cache.unrewindable().is_some() {
-            return Vec::new();
-        }
+        debug_assert!(cache.can_rewind());
         self.draft(text, cache.draft_room().min(left))
     }
 }
