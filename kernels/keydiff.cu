@@ -375,3 +375,66 @@ extern "C" __global__ void __launch_bounds__(KD_POOL_THREADS)
     out[i] = s / (float)(2 * KD_POOL_HALF + 1);
   }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Q8_0 KV cache (llama.cpp's `q8_0` cache type): each run of 32 values of a row is GGML's
+// block_q8_0, an f16 scale d = max|x| / 127 (little endian) and 32 signed bytes round(x / d),
+// 34 bytes in all. The CPU twins are `quantize_block_q8_0` / `dequantize_block_q8_0` in
+// crates/keydiff-cache/src/kv_type.rs (GGML's reference codec); the arithmetic is the same
+// IEEE operations (a division, a reciprocal, a product, round half away from zero), so the
+// bytes and values are identical.
+// ---------------------------------------------------------------------------------------------
+
+#define KD_Q8_BLOCK 32
+#define KD_Q8_BYTES 34
+#define KD_Q8_THREADS 256
+
+// x [heads, n, d] (element strides; rows contiguous) -> out [heads, n, d / 32 * 34], contiguous.
+// One thread per block of 32 values; grid (ceil(n * d / 32 / threads), heads).
+template <typename T>
+__device__ void kd_q8_0_quantize(const T* x, int64_t head_stride, int64_t row_stride, int n,
+                                 int d, uint8_t* out) {
+  const int nb = d / KD_Q8_BLOCK;
+  const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  const int h = blockIdx.y;
+  if (i >= (int64_t)n * nb) return;
+  const int r = (int)(i / nb), b = (int)(i % nb);
+  const T* src = x + h * head_stride + r * row_stride + b * KD_Q8_BLOCK;
+  float v[KD_Q8_BLOCK];
+  float amax = 0.f;
+  for (int j = 0; j < KD_Q8_BLOCK; ++j) {
+    v[j] = kd_to_f(src[j]);
+    amax = fmaxf(amax, fabsf(v[j]));
+  }
+  const float dq = amax / 127.f;
+  const float id = dq != 0.f ? 1.f / dq : 0.f;
+  uint8_t* o = out + ((int64_t)h * n * nb + i) * KD_Q8_BYTES;
+  const unsigned short bits = __half_as_ushort(__float2half_rn(dq));
+  o[0] = (uint8_t)(bits & 0xffu);
+  o[1] = (uint8_t)(bits >> 8);
+  for (int j = 0; j < KD_Q8_BLOCK; ++j) o[2 + j] = (uint8_t)(int8_t)roundf(v[j] * id);
+}
+
+#define KD_Q8_QUANTIZE(SUFFIX, T)                                                                \
+  extern "C" __global__ void __launch_bounds__(KD_Q8_THREADS) keydiff_q8_0_quantize_##SUFFIX(   \
+      const T* x, int64_t head_stride, int64_t row_stride, int n, int d, uint8_t* out) {         \
+    kd_q8_0_quantize<T>(x, head_stride, row_stride, n, d, out);                                  \
+  }
+KD_Q8_QUANTIZE(f32, float)
+KD_Q8_QUANTIZE(f16, __half)
+KD_Q8_QUANTIZE(bf16, __nv_bfloat16)
+
+// q [heads, n, d / 32 * 34] (byte strides: a view of the cache buffer) -> out [heads, n, d] f32,
+// contiguous. One thread per value; grid (ceil(n * d / threads), heads).
+extern "C" __global__ void __launch_bounds__(KD_Q8_THREADS)
+    keydiff_q8_0_dequantize(const uint8_t* q, int64_t head_stride, int64_t row_stride, int n,
+                            int d, float* out) {
+  const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  const int h = blockIdx.y;
+  if (i >= (int64_t)n * d) return;
+  const int r = (int)(i / d), c = (int)(i % d);
+  const uint8_t* blk = q + h * head_stride + r * row_stride + (c / KD_Q8_BLOCK) * KD_Q8_BYTES;
+  const unsigned short bits = (unsigned short)(blk[0] | (blk[1] << 8));
+  const float scale = __half2float(__ushort_as_half(bits));
+  out[(int64_t)h * n * d + i] = (float)(int8_t)blk[2 + c % KD_Q8_BLOCK] * scale;
+}

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # One run on a GPU host (see GPU.md): environment, eviction-kernel parity and timing, CPU-vs-GPU
-# model parity (eager attention, and flash when the binary has it), perplexity parity, batched
-# passes against single runs on the device, prefix reuse on the device, the memory plan against
-# the driver, a prompt cache saved and loaded on the device, speculative decoding on the
-# device, a short TTFT sweep, batched decode, a prompt joining a decoding batch, then, as
-# time allows, the kernels under compute-sanitizer.
+# model parity (eager attention, and flash when the binary has it; f16, q8_0 and fp8 caches),
+# perplexity parity, batched passes against single runs on the device, prefix reuse on the
+# device, the memory plan against the driver, a prompt cache saved and loaded on the device,
+# speculative decoding on the device, a short TTFT sweep, batched decode, a prompt joining a
+# decoding batch, then, as time allows, the kernels under compute-sanitizer.
 # Build the binary here first (scripts/build-cuda.sh), carry it, then on the GPU host:
 #   scripts/gpu-check.sh            (logs go to $OUT when set, else bench/gpu-check-logs/)
 # Prints a summary table last. Needs no Rust toolchain and no network on the GPU host.
@@ -71,6 +71,21 @@ if ! timeout 100 "$bin" check-device --device "$device" --dtype bf16 --kv-dtype 
   parity_ok=0
   tail -5 "$errors"
 fi
+# Quantized caches (--kv-dtype q8_0: the Q8_0 quantize and dequantize kernels; fp8: candle's
+# casts), bf16 activations, on presets whose heads hold whole blocks of 32. fp8's coarse
+# rounding moves KeyDiff's and TOVA's choices against the f32 reference (CPU dry run in bf16:
+# cosine 0.978 on tiny-qwen-d64 under KeyDiff), so it is checked under H2O and the full cache.
+for kvt in q8_0 fp8; do
+  pol=keydiff,tova,h2o
+  [[ $kvt == fp8 ]] && pol=h2o
+  if ! timeout 100 "$bin" check-device --device "$device" --dtype bf16 --kv-dtype "$kvt" \
+      --attention eager --prompt-len 700 --chunk 64 --budget 256 --policies "$pol" \
+      --preset configs/tiny-qwen-d64.json --preset configs/tiny-qwen3.json \
+      > "$out/parity-bf16-kv$kvt.jsonl" 2>> "$errors"; then
+    parity_ok=0
+    tail -5 "$errors"
+  fi
+done
 python3 - "$out" >> "$summary" <<'PY'
 import json, sys, glob
 print("parity (CPU f32 reference):")

@@ -446,6 +446,23 @@ inline long long min(long long a, long long b) { return a < b ? a : b; }
 inline long long max(long long a, long long b) { return a > b ? a : b; }
 
 inline float __bfloat162float(__nv_bfloat16 h) { return kd_emu::u2f((uint32_t)h.x << 16); }
+inline unsigned short __half_as_ushort(__half h) { return h.x; }
+inline __half __ushort_as_half(unsigned short x) { return __half{x}; }
+// f32 -> f16, round to nearest even, as the device's conversion (and `half::f16::from_f32`).
+inline __half __float2half_rn(float f) {
+  const uint32_t x = kd_emu::f2u(f);
+  const uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
+  if (ax > 0x7f800000u) return __half{(uint16_t)(sign | 0x7e00u)};  // NaN
+  if (ax >= 0x47800000u) return __half{(uint16_t)(sign | 0x7c00u)};  // to infinity
+  if (ax < 0x38800000u) {
+    // Below 2^-14: a subnormal, v · 2^24 units (exact scaling), rounded to nearest even.
+    return __half{(uint16_t)(sign | (uint32_t)nearbyintf(kd_emu::u2f(ax) * 16777216.0f))};
+  }
+  uint32_t h = (((ax >> 23) - 112u) << 10) | ((ax & 0x7fffffu) >> 13);
+  const uint32_t rem = ax & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;  // a carry may reach infinity
+  return __half{(uint16_t)(sign | h)};
+}
 inline float __half2float(__half h) {
   const uint32_t sign = (uint32_t)(h.x & 0x8000u) << 16;
   const uint32_t exp = (h.x >> 10) & 0x1fu, mant = h.x & 0x3ffu;

@@ -91,6 +91,46 @@ extern "C" int kd_emu_move_rows(char* buf, int64_t head_stride, int64_t row_stri
   return finish(e, err, err_len);
 }
 
+// keydiff_q8_0_quantize_*: dtype 0 f32, 1 f16, 2 bf16.
+extern "C" int kd_emu_q8_0_quantize(int dtype, const void* x, int64_t head_stride,
+                                    int64_t row_stride, int n, int d, uint8_t* out,
+                                    unsigned grid_x, unsigned grid_y, unsigned block,
+                                    uint64_t seed, char* err, size_t err_len) {
+  std::function<void()> body;
+  switch (dtype) {
+    case 0:
+      body = [=] {
+        kd_emu::run_kernel(keydiff_q8_0_quantize_f32, (const float*)x, head_stride, row_stride, n,
+                           d, out);
+      };
+      break;
+    case 1:
+      body = [=] {
+        kd_emu::run_kernel(keydiff_q8_0_quantize_f16, (const __half*)x, head_stride, row_stride,
+                           n, d, out);
+      };
+      break;
+    case 2:
+      body = [=] {
+        kd_emu::run_kernel(keydiff_q8_0_quantize_bf16, (const __nv_bfloat16*)x, head_stride,
+                           row_stride, n, d, out);
+      };
+      break;
+    default:
+      return finish("unknown dtype " + std::to_string(dtype), err, err_len);
+  }
+  return finish(guarded(d3(grid_x, grid_y), d3(block), KD_Q8_THREADS, seed, body), err, err_len);
+}
+
+extern "C" int kd_emu_q8_0_dequantize(const uint8_t* q, int64_t head_stride, int64_t row_stride,
+                                      int n, int d, float* out, unsigned grid_x, unsigned grid_y,
+                                      unsigned block, uint64_t seed, char* err, size_t err_len) {
+  const std::string e = guarded(d3(grid_x, grid_y), d3(block), KD_Q8_THREADS, seed, [=] {
+    kd_emu::run_kernel(keydiff_q8_0_dequantize, q, head_stride, row_stride, n, d, out);
+  });
+  return finish(e, err, err_len);
+}
+
 // `bitmap` must be zeroed.
 extern "C" int kd_emu_snapkv_pool(const float* stats, int64_t stats_stride,
                                   const uint32_t* positions, int64_t pos_stride, int n,

@@ -6,12 +6,12 @@
 use std::path::Path;
 
 use keydiff::{
-    CacheConfig, DType, Engine, EngineConfig, GenerateParams, ModelSource, PolicyKind, Prompt,
-    PromptCache, Reuse,
+    CacheConfig, DType, Engine, EngineConfig, GenerateParams, KvType, ModelSource, PolicyKind,
+    Prompt, PromptCache, Reuse,
 };
 use keydiff_tests::{model, root, temp_dir, write_tiny_qwen3, SMOLLM2};
 
-fn engine_on(source: &ModelSource, cache: CacheConfig, kv_dtype: Option<DType>) -> Engine {
+fn engine_on(source: &ModelSource, cache: CacheConfig, kv_dtype: Option<KvType>) -> Engine {
     let cfg = EngineConfig {
         cache,
         kv_dtype,
@@ -66,13 +66,26 @@ fn same_run(a: &keydiff::Output, b: &keydiff::Output, what: &str) {
 /// saved and loaded, answers a question on the document exactly as the cache kept in memory
 /// does (the same tokens and logprobs, the whole document reused, the same evictions), and
 /// the cache the question leaves goes on alike too. Under KeyDiff, H2O (whose per-slot
-/// attention sums the file carries) and `random` (whose generator it carries). The file
-/// holds only the used slots.
+/// attention sums the file carries) and `random` (whose generator it carries); and under
+/// KeyDiff with a cache of Q8_0 blocks and one of fp8, which the file holds as stored. The
+/// file holds only the used slots.
 #[test]
 fn a_saved_cache_goes_on_as_the_one_in_memory() {
     let dir = temp_dir("cache-file-continue");
-    for policy in ["keydiff", "h2o", "random"] {
-        let e = smollm2(budget(policy, 64, 16));
+    let f32_cache = KvType::Float(DType::F32);
+    for (policy, kv) in [
+        ("keydiff", f32_cache),
+        ("h2o", f32_cache),
+        ("random", f32_cache),
+        ("keydiff", KvType::Q8_0),
+        ("keydiff", KvType::Float(DType::F8E4M3)),
+    ] {
+        let e = engine_on(
+            &ModelSource::Gguf(model(SMOLLM2)),
+            budget(policy, 64, 16),
+            Some(kv),
+        );
+        let policy = format!("{policy} {kv}");
         let mut mem = PromptCache::with_reuse(Reuse::Continue);
         mem.set_prompt_only(true);
         let first = e
@@ -86,7 +99,7 @@ fn a_saved_cache_goes_on_as_the_one_in_memory() {
         let path = dir.join(format!("{policy}.kv"));
         let bytes = e.save_prompt_cache(&mem, &path).unwrap().unwrap();
         let m = e.model_config();
-        let kv = 2 * m.num_layers * m.num_kv_heads * mem.slots() * m.head_dim * 4;
+        let kv = 2 * m.num_layers * m.num_kv_heads * mem.slots() * kv.row_bytes(m.head_dim);
         let per_slot = 8 * m.num_layers * m.num_kv_heads * mem.slots();
         assert!(
             (bytes as usize) > kv + per_slot && (bytes as usize) < kv + per_slot + 64 * 1024,
@@ -271,7 +284,7 @@ fn files_that_cannot_be_used_are_refused() {
             && msg.contains("this run has policy keydiff, budget 40"),
         "{msg}"
     );
-    let half = engine_on(&tiny_llama(2), cfg, Some(DType::F16));
+    let half = engine_on(&tiny_llama(2), cfg, Some(DType::F16.into()));
     assert!(refusal(&half, &good).contains("holds a f32 cache; this run's is f16"));
     // Under exact reuse, an evicted cache could stand for nothing.
     let msg = match e.load_prompt_cache(&good, Reuse::Exact) {

@@ -163,7 +163,7 @@ fn half_cache_matches_cpu_f32(dev: &Device) -> Result<()> {
                 &preset_path,
                 3,
                 &cfg(Device::Cpu, DType::F32, None),
-                &cfg(dev.clone(), dtype, Some(DType::F16)),
+                &cfg(dev.clone(), dtype, Some(DType::F16.into())),
                 250,
             )?;
             ensure!(
@@ -301,7 +301,7 @@ fn memory_is_planned_on_the_device(dev: &Device) -> Result<()> {
         let cfg = |cache: CacheConfig, memory_limit| EngineConfig {
             device: dev.clone(),
             dtype,
-            kv_dtype: Some(kv_dtype),
+            kv_dtype: Some(kv_dtype.into()),
             cache,
             attention: keydiff::AttentionBackend::Eager,
             memory_limit,

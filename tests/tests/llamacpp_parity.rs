@@ -83,7 +83,7 @@ fn check_gaps(
         } else {
             CpuWeights::AS_STORED
         },
-        kv_dtype: Some(kv_dtype),
+        kv_dtype: Some(kv_dtype.into()),
         rope,
         ..Default::default()
     };

@@ -2,12 +2,12 @@
 
 use std::time::Instant;
 
-use candle_core::{DType, Device};
+use candle_core::Device;
 
 use crate::config::{CacheConfig, PolicyKind};
 use crate::layer::{LayerCache, LayerParts};
 use crate::policy::{build, AttnStats, Policy, StatsNeed};
-use crate::{CacheError, Result};
+use crate::{CacheError, KvType, Result};
 
 /// What eviction cost, summed over layers.
 #[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -89,13 +89,14 @@ impl KvCache {
         kv_heads: usize,
         head_dim: usize,
         max_tokens: usize,
-        dtype: DType,
+        kv: impl Into<KvType>,
         device: &Device,
     ) -> Result<Self> {
         cfg.validate()?;
         let capacity = cfg.slots_for(max_tokens);
+        let kv = kv.into();
         let layers = (0..layers)
-            .map(|_| LayerCache::new(kv_heads, head_dim, capacity, dtype, device))
+            .map(|_| LayerCache::new(kv_heads, head_dim, capacity, kv, device))
             .collect::<Result<Vec<_>>>()?;
         Ok(Self {
             policy: build(&cfg.policy),
@@ -274,7 +275,7 @@ impl KvCache {
                     l.kv_heads(),
                     l.head_dim(),
                     capacity,
-                    l.k_buffer().dtype(),
+                    l.kv_type(),
                     l.device(),
                 )?;
                 n.copy_from(l, true)?;

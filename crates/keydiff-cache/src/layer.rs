@@ -3,15 +3,16 @@
 use candle_core::{DType, Device, Tensor};
 
 use crate::select::{ApplyPlan, SelectPlan};
-use crate::{CacheError, Result};
+use crate::{CacheError, KvType, Result};
 
 /// The used slots of one layer, apart from its buffers' free room: what a saved cache holds
 /// ([`LayerCache::parts`], [`LayerCache::from_parts`]).
 #[derive(Debug, Clone)]
 pub struct LayerParts {
-    /// `[kv_heads, len, head_dim]`, f32, f16 or bf16.
+    /// As the cache stores them: `[kv_heads, len, head_dim]` in f32, f16, bf16 or f8e4m3, or
+    /// u8 `[kv_heads, len, head_dim / 32 · 34]`, Q8_0 blocks ([`KvType`]).
     pub keys: Tensor,
-    /// `[kv_heads, len, head_dim]`, the dtype of the keys.
+    /// As the keys.
     pub values: Tensor,
     /// `[kv_heads, len]` u32.
     pub positions: Tensor,
@@ -29,10 +30,12 @@ pub struct LayerParts {
 /// cache's device, next to K and V, and move with their slot.
 #[derive(Debug, Clone)]
 pub struct LayerCache {
-    /// `[kv_heads, capacity, head_dim]`
+    /// `[kv_heads, capacity, row]`: rows of `head_dim` values in `kv`'s form.
     k: Tensor,
-    /// `[kv_heads, capacity, head_dim]`
+    /// `[kv_heads, capacity, row]`
     v: Tensor,
+    kv: KvType,
+    head_dim: usize,
     len: usize,
     /// `[kv_heads, capacity]` u32, absolute token position of each slot.
     positions: Tensor,
@@ -46,24 +49,30 @@ pub struct LayerCache {
 }
 
 impl LayerCache {
-    /// Allocates the buffers once; nothing grows afterwards.
+    /// Allocates the buffers once; nothing grows afterwards. `kv`: a float dtype or
+    /// [`KvType::Q8_0`].
     pub fn new(
         kv_heads: usize,
         head_dim: usize,
         capacity: usize,
-        dtype: DType,
+        kv: impl Into<KvType>,
         device: &Device,
     ) -> Result<Self> {
+        let kv = kv.into();
         if capacity == 0 || kv_heads == 0 || head_dim == 0 {
             return Err(CacheError::Config(format!(
                 "empty cache: kv_heads={kv_heads} head_dim={head_dim} capacity={capacity}"
             )));
         }
-        let k = Tensor::zeros((kv_heads, capacity, head_dim), dtype, device)?;
-        let v = Tensor::zeros((kv_heads, capacity, head_dim), dtype, device)?;
+        kv.check(head_dim).map_err(CacheError::Config)?;
+        let shape = (kv_heads, capacity, kv.row_len(head_dim));
+        let k = Tensor::zeros(shape, kv.storage_dtype(), device)?;
+        let v = Tensor::zeros(shape, kv.storage_dtype(), device)?;
         Ok(Self {
             k,
             v,
+            kv,
+            head_dim,
             len: 0,
             positions: Tensor::zeros((kv_heads, capacity), DType::U32, device)?,
             state: Tensor::zeros((kv_heads, capacity), DType::F32, device)?,
@@ -105,12 +114,15 @@ impl LayerCache {
             }
         }
         let dtype = parts.keys.dtype();
-        if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) || parts.values.dtype() != dtype
-        {
+        let kv = KvType::of_storage(dtype);
+        let head_dim = kv.head_dim_of(dim).unwrap_or(0);
+        if kv.check(head_dim).is_err() || parts.values.dtype() != dtype || head_dim == 0 {
             return bad(format!(
-                "keys in {} and values in {} (expected one of f32, f16, bf16)",
+                "keys in {} and values in {}, rows of {dim} (expected one of {}; q8_0 as u8 \
+                 rows of 34-byte blocks)",
                 dtype.as_str(),
-                parts.values.dtype().as_str()
+                parts.values.dtype().as_str(),
+                KvType::NAMES
             ));
         }
         if len > capacity {
@@ -143,7 +155,7 @@ impl LayerCache {
                 ));
             }
         }
-        let mut layer = Self::new(heads, dim, capacity, dtype, device)?;
+        let mut layer = Self::new(heads, head_dim, capacity, kv, device)?;
         if len > 0 {
             let on = |t: &Tensor| t.to_device(device)?.contiguous();
             layer.k.slice_set(&on(&parts.keys)?, 1, 0)?;
@@ -160,8 +172,8 @@ impl LayerCache {
     /// holds of this layer.
     pub fn parts(&self) -> Result<LayerParts> {
         Ok(LayerParts {
-            keys: self.keys()?,
-            values: self.values()?,
+            keys: self.stored_keys()?,
+            values: self.stored_values()?,
             positions: self.positions_tensor()?,
             state: self.state_tensor()?,
             next_position: self.next_position,
@@ -173,7 +185,7 @@ impl LayerCache {
     /// of the chunk's first token.
     pub fn append(&mut self, k: &Tensor, v: &Tensor, pos0: usize) -> Result<()> {
         let (heads, chunk, dim) = k.dims3()?;
-        let (kv_heads, capacity, head_dim) = self.k.dims3()?;
+        let (kv_heads, capacity, head_dim) = (self.kv_heads(), self.capacity(), self.head_dim);
         if heads != kv_heads || dim != head_dim || v.dims() != k.dims() {
             return Err(CacheError::Shape(format!(
                 "append k {:?} v {:?} into cache [{kv_heads}, {capacity}, {head_dim}]",
@@ -195,12 +207,11 @@ impl LayerCache {
                 pos0 + chunk
             )));
         }
-        // Rounded to the cache's dtype where it differs from the activations'.
-        let dt = self.k.dtype();
+        // Rounded to the cache's dtype where it differs from the activations', or quantized.
         self.k
-            .slice_set(&k.to_dtype(dt)?.contiguous()?, 1, self.len)?;
+            .slice_set(&self.kv.encode(k)?.contiguous()?, 1, self.len)?;
         self.v
-            .slice_set(&v.to_dtype(dt)?.contiguous()?, 1, self.len)?;
+            .slice_set(&self.kv.encode(v)?.contiguous()?, 1, self.len)?;
         let dev = self.k.device();
         let pos = Tensor::arange(pos0 as u32, (pos0 + chunk) as u32, dev)?
             .unsqueeze(0)?
@@ -218,22 +229,39 @@ impl LayerCache {
         Ok(())
     }
 
-    /// Keys of the used slots, `[kv_heads, len, head_dim]` (a view, not a copy).
+    /// Keys of the used slots, `[kv_heads, len, head_dim]`: a view of a float cache (not a
+    /// copy), or a Q8_0 cache's blocks dequantized to f32.
     pub fn keys(&self) -> Result<Tensor> {
+        self.kv.decode(&self.stored_keys()?, self.head_dim)
+    }
+
+    /// Values of the used slots, as [`LayerCache::keys`].
+    pub fn values(&self) -> Result<Tensor> {
+        self.kv.decode(&self.stored_values()?, self.head_dim)
+    }
+
+    /// Keys of the used slots as stored, `[kv_heads, len, row]` (a view; for Q8_0 the u8
+    /// blocks).
+    pub fn stored_keys(&self) -> Result<Tensor> {
         Ok(self.k.narrow(1, 0, self.len)?)
     }
 
-    /// Values of the used slots, `[kv_heads, len, head_dim]` (a view, not a copy).
-    pub fn values(&self) -> Result<Tensor> {
+    /// Values of the used slots as stored (see [`LayerCache::stored_keys`]).
+    pub fn stored_values(&self) -> Result<Tensor> {
         Ok(self.v.narrow(1, 0, self.len)?)
     }
 
-    /// The whole K buffer, `[kv_heads, capacity, head_dim]` (for kernels).
+    /// What the cache holds keys and values in.
+    pub fn kv_type(&self) -> KvType {
+        self.kv
+    }
+
+    /// The whole K buffer, `[kv_heads, capacity, row]` (for kernels).
     pub fn k_buffer(&self) -> &Tensor {
         &self.k
     }
 
-    /// The whole V buffer, `[kv_heads, capacity, head_dim]` (for kernels).
+    /// The whole V buffer, `[kv_heads, capacity, row]` (for kernels).
     pub fn v_buffer(&self) -> &Tensor {
         &self.v
     }
@@ -265,7 +293,7 @@ impl LayerCache {
 
     /// Dimension of one head.
     pub fn head_dim(&self) -> usize {
-        self.k.dims()[2]
+        self.head_dim
     }
 
     /// One past the largest position appended so far: every slot's position is below it.
@@ -341,13 +369,10 @@ impl LayerCache {
             )));
         }
         let (have, want) = (self.k.dims(), src.k.dims());
-        if have[0] != want[0] || have[2] != want[2] || self.k.dtype() != src.k.dtype() {
+        if have[0] != want[0] || have[2] != want[2] || self.kv != src.kv {
             return Err(CacheError::Shape(format!(
-                "copy a {:?} {:?} cache into a {:?} {:?} one",
-                want,
-                src.k.dtype(),
-                have,
-                self.k.dtype()
+                "copy a {:?} {} cache into a {:?} {} one",
+                want, src.kv, have, self.kv
             )));
         }
         if n > src.len {
@@ -366,8 +391,8 @@ impl LayerCache {
         if n > 0 {
             // `slice_set` copies into this cache's own buffers.
             let first = |t: Tensor| t.narrow(1, 0, n)?.contiguous();
-            self.k.slice_set(&first(src.keys()?)?, 1, 0)?;
-            self.v.slice_set(&first(src.values()?)?, 1, 0)?;
+            self.k.slice_set(&first(src.stored_keys()?)?, 1, 0)?;
+            self.v.slice_set(&first(src.stored_values()?)?, 1, 0)?;
             self.positions
                 .slice_set(&first(src.positions_tensor()?)?, 1, 0)?;
             let state = if with_state {

@@ -338,6 +338,8 @@ impl InplaceOp2 for ApplyPlan {
             CpuStorage::BF16(xs) => Self::apply(xs, l1, plan, l2),
             CpuStorage::F64(xs) => Self::apply(xs, l1, plan, l2),
             CpuStorage::U32(xs) => Self::apply(xs, l1, plan, l2),
+            CpuStorage::U8(xs) => Self::apply(xs, l1, plan, l2),
+            CpuStorage::F8E4M3(xs) => Self::apply(xs, l1, plan, l2),
             _ => candle_core::bail!("apply-plan: unsupported dtype"),
         }
     }

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 
 use candle_core::{DType, Device, Tensor};
-use keydiff_cache::{AttnStats, CacheConfig, KvCache, PolicyKind};
+use keydiff_cache::{AttnStats, CacheConfig, KvCache, KvType, PolicyKind};
 use proptest::prelude::*;
 
 const KV: usize = 3;
@@ -708,4 +708,73 @@ fn a_fresh_cache_copies_a_prefix_of_another() {
         flat(a.state_tensor().unwrap()),
         flat(b.state_tensor().unwrap())
     );
+}
+
+/// Rows of 64 values for the Q8_0 tests: a spread of magnitudes, with an outlier column as
+/// real keys have.
+fn wide_chunk(pos0: usize, len: usize, salt: u64) -> Tensor {
+    let mut x = salt | 1;
+    let data: Vec<f32> = (0..KV * len * 64)
+        .map(|i| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let u = (x >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+            let (p, c) = (pos0 + (i / 64) % len, i % 64);
+            match c {
+                0 => 40.0 + p as f32 * 0.01,
+                _ => u * [0.01, 0.3, 3.0][c % 3],
+            }
+        })
+        .collect();
+    Tensor::from_vec(data, (KV, len, 64), &Device::Cpu).unwrap()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    /// A Q8_0 cache is an f32 cache of its rounded values: fed the same chunks (the f32
+    /// one their Q8_0 round trip), under every policy and the same statistics, it keeps the
+    /// same slots, and its keys and values read back as the f32 cache's, bit for bit.
+    #[test]
+    fn a_q8_0_cache_is_an_f32_cache_of_its_rounded_values(
+        policy in policies(),
+        chunks in proptest::collection::vec(1usize..=8, 1..8),
+        salt in 0u64..1000,
+    ) {
+        let cfg = CacheConfig {
+            policy,
+            budget: Some(12),
+            ..CacheConfig::full(8)
+        };
+        let total: usize = chunks.iter().sum();
+        let new = |kv: KvType| {
+            KvCache::new(cfg.clone(), 1, KV, 64, total, kv, &Device::Cpu).unwrap()
+        };
+        let (mut q, mut f) = (new(KvType::Q8_0), new(DType::F32.into()));
+        let rounded = |t: &Tensor| {
+            keydiff_cache::dequantize_q8_0(&keydiff_cache::quantize_q8_0(t).unwrap(), 64).unwrap()
+        };
+        for (i, &len) in chunks.iter().enumerate() {
+            let pos0 = q.position();
+            let (k, v) = (wide_chunk(pos0, len, salt + i as u64), wide_chunk(pos0, len, !salt));
+            q.layer_mut(0).append(&k, &v, pos0).unwrap();
+            f.layer_mut(0).append(&rounded(&k), &rounded(&v), pos0).unwrap();
+            let n = q.layer(0).len();
+            let st = q.stats_rows(len).map(|r| stats(n, r, salt ^ i as u64));
+            q.after_attention(0, st.as_ref(), false).unwrap();
+            f.after_attention(0, st.as_ref(), false).unwrap();
+            q.advance(len);
+            f.advance(len);
+            let (a, b) = (q.layer(0), f.layer(0));
+            prop_assert_eq!(a.len(), b.len());
+            for h in 0..KV {
+                prop_assert_eq!(a.positions(h).unwrap(), b.positions(h).unwrap());
+            }
+            let flat = |t: Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            prop_assert_eq!(flat(a.keys().unwrap()), flat(b.keys().unwrap()));
+            prop_assert_eq!(flat(a.values().unwrap()), flat(b.values().unwrap()));
+            prop_assert_eq!(a.bytes() * 128, b.bytes() * 34);
+        }
+    }
 }

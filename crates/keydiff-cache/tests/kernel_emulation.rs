@@ -675,3 +675,85 @@ fn interleaved_layouts_score_like_contiguous_ones() {
         assert!(diff < 1e-6, "seed {seed}: {diff}");
     }
 }
+
+/// The Q8_0 kernels give the CPU twin's bytes and values exactly (the same IEEE operations),
+/// from f32, f16 and bf16 rows of cache views (padded row strides, a used prefix of the
+/// slots), with values from 1e-4 to 300 and a zero block; the dequantized view reads the
+/// blocks in place at the buffer's strides.
+#[test]
+fn q8_0_kernels_match_the_cpu_twin_exactly() {
+    let mut rng = StdRng::seed_from_u64(23);
+    // (kv, n, rows, d, row stride in values)
+    let cases = [
+        (2, 37, 40, 64, 64),
+        (3, 5, 9, 128, 160),
+        (1, 300, 300, 256, 256),
+        (2, 1, 4, 32, 32),
+    ];
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        for &(kv, n, rows, d, rs) in &cases {
+            let scale: Vec<f32> = (0..kv * rows * rs)
+                .map(|i| [1e-4f32, 0.05, 2.0, 300.0][(i / 32) % 4])
+                .collect();
+            let mut v: Vec<f32> = scale
+                .iter()
+                .map(|s| s * rng.sample::<f32, _>(StandardNormal))
+                .collect();
+            v[..32].fill(0.0);
+            let buf = Tensor::from_vec(v, (kv, rows, rs), &Device::Cpu)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            let view = buf.narrow(1, 0, n).unwrap().narrow(2, 0, d).unwrap();
+            let twin = keydiff_cache::quantize_q8_0(&view).unwrap();
+            let twin_bytes = twin.flatten_all().unwrap().to_vec1::<u8>().unwrap();
+            let flat = buf.flatten_all().unwrap();
+            let (f32s, f16s, bf16s);
+            let x = match dtype {
+                DType::F32 => {
+                    f32s = flat.to_vec1::<f32>().unwrap();
+                    emu::Keys::F32(&f32s)
+                }
+                DType::F16 => {
+                    f16s = flat.to_vec1::<f16>().unwrap();
+                    emu::Keys::F16(&f16s)
+                }
+                _ => {
+                    bf16s = flat.to_vec1::<bf16>().unwrap();
+                    emu::Keys::BF16(&bf16s)
+                }
+            };
+            for seed in SEEDS {
+                let got = emu::q8_0_quantize(x, kv, n, d, rows * rs, rs, seed).unwrap();
+                assert!(
+                    got == twin_bytes,
+                    "{dtype:?} kv {kv} n {n} d {d}: bytes differ"
+                );
+            }
+            // The blocks inside a cache buffer of `rows + 3` slots, read as the used view.
+            let rb = d / 32 * 34;
+            let padded = Tensor::zeros((kv, rows + 3, rb), DType::U8, &Device::Cpu).unwrap();
+            padded.slice_set(&twin, 1, 0).unwrap();
+            let want = keydiff_cache::dequantize_q8_0(&padded.narrow(1, 0, n).unwrap(), d)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap();
+            let bytes = padded.flatten_all().unwrap().to_vec1::<u8>().unwrap();
+            for seed in SEEDS {
+                let got =
+                    emu::q8_0_dequantize(&bytes, kv, n, d, (rows + 3) * rb, rb, seed).unwrap();
+                assert!(
+                    got.iter()
+                        .zip(&want)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{dtype:?} kv {kv} n {n} d {d}: values differ"
+                );
+            }
+        }
+    }
+    // Heads not of whole blocks are refused before any launch.
+    let x = vec![0f32; 48];
+    assert!(emu::q8_0_quantize(emu::Keys::F32(&x), 1, 1, 48, 48, 48, 0).is_err());
+}

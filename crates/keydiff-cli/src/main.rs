@@ -11,9 +11,9 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use keydiff::tools::{Tool, ToolChoice, ToolSyntax};
 use keydiff::{
-    parse_device, parse_dtype, AttentionBackend, CacheConfig, CpuWeights, Engine, EngineConfig,
-    Event, Format, GenerateParams, Message, ModelSource, PolicyKind, Prompt, Sampling,
-    DEFAULT_CHUNK,
+    parse_device, parse_dtype, parse_kv_dtype, AttentionBackend, CacheConfig, CpuWeights, Engine,
+    EngineConfig, Event, Format, GenerateParams, Message, ModelSource, PolicyKind, Prompt,
+    Sampling, DEFAULT_CHUNK,
 };
 
 /// The model `run` uses when `-m` is not given (fetched by scripts/fetch-models.sh).
@@ -192,8 +192,9 @@ struct LoadArgs {
     /// f32, f16 or bf16.
     #[arg(long, default_value = "f32")]
     dtype: String,
-    /// Dtype the KV cache holds: f32, f16 or bf16 (default: --dtype). f16 halves the cache's
-    /// memory and the bytes a decode step reads (llama.cpp's default cache type).
+    /// What the KV cache holds: f32, f16, bf16, fp8 (E4M3 without a scale, vLLM's) or q8_0
+    /// (llama.cpp's blocks, 1.06 bytes a value; CPU) (default: --dtype). f16 halves the
+    /// cache's memory and the bytes a decode step reads (llama.cpp's default cache type).
     #[arg(long)]
     kv_dtype: Option<String>,
     /// On the CPU, use the GGUF weights exactly as stored (llama.cpp's numerics; less memory,
@@ -375,7 +376,7 @@ impl LoadArgs {
         };
         let device = parse_device(&self.device)?;
         let dtype = parse_dtype(&self.dtype)?;
-        let kv_dtype = self.kv_dtype.as_deref().map(parse_dtype).transpose()?;
+        let kv_dtype = self.kv_dtype.as_deref().map(parse_kv_dtype).transpose()?;
         let (chat_template, chat_template_kwargs) = self.template.resolve()?;
         let cfg = EngineConfig {
             cpu_weights: if self.as_stored {
@@ -617,7 +618,7 @@ fn real_main() -> Result<()> {
         } => {
             let dev = parse_device(&device)?;
             let dt = parse_dtype(&dtype)?;
-            let kv_dt = kv_dtype.as_deref().map(parse_dtype).transpose()?;
+            let kv_dt = kv_dtype.as_deref().map(parse_kv_dtype).transpose()?;
             let attention: AttentionBackend = attention.parse()?;
             if batch {
                 let cfg = EngineConfig {
@@ -683,7 +684,7 @@ fn real_main() -> Result<()> {
                     };
                     let v = serde_json::json!({
                         "preset": p.display().to_string(), "device": device, "dtype": dtype,
-                        "kv_dtype": kv_dt.unwrap_or(dt).as_str(), "attention": used.name(),
+                        "kv_dtype": kv_dt.unwrap_or(dt.into()).as_str(), "attention": used.name(),
                         "policy": cache.policy.name(), "budget": cache.budget,
                         "prompt_len": prompt_len, "chunk": chunk, "diff": d,
                         "top1_equal": d.top1_equal(), "nll": nll,

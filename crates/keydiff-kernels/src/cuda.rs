@@ -8,8 +8,8 @@ use candle_core::{bail, CudaStorage, DType, Layout, Result, Shape};
 use half::{bf16, f16};
 
 use crate::geometry::{
-    check_pool, check_scores, check_select, move_launch, per_head_launch, plan_moves, pool_words,
-    scores_launch, Launch, MAX_HEADS,
+    check_pool, check_q8_0, check_scores, check_select, move_launch, per_head_launch, plan_moves,
+    pool_words, q8_0_launch, scores_launch, Launch, MAX_HEADS,
 };
 
 /// PTX of `kernels/keydiff.cu`.
@@ -233,6 +233,8 @@ pub fn move_rows(
         DType::BF16 => launch!(bf16),
         DType::U32 => launch!(u32),
         DType::F64 => launch!(f64),
+        DType::U8 => launch!(u8),
+        DType::F8E4M3 => launch!(float8::F8E4M3),
         dt => bail!("move-rows: unsupported dtype {dt:?}"),
     }
     Ok(())
@@ -289,5 +291,86 @@ pub fn snapkv_pool(
     Ok((
         CudaStorage::wrap_cuda_slice(scores, dev),
         Shape::from((kv, n)),
+    ))
+}
+
+/// Q8_0 blocks of `x` (`[kv, n, d]`, f32/f16/bf16, any head and row stride, rows contiguous;
+/// d a multiple of 32): u8 `[kv, n, d / 32 · 34]`, contiguous (`keydiff_q8_0_quantize_*`).
+pub fn q8_0_quantize(x: &CudaStorage, layout: &Layout) -> Result<(CudaStorage, Shape)> {
+    let (kv, n, d) = layout.shape().dims3()?;
+    let st = layout.stride();
+    if st[2] != 1 {
+        bail!("q8_0-quantize needs contiguous rows, got strides {st:?}");
+    }
+    check_q8_0(kv, n, d)?;
+    let rb = d / 32 * 34;
+    let dev = x.device().clone();
+    // SAFETY: every byte is written by the kernel (one thread per block of each row).
+    let mut out = unsafe { dev.alloc::<u8>(kv * n * rb)? };
+    let (hs, rs) = (st[0] as i64, st[1] as i64);
+    let (n32, d32) = (n as i32, d as i32);
+    let cfg = launch_cfg(q8_0_launch(kv, n * (d / 32)));
+    let o = layout.start_offset();
+    macro_rules! launch {
+        ($t:ty, $name:literal) => {{
+            let f = dev.get_or_load_custom_func($name, MODULE, PTX)?;
+            let view = x.as_cuda_slice::<$t>()?.slice(o..);
+            let mut b = f.builder();
+            b.arg(&view);
+            b.arg(&hs);
+            b.arg(&rs);
+            b.arg(&n32);
+            b.arg(&d32);
+            b.arg(&mut out);
+            // SAFETY: argument list matches the kernel; reads stay in the [kv, n, d] view at
+            // these strides, writes in the kv · n · rb bytes allocated here.
+            unsafe { b.launch(cfg) }.w()?;
+        }};
+    }
+    match x.dtype() {
+        DType::F32 => launch!(f32, "keydiff_q8_0_quantize_f32"),
+        DType::F16 => launch!(f16, "keydiff_q8_0_quantize_f16"),
+        DType::BF16 => launch!(bf16, "keydiff_q8_0_quantize_bf16"),
+        dt => bail!("q8_0-quantize: unsupported dtype {dt:?} (f32, f16, bf16)"),
+    }
+    Ok((
+        CudaStorage::wrap_cuda_slice(out, dev),
+        Shape::from((kv, n, rb)),
+    ))
+}
+
+/// Values of Q8_0 rows `q` (u8 `[kv, n, d / 32 · 34]`, any head and row stride, rows
+/// contiguous: a view of a cache buffer): f32 `[kv, n, d]`, contiguous
+/// (`keydiff_q8_0_dequantize`).
+pub fn q8_0_dequantize(q: &CudaStorage, layout: &Layout, d: usize) -> Result<(CudaStorage, Shape)> {
+    let (kv, n, rb) = layout.shape().dims3()?;
+    let st = layout.stride();
+    if st[2] != 1 || rb != d / 32 * 34 {
+        bail!(
+            "q8_0-dequantize: rows {:?} strides {st:?} for heads of {d}",
+            layout.dims()
+        );
+    }
+    check_q8_0(kv, n, d)?;
+    let dev = q.device().clone();
+    // SAFETY: every value is written by the kernel (one thread each).
+    let mut out = unsafe { dev.alloc::<f32>(kv * n * d)? };
+    let (hs, rs) = (st[0] as i64, st[1] as i64);
+    let (n32, d32) = (n as i32, d as i32);
+    let f = dev.get_or_load_custom_func("keydiff_q8_0_dequantize", MODULE, PTX)?;
+    let view = q.as_cuda_slice::<u8>()?.slice(layout.start_offset()..);
+    let mut b = f.builder();
+    b.arg(&view);
+    b.arg(&hs);
+    b.arg(&rs);
+    b.arg(&n32);
+    b.arg(&d32);
+    b.arg(&mut out);
+    // SAFETY: argument list matches the kernel; reads stay in the [kv, n, rb] view at these
+    // strides, writes in the kv · n · d values allocated here.
+    unsafe { b.launch(launch_cfg(q8_0_launch(kv, n * d))) }.w()?;
+    Ok((
+        CudaStorage::wrap_cuda_slice(out, dev),
+        Shape::from((kv, n, d)),
     ))
 }

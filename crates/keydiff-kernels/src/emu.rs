@@ -25,8 +25,8 @@ use half::{bf16, f16};
 
 use crate::fence::{Fenced, HeadAxis, Side};
 use crate::geometry::{
-    check_pool, check_scores, check_select, move_launch, per_head_launch, plan_moves, pool_words,
-    scores_launch,
+    check_pool, check_q8_0, check_scores, check_select, move_launch, per_head_launch, plan_moves,
+    pool_words, q8_0_launch, scores_launch,
 };
 
 extern "C" {
@@ -93,6 +93,35 @@ extern "C" {
         sorted: *mut u32,
         scores: *mut f32,
         grid_x: c_uint,
+        block: c_uint,
+        seed: u64,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    fn kd_emu_q8_0_quantize(
+        dtype: c_int,
+        x: *const u8,
+        head_stride: i64,
+        row_stride: i64,
+        n: c_int,
+        d: c_int,
+        out: *mut u8,
+        grid_x: c_uint,
+        grid_y: c_uint,
+        block: c_uint,
+        seed: u64,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    fn kd_emu_q8_0_dequantize(
+        q: *const u8,
+        head_stride: i64,
+        row_stride: i64,
+        n: c_int,
+        d: c_int,
+        out: *mut f32,
+        grid_x: c_uint,
+        grid_y: c_uint,
         block: c_uint,
         seed: u64,
         err: *mut c_char,
@@ -255,6 +284,124 @@ pub fn keydiff_scores(
     norms.finish()?;
     anchor.finish()?;
     scores.finish()
+}
+
+/// `keydiff_q8_0_quantize_*` on `x` viewed as `[kv, n, d]` with element strides
+/// `(head_stride, row_stride, 1)`: u8 `[kv · n · d / 32 · 34]`, Q8_0 blocks.
+#[allow(clippy::too_many_arguments)]
+pub fn q8_0_quantize(
+    x: Keys<'_>,
+    kv: usize,
+    n: usize,
+    d: usize,
+    head_stride: usize,
+    row_stride: usize,
+    seed: u64,
+) -> Result<Vec<u8>> {
+    check_q8_0(kv, n, d)?;
+    let (dtype, bytes, len) = x.parts();
+    let elem = if dtype == 0 { 4 } else { 2 };
+    let extent = check_extent(
+        "q8_0-quantize",
+        len,
+        elem,
+        kv,
+        n,
+        d,
+        head_stride,
+        row_stride,
+    )?;
+    let rb = d / 32 * 34;
+    let l = q8_0_launch(kv, n * (d / 32));
+    let side = Side::for_seed(seed);
+    let x = Fenced::copy_of("q8_0-quantize x", &bytes[..extent * elem], side, elem)?;
+    let mut out = Fenced::filled("q8_0-quantize out", kv * n * rb, 0xAAu8, side, 1)?;
+    x.view(
+        kv,
+        head_stride * elem,
+        n,
+        row_stride * elem,
+        d * elem,
+        HeadAxis::Y,
+    )?;
+    out.view(kv, n * rb, n, rb, rb, HeadAxis::Y)?;
+    call("q8_0-quantize", |err, err_len| {
+        // SAFETY: the kernel reads x inside the extent checked above and writes the
+        // kv · n · rb bytes of `out`.
+        unsafe {
+            kd_emu_q8_0_quantize(
+                dtype,
+                x.as_ptr(),
+                head_stride as i64,
+                row_stride as i64,
+                n as c_int,
+                d as c_int,
+                out.as_mut_ptr(),
+                l.grid.0,
+                l.grid.1,
+                l.block,
+                seed,
+                err,
+                err_len,
+            )
+        }
+    })?;
+    x.finish()?;
+    out.finish()
+}
+
+/// `keydiff_q8_0_dequantize` on `q` viewed as `[kv, n, d / 32 · 34]` bytes with byte strides
+/// `(head_stride, row_stride, 1)`: f32 `[kv · n · d]`.
+#[allow(clippy::too_many_arguments)]
+pub fn q8_0_dequantize(
+    q: &[u8],
+    kv: usize,
+    n: usize,
+    d: usize,
+    head_stride: usize,
+    row_stride: usize,
+    seed: u64,
+) -> Result<Vec<f32>> {
+    check_q8_0(kv, n, d)?;
+    let rb = d / 32 * 34;
+    let extent = check_extent(
+        "q8_0-dequantize",
+        q.len(),
+        1,
+        kv,
+        n,
+        rb,
+        head_stride,
+        row_stride,
+    )?;
+    let l = q8_0_launch(kv, n * d);
+    let side = Side::for_seed(seed);
+    let q = Fenced::copy_of("q8_0-dequantize q", &q[..extent], side, 2)?;
+    let mut out = Fenced::filled("q8_0-dequantize out", kv * n * d, f32::NAN, side, 4)?;
+    q.view(kv, head_stride, n, row_stride, rb, HeadAxis::Y)?;
+    out.view(kv, n * d, n, d, d, HeadAxis::Y)?;
+    call("q8_0-dequantize", |err, err_len| {
+        // SAFETY: the kernel reads q inside the extent checked above and writes the kv · n · d
+        // values of `out`.
+        unsafe {
+            kd_emu_q8_0_dequantize(
+                q.as_ptr(),
+                head_stride as i64,
+                row_stride as i64,
+                n as c_int,
+                d as c_int,
+                out.as_mut_ptr(),
+                l.grid.0,
+                l.grid.1,
+                l.block,
+                seed,
+                err,
+                err_len,
+            )
+        }
+    })?;
+    q.finish()?;
+    out.finish()
 }
 
 /// `keydiff_select_plan`: `scores` and `positions` hold `kv` rows of `n` at their strides.

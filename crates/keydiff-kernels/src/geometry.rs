@@ -50,6 +50,35 @@ pub fn move_launch(moves: usize, kv: usize) -> Launch {
     }
 }
 
+/// `KD_Q8_THREADS`: threads of a Q8_0 quantize or dequantize block.
+pub const Q8_THREADS: u32 = 256;
+
+/// `keydiff_q8_0_quantize_*` (`values` = blocks of 32 per head) and `keydiff_q8_0_dequantize`
+/// (`values` = values per head): one thread each, heads on grid.y.
+pub fn q8_0_launch(kv: usize, values: usize) -> Launch {
+    Launch {
+        grid: (
+            (values as u64).div_ceil(Q8_THREADS as u64) as u32,
+            kv as u32,
+        ),
+        block: Q8_THREADS,
+    }
+}
+
+/// The Q8_0 kernels' limits: rows of whole blocks of 32, `int` counts.
+pub fn check_q8_0(kv: usize, n: usize, d: usize) -> Result<()> {
+    if d == 0 || !d.is_multiple_of(32) || n == 0 || n > MAX_SLOTS || kv == 0 || kv > MAX_HEADS {
+        bail!(
+            "q8_0: head_dim {d} (a multiple of 32), n {n} (1..={MAX_SLOTS}) or {kv} heads \
+             (1..={MAX_HEADS}) out of range"
+        );
+    }
+    if (n as u64 * d as u64).div_ceil(Q8_THREADS as u64) > i32::MAX as u64 {
+        bail!("q8_0: {n} rows of {d} values are past the kernel's grid");
+    }
+    Ok(())
+}
+
 /// Number of moves a plan row holds: M = min(N, n − N).
 pub fn plan_moves(n: usize, budget: usize) -> usize {
     budget.min(n.saturating_sub(budget))

@@ -3,7 +3,6 @@
 use std::path::Path;
 
 use candle_core::quantized::gguf_file;
-use candle_core::DType;
 use serde::Deserialize;
 
 use crate::error::{ModelError, Result};
@@ -661,12 +660,12 @@ impl HfConfig {
 }
 
 impl ModelConfig {
-    /// Bytes of K and V at `slots` per layer and KV head in `dtype`: slots · layers · kv_heads
-    /// · head_dim · 2 · bytes(dtype), the cache's peak (what `KvCache::bytes` reports).
-    pub fn kv_cache_bytes(&self, slots: usize, dtype: DType) -> u64 {
+    /// Bytes of K and V at `slots` per layer and KV head held as `kv` (a float dtype or
+    /// Q8_0): slots · layers · kv_heads · 2 · the bytes of a head's row, the cache's peak
+    /// (what `KvCache::bytes` reports).
+    pub fn kv_cache_bytes(&self, slots: usize, kv: impl Into<keydiff_cache::KvType>) -> u64 {
         (slots as u64)
-            * (self.num_layers * self.num_kv_heads * self.head_dim * 2 * dtype.size_in_bytes())
-                as u64
+            * (self.num_layers * self.num_kv_heads * 2 * kv.into().row_bytes(self.head_dim)) as u64
     }
 
     /// Activation bytes of one token row through a layer in f32, estimated: hidden states,

@@ -80,6 +80,9 @@ pub fn decode_attention_cpu(
         (Storage::Cpu(CpuStorage::BF16(kd)), Storage::Cpu(CpuStorage::BF16(vd))) => {
             decode_typed(qd, (kd, kl), (vd, vl), shape, probs)?
         }
+        (Storage::Cpu(CpuStorage::F8E4M3(kd)), Storage::Cpu(CpuStorage::F8E4M3(vd))) => {
+            decode_typed(qd, (kd, kl), (vd, vl), shape, probs)?
+        }
         _ => return Ok(None),
     };
     drop((qs, ks, vs));
@@ -91,7 +94,7 @@ pub fn decode_attention_cpu(
     Ok(Some((y, p)))
 }
 
-/// An f16/bf16 cache view `[kv_heads, T, d]` on the CPU widened to a contiguous f32 tensor,
+/// An f16/bf16/fp8 cache view `[kv_heads, T, d]` on the CPU widened to a contiguous f32 tensor,
 /// eight values at a time with SIMD where the build has it; `None` for anything else (other
 /// dtypes or devices, rows not contiguous). The general attention path takes this copy of a
 /// cache held in half precision under f32 activations, every chunk and layer; candle's
@@ -120,6 +123,7 @@ pub fn widen_cache_view(x: &Tensor) -> Result<Option<Tensor>> {
     let out = match &*s {
         Storage::Cpu(CpuStorage::F16(data)) => widen(data, (heads, t, d), (off, hs, rs)),
         Storage::Cpu(CpuStorage::BF16(data)) => widen(data, (heads, t, d), (off, hs, rs)),
+        Storage::Cpu(CpuStorage::F8E4M3(data)) => widen(data, (heads, t, d), (off, hs, rs)),
         _ => return Ok(None),
     };
     drop(s);
@@ -420,6 +424,28 @@ macro_rules! half_elem {
 half_elem!(half::f16, simd::load8_f16);
 half_elem!(half::bf16, simd::load8_bf16);
 
+/// Every E4M3 value as f32, by its bits: a table read in place of `float8`'s bit-by-bit
+/// conversion (the values are the same: the table is made by it).
+const F8E4M3_TABLE: [f32; 256] = {
+    let mut t = [0f32; 256];
+    let mut i = 0;
+    while i < 256 {
+        t[i] = float8::F8E4M3::from_bits(i as u8).to_f32();
+        i += 1;
+    }
+    t
+};
+
+impl KvElem for float8::F8E4M3 {
+    fn widen(self) -> f32 {
+        F8E4M3_TABLE[self.to_bits() as usize]
+    }
+
+    fn as_f32(_: &[Self]) -> Option<&[f32]> {
+        None
+    }
+}
+
 // The row operations of `decode_unit` (`lanes`): AVX2/FMA/F16C where the build targets them
 // (`-C target-cpu=native` here, x86-64-v3 for carried binaries; `avx2_f16c`, set by
 // build.rs), else portable. The compiler does not find the SIMD forms itself: it vectorised
@@ -674,7 +700,7 @@ mod tests {
     }
 
     /// The dtypes a cache may hold.
-    const KV_DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
+    const KV_DTYPES: [DType; 4] = [DType::F32, DType::F16, DType::BF16, DType::F8E4M3];
 
     /// K and V as a cache gives them, in every cache dtype: the first T slots of buffers with
     /// spare slots and a head before them; V from a buffer of another capacity and head offset than K, so that a
@@ -896,7 +922,7 @@ mod tests {
     #[test]
     fn widened_views_equal_to_dtype() -> Result<()> {
         let dev = Device::Cpu;
-        for dt in [DType::F16, DType::BF16] {
+        for dt in [DType::F16, DType::BF16, DType::F8E4M3] {
             let buf = Tensor::randn(0f32, 1., (3, 40, 64), &dev)?.to_dtype(dt)?;
             let outer = Tensor::randn(0f32, 1., (40, 3, 64), &dev)?.to_dtype(dt)?;
             for v in [

@@ -7,7 +7,7 @@
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor, D};
-use keydiff_cache::{AttnStats, CacheConfig, KvCache};
+use keydiff_cache::{AttnStats, CacheConfig, KvCache, KvType};
 
 use crate::attention::{
     attention_output, attention_probs, chunk_mask, decode_attention_cpu, flash_attend, row_sums,
@@ -473,8 +473,8 @@ pub struct Model {
     rope: Rope,
     device: Device,
     dtype: DType,
-    /// Dtype the KV cache holds (`dtype` unless [`Model::set_kv_dtype`] chose another).
-    kv_dtype: DType,
+    /// What the KV cache holds (`dtype` unless [`Model::set_kv_dtype`] chose another).
+    kv_dtype: KvType,
     attention: AttentionBackend,
 }
 
@@ -549,29 +549,27 @@ impl Model {
             ),
             device,
             dtype,
-            kv_dtype: dtype,
+            kv_dtype: dtype.into(),
             attention: AttentionBackend::Eager,
         })
     }
 
-    /// Chooses the dtype the KV cache holds: f32, f16 or bf16, whatever the activations' dtype.
-    /// Keys and values are rounded to it when they are appended, and eviction scores them as
-    /// stored. Attention reads it in place where it can (the CPU decode kernel reads f16/bf16
-    /// rows directly); elsewhere a cache of another dtype than the activations is converted to
-    /// theirs for each chunk, a copy of the view.
-    pub fn set_kv_dtype(&mut self, dtype: DType) -> Result<()> {
-        if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
-            return Err(ModelError::Unsupported(format!(
-                "KV cache dtype {} (expected f32, f16, bf16)",
-                dtype.as_str()
-            )));
-        }
-        self.kv_dtype = dtype;
+    /// Chooses what the KV cache holds, whatever the activations' dtype: f32, f16, bf16,
+    /// fp8 (E4M3, unscaled: vLLM's `fp8`) or Q8_0 blocks (llama.cpp's `q8_0`: heads of a
+    /// multiple of 32 values; on CUDA by the kernels of `kernels/keydiff.cu`). Keys and values are rounded or quantized when they are
+    /// appended, and eviction scores them as stored. Attention reads f16/bf16 rows in place
+    /// where it can (the CPU decode kernel); elsewhere a cache of another type than the
+    /// activations is converted (or dequantized) to theirs for each chunk, a copy of the view.
+    pub fn set_kv_dtype(&mut self, kv: impl Into<KvType>) -> Result<()> {
+        let kv = kv.into();
+        kv.check(self.cfg.head_dim)
+            .map_err(ModelError::Unsupported)?;
+        self.kv_dtype = kv;
         Ok(())
     }
 
-    /// Dtype the KV cache holds.
-    pub fn kv_dtype(&self) -> DType {
+    /// What the KV cache holds.
+    pub fn kv_dtype(&self) -> KvType {
         self.kv_dtype
     }
 

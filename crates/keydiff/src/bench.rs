@@ -775,7 +775,7 @@ impl Provenance {
             kv_dtype: engine
                 .config()
                 .kv_dtype
-                .unwrap_or(engine.config().dtype)
+                .unwrap_or(engine.config().dtype.into())
                 .as_str()
                 .to_string(),
             attention: engine.config().attention.name().to_string(),

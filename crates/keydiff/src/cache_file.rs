@@ -456,12 +456,14 @@ impl Engine {
             other => return Err(bad(format!("layer 0's keys are {other:?}"))),
         };
         let (kv, d) = (m.num_kv_heads, m.head_dim);
-        let elem = self.model().kv_dtype().size_in_bytes();
-        let kv_st = safetensors::Dtype::from(self.model().kv_dtype());
+        let kv_type = self.model().kv_dtype();
+        let row = kv_type.row_len(d);
+        let row_bytes = kv_type.row_bytes(d);
+        let kv_st = safetensors::Dtype::from(kv_type.storage_dtype());
         for i in 0..m.num_layers {
             for (name, shape, dtype) in [
-                ("keys", vec![kv, len, d], kv_st),
-                ("values", vec![kv, len, d], kv_st),
+                ("keys", vec![kv, len, row], kv_st),
+                ("values", vec![kv, len, row], kv_st),
                 ("positions", vec![kv, len], safetensors::Dtype::U32),
                 ("state", vec![kv, len], safetensors::Dtype::F32),
             ] {
@@ -484,7 +486,7 @@ impl Engine {
             None => len,
         };
         let passing = if self.config().device.is_cpu() {
-            (m.num_layers * kv * len * (2 * elem * d + 8)) as u64
+            (m.num_layers * kv * len * (2 * row_bytes + 8)) as u64
         } else {
             0
         };

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
-use keydiff_cache::{CacheConfig, CacheCounters, KvCache};
+use keydiff_cache::{CacheConfig, CacheCounters, KvCache, KvType};
 use keydiff_model::memory::human;
 use keydiff_model::{
     load_gguf, load_hf_dir, load_random, AttentionBackend, CpuWeights, Loaded, Logits,
@@ -32,10 +32,11 @@ pub struct EngineConfig {
     /// Activation dtype, and the KV cache's unless `kv_dtype` says otherwise (f32 on CPU is
     /// the reference; bf16 on GPU).
     pub dtype: DType,
-    /// Dtype the KV cache holds: f32, f16 or bf16 (`None`: `dtype`). f16 on the CPU halves the
-    /// cache's memory, as llama.cpp's default cache type does. [`Engine::config`] reports the
-    /// dtype in use.
-    pub kv_dtype: Option<DType>,
+    /// What the KV cache holds: f32, f16, bf16, fp8 (`DType::F8E4M3`) or
+    /// [`KvType::Q8_0`] (`None`: `dtype`; a `DType` converts with `.into()`). f16 on the CPU
+    /// halves the cache's memory, as llama.cpp's default cache type does; q8_0 takes 1.06
+    /// bytes a value. [`Engine::config`] reports the type in use.
+    pub kv_dtype: Option<KvType>,
     /// Chunk size B, budget N, eviction policy and timing.
     pub cache: CacheConfig,
     /// How quantized GGUF weights are kept on the CPU: a dense copy for prefill chunks (GEMM
@@ -1435,7 +1436,7 @@ impl Engine {
         }
         // Room to leave beside the weights: a budgeted cache is allocated at N + B slots for
         // every request; a full cache depends on the prompt and is checked per request.
-        let kv_dtype = cfg.kv_dtype.unwrap_or(cfg.dtype);
+        let kv_dtype = cfg.kv_dtype.unwrap_or(cfg.dtype.into());
         let eager = cfg.attention != AttentionBackend::Flash;
         let reserve = |m: &ModelConfig| {
             let slots = cfg.cache.capacity().unwrap_or(cfg.cache.chunk);
@@ -1485,7 +1486,7 @@ impl Engine {
             .map_err(EngineError::BadParams)?;
         loaded
             .model
-            .set_kv_dtype(cfg.kv_dtype.unwrap_or(cfg.dtype))
+            .set_kv_dtype(cfg.kv_dtype.unwrap_or(cfg.dtype.into()))
             .map_err(|e| EngineError::BadParams(e.to_string()))?;
         // The config reports the backend and cache dtype in use: `Auto` resolved for this
         // model.
@@ -1764,8 +1765,12 @@ impl Engine {
                     "{}{beside}; {budget}. Bound the cache with a budget (--budget N), {}or ask for \
                      fewer tokens (-n)",
                     what(),
-                    if dtype.size_in_bytes() > 2 {
-                        "store it in f16 (--kv-dtype f16), "
+                    if dtype.row_bytes(m.head_dim) > 2 * m.head_dim {
+                        "store it in f16 or q8_0 (--kv-dtype f16, --kv-dtype q8_0), "
+                    } else if dtype != KvType::Q8_0
+                        && KvType::Q8_0.check(m.head_dim).is_ok()
+                    {
+                        "store it in q8_0 (--kv-dtype q8_0), "
                     } else {
                         ""
                     }

@@ -41,7 +41,9 @@ pub use engine::{
 };
 pub use error::{EngineError, Result};
 pub use keydiff_cache::config::SNAPKV_WINDOW;
-pub use keydiff_cache::{Anchor, CacheConfig, CacheCounters, KvCache, PolicyKind, StatsNeed};
+pub use keydiff_cache::{
+    Anchor, CacheConfig, CacheCounters, KvCache, KvType, PolicyKind, StatsNeed,
+};
 pub use keydiff_model::chat::check_template_kwargs;
 pub use keydiff_model::memory::{human as human_bytes, parse_size};
 pub use keydiff_model::{
@@ -98,6 +100,17 @@ pub fn parse_device(s: &str) -> Result<Device> {
             "unknown device `{other}` (expected cpu, cuda, cuda:N)"
         ))),
     }
+}
+
+/// Parses what a KV cache holds: `f32`, `f16`, `bf16`, `fp8` (`f8e4m3`, `fp8_e4m3`) or `q8_0`
+/// ([`KvType::parse`]).
+pub fn parse_kv_dtype(s: &str) -> Result<KvType> {
+    KvType::parse(s).ok_or_else(|| {
+        EngineError::BadParams(format!(
+            "unknown KV cache type `{s}` (expected {})",
+            KvType::NAMES
+        ))
+    })
 }
 
 /// Parses `f32`, `f16`, `bf16`.

@@ -41,8 +41,12 @@ pub fn keydiff_scores(keys: &Tensor, anchor: Anchor) -> Result<Tensor> {
 /// KeyDiff scores in one fused op, `[kv_heads, n]` f32: two passes over each head's keys (norms
 /// and anchor, then cosines) with no intermediate tensors, read in place from the cache view.
 /// CPU: the twin below; CUDA: `keydiff_pass1/2` of `kernels/keydiff.cu` (f32/f16/bf16, head
-/// dim up to 256). Other devices and shapes use [`keydiff_scores`].
+/// dim up to 256). Other devices and shapes use [`keydiff_scores`]. fp8 keys are read as f16,
+/// which holds every E4M3 value exactly.
 pub fn keydiff_scores_fused(keys: &Tensor, anchor: Anchor) -> Result<Tensor> {
+    if keys.dtype() == DType::F8E4M3 {
+        return keydiff_scores_fused(&keys.to_dtype(DType::F16)?, anchor);
+    }
     let kernel = keys.device().is_cuda()
         && matches!(keys.dtype(), DType::F32 | DType::F16 | DType::BF16)
         && keys.dim(2)? <= 256;
