@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # KV cache types side by side on the CPU (bench/results/2026-12-04-kv-cache-types.md): for each
-# of f32, f16, q8_0 and fp8, the mean NLL of 1024 tokens of the GPL v3 (full cache, and under
+# of f32, f16, q8_0, fp8 and f16 keys beside q8_0 values (TYPES="f16 k=f16,v=q8_0" picks), the
+# mean NLL of 1024 tokens of the GPL v3 (full cache, and under
 # KeyDiff at --budget 512), then a 16 KB prompt under --budget 2048 with 64 greedy tokens:
 # peak KV bytes, prefill and decode speed. Usage: scripts/bench-kv-types.sh [MODEL]
 set -euo pipefail
@@ -12,12 +13,17 @@ PROMPT=$(mktemp)
 trap 'rm -f "$PROMPT"' EXIT
 head -c 16000 "$TEXT" > "$PROMPT"
 echo "model $MODEL, commit $(git rev-parse --short HEAD), $(date -u +%FT%TZ), $(nproc) cores"
-for kv in f32 f16 q8_0 fp8; do
-  full=$($BIN perplexity -m "$MODEL" -f "$TEXT" --max-tokens 1024 --kv-dtype $kv --json 2>/dev/null \
+for kv in ${TYPES:-f32 f16 q8_0 fp8 k=f16,v=q8_0}; do
+  if [[ $kv == k=*,v=* ]]; then
+    k=${kv#k=}; k=${k%%,*}; flags=(--cache-type-k "$k" --cache-type-v "${kv#*,v=}")
+  else
+    flags=(--kv-dtype "$kv")
+  fi
+  full=$($BIN perplexity -m "$MODEL" -f "$TEXT" --max-tokens 1024 "${flags[@]}" --json 2>/dev/null \
     | python3 -c 'import json,sys; print("%.5f" % json.load(sys.stdin)["mean_nll"])')
-  kd=$($BIN perplexity -m "$MODEL" -f "$TEXT" --max-tokens 1024 --kv-dtype $kv --budget 512 \
+  kd=$($BIN perplexity -m "$MODEL" -f "$TEXT" --max-tokens 1024 "${flags[@]}" --budget 512 \
     --policy keydiff --json 2>/dev/null \
     | python3 -c 'import json,sys; print("%.5f" % json.load(sys.stdin)["mean_nll"])')
-  line=$($BIN run -m "$MODEL" -f "$PROMPT" -n 64 --kv-dtype $kv --budget 2048 2>&1 >/dev/null | tail -1)
+  line=$($BIN run -m "$MODEL" -f "$PROMPT" -n 64 "${flags[@]}" --budget 2048 2>&1 >/dev/null | tail -1)
   echo "$kv | NLL full $full | NLL keydiff@512 $kd | $line"
 done

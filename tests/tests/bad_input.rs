@@ -191,9 +191,9 @@ fn unknown_device_and_dtype() {
         "-p",
         "hi",
         "--kv-dtype",
-        "q8_0",
+        "q4_0",
     ]);
-    expect(&err, "unknown dtype `q8_0`");
+    expect(&err, "unknown KV cache type `q4_0`");
     let err = fails(&[
         "run",
         "-m",

@@ -6,12 +6,12 @@
 use std::path::Path;
 
 use keydiff::{
-    CacheConfig, DType, Engine, EngineConfig, GenerateParams, KvType, ModelSource, PolicyKind,
-    Prompt, PromptCache, Reuse,
+    CacheConfig, DType, Engine, EngineConfig, GenerateParams, KvType, KvTypes, ModelSource,
+    PolicyKind, Prompt, PromptCache, Reuse,
 };
 use keydiff_tests::{model, root, temp_dir, write_tiny_qwen3, SMOLLM2};
 
-fn engine_on(source: &ModelSource, cache: CacheConfig, kv_dtype: Option<KvType>) -> Engine {
+fn engine_on(source: &ModelSource, cache: CacheConfig, kv_dtype: Option<KvTypes>) -> Engine {
     let cfg = EngineConfig {
         cache,
         kv_dtype,
@@ -67,18 +67,23 @@ fn same_run(a: &keydiff::Output, b: &keydiff::Output, what: &str) {
 /// does (the same tokens and logprobs, the whole document reused, the same evictions), and
 /// the cache the question leaves goes on alike too. Under KeyDiff, H2O (whose per-slot
 /// attention sums the file carries) and `random` (whose generator it carries); and under
-/// KeyDiff with a cache of Q8_0 blocks and one of fp8, which the file holds as stored. The
-/// file holds only the used slots.
+/// KeyDiff with a cache of Q8_0 blocks, one of fp8 and one of f16 keys beside Q8_0 values,
+/// which the file holds as stored. The file holds only the used slots.
 #[test]
 fn a_saved_cache_goes_on_as_the_one_in_memory() {
     let dir = temp_dir("cache-file-continue");
-    let f32_cache = KvType::Float(DType::F32);
+    let f32_cache = KvTypes::from(DType::F32);
+    let split = KvTypes {
+        k: DType::F16.into(),
+        v: KvType::Q8_0,
+    };
     for (policy, kv) in [
         ("keydiff", f32_cache),
         ("h2o", f32_cache),
         ("random", f32_cache),
-        ("keydiff", KvType::Q8_0),
-        ("keydiff", KvType::Float(DType::F8E4M3)),
+        ("keydiff", KvType::Q8_0.into()),
+        ("keydiff", DType::F8E4M3.into()),
+        ("keydiff", split),
     ] {
         let e = engine_on(
             &ModelSource::Gguf(model(SMOLLM2)),
@@ -96,10 +101,10 @@ fn a_saved_cache_goes_on_as_the_one_in_memory() {
         assert_eq!(mem.tokens(), &first.prompt_tokens[..], "{policy}");
         assert!(mem.slots() <= 64 + 16, "{policy}");
 
-        let path = dir.join(format!("{policy}.kv"));
+        let path = dir.join(format!("{}.kv", policy.replace(['/', ' '], "-")));
         let bytes = e.save_prompt_cache(&mem, &path).unwrap().unwrap();
         let m = e.model_config();
-        let kv = 2 * m.num_layers * m.num_kv_heads * mem.slots() * kv.row_bytes(m.head_dim);
+        let kv = m.num_layers * m.num_kv_heads * mem.slots() * kv.slot_bytes(m.head_dim);
         let per_slot = 8 * m.num_layers * m.num_kv_heads * mem.slots();
         assert!(
             (bytes as usize) > kv + per_slot && (bytes as usize) < kv + per_slot + 64 * 1024,

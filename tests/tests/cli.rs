@@ -240,7 +240,8 @@ fn chat_answers_and_json_stats() {
     }
 }
 
-/// `--kv-dtype f16` holds the cache in half the bytes, and says so in the stats and in `info`.
+/// `--kv-dtype f16` holds the cache in half the bytes, `q8_0` in 34/128, and `--cache-type-k`
+/// gives the keys their own type (over `--kv-dtype`); the stats and `info` say so.
 #[test]
 fn kv_dtype_option() {
     let m = model(SMOLLM2);
@@ -264,9 +265,19 @@ fn kv_dtype_option() {
     assert_eq!(f16s["kv_dtype"], "f16");
     let bytes = |s: &serde_json::Value| s["peak_kv_bytes"].as_u64().unwrap();
     assert_eq!(2 * bytes(&f16s), bytes(&f32s), "{f16s} vs {f32s}");
+    let q8 = run(&["--kv-dtype", "q8_0"]);
+    let split = run(&["--kv-dtype", "q8_0", "--cache-type-k", "f16"]);
+    assert_eq!(q8["kv_dtype"], "q8_0");
+    assert_eq!(split["kv_dtype"], "f16/q8_0");
+    // SmolLM2's heads hold 64 values: 512 bytes a slot in f32, 136 in Q8_0, 128 + 68 split.
+    assert_eq!(bytes(&q8) * 512, bytes(&f32s) * 136, "{q8}");
+    assert_eq!(bytes(&split) * 512, bytes(&f32s) * 196, "{split}");
     let (so, _) = ok(&["info", "-m", m.to_str().unwrap(), "--kv-dtype", "bf16"]);
     let v: serde_json::Value = serde_json::from_str(&so).unwrap();
     assert_eq!(v["kv_dtype"], "bf16");
+    let (so, _) = ok(&["info", "-m", m.to_str().unwrap(), "--ctv", "q8_0"]);
+    let v: serde_json::Value = serde_json::from_str(&so).unwrap();
+    assert_eq!(v["kv_dtype"], "f32/q8_0");
 }
 
 #[test]

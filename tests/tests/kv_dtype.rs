@@ -4,8 +4,8 @@
 
 use candle_core::DType;
 use keydiff::{
-    AttentionBackend, CacheConfig, Engine, EngineConfig, GenerateParams, KvType, ModelSource,
-    PolicyKind, Prompt,
+    AttentionBackend, CacheConfig, Engine, EngineConfig, GenerateParams, KvType, KvTypes,
+    ModelSource, PolicyKind, Prompt,
 };
 use keydiff_tests::{model, ppl_fixture, root, EVICTING_POLICIES, QWEN, SMOLLM2};
 
@@ -18,7 +18,7 @@ fn source() -> ModelSource {
     }
 }
 
-fn config(kv_dtype: Option<KvType>, attention: AttentionBackend) -> EngineConfig {
+fn config(kv_dtype: Option<KvTypes>, attention: AttentionBackend) -> EngineConfig {
     EngineConfig {
         kv_dtype,
         attention,
@@ -126,7 +126,7 @@ fn other_cache_dtypes_are_refused() {
     };
     let err = match Engine::load(
         &heads_of_16,
-        &config(Some(KvType::Q8_0), AttentionBackend::Eager),
+        &config(Some(KvType::Q8_0.into()), AttentionBackend::Eager),
     ) {
         Ok(_) => panic!("a q8_0 cache of heads of 16"),
         Err(e) => e.to_string(),
@@ -141,11 +141,12 @@ fn other_cache_dtypes_are_refused() {
         .contains("q8_0"));
 }
 
-/// fp8 and Q8_0 caches under a budget: every policy evicts; one-token chunks and the whole
-/// prompt as one chunk read the same stored values (a key computed in another summation order
-/// may land on the other side of a rounding step: one step is 1/8 of a value in fp8 and 1/127
-/// of its block's largest in Q8_0); the logits stay near an f32 cache's; and the cache takes
-/// a quarter (fp8) or 34/128 (Q8_0) of an f32 one's bytes.
+/// fp8 and Q8_0 caches, and f16 keys beside Q8_0 values, under a budget: every policy evicts;
+/// one-token chunks and the whole prompt as one chunk read the same stored values (a key
+/// computed in another summation order may land on the other side of a rounding step: one
+/// step is 1/8 of a value in fp8 and 1/127 of its block's largest in Q8_0); the logits stay
+/// near an f32 cache's; and the cache takes a quarter (fp8), 34/128 (Q8_0) or (2 + 1.0625) /
+/// 8 (f16/Q8_0) of an f32 one's bytes.
 #[test]
 fn fp8_and_q8_0_caches_under_every_policy() {
     let tokens = keydiff::parity::random_tokens(300, 256, 4);
@@ -157,9 +158,14 @@ fn fp8_and_q8_0_caches_under_every_policy() {
         ignore_eos: true,
         ..Default::default()
     };
-    for (kv, name, bytes_of_128) in [
-        (KvType::Float(DType::F8E4M3), "f8e4m3", 128),
-        (KvType::Q8_0, "q8_0", 136),
+    let split = KvTypes {
+        k: DType::F16.into(),
+        v: KvType::Q8_0,
+    };
+    for (kv, name) in [
+        (KvTypes::from(DType::F8E4M3), "f8e4m3"),
+        (KvType::Q8_0.into(), "q8_0"),
+        (split, "f16/q8_0"),
     ] {
         let e = Engine::load(&source(), &config(Some(kv), AttentionBackend::Eager)).unwrap();
         assert_eq!(e.config().kv_dtype, Some(kv));
@@ -182,7 +188,7 @@ fn fp8_and_q8_0_caches_under_every_policy() {
                 sinks: 2,
                 evict_every: None,
             };
-            let run = |kv: Option<KvType>| {
+            let run = |kv: Option<KvTypes>| {
                 let cfg = EngineConfig {
                     cache: cache.clone(),
                     ..config(kv, AttentionBackend::Eager)
@@ -196,9 +202,10 @@ fn fp8_and_q8_0_caches_under_every_policy() {
             assert_eq!(q.tokens.len(), 12, "{name} {policy}");
             assert!(q.stats.eviction.evicted_slots > 0, "{name} {policy}");
             assert_eq!(q.stats.kv_dtype, name);
+            // d = 64: an f32 slot holds 2 · 64 · 4 bytes.
             assert_eq!(
-                q.stats.peak_kv_bytes * 4 * 128,
-                full.stats.peak_kv_bytes * bytes_of_128,
+                q.stats.peak_kv_bytes * 512,
+                full.stats.peak_kv_bytes * kv.slot_bytes(64),
                 "{name} {policy}: cache bytes"
             );
         }
@@ -224,12 +231,12 @@ fn q8_0_cache_perplexity_moves_as_llamacpp_s() {
         let fx = ppl_fixture(name);
         let r = &refs[name];
         assert!(file.ends_with(r["model_file"].as_str().unwrap()));
-        let nll = |kv: KvType| {
+        let nll = |kv: KvTypes| {
             let cfg = config(Some(kv), AttentionBackend::Eager);
             let e = Engine::load(&ModelSource::Gguf(model(file)), &cfg).unwrap();
             e.perplexity(&fx.tokens).unwrap().mean_nll(..)
         };
-        let (f16, q8) = (nll(DType::F16.into()), nll(KvType::Q8_0));
+        let (f16, q8) = (nll(DType::F16.into()), nll(KvType::Q8_0.into()));
         let (l16, lq8) = (
             r["k_f16_v_f16"].as_f64().unwrap(),
             r["k_q8_0_v_q8_0"].as_f64().unwrap(),

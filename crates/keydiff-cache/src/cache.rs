@@ -7,7 +7,7 @@ use candle_core::Device;
 use crate::config::{CacheConfig, PolicyKind};
 use crate::layer::{LayerCache, LayerParts};
 use crate::policy::{build, AttnStats, Policy, StatsNeed};
-use crate::{CacheError, KvType, Result};
+use crate::{CacheError, KvTypes, Result};
 
 /// What eviction cost, summed over layers.
 #[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -89,7 +89,7 @@ impl KvCache {
         kv_heads: usize,
         head_dim: usize,
         max_tokens: usize,
-        kv: impl Into<KvType>,
+        kv: impl Into<KvTypes>,
         device: &Device,
     ) -> Result<Self> {
         cfg.validate()?;

@@ -145,6 +145,50 @@ impl KvType {
     }
 }
 
+/// What a cache holds its keys and its values in: one type for both, or two (llama.cpp's
+/// `--cache-type-k` and `--cache-type-v`: Qwen 2.5's keys lose more to Q8_0 than its values).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvTypes {
+    pub k: KvType,
+    pub v: KvType,
+}
+
+impl From<KvType> for KvTypes {
+    fn from(t: KvType) -> Self {
+        KvTypes { k: t, v: t }
+    }
+}
+
+impl From<DType> for KvTypes {
+    fn from(dtype: DType) -> Self {
+        KvType::Float(dtype).into()
+    }
+}
+
+impl std::fmt::Display for KvTypes {
+    /// The type, or `K/V` (`f16/q8_0`) when they differ.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.k == self.v {
+            write!(f, "{}", self.k)
+        } else {
+            write!(f, "{}/{}", self.k, self.v)
+        }
+    }
+}
+
+impl KvTypes {
+    /// Bytes one slot of one head takes, key and value.
+    pub fn slot_bytes(&self, head_dim: usize) -> usize {
+        self.k.row_bytes(head_dim) + self.v.row_bytes(head_dim)
+    }
+
+    /// Fails unless a cache can hold heads of `head_dim` values in these types.
+    pub fn check(&self, head_dim: usize) -> std::result::Result<(), String> {
+        self.k.check(head_dim).map_err(|e| format!("keys: {e}"))?;
+        self.v.check(head_dim).map_err(|e| format!("values: {e}"))
+    }
+}
+
 /// GGML's `quantize_row_q8_0_ref` for one block: 32 values into 34 bytes.
 pub fn quantize_block_q8_0(x: &[f32], out: &mut [u8]) {
     debug_assert_eq!((x.len(), out.len()), (Q8_0_BLOCK, Q8_0_BLOCK_BYTES));
@@ -413,6 +457,14 @@ mod tests {
             .unwrap_err()
             .contains("multiple of 32"));
         assert!(KvType::Float(DType::F64).check(64).is_err());
+        let split = KvTypes {
+            k: DType::F16.into(),
+            v: KvType::Q8_0,
+        };
+        assert_eq!(split.to_string(), "f16/q8_0");
+        assert_eq!(KvTypes::from(KvType::Q8_0).to_string(), "q8_0");
+        assert_eq!(split.slot_bytes(64), 128 + 68);
+        assert!(split.check(48).unwrap_err().starts_with("values: "));
         assert!(quantize_q8_0(&Tensor::zeros((2, 48), DType::F32, &Device::Cpu).unwrap()).is_err());
     }
 }

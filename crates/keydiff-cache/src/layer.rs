@@ -3,7 +3,7 @@
 use candle_core::{DType, Device, Tensor};
 
 use crate::select::{ApplyPlan, SelectPlan};
-use crate::{CacheError, KvType, Result};
+use crate::{CacheError, KvType, KvTypes, Result};
 
 /// The used slots of one layer, apart from its buffers' free room: what a saved cache holds
 /// ([`LayerCache::parts`], [`LayerCache::from_parts`]).
@@ -12,7 +12,7 @@ pub struct LayerParts {
     /// As the cache stores them: `[kv_heads, len, head_dim]` in f32, f16, bf16 or f8e4m3, or
     /// u8 `[kv_heads, len, head_dim / 32 · 34]`, Q8_0 blocks ([`KvType`]).
     pub keys: Tensor,
-    /// As the keys.
+    /// As the cache stores them (their own type, see the keys).
     pub values: Tensor,
     /// `[kv_heads, len]` u32.
     pub positions: Tensor,
@@ -34,7 +34,7 @@ pub struct LayerCache {
     k: Tensor,
     /// `[kv_heads, capacity, row]`
     v: Tensor,
-    kv: KvType,
+    kv: KvTypes,
     head_dim: usize,
     len: usize,
     /// `[kv_heads, capacity]` u32, absolute token position of each slot.
@@ -50,12 +50,12 @@ pub struct LayerCache {
 
 impl LayerCache {
     /// Allocates the buffers once; nothing grows afterwards. `kv`: a float dtype or
-    /// [`KvType::Q8_0`].
+    /// [`KvType::Q8_0`], for both keys and values or each its own ([`KvTypes`]).
     pub fn new(
         kv_heads: usize,
         head_dim: usize,
         capacity: usize,
-        kv: impl Into<KvType>,
+        kv: impl Into<KvTypes>,
         device: &Device,
     ) -> Result<Self> {
         let kv = kv.into();
@@ -65,9 +65,14 @@ impl LayerCache {
             )));
         }
         kv.check(head_dim).map_err(CacheError::Config)?;
-        let shape = (kv_heads, capacity, kv.row_len(head_dim));
-        let k = Tensor::zeros(shape, kv.storage_dtype(), device)?;
-        let v = Tensor::zeros(shape, kv.storage_dtype(), device)?;
+        let buffer = |t: KvType| {
+            Tensor::zeros(
+                (kv_heads, capacity, t.row_len(head_dim)),
+                t.storage_dtype(),
+                device,
+            )
+        };
+        let (k, v) = (buffer(kv.k)?, buffer(kv.v)?);
         Ok(Self {
             k,
             v,
@@ -93,11 +98,19 @@ impl LayerCache {
     ) -> Result<Self> {
         let (heads, len, dim) = parts.keys.dims3()?;
         let bad = |why: String| Err(CacheError::Shape(why));
-        if parts.values.dims() != [heads, len, dim] {
+        let kv = KvTypes {
+            k: KvType::of_storage(parts.keys.dtype()),
+            v: KvType::of_storage(parts.values.dtype()),
+        };
+        let head_dim = kv.k.head_dim_of(dim).unwrap_or(0);
+        let (vh, vl, vd) = parts.values.dims3()?;
+        if (vh, vl) != (heads, len) || kv.v.head_dim_of(vd) != Some(head_dim) {
             return bad(format!(
-                "values {:?} beside keys {:?}",
+                "values {:?} {} beside keys {:?} {}",
                 parts.values.dims(),
-                parts.keys.dims()
+                parts.values.dtype().as_str(),
+                parts.keys.dims(),
+                parts.keys.dtype().as_str()
             ));
         }
         for (name, t, dtype) in [
@@ -113,14 +126,11 @@ impl LayerCache {
                 ));
             }
         }
-        let dtype = parts.keys.dtype();
-        let kv = KvType::of_storage(dtype);
-        let head_dim = kv.head_dim_of(dim).unwrap_or(0);
-        if kv.check(head_dim).is_err() || parts.values.dtype() != dtype || head_dim == 0 {
+        if head_dim == 0 || kv.check(head_dim).is_err() {
             return bad(format!(
                 "keys in {} and values in {}, rows of {dim} (expected one of {}; q8_0 as u8 \
                  rows of 34-byte blocks)",
-                dtype.as_str(),
+                parts.keys.dtype().as_str(),
                 parts.values.dtype().as_str(),
                 KvType::NAMES
             ));
@@ -209,9 +219,9 @@ impl LayerCache {
         }
         // Rounded to the cache's dtype where it differs from the activations', or quantized.
         self.k
-            .slice_set(&self.kv.encode(k)?.contiguous()?, 1, self.len)?;
+            .slice_set(&self.kv.k.encode(k)?.contiguous()?, 1, self.len)?;
         self.v
-            .slice_set(&self.kv.encode(v)?.contiguous()?, 1, self.len)?;
+            .slice_set(&self.kv.v.encode(v)?.contiguous()?, 1, self.len)?;
         let dev = self.k.device();
         let pos = Tensor::arange(pos0 as u32, (pos0 + chunk) as u32, dev)?
             .unsqueeze(0)?
@@ -232,12 +242,12 @@ impl LayerCache {
     /// Keys of the used slots, `[kv_heads, len, head_dim]`: a view of a float cache (not a
     /// copy), or a Q8_0 cache's blocks dequantized to f32.
     pub fn keys(&self) -> Result<Tensor> {
-        self.kv.decode(&self.stored_keys()?, self.head_dim)
+        self.kv.k.decode(&self.stored_keys()?, self.head_dim)
     }
 
     /// Values of the used slots, as [`LayerCache::keys`].
     pub fn values(&self) -> Result<Tensor> {
-        self.kv.decode(&self.stored_values()?, self.head_dim)
+        self.kv.v.decode(&self.stored_values()?, self.head_dim)
     }
 
     /// Keys of the used slots as stored, `[kv_heads, len, row]` (a view; for Q8_0 the u8
@@ -252,7 +262,7 @@ impl LayerCache {
     }
 
     /// What the cache holds keys and values in.
-    pub fn kv_type(&self) -> KvType {
+    pub fn kv_type(&self) -> KvTypes {
         self.kv
     }
 
@@ -341,7 +351,8 @@ impl LayerCache {
 
     /// Bytes held by the K and V buffers (allocated, not used).
     pub fn bytes(&self) -> usize {
-        2 * self.k.elem_count() * self.k.dtype().size_in_bytes()
+        self.k.elem_count() * self.k.dtype().size_in_bytes()
+            + self.v.elem_count() * self.v.dtype().size_in_bytes()
     }
 
     /// Makes this (empty) cache a copy of `src`'s used slots: K, V and positions, and the policy

@@ -12,7 +12,7 @@ use clap::{Args, Parser, Subcommand};
 use keydiff::tools::{Tool, ToolChoice, ToolSyntax};
 use keydiff::{
     parse_device, parse_dtype, parse_kv_dtype, AttentionBackend, CacheConfig, CpuWeights, Engine,
-    EngineConfig, Event, Format, GenerateParams, Message, ModelSource, PolicyKind, Prompt,
+    EngineConfig, Event, Format, GenerateParams, KvTypes, Message, ModelSource, PolicyKind, Prompt,
     Sampling, DEFAULT_CHUNK,
 };
 
@@ -197,6 +197,13 @@ struct LoadArgs {
     /// cache's memory and the bytes a decode step reads (llama.cpp's default cache type).
     #[arg(long)]
     kv_dtype: Option<String>,
+    /// The keys' cache type alone, over --kv-dtype (llama.cpp's `-ctk`): e.g. `--cache-type-k
+    /// f16 --cache-type-v q8_0` keeps keys, which hold outliers, in f16.
+    #[arg(long, alias = "ctk")]
+    cache_type_k: Option<String>,
+    /// The values' cache type alone, over --kv-dtype (llama.cpp's `-ctv`).
+    #[arg(long, alias = "ctv")]
+    cache_type_v: Option<String>,
     /// On the CPU, use the GGUF weights exactly as stored (llama.cpp's numerics; less memory,
     /// slower) instead of dense prefill copies and Q8_0 copies of Q4_1/Q5_x.
     #[arg(long)]
@@ -376,7 +383,27 @@ impl LoadArgs {
         };
         let device = parse_device(&self.device)?;
         let dtype = parse_dtype(&self.dtype)?;
-        let kv_dtype = self.kv_dtype.as_deref().map(parse_kv_dtype).transpose()?;
+        let both = self.kv_dtype.as_deref().map(parse_kv_dtype).transpose()?;
+        let (k, v) = (
+            self.cache_type_k
+                .as_deref()
+                .map(parse_kv_dtype)
+                .transpose()?,
+            self.cache_type_v
+                .as_deref()
+                .map(parse_kv_dtype)
+                .transpose()?,
+        );
+        let kv_dtype = match (k, v) {
+            (None, None) => both.map(KvTypes::from),
+            (k, v) => {
+                let base = both.unwrap_or(dtype.into());
+                Some(KvTypes {
+                    k: k.unwrap_or(base),
+                    v: v.unwrap_or(base),
+                })
+            }
+        };
         let (chat_template, chat_template_kwargs) = self.template.resolve()?;
         let cfg = EngineConfig {
             cpu_weights: if self.as_stored {
@@ -618,7 +645,11 @@ fn real_main() -> Result<()> {
         } => {
             let dev = parse_device(&device)?;
             let dt = parse_dtype(&dtype)?;
-            let kv_dt = kv_dtype.as_deref().map(parse_kv_dtype).transpose()?;
+            let kv_dt = kv_dtype
+                .as_deref()
+                .map(parse_kv_dtype)
+                .transpose()?
+                .map(KvTypes::from);
             let attention: AttentionBackend = attention.parse()?;
             if batch {
                 let cfg = EngineConfig {
@@ -684,7 +715,7 @@ fn real_main() -> Result<()> {
                     };
                     let v = serde_json::json!({
                         "preset": p.display().to_string(), "device": device, "dtype": dtype,
-                        "kv_dtype": kv_dt.unwrap_or(dt.into()).as_str(), "attention": used.name(),
+                        "kv_dtype": kv_dt.unwrap_or(dt.into()).to_string(), "attention": used.name(),
                         "policy": cache.policy.name(), "budget": cache.budget,
                         "prompt_len": prompt_len, "chunk": chunk, "diff": d,
                         "top1_equal": d.top1_equal(), "nll": nll,
@@ -917,7 +948,7 @@ fn perplexity(a: &PplArgs) -> Result<()> {
             "evictions": r.evictions, "evicted_slots": r.evicted_slots,
             "peak_kv_bytes": r.peak_kv_bytes, "seconds": r.seconds,
             "model": engine.origin(), "dtype": engine.config().dtype.as_str(),
-            "kv_dtype": engine.config().kv_dtype.map(|d| d.as_str()),
+            "kv_dtype": engine.config().kv_dtype.map(|d| d.to_string()),
             "cpu_weights": engine.cpu_weights().map(|c| c.describe()),
             "provenance": keydiff::bench::Provenance::collect(
                 &engine,
@@ -974,7 +1005,7 @@ fn info(args: &ModelArgs) -> Result<()> {
         "config": c,
         "context": c.context(),
         "compute_dtype": format!("{:?}", engine.config().dtype),
-        "kv_dtype": engine.config().kv_dtype.map(|d| d.as_str()),
+        "kv_dtype": engine.config().kv_dtype.map(|d| d.to_string()),
         "device": format!("{:?}", engine.config().device),
         "attention": engine.config().attention.name(),
         "sampling_defaults": engine.sampling_defaults(),

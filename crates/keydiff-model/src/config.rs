@@ -661,11 +661,11 @@ impl HfConfig {
 
 impl ModelConfig {
     /// Bytes of K and V at `slots` per layer and KV head held as `kv` (a float dtype or
-    /// Q8_0): slots · layers · kv_heads · 2 · the bytes of a head's row, the cache's peak
-    /// (what `KvCache::bytes` reports).
-    pub fn kv_cache_bytes(&self, slots: usize, kv: impl Into<keydiff_cache::KvType>) -> u64 {
+    /// Q8_0, or one for each): slots · layers · kv_heads · a head's key and value bytes, the
+    /// cache's peak (what `KvCache::bytes` reports).
+    pub fn kv_cache_bytes(&self, slots: usize, kv: impl Into<keydiff_cache::KvTypes>) -> u64 {
         (slots as u64)
-            * (self.num_layers * self.num_kv_heads * 2 * kv.into().row_bytes(self.head_dim)) as u64
+            * (self.num_layers * self.num_kv_heads * kv.into().slot_bytes(self.head_dim)) as u64
     }
 
     /// Activation bytes of one token row through a layer in f32, estimated: hidden states,

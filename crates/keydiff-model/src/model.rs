@@ -7,7 +7,7 @@
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor, D};
-use keydiff_cache::{AttnStats, CacheConfig, KvCache, KvType};
+use keydiff_cache::{AttnStats, CacheConfig, KvCache, KvTypes};
 
 use crate::attention::{
     attention_output, attention_probs, chunk_mask, decode_attention_cpu, flash_attend, row_sums,
@@ -474,7 +474,7 @@ pub struct Model {
     device: Device,
     dtype: DType,
     /// What the KV cache holds (`dtype` unless [`Model::set_kv_dtype`] chose another).
-    kv_dtype: KvType,
+    kv_dtype: KvTypes,
     attention: AttentionBackend,
 }
 
@@ -560,7 +560,8 @@ impl Model {
     /// appended, and eviction scores them as stored. Attention reads f16/bf16 rows in place
     /// where it can (the CPU decode kernel); elsewhere a cache of another type than the
     /// activations is converted (or dequantized) to theirs for each chunk, a copy of the view.
-    pub fn set_kv_dtype(&mut self, kv: impl Into<KvType>) -> Result<()> {
+    /// Keys and values may each have their own ([`KvTypes`]).
+    pub fn set_kv_dtype(&mut self, kv: impl Into<KvTypes>) -> Result<()> {
         let kv = kv.into();
         kv.check(self.cfg.head_dim)
             .map_err(ModelError::Unsupported)?;
@@ -569,7 +570,7 @@ impl Model {
     }
 
     /// What the KV cache holds.
-    pub fn kv_dtype(&self) -> KvType {
+    pub fn kv_dtype(&self) -> KvTypes {
         self.kv_dtype
     }
 

@@ -776,7 +776,6 @@ impl Provenance {
                 .config()
                 .kv_dtype
                 .unwrap_or(engine.config().dtype.into())
-                .as_str()
                 .to_string(),
             attention: engine.config().attention.name().to_string(),
             model: engine.origin().to_string(),

@@ -215,7 +215,7 @@ impl Engine {
                 kv_heads: m.num_kv_heads,
                 head_dim: m.head_dim,
             },
-            kv_dtype: self.model().kv_dtype().as_str().to_string(),
+            kv_dtype: self.model().kv_dtype().to_string(),
             cache: parts.config.clone(),
             position: parts.position,
             counters: parts.counters,
@@ -386,7 +386,7 @@ impl Engine {
                 short(&digest)
             )));
         }
-        let kv_dtype = self.model().kv_dtype().as_str();
+        let kv_dtype = self.model().kv_dtype().to_string();
         if h.kv_dtype != kv_dtype {
             return Err(bad(format!(
                 "holds a {} cache; this run's is {kv_dtype} (--kv-dtype)",
@@ -456,14 +456,13 @@ impl Engine {
             other => return Err(bad(format!("layer 0's keys are {other:?}"))),
         };
         let (kv, d) = (m.num_kv_heads, m.head_dim);
-        let kv_type = self.model().kv_dtype();
-        let row = kv_type.row_len(d);
-        let row_bytes = kv_type.row_bytes(d);
-        let kv_st = safetensors::Dtype::from(kv_type.storage_dtype());
+        let types = self.model().kv_dtype();
+        let slot_bytes = types.slot_bytes(d);
+        let st_of = |t: keydiff_cache::KvType| safetensors::Dtype::from(t.storage_dtype());
         for i in 0..m.num_layers {
             for (name, shape, dtype) in [
-                ("keys", vec![kv, len, row], kv_st),
-                ("values", vec![kv, len, row], kv_st),
+                ("keys", vec![kv, len, types.k.row_len(d)], st_of(types.k)),
+                ("values", vec![kv, len, types.v.row_len(d)], st_of(types.v)),
                 ("positions", vec![kv, len], safetensors::Dtype::U32),
                 ("state", vec![kv, len], safetensors::Dtype::F32),
             ] {
@@ -486,7 +485,7 @@ impl Engine {
             None => len,
         };
         let passing = if self.config().device.is_cpu() {
-            (m.num_layers * kv * len * (2 * row_bytes + 8)) as u64
+            (m.num_layers * kv * len * (slot_bytes + 8)) as u64
         } else {
             0
         };

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
-use keydiff_cache::{CacheConfig, CacheCounters, KvCache, KvType};
+use keydiff_cache::{CacheConfig, CacheCounters, KvCache, KvType, KvTypes};
 use keydiff_model::memory::human;
 use keydiff_model::{
     load_gguf, load_hf_dir, load_random, AttentionBackend, CpuWeights, Loaded, Logits,
@@ -33,10 +33,11 @@ pub struct EngineConfig {
     /// the reference; bf16 on GPU).
     pub dtype: DType,
     /// What the KV cache holds: f32, f16, bf16, fp8 (`DType::F8E4M3`) or
-    /// [`KvType::Q8_0`] (`None`: `dtype`; a `DType` converts with `.into()`). f16 on the CPU
-    /// halves the cache's memory, as llama.cpp's default cache type does; q8_0 takes 1.06
-    /// bytes a value. [`Engine::config`] reports the type in use.
-    pub kv_dtype: Option<KvType>,
+    /// [`KvType::Q8_0`], for keys and values alike or each its own ([`KvTypes`]; `None`:
+    /// `dtype`; a `DType` or `KvType` converts with `.into()`). f16 on the CPU halves the
+    /// cache's memory, as llama.cpp's default cache type does; q8_0 takes 1.06 bytes a value.
+    /// [`Engine::config`] reports the types in use.
+    pub kv_dtype: Option<KvTypes>,
     /// Chunk size B, budget N, eviction policy and timing.
     pub cache: CacheConfig,
     /// How quantized GGUF weights are kept on the CPU: a dense copy for prefill chunks (GEMM
@@ -1340,7 +1341,7 @@ impl<'e> Decoding<'e> {
                 0.0
             },
             peak_kv_bytes: self.peak_kv_bytes,
-            kv_dtype: e.loaded.model.kv_dtype().as_str().to_string(),
+            kv_dtype: e.loaded.model.kv_dtype().to_string(),
             final_cache_len: cache.len(),
             eviction: cache.counters().since(&self.counted),
             breakdown: self.breakdown,
@@ -1501,7 +1502,7 @@ impl Engine {
         tracing::info!(
             origin = %loaded.origin,
             attention = %cfg.attention,
-            kv_dtype = loaded.model.kv_dtype().as_str(),
+            kv_dtype = %loaded.model.kv_dtype(),
             weights_planned = loaded.weight_plan.resident,
             device_memory_taken = load_taken,
             "model loaded"
@@ -1740,7 +1741,7 @@ impl Engine {
                     m.num_layers,
                     m.num_kv_heads,
                     m.head_dim,
-                    dtype.as_str(),
+                    dtype,
                     human(kv),
                     if extra > 0 { " and logits" } else { "" },
                     human(need)
@@ -1765,9 +1766,9 @@ impl Engine {
                     "{}{beside}; {budget}. Bound the cache with a budget (--budget N), {}or ask for \
                      fewer tokens (-n)",
                     what(),
-                    if dtype.row_bytes(m.head_dim) > 2 * m.head_dim {
+                    if dtype.slot_bytes(m.head_dim) > 4 * m.head_dim {
                         "store it in f16 or q8_0 (--kv-dtype f16, --kv-dtype q8_0), "
-                    } else if dtype != KvType::Q8_0
+                    } else if dtype != KvType::Q8_0.into()
                         && KvType::Q8_0.check(m.head_dim).is_ok()
                     {
                         "store it in q8_0 (--kv-dtype q8_0), "

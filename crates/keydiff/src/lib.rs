@@ -42,7 +42,7 @@ pub use engine::{
 pub use error::{EngineError, Result};
 pub use keydiff_cache::config::SNAPKV_WINDOW;
 pub use keydiff_cache::{
-    Anchor, CacheConfig, CacheCounters, KvCache, KvType, PolicyKind, StatsNeed,
+    Anchor, CacheConfig, CacheCounters, KvCache, KvType, KvTypes, PolicyKind, StatsNeed,
 };
 pub use keydiff_model::chat::check_template_kwargs;
 pub use keydiff_model::memory::{human as human_bytes, parse_size};
