@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # KV cache types side by side on the CPU (bench/results/2026-12-04-kv-cache-types.md): for each
 # of f32, f16, q8_0, fp8 and f16 keys beside q8_0 values (TYPES="f16 k=f16,v=q8_0" picks), the
-# mean NLL of 1024 tokens of the GPL v3 (full cache, and under
-# KeyDiff at --budget 512), then a 16 KB prompt under --budget 2048 with 64 greedy tokens:
-# peak KV bytes, prefill and decode speed. Usage: scripts/bench-kv-types.sh [MODEL]
+# mean NLL of 1024 tokens of the GPL v3 (full cache, and under KeyDiff at --budget 512), then
+# a 16 KB prompt under --budget 2048 with 64 greedy tokens: peak KV bytes, prefill and decode
+# speed. Usage: scripts/bench-kv-types.sh [MODEL]
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 MODEL=${1:-models/qwen2.5-coder-0.5b-instruct.gguf}

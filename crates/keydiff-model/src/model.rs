@@ -181,6 +181,12 @@ impl Attention {
         // as for every chunk.
         let eager = backend != AttentionBackend::Flash;
         let decoded = match (b, mask) {
+            // Keys and values of different types (`--cache-type-k/-v`): the kernel reads one
+            // type, so both are widened first.
+            (1, None) if keys.dtype() != values.dtype() => {
+                let q = q.reshape((kv, g, d))?;
+                decode_attention_cpu(&q, &cast(&keys)?, &cast(&values)?, eager && rows.is_some())?
+            }
             (1, None) => {
                 let q = q.reshape((kv, g, d))?;
                 decode_attention_cpu(&q, &keys, &values, eager && rows.is_some())?
