@@ -170,12 +170,17 @@ fn fp8_and_q8_0_caches_under_every_policy() {
         let e = Engine::load(&source(), &config(Some(kv), AttentionBackend::Eager)).unwrap();
         assert_eq!(e.config().kv_dtype, Some(kv));
         let whole = e.prefill_logits(&tokens, tokens.len()).unwrap();
-        let single = e.prefill_logits(&tokens, 1).unwrap();
-        let d = keydiff::parity::compare_logits(&whole, &single);
-        assert!(
-            d.cosine > 0.999 && d.top1_equal(),
-            "{name}: B = 1 vs whole: {d:?}"
-        );
+        // One-token chunks under eager and flash (a Q8_0 cache's blocks read in place by the
+        // decode kernel under both).
+        for attention in [AttentionBackend::Eager, AttentionBackend::Flash] {
+            let e = Engine::load(&source(), &config(Some(kv), attention)).unwrap();
+            let single = e.prefill_logits(&tokens, 1).unwrap();
+            let d = keydiff::parity::compare_logits(&whole, &single);
+            assert!(
+                d.cosine > 0.999 && d.top1_equal(),
+                "{name} {attention}: B = 1 vs whole: {d:?}"
+            );
+        }
         let d = keydiff::parity::compare_logits(&reference, &whole);
         assert!(d.max_abs > 0.0, "{name}: same logits as f32");
         assert!(d.cosine > 0.99, "{name}: far from the f32 cache: {d:?}");
@@ -188,17 +193,22 @@ fn fp8_and_q8_0_caches_under_every_policy() {
                 sinks: 2,
                 evict_every: None,
             };
-            let run = |kv: Option<KvTypes>| {
+            let run = |kv: Option<KvTypes>, attention| {
                 let cfg = EngineConfig {
                     cache: cache.clone(),
-                    ..config(kv, AttentionBackend::Eager)
+                    ..config(kv, attention)
                 };
                 Engine::load(&source(), &cfg)
                     .unwrap()
                     .generate(&params, |_| {})
                     .unwrap()
             };
-            let (q, full) = (run(Some(kv)), run(None));
+            let (q, full) = (
+                run(Some(kv), AttentionBackend::Eager),
+                run(None, AttentionBackend::Eager),
+            );
+            let flash = run(Some(kv), AttentionBackend::Flash);
+            assert_eq!(q.tokens, flash.tokens, "{name} {policy}: eager vs flash");
             assert_eq!(q.tokens.len(), 12, "{name} {policy}");
             assert!(q.stats.eviction.evicted_slots > 0, "{name} {policy}");
             assert_eq!(q.stats.kv_dtype, name);

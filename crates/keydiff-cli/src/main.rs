@@ -193,7 +193,7 @@ struct LoadArgs {
     #[arg(long, default_value = "f32")]
     dtype: String,
     /// What the KV cache holds: f32, f16, bf16, fp8 (E4M3 without a scale, vLLM's) or q8_0
-    /// (llama.cpp's blocks, 1.06 bytes a value; CPU) (default: --dtype). f16 halves the
+    /// (llama.cpp's blocks, 1.06 bytes a value) (default: --dtype). f16 halves the
     /// cache's memory and the bytes a decode step reads (llama.cpp's default cache type).
     #[arg(long)]
     kv_dtype: Option<String>,

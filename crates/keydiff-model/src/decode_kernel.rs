@@ -39,7 +39,13 @@ pub fn decode_attention_cpu(
     use candle_core::{CpuStorage, Storage};
     let (kv_heads, g, d) = q.dims3()?;
     let (kh, t, kd) = k.dims3()?;
-    if (kh, kd) != (kv_heads, d) || v.dim(0)? != kh || v.dim(1)? != t || t == 0 || d == 0 {
+    // A u8 cache holds Q8_0 blocks: rows of d / 32 · 34 bytes.
+    let row = if k.dtype() == DType::U8 {
+        d / 32 * 34
+    } else {
+        d
+    };
+    if (kh, kd) != (kv_heads, row) || v.dim(0)? != kh || v.dim(1)? != t || t == 0 || d == 0 {
         return Err(ModelError::Shape(format!(
             "decode attention: q {:?}, k {:?}, v {:?}",
             q.dims(),
@@ -82,6 +88,15 @@ pub fn decode_attention_cpu(
         }
         (Storage::Cpu(CpuStorage::F8E4M3(kd)), Storage::Cpu(CpuStorage::F8E4M3(vd))) => {
             decode_typed(qd, (kd, kl), (vd, vl), shape, probs)?
+        }
+        (Storage::Cpu(CpuStorage::U8(kd)), Storage::Cpu(CpuStorage::U8(vd))) => {
+            decode_typed::<Q8Byte>(
+                qd,
+                (Q8Byte::cast(kd), kl),
+                (Q8Byte::cast(vd), vl),
+                shape,
+                probs,
+            )?
         }
         _ => return Ok(None),
     };
@@ -261,6 +276,12 @@ impl<'a, E> Rows<'a, E> {
             .try_into()
             .expect("a row of W elements")
     }
+
+    /// Row `i` as `len` stored elements.
+    fn row_of(self, i: usize, len: usize) -> &'a [E] {
+        let at = self.start + i * self.stride;
+        &self.data[at..at + len]
+    }
 }
 
 impl<'a, E: KvElem> Rows<'a, E> {
@@ -286,7 +307,7 @@ impl<'a, E: KvElem> Rows<'a, E> {
             }
             None => {
                 for (l, b) in buf.iter_mut().enumerate().take(nb) {
-                    E::widen_into(self.row::<W>(i + l), b);
+                    E::widen_row(self.row_of(i + l, E::row_len(W)), b);
                 }
                 let buf: &'b [[f32; W]; 8] = buf;
                 std::array::from_fn(|l| &buf[l.min(nb - 1)])
@@ -370,6 +391,54 @@ pub(crate) trait KvElem: Copy + Send + Sync + 'static {
     fn widen_into(src: &[Self], out: &mut [f32]) {
         for (o, x) in out.iter_mut().zip(src) {
             *o = x.widen();
+        }
+    }
+
+    /// Stored elements of a row of `w` values.
+    fn row_len(w: usize) -> usize {
+        w
+    }
+
+    /// A stored row (`row_len(out.len())` elements) as its values.
+    fn widen_row(src: &[Self], out: &mut [f32]) {
+        Self::widen_into(src, out)
+    }
+}
+
+/// A byte of a Q8_0 cache's rows (GGML's `block_q8_0`: an f16 scale, little endian, then 32
+/// signed bytes, per 32 values): read a row at a time, never a byte alone.
+#[derive(Clone, Copy)]
+#[repr(transparent)]
+struct Q8Byte(u8);
+
+impl Q8Byte {
+    fn cast(x: &[u8]) -> &[Q8Byte] {
+        // SAFETY: `Q8Byte` is `repr(transparent)` over `u8`: same size, alignment and
+        // validity.
+        unsafe { std::slice::from_raw_parts(x.as_ptr().cast(), x.len()) }
+    }
+}
+
+impl KvElem for Q8Byte {
+    /// Not a value: a byte of a block (`widen_row` reads the blocks).
+    fn widen(self) -> f32 {
+        self.0 as i8 as f32
+    }
+
+    fn as_f32(_: &[Self]) -> Option<&[f32]> {
+        None
+    }
+
+    fn row_len(w: usize) -> usize {
+        w / 32 * 34
+    }
+
+    fn widen_row(src: &[Self], out: &mut [f32]) {
+        for (b, y) in src.chunks_exact(34).zip(out.chunks_exact_mut(32)) {
+            let d = half::f16::from_le_bytes([b[0].0, b[1].0]).to_f32();
+            for (o, q) in y.iter_mut().zip(&b[2..]) {
+                *o = q.0 as i8 as f32 * d;
+            }
         }
     }
 }
@@ -744,6 +813,35 @@ mod tests {
     /// Scores far beyond exp's range: without subtracting the max (or with a wrong max per
     /// block) exp overflows. One key, in the last block, dominates; and with q = 0 every key
     /// gets 1/T.
+    /// Q8_0 rows read in place (blocks of a cache buffer's used slots) give what the eager
+    /// path gives on their dequantized values.
+    #[test]
+    fn decode_kernel_reads_q8_0_blocks() -> Result<()> {
+        use keydiff_cache::{dequantize_q8_0, quantize_q8_0};
+        let dev = Device::Cpu;
+        for (kv, g, d) in [(2, 3, 64), (1, 4, 128), (2, 1, 256)] {
+            for t in [1, 9, 300] {
+                let kb = quantize_q8_0(&Tensor::randn(0f32, 2., (kv, t + 5, d), &dev)?)?;
+                let vb = quantize_q8_0(&(Tensor::randn(0f32, 1., (kv, t + 3, d), &dev)? + 0.5)?)?;
+                let (k, v) = (kb.narrow(1, 0, t)?, vb.narrow(1, 0, t)?);
+                let q = Tensor::randn(0f32, 1., (kv, g, d), &dev)?;
+                let (kf, vf) = (dequantize_q8_0(&k, d)?, dequantize_q8_0(&v, d)?);
+                let probs = attention_probs(&q, &kf, None, g)?;
+                let want = attention_output(&probs, &vf)?;
+                let (y, p) = decode_attention_cpu(&q, &k, &v, true)?
+                    .expect("Q8_0 rows of 64/128/256 values take the kernel");
+                let diff = (&y - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+                let size = want.abs()?.max_all()?.to_scalar::<f32>()?.max(1.0);
+                assert!(diff < 1e-5 * size, "kv {kv} g {g} d {d} t {t}: {diff}");
+                let err = ((&p.unwrap() - &probs)?.abs()? / (probs.abs()? + 1e-5)?)?
+                    .max_all()?
+                    .to_scalar::<f32>()?;
+                assert!(err < 1e-4, "kv {kv} g {g} d {d} t {t}: probabilities {err}");
+            }
+        }
+        Ok(())
+    }
+
     #[test]
     fn decode_kernel_softmax_is_stable() -> Result<()> {
         let dev = Device::Cpu;

@@ -7,7 +7,7 @@
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor, D};
-use keydiff_cache::{AttnStats, CacheConfig, KvCache, KvTypes};
+use keydiff_cache::{AttnStats, CacheConfig, KvCache, KvType, KvTypes};
 
 use crate::attention::{
     attention_output, attention_probs, chunk_mask, decode_attention_cpu, flash_attend, row_sums,
@@ -160,7 +160,18 @@ impl Attention {
         layer.append(k, v, pos0)?;
         let rows = cache.stats_rows(b);
         let layer = cache.layer(li);
-        let (keys, values) = (layer.keys()?, layer.values()?);
+        let eager = backend != AttentionBackend::Flash;
+        let one_row = b == 1 && mask.is_none();
+        // A Q8_0 cache's decode step gives the decode kernel the blocks to read in place
+        // (dequantized, the whole view would first be written out as f32), unless a flash
+        // step's statistics pass needs the keys as values. Should the kernel decline them,
+        // the values are dequantized below.
+        let q8 = layer.kv_type() == KvType::Q8_0.into();
+        let (keys, values) = if q8 && one_row && (eager || rows.is_none()) {
+            (layer.stored_keys()?, layer.stored_values()?)
+        } else {
+            (layer.keys()?, layer.values()?)
+        };
         // A cache held in another dtype than the activations (`Model::set_kv_dtype`) is read
         // in place by the decode kernel; the general path gets a converted copy of the view.
         let cast = |t: &Tensor| -> Result<Tensor> {
@@ -179,7 +190,6 @@ impl Attention {
         // either backend (see decode_attention_cpu): `[kv, g, d]`, and for eager the
         // probabilities its statistics need; flash takes its statistics from the extra pass,
         // as for every chunk.
-        let eager = backend != AttentionBackend::Flash;
         let decoded = match (b, mask) {
             // Keys and values of different types (`--cache-type-k/-v`): the kernel reads one
             // type, so both are widened first.
@@ -192,6 +202,10 @@ impl Attention {
                 decode_attention_cpu(&q, &keys, &values, eager && rows.is_some())?
             }
             _ => None,
+        };
+        let (keys, values) = match decoded {
+            None if keys.dtype() == DType::U8 => (layer.keys()?, layer.values()?),
+            _ => (keys, values),
         };
         let (y, stats) = match backend {
             // `Model::set_attention` resolves `Auto`: a model never holds it.
