@@ -272,7 +272,7 @@ extern "C" __global__ void __launch_bounds__(KD_SELECT_THREADS)
 }
 
 // Applies the plan to one buffer of rows: [heads, rows, row_bytes] with byte strides. One warp
-// per move. Used for K, V (row = head_dim elements),
+// per move. Used for K, V (row = head_dim elements, or a Q8_0 row of head_dim / 32 * 34 bytes),
 // positions and policy state (row = 4 bytes). Grid (ceil(M / warps per block), heads).
 // A move naming a row outside [0, rows) is skipped (the CPU op refuses such a plan; a kernel
 // cannot, but it never writes outside the buffer).

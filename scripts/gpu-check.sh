@@ -89,11 +89,11 @@ done
 python3 - "$out" >> "$summary" <<'PY'
 import json, sys, glob
 print("parity (CPU f32 reference):")
-print(f"  {'dtype':5} {'kv':5} {'attn':5} {'preset':24} {'policy':14} {'cosine':>9} {'max_rel':>9} top1")
+print(f"  {'dtype':5} {'kv':6} {'attn':5} {'preset':24} {'policy':14} {'cosine':>9} {'max_rel':>9} top1")
 for f in sorted(glob.glob(sys.argv[1] + "/parity-*.jsonl")):
     for line in open(f):
         r = json.loads(line); d = r["diff"]
-        print(f"  {r['dtype']:5} {r.get('kv_dtype', r['dtype']):5} {r.get('attention', 'eager'):5} {r['preset'].split('/')[-1]:24} {r['policy']:14} {d['cosine']:9.6f} {d['max_rel']:9.2e} {'same' if r['top1_equal'] else 'DIFF'}")
+        print(f"  {r['dtype']:5} {r.get('kv_dtype', r['dtype']):6} {r.get('attention', 'eager'):5} {r['preset'].split('/')[-1]:24} {r['policy']:14} {d['cosine']:9.6f} {d['max_rel']:9.2e} {'same' if r['top1_equal'] else 'DIFF'}")
 PY
 [ $parity_ok = 1 ] && note "parity: PASS" || note "parity: FAIL"
 

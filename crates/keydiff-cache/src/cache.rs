@@ -218,17 +218,22 @@ impl KvCache {
         };
         let (heads, len, dim) = first.keys.dims3()?;
         let shape = [heads, len, dim];
-        if let Some((i, l)) = parts
-            .layers
-            .iter()
-            .enumerate()
-            .find(|(_, l)| l.keys.dims() != shape || l.keys.dtype() != first.keys.dtype())
-        {
+        if let Some((i, l)) = parts.layers.iter().enumerate().find(|(_, l)| {
+            l.keys.dims() != shape
+                || l.keys.dtype() != first.keys.dtype()
+                || l.values.dims() != first.values.dims()
+                || l.values.dtype() != first.values.dtype()
+        }) {
             return Err(CacheError::Shape(format!(
-                "layer {i} holds {:?} {} keys, layer 0 {shape:?} {}",
+                "layer {i} holds {:?} {} keys and {:?} {} values, layer 0 {shape:?} {} and \
+                 {:?} {}",
                 l.keys.dims(),
                 l.keys.dtype().as_str(),
-                first.keys.dtype().as_str()
+                l.values.dims(),
+                l.values.dtype().as_str(),
+                first.keys.dtype().as_str(),
+                first.values.dims(),
+                first.values.dtype().as_str()
             )));
         }
         let in_order = parts.counters.evictions == 0;

@@ -184,6 +184,9 @@ impl KvTypes {
 
     /// Fails unless a cache can hold heads of `head_dim` values in these types.
     pub fn check(&self, head_dim: usize) -> std::result::Result<(), String> {
+        if self.k == self.v {
+            return self.k.check(head_dim);
+        }
         self.k.check(head_dim).map_err(|e| format!("keys: {e}"))?;
         self.v.check(head_dim).map_err(|e| format!("values: {e}"))
     }
@@ -215,6 +218,11 @@ pub fn dequantize_block_q8_0(q: &[u8], out: &mut [f32]) {
 pub fn quantize_q8_0(x: &Tensor) -> Result<Tensor> {
     let d = x.dims().last().copied().unwrap_or(0);
     KvType::Q8_0.check(d).map_err(CacheError::Config)?;
+    if x.elem_count() == 0 {
+        let mut shape = x.dims().to_vec();
+        *shape.last_mut().unwrap() = KvType::Q8_0.row_len(d);
+        return Ok(Tensor::zeros(shape, DType::U8, x.device())?);
+    }
     Ok(x.apply_op1_no_bwd(&Q8_0Quantize)?)
 }
 
@@ -228,6 +236,12 @@ pub fn dequantize_q8_0(q: &Tensor, head_dim: usize) -> Result<Tensor> {
             q.dims(),
             q.dtype().as_str()
         )));
+    }
+    if q.elem_count() == 0 {
+        // No rows (an empty cache): no launch, on any device.
+        let mut shape = q.dims().to_vec();
+        *shape.last_mut().unwrap() = head_dim;
+        return Ok(Tensor::zeros(shape, DType::F32, q.device())?);
     }
     Ok(q.apply_op1_no_bwd(&Q8_0Dequantize { head_dim })?)
 }
@@ -465,6 +479,14 @@ mod tests {
         assert_eq!(KvTypes::from(KvType::Q8_0).to_string(), "q8_0");
         assert_eq!(split.slot_bytes(64), 128 + 68);
         assert!(split.check(48).unwrap_err().starts_with("values: "));
+        assert!(!KvTypes::from(KvType::Q8_0)
+            .check(48)
+            .unwrap_err()
+            .contains(": a"));
+        let empty = Tensor::zeros((2, 0, 64), DType::F32, &Device::Cpu).unwrap();
+        let q = quantize_q8_0(&empty).unwrap();
+        assert_eq!(q.dims(), [2, 0, 68]);
+        assert_eq!(dequantize_q8_0(&q, 64).unwrap().dims(), [2, 0, 64]);
         assert!(quantize_q8_0(&Tensor::zeros((2, 48), DType::F32, &Device::Cpu).unwrap()).is_err());
     }
 }

@@ -103,6 +103,15 @@ impl LayerCache {
             v: KvType::of_storage(parts.values.dtype()),
         };
         let head_dim = kv.k.head_dim_of(dim).unwrap_or(0);
+        if head_dim == 0 || kv.check(head_dim).is_err() {
+            return bad(format!(
+                "keys in {} and values in {}, rows of {dim} (expected one of {}; q8_0 as u8 \
+                 rows of 34-byte blocks)",
+                parts.keys.dtype().as_str(),
+                parts.values.dtype().as_str(),
+                KvType::NAMES
+            ));
+        }
         let (vh, vl, vd) = parts.values.dims3()?;
         if (vh, vl) != (heads, len) || kv.v.head_dim_of(vd) != Some(head_dim) {
             return bad(format!(
@@ -125,15 +134,6 @@ impl LayerCache {
                     dtype.as_str()
                 ));
             }
-        }
-        if head_dim == 0 || kv.check(head_dim).is_err() {
-            return bad(format!(
-                "keys in {} and values in {}, rows of {dim} (expected one of {}; q8_0 as u8 \
-                 rows of 34-byte blocks)",
-                parts.keys.dtype().as_str(),
-                parts.values.dtype().as_str(),
-                KvType::NAMES
-            ));
         }
         if len > capacity {
             return Err(CacheError::Full {

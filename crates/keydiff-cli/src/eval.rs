@@ -465,7 +465,11 @@ fn check_resume(results: &std::path::Path, a: &EvalArgs, engine: &keydiff::Engin
         ("-m", p["model"].clone(), now.model.into()),
         ("--dtype", p["dtype"].clone(), now.dtype.into()),
         ("--attention", attention, now.attention.into()),
-        ("--kv-dtype", kv_dtype, now.kv_dtype.into()),
+        (
+            "--kv-dtype/--cache-type-k/-v",
+            kv_dtype,
+            now.kv_dtype.into(),
+        ),
         (
             "--as-stored/--memory-limit (CPU weight copies)",
             cpu_weights,

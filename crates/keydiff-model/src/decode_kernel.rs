@@ -810,9 +810,6 @@ mod tests {
         Ok(())
     }
 
-    /// Scores far beyond exp's range: without subtracting the max (or with a wrong max per
-    /// block) exp overflows. One key, in the last block, dominates; and with q = 0 every key
-    /// gets 1/T.
     /// Q8_0 rows read in place (blocks of a cache buffer's used slots) give what the eager
     /// path gives on their dequantized values.
     #[test]
@@ -842,6 +839,9 @@ mod tests {
         Ok(())
     }
 
+    /// Scores far beyond exp's range: without subtracting the max (or with a wrong max per
+    /// block) exp overflows. One key, in the last block, dominates; and with q = 0 every key
+    /// gets 1/T.
     #[test]
     fn decode_kernel_softmax_is_stable() -> Result<()> {
         let dev = Device::Cpu;

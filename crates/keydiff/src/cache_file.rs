@@ -3,7 +3,8 @@
 //! later process without its prefill.
 //!
 //! The file is safetensors: per layer `layers.{i}.keys` and `layers.{i}.values`
-//! (`[kv_heads, len, head_dim]` in the cache's dtype), `layers.{i}.positions` (u32) and
+//! (`[kv_heads, len, head_dim]` in the cache's dtype, or u8 `[kv_heads, len, head_dim / 32 ·
+//! 34]` of a Q8_0 cache's blocks; keys and values each in their own), `layers.{i}.positions` (u32) and
 //! `layers.{i}.state` (f32, `[kv_heads, len]`), only the used slots; its metadata has
 //! `format: keydiff-kv-cache` and, under `keydiff`, a JSON [`Header`]: the model's digest, the
 //! cache settings, the tokens the cache stands for and what a continued conversation needs.
@@ -389,7 +390,7 @@ impl Engine {
         let kv_dtype = self.model().kv_dtype().to_string();
         if h.kv_dtype != kv_dtype {
             return Err(bad(format!(
-                "holds a {} cache; this run's is {kv_dtype} (--kv-dtype)",
+                "holds a {} cache; this run's is {kv_dtype} (--kv-dtype, --cache-type-k/-v)",
                 h.kv_dtype
             )));
         }

@@ -1766,14 +1766,19 @@ impl Engine {
                     "{}{beside}; {budget}. Bound the cache with a budget (--budget N), {}or ask for \
                      fewer tokens (-n)",
                     what(),
-                    if dtype.slot_bytes(m.head_dim) > 4 * m.head_dim {
-                        "store it in f16 or q8_0 (--kv-dtype f16, --kv-dtype q8_0), "
-                    } else if dtype != KvType::Q8_0.into()
-                        && KvType::Q8_0.check(m.head_dim).is_ok()
                     {
-                        "store it in q8_0 (--kv-dtype q8_0), "
-                    } else {
-                        ""
+                        // Smaller types than the one in use, that this model can hold.
+                        let d = m.head_dim;
+                        let q8 = KvTypes::from(KvType::Q8_0);
+                        let q8_fits = q8.check(d).is_ok() && q8.slot_bytes(d) < dtype.slot_bytes(d);
+                        match (dtype.slot_bytes(d) > 4 * d, q8_fits) {
+                            (true, true) => {
+                                "store it in f16 or q8_0 (--kv-dtype f16, --kv-dtype q8_0), "
+                            }
+                            (true, false) => "store it in f16 (--kv-dtype f16), ",
+                            (false, true) => "store it in q8_0 (--kv-dtype q8_0), ",
+                            (false, false) => "",
+                        }
                     }
                 )));
             }
