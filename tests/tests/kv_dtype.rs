@@ -18,6 +18,18 @@ fn source() -> ModelSource {
     }
 }
 
+/// `policy` at a budget of 96 slots in chunks of 32: a prompt of 250 tokens evicts.
+fn evicting(policy: &str) -> CacheConfig {
+    CacheConfig {
+        policy: PolicyKind::parse(policy, keydiff::SNAPKV_WINDOW, 0).unwrap(),
+        budget: Some(96),
+        chunk: 32,
+        window: 0.1,
+        sinks: 2,
+        evict_every: None,
+    }
+}
+
 fn config(kv_dtype: Option<KvTypes>, attention: AttentionBackend) -> EngineConfig {
     EngineConfig {
         kv_dtype,
@@ -73,14 +85,7 @@ fn f16_cache_under_every_policy() {
         ..Default::default()
     };
     for policy in EVICTING_POLICIES {
-        let cache = CacheConfig {
-            policy: PolicyKind::parse(policy, keydiff::SNAPKV_WINDOW, 0).unwrap(),
-            budget: Some(96),
-            chunk: 32,
-            window: 0.1,
-            sinks: 2,
-            evict_every: None,
-        };
+        let cache = evicting(policy);
         let run = |kv, attention| {
             let cfg = EngineConfig {
                 cache: cache.clone(),
@@ -185,14 +190,7 @@ fn fp8_and_q8_0_caches_under_every_policy() {
         assert!(d.max_abs > 0.0, "{name}: same logits as f32");
         assert!(d.cosine > 0.99, "{name}: far from the f32 cache: {d:?}");
         for policy in EVICTING_POLICIES {
-            let cache = CacheConfig {
-                policy: PolicyKind::parse(policy, keydiff::SNAPKV_WINDOW, 0).unwrap(),
-                budget: Some(96),
-                chunk: 32,
-                window: 0.1,
-                sinks: 2,
-                evict_every: None,
-            };
+            let cache = evicting(policy);
             let run = |kv: Option<KvTypes>, attention| {
                 let cfg = EngineConfig {
                     cache: cache.clone(),

@@ -176,6 +176,33 @@ fn cache_keys(kv: usize, rows: usize, d: usize, dtype: DType, rng: &mut StdRng) 
         .unwrap()
 }
 
+/// A buffer's values on the host in its own dtype, for the emulated kernels.
+enum HostRows {
+    F32(Vec<f32>),
+    F16(Vec<f16>),
+    BF16(Vec<bf16>),
+}
+
+impl HostRows {
+    fn of(buf: &Tensor) -> Self {
+        let flat = buf.flatten_all().unwrap();
+        match buf.dtype() {
+            DType::F32 => HostRows::F32(flat.to_vec1().unwrap()),
+            DType::F16 => HostRows::F16(flat.to_vec1().unwrap()),
+            DType::BF16 => HostRows::BF16(flat.to_vec1().unwrap()),
+            dt => panic!("no emulated kernel reads {dt:?}"),
+        }
+    }
+
+    fn keys(&self) -> emu::Keys<'_> {
+        match self {
+            HostRows::F32(v) => emu::Keys::F32(v),
+            HostRows::F16(v) => emu::Keys::F16(v),
+            HostRows::BF16(v) => emu::Keys::BF16(v),
+        }
+    }
+}
+
 #[test]
 fn scores_match_the_cpu_twin_and_the_reference() {
     let mut rng = StdRng::seed_from_u64(11);
@@ -207,22 +234,8 @@ fn scores_match_the_cpu_twin_and_the_reference() {
                 .unwrap()
                 .to_vec1::<f32>()
                 .unwrap();
-            let flat = buf.flatten_all().unwrap();
-            let (f32s, f16s, bf16s);
-            let keys = match dtype {
-                DType::F32 => {
-                    f32s = flat.to_vec1::<f32>().unwrap();
-                    emu::Keys::F32(&f32s)
-                }
-                DType::F16 => {
-                    f16s = flat.to_vec1::<f16>().unwrap();
-                    emu::Keys::F16(&f16s)
-                }
-                _ => {
-                    bf16s = flat.to_vec1::<bf16>().unwrap();
-                    emu::Keys::BF16(&bf16s)
-                }
-            };
+            let host = HostRows::of(&buf);
+            let keys = host.keys();
             let normalized = anchor == Anchor::Normalized;
             let mut runs = Vec::new();
             for seed in SEEDS {
@@ -707,22 +720,8 @@ fn q8_0_kernels_match_the_cpu_twin_exactly() {
             let view = buf.narrow(1, 0, n).unwrap().narrow(2, 0, d).unwrap();
             let twin = keydiff_cache::quantize_q8_0(&view).unwrap();
             let twin_bytes = twin.flatten_all().unwrap().to_vec1::<u8>().unwrap();
-            let flat = buf.flatten_all().unwrap();
-            let (f32s, f16s, bf16s);
-            let x = match dtype {
-                DType::F32 => {
-                    f32s = flat.to_vec1::<f32>().unwrap();
-                    emu::Keys::F32(&f32s)
-                }
-                DType::F16 => {
-                    f16s = flat.to_vec1::<f16>().unwrap();
-                    emu::Keys::F16(&f16s)
-                }
-                _ => {
-                    bf16s = flat.to_vec1::<bf16>().unwrap();
-                    emu::Keys::BF16(&bf16s)
-                }
-            };
+            let host = HostRows::of(&buf);
+            let x = host.keys();
             for seed in SEEDS {
                 let got = emu::q8_0_quantize(x, kv, n, d, rows * rs, rs, seed).unwrap();
                 assert!(
