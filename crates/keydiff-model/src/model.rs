@@ -576,11 +576,12 @@ impl Model {
 
     /// Chooses what the KV cache holds, whatever the activations' dtype: f32, f16, bf16,
     /// fp8 (E4M3, unscaled: vLLM's `fp8`) or Q8_0 blocks (llama.cpp's `q8_0`: heads of a
-    /// multiple of 32 values; on CUDA by the kernels of `kernels/keydiff.cu`). Keys and values are rounded or quantized when they are
-    /// appended, and eviction scores them as stored. Attention reads f16/bf16 rows in place
-    /// where it can (the CPU decode kernel); elsewhere a cache of another type than the
-    /// activations is converted (or dequantized) to theirs for each chunk, a copy of the view.
-    /// Keys and values may each have their own ([`KvTypes`]).
+    /// multiple of 32 values; on CUDA by the kernels of `kernels/keydiff.cu`), for keys and
+    /// values alike or each its own ([`KvTypes`]). Keys and values are rounded or quantized
+    /// when they are appended, and eviction scores them as stored. Attention reads the cache
+    /// in place where it can (the CPU decode kernel: f16, bf16, fp8 and Q8_0 rows); elsewhere
+    /// a cache of another type than the activations is converted (or dequantized) to theirs
+    /// for each chunk, a copy of the view.
     pub fn set_kv_dtype(&mut self, kv: impl Into<KvTypes>) -> Result<()> {
         let kv = kv.into();
         kv.check(self.cfg.head_dim)

@@ -4,8 +4,9 @@
 //!
 //! The file is safetensors: per layer `layers.{i}.keys` and `layers.{i}.values`
 //! (`[kv_heads, len, head_dim]` in the cache's dtype, or u8 `[kv_heads, len, head_dim / 32 ·
-//! 34]` of a Q8_0 cache's blocks; keys and values each in their own), `layers.{i}.positions` (u32) and
-//! `layers.{i}.state` (f32, `[kv_heads, len]`), only the used slots; its metadata has
+//! 34]` of a Q8_0 cache's blocks; keys and values each in their own type),
+//! `layers.{i}.positions` (u32) and `layers.{i}.state` (f32, `[kv_heads, len]`), only the used
+//! slots; its metadata has
 //! `format: keydiff-kv-cache` and, under `keydiff`, a JSON [`Header`]: the model's digest, the
 //! cache settings, the tokens the cache stands for and what a continued conversation needs.
 
