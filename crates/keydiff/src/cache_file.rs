@@ -6,9 +6,9 @@
 //! (`[kv_heads, len, head_dim]` in the cache's dtype, or u8 `[kv_heads, len, head_dim / 32 ·
 //! 34]` of a Q8_0 cache's blocks; keys and values each in their own type),
 //! `layers.{i}.positions` (u32) and `layers.{i}.state` (f32, `[kv_heads, len]`), only the used
-//! slots; its metadata has
-//! `format: keydiff-kv-cache` and, under `keydiff`, a JSON [`Header`]: the model's digest, the
-//! cache settings, the tokens the cache stands for and what a continued conversation needs.
+//! slots; its metadata has `format: keydiff-kv-cache` and, under `keydiff`, a JSON [`Header`]:
+//! the model's digest, the cache settings, the tokens the cache stands for and what a continued
+//! conversation needs.
 
 use std::collections::HashMap;
 use std::io::{Read, Seek, SeekFrom};
