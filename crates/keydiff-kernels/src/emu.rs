@@ -191,17 +191,17 @@ pub enum Keys<'a> {
 }
 
 impl Keys<'_> {
-    /// The kernels' dtype code, the bytes, and the length in elements.
-    fn parts(&self) -> (c_int, &[u8], usize) {
+    /// The kernels' dtype code, the bytes, the length in elements and an element's bytes.
+    fn parts(&self) -> (c_int, &[u8], usize, usize) {
         fn bytes<T>(s: &[T]) -> &[u8] {
             // SAFETY: f32, f16 and bf16 are plain data without padding; the bytes live as long
             // as the slice.
             unsafe { std::slice::from_raw_parts(s.as_ptr().cast(), std::mem::size_of_val(s)) }
         }
         match self {
-            Keys::F32(s) => (0, bytes(s), s.len()),
-            Keys::F16(s) => (1, bytes(s), s.len()),
-            Keys::BF16(s) => (2, bytes(s), s.len()),
+            Keys::F32(s) => (0, bytes(s), s.len(), 4),
+            Keys::F16(s) => (1, bytes(s), s.len(), 2),
+            Keys::BF16(s) => (2, bytes(s), s.len(), 2),
         }
     }
 }
@@ -220,8 +220,7 @@ pub fn keydiff_scores(
     seed: u64,
 ) -> Result<Vec<f32>> {
     check_scores(kv, n, d)?;
-    let (dtype, key_bytes, len) = keys.parts();
-    let elem = if dtype == 0 { 4 } else { 2 };
+    let (dtype, key_bytes, len, elem) = keys.parts();
     let extent = check_extent(
         "keydiff-scores",
         len,
@@ -299,8 +298,7 @@ pub fn q8_0_quantize(
     seed: u64,
 ) -> Result<Vec<u8>> {
     check_q8_0(kv, n, d)?;
-    let (dtype, bytes, len) = x.parts();
-    let elem = if dtype == 0 { 4 } else { 2 };
+    let (dtype, bytes, len, elem) = x.parts();
     let extent = check_extent(
         "q8_0-quantize",
         len,
