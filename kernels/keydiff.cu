@@ -272,7 +272,7 @@ extern "C" __global__ void __launch_bounds__(KD_SELECT_THREADS)
 }
 
 // Applies the plan to one buffer of rows: [heads, rows, row_bytes] with byte strides. One warp
-// per move. Used for K, V (row = head_dim elements, or a Q8_0 row of head_dim / 32 * 34 bytes),
+// per move. Used for K, V (row = head_dim elements, or the bytes of head_dim / 32 quantized blocks),
 // positions and policy state (row = 4 bytes). Grid (ceil(M / warps per block), heads).
 // A move naming a row outside [0, rows) is skipped (the CPU op refuses such a plan; a kernel
 // cannot, but it never writes outside the buffer).
@@ -377,64 +377,153 @@ extern "C" __global__ void __launch_bounds__(KD_POOL_THREADS)
 }
 
 // ---------------------------------------------------------------------------------------------
-// Q8_0 KV cache (llama.cpp's `q8_0` cache type): each run of 32 values of a row is GGML's
-// block_q8_0, an f16 scale d = max|x| / 127 (little endian) and 32 signed bytes round(x / d),
-// 34 bytes in all. The CPU twins are `quantize_block_q8_0` / `dequantize_block_q8_0` in
-// crates/keydiff-cache/src/kv_type.rs (GGML's reference codec); the arithmetic is the same
-// IEEE operations (a division, a reciprocal, a product, round half away from zero), so the
-// bytes and values are identical.
+// Quantized KV caches (llama.cpp's `q8_0`, `q5_1`, `q5_0`, `q4_1`, `q4_0` cache types): each run
+// of 32 values of a row is one GGML block, an f16 scale d (little endian), for `_1` types an f16
+// minimum m, for 5-bit types a 32-bit word qh of fifth bits (bit j: value j), then the codes:
+// q8_0 32 signed bytes round(x / d); 4- and 5-bit codes as nibbles, value j low and j + 16 high
+// in byte j. `kind` numbers the types as `KvType::block_code` does. The CPU twins are
+// `quantize_block` / `dequantize_block` in crates/keydiff-cache/src/kv_type.rs (GGML's
+// reference codecs); the arithmetic is the same IEEE operations in the same order, with no
+// fused multiply-adds (__fmul_rn / __fadd_rn), so the bytes and values are identical.
 // ---------------------------------------------------------------------------------------------
 
-#define KD_Q8_BLOCK 32
-#define KD_Q8_BYTES 34
-#define KD_Q8_THREADS 256
+#define KD_KVQ_BLOCK 32
+#define KD_KVQ_THREADS 256
+#define KD_KVQ_Q8_0 0
+#define KD_KVQ_Q5_1 1
+#define KD_KVQ_Q5_0 2
+#define KD_KVQ_Q4_1 3
+#define KD_KVQ_Q4_0 4
 
-// x [heads, n, d] (element strides; rows contiguous) -> out [heads, n, d / 32 * 34], contiguous.
-// One thread per block of 32 values; grid (ceil(n * d / 32 / threads), heads).
-template <typename T>
-__device__ void kd_q8_0_quantize(const T* x, int64_t head_stride, int64_t row_stride, int n,
-                                 int d, uint8_t* out) {
-  const int nb = d / KD_Q8_BLOCK;
-  const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-  const int h = blockIdx.y;
-  if (i >= (int64_t)n * nb) return;
-  const int r = (int)(i / nb), b = (int)(i % nb);
-  const T* src = x + h * head_stride + r * row_stride + b * KD_Q8_BLOCK;
-  float v[KD_Q8_BLOCK];
-  float amax = 0.f;
-  for (int j = 0; j < KD_Q8_BLOCK; ++j) {
-    v[j] = kd_to_f(src[j]);
-    amax = fmaxf(amax, fabsf(v[j]));
+// Bytes of a block of `kind`; 0 for an unknown kind.
+__device__ __forceinline__ int kd_kvq_bytes(int kind) {
+  switch (kind) {
+    case KD_KVQ_Q8_0: return 34;
+    case KD_KVQ_Q5_1: return 24;
+    case KD_KVQ_Q5_0: return 22;
+    case KD_KVQ_Q4_1: return 20;
+    case KD_KVQ_Q4_0: return 18;
+    default: return 0;
   }
-  const float dq = amax / 127.f;
-  const float id = dq != 0.f ? 1.f / dq : 0.f;
-  uint8_t* o = out + ((int64_t)h * n * nb + i) * KD_Q8_BYTES;
-  const unsigned short bits = __half_as_ushort(__float2half_rn(dq));
-  o[0] = (uint8_t)(bits & 0xffu);
-  o[1] = (uint8_t)(bits >> 8);
-  for (int j = 0; j < KD_Q8_BLOCK; ++j) o[2 + j] = (uint8_t)(int8_t)roundf(v[j] * id);
 }
 
-#define KD_Q8_QUANTIZE(SUFFIX, T)                                                                \
-  extern "C" __global__ void __launch_bounds__(KD_Q8_THREADS) keydiff_q8_0_quantize_##SUFFIX(   \
-      const T* x, int64_t head_stride, int64_t row_stride, int n, int d, uint8_t* out) {         \
-    kd_q8_0_quantize<T>(x, head_stride, row_stride, n, d, out);                                  \
-  }
-KD_Q8_QUANTIZE(f32, float)
-KD_Q8_QUANTIZE(f16, __half)
-KD_Q8_QUANTIZE(bf16, __nv_bfloat16)
+__device__ __forceinline__ void kd_put_f16(uint8_t* o, float x) {
+  const unsigned short bits = __half_as_ushort(__float2half_rn(x));
+  o[0] = (uint8_t)(bits & 0xffu);
+  o[1] = (uint8_t)(bits >> 8);
+}
 
-// q [heads, n, d / 32 * 34] (byte strides: a view of the cache buffer) -> out [heads, n, d] f32,
-// contiguous. One thread per value; grid (ceil(n * d / threads), heads).
-extern "C" __global__ void __launch_bounds__(KD_Q8_THREADS)
-    keydiff_q8_0_dequantize(const uint8_t* q, int64_t head_stride, int64_t row_stride, int n,
-                            int d, float* out) {
+__device__ __forceinline__ float kd_get_f16(const uint8_t* q) {
+  return __half2float(__ushort_as_half((unsigned short)(q[0] | (q[1] << 8))));
+}
+
+// x [heads, n, d] (element strides; rows contiguous) -> out [heads, n, d / 32 * bytes],
+// contiguous. One thread per block of 32 values; grid (ceil(n * d / 32 / threads), heads).
+template <typename T>
+__device__ void kd_kvq_quantize(const T* x, int64_t head_stride, int64_t row_stride, int n, int d,
+                                int kind, uint8_t* out) {
+  const int nb = d / KD_KVQ_BLOCK, bytes = kd_kvq_bytes(kind);
   const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   const int h = blockIdx.y;
-  if (i >= (int64_t)n * d) return;
-  const int r = (int)(i / d), c = (int)(i % d);
-  const uint8_t* blk = q + h * head_stride + r * row_stride + (c / KD_Q8_BLOCK) * KD_Q8_BYTES;
-  const unsigned short bits = (unsigned short)(blk[0] | (blk[1] << 8));
-  const float scale = __half2float(__ushort_as_half(bits));
-  out[(int64_t)h * n * d + i] = (float)(int8_t)blk[2 + c % KD_Q8_BLOCK] * scale;
+  if (i >= (int64_t)n * nb || bytes == 0) return;
+  const int r = (int)(i / nb), b = (int)(i % nb);
+  const T* src = x + h * head_stride + r * row_stride + b * KD_KVQ_BLOCK;
+  uint8_t* o = out + ((int64_t)h * n * nb + i) * bytes;
+  float v[KD_KVQ_BLOCK];
+  for (int j = 0; j < KD_KVQ_BLOCK; ++j) v[j] = kd_to_f(src[j]);
+  if (kind == KD_KVQ_Q8_0) {
+    float amax = 0.f;
+    for (int j = 0; j < KD_KVQ_BLOCK; ++j) amax = fmaxf(amax, fabsf(v[j]));
+    const float dq = amax / 127.f;
+    const float id = dq != 0.f ? 1.f / dq : 0.f;
+    kd_put_f16(o, dq);
+    for (int j = 0; j < KD_KVQ_BLOCK; ++j) o[2 + j] = (uint8_t)(int8_t)roundf(__fmul_rn(v[j], id));
+    return;
+  }
+  uint8_t code[KD_KVQ_BLOCK];
+  const bool five = kind == KD_KVQ_Q5_0 || kind == KD_KVQ_Q5_1;
+  uint8_t* qs;
+  if (kind == KD_KVQ_Q4_0 || kind == KD_KVQ_Q5_0) {
+    // The value of largest magnitude (the first of equals) is -half steps.
+    float amax = 0.f, mx = 0.f;
+    for (int j = 0; j < KD_KVQ_BLOCK; ++j) {
+      if (amax < fabsf(v[j])) {
+        amax = fabsf(v[j]);
+        mx = v[j];
+      }
+    }
+    const float half = five ? 16.f : 8.f;
+    const int top = five ? 31 : 15;
+    const float dq = mx / -half;
+    const float id = dq != 0.f ? 1.f / dq : 0.f;
+    kd_put_f16(o, dq);
+    for (int j = 0; j < KD_KVQ_BLOCK; ++j)
+      code[j] = (uint8_t)min(top, (int)__fadd_rn(__fmul_rn(v[j], id), half + 0.5f));
+    qs = o + (five ? 6 : 2);
+  } else {
+    float lo = v[0], hi = v[0];
+    for (int j = 1; j < KD_KVQ_BLOCK; ++j) {
+      lo = fminf(lo, v[j]);
+      hi = fmaxf(hi, v[j]);
+    }
+    const int top = five ? 31 : 15;
+    const float dq = __fsub_rn(hi, lo) / (float)top;
+    const float id = dq != 0.f ? 1.f / dq : 0.f;
+    kd_put_f16(o, dq);
+    kd_put_f16(o + 2, lo);
+    for (int j = 0; j < KD_KVQ_BLOCK; ++j)
+      code[j] = (uint8_t)min(top, (int)__fadd_rn(__fmul_rn(__fsub_rn(v[j], lo), id), 0.5f));
+    qs = o + (five ? 8 : 4);
+  }
+  for (int j = 0; j < KD_KVQ_BLOCK / 2; ++j)
+    qs[j] = (uint8_t)((code[j] & 0x0f) | ((code[j + 16] & 0x0f) << 4));
+  if (five) {
+    unsigned qh = 0;
+    for (int j = 0; j < KD_KVQ_BLOCK; ++j) qh |= ((unsigned)(code[j] >> 4) & 1u) << j;
+    uint8_t* w = qs - 4;
+    for (int k = 0; k < 4; ++k) w[k] = (uint8_t)(qh >> (8 * k));
+  }
+}
+
+#define KD_KVQ_QUANTIZE(SUFFIX, T)                                                                \
+  extern "C" __global__ void __launch_bounds__(KD_KVQ_THREADS) keydiff_kvq_quantize_##SUFFIX(    \
+      const T* x, int64_t head_stride, int64_t row_stride, int n, int d, int kind, uint8_t* out) { \
+    kd_kvq_quantize<T>(x, head_stride, row_stride, n, d, kind, out);                              \
+  }
+KD_KVQ_QUANTIZE(f32, float)
+KD_KVQ_QUANTIZE(f16, __half)
+KD_KVQ_QUANTIZE(bf16, __nv_bfloat16)
+
+// q [heads, n, d / 32 * bytes] (byte strides: a view of the cache buffer) -> out [heads, n, d]
+// f32, contiguous. One thread per value; grid (ceil(n * d / threads), heads).
+extern "C" __global__ void __launch_bounds__(KD_KVQ_THREADS)
+    keydiff_kvq_dequantize(const uint8_t* q, int64_t head_stride, int64_t row_stride, int n, int d,
+                           int kind, float* out) {
+  const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  const int h = blockIdx.y;
+  const int bytes = kd_kvq_bytes(kind);
+  if (i >= (int64_t)n * d || bytes == 0) return;
+  const int r = (int)(i / d), c = (int)(i % d), j = c % KD_KVQ_BLOCK;
+  const uint8_t* blk = q + h * head_stride + r * row_stride + (c / KD_KVQ_BLOCK) * bytes;
+  const float scale = kd_get_f16(blk);
+  float y;
+  if (kind == KD_KVQ_Q8_0) {
+    y = __fmul_rn((float)(int8_t)blk[2 + j], scale);
+  } else {
+    const bool five = kind == KD_KVQ_Q5_0 || kind == KD_KVQ_Q5_1;
+    const bool with_min = kind == KD_KVQ_Q4_1 || kind == KD_KVQ_Q5_1;
+    const uint8_t* qs = blk + 2 + (with_min ? 2 : 0) + (five ? 4 : 0);
+    int code = j < 16 ? (qs[j] & 0x0f) : (qs[j - 16] >> 4);
+    if (five) {
+      const uint8_t* w = qs - 4;
+      const unsigned qh = (unsigned)w[0] | ((unsigned)w[1] << 8) | ((unsigned)w[2] << 16) |
+                          ((unsigned)w[3] << 24);
+      code |= (int)((qh >> j) & 1u) << 4;
+    }
+    if (with_min)
+      y = __fadd_rn(__fmul_rn((float)code, scale), kd_get_f16(blk + 2));
+    else
+      y = __fmul_rn((float)(code - (five ? 16 : 8)), scale);
+  }
+  out[(int64_t)h * n * d + i] = y;
 }

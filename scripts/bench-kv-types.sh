@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # KV cache types side by side on the CPU (bench/results/2026-12-04-kv-cache-types.md): for each
-# of f32, f16, q8_0, fp8 and f16 keys beside q8_0 values (TYPES="f16 k=f16,v=q8_0" picks), the
+# of f32, f16, q8_0, q5_1, q5_0, q4_1, q4_0, fp8, f16 keys beside q8_0 values and q8_0 keys
+# beside q4_0 values (TYPES="f16 k=f16,v=q8_0" picks), the
 # mean NLL of 1024 tokens of the GPL v3 (full cache, and under KeyDiff at --budget 512), then
 # a 16 KB prompt under --budget 2048 with 64 greedy tokens: peak KV bytes, prefill and decode
 # speed. Usage: scripts/bench-kv-types.sh [MODEL]
@@ -13,7 +14,7 @@ PROMPT=$(mktemp)
 trap 'rm -f "$PROMPT"' EXIT
 head -c 16000 "$TEXT" > "$PROMPT"
 echo "model $MODEL, commit $(git rev-parse --short HEAD), $(date -u +%FT%TZ), $(nproc) cores"
-for kv in ${TYPES:-f32 f16 q8_0 fp8 k=f16,v=q8_0}; do
+for kv in ${TYPES:-f32 f16 q8_0 q5_1 q5_0 q4_1 q4_0 fp8 k=f16,v=q8_0 k=q8_0,v=q4_0}; do
   if [[ $kv == k=*,v=* ]]; then
     k=${kv#k=}; k=${k%%,*}; flags=(--cache-type-k "$k" --cache-type-v "${kv#*,v=}")
   else

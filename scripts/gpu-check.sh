@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One run on a GPU host (see GPU.md): environment, eviction-kernel parity and timing, CPU-vs-GPU
-# model parity (eager attention, and flash when the binary has it; f16, q8_0 and fp8 caches),
+# model parity (eager attention, and flash when the binary has it; f16, q8_0, q4_0, q5_1 and
+# fp8 caches),
 # perplexity parity, batched passes against single runs on the device, prefix reuse on the
 # device, the memory plan against the driver, a prompt cache saved and loaded on the device,
 # speculative decoding on the device, a short TTFT sweep, batched decode, a prompt joining a
@@ -71,13 +72,18 @@ if ! timeout 100 "$bin" check-device --device "$device" --dtype bf16 --kv-dtype 
   parity_ok=0
   tail -5 "$errors"
 fi
-# Quantized caches (--kv-dtype q8_0: the Q8_0 quantize and dequantize kernels; fp8: candle's
-# casts), bf16 activations, on presets whose heads hold whole blocks of 32. fp8's coarse
-# rounding moves KeyDiff's and TOVA's choices against the f32 reference (CPU dry run in bf16:
-# cosine 0.978 on tiny-qwen-d64 under KeyDiff), so it is checked under H2O and the full cache.
-for kvt in q8_0 fp8; do
+# Quantized caches (--kv-dtype q8_0, q4_0, q5_1: the block quantize and dequantize kernels;
+# fp8: candle's casts), bf16 activations, on presets whose heads hold whole blocks of 32. The
+# CPU reference holds block types as they are (its codec is the kernels' twin), fp8 in f32.
+# Coarse codes move KeyDiff's and TOVA's choices when bf16 activations land a value on
+# another code (CPU dry runs in bf16 on tiny-qwen-d64 under KeyDiff: cosine 0.978 for fp8,
+# 0.981 for q4_0, 0.978 for q5_1; 0.992 for q8_0), so those are checked under the policies
+# that hold: q4_0 under TOVA and H2O (0.996, 0.999), q5_1 and fp8 under H2O, and all under the
+# full cache.
+for kvt in q8_0 q4_0 q5_1 fp8; do
   pol=keydiff,tova,h2o
-  [[ $kvt == fp8 ]] && pol=h2o
+  [[ $kvt == q4_0 ]] && pol=tova,h2o
+  [[ $kvt == fp8 || $kvt == q5_1 ]] && pol=h2o
   if ! timeout 100 "$bin" check-device --device "$device" --dtype bf16 --kv-dtype "$kvt" \
       --attention eager --prompt-len 700 --chunk 64 --budget 256 --policies "$pol" \
       --preset configs/tiny-qwen-d64.json --preset configs/tiny-qwen3.json \

@@ -445,6 +445,11 @@ inline unsigned max(unsigned a, unsigned b) { return a > b ? a : b; }
 inline long long min(long long a, long long b) { return a < b ? a : b; }
 inline long long max(long long a, long long b) { return a > b ? a : b; }
 
+// Rounded single operations, never fused (the emulation builds with -ffp-contract=off).
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+
 inline float __bfloat162float(__nv_bfloat16 h) { return kd_emu::u2f((uint32_t)h.x << 16); }
 inline unsigned short __half_as_ushort(__half h) { return h.x; }
 inline __half __ushort_as_half(unsigned short x) { return __half{x}; }

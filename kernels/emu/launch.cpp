@@ -91,42 +91,43 @@ extern "C" int kd_emu_move_rows(char* buf, int64_t head_stride, int64_t row_stri
   return finish(e, err, err_len);
 }
 
-// keydiff_q8_0_quantize_*: dtype 0 f32, 1 f16, 2 bf16.
-extern "C" int kd_emu_q8_0_quantize(int dtype, const void* x, int64_t head_stride,
-                                    int64_t row_stride, int n, int d, uint8_t* out,
-                                    unsigned grid_x, unsigned grid_y, unsigned block,
-                                    uint64_t seed, char* err, size_t err_len) {
+// keydiff_kvq_quantize_*: dtype 0 f32, 1 f16, 2 bf16; kind as KD_KVQ_*.
+extern "C" int kd_emu_kvq_quantize(int dtype, const void* x, int64_t head_stride,
+                                   int64_t row_stride, int n, int d, int kind, uint8_t* out,
+                                   unsigned grid_x, unsigned grid_y, unsigned block,
+                                   uint64_t seed, char* err, size_t err_len) {
   std::function<void()> body;
   switch (dtype) {
     case 0:
       body = [=] {
-        kd_emu::run_kernel(keydiff_q8_0_quantize_f32, (const float*)x, head_stride, row_stride, n,
-                           d, out);
+        kd_emu::run_kernel(keydiff_kvq_quantize_f32, (const float*)x, head_stride, row_stride, n,
+                           d, kind, out);
       };
       break;
     case 1:
       body = [=] {
-        kd_emu::run_kernel(keydiff_q8_0_quantize_f16, (const __half*)x, head_stride, row_stride,
-                           n, d, out);
+        kd_emu::run_kernel(keydiff_kvq_quantize_f16, (const __half*)x, head_stride, row_stride,
+                           n, d, kind, out);
       };
       break;
     case 2:
       body = [=] {
-        kd_emu::run_kernel(keydiff_q8_0_quantize_bf16, (const __nv_bfloat16*)x, head_stride,
-                           row_stride, n, d, out);
+        kd_emu::run_kernel(keydiff_kvq_quantize_bf16, (const __nv_bfloat16*)x, head_stride,
+                           row_stride, n, d, kind, out);
       };
       break;
     default:
       return finish("unknown dtype " + std::to_string(dtype), err, err_len);
   }
-  return finish(guarded(d3(grid_x, grid_y), d3(block), KD_Q8_THREADS, seed, body), err, err_len);
+  return finish(guarded(d3(grid_x, grid_y), d3(block), KD_KVQ_THREADS, seed, body), err, err_len);
 }
 
-extern "C" int kd_emu_q8_0_dequantize(const uint8_t* q, int64_t head_stride, int64_t row_stride,
-                                      int n, int d, float* out, unsigned grid_x, unsigned grid_y,
-                                      unsigned block, uint64_t seed, char* err, size_t err_len) {
-  const std::string e = guarded(d3(grid_x, grid_y), d3(block), KD_Q8_THREADS, seed, [=] {
-    kd_emu::run_kernel(keydiff_q8_0_dequantize, q, head_stride, row_stride, n, d, out);
+extern "C" int kd_emu_kvq_dequantize(const uint8_t* q, int64_t head_stride, int64_t row_stride,
+                                     int n, int d, int kind, float* out, unsigned grid_x,
+                                     unsigned grid_y, unsigned block, uint64_t seed, char* err,
+                                     size_t err_len) {
+  const std::string e = guarded(d3(grid_x, grid_y), d3(block), KD_KVQ_THREADS, seed, [=] {
+    kd_emu::run_kernel(keydiff_kvq_dequantize, q, head_stride, row_stride, n, d, kind, out);
   });
   return finish(e, err, err_len);
 }

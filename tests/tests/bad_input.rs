@@ -191,9 +191,9 @@ fn unknown_device_and_dtype() {
         "-p",
         "hi",
         "--kv-dtype",
-        "q4_0",
+        "q4_k",
     ]);
-    expect(&err, "unknown KV cache type `q4_0`");
+    expect(&err, "unknown KV cache type `q4_k`");
     let err = fails(&[
         "run",
         "-m",

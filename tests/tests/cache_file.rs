@@ -67,8 +67,9 @@ fn same_run(a: &keydiff::Output, b: &keydiff::Output, what: &str) {
 /// does (the same tokens and logprobs, the whole document reused, the same evictions), and
 /// the cache the question leaves goes on alike too. Under KeyDiff, H2O (whose per-slot
 /// attention sums the file carries) and `random` (whose generator it carries); and under
-/// KeyDiff with a cache of Q8_0 blocks, one of fp8 and one of f16 keys beside Q8_0 values,
-/// which the file holds as stored. The file holds only the used slots.
+/// KeyDiff with a cache of Q8_0 blocks, one of Q4_0 blocks, one of fp8, one of f16 keys beside
+/// Q8_0 values and one of Q5_1 keys beside Q4_1 values, which the file holds as stored. The
+/// file holds only the used slots.
 #[test]
 fn a_saved_cache_goes_on_as_the_one_in_memory() {
     let dir = temp_dir("cache-file-continue");
@@ -82,8 +83,16 @@ fn a_saved_cache_goes_on_as_the_one_in_memory() {
         ("h2o", f32_cache),
         ("random", f32_cache),
         ("keydiff", KvType::Q8_0.into()),
+        ("keydiff", KvType::Q4_0.into()),
         ("keydiff", DType::F8E4M3.into()),
         ("keydiff", split),
+        (
+            "keydiff",
+            KvTypes {
+                k: KvType::Q5_1,
+                v: KvType::Q4_1,
+            },
+        ),
     ] {
         let e = engine_on(
             &ModelSource::Gguf(model(SMOLLM2)),

@@ -272,6 +272,17 @@ fn kv_dtype_option() {
     // SmolLM2's heads hold 64 values: 512 bytes a slot in f32, 136 in Q8_0, 128 + 68 split.
     assert_eq!(bytes(&q8) * 512, bytes(&f32s) * 136, "{q8}");
     assert_eq!(bytes(&split) * 512, bytes(&f32s) * 196, "{split}");
+    // llama.cpp's smaller block types: 2 · 36 bytes a slot in Q4_0, 2 · 48 in Q5_1, 68 + 40
+    // for Q8_0 keys beside Q4_1 values.
+    for (flags, name, slot) in [
+        (&["--kv-dtype", "q4_0"][..], "q4_0", 72),
+        (&["--kv-dtype", "q5_1"][..], "q5_1", 96),
+        (&["--ctk", "q8_0", "--ctv", "q4_1"][..], "q8_0/q4_1", 108),
+    ] {
+        let s = run(flags);
+        assert_eq!(s["kv_dtype"], name);
+        assert_eq!(bytes(&s) * 512, bytes(&f32s) * slot, "{s}");
+    }
     let (so, _) = ok(&["info", "-m", m.to_str().unwrap(), "--kv-dtype", "bf16"]);
     let v: serde_json::Value = serde_json::from_str(&so).unwrap();
     assert_eq!(v["kv_dtype"], "bf16");

@@ -296,6 +296,8 @@ fn kv_caches_that_cannot_fit_are_refused_per_request() {
         &format!("KV cache of {long} slots"),
         "--budget",
         "--kv-dtype f16",
+        "--kv-dtype q8_0",
+        "--kv-dtype q4_0",
     ] {
         assert!(msg.contains(needle), "`{needle}` not in: {msg}");
     }

@@ -1,14 +1,22 @@
-//! How a KV cache holds keys and values: a float dtype, or llama.cpp's Q8_0 blocks.
+//! How a KV cache holds keys and values: a float dtype, or blocks of llama.cpp's cache types.
 //!
-//! Q8_0 (llama.cpp's `--cache-type-k q8_0 --cache-type-v q8_0`) stores each run of 32 values
-//! of a row as one f16 scale `d = max|x| / 127` and 32 signed bytes `round(x / d)`: 34 bytes
-//! for 32 values, 1.06 bytes a value against 2 for f16. The cache holds a head's row of `d`
-//! values as `d / 32` such blocks, exactly GGML's `block_q8_0` layout, in a u8 buffer
-//! `[kv_heads, capacity, d / 32 · 34]`, so slots move as rows of bytes like any other. The
-//! codec is GGML's reference (`quantize_row_q8_0_ref`, which candle's `BlockQ8_0` follows):
-//! tests compare it with candle's quantizer byte for byte. On CUDA, `keydiff_q8_0_quantize_*`
-//! and `keydiff_q8_0_dequantize` of `kernels/keydiff.cu` do the same arithmetic, so their bytes
-//! and values are the same (checked under the kernel emulation).
+//! llama.cpp's `--cache-type-k/-v` types `q8_0`, `q5_1`, `q5_0`, `q4_1` and `q4_0` store each
+//! run of 32 values of a row as one GGML block: an f16 scale `d` (and for `_1` types an f16
+//! minimum `m`), then the values' codes. `q8_0`: 32 signed bytes `round(x / d)`, `d = max|x| /
+//! 127`, 34 bytes. `q4_0`/`q5_0`: codes `x / d + 8` (`+ 16`) in 4 (5) bits with `d` the value
+//! of largest magnitude over -8 (-16), 18 (22) bytes. `q4_1`/`q5_1`: codes `(x - min) / d` with
+//! `d = (max - min) / 15` (`/ 31`), 20 (24) bytes. A fifth bit lives in a 32-bit word `qh`,
+//! bit j for value j; nibbles pack value j in the low half of byte j and value j + 16 in its
+//! high half. Bytes per value: 1.06, 0.75, 0.69, 0.63, 0.56 (f16: 2).
+//!
+//! The cache holds a head's row of `d` values as `d / 32` blocks, exactly GGML's layouts
+//! (`block_q8_0`, `block_q4_0`, ...), in a u8 buffer `[kv_heads, capacity, d / 32 · bytes]`,
+//! so slots move as rows of bytes like any other. The codecs are GGML's references
+//! (`quantize_row_q4_0_ref`, ..., which candle's `BlockQ4_0`, ... follow): tests compare them
+//! with candle's quantizers byte for byte. On CUDA, `keydiff_kvq_quantize_*` and
+//! `keydiff_kvq_dequantize` of `kernels/keydiff.cu` do the same arithmetic (no fused
+//! multiply-adds), so their bytes and values are the same (checked under the kernel
+//! emulation).
 //!
 //! fp8 (E4M3, `f8e4m3`) is vLLM's `--kv-cache-dtype fp8` with its default scale of 1: each
 //! value is rounded to the nearest E4M3 (saturating at ±448), with no scale per row. It is a
@@ -20,17 +28,19 @@ use half::f16;
 
 use crate::{CacheError, Result};
 
-/// Values per Q8_0 block.
-pub const Q8_0_BLOCK: usize = 32;
-/// Bytes per Q8_0 block: an f16 scale and 32 signed bytes.
-pub const Q8_0_BLOCK_BYTES: usize = 34;
+/// Values per block of every quantized cache type.
+pub const KV_BLOCK: usize = 32;
 
 /// What a KV cache holds: keys and values in a float dtype (f32, f16, bf16 or f8e4m3), or
-/// Q8_0 blocks.
+/// GGML blocks of one of llama.cpp's quantized cache types.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KvType {
     Float(DType),
     Q8_0,
+    Q5_1,
+    Q5_0,
+    Q4_1,
+    Q4_0,
 }
 
 impl From<DType> for KvType {
@@ -46,43 +56,76 @@ impl std::fmt::Display for KvType {
 }
 
 impl KvType {
-    /// Names this type takes: candle's dtype names, `q8_0` (llama.cpp's), and vLLM's `fp8`
-    /// and `fp8_e4m3` for `f8e4m3`.
+    /// The quantized types, largest first.
+    pub const BLOCKS: [KvType; 5] = [
+        KvType::Q8_0,
+        KvType::Q5_1,
+        KvType::Q5_0,
+        KvType::Q4_1,
+        KvType::Q4_0,
+    ];
+
+    /// Names this type takes: candle's dtype names, llama.cpp's `q8_0`, `q5_1`, `q5_0`,
+    /// `q4_1`, `q4_0`, and vLLM's `fp8` and `fp8_e4m3` for `f8e4m3`.
     pub fn parse(name: &str) -> Option<Self> {
         Some(match name {
             "f32" => DType::F32.into(),
             "f16" => DType::F16.into(),
             "bf16" => DType::BF16.into(),
             "f8e4m3" | "fp8" | "fp8_e4m3" => DType::F8E4M3.into(),
-            "q8_0" => KvType::Q8_0,
-            _ => return None,
+            _ => return Self::BLOCKS.into_iter().find(|t| t.as_str() == name),
         })
     }
 
     /// The names [`KvType::parse`] takes, for messages.
-    pub const NAMES: &'static str = "f32, f16, bf16, fp8 (f8e4m3), q8_0";
+    pub const NAMES: &'static str = "f32, f16, bf16, fp8 (f8e4m3), q8_0, q5_1, q5_0, q4_1, q4_0";
 
-    /// `f32`, `f16`, `bf16`, `f8e4m3` or `q8_0`.
+    /// `f32`, `f16`, `bf16`, `f8e4m3`, or the block type's llama.cpp name (`q8_0`, ...).
     pub fn as_str(&self) -> &'static str {
         match self {
             KvType::Float(dt) => dt.as_str(),
             KvType::Q8_0 => "q8_0",
+            KvType::Q5_1 => "q5_1",
+            KvType::Q5_0 => "q5_0",
+            KvType::Q4_1 => "q4_1",
+            KvType::Q4_0 => "q4_0",
         }
     }
 
-    /// The dtype of the cache's buffers: the float dtype, or u8 for Q8_0 blocks.
+    /// Bytes of one block of 32 values; `None` for a float type.
+    pub fn block_bytes(&self) -> Option<usize> {
+        match self {
+            KvType::Float(_) => None,
+            KvType::Q8_0 => Some(34),
+            KvType::Q5_1 => Some(24),
+            KvType::Q5_0 => Some(22),
+            KvType::Q4_1 => Some(20),
+            KvType::Q4_0 => Some(18),
+        }
+    }
+
+    /// The number `kernels/keydiff.cu` knows a block type by (`KD_KVQ_*`); `None` for a
+    /// float type.
+    pub fn block_code(&self) -> Option<i32> {
+        Self::BLOCKS
+            .iter()
+            .position(|t| t == self)
+            .map(|i| i as i32)
+    }
+
+    /// The dtype of the cache's buffers: the float dtype, or u8 for blocks.
     pub fn storage_dtype(&self) -> DType {
         match self {
             KvType::Float(dt) => *dt,
-            KvType::Q8_0 => DType::U8,
+            _ => DType::U8,
         }
     }
 
     /// Elements of the buffer per head and slot for heads of `head_dim` values.
     pub fn row_len(&self, head_dim: usize) -> usize {
-        match self {
-            KvType::Float(_) => head_dim,
-            KvType::Q8_0 => head_dim / Q8_0_BLOCK * Q8_0_BLOCK_BYTES,
+        match self.block_bytes() {
+            None => head_dim,
+            Some(b) => head_dim / KV_BLOCK * b,
         }
     }
 
@@ -93,24 +136,14 @@ impl KvType {
 
     /// The head size a buffer row of `row_len` elements holds, when it is a whole row.
     pub fn head_dim_of(&self, row_len: usize) -> Option<usize> {
-        match self {
-            KvType::Float(_) => Some(row_len),
-            KvType::Q8_0 => row_len
-                .is_multiple_of(Q8_0_BLOCK_BYTES)
-                .then_some(row_len / Q8_0_BLOCK_BYTES * Q8_0_BLOCK),
-        }
-    }
-
-    /// The type whose buffers are in `dtype` (u8: Q8_0 blocks).
-    pub fn of_storage(dtype: DType) -> Self {
-        match dtype {
-            DType::U8 => KvType::Q8_0,
-            dt => KvType::Float(dt),
+        match self.block_bytes() {
+            None => Some(row_len),
+            Some(b) => row_len.is_multiple_of(b).then_some(row_len / b * KV_BLOCK),
         }
     }
 
     /// Fails unless a cache can hold heads of `head_dim` values in this type: a float dtype
-    /// of f32, f16, bf16 or f8e4m3; Q8_0 needs a multiple of 32.
+    /// of f32, f16, bf16 or f8e4m3; a block type needs a multiple of 32.
     pub fn check(&self, head_dim: usize) -> std::result::Result<(), String> {
         match self {
             KvType::Float(DType::F32 | DType::F16 | DType::BF16 | DType::F8E4M3) => Ok(()),
@@ -119,11 +152,11 @@ impl KvType {
                 dt.as_str(),
                 Self::NAMES
             )),
-            KvType::Q8_0 if !head_dim.is_multiple_of(Q8_0_BLOCK) || head_dim == 0 => Err(format!(
-                "a q8_0 KV cache needs heads of a multiple of {Q8_0_BLOCK} values; this \
-                 model's have {head_dim}"
+            t if !head_dim.is_multiple_of(KV_BLOCK) || head_dim == 0 => Err(format!(
+                "a {t} KV cache needs heads of a multiple of {KV_BLOCK} values; this model's \
+                 have {head_dim}"
             )),
-            KvType::Q8_0 => Ok(()),
+            _ => Ok(()),
         }
     }
 
@@ -131,16 +164,16 @@ impl KvType {
     pub fn encode(&self, x: &Tensor) -> Result<Tensor> {
         match self {
             KvType::Float(dt) => Ok(x.to_dtype(*dt)?),
-            KvType::Q8_0 => quantize_q8_0(x),
+            t => quantize_blocks(x, *t),
         }
     }
 
-    /// Reads buffer rows back as values: a float cache's rows as they are (no copy), Q8_0
-    /// blocks as f32 rows of `head_dim` values.
+    /// Reads buffer rows back as values: a float cache's rows as they are (no copy), blocks
+    /// as f32 rows of `head_dim` values.
     pub fn decode(&self, x: &Tensor, head_dim: usize) -> Result<Tensor> {
         match self {
             KvType::Float(_) => Ok(x.clone()),
-            KvType::Q8_0 => dequantize_q8_0(x, head_dim),
+            t => dequantize_blocks(x, *t, head_dim),
         }
     }
 }
@@ -177,6 +210,17 @@ impl std::fmt::Display for KvTypes {
 }
 
 impl KvTypes {
+    /// `T` (both) or `K/V`, as [`KvTypes`] displays them.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s.split_once('/') {
+            Some((k, v)) => Some(KvTypes {
+                k: KvType::parse(k)?,
+                v: KvType::parse(v)?,
+            }),
+            None => KvType::parse(s).map(Into::into),
+        }
+    }
+
     /// Bytes one slot of one head takes, key and value.
     pub fn slot_bytes(&self, head_dim: usize) -> usize {
         self.k.row_bytes(head_dim) + self.v.row_bytes(head_dim)
@@ -192,47 +236,166 @@ impl KvTypes {
     }
 }
 
-/// GGML's `quantize_row_q8_0_ref` for one block: 32 values into 34 bytes.
-pub fn quantize_block_q8_0(x: &[f32], out: &mut [u8]) {
-    debug_assert_eq!((x.len(), out.len()), (Q8_0_BLOCK, Q8_0_BLOCK_BYTES));
-    let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
-    let d = amax / 127.0;
-    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-    out[..2].copy_from_slice(&f16::from_f32(d).to_le_bytes());
-    for (q, &v) in out[2..].iter_mut().zip(x) {
-        *q = (v * id).round() as i8 as u8;
+fn put_f16(out: &mut [u8], x: f32) {
+    out[..2].copy_from_slice(&f16::from_f32(x).to_le_bytes());
+}
+
+fn get_f16(q: &[u8]) -> f32 {
+    f16::from_le_bytes([q[0], q[1]]).to_f32()
+}
+
+/// The value of largest magnitude (the first of equals), as GGML's `_0` quantizers find it.
+fn signed_max(x: &[f32]) -> f32 {
+    let (mut amax, mut max) = (0f32, 0f32);
+    for &v in x {
+        if amax < v.abs() {
+            amax = v.abs();
+            max = v;
+        }
+    }
+    max
+}
+
+fn min_max(x: &[f32]) -> (f32, f32) {
+    x.iter()
+        .fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &v| {
+            (lo.min(v), hi.max(v))
+        })
+}
+
+/// Packs 32 codes of 4 bits (`qs`, value j low and j + 16 high in byte j) and, for 5-bit
+/// codes, their fifth bits (`qh`, bit j for value j, little endian).
+fn pack_codes(codes: &[u8; KV_BLOCK], qh: Option<&mut [u8]>, qs: &mut [u8]) {
+    for j in 0..KV_BLOCK / 2 {
+        qs[j] = (codes[j] & 0x0f) | ((codes[j + 16] & 0x0f) << 4);
+    }
+    if let Some(qh) = qh {
+        let bits = codes
+            .iter()
+            .enumerate()
+            .fold(0u32, |h, (j, &c)| h | (((c as u32 & 0x10) >> 4) << j));
+        qh.copy_from_slice(&bits.to_le_bytes());
     }
 }
 
-/// GGML's `dequantize_row_q8_0` for one block: 34 bytes into 32 values.
-pub fn dequantize_block_q8_0(q: &[u8], out: &mut [f32]) {
-    debug_assert_eq!((q.len(), out.len()), (Q8_0_BLOCK_BYTES, Q8_0_BLOCK));
-    let d = f16::from_le_bytes([q[0], q[1]]).to_f32();
-    for (o, &b) in out.iter_mut().zip(&q[2..]) {
-        *o = b as i8 as f32 * d;
+/// The 32 codes of a block packed by [`pack_codes`].
+fn unpack_codes(qh: Option<&[u8]>, qs: &[u8]) -> [u8; KV_BLOCK] {
+    let h = qh.map_or(0, |b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+    std::array::from_fn(|j| {
+        let nib = if j < 16 {
+            qs[j] & 0x0f
+        } else {
+            qs[j - 16] >> 4
+        };
+        nib | ((((h >> j) & 1) as u8) << 4)
+    })
+}
+
+/// One block of 32 values into `t`'s bytes: GGML's `quantize_row_q8_0_ref`,
+/// `quantize_row_q5_1_ref`, `quantize_row_q5_0_ref`, `quantize_row_q4_1_ref` or
+/// `quantize_row_q4_0_ref`. Panics on a float type.
+pub fn quantize_block(t: KvType, x: &[f32], out: &mut [u8]) {
+    debug_assert_eq!((x.len(), Some(out.len())), (KV_BLOCK, t.block_bytes()));
+    match t {
+        KvType::Q8_0 => {
+            let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let d = amax / 127.0;
+            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+            put_f16(out, d);
+            for (q, &v) in out[2..].iter_mut().zip(x) {
+                *q = (v * id).round() as i8 as u8;
+            }
+        }
+        KvType::Q4_0 | KvType::Q5_0 => {
+            let half = if t == KvType::Q4_0 { 8.0 } else { 16.0 };
+            let d = signed_max(x) / -half;
+            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+            put_f16(out, d);
+            let top = 2.0 * half - 1.0;
+            let codes = std::array::from_fn(|j| ((x[j] * id + (half + 0.5)) as u8).min(top as u8));
+            if t == KvType::Q4_0 {
+                pack_codes(&codes, None, &mut out[2..]);
+            } else {
+                let (qh, qs) = out[2..].split_at_mut(4);
+                pack_codes(&codes, Some(qh), qs);
+            }
+        }
+        KvType::Q4_1 | KvType::Q5_1 => {
+            let top: u8 = if t == KvType::Q4_1 { 15 } else { 31 };
+            let (min, max) = min_max(x);
+            let d = (max - min) / top as f32;
+            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+            put_f16(out, d);
+            put_f16(&mut out[2..], min);
+            let codes = std::array::from_fn(|j| (((x[j] - min) * id + 0.5) as u8).min(top));
+            if t == KvType::Q4_1 {
+                pack_codes(&codes, None, &mut out[4..]);
+            } else {
+                let (qh, qs) = out[4..].split_at_mut(4);
+                pack_codes(&codes, Some(qh), qs);
+            }
+        }
+        KvType::Float(dt) => panic!("quantize_block: {} is not a block type", dt.as_str()),
     }
 }
 
-/// Q8_0 blocks of rows: `[.., d]` (f32, f16 or bf16; d a multiple of 32) into u8
-/// `[.., d / 32 · 34]`.
-pub fn quantize_q8_0(x: &Tensor) -> Result<Tensor> {
+/// One block of `t`'s bytes into its 32 values: GGML's `dequantize_row_*`. Panics on a float
+/// type.
+pub fn dequantize_block(t: KvType, q: &[u8], out: &mut [f32]) {
+    debug_assert_eq!((Some(q.len()), out.len()), (t.block_bytes(), KV_BLOCK));
+    let d = get_f16(q);
+    match t {
+        KvType::Q8_0 => {
+            for (o, &b) in out.iter_mut().zip(&q[2..]) {
+                *o = b as i8 as f32 * d;
+            }
+        }
+        KvType::Q4_0 | KvType::Q5_0 => {
+            let (codes, half) = match t {
+                KvType::Q4_0 => (unpack_codes(None, &q[2..]), 8),
+                _ => (unpack_codes(Some(&q[2..6]), &q[6..]), 16),
+            };
+            for (o, &c) in out.iter_mut().zip(&codes) {
+                *o = (c as i32 - half) as f32 * d;
+            }
+        }
+        KvType::Q4_1 | KvType::Q5_1 => {
+            let m = get_f16(&q[2..]);
+            let codes = match t {
+                KvType::Q4_1 => unpack_codes(None, &q[4..]),
+                _ => unpack_codes(Some(&q[4..8]), &q[8..]),
+            };
+            for (o, &c) in out.iter_mut().zip(&codes) {
+                *o = c as f32 * d + m;
+            }
+        }
+        KvType::Float(dt) => panic!("dequantize_block: {} is not a block type", dt.as_str()),
+    }
+}
+
+/// Blocks of `t` for rows `[.., d]` (f32, f16 or bf16; d a multiple of 32): u8
+/// `[.., d / 32 · bytes]`.
+pub fn quantize_blocks(x: &Tensor, t: KvType) -> Result<Tensor> {
     let d = x.dims().last().copied().unwrap_or(0);
-    KvType::Q8_0.check(d).map_err(CacheError::Config)?;
+    if t.block_bytes().is_none() {
+        return Err(CacheError::Config(format!("{t} is not a block type")));
+    }
+    t.check(d).map_err(CacheError::Config)?;
     if x.elem_count() == 0 {
         let mut shape = x.dims().to_vec();
-        *shape.last_mut().unwrap() = KvType::Q8_0.row_len(d);
+        *shape.last_mut().unwrap() = t.row_len(d);
         return Ok(Tensor::zeros(shape, DType::U8, x.device())?);
     }
-    Ok(x.apply_op1_no_bwd(&Q8_0Quantize)?)
+    Ok(x.apply_op1_no_bwd(&BlockQuantize { t })?)
 }
 
-/// Rows of Q8_0 blocks, u8 `[.., head_dim / 32 · 34]` (rows contiguous; any outer strides,
-/// such as a view of a cache's used slots), into f32 `[.., head_dim]`.
-pub fn dequantize_q8_0(q: &Tensor, head_dim: usize) -> Result<Tensor> {
+/// Rows of `t`'s blocks, u8 `[.., head_dim / 32 · bytes]` (rows contiguous; any outer
+/// strides, such as a view of a cache's used slots), into f32 `[.., head_dim]`.
+pub fn dequantize_blocks(q: &Tensor, t: KvType, head_dim: usize) -> Result<Tensor> {
     let row = q.dims().last().copied().unwrap_or(0);
-    if q.dtype() != DType::U8 || KvType::Q8_0.head_dim_of(row) != Some(head_dim) {
+    if q.dtype() != DType::U8 || t.block_bytes().is_none() || t.head_dim_of(row) != Some(head_dim) {
         return Err(CacheError::Shape(format!(
-            "q8_0 rows {:?} {} for heads of {head_dim} values",
+            "{t} rows {:?} {} for heads of {head_dim} values",
             q.dims(),
             q.dtype().as_str()
         )));
@@ -243,7 +406,7 @@ pub fn dequantize_q8_0(q: &Tensor, head_dim: usize) -> Result<Tensor> {
         *shape.last_mut().unwrap() = head_dim;
         return Ok(Tensor::zeros(shape, DType::F32, q.device())?);
     }
-    Ok(q.apply_op1_no_bwd(&Q8_0Dequantize { head_dim })?)
+    Ok(q.apply_op1_no_bwd(&BlockDequantize { t, head_dim })?)
 }
 
 /// Walks the rows of `layout` (last dimension contiguous): calls `f` with each row's start
@@ -252,10 +415,10 @@ fn for_each_row(layout: &Layout, mut f: impl FnMut(usize)) -> candle_core::Resul
     let dims = layout.dims();
     let st = layout.stride();
     let Some((&last, outer)) = dims.split_last() else {
-        candle_core::bail!("q8_0: a scalar is not rows");
+        candle_core::bail!("kv blocks: a scalar is not rows");
     };
     if last > 1 && st[dims.len() - 1] != 1 {
-        candle_core::bail!("q8_0: rows must be contiguous, strides {st:?}");
+        candle_core::bail!("kv blocks: rows must be contiguous, strides {st:?}");
     }
     let rows: usize = outer.iter().product();
     for r in 0..rows {
@@ -269,17 +432,20 @@ fn for_each_row(layout: &Layout, mut f: impl FnMut(usize)) -> candle_core::Resul
     Ok(())
 }
 
-struct Q8_0Quantize;
+struct BlockQuantize {
+    t: KvType,
+}
 
-impl CustomOp1 for Q8_0Quantize {
+impl CustomOp1 for BlockQuantize {
     fn name(&self) -> &'static str {
-        "q8_0-quantize"
+        "kv-block-quantize"
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         let dims = l.dims();
         let d = dims[dims.len() - 1];
-        let rb = d / Q8_0_BLOCK * Q8_0_BLOCK_BYTES;
+        let (t, bb) = (self.t, self.t.block_bytes().unwrap_or(0));
+        let rb = t.row_len(d);
         let mut out = vec![0u8; l.shape().elem_count() / d * rb];
         let mut row = vec![0f32; d];
         let mut o = 0;
@@ -290,10 +456,10 @@ impl CustomOp1 for Q8_0Quantize {
                         *r = $conv(*v);
                     }
                     for (x, q) in row
-                        .chunks_exact(Q8_0_BLOCK)
-                        .zip(out[o..o + rb].chunks_exact_mut(Q8_0_BLOCK_BYTES))
+                        .chunks_exact(KV_BLOCK)
+                        .zip(out[o..o + rb].chunks_exact_mut(bb))
                     {
-                        quantize_block_q8_0(x, q);
+                        quantize_block(t, x, q);
                     }
                     o += rb;
                 })?
@@ -303,7 +469,7 @@ impl CustomOp1 for Q8_0Quantize {
             CpuStorage::F32(xs) => run!(xs, |v: f32| v),
             CpuStorage::F16(xs) => run!(xs, |v: f16| v.to_f32()),
             CpuStorage::BF16(xs) => run!(xs, |v: half::bf16| v.to_f32()),
-            _ => candle_core::bail!("q8_0-quantize: f32, f16 or bf16 rows, not {:?}", s.dtype()),
+            _ => candle_core::bail!("{t}-quantize: f32, f16 or bf16 rows, not {:?}", s.dtype()),
         }
         let mut shape = dims.to_vec();
         *shape.last_mut().unwrap() = rb;
@@ -317,36 +483,45 @@ impl CustomOp1 for Q8_0Quantize {
         l: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         // A cache's chunk is `[kv, B, d]`.
+        let (Some(code), Some(bytes)) = (self.t.block_code(), self.t.block_bytes()) else {
+            candle_core::bail!("{} is not a block type", self.t);
+        };
         match l.dims().len() {
-            3 => keydiff_kernels::q8_0_quantize(s, l),
-            _ => candle_core::bail!("q8_0-quantize on CUDA takes [kv, n, d], not {:?}", l.dims()),
+            3 => keydiff_kernels::kvq_quantize(s, l, code, bytes),
+            _ => candle_core::bail!(
+                "{}-quantize on CUDA takes [kv, n, d], not {:?}",
+                self.t,
+                l.dims()
+            ),
         }
     }
 }
 
-struct Q8_0Dequantize {
+struct BlockDequantize {
+    t: KvType,
     head_dim: usize,
 }
 
-impl CustomOp1 for Q8_0Dequantize {
+impl CustomOp1 for BlockDequantize {
     fn name(&self) -> &'static str {
-        "q8_0-dequantize"
+        "kv-block-dequantize"
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         let CpuStorage::U8(qs) = s else {
-            candle_core::bail!("q8_0-dequantize: u8 blocks, not {:?}", s.dtype());
+            candle_core::bail!("{}-dequantize: u8 blocks, not {:?}", self.t, s.dtype());
         };
         let dims = l.dims();
         let (d, rb) = (self.head_dim, dims[dims.len() - 1]);
+        let (t, bb) = (self.t, self.t.block_bytes().unwrap_or(0));
         let mut out = vec![0f32; l.shape().elem_count() / rb * d];
         let mut o = 0;
         for_each_row(l, |at| {
             for (q, y) in qs[at..at + rb]
-                .chunks_exact(Q8_0_BLOCK_BYTES)
-                .zip(out[o..o + d].chunks_exact_mut(Q8_0_BLOCK))
+                .chunks_exact(bb)
+                .zip(out[o..o + d].chunks_exact_mut(KV_BLOCK))
             {
-                dequantize_block_q8_0(q, y);
+                dequantize_block(t, q, y);
             }
             o += d;
         })?;
@@ -361,10 +536,14 @@ impl CustomOp1 for Q8_0Dequantize {
         s: &candle_core::CudaStorage,
         l: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let (Some(code), Some(bytes)) = (self.t.block_code(), self.t.block_bytes()) else {
+            candle_core::bail!("{} is not a block type", self.t);
+        };
         match l.dims().len() {
-            3 => keydiff_kernels::q8_0_dequantize(s, l, self.head_dim),
+            3 => keydiff_kernels::kvq_dequantize(s, l, self.head_dim, code, bytes),
             _ => candle_core::bail!(
-                "q8_0-dequantize on CUDA takes [kv, n, rb], not {:?}",
+                "{}-dequantize on CUDA takes [kv, n, rb], not {:?}",
+                self.t,
                 l.dims()
             ),
         }
@@ -397,31 +576,58 @@ mod tests {
         Tensor::from_vec(v, (n, d), &Device::Cpu).unwrap()
     }
 
+    fn ggml(t: KvType) -> GgmlDType {
+        match t {
+            KvType::Q8_0 => GgmlDType::Q8_0,
+            KvType::Q5_1 => GgmlDType::Q5_1,
+            KvType::Q5_0 => GgmlDType::Q5_0,
+            KvType::Q4_1 => GgmlDType::Q4_1,
+            KvType::Q4_0 => GgmlDType::Q4_0,
+            KvType::Float(_) => unreachable!(),
+        }
+    }
+
     #[test]
-    fn q8_0_blocks_are_ggml_s_byte_for_byte() -> Result<()> {
-        for d in [32, 64, 128, 256] {
-            let x = rows(10, d, d as u64);
-            let ours = quantize_q8_0(&x)?.flatten_all()?.to_vec1::<u8>()?;
-            let ggml = QTensor::quantize(&x, GgmlDType::Q8_0)?;
-            assert_eq!(ours, ggml.data()?.to_vec(), "d={d}");
-            let back = dequantize_q8_0(&quantize_q8_0(&x)?, d)?;
-            let want = ggml.dequantize(&Device::Cpu)?;
-            assert_eq!(back.to_vec2::<f32>()?, want.to_vec2::<f32>()?, "d={d}");
+    fn blocks_are_ggml_s_byte_for_byte() -> Result<()> {
+        for t in KvType::BLOCKS {
+            assert_eq!(t.block_bytes(), Some(ggml(t).type_size()), "{t}");
+            for d in [32, 64, 128, 256] {
+                let x = rows(10, d, d as u64);
+                let ours = quantize_blocks(&x, t)?.flatten_all()?.to_vec1::<u8>()?;
+                let theirs = QTensor::quantize(&x, ggml(t))?;
+                assert_eq!(ours, theirs.data()?.to_vec(), "{t} d={d}");
+                let back = dequantize_blocks(&quantize_blocks(&x, t)?, t, d)?;
+                let want = theirs.dequantize(&Device::Cpu)?;
+                assert_eq!(back.to_vec2::<f32>()?, want.to_vec2::<f32>()?, "{t} d={d}");
+            }
         }
         Ok(())
     }
 
     #[test]
-    fn q8_0_round_trip_is_within_half_a_step_of_each_block() -> Result<()> {
+    fn a_round_trip_is_within_a_step_of_each_block() -> Result<()> {
         let x = rows(16, 64, 7);
-        let back = dequantize_q8_0(&quantize_q8_0(&x)?, 64)?.to_vec2::<f32>()?;
-        for (xr, br) in x.to_vec2::<f32>()?.iter().zip(&back) {
-            for (xb, bb) in xr.chunks(32).zip(br.chunks(32)) {
-                let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
-                // Half a step of d = amax / 127, and d's own f16 rounding (2^-11 relative).
-                let tol = amax / 127.0 * 0.5 + amax * 1e-3 + 1e-30;
-                for (a, b) in xb.iter().zip(bb) {
-                    assert!((a - b).abs() <= tol, "{a} -> {b} (amax {amax})");
+        for t in KvType::BLOCKS {
+            let back = dequantize_blocks(&quantize_blocks(&x, t)?, t, 64)?.to_vec2::<f32>()?;
+            for (xr, br) in x.to_vec2::<f32>()?.iter().zip(&back) {
+                for (xb, bb) in xr.chunks(32).zip(br.chunks(32)) {
+                    let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+                    let (lo, hi) = min_max(xb);
+                    // Half a step, and a whole one for the `_0` types' far end (-8d of a
+                    // 4-bit code is the value of largest magnitude, +8d is clamped to +7d);
+                    // plus the scales' own f16 rounding (2^-11 relative).
+                    let tol = match t {
+                        KvType::Q8_0 => amax / 127.0 * 0.5,
+                        KvType::Q5_0 => amax / 16.0,
+                        KvType::Q4_0 => amax / 8.0,
+                        KvType::Q5_1 => (hi - lo) / 31.0 * 0.5,
+                        KvType::Q4_1 => (hi - lo) / 15.0 * 0.5,
+                        KvType::Float(_) => unreachable!(),
+                    } + amax * 1e-3
+                        + 1e-30;
+                    for (a, b) in xb.iter().zip(bb) {
+                        assert!((a - b).abs() <= tol, "{t}: {a} -> {b} (amax {amax})");
+                    }
                 }
             }
         }
@@ -433,26 +639,47 @@ mod tests {
         // [heads, capacity, d] with the first 5 of 9 slots used: the view of a cache.
         let x = rows(2 * 9, 64, 3).reshape((2, 9, 64))?;
         let view = x.narrow(1, 0, 5)?;
-        let q = quantize_q8_0(&view)?;
-        assert_eq!(q.dims(), [2, 5, 68]);
-        let whole = quantize_q8_0(&x)?;
-        assert_eq!(
-            q.flatten_all()?.to_vec1::<u8>()?,
-            whole.narrow(1, 0, 5)?.flatten_all()?.to_vec1::<u8>()?
-        );
-        let back = dequantize_q8_0(&whole.narrow(1, 0, 5)?, 64)?;
-        let want = dequantize_q8_0(&q, 64)?;
-        assert_eq!(
-            back.flatten_all()?.to_vec1::<f32>()?,
-            want.flatten_all()?.to_vec1::<f32>()?
-        );
-        for dt in [DType::F16, DType::BF16] {
-            let h = x.to_dtype(dt)?;
-            let got = quantize_q8_0(&h)?.flatten_all()?.to_vec1::<u8>()?;
-            let via = quantize_q8_0(&h.to_dtype(DType::F32)?)?
-                .flatten_all()?
-                .to_vec1::<u8>()?;
-            assert_eq!(got, via, "{dt:?}");
+        for t in KvType::BLOCKS {
+            let q = quantize_blocks(&view, t)?;
+            assert_eq!(q.dims(), [2, 5, t.row_len(64)]);
+            let whole = quantize_blocks(&x, t)?;
+            assert_eq!(
+                q.flatten_all()?.to_vec1::<u8>()?,
+                whole.narrow(1, 0, 5)?.flatten_all()?.to_vec1::<u8>()?
+            );
+            let back = dequantize_blocks(&whole.narrow(1, 0, 5)?, t, 64)?;
+            let want = dequantize_blocks(&q, t, 64)?;
+            assert_eq!(
+                back.flatten_all()?.to_vec1::<f32>()?,
+                want.flatten_all()?.to_vec1::<f32>()?
+            );
+            for dt in [DType::F16, DType::BF16] {
+                let h = x.to_dtype(dt)?;
+                let got = quantize_blocks(&h, t)?.flatten_all()?.to_vec1::<u8>()?;
+                let via = quantize_blocks(&h.to_dtype(DType::F32)?, t)?
+                    .flatten_all()?
+                    .to_vec1::<u8>()?;
+                assert_eq!(got, via, "{t} {dt:?}");
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn a_constant_block_comes_back_exactly_where_f16_holds_it() -> Result<()> {
+        // max = min: d = 0 and every code 0, so `_1` types give back m; the 4- and 5-bit
+        // `_0` types give back their value of largest magnitude exactly when d = max / -8
+        // (-16) is an f16, as 0.75 / 8 is. (Q8_0's d = max / 127 is not.)
+        let x = Tensor::full(-0.75f32, (1, 32), &Device::Cpu)?;
+        for t in [KvType::Q5_1, KvType::Q5_0, KvType::Q4_1, KvType::Q4_0] {
+            let back = dequantize_blocks(&quantize_blocks(&x, t)?, t, 32)?;
+            assert!(
+                back.flatten_all()?
+                    .to_vec1::<f32>()?
+                    .iter()
+                    .all(|&v| v == -0.75),
+                "{t}"
+            );
         }
         Ok(())
     }
@@ -460,16 +687,30 @@ mod tests {
     #[test]
     fn types_parse_size_and_refuse() {
         assert_eq!(KvType::parse("fp8"), Some(KvType::Float(DType::F8E4M3)));
-        assert_eq!(KvType::parse("q8_0").map(|t| t.as_str()), Some("q8_0"));
-        assert_eq!(KvType::parse("q4_0"), None);
+        for t in KvType::BLOCKS {
+            assert_eq!(KvType::parse(t.as_str()), Some(t));
+            assert!(KvType::NAMES.contains(t.as_str()));
+        }
+        assert_eq!(KvType::parse("q4_k"), None);
+        assert_eq!(KvType::parse("iq4_nl"), None);
         assert_eq!(KvType::Q8_0.row_bytes(128), 136);
+        assert_eq!(KvType::Q4_0.row_bytes(128), 72);
+        assert_eq!(KvType::Q5_1.row_bytes(64), 48);
         assert_eq!(KvType::Float(DType::F8E4M3).row_bytes(128), 128);
         assert_eq!(KvType::Q8_0.head_dim_of(136), Some(128));
         assert_eq!(KvType::Q8_0.head_dim_of(135), None);
+        assert_eq!(KvType::Q4_1.head_dim_of(40), Some(64));
+        assert_eq!(KvType::Q8_0.block_code(), Some(0));
+        assert_eq!(KvType::Q4_0.block_code(), Some(4));
+        assert_eq!(KvType::Float(DType::F16).block_code(), None);
         assert!(KvType::Q8_0
             .check(48)
             .unwrap_err()
             .contains("multiple of 32"));
+        assert!(KvType::Q5_0
+            .check(48)
+            .unwrap_err()
+            .contains("a q5_0 KV cache"));
         assert!(KvType::Float(DType::F64).check(64).is_err());
         let split = KvTypes {
             k: DType::F16.into(),
@@ -477,16 +718,38 @@ mod tests {
         };
         assert_eq!(split.to_string(), "f16/q8_0");
         assert_eq!(KvTypes::from(KvType::Q8_0).to_string(), "q8_0");
+        assert_eq!(
+            KvTypes::parse("f16/q4_0"),
+            Some(KvTypes {
+                k: DType::F16.into(),
+                v: KvType::Q4_0
+            })
+        );
+        assert_eq!(KvTypes::parse("q5_1"), Some(KvType::Q5_1.into()));
+        assert_eq!(KvTypes::parse("f16/"), None);
         assert_eq!(split.slot_bytes(64), 128 + 68);
         assert!(split.check(48).unwrap_err().starts_with("values: "));
         assert!(!KvTypes::from(KvType::Q8_0)
             .check(48)
             .unwrap_err()
             .contains(": a"));
-        let empty = Tensor::zeros((2, 0, 64), DType::F32, &Device::Cpu).unwrap();
-        let q = quantize_q8_0(&empty).unwrap();
-        assert_eq!(q.dims(), [2, 0, 68]);
-        assert_eq!(dequantize_q8_0(&q, 64).unwrap().dims(), [2, 0, 64]);
-        assert!(quantize_q8_0(&Tensor::zeros((2, 48), DType::F32, &Device::Cpu).unwrap()).is_err());
+        for t in KvType::BLOCKS {
+            let empty = Tensor::zeros((2, 0, 64), DType::F32, &Device::Cpu).unwrap();
+            let q = quantize_blocks(&empty, t).unwrap();
+            assert_eq!(q.dims(), [2, 0, t.row_len(64)]);
+            assert_eq!(dequantize_blocks(&q, t, 64).unwrap().dims(), [2, 0, 64]);
+        }
+        let x48 = Tensor::zeros((2, 48), DType::F32, &Device::Cpu).unwrap();
+        assert!(quantize_blocks(&x48, KvType::Q4_1).is_err());
+        assert!(
+            quantize_blocks(&x48.pad_with_zeros(1, 0, 16).unwrap(), DType::F16.into()).is_err()
+        );
+        // A q4_0 row read as q8_0 is refused by its length.
+        let q4 = quantize_blocks(
+            &Tensor::zeros((1, 64), DType::F32, &Device::Cpu).unwrap(),
+            KvType::Q4_0,
+        )
+        .unwrap();
+        assert!(dequantize_blocks(&q4, KvType::Q8_0, 64).is_err());
     }
 }

@@ -9,8 +9,10 @@ use crate::{CacheError, KvType, KvTypes, Result};
 /// ([`LayerCache::parts`], [`LayerCache::from_parts`]).
 #[derive(Debug, Clone)]
 pub struct LayerParts {
+    /// What the keys and values are stored as.
+    pub kv: KvTypes,
     /// As the cache stores them: `[kv_heads, len, head_dim]` in f32, f16, bf16 or f8e4m3, or
-    /// u8 `[kv_heads, len, head_dim / 32 · 34]`, Q8_0 blocks ([`KvType`]).
+    /// u8 `[kv_heads, len, head_dim / 32 · bytes]`, blocks of a quantized type ([`KvType`]).
     pub keys: Tensor,
     /// As the cache stores them (their own type, see the keys).
     pub values: Tensor,
@@ -49,8 +51,8 @@ pub struct LayerCache {
 }
 
 impl LayerCache {
-    /// Allocates the buffers once; nothing grows afterwards. `kv`: a float dtype or
-    /// [`KvType::Q8_0`], for both keys and values or each its own ([`KvTypes`]).
+    /// Allocates the buffers once; nothing grows afterwards. `kv`: a float dtype or a block
+    /// type ([`KvType::Q8_0`], ...), for both keys and values or each its own ([`KvTypes`]).
     pub fn new(
         kv_heads: usize,
         head_dim: usize,
@@ -98,15 +100,16 @@ impl LayerCache {
     ) -> Result<Self> {
         let (heads, len, dim) = parts.keys.dims3()?;
         let bad = |why: String| Err(CacheError::Shape(why));
-        let kv = KvTypes {
-            k: KvType::of_storage(parts.keys.dtype()),
-            v: KvType::of_storage(parts.values.dtype()),
-        };
+        let kv = parts.kv;
         let head_dim = kv.k.head_dim_of(dim).unwrap_or(0);
-        if head_dim == 0 || kv.check(head_dim).is_err() {
+        if head_dim == 0
+            || kv.check(head_dim).is_err()
+            || parts.keys.dtype() != kv.k.storage_dtype()
+            || parts.values.dtype() != kv.v.storage_dtype()
+        {
             return bad(format!(
-                "keys in {} and values in {}, rows of {dim} (expected one of {}; q8_0 as u8 \
-                 rows of 34-byte blocks)",
+                "keys in {} and values in {}, rows of {dim}, said to be {kv} (expected one of \
+                 {}; blocks as u8 rows)",
                 parts.keys.dtype().as_str(),
                 parts.values.dtype().as_str(),
                 KvType::NAMES
@@ -182,6 +185,7 @@ impl LayerCache {
     /// holds of this layer.
     pub fn parts(&self) -> Result<LayerParts> {
         Ok(LayerParts {
+            kv: self.kv,
             keys: self.stored_keys()?,
             values: self.stored_values()?,
             positions: self.positions_tensor()?,
@@ -240,7 +244,7 @@ impl LayerCache {
     }
 
     /// Keys of the used slots, `[kv_heads, len, head_dim]`: a view of a float cache (not a
-    /// copy), or a Q8_0 cache's blocks dequantized to f32.
+    /// copy), or a block type's blocks dequantized to f32.
     pub fn keys(&self) -> Result<Tensor> {
         self.kv.k.decode(&self.stored_keys()?, self.head_dim)
     }
@@ -250,7 +254,7 @@ impl LayerCache {
         self.kv.v.decode(&self.stored_values()?, self.head_dim)
     }
 
-    /// Keys of the used slots as stored, `[kv_heads, len, row]` (a view; for Q8_0 the u8
+    /// Keys of the used slots as stored, `[kv_heads, len, row]` (a view; for a block type the u8
     /// blocks).
     pub fn stored_keys(&self) -> Result<Tensor> {
         Ok(self.k.narrow(1, 0, self.len)?)

@@ -21,7 +21,9 @@ pub mod select;
 
 pub use cache::{CacheCounters, KvCache, KvCacheParts, Profile};
 pub use config::{Anchor, CacheConfig, PolicyKind};
-pub use kv_type::{dequantize_q8_0, quantize_q8_0, KvType, KvTypes, Q8_0_BLOCK, Q8_0_BLOCK_BYTES};
+pub use kv_type::{
+    dequantize_block, dequantize_blocks, quantize_block, quantize_blocks, KvType, KvTypes, KV_BLOCK,
+};
 pub use layer::{LayerCache, LayerParts};
 pub use policy::{AttnStats, Policy, StatsNeed};
 

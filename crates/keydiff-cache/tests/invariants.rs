@@ -731,13 +731,14 @@ fn wide_chunk(pos0: usize, len: usize, salt: u64) -> Tensor {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(24))]
+    #![proptest_config(ProptestConfig::with_cases(40))]
 
-    /// A Q8_0 cache is an f32 cache of its rounded values: fed the same chunks (the f32
-    /// one their Q8_0 round trip), under every policy and the same statistics, it keeps the
+    /// A quantized cache (every block type) is an f32 cache of its rounded values: fed the
+    /// same chunks (the f32 one their round trip through the blocks), under every policy and the same statistics, it keeps the
     /// same slots, and its keys and values read back as the f32 cache's, bit for bit.
     #[test]
-    fn a_q8_0_cache_is_an_f32_cache_of_its_rounded_values(
+    fn a_quantized_cache_is_an_f32_cache_of_its_rounded_values(
+        kind in proptest::sample::select(KvType::BLOCKS.to_vec()),
         policy in policies(),
         chunks in proptest::collection::vec(1usize..=8, 1..8),
         salt in 0u64..1000,
@@ -751,9 +752,10 @@ proptest! {
         let new = |kv: KvType| {
             KvCache::new(cfg.clone(), 1, KV, 64, total, kv, &Device::Cpu).unwrap()
         };
-        let (mut q, mut f) = (new(KvType::Q8_0), new(DType::F32.into()));
+        let (mut q, mut f) = (new(kind), new(DType::F32.into()));
         let rounded = |t: &Tensor| {
-            keydiff_cache::dequantize_q8_0(&keydiff_cache::quantize_q8_0(t).unwrap(), 64).unwrap()
+            let blocks = keydiff_cache::quantize_blocks(t, kind).unwrap();
+            keydiff_cache::dequantize_blocks(&blocks, kind, 64).unwrap()
         };
         for (i, &len) in chunks.iter().enumerate() {
             let pos0 = q.position();
@@ -774,7 +776,7 @@ proptest! {
             let flat = |t: Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
             prop_assert_eq!(flat(a.keys().unwrap()), flat(b.keys().unwrap()));
             prop_assert_eq!(flat(a.values().unwrap()), flat(b.values().unwrap()));
-            prop_assert_eq!(a.bytes() * 128, b.bytes() * 34);
+            prop_assert_eq!(a.bytes() * 128, b.bytes() * kind.block_bytes().unwrap());
         }
     }
 }

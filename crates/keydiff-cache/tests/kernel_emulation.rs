@@ -11,8 +11,9 @@ use candle_core::{DType, Device, Tensor};
 use half::{bf16, f16};
 use keydiff_cache::policy::{keydiff_scores, keydiff_scores_fused, PoolByPosition};
 use keydiff_cache::select::{move_plan, select, select_radix};
-use keydiff_cache::Anchor;
+use keydiff_cache::{Anchor, KvType};
 use keydiff_kernels::emu;
+use keydiff_kernels::geometry::KVQ_BYTES;
 use proptest::prelude::*;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -689,12 +690,12 @@ fn interleaved_layouts_score_like_contiguous_ones() {
     }
 }
 
-/// The Q8_0 kernels give the CPU twin's bytes and values exactly (the same IEEE operations),
-/// from f32, f16 and bf16 rows of cache views (padded row strides, a used prefix of the
-/// slots), with values from 1e-4 to 300 and a zero block; the dequantized view reads the
-/// blocks in place at the buffer's strides.
+/// The quantized-cache kernels give the CPU twin's bytes and values exactly (the same IEEE
+/// operations, none fused), for every block type, from f32, f16 and bf16 rows of cache views
+/// (padded row strides, a used prefix of the slots), with values from 1e-4 to 300 and a zero
+/// block; the dequantized view reads the blocks in place at the buffer's strides.
 #[test]
-fn q8_0_kernels_match_the_cpu_twin_exactly() {
+fn quantized_cache_kernels_match_the_cpu_twin_exactly() {
     let mut rng = StdRng::seed_from_u64(23);
     // (kv, n, rows, d, row stride in values)
     let cases = [
@@ -703,56 +704,65 @@ fn q8_0_kernels_match_the_cpu_twin_exactly() {
         (1, 300, 300, 256, 256),
         (2, 1, 4, 32, 32),
     ];
-    for dtype in [DType::F32, DType::F16, DType::BF16] {
-        for &(kv, n, rows, d, rs) in &cases {
-            let scale: Vec<f32> = (0..kv * rows * rs)
-                .map(|i| [1e-4f32, 0.05, 2.0, 300.0][(i / 32) % 4])
-                .collect();
-            let mut v: Vec<f32> = scale
-                .iter()
-                .map(|s| s * rng.sample::<f32, _>(StandardNormal))
-                .collect();
-            v[..32].fill(0.0);
-            let buf = Tensor::from_vec(v, (kv, rows, rs), &Device::Cpu)
-                .unwrap()
-                .to_dtype(dtype)
-                .unwrap();
-            let view = buf.narrow(1, 0, n).unwrap().narrow(2, 0, d).unwrap();
-            let twin = keydiff_cache::quantize_q8_0(&view).unwrap();
-            let twin_bytes = twin.flatten_all().unwrap().to_vec1::<u8>().unwrap();
-            let host = HostRows::of(&buf);
-            let x = host.keys();
-            for seed in SEEDS {
-                let got = emu::q8_0_quantize(x, kv, n, d, rows * rs, rs, seed).unwrap();
-                assert!(
-                    got == twin_bytes,
-                    "{dtype:?} kv {kv} n {n} d {d}: bytes differ"
-                );
-            }
-            // The blocks inside a cache buffer of `rows + 3` slots, read as the used view.
-            let rb = d / 32 * 34;
-            let padded = Tensor::zeros((kv, rows + 3, rb), DType::U8, &Device::Cpu).unwrap();
-            padded.slice_set(&twin, 1, 0).unwrap();
-            let want = keydiff_cache::dequantize_q8_0(&padded.narrow(1, 0, n).unwrap(), d)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1::<f32>()
-                .unwrap();
-            let bytes = padded.flatten_all().unwrap().to_vec1::<u8>().unwrap();
-            for seed in SEEDS {
-                let got =
-                    emu::q8_0_dequantize(&bytes, kv, n, d, (rows + 3) * rb, rb, seed).unwrap();
-                assert!(
-                    got.iter()
-                        .zip(&want)
-                        .all(|(a, b)| a.to_bits() == b.to_bits()),
-                    "{dtype:?} kv {kv} n {n} d {d}: values differ"
-                );
+    for t in KvType::BLOCKS {
+        let kind = t.block_code().unwrap();
+        let bb = t.block_bytes().unwrap();
+        assert_eq!(KVQ_BYTES[kind as usize], bb, "{t}: the kernels' block size");
+        for dtype in [DType::F32, DType::F16, DType::BF16] {
+            for &(kv, n, rows, d, rs) in &cases {
+                let scale: Vec<f32> = (0..kv * rows * rs)
+                    .map(|i| [1e-4f32, 0.05, 2.0, 300.0][(i / 32) % 4])
+                    .collect();
+                let mut v: Vec<f32> = scale
+                    .iter()
+                    .map(|s| s * rng.sample::<f32, _>(StandardNormal))
+                    .collect();
+                v[..32].fill(0.0);
+                let buf = Tensor::from_vec(v, (kv, rows, rs), &Device::Cpu)
+                    .unwrap()
+                    .to_dtype(dtype)
+                    .unwrap();
+                let view = buf.narrow(1, 0, n).unwrap().narrow(2, 0, d).unwrap();
+                let twin = keydiff_cache::quantize_blocks(&view, t).unwrap();
+                let twin_bytes = twin.flatten_all().unwrap().to_vec1::<u8>().unwrap();
+                let host = HostRows::of(&buf);
+                let x = host.keys();
+                for seed in SEEDS {
+                    let got = emu::kvq_quantize(x, kind, kv, n, d, rows * rs, rs, seed).unwrap();
+                    assert!(
+                        got == twin_bytes,
+                        "{t} {dtype:?} kv {kv} n {n} d {d}: bytes differ"
+                    );
+                }
+                // The blocks inside a cache buffer of `rows + 3` slots, read as the used view.
+                let rb = d / 32 * bb;
+                let padded = Tensor::zeros((kv, rows + 3, rb), DType::U8, &Device::Cpu).unwrap();
+                padded.slice_set(&twin, 1, 0).unwrap();
+                let want = keydiff_cache::dequantize_blocks(&padded.narrow(1, 0, n).unwrap(), t, d)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap();
+                let bytes = padded.flatten_all().unwrap().to_vec1::<u8>().unwrap();
+                for seed in SEEDS {
+                    let got =
+                        emu::kvq_dequantize(&bytes, kind, kv, n, d, (rows + 3) * rb, rb, seed)
+                            .unwrap();
+                    assert!(
+                        got.iter()
+                            .zip(&want)
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{t} {dtype:?} kv {kv} n {n} d {d}: values differ"
+                    );
+                }
             }
         }
     }
-    // Heads not of whole blocks are refused before any launch.
-    let x = vec![0f32; 48];
-    assert!(emu::q8_0_quantize(emu::Keys::F32(&x), 1, 1, 48, 48, 48, 0).is_err());
+    // Heads not of whole blocks, and kinds the kernels do not know, are refused before any
+    // launch.
+    let x = vec![0f32; 64];
+    assert!(emu::kvq_quantize(emu::Keys::F32(&x[..48]), 0, 1, 1, 48, 48, 48, 0).is_err());
+    assert!(emu::kvq_quantize(emu::Keys::F32(&x), 5, 1, 1, 64, 64, 64, 0).is_err());
+    assert!(emu::kvq_dequantize(&[0u8; 68], -1, 1, 1, 64, 68, 68, 0).is_err());
 }

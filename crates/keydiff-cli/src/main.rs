@@ -12,8 +12,8 @@ use clap::{Args, Parser, Subcommand};
 use keydiff::tools::{Tool, ToolChoice, ToolSyntax};
 use keydiff::{
     parse_device, parse_dtype, parse_kv_dtype, AttentionBackend, CacheConfig, CpuWeights, Engine,
-    EngineConfig, Event, Format, GenerateParams, KvTypes, Message, ModelSource, PolicyKind, Prompt,
-    Sampling, DEFAULT_CHUNK,
+    EngineConfig, Event, Format, GenerateParams, KvType, KvTypes, Message, ModelSource, PolicyKind,
+    Prompt, Sampling, DEFAULT_CHUNK,
 };
 
 /// The model `run` uses when `-m` is not given (fetched by scripts/fetch-models.sh).
@@ -89,7 +89,9 @@ enum Cmd {
         device: String,
         #[arg(long, default_value = "bf16")]
         dtype: String,
-        /// KV cache dtype on the checked device (default: --dtype); the CPU reference's is f32.
+        /// KV cache type on the checked device (default: --dtype). The CPU reference holds a
+        /// float cache in f32, and a block type (q8_0, q4_0, ...) as it is: its CPU codec is
+        /// the twin of the CUDA kernels, and an f32 cache would measure the codec's rounding.
         #[arg(long)]
         kv_dtype: Option<String>,
         /// Attention on the checked device (auto, eager, flash); the CPU reference is eager.
@@ -192,9 +194,10 @@ struct LoadArgs {
     /// f32, f16 or bf16.
     #[arg(long, default_value = "f32")]
     dtype: String,
-    /// What the KV cache holds: f32, f16, bf16, fp8 (E4M3 without a scale, vLLM's) or q8_0
-    /// (llama.cpp's blocks, 1.06 bytes a value) (default: --dtype). f16 halves the
-    /// cache's memory and the bytes a decode step reads (llama.cpp's default cache type).
+    /// What the KV cache holds: f32, f16, bf16, fp8 (E4M3 without a scale, vLLM's) or
+    /// llama.cpp's blocks q8_0, q5_1, q5_0, q4_1, q4_0 (1.06, 0.75, 0.69, 0.63, 0.56 bytes a
+    /// value) (default: --dtype). f16 halves the cache's memory and the bytes a decode step
+    /// reads (llama.cpp's default cache type).
     #[arg(long)]
     kv_dtype: Option<String>,
     /// The keys' cache type alone, over --kv-dtype (llama.cpp's `-ctk`): e.g. `--cache-type-k
@@ -677,13 +680,22 @@ fn real_main() -> Result<()> {
                     });
                 }
             }
+            // Block types stay as they are in the reference (see `kv_dtype`'s help).
+            let twin = |t: KvType| match t.block_bytes() {
+                Some(_) => t,
+                None => keydiff::DType::F32.into(),
+            };
+            let reference_kv = kv_dt.map(|t| KvTypes {
+                k: twin(t.k),
+                v: twin(t.v),
+            });
             let mut failed = Vec::new();
             for p in &preset {
                 for cache in &caches {
                     let reference = EngineConfig {
                         device: keydiff::Device::Cpu,
                         dtype: keydiff::DType::F32,
-                        kv_dtype: None,
+                        kv_dtype: reference_kv,
                         cache: cache.clone(),
                         cpu_weights: CpuWeights::FAST,
                         attention: AttentionBackend::Eager,
@@ -715,7 +727,9 @@ fn real_main() -> Result<()> {
                     };
                     let v = serde_json::json!({
                         "preset": p.display().to_string(), "device": device, "dtype": dtype,
-                        "kv_dtype": kv_dt.unwrap_or(dt.into()).to_string(), "attention": used.name(),
+                        "kv_dtype": kv_dt.unwrap_or(dt.into()).to_string(),
+                        "reference_kv_dtype": reference_kv.unwrap_or(keydiff::DType::F32.into()).to_string(),
+                        "attention": used.name(),
                         "policy": cache.policy.name(), "budget": cache.budget,
                         "prompt_len": prompt_len, "chunk": chunk, "diff": d,
                         "top1_equal": d.top1_equal(), "nll": nll,

@@ -8,8 +8,8 @@ use candle_core::{bail, CudaStorage, DType, Layout, Result, Shape};
 use half::{bf16, f16};
 
 use crate::geometry::{
-    check_pool, check_q8_0, check_scores, check_select, move_launch, per_head_launch, plan_moves,
-    pool_words, q8_0_launch, scores_launch, Launch, MAX_HEADS,
+    check_kvq, check_pool, check_scores, check_select, kvq_launch, move_launch, per_head_launch,
+    plan_moves, pool_words, scores_launch, Launch, MAX_HEADS,
 };
 
 /// PTX of `kernels/keydiff.cu`.
@@ -294,22 +294,28 @@ pub fn snapkv_pool(
     ))
 }
 
-/// Q8_0 blocks of `x` (`[kv, n, d]`, f32/f16/bf16, any head and row stride, rows contiguous;
-/// d a multiple of 32): u8 `[kv, n, d / 32 · 34]`, contiguous (`keydiff_q8_0_quantize_*`).
-pub fn q8_0_quantize(x: &CudaStorage, layout: &Layout) -> Result<(CudaStorage, Shape)> {
+/// Blocks of quantized-cache type `kind` (`KVQ_BYTES[kind]` bytes each) of `x` (`[kv, n, d]`,
+/// f32/f16/bf16, any head and row stride, rows contiguous; d a multiple of 32): u8
+/// `[kv, n, d / 32 · bytes]`, contiguous (`keydiff_kvq_quantize_*`).
+pub fn kvq_quantize(
+    x: &CudaStorage,
+    layout: &Layout,
+    kind: i32,
+    bytes: usize,
+) -> Result<(CudaStorage, Shape)> {
     let (kv, n, d) = layout.shape().dims3()?;
     let st = layout.stride();
     if st[2] != 1 {
-        bail!("q8_0-quantize needs contiguous rows, got strides {st:?}");
+        bail!("kv-block-quantize needs contiguous rows, got strides {st:?}");
     }
-    check_q8_0(kv, n, d)?;
-    let rb = d / 32 * 34;
+    check_kvq(kv, n, d, kind, bytes)?;
+    let rb = d / 32 * bytes;
     let dev = x.device().clone();
     // SAFETY: every byte is written by the kernel (one thread per block of each row).
     let mut out = unsafe { dev.alloc::<u8>(kv * n * rb)? };
     let (hs, rs) = (st[0] as i64, st[1] as i64);
     let (n32, d32) = (n as i32, d as i32);
-    let cfg = launch_cfg(q8_0_launch(kv, n * (d / 32)));
+    let cfg = launch_cfg(kvq_launch(kv, n * (d / 32)));
     let o = layout.start_offset();
     macro_rules! launch {
         ($t:ty, $name:literal) => {{
@@ -321,6 +327,7 @@ pub fn q8_0_quantize(x: &CudaStorage, layout: &Layout) -> Result<(CudaStorage, S
             b.arg(&rs);
             b.arg(&n32);
             b.arg(&d32);
+            b.arg(&kind);
             b.arg(&mut out);
             // SAFETY: argument list matches the kernel; reads stay in the [kv, n, d] view at
             // these strides, writes in the kv · n · rb bytes allocated here.
@@ -328,10 +335,10 @@ pub fn q8_0_quantize(x: &CudaStorage, layout: &Layout) -> Result<(CudaStorage, S
         }};
     }
     match x.dtype() {
-        DType::F32 => launch!(f32, "keydiff_q8_0_quantize_f32"),
-        DType::F16 => launch!(f16, "keydiff_q8_0_quantize_f16"),
-        DType::BF16 => launch!(bf16, "keydiff_q8_0_quantize_bf16"),
-        dt => bail!("q8_0-quantize: unsupported dtype {dt:?} (f32, f16, bf16)"),
+        DType::F32 => launch!(f32, "keydiff_kvq_quantize_f32"),
+        DType::F16 => launch!(f16, "keydiff_kvq_quantize_f16"),
+        DType::BF16 => launch!(bf16, "keydiff_kvq_quantize_bf16"),
+        dt => bail!("kv-block-quantize: unsupported dtype {dt:?} (f32, f16, bf16)"),
     }
     Ok((
         CudaStorage::wrap_cuda_slice(out, dev),
@@ -339,25 +346,31 @@ pub fn q8_0_quantize(x: &CudaStorage, layout: &Layout) -> Result<(CudaStorage, S
     ))
 }
 
-/// Values of Q8_0 rows `q` (u8 `[kv, n, d / 32 · 34]`, any head and row stride, rows
-/// contiguous: a view of a cache buffer): f32 `[kv, n, d]`, contiguous
-/// (`keydiff_q8_0_dequantize`).
-pub fn q8_0_dequantize(q: &CudaStorage, layout: &Layout, d: usize) -> Result<(CudaStorage, Shape)> {
+/// Values of rows `q` of quantized-cache type `kind` (u8 `[kv, n, d / 32 · bytes]`, any head
+/// and row stride, rows contiguous: a view of a cache buffer): f32 `[kv, n, d]`, contiguous
+/// (`keydiff_kvq_dequantize`).
+pub fn kvq_dequantize(
+    q: &CudaStorage,
+    layout: &Layout,
+    d: usize,
+    kind: i32,
+    bytes: usize,
+) -> Result<(CudaStorage, Shape)> {
     let (kv, n, rb) = layout.shape().dims3()?;
     let st = layout.stride();
-    if st[2] != 1 || rb != d / 32 * 34 {
+    if st[2] != 1 || rb != d / 32 * bytes {
         bail!(
-            "q8_0-dequantize: rows {:?} strides {st:?} for heads of {d}",
+            "kv-block-dequantize: rows {:?} strides {st:?} for heads of {d} in blocks of {bytes}",
             layout.dims()
         );
     }
-    check_q8_0(kv, n, d)?;
+    check_kvq(kv, n, d, kind, bytes)?;
     let dev = q.device().clone();
     // SAFETY: every value is written by the kernel (one thread each).
     let mut out = unsafe { dev.alloc::<f32>(kv * n * d)? };
     let (hs, rs) = (st[0] as i64, st[1] as i64);
     let (n32, d32) = (n as i32, d as i32);
-    let f = dev.get_or_load_custom_func("keydiff_q8_0_dequantize", MODULE, PTX)?;
+    let f = dev.get_or_load_custom_func("keydiff_kvq_dequantize", MODULE, PTX)?;
     let view = q.as_cuda_slice::<u8>()?.slice(layout.start_offset()..);
     let mut b = f.builder();
     b.arg(&view);
@@ -365,10 +378,11 @@ pub fn q8_0_dequantize(q: &CudaStorage, layout: &Layout, d: usize) -> Result<(Cu
     b.arg(&rs);
     b.arg(&n32);
     b.arg(&d32);
+    b.arg(&kind);
     b.arg(&mut out);
     // SAFETY: argument list matches the kernel; reads stay in the [kv, n, rb] view at these
     // strides, writes in the kv · n · d values allocated here.
-    unsafe { b.launch(launch_cfg(q8_0_launch(kv, n * d))) }.w()?;
+    unsafe { b.launch(launch_cfg(kvq_launch(kv, n * d))) }.w()?;
     Ok((
         CudaStorage::wrap_cuda_slice(out, dev),
         Shape::from((kv, n, d)),

@@ -25,8 +25,8 @@ use half::{bf16, f16};
 
 use crate::fence::{Fenced, HeadAxis, Side};
 use crate::geometry::{
-    check_pool, check_q8_0, check_scores, check_select, move_launch, per_head_launch, plan_moves,
-    pool_words, q8_0_launch, scores_launch,
+    check_kvq, check_pool, check_scores, check_select, kvq_launch, move_launch, per_head_launch,
+    plan_moves, pool_words, scores_launch, KVQ_BYTES,
 };
 
 extern "C" {
@@ -98,13 +98,14 @@ extern "C" {
         err: *mut c_char,
         err_len: usize,
     ) -> c_int;
-    fn kd_emu_q8_0_quantize(
+    fn kd_emu_kvq_quantize(
         dtype: c_int,
         x: *const u8,
         head_stride: i64,
         row_stride: i64,
         n: c_int,
         d: c_int,
+        kind: c_int,
         out: *mut u8,
         grid_x: c_uint,
         grid_y: c_uint,
@@ -113,12 +114,13 @@ extern "C" {
         err: *mut c_char,
         err_len: usize,
     ) -> c_int;
-    fn kd_emu_q8_0_dequantize(
+    fn kd_emu_kvq_dequantize(
         q: *const u8,
         head_stride: i64,
         row_stride: i64,
         n: c_int,
         d: c_int,
+        kind: c_int,
         out: *mut f32,
         grid_x: c_uint,
         grid_y: c_uint,
@@ -285,11 +287,13 @@ pub fn keydiff_scores(
     scores.finish()
 }
 
-/// `keydiff_q8_0_quantize_*` on `x` viewed as `[kv, n, d]` with element strides
-/// `(head_stride, row_stride, 1)`: u8 `[kv · n · d / 32 · 34]`, Q8_0 blocks.
+/// `keydiff_kvq_quantize_*` of block type `kind` (`KVQ_BYTES[kind]` bytes a block) on `x`
+/// viewed as `[kv, n, d]` with element strides `(head_stride, row_stride, 1)`: u8
+/// `[kv · n · d / 32 · bytes]`.
 #[allow(clippy::too_many_arguments)]
-pub fn q8_0_quantize(
+pub fn kvq_quantize(
     x: Keys<'_>,
+    kind: i32,
     kv: usize,
     n: usize,
     d: usize,
@@ -297,10 +301,11 @@ pub fn q8_0_quantize(
     row_stride: usize,
     seed: u64,
 ) -> Result<Vec<u8>> {
-    check_q8_0(kv, n, d)?;
-    let (dtype, bytes, len, elem) = x.parts();
+    let bytes = kvq_bytes(kind)?;
+    check_kvq(kv, n, d, kind, bytes)?;
+    let (dtype, data, len, elem) = x.parts();
     let extent = check_extent(
-        "q8_0-quantize",
+        "kv-block-quantize",
         len,
         elem,
         kv,
@@ -309,11 +314,11 @@ pub fn q8_0_quantize(
         head_stride,
         row_stride,
     )?;
-    let rb = d / 32 * 34;
-    let l = q8_0_launch(kv, n * (d / 32));
+    let rb = d / 32 * bytes;
+    let l = kvq_launch(kv, n * (d / 32));
     let side = Side::for_seed(seed);
-    let x = Fenced::copy_of("q8_0-quantize x", &bytes[..extent * elem], side, elem)?;
-    let mut out = Fenced::filled("q8_0-quantize out", kv * n * rb, 0xAAu8, side, 1)?;
+    let x = Fenced::copy_of("kv-block-quantize x", &data[..extent * elem], side, elem)?;
+    let mut out = Fenced::filled("kv-block-quantize out", kv * n * rb, 0xAAu8, side, 1)?;
     x.view(
         kv,
         head_stride * elem,
@@ -323,17 +328,18 @@ pub fn q8_0_quantize(
         HeadAxis::Y,
     )?;
     out.view(kv, n * rb, n, rb, rb, HeadAxis::Y)?;
-    call("q8_0-quantize", |err, err_len| {
+    call("kv-block-quantize", |err, err_len| {
         // SAFETY: the kernel reads x inside the extent checked above and writes the
         // kv · n · rb bytes of `out`.
         unsafe {
-            kd_emu_q8_0_quantize(
+            kd_emu_kvq_quantize(
                 dtype,
                 x.as_ptr(),
                 head_stride as i64,
                 row_stride as i64,
                 n as c_int,
                 d as c_int,
+                kind as c_int,
                 out.as_mut_ptr(),
                 l.grid.0,
                 l.grid.1,
@@ -348,11 +354,12 @@ pub fn q8_0_quantize(
     out.finish()
 }
 
-/// `keydiff_q8_0_dequantize` on `q` viewed as `[kv, n, d / 32 · 34]` bytes with byte strides
-/// `(head_stride, row_stride, 1)`: f32 `[kv · n · d]`.
+/// `keydiff_kvq_dequantize` of block type `kind` on `q` viewed as `[kv, n, d / 32 · bytes]`
+/// bytes with byte strides `(head_stride, row_stride, 1)`: f32 `[kv · n · d]`.
 #[allow(clippy::too_many_arguments)]
-pub fn q8_0_dequantize(
+pub fn kvq_dequantize(
     q: &[u8],
+    kind: i32,
     kv: usize,
     n: usize,
     d: usize,
@@ -360,10 +367,11 @@ pub fn q8_0_dequantize(
     row_stride: usize,
     seed: u64,
 ) -> Result<Vec<f32>> {
-    check_q8_0(kv, n, d)?;
-    let rb = d / 32 * 34;
+    let bytes = kvq_bytes(kind)?;
+    check_kvq(kv, n, d, kind, bytes)?;
+    let rb = d / 32 * bytes;
     let extent = check_extent(
-        "q8_0-dequantize",
+        "kv-block-dequantize",
         q.len(),
         1,
         kv,
@@ -372,22 +380,23 @@ pub fn q8_0_dequantize(
         head_stride,
         row_stride,
     )?;
-    let l = q8_0_launch(kv, n * d);
+    let l = kvq_launch(kv, n * d);
     let side = Side::for_seed(seed);
-    let q = Fenced::copy_of("q8_0-dequantize q", &q[..extent], side, 2)?;
-    let mut out = Fenced::filled("q8_0-dequantize out", kv * n * d, f32::NAN, side, 4)?;
+    let q = Fenced::copy_of("kv-block-dequantize q", &q[..extent], side, 2)?;
+    let mut out = Fenced::filled("kv-block-dequantize out", kv * n * d, f32::NAN, side, 4)?;
     q.view(kv, head_stride, n, row_stride, rb, HeadAxis::Y)?;
     out.view(kv, n * d, n, d, d, HeadAxis::Y)?;
-    call("q8_0-dequantize", |err, err_len| {
+    call("kv-block-dequantize", |err, err_len| {
         // SAFETY: the kernel reads q inside the extent checked above and writes the kv · n · d
         // values of `out`.
         unsafe {
-            kd_emu_q8_0_dequantize(
+            kd_emu_kvq_dequantize(
                 q.as_ptr(),
                 head_stride as i64,
                 row_stride as i64,
                 n as c_int,
                 d as c_int,
+                kind as c_int,
                 out.as_mut_ptr(),
                 l.grid.0,
                 l.grid.1,
@@ -400,6 +409,14 @@ pub fn q8_0_dequantize(
     })?;
     q.finish()?;
     out.finish()
+}
+
+/// Bytes of a block of `kind` (an unknown kind is an error).
+fn kvq_bytes(kind: i32) -> Result<usize> {
+    match usize::try_from(kind).ok().and_then(|k| KVQ_BYTES.get(k)) {
+        Some(&b) => Ok(b),
+        None => bail!("kv blocks: no block type {kind}"),
+    }
 }
 
 /// `keydiff_select_plan`: `scores` and `positions` hold `kv` rows of `n` at their strides.

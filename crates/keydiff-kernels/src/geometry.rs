@@ -50,31 +50,39 @@ pub fn move_launch(moves: usize, kv: usize) -> Launch {
     }
 }
 
-/// `KD_Q8_THREADS`: threads of a Q8_0 quantize or dequantize block.
-pub const Q8_THREADS: u32 = 256;
+/// `KD_KVQ_THREADS`: threads of a block of the quantized-cache kernels.
+pub const KVQ_THREADS: u32 = 256;
 
-/// `keydiff_q8_0_quantize_*` (`values` = blocks of 32 per head) and `keydiff_q8_0_dequantize`
+/// Bytes of a block of 32 values for each `kind` the quantized-cache kernels take (`KD_KVQ_*`:
+/// q8_0, q5_1, q5_0, q4_1, q4_0; keydiff-cache's `KvType::block_code` numbers them so).
+pub const KVQ_BYTES: [usize; 5] = [34, 24, 22, 20, 18];
+
+/// `keydiff_kvq_quantize_*` (`values` = blocks of 32 per head) and `keydiff_kvq_dequantize`
 /// (`values` = values per head): one thread each, heads on grid.y.
-pub fn q8_0_launch(kv: usize, values: usize) -> Launch {
+pub fn kvq_launch(kv: usize, values: usize) -> Launch {
     Launch {
         grid: (
-            (values as u64).div_ceil(Q8_THREADS as u64) as u32,
+            (values as u64).div_ceil(KVQ_THREADS as u64) as u32,
             kv as u32,
         ),
-        block: Q8_THREADS,
+        block: KVQ_THREADS,
     }
 }
 
-/// The Q8_0 kernels' limits: rows of whole blocks of 32, `int` counts.
-pub fn check_q8_0(kv: usize, n: usize, d: usize) -> Result<()> {
+/// The quantized-cache kernels' limits: a known `kind` of `bytes` per block, rows of whole
+/// blocks of 32, `int` counts.
+pub fn check_kvq(kv: usize, n: usize, d: usize, kind: i32, bytes: usize) -> Result<()> {
+    if usize::try_from(kind).ok().and_then(|k| KVQ_BYTES.get(k)) != Some(&bytes) {
+        bail!("kv blocks: kind {kind} of {bytes} bytes is not one of the kernels' ({KVQ_BYTES:?})");
+    }
     if d == 0 || !d.is_multiple_of(32) || n == 0 || n > MAX_SLOTS || kv == 0 || kv > MAX_HEADS {
         bail!(
-            "q8_0: head_dim {d} (a multiple of 32), n {n} (1..={MAX_SLOTS}) or {kv} heads \
+            "kv blocks: head_dim {d} (a multiple of 32), n {n} (1..={MAX_SLOTS}) or {kv} heads \
              (1..={MAX_HEADS}) out of range"
         );
     }
-    if (n as u64 * d as u64).div_ceil(Q8_THREADS as u64) > i32::MAX as u64 {
-        bail!("q8_0: {n} rows of {d} values are past the kernel's grid");
+    if (n as u64 * d as u64).div_ceil(KVQ_THREADS as u64) > i32::MAX as u64 {
+        bail!("kv blocks: {n} rows of {d} values are past the kernel's grid");
     }
     Ok(())
 }

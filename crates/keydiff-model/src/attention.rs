@@ -24,7 +24,9 @@ use std::str::FromStr;
 
 use candle_core::{DType, Device, Tensor, D};
 
-pub use crate::decode_kernel::{decode_attention_cpu, widen_cache_view};
+pub use crate::decode_kernel::{
+    decode_attention_cpu, decode_attention_cpu_blocks, widen_cache_view,
+};
 use crate::error::{ModelError, Result};
 
 /// How chunk attention is computed (module docs).

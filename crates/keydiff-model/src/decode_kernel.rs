@@ -3,6 +3,7 @@
 //! [`decode_attention_cpu`].
 
 use candle_core::{DType, Tensor};
+use keydiff_cache::KvType;
 
 use crate::error::{ModelError, Result};
 
@@ -36,14 +37,50 @@ pub fn decode_attention_cpu(
     v: &Tensor,
     probs: bool,
 ) -> Result<Option<(Tensor, Option<Tensor>)>> {
+    decode_attention(q, k, v, None, probs)
+}
+
+/// [`decode_attention_cpu`] over a quantized cache: `k` and `v` are u8 rows of `blocks`'s
+/// blocks (`[kv_heads, T, d / 32 · bytes]`, views of the cache buffers), dequantized a row at
+/// a time as they are read, so the result is the eager one over the dequantized cache.
+pub fn decode_attention_cpu_blocks(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    blocks: KvType,
+    probs: bool,
+) -> Result<Option<(Tensor, Option<Tensor>)>> {
+    if blocks.block_bytes().is_none() || k.dtype() != DType::U8 || v.dtype() != DType::U8 {
+        return Err(ModelError::Shape(format!(
+            "decode attention over {blocks} blocks: k {}, v {} (u8 rows)",
+            k.dtype().as_str(),
+            v.dtype().as_str()
+        )));
+    }
+    decode_attention(q, k, v, Some(blocks), probs)
+}
+
+fn decode_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    blocks: Option<KvType>,
+    probs: bool,
+) -> Result<Option<(Tensor, Option<Tensor>)>> {
     use candle_core::{CpuStorage, Storage};
     let (kv_heads, g, d) = q.dims3()?;
     let (kh, t, kd) = k.dims3()?;
-    // A u8 cache holds Q8_0 blocks: rows of d / 32 · 34 bytes.
-    let row = if k.dtype() == DType::U8 {
-        d / 32 * 34
-    } else {
-        d
+    // A u8 cache holds blocks of a quantized type: rows of d / 32 · bytes.
+    let row = match blocks {
+        Some(b) => b.row_len(d),
+        None if k.dtype() == DType::U8 => {
+            return Err(ModelError::Shape(
+                "decode attention: u8 rows without their block type \
+                 (decode_attention_cpu_blocks)"
+                    .into(),
+            ))
+        }
+        None => d,
     };
     if (kh, kd) != (kv_heads, row) || v.dim(0)? != kh || v.dim(1)? != t || t == 0 || d == 0 {
         return Err(ModelError::Shape(format!(
@@ -90,13 +127,25 @@ pub fn decode_attention_cpu(
             decode_typed(qd, (kd, kl), (vd, vl), shape, probs)?
         }
         (Storage::Cpu(CpuStorage::U8(kd)), Storage::Cpu(CpuStorage::U8(vd))) => {
-            decode_typed::<Q8Byte>(
-                qd,
-                (Q8Byte::cast(kd), kl),
-                (Q8Byte::cast(vd), vl),
-                shape,
-                probs,
-            )?
+            fn run<B: BlockKind>(
+                qd: &[f32],
+                (kd, kl): (&[u8], Layout3),
+                (vd, vl): (&[u8], Layout3),
+                shape: (usize, usize, usize, usize),
+                probs: bool,
+            ) -> Result<(Vec<f32>, Option<Vec<f32>>)> {
+                let (k, v) = (QByte::<B>::cast(kd), QByte::<B>::cast(vd));
+                decode_typed(qd, (k, kl), (v, vl), shape, probs)
+            }
+            let (k, v) = ((&kd[..], kl), (&vd[..], vl));
+            match blocks {
+                Some(KvType::Q8_0) => run::<Q8_0B>(qd, k, v, shape, probs)?,
+                Some(KvType::Q5_1) => run::<Q5_1B>(qd, k, v, shape, probs)?,
+                Some(KvType::Q5_0) => run::<Q5_0B>(qd, k, v, shape, probs)?,
+                Some(KvType::Q4_1) => run::<Q4_1B>(qd, k, v, shape, probs)?,
+                Some(KvType::Q4_0) => run::<Q4_0B>(qd, k, v, shape, probs)?,
+                _ => return Ok(None),
+            }
         }
         _ => return Ok(None),
     };
@@ -405,24 +454,55 @@ pub(crate) trait KvElem: Copy + Send + Sync + 'static {
     }
 }
 
-/// A byte of a Q8_0 cache's rows (GGML's `block_q8_0`: an f16 scale, little endian, then 32
-/// signed bytes, per 32 values): read a row at a time, never a byte alone.
+/// A block type of a quantized cache, for [`QByte`].
+trait BlockKind: Copy + Send + Sync + 'static {
+    const TYPE: KvType;
+    /// Bytes of a block of 32 values.
+    const BYTES: usize;
+}
+
+macro_rules! block_kinds {
+    ($($name:ident: $t:expr, $bytes:expr;)*) => {$(
+        #[derive(Clone, Copy)]
+        struct $name;
+        impl BlockKind for $name {
+            const TYPE: KvType = $t;
+            const BYTES: usize = $bytes;
+        }
+    )*};
+}
+
+block_kinds! {
+    Q8_0B: KvType::Q8_0, 34;
+    Q5_1B: KvType::Q5_1, 24;
+    Q5_0B: KvType::Q5_0, 22;
+    Q4_1B: KvType::Q4_1, 20;
+    Q4_0B: KvType::Q4_0, 18;
+}
+
+/// A byte of a quantized cache's rows (GGML blocks of type `B`, 32 values each): read a row
+/// at a time, never a byte alone.
 #[derive(Clone, Copy)]
 #[repr(transparent)]
-struct Q8Byte(u8);
+struct QByte<B>(u8, std::marker::PhantomData<B>);
 
-impl Q8Byte {
-    fn cast(x: &[u8]) -> &[Q8Byte] {
-        // SAFETY: `Q8Byte` is `repr(transparent)` over `u8`: same size, alignment and
-        // validity.
+impl<B: BlockKind> QByte<B> {
+    fn cast(x: &[u8]) -> &[QByte<B>] {
+        // SAFETY: `QByte` is `repr(transparent)` over `u8` (its other field is zero-sized):
+        // same size, alignment and validity.
+        unsafe { std::slice::from_raw_parts(x.as_ptr().cast(), x.len()) }
+    }
+
+    fn bytes(x: &[QByte<B>]) -> &[u8] {
+        // SAFETY: as in `cast`, the other way.
         unsafe { std::slice::from_raw_parts(x.as_ptr().cast(), x.len()) }
     }
 }
 
-impl KvElem for Q8Byte {
+impl<B: BlockKind> KvElem for QByte<B> {
     /// Not a value: a byte of a block (`widen_row` reads the blocks).
     fn widen(self) -> f32 {
-        self.0 as i8 as f32
+        self.0 as f32
     }
 
     fn as_f32(_: &[Self]) -> Option<&[f32]> {
@@ -430,15 +510,13 @@ impl KvElem for Q8Byte {
     }
 
     fn row_len(w: usize) -> usize {
-        w / 32 * 34
+        w / 32 * B::BYTES
     }
 
     fn widen_row(src: &[Self], out: &mut [f32]) {
-        for (b, y) in src.chunks_exact(34).zip(out.chunks_exact_mut(32)) {
-            let d = half::f16::from_le_bytes([b[0].0, b[1].0]).to_f32();
-            for (o, q) in y.iter_mut().zip(&b[2..]) {
-                *o = q.0 as i8 as f32 * d;
-            }
+        let blocks = Self::bytes(src).chunks_exact(B::BYTES);
+        for (b, y) in blocks.zip(out.chunks_exact_mut(32)) {
+            keydiff_cache::dequantize_block(B::TYPE, b, y);
         }
     }
 }
@@ -810,32 +888,48 @@ mod tests {
         Ok(())
     }
 
-    /// Q8_0 rows read in place (blocks of a cache buffer's used slots) give what the eager
-    /// path gives on their dequantized values.
+    /// Rows of every block type read in place (blocks of a cache buffer's used slots) give
+    /// what the eager path gives on their dequantized values; u8 rows without their type
+    /// are refused, not guessed.
     #[test]
-    fn decode_kernel_reads_q8_0_blocks() -> Result<()> {
-        use keydiff_cache::{dequantize_q8_0, quantize_q8_0};
+    fn decode_kernel_reads_quantized_blocks() -> Result<()> {
+        use keydiff_cache::{dequantize_blocks, quantize_blocks};
         let dev = Device::Cpu;
-        for (kv, g, d) in [(2, 3, 64), (1, 4, 128), (2, 1, 256)] {
-            for t in [1, 9, 300] {
-                let kb = quantize_q8_0(&Tensor::randn(0f32, 2., (kv, t + 5, d), &dev)?)?;
-                let vb = quantize_q8_0(&(Tensor::randn(0f32, 1., (kv, t + 3, d), &dev)? + 0.5)?)?;
-                let (k, v) = (kb.narrow(1, 0, t)?, vb.narrow(1, 0, t)?);
-                let q = Tensor::randn(0f32, 1., (kv, g, d), &dev)?;
-                let (kf, vf) = (dequantize_q8_0(&k, d)?, dequantize_q8_0(&v, d)?);
-                let probs = attention_probs(&q, &kf, None, g)?;
-                let want = attention_output(&probs, &vf)?;
-                let (y, p) = decode_attention_cpu(&q, &k, &v, true)?
-                    .expect("Q8_0 rows of 64/128/256 values take the kernel");
-                let diff = (&y - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
-                let size = want.abs()?.max_all()?.to_scalar::<f32>()?.max(1.0);
-                assert!(diff < 1e-5 * size, "kv {kv} g {g} d {d} t {t}: {diff}");
-                let err = ((&p.unwrap() - &probs)?.abs()? / (probs.abs()? + 1e-5)?)?
-                    .max_all()?
-                    .to_scalar::<f32>()?;
-                assert!(err < 1e-4, "kv {kv} g {g} d {d} t {t}: probabilities {err}");
+        for b in KvType::BLOCKS {
+            for (kv, g, d) in [(2, 3, 64), (1, 4, 128), (2, 1, 256)] {
+                for t in [1, 9, 300] {
+                    let kx = Tensor::randn(0f32, 2., (kv, t + 5, d), &dev)?;
+                    let vx = (Tensor::randn(0f32, 1., (kv, t + 3, d), &dev)? + 0.5)?;
+                    let (kb, vb) = (quantize_blocks(&kx, b)?, quantize_blocks(&vx, b)?);
+                    let (k, v) = (kb.narrow(1, 0, t)?, vb.narrow(1, 0, t)?);
+                    let q = Tensor::randn(0f32, 1., (kv, g, d), &dev)?;
+                    let (kf, vf) = (dequantize_blocks(&k, b, d)?, dequantize_blocks(&v, b, d)?);
+                    let probs = attention_probs(&q, &kf, None, g)?;
+                    let want = attention_output(&probs, &vf)?;
+                    let (y, p) = decode_attention_cpu_blocks(&q, &k, &v, b, true)?
+                        .expect("blocks of 64/128/256 values take the kernel");
+                    let diff = (&y - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+                    let size = want.abs()?.max_all()?.to_scalar::<f32>()?.max(1.0);
+                    assert!(diff < 1e-5 * size, "{b} kv {kv} g {g} d {d} t {t}: {diff}");
+                    let err = ((&p.unwrap() - &probs)?.abs()? / (probs.abs()? + 1e-5)?)?
+                        .max_all()?
+                        .to_scalar::<f32>()?;
+                    assert!(
+                        err < 1e-4,
+                        "{b} kv {kv} g {g} d {d} t {t}: probabilities {err}"
+                    );
+                }
             }
         }
+        let q = Tensor::randn(0f32, 1., (1, 2, 64), &dev)?;
+        let k = quantize_blocks(&Tensor::randn(0f32, 1., (1, 4, 64), &dev)?, KvType::Q4_0)?;
+        assert!(
+            decode_attention_cpu(&q, &k, &k, false).is_err(),
+            "u8 without a type"
+        );
+        // q4_0 rows (36 bytes) said to be q8_0 (68 bytes a row) do not fit.
+        assert!(decode_attention_cpu_blocks(&q, &k, &k, KvType::Q8_0, false).is_err());
+        assert!(decode_attention_cpu_blocks(&q, &k, &k, DType::F16.into(), false).is_err());
         Ok(())
     }
 

@@ -7,11 +7,12 @@
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor, D};
-use keydiff_cache::{AttnStats, CacheConfig, KvCache, KvType, KvTypes};
+use keydiff_cache::{AttnStats, CacheConfig, KvCache, KvTypes};
 
 use crate::attention::{
-    attention_output, attention_probs, chunk_mask, decode_attention_cpu, flash_attend, row_sums,
-    stats_pass, widen_cache_view, AttentionBackend,
+    attention_output, attention_probs, chunk_mask, decode_attention_cpu,
+    decode_attention_cpu_blocks, flash_attend, row_sums, stats_pass, widen_cache_view,
+    AttentionBackend,
 };
 use crate::config::{Arch, ModelConfig, RopeOverride};
 use crate::error::{ModelError, Result};
@@ -162,12 +163,13 @@ impl Attention {
         let layer = cache.layer(li);
         let eager = backend != AttentionBackend::Flash;
         let one_row = b == 1 && mask.is_none();
-        // A Q8_0 cache's decode step gives the decode kernel the blocks to read in place
+        // A quantized cache's decode step gives the decode kernel the blocks to read in place
         // (dequantized, the whole view would first be written out as f32), unless a flash
-        // step's statistics pass needs the keys as values. Should the kernel decline them,
-        // the values are dequantized below.
-        let q8 = layer.kv_type() == KvType::Q8_0.into();
-        let (keys, values) = if q8 && one_row && (eager || rows.is_none()) {
+        // step's statistics pass needs the keys as values, or keys and values are of two
+        // types. Should the kernel decline them, the values are dequantized below.
+        let kvt = layer.kv_type();
+        let blocks = (kvt.k == kvt.v && kvt.k.block_bytes().is_some()).then_some(kvt.k);
+        let (keys, values) = if blocks.is_some() && one_row && (eager || rows.is_none()) {
             (layer.stored_keys()?, layer.stored_values()?)
         } else {
             (layer.keys()?, layer.values()?)
@@ -199,7 +201,11 @@ impl Attention {
             }
             (1, None) => {
                 let q = q.reshape((kv, g, d))?;
-                decode_attention_cpu(&q, &keys, &values, eager && rows.is_some())?
+                let probs = eager && rows.is_some();
+                match blocks.filter(|_| keys.dtype() == DType::U8) {
+                    Some(t) => decode_attention_cpu_blocks(&q, &keys, &values, t, probs)?,
+                    None => decode_attention_cpu(&q, &keys, &values, probs)?,
+                }
             }
             _ => None,
         };
@@ -575,11 +581,12 @@ impl Model {
     }
 
     /// Chooses what the KV cache holds, whatever the activations' dtype: f32, f16, bf16,
-    /// fp8 (E4M3, unscaled: vLLM's `fp8`) or Q8_0 blocks (llama.cpp's `q8_0`: heads of a
-    /// multiple of 32 values; on CUDA by the kernels of `kernels/keydiff.cu`), for keys and
-    /// values alike or each its own ([`KvTypes`]). Keys and values are rounded or quantized
-    /// when they are appended, and eviction scores them as stored. Attention reads the cache
-    /// in place where it can (the CPU decode kernel: f16, bf16, fp8 and Q8_0 rows); elsewhere
+    /// fp8 (E4M3, unscaled: vLLM's `fp8`) or blocks of llama.cpp's `q8_0`, `q5_1`, `q5_0`,
+    /// `q4_1` or `q4_0` (heads of a multiple of 32 values; on CUDA by the kernels of
+    /// `kernels/keydiff.cu`), for keys and values alike or each its own ([`KvTypes`]). Keys
+    /// and values are rounded or quantized when they are appended, and eviction scores them
+    /// as stored. Attention reads the cache in place where it can (the CPU decode kernel: f16,
+    /// bf16, fp8 and block rows of one type for both); elsewhere
     /// a cache of another type than the activations is converted (or dequantized) to theirs
     /// for each chunk, a copy of the view.
     pub fn set_kv_dtype(&mut self, kv: impl Into<KvTypes>) -> Result<()> {

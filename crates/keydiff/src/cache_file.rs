@@ -4,7 +4,8 @@
 //!
 //! The file is safetensors: per layer `layers.{i}.keys` and `layers.{i}.values`
 //! (`[kv_heads, len, head_dim]` in the cache's dtype, or u8 `[kv_heads, len, head_dim / 32 ·
-//! 34]` of a Q8_0 cache's blocks; keys and values each in their own type),
+//! bytes]` of a quantized cache's blocks, `q8_0`, `q4_0`, ...; keys and values each in their
+//! own type, which the header names),
 //! `layers.{i}.positions` (u32) and `layers.{i}.state` (f32, `[kv_heads, len]`), only the used
 //! slots; its metadata has `format: keydiff-kv-cache` and, under `keydiff`, a JSON [`Header`]:
 //! the model's digest, the cache settings, the tokens the cache stands for and what a continued
@@ -500,6 +501,7 @@ impl Engine {
                     .map_err(|e| bad(format!("tensor `{key}`: {e}")))
             };
             layers.push(LayerParts {
+                kv: types,
                 keys: get("keys")?,
                 values: get("values")?,
                 positions: get("positions")?,

@@ -32,10 +32,11 @@ pub struct EngineConfig {
     /// Activation dtype, and the KV cache's unless `kv_dtype` says otherwise (f32 on CPU is
     /// the reference; bf16 on GPU).
     pub dtype: DType,
-    /// What the KV cache holds: f32, f16, bf16, fp8 (`DType::F8E4M3`) or
-    /// [`KvType::Q8_0`], for keys and values alike or each its own ([`KvTypes`]; `None`:
-    /// `dtype`; a `DType` or `KvType` converts with `.into()`). f16 on the CPU halves the
-    /// cache's memory, as llama.cpp's default cache type does; q8_0 takes 1.06 bytes a value.
+    /// What the KV cache holds: f32, f16, bf16, fp8 (`DType::F8E4M3`) or blocks of one of
+    /// llama.cpp's quantized types ([`KvType::Q8_0`], `Q5_1`, `Q5_0`, `Q4_1`, `Q4_0`), for
+    /// keys and values alike or each its own ([`KvTypes`]; `None`: `dtype`; a `DType` or
+    /// `KvType` converts with `.into()`). f16 on the CPU halves the cache's memory, as
+    /// llama.cpp's default cache type does; q8_0 takes 1.06 bytes a value, q4_0 0.56.
     /// [`Engine::config`] reports the types in use.
     pub kv_dtype: Option<KvTypes>,
     /// Chunk size B, budget N, eviction policy and timing.
@@ -1769,15 +1770,25 @@ impl Engine {
                     {
                         // Smaller types than the one in use, that this model can hold.
                         let d = m.head_dim;
-                        let q8 = KvTypes::from(KvType::Q8_0);
-                        let q8_fits = q8.check(d).is_ok() && q8.slot_bytes(d) < dtype.slot_bytes(d);
-                        match (dtype.slot_bytes(d) > 4 * d, q8_fits) {
-                            (true, true) => {
-                                "store it in f16 or q8_0 (--kv-dtype f16, --kv-dtype q8_0), "
-                            }
-                            (true, false) => "store it in f16 (--kv-dtype f16), ",
-                            (false, true) => "store it in q8_0 (--kv-dtype q8_0), ",
-                            (false, false) => "",
+                        let smaller: Vec<&str> =
+                            [DType::F16.into(), KvType::Q8_0, KvType::Q4_0]
+                                .into_iter()
+                                .map(KvTypes::from)
+                                .filter(|t| {
+                                    t.check(d).is_ok() && t.slot_bytes(d) < dtype.slot_bytes(d)
+                                })
+                                .map(|t| t.k.as_str())
+                                .collect();
+                        let flags: Vec<String> =
+                            smaller.iter().map(|t| format!("--kv-dtype {t}")).collect();
+                        match smaller.as_slice() {
+                            [] => String::new(),
+                            [t] => format!("store it in {t} (--kv-dtype {t}), "),
+                            [rest @ .., last] => format!(
+                                "store it in {} or {last} ({}), ",
+                                rest.join(", "),
+                                flags.join(", ")
+                            ),
                         }
                     }
                 )));

@@ -102,8 +102,8 @@ pub fn parse_device(s: &str) -> Result<Device> {
     }
 }
 
-/// Parses what a KV cache holds: `f32`, `f16`, `bf16`, `fp8` (`f8e4m3`, `fp8_e4m3`) or `q8_0`
-/// ([`KvType::parse`]).
+/// Parses what a KV cache holds: `f32`, `f16`, `bf16`, `fp8` (`f8e4m3`, `fp8_e4m3`), `q8_0`,
+/// `q5_1`, `q5_0`, `q4_1` or `q4_0` ([`KvType::parse`]).
 pub fn parse_kv_dtype(s: &str) -> Result<KvType> {
     KvType::parse(s).ok_or_else(|| {
         EngineError::BadParams(format!(
