@@ -254,8 +254,8 @@ impl LayerCache {
         self.kv.v.decode(&self.stored_values()?, self.head_dim)
     }
 
-    /// Keys of the used slots as stored, `[kv_heads, len, row]` (a view; for a block type the u8
-    /// blocks).
+    /// Keys of the used slots as stored, `[kv_heads, len, row]` (a view; for a block type, the
+    /// u8 blocks).
     pub fn stored_keys(&self) -> Result<Tensor> {
         Ok(self.k.narrow(1, 0, self.len)?)
     }

@@ -734,8 +734,9 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(40))]
 
     /// A quantized cache (every block type) is an f32 cache of its rounded values: fed the
-    /// same chunks (the f32 one their round trip through the blocks), under every policy and the same statistics, it keeps the
-    /// same slots, and its keys and values read back as the f32 cache's, bit for bit.
+    /// same chunks (the f32 one their round trip through the blocks), under every policy and
+    /// the same statistics, it keeps the same slots, and its keys and values read back as the
+    /// f32 cache's, bit for bit.
     #[test]
     fn a_quantized_cache_is_an_f32_cache_of_its_rounded_values(
         kind in proptest::sample::select(KvType::BLOCKS.to_vec()),

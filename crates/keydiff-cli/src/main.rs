@@ -728,7 +728,9 @@ fn real_main() -> Result<()> {
                     let v = serde_json::json!({
                         "preset": p.display().to_string(), "device": device, "dtype": dtype,
                         "kv_dtype": kv_dt.unwrap_or(dt.into()).to_string(),
-                        "reference_kv_dtype": reference_kv.unwrap_or(keydiff::DType::F32.into()).to_string(),
+                        "reference_kv_dtype": reference_kv
+                            .unwrap_or(keydiff::DType::F32.into())
+                            .to_string(),
                         "attention": used.name(),
                         "policy": cache.policy.name(), "budget": cache.budget,
                         "prompt_len": prompt_len, "chunk": chunk, "diff": d,
