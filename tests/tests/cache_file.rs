@@ -483,3 +483,47 @@ fn a_saved_conversation_goes_on_as_the_one_in_memory() {
     };
     assert!(msg.contains("not a conversation"), "{msg}");
 }
+
+/// A cache saved Hadamard-rotated (a quantized cache, the default) is refused by an engine
+/// that does not rotate (`--no-kv-rotation`), and the other way round: its keys would be
+/// read in the wrong basis.
+#[test]
+fn a_rotated_cache_file_needs_a_rotating_engine() {
+    let dir = temp_dir("cache-file-rotation");
+    let load = |kv_rotation: bool| {
+        let cfg = EngineConfig {
+            cache: budget("keydiff", 64, 16),
+            kv_dtype: Some(KvType::Q4_0.into()),
+            kv_rotation,
+            ..Default::default()
+        };
+        Engine::load(&ModelSource::Gguf(model(SMOLLM2)), &cfg).unwrap()
+    };
+    let (on, off) = (load(true), load(false));
+    assert!(on.kv_rotated() && !off.kv_rotated());
+    for (from, into, says) in [
+        (
+            &on,
+            &off,
+            "holds a rotated q4_0 cache; this run's is not rotated",
+        ),
+        (
+            &off,
+            &on,
+            "holds a not rotated q4_0 cache; this run's is rotated",
+        ),
+    ] {
+        let mut mem = PromptCache::with_reuse(Reuse::Continue);
+        from.generate_cached(&greedy(Prompt::Text(DOC.into()), 2), &mut mem, |_| {})
+            .unwrap();
+        let path = dir.join(format!("rotated-{}.kv", from.kv_rotated()));
+        from.save_prompt_cache(&mem, &path).unwrap().unwrap();
+        // The engine that wrote it takes it back.
+        from.load_prompt_cache(&path, Reuse::Continue).unwrap();
+        let err = match into.load_prompt_cache(&path, Reuse::Continue) {
+            Ok(_) => panic!("{says}: loaded"),
+            Err(e) => e.to_string(),
+        };
+        assert!(err.contains(says), "{err}");
+    }
+}

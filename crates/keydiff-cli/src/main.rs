@@ -207,6 +207,12 @@ struct LoadArgs {
     /// The values' cache type alone, over --kv-dtype (llama.cpp's `-ctv`).
     #[arg(long, alias = "ctv")]
     cache_type_v: Option<String>,
+    /// Store quantized caches as they are, not Hadamard-rotated. By default, as llama.cpp
+    /// (whose `LLAMA_ATTN_ROT_DISABLE=1` this is), keys and values of a block type are
+    /// rotated per head before they are quantized, which spreads outlier channels over the
+    /// block; attention is unchanged.
+    #[arg(long)]
+    no_kv_rotation: bool,
     /// On the CPU, use the GGUF weights exactly as stored (llama.cpp's numerics; less memory,
     /// slower) instead of dense prefill copies and Q8_0 copies of Q4_1/Q5_x.
     #[arg(long)]
@@ -418,6 +424,7 @@ impl LoadArgs {
             device,
             dtype,
             kv_dtype,
+            kv_rotation: !self.no_kv_rotation,
             cache,
             memory_limit: self.memory_limit,
             rope: self.rope.to_override()?,
@@ -965,6 +972,7 @@ fn perplexity(a: &PplArgs) -> Result<()> {
             "peak_kv_bytes": r.peak_kv_bytes, "seconds": r.seconds,
             "model": engine.origin(), "dtype": engine.config().dtype.as_str(),
             "kv_dtype": engine.config().kv_dtype.map(|d| d.to_string()),
+            "kv_rotated": engine.kv_rotated(),
             "cpu_weights": engine.cpu_weights().map(|c| c.describe()),
             "provenance": keydiff::bench::Provenance::collect(
                 &engine,
@@ -1022,6 +1030,7 @@ fn info(args: &ModelArgs) -> Result<()> {
         "context": c.context(),
         "compute_dtype": format!("{:?}", engine.config().dtype),
         "kv_dtype": engine.config().kv_dtype.map(|d| d.to_string()),
+        "kv_rotated": engine.kv_rotated(),
         "device": format!("{:?}", engine.config().device),
         "attention": engine.config().attention.name(),
         "sampling_defaults": engine.sampling_defaults(),
@@ -1896,7 +1905,10 @@ fn generate_with(
             s.decode_tok_s,
             s.generated_tokens,
             s.peak_kv_bytes as f64 / (1024.0 * 1024.0),
-            s.kv_dtype,
+            match s.kv_rotated {
+                true => format!("{} rotated", s.kv_dtype),
+                false => s.kv_dtype.clone(),
+            },
             s.policy,
             s.eviction.evictions,
             s.eviction.score_s + s.eviction.select_move_s,

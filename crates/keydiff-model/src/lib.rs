@@ -7,6 +7,7 @@ pub mod config;
 mod decode_kernel;
 pub mod error;
 mod gguf_check;
+pub mod kv_rotation;
 mod load;
 pub mod memory;
 pub mod model;

@@ -16,6 +16,7 @@ use crate::attention::{
 };
 use crate::config::{Arch, ModelConfig, RopeOverride};
 use crate::error::{ModelError, Result};
+use crate::kv_rotation::{rotate, KvRotation};
 use crate::rope::Rope;
 use crate::weights::{Embedding, Key, Linear, Pass, Weights};
 
@@ -91,10 +92,13 @@ impl Attention {
         pos0: usize,
         decode: bool,
         backend: AttentionBackend,
+        rot: Option<&KvRotation>,
         clock: &mut Clock,
     ) -> Result<Tensor> {
         let (q, k, v) = self.qkv(x, rope, cos_sin, !decode)?;
-        let y = self.attend_cached(&q, &k, &v, mask, cache, li, pos0, decode, backend, clock)?;
+        let y = self.attend_cached(
+            &q, &k, &v, mask, cache, li, pos0, decode, backend, rot, clock,
+        )?;
         let out = self.o.forward(&y, !decode)?;
         clock.lap(cache, Region::Attention)?;
         Ok(out)
@@ -139,7 +143,9 @@ impl Attention {
 
     /// Appends a chunk's `k`, `v` (`[kv_heads, B, d]`, positions from `pos0`) to layer `li`
     /// of `cache`, attends with its queries `q` (`[1, heads, B, d]`), then lets the cache
-    /// evict. Returns `[B, heads·d]`, before the output projection.
+    /// evict. Returns `[B, heads·d]`, before the output projection. With `rot`, a cache of
+    /// block types holds its keys (and queries meet them) and values rotated (see
+    /// [`crate::kv_rotation`]), and the output is rotated back.
     #[allow(clippy::too_many_arguments)]
     fn attend_cached(
         &self,
@@ -152,12 +158,32 @@ impl Attention {
         pos0: usize,
         decode: bool,
         backend: AttentionBackend,
+        rot: Option<&KvRotation>,
         clock: &mut Clock,
     ) -> Result<Tensor> {
         let b = q.dim(2)?;
         let (h, kv, d) = (self.heads, self.kv_heads, self.head_dim);
         let g = h / kv;
         let layer = cache.layer_mut(li);
+        let (rot_k, rot_v) = match rot {
+            Some(r) => r.for_types(layer.kv_type()),
+            None => (None, None),
+        };
+        let (qr, kr, vr);
+        let (q, k) = match rot_k {
+            Some(hk) => {
+                (qr, kr) = (rotate(q, hk)?, rotate(k, hk)?);
+                (&qr, &kr)
+            }
+            None => (q, k),
+        };
+        let v = match rot_v {
+            Some(hv) => {
+                vr = rotate(v, hv)?;
+                &vr
+            }
+            None => v,
+        };
         layer.append(k, v, pos0)?;
         let rows = cache.stats_rows(b);
         let layer = cache.layer(li);
@@ -277,7 +303,10 @@ impl Attention {
         // Times its own parts (statistics folded into policy state, scoring, selection/moves).
         cache.after_attention(li, stats.as_ref(), decode)?;
         clock.restart()?;
-        Ok(y)
+        match rot_v {
+            Some(hv) => rotate(&y, hv),
+            None => Ok(y),
+        }
     }
 }
 
@@ -501,6 +530,9 @@ pub struct Model {
     dtype: DType,
     /// What the KV cache holds (`dtype` unless [`Model::set_kv_dtype`] chose another).
     kv_dtype: KvTypes,
+    /// The Hadamard rotation of quantized caches ([`Model::set_kv_rotation`]); `None` when
+    /// off, or when heads are not a multiple of 64.
+    kv_rotation: Option<KvRotation>,
     attention: AttentionBackend,
 }
 
@@ -573,6 +605,7 @@ impl Model {
                     Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe => None,
                 },
             ),
+            kv_rotation: KvRotation::new(cfg.head_dim, dtype, &device)?,
             device,
             dtype,
             kv_dtype: dtype.into(),
@@ -600,6 +633,27 @@ impl Model {
     /// What the KV cache holds.
     pub fn kv_dtype(&self) -> KvTypes {
         self.kv_dtype
+    }
+
+    /// Turns the Hadamard rotation of quantized caches on (the default, as llama.cpp's) or
+    /// off ([`crate::kv_rotation`]): where keys (values) are held in a block type and heads
+    /// are a multiple of 64, they are stored rotated. Float caches are never rotated. A cache
+    /// follows the setting of the model it runs on: change it only between caches.
+    pub fn set_kv_rotation(&mut self, on: bool) -> Result<()> {
+        self.kv_rotation = match on {
+            true => KvRotation::new(self.cfg.head_dim, self.dtype, &self.device)?,
+            false => None,
+        };
+        Ok(())
+    }
+
+    /// Whether this model's caches hold rotated keys or values: the rotation is on, the heads
+    /// take it, and the cache type is a block type for keys or values.
+    pub fn kv_rotated(&self) -> bool {
+        self.kv_rotation.as_ref().is_some_and(|r| {
+            let (k, v) = r.for_types(self.kv_dtype);
+            k.is_some() || v.is_some()
+        })
     }
 
     /// Chooses how chunk attention is computed, resolving `Auto` for this model, device and
@@ -709,6 +763,7 @@ impl Model {
                     pos0 + i,
                     true,
                     self.attention,
+                    self.kv_rotation.as_ref(),
                     &mut clock,
                 )?);
             }
@@ -897,6 +952,7 @@ impl Model {
                         pos,
                         segments[i].decode,
                         self.attention,
+                        self.kv_rotation.as_ref(),
                         &mut clock,
                     )?);
                 }
@@ -995,6 +1051,7 @@ impl Model {
                 pos0,
                 decode,
                 self.attention,
+                self.kv_rotation.as_ref(),
                 &mut clock,
             )?;
             x = (x + h)?;

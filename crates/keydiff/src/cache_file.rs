@@ -40,8 +40,12 @@ struct Header {
     /// The keydiff that wrote it.
     written_by: String,
     model: ModelId,
-    /// The cache's dtype (`f32`, `f16`, `bf16`).
+    /// What the cache holds (`f32`, `f16`, `q8_0`, `f16/q4_0`, ...).
     kv_dtype: String,
+    /// Whether it holds keys or values Hadamard-rotated (files written before the rotation
+    /// existed hold none).
+    #[serde(default)]
+    kv_rotated: bool,
     cache: CacheConfig,
     /// Tokens seen: the position of the next one.
     position: usize,
@@ -219,6 +223,7 @@ impl Engine {
                 head_dim: m.head_dim,
             },
             kv_dtype: self.model().kv_dtype().to_string(),
+            kv_rotated: self.model().kv_rotated(),
             cache: parts.config.clone(),
             position: parts.position,
             counters: parts.counters,
@@ -394,6 +399,15 @@ impl Engine {
             return Err(bad(format!(
                 "holds a {} cache; this run's is {kv_dtype} (--kv-dtype, --cache-type-k/-v)",
                 h.kv_dtype
+            )));
+        }
+        let rotated = self.model().kv_rotated();
+        if h.kv_rotated != rotated {
+            let on = |r: bool| if r { "rotated" } else { "not rotated" };
+            return Err(bad(format!(
+                "holds a {} {kv_dtype} cache; this run's is {} (--no-kv-rotation)",
+                on(h.kv_rotated),
+                on(rotated)
             )));
         }
         let cfg = &self.config().cache;

@@ -39,6 +39,11 @@ pub struct EngineConfig {
     /// llama.cpp's default cache type does; q8_0 takes 1.06 bytes a value, q4_0 0.56.
     /// [`Engine::config`] reports the types in use.
     pub kv_dtype: Option<KvTypes>,
+    /// Stores quantized caches Hadamard-rotated, as llama.cpp does (default true): keys and
+    /// values of a block type are multiplied per head by an orthonormal Hadamard matrix
+    /// before they are quantized, which spreads outlier channels over the block and leaves
+    /// attention unchanged (`keydiff_model::kv_rotation`). No effect on float caches.
+    pub kv_rotation: bool,
     /// Chunk size B, budget N, eviction policy and timing.
     pub cache: CacheConfig,
     /// How quantized GGUF weights are kept on the CPU: a dense copy for prefill chunks (GEMM
@@ -83,6 +88,7 @@ impl Default for EngineConfig {
             device: Device::Cpu,
             dtype: DType::F32,
             kv_dtype: None,
+            kv_rotation: true,
             cache: CacheConfig::full(DEFAULT_CHUNK),
             cpu_weights: CpuWeights::FAST,
             attention: AttentionBackend::Auto,
@@ -336,8 +342,10 @@ pub struct Stats {
     pub decode_tok_s: f64,
     /// Bytes of the KV cache buffers, allocated once for the request.
     pub peak_kv_bytes: usize,
-    /// Dtype the KV cache held (`f32`, `f16`, `bf16`).
+    /// What the KV cache held (`f32`, `f16`, `q8_0`, `f16/q4_0`, ...).
     pub kv_dtype: String,
+    /// Whether it held keys or values Hadamard-rotated ([`EngineConfig::kv_rotation`]).
+    pub kv_rotated: bool,
     /// Slots per layer and head at the end (at most N + K under a budget).
     pub final_cache_len: usize,
     /// Evictions, evicted slots, and seconds spent scoring and selecting/moving.
@@ -1343,6 +1351,7 @@ impl<'e> Decoding<'e> {
             },
             peak_kv_bytes: self.peak_kv_bytes,
             kv_dtype: e.loaded.model.kv_dtype().to_string(),
+            kv_rotated: e.loaded.model.kv_rotated(),
             final_cache_len: cache.len(),
             eviction: cache.counters().since(&self.counted),
             breakdown: self.breakdown,
@@ -1490,6 +1499,7 @@ impl Engine {
             .model
             .set_kv_dtype(cfg.kv_dtype.unwrap_or(cfg.dtype.into()))
             .map_err(|e| EngineError::BadParams(e.to_string()))?;
+        loaded.model.set_kv_rotation(cfg.kv_rotation)?;
         // The config reports the backend and cache dtype in use: `Auto` resolved for this
         // model.
         let cfg = EngineConfig {
@@ -1504,6 +1514,7 @@ impl Engine {
             origin = %loaded.origin,
             attention = %cfg.attention,
             kv_dtype = %loaded.model.kv_dtype(),
+            kv_rotated = loaded.model.kv_rotated(),
             weights_planned = loaded.weight_plan.resident,
             device_memory_taken = load_taken,
             "model loaded"
@@ -1551,6 +1562,12 @@ impl Engine {
     /// The model's hyper-parameters.
     pub fn model_config(&self) -> &ModelConfig {
         self.loaded.model.config()
+    }
+
+    /// Whether this engine's caches hold keys or values Hadamard-rotated
+    /// ([`EngineConfig::kv_rotation`] on, a block type, heads a multiple of 64).
+    pub fn kv_rotated(&self) -> bool {
+        self.loaded.model.kv_rotated()
     }
 
     /// Where the weights came from.
