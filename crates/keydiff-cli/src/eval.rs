@@ -440,6 +440,8 @@ fn check_resume(results: &std::path::Path, a: &EvalArgs, engine: &keydiff::Engin
         serde_json::Value::String(s) if !s.is_empty() => p["kv_dtype"].clone(),
         _ => p["dtype"].clone(),
     };
+    // Results written before the rotation existed held none.
+    let kv_rotated = p["kv_rotated"].as_bool().unwrap_or(false);
     // Results written before the CPU weight copies were recorded: unknown, not checked.
     let cpu_weights = match &p["cpu_weights"] {
         serde_json::Value::String(s) if !s.is_empty() => p["cpu_weights"].clone(),
@@ -456,7 +458,7 @@ fn check_resume(results: &std::path::Path, a: &EvalArgs, engine: &keydiff::Engin
         serde_json::Value::String(s) if !s.is_empty() && a.chat => p["chat_template"].clone(),
         _ => serde_json::Value::Null,
     };
-    let checks: [(&str, serde_json::Value, serde_json::Value); 12] = [
+    let checks: [(&str, serde_json::Value, serde_json::Value); 13] = [
         ("--chat", o["chat"].clone(), a.chat.into()),
         ("--chunk", o["chunk"].clone(), a.chunk.into()),
         ("--window", o["window"].clone(), a.policy_args.window.into()),
@@ -469,6 +471,11 @@ fn check_resume(results: &std::path::Path, a: &EvalArgs, engine: &keydiff::Engin
             "--kv-dtype/--cache-type-k/-v",
             kv_dtype,
             now.kv_dtype.into(),
+        ),
+        (
+            "--no-kv-rotation",
+            kv_rotated.into(),
+            now.kv_rotated.into(),
         ),
         (
             "--as-stored/--memory-limit (CPU weight copies)",

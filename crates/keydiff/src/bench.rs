@@ -713,6 +713,10 @@ pub struct Provenance {
     /// held `dtype`.
     #[serde(default)]
     pub kv_dtype: String,
+    /// Whether that cache held keys or values Hadamard-rotated (rows written before the
+    /// rotation existed held none).
+    #[serde(default)]
+    pub kv_rotated: bool,
     /// Attention backend (`eager` or `flash`); rows written before it was recorded were eager.
     #[serde(default = "eager")]
     pub attention: String,
@@ -777,6 +781,7 @@ impl Provenance {
                 .kv_dtype
                 .unwrap_or(engine.config().dtype.into())
                 .to_string(),
+            kv_rotated: engine.kv_rotated(),
             attention: engine.config().attention.name().to_string(),
             model: engine.origin().to_string(),
             random_weights,
