@@ -472,11 +472,7 @@ fn check_resume(results: &std::path::Path, a: &EvalArgs, engine: &keydiff::Engin
             kv_dtype,
             now.kv_dtype.into(),
         ),
-        (
-            "--no-kv-rotation",
-            kv_rotated.into(),
-            now.kv_rotated.into(),
-        ),
+        ("--no-kv-rotation", kv_rotated.into(), now.kv_rotated.into()),
         (
             "--as-stored/--memory-limit (CPU weight copies)",
             cpu_weights,
