@@ -296,11 +296,12 @@ fn kv_caches_that_cannot_fit_are_refused_per_request() {
         &format!("KV cache of {long} slots"),
         "--budget",
         "--kv-dtype f16",
-        "--kv-dtype q8_0",
-        "--kv-dtype q4_0",
     ] {
         assert!(msg.contains(needle), "`{needle}` not in: {msg}");
     }
+    // Blocks of 32 do not fit this model's heads of 16, so no block type is offered.
+    assert_eq!(m.head_dim, 16);
+    assert!(!msg.contains("q8_0") && !msg.contains("q4_0"), "{msg}");
     // A short request fits under the same limit.
     let short = GenerateParams {
         prompt: Prompt::Tokens(vec![1, 2, 3]),
@@ -313,6 +314,30 @@ fn kv_caches_that_cannot_fit_are_refused_per_request() {
         .err()
         .expect("refused");
     assert!(err.to_string().contains("not enough memory"), "{err}");
+
+    // Heads of 64 hold llama.cpp's blocks: the hint offers q8_0 and q4_0 beside f16.
+    let source = ModelSource::Random {
+        config: root().join("configs/tiny-qwen-d64.json"),
+        seed: 2,
+        on_host: false,
+    };
+    let base = Engine::load(&source, &EngineConfig::default()).unwrap();
+    let m = base.model_config().clone();
+    assert_eq!(m.head_dim, 64);
+    let need = m.kv_cache_bytes(budget + chunk, DType::F32)
+        + m.request_scratch_bytes(budget + chunk, chunk, true);
+    let config = EngineConfig {
+        memory_limit: Some(base.weight_plan().peak() + need),
+        ..limited(cache("full", None))
+    };
+    let err = Engine::load(&source, &config)
+        .unwrap()
+        .generate(&params, |_| {})
+        .unwrap_err();
+    let msg = err.to_string();
+    for needle in ["--kv-dtype f16", "--kv-dtype q8_0", "--kv-dtype q4_0"] {
+        assert!(msg.contains(needle), "`{needle}` not in: {msg}");
+    }
 }
 
 /// Perplexity also plans its chunk's logit rows (B × vocab f32 and the temporaries of a
