@@ -394,6 +394,10 @@ extern "C" __global__ void __launch_bounds__(KD_POOL_THREADS)
 #define KD_KVQ_Q5_0 2
 #define KD_KVQ_Q4_1 3
 #define KD_KVQ_Q4_0 4
+// fp8 E4M3 (`--kv-dtype fp8`): not a block type, but the same walk with "blocks" of 32 bytes of
+// one code each. candle 0.11.1's CUDA casts for F8E4M3 are unreachable (it asks for
+// `cast_f8e4m3_*`, its kernels are named `cast_f8_e4m3_*`), so the cache converts here.
+#define KD_KVQ_FP8 5
 
 // Bytes of a block of `kind`; 0 for an unknown kind.
 __device__ __forceinline__ int kd_kvq_bytes(int kind) {
@@ -403,8 +407,45 @@ __device__ __forceinline__ int kd_kvq_bytes(int kind) {
     case KD_KVQ_Q5_0: return 22;
     case KD_KVQ_Q4_1: return 20;
     case KD_KVQ_Q4_0: return 18;
+    case KD_KVQ_FP8: return 32;
     default: return 0;
   }
+}
+
+// f32 -> E4M3, round to nearest even, saturating to +-448, NaN to 0x7f: CUDA's
+// __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3) and the `float8` crate's `from_f32` (a
+// port of cuda_fp8.hpp's double path; on f32 bits the same decisions, the dropped bits being 0).
+__device__ __forceinline__ uint8_t kd_f_to_fp8(float x) {
+  const unsigned bits = __float_as_uint(x), ax = bits & 0x7fffffffu;
+  const uint8_t sign = (uint8_t)((bits >> 31) << 7);
+  const int exp = (int)((bits >> 23) & 0xffu) - 127 + 7;
+  const unsigned mant = (bits >> 20) & 7u, half_ulp = 1u << 19;
+  unsigned res;
+  if (ax <= 0x3a800000u) {  // |x| <= 2^-10: zero
+    res = 0;
+  } else if (ax > 0x7f800000u) {  // NaN
+    res = 0x7f;
+  } else if (ax > 0x43e80000u) {  // past 464: the largest finite, 448
+    res = 0x7e;
+  } else if (ax >= 0x3c800000u) {  // normal: |x| >= 2^-6
+    res = ((unsigned)exp << 3) | mant;
+    const unsigned round = bits & ((half_ulp << 1) - 1);
+    if (round > half_ulp || (round == half_ulp && (mant & 1u))) res += 1;
+  } else {  // subnormal
+    const int shift = 1 - exp;
+    res = (mant | 8u) >> shift;
+    const unsigned round = (bits | (1u << 23)) & ((half_ulp << (shift + 1)) - 1);
+    if (round > (half_ulp << shift) || (round == (half_ulp << shift) && (res & 1u))) res += 1;
+  }
+  return (uint8_t)(res | sign);
+}
+
+// E4M3 -> f32, exact (0x7f and 0xff are NaN).
+__device__ __forceinline__ float kd_fp8_to_f(uint8_t b) {
+  const unsigned s = (unsigned)(b & 0x80u) << 24, e = (b >> 3) & 0xfu, m = b & 7u;
+  if (e == 15 && m == 7) return __uint_as_float(s | 0x7fc00000u);
+  if (e == 0) return __uint_as_float(s | __float_as_uint(__fmul_rn((float)m, 0.001953125f)));
+  return __uint_as_float(s | ((e + 120u) << 23) | (m << 20));
 }
 
 __device__ __forceinline__ void kd_put_f16(uint8_t* o, float x) {
@@ -431,6 +472,10 @@ __device__ void kd_kvq_quantize(const T* x, int64_t head_stride, int64_t row_str
   uint8_t* o = out + ((int64_t)h * n * nb + i) * bytes;
   float v[KD_KVQ_BLOCK];
   for (int j = 0; j < KD_KVQ_BLOCK; ++j) v[j] = kd_to_f(src[j]);
+  if (kind == KD_KVQ_FP8) {
+    for (int j = 0; j < KD_KVQ_BLOCK; ++j) o[j] = kd_f_to_fp8(v[j]);
+    return;
+  }
   if (kind == KD_KVQ_Q8_0) {
     float amax = 0.f;
     for (int j = 0; j < KD_KVQ_BLOCK; ++j) amax = fmaxf(amax, fabsf(v[j]));
@@ -505,6 +550,10 @@ extern "C" __global__ void __launch_bounds__(KD_KVQ_THREADS)
   if (i >= (int64_t)n * d || bytes == 0) return;
   const int r = (int)(i / d), c = (int)(i % d), j = c % KD_KVQ_BLOCK;
   const uint8_t* blk = q + h * head_stride + r * row_stride + (c / KD_KVQ_BLOCK) * bytes;
+  if (kind == KD_KVQ_FP8) {
+    out[(int64_t)h * n * d + i] = kd_fp8_to_f(blk[j]);
+    return;
+  }
   const float scale = kd_get_f16(blk);
   float y;
   if (kind == KD_KVQ_Q8_0) {

@@ -163,15 +163,22 @@ impl KvType {
     /// Puts rows `[.., head_dim]` (any float dtype) into this type's buffer form.
     pub fn encode(&self, x: &Tensor) -> Result<Tensor> {
         match self {
+            KvType::Float(DType::F8E4M3) if x.device().is_cuda() => {
+                Ok(x.apply_op1_no_bwd(&Fp8Rows { encode: true })?)
+            }
             KvType::Float(dt) => Ok(x.to_dtype(*dt)?),
             t => quantize_blocks(x, *t),
         }
     }
 
     /// Reads buffer rows back as values: a float cache's rows as they are (no copy), blocks
-    /// as f32 rows of `head_dim` values.
+    /// as f32 rows of `head_dim` values. On CUDA, fp8 rows too are read into f32 (candle's
+    /// CUDA casts of F8E4M3 cannot be reached; see [`Fp8Rows`]).
     pub fn decode(&self, x: &Tensor, head_dim: usize) -> Result<Tensor> {
         match self {
+            KvType::Float(DType::F8E4M3) if x.device().is_cuda() => {
+                Ok(x.apply_op1_no_bwd(&Fp8Rows { encode: false })?)
+            }
             KvType::Float(_) => Ok(x.clone()),
             t => dequantize_blocks(x, *t, head_dim),
         }
@@ -497,6 +504,76 @@ impl CustomOp1 for BlockQuantize {
     }
 }
 
+/// fp8 E4M3 rows `[kv, n, d]` to and from f32/f16/bf16, by the quantized-cache kernels with
+/// `kind` [`keydiff_kernels::geometry::KVQ_FP8`] on CUDA: candle 0.11.1 names its CUDA fp8 casts
+/// `cast_f8_e4m3_*` but asks for `cast_f8e4m3_*` (CUDA_ERROR_NOT_FOUND), so a cache cannot use
+/// `to_dtype` there. On the CPU the op is the twin of the kernels: `F8E4M3::from_f32` (round to
+/// nearest even, saturating at ±448) and `to_f32`, which `to_dtype` also does.
+struct Fp8Rows {
+    /// Values into fp8 codes; else fp8 codes into f32.
+    encode: bool,
+}
+
+impl CustomOp1 for Fp8Rows {
+    fn name(&self) -> &'static str {
+        if self.encode {
+            "kv-fp8-encode"
+        } else {
+            "kv-fp8-decode"
+        }
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        use float8::F8E4M3;
+        let d = l.dims().last().copied().unwrap_or(0);
+        let n = l.shape().elem_count();
+        macro_rules! rows {
+            ($xs:expr, $conv:expr) => {{
+                let mut out = Vec::with_capacity(n);
+                for_each_row(l, |at| {
+                    out.extend($xs[at..at + d].iter().map(|v| $conv(*v)))
+                })?;
+                out
+            }};
+        }
+        let out = match (self.encode, s) {
+            (true, CpuStorage::F32(xs)) => CpuStorage::F8E4M3(rows!(xs, F8E4M3::from_f32)),
+            (true, CpuStorage::F16(xs)) => {
+                CpuStorage::F8E4M3(rows!(xs, |v: f16| F8E4M3::from_f32(v.to_f32())))
+            }
+            (true, CpuStorage::BF16(xs)) => {
+                CpuStorage::F8E4M3(rows!(xs, |v: half::bf16| F8E4M3::from_f32(v.to_f32())))
+            }
+            (false, CpuStorage::F8E4M3(xs)) => CpuStorage::F32(rows!(xs, |v: F8E4M3| v.to_f32())),
+            _ => candle_core::bail!("{}: unsupported rows {:?}", self.name(), s.dtype()),
+        };
+        Ok((out, l.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        use keydiff_kernels::geometry::{KVQ_BYTES, KVQ_FP8};
+        let dims = l.dims();
+        let d = dims.last().copied().unwrap_or(0);
+        if dims.len() != 3 || !d.is_multiple_of(KV_BLOCK) {
+            candle_core::bail!(
+                "an fp8 KV cache on CUDA takes [kv, n, d] rows of a multiple of {KV_BLOCK} values, \
+                 not {dims:?}"
+            );
+        }
+        let bytes = KVQ_BYTES[KVQ_FP8 as usize];
+        if self.encode {
+            keydiff_kernels::kvq_quantize(s, l, KVQ_FP8, bytes)
+        } else {
+            keydiff_kernels::kvq_dequantize(s, l, d, KVQ_FP8, bytes)
+        }
+    }
+}
+
 struct BlockDequantize {
     t: KvType,
     head_dim: usize,
@@ -751,5 +828,45 @@ mod tests {
         )
         .unwrap();
         assert!(dequantize_blocks(&q4, KvType::Q8_0, 64).is_err());
+    }
+
+    /// The fp8 op CUDA runs (`Fp8Rows`) has a CPU side equal to candle's `to_dtype` both ways,
+    /// on a strided view with a start offset, from f32, f16 and bf16, saturation included.
+    #[test]
+    fn fp8_rows_op_is_to_dtype() {
+        let v: Vec<f32> = (0..4 * 6 * 96)
+            .map(|i| ((i * 7919) % 1000) as f32 / 997.0 * [1e-3f32, 1.0, 600.0][i % 3] - 0.2)
+            .collect();
+        let buf = Tensor::from_vec(v, (6, 4, 96), &Device::Cpu).unwrap();
+        for dt in [DType::F32, DType::F16, DType::BF16] {
+            let view = buf
+                .to_dtype(dt)
+                .unwrap()
+                .narrow(2, 16, 64)
+                .unwrap()
+                .transpose(0, 1)
+                .unwrap();
+            let ours = view.apply_op1_no_bwd(&Fp8Rows { encode: true }).unwrap();
+            let bits = |t: &Tensor| -> Vec<u8> {
+                let t = t
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<float8::F8E4M3>()
+                    .unwrap();
+                t.iter().map(|c| c.to_bits()).collect()
+            };
+            let want = view.to_dtype(DType::F8E4M3).unwrap();
+            assert_eq!(bits(&ours), bits(&want), "{dt:?}");
+            let back = want
+                .narrow(1, 0, 5)
+                .unwrap()
+                .apply_op1_no_bwd(&Fp8Rows { encode: false })
+                .unwrap();
+            let want_back = want.narrow(1, 0, 5).unwrap().to_dtype(DType::F32).unwrap();
+            assert_eq!(
+                back.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                want_back.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+            );
+        }
     }
 }

@@ -763,6 +763,89 @@ fn quantized_cache_kernels_match_the_cpu_twin_exactly() {
     // launch.
     let x = vec![0f32; 64];
     assert!(emu::kvq_quantize(emu::Keys::F32(&x[..48]), 0, 1, 1, 48, 48, 48, 0).is_err());
-    assert!(emu::kvq_quantize(emu::Keys::F32(&x), 5, 1, 1, 64, 64, 64, 0).is_err());
+    assert!(emu::kvq_quantize(emu::Keys::F32(&x), 6, 1, 1, 64, 64, 64, 0).is_err());
     assert!(emu::kvq_dequantize(&[0u8; 68], -1, 1, 1, 64, 68, 68, 0).is_err());
+}
+
+/// The fp8 kind of the same kernels (an fp8 cache on CUDA, where candle's F8E4M3 casts cannot
+/// be reached) gives candle's CPU conversion exactly: every E4M3 code's value, the midpoints
+/// between neighbouring codes (ties to even), values just off them, the subnormal and
+/// underflow range, saturation past 448, and infinities; from f32, f16 and bf16 rows of a view.
+#[test]
+fn fp8_kernels_match_candle_exactly() {
+    let codes: Vec<f32> = (0..=255u8)
+        .map(|b| float8::F8E4M3::from_bits(b).to_f32())
+        .filter(|v| v.is_finite())
+        .collect();
+    let mut sorted = codes.clone();
+    sorted.sort_by(f32::total_cmp);
+    let mut v = codes.clone();
+    for w in sorted.windows(2) {
+        let mid = (w[0] + w[1]) / 2.0;
+        v.extend([
+            mid,
+            f32::from_bits(mid.to_bits() + 1),
+            f32::from_bits(mid.to_bits() - 1),
+        ]);
+    }
+    v.extend([
+        1e-3,
+        -1e-3,
+        9.7e-4,
+        2f32.powi(-10),
+        -(2f32.powi(-10)),
+        1e-5,
+        449.0,
+        464.0,
+        465.0,
+        -1000.0,
+        1e30,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+    ]);
+    let mut rng = StdRng::seed_from_u64(5);
+    while !v.len().is_multiple_of(64) || v.len() < 3 * 64 * 8 {
+        v.push(rng.sample::<f32, _>(StandardNormal) * [0.01f32, 1.0, 100.0][v.len() % 3]);
+    }
+    let d = 64;
+    let rows = v.len() / d;
+    let (kv, n) = (2, rows / 2 - 1);
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        let buf = Tensor::from_vec(v.clone(), (kv, rows / 2, d), &Device::Cpu)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap();
+        let view = buf.narrow(1, 0, n).unwrap();
+        let want: Vec<u8> = view
+            .to_dtype(DType::F8E4M3)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<float8::F8E4M3>()
+            .unwrap()
+            .iter()
+            .map(|c| c.to_bits())
+            .collect();
+        let host = HostRows::of(&buf);
+        for seed in SEEDS {
+            let got = emu::kvq_quantize(host.keys(), 5, kv, n, d, rows / 2 * d, d, seed).unwrap();
+            let bad = got.iter().zip(&want).filter(|(a, b)| a != b).count();
+            assert_eq!(bad, 0, "{dtype:?}: {bad} of {} codes differ", want.len());
+        }
+    }
+    // Every code back to f32 (2 heads of 4 rows of 32), then the used view of 3 rows of each;
+    // 0x7f and 0xff are NaN.
+    let all: Vec<u8> = (0..=255u8).collect();
+    for (n, seed) in [4, 3].into_iter().zip(SEEDS) {
+        let got = emu::kvq_dequantize(&all, 5, 2, n, 32, 128, 32, seed).unwrap();
+        assert_eq!(got.len(), 2 * n * 32);
+        for (i, y) in got.iter().enumerate() {
+            let b = (i / (n * 32)) * 128 + i % (n * 32);
+            let want = float8::F8E4M3::from_bits(b as u8).to_f32();
+            assert!(
+                y.to_bits() == want.to_bits() || (y.is_nan() && want.is_nan()),
+                "code {b:#04x}: {y} vs {want}"
+            );
+        }
+    }
 }

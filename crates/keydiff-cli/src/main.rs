@@ -847,6 +847,32 @@ fn check_kernels(
         v["kind"] = "parity".into();
         println!("{v}");
     }
+    // The cache codecs (block types and fp8): the device's bytes and values against the CPU's.
+    eprintln!(
+        "{:6} {:5} {:>3} {:>7} {:>4} {:>14} {:>11} {:>5}",
+        "cache", "dtype", "kv", "n", "d", "bytes differ", "decode err", "pass"
+    );
+    for (i, c) in keydiff::kernel_check::codec_cases().into_iter().enumerate() {
+        let r = keydiff::kernel_check::codec_parity(&dev, c, seed + 1000 + i as u64)
+            .with_context(|| format!("codec case {} {:?}", c.0, c.1))?;
+        eprintln!(
+            "{:6} {:5} {:>3} {:>7} {:>4} {:>14} {:>11.1e} {:>5}",
+            r.kv_type,
+            r.dtype,
+            r.kv_heads,
+            r.n,
+            r.head_dim,
+            format!("{}/{}", r.bytes_differing, r.bytes),
+            r.decoded_max_abs,
+            if r.pass { "ok" } else { "FAIL" },
+        );
+        if !r.pass {
+            failed.push(format!("codec {} {}", r.kv_type, r.dtype));
+        }
+        let mut v = serde_json::to_value(&r)?;
+        v["kind"] = "codec".into();
+        println!("{v}");
+    }
     if !time_n.is_empty() {
         let dt = parse_dtype(dtype)?;
         let copy = copy_bandwidth(&dev)?;

@@ -9,7 +9,7 @@ use half::{bf16, f16};
 
 use crate::geometry::{
     check_kvq, check_pool, check_scores, check_select, kvq_launch, move_launch, per_head_launch,
-    plan_moves, pool_words, scores_launch, Launch, MAX_HEADS,
+    plan_moves, pool_words, scores_launch, Launch, KVQ_FP8, MAX_HEADS,
 };
 
 /// PTX of `kernels/keydiff.cu`.
@@ -312,7 +312,11 @@ pub fn kvq_quantize(
     let rb = d / 32 * bytes;
     let dev = x.device().clone();
     // SAFETY: every byte is written by the kernel (one thread per block of each row).
-    let mut out = unsafe { dev.alloc::<u8>(kv * n * rb)? };
+    let mut out = if kind == KVQ_FP8 {
+        Out::Fp8(unsafe { dev.alloc::<float8::F8E4M3>(kv * n * rb)? })
+    } else {
+        Out::U8(unsafe { dev.alloc::<u8>(kv * n * rb)? })
+    };
     let (hs, rs) = (st[0] as i64, st[1] as i64);
     let (n32, d32) = (n as i32, d as i32);
     let cfg = launch_cfg(kvq_launch(kv, n * (d / 32)));
@@ -328,7 +332,10 @@ pub fn kvq_quantize(
             b.arg(&n32);
             b.arg(&d32);
             b.arg(&kind);
-            b.arg(&mut out);
+            match &mut out {
+                Out::U8(o) => b.arg(o),
+                Out::Fp8(o) => b.arg(o),
+            };
             // SAFETY: argument list matches the kernel; reads stay in the [kv, n, d] view at
             // these strides, writes in the kv · n · rb bytes allocated here.
             unsafe { b.launch(cfg) }.w()?;
@@ -340,10 +347,17 @@ pub fn kvq_quantize(
         DType::BF16 => launch!(bf16, "keydiff_kvq_quantize_bf16"),
         dt => bail!("kv-block-quantize: unsupported dtype {dt:?} (f32, f16, bf16)"),
     }
-    Ok((
-        CudaStorage::wrap_cuda_slice(out, dev),
-        Shape::from((kv, n, rb)),
-    ))
+    let out = match out {
+        Out::U8(o) => CudaStorage::wrap_cuda_slice(o, dev),
+        Out::Fp8(o) => CudaStorage::wrap_cuda_slice(o, dev),
+    };
+    Ok((out, Shape::from((kv, n, rb))))
+}
+
+/// What `kvq_quantize` writes: blocks as bytes, or fp8 codes as candle's F8E4M3.
+enum Out {
+    U8(candle_core::cuda_backend::cudarc::driver::CudaSlice<u8>),
+    Fp8(candle_core::cuda_backend::cudarc::driver::CudaSlice<float8::F8E4M3>),
 }
 
 /// Values of rows `q` of quantized-cache type `kind` (u8 `[kv, n, d / 32 · bytes]`, any head
@@ -371,9 +385,16 @@ pub fn kvq_dequantize(
     let (hs, rs) = (st[0] as i64, st[1] as i64);
     let (n32, d32) = (n as i32, d as i32);
     let f = dev.get_or_load_custom_func("keydiff_kvq_dequantize", MODULE, PTX)?;
-    let view = q.as_cuda_slice::<u8>()?.slice(layout.start_offset()..);
+    let o = layout.start_offset();
     let mut b = f.builder();
-    b.arg(&view);
+    let (u8s, fp8s);
+    if kind == KVQ_FP8 {
+        fp8s = q.as_cuda_slice::<float8::F8E4M3>()?.slice(o..);
+        b.arg(&fp8s);
+    } else {
+        u8s = q.as_cuda_slice::<u8>()?.slice(o..);
+        b.arg(&u8s);
+    }
     b.arg(&hs);
     b.arg(&rs);
     b.arg(&n32);

@@ -54,8 +54,13 @@ pub fn move_launch(moves: usize, kv: usize) -> Launch {
 pub const KVQ_THREADS: u32 = 256;
 
 /// Bytes of a block of 32 values for each `kind` the quantized-cache kernels take (`KD_KVQ_*`:
-/// q8_0, q5_1, q5_0, q4_1, q4_0; keydiff-cache's `KvType::block_code` numbers them so).
-pub const KVQ_BYTES: [usize; 5] = [34, 24, 22, 20, 18];
+/// q8_0, q5_1, q5_0, q4_1, q4_0; keydiff-cache's `KvType::block_code` numbers them so; then
+/// fp8 E4M3, [`KVQ_FP8`]).
+pub const KVQ_BYTES: [usize; 6] = [34, 24, 22, 20, 18, 32];
+
+/// `KD_KVQ_FP8`: the kernels' `kind` for fp8 E4M3 rows (one byte a value, no scale; the
+/// quantize kernel writes an F8E4M3 buffer, the dequantize kernel reads one).
+pub const KVQ_FP8: i32 = 5;
 
 /// `keydiff_kvq_quantize_*` (`values` = blocks of 32 per head) and `keydiff_kvq_dequantize`
 /// (`values` = values per head): one thread each, heads on grid.y.

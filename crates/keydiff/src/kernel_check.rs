@@ -11,7 +11,7 @@ use std::time::Instant;
 use candle_core::{DType, Device, Tensor};
 use keydiff_cache::policy::{keydiff_scores, keydiff_scores_fused, PoolByPosition};
 use keydiff_cache::select::{move_plan, plan_tensor, select, ApplyPlan, SelectPlan};
-use keydiff_cache::Anchor;
+use keydiff_cache::{Anchor, KvType};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
@@ -303,6 +303,108 @@ pub fn kernel_parity(device: &Device, c: &KernelCase, seed: u64) -> Result<Kerne
         moves_equal,
         snapkv_pool_max_abs: pool_err,
         pass,
+    })
+}
+
+/// One case of the KV cache codecs on a device against the CPU: a cache type's encoding
+/// (llama.cpp's blocks, or fp8) of a strided `[kv, n, d]` view, and the decoding of a used
+/// view of the encoded buffer.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct CodecParity {
+    pub kv_type: String,
+    pub dtype: String,
+    pub kv_heads: usize,
+    pub n: usize,
+    pub head_dim: usize,
+    /// Bytes of the device's encoding that differ from the CPU's (0: the kernels are the CPU
+    /// codec's twins).
+    pub bytes_differing: usize,
+    pub bytes: usize,
+    /// Largest |device − CPU| of the decoded values of the same bytes (0 expected).
+    pub decoded_max_abs: f32,
+    pub pass: bool,
+}
+
+/// The cache codecs' cases: every block type and fp8, from f32, f16 and bf16, on an odd shape
+/// and one of n > 8192.
+pub fn codec_cases() -> Vec<(KvType, DType, usize, usize, usize)> {
+    let mut out = Vec::new();
+    for t in KvType::BLOCKS
+        .into_iter()
+        .chain([KvType::Float(DType::F8E4M3)])
+    {
+        for dt in [DType::F32, DType::F16, DType::BF16] {
+            out.push((t, dt, 3, 37, 64));
+            out.push((t, dt, 2, 8197, 128));
+        }
+    }
+    out
+}
+
+/// Encodes the same values with `t` on `device` and on the CPU (a view: rows inside a wider
+/// buffer, heads transposed out of `[n, kv, d]` as attention's keys come), compares the bytes,
+/// then decodes a used view (all but the last 3 slots) of the device's buffer on both.
+pub fn codec_parity(
+    device: &Device,
+    (t, dtype, kv, n, d): (KvType, DType, usize, usize, usize),
+    seed: u64,
+) -> Result<CodecParity> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    // Magnitudes from 1e-3 to 300 (fp8 saturates past 448), one per block of 32.
+    let vals: Vec<f32> = (0..n * kv * (d + 32))
+        .map(|i| {
+            let z = rng.sample::<f32, _>(rand_distr::StandardNormal);
+            z * [1e-3f32, 0.05, 2.0, 300.0][(i / 32) % 4]
+        })
+        .collect();
+    let buf = Tensor::from_vec(vals, (n, kv, d + 32), &Device::Cpu)?.to_dtype(dtype)?;
+    // Rows start 16 values into the buffer's (a start offset), heads interleaved.
+    let view = |b: &Tensor| -> Result<Tensor> { Ok(b.narrow(2, 16, d)?.transpose(0, 1)?) };
+    let cpu = t.encode(&view(&buf)?)?;
+    let dev = t.encode(&view(&buf.to_device(device)?)?)?;
+    let raw = |x: &Tensor| -> Result<Vec<u8>> {
+        let x = x.to_device(&Device::Cpu)?.flatten_all()?;
+        Ok(match x.dtype() {
+            DType::F8E4M3 => x
+                .to_vec1::<float8::F8E4M3>()?
+                .iter()
+                .map(|c| c.to_bits())
+                .collect(),
+            _ => x.to_vec1::<u8>()?,
+        })
+    };
+    let (a, b) = (raw(&dev)?, raw(&cpu)?);
+    let differing = a.iter().zip(&b).filter(|(x, y)| x != y).count() + a.len().abs_diff(b.len());
+    let used = n - 3;
+    let on_dev = t.decode(&dev.narrow(1, 0, used)?, d)?;
+    let on_cpu = t.decode(&dev.to_device(&Device::Cpu)?.narrow(1, 0, used)?, d)?;
+    let flat = |x: &Tensor| -> Result<Vec<f32>> {
+        Ok(x.to_device(&Device::Cpu)?
+            .to_dtype(DType::F32)?
+            .flatten_all()?
+            .to_vec1::<f32>()?)
+    };
+    let (y, z) = (flat(&on_dev)?, flat(&on_cpu)?);
+    let mut err = if y.len() == z.len() {
+        0f32
+    } else {
+        f32::INFINITY
+    };
+    for (p, q) in y.iter().zip(&z) {
+        if !(p.is_nan() && q.is_nan()) {
+            err = err.max((p - q).abs());
+        }
+    }
+    Ok(CodecParity {
+        kv_type: t.to_string(),
+        dtype: dtype.as_str().to_string(),
+        kv_heads: kv,
+        n,
+        head_dim: d,
+        bytes_differing: differing,
+        bytes: b.len(),
+        decoded_max_abs: err,
+        pass: differing == 0 && err == 0.0,
     })
 }
 
