@@ -45,18 +45,26 @@ __device__ void kd_pass1(const T* keys, int64_t head_stride, int64_t row_stride,
   for (int j = threadIdx.x; j < d; j += blockDim.x) acc[j] = 0.f;
   __syncthreads();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  // Lane l owns elements l, l + 32, ... of every row: it reads each once and sums its share of
+  // the anchor in registers, then adds it to the block's sum once (not once per row).
+  float part[KD_MAX_D / 32];
+  for (int c = 0; c < KD_MAX_D / 32; ++c) part[c] = 0.f;
   for (int r = row0 + warp; r < min(row0 + KD_ROWS_PER_BLOCK, n); r += warps) {
     const T* k = keys + h * head_stride + r * row_stride;
+    float x[KD_MAX_D / 32];
     float ss = 0.f;
-    for (int j = lane; j < d; j += 32) {
-      float x = kd_to_f(k[j]);
-      ss += x * x;
+    for (int c = 0; c < KD_MAX_D / 32; ++c) {
+      const int j = lane + 32 * c;
+      x[c] = j < d ? kd_to_f(k[j]) : 0.f;
+      ss += x[c] * x[c];
     }
     const float norm = sqrtf(kd_warp_sum(ss)) + KD_NORM_EPS;
     if (lane == 0) norms[(int64_t)h * n + r] = norm;
     const float w = normalized ? 1.f / norm : 1.f;
-    for (int j = lane; j < d; j += 32) atomicAdd(&acc[j], kd_to_f(k[j]) * w);
+    for (int c = 0; c < KD_MAX_D / 32; ++c) part[c] += x[c] * w;
   }
+  for (int c = 0; c < KD_MAX_D / 32; ++c)
+    if (lane + 32 * c < d) atomicAdd(&acc[lane + 32 * c], part[c]);
   __syncthreads();
   for (int j = threadIdx.x; j < d; j += blockDim.x) atomicAdd(&anchor_sum[h * d + j], acc[j]);
 }

@@ -25,6 +25,8 @@ mutants=(
   "moves: the bound on rows one too far~  if (src >= (uint32_t)rows || dst >= (uint32_t)rows) return;~  if (src > (uint32_t)rows || dst > (uint32_t)rows) return;"
   "snapkv: no bound on the bitmap a position sets~    if ((p >> 5) < (uint32_t)words) atomicOr(~    atomicOr("
   "snapkv: window over slots that were never ranked~    const int last = min(n, (int)base) - 1;~    const int last = n - 1;"
+  "scores: a lane's anchor share past the first 32 elements dropped~    if (lane + 32 * c < d) atomicAdd(~    if (lane + 32 * c < 32) atomicAdd("
+  "scores: pass 1 reads past the row~      x[c] = j < d ? kd_to_f(k[j]) : 0.f;~      x[c] = kd_to_f(k[j]);"
   "scores: pass 2 skips the last row~    float dot = 0.f;\n~    if (r == n - 1) continue;\n    float dot = 0.f;\n"
   "scores: anchor accumulator never zeroed~  for (int j = threadIdx.x; j < d; j += blockDim.x) acc[j] = 0.f;\n~"
   "select: plan offsets never reset~  if (threadIdx.x == 0) sh.base[0] = sh.base[1] = 0;\n~"
@@ -36,7 +38,7 @@ mutants=(
   # `sh.base` is zeroed in keydiff_select_plan is not among them: the loop's first barrier
   # already orders that write before any read, so removing it is not a defect.
   "scores: no barrier after the accumulator is zeroed~acc[j] = 0.f;\n  __syncthreads();~acc[j] = 0.f;"
-  "scores: no barrier before the block's sums go out~  }\n  __syncthreads();\n  for (int j = threadIdx.x; j < d; j += blockDim.x) atomicAdd(&anchor_sum~  }\n  for (int j = threadIdx.x; j < d; j += blockDim.x) atomicAdd(&anchor_sum"
+  "scores: no barrier before the block's sums go out~part[c]);\n  __syncthreads();\n  for (int j = threadIdx.x; j < d; j += blockDim.x) atomicAdd(&anchor_sum~part[c]);\n  for (int j = threadIdx.x; j < d; j += blockDim.x) atomicAdd(&anchor_sum"
   "select: no barrier after the histogram is cleared~sh.hist[j] = 0;\n    __syncthreads();~sh.hist[j] = 0;"
   "select: no barrier before the digit is chosen~        atomicAdd(&sh.hist[bin], (unsigned)__popc(peers));\n    }\n    __syncthreads();~        atomicAdd(&sh.hist[bin], (unsigned)__popc(peers));\n    }"
   "select: no barrier after the threshold is read~  const uint64_t r = sh.prefix;\n  __syncthreads();~  const uint64_t r = sh.prefix;"
