@@ -202,28 +202,33 @@ for r in map(json.loads, open(sys.argv[1])):
 PY
 [ $batch_ok = 1 ] && note "batch parity: PASS" || note "batch parity: FAIL"
 
-echo "== 3b. prefix reuse on the device: the same answers as fresh prefills (tiny random, bf16)"
+echo "== 3b. prefix reuse on the device: the same answers as fresh prefills (tiny random, bf16; an fp8 cache)"
 # KeyDiff is left out: its anchor sums with float atomics on the GPU, so two fresh runs may
-# already differ in the last bits; the other policies' ops are deterministic.
-for mode in reuse fresh; do
-  extra=(); [ $mode = fresh ] && extra=(--no-prefix-reuse)
-  timeout 90 "$bin" eval passkey -m tiny-qwen --random-weights --device "$device" --dtype bf16 \
-      --lengths 1000 --budgets 100,50%,75% --samples 2 --chunk 64 \
-      --policies full,tova,snapkv,h2o,sink --out "$out/prefix-$mode" "${extra[@]}" \
-      > /dev/null 2>> "$errors" || note "prefix ($mode): FAILED (exit $?)"
-done
-python3 - "$out" >> "$summary" <<'PY' || note "prefix reuse: could not compare"
+# already differ in the last bits; the other policies' ops are deterministic. The fp8 runs
+# (heads of 64: the fp8 cache kernels take multiples of 32) copy the kept prefix's fp8 rows,
+# which goes through the cache kernels on CUDA (candle cannot copy strided fp8 there).
+for kvt in bf16 fp8; do
+  m=tiny-qwen; [ $kvt = fp8 ] && m=tiny-qwen-d64
+  for mode in reuse fresh; do
+    extra=(); [ $mode = fresh ] && extra=(--no-prefix-reuse)
+    timeout 90 "$bin" eval passkey -m $m --random-weights --device "$device" --dtype bf16 \
+        --kv-dtype $kvt --lengths 1000 --budgets 100,50%,75% --samples 2 --chunk 64 \
+        --policies full,tova,snapkv,h2o,sink --out "$out/prefix-$kvt-$mode" "${extra[@]}" \
+        > /dev/null 2>> "$errors" || note "prefix ($kvt, $mode): FAILED (exit $?)"
+  done
+  python3 - "$out" "$kvt" >> "$summary" <<'PY' || note "prefix reuse ($kvt): could not compare"
 import json, sys
 def load(m):
     return {(r["id"], r["policy"], r["budget"]): r
-            for r in map(json.loads, open(f"{sys.argv[1]}/prefix-{m}/records.jsonl"))}
+            for r in map(json.loads, open(f"{sys.argv[1]}/prefix-{sys.argv[2]}-{m}/records.jsonl"))}
 a, b = load("reuse"), load("fresh")
 same = [k for k in b if k in a and a[k]["prediction"] == b[k]["prediction"]
         and a[k]["evictions"] == b[k]["evictions"]]
 reused = sum(1 for r in a.values() if r.get("prefix_tokens", 0) > 0)
 ok = len(same) == len(b) == len(a) and reused > 0
-print(f"prefix reuse: {'PASS' if ok else 'FAIL'} ({len(same)}/{len(b)} records identical, {reused} started from a prefix)")
+print(f"prefix reuse ({sys.argv[2]} cache): {'PASS' if ok else 'FAIL'} ({len(same)}/{len(b)} records identical, {reused} started from a prefix)")
 PY
+done
 
 echo "== 3d. the memory plan on the device: planned weights against what the load took"
 # The plan is made from shapes before any tensor exists; the driver's free memory before and

@@ -504,6 +504,18 @@ impl CustomOp1 for BlockQuantize {
     }
 }
 
+/// A contiguous copy of a view of cache rows `[kv, n, row]`. candle 0.11.1's strided copy of
+/// F8E4M3 on CUDA asks for a kernel it does not have (`ucopy_f8e4m3`; its kernel is
+/// `ucopy_f8_e4m3`), so an fp8 view there goes to f32 and back through the cache kernels,
+/// which gives every code back as it was.
+pub fn contiguous_rows(t: &Tensor, head_dim: usize) -> Result<Tensor> {
+    if t.dtype() == DType::F8E4M3 && t.device().is_cuda() {
+        let fp8 = KvType::Float(DType::F8E4M3);
+        return fp8.encode(&fp8.decode(t, head_dim)?);
+    }
+    Ok(t.contiguous()?)
+}
+
 /// fp8 E4M3 rows `[kv, n, d]` to and from f32/f16/bf16, by the quantized-cache kernels with
 /// `kind` [`keydiff_kernels::geometry::KVQ_FP8`] on CUDA: candle 0.11.1 names its CUDA fp8 casts
 /// `cast_f8_e4m3_*` but asks for `cast_f8e4m3_*` (CUDA_ERROR_NOT_FOUND), so a cache cannot use

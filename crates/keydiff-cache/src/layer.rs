@@ -2,6 +2,7 @@
 
 use candle_core::{DType, Device, Tensor};
 
+use crate::kv_type::contiguous_rows;
 use crate::select::{ApplyPlan, SelectPlan};
 use crate::{CacheError, KvType, KvTypes, Result};
 
@@ -406,8 +407,9 @@ impl LayerCache {
         if n > 0 {
             // `slice_set` copies into this cache's own buffers.
             let first = |t: Tensor| t.narrow(1, 0, n)?.contiguous();
-            self.k.slice_set(&first(src.stored_keys()?)?, 1, 0)?;
-            self.v.slice_set(&first(src.stored_values()?)?, 1, 0)?;
+            let rows = |t: Tensor| contiguous_rows(&t.narrow(1, 0, n)?, self.head_dim);
+            self.k.slice_set(&rows(src.stored_keys()?)?, 1, 0)?;
+            self.v.slice_set(&rows(src.stored_values()?)?, 1, 0)?;
             self.positions
                 .slice_set(&first(src.positions_tensor()?)?, 1, 0)?;
             let state = if with_state {
