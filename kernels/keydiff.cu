@@ -420,7 +420,7 @@ __device__ __forceinline__ int kd_kvq_bytes(int kind) {
   }
 }
 
-// f32 -> E4M3, round to nearest even, saturating to +-448, NaN to 0x7f: CUDA's
+// f32 -> E4M3, round to nearest even, saturating to +-448, NaN to 0x7f (with its sign): CUDA's
 // __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3) and the `float8` crate's `from_f32` (a
 // port of cuda_fp8.hpp's double path; on f32 bits the same decisions, the dropped bits being 0).
 __device__ __forceinline__ uint8_t kd_f_to_fp8(float x) {

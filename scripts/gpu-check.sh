@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# One run on a GPU host (see GPU.md): environment, eviction-kernel parity and timing, CPU-vs-GPU
-# model parity (eager attention, and flash when the binary has it; f16, q8_0, q4_0, q5_1 and
-# fp8 caches),
-# perplexity parity, batched passes against single runs on the device, prefix reuse on the
-# device, the memory plan against the driver, a prompt cache saved and loaded on the device,
-# speculative decoding on the device, a short TTFT sweep, batched decode, a prompt joining a
-# decoding batch, then, as time allows, the kernels under compute-sanitizer.
+# One run on a GPU host (see GPU.md): environment, eviction-kernel parity and timing, the KV
+# cache codecs against the CPU, CPU-vs-GPU model parity (eager attention, and flash when the
+# binary has it; f16, q8_0, q4_0, q5_1 and fp8 caches, in bf16 and f32, and a bisect of the
+# block caches' bf16 gap), perplexity parity, batched passes against single runs on the
+# device, prefix reuse on the device (bf16 and fp8 caches), the memory plan against the
+# driver, a prompt cache saved and loaded on the device, speculative decoding on the device, a
+# short TTFT sweep, batched decode, a prompt joining a decoding batch, then, as time allows,
+# the kernels under compute-sanitizer.
 # Build the binary here first (scripts/build-cuda.sh), carry it, then on the GPU host:
 #   scripts/gpu-check.sh            (logs go to $OUT when set, else bench/gpu-check-logs/)
 # Prints a summary table last. Needs no Rust toolchain and no network on the GPU host.
@@ -48,6 +49,8 @@ note "binary: $bin, $("$bin" --version 2>/dev/null || echo "version unknown"); t
 
 echo "== 2. eviction kernels against the CPU references, then timed against copy bandwidth"
 # Scoring, selection/plan, moves: odd sizes, d 64/128/256, f32/f16/bf16, n up to 131072 + 128.
+# The cache codecs (five block types and fp8, from f32/f16/bf16): the device's bytes and values
+# must be the CPU's exactly.
 # Timing: 8 KV heads, d 128, bf16 (Llama-3.1-8B's KV shape), B = 128, n = N + B.
 timeout 150 "$bin" check-kernels --device "$device" --large --time-n 8320,32896,131200 \
     > "$out/kernels.jsonl" 2> "$out/kernels.txt"

@@ -128,8 +128,9 @@ enum Cmd {
     /// Check and time the eviction kernels on a device: fused KeyDiff scoring, selection with
     /// its move plan, and slot moves, against the CPU references (candle ops, a sort), on odd
     /// sizes, head dims 64/128/256 and f32/f16/bf16. Then times one eviction at the given
-    /// sizes against the device's copy bandwidth. One JSON line per case on stdout, a table on
-    /// stderr; fails when a parity case fails.
+    /// sizes against the device's copy bandwidth. Also encodes and decodes every KV cache type
+    /// (llama.cpp's blocks, fp8) on the device and on the CPU: bytes and values must be equal.
+    /// One JSON line per case on stdout, a table on stderr; fails when a parity case fails.
     CheckKernels {
         #[arg(long, default_value = "cuda:0")]
         device: String,

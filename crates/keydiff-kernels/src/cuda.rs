@@ -296,7 +296,8 @@ pub fn snapkv_pool(
 
 /// Blocks of quantized-cache type `kind` (`KVQ_BYTES[kind]` bytes each) of `x` (`[kv, n, d]`,
 /// f32/f16/bf16, any head and row stride, rows contiguous; d a multiple of 32): u8
-/// `[kv, n, d / 32 · bytes]`, contiguous (`keydiff_kvq_quantize_*`).
+/// `[kv, n, d / 32 · bytes]`, contiguous (`keydiff_kvq_quantize_*`); for [`KVQ_FP8`], F8E4M3
+/// `[kv, n, d]`.
 pub fn kvq_quantize(
     x: &CudaStorage,
     layout: &Layout,
@@ -360,9 +361,9 @@ enum Out {
     Fp8(candle_core::cuda_backend::cudarc::driver::CudaSlice<float8::F8E4M3>),
 }
 
-/// Values of rows `q` of quantized-cache type `kind` (u8 `[kv, n, d / 32 · bytes]`, any head
-/// and row stride, rows contiguous: a view of a cache buffer): f32 `[kv, n, d]`, contiguous
-/// (`keydiff_kvq_dequantize`).
+/// Values of rows `q` of quantized-cache type `kind` (u8 `[kv, n, d / 32 · bytes]`, or F8E4M3
+/// `[kv, n, d]` for [`KVQ_FP8`]; any head and row stride, rows contiguous: a view of a cache
+/// buffer): f32 `[kv, n, d]`, contiguous (`keydiff_kvq_dequantize`).
 pub fn kvq_dequantize(
     q: &CudaStorage,
     layout: &Layout,
