@@ -279,6 +279,298 @@ extern "C" __global__ void __launch_bounds__(KD_SELECT_THREADS)
   if (threadIdx.x == 0) out[0] = min(min(sh.base[0], sh.base[1]), (unsigned)max_moves);
 }
 
+// ---------------------------------------------------------------------------------------------
+// The same selection and plan over many blocks per head, for large n: one block per head puts
+// 4–8 of the GPU's SMs to work (the first H200 run: 563 µs to select at n = 131200). Here a
+// head's slots are cut into slices of KD_SEL_ITEMS, one block each, grid (slices, heads), and
+// the radix select runs as a sequence of launches, one per digit of 11 bits:
+//   keydiff_select_pass, pass 0..2 (only when `recent` > 0): the `recent` newest positions,
+//     32-bit keys (digits at bits 21, 10, 0);
+//   keydiff_select_pass, pass 3..8: the threshold on the 64-bit slot keys (bits 53, 42, 31, 20,
+//     9, 0);
+//   keydiff_select_count: holes and movers per slice, and their offsets (an exclusive scan);
+//   keydiff_select_emit: the plan, each slice writing its holes and movers at its offsets.
+// Every block of a pass adds its slice's histogram to the head's histogram for that pass; the
+// last block to finish (a ticket counter) picks the digit and writes the control entry the
+// next pass reads. A stage that ends early (its digit's bin holds exactly the survivors still
+// needed: then every key of the bin survives, as in kd_radix_kth) marks its entry done, and
+// the passes after it only carry the entry on. The selected set, and so the plan, is the
+// single-block kernel's: exactly `budget` keys reach the threshold either way.
+//
+// Workspace per head (u32 words, zeroed before the first pass, `ws_stride` apart):
+//   [0, 80)     control entries ctl[0..=9], 8 words each: prefix (low, high), k still to
+//               find, done, recent_min (the recent stage's result, carried on). Pass p reads
+//               ctl[p] and its last block writes ctl[p + 1];
+//   [80, 90)    ticket counters of passes 0..8 and of the count kernel;
+//   [96, ...)   histograms of passes 0..8, KD_SEL_BINS each;
+//   then        per slice (holes, movers), then per slice their offsets (holes, movers).
+// Values one block writes and another block of the same launch reads go through atomics (the
+// counts, the histograms), after a __threadfence.
+// ---------------------------------------------------------------------------------------------
+
+#define KD_SEL_THREADS 512
+#define KD_SEL_ITEMS 4096
+#define KD_SEL_DIGIT 11
+#define KD_SEL_BINS (1 << KD_SEL_DIGIT)
+#define KD_SEL_RECENT_PASSES 3
+#define KD_SEL_PASSES 9
+#define KD_SEL_CTL 8
+#define KD_SEL_TICKETS ((KD_SEL_PASSES + 1) * KD_SEL_CTL)
+#define KD_SEL_HIST 96
+#define KD_SEL_COUNTS (KD_SEL_HIST + KD_SEL_PASSES * KD_SEL_BINS)
+
+static_assert(KD_SEL_BINS == 4 * KD_SEL_THREADS, "the digit scan takes 4 bins per thread");
+static_assert(KD_SEL_TICKETS + KD_SEL_PASSES + 1 <= KD_SEL_HIST, "tickets overlap histograms");
+
+// Key of slot i in pass `pass`: the position in the recent stage, the slot key after it.
+__device__ __forceinline__ uint64_t kd_sel_key(int pass, const KdSlotKey& key, int i) {
+  return pass < KD_SEL_RECENT_PASSES ? (uint64_t)key.pos[i] : key(i);
+}
+
+// Sum of `v` over the block (KD_SEL_THREADS), returned to every thread; `tmp` holds a word per
+// warp. Ends with a barrier, so `tmp` may be reused.
+__device__ __forceinline__ unsigned kd_sel_block_sum(unsigned v, unsigned* tmp) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if (lane == 0) tmp[warp] = v;
+  __syncthreads();
+  unsigned total = 0;
+  for (int w = 0; w < (int)(blockDim.x >> 5); ++w) total += tmp[w];
+  __syncthreads();
+  return total;
+}
+
+// Exclusive prefix sum of `v` over the block's threads in order; `tmp` holds a word per warp.
+// Ends with a barrier.
+__device__ __forceinline__ unsigned kd_sel_block_scan(unsigned v, unsigned* tmp) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  unsigned x = v;
+  for (int o = 1; o < 32; o <<= 1) {
+    const unsigned y = __shfl_up_sync(0xffffffffu, x, o);
+    if (lane >= o) x += y;
+  }
+  if (lane == 31) tmp[warp] = x;
+  __syncthreads();
+  unsigned off = x - v;
+  for (int w = 0; w < warp; ++w) off += tmp[w];
+  __syncthreads();
+  return off;
+}
+
+extern "C" __global__ void __launch_bounds__(KD_SEL_THREADS)
+    keydiff_select_pass(const float* scores, int64_t score_stride, const uint32_t* positions,
+                        int64_t pos_stride, int n, int budget, uint32_t sinks, int recent,
+                        int pass, uint32_t* ws, int64_t ws_stride) {
+  __shared__ unsigned hist[KD_SEL_BINS];
+  __shared__ unsigned tmp[KD_SEL_THREADS / 32];
+  __shared__ unsigned found[3];
+  __shared__ int last;
+  const int h = blockIdx.y;
+  uint32_t* w = ws + h * ws_stride;
+  const uint32_t* in = w + pass * KD_SEL_CTL;
+  uint32_t* out = w + (pass + 1) * KD_SEL_CTL;
+  const bool recent_stage = pass < KD_SEL_RECENT_PASSES;
+  const bool first = pass == 0 || pass == KD_SEL_RECENT_PASSES;
+  uint64_t prefix = 0;
+  unsigned k = recent_stage ? (unsigned)recent : (unsigned)budget;
+  if (!first) {
+    if (in[3]) {  // the stage is over: carry its entry on
+      if (blockIdx.x == 0 && threadIdx.x < KD_SEL_CTL) out[threadIdx.x] = in[threadIdx.x];
+      return;
+    }
+    prefix = (uint64_t)in[0] | ((uint64_t)in[1] << 32);
+    k = in[2];
+  }
+  // The recent stage's result, carried from ctl[3] on (0 and unused when recent is 0).
+  const uint32_t recent_min = recent_stage ? 0u : in[4];
+  const int bits = recent_stage ? 32 : 64;
+  const int hi = bits - KD_SEL_DIGIT * (recent_stage ? pass : pass - KD_SEL_RECENT_PASSES);
+  const int shift = max(hi - KD_SEL_DIGIT, 0);
+  const uint64_t mask = hi >= 64 ? 0ull : ~0ull << hi;
+  const uint64_t width_mask = (1ull << (hi - shift)) - 1ull;
+  const KdSlotKey key{scores + h * score_stride, positions + h * pos_stride, sinks, recent_min,
+                      recent > 0};
+
+  for (int j = threadIdx.x; j < KD_SEL_BINS; j += blockDim.x) hist[j] = 0;
+  __syncthreads();
+  const int i0 = blockIdx.x * KD_SEL_ITEMS, i1 = min(i0 + KD_SEL_ITEMS, n);
+  for (int t0 = i0; t0 < i1; t0 += blockDim.x) {
+    const int i = t0 + (int)threadIdx.x;
+    unsigned bin = KD_SEL_BINS;  // no bin: past the slice, or outside the prefix
+    if (i < i1) {
+      const uint64_t x = kd_sel_key(pass, key, i);
+      if ((x & mask) == prefix) bin = (unsigned)((x >> shift) & width_mask);
+    }
+    const unsigned peers = __match_any_sync(0xffffffffu, bin);
+    if (bin < KD_SEL_BINS && (int)(threadIdx.x & 31u) == __ffs(peers) - 1)
+      atomicAdd(&hist[bin], (unsigned)__popc(peers));
+  }
+  __syncthreads();
+  uint32_t* gh = w + KD_SEL_HIST + pass * KD_SEL_BINS;
+  for (int j = threadIdx.x; j < KD_SEL_BINS; j += blockDim.x)
+    if (hist[j]) atomicAdd(&gh[j], hist[j]);
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(&w[KD_SEL_TICKETS + pass], 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+
+  // The last block: bins from the top, 4 per thread; the digit is the bin where the count of
+  // keys at or above it first reaches k.
+  unsigned v[4], sum = 0;
+  for (int c = 0; c < 4; ++c) {
+    v[c] = atomicAdd(&gh[KD_SEL_BINS - 1 - 4 * (int)threadIdx.x - c], 0u);
+    sum += v[c];
+  }
+  if (threadIdx.x == 0) {
+    // Unless a bin is found (it always is when k <= the keys under the prefix): stop here.
+    found[0] = 0;
+    found[1] = k;
+    found[2] = 1;
+  }
+  unsigned above = kd_sel_block_scan(sum, tmp);
+  for (int c = 0; c < 4; ++c) {
+    if (above < k && above + v[c] >= k) {
+      found[0] = (unsigned)(KD_SEL_BINS - 1 - 4 * (int)threadIdx.x - c);
+      found[1] = k - above;
+      found[2] = v[c] == k - above;
+    }
+    above += v[c];
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const uint64_t np = prefix | ((uint64_t)found[0] << shift);
+    const unsigned done = found[2] || shift == 0;
+    out[0] = (uint32_t)np;
+    out[1] = (uint32_t)(np >> 32);
+    out[2] = found[1];
+    out[3] = done;
+    out[4] = recent_stage ? (done ? (uint32_t)np : 0u) : recent_min;
+  }
+}
+
+// Holes (non-survivors below `budget`) and movers (survivors from `budget` on) of each slice,
+// then, in the last block, their offsets and the head's move count plan[0].
+extern "C" __global__ void __launch_bounds__(KD_SEL_THREADS)
+    keydiff_select_count(const float* scores, int64_t score_stride, const uint32_t* positions,
+                         int64_t pos_stride, int n, int budget, uint32_t sinks, int recent,
+                         uint32_t* plan, int64_t plan_stride, uint32_t* ws, int64_t ws_stride) {
+  __shared__ unsigned tmp[KD_SEL_THREADS / 32];
+  __shared__ unsigned carry[2];
+  __shared__ int last;
+  const int h = blockIdx.y;
+  uint32_t* w = ws + h * ws_stride;
+  const uint32_t* ctl = w + KD_SEL_PASSES * KD_SEL_CTL;
+  const uint64_t threshold = (uint64_t)ctl[0] | ((uint64_t)ctl[1] << 32);
+  const KdSlotKey key{scores + h * score_stride, positions + h * pos_stride, sinks, ctl[4],
+                      recent > 0};
+  const int blocks = (int)gridDim.x;
+  uint32_t* counts = w + KD_SEL_COUNTS;
+  uint32_t* offsets = counts + 2 * blocks;
+  const int i0 = blockIdx.x * KD_SEL_ITEMS, i1 = min(i0 + KD_SEL_ITEMS, n);
+  unsigned holes = 0, movers = 0;
+  for (int i = i0 + (int)threadIdx.x; i < i1; i += blockDim.x) {
+    const bool keep = key(i) >= threshold;
+    holes += i < budget && !keep;
+    movers += i >= budget && keep;
+  }
+  holes = kd_sel_block_sum(holes, tmp);
+  movers = kd_sel_block_sum(movers, tmp);
+  if (threadIdx.x == 0) {
+    atomicAdd(&counts[2 * blockIdx.x], holes);
+    atomicAdd(&counts[2 * blockIdx.x + 1], movers);
+    carry[0] = carry[1] = 0;
+  }
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0)
+    last = atomicAdd(&w[KD_SEL_TICKETS + KD_SEL_PASSES], 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  for (int b0 = 0; b0 < blocks; b0 += blockDim.x) {
+    const int b = b0 + (int)threadIdx.x;
+    const unsigned ch = b < blocks ? atomicAdd(&counts[2 * b], 0u) : 0u;
+    const unsigned cm = b < blocks ? atomicAdd(&counts[2 * b + 1], 0u) : 0u;
+    const unsigned oh = kd_sel_block_scan(ch, tmp), om = kd_sel_block_scan(cm, tmp);
+    if (b < blocks) {
+      offsets[2 * b] = carry[0] + oh;
+      offsets[2 * b + 1] = carry[1] + om;
+    }
+    const unsigned th = kd_sel_block_sum(ch, tmp), tm = kd_sel_block_sum(cm, tmp);
+    if (threadIdx.x == 0) {
+      carry[0] += th;
+      carry[1] += tm;
+    }
+    __syncthreads();
+  }
+  // Holes and movers are equal in number when exactly N keys reach the threshold, which unique
+  // positions guarantee; the minimum keeps a broken invariant from moving garbage.
+  const unsigned max_moves = (unsigned)min(budget, n - budget);
+  if (threadIdx.x == 0) plan[h * plan_stride] = min(min(carry[0], carry[1]), max_moves);
+}
+
+// Each slice writes its holes and movers, ascending, at the offsets keydiff_select_count gave.
+extern "C" __global__ void __launch_bounds__(KD_SEL_THREADS)
+    keydiff_select_emit(const float* scores, int64_t score_stride, const uint32_t* positions,
+                        int64_t pos_stride, int n, int budget, uint32_t sinks, int recent,
+                        uint32_t* plan, int64_t plan_stride, uint32_t* ws, int64_t ws_stride) {
+  __shared__ unsigned warp_total[2][KD_SEL_THREADS / 32];
+  __shared__ unsigned base[2];
+  const int h = blockIdx.y;
+  const uint32_t* w = ws + h * ws_stride;
+  const uint32_t* ctl = w + KD_SEL_PASSES * KD_SEL_CTL;
+  const int blocks = (int)gridDim.x;
+  const uint32_t* counts = w + KD_SEL_COUNTS;
+  const uint32_t* offsets = counts + 2 * blocks;
+  // Most slices hold neither (an eviction moves at most B rows of a head).
+  if (counts[2 * blockIdx.x] == 0 && counts[2 * blockIdx.x + 1] == 0) return;
+  const uint64_t threshold = (uint64_t)ctl[0] | ((uint64_t)ctl[1] << 32);
+  const KdSlotKey key{scores + h * score_stride, positions + h * pos_stride, sinks, ctl[4],
+                      recent > 0};
+  const int max_moves = min(budget, n - budget);
+  uint32_t* src = plan + h * plan_stride + 1;
+  uint32_t* dst = src + max_moves;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  const unsigned below = (1u << lane) - 1u;
+  if (threadIdx.x == 0) {
+    base[0] = offsets[2 * blockIdx.x];
+    base[1] = offsets[2 * blockIdx.x + 1];
+  }
+  const int i0 = blockIdx.x * KD_SEL_ITEMS, i1 = min(i0 + KD_SEL_ITEMS, n);
+  for (int t0 = i0; t0 < i1; t0 += blockDim.x) {
+    const int i = t0 + (int)threadIdx.x;
+    const bool keep = i < i1 && key(i) >= threshold;
+    const bool hole = i < i1 && i < budget && !keep;
+    const bool mover = i >= budget && keep;
+    const unsigned bh = __ballot_sync(0xffffffffu, hole);
+    const unsigned bm = __ballot_sync(0xffffffffu, mover);
+    if (lane == 0) {
+      warp_total[0][warp] = __popc(bh);
+      warp_total[1][warp] = __popc(bm);
+    }
+    __syncthreads();
+    unsigned oh = base[0], om = base[1];
+    for (int v = 0; v < warp; ++v) {
+      oh += warp_total[0][v];
+      om += warp_total[1][v];
+    }
+    oh += __popc(bh & below);
+    om += __popc(bm & below);
+    if (hole && oh < (unsigned)max_moves) dst[oh] = (uint32_t)i;
+    if (mover && om < (unsigned)max_moves) src[om] = (uint32_t)i;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      for (int v = 0; v < warps; ++v) {
+        base[0] += warp_total[0][v];
+        base[1] += warp_total[1][v];
+      }
+    }
+    __syncthreads();
+  }
+}
+
 // Applies the plan to one buffer of rows: [heads, rows, row_bytes] with byte strides. One warp
 // per move. Used for K, V (row = head_dim elements, or the bytes of head_dim / 32 quantized blocks),
 // positions and policy state (row = 4 bytes). Grid (ceil(M / warps per block), heads).

@@ -3,7 +3,8 @@
 # plants one known defect at a time in kernels/keydiff.cu (an off-by-one, a missing barrier, a
 # wrong reduction, ...), runs the tests, and reports whether they caught it. Every mutant must
 # be caught. kernels/keydiff.cu is restored afterwards, whatever happens.
-# Usage: scripts/kernel-mutants.sh      (~20 s per mutant on 2 cores after the first build)
+# Usage: scripts/kernel-mutants.sh      (~40 s per mutant on 2 cores after the first build)
+#        MUTANTS_MATCHING=select-many scripts/kernel-mutants.sh   (only those names)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 src=kernels/keydiff.cu
@@ -50,7 +51,27 @@ mutants=(
   "snapkv: no barrier before the scan's offset advances~    if (w < words) wr[w] = off + x - c;\n    __syncthreads();~    if (w < words) wr[w] = off + x - c;"
   "snapkv: no barrier after the scan's offset advances~      for (int v = 0; v < warps; ++v) base += warp_total[v];\n    }\n    __syncthreads();~      for (int v = 0; v < warps; ++v) base += warp_total[v];\n    }"
   "snapkv: no barrier before the windows read the ranking~    srt[r] = (uint32_t)i;\n  }\n  __syncthreads();~    srt[r] = (uint32_t)i;\n  }"
+  # The many-block selection (keydiff_select_pass / _count / _emit).
+  "select-many: a pass's last block named one ticket early~atomicAdd(&w[KD_SEL_TICKETS + pass], 1u) == gridDim.x - 1;~atomicAdd(&w[KD_SEL_TICKETS + pass], 1u) == gridDim.x - 2;"
+  "select-many: the first block to count computes the offsets~atomicAdd(&w[KD_SEL_TICKETS + KD_SEL_PASSES], 1u) == gridDim.x - 1;~atomicAdd(&w[KD_SEL_TICKETS + KD_SEL_PASSES], 1u) == 0;"
+  "select-many: a finished stage is not carried on~out[threadIdx.x] = in[threadIdx.x];~(void)out;"
+  "select-many: the recent window's result is not passed on~    out[4] = recent_stage ? (done ? (uint32_t)np : 0u) : recent_min;~    out[4] = recent_stage ? 0u : recent_min;"
+  "select-many: upper bins of a slice never reach the head's histogram~    if (hist[j]) atomicAdd(&gh[j], hist[j]);~    if (hist[j] && j < 1024) atomicAdd(&gh[j], hist[j]);"
+  "select-many: the digit's bin found one too low~    if (above < k && above + v[c] >= k) {~    if (above < k && above + v[c] > k) {"
+  "select-many: keys outside the prefix counted from the second digit on~  const uint64_t mask = hi >= 64 ? 0ull :~  const uint64_t mask = hi >= 53 ? 0ull :"
+  "select-many: mover offsets scanned from the hole counts~om = kd_sel_block_scan(cm, tmp);~om = kd_sel_block_scan(ch, tmp);"
+  "select-many: slices with movers but no holes skipped~  if (counts[2 * blockIdx.x] == 0 && counts[2 * blockIdx.x + 1] == 0) return;~  if (counts[2 * blockIdx.x] == 0) return;"
+  "select-many: no barrier after the slice histogram is cleared~hist[j] = 0;\n  __syncthreads();~hist[j] = 0;"
+  "select-many: no barrier before the slice histogram goes out~      atomicAdd(&hist[bin], (unsigned)__popc(peers));\n  }\n  __syncthreads();~      atomicAdd(&hist[bin], (unsigned)__popc(peers));\n  }"
+  "select-many: block scan reads warp totals before they are written~  if (lane == 31) tmp[warp] = x;\n  __syncthreads();~  if (lane == 31) tmp[warp] = x;"
+  "select-many: block sum reuses its totals without a barrier~  for (int w = 0; w < (int)(blockDim.x >> 5); ++w) total += tmp[w];\n  __syncthreads();~  for (int w = 0; w < (int)(blockDim.x >> 5); ++w) total += tmp[w];"
 )
+# MUTANTS_MATCHING=TEXT runs only the mutants whose name holds TEXT.
+if [ -n "${MUTANTS_MATCHING:-}" ]; then
+  kept=()
+  for m in "${mutants[@]}"; do [[ "${m%%~*}" == *"$MUTANTS_MATCHING"* ]] && kept+=("$m"); done
+  mutants=("${kept[@]}")
+fi
 
 cargo test --release -p keydiff-cache --test kernel_emulation --no-run -q 2>/dev/null || true
 survived=0

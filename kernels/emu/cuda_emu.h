@@ -433,6 +433,11 @@ KD_EMU_UNTRACKED inline unsigned atomicOr(unsigned* a, unsigned v) {
   return old;
 }
 
+// Blocks run one after another, so every write of a block is seen by the blocks after it; the
+// fence orders nothing more here (the race checker does not model fences: values that blocks
+// of one launch pass each other go through atomics).
+inline void __threadfence() {}
+
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline int __ffs(unsigned x) { return __builtin_ffs((int)x); }
 inline unsigned __float_as_uint(float x) { return kd_emu::f2u(x); }

@@ -79,6 +79,40 @@ extern "C" int kd_emu_select_plan(const float* scores, int64_t score_stride,
   return finish(e, err, err_len);
 }
 
+// The many-block selection: keydiff_select_pass (which 0, with `pass`; `plan` unused),
+// keydiff_select_count (1), keydiff_select_emit (2).
+extern "C" int kd_emu_select_multi(int which, const float* scores, int64_t score_stride,
+                                   const uint32_t* positions, int64_t pos_stride, int n,
+                                   int budget, uint32_t sinks, int recent, int pass,
+                                   uint32_t* plan, int64_t plan_stride, uint32_t* ws,
+                                   int64_t ws_stride, unsigned grid_x, unsigned grid_y,
+                                   unsigned block, uint64_t seed, char* err, size_t err_len) {
+  std::function<void()> body;
+  switch (which) {
+    case 0:
+      body = [=] {
+        kd_emu::run_kernel(keydiff_select_pass, scores, score_stride, positions, pos_stride, n,
+                           budget, sinks, recent, pass, ws, ws_stride);
+      };
+      break;
+    case 1:
+      body = [=] {
+        kd_emu::run_kernel(keydiff_select_count, scores, score_stride, positions, pos_stride, n,
+                           budget, sinks, recent, plan, plan_stride, ws, ws_stride);
+      };
+      break;
+    case 2:
+      body = [=] {
+        kd_emu::run_kernel(keydiff_select_emit, scores, score_stride, positions, pos_stride, n,
+                           budget, sinks, recent, plan, plan_stride, ws, ws_stride);
+      };
+      break;
+    default:
+      return finish("unknown selection kernel " + std::to_string(which), err, err_len);
+  }
+  return finish(guarded(d3(grid_x, grid_y), d3(block), KD_SEL_THREADS, seed, body), err, err_len);
+}
+
 extern "C" int kd_emu_move_rows(char* buf, int64_t head_stride, int64_t row_stride,
                                 int row_bytes, int rows, const uint32_t* plan,
                                 int64_t plan_stride, int max_moves, unsigned grid_x,

@@ -6,7 +6,7 @@
 
 use anyhow::{ensure, Result};
 use candle_core::{DType, Device};
-use keydiff::kernel_check::{kernel_cases, kernel_parity, kernel_timing};
+use keydiff::kernel_check::{kernel_cases, kernel_parity, kernel_timing, SelectBlocks};
 use keydiff::parity::compare_devices;
 use keydiff::{Anchor, CacheConfig, CpuWeights, EngineConfig, PolicyKind};
 use keydiff_tests::root;
@@ -67,7 +67,14 @@ fn eviction_timing_is_consistent(dev: &Device) -> Result<()> {
         recent: 0,
         anchor: Anchor::Normalized,
     };
-    let t = kernel_timing(dev, &c, 2, 1.0)?;
+    for blocks in [SelectBlocks::One, SelectBlocks::Many] {
+        let t = kernel_timing(dev, &c, 2, 1.0, blocks)?;
+        check_timing(&t)?;
+    }
+    Ok(())
+}
+
+fn check_timing(t: &keydiff::kernel_check::KernelTiming) -> Result<()> {
     ensure!(
         t.moves <= 2 * 128,
         "{} moves for 2 heads of 128 new slots",

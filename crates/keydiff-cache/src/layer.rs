@@ -3,7 +3,7 @@
 use candle_core::{DType, Device, Tensor};
 
 use crate::kv_type::contiguous_rows;
-use crate::select::{ApplyPlan, SelectPlan};
+use crate::select::{ApplyPlan, SelectBlocks, SelectPlan};
 use crate::{CacheError, KvType, KvTypes, Result};
 
 /// The used slots of one layer, apart from its buffers' free room: what a saved cache holds
@@ -493,6 +493,7 @@ impl LayerCache {
             budget,
             sinks,
             recent,
+            blocks: SelectBlocks::Auto,
         };
         let scores = scores.to_dtype(DType::F32)?;
         let plan = scores.apply_op2_no_bwd(&self.positions_tensor()?, &op)?;

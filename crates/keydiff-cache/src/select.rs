@@ -1,11 +1,12 @@
 //! Shared selection: keep the top N by score, never evict protected slots; then the move plan.
 //!
-//! [`select`] is the reference (a sort). [`select_radix`] is the twin of the CUDA kernel
-//! `keydiff_select_plan` (the same 64-bit slot keys and the same MSB-first radix select, in
-//! O(n)); the engine uses it on the CPU, and the [`SelectPlan`] / [`ApplyPlan`] ops run it or
+//! [`select`] is the reference (a sort). [`select_radix`] is the twin of the CUDA kernels
+//! `keydiff_select_plan` and `keydiff_select_pass`/`_count`/`_emit` (the same 64-bit slot keys
+//! and an MSB-first radix select, in O(n)); the engine uses it on the CPU, and the [`SelectPlan`] / [`ApplyPlan`] ops run it or
 //! the kernel, whatever the device.
 
 use candle_core::{CpuStorage, CustomOp2, InplaceOp2, Layout, Shape};
+pub use keydiff_kernels::geometry::SelectBlocks;
 
 /// Which slots of one head survive. `scores`, `positions`: one entry per used slot.
 ///
@@ -198,12 +199,15 @@ pub fn plan_tensor(
 
 /// Selection and move plan of every head as one op: `scores` `[kv, n]` f32 and `positions`
 /// `[kv, ≥ n]` u32 give the plan `[kv, 1 + 2M]` u32 (per head: the number of moves, M sources,
-/// M destinations). CPU: [`select_radix`] and [`move_plan`]; CUDA: `keydiff_select_plan`.
+/// M destinations). CPU: [`select_radix`] and [`move_plan`]; CUDA: `keydiff_select_plan` (one
+/// block per head), or `keydiff_select_pass`/`_count`/`_emit` (many), as `blocks` says.
 #[derive(Debug, Clone, Copy)]
 pub struct SelectPlan {
     pub budget: usize,
     pub sinks: usize,
     pub recent: usize,
+    /// How the CUDA kernels split the work (the plan is the same; the CPU ignores it).
+    pub blocks: SelectBlocks,
 }
 
 impl SelectPlan {
@@ -269,7 +273,16 @@ impl CustomOp2 for SelectPlan {
         l2: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         self.check(l1.shape().dims2()?.1)?;
-        keydiff_kernels::select_plan(s1, l1, s2, l2, self.budget, self.sinks, self.recent)
+        keydiff_kernels::select_plan(
+            s1,
+            l1,
+            s2,
+            l2,
+            self.budget,
+            self.sinks,
+            self.recent,
+            self.blocks,
+        )
     }
 }
 

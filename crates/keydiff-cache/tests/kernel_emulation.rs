@@ -10,7 +10,7 @@
 use candle_core::{DType, Device, Tensor};
 use half::{bf16, f16};
 use keydiff_cache::policy::{keydiff_scores, keydiff_scores_fused, PoolByPosition};
-use keydiff_cache::select::{move_plan, select, select_radix};
+use keydiff_cache::select::{move_plan, select, select_radix, SelectBlocks};
 use keydiff_cache::{Anchor, KvType};
 use keydiff_kernels::emu;
 use keydiff_kernels::geometry::KVQ_BYTES;
@@ -413,10 +413,19 @@ fn check_selection(
 ) -> usize {
     let stride = n + 7;
     let (scores, positions) = selection_inputs(kv, n, stride, rng);
-    let plan = emu::select_plan(
-        &scores, stride, &positions, stride, kv, n, budget, sinks, recent, seed,
-    )
-    .unwrap();
+    let select_with = |blocks| {
+        emu::select_plan(
+            &scores, stride, &positions, stride, kv, n, budget, sinks, recent, blocks, seed,
+        )
+        .unwrap()
+    };
+    // Both ways of splitting the selection give the same plan; the moves below use it.
+    let plan = select_with(SelectBlocks::One);
+    assert_eq!(
+        select_with(SelectBlocks::Many),
+        plan,
+        "many blocks vs one: kv {kv} n {n} budget {budget} sinks {sinks} recent {recent} seed {seed}"
+    );
     let cols = plan.len() / kv;
     let m = (cols - 1) / 2;
     let mut moved = positions.clone();
@@ -465,6 +474,12 @@ fn selection_matches_the_twin_past_the_argsort_limit() {
         (2, 1000, 100, 8, 50),
         (2, 131_072 + 128, 131_072, 4, 0),
         (1, 131_072 + 128, 131_072, 4, 64),
+        // Slices of the many-block selection (4096 slots): a last slice of one slot; holes in
+        // one slice and movers in every other; a recent window across slices; M = N.
+        (2, 4097, 4000, 2, 30),
+        (1, 9000, 100, 0, 0),
+        (2, 12_289, 6000, 3, 2500),
+        (1, 16_384, 8192, 0, 0),
     ];
     for (kv, n, budget, sinks, recent) in cases {
         for seed in SEEDS {

@@ -2,7 +2,7 @@
 //! engine runs on every device) against the reference (`select`, a sort, and `move_plan`).
 
 use candle_core::{Device, Tensor};
-use keydiff_cache::select::{move_plan, select, select_radix, ApplyPlan, SelectPlan};
+use keydiff_cache::select::{move_plan, select, select_radix, ApplyPlan, SelectBlocks, SelectPlan};
 use proptest::prelude::*;
 
 /// Scores with many ties (a few distinct values), NaNs, ±0 and infinities, and a permutation
@@ -53,7 +53,7 @@ proptest! {
         let flat_p: Vec<u32> = heads.iter().flat_map(|(_, p)| p.clone()).collect();
         let scores = Tensor::from_vec(flat_s, (kv, n), &dev).unwrap();
         let positions = Tensor::from_vec(flat_p.clone(), (kv, n), &dev).unwrap();
-        let op = SelectPlan { budget, sinks, recent };
+        let op = SelectPlan { budget, sinks, recent, blocks: SelectBlocks::Auto };
         let plan = scores.apply_op2_no_bwd(&positions, &op).unwrap().to_vec2::<u32>().unwrap();
         let m = budget.min(n - budget);
         for (h, (s, p)) in heads.iter().enumerate() {

@@ -827,7 +827,7 @@ fn check_kernels(
             r.budget,
             r.score_max_abs_vs_reference,
             r.score_max_abs_vs_twin,
-            if r.plan_heads_differing == 0 {
+            if r.plan_heads_differing + r.plan_heads_differing_many == 0 {
                 "same"
             } else {
                 "DIFF"
@@ -891,6 +891,7 @@ fn check_kernels(
             "GB/s",
             "% copy"
         );
+        use keydiff::kernel_check::SelectBlocks;
         for &n in time_n {
             if n <= chunk {
                 bail!("--time-n {n} must exceed --time-chunk {chunk}");
@@ -905,23 +906,28 @@ fn check_kernels(
                 recent: 0,
                 anchor: keydiff::Anchor::Normalized,
             };
-            let t = kernel_timing(&dev, &c, reps, copy)?;
-            eprintln!(
-                "{:>7} {:>7} {:>7} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>8.1} {:>6.1}%",
-                t.n,
-                t.budget,
-                t.moves,
-                t.score_us,
-                t.select_us,
-                t.move_us,
-                t.total_us,
-                t.eviction_us,
-                t.gb_per_s,
-                t.percent_of_copy
-            );
-            let mut v = serde_json::to_value(&t)?;
-            v["kind"] = "timing".into();
-            println!("{v}");
+            // Both ways of splitting the selection, in the same run: the engine's `Auto`
+            // picks one by n alone, and this is what shows whether it picks well.
+            for blocks in [SelectBlocks::One, SelectBlocks::Many] {
+                let t = kernel_timing(&dev, &c, reps, copy, blocks)?;
+                eprintln!(
+                    "{:>7} {:>7} {:>7} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>8.1} {:>6.1}%  {}",
+                    t.n,
+                    t.budget,
+                    t.moves,
+                    t.score_us,
+                    t.select_us,
+                    t.move_us,
+                    t.total_us,
+                    t.eviction_us,
+                    t.gb_per_s,
+                    t.percent_of_copy,
+                    t.select_blocks
+                );
+                let mut v = serde_json::to_value(&t)?;
+                v["kind"] = "timing".into();
+                println!("{v}");
+            }
         }
     }
     if !failed.is_empty() {

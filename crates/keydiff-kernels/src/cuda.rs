@@ -9,7 +9,8 @@ use half::{bf16, f16};
 
 use crate::geometry::{
     check_kvq, check_pool, check_scores, check_select, kvq_launch, move_launch, per_head_launch,
-    plan_moves, pool_words, scores_launch, Launch, KVQ_FP8, MAX_HEADS,
+    plan_moves, pool_words, scores_launch, select_multi_launch, select_passes, select_workspace,
+    Launch, SelectBlocks, KVQ_FP8, MAX_HEADS,
 };
 
 /// PTX of `kernels/keydiff.cu`.
@@ -112,7 +113,9 @@ fn per_slot_pair(op: &str, values: &Layout, positions: &Layout) -> Result<(usize
 
 /// Survivors and move plan per KV head: `scores` `[kv, n]` f32 (rows contiguous), `positions`
 /// `[kv, ≥ n]` u32 (rows contiguous). Returns the plan `[kv, 1 + 2M]` u32: per head the number
-/// of moves, then M sources, then M destinations (see `kernels/keydiff.cu`).
+/// of moves, then M sources, then M destinations (see `kernels/keydiff.cu`). `blocks` picks
+/// one block per head or many ([`SelectBlocks`]); both give the same plan.
+#[allow(clippy::too_many_arguments)]
 pub fn select_plan(
     scores: &CudaStorage,
     scores_layout: &Layout,
@@ -121,6 +124,7 @@ pub fn select_plan(
     budget: usize,
     sinks: usize,
     recent: usize,
+    blocks: SelectBlocks,
 ) -> Result<(CudaStorage, Shape)> {
     let (kv, n) = per_slot_pair("select-plan", scores_layout, positions_layout)?;
     let (ss, ps) = (scores_layout.stride(), positions_layout.stride());
@@ -145,20 +149,65 @@ pub fn select_plan(
         sinks.min(u32::MAX as usize) as u32,
         recent as i32,
     );
-    let f = dev.get_or_load_custom_func("keydiff_select_plan", MODULE, PTX)?;
-    let mut b = f.builder();
-    b.arg(&s);
-    b.arg(&s_stride);
-    b.arg(&p);
-    b.arg(&p_stride);
-    b.arg(&n32);
-    b.arg(&budget32);
-    b.arg(&sinks32);
-    b.arg(&recent32);
-    b.arg(&plan);
-    b.arg(&plan_stride);
-    // SAFETY: argument list matches `keydiff_select_plan`; one block per head.
-    unsafe { b.launch(launch_cfg(per_head_launch(kv))) }.w()?;
+    if blocks.resolve(n) == SelectBlocks::One {
+        let f = dev.get_or_load_custom_func("keydiff_select_plan", MODULE, PTX)?;
+        let mut b = f.builder();
+        b.arg(&s);
+        b.arg(&s_stride);
+        b.arg(&p);
+        b.arg(&p_stride);
+        b.arg(&n32);
+        b.arg(&budget32);
+        b.arg(&sinks32);
+        b.arg(&recent32);
+        b.arg(&plan);
+        b.arg(&plan_stride);
+        // SAFETY: argument list matches `keydiff_select_plan`; one block per head.
+        unsafe { b.launch(launch_cfg(per_head_launch(kv))) }.w()?;
+    } else {
+        let ws_stride = select_workspace(n);
+        let ws = dev.alloc_zeros::<u32>(kv * ws_stride)?;
+        let ws_stride = ws_stride as i64;
+        let cfg = launch_cfg(select_multi_launch(kv, n));
+        let f = dev.get_or_load_custom_func("keydiff_select_pass", MODULE, PTX)?;
+        for pass in select_passes(recent) {
+            let pass = pass as i32;
+            let mut b = f.builder();
+            b.arg(&s);
+            b.arg(&s_stride);
+            b.arg(&p);
+            b.arg(&p_stride);
+            b.arg(&n32);
+            b.arg(&budget32);
+            b.arg(&sinks32);
+            b.arg(&recent32);
+            b.arg(&pass);
+            b.arg(&ws);
+            b.arg(&ws_stride);
+            // SAFETY: argument list matches `keydiff_select_pass`; the workspace holds
+            // `select_workspace(n)` zeroed words per head, the grid one slice per block.
+            unsafe { b.launch(cfg) }.w()?;
+        }
+        for name in ["keydiff_select_count", "keydiff_select_emit"] {
+            let f = dev.get_or_load_custom_func(name, MODULE, PTX)?;
+            let mut b = f.builder();
+            b.arg(&s);
+            b.arg(&s_stride);
+            b.arg(&p);
+            b.arg(&p_stride);
+            b.arg(&n32);
+            b.arg(&budget32);
+            b.arg(&sinks32);
+            b.arg(&recent32);
+            b.arg(&plan);
+            b.arg(&plan_stride);
+            b.arg(&ws);
+            b.arg(&ws_stride);
+            // SAFETY: argument list matches `keydiff_select_count` / `_emit`, after the passes
+            // above on the same stream and workspace; the plan has `cols` words per head.
+            unsafe { b.launch(cfg) }.w()?;
+        }
+    }
     Ok((
         CudaStorage::wrap_cuda_slice(plan, dev),
         Shape::from((kv, cols)),

@@ -26,7 +26,8 @@ use half::{bf16, f16};
 use crate::fence::{Fenced, HeadAxis, Side};
 use crate::geometry::{
     check_kvq, check_pool, check_scores, check_select, kvq_launch, move_launch, per_head_launch,
-    plan_moves, pool_words, scores_launch, KVQ_BYTES,
+    plan_moves, pool_words, scores_launch, select_multi_launch, select_passes, select_workspace,
+    SelectBlocks, KVQ_BYTES,
 };
 
 extern "C" {
@@ -60,6 +61,28 @@ extern "C" {
         plan: *mut u32,
         plan_stride: i64,
         grid_x: c_uint,
+        block: c_uint,
+        seed: u64,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    fn kd_emu_select_multi(
+        which: c_int,
+        scores: *const f32,
+        score_stride: i64,
+        positions: *const u32,
+        pos_stride: i64,
+        n: c_int,
+        budget: c_int,
+        sinks: u32,
+        recent: c_int,
+        pass: c_int,
+        plan: *mut u32,
+        plan_stride: i64,
+        ws: *mut u32,
+        ws_stride: i64,
+        grid_x: c_uint,
+        grid_y: c_uint,
         block: c_uint,
         seed: u64,
         err: *mut c_char,
@@ -419,8 +442,11 @@ fn kvq_bytes(kind: i32) -> Result<usize> {
     }
 }
 
-/// `keydiff_select_plan`: `scores` and `positions` hold `kv` rows of `n` at their strides.
-/// Returns the plan `[kv, 1 + 2M]`: per head the number of moves, M sources, M destinations.
+/// The selection and move plan, split as `blocks` says: `keydiff_select_plan` (one block per
+/// head), or `keydiff_select_pass` per digit, `keydiff_select_count` and `keydiff_select_emit`
+/// (many blocks per head, launched in that order on one zeroed workspace, as on CUDA).
+/// `scores` and `positions` hold `kv` rows of `n` at their strides. Returns the plan
+/// `[kv, 1 + 2M]`: per head the number of moves, M sources, M destinations.
 #[allow(clippy::too_many_arguments)]
 pub fn select_plan(
     scores: &[f32],
@@ -432,6 +458,7 @@ pub fn select_plan(
     budget: usize,
     sinks: usize,
     recent: usize,
+    blocks: SelectBlocks,
     seed: u64,
 ) -> Result<Vec<u32>> {
     check_select(kv, n, budget, recent)?;
@@ -461,34 +488,81 @@ pub fn select_plan(
     let positions = Fenced::copy_of("select-plan positions", &positions[..pos_extent], side, 4)?;
     // Not zeroed, unlike the CUDA launch: every entry the kernel should write is checked.
     let mut plan = Fenced::filled("select-plan plan", kv * cols, u32::MAX, side, 4)?;
-    // One block per head.
-    scores.view(kv, score_stride, 1, 0, n, HeadAxis::X)?;
-    positions.view(kv, pos_stride, 1, 0, n, HeadAxis::X)?;
-    plan.view(kv, cols, 1, 0, cols, HeadAxis::X)?;
-    let l = per_head_launch(kv);
-    call("select-plan", |err, err_len| {
-        // SAFETY: reads kv rows of n inside the checked extents; writes the plan rows allocated
-        // here (the kernel caps its writes at M per row).
-        unsafe {
-            kd_emu_select_plan(
-                scores.as_ptr(),
-                score_stride as i64,
-                positions.as_ptr(),
-                pos_stride as i64,
-                n as c_int,
-                budget as c_int,
-                sinks.min(u32::MAX as usize) as u32,
-                recent as c_int,
-                plan.as_mut_ptr(),
-                cols as i64,
-                l.grid.0,
-                l.block,
-                seed,
-                err,
-                err_len,
-            )
+    let sinks32 = sinks.min(u32::MAX as usize) as u32;
+    if blocks.resolve(n) == SelectBlocks::One {
+        // One block per head.
+        scores.view(kv, score_stride, 1, 0, n, HeadAxis::X)?;
+        positions.view(kv, pos_stride, 1, 0, n, HeadAxis::X)?;
+        plan.view(kv, cols, 1, 0, cols, HeadAxis::X)?;
+        let l = per_head_launch(kv);
+        call("select-plan", |err, err_len| {
+            // SAFETY: reads kv rows of n inside the checked extents; writes the plan rows
+            // allocated here (the kernel caps its writes at M per row).
+            unsafe {
+                kd_emu_select_plan(
+                    scores.as_ptr(),
+                    score_stride as i64,
+                    positions.as_ptr(),
+                    pos_stride as i64,
+                    n as c_int,
+                    budget as c_int,
+                    sinks32,
+                    recent as c_int,
+                    plan.as_mut_ptr(),
+                    cols as i64,
+                    l.grid.0,
+                    l.block,
+                    seed,
+                    err,
+                    err_len,
+                )
+            }
+        })?;
+    } else {
+        // Slices of a head on grid.x, heads on grid.y.
+        scores.view(kv, score_stride, 1, 0, n, HeadAxis::Y)?;
+        positions.view(kv, pos_stride, 1, 0, n, HeadAxis::Y)?;
+        plan.view(kv, cols, 1, 0, cols, HeadAxis::Y)?;
+        let ws_stride = select_workspace(n);
+        let mut ws = Fenced::filled("select-plan workspace", kv * ws_stride, 0u32, side, 4)?;
+        ws.view(kv, ws_stride, 1, 0, ws_stride, HeadAxis::Y)?;
+        let l = select_multi_launch(kv, n);
+        let launches = select_passes(recent)
+            .map(|p| (0, p))
+            .chain([(1, 0), (2, 0)]);
+        for (i, (which, pass)) in launches.enumerate() {
+            let what = ["select-pass", "select-count", "select-emit"][which as usize];
+            call(what, |err, err_len| {
+                // SAFETY: reads kv rows of n inside the checked extents; reads and writes the
+                // workspace and plan rows allocated here (ws_stride and cols words per head).
+                unsafe {
+                    kd_emu_select_multi(
+                        which,
+                        scores.as_ptr(),
+                        score_stride as i64,
+                        positions.as_ptr(),
+                        pos_stride as i64,
+                        n as c_int,
+                        budget as c_int,
+                        sinks32,
+                        recent as c_int,
+                        pass as c_int,
+                        plan.as_mut_ptr(),
+                        cols as i64,
+                        ws.as_mut_ptr(),
+                        ws_stride as i64,
+                        l.grid.0,
+                        l.grid.1,
+                        l.block,
+                        seed.wrapping_add(i as u64),
+                        err,
+                        err_len,
+                    )
+                }
+            })?;
         }
-    })?;
+        ws.finish()?;
+    }
     scores.finish()?;
     positions.finish()?;
     plan.finish()

@@ -42,6 +42,69 @@ pub fn per_head_launch(kv: usize) -> Launch {
     }
 }
 
+/// `KD_SEL_THREADS`: threads of a block of the many-block selection.
+pub const SELECT_MULTI_THREADS: u32 = 512;
+/// `KD_SEL_ITEMS`: slots of one slice (one block) of the many-block selection.
+pub const SELECT_ITEMS: usize = 4096;
+/// `KD_SEL_RECENT_PASSES`: passes (11-bit digits) of the recent window's 32-bit keys.
+pub const SELECT_RECENT_PASSES: usize = 3;
+/// `KD_SEL_PASSES`: passes in all, the recent window's and then the 64-bit slot keys' six.
+pub const SELECT_PASSES: usize = 9;
+/// `KD_SEL_COUNTS`: workspace words of a head before its per-slice counts (control entries,
+/// tickets, a histogram of 2048 bins per pass).
+pub const SELECT_COUNTS: usize = 96 + SELECT_PASSES * 2048;
+
+/// How the selection runs on CUDA: one block per head (`keydiff_select_plan`, one launch), or
+/// many (`keydiff_select_pass` per digit, `_count`, `_emit`: every SM at work for large n).
+/// The plan is the same.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SelectBlocks {
+    /// Many blocks once a head has more than one slice of [`SELECT_ITEMS`] slots.
+    #[default]
+    Auto,
+    One,
+    Many,
+}
+
+impl SelectBlocks {
+    /// What a selection over `n` slots per head runs: never `Auto`.
+    pub fn resolve(self, n: usize) -> SelectBlocks {
+        match self {
+            SelectBlocks::Auto if n > SELECT_ITEMS => SelectBlocks::Many,
+            SelectBlocks::Auto => SelectBlocks::One,
+            b => b,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            SelectBlocks::Auto => "auto",
+            SelectBlocks::One => "one block per head",
+            SelectBlocks::Many => "many blocks per head",
+        }
+    }
+}
+
+/// The many-block selection's kernels: a slice of [`SELECT_ITEMS`] slots per block on grid.x,
+/// heads on grid.y.
+pub fn select_multi_launch(kv: usize, n: usize) -> Launch {
+    Launch {
+        grid: (n.div_ceil(SELECT_ITEMS) as u32, kv as u32),
+        block: SELECT_MULTI_THREADS,
+    }
+}
+
+/// Workspace words per head of the many-block selection (zeroed before its first pass).
+pub fn select_workspace(n: usize) -> usize {
+    SELECT_COUNTS + 4 * n.div_ceil(SELECT_ITEMS)
+}
+
+/// The `keydiff_select_pass` launches of a selection: the recent window's only when it has one.
+pub fn select_passes(recent: usize) -> std::ops::Range<usize> {
+    let first = if recent > 0 { 0 } else { SELECT_RECENT_PASSES };
+    first..SELECT_PASSES
+}
+
 /// `keydiff_move_rows`: one warp per move, heads on grid.y.
 pub fn move_launch(moves: usize, kv: usize) -> Launch {
     Launch {
@@ -147,6 +210,14 @@ mod tests {
         assert_eq!(move_launch(9, 3).grid, (2, 3));
         assert_eq!(move_launch(8, 3).grid, (1, 3));
         assert_eq!(per_head_launch(7).grid, (7, 1));
+        assert_eq!(select_multi_launch(8, 131_072 + 128).grid, (33, 8));
+        assert_eq!(select_multi_launch(2, 4096).grid, (1, 2));
+        assert_eq!(select_workspace(4097), SELECT_COUNTS + 8);
+        assert_eq!(select_passes(0), 3..9);
+        assert_eq!(select_passes(1), 0..9);
+        assert_eq!(SelectBlocks::Auto.resolve(4096), SelectBlocks::One);
+        assert_eq!(SelectBlocks::Auto.resolve(4097), SelectBlocks::Many);
+        assert_eq!(SelectBlocks::Many.resolve(10), SelectBlocks::Many);
         assert_eq!(plan_moves(8320, 8192), 128);
         assert_eq!(plan_moves(10, 3), 3);
         assert_eq!(pool_words(0), 1);

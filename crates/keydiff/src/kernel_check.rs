@@ -10,6 +10,7 @@ use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
 use keydiff_cache::policy::{keydiff_scores, keydiff_scores_fused, PoolByPosition};
+pub use keydiff_cache::select::SelectBlocks;
 use keydiff_cache::select::{move_plan, plan_tensor, select, ApplyPlan, SelectPlan};
 use keydiff_cache::{Anchor, KvType};
 use rand::rngs::StdRng;
@@ -87,8 +88,10 @@ pub struct KernelParity {
     pub score_max_abs_vs_reference: f32,
     /// Device scores against the CPU twin of the fused op.
     pub score_max_abs_vs_twin: f32,
-    /// Heads whose plan (from the same scores) differs from the sorted reference's.
+    /// Heads whose plan (from the same scores) differs from the sorted reference's: the
+    /// one-block-per-head selection, and the many-block one.
     pub plan_heads_differing: usize,
+    pub plan_heads_differing_many: usize,
     /// Slots kept by one and not the other when each side selects from its own scores.
     pub end_to_end_slots_differing: usize,
     /// Every such slot's reference score is within 2·error + 1e-6 of its head's marginal
@@ -182,22 +185,30 @@ pub fn kernel_parity(device: &Device, c: &KernelCase, seed: u64) -> Result<Kerne
     let pos = random_positions(c.kv_heads, c.n, &mut rng);
     let pos_of = |h: usize| &pos[h * c.n..(h + 1) * c.n];
     let pos_dev = Tensor::from_vec(pos.clone(), (c.kv_heads, c.n), device)?;
-    let op = SelectPlan {
+    let op_with = |blocks| SelectPlan {
         budget: c.budget,
         sinks: c.sinks,
         recent: c.recent,
+        blocks,
     };
-    // The same scores on both sides: plans must be identical.
+    let op = op_with(SelectBlocks::Auto);
+    // The same scores on both sides: plans must be identical, whichever way the device splits
+    // the selection.
     let keep_ref: Vec<Vec<bool>> = (0..c.kv_heads)
         .map(|h| select(&s_twin[h], pos_of(h), c.budget, c.sinks, c.recent))
         .collect();
     let plans_ref: Vec<Vec<(u32, u32)>> = keep_ref.iter().map(|k| move_plan(k, c.budget)).collect();
-    let plans_dev = plan_rows(&twin.to_device(device)?.apply_op2_no_bwd(&pos_dev, &op)?)?;
-    let plan_heads_differing = plans_ref
-        .iter()
-        .zip(&plans_dev)
-        .filter(|(a, b)| a != b)
-        .count();
+    let twin_dev = twin.to_device(device)?;
+    let differing = |blocks| -> Result<usize> {
+        let plans_dev = plan_rows(&twin_dev.apply_op2_no_bwd(&pos_dev, &op_with(blocks))?)?;
+        Ok(plans_ref
+            .iter()
+            .zip(&plans_dev)
+            .filter(|(a, b)| a != b)
+            .count())
+    };
+    let plan_heads_differing = differing(SelectBlocks::One)?;
+    let plan_heads_differing_many = differing(SelectBlocks::Many)?;
 
     // End to end: each side selects from its own scores.
     let e2e_plan = Tensor::new(s_dev.clone(), &cpu)?
@@ -282,6 +293,7 @@ pub fn kernel_parity(device: &Device, c: &KernelCase, seed: u64) -> Result<Kerne
     let pass = err_ref <= SCORE_TOL
         && err_twin <= SCORE_TOL
         && plan_heads_differing == 0
+        && plan_heads_differing_many == 0
         && ties_only
         && moves_equal
         && pool_err <= 1e-6;
@@ -298,6 +310,7 @@ pub fn kernel_parity(device: &Device, c: &KernelCase, seed: u64) -> Result<Kerne
         score_max_abs_vs_reference: err_ref,
         score_max_abs_vs_twin: err_twin,
         plan_heads_differing,
+        plan_heads_differing_many,
         end_to_end_slots_differing: differing,
         end_to_end_ties_only: ties_only,
         moves_equal,
@@ -417,6 +430,8 @@ pub struct KernelTiming {
     pub n: usize,
     pub head_dim: usize,
     pub budget: usize,
+    /// How the selection was split (`SelectBlocks::name`).
+    pub select_blocks: String,
     /// Rows moved, all heads.
     pub moves: usize,
     pub reps: usize,
@@ -465,13 +480,15 @@ pub fn copy_bandwidth(device: &Device) -> Result<f64> {
 }
 
 /// Times the eviction ops on `device` for a case's shape, dtype, budget, protection and anchor,
-/// with positions ascending (the newest chunk last, as after a prefill chunk). One warm-up,
-/// then the median of `reps`; the device is synchronised around every op.
+/// with positions ascending (the newest chunk last, as after a prefill chunk), the selection
+/// split as `blocks` says. One warm-up, then the median of `reps`; the device is synchronised
+/// around every op.
 pub fn kernel_timing(
     device: &Device,
     c: &KernelCase,
     reps: usize,
     copy_gb_per_s: f64,
+    blocks: SelectBlocks,
 ) -> Result<KernelTiming> {
     let (kv, n, head_dim, dtype, budget) = (c.kv_heads, c.n, c.head_dim, c.dtype, c.budget);
     let mut rng = StdRng::seed_from_u64(7);
@@ -488,6 +505,7 @@ pub fn kernel_timing(
         budget,
         sinks: c.sinks,
         recent: c.recent,
+        blocks,
     };
     let (mut ts, mut tp, mut tm) = (Vec::new(), Vec::new(), Vec::new());
     let mut moves = 0;
@@ -543,6 +561,7 @@ pub fn kernel_timing(
         n,
         head_dim,
         budget,
+        select_blocks: blocks.resolve(n).name().to_string(),
         moves,
         reps,
         score_us: score * 1e6,
