@@ -13,9 +13,9 @@ trap 'cp "$orig" "$src"; rm -f "$orig"' EXIT
 
 # name ~ exact text ~ replacement (\n: newline)
 mutants=(
-  "select: keep only keys above the threshold~key(i) >= threshold;~key(i) > threshold;"
+  "select: keep only keys above the threshold~i < n && key(i) >= threshold;~i < n && key(i) > threshold;"
   "select: recent window one short~(has_recent && p >= recent_min)~(has_recent && p > recent_min)"
-  "select: hole offset ignores lower lanes~    oh += __popc(bh & below);~    oh += __popc(bh);"
+  "select: hole offset ignores lower lanes~      om += sh.warp_total[1][w];\n    }\n    oh += __popc(bh & below);~      om += sh.warp_total[1][w];\n    }\n    oh += __popc(bh);"
   "select: no barrier after the digit is chosen~    mask |= 255ull << shift;\n    __syncthreads();~    mask |= 255ull << shift;"
   "scores: no barrier before the warp partials are summed~  if (lane == 0) partial[warp] = ss;\n  __syncthreads();~  if (lane == 0) partial[warp] = ss;"
   "scores: warp sum skips the lane-16 step~float kd_warp_sum(float v) {\n  for (int o = 16; o > 0;~float kd_warp_sum(float v) {\n  for (int o = 8; o > 0;"
@@ -47,7 +47,7 @@ mutants=(
   "select: no barrier before the digit is chosen~        atomicAdd(&sh.hist[bin], (unsigned)__popc(peers));\n    }\n    __syncthreads();~        atomicAdd(&sh.hist[bin], (unsigned)__popc(peers));\n    }"
   "select: no barrier after the threshold is read~  const uint64_t r = sh.prefix;\n  __syncthreads();~  const uint64_t r = sh.prefix;"
   "select: no barrier after the warp totals are written~      sh.warp_total[1][warp] = __popc(bm);\n    }\n    __syncthreads();~      sh.warp_total[1][warp] = __popc(bm);\n    }"
-  "select: no barrier before the offsets advance~    if (mover && om < (unsigned)max_moves) src[om] = (uint32_t)i;\n    __syncthreads();~    if (mover && om < (unsigned)max_moves) src[om] = (uint32_t)i;"
+  "select: no barrier before the offsets advance~src[om] = (uint32_t)i;\n    __syncthreads();\n    if (threadIdx.x == 0) {\n      for (int w = 0;~src[om] = (uint32_t)i;\n    if (threadIdx.x == 0) {\n      for (int w = 0;"
   "select: no barrier after the offsets advance~        sh.base[1] += sh.warp_total[1][w];\n      }\n    }\n    __syncthreads();~        sh.base[1] += sh.warp_total[1][w];\n      }\n    }"
   "snapkv: no barrier after the bitmap is built~  if (threadIdx.x == 0) base = 0;\n  __syncthreads();~  if (threadIdx.x == 0) base = 0;"
   "snapkv: no barrier after the scan's warp totals~    if (lane == 31) warp_total[warp] = x;\n    __syncthreads();~    if (lane == 31) warp_total[warp] = x;"
@@ -55,6 +55,9 @@ mutants=(
   "snapkv: no barrier after the scan's offset advances~      for (int v = 0; v < warps; ++v) base += warp_total[v];\n    }\n    __syncthreads();~      for (int v = 0; v < warps; ++v) base += warp_total[v];\n    }"
   "snapkv: no barrier before the windows read the ranking~    srt[r] = (uint32_t)i;\n  }\n  __syncthreads();~    srt[r] = (uint32_t)i;\n  }"
   # The many-block selection (keydiff_select_pass / _count / _emit).
+  "select-many: count keeps only keys above the threshold~    const bool keep = key(i) >= threshold;~    const bool keep = key(i) > threshold;"
+  "select-many: hole offset ignores lower lanes~      om += warp_total[1][v];\n    }\n    oh += __popc(bh & below);~      om += warp_total[1][v];\n    }\n    oh += __popc(bh);"
+  "select-many: no barrier before the emit offsets advance~src[om] = (uint32_t)i;\n    __syncthreads();\n    if (threadIdx.x == 0) {\n      for (int v = 0;~src[om] = (uint32_t)i;\n    if (threadIdx.x == 0) {\n      for (int v = 0;"
   "select-many: a pass's last block named one ticket early~atomicAdd(&w[KD_SEL_TICKETS + pass], 1u) == gridDim.x - 1;~atomicAdd(&w[KD_SEL_TICKETS + pass], 1u) == gridDim.x - 2;"
   "select-many: the first block to count computes the offsets~atomicAdd(&w[KD_SEL_TICKETS + KD_SEL_PASSES], 1u) == gridDim.x - 1;~atomicAdd(&w[KD_SEL_TICKETS + KD_SEL_PASSES], 1u) == 0;"
   "select-many: a finished stage is not carried on~out[threadIdx.x] = in[threadIdx.x];~(void)out;"
