@@ -2,8 +2,8 @@
 //!
 //! [`select`] is the reference (a sort). [`select_radix`] is the twin of the CUDA kernels
 //! `keydiff_select_plan` and `keydiff_select_pass`/`_count`/`_emit` (the same 64-bit slot keys
-//! and an MSB-first radix select, in O(n)); the engine uses it on the CPU, and the [`SelectPlan`] / [`ApplyPlan`] ops run it or
-//! the kernel, whatever the device.
+//! and an MSB-first radix select, in O(n)); the engine uses it on the CPU, and the
+//! [`SelectPlan`] / [`ApplyPlan`] ops run it or the kernels, whatever the device.
 
 use candle_core::{CpuStorage, CustomOp2, InplaceOp2, Layout, Shape};
 pub use keydiff_kernels::geometry::SelectBlocks;
