@@ -444,7 +444,12 @@ extern "C" __global__ void __launch_bounds__(KD_SEL_THREADS)
     if (hist[j]) atomicAdd(&gh[j], hist[j]);
   __threadfence();
   __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(&w[KD_SEL_TICKETS + pass], 1u) == gridDim.x - 1;
+  if (threadIdx.x == 0) {
+    // Every thread fenced its own adds; thread 0 fences again after the barrier, as in the
+    // canonical last-block pattern, before it takes the ticket.
+    __threadfence();
+    last = atomicAdd(&w[KD_SEL_TICKETS + pass], 1u) == gridDim.x - 1;
+  }
   __syncthreads();
   if (!last) return;
   __threadfence();
@@ -517,8 +522,10 @@ extern "C" __global__ void __launch_bounds__(KD_SEL_THREADS)
   }
   __threadfence();
   __syncthreads();
-  if (threadIdx.x == 0)
+  if (threadIdx.x == 0) {
+    __threadfence();
     last = atomicAdd(&w[KD_SEL_TICKETS + KD_SEL_PASSES], 1u) == gridDim.x - 1;
+  }
   __syncthreads();
   if (!last) return;
   __threadfence();
