@@ -390,6 +390,25 @@ __device__ __forceinline__ unsigned kd_sel_block_scan(unsigned v, unsigned* tmp)
   return off;
 }
 
+// After this block's atomic adds to the workspace: whether it is the last block of the launch
+// to get here (`ticket` counts them). Every thread of the block gets the same answer. The last
+// block then sees every other block's adds, read through atomics. Every thread fences its own
+// adds; thread 0 fences again after the barrier before it takes the ticket (the canonical
+// last-block pattern).
+__device__ __forceinline__ bool kd_sel_last_block(unsigned* ticket) {
+  __shared__ int last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    last = atomicAdd(ticket, 1u) == gridDim.x - 1;
+  }
+  __syncthreads();
+  const bool is_last = last;
+  __threadfence();
+  return is_last;
+}
+
 extern "C" __global__ void __launch_bounds__(KD_SEL_THREADS)
     keydiff_select_pass(const float* scores, int64_t score_stride, const uint32_t* positions,
                         int64_t pos_stride, int n, int budget, uint32_t sinks, int recent,
@@ -397,7 +416,6 @@ extern "C" __global__ void __launch_bounds__(KD_SEL_THREADS)
   __shared__ unsigned hist[KD_SEL_BINS];
   __shared__ unsigned tmp[KD_SEL_THREADS / 32];
   __shared__ unsigned found[3];
-  __shared__ int last;
   const int h = blockIdx.y;
   uint32_t* w = ws + h * ws_stride;
   const uint32_t* in = w + pass * KD_SEL_CTL;
@@ -442,17 +460,7 @@ extern "C" __global__ void __launch_bounds__(KD_SEL_THREADS)
   uint32_t* gh = w + KD_SEL_HIST + pass * KD_SEL_BINS;
   for (int j = threadIdx.x; j < KD_SEL_BINS; j += blockDim.x)
     if (hist[j]) atomicAdd(&gh[j], hist[j]);
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    // Every thread fenced its own adds; thread 0 fences again after the barrier, as in the
-    // canonical last-block pattern, before it takes the ticket.
-    __threadfence();
-    last = atomicAdd(&w[KD_SEL_TICKETS + pass], 1u) == gridDim.x - 1;
-  }
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
+  if (!kd_sel_last_block(&w[KD_SEL_TICKETS + pass])) return;
 
   // The last block: bins from the top, 4 per thread; the digit is the bin where the count of
   // keys at or above it first reaches k.
@@ -496,7 +504,6 @@ extern "C" __global__ void __launch_bounds__(KD_SEL_THREADS)
                          uint32_t* plan, int64_t plan_stride, uint32_t* ws, int64_t ws_stride) {
   __shared__ unsigned tmp[KD_SEL_THREADS / 32];
   __shared__ unsigned carry[2];
-  __shared__ int last;
   const int h = blockIdx.y;
   uint32_t* w = ws + h * ws_stride;
   const uint32_t* ctl = w + KD_SEL_PASSES * KD_SEL_CTL;
@@ -520,15 +527,7 @@ extern "C" __global__ void __launch_bounds__(KD_SEL_THREADS)
     atomicAdd(&counts[2 * blockIdx.x + 1], movers);
     carry[0] = carry[1] = 0;
   }
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    last = atomicAdd(&w[KD_SEL_TICKETS + KD_SEL_PASSES], 1u) == gridDim.x - 1;
-  }
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
+  if (!kd_sel_last_block(&w[KD_SEL_TICKETS + KD_SEL_PASSES])) return;
   for (int b0 = 0; b0 < blocks; b0 += blockDim.x) {
     const int b = b0 + (int)threadIdx.x;
     const unsigned ch = b < blocks ? atomicAdd(&counts[2 * b], 0u) : 0u;

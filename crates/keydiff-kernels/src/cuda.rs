@@ -149,17 +149,23 @@ pub fn select_plan(
         sinks.min(u32::MAX as usize) as u32,
         recent as i32,
     );
+    // The arguments every selection kernel starts with.
+    macro_rules! select_args {
+        ($b:ident) => {
+            $b.arg(&s);
+            $b.arg(&s_stride);
+            $b.arg(&p);
+            $b.arg(&p_stride);
+            $b.arg(&n32);
+            $b.arg(&budget32);
+            $b.arg(&sinks32);
+            $b.arg(&recent32);
+        };
+    }
     if blocks.resolve(n) == SelectBlocks::One {
         let f = dev.get_or_load_custom_func("keydiff_select_plan", MODULE, PTX)?;
         let mut b = f.builder();
-        b.arg(&s);
-        b.arg(&s_stride);
-        b.arg(&p);
-        b.arg(&p_stride);
-        b.arg(&n32);
-        b.arg(&budget32);
-        b.arg(&sinks32);
-        b.arg(&recent32);
+        select_args!(b);
         b.arg(&plan);
         b.arg(&plan_stride);
         // SAFETY: argument list matches `keydiff_select_plan`; one block per head.
@@ -173,14 +179,7 @@ pub fn select_plan(
         for pass in select_passes(recent) {
             let pass = pass as i32;
             let mut b = f.builder();
-            b.arg(&s);
-            b.arg(&s_stride);
-            b.arg(&p);
-            b.arg(&p_stride);
-            b.arg(&n32);
-            b.arg(&budget32);
-            b.arg(&sinks32);
-            b.arg(&recent32);
+            select_args!(b);
             b.arg(&pass);
             b.arg(&ws);
             b.arg(&ws_stride);
@@ -191,14 +190,7 @@ pub fn select_plan(
         for name in ["keydiff_select_count", "keydiff_select_emit"] {
             let f = dev.get_or_load_custom_func(name, MODULE, PTX)?;
             let mut b = f.builder();
-            b.arg(&s);
-            b.arg(&s_stride);
-            b.arg(&p);
-            b.arg(&p_stride);
-            b.arg(&n32);
-            b.arg(&budget32);
-            b.arg(&sinks32);
-            b.arg(&recent32);
+            select_args!(b);
             b.arg(&plan);
             b.arg(&plan_stride);
             b.arg(&ws);
