@@ -60,14 +60,25 @@ __device__ __forceinline__ void kd_load_rows(const T* keys, int64_t head_stride,
   }
 }
 
+// The block's share of the anchor: `acc` (shared, d values) zeroed before the block's rows add
+// to it, and added to the head's sum once they all have.
+__device__ __forceinline__ void kd_anchor_zero(float* acc, int d) {
+  for (int j = threadIdx.x; j < d; j += blockDim.x) acc[j] = 0.f;
+  __syncthreads();
+}
+
+__device__ __forceinline__ void kd_anchor_flush(const float* acc, float* anchor_sum, int h, int d) {
+  __syncthreads();
+  for (int j = threadIdx.x; j < d; j += blockDim.x) atomicAdd(&anchor_sum[h * d + j], acc[j]);
+}
+
 template <typename T>
 __device__ void kd_pass1(const T* keys, int64_t head_stride, int64_t row_stride, int n, int d,
                          int normalized, float* norms, float* anchor_sum) {
   __shared__ float acc[KD_MAX_D];
   const int h = blockIdx.y;
   const int row0 = blockIdx.x * KD_ROWS_PER_BLOCK;
-  for (int j = threadIdx.x; j < d; j += blockDim.x) acc[j] = 0.f;
-  __syncthreads();
+  kd_anchor_zero(acc, d);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
   const int row_end = min(row0 + KD_ROWS_PER_BLOCK, n);
   // Lane l owns elements l, l + 32, ... of every row: it reads each once and sums its share of
@@ -91,19 +102,13 @@ __device__ void kd_pass1(const T* keys, int64_t head_stride, int64_t row_stride,
   }
   for (int c = 0; c < KD_MAX_D / 32; ++c)
     if (lane + 32 * c < d) atomicAdd(&acc[lane + 32 * c], part[c]);
-  __syncthreads();
-  for (int j = threadIdx.x; j < d; j += blockDim.x) atomicAdd(&anchor_sum[h * d + j], acc[j]);
+  kd_anchor_flush(acc, anchor_sum, h, d);
 }
 
-template <typename T>
-__device__ void kd_pass2(const T* keys, int64_t head_stride, int64_t row_stride, int n, int d,
-                         const float* norms, const float* anchor_sum, float* scores) {
-  __shared__ float mu[KD_MAX_D];
+// mu = anchor_sum[h] / n into `mu` (shared, d values), for the whole block; returns |mu| + eps.
+__device__ float kd_anchor_mean(const float* anchor_sum, int h, int n, int d, float* mu) {
   __shared__ float partial[KD_THREADS / 32];
-  const int h = blockIdx.y;
-  const int row0 = blockIdx.x * KD_ROWS_PER_BLOCK;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
-  const int row_end = min(row0 + KD_ROWS_PER_BLOCK, n);
   float ss = 0.f;
   for (int j = threadIdx.x; j < d; j += blockDim.x) {
     const float m = anchor_sum[h * d + j] / (float)n;
@@ -115,7 +120,18 @@ __device__ void kd_pass2(const T* keys, int64_t head_stride, int64_t row_stride,
   __syncthreads();
   float total = 0.f;
   for (int w = 0; w < warps; ++w) total += partial[w];
-  const float mu_norm = sqrtf(total) + KD_NORM_EPS;
+  return sqrtf(total) + KD_NORM_EPS;
+}
+
+template <typename T>
+__device__ void kd_pass2(const T* keys, int64_t head_stride, int64_t row_stride, int n, int d,
+                         const float* norms, const float* anchor_sum, float* scores) {
+  __shared__ float mu[KD_MAX_D];
+  const int h = blockIdx.y;
+  const int row0 = blockIdx.x * KD_ROWS_PER_BLOCK;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  const int row_end = min(row0 + KD_ROWS_PER_BLOCK, n);
+  const float mu_norm = kd_anchor_mean(anchor_sum, h, n, d, mu);
   for (int rb = row0 + warp; rb < row_end; rb += KD_ROW_BATCH * warps) {
     float x[KD_ROW_BATCH][KD_MAX_D / 32];
     kd_load_rows(keys, head_stride, row_stride, h, rb, warps, row_end, d, lane, x);
@@ -127,6 +143,162 @@ __device__ void kd_pass2(const T* keys, int64_t head_stride, int64_t row_stride,
       if (r >= row_end) break;
       dot = kd_warp_sum(dot);
       if (lane == 0) scores[(int64_t)h * n + r] = -dot / (norms[(int64_t)h * n + r] * mu_norm);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The same two passes with 16-byte loads, for d = 64, 128 and 256 (D, a template argument) when
+// the view allows them: its start, head stride and row stride are multiples of 16 bytes (the
+// launch wrappers check, and take the kernels above otherwise).
+//
+// A row of D values of T is D·sizeof(T)/16 vectors. KdVec::kLanes = min(32, that) lanes share a
+// row, so one warp-wide load covers kRows = 32/kLanes whole rows (2 rows of 128 bf16 values),
+// and a warp issues KD_VEC_BATCH such loads before it reduces the first. Per lane that is a
+// uint4 per vector instead of one 2- or 4-byte load per 32 values, and with D known the loop
+// bounds and registers fit the head size. The sums run in another order than above (a lane adds
+// its kElems values first), so scores agree with the scalar kernels to rounding, not bit for bit.
+// ---------------------------------------------------------------------------------------------
+
+#define KD_VEC_BATCH 4
+
+template <typename T, int D>
+struct KdVec {
+  static constexpr int kElems = 16 / (int)sizeof(T);    // values of a vector
+  static constexpr int kVecs = D / kElems;               // vectors of a row
+  static constexpr int kLanes = kVecs < 32 ? kVecs : 32;  // lanes of a row
+  static constexpr int kRows = 32 / kLanes;              // rows of a warp-wide load
+  static constexpr int kPerLane = kVecs / kLanes;        // vectors of a lane in a row
+  static constexpr int kVals = kPerLane * kElems;        // values of a lane in a row
+};
+
+// A vector's values (little-endian: value 0 in the low bits of x).
+__device__ __forceinline__ void kd_unpack(const uint4& u, float* out, const float*) {
+  out[0] = __uint_as_float(u.x);
+  out[1] = __uint_as_float(u.y);
+  out[2] = __uint_as_float(u.z);
+  out[3] = __uint_as_float(u.w);
+}
+__device__ __forceinline__ void kd_unpack(const uint4& u, float* out, const __nv_bfloat16*) {
+  const unsigned w[4] = {u.x, u.y, u.z, u.w};
+  for (int i = 0; i < 4; ++i) {
+    out[2 * i] = __uint_as_float(w[i] << 16);
+    out[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+  }
+}
+__device__ __forceinline__ void kd_unpack(const uint4& u, float* out, const __half*) {
+  const unsigned w[4] = {u.x, u.y, u.z, u.w};
+  for (int i = 0; i < 4; ++i) {
+    out[2 * i] = __half2float(__ushort_as_half((unsigned short)(w[i] & 0xffffu)));
+    out[2 * i + 1] = __half2float(__ushort_as_half((unsigned short)(w[i] >> 16)));
+  }
+}
+
+// The raw vectors of lane `lane` in rows rb + b·step + lane / kLanes (b < KD_VEC_BATCH): vectors
+// lane % kLanes + kLanes·v of each row. Zero bits (0.0 in every dtype) for rows at or past
+// `row_end`; nothing is read there.
+template <typename T, int D>
+__device__ __forceinline__ void kd_load_vecs(const T* keys, int64_t head_stride,
+                                             int64_t row_stride, int h, int rb, int step,
+                                             int row_end, int lane,
+                                             uint4 (&raw)[KD_VEC_BATCH][KdVec<T, D>::kPerLane]) {
+  using G = KdVec<T, D>;
+  const int sub = lane / G::kLanes, place = lane % G::kLanes;
+  for (int b = 0; b < KD_VEC_BATCH; ++b) {
+    const int r = rb + b * step + sub;
+    const uint4* row =
+        reinterpret_cast<const uint4*>(keys + h * head_stride + (int64_t)r * row_stride);
+    for (int v = 0; v < G::kPerLane; ++v) {
+      if (r < row_end) {
+        raw[b][v] = row[place + G::kLanes * v];
+      } else {
+        raw[b][v].x = raw[b][v].y = raw[b][v].z = raw[b][v].w = 0u;
+      }
+    }
+  }
+}
+
+// Sum over the kLanes lanes of one row (aligned groups of a power of two).
+template <int L>
+__device__ __forceinline__ float kd_row_sum(float v) {
+  for (int o = L / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+template <typename T, int D>
+__device__ void kd_pass1_vec(const T* keys, int64_t head_stride, int64_t row_stride, int n,
+                             int normalized, float* norms, float* anchor_sum) {
+  using G = KdVec<T, D>;
+  __shared__ float acc[KD_MAX_D];
+  const int h = blockIdx.y;
+  const int row0 = blockIdx.x * KD_ROWS_PER_BLOCK;
+  kd_anchor_zero(acc, D);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  const int sub = lane / G::kLanes, place = lane % G::kLanes;
+  const int row_end = min(row0 + KD_ROWS_PER_BLOCK, n);
+  const int step = warps * G::kRows;
+  float part[G::kVals];
+  for (int j = 0; j < G::kVals; ++j) part[j] = 0.f;
+  for (int rb = row0 + warp * G::kRows; rb < row_end; rb += KD_VEC_BATCH * step) {
+    uint4 raw[KD_VEC_BATCH][G::kPerLane];
+    kd_load_vecs<T, D>(keys, head_stride, row_stride, h, rb, step, row_end, lane, raw);
+    for (int b = 0; b < KD_VEC_BATCH; ++b) {
+      // Uniform across the warp (its first row of load b): every lane reaches the shuffles.
+      if (rb + b * step >= row_end) break;
+      const int r = rb + b * step + sub;
+      float x[G::kVals];
+      for (int v = 0; v < G::kPerLane; ++v) kd_unpack(raw[b][v], &x[v * G::kElems], keys);
+      float ss = 0.f;
+      for (int j = 0; j < G::kVals; ++j) ss += x[j] * x[j];
+      const float norm = sqrtf(kd_row_sum<G::kLanes>(ss)) + KD_NORM_EPS;
+      if (r < row_end) {
+        if (place == 0) norms[(int64_t)h * n + r] = norm;
+        const float w = normalized ? 1.f / norm : 1.f;
+        for (int j = 0; j < G::kVals; ++j) part[j] += x[j] * w;
+      }
+    }
+  }
+  // Lanes at the same place of the warp's rows hold sums of the same values: add them across
+  // the rows, then the lanes of the first row add them to the block's share.
+  for (int o = G::kLanes; o < 32; o <<= 1)
+    for (int j = 0; j < G::kVals; ++j) part[j] += __shfl_xor_sync(0xffffffffu, part[j], o);
+  if (sub == 0)
+    for (int v = 0; v < G::kPerLane; ++v)
+      for (int e = 0; e < G::kElems; ++e)
+        atomicAdd(&acc[(place + G::kLanes * v) * G::kElems + e], part[v * G::kElems + e]);
+  kd_anchor_flush(acc, anchor_sum, h, D);
+}
+
+template <typename T, int D>
+__device__ void kd_pass2_vec(const T* keys, int64_t head_stride, int64_t row_stride, int n,
+                             const float* norms, const float* anchor_sum, float* scores) {
+  using G = KdVec<T, D>;
+  __shared__ float mu[KD_MAX_D];
+  const int h = blockIdx.y;
+  const int row0 = blockIdx.x * KD_ROWS_PER_BLOCK;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  const int sub = lane / G::kLanes, place = lane % G::kLanes;
+  const int row_end = min(row0 + KD_ROWS_PER_BLOCK, n);
+  const int step = warps * G::kRows;
+  const float mu_norm = kd_anchor_mean(anchor_sum, h, n, D, mu);
+  // The lane's values of mu, in the order of its values of a row.
+  float m[G::kVals];
+  for (int v = 0; v < G::kPerLane; ++v)
+    for (int e = 0; e < G::kElems; ++e)
+      m[v * G::kElems + e] = mu[(place + G::kLanes * v) * G::kElems + e];
+  for (int rb = row0 + warp * G::kRows; rb < row_end; rb += KD_VEC_BATCH * step) {
+    uint4 raw[KD_VEC_BATCH][G::kPerLane];
+    kd_load_vecs<T, D>(keys, head_stride, row_stride, h, rb, step, row_end, lane, raw);
+    for (int b = 0; b < KD_VEC_BATCH; ++b) {
+      if (rb + b * step >= row_end) break;
+      const int r = rb + b * step + sub;
+      float x[G::kVals];
+      for (int v = 0; v < G::kPerLane; ++v) kd_unpack(raw[b][v], &x[v * G::kElems], keys);
+      float dot = 0.f;
+      for (int j = 0; j < G::kVals; ++j) dot += x[j] * m[j];
+      dot = kd_row_sum<G::kLanes>(dot);
+      if (r < row_end && place == 0)
+        scores[(int64_t)h * n + r] = -dot / (norms[(int64_t)h * n + r] * mu_norm);
     }
   }
 }
@@ -146,6 +318,31 @@ __device__ void kd_pass2(const T* keys, int64_t head_stride, int64_t row_stride,
 KD_INSTANTIATE(f32, float)
 KD_INSTANTIATE(f16, __half)
 KD_INSTANTIATE(bf16, __nv_bfloat16)
+
+// keydiff_pass1v_<dtype>_<D> / keydiff_pass2v_<dtype>_<D>: the argument lists of the kernels
+// above; `d` must be D (the wrappers pick the kernel by it).
+#define KD_INSTANTIATE_VEC(SUFFIX, T, D)                                                        \
+  extern "C" __global__ void __launch_bounds__(KD_THREADS) keydiff_pass1v_##SUFFIX##_##D(       \
+      const T* keys, int64_t head_stride, int64_t row_stride, int n, int d, int normalized,     \
+      float* norms, float* anchor_sum) {                                                        \
+    (void)d;                                                                                    \
+    kd_pass1_vec<T, D>(keys, head_stride, row_stride, n, normalized, norms, anchor_sum);        \
+  }                                                                                             \
+  extern "C" __global__ void __launch_bounds__(KD_THREADS) keydiff_pass2v_##SUFFIX##_##D(       \
+      const T* keys, int64_t head_stride, int64_t row_stride, int n, int d, const float* norms, \
+      const float* anchor_sum, float* scores) {                                                 \
+    (void)d;                                                                                    \
+    kd_pass2_vec<T, D>(keys, head_stride, row_stride, n, norms, anchor_sum, scores);            \
+  }
+
+#define KD_INSTANTIATE_VEC_DS(SUFFIX, T) \
+  KD_INSTANTIATE_VEC(SUFFIX, T, 64)      \
+  KD_INSTANTIATE_VEC(SUFFIX, T, 128)     \
+  KD_INSTANTIATE_VEC(SUFFIX, T, 256)
+
+KD_INSTANTIATE_VEC_DS(f32, float)
+KD_INSTANTIATE_VEC_DS(f16, __half)
+KD_INSTANTIATE_VEC_DS(bf16, __nv_bfloat16)
 
 // ---------------------------------------------------------------------------------------------
 // Selection and move plan: one block per KV head.

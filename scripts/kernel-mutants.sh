@@ -31,7 +31,7 @@ mutants=(
   "scores: rows read one past the block's last row~      x[b][c] = r < row_end && j < d ? kd_to_f(k[j]) : 0.f;~      x[b][c] = r <= row_end && j < d ? kd_to_f(k[j]) : 0.f;"
   "scores: a batch's rows half a warp count apart~    const int r = rb + b * step;~    const int r = rb + b * (step / 2);"
   "scores: pass 1 goes on past the block's last row~      if (r >= row_end) break;\n      const float norm~      const float norm"
-  "scores: pass 2 skips the last row~    float dot = 0.f;\n~    if (r == n - 1) continue;\n    float dot = 0.f;\n"
+  "scores: pass 2 skips the last row~      const int r = rb + b * warps;\n      float dot = 0.f;\n~      const int r = rb + b * warps;\n      if (r == n - 1) continue;\n      float dot = 0.f;\n"
   "scores: anchor accumulator never zeroed~  for (int j = threadIdx.x; j < d; j += blockDim.x) acc[j] = 0.f;\n~"
   "select: plan offsets never reset~  if (threadIdx.x == 0) sh.base[0] = sh.base[1] = 0;\n~"
   "snapkv: rank offset never reset~  if (threadIdx.x == 0) base = 0;\n~"
@@ -42,7 +42,7 @@ mutants=(
   # `sh.base` is zeroed in keydiff_select_plan is not among them: the loop's first barrier
   # already orders that write before any read, so removing it is not a defect.
   "scores: no barrier after the accumulator is zeroed~acc[j] = 0.f;\n  __syncthreads();~acc[j] = 0.f;"
-  "scores: no barrier before the block's sums go out~part[c]);\n  __syncthreads();\n  for (int j = threadIdx.x; j < d; j += blockDim.x) atomicAdd(&anchor_sum~part[c]);\n  for (int j = threadIdx.x; j < d; j += blockDim.x) atomicAdd(&anchor_sum"
+  "scores: no barrier before the block's sums go out~float* anchor_sum, int h, int d) {\n  __syncthreads();~float* anchor_sum, int h, int d) {"
   "select: no barrier after the histogram is cleared~sh.hist[j] = 0;\n    __syncthreads();~sh.hist[j] = 0;"
   "select: no barrier before the digit is chosen~        atomicAdd(&sh.hist[bin], (unsigned)__popc(peers));\n    }\n    __syncthreads();~        atomicAdd(&sh.hist[bin], (unsigned)__popc(peers));\n    }"
   "select: no barrier after the threshold is read~  const uint64_t r = sh.prefix;\n  __syncthreads();~  const uint64_t r = sh.prefix;"
@@ -54,6 +54,19 @@ mutants=(
   "snapkv: no barrier before the scan's offset advances~    if (w < words) wr[w] = off + x - c;\n    __syncthreads();~    if (w < words) wr[w] = off + x - c;"
   "snapkv: no barrier after the scan's offset advances~      for (int v = 0; v < warps; ++v) base += warp_total[v];\n    }\n    __syncthreads();~      for (int v = 0; v < warps; ++v) base += warp_total[v];\n    }"
   "snapkv: no barrier before the windows read the ranking~    srt[r] = (uint32_t)i;\n  }\n  __syncthreads();~    srt[r] = (uint32_t)i;\n  }"
+  # The 16-byte-load scoring kernels (keydiff_pass1v / keydiff_pass2v).
+  "scores-vec: a lane's second vector of a row read from the wrong place (f32, d 256)~raw[b][v] = row[place + G::kLanes * v];~raw[b][v] = row[place + v];"
+  "scores-vec: rows read one past the block's last row~      if (r < row_end) {\n        raw[b][v]~      if (r <= row_end) {\n        raw[b][v]"
+  "scores-vec: a row's sum over half its lanes~  for (int o = L / 2; o > 0; o >>= 1)~  for (int o = L / 4; o > 0; o >>= 1)"
+  "scores-vec: the anchor shares of the warp's other rows never added~  for (int o = G::kLanes; o < 32; o <<= 1)~  for (int o = 32; o < 32; o <<= 1)"
+  "scores-vec: bf16 values unpacked from the wrong halves~    out[2 * i] = __uint_as_float(w[i] << 16);\n    out[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);~    out[2 * i + 1] = __uint_as_float(w[i] << 16);\n    out[2 * i] = __uint_as_float(w[i] & 0xffff0000u);"
+  "scores-vec: f16 values unpacked from the wrong halves~(unsigned short)(w[i] & 0xffffu)~(unsigned short)(w[i] >> 16)"
+  "scores-vec: norms written by every lane of a row~        if (place == 0) norms[~        norms["
+  "scores-vec: a lane's anchor values taken from the wrong elements~      m[v * G::kElems + e] = mu[(place + G::kLanes * v) * G::kElems + e];~      m[v * G::kElems + e] = mu[(place + G::kLanes * v) * G::kElems];"
+  "scores-vec: the anchor share of a lane's second vector lost (f32, d 256)~    for (int v = 0; v < G::kPerLane; ++v)\n      for (int e = 0; e < G::kElems; ++e)\n        atomicAdd(~    for (int v = 0; v < 1; ++v)\n      for (int e = 0; e < G::kElems; ++e)\n        atomicAdd("
+  "scores-vec: pass 2 writes a score for a row past the block's last~      if (r < row_end && place == 0)~      if (place == 0)"
+  "scores-vec: pass 2 stops after the first load of a batch~    for (int b = 0; b < KD_VEC_BATCH; ++b) {\n      if (rb + b * step >= row_end) break;~    for (int b = 0; b < KD_VEC_BATCH; ++b) {\n      if (b > 0 || rb >= row_end) break;"
+  "scores-vec: the rows of one load not told apart (sub dropped in pass 1)~      // Uniform across the warp (its first row of load b): every lane reaches the shuffles.\n      if (rb + b * step >= row_end) break;\n      const int r = rb + b * step + sub;~      // Uniform across the warp (its first row of load b): every lane reaches the shuffles.\n      if (rb + b * step >= row_end) break;\n      const int r = rb + b * step;"
   # The many-block selection (keydiff_select_pass / _count / _emit).
   "select-many: count keeps only keys above the threshold~    const bool keep = key(i) >= threshold;~    const bool keep = key(i) > threshold;"
   "select-many: hole offset ignores lower lanes~      om += warp_total[1][v];\n    }\n    oh += __popc(bh & below);~      om += warp_total[1][v];\n    }\n    oh += __popc(bh);"

@@ -31,35 +31,55 @@ std::string guarded(dim3 grid, dim3 block, unsigned bounds, uint64_t seed,
 
 }  // namespace
 
-// keydiff_pass1 then keydiff_pass2. dtype: 0 f32, 1 f16, 2 bf16. `anchor` must be zeroed.
-extern "C" int kd_emu_keydiff_scores(int dtype, const void* keys, int64_t head_stride,
+// keydiff_pass1 then keydiff_pass2 (vec_d 0), or keydiff_pass1v/2v for head dim vec_d (64,
+// 128, 256; the caller has checked that the view takes 16-byte loads). dtype: 0 f32, 1 f16,
+// 2 bf16. `anchor` must be zeroed.
+extern "C" int kd_emu_keydiff_scores(int dtype, int vec_d, const void* keys, int64_t head_stride,
                                      int64_t row_stride, int n, int d, int normalized,
                                      float* norms, float* anchor, float* scores, unsigned grid_x,
                                      unsigned grid_y, unsigned block, uint64_t seed, char* err,
                                      size_t err_len) {
   std::function<void()> p1, p2;
-#define KD_EMU_PASSES(SUFFIX, T)                                                                 \
+#define KD_EMU_PASSES(K1, K2, T)                                                                 \
   p1 = [=] {                                                                                     \
-    kd_emu::run_kernel(keydiff_pass1_##SUFFIX, (const T*)keys, head_stride, row_stride, n, d,    \
-                       normalized, norms, anchor);                                               \
+    kd_emu::run_kernel(K1, (const T*)keys, head_stride, row_stride, n, d, normalized, norms,     \
+                       anchor);                                                                  \
   };                                                                                             \
   p2 = [=] {                                                                                     \
-    kd_emu::run_kernel(keydiff_pass2_##SUFFIX, (const T*)keys, head_stride, row_stride, n, d,    \
-                       (const float*)norms, (const float*)anchor, scores);                       \
+    kd_emu::run_kernel(K2, (const T*)keys, head_stride, row_stride, n, d, (const float*)norms,   \
+                       (const float*)anchor, scores);                                            \
   };
+#define KD_EMU_DTYPE(SUFFIX, T)                                                                  \
+  switch (vec_d) {                                                                               \
+    case 0:                                                                                      \
+      KD_EMU_PASSES(keydiff_pass1_##SUFFIX, keydiff_pass2_##SUFFIX, T)                           \
+      break;                                                                                     \
+    case 64:                                                                                     \
+      KD_EMU_PASSES(keydiff_pass1v_##SUFFIX##_64, keydiff_pass2v_##SUFFIX##_64, T)               \
+      break;                                                                                     \
+    case 128:                                                                                    \
+      KD_EMU_PASSES(keydiff_pass1v_##SUFFIX##_128, keydiff_pass2v_##SUFFIX##_128, T)             \
+      break;                                                                                     \
+    case 256:                                                                                    \
+      KD_EMU_PASSES(keydiff_pass1v_##SUFFIX##_256, keydiff_pass2v_##SUFFIX##_256, T)             \
+      break;                                                                                     \
+    default:                                                                                     \
+      return finish("no 16-byte scoring kernel for d " + std::to_string(vec_d), err, err_len);  \
+  }
   switch (dtype) {
     case 0:
-      KD_EMU_PASSES(f32, float)
+      KD_EMU_DTYPE(f32, float)
       break;
     case 1:
-      KD_EMU_PASSES(f16, __half)
+      KD_EMU_DTYPE(f16, __half)
       break;
     case 2:
-      KD_EMU_PASSES(bf16, __nv_bfloat16)
+      KD_EMU_DTYPE(bf16, __nv_bfloat16)
       break;
     default:
       return finish("unknown dtype " + std::to_string(dtype), err, err_len);
   }
+#undef KD_EMU_DTYPE
 #undef KD_EMU_PASSES
   std::string e = guarded(d3(grid_x, grid_y), d3(block), KD_THREADS, seed, p1);
   if (e.empty()) e = guarded(d3(grid_x, grid_y), d3(block), KD_THREADS, seed + 1, p2);

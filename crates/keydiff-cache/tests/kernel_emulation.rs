@@ -13,7 +13,7 @@ use keydiff_cache::policy::{keydiff_scores, keydiff_scores_fused, PoolByPosition
 use keydiff_cache::select::{move_plan, select, select_radix, SelectBlocks};
 use keydiff_cache::{Anchor, KvType};
 use keydiff_kernels::emu;
-use keydiff_kernels::geometry::KVQ_BYTES;
+use keydiff_kernels::geometry::{vector_loads_fit, ScoreLoads, KVQ_BYTES};
 use proptest::prelude::*;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -208,7 +208,9 @@ impl HostRows {
 fn scores_match_the_cpu_twin_and_the_reference() {
     let mut rng = StdRng::seed_from_u64(11);
     // (kv, n, rows, d, row stride, anchor): odd sizes, every head dim, a d that is not a
-    // multiple of 32, one padded row stride.
+    // multiple of 32, padded row strides (one that keeps f16/bf16 rows off 16-byte
+    // boundaries). Each case runs with scalar loads and, where the view takes them, 16-byte
+    // loads; n is never a multiple of the rows one warp-wide 16-byte load covers (2 or 4).
     let cases = [
         (2, 1029, 1100, 64, 64, Anchor::Normalized),
         (3, 517, 517, 128, 128, Anchor::Mean),
@@ -216,7 +218,10 @@ fn scores_match_the_cpu_twin_and_the_reference() {
         (2, 1, 8, 128, 128, Anchor::Normalized),
         (2, 70, 75, 72, 72, Anchor::Mean),
         (2, 300, 310, 64, 80, Anchor::Normalized),
+        (2, 301, 303, 64, 68, Anchor::Normalized),
+        (2, 67, 70, 256, 264, Anchor::Mean),
     ];
+    let mut vector_runs = 0;
     for dtype in [DType::F32, DType::F16, DType::BF16] {
         for &(kv, n, rows, d, rs, anchor) in &cases {
             let buf = cache_keys(kv, rows, rs, dtype, &mut rng);
@@ -238,39 +243,96 @@ fn scores_match_the_cpu_twin_and_the_reference() {
             let host = HostRows::of(&buf);
             let keys = host.keys();
             let normalized = anchor == Anchor::Normalized;
-            let mut runs = Vec::new();
-            for seed in SEEDS {
-                let got =
-                    emu::keydiff_scores(keys, kv, n, d, rows * rs, rs, normalized, seed).unwrap();
-                let (dt, dr) = (max_diff(&got, &twin), max_diff(&got, &reference));
-                assert!(
-                    dt <= SCORE_TOL && dr <= SCORE_TOL,
-                    "{dtype:?} kv {kv} n {n} d {d} {anchor:?} seed {seed}: |emu - twin| {dt}, \
-                     |emu - reference| {dr}"
+            let elem = dtype.size_in_bytes();
+            let mut loads = vec![ScoreLoads::Scalar];
+            if vector_loads_fit(d, elem, 0, rows * rs, rs) {
+                loads.push(ScoreLoads::Vector);
+                vector_runs += 1;
+            } else {
+                // Asked for explicitly, 16-byte loads a view cannot take are refused.
+                let err = emu::keydiff_scores(
+                    keys,
+                    kv,
+                    n,
+                    d,
+                    rows * rs,
+                    rs,
+                    normalized,
+                    ScoreLoads::Vector,
+                    1,
                 );
-                runs.push(got);
+                assert!(err.unwrap_err().to_string().contains("16-byte"));
             }
-            let between = max_diff(&runs[0], &runs[1]);
-            assert!(between <= SCORE_TOL);
-            let (dt, dr) = (max_diff(&runs[0], &twin), max_diff(&runs[0], &reference));
-            eprintln!(
-                "scores {dtype:?} kv {kv} n {n} d {d} row stride {rs} {anchor:?}: \
-                 |emu - twin| {dt:.2e}, \
-                 |emu - reference| {dr:.2e}, between schedules {between:.2e}"
-            );
+            for l in loads {
+                let mut runs = Vec::new();
+                for seed in SEEDS {
+                    let got =
+                        emu::keydiff_scores(keys, kv, n, d, rows * rs, rs, normalized, l, seed)
+                            .unwrap();
+                    let (dt, dr) = (max_diff(&got, &twin), max_diff(&got, &reference));
+                    assert!(
+                        dt <= SCORE_TOL && dr <= SCORE_TOL,
+                        "{dtype:?} kv {kv} n {n} d {d} {anchor:?} {} seed {seed}: \
+                         |emu - twin| {dt}, |emu - reference| {dr}",
+                        l.name()
+                    );
+                    runs.push(got);
+                }
+                let between = max_diff(&runs[0], &runs[1]);
+                assert!(between <= SCORE_TOL);
+                let (dt, dr) = (max_diff(&runs[0], &twin), max_diff(&runs[0], &reference));
+                eprintln!(
+                    "scores {dtype:?} kv {kv} n {n} d {d} row stride {rs} {anchor:?} {}: \
+                     |emu - twin| {dt:.2e}, |emu - reference| {dr:.2e}, \
+                     between schedules {between:.2e}",
+                    l.name()
+                );
+            }
         }
     }
+    // Six cases in every dtype; the row stride of 68 only in f32 (136 bytes in f16/bf16).
+    assert_eq!(vector_runs, 3 * 6 + 1);
 }
 
 #[test]
 fn wrappers_reject_bad_arguments() {
     let keys = vec![0f32; 4 * 300];
-    let err = emu::keydiff_scores(emu::Keys::F32(&keys), 1, 4, 300, 1200, 300, true, 1);
+    let err = emu::keydiff_scores(
+        emu::Keys::F32(&keys),
+        1,
+        4,
+        300,
+        1200,
+        300,
+        true,
+        ScoreLoads::Auto,
+        1,
+    );
     assert!(err.unwrap_err().to_string().contains("head_dim 300"));
     // A view that runs past the buffer, and one whose extent overflows instead of wrapping.
-    let err = emu::keydiff_scores(emu::Keys::F32(&keys), 2, 4, 64, 1200, 64, true, 1);
+    let err = emu::keydiff_scores(
+        emu::Keys::F32(&keys),
+        2,
+        4,
+        64,
+        1200,
+        64,
+        true,
+        ScoreLoads::Auto,
+        1,
+    );
     assert!(err.unwrap_err().to_string().contains("exceed"));
-    let err = emu::keydiff_scores(emu::Keys::F32(&keys), 1, 3, 64, 0, 1 << 63, true, 1);
+    let err = emu::keydiff_scores(
+        emu::Keys::F32(&keys),
+        1,
+        3,
+        64,
+        0,
+        1 << 63,
+        true,
+        ScoreLoads::Auto,
+        1,
+    );
     assert!(err.unwrap_err().to_string().contains("exceed"));
     // SnapKV pooling needs unique positions.
     let stats = [1f32; 4];
@@ -695,13 +757,35 @@ fn interleaved_layouts_score_like_contiguous_ones() {
             contiguous[to..to + d].copy_from_slice(&inter[from..from + d]);
         }
     }
-    for seed in SEEDS {
-        let a =
-            emu::keydiff_scores(emu::Keys::F32(&inter), kv, n, d, d, kv * d, true, seed).unwrap();
-        let b = emu::keydiff_scores(emu::Keys::F32(&contiguous), kv, n, d, n * d, d, true, seed)
+    for loads in [ScoreLoads::Scalar, ScoreLoads::Vector] {
+        for seed in SEEDS {
+            let a = emu::keydiff_scores(
+                emu::Keys::F32(&inter),
+                kv,
+                n,
+                d,
+                d,
+                kv * d,
+                true,
+                loads,
+                seed,
+            )
             .unwrap();
-        let diff = max_diff(&a, &b);
-        assert!(diff < 1e-6, "seed {seed}: {diff}");
+            let b = emu::keydiff_scores(
+                emu::Keys::F32(&contiguous),
+                kv,
+                n,
+                d,
+                n * d,
+                d,
+                true,
+                loads,
+                seed,
+            )
+            .unwrap();
+            let diff = max_diff(&a, &b);
+            assert!(diff < 1e-6, "{} seed {seed}: {diff}", loads.name());
+        }
     }
 }
 

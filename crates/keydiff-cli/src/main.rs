@@ -891,7 +891,20 @@ fn check_kernels(
             "GB/s",
             "% copy"
         );
-        use keydiff::kernel_check::SelectBlocks;
+        use keydiff::kernel_check::{ScoreLoads, SelectBlocks, VECTOR_HEAD_DIMS};
+        // Both ways of splitting the selection and both ways of reading the keys, in the same
+        // run: the engine's `Auto` picks by n and by the view alone, and this is what shows
+        // whether it picks well.
+        let mut variants = Vec::new();
+        for loads in [ScoreLoads::Scalar, ScoreLoads::Vector] {
+            if loads == ScoreLoads::Vector && !VECTOR_HEAD_DIMS.contains(&head_dim) {
+                eprintln!("(no 16-byte scoring kernels for head dim {head_dim}: not timed)");
+                continue;
+            }
+            for blocks in [SelectBlocks::One, SelectBlocks::Many] {
+                variants.push((blocks, loads));
+            }
+        }
         for &n in time_n {
             if n <= chunk {
                 bail!("--time-n {n} must exceed --time-chunk {chunk}");
@@ -906,12 +919,10 @@ fn check_kernels(
                 recent: 0,
                 anchor: keydiff::Anchor::Normalized,
             };
-            // Both ways of splitting the selection, in the same run: the engine's `Auto`
-            // picks one by n alone, and this is what shows whether it picks well.
-            for blocks in [SelectBlocks::One, SelectBlocks::Many] {
-                let t = kernel_timing(&dev, &c, reps, copy, blocks)?;
+            for &(blocks, loads) in &variants {
+                let t = kernel_timing(&dev, &c, reps, copy, blocks, loads)?;
                 eprintln!(
-                    "{:>7} {:>7} {:>7} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>8.1} {:>6.1}%  {}",
+                    "{:>7} {:>7} {:>7} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>8.1} {:>6.1}%  {}, {}",
                     t.n,
                     t.budget,
                     t.moves,
@@ -922,7 +933,8 @@ fn check_kernels(
                     t.eviction_us,
                     t.gb_per_s,
                     t.percent_of_copy,
-                    t.select_blocks
+                    t.select_blocks,
+                    t.score_loads
                 );
                 let mut v = serde_json::to_value(&t)?;
                 v["kind"] = "timing".into();

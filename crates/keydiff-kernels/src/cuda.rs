@@ -2,7 +2,7 @@
 //! candle errors, never panics.
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{bail, CudaStorage, DType, Layout, Result, Shape};
 use half::{bf16, f16};
@@ -10,7 +10,7 @@ use half::{bf16, f16};
 use crate::geometry::{
     check_kvq, check_pool, check_scores, check_select, kvq_launch, move_launch, per_head_launch,
     plan_moves, pool_words, scores_launch, select_multi_launch, select_passes, select_workspace,
-    Launch, SelectBlocks, KVQ_FP8, MAX_HEADS,
+    vector_loads_fit, Launch, ScoreLoads, SelectBlocks, KVQ_FP8, MAX_HEADS,
 };
 
 /// PTX of `kernels/keydiff.cu`.
@@ -27,11 +27,13 @@ fn launch_cfg(l: Launch) -> LaunchConfig {
 
 /// KeyDiff scores of `keys` (`[kv_heads, n, d]`, any head and row stride, rows contiguous,
 /// f32/f16/bf16): `[kv_heads, n]` f32, s_i = −cos(k_i, μ). Two kernels: norms and anchor, then
-/// cosines. `normalized` picks the anchor: mean of k̂ (true) or of k.
+/// cosines. `normalized` picks the anchor: mean of k̂ (true) or of k. `loads` picks the kernels
+/// (see [`ScoreLoads`]; `Auto` for the engine).
 pub fn keydiff_scores(
     keys: &CudaStorage,
     layout: &Layout,
     normalized: bool,
+    loads: ScoreLoads,
 ) -> Result<(CudaStorage, Shape)> {
     let (kv, n, d) = layout.shape().dims3()?;
     let st = layout.stride();
@@ -40,6 +42,7 @@ pub fn keydiff_scores(
     }
     check_scores(kv, n, d)?;
     let dev = keys.device().clone();
+    let stream = dev.cuda_stream();
     // SAFETY: every element is written by pass 1 / pass 2 before it is read.
     let norms = unsafe { dev.alloc::<f32>(kv * n)? };
     let scores = unsafe { dev.alloc::<f32>(kv * n)? };
@@ -51,7 +54,22 @@ pub fn keydiff_scores(
     macro_rules! passes {
         ($t:ty, $sfx:literal) => {{
             let src = keys.as_cuda_slice::<$t>()?.slice(o..);
-            let f1 = dev.get_or_load_custom_func(concat!("keydiff_pass1_", $sfx), MODULE, PTX)?;
+            let start = {
+                let (ptr, _sync) = src.device_ptr(&stream);
+                ptr as usize % 16
+            };
+            let fits = vector_loads_fit(d, std::mem::size_of::<$t>(), start, st[0], st[1]);
+            let (k1, k2) = match loads.resolve(fits)? {
+                ScoreLoads::Vector => (
+                    format!("keydiff_pass1v_{}_{d}", $sfx),
+                    format!("keydiff_pass2v_{}_{d}", $sfx),
+                ),
+                _ => (
+                    concat!("keydiff_pass1_", $sfx).to_string(),
+                    concat!("keydiff_pass2_", $sfx).to_string(),
+                ),
+            };
+            let f1 = dev.get_or_load_custom_func(&k1, MODULE, PTX)?;
             let mut b = f1.builder();
             b.arg(&src);
             b.arg(&hs);
@@ -61,9 +79,11 @@ pub fn keydiff_scores(
             b.arg(&norm);
             b.arg(&norms);
             b.arg(&anchor);
-            // SAFETY: argument list matches `keydiff_pass1_*`; bounds were checked above.
+            // SAFETY: argument list matches `keydiff_pass1_*` and `keydiff_pass1v_*` (whose d
+            // is the one it was picked by); bounds and, for the latter, alignment were checked
+            // above.
             unsafe { b.launch(cfg) }.w()?;
-            let f2 = dev.get_or_load_custom_func(concat!("keydiff_pass2_", $sfx), MODULE, PTX)?;
+            let f2 = dev.get_or_load_custom_func(&k2, MODULE, PTX)?;
             let mut b = f2.builder();
             b.arg(&src);
             b.arg(&hs);
@@ -73,7 +93,7 @@ pub fn keydiff_scores(
             b.arg(&norms);
             b.arg(&anchor);
             b.arg(&scores);
-            // SAFETY: argument list matches `keydiff_pass2_*`.
+            // SAFETY: argument list matches `keydiff_pass2_*` and `keydiff_pass2v_*`.
             unsafe { b.launch(cfg) }.w()?;
         }};
     }

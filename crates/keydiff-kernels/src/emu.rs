@@ -27,12 +27,13 @@ use crate::fence::{Fenced, HeadAxis, Side};
 use crate::geometry::{
     check_kvq, check_pool, check_scores, check_select, kvq_launch, move_launch, per_head_launch,
     plan_moves, pool_words, scores_launch, select_multi_launch, select_passes, select_workspace,
-    SelectBlocks, KVQ_BYTES,
+    vector_loads_fit, ScoreLoads, SelectBlocks, KVQ_BYTES,
 };
 
 extern "C" {
     fn kd_emu_keydiff_scores(
         dtype: c_int,
+        vec_d: c_int,
         keys: *const u8,
         head_stride: i64,
         row_stride: i64,
@@ -231,8 +232,10 @@ impl Keys<'_> {
     }
 }
 
-/// `keydiff_pass1` + `keydiff_pass2` on `keys` viewed as `[kv, n, d]` with element strides
-/// `(head_stride, row_stride, 1)`: `[kv · n]` scores, s_i = −cos(k_i, μ).
+/// `keydiff_pass1` + `keydiff_pass2` (or, as `loads` resolves, `keydiff_pass1v/2v` for d) on
+/// `keys` viewed as `[kv, n, d]` with element strides `(head_stride, row_stride, 1)`:
+/// `[kv · n]` scores, s_i = −cos(k_i, μ). The keys are copied to a 16-byte boundary, as a
+/// CUDA allocation starts on one.
 #[allow(clippy::too_many_arguments)]
 pub fn keydiff_scores(
     keys: Keys<'_>,
@@ -242,6 +245,7 @@ pub fn keydiff_scores(
     head_stride: usize,
     row_stride: usize,
     normalized: bool,
+    loads: ScoreLoads,
     seed: u64,
 ) -> Result<Vec<f32>> {
     check_scores(kv, n, d)?;
@@ -256,14 +260,13 @@ pub fn keydiff_scores(
         head_stride,
         row_stride,
     )?;
+    let vec_d = match loads.resolve(vector_loads_fit(d, elem, 0, head_stride, row_stride))? {
+        ScoreLoads::Vector => d as c_int,
+        _ => 0,
+    };
     let l = scores_launch(kv, n);
     let side = Side::for_seed(seed);
-    let keys = Fenced::copy_of(
-        "keydiff-scores keys",
-        &key_bytes[..extent * elem],
-        side,
-        elem,
-    )?;
+    let keys = Fenced::copy_of("keydiff-scores keys", &key_bytes[..extent * elem], side, 16)?;
     let mut norms = Fenced::filled("keydiff-scores norms", kv * n, 0f32, side, 4)?;
     let mut anchor = Fenced::filled("keydiff-scores anchor", kv * d, 0f32, side, 4)?;
     let mut scores = Fenced::filled("keydiff-scores scores", kv * n, f32::NAN, side, 4)?;
@@ -286,6 +289,7 @@ pub fn keydiff_scores(
         unsafe {
             kd_emu_keydiff_scores(
                 dtype,
+                vec_d,
                 keys.as_ptr(),
                 head_stride as i64,
                 row_stride as i64,

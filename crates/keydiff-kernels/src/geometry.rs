@@ -34,6 +34,63 @@ pub fn scores_launch(kv: usize, n: usize) -> Launch {
     }
 }
 
+/// How the scoring kernels read key rows. The scores are the same up to rounding (the sums run
+/// in another order).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ScoreLoads {
+    /// 16-byte loads when the view takes them ([`vector_loads_fit`]), else one value at a time.
+    #[default]
+    Auto,
+    /// `keydiff_pass1/2_<dtype>`: a lane reads one value of 32 at a time; any d ≤ 256 and
+    /// stride.
+    Scalar,
+    /// `keydiff_pass1v/2v_<dtype>_<d>`: a lane reads 16 bytes at a time.
+    Vector,
+}
+
+/// The head dims the 16-byte scoring kernels are built for (`KD_INSTANTIATE_VEC_DS`).
+pub const VECTOR_HEAD_DIMS: [usize; 3] = [64, 128, 256];
+
+/// Whether a `[kv, n, d]` view of `elem`-byte values, starting `start` bytes past a 16-byte
+/// boundary, with element strides `(head_stride, row_stride, 1)`, takes 16-byte loads: d of
+/// [`VECTOR_HEAD_DIMS`], and every row starts on a 16-byte boundary.
+pub fn vector_loads_fit(
+    d: usize,
+    elem: usize,
+    start: usize,
+    head_stride: usize,
+    row_stride: usize,
+) -> bool {
+    VECTOR_HEAD_DIMS.contains(&d)
+        && start % 16 == 0
+        && (head_stride * elem) % 16 == 0
+        && (row_stride * elem) % 16 == 0
+}
+
+impl ScoreLoads {
+    /// What a view runs (`fits`: [`vector_loads_fit`]): never `Auto`. Asked for `Vector`, a
+    /// view that cannot take it is an error, not a quiet fallback.
+    pub fn resolve(self, fits: bool) -> Result<ScoreLoads> {
+        match self {
+            ScoreLoads::Auto if fits => Ok(ScoreLoads::Vector),
+            ScoreLoads::Auto => Ok(ScoreLoads::Scalar),
+            ScoreLoads::Vector if !fits => bail!(
+                "keydiff-scores: 16-byte loads need d in {VECTOR_HEAD_DIMS:?} and rows on \
+                 16-byte boundaries"
+            ),
+            l => Ok(l),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            ScoreLoads::Auto => "auto",
+            ScoreLoads::Scalar => "scalar loads",
+            ScoreLoads::Vector => "16-byte loads",
+        }
+    }
+}
+
 /// `keydiff_select_plan` and `snapkv_pool`: one block per head.
 pub fn per_head_launch(kv: usize) -> Launch {
     Launch {
@@ -229,5 +286,23 @@ mod tests {
         assert!(check_select(1, 10, 4, 5).is_err());
         assert!(check_select(1, 10, 4, 4).is_ok());
         assert!(check_pool(1, 1, (1 << 32) + 1).is_err());
+    }
+
+    #[test]
+    fn vector_loads_need_the_built_head_dims_and_aligned_rows() {
+        // bf16 rows of 128 (256 bytes) in a [kv, 8320 + 3, 128] buffer.
+        assert!(vector_loads_fit(128, 2, 0, 8323 * 128, 128));
+        assert!(!vector_loads_fit(72, 4, 0, 72 * 10, 72));
+        assert!(!vector_loads_fit(128, 2, 2, 8323 * 128, 128));
+        assert!(!vector_loads_fit(64, 2, 0, 64 * 5 + 4, 64));
+        assert!(!vector_loads_fit(64, 2, 0, 64 * 5, 68));
+        assert!(vector_loads_fit(64, 4, 0, 80 * 310, 80));
+        assert_eq!(ScoreLoads::Auto.resolve(true).unwrap(), ScoreLoads::Vector);
+        assert_eq!(ScoreLoads::Auto.resolve(false).unwrap(), ScoreLoads::Scalar);
+        assert_eq!(
+            ScoreLoads::Scalar.resolve(true).unwrap(),
+            ScoreLoads::Scalar
+        );
+        assert!(ScoreLoads::Vector.resolve(false).is_err());
     }
 }

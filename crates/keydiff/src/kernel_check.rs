@@ -9,7 +9,11 @@
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
-use keydiff_cache::policy::{keydiff_scores, keydiff_scores_fused, PoolByPosition};
+use keydiff_cache::policy::{
+    keydiff_scores, keydiff_scores_fused, keydiff_scores_fused_with, vector_loads_fit,
+    PoolByPosition,
+};
+pub use keydiff_cache::policy::{ScoreLoads, VECTOR_HEAD_DIMS};
 pub use keydiff_cache::select::SelectBlocks;
 use keydiff_cache::select::{move_plan, plan_tensor, select, ApplyPlan, SelectPlan};
 use keydiff_cache::{Anchor, KvType};
@@ -86,8 +90,11 @@ pub struct KernelParity {
     pub anchor: String,
     /// Device scores against candle ops on the CPU (f32, same rounded keys).
     pub score_max_abs_vs_reference: f32,
-    /// Device scores against the CPU twin of the fused op.
+    /// Device scores against the CPU twin of the fused op (the engine's kernels: 16-byte loads
+    /// where the view takes them).
     pub score_max_abs_vs_twin: f32,
+    /// The same with the scalar-load kernels (any view), which the engine runs otherwise.
+    pub score_max_abs_scalar_vs_twin: f32,
     /// Heads whose plan (from the same scores) differs from the sorted reference's: the
     /// one-block-per-head selection, and the many-block one.
     pub plan_heads_differing: usize,
@@ -176,11 +183,17 @@ pub fn kernel_parity(device: &Device, c: &KernelCase, seed: u64) -> Result<Kerne
     let s_ref = keydiff_scores(&view_ref, c.anchor)?.to_vec2::<f32>()?;
     let twin = keydiff_scores_fused(&view_ref, c.anchor)?;
     let s_twin = twin.to_vec2::<f32>()?;
-    let s_dev = keydiff_scores_fused(&keys_dev.narrow(1, 0, c.n)?, c.anchor)?
-        .to_device(&cpu)?
-        .to_vec2::<f32>()?;
+    let device_scores = |loads| -> Result<Vec<Vec<f32>>> {
+        Ok(
+            keydiff_scores_fused_with(&keys_dev.narrow(1, 0, c.n)?, c.anchor, loads)?
+                .to_device(&cpu)?
+                .to_vec2::<f32>()?,
+        )
+    };
+    let s_dev = device_scores(ScoreLoads::Auto)?;
     let err_ref = max_abs(&s_dev, &s_ref);
     let err_twin = max_abs(&s_dev, &s_twin);
+    let err_scalar = max_abs(&device_scores(ScoreLoads::Scalar)?, &s_twin);
 
     let pos = random_positions(c.kv_heads, c.n, &mut rng);
     let pos_of = |h: usize| &pos[h * c.n..(h + 1) * c.n];
@@ -292,6 +305,7 @@ pub fn kernel_parity(device: &Device, c: &KernelCase, seed: u64) -> Result<Kerne
 
     let pass = err_ref <= SCORE_TOL
         && err_twin <= SCORE_TOL
+        && err_scalar <= SCORE_TOL
         && plan_heads_differing == 0
         && plan_heads_differing_many == 0
         && ties_only
@@ -309,6 +323,7 @@ pub fn kernel_parity(device: &Device, c: &KernelCase, seed: u64) -> Result<Kerne
         anchor: anchor_name(c.anchor).to_string(),
         score_max_abs_vs_reference: err_ref,
         score_max_abs_vs_twin: err_twin,
+        score_max_abs_scalar_vs_twin: err_scalar,
         plan_heads_differing,
         plan_heads_differing_many,
         end_to_end_slots_differing: differing,
@@ -432,6 +447,8 @@ pub struct KernelTiming {
     pub budget: usize,
     /// How the selection was split (`SelectBlocks::name`).
     pub select_blocks: String,
+    /// How the scoring kernels read the keys ([`ScoreLoads`], resolved).
+    pub score_loads: String,
     /// Rows moved, all heads.
     pub moves: usize,
     pub reps: usize,
@@ -479,9 +496,22 @@ pub fn copy_bandwidth(device: &Device) -> Result<f64> {
     Ok(2.0 * (512u64 << 20) as f64 / best / 1e9)
 }
 
+/// What scoring a contiguous `[kv, n, d]` tensor of `dtype` on `device` runs, as `loads`
+/// resolves.
+fn loads_name(device: &Device, loads: ScoreLoads, dtype: DType, d: usize) -> String {
+    if !device.is_cuda() {
+        return "cpu twin".to_string();
+    }
+    let fits = vector_loads_fit(d, dtype.size_in_bytes(), 0, 0, d);
+    loads
+        .resolve(fits)
+        .map_or("refused", ScoreLoads::name)
+        .to_string()
+}
+
 /// Times the eviction ops on `device` for a case's shape, dtype, budget, protection and anchor,
 /// with positions ascending (the newest chunk last, as after a prefill chunk), the selection
-/// split as `blocks` says. One warm-up, then the median of `reps`; the device is synchronised
+/// split as `blocks` says, the keys read as `loads` says. One warm-up, then the median of `reps`; the device is synchronised
 /// around every op.
 pub fn kernel_timing(
     device: &Device,
@@ -489,6 +519,7 @@ pub fn kernel_timing(
     reps: usize,
     copy_gb_per_s: f64,
     blocks: SelectBlocks,
+    loads: ScoreLoads,
 ) -> Result<KernelTiming> {
     let (kv, n, head_dim, dtype, budget) = (c.kv_heads, c.n, c.head_dim, c.dtype, c.budget);
     let mut rng = StdRng::seed_from_u64(7);
@@ -514,7 +545,7 @@ pub fn kernel_timing(
         let pos = pos0.copy()?;
         device.synchronize()?;
         let t0 = Instant::now();
-        let scores = keydiff_scores_fused(&k, c.anchor)?;
+        let scores = keydiff_scores_fused_with(&k, c.anchor, loads)?;
         device.synchronize()?;
         let t1 = Instant::now();
         let plan = scores.apply_op2_no_bwd(&pos, &op)?;
@@ -542,7 +573,7 @@ pub fn kernel_timing(
     device.synchronize()?;
     let t0 = Instant::now();
     for _ in 0..reps {
-        let scores = keydiff_scores_fused(&k, c.anchor)?;
+        let scores = keydiff_scores_fused_with(&k, c.anchor, loads)?;
         let plan = scores.apply_op2_no_bwd(&pos, &op)?;
         for t in [&k, &v, &pos, &state] {
             t.inplace_op2(&plan, &ApplyPlan)?;
@@ -562,6 +593,7 @@ pub fn kernel_timing(
         head_dim,
         budget,
         select_blocks: blocks.resolve(n).name().to_string(),
+        score_loads: loads_name(device, loads, dtype, head_dim),
         moves,
         reps,
         score_us: score * 1e6,

@@ -4,6 +4,7 @@
 //! slots of the head, the new chunk included. Needs no attention weights.
 
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor, WithDType};
+pub use keydiff_kernels::geometry::{vector_loads_fit, ScoreLoads, VECTOR_HEAD_DIMS};
 
 use super::Policy;
 use crate::config::Anchor;
@@ -41,17 +42,27 @@ pub fn keydiff_scores(keys: &Tensor, anchor: Anchor) -> Result<Tensor> {
 /// KeyDiff scores in one fused op, `[kv_heads, n]` f32: two passes over each head's keys (norms
 /// and anchor, then cosines) with no intermediate tensors, read in place from the cache view.
 /// CPU: the twin below; CUDA: `keydiff_pass1/2` of `kernels/keydiff.cu` (f32/f16/bf16, head
-/// dim up to 256). Other devices and shapes use [`keydiff_scores`]. fp8 keys are read as f16,
-/// which holds every E4M3 value exactly.
+/// dim up to 256; 16-byte loads where the view takes them). Other devices and shapes use
+/// [`keydiff_scores`]. fp8 keys are read as f16, which holds every E4M3 value exactly.
 pub fn keydiff_scores_fused(keys: &Tensor, anchor: Anchor) -> Result<Tensor> {
+    keydiff_scores_fused_with(keys, anchor, ScoreLoads::Auto)
+}
+
+/// [`keydiff_scores_fused`] with the CUDA kernels' loads chosen (for `keydiff check-kernels`,
+/// which checks and times both); the CPU twin has one way.
+pub fn keydiff_scores_fused_with(
+    keys: &Tensor,
+    anchor: Anchor,
+    loads: ScoreLoads,
+) -> Result<Tensor> {
     if keys.dtype() == DType::F8E4M3 {
-        return keydiff_scores_fused(&keys.to_dtype(DType::F16)?, anchor);
+        return keydiff_scores_fused_with(&keys.to_dtype(DType::F16)?, anchor, loads);
     }
     let kernel = keys.device().is_cuda()
         && matches!(keys.dtype(), DType::F32 | DType::F16 | DType::BF16)
         && keys.dim(2)? <= 256;
     if keys.device().is_cpu() || kernel {
-        Ok(keys.apply_op1_no_bwd(&KeyDiffOp { anchor })?)
+        Ok(keys.apply_op1_no_bwd(&KeyDiffOp { anchor, loads })?)
     } else {
         keydiff_scores(keys, anchor)
     }
@@ -60,6 +71,8 @@ pub fn keydiff_scores_fused(keys: &Tensor, anchor: Anchor) -> Result<Tensor> {
 /// The fused scoring op: the CPU code is the twin of the CUDA kernel.
 struct KeyDiffOp {
     anchor: Anchor,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    loads: ScoreLoads,
 }
 
 /// Sum of `a[i] · b[i]` in f32 with 8 independent lanes (so that it vectorises).
@@ -176,7 +189,12 @@ impl CustomOp1 for KeyDiffOp {
         storage: &candle_core::CudaStorage,
         layout: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        keydiff_kernels::keydiff_scores(storage, layout, self.anchor == Anchor::Normalized)
+        keydiff_kernels::keydiff_scores(
+            storage,
+            layout,
+            self.anchor == Anchor::Normalized,
+            self.loads,
+        )
     }
 }
 

@@ -15,7 +15,10 @@ use crate::config::PolicyKind;
 use crate::layer::LayerCache;
 use crate::Result;
 
-pub use keydiff::{keydiff_scores, keydiff_scores_fused};
+pub use keydiff::{
+    keydiff_scores, keydiff_scores_fused, keydiff_scores_fused_with, vector_loads_fit, ScoreLoads,
+    VECTOR_HEAD_DIMS,
+};
 pub use snapkv::PoolByPosition;
 
 /// Attention statistics a policy needs from the model's attention step.
