@@ -6,7 +6,7 @@
 
 use anyhow::{ensure, Result};
 use candle_core::{DType, Device};
-use keydiff::kernel_check::{kernel_cases, kernel_parity, kernel_timing, SelectBlocks};
+use keydiff::kernel_check::{kernel_cases, kernel_parity, kernel_timing, ScoreLoads, SelectBlocks};
 use keydiff::parity::compare_devices;
 use keydiff::{Anchor, CacheConfig, CpuWeights, EngineConfig, PolicyKind};
 use keydiff_tests::root;
@@ -68,8 +68,10 @@ fn eviction_timing_is_consistent(dev: &Device) -> Result<()> {
         anchor: Anchor::Normalized,
     };
     for blocks in [SelectBlocks::One, SelectBlocks::Many] {
-        let t = kernel_timing(dev, &c, 2, 1.0, blocks)?;
-        check_timing(&t)?;
+        for loads in [ScoreLoads::Scalar, ScoreLoads::Vector] {
+            let t = kernel_timing(dev, &c, 2, 1.0, blocks, loads)?;
+            check_timing(&t)?;
+        }
     }
     Ok(())
 }

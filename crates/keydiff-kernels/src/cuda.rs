@@ -54,6 +54,7 @@ pub fn keydiff_scores(
     macro_rules! passes {
         ($t:ty, $sfx:literal) => {{
             let src = keys.as_cuda_slice::<$t>()?.slice(o..);
+            // The view's address: a 16-byte boundary is what `vector_loads_fit` asks of it.
             let start = {
                 let (ptr, _sync) = src.device_ptr(&stream);
                 ptr as usize % 16

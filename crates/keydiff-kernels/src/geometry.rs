@@ -62,9 +62,9 @@ pub fn vector_loads_fit(
     row_stride: usize,
 ) -> bool {
     VECTOR_HEAD_DIMS.contains(&d)
-        && start % 16 == 0
-        && (head_stride * elem) % 16 == 0
-        && (row_stride * elem) % 16 == 0
+        && start.is_multiple_of(16)
+        && (head_stride * elem).is_multiple_of(16)
+        && (row_stride * elem).is_multiple_of(16)
 }
 
 impl ScoreLoads {
