@@ -8,7 +8,9 @@
 //   1. norms[h, i] = |k_i| + eps, and anchor_sum[h, :] += w_i * k_i (w_i = 1/norms[h, i] or 1),
 //      summed per block in shared memory, then one atomicAdd per element and block;
 //   2. scores[h, i] = -(k_i . mu) / (norms[h, i] * |mu|), mu = anchor_sum[h] / n.
-// anchor_sum must be zeroed before pass 1. One warp handles one row at a time.
+// anchor_sum must be zeroed before pass 1. Two versions of the pair: keydiff_pass1/2_<dtype>
+// (a warp per row, a lane reads one value in 32; any d <= 256 and stride) and
+// keydiff_pass1v/2v_<dtype>_<d> (16-byte loads, d = 64/128/256, rows on 16-byte boundaries).
 //
 // Then, for every policy, `keydiff_select_plan` (one block per head) or `keydiff_select_pass`,
 // `_count` and `_emit` (many blocks per head, for n > 4096) pick the survivors of each head and
@@ -61,13 +63,15 @@ __device__ __forceinline__ void kd_load_rows(const T* keys, int64_t head_stride,
 }
 
 // The block's share of the anchor: `acc` (shared, d values) zeroed before the block's rows add
-// to it, and added to the head's sum once they all have.
-__device__ __forceinline__ void kd_anchor_zero(float* acc, int d) {
+// to it, and added to the head's sum once they all have. (Arrays by reference, not pointers, so
+// that -fsanitize=bounds in the emulation still knows their size.)
+__device__ __forceinline__ void kd_anchor_zero(float (&acc)[KD_MAX_D], int d) {
   for (int j = threadIdx.x; j < d; j += blockDim.x) acc[j] = 0.f;
   __syncthreads();
 }
 
-__device__ __forceinline__ void kd_anchor_flush(const float* acc, float* anchor_sum, int h, int d) {
+__device__ __forceinline__ void kd_anchor_flush(const float (&acc)[KD_MAX_D], float* anchor_sum,
+                                                int h, int d) {
   __syncthreads();
   for (int j = threadIdx.x; j < d; j += blockDim.x) atomicAdd(&anchor_sum[h * d + j], acc[j]);
 }
@@ -106,7 +110,8 @@ __device__ void kd_pass1(const T* keys, int64_t head_stride, int64_t row_stride,
 }
 
 // mu = anchor_sum[h] / n into `mu` (shared, d values), for the whole block; returns |mu| + eps.
-__device__ float kd_anchor_mean(const float* anchor_sum, int h, int n, int d, float* mu) {
+__device__ float kd_anchor_mean(const float* anchor_sum, int h, int n, int d,
+                                float (&mu)[KD_MAX_D]) {
   __shared__ float partial[KD_THREADS / 32];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
   float ss = 0.f;

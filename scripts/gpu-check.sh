@@ -52,7 +52,8 @@ echo "== 2. eviction kernels against the CPU references, then timed against copy
 # The cache codecs (five block types and fp8, from f32/f16/bf16): the device's bytes and values
 # must be the CPU's exactly.
 # Timing: 8 KV heads, d 128, bf16 (Llama-3.1-8B's KV shape), B = 128, n = N + B; each n with
-# the selection on one block per head and on many (the engine takes many past 4096 slots).
+# the selection on one block per head and on many (the engine takes many past 4096 slots), and
+# the scoring with scalar and with 16-byte loads (the engine takes 16-byte loads for d 128).
 timeout 150 "$bin" check-kernels --device "$device" --large --time-n 4224,8320,32896,131200 \
     > "$out/kernels.jsonl" 2> "$out/kernels.txt"
 rc=$?

@@ -32,7 +32,7 @@ mutants=(
   "scores: a batch's rows half a warp count apart~    const int r = rb + b * step;~    const int r = rb + b * (step / 2);"
   "scores: pass 1 goes on past the block's last row~      if (r >= row_end) break;\n      const float norm~      const float norm"
   "scores: pass 2 skips the last row~      const int r = rb + b * warps;\n      float dot = 0.f;\n~      const int r = rb + b * warps;\n      if (r == n - 1) continue;\n      float dot = 0.f;\n"
-  "scores: anchor accumulator never zeroed~  for (int j = threadIdx.x; j < d; j += blockDim.x) acc[j] = 0.f;\n~"
+  "scores: anchor accumulator never zeroed~  for (int j = threadIdx.x; j < d; j += blockDim.x) acc[j] = 0.f;~  for (int j = threadIdx.x; j < 0 * d; j += blockDim.x) acc[j] = 0.f;"
   "select: plan offsets never reset~  if (threadIdx.x == 0) sh.base[0] = sh.base[1] = 0;\n~"
   "snapkv: rank offset never reset~  if (threadIdx.x == 0) base = 0;\n~"
   "scores: accumulator zeroed one past d (shared memory out of bounds at d = 256)~  for (int j = threadIdx.x; j < d; j += blockDim.x) acc[j] = 0.f;~  for (int j = threadIdx.x; j <= d; j += blockDim.x) acc[j] = 0.f;"
@@ -42,7 +42,7 @@ mutants=(
   # `sh.base` is zeroed in keydiff_select_plan is not among them: the loop's first barrier
   # already orders that write before any read, so removing it is not a defect.
   "scores: no barrier after the accumulator is zeroed~acc[j] = 0.f;\n  __syncthreads();~acc[j] = 0.f;"
-  "scores: no barrier before the block's sums go out~float* anchor_sum, int h, int d) {\n  __syncthreads();~float* anchor_sum, int h, int d) {"
+  "scores: no barrier before the block's sums go out~                                                int h, int d) {\n  __syncthreads();~                                                int h, int d) {"
   "select: no barrier after the histogram is cleared~sh.hist[j] = 0;\n    __syncthreads();~sh.hist[j] = 0;"
   "select: no barrier before the digit is chosen~        atomicAdd(&sh.hist[bin], (unsigned)__popc(peers));\n    }\n    __syncthreads();~        atomicAdd(&sh.hist[bin], (unsigned)__popc(peers));\n    }"
   "select: no barrier after the threshold is read~  const uint64_t r = sh.prefix;\n  __syncthreads();~  const uint64_t r = sh.prefix;"
@@ -59,7 +59,9 @@ mutants=(
   "scores-vec: rows read one past the block's last row~      if (r < row_end) {\n        raw[b][v]~      if (r <= row_end) {\n        raw[b][v]"
   "scores-vec: a row's sum over half its lanes~  for (int o = L / 2; o > 0; o >>= 1)~  for (int o = L / 4; o > 0; o >>= 1)"
   "scores-vec: the anchor shares of the warp's other rows never added~  for (int o = G::kLanes; o < 32; o <<= 1)~  for (int o = 32; o < 32; o <<= 1)"
-  "scores-vec: bf16 values unpacked from the wrong halves~    out[2 * i] = __uint_as_float(w[i] << 16);\n    out[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);~    out[2 * i + 1] = __uint_as_float(w[i] << 16);\n    out[2 * i] = __uint_as_float(w[i] & 0xffff0000u);"
+  # (Swapping the two values of every bf16 pair would be an equivalent mutant: a cosine does
+  # not change when keys and anchor have their coordinates permuted alike.)
+  "scores-vec: bf16 low values read from the high halves~    out[2 * i] = __uint_as_float(w[i] << 16);~    out[2 * i] = __uint_as_float(w[i] & 0xffff0000u);"
   "scores-vec: f16 values unpacked from the wrong halves~(unsigned short)(w[i] & 0xffffu)~(unsigned short)(w[i] >> 16)"
   "scores-vec: norms written by every lane of a row~        if (place == 0) norms[~        norms["
   "scores-vec: a lane's anchor values taken from the wrong elements~      m[v * G::kElems + e] = mu[(place + G::kLanes * v) * G::kElems + e];~      m[v * G::kElems + e] = mu[(place + G::kLanes * v) * G::kElems];"

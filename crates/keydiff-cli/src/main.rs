@@ -895,14 +895,19 @@ fn check_kernels(
         // Both ways of splitting the selection and both ways of reading the keys, in the same
         // run: the engine's `Auto` picks by n and by the view alone, and this is what shows
         // whether it picks well.
+        // On the CPU every variant is the same twin: it is timed once.
         let mut variants = Vec::new();
-        for loads in [ScoreLoads::Scalar, ScoreLoads::Vector] {
-            if loads == ScoreLoads::Vector && !VECTOR_HEAD_DIMS.contains(&head_dim) {
-                eprintln!("(no 16-byte scoring kernels for head dim {head_dim}: not timed)");
-                continue;
-            }
-            for blocks in [SelectBlocks::One, SelectBlocks::Many] {
-                variants.push((blocks, loads));
+        if !dev.is_cuda() {
+            variants.push((SelectBlocks::Auto, ScoreLoads::Auto));
+        } else {
+            for loads in [ScoreLoads::Scalar, ScoreLoads::Vector] {
+                if loads == ScoreLoads::Vector && !VECTOR_HEAD_DIMS.contains(&head_dim) {
+                    eprintln!("(no 16-byte scoring kernels for head dim {head_dim}: not timed)");
+                    continue;
+                }
+                for blocks in [SelectBlocks::One, SelectBlocks::Many] {
+                    variants.push((blocks, loads));
+                }
             }
         }
         for &n in time_n {

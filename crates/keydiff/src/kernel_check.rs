@@ -592,7 +592,12 @@ pub fn kernel_timing(
         n,
         head_dim,
         budget,
-        select_blocks: blocks.resolve(n).name().to_string(),
+        select_blocks: if device.is_cuda() {
+            blocks.resolve(n).name()
+        } else {
+            "cpu twin"
+        }
+        .to_string(),
         score_loads: loads_name(device, loads, dtype, head_dim),
         moves,
         reps,
