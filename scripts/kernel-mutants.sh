@@ -32,7 +32,7 @@ mutants=(
   "scores: a batch's rows half a warp count apart~    const int r = rb + b * step;~    const int r = rb + b * (step / 2);"
   "scores: pass 1 goes on past the block's last row~      if (r >= row_end) break;\n      const float norm~      const float norm"
   "scores: pass 2 skips the last row~      const int r = rb + b * warps;\n      float dot = 0.f;\n~      const int r = rb + b * warps;\n      if (r == n - 1) continue;\n      float dot = 0.f;\n"
-  "scores: anchor accumulator never zeroed~  for (int j = threadIdx.x; j < d; j += blockDim.x) acc[j] = 0.f;~  for (int j = threadIdx.x; j < 0 * d; j += blockDim.x) acc[j] = 0.f;"
+  "scores: anchor accumulator never zeroed~  for (int j = threadIdx.x; j < d; j += blockDim.x) acc[j] = 0.f;~  (void)acc;\n  (void)d;"
   "select: plan offsets never reset~  if (threadIdx.x == 0) sh.base[0] = sh.base[1] = 0;\n~"
   "snapkv: rank offset never reset~  if (threadIdx.x == 0) base = 0;\n~"
   "scores: accumulator zeroed one past d (shared memory out of bounds at d = 256)~  for (int j = threadIdx.x; j < d; j += blockDim.x) acc[j] = 0.f;~  for (int j = threadIdx.x; j <= d; j += blockDim.x) acc[j] = 0.f;"
