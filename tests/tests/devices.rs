@@ -6,7 +6,9 @@
 
 use anyhow::{ensure, Result};
 use candle_core::{DType, Device};
-use keydiff::kernel_check::{kernel_cases, kernel_parity, kernel_timing, ScoreLoads, SelectBlocks};
+use keydiff::kernel_check::{
+    kernel_cases, kernel_parity, kernel_timing, launch_floor_us, ScoreLoads, SelectBlocks,
+};
 use keydiff::parity::compare_devices;
 use keydiff::{Anchor, CacheConfig, CpuWeights, EngineConfig, PolicyKind};
 use keydiff_tests::root;
@@ -73,6 +75,9 @@ fn eviction_timing_is_consistent(dev: &Device) -> Result<()> {
             check_timing(&t)?;
         }
     }
+    // The per-op floor checks its chain's result itself.
+    let floor = launch_floor_us(dev, 50)?;
+    ensure!(floor > 0.0 && floor.is_finite(), "launch floor {floor}");
     Ok(())
 }
 

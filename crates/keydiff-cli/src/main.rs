@@ -797,7 +797,9 @@ fn check_kernels(
     (kv, head_dim, dtype, chunk): (usize, usize, &str, usize),
     reps: usize,
 ) -> Result<()> {
-    use keydiff::kernel_check::{copy_bandwidth, kernel_cases, kernel_parity, kernel_timing};
+    use keydiff::kernel_check::{
+        copy_bandwidth, kernel_cases, kernel_parity, kernel_timing, launch_floor_us,
+    };
     let dev = parse_device(device)?;
     let mut failed = Vec::new();
     eprintln!(
@@ -878,6 +880,15 @@ fn check_kernels(
         let dt = parse_dtype(dtype)?;
         let copy = copy_bandwidth(&dev)?;
         eprintln!("copy bandwidth (read + write): {copy:.1} GB/s");
+        let floor = launch_floor_us(&dev, 500)?;
+        eprintln!(
+            "launch floor: {floor:.2} us per op (500 one-element ops back to back); an \
+             eviction runs about a dozen ops"
+        );
+        println!(
+            "{}",
+            serde_json::json!({"kind": "launch_floor", "device": format!("{dev:?}"), "us_per_op": floor, "ops": 500})
+        );
         eprintln!(
             "{:>7} {:>7} {:>7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8} {:>7}",
             "n",
@@ -927,7 +938,7 @@ fn check_kernels(
             for &(blocks, loads) in &variants {
                 let t = kernel_timing(&dev, &c, reps, copy, blocks, loads)?;
                 eprintln!(
-                    "{:>7} {:>7} {:>7} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>8.1} {:>6.1}%  {}, {}",
+                    "{:>7} {:>7} {:>7} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>8.1} {:>6.1}%  {}",
                     t.n,
                     t.budget,
                     t.moves,
@@ -938,8 +949,11 @@ fn check_kernels(
                     t.eviction_us,
                     t.gb_per_s,
                     t.percent_of_copy,
-                    t.select_blocks,
-                    t.score_loads
+                    if t.select_blocks == t.score_loads {
+                        t.select_blocks.clone()
+                    } else {
+                        format!("{}, {}", t.select_blocks, t.score_loads)
+                    }
                 );
                 let mut v = serde_json::to_value(&t)?;
                 v["kind"] = "timing".into();

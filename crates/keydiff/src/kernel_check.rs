@@ -509,6 +509,39 @@ fn loads_name(device: &Device, loads: ScoreLoads, dtype: DType, d: usize) -> Str
         .to_string()
 }
 
+/// What one small op costs on `device` when ops run back to back: microseconds per op of a
+/// chain of `ops` affine maps of a one-element tensor (a launch and an output allocation each,
+/// as every eviction op has), one synchronisation at the end, best of 3 chains. An eviction is
+/// a dozen such ops, so at small n this floor, not bandwidth, bounds its time.
+pub fn launch_floor_us(device: &Device, ops: usize) -> Result<f64> {
+    let ops = ops.max(1);
+    let mut x = Tensor::zeros(1, DType::F32, device)?;
+    // Warm-up: module load, allocator.
+    for _ in 0..16 {
+        x = x.affine(1.0, 1.0)?;
+    }
+    device.synchronize()?;
+    let mut best = f64::INFINITY;
+    for _ in 0..3 {
+        let t0 = Instant::now();
+        for _ in 0..ops {
+            x = x.affine(1.0, 1.0)?;
+        }
+        device.synchronize()?;
+        best = best.min(t0.elapsed().as_secs_f64());
+    }
+    // The chain's result, so that nothing of it can be skipped: 16 + 3·ops increments.
+    let got = x.to_device(&Device::Cpu)?.to_vec1::<f32>()?[0];
+    let want = (16 + 3 * ops) as f32;
+    if got != want {
+        return Err(candle_core::Error::Msg(format!(
+            "launch floor: the chain gave {got}, not {want}"
+        ))
+        .into());
+    }
+    Ok(best / ops as f64 * 1e6)
+}
+
 /// Times the eviction ops on `device` for a case's shape, dtype, budget, protection and anchor,
 /// with positions ascending (the newest chunk last, as after a prefill chunk), the selection
 /// split as `blocks` says, the keys read as `loads` says. One warm-up, then the median of `reps`; the device is synchronised
