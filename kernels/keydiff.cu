@@ -230,6 +230,31 @@ __device__ __forceinline__ float kd_row_sum(float v) {
   return v;
 }
 
+// Runs f(r, x) for the rows of [row0, row_end) of head h, x the lane's kVals values of row r
+// (lane / kLanes picks the row within a warp-wide load). Every lane of a warp calls f the same
+// number of times, so f may use warp shuffles; r may be past row_end (then x is 0 and f must not
+// write for it).
+template <typename T, int D, typename F>
+__device__ __forceinline__ void kd_rows_vec(const T* keys, int64_t head_stride,
+                                            int64_t row_stride, int h, int row0, int row_end,
+                                            F&& f) {
+  using G = KdVec<T, D>;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  const int sub = lane / G::kLanes;
+  const int step = warps * G::kRows;
+  for (int rb = row0 + warp * G::kRows; rb < row_end; rb += KD_VEC_BATCH * step) {
+    uint4 raw[KD_VEC_BATCH][G::kPerLane];
+    kd_load_vecs<T, D>(keys, head_stride, row_stride, h, rb, step, row_end, lane, raw);
+    for (int b = 0; b < KD_VEC_BATCH; ++b) {
+      // Uniform across the warp (its first row of load b): every lane reaches the shuffles.
+      if (rb + b * step >= row_end) break;
+      float x[G::kVals];
+      for (int v = 0; v < G::kPerLane; ++v) kd_unpack(raw[b][v], &x[v * G::kElems], keys);
+      f(rb + b * step + sub, x);
+    }
+  }
+}
+
 template <typename T, int D>
 __device__ void kd_pass1_vec(const T* keys, int64_t head_stride, int64_t row_stride, int n,
                              int normalized, float* norms, float* anchor_sum) {
@@ -238,31 +263,22 @@ __device__ void kd_pass1_vec(const T* keys, int64_t head_stride, int64_t row_str
   const int h = blockIdx.y;
   const int row0 = blockIdx.x * KD_ROWS_PER_BLOCK;
   kd_anchor_zero(acc, D);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  const int lane = threadIdx.x % 32;
   const int sub = lane / G::kLanes, place = lane % G::kLanes;
   const int row_end = min(row0 + KD_ROWS_PER_BLOCK, n);
-  const int step = warps * G::kRows;
   float part[G::kVals];
   for (int j = 0; j < G::kVals; ++j) part[j] = 0.f;
-  for (int rb = row0 + warp * G::kRows; rb < row_end; rb += KD_VEC_BATCH * step) {
-    uint4 raw[KD_VEC_BATCH][G::kPerLane];
-    kd_load_vecs<T, D>(keys, head_stride, row_stride, h, rb, step, row_end, lane, raw);
-    for (int b = 0; b < KD_VEC_BATCH; ++b) {
-      // Uniform across the warp (its first row of load b): every lane reaches the shuffles.
-      if (rb + b * step >= row_end) break;
-      const int r = rb + b * step + sub;
-      float x[G::kVals];
-      for (int v = 0; v < G::kPerLane; ++v) kd_unpack(raw[b][v], &x[v * G::kElems], keys);
-      float ss = 0.f;
-      for (int j = 0; j < G::kVals; ++j) ss += x[j] * x[j];
-      const float norm = sqrtf(kd_row_sum<G::kLanes>(ss)) + KD_NORM_EPS;
-      if (r < row_end) {
-        if (place == 0) norms[(int64_t)h * n + r] = norm;
-        const float w = normalized ? 1.f / norm : 1.f;
-        for (int j = 0; j < G::kVals; ++j) part[j] += x[j] * w;
-      }
-    }
-  }
+  kd_rows_vec<T, D>(keys, head_stride, row_stride, h, row0, row_end,
+                    [&](int r, const float (&x)[G::kVals]) {
+                      float ss = 0.f;
+                      for (int j = 0; j < G::kVals; ++j) ss += x[j] * x[j];
+                      const float norm = sqrtf(kd_row_sum<G::kLanes>(ss)) + KD_NORM_EPS;
+                      if (r < row_end) {
+                        if (place == 0) norms[(int64_t)h * n + r] = norm;
+                        const float w = normalized ? 1.f / norm : 1.f;
+                        for (int j = 0; j < G::kVals; ++j) part[j] += x[j] * w;
+                      }
+                    });
   // Lanes at the same place of the warp's rows hold sums of the same values: add them across
   // the rows, then the lanes of the first row add them to the block's share.
   for (int o = G::kLanes; o < 32; o <<= 1)
@@ -281,31 +297,23 @@ __device__ void kd_pass2_vec(const T* keys, int64_t head_stride, int64_t row_str
   __shared__ float mu[KD_MAX_D];
   const int h = blockIdx.y;
   const int row0 = blockIdx.x * KD_ROWS_PER_BLOCK;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
-  const int sub = lane / G::kLanes, place = lane % G::kLanes;
+  const int place = threadIdx.x % 32 % G::kLanes;
   const int row_end = min(row0 + KD_ROWS_PER_BLOCK, n);
-  const int step = warps * G::kRows;
   const float mu_norm = kd_anchor_mean(anchor_sum, h, n, D, mu);
   // The lane's values of mu, in the order of its values of a row.
   float m[G::kVals];
   for (int v = 0; v < G::kPerLane; ++v)
     for (int e = 0; e < G::kElems; ++e)
       m[v * G::kElems + e] = mu[(place + G::kLanes * v) * G::kElems + e];
-  for (int rb = row0 + warp * G::kRows; rb < row_end; rb += KD_VEC_BATCH * step) {
-    uint4 raw[KD_VEC_BATCH][G::kPerLane];
-    kd_load_vecs<T, D>(keys, head_stride, row_stride, h, rb, step, row_end, lane, raw);
-    for (int b = 0; b < KD_VEC_BATCH; ++b) {
-      if (rb + b * step >= row_end) break;
-      const int r = rb + b * step + sub;
-      float x[G::kVals];
-      for (int v = 0; v < G::kPerLane; ++v) kd_unpack(raw[b][v], &x[v * G::kElems], keys);
-      float dot = 0.f;
-      for (int j = 0; j < G::kVals; ++j) dot += x[j] * m[j];
-      dot = kd_row_sum<G::kLanes>(dot);
-      if (r < row_end && place == 0)
-        scores[(int64_t)h * n + r] = -dot / (norms[(int64_t)h * n + r] * mu_norm);
-    }
-  }
+  kd_rows_vec<T, D>(keys, head_stride, row_stride, h, row0, row_end,
+                    [&](int r, const float (&x)[G::kVals]) {
+                      float dot = 0.f;
+                      for (int j = 0; j < G::kVals; ++j) dot += x[j] * m[j];
+                      dot = kd_row_sum<G::kLanes>(dot);
+                      if (r < row_end && place == 0)
+                        scores[(int64_t)h * n + r] =
+                            -dot / (norms[(int64_t)h * n + r] * mu_norm);
+                    });
 }
 
 #define KD_INSTANTIATE(SUFFIX, T)                                                               \

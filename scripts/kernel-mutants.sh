@@ -67,8 +67,9 @@ mutants=(
   "scores-vec: a lane's anchor values taken from the wrong elements~      m[v * G::kElems + e] = mu[(place + G::kLanes * v) * G::kElems + e];~      m[v * G::kElems + e] = mu[(place + G::kLanes * v) * G::kElems];"
   "scores-vec: the anchor share of a lane's second vector lost (f32, d 256)~    for (int v = 0; v < G::kPerLane; ++v)\n      for (int e = 0; e < G::kElems; ++e)\n        atomicAdd(~    for (int v = 0; v < 1; ++v)\n      for (int e = 0; e < G::kElems; ++e)\n        atomicAdd("
   "scores-vec: pass 2 writes a score for a row past the block's last~      if (r < row_end && place == 0)~      if (place == 0)"
-  "scores-vec: pass 2 stops after the first load of a batch~    for (int b = 0; b < KD_VEC_BATCH; ++b) {\n      if (rb + b * step >= row_end) break;~    for (int b = 0; b < KD_VEC_BATCH; ++b) {\n      if (b > 0 || rb >= row_end) break;"
-  "scores-vec: the rows of one load not told apart (sub dropped in pass 1)~      // Uniform across the warp (its first row of load b): every lane reaches the shuffles.\n      if (rb + b * step >= row_end) break;\n      const int r = rb + b * step + sub;~      // Uniform across the warp (its first row of load b): every lane reaches the shuffles.\n      if (rb + b * step >= row_end) break;\n      const int r = rb + b * step;"
+  "scores-vec: a warp reduces only the first load of a batch~      if (rb + b * step >= row_end) break;\n      float x[G::kVals];~      if (b > 0 || rb >= row_end) break;\n      float x[G::kVals];"
+  "scores-vec: the rows of one load not told apart~      f(rb + b * step + sub, x);~      f(rb + b * step, x);"
+  "scores-vec: pass 1 writes norms for rows past the block's last~                      if (r < row_end) {\n                        if (place == 0) norms[~                      if (r < n) {\n                        if (place == 0) norms["
   # The many-block selection (keydiff_select_pass / _count / _emit).
   "select-many: count keeps only keys above the threshold~    const bool keep = key(i) >= threshold;~    const bool keep = key(i) > threshold;"
   "select-many: hole offset ignores lower lanes~      om += warp_total[1][v];\n    }\n    oh += __popc(bh & below);~      om += warp_total[1][v];\n    }\n    oh += __popc(bh);"

@@ -759,30 +759,21 @@ fn interleaved_layouts_score_like_contiguous_ones() {
     }
     for loads in [ScoreLoads::Scalar, ScoreLoads::Vector] {
         for seed in SEEDS {
-            let a = emu::keydiff_scores(
-                emu::Keys::F32(&inter),
-                kv,
-                n,
-                d,
-                d,
-                kv * d,
-                true,
-                loads,
-                seed,
-            )
-            .unwrap();
-            let b = emu::keydiff_scores(
-                emu::Keys::F32(&contiguous),
-                kv,
-                n,
-                d,
-                n * d,
-                d,
-                true,
-                loads,
-                seed,
-            )
-            .unwrap();
+            let score = |keys: &[f32], head_stride, row_stride| {
+                emu::keydiff_scores(
+                    emu::Keys::F32(keys),
+                    kv,
+                    n,
+                    d,
+                    head_stride,
+                    row_stride,
+                    true,
+                    loads,
+                    seed,
+                )
+                .unwrap()
+            };
+            let (a, b) = (score(&inter, d, kv * d), score(&contiguous, n * d, d));
             let diff = max_diff(&a, &b);
             assert!(diff < 1e-6, "{} seed {seed}: {diff}", loads.name());
         }
