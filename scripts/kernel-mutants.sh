@@ -68,8 +68,11 @@ mutants=(
   "scores-vec: the anchor share of a lane's second vector lost (f32, d 256)~    for (int v = 0; v < G::kPerLane; ++v)\n      for (int e = 0; e < G::kElems; ++e)\n        atomicAdd(~    for (int v = 0; v < 1; ++v)\n      for (int e = 0; e < G::kElems; ++e)\n        atomicAdd("
   "scores-vec: pass 2 writes a score for a row past the block's last~      if (r < row_end && place == 0)~      if (place == 0)"
   "scores-vec: a warp reduces only the first load of a batch~      if (rb + b * step >= row_end) break;\n      float x[G::kVals];~      if (b > 0 || rb >= row_end) break;\n      float x[G::kVals];"
-  "scores-vec: the rows of one load not told apart~      f(rb + b * step + sub, x);~      f(rb + b * step, x);"
-  "scores-vec: pass 1 writes norms for rows past the block's last~                      if (r < row_end) {\n                        if (place == 0) norms[~                      if (r < n) {\n                        if (place == 0) norms["
+  "scores-vec: the rows of one load not told apart~      f(rb + b * step + sub, x);~      f(rb + b * step + 0 * sub, x);"
+  # (Bounding pass 1's rows by n instead of the block's last row would be an equivalent
+  # mutant: a warp-wide load only runs past the block's rows in the last block, where both
+  # bounds are n.)
+  "scores-vec: pass 1 writes norms for the rows past n of the last load~                      if (r < row_end) {\n                        if (place == 0) norms[~                      if (true) {\n                        if (place == 0) norms["
   # The many-block selection (keydiff_select_pass / _count / _emit).
   "select-many: count keeps only keys above the threshold~    const bool keep = key(i) >= threshold;~    const bool keep = key(i) > threshold;"
   "select-many: hole offset ignores lower lanes~      om += warp_total[1][v];\n    }\n    oh += __popc(bh & below);~      om += warp_total[1][v];\n    }\n    oh += __popc(bh);"
