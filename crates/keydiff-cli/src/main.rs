@@ -803,7 +803,7 @@ fn check_kernels(
     let dev = parse_device(device)?;
     let mut failed = Vec::new();
     eprintln!(
-        "{:5} {:>3} {:>7} {:>4} {:>7} {:>10} {:>10} {:>6} {:>9} {:>5} {:>9} {:>5}",
+        "{:5} {:>3} {:>7} {:>4} {:>7} {:>10} {:>10} {:>11} {:>6} {:>9} {:>5} {:>9} {:>5}",
         "dtype",
         "kv",
         "n",
@@ -811,6 +811,7 @@ fn check_kernels(
         "N",
         "err(ref)",
         "err(twin)",
+        "err(scalar)",
         "plans",
         "e2e diff",
         "moves",
@@ -821,7 +822,7 @@ fn check_kernels(
         let r = kernel_parity(&dev, c, seed + i as u64)
             .with_context(|| format!("parity case {c:?}"))?;
         eprintln!(
-            "{:5} {:>3} {:>7} {:>4} {:>7} {:>10.2e} {:>10.2e} {:>6} {:>9} {:>5} {:>9.1e} {:>5}",
+            "{:5} {:>3} {:>7} {:>4} {:>7} {:>10.2e} {:>10.2e} {:>11.2e} {:>6} {:>9} {:>5} {:>9.1e} {:>5}",
             r.dtype,
             r.kv_heads,
             r.n,
@@ -829,6 +830,7 @@ fn check_kernels(
             r.budget,
             r.score_max_abs_vs_reference,
             r.score_max_abs_vs_twin,
+            r.score_max_abs_scalar_vs_twin,
             if r.plan_heads_differing + r.plan_heads_differing_many == 0 {
                 "same"
             } else {
