@@ -210,7 +210,8 @@ fn scores_match_the_cpu_twin_and_the_reference() {
     // (kv, n, rows, d, row stride, anchor): odd sizes, every head dim, a d that is not a
     // multiple of 32, padded row strides (one that keeps f16/bf16 rows off 16-byte
     // boundaries). Each case runs with scalar loads and, where the view takes them, 16-byte
-    // loads; n is never a multiple of the rows one warp-wide 16-byte load covers (2 or 4).
+    // loads; n is mostly odd, so a head's last warp-wide 16-byte load (2 or 4 rows) runs past
+    // its rows.
     let cases = [
         (2, 1029, 1100, 64, 64, Anchor::Normalized),
         (3, 517, 517, 128, 128, Anchor::Mean),

@@ -907,8 +907,7 @@ fn check_kernels(
         use keydiff::kernel_check::{ScoreLoads, SelectBlocks, VECTOR_HEAD_DIMS};
         // Both ways of splitting the selection and both ways of reading the keys, in the same
         // run: the engine's `Auto` picks by n and by the view alone, and this is what shows
-        // whether it picks well.
-        // On the CPU every variant is the same twin: it is timed once.
+        // whether it picks well. On the CPU every variant is the same twin: it is timed once.
         let mut variants = Vec::new();
         if !dev.is_cuda() {
             variants.push((SelectBlocks::Auto, ScoreLoads::Auto));

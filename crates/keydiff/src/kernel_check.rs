@@ -498,11 +498,11 @@ pub fn copy_bandwidth(device: &Device) -> Result<f64> {
 
 /// What scoring a contiguous `[kv, n, d]` tensor of `dtype` on `device` runs, as `loads`
 /// resolves.
-fn loads_name(device: &Device, loads: ScoreLoads, dtype: DType, d: usize) -> String {
+fn loads_name(device: &Device, loads: ScoreLoads, dtype: DType, n: usize, d: usize) -> String {
     if !device.is_cuda() {
         return "cpu twin".to_string();
     }
-    let fits = vector_loads_fit(d, dtype.size_in_bytes(), 0, 0, d);
+    let fits = vector_loads_fit(d, dtype.size_in_bytes(), 0, n * d, d);
     loads
         .resolve(fits)
         .map_or("refused", ScoreLoads::name)
@@ -512,7 +512,7 @@ fn loads_name(device: &Device, loads: ScoreLoads, dtype: DType, d: usize) -> Str
 /// What one small op costs on `device` when ops run back to back: microseconds per op of a
 /// chain of `ops` affine maps of a one-element tensor (a launch and an output allocation each,
 /// as every eviction op has), one synchronisation at the end, best of 3 chains. An eviction is
-/// a dozen such ops, so at small n this floor, not bandwidth, bounds its time.
+/// about a dozen such ops: at small n this floor may bound its time rather than the bandwidth.
 pub fn launch_floor_us(device: &Device, ops: usize) -> Result<f64> {
     let ops = ops.max(1);
     let mut x = Tensor::zeros(1, DType::F32, device)?;
@@ -544,8 +544,8 @@ pub fn launch_floor_us(device: &Device, ops: usize) -> Result<f64> {
 
 /// Times the eviction ops on `device` for a case's shape, dtype, budget, protection and anchor,
 /// with positions ascending (the newest chunk last, as after a prefill chunk), the selection
-/// split as `blocks` says, the keys read as `loads` says. One warm-up, then the median of `reps`; the device is synchronised
-/// around every op.
+/// split as `blocks` says, the keys read as `loads` says. One warm-up, then the median of
+/// `reps`; the device is synchronised around every op.
 pub fn kernel_timing(
     device: &Device,
     c: &KernelCase,
@@ -631,7 +631,7 @@ pub fn kernel_timing(
             "cpu twin"
         }
         .to_string(),
-        score_loads: loads_name(device, loads, dtype, head_dim),
+        score_loads: loads_name(device, loads, dtype, n, head_dim),
         moves,
         reps,
         score_us: score * 1e6,
