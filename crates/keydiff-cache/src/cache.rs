@@ -67,7 +67,12 @@ pub struct KvCacheParts {
 
 /// The KV cache of every layer of one request, under one policy.
 pub struct KvCache {
+    /// Views of `stack`, one per layer.
     layers: Vec<LayerCache>,
+    /// Every layer's buffers as one ([`LayerCache::stack`]): where the layers evict together.
+    stack: LayerCache,
+    /// Evict each layer after its own attention, not every layer after the last one's.
+    per_layer: bool,
     cfg: CacheConfig,
     policy: Box<dyn Policy>,
     counters: CacheCounters,
@@ -94,13 +99,13 @@ impl KvCache {
     ) -> Result<Self> {
         cfg.validate()?;
         let capacity = cfg.slots_for(max_tokens);
-        let kv = kv.into();
-        let layers = (0..layers)
-            .map(|_| LayerCache::new(kv_heads, head_dim, capacity, kv, device))
-            .collect::<Result<Vec<_>>>()?;
+        let (stack, layers) =
+            LayerCache::stack(layers, kv_heads, head_dim, capacity, kv.into(), device)?;
         Ok(Self {
             policy: build(&cfg.policy),
             layers,
+            stack,
+            per_layer: false,
             cfg,
             counters: CacheCounters::default(),
             profile: None,
@@ -253,15 +258,27 @@ impl KvCache {
                 l.next_position, parts.position
             )));
         }
-        let layers = parts
-            .layers
-            .iter()
-            .map(|l| LayerCache::from_parts(l, capacity, in_order, device))
-            .collect::<Result<Vec<_>>>()?;
+        let mut head_dim = 0;
+        for l in &parts.layers {
+            head_dim = LayerCache::check_parts(l, capacity, in_order)?.1;
+        }
+        let (stack, mut layers) = LayerCache::stack(
+            parts.layers.len(),
+            heads,
+            head_dim,
+            capacity,
+            first.kv,
+            device,
+        )?;
+        for (layer, p) in layers.iter_mut().zip(&parts.layers) {
+            layer.fill(p)?;
+        }
         let mut policy = build(&cfg.policy);
         policy.restore_state(&parts.policy_state)?;
         Ok(Self {
             layers,
+            stack,
+            per_layer: false,
             cfg,
             policy,
             counters: parts.counters,
@@ -272,23 +289,22 @@ impl KvCache {
     }
 
     fn copied(&self, capacity: usize) -> Result<Self> {
-        let layers = self
-            .layers
-            .iter()
-            .map(|l| {
-                let mut n = LayerCache::new(
-                    l.kv_heads(),
-                    l.head_dim(),
-                    capacity,
-                    l.kv_type(),
-                    l.device(),
-                )?;
-                n.copy_from(l, true)?;
-                Ok(n)
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let first = &self.layers[0];
+        let (stack, mut layers) = LayerCache::stack(
+            self.layers.len(),
+            first.kv_heads(),
+            first.head_dim(),
+            capacity,
+            first.kv_type(),
+            first.device(),
+        )?;
+        for (n, l) in layers.iter_mut().zip(&self.layers) {
+            n.copy_from(l, true)?;
+        }
         Ok(Self {
             layers,
+            stack,
+            per_layer: self.per_layer,
             cfg: self.cfg.clone(),
             policy: self.policy.clone_box(),
             counters: self.counters,
@@ -558,6 +574,14 @@ impl KvCache {
     /// Runs after layer `i`'s attention over a chunk (`decode`: a single generated token).
     /// Lets the policy observe the statistics, and evicts back to N when it is time: after
     /// every prefill chunk that overflows N, and in decode once N + K slots are used.
+    ///
+    /// A policy that scores from the keys or positions alone, with no more memory for many
+    /// layers than for one ([`Policy::scores_layers_together`]: KeyDiff on float caches,
+    /// StreamingLLM), evicts every layer at once after the last layer's attention, on the
+    /// model-wide buffers: one set of kernel launches per chunk instead of one per layer, over
+    /// `layers · kv_heads` heads. The survivors are the same: a layer's cache is read again
+    /// only by the next chunk, and every head is scored, selected and moved alone.
+    /// [`KvCache::set_evict_per_layer`] turns this off.
     pub fn after_attention(
         &mut self,
         i: usize,
@@ -575,18 +599,68 @@ impl KvCache {
                 }
             }
         }
-        let layer = &self.layers[i];
-        let Some(budget) = self.cfg.budget else {
+        if !self.due(i, decode) {
             return Ok(());
+        }
+        if !self.evicts_together() {
+            return self.evict_layer(i, stats);
+        }
+        if i + 1 < self.layers.len() {
+            // The last layer's call evicts this one too.
+            return Ok(());
+        }
+        let len = self.layers[i].len();
+        if self.layers.iter().any(|l| l.len() != len) {
+            // Layers appended unevenly (a test driving one layer): each due one alone.
+            for j in 0..self.layers.len() {
+                if self.due(j, decode) {
+                    self.evict_layer(j, None)?;
+                }
+            }
+            return Ok(());
+        }
+        self.evict_stack()
+    }
+
+    /// Evicts each layer after its own attention (`true`), or every layer at once after the
+    /// last one's where the policy allows (`false`, the default; see
+    /// [`KvCache::after_attention`]). Both keep the same slots; this is for measuring the
+    /// difference.
+    pub fn set_evict_per_layer(&mut self, on: bool) {
+        self.per_layer = on;
+    }
+
+    /// True when layer `i` holds more slots than its budget lets it keep at this step.
+    fn due(&self, i: usize, decode: bool) -> bool {
+        let (Some(budget), layer) = (self.cfg.budget, &self.layers[i]) else {
+            return false;
         };
-        let due = if decode {
+        if decode {
             layer.len() >= budget + self.cfg.evict_every()
         } else {
             layer.len() > budget
-        };
-        if !due {
-            return Ok(());
         }
+    }
+
+    /// True when the layers evict together: the policy allows it, it was not turned off, and
+    /// every layer is still a view of the stack.
+    fn evicts_together(&self) -> bool {
+        !self.per_layer
+            && self.cfg.policy != PolicyKind::Full
+            && self.policy.scores_layers_together(self.stack.kv_type())
+            && self
+                .layers
+                .iter()
+                .enumerate()
+                .all(|(l, layer)| layer.is_view_of(&self.stack, l))
+    }
+
+    /// Scores, selects and moves layer `i` alone.
+    fn evict_layer(&mut self, i: usize, stats: Option<&AttnStats>) -> Result<()> {
+        let Some(budget) = self.cfg.budget else {
+            return Ok(());
+        };
+        let layer = &self.layers[i];
         self.sync_if_profiling()?;
         let t = Instant::now();
         let scores = self.policy.score_tensor(layer, stats)?;
@@ -601,6 +675,33 @@ impl KvCache {
         self.sync_if_profiling()?;
         self.counters.select_move_s += t.elapsed().as_secs_f64();
         self.counters.evictions += 1;
+        Ok(())
+    }
+
+    /// Scores, selects and moves every layer at once, on the stack (all layers hold the same
+    /// number of slots). Counted as one eviction per layer, as [`KvCache::evict_layer`] would.
+    fn evict_stack(&mut self) -> Result<()> {
+        let Some(budget) = self.cfg.budget else {
+            return Ok(());
+        };
+        let len = self.len();
+        self.stack.set_moved_len(len);
+        self.sync_if_profiling()?;
+        let t = Instant::now();
+        let scores = self.policy.score_tensor(&self.stack, None)?;
+        self.sync_if_profiling()?;
+        self.counters.score_s += t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        let sinks = self.cfg.protected_sinks();
+        let recent = self.cfg.protected_recent(budget);
+        self.counters.evicted_slots += (len - budget) * self.stack.kv_heads();
+        self.stack.evict(&scores, budget, sinks, recent)?;
+        for l in &mut self.layers {
+            l.set_moved_len(budget);
+        }
+        self.sync_if_profiling()?;
+        self.counters.select_move_s += t.elapsed().as_secs_f64();
+        self.counters.evictions += self.layers.len();
         Ok(())
     }
 }

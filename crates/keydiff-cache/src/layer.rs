@@ -1,6 +1,6 @@
 //! The KV cache of one layer.
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device, Tensor, TensorId};
 
 use crate::kv_type::contiguous_rows;
 use crate::select::{ApplyPlan, SelectBlocks, SelectPlan};
@@ -49,6 +49,9 @@ pub struct LayerCache {
     /// The last slots appended since the slots were last moved (an eviction, a copy): these
     /// are the newest tokens, in order at the end, so [`LayerCache::rewind`] can forget them.
     fresh: usize,
+    /// Set when the buffers are a view of a model-wide stack ([`LayerCache::stack`]): the id
+    /// of the stack's key buffer and this layer's index in it.
+    stacked: Option<(TensorId, usize)>,
 }
 
 impl LayerCache {
@@ -86,7 +89,54 @@ impl LayerCache {
             state: Tensor::zeros((kv_heads, capacity), DType::F32, device)?,
             next_position: 0,
             fresh: 0,
+            stacked: None,
         })
+    }
+
+    /// Allocates every layer's buffers at once, as one `[layers · kv_heads, capacity, row]`
+    /// buffer each for K, V, positions and state, and returns that stack with one view of it per
+    /// layer (layer `l` holds heads `l · kv_heads ..`). The views are ordinary layers; the stack
+    /// lets the cache evict every layer in one pass, with one set of kernel launches instead of
+    /// one per layer (see [`crate::KvCache::after_attention`]).
+    pub(crate) fn stack(
+        layers: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        capacity: usize,
+        kv: KvTypes,
+        device: &Device,
+    ) -> Result<(Self, Vec<Self>)> {
+        if layers == 0 {
+            return Err(CacheError::Config("a cache of no layers".into()));
+        }
+        let whole = Self::new(layers * kv_heads, head_dim, capacity, kv, device)?;
+        let id = whole.k.id();
+        let views = (0..layers)
+            .map(|l| {
+                let heads = |t: &Tensor| t.narrow(0, l * kv_heads, kv_heads);
+                Ok(Self {
+                    k: heads(&whole.k)?,
+                    v: heads(&whole.v)?,
+                    positions: heads(&whole.positions)?,
+                    state: heads(&whole.state)?,
+                    stacked: Some((id, l)),
+                    ..whole.clone()
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok((whole, views))
+    }
+
+    /// True when this layer is view `index` of `stack` ([`LayerCache::stack`]).
+    pub(crate) fn is_view_of(&self, stack: &LayerCache, index: usize) -> bool {
+        self.stacked == Some((stack.k.id(), index))
+    }
+
+    /// Sets the used length, after the slots were moved (by an eviction of the stack this
+    /// layer is a view of) or before they are (the stack's own length).
+    pub(crate) fn set_moved_len(&mut self, len: usize) {
+        self.len = len;
+        self.fresh = 0;
     }
 
     /// A layer whose first slots hold `parts` (as [`LayerCache::parts`] gave them, from a file
@@ -99,6 +149,18 @@ impl LayerCache {
         in_order: bool,
         device: &Device,
     ) -> Result<Self> {
+        let (heads, head_dim) = Self::check_parts(parts, capacity, in_order)?;
+        let mut layer = Self::new(heads, head_dim, capacity, parts.kv, device)?;
+        layer.fill(parts)?;
+        Ok(layer)
+    }
+
+    /// Checks `parts` as [`LayerCache::from_parts`] says; returns their KV heads and head dim.
+    pub(crate) fn check_parts(
+        parts: &LayerParts,
+        capacity: usize,
+        in_order: bool,
+    ) -> Result<(usize, usize)> {
         let (heads, len, dim) = parts.keys.dims3()?;
         let bad = |why: String| Err(CacheError::Shape(why));
         let kv = parts.kv;
@@ -169,17 +231,34 @@ impl LayerCache {
                 ));
             }
         }
-        let mut layer = Self::new(heads, head_dim, capacity, kv, device)?;
-        if len > 0 {
-            let on = |t: &Tensor| t.to_device(device)?.contiguous();
-            layer.k.slice_set(&on(&parts.keys)?, 1, 0)?;
-            layer.v.slice_set(&on(&parts.values)?, 1, 0)?;
-            layer.positions.slice_set(&on(&parts.positions)?, 1, 0)?;
-            layer.state.slice_set(&on(&parts.state)?, 1, 0)?;
+        Ok((heads, head_dim))
+    }
+
+    /// Makes this (empty) layer hold `parts`, which [`LayerCache::check_parts`] accepted for
+    /// this layer's shape and types.
+    pub(crate) fn fill(&mut self, parts: &LayerParts) -> Result<()> {
+        let (heads, len, _) = parts.keys.dims3()?;
+        if heads != self.kv_heads() || len > self.capacity() || parts.kv != self.kv {
+            return Err(CacheError::Shape(format!(
+                "parts of {heads} heads, {len} slots, {} for a layer of {} heads, {} slots, {}",
+                parts.kv,
+                self.kv_heads(),
+                self.capacity(),
+                self.kv
+            )));
         }
-        layer.len = len;
-        layer.next_position = next;
-        Ok(layer)
+        if len > 0 {
+            let device = self.k.device().clone();
+            let on = |t: &Tensor| t.to_device(&device)?.contiguous();
+            self.k.slice_set(&on(&parts.keys)?, 1, 0)?;
+            self.v.slice_set(&on(&parts.values)?, 1, 0)?;
+            self.positions.slice_set(&on(&parts.positions)?, 1, 0)?;
+            self.state.slice_set(&on(&parts.state)?, 1, 0)?;
+        }
+        self.len = len;
+        self.fresh = 0;
+        self.next_position = parts.next_position;
+        Ok(())
     }
 
     /// The used slots (views on the cache's device) and the next position: what a saved cache

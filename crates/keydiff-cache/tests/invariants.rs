@@ -781,3 +781,139 @@ proptest! {
         }
     }
 }
+
+/// Appends a chunk (or decode token) to every layer of `c`, each layer its own keys, and runs
+/// `after_attention` layer by layer with statistics of its own, as a model's forward does.
+/// Returns each layer's length right after its own `after_attention`.
+fn step_layers(c: &mut KvCache, len: usize, decode: bool, salt: u64) -> Vec<usize> {
+    let pos0 = c.position();
+    let mut after = Vec::new();
+    for l in 0..c.num_layers() {
+        let salt = salt ^ (l as u64).wrapping_mul(0x9e37_79b9);
+        let t = chunk_tensor(pos0, len, salt);
+        c.layer_mut(l)
+            .append(&t, &(&t * 2.0).unwrap(), pos0)
+            .unwrap();
+        let n = c.layer(l).len();
+        let st = c.stats_rows(len).map(|r| stats(n, r, salt ^ pos0 as u64));
+        c.after_attention(l, st.as_ref(), decode).unwrap();
+        after.push(c.layer(l).len());
+    }
+    c.advance(len);
+    after
+}
+
+/// Every layer's K, V, positions and state, as host values.
+fn layer_snapshots(c: &KvCache) -> Vec<(Vec<f32>, Vec<f32>, Vec<u32>, Vec<f32>)> {
+    let flat = |t: Tensor| {
+        t.to_dtype(DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+    };
+    (0..c.num_layers())
+        .map(|l| {
+            let l = c.layer(l);
+            (
+                flat(l.keys().unwrap()),
+                flat(l.values().unwrap()),
+                l.positions_tensor()
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<u32>()
+                    .unwrap(),
+                flat(l.state_tensor().unwrap()),
+            )
+        })
+        .collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    /// Evicting every layer at once after the last layer's attention (the default, where the
+    /// policy allows it) keeps exactly what evicting each layer after its own attention keeps:
+    /// the same slots, positions, keys, values and state in every layer, the same counters,
+    /// in every float dtype, over prefill chunks and decode steps. Where the layers evict
+    /// together, a layer before the last is still full right after its own attention.
+    #[test]
+    fn layers_evicted_together_keep_what_each_alone_keeps(
+        policy in policies(),
+        dtype in proptest::sample::select(vec![DType::F32, DType::F16, DType::BF16]),
+        layers in 1usize..4,
+        budget in 8usize..24,
+        chunks in 1usize..6,
+        decode in 0usize..12,
+        salt in any::<u64>(),
+    ) {
+        let cfg = CacheConfig {
+            policy: policy.clone(),
+            budget: Some(budget),
+            chunk: 8,
+            window: 0.0,
+            sinks: 1,
+            evict_every: Some(4),
+        };
+        prop_assume!(cfg.validate().is_ok());
+        let total = chunks * 8 + decode;
+        let new = || KvCache::new(cfg.clone(), layers, KV, D, total, dtype, &Device::Cpu).unwrap();
+        let (mut together, mut alone) = (new(), new());
+        alone.set_evict_per_layer(true);
+        let stacks = keydiff_cache::policy::build(&policy)
+            .scores_layers_together(KvType::Float(dtype).into());
+        let steps = std::iter::repeat_n((8, false), chunks).chain(std::iter::repeat_n((1, true), decode));
+        for (i, (len, decode)) in steps.enumerate() {
+            let salt = salt ^ i as u64;
+            let before = together.len() + len;
+            let t = step_layers(&mut together, len, decode, salt);
+            let a = step_layers(&mut alone, len, decode, salt);
+            prop_assert_eq!(layer_snapshots(&together), layer_snapshots(&alone));
+            let counts = |c: &KvCache| (c.counters().evictions, c.counters().evicted_slots);
+            prop_assert_eq!(counts(&together), counts(&alone));
+            prop_assert_eq!(t[layers - 1], a[layers - 1]);
+            if stacks && a[0] < before && layers > 1 {
+                // Deferred to the last layer's call.
+                prop_assert_eq!(t[0], before);
+            } else {
+                prop_assert_eq!(&t, &a);
+            }
+        }
+    }
+}
+
+/// KeyDiff on a float cache evicts its layers together, and a layer that is no longer a view
+/// of the cache's buffers (replaced from outside) turns that off: each layer then evicts
+/// after its own attention, and keeps what it would have.
+#[test]
+fn layers_evict_together_only_while_they_are_views_of_one_buffer() {
+    let cfg = CacheConfig {
+        policy: PolicyKind::parse("keydiff", 4, 0).unwrap(),
+        budget: Some(8),
+        chunk: 8,
+        window: 0.0,
+        sinks: 0,
+        evict_every: None,
+    };
+    assert!(keydiff_cache::policy::build(&cfg.policy)
+        .scores_layers_together(KvType::Float(DType::BF16).into()));
+    assert!(!keydiff_cache::policy::build(&cfg.policy).scores_layers_together(KvType::Q8_0.into()));
+    let new = || KvCache::new(cfg.clone(), 2, KV, D, 32, DType::F32, &Device::Cpu).unwrap();
+    let mut c = new();
+    step_layers(&mut c, 8, false, 1);
+    assert_eq!(step_layers(&mut c, 8, false, 2), vec![16, 8]);
+    let mut alone = new();
+    alone.set_evict_per_layer(true);
+    step_layers(&mut alone, 8, false, 1);
+    assert_eq!(step_layers(&mut alone, 8, false, 2), vec![8, 8]);
+    assert_eq!(layer_snapshots(&c), layer_snapshots(&alone));
+    // Layer 1 replaced by a layer of another cache: no longer a view of `c`'s buffers.
+    let other = new();
+    let mut d = new();
+    *d.layer_mut(1) = other.layer(1).clone();
+    step_layers(&mut d, 8, false, 1);
+    assert_eq!(step_layers(&mut d, 8, false, 2), vec![8, 8]);
+    assert_eq!(layer_snapshots(&d), layer_snapshots(&alone));
+}

@@ -9,7 +9,7 @@ pub use keydiff_kernels::geometry::{vector_loads_fit, ScoreLoads, VECTOR_HEAD_DI
 use super::Policy;
 use crate::config::Anchor;
 use crate::layer::LayerCache;
-use crate::Result;
+use crate::{KvType, KvTypes, Result};
 
 /// Guards the division by a key norm of zero.
 const NORM_EPS: f64 = 1e-12;
@@ -137,7 +137,9 @@ impl KeyDiffOp {
         out
     }
 
-    /// Other dtypes: widened to a contiguous f32 copy first.
+    /// Other dtypes: each head widened to a contiguous f32 copy first, one head at a time, so
+    /// that the copy is one head's keys whatever the number of heads (the cache's stack of
+    /// every layer is scored at once).
     fn run_widened<T: WithDType>(
         &self,
         xs: &[T],
@@ -146,14 +148,17 @@ impl KeyDiffOp {
         st: &[usize],
     ) -> Vec<f32> {
         let (kv, n, d) = dims;
-        let mut wide = Vec::with_capacity(kv * n * d);
+        let mut out = Vec::with_capacity(kv * n);
+        let mut wide = Vec::with_capacity(n * d);
         for h in 0..kv {
+            wide.clear();
             for i in 0..n {
                 let at = offset + h * st[0] + i * st[1];
                 wide.extend(xs[at..at + d].iter().map(|x| x.to_f64() as f32));
             }
+            out.extend(self.run(&wide, 0, (1, n, d), &[n * d, d, 1]));
         }
-        self.run(&wide, 0, dims, &[n * d, d, 1])
+        out
     }
 }
 
@@ -199,6 +204,13 @@ impl CustomOp1 for KeyDiffOp {
 }
 
 impl Policy for KeyDiff {
+    /// The fused op reads float keys in place (two passes, no copy); fp8 keys are widened to
+    /// f16 and block types dequantized first, which for every layer at once would be a copy
+    /// of the whole cache.
+    fn scores_layers_together(&self, kv: KvTypes) -> bool {
+        matches!(kv.k, KvType::Float(DType::F32 | DType::F16 | DType::BF16))
+    }
+
     fn score(&mut self, layer: &LayerCache, _: Option<&crate::AttnStats>) -> Result<Vec<Vec<f32>>> {
         Ok(self.score_tensor(layer, None)?.to_vec2::<f32>()?)
     }

@@ -13,7 +13,7 @@ use candle_core::Tensor;
 
 use crate::config::PolicyKind;
 use crate::layer::LayerCache;
-use crate::Result;
+use crate::{KvTypes, Result};
 
 pub use keydiff::{
     keydiff_scores, keydiff_scores_fused, keydiff_scores_fused_with, vector_loads_fit, ScoreLoads,
@@ -66,6 +66,17 @@ pub trait Policy: Send + PolicyClone {
     /// ([`crate::KvCache::resume_from`]) gets a fresh policy and a copy of the layers.
     fn observe(&mut self, _layer: &mut LayerCache, _stats: &AttnStats) -> Result<()> {
         Ok(())
+    }
+
+    /// True when this policy can score many layers at once, as one layer of `layers ·
+    /// kv_heads` heads (the cache's stack), from the keys or positions alone, with temporary
+    /// memory that grows with the slots but not with the head dim: the cache then evicts
+    /// every layer together after the last layer's attention
+    /// ([`crate::KvCache::after_attention`]). False (the default) for policies that need
+    /// attention statistics, keep state of their own between layers (`random`'s generator),
+    /// or widen the keys into a copy to score them.
+    fn scores_layers_together(&self, _kv: KvTypes) -> bool {
+        false
     }
 
     /// Scores of the used slots, `[kv_heads][len]`, on the host.

@@ -13,6 +13,11 @@ use crate::Result;
 pub struct Sink;
 
 impl Policy for Sink {
+    /// Scores are the positions: `[heads, len]` whatever the keys.
+    fn scores_layers_together(&self, _kv: crate::KvTypes) -> bool {
+        true
+    }
+
     fn score(&mut self, layer: &LayerCache, _: Option<&crate::AttnStats>) -> Result<Vec<Vec<f32>>> {
         Ok(self.score_tensor(layer, None)?.to_vec2::<f32>()?)
     }
