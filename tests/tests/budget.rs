@@ -152,3 +152,30 @@ fn keydiff_keeps_an_early_fact() {
         }
     }
 }
+
+/// Every layer evicting at once after the last layer's attention (the default for KeyDiff
+/// and StreamingLLM on float caches) gives the tokens, logits and evictions of each layer
+/// evicting after its own, bit for bit, on a real model (SmolLM2's 30 layers), in prefill
+/// and in decode (every 4 tokens), f32 and f16 caches.
+#[test]
+fn layers_evicting_together_give_what_per_layer_eviction_gives() {
+    let fx = keydiff_tests::fixture("smollm2");
+    let p = fx.prompts.iter().find(|p| p.name == "prose").unwrap();
+    for policy in ["keydiff", "keydiff-mean", "sink"] {
+        for kv in [candle_core::DType::F32, candle_core::DType::F16] {
+            let run = |per_layer: bool| {
+                let mut cfg = budgeted(policy, 48, 16);
+                cfg.cache.evict_every = Some(4);
+                cfg.kv_dtype = Some(kv.into());
+                cfg.evict_per_layer = per_layer;
+                let e = Engine::load(&ModelSource::Gguf(model(SMOLLM2)), &cfg).unwrap();
+                let out = e.generate(&greedy(p.tokens.clone(), 12), |_| {}).unwrap();
+                let logits = e.prefill_logits(&p.tokens, 16).unwrap();
+                (out.tokens, out.stats.eviction.evictions, logits)
+            };
+            let (together, alone) = (run(false), run(true));
+            assert!(together.1 > 0, "{policy} {kv:?}: the prompt did not evict");
+            assert_eq!(together, alone, "{policy} {kv:?}");
+        }
+    }
+}

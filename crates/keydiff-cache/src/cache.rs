@@ -625,9 +625,16 @@ impl KvCache {
     /// Evicts each layer after its own attention (`true`), or every layer at once after the
     /// last one's where the policy allows (`false`, the default; see
     /// [`KvCache::after_attention`]). Both keep the same slots; this is for measuring the
-    /// difference.
+    /// difference, and for a pass that attends several rows of a layer one after the other
+    /// (a speculative draft verified row by row): each row's eviction must come before the
+    /// next row attends, as in token-by-token decoding.
     pub fn set_evict_per_layer(&mut self, on: bool) {
         self.per_layer = on;
+    }
+
+    /// True when each layer evicts after its own attention ([`KvCache::set_evict_per_layer`]).
+    pub fn evicts_per_layer(&self) -> bool {
+        self.per_layer
     }
 
     /// True when layer `i` holds more slots than its budget lets it keep at this step.

@@ -803,8 +803,11 @@ fn step_layers(c: &mut KvCache, len: usize, decode: bool, salt: u64) -> Vec<usiz
     after
 }
 
+/// K, V, positions and state of one layer, as host values.
+type LayerSnapshot = (Vec<f32>, Vec<f32>, Vec<u32>, Vec<f32>);
+
 /// Every layer's K, V, positions and state, as host values.
-fn layer_snapshots(c: &KvCache) -> Vec<(Vec<f32>, Vec<f32>, Vec<u32>, Vec<f32>)> {
+fn layer_snapshots(c: &KvCache) -> Vec<LayerSnapshot> {
     let flat = |t: Tensor| {
         t.to_dtype(DType::F32)
             .unwrap()

@@ -74,6 +74,19 @@ pub struct TtftArgs {
     /// Skip the time breakdown (on GPUs it costs one extra, profiled run per case).
     #[arg(long)]
     no_breakdown: bool,
+    /// When the layers evict: `together` (every layer at once after the last layer's
+    /// attention, the engine's default where the policy allows it) and/or `per-layer` (each
+    /// layer after its own, shown as `POLICY/per-layer`). Both keep the same tokens; a policy
+    /// that always evicts per layer gets one case.
+    #[arg(long, value_delimiter = ',', default_value = "together")]
+    eviction: Vec<EvictionTiming>,
+}
+
+/// `bench ttft --eviction`.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum EvictionTiming {
+    Together,
+    PerLayer,
 }
 
 #[derive(Args)]
@@ -213,9 +226,15 @@ fn on_run(bar: &indicatif::ProgressBar) -> impl FnMut(Phase, &Case, &Stats) + '_
 }
 
 fn ttft(a: TtftArgs) -> Result<()> {
-    let plan = a.sweep.plan(&a.chunks, !a.no_breakdown)?;
+    let mut plan = a.sweep.plan(&a.chunks, !a.no_breakdown)?;
     let out = a.sweep.out_dir("ttft")?;
     let mut engine = a.sweep.load(&a.chunks)?;
+    let per_layer: Vec<bool> = a
+        .eviction
+        .iter()
+        .map(|&e| e == EvictionTiming::PerLayer)
+        .collect();
+    plan.cases = bench::with_eviction_timings(plan.cases, &per_layer, engine.kv_types())?;
     let prov = Provenance::collect(&engine, a.sweep.load.random_weights, command_line());
     let separate = !engine.config().device.is_cpu();
     let bar = progress_bar(bench::ttft_runs(&plan, separate));

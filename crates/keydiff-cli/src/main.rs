@@ -152,6 +152,12 @@ enum Cmd {
         /// Chunk B: the timed evictions keep n − B.
         #[arg(long, default_value_t = 128)]
         time_chunk: usize,
+        /// Layers evicted at once in the timed evictions, as `layers · kv_heads` heads: the
+        /// engine evicts every layer of a model together after the last layer's attention
+        /// (KeyDiff on float caches), so 32 is Llama-3.1-8B's eviction of a chunk; 1 is one
+        /// layer alone (as when each layer evicts after its own attention).
+        #[arg(long, value_delimiter = ',', default_value = "1,32")]
+        time_layers: Vec<usize>,
         #[arg(long, default_value_t = 20)]
         reps: usize,
     },
@@ -432,6 +438,8 @@ impl LoadArgs {
             chat_template,
             chat_template_kwargs,
             context,
+            // `bench ttft --eviction per-layer` sets it per case.
+            evict_per_layer: false,
         };
         let engine = Engine::load(&source, &cfg)
             .with_context(|| format!("cannot load model `{}`", self.model))?;
@@ -776,12 +784,13 @@ fn real_main() -> Result<()> {
             time_head_dim,
             time_dtype,
             time_chunk,
+            time_layers,
             reps,
         } => check_kernels(
             &device,
             large,
             seed,
-            &time_n,
+            (&time_n, &time_layers),
             (time_kv_heads, time_head_dim, &time_dtype, time_chunk),
             reps,
         ),
@@ -793,7 +802,7 @@ fn check_kernels(
     device: &str,
     large: bool,
     seed: u64,
-    time_n: &[usize],
+    (time_n, time_layers): (&[usize], &[usize]),
     (kv, head_dim, dtype, chunk): (usize, usize, &str, usize),
     reps: usize,
 ) -> Result<()> {
@@ -891,8 +900,12 @@ fn check_kernels(
             "{}",
             serde_json::json!({"kind": "launch_floor", "device": format!("{dev:?}"), "us_per_op": floor, "ops": 500})
         );
+        if time_layers.contains(&0) {
+            bail!("--time-layers: a layer count is at least 1");
+        }
         eprintln!(
-            "{:>7} {:>7} {:>7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8} {:>7}",
+            "{:>5} {:>7} {:>7} {:>7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8} {:>7}",
+            "heads",
             "n",
             "N",
             "moves",
@@ -922,12 +935,15 @@ fn check_kernels(
                 }
             }
         }
-        for &n in time_n {
+        for (&layers, &n) in time_layers
+            .iter()
+            .flat_map(|l| time_n.iter().map(move |n| (l, n)))
+        {
             if n <= chunk {
                 bail!("--time-n {n} must exceed --time-chunk {chunk}");
             }
             let c = keydiff::kernel_check::KernelCase {
-                kv_heads: kv,
+                kv_heads: kv * layers,
                 n,
                 head_dim,
                 dtype: dt,
@@ -939,7 +955,8 @@ fn check_kernels(
             for &(blocks, loads) in &variants {
                 let t = kernel_timing(&dev, &c, reps, copy, blocks, loads)?;
                 eprintln!(
-                    "{:>7} {:>7} {:>7} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>8.1} {:>6.1}%  {}",
+                    "{:>5} {:>7} {:>7} {:>7} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>8.1} {:>6.1}%  {}",
+                    t.kv_heads,
                     t.n,
                     t.budget,
                     t.moves,
@@ -958,6 +975,7 @@ fn check_kernels(
                 );
                 let mut v = serde_json::to_value(&t)?;
                 v["kind"] = "timing".into();
+                v["layers"] = layers.into();
                 println!("{v}");
             }
         }

@@ -310,6 +310,30 @@ impl Attention {
     }
 }
 
+/// Runs `pass` with every cache of `caches` that attends several rows of a layer one after the
+/// other (`rows[i] > 1`: decode rows, a speculative draft verified row by row) evicting each
+/// layer after its own attention, then restores the caches' setting. Each row's eviction must
+/// come before the next row of that layer attends, as in token-by-token decoding; evicting
+/// every layer at once after the last layer's attention ([`KvCache::after_attention`]) would
+/// come after all of them.
+fn rows_evicting_per_layer<T>(
+    caches: &mut [&mut KvCache],
+    rows: &[usize],
+    pass: impl FnOnce(&mut [&mut KvCache]) -> Result<T>,
+) -> Result<T> {
+    let was: Vec<bool> = caches.iter().map(|c| c.evicts_per_layer()).collect();
+    for (c, &r) in caches.iter_mut().zip(rows) {
+        if r > 1 {
+            c.set_evict_per_layer(true);
+        }
+    }
+    let out = pass(caches);
+    for (c, w) in caches.iter_mut().zip(was) {
+        c.set_evict_per_layer(w);
+    }
+    out
+}
+
 /// Regions of a layer that profiling separates.
 #[derive(Debug, Clone, Copy)]
 enum Region {
@@ -736,9 +760,16 @@ impl Model {
     pub fn forward_decode_rows(
         &self,
         tokens: &[u32],
-        cache: &mut KvCache,
+        mut cache: &mut KvCache,
         exact: bool,
     ) -> Result<Tensor> {
+        rows_evicting_per_layer(std::slice::from_mut(&mut cache), &[tokens.len()], |c| {
+            self.decode_rows_pass(tokens, c[0], exact)
+        })
+    }
+
+    /// [`Model::forward_decode_rows`], with the cache evicting as it is set to.
+    fn decode_rows_pass(&self, tokens: &[u32], cache: &mut KvCache, exact: bool) -> Result<Tensor> {
         let pass = if exact {
             Pass::DecodeRows
         } else {
@@ -822,6 +853,20 @@ impl Model {
     /// copy, a decode copy): a prompt chunk's rows are what it gets alone, bit for bit, and
     /// decode rows are as in [`Model::forward_batch`]. On a GPU they run once over all rows.
     pub fn forward_segments(
+        &self,
+        segments: &[Segment<'_>],
+        caches: &mut [&mut KvCache],
+    ) -> Result<Vec<Option<Tensor>>> {
+        // Decode rows are attended one after the other in each layer.
+        let rows: Vec<usize> = segments
+            .iter()
+            .map(|s| if s.decode { s.tokens.len() } else { 1 })
+            .collect();
+        rows_evicting_per_layer(caches, &rows, |c| self.segments_pass(segments, c))
+    }
+
+    /// [`Model::forward_segments`], with each cache evicting as it is set to.
+    fn segments_pass(
         &self,
         segments: &[Segment<'_>],
         caches: &mut [&mut KvCache],

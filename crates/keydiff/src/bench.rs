@@ -25,6 +25,9 @@ pub struct Case {
     pub prompt_len: usize,
     /// Policy, budget N and chunk size B.
     pub cache: CacheConfig,
+    /// Each layer evicts after its own attention, not every layer after the last one's
+    /// ([`crate::EngineConfig::evict_per_layer`]).
+    pub evict_per_layer: bool,
 }
 
 impl Case {
@@ -36,11 +39,53 @@ impl Case {
             .map_or_else(|| "-".to_string(), |n| n.to_string());
         format!(
             "{} N={n} B={} L={}",
-            self.cache.policy.name(),
+            self.policy_name(),
             self.cache.chunk,
             self.prompt_len
         )
     }
+
+    /// The policy's name, with `/per-layer` when each layer evicts after its own attention:
+    /// the series the results, tables and plots show.
+    pub fn policy_name(&self) -> String {
+        let name = self.cache.policy.name();
+        if self.evict_per_layer {
+            format!("{name}/per-layer")
+        } else {
+            name
+        }
+    }
+}
+
+/// `cases`, each once per eviction timing of `per_layer` (`false`: every layer at once after
+/// the last one's attention, the engine's default; `true`: each layer after its own). A
+/// policy that always evicts per layer (it needs attention statistics, or on this cache type
+/// it would score from a copy; see [`keydiff_cache::Policy::scores_layers_together`]) runs
+/// the same either way, so it gets one case, not two of the same thing.
+pub fn with_eviction_timings(
+    cases: Vec<Case>,
+    per_layer: &[bool],
+    kv: keydiff_cache::KvTypes,
+) -> Result<Vec<Case>> {
+    if per_layer.is_empty() {
+        return Err(EngineError::BadParams("no eviction timing given".into()));
+    }
+    let mut out = Vec::new();
+    for c in cases {
+        let differs = c.cache.policy != PolicyKind::Full
+            && keydiff_cache::policy::build(&c.cache.policy).scores_layers_together(kv);
+        let mut seen = false;
+        for &p in per_layer {
+            if differs || !seen {
+                out.push(Case {
+                    evict_per_layer: p && differs,
+                    ..c.clone()
+                });
+            }
+            seen = true;
+        }
+    }
+    Ok(out)
 }
 
 /// The cross product of prompt lengths, chunk sizes, policies and budgets. `full` takes no
@@ -77,7 +122,11 @@ pub fn cases(
                         chunk,
                         ..template.clone()
                     };
-                    let case = Case { prompt_len, cache };
+                    let case = Case {
+                        prompt_len,
+                        cache,
+                        evict_per_layer: false,
+                    };
                     case.cache.validate().map_err(|e| {
                         EngineError::BadParams(format!("case {}: {e}", case.label()))
                     })?;
@@ -127,7 +176,12 @@ impl Spread {
 pub struct TtftResult {
     pub prompt_len: usize,
     pub chunk: usize,
+    /// The policy's name, `/per-layer` appended when each layer evicted after its own
+    /// attention ([`Case::policy_name`]).
     pub policy: String,
+    /// Each layer evicted after its own attention, not every layer after the last one's.
+    #[serde(default)]
+    pub evict_per_layer: bool,
     pub budget: Option<usize>,
     /// Every measured TTFT, in round order.
     pub ttft_s: Vec<f64>,
@@ -232,7 +286,8 @@ pub fn ttft(
         out.push(TtftResult {
             prompt_len: c.prompt_len,
             chunk: c.cache.chunk,
-            policy: c.cache.policy.name(),
+            policy: c.policy_name(),
+            evict_per_layer: c.evict_per_layer,
             budget: c.cache.budget,
             ttft: Spread::of(&ttft_s),
             ttft_s,
@@ -301,6 +356,7 @@ fn request(
     profile: bool,
 ) -> Result<Stats> {
     engine.set_cache_config(case.cache.clone())?;
+    engine.set_evict_per_layer(case.evict_per_layer);
     engine.config().device.synchronize()?;
     let params = GenerateParams {
         prompt: Prompt::Tokens(tokens),
@@ -326,6 +382,7 @@ fn request_batch(
     batch: usize,
 ) -> Result<Stats> {
     engine.set_cache_config(case.cache.clone())?;
+    engine.set_evict_per_layer(case.evict_per_layer);
     let device = engine.config().device.clone();
     device.synchronize()?;
     let params: Vec<GenerateParams> = (0..batch)
@@ -436,7 +493,7 @@ pub fn decode(
             DecodeResult {
                 prompt_len: c.prompt_len,
                 chunk: c.cache.chunk,
-                policy: c.cache.policy.name(),
+                policy: c.policy_name(),
                 budget: c.cache.budget,
                 batch,
                 decode_steps: stats[0].generated_tokens.saturating_sub(1),
@@ -568,7 +625,7 @@ pub fn join(
             out.push(JoinResult {
                 prompt_len: c.prompt_len,
                 chunk: c.cache.chunk,
-                policy: c.cache.policy.name(),
+                policy: c.policy_name(),
                 budget: c.cache.budget,
                 running,
                 running_prompt_len,
@@ -599,6 +656,7 @@ fn join_run(
     mode: JoinMode,
 ) -> Result<(f64, f64, f64)> {
     engine.set_cache_config(case.cache.clone())?;
+    engine.set_evict_per_layer(case.evict_per_layer);
     let device = engine.config().device.clone();
     let params = |tokens: Vec<u32>, max_tokens: usize| GenerateParams {
         prompt: Prompt::Tokens(tokens),

@@ -530,8 +530,9 @@ impl Engine {
             policy_state: std::mem::take(&mut h.policy_state),
             layers,
         };
-        let cache = KvCache::from_parts(&parts, capacity, &self.config().device)
+        let mut cache = KvCache::from_parts(&parts, capacity, &self.config().device)
             .map_err(|e| bad(e.to_string()))?;
+        cache.set_evict_per_layer(self.config().evict_per_layer);
         tracing::info!(
             path = %path.display(),
             tokens = h.tokens.len(),

@@ -78,6 +78,13 @@ pub struct EngineConfig {
     /// included); `None` or 0: the model's. Longer prompts are refused and generation stops
     /// there, and a full cache never needs more slots.
     pub context: Option<usize>,
+    /// Evict each layer's cache right after its own attention, as `DESIGN.md` first laid it
+    /// out, instead of every layer at once after the last layer's (the default, where the
+    /// policy allows: KeyDiff on float caches and StreamingLLM; see
+    /// [`KvCache::after_attention`]). Both keep the same tokens; the default runs one set
+    /// of eviction kernels per chunk instead of one per layer. For measuring the difference
+    /// (`keydiff bench ttft --eviction`).
+    pub evict_per_layer: bool,
 }
 
 impl Default for EngineConfig {
@@ -97,6 +104,7 @@ impl Default for EngineConfig {
             chat_template: None,
             chat_template_kwargs: crate::TemplateKwargs::new(),
             context: None,
+            evict_per_layer: false,
         }
     }
 }
@@ -1637,6 +1645,13 @@ impl Engine {
         self.alloc_cache_with(cache, max_tokens, 0)
     }
 
+    /// A new cache of the model's shape, evicting as [`EngineConfig::evict_per_layer`] says.
+    fn model_cache(&self, cache: CacheConfig, max_tokens: usize) -> Result<KvCache> {
+        let mut c = self.loaded.model.new_cache(cache, max_tokens)?;
+        c.set_evict_per_layer(self.cfg.evict_per_layer);
+        Ok(c)
+    }
+
     /// [`Engine::alloc_cache`] beside `held` bytes that the memory budget does not see (see
     /// [`Engine::check_cache_memory_beside`]).
     pub(crate) fn alloc_cache_beside(
@@ -1646,7 +1661,7 @@ impl Engine {
         held: u64,
     ) -> Result<KvCache> {
         self.check_cache_memory_beside(&cache, cache.slots_for(max_tokens), 0, held)?;
-        Ok(self.loaded.model.new_cache(cache, max_tokens)?)
+        self.model_cache(cache, max_tokens)
     }
 
     /// [`Engine::alloc_cache`] for a request that needs `extra` bytes more while it runs.
@@ -1657,7 +1672,7 @@ impl Engine {
         extra: u64,
     ) -> Result<KvCache> {
         self.check_cache_memory(&cache, cache.slots_for(max_tokens), extra)?;
-        Ok(self.loaded.model.new_cache(cache, max_tokens)?)
+        self.model_cache(cache, max_tokens)
     }
 
     /// Refuses a cache of `slots` per layer and head (and the activations of a request on
@@ -2284,7 +2299,7 @@ impl Engine {
         };
         let cfg = self.cfg.cache.clone();
         self.check_cache_memory_beside(&cfg, cfg.slots_for(max_tokens), extra, held)?;
-        let cache = self.loaded.model.new_cache(cfg, max_tokens)?;
+        let cache = self.model_cache(cfg, max_tokens)?;
         Ok((prompt, cache))
     }
 
@@ -2384,6 +2399,17 @@ impl Engine {
             .map_err(|e| EngineError::BadParams(e.to_string()))?;
         self.cfg.cache = cache;
         Ok(())
+    }
+
+    /// Evict each layer after its own attention (`true`) or every layer at once after the
+    /// last one's (see [`EngineConfig::evict_per_layer`]), for later requests.
+    pub fn set_evict_per_layer(&mut self, on: bool) {
+        self.cfg.evict_per_layer = on;
+    }
+
+    /// What the model's KV caches hold their keys and values in.
+    pub fn kv_types(&self) -> KvTypes {
+        self.loaded.model.kv_dtype()
     }
 
     /// What a prefill of `tokens` tokens that keeps every row's logits needs beyond its cache:

@@ -135,6 +135,28 @@ fn random_keys(kv: usize, cap: usize, d: usize, rng: &mut StdRng) -> Result<Tens
     Ok(Tensor::from_vec(xs, (kv, cap, d), &Device::Cpu)?)
 }
 
+/// Keys like [`random_keys`]' (a mean per head, uniform noise, 1% outliers pointing away)
+/// drawn on `device` in `dtype`, eight heads at a time: the timed evictions of every layer at
+/// once take billions of values, which the host would draw slowly and hold in f32.
+fn device_keys(kv: usize, n: usize, d: usize, dtype: DType, device: &Device) -> Result<Tensor> {
+    let keys = Tensor::zeros((kv, n, d), dtype, device)?;
+    let mut h0 = 0;
+    while h0 < kv {
+        let g = 8.min(kv - h0);
+        let mean = Tensor::rand(-2f32, 2f32, (g, 1, d), device)?;
+        let noise = Tensor::rand(-1f32, 1f32, (g, n, d), device)?;
+        let outlier = Tensor::rand(0f32, 1f32, (g, n, 1), device)?
+            .lt(0.01)?
+            .broadcast_as((g, n, d))?;
+        let usual = noise.broadcast_add(&mean)?;
+        let away = (noise * 3.0)?.broadcast_sub(&mean)?;
+        let group = outlier.where_cond(&away, &usual)?.to_dtype(dtype)?;
+        keys.slice_set(&group, 0, h0)?;
+        h0 += g;
+    }
+    Ok(keys)
+}
+
 /// Unique positions per head, shuffled (slot order after evictions), with gaps: `[kv, n]`.
 fn random_positions(kv: usize, n: usize, rng: &mut StdRng) -> Vec<u32> {
     let mut out = Vec::with_capacity(kv * n);
@@ -555,10 +577,7 @@ pub fn kernel_timing(
     loads: ScoreLoads,
 ) -> Result<KernelTiming> {
     let (kv, n, head_dim, dtype, budget) = (c.kv_heads, c.n, c.head_dim, c.dtype, c.budget);
-    let mut rng = StdRng::seed_from_u64(7);
-    let k = random_keys(kv, n, head_dim, &mut rng)?
-        .to_dtype(dtype)?
-        .to_device(device)?;
+    let k = device_keys(kv, n, head_dim, dtype, device)?;
     let v = k.copy()?;
     let pos0 = Tensor::arange(0u32, n as u32, device)?
         .unsqueeze(0)?
