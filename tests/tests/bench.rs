@@ -430,3 +430,49 @@ fn bench_refuses_bad_cases_before_running() {
     assert!(!out.status.success());
     assert!(stderr.contains("context"), "{stderr}");
 }
+
+/// `bench ttft --eviction together,per-layer`: a policy whose layers can evict together gets a
+/// `/per-layer` case beside its default one, measured with each layer evicting after its own
+/// attention (same evictions, same first token); a policy that always evicts per layer (TOVA,
+/// `full`, or KeyDiff on a q8_0 cache) gets one case, not two of the same thing.
+#[test]
+fn eviction_timings_are_cases_of_their_own() {
+    let policies = [
+        PolicyKind::Full,
+        PolicyKind::parse("keydiff", 32, 0).unwrap(),
+        PolicyKind::parse("tova", 32, 0).unwrap(),
+    ];
+    let cases = bench::cases(&[300], &[96], &[32], &policies, &CacheConfig::full(32)).unwrap();
+    let float = keydiff::KvType::Float(candle_core::DType::F32).into();
+    let both = bench::with_eviction_timings(cases.clone(), &[false, true], float).unwrap();
+    let names: Vec<String> = both.iter().map(|c| c.policy_name()).collect();
+    assert_eq!(names, ["full", "keydiff", "keydiff/per-layer", "tova"]);
+    let q8 =
+        bench::with_eviction_timings(cases.clone(), &[false, true], keydiff::KvType::Q8_0.into())
+            .unwrap();
+    assert_eq!(q8.len(), 3);
+    assert!(q8.iter().all(|c| !c.evict_per_layer));
+    assert!(bench::with_eviction_timings(cases, &[], float).is_err());
+    // Measured: the per-layer case runs per layer and keeps what the default keeps.
+    let mut e = tiny("tiny-qwen", CacheConfig::full(32));
+    let plan = Plan {
+        cases: both[1..3].to_vec(),
+        warmup: 0,
+        reps: 1,
+        seed: 3,
+        breakdown: false,
+    };
+    let mut first = Vec::new();
+    let r = bench::ttft(&mut e, &plan, |_, _, s| first.push(s.eviction.evictions)).unwrap();
+    assert_eq!(
+        (r[0].policy.as_str(), r[0].evict_per_layer),
+        ("keydiff", false)
+    );
+    assert_eq!(
+        (r[1].policy.as_str(), r[1].evict_per_layer),
+        ("keydiff/per-layer", true)
+    );
+    assert!(first[0] > 0 && first[0] == first[1], "{first:?}");
+    // The engine ran the last case (per-layer) with the setting it names.
+    assert!(e.config().evict_per_layer);
+}

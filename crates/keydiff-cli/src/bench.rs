@@ -398,9 +398,16 @@ fn ttft_table(results: &[TtftResult], prov: &Provenance, plan: &Plan) -> String 
     if prov.random_weights {
         s.push_str("# random weights: timing only, any generated text is meaningless\n");
     }
+    // Wide enough for `keydiff-mean/per-layer`.
+    let w = results
+        .iter()
+        .map(|r| r.policy.len())
+        .max()
+        .unwrap_or(0)
+        .max(15);
     let _ = writeln!(
         s,
-        "{:>6} {:>4} {:>15} {:>6} {:>9} {:>9} {:>9} {:>7} {:>10} {:>7} {:>9} {:>10}",
+        "{:>6} {:>4} {:>w$} {:>6} {:>9} {:>9} {:>9} {:>7} {:>10} {:>7} {:>9} {:>10}",
         "L",
         "B",
         "policy",
@@ -425,7 +432,7 @@ fn ttft_table(results: &[TtftResult], prov: &Provenance, plan: &Plan) -> String 
         };
         let _ = writeln!(
             s,
-            "{:>6} {:>4} {:>15} {:>6} {:>9.3} {:>9.3} {:>9.3} {:>7} {:>10.1} {:>7.2} {:>9} {:>10.1}",
+            "{:>6} {:>4} {:>w$} {:>6} {:>9.3} {:>9.3} {:>9.3} {:>7} {:>10.1} {:>7.2} {:>9} {:>10.1}",
             r.prompt_len,
             r.chunk,
             r.policy,
