@@ -431,10 +431,10 @@ fn bench_refuses_bad_cases_before_running() {
     assert!(stderr.contains("context"), "{stderr}");
 }
 
-/// `bench ttft --eviction together,per-layer`: a policy whose layers can evict together gets a
-/// `/per-layer` case beside its default one, measured with each layer evicting after its own
-/// attention (same evictions, same first token); a policy that always evicts per layer (TOVA,
-/// `full`, or KeyDiff on a q8_0 cache) gets one case, not two of the same thing.
+/// `bench ttft --eviction together,per-layer`: every policy that evicts gets a `/per-layer`
+/// case beside its default one, measured with each layer evicting after its own attention
+/// (same evictions, same first token); `full` never evicts and gets one case, not two of the
+/// same thing.
 #[test]
 fn eviction_timings_are_cases_of_their_own() {
     let policies = [
@@ -443,16 +443,22 @@ fn eviction_timings_are_cases_of_their_own() {
         PolicyKind::parse("tova", 32, 0).unwrap(),
     ];
     let cases = bench::cases(&[300], &[96], &[32], &policies, &CacheConfig::full(32)).unwrap();
-    let float = keydiff::KvType::Float(candle_core::DType::F32).into();
-    let both = bench::with_eviction_timings(cases.clone(), &[false, true], float).unwrap();
+    let both = bench::with_eviction_timings(cases.clone(), &[false, true]).unwrap();
     let names: Vec<String> = both.iter().map(|c| c.policy_name()).collect();
-    assert_eq!(names, ["full", "keydiff", "keydiff/per-layer", "tova"]);
-    let q8 =
-        bench::with_eviction_timings(cases.clone(), &[false, true], keydiff::KvType::Q8_0.into())
-            .unwrap();
-    assert_eq!(q8.len(), 3);
-    assert!(q8.iter().all(|c| !c.evict_per_layer));
-    assert!(bench::with_eviction_timings(cases, &[], float).is_err());
+    assert_eq!(
+        names,
+        [
+            "full",
+            "keydiff",
+            "keydiff/per-layer",
+            "tova",
+            "tova/per-layer"
+        ]
+    );
+    let alone = bench::with_eviction_timings(cases.clone(), &[true]).unwrap();
+    let names: Vec<String> = alone.iter().map(|c| c.policy_name()).collect();
+    assert_eq!(names, ["full", "keydiff/per-layer", "tova/per-layer"]);
+    assert!(bench::with_eviction_timings(cases, &[]).is_err());
     // Measured: the per-layer case runs per layer and keeps what the default keeps.
     let mut e = tiny("tiny-qwen", CacheConfig::full(32));
     let plan = Plan {

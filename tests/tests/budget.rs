@@ -153,29 +153,42 @@ fn keydiff_keeps_an_early_fact() {
     }
 }
 
-/// Every layer evicting at once after the last layer's attention (the default for KeyDiff
-/// and StreamingLLM on float caches) gives the tokens, logits and evictions of each layer
-/// evicting after its own, bit for bit, on a real model (SmolLM2's 30 layers), in prefill
-/// and in decode (every 4 tokens), f32 and f16 caches.
+/// Every layer evicting at once after the last layer's attention (the default) gives the
+/// tokens, logits and evictions of each layer evicting after its own, bit for bit, on a real
+/// model (SmolLM2's 30 layers), in prefill and in decode (every 4 tokens): policies that score
+/// every layer at once (KeyDiff on float caches, StreamingLLM) and those that score each
+/// layer after its attention (TOVA, SnapKV, H2O with their statistics; KeyDiff on a q8_0
+/// cache).
 #[test]
 fn layers_evicting_together_give_what_per_layer_eviction_gives() {
+    use candle_core::DType;
+    use keydiff::KvType;
     let fx = keydiff_tests::fixture("smollm2");
     let p = fx.prompts.iter().find(|p| p.name == "prose").unwrap();
-    for policy in ["keydiff", "keydiff-mean", "sink"] {
-        for kv in [candle_core::DType::F32, candle_core::DType::F16] {
-            let run = |per_layer: bool| {
-                let mut cfg = budgeted(policy, 48, 16);
-                cfg.cache.evict_every = Some(4);
-                cfg.kv_dtype = Some(kv.into());
-                cfg.evict_per_layer = per_layer;
-                let e = Engine::load(&ModelSource::Gguf(model(SMOLLM2)), &cfg).unwrap();
-                let out = e.generate(&greedy(p.tokens.clone(), 12), |_| {}).unwrap();
-                let logits = e.prefill_logits(&p.tokens, 16).unwrap();
-                (out.tokens, out.stats.eviction.evictions, logits)
-            };
-            let (together, alone) = (run(false), run(true));
-            assert!(together.1 > 0, "{policy} {kv:?}: the prompt did not evict");
-            assert_eq!(together, alone, "{policy} {kv:?}");
-        }
+    let f32_ = KvType::Float(DType::F32);
+    let cases = [
+        ("keydiff", f32_),
+        ("keydiff", KvType::Float(DType::F16)),
+        ("keydiff", KvType::Q8_0),
+        ("keydiff-mean", f32_),
+        ("sink", KvType::Float(DType::BF16)),
+        ("tova", f32_),
+        ("snapkv", f32_),
+        ("h2o", f32_),
+    ];
+    for (policy, kv) in cases {
+        let run = |per_layer: bool| {
+            let mut cfg = budgeted(policy, 48, 16);
+            cfg.cache.evict_every = Some(4);
+            cfg.kv_dtype = Some(kv.into());
+            cfg.evict_per_layer = per_layer;
+            let e = Engine::load(&ModelSource::Gguf(model(SMOLLM2)), &cfg).unwrap();
+            let out = e.generate(&greedy(p.tokens.clone(), 12), |_| {}).unwrap();
+            let logits = e.prefill_logits(&p.tokens, 16).unwrap();
+            (out.tokens, out.stats.eviction.evictions, logits)
+        };
+        let (together, alone) = (run(false), run(true));
+        assert!(together.1 > 0, "{policy} {kv}: the prompt did not evict");
+        assert_eq!(together, alone, "{policy} {kv}");
     }
 }

@@ -2,7 +2,7 @@
 
 use std::time::Instant;
 
-use candle_core::Device;
+use candle_core::{Device, Tensor};
 
 use crate::config::{CacheConfig, PolicyKind};
 use crate::layer::{LayerCache, LayerParts};
@@ -73,6 +73,9 @@ pub struct KvCache {
     stack: LayerCache,
     /// Evict each layer after its own attention, not every layer after the last one's.
     per_layer: bool,
+    /// Per layer, its scores at this step, waiting for the last layer's attention (policies
+    /// that score each layer alone; see [`KvCache::after_attention`]).
+    pending: Vec<Option<Tensor>>,
     cfg: CacheConfig,
     policy: Box<dyn Policy>,
     counters: CacheCounters,
@@ -104,6 +107,7 @@ impl KvCache {
         Ok(Self {
             policy: build(&cfg.policy),
             layers,
+            pending: Vec::new(),
             stack,
             per_layer: false,
             cfg,
@@ -277,6 +281,7 @@ impl KvCache {
         policy.restore_state(&parts.policy_state)?;
         Ok(Self {
             layers,
+            pending: Vec::new(),
             stack,
             per_layer: false,
             cfg,
@@ -303,6 +308,7 @@ impl KvCache {
         }
         Ok(Self {
             layers,
+            pending: Vec::new(),
             stack,
             per_layer: self.per_layer,
             cfg: self.cfg.clone(),
@@ -575,13 +581,17 @@ impl KvCache {
     /// Lets the policy observe the statistics, and evicts back to N when it is time: after
     /// every prefill chunk that overflows N, and in decode once N + K slots are used.
     ///
-    /// A policy that scores from the keys or positions alone, with no more memory for many
-    /// layers than for one ([`Policy::scores_layers_together`]: KeyDiff on float caches,
-    /// StreamingLLM), evicts every layer at once after the last layer's attention, on the
-    /// model-wide buffers: one set of kernel launches per chunk instead of one per layer, over
-    /// `layers · kv_heads` heads. The survivors are the same: a layer's cache is read again
-    /// only by the next chunk, and every head is scored, selected and moved alone.
-    /// [`KvCache::set_evict_per_layer`] turns this off.
+    /// Every layer evicts at once, after the last layer's attention, on the model-wide
+    /// buffers ([`LayerCache::stack`]): one selection and one set of moves per chunk over
+    /// `layers · kv_heads` heads, instead of one per layer. A policy that scores from the keys
+    /// or positions alone with no more memory for many layers than for one
+    /// ([`Policy::scores_layers_together`]: KeyDiff on float caches, StreamingLLM) scores them
+    /// all at once too; any other scores each layer here, after its attention, as it did when
+    /// each layer evicted alone (its statistics are this layer's, and `random` draws in layer
+    /// order), and the scores wait for the last layer. The survivors are the same as evicting
+    /// each layer after its own attention: a layer's cache is read again only by the next
+    /// chunk, and every head is selected and moved alone. [`KvCache::set_evict_per_layer`]
+    /// turns this off.
     pub fn after_attention(
         &mut self,
         i: usize,
@@ -603,23 +613,48 @@ impl KvCache {
             return Ok(());
         }
         if !self.evicts_together() {
-            return self.evict_layer(i, stats);
+            let scores = self.score_layer(Some(i), stats)?;
+            return self.evict_layer(i, &scores);
+        }
+        if !self.scores_together() {
+            self.pending.resize(self.layers.len(), None);
+            self.pending[i] = Some(self.score_layer(Some(i), stats)?);
         }
         if i + 1 < self.layers.len() {
             // The last layer's call evicts this one too.
             return Ok(());
         }
         let len = self.layers[i].len();
+        let mut pending = std::mem::take(&mut self.pending);
+        pending.resize(self.layers.len(), None);
         if self.layers.iter().any(|l| l.len() != len) {
             // Layers appended unevenly (a test driving one layer): each due one alone.
-            for j in 0..self.layers.len() {
+            for (j, scores) in pending.into_iter().enumerate() {
                 if self.due(j, decode) {
-                    self.evict_layer(j, None)?;
+                    let scores = match scores {
+                        Some(s) => s,
+                        None => self.score_layer(Some(j), None)?,
+                    };
+                    self.evict_layer(j, &scores)?;
                 }
             }
             return Ok(());
         }
-        self.evict_stack()
+        // The stack's length is every layer's.
+        self.stack.set_moved_len(len);
+        let scores = if self.scores_together() {
+            self.score_layer(None, None)?
+        } else {
+            match pending.into_iter().collect::<Option<Vec<Tensor>>>() {
+                Some(rows) => Tensor::cat(&rows, 0)?,
+                None => {
+                    return Err(CacheError::Shape(
+                        "a layer's scores are missing: a layer's attention was skipped".into(),
+                    ))
+                }
+            }
+        };
+        self.evict_stack(&scores)
     }
 
     /// Evicts each layer after its own attention (`true`), or every layer at once after the
@@ -649,12 +684,11 @@ impl KvCache {
         }
     }
 
-    /// True when the layers evict together: the policy allows it, it was not turned off, and
-    /// every layer is still a view of the stack.
+    /// True when the layers evict together: it was not turned off, the policy evicts at all,
+    /// and every layer is still a view of the stack.
     fn evicts_together(&self) -> bool {
         !self.per_layer
             && self.cfg.policy != PolicyKind::Full
-            && self.policy.scores_layers_together(self.stack.kv_type())
             && self
                 .layers
                 .iter()
@@ -662,47 +696,56 @@ impl KvCache {
                 .all(|(l, layer)| layer.is_view_of(&self.stack, l))
     }
 
-    /// Scores, selects and moves layer `i` alone.
-    fn evict_layer(&mut self, i: usize, stats: Option<&AttnStats>) -> Result<()> {
-        let Some(budget) = self.cfg.budget else {
-            return Ok(());
+    /// True when the policy scores every layer at once, on the stack.
+    fn scores_together(&self) -> bool {
+        self.policy.scores_layers_together(self.stack.kv_type())
+    }
+
+    /// Scores of layer `i` (`None`: of the stack, every layer at once), timed.
+    fn score_layer(&mut self, i: Option<usize>, stats: Option<&AttnStats>) -> Result<Tensor> {
+        let layer = match i {
+            None => &self.stack,
+            Some(i) => &self.layers[i],
         };
-        let layer = &self.layers[i];
         self.sync_if_profiling()?;
         let t = Instant::now();
         let scores = self.policy.score_tensor(layer, stats)?;
         self.sync_if_profiling()?;
         self.counters.score_s += t.elapsed().as_secs_f64();
+        Ok(scores)
+    }
+
+    /// Selects and moves layer `i` alone by its `scores`.
+    fn evict_layer(&mut self, i: usize, scores: &Tensor) -> Result<()> {
+        let Some(budget) = self.cfg.budget else {
+            return Ok(());
+        };
         let t = Instant::now();
         let sinks = self.cfg.protected_sinks();
         let recent = self.cfg.protected_recent(budget);
+        let layer = &mut self.layers[i];
         self.counters.evicted_slots += (layer.len() - budget) * layer.kv_heads();
         // Selection, plan and moves stay on the cache's device (CUDA: two kernels + moves).
-        self.layers[i].evict(&scores, budget, sinks, recent)?;
+        layer.evict(scores, budget, sinks, recent)?;
         self.sync_if_profiling()?;
         self.counters.select_move_s += t.elapsed().as_secs_f64();
         self.counters.evictions += 1;
         Ok(())
     }
 
-    /// Scores, selects and moves every layer at once, on the stack (all layers hold the same
-    /// number of slots). Counted as one eviction per layer, as [`KvCache::evict_layer`] would.
-    fn evict_stack(&mut self) -> Result<()> {
+    /// Selects and moves every layer at once, on the stack, by `scores` (`[layers · kv_heads,
+    /// len]`; every layer holds the stack's `len` slots). Counted as one eviction per layer, as
+    /// [`KvCache::evict_layer`] counts them.
+    fn evict_stack(&mut self, scores: &Tensor) -> Result<()> {
         let Some(budget) = self.cfg.budget else {
             return Ok(());
         };
-        let len = self.len();
-        self.stack.set_moved_len(len);
-        self.sync_if_profiling()?;
-        let t = Instant::now();
-        let scores = self.policy.score_tensor(&self.stack, None)?;
-        self.sync_if_profiling()?;
-        self.counters.score_s += t.elapsed().as_secs_f64();
+        let len = self.stack.len();
         let t = Instant::now();
         let sinks = self.cfg.protected_sinks();
         let recent = self.cfg.protected_recent(budget);
         self.counters.evicted_slots += (len - budget) * self.stack.kv_heads();
-        self.stack.evict(&scores, budget, sinks, recent)?;
+        self.stack.evict(scores, budget, sinks, recent)?;
         for l in &mut self.layers {
             l.set_moved_len(budget);
         }

@@ -840,8 +840,9 @@ proptest! {
     /// Evicting every layer at once after the last layer's attention (the default, where the
     /// policy allows it) keeps exactly what evicting each layer after its own attention keeps:
     /// the same slots, positions, keys, values and state in every layer, the same counters,
-    /// in every float dtype, over prefill chunks and decode steps. Where the layers evict
-    /// together, a layer before the last is still full right after its own attention.
+    /// in every float dtype, over prefill chunks and decode steps, under every policy (those
+    /// that score every layer at once and those that score each after its attention). A layer
+    /// before the last is still full right after its own attention.
     #[test]
     fn layers_evicted_together_keep_what_each_alone_keeps(
         policy in policies(),
@@ -865,8 +866,6 @@ proptest! {
         let new = || KvCache::new(cfg.clone(), layers, KV, D, total, dtype, &Device::Cpu).unwrap();
         let (mut together, mut alone) = (new(), new());
         alone.set_evict_per_layer(true);
-        let stacks = keydiff_cache::policy::build(&policy)
-            .scores_layers_together(KvType::Float(dtype).into());
         let steps = std::iter::repeat_n((8, false), chunks).chain(std::iter::repeat_n((1, true), decode));
         for (i, (len, decode)) in steps.enumerate() {
             let salt = salt ^ i as u64;
@@ -877,7 +876,7 @@ proptest! {
             let counts = |c: &KvCache| (c.counters().evictions, c.counters().evicted_slots);
             prop_assert_eq!(counts(&together), counts(&alone));
             prop_assert_eq!(t[layers - 1], a[layers - 1]);
-            if stacks && a[0] < before && layers > 1 {
+            if a[0] < before && layers > 1 {
                 // Deferred to the last layer's call.
                 prop_assert_eq!(t[0], before);
             } else {
@@ -887,9 +886,10 @@ proptest! {
     }
 }
 
-/// KeyDiff on a float cache evicts its layers together, and a layer that is no longer a view
-/// of the cache's buffers (replaced from outside) turns that off: each layer then evicts
-/// after its own attention, and keeps what it would have.
+/// KeyDiff scores every layer at once on float caches only (fp8 and block types would be
+/// widened or dequantized for all layers at once). The layers evict together, and a layer
+/// that is no longer a view of the cache's buffers (replaced from outside) turns that off:
+/// each layer then evicts after its own attention, and keeps what it would have.
 #[test]
 fn layers_evict_together_only_while_they_are_views_of_one_buffer() {
     let cfg = CacheConfig {
@@ -902,7 +902,9 @@ fn layers_evict_together_only_while_they_are_views_of_one_buffer() {
     };
     assert!(keydiff_cache::policy::build(&cfg.policy)
         .scores_layers_together(KvType::Float(DType::BF16).into()));
-    assert!(!keydiff_cache::policy::build(&cfg.policy).scores_layers_together(KvType::Q8_0.into()));
+    for kv in [KvType::Q8_0, KvType::Float(DType::F8E4M3)] {
+        assert!(!keydiff_cache::policy::build(&cfg.policy).scores_layers_together(kv.into()));
+    }
     let new = || KvCache::new(cfg.clone(), 2, KV, D, 32, DType::F32, &Device::Cpu).unwrap();
     let mut c = new();
     step_layers(&mut c, 8, false, 1);

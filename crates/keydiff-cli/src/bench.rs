@@ -75,9 +75,8 @@ pub struct TtftArgs {
     #[arg(long)]
     no_breakdown: bool,
     /// When the layers evict: `together` (every layer at once after the last layer's
-    /// attention, the engine's default where the policy allows it) and/or `per-layer` (each
-    /// layer after its own, shown as `POLICY/per-layer`). Both keep the same tokens; a policy
-    /// that always evicts per layer gets one case.
+    /// attention, the engine's default) and/or `per-layer` (each layer after its own, shown as
+    /// `POLICY/per-layer`). Both keep the same tokens; `full` gets one case.
     #[arg(long, value_delimiter = ',', default_value = "together")]
     eviction: Vec<EvictionTiming>,
 }
@@ -234,7 +233,7 @@ fn ttft(a: TtftArgs) -> Result<()> {
         .iter()
         .map(|&e| e == EvictionTiming::PerLayer)
         .collect();
-    plan.cases = bench::with_eviction_timings(plan.cases, &per_layer, engine.kv_types())?;
+    plan.cases = bench::with_eviction_timings(plan.cases, &per_layer)?;
     let prov = Provenance::collect(&engine, a.sweep.load.random_weights, command_line());
     let separate = !engine.config().device.is_cpu();
     let bar = progress_bar(bench::ttft_runs(&plan, separate));

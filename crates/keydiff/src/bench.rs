@@ -58,22 +58,15 @@ impl Case {
 }
 
 /// `cases`, each once per eviction timing of `per_layer` (`false`: every layer at once after
-/// the last one's attention, the engine's default; `true`: each layer after its own). A
-/// policy that always evicts per layer (it needs attention statistics, or on this cache type
-/// it would score from a copy; see [`keydiff_cache::Policy::scores_layers_together`]) runs
-/// the same either way, so it gets one case, not two of the same thing.
-pub fn with_eviction_timings(
-    cases: Vec<Case>,
-    per_layer: &[bool],
-    kv: keydiff_cache::KvTypes,
-) -> Result<Vec<Case>> {
+/// the last one's attention, the engine's default; `true`: each layer after its own). `full`
+/// never evicts, so it gets one case, not two of the same thing.
+pub fn with_eviction_timings(cases: Vec<Case>, per_layer: &[bool]) -> Result<Vec<Case>> {
     if per_layer.is_empty() {
         return Err(EngineError::BadParams("no eviction timing given".into()));
     }
     let mut out = Vec::new();
     for c in cases {
-        let differs = c.cache.policy != PolicyKind::Full
-            && keydiff_cache::policy::build(&c.cache.policy).scores_layers_together(kv);
+        let differs = c.cache.policy != PolicyKind::Full;
         let mut seen = false;
         for &p in per_layer {
             if differs || !seen {

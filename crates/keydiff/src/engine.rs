@@ -79,10 +79,10 @@ pub struct EngineConfig {
     /// there, and a full cache never needs more slots.
     pub context: Option<usize>,
     /// Evict each layer's cache right after its own attention, as `DESIGN.md` first laid it
-    /// out, instead of every layer at once after the last layer's (the default, where the
-    /// policy allows: KeyDiff on float caches and StreamingLLM; see
-    /// [`KvCache::after_attention`]). Both keep the same tokens; the default runs one set
-    /// of eviction kernels per chunk instead of one per layer. For measuring the difference
+    /// out, instead of every layer at once after the last layer's (the default; see
+    /// [`KvCache::after_attention`]). Both keep the same tokens; the default runs one
+    /// selection and one set of moves per chunk instead of one per layer (and for KeyDiff
+    /// on float caches and StreamingLLM one scoring). For measuring the difference
     /// (`keydiff bench ttft --eviction`).
     pub evict_per_layer: bool,
 }
@@ -2405,11 +2405,6 @@ impl Engine {
     /// last one's (see [`EngineConfig::evict_per_layer`]), for later requests.
     pub fn set_evict_per_layer(&mut self, on: bool) {
         self.cfg.evict_per_layer = on;
-    }
-
-    /// What the model's KV caches hold their keys and values in.
-    pub fn kv_types(&self) -> KvTypes {
-        self.loaded.model.kv_dtype()
     }
 
     /// What a prefill of `tokens` tokens that keeps every row's logits needs beyond its cache:

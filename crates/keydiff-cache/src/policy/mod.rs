@@ -70,11 +70,12 @@ pub trait Policy: Send + PolicyClone {
 
     /// True when this policy can score many layers at once, as one layer of `layers ·
     /// kv_heads` heads (the cache's stack), from the keys or positions alone, with temporary
-    /// memory that grows with the slots but not with the head dim: the cache then evicts
-    /// every layer together after the last layer's attention
+    /// memory that grows with the slots but not with the head dim: the cache then scores
+    /// every layer together after the last layer's attention, where it evicts them all
     /// ([`crate::KvCache::after_attention`]). False (the default) for policies that need
     /// attention statistics, keep state of their own between layers (`random`'s generator),
-    /// or widen the keys into a copy to score them.
+    /// or widen the keys into a copy to score them: the cache scores each layer after its
+    /// attention.
     fn scores_layers_together(&self, _kv: KvTypes) -> bool {
         false
     }
