@@ -55,7 +55,8 @@ echo "== 2. eviction kernels against the CPU references, then timed against copy
 # the selection on one block per head and on many (the engine takes many past 4096 slots), and
 # the scoring with scalar and with 16-byte loads (the engine takes 16-byte loads for d 128).
 # Each at 8 heads (one layer) and at 256 (32 layers of 8: the engine evicts a chunk's layers
-# together, as one eviction over every layer's heads, for KeyDiff on float caches).
+# together, as one eviction over every layer's heads; KeyDiff on float caches scores them
+# together too).
 timeout 200 "$bin" check-kernels --device "$device" --large --time-n 4224,8320,32896,131200 \
     --time-layers 1,32 \
     > "$out/kernels.jsonl" 2> "$out/kernels.txt"
