@@ -590,8 +590,10 @@ impl KvCache {
     /// each layer evicted alone (its statistics are this layer's, and `random` draws in layer
     /// order), and the scores wait for the last layer. The survivors are the same as evicting
     /// each layer after its own attention: a layer's cache is read again only by the next
-    /// chunk, and every head is selected and moved alone. [`KvCache::set_evict_per_layer`]
-    /// turns this off.
+    /// chunk, and every head is selected and moved alone. A pass must therefore call this
+    /// for every layer, the last one last, and append to each layer once (several rows of a
+    /// layer attended one after another need [`KvCache::set_evict_per_layer`], which turns
+    /// this off).
     pub fn after_attention(
         &mut self,
         i: usize,
@@ -658,8 +660,7 @@ impl KvCache {
     }
 
     /// Evicts each layer after its own attention (`true`), or every layer at once after the
-    /// last one's where the policy allows (`false`, the default; see
-    /// [`KvCache::after_attention`]). Both keep the same slots; this is for measuring the
+    /// last one's (`false`, the default; see [`KvCache::after_attention`]). Both keep the same slots; this is for measuring the
     /// difference, and for a pass that attends several rows of a layer one after the other
     /// (a speculative draft verified row by row): each row's eviction must come before the
     /// next row attends, as in token-by-token decoding.
