@@ -543,6 +543,9 @@ fn selection_matches_the_twin_past_the_argsort_limit() {
         (1, 9000, 100, 0, 0),
         (2, 12_289, 6000, 3, 2500),
         (1, 16_384, 8192, 0, 0),
+        // Many heads, as the cache's stack of every layer evicts them at once (a small model's
+        // layers · KV heads), each past one slice of the many-block selection.
+        (48, 4224, 4096, 4, 0),
     ];
     for (kv, n, budget, sinks, recent) in cases {
         for seed in SEEDS {
