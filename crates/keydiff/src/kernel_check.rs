@@ -43,7 +43,7 @@ pub struct KernelCase {
 
 /// The parity cases: odd sizes, every head dim (64/128/256) and dtype, protected slots, both
 /// anchors; with `large`, also n = 131072 + 128 (past candle's argsort limit of 8192 anyway
-/// at 8320).
+/// at 8320), and in bf16 256 heads of 8320 slots (Llama-3.1-8B's layers evicting together).
 pub fn kernel_cases(large: bool) -> Vec<KernelCase> {
     let mut out = Vec::new();
     for dtype in [DType::F32, DType::F16, DType::BF16] {
@@ -71,6 +71,10 @@ pub fn kernel_cases(large: bool) -> Vec<KernelCase> {
                 0,
                 Anchor::Normalized,
             ));
+            if dtype == DType::BF16 {
+                // 32 layers of 8 KV heads at once, as the cache's stack evicts them.
+                out.push(case(256, 8320, 128, 8192, 4, 64, Anchor::Normalized));
+            }
         }
     }
     out
