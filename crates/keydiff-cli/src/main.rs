@@ -154,8 +154,9 @@ enum Cmd {
         time_chunk: usize,
         /// Layers evicted at once in the timed evictions, as `layers · kv_heads` heads: the
         /// engine evicts every layer of a model together after the last layer's attention
-        /// (KeyDiff on float caches), so 32 is Llama-3.1-8B's eviction of a chunk; 1 is one
-        /// layer alone (as when each layer evicts after its own attention).
+        /// (and KeyDiff on float caches scores them together), so 32 is Llama-3.1-8B's
+        /// eviction of a chunk; 1 is one layer alone (as when each layer evicts after its own
+        /// attention).
         #[arg(long, value_delimiter = ',', default_value = "1,32")]
         time_layers: Vec<usize>,
         #[arg(long, default_value_t = 20)]
