@@ -837,8 +837,8 @@ fn layer_snapshots(c: &KvCache) -> Vec<LayerSnapshot> {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(64))]
 
-    /// Evicting every layer at once after the last layer's attention (the default, where the
-    /// policy allows it) keeps exactly what evicting each layer after its own attention keeps:
+    /// Evicting every layer at once after the last layer's attention (the default) keeps
+    /// exactly what evicting each layer after its own attention keeps:
     /// the same slots, positions, keys, values and state in every layer, the same counters,
     /// in every float dtype, over prefill chunks and decode steps, under every policy (those
     /// that score every layer at once and those that score each after its attention). A layer
