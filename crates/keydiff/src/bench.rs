@@ -66,16 +66,15 @@ pub fn with_eviction_timings(cases: Vec<Case>, per_layer: &[bool]) -> Result<Vec
     }
     let mut out = Vec::new();
     for c in cases {
-        let differs = c.cache.policy != PolicyKind::Full;
-        let mut seen = false;
+        if c.cache.policy == PolicyKind::Full {
+            out.push(c);
+            continue;
+        }
         for &p in per_layer {
-            if differs || !seen {
-                out.push(Case {
-                    evict_per_layer: p && differs,
-                    ..c.clone()
-                });
-            }
-            seen = true;
+            out.push(Case {
+                evict_per_layer: p,
+                ..c.clone()
+            });
         }
     }
     Ok(out)
@@ -339,6 +338,13 @@ where
     Ok(runs)
 }
 
+/// Sets the engine's cache settings and eviction timing to the case's.
+fn configure(engine: &mut Engine, case: &Case) -> Result<()> {
+    engine.set_cache_config(case.cache.clone())?;
+    engine.set_evict_per_layer(case.evict_per_layer);
+    Ok(())
+}
+
 /// Prefills `tokens` under the case's cache settings and generates `max_tokens`, greedy,
 /// ignoring end-of-generation, with the device idle at the start.
 fn request(
@@ -348,8 +354,7 @@ fn request(
     max_tokens: usize,
     profile: bool,
 ) -> Result<Stats> {
-    engine.set_cache_config(case.cache.clone())?;
-    engine.set_evict_per_layer(case.evict_per_layer);
+    configure(engine, case)?;
     engine.config().device.synchronize()?;
     let params = GenerateParams {
         prompt: Prompt::Tokens(tokens),
@@ -374,8 +379,7 @@ fn request_batch(
     max_tokens: usize,
     batch: usize,
 ) -> Result<Stats> {
-    engine.set_cache_config(case.cache.clone())?;
-    engine.set_evict_per_layer(case.evict_per_layer);
+    configure(engine, case)?;
     let device = engine.config().device.clone();
     device.synchronize()?;
     let params: Vec<GenerateParams> = (0..batch)
@@ -648,8 +652,7 @@ fn join_run(
     running: usize,
     mode: JoinMode,
 ) -> Result<(f64, f64, f64)> {
-    engine.set_cache_config(case.cache.clone())?;
-    engine.set_evict_per_layer(case.evict_per_layer);
+    configure(engine, case)?;
     let device = engine.config().device.clone();
     let params = |tokens: Vec<u32>, max_tokens: usize| GenerateParams {
         prompt: Prompt::Tokens(tokens),
