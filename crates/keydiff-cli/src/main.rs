@@ -234,8 +234,8 @@ struct LoadArgs {
     memory_limit: Option<u64>,
     /// Chunk attention: eager (materialised probabilities), flash (fused kernel: candle-nn's on
     /// the CPU, FlashAttention-2 on CUDA with the `flash-attn` feature) or auto (flash on CUDA
-    /// in bf16/f16 when built with it and the model's head size is a multiple of 8 up to 256,
-    /// else eager).
+    /// in bf16/f16 when built with it and with its kernels for the model's head size, a
+    /// multiple of 8 up to 256; else eager).
     #[arg(long, default_value = "auto")]
     attention: String,
     #[command(flatten)]

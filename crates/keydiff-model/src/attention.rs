@@ -63,12 +63,7 @@ impl AttentionBackend {
     /// fails when the model is loaded rather than in the first chunk.
     pub fn resolve(self, device: &Device, dtype: DType, head_dim: usize) -> Result<Self> {
         match self {
-            Self::Auto => Ok(Self::auto(
-                device.is_cuda(),
-                cfg!(feature = "flash-attn"),
-                dtype,
-                head_dim,
-            )),
+            Self::Auto => Ok(Self::auto(device.is_cuda(), FLASH_KERNELS, dtype, head_dim)),
             explicit => {
                 explicit.check(device, dtype, head_dim)?;
                 Ok(explicit)
@@ -76,13 +71,12 @@ impl AttentionBackend {
         }
     }
 
-    /// `Auto`'s rule, with the build and device as arguments so that tests cover every branch.
-    fn auto(cuda: bool, flash_built: bool, dtype: DType, head_dim: usize) -> Self {
-        if cuda
-            && flash_built
-            && matches!(dtype, DType::BF16 | DType::F16)
-            && flash_head_dim(head_dim)
-        {
+    /// `Auto`'s rule, with the build ([`FLASH_KERNELS`]) and device as arguments so that tests
+    /// cover every branch.
+    fn auto(cuda: bool, flash: Option<&str>, dtype: DType, head_dim: usize) -> Self {
+        let built =
+            |kernels| flash_kernel(dtype, head_dim).is_some_and(|k| kernel_built(kernels, &k));
+        if cuda && flash.is_some_and(built) {
             Self::Flash
         } else {
             Self::Eager
@@ -119,9 +113,17 @@ impl AttentionBackend {
                         "dtype {dtype:?} on CUDA (flash attention takes bf16 or f16)"
                     ));
                 }
-                if !flash_head_dim(head_dim) {
+                let Some(kernel) = flash_kernel(dtype, head_dim) else {
                     return unsupported(format!(
                         "head_dim {head_dim} (flash attention takes multiples of 8 up to 256)"
+                    ));
+                };
+                let kernels = FLASH_KERNELS.unwrap_or_default();
+                if !kernel_built(kernels, &kernel) {
+                    return unsupported(format!(
+                        "heads of {head_dim} in {dtype:?} need the {kernel} kernels, and this \
+                         binary was built with only `{kernels}` (KEYDIFF_FLASH_KERNELS; see \
+                         scripts/build-cuda.sh)"
                     ));
                 }
                 Ok(())
@@ -131,9 +133,40 @@ impl AttentionBackend {
     }
 }
 
-/// Head sizes FlashAttention-2's CUDA kernels take.
-fn flash_head_dim(head_dim: usize) -> bool {
-    head_dim.is_multiple_of(8) && head_dim <= 256
+/// The FlashAttention kernels this binary holds: `None` without the `flash-attn` feature; with
+/// it, the names `KEYDIFF_FLASH_KERNELS` listed when it was built (`scripts/cuda/flash-nvcc.sh`
+/// builds only those; the others are stubs that abort), or `""` for all of candle-flash-attn's.
+pub const FLASH_KERNELS: Option<&str> = if cfg!(feature = "flash-attn") {
+    match option_env!("KEYDIFF_FLASH_KERNELS") {
+        Some(kernels) => Some(kernels),
+        None => Some(""),
+    }
+} else {
+    None
+};
+
+/// The kernel (as candle-flash-attn's files name it, `hdim128_bf16`) that runs heads of
+/// `head_dim` in `dtype`, or `None` where FlashAttention-2 has none: its CUDA kernels take bf16
+/// and f16, head sizes that are multiples of 8 up to 256, rounded up to its buckets as its
+/// `HEADDIM_SWITCH` does.
+fn flash_kernel(dtype: DType, head_dim: usize) -> Option<String> {
+    let dtype = match dtype {
+        DType::BF16 => "bf16",
+        DType::F16 => "fp16",
+        _ => return None,
+    };
+    if !head_dim.is_multiple_of(8) {
+        return None;
+    }
+    let bucket = [32, 64, 96, 128, 160, 192, 224, 256]
+        .into_iter()
+        .find(|&b| head_dim <= b)?;
+    Some(format!("hdim{bucket}_{dtype}"))
+}
+
+/// Whether `kernels` (a [`FLASH_KERNELS`] list; empty: all) has `kernel`.
+fn kernel_built(kernels: &str, kernel: &str) -> bool {
+    kernels.trim().is_empty() || kernels.split_whitespace().any(|k| k == kernel)
 }
 
 impl FromStr for AttentionBackend {
@@ -501,13 +534,22 @@ mod tests {
         assert_eq!(Eager.resolve(&cpu, DType::F64, 7)?, Eager);
         // auto picks flash only where it can run: CUDA, a flash build, half precision, and a
         // head size the kernels take.
-        assert_eq!(AttentionBackend::auto(true, true, DType::BF16, 128), Flash);
-        assert_eq!(AttentionBackend::auto(true, true, DType::F16, 256), Flash);
-        assert_eq!(AttentionBackend::auto(true, true, DType::F32, 128), Eager);
-        assert_eq!(AttentionBackend::auto(true, false, DType::BF16, 128), Eager);
-        assert_eq!(AttentionBackend::auto(false, true, DType::BF16, 128), Eager);
-        assert_eq!(AttentionBackend::auto(true, true, DType::BF16, 260), Eager);
-        assert_eq!(AttentionBackend::auto(true, true, DType::BF16, 100), Eager);
+        let all = Some("");
+        assert_eq!(AttentionBackend::auto(true, all, DType::BF16, 128), Flash);
+        assert_eq!(AttentionBackend::auto(true, all, DType::F16, 256), Flash);
+        assert_eq!(AttentionBackend::auto(true, all, DType::F32, 128), Eager);
+        assert_eq!(AttentionBackend::auto(true, None, DType::BF16, 128), Eager);
+        assert_eq!(AttentionBackend::auto(false, all, DType::BF16, 128), Eager);
+        assert_eq!(AttentionBackend::auto(true, all, DType::BF16, 260), Eager);
+        assert_eq!(AttentionBackend::auto(true, all, DType::BF16, 100), Eager);
+        // A build with some of the kernels (scripts/cuda/flash-nvcc.sh) takes flash only for
+        // the heads and dtypes they cover.
+        let some = Some("hdim32_bf16 hdim128_bf16");
+        assert_eq!(AttentionBackend::auto(true, some, DType::BF16, 128), Flash);
+        assert_eq!(AttentionBackend::auto(true, some, DType::BF16, 120), Flash);
+        assert_eq!(AttentionBackend::auto(true, some, DType::BF16, 16), Flash);
+        assert_eq!(AttentionBackend::auto(true, some, DType::BF16, 64), Eager);
+        assert_eq!(AttentionBackend::auto(true, some, DType::F16, 128), Eager);
         let err = "sdpa"
             .parse::<AttentionBackend>()
             .expect_err("unknown backend");
@@ -517,6 +559,25 @@ mod tests {
             .expect_err("f64 on the CPU kernel");
         assert!(err.to_string().contains("F64"), "{err}");
         Ok(())
+    }
+
+    #[test]
+    fn flash_kernels_are_named_as_candle_flash_attn_files() {
+        // flash_fwd_hdim{bucket}_{bf16,fp16}[_causal]_sm80.cu; HEADDIM_SWITCH rounds up.
+        let name = |dtype, d| flash_kernel(dtype, d);
+        assert_eq!(name(DType::BF16, 8).as_deref(), Some("hdim32_bf16"));
+        assert_eq!(name(DType::BF16, 32).as_deref(), Some("hdim32_bf16"));
+        assert_eq!(name(DType::F16, 40).as_deref(), Some("hdim64_fp16"));
+        assert_eq!(name(DType::BF16, 72).as_deref(), Some("hdim96_bf16"));
+        assert_eq!(name(DType::BF16, 128).as_deref(), Some("hdim128_bf16"));
+        assert_eq!(name(DType::F16, 136).as_deref(), Some("hdim160_fp16"));
+        assert_eq!(name(DType::BF16, 256).as_deref(), Some("hdim256_bf16"));
+        assert_eq!(name(DType::BF16, 264), None);
+        assert_eq!(name(DType::BF16, 100), None);
+        assert_eq!(name(DType::F32, 128), None);
+        assert!(kernel_built("", "hdim96_bf16"));
+        assert!(kernel_built(" hdim64_bf16  hdim96_bf16\n", "hdim96_bf16"));
+        assert!(!kernel_built("hdim64_bf16", "hdim64_fp16"));
     }
 
     #[test]

@@ -64,15 +64,21 @@ pub const BUILD_COMMIT: Option<&str> = option_env!("KEYDIFF_BUILD_COMMIT");
 
 /// The version, the commit it was built from and the GPU features built in, e.g.
 /// `0.1.0 (build 46d9d06a1b2c, features: cuda, flash-attn)`: what `keydiff --version` prints,
-/// for bug reports and results.
+/// for bug reports and results. A FlashAttention build with only some kernels
+/// (`scripts/build-cuda.sh --flash`) names them: `flash-attn [hdim64_bf16 hdim128_bf16]`.
 pub fn build_info() -> String {
-    let features: Vec<&str> = [
-        (cfg!(feature = "cuda"), "cuda"),
-        (cfg!(feature = "flash-attn"), "flash-attn"),
-    ]
-    .into_iter()
-    .filter_map(|(on, name)| on.then_some(name))
-    .collect();
+    let flash = match keydiff_model::attention::FLASH_KERNELS.map(str::trim) {
+        None => None,
+        Some("") => Some("flash-attn".to_string()),
+        Some(some) => Some(format!(
+            "flash-attn [{}]",
+            some.split_whitespace().collect::<Vec<_>>().join(" ")
+        )),
+    };
+    let features: Vec<String> = [cfg!(feature = "cuda").then(|| "cuda".to_string()), flash]
+        .into_iter()
+        .flatten()
+        .collect();
     format!(
         "{} (build {}, features: {})",
         env!("CARGO_PKG_VERSION"),
