@@ -5,13 +5,17 @@
 # block caches' bf16 gap), perplexity parity, batched passes against single runs on the
 # device, prefix reuse on the device (bf16 and fp8 caches), the memory plan against the
 # driver, a prompt cache saved and loaded on the device, speculative decoding on the device, a
-# short TTFT sweep, batched decode, a prompt joining a decoding batch, then, as time allows,
-# the kernels under compute-sanitizer.
-# Build the binary here first (scripts/build-cuda.sh), carry it, then on the GPU host:
+# short TTFT sweep, batched decode, a prompt joining a decoding batch, the 8B-shaped eviction
+# share, eager against flash attention, then, as time allows, the kernels under
+# compute-sanitizer.
+# Build the binary here first (scripts/build-cuda.sh, or with FlashAttention-2
+# `scripts/build-cuda.sh --flash`, which gives target/cuda-flash/release/keydiff: the TTFT steps
+# then run flash, as users get it), carry it, then on the GPU host:
 #   scripts/gpu-check.sh            (logs go to $OUT when set, else bench/gpu-check-logs/)
 # Prints a summary table last. Needs no Rust toolchain and no network on the GPU host.
 # Through the device tool (64 MiB travel, at most 8 files come back): compress the binary
-# (stripped it is ~63 MB, gzipped ~17 MB), write the logs elsewhere and pack them:
+# (stripped it is ~63 MB, gzipped ~20 MB; with flash 110 MB and 28 MB), write the logs
+# elsewhere and pack them (target/cuda-flash/... for the flash build):
 #   mkdir -p .gpu && strip -o /tmp/kd target/cuda/release/keydiff && gzip -c /tmp/kd > .gpu/keydiff.gz
 #   (carry [".gpu"]) gunzip -c .gpu/keydiff.gz > /tmp/keydiff && chmod +x /tmp/keydiff;
 #   d=$OUT; mkdir -p /tmp/gc; OUT=/tmp/gc KEYDIFF_BIN=/tmp/keydiff scripts/gpu-check.sh 2>&1 | tee /tmp/gc.log;
@@ -176,7 +180,15 @@ PY
 [ $ppl_ok = 1 ] && note "perplexity parity: PASS" || note "perplexity parity: FAIL"
 
 echo "== 3c. flash attention against the CPU (only binaries built with --features flash-attn)"
+# Presets whose heads FlashAttention-2 takes (multiples of 8: 16, 64, 32; tiny-qwen's are 10),
+# all within scripts/build-cuda.sh's default kernels (hdim32/64/128, bf16).
+# The TTFT steps below run with `auto` (flash when the binary has it, as users get it), or
+# with eager when this parity failed, so that a broken flash build still leaves the eviction
+# numbers.
+ttft_attention=auto flash_ok=0
 if timeout 150 "$bin" check-device --device "$device" --dtype bf16 --attention flash --prompt-len 700 \
+    --preset configs/tiny-llama.json --preset configs/tiny-qwen-d64.json \
+    --preset configs/tiny-qwen3.json --preset configs/tiny-qwen3moe.json \
     --chunk 64 --budget 256 --policies keydiff,tova,snapkv,h2o,sink \
     > "$out/flash-bf16.jsonl" 2> "$out/flash.err"; then
   python3 - "$out/flash-bf16.jsonl" >> "$summary" <<'PY'
@@ -186,10 +198,12 @@ for r in map(json.loads, open(sys.argv[1])):
     print(f"  bf16  {r.get('kv_dtype', 'bf16'):5} {r['attention']:5} {r['preset'].split('/')[-1]:24} {r['policy']:14} {d['cosine']:9.6f} {d['max_rel']:9.2e} {'same' if r['top1_equal'] else 'DIFF'}")
 PY
   note "flash parity: PASS"
+  flash_ok=1
 elif grep -q "flash-attn" "$out/flash.err"; then
   note "flash parity: not run (this binary was built without the flash-attn feature)"
 else
-  note "flash parity: FAIL"; tail -5 "$out/flash.err" | tee -a "$errors"
+  note "flash parity: FAIL (the TTFT steps take eager)"; tail -5 "$out/flash.err" | tee -a "$errors"
+  ttft_attention=eager
 fi
 
 echo "== 3d. batching on the device: a batch step and a mixed pass (decode rows + prompt chunks) against single runs"
@@ -323,10 +337,10 @@ echo "== 4. TTFT sweep: $preset random weights, bf16, prompt $plen, budget $budg
 # interleaved, then one profiled run per case for the breakdown (keydiff bench ttft).
 left=$((deadline - SECONDS)); [ "$left" -lt 60 ] && left=60
 if timeout "$left" "$bin" bench ttft --random-weights -m "$preset" --device "$device" --dtype bf16 \
-    --prompt-len "$plen" --budget "$budget_n" --chunks 64,128,256 \
+    --attention "$ttft_attention" --prompt-len "$plen" --budget "$budget_n" --chunks 64,128,256 \
     --policies full,keydiff,tova,snapkv,h2o,sink --warmup 1 --reps 2 \
     --out "$out/ttft" > "$out/ttft/table.txt.tmp" 2>>"$errors"; then
-  { echo "TTFT ($preset random weights, bf16, prompt $plen, budget $budget_n):"; cat "$out/ttft/table.txt.tmp"; } >> "$summary"
+  { echo "TTFT ($preset random weights, bf16, $ttft_attention attention, prompt $plen, budget $budget_n):"; cat "$out/ttft/table.txt.tmp"; } >> "$summary"
 else
   note "ttft: FAILED or past the ${deadline}s budget (exit $?); see errors.log"
   cat "$out/ttft/table.txt.tmp" >> "$summary" 2>/dev/null
@@ -343,6 +357,7 @@ if [ "$left" -lt 60 ]; then
 else
   mkdir -p "$out/batch"
   if timeout 60 "$bin" bench decode --random-weights -m "$preset" --device "$device" --dtype bf16 \
+      --attention "$ttft_attention" \
       --prompt-len 1024 --budget 512 --chunks 128 --policies keydiff --gen-len 32 --batch 1,8 \
       --warmup 1 --reps 1 --out "$out/batch" > "$out/batch/table.txt" 2>>"$errors"; then
     { echo "batched decode ($preset random weights, bf16, prompt 1024, N = 512):"; grep -v '^#' "$out/batch/table.txt"; } >> "$summary"
@@ -362,6 +377,7 @@ if [ "$left" -lt 60 ]; then
 else
   mkdir -p "$out/join"
   if timeout 60 "$bin" bench join --random-weights -m "$preset" --device "$device" --dtype bf16 \
+      --attention "$ttft_attention" \
       --prompt-len "$plen" --budget "$budget_n" --chunks 128 --policies keydiff --running 4 \
       --warmup 1 --reps 1 --out "$out/join" > "$out/join/table.txt" 2>>"$errors"; then
     { echo "join ($preset random weights, bf16, prompt $plen, N = $budget_n, 4 running):"; grep -v '^#' "$out/join/table.txt"; } >> "$summary"
@@ -380,14 +396,35 @@ if [ "${SKIP_8B:-0}" = 1 ] || [ "$left" -lt 90 ]; then
 else
   mkdir -p "$out/ttft8b"
   if timeout "$left" "$bin" bench ttft --random-weights -m llama-3.1-8b --device "$device" \
-      --dtype bf16 --prompt-len 12288 --budget 8192 --chunks 128 --policies full,keydiff \
+      --dtype bf16 --attention "$ttft_attention" --prompt-len 12288 --budget 8192 --chunks 128 --policies full,keydiff \
       --eviction together,per-layer \
       --warmup 1 --reps 2 --out "$out/ttft8b" > "$out/ttft8b/table.txt" 2>>"$errors"; then
-    { echo "TTFT (llama-3.1-8b random weights, bf16, prompt 12288, budget 8192):"; cat "$out/ttft8b/table.txt"; } >> "$summary"
+    { echo "TTFT (llama-3.1-8b random weights, bf16, $ttft_attention attention, prompt 12288, budget 8192):"; cat "$out/ttft8b/table.txt"; } >> "$summary"
   else
     note "8b: FAILED or past the budget (exit $?); see errors.log"
   fi
 fi
+echo "== 5b. eager attention against flash, interleaved in one run ($preset, B = 128)"
+# Only when the binary has flash and its parity passed: what FlashAttention-2 saves in TTFT,
+# and what the policies that need attention statistics (H2O all of them, TOVA the last row)
+# pay for their extra pass under flash, each policy's /full against full under its backend.
+left=$((deadline - SECONDS))
+if [ $flash_ok = 0 ]; then
+  note "eager vs flash: not run (no flash in this binary, or its parity failed)"
+elif [ "$left" -lt 60 ]; then
+  note "eager vs flash: skipped (${left}s left of the ${deadline}s budget)"
+else
+  mkdir -p "$out/ttft-attention"
+  if timeout "$left" "$bin" bench ttft --random-weights -m "$preset" --device "$device" --dtype bf16 \
+      --compare-attention eager,flash --prompt-len "$plen" --budget "$budget_n" --chunks 128 \
+      --policies full,keydiff,tova,h2o --warmup 1 --reps 2 \
+      --out "$out/ttft-attention" > "$out/ttft-attention/table.txt" 2>>"$errors"; then
+    { echo "TTFT ($preset random weights, bf16, eager against flash, prompt $plen, budget $budget_n):"; cat "$out/ttft-attention/table.txt"; } >> "$summary"
+  else
+    note "eager vs flash: FAILED or past the budget (exit $?); see errors.log"
+  fi
+fi
+
 echo "== 6. the kernels under compute-sanitizer: racecheck, synccheck, memcheck"
 # What the CPU emulation (kernels/emu) cannot see: shared-memory races between barriers, barrier
 # misuse on the hardware, out-of-bounds device accesses. Parity cases only (no timing, no n >

@@ -482,3 +482,124 @@ fn eviction_timings_are_cases_of_their_own() {
     // The engine ran the last case (per-layer) with the setting it names.
     assert!(e.config().evict_per_layer);
 }
+
+/// `bench ttft --compare-attention eager,flash`: every case once per backend, run with the
+/// backend it names, its ratio to `full` under the same backend.
+#[test]
+fn attention_backends_are_cases_of_their_own() {
+    use keydiff::AttentionBackend::{Auto, Eager, Flash};
+    let policies = [
+        PolicyKind::Full,
+        PolicyKind::parse("keydiff", 32, 0).unwrap(),
+    ];
+    let cases = bench::cases(&[300], &[96], &[32], &policies, &CacheConfig::full(32)).unwrap();
+    let mut e = tiny("tiny-llama", CacheConfig::full(32));
+    let loaded = e.config().attention;
+    let both = bench::with_attentions(&mut e, cases.clone(), &[Eager, Flash]).unwrap();
+    let names: Vec<String> = both.iter().map(|c| c.policy_name()).collect();
+    assert_eq!(
+        names,
+        ["full/eager", "full/flash", "keydiff/eager", "keydiff/flash"]
+    );
+    assert!(bench::with_attentions(&mut e, cases.clone(), &[]).is_err());
+    let err = bench::with_attentions(&mut e, cases, &[Eager, Auto]).unwrap_err();
+    assert!(err.to_string().contains("not auto"), "{err}");
+    // Checking the backends leaves the engine as it was loaded.
+    assert_eq!(e.config().attention, loaded);
+    let plan = Plan {
+        cases: both,
+        warmup: 0,
+        reps: 1,
+        seed: 3,
+        breakdown: false,
+    };
+    let mut evictions = Vec::new();
+    let r = bench::ttft(&mut e, &plan, |_, _, s| {
+        evictions.push(s.eviction.evictions)
+    })
+    .unwrap();
+    let got: Vec<(&str, Option<&str>)> = r
+        .iter()
+        .map(|x| (x.policy.as_str(), x.attention.as_deref()))
+        .collect();
+    assert_eq!(
+        got,
+        [
+            ("full/eager", Some("eager")),
+            ("full/flash", Some("flash")),
+            ("keydiff/eager", Some("eager")),
+            ("keydiff/flash", Some("flash")),
+        ]
+    );
+    assert_eq!(evictions[0], 0);
+    assert!(
+        evictions[2] > 0 && evictions[2] == evictions[3],
+        "{evictions:?}"
+    );
+    // The engine ran the last case with the backend it names.
+    assert_eq!(e.config().attention, Flash);
+
+    let dir = temp_dir("bench-attention");
+    let out = run_cli(&[
+        "bench",
+        "ttft",
+        "--preset",
+        "tiny-llama",
+        "--random-weights",
+        "--prompt-len",
+        "200",
+        "--budget",
+        "64",
+        "--policies",
+        "full,keydiff",
+        "--chunks",
+        "32",
+        "--compare-attention",
+        "eager,flash",
+        "--warmup",
+        "0",
+        "--reps",
+        "1",
+        "--no-breakdown",
+        "--out",
+        dir.to_str().unwrap(),
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("eager/flash (per case) attention"),
+        "{stdout}"
+    );
+    // keydiff/flash's ratio is to full/flash: every row has one.
+    let rows: Vec<&str> = stdout
+        .lines()
+        .filter(|l| !l.starts_with('#') && (l.contains("/eager") || l.contains("/flash")))
+        .collect();
+    assert_eq!(rows.len(), 4, "{stdout}");
+    for row in &rows {
+        let ratio = row.split_whitespace().nth(7).unwrap();
+        assert!(ratio.parse::<f64>().is_ok(), "{row}");
+    }
+    let results: Vec<serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("results.json")).unwrap()).unwrap();
+    let attention: Vec<&str> = results
+        .iter()
+        .map(|r| r["attention"].as_str().unwrap())
+        .collect();
+    assert_eq!(attention, ["eager", "flash", "eager", "flash"]);
+    let out = run_cli(&[
+        "bench",
+        "ttft",
+        "--preset",
+        "tiny-llama",
+        "--random-weights",
+        "--compare-attention",
+        "eager,sdpa",
+    ]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("`sdpa`"));
+}

@@ -79,6 +79,11 @@ pub struct TtftArgs {
     /// `POLICY/per-layer`). Both keep the same tokens; `full` gets one case.
     #[arg(long, value_delimiter = ',', default_value = "together")]
     eviction: Vec<EvictionTiming>,
+    /// Run every case under each of these attention backends (eager, flash), interleaved in
+    /// one sweep, shown as `POLICY/eager` and `POLICY/flash` (`/full` compares with full under
+    /// the same backend). Default: only --attention's.
+    #[arg(long, value_delimiter = ',')]
+    compare_attention: Vec<String>,
 }
 
 /// `bench ttft --eviction`.
@@ -234,7 +239,18 @@ fn ttft(a: TtftArgs) -> Result<()> {
         .map(|&e| e == EvictionTiming::PerLayer)
         .collect();
     plan.cases = bench::with_eviction_timings(plan.cases, &per_layer)?;
-    let prov = Provenance::collect(&engine, a.sweep.load.random_weights, command_line());
+    if !a.compare_attention.is_empty() {
+        let backends = a
+            .compare_attention
+            .iter()
+            .map(|b| b.parse())
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        plan.cases = bench::with_attentions(&mut engine, plan.cases, &backends)?;
+    }
+    let mut prov = Provenance::collect(&engine, a.sweep.load.random_weights, command_line());
+    if !a.compare_attention.is_empty() {
+        prov.attention = format!("{} (per case)", a.compare_attention.join("/"));
+    }
     let separate = !engine.config().device.is_cpu();
     let bar = progress_bar(bench::ttft_runs(&plan, separate));
     let results = bench::ttft(&mut engine, &plan, on_run(&bar))?;
@@ -384,11 +400,16 @@ fn budget_str(b: Option<usize>) -> String {
 
 const MIB: f64 = 1024.0 * 1024.0;
 
-/// TTFT of `full` at the same prompt length and chunk size, if measured.
+/// TTFT of `full` at the same prompt length, chunk size and attention, if measured.
 fn full_ttft(results: &[TtftResult], r: &TtftResult) -> Option<f64> {
     results
         .iter()
-        .find(|f| f.policy == "full" && f.prompt_len == r.prompt_len && f.chunk == r.chunk)
+        .find(|f| {
+            f.policy.split('/').next() == Some("full")
+                && f.attention == r.attention
+                && f.prompt_len == r.prompt_len
+                && f.chunk == r.chunk
+        })
         .map(|f| f.ttft.median)
 }
 
@@ -613,9 +634,11 @@ fn write_json<T: serde::Serialize>(path: &Path, prov: &Provenance, rows: &[T]) -
         .map(|r| {
             let mut v = serde_json::to_value(r)?;
             let p = serde_json::to_value(prov)?;
+            // A row's own value wins: a TTFT row's `attention` is what it ran with, which
+            // `bench ttft --compare-attention` sets per case.
             if let (Some(v), Some(p)) = (v.as_object_mut(), p.as_object()) {
                 for (k, x) in p {
-                    v.insert(k.clone(), x.clone());
+                    v.entry(k.clone()).or_insert_with(|| x.clone());
                 }
             }
             Ok(v)

@@ -18,6 +18,7 @@ use crate::error::{EngineError, Result};
 use crate::parity::random_tokens;
 use crate::sampling::Sampling;
 use keydiff_cache::{CacheConfig, PolicyKind};
+use keydiff_model::AttentionBackend;
 
 /// One measured configuration.
 #[derive(Debug, Clone, PartialEq)]
@@ -28,6 +29,8 @@ pub struct Case {
     /// Each layer evicts after its own attention, not every layer after the last one's
     /// ([`crate::EngineConfig::evict_per_layer`]).
     pub evict_per_layer: bool,
+    /// The chunk attention the case runs with; `None`: the engine's, as loaded.
+    pub attention: Option<AttentionBackend>,
 }
 
 impl Case {
@@ -45,16 +48,53 @@ impl Case {
         )
     }
 
-    /// The policy's name, with `/per-layer` when each layer evicts after its own attention:
-    /// the series the results, tables and plots show.
+    /// The policy's name, with `/per-layer` when each layer evicts after its own attention
+    /// and `/eager` or `/flash` when the case sets the attention: the series the results,
+    /// tables and plots show.
     pub fn policy_name(&self) -> String {
-        let name = self.cache.policy.name();
+        let mut name = self.cache.policy.name();
         if self.evict_per_layer {
-            format!("{name}/per-layer")
-        } else {
-            name
+            name.push_str("/per-layer");
         }
+        if let Some(a) = self.attention {
+            name = format!("{name}/{}", a.name());
+        }
+        name
     }
+}
+
+/// `cases`, each once per attention backend of `backends` (`eager`, `flash`), in one sweep
+/// so that their ratios come from one run. Every backend must run on the engine's device,
+/// dtype and model ([`Engine::set_attention`] checks, before anything runs); `auto` is
+/// refused: name what it would resolve to.
+pub fn with_attentions(
+    engine: &mut Engine,
+    cases: Vec<Case>,
+    backends: &[AttentionBackend],
+) -> Result<Vec<Case>> {
+    if backends.is_empty() {
+        return Err(EngineError::BadParams("no attention backend given".into()));
+    }
+    let loaded = engine.config().attention;
+    for &b in backends {
+        if b == AttentionBackend::Auto {
+            return Err(EngineError::BadParams(
+                "attention backends to compare: name eager or flash, not auto".into(),
+            ));
+        }
+        let ok = engine.set_attention(b);
+        engine.set_attention(loaded)?;
+        ok?;
+    }
+    Ok(cases
+        .into_iter()
+        .flat_map(|c| {
+            backends.iter().map(move |&b| Case {
+                attention: Some(b),
+                ..c.clone()
+            })
+        })
+        .collect())
 }
 
 /// `cases`, each once per eviction timing of `per_layer` (`false`: every layer at once after
@@ -118,6 +158,7 @@ pub fn cases(
                         prompt_len,
                         cache,
                         evict_per_layer: false,
+                        attention: None,
                     };
                     case.cache.validate().map_err(|e| {
                         EngineError::BadParams(format!("case {}: {e}", case.label()))
@@ -174,6 +215,10 @@ pub struct TtftResult {
     /// Each layer evicted after its own attention, not every layer after the last one's.
     #[serde(default)]
     pub evict_per_layer: bool,
+    /// The chunk attention the case ran with (`eager`, `flash`); `None` in results written
+    /// before it was recorded (the provenance's then).
+    #[serde(default)]
+    pub attention: Option<String>,
     pub budget: Option<usize>,
     /// Every measured TTFT, in round order.
     pub ttft_s: Vec<f64>,
@@ -255,6 +300,8 @@ pub fn ttft(
     })?;
     let mut out = Vec::with_capacity(plan.cases.len());
     for (c, stats) in plan.cases.iter().zip(runs) {
+        configure(engine, c)?;
+        let attention = engine.config().attention.name().to_string();
         let (breakdown, separate) = if !plan.breakdown {
             (Breakdown::default(), false)
         } else if profile_measured {
@@ -280,6 +327,7 @@ pub fn ttft(
             chunk: c.cache.chunk,
             policy: c.policy_name(),
             evict_per_layer: c.evict_per_layer,
+            attention: Some(attention),
             budget: c.cache.budget,
             ttft: Spread::of(&ttft_s),
             ttft_s,
@@ -338,10 +386,14 @@ where
     Ok(runs)
 }
 
-/// Sets the engine's cache settings and eviction timing to the case's.
+/// Sets the engine's cache settings, eviction timing and (where the case names one) attention
+/// to the case's.
 fn configure(engine: &mut Engine, case: &Case) -> Result<()> {
     engine.set_cache_config(case.cache.clone())?;
     engine.set_evict_per_layer(case.evict_per_layer);
+    if let Some(a) = case.attention {
+        engine.set_attention(a)?;
+    }
     Ok(())
 }
 

@@ -2407,6 +2407,15 @@ impl Engine {
         self.cfg.evict_per_layer = on;
     }
 
+    /// Computes chunk attention with `backend` for later requests (`Auto` resolves as at
+    /// load). A backend this build, device or model cannot run is refused, and the engine
+    /// keeps the one it had. [`Engine::config`] reports the backend in use.
+    pub fn set_attention(&mut self, backend: AttentionBackend) -> Result<()> {
+        self.loaded.model.set_attention(backend)?;
+        self.cfg.attention = self.loaded.model.attention();
+        Ok(())
+    }
+
     /// What a prefill of `tokens` tokens that keeps every row's logits needs beyond its cache:
     /// a chunk's logit rows in f32, and the temporaries of their log-softmax, top-k masks or
     /// host copy (24 bytes per logit).
