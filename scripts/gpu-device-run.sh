@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The device tool's side of a GPU check: unpacks the binary carried in .gpu/keydiff.gz (see
-# gpu-check.sh's header for how to pack it), finds the CUDA libraries ldd misses, runs
+# gpu-check.sh's header for how to pack it; the flash build, target/cuda-flash, is 28 MB
+# gzipped and checks everything the plain one does), finds the CUDA libraries ldd misses, runs
 # gpu-check.sh with its logs outside $OUT, then packs them into $OUT (at most 8 files come
 # back): gpu-check.tgz, summary.txt, ldd.txt. Call through the device tool with carry [".gpu"]:
 #   bash scripts/gpu-device-run.sh        (GPU_CHECK_TIMEOUT_S, default 520, bounds the check)

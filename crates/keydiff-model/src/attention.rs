@@ -56,14 +56,29 @@ impl AttentionBackend {
 
     /// The backend a model with heads of `head_dim`, on `device` with activations of `dtype`,
     /// runs with: `Auto` becomes flash where this build can run it there (CUDA, the
-    /// `flash-attn` feature, bf16/f16, head_dim a multiple of 8 up to 256; on the CPU eager is
+    /// `flash-attn` feature with the kernel for these heads (logged when it lacks it), bf16/f16,
+    /// head_dim a multiple of 8 up to 256; on the CPU eager is
     /// faster for chunks: its matmuls are GEMMs, candle-nn's CPU kernel is not; one-token
     /// chunks run [`decode_attention_cpu`] under both) and eager otherwise. An
     /// explicit choice is kept, or refused when it cannot run ([`Self::check`]), so that it
     /// fails when the model is loaded rather than in the first chunk.
     pub fn resolve(self, device: &Device, dtype: DType, head_dim: usize) -> Result<Self> {
         match self {
-            Self::Auto => Ok(Self::auto(device.is_cuda(), FLASH_KERNELS, dtype, head_dim)),
+            Self::Auto => {
+                let chosen = Self::auto(device.is_cuda(), FLASH_KERNELS, dtype, head_dim);
+                if let (Self::Eager, true, Some(kernels), Some(kernel)) = (
+                    chosen,
+                    device.is_cuda(),
+                    FLASH_KERNELS,
+                    flash_kernel(dtype, head_dim),
+                ) {
+                    tracing::info!(
+                        "attention: eager, since this build's flash kernels ({kernels}) lack \
+                         {kernel} for heads of {head_dim} in {dtype:?}"
+                    );
+                }
+                Ok(chosen)
+            }
             explicit => {
                 explicit.check(device, dtype, head_dim)?;
                 Ok(explicit)
