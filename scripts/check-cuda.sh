@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Compile checks of all GPU code on a machine without a GPU (see GPU.md), so that CUDA code can
 # never break unnoticed: the pinned CUDA 13.0 toolchain from PyPI, `nvcc -cubin` for sm_80 and
-# sm_90 on every kernels/*.cu, then clippy (which type-checks) of the whole engine with the
+# sm_90 on every kernels/*.cu, the flash-attn nvcc wrapper (scripts/cuda/test-flash-nvcc.sh),
+# then clippy (which type-checks) of the whole engine with the
 # `cuda` feature, warnings as errors, and of the `flash-attn` feature against an API stand-in.
 # Uses its own target dir so the CPU build stays warm.
 # The first run builds candle's CUDA kernels (~15-20 min on 2 cores); later runs are incremental.
@@ -17,6 +18,9 @@ for f in kernels/*.cu; do
     echo "nvcc -cubin sm_$sm: $f ok"
   done
 done
+# The nvcc wrapper that builds only some FlashAttention kernels (build-cuda.sh --flash), against
+# candle-flash-attn's kernel files: which it builds, which it stubs, and two stubs compiled.
+bash scripts/cuda/test-flash-nvcc.sh
 export CARGO_TARGET_DIR=${CUDA_CHECK_TARGET_DIR:-target/cuda-check} CUDA_COMPUTE_CAP=90
 # The engine and CLI, the CUDA variants of the device tests (tests/tests/devices.rs) and the
 # kernel crate's tests, in one invocation: other package sets unify features differently and
