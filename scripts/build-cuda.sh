@@ -34,12 +34,12 @@ if [ $features = flash-attn ]; then
   # Cargo does not rerun candle-flash-attn's build script when the list changes, and its
   # builder's cache would keep the old stubs: a new list rebuilds that crate and its objects
   # (or the binary would call a stub it believes built).
-  stamp=$target/flash-kernels.txt
-  if [ "$(cat "$stamp" 2>/dev/null)" != "$KEYDIFF_FLASH_KERNELS" ]; then
+  stamp=$target/flash-kernels.txt want="kernels: ${KEYDIFF_FLASH_KERNELS:-all}"
+  if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     rm -rf "$CANDLE_FLASH_ATTN_BUILD_DIR"; mkdir -p "$CANDLE_FLASH_ATTN_BUILD_DIR"
     CARGO_TARGET_DIR=$target cargo clean --release -p candle-flash-attn 2>/dev/null || true
   fi
-  echo "$KEYDIFF_FLASH_KERNELS" > "$stamp"
+  echo "$want" > "$stamp"
   export KEYDIFF_FLASH_LOG=$PWD/$target/flash-kernels.log   # what flash-nvcc.sh built or stubbed
   : > "$KEYDIFF_FLASH_LOG"
 fi

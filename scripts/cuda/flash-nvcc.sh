@@ -43,6 +43,7 @@ spec=$(grep -m1 -E '^void run_mha_fwd_(splitkv_paged_)?<' "$src") || {
 }
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
+list=$(echo $KEYDIFF_FLASH_KERNELS | tr -d '"\\')   # one line, nothing that ends a C string
 cat > "$tmp/$name" <<EOF
 // Stub of $name (scripts/cuda/flash-nvcc.sh): not built into this binary.
 #include <cstdio>
@@ -53,7 +54,7 @@ cat > "$tmp/$name" <<EOF
 template<>
 $spec
     fprintf(stderr, "candle-flash-attn: $name was not built into this binary "
-                    "(KEYDIFF_FLASH_KERNELS=\"$KEYDIFF_FLASH_KERNELS\")\n");
+                    "(KEYDIFF_FLASH_KERNELS=$list)\n");
     abort();
 }
 EOF

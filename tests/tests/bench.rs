@@ -502,8 +502,10 @@ fn attention_backends_are_cases_of_their_own() {
         ["full/eager", "full/flash", "keydiff/eager", "keydiff/flash"]
     );
     assert!(bench::with_attentions(&mut e, cases.clone(), &[]).is_err());
-    let err = bench::with_attentions(&mut e, cases, &[Eager, Auto]).unwrap_err();
+    let err = bench::with_attentions(&mut e, cases.clone(), &[Eager, Auto]).unwrap_err();
     assert!(err.to_string().contains("not auto"), "{err}");
+    let err = bench::with_attentions(&mut e, cases, &[Flash, Eager, Flash]).unwrap_err();
+    assert!(err.to_string().contains("flash given twice"), "{err}");
     // Checking the backends leaves the engine as it was loaded.
     assert_eq!(e.config().attention, loaded);
     let plan = Plan {
@@ -538,6 +540,20 @@ fn attention_backends_are_cases_of_their_own() {
     );
     // The engine ran the last case with the backend it names.
     assert_eq!(e.config().attention, Flash);
+    // A prefix is used only under the backend it was prefilled with (they round differently).
+    let tokens: Vec<u32> = (0..80).map(|i| (i * 7 % 250) as u32 + 1).collect();
+    let prefix = e
+        .prefill_prefix(&tokens[..64], None, CacheConfig::full(32))
+        .unwrap();
+    e.set_attention(Eager).unwrap();
+    let err = e.prefill_logits_from(&tokens, Some(&prefix)).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("prefilled with flash attention and the engine now runs eager"),
+        "{err}"
+    );
+    e.set_attention(Flash).unwrap();
+    assert!(e.prefill_logits_from(&tokens, Some(&prefix)).is_ok());
 
     let dir = temp_dir("bench-attention");
     let out = run_cli(&[

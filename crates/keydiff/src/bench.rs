@@ -75,6 +75,15 @@ pub fn with_attentions(
     if backends.is_empty() {
         return Err(EngineError::BadParams("no attention backend given".into()));
     }
+    if let Some(b) = backends
+        .iter()
+        .enumerate()
+        .find_map(|(i, b)| backends[..i].contains(b).then_some(b))
+    {
+        return Err(EngineError::BadParams(format!(
+            "attention backend {b} given twice"
+        )));
+    }
     let loaded = engine.config().attention;
     for &b in backends {
         if b == AttentionBackend::Auto {
@@ -215,9 +224,9 @@ pub struct TtftResult {
     /// Each layer evicted after its own attention, not every layer after the last one's.
     #[serde(default)]
     pub evict_per_layer: bool,
-    /// The chunk attention the case ran with (`eager`, `flash`); `None` in results written
-    /// before it was recorded (the provenance's then).
-    #[serde(default)]
+    /// The chunk attention the case ran with (`eager`, `flash`). Results written before it
+    /// was recorded lack it; read back from a results.json row, they get the provenance's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attention: Option<String>,
     pub budget: Option<usize>,
     /// Every measured TTFT, in round order.

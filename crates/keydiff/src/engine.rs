@@ -1397,9 +1397,12 @@ impl<'e> Decoding<'e> {
 /// uses it, so no policy would have evicted inside it ([`KvCache::resume_from`] checks each).
 /// H2O accumulates attention over every chunk, so an H2O request needs a prefix made under H2O
 /// ([`Engine::prefill_prefix`] with an H2O cache config); every other policy can use it too.
+/// A prefix is used only under the attention backend it was prefilled with (eager and flash
+/// round differently, [`Engine::set_attention`]).
 pub struct Prefix {
     tokens: Vec<u32>,
     cache: KvCache,
+    attention: AttentionBackend,
 }
 
 impl Prefix {
@@ -2249,16 +2252,18 @@ impl Engine {
         self.check_vocab(tokens)?;
         self.within_context(tokens.len())?;
         let mut kv = self.alloc_cache(cache, tokens.len())?;
+        let model = &self.loaded.model;
         if let Some(b) = base {
+            same_attention(b, model.attention())?;
             kv.resume_from(&b.cache)?;
         }
-        let model = &self.loaded.model;
         for piece in tokens[start..].chunks(chunk) {
             model.forward(piece, &mut kv, false)?;
         }
         Ok(Prefix {
             tokens: tokens.to_vec(),
             cache: kv,
+            attention: model.attention(),
         })
     }
 
@@ -2273,7 +2278,7 @@ impl Engine {
     ) -> Result<Output> {
         let t0 = Instant::now();
         let (prompt, mut cache) = self.request_cache(params, 0)?;
-        let start = start_from(&mut cache, &prompt, prefix)?;
+        let start = start_from(&mut cache, &prompt, prefix, self.loaded.model.attention())?;
         let (out, _) = self.run_request(&mut cache, &prompt, start, params, t0, &mut on_event)?;
         Ok(out)
     }
@@ -2409,7 +2414,9 @@ impl Engine {
 
     /// Computes chunk attention with `backend` for later requests (`Auto` resolves as at
     /// load). A backend this build, device or model cannot run is refused, and the engine
-    /// keeps the one it had. [`Engine::config`] reports the backend in use.
+    /// keeps the one it had. [`Engine::config`] reports the backend in use. A [`Prefix`] made
+    /// under the other backend is refused from then on; a [`crate::PromptCache`] kept by the
+    /// caller is not checked (its entries round as the backend they were prefilled with did).
     pub fn set_attention(&mut self, backend: AttentionBackend) -> Result<()> {
         self.loaded.model.set_attention(backend)?;
         self.cfg.attention = self.loaded.model.attention();
@@ -2446,7 +2453,7 @@ impl Engine {
             return Err(EngineError::EmptyPrompt);
         }
         let mut cache = self.new_cache(tokens.len())?;
-        let start = start_from(&mut cache, tokens, prefix)?;
+        let start = start_from(&mut cache, tokens, prefix, self.loaded.model.attention())?;
         self.prefill_with(&tokens[start..], self.cfg.cache.chunk, &mut cache)
     }
 
@@ -2475,12 +2482,29 @@ impl Engine {
     }
 }
 
-/// Starts a fresh `cache` from `prefix`, when given, for a request on `prompt`; returns the
-/// number of prompt tokens it covers.
-fn start_from(cache: &mut KvCache, prompt: &[u32], prefix: Option<&Prefix>) -> Result<usize> {
+/// Refuses a prefix prefilled under another attention backend than `attention`.
+fn same_attention(p: &Prefix, attention: AttentionBackend) -> Result<()> {
+    if p.attention != attention {
+        return Err(EngineError::BadParams(format!(
+            "the prefix was prefilled with {} attention and the engine now runs {attention}",
+            p.attention
+        )));
+    }
+    Ok(())
+}
+
+/// Starts a fresh `cache` from `prefix`, when given, for a request on `prompt` under
+/// `attention`; returns the number of prompt tokens it covers.
+fn start_from(
+    cache: &mut KvCache,
+    prompt: &[u32],
+    prefix: Option<&Prefix>,
+    attention: AttentionBackend,
+) -> Result<usize> {
     let Some(p) = prefix else {
         return Ok(0);
     };
+    same_attention(p, attention)?;
     if p.len() >= prompt.len() || !prompt.starts_with(&p.tokens) {
         return Err(EngineError::BadParams(format!(
             "the prompt ({} tokens) does not extend the prefix of {} tokens",
