@@ -12,7 +12,7 @@
 # other kernel file of candle-flash-attn (the paged split-KV ones too: keydiff never passes a
 # block table) is compiled as a stub that defines the same function and, if it were ever
 # called, prints which kernel is missing and aborts. keydiff-model reads the same variable at
-# compile time (`attention::flash_kernel_built`) and never calls a stub: `--attention flash`
+# compile time (`attention::FLASH_KERNELS`) and never calls a stub: `--attention flash`
 # refuses such a model when it is loaded, and `auto` takes eager for it.
 #
 # Unset or empty KEYDIFF_FLASH_KERNELS: every call goes to nvcc unchanged (all kernels).
