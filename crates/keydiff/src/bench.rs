@@ -57,7 +57,8 @@ impl Case {
             name.push_str("/per-layer");
         }
         if let Some(a) = self.attention {
-            name = format!("{name}/{}", a.name());
+            name.push('/');
+            name.push_str(a.name());
         }
         name
     }
@@ -309,8 +310,9 @@ pub fn ttft(
     })?;
     let mut out = Vec::with_capacity(plan.cases.len());
     for (c, stats) in plan.cases.iter().zip(runs) {
-        configure(engine, c)?;
-        let attention = engine.config().attention.name().to_string();
+        // `None`: the engine's own, which no case changed (only `with_attentions` sets it,
+        // and then for every case).
+        let attention = c.attention.unwrap_or(engine.config().attention);
         let (breakdown, separate) = if !plan.breakdown {
             (Breakdown::default(), false)
         } else if profile_measured {
@@ -336,7 +338,7 @@ pub fn ttft(
             chunk: c.cache.chunk,
             policy: c.policy_name(),
             evict_per_layer: c.evict_per_layer,
-            attention: Some(attention),
+            attention: Some(attention.name().to_string()),
             budget: c.cache.budget,
             ttft: Spread::of(&ttft_s),
             ttft_s,
