@@ -289,6 +289,19 @@ else
   note "memory refusal: FAIL (another error)"; tail -3 "$out/memory-refusal.txt" | tee -a "$errors"
 fi
 
+# An ordinal past the machine's devices is refused naming the devices there are (counted by
+# the driver), not with a bare driver error.
+if [ "${device#cuda}" != "$device" ]; then
+  if timeout 30 "$bin" info --random-weights -m tiny-qwen --device cuda:4096 > /dev/null \
+      2> "$out/device-refusal.txt"; then
+    note "device refusal: FAIL (cuda:4096 opened)"
+  elif grep -q "device \`cuda:4096\`: this machine has [0-9]* CUDA device" "$out/device-refusal.txt"; then
+    note "device refusal: PASS ($(grep -o 'this machine has [^;]*' "$out/device-refusal.txt" | head -1))"
+  else
+    note "device refusal: FAIL (another error)"; tail -3 "$out/device-refusal.txt" | tee -a "$errors"
+  fi
+fi
+
 echo "== 3e. a prompt cache saved from the device and loaded back onto it (run --prompt-cache)"
 # The cache's slots go to the host for the file and back to the device: the second run must
 # take the first prompt's tokens from the file and answer.

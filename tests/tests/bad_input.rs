@@ -204,6 +204,16 @@ fn unknown_device_and_dtype() {
         "tpu",
     ]);
     expect(&err, "unknown device `tpu`");
+    let err = fails(&[
+        "run",
+        "-m",
+        m.to_str().unwrap(),
+        "-p",
+        "hi",
+        "--device",
+        "cuda:x",
+    ]);
+    expect(&err, "bad device `cuda:x` (expected cuda:N)");
 }
 
 #[test]

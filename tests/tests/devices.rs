@@ -40,6 +40,33 @@ macro_rules! test_device {
     };
 }
 
+/// A CUDA device that cannot be used is refused with the reason: in a build without the `cuda`
+/// feature, the feature to build with; in one with it, the devices the driver sees (an
+/// ordinal past them is a user's typo, not a driver fault).
+#[test]
+fn unusable_cuda_devices_are_refused_with_the_reason() {
+    let err = keydiff::parse_device("cuda:4096")
+        .expect_err("cuda:4096 opened")
+        .to_string();
+    #[cfg(not(feature = "cuda"))]
+    let want = "device `cuda:4096`: this keydiff was built without CUDA; build it with \
+                `--features cuda`";
+    #[cfg(feature = "cuda")]
+    let want = "device `cuda:4096`: this machine has ";
+    assert!(err.starts_with(want), "{err}");
+    #[cfg(not(feature = "cuda"))]
+    {
+        let err = keydiff::parse_device("cuda")
+            .expect_err("cuda opened")
+            .to_string();
+        assert!(
+            err.starts_with("device `cuda`: this keydiff was built"),
+            "{err}"
+        );
+    }
+    assert!(matches!(keydiff::parse_device("cpu"), Ok(Device::Cpu)));
+}
+
 /// Scoring, selection/plan and moves against the CPU references, on every case: odd sizes,
 /// head dims 64/128/256, f32/f16/bf16, protected slots, both anchors, n up to 131072 + 128.
 fn eviction_ops_match_references(dev: &Device) -> Result<()> {

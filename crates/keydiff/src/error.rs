@@ -25,6 +25,9 @@ pub enum EngineError {
     Tokenizer(String),
     #[error("invalid parameter: {0}")]
     BadParams(String),
+    /// A device that cannot be used here (`--device`): the reason says why.
+    #[error("device `{name}`: {reason}")]
+    Device { name: String, reason: String },
     /// A request's KV cache cannot fit in the memory there is (the message has the numbers).
     #[error("not enough memory: {0}")]
     OutOfMemory(String),

@@ -91,21 +91,72 @@ pub fn build_info() -> String {
     )
 }
 
-/// Parses `cpu`, `cuda`, `cuda:N` into a device.
+/// Parses `cpu`, `cuda`, `cuda:N` into a device, opening a CUDA device. A device that cannot
+/// be used is refused with what is wrong: a build without the `cuda` feature, an ordinal past
+/// the devices the driver sees (it names them), or the driver's own error.
 pub fn parse_device(s: &str) -> Result<Device> {
-    match s {
-        "cpu" => Ok(Device::Cpu),
-        "cuda" => Ok(Device::new_cuda(0)?),
-        s if s.starts_with("cuda:") => {
-            let n: usize = s[5..]
-                .parse()
-                .map_err(|_| EngineError::BadParams(format!("bad device `{s}`")))?;
-            Ok(Device::new_cuda(n)?)
+    let ordinal = match s {
+        "cpu" => return Ok(Device::Cpu),
+        "cuda" => 0,
+        s if s.starts_with("cuda:") => s[5..]
+            .parse()
+            .map_err(|_| EngineError::BadParams(format!("bad device `{s}` (expected cuda:N)")))?,
+        other => {
+            return Err(EngineError::BadParams(format!(
+                "unknown device `{other}` (expected cpu, cuda, cuda:N)"
+            )))
         }
-        other => Err(EngineError::BadParams(format!(
-            "unknown device `{other}` (expected cpu, cuda, cuda:N)"
-        ))),
+    };
+    open_cuda(s, ordinal)
+}
+
+#[cfg(feature = "cuda")]
+fn open_cuda(name: &str, ordinal: usize) -> Result<Device> {
+    use candle_core::cuda_backend::cudarc::driver::{sys::CUresult, CudaContext, DriverError};
+    let refuse = |reason: String| EngineError::Device {
+        name: name.to_string(),
+        reason,
+    };
+    let said = |e: &DriverError| {
+        let text = e
+            .error_string()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|_| "no description".into());
+        let hint = match e.0 {
+            CUresult::CUDA_ERROR_NO_DEVICE => {
+                " (is a GPU there? see nvidia-smi, and CUDA_VISIBLE_DEVICES)"
+            }
+            CUresult::CUDA_ERROR_STUB_LIBRARY => {
+                " (the libcuda.so.1 found is CUDA's link stub: no NVIDIA driver is installed, \
+                 or the stub comes first on LD_LIBRARY_PATH)"
+            }
+            _ => "",
+        };
+        format!("the CUDA driver says {:?}: {text}{hint}", e.0)
+    };
+    let count = CudaContext::device_count().map_err(|e| refuse(said(&e)))?;
+    let count = usize::try_from(count).unwrap_or(0);
+    if ordinal >= count {
+        return Err(refuse(match count {
+            0 => "the CUDA driver sees no device (see nvidia-smi, and CUDA_VISIBLE_DEVICES)".into(),
+            1 => "this machine has 1 CUDA device, cuda:0".into(),
+            n => format!(
+                "this machine has {n} CUDA devices, cuda:0 to cuda:{}",
+                n - 1
+            ),
+        }));
     }
+    Device::new_cuda(ordinal).map_err(|e| refuse(format!("cannot open it: {e}")))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn open_cuda(name: &str, _ordinal: usize) -> Result<Device> {
+    Err(EngineError::Device {
+        name: name.to_string(),
+        reason: "this keydiff was built without CUDA; build it with `--features cuda` \
+                 (scripts/build-cuda.sh builds one without a GPU)"
+            .into(),
+    })
 }
 
 /// Parses what a KV cache holds: `f32`, `f16`, `bf16`, `fp8` (`f8e4m3`, `fp8_e4m3`), `q8_0`,
