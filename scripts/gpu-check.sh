@@ -266,7 +266,12 @@ if timeout 90 "$bin" info --random-weights -m "$preset" --device "$device" --dty
     > "$out/memory-info.json" 2>> "$errors"; then
   python3 - "$out/memory-info.json" >> "$summary" <<'PY' || note "memory plan: could not read keydiff info"
 import json, sys
-m = json.load(open(sys.argv[1]))["memory"]
+info = json.load(open(sys.argv[1]))
+g = info.get("gpu")
+if g:
+    print(f"gpu arch: {g['name']} is compute {g['compute_capability']}, the binary targets "
+          f"{g['build_target'] or 'an unrecorded architecture'}; what runs: {g['runs'] or 'unknown'}")
+m = info["memory"]
 plan, taken = m["planned_weight_bytes"], m["device_taken_by_load"]
 gib = lambda b: f"{b / 2**30:.3f} GiB"
 if taken is None:

@@ -23,6 +23,11 @@ fn main() {
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
         return;
     }
+    // The architecture every CUDA crate of the build compiles for (`arch::BUILD_COMPUTE_CAP`),
+    // when it is set; unset, candle asks the build machine's nvidia-smi.
+    if let Ok(cap) = std::env::var("CUDA_COMPUTE_CAP") {
+        println!("cargo:rustc-env=KEYDIFF_BUILD_COMPUTE_CAP={}", cap.trim());
+    }
     let out = PathBuf::from(std::env::var("OUT_DIR").unwrap());
     let nvcc = std::env::var("NVCC").unwrap_or_else(|_| match std::env::var("CUDA_HOME") {
         Ok(home) => format!("{home}/bin/nvcc"),

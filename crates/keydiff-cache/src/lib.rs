@@ -21,6 +21,8 @@ pub mod select;
 
 pub use cache::{CacheCounters, KvCache, KvCacheParts, Profile};
 pub use config::{Anchor, CacheConfig, PolicyKind};
+/// Which GPUs the build's CUDA code runs on (flash attention and the device check read it).
+pub use keydiff_kernels::arch;
 pub use kv_type::{
     dequantize_block, dequantize_blocks, quantize_block, quantize_blocks, KvType, KvTypes, KV_BLOCK,
 };

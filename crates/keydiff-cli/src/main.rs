@@ -1116,6 +1116,7 @@ fn info(args: &ModelArgs) -> Result<()> {
         "kv_dtype": engine.config().kv_dtype.map(|d| d.to_string()),
         "kv_rotated": engine.kv_rotated(),
         "device": format!("{:?}", engine.config().device),
+        "gpu": gpu_info(&engine.config().device),
         "attention": engine.config().attention.name(),
         "sampling_defaults": engine.sampling_defaults(),
         "weights": map(engine.weight_kinds()),
@@ -1131,6 +1132,21 @@ fn info(args: &ModelArgs) -> Result<()> {
     });
     println!("{}", serde_json::to_string_pretty(&v)?);
     Ok(())
+}
+
+/// A CUDA device's name and compute capability, the architecture this binary was built for,
+/// and how much of its code runs there (`keydiff::arch`); null on the CPU.
+fn gpu_info(dev: &keydiff::Device) -> serde_json::Value {
+    use keydiff::arch::{device_capability, device_fit, Arch};
+    match device_capability(dev) {
+        Some(((major, minor), name)) => serde_json::json!({
+            "name": name,
+            "compute_capability": format!("{major}.{minor}"),
+            "build_target": Arch::of_build().map(Arch::name),
+            "runs": device_fit(dev).map(|f| f.fit.name()),
+        }),
+        None => serde_json::Value::Null,
+    }
 }
 
 fn run(a: RunArgs) -> Result<()> {

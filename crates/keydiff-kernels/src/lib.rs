@@ -4,6 +4,7 @@
 //! custom-module cache.
 //!
 //! - [`geometry`]: the launch geometry and argument checks, always built.
+//! - [`arch`]: which GPUs the build's CUDA code runs on, always built.
 //! - `cuda` (feature `cuda`): the launch functions that the candle ops of `keydiff-cache` call
 //!   from their `cuda_fwd`; the same ops' `cpu_fwd` are the reference twins.
 //! - [`emu`] (feature `emulate`): the same kernel source, compiled by the host C++ compiler and
@@ -12,6 +13,7 @@
 //! - [`fence`] (feature `emulate`): the guard-page buffers the emulated kernels get, so that an
 //!   out-of-bounds access is reported, naming the buffer.
 
+pub mod arch;
 pub mod geometry;
 
 #[cfg(feature = "cuda")]

@@ -65,6 +65,10 @@ impl AttentionBackend {
     pub fn resolve(self, device: &Device, dtype: DType, head_dim: usize) -> Result<Self> {
         match self {
             Self::Auto => {
+                if let (Some(why), true) = (flash_cannot_run_on(device), FLASH_KERNELS.is_some()) {
+                    tracing::info!("attention: eager, since {why}");
+                    return Ok(Self::Eager);
+                }
                 let chosen = Self::auto(device.is_cuda(), FLASH_KERNELS, dtype, head_dim);
                 if let (Self::Eager, true, Some(kernels), Some(kernel)) = (
                     chosen,
@@ -123,6 +127,9 @@ impl AttentionBackend {
                             .into(),
                     );
                 }
+                if let Some(why) = flash_cannot_run_on(device) {
+                    return unsupported(why);
+                }
                 if !matches!(dtype, DType::F16 | DType::BF16) {
                     return unsupported(format!(
                         "dtype {dtype:?} on CUDA (flash attention takes bf16 or f16)"
@@ -159,6 +166,21 @@ pub const FLASH_KERNELS: Option<&str> = if cfg!(feature = "flash-attn") {
 } else {
     None
 };
+
+/// Why this build's flash kernels cannot run on `device`, a GPU of another architecture than
+/// the build's: they are machine code for that architecture alone (see
+/// `keydiff_cache::arch`). `None` where they can, or where the build's target is unknown.
+fn flash_cannot_run_on(device: &Device) -> Option<String> {
+    use keydiff_cache::arch::{device_fit, Fit};
+    device_fit(device).filter(|f| f.fit != Fit::All).map(|f| {
+        format!(
+            "{}; flash attention's kernels are machine code for that target alone (build for \
+             this GPU with `{} --flash`)",
+            f.describe(),
+            f.rebuild()
+        )
+    })
+}
 
 /// The kernel (as candle-flash-attn's files name it, `hdim128_bf16`) that runs heads of
 /// `head_dim` in `dtype`, or `None` where FlashAttention-2 has none: its CUDA kernels take bf16

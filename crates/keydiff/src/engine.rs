@@ -1451,6 +1451,7 @@ impl Engine {
         cfg.cache
             .validate()
             .map_err(|e| EngineError::BadParams(e.to_string()))?;
+        check_device_arch(&cfg.device)?;
         // A given chat template and its variables are checked before the weights load.
         keydiff_model::chat::check_template_kwargs(&cfg.chat_template_kwargs)?;
         if let Some(src) = &cfg.chat_template {
@@ -2479,6 +2480,45 @@ impl Engine {
             logits = Some(model.forward(piece, cache, false)?);
         }
         Ok(logits.expect("non-empty").to_vec1::<f32>()?)
+    }
+}
+
+/// Refuses a CUDA device that this build's code does not run on, naming the build to make for
+/// it. On one where only its PTX runs (a build for an earlier major version: sm_80 code on an
+/// sm_90 GPU), warns, and sends candle's GGUF matmuls through its PTX kernels, since its
+/// machine-code ones (`fast_mmvq`, `fast_mmq`) would fail there; flash attention is then not
+/// chosen either ([`AttentionBackend::resolve`]).
+fn check_device_arch(dev: &Device) -> Result<()> {
+    use keydiff_cache::arch::{device_fit, Fit};
+    let Some(f) = device_fit(dev) else {
+        return Ok(());
+    };
+    let name = match dev.location() {
+        candle_core::DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
+        other => format!("{other:?}"),
+    };
+    match f.fit {
+        Fit::All => Ok(()),
+        Fit::None => Err(EngineError::Device {
+            name,
+            reason: format!(
+                "{}, whose code does not run on it: build one for this GPU with `{}`",
+                f.describe(),
+                f.rebuild()
+            ),
+        }),
+        Fit::PtxOnly => {
+            tracing::warn!(
+                "{name}: {}: its PTX kernels run (the driver compiles them), its machine code \
+                 does not, so flash attention is off and GGUF matmuls take candle's slower PTX \
+                 kernels; `{}` builds all of it for this GPU",
+                f.describe(),
+                f.rebuild()
+            );
+            #[cfg(feature = "cuda")]
+            candle_core::quantized::cuda::set_force_dmmv(true);
+            Ok(())
+        }
     }
 }
 

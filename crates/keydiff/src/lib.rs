@@ -40,6 +40,7 @@ pub use engine::{
     Prefix, Prompt, Stats, StopReason, DEFAULT_CHUNK,
 };
 pub use error::{EngineError, Result};
+pub use keydiff_cache::arch;
 pub use keydiff_cache::config::SNAPKV_WINDOW;
 pub use keydiff_cache::{
     Anchor, CacheConfig, CacheCounters, KvCache, KvType, KvTypes, PolicyKind, StatsNeed,
@@ -63,7 +64,7 @@ pub use stream::TextStream;
 pub const BUILD_COMMIT: Option<&str> = option_env!("KEYDIFF_BUILD_COMMIT");
 
 /// The version, the commit it was built from and the GPU features built in, e.g.
-/// `0.1.0 (build 46d9d06a1b2c, features: cuda, flash-attn)`: what `keydiff --version` prints,
+/// `0.1.0 (build 46d9d06a1b2c, features: cuda sm_90a, flash-attn)`: what `keydiff --version` prints,
 /// for bug reports and results. A FlashAttention build with only some kernels
 /// (`scripts/build-cuda.sh --flash`) names them: `flash-attn [hdim64_bf16 hdim128_bf16]`.
 pub fn build_info() -> String {
@@ -75,10 +76,12 @@ pub fn build_info() -> String {
             some.split_whitespace().collect::<Vec<_>>().join(" ")
         )),
     };
-    let features: Vec<String> = [cfg!(feature = "cuda").then(|| "cuda".to_string()), flash]
-        .into_iter()
-        .flatten()
-        .collect();
+    // The architecture the CUDA code was built for (`arch`), when the build recorded it.
+    let cuda = cfg!(feature = "cuda").then(|| match arch::Arch::of_build() {
+        Some(a) => format!("cuda {}", a.name()),
+        None => "cuda".to_string(),
+    });
+    let features: Vec<String> = [cuda, flash].into_iter().flatten().collect();
     format!(
         "{} (build {}, features: {})",
         env!("CARGO_PKG_VERSION"),
