@@ -33,6 +33,18 @@ fn main() {
         Ok(home) => format!("{home}/bin/nvcc"),
         Err(_) => "nvcc".to_string(),
     });
+    // The toolkit's release (`arch::BUILD_CUDA_VERSION`): the driver must be at least as new
+    // to load the PTX it writes.
+    if let Ok(out) = Command::new(&nvcc).arg("--version").output() {
+        let text = String::from_utf8_lossy(&out.stdout);
+        if let Some(v) = text
+            .split("release ")
+            .nth(1)
+            .and_then(|r| r.split(',').next())
+        {
+            println!("cargo:rustc-env=KEYDIFF_BUILD_CUDA_VERSION={}", v.trim());
+        }
+    }
     let cap = std::env::var("CUDA_COMPUTE_CAP")
         .ok()
         .map(|c| c.trim().replace('.', ""))

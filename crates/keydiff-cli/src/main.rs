@@ -625,7 +625,11 @@ fn main() {
         .with_writer(std::io::stderr)
         .init();
     if let Err(e) = real_main() {
-        eprintln!("error: {e:#}");
+        let text = format!("{e:#}");
+        eprintln!("error: {text}");
+        if let Some(hint) = keydiff::cuda_error_hint(&text) {
+            eprintln!("hint: {hint}");
+        }
         std::process::exit(1);
     }
 }

@@ -17,6 +17,10 @@
 /// here.
 pub const BUILD_COMPUTE_CAP: Option<&str> = option_env!("KEYDIFF_BUILD_COMPUTE_CAP");
 
+/// The CUDA toolkit release the build's GPU code was compiled with (`13.0`), from `nvcc
+/// --version`; `None` without the `cuda` feature. A driver older than it cannot load the PTX.
+pub const BUILD_CUDA_VERSION: Option<&str> = option_env!("KEYDIFF_BUILD_CUDA_VERSION");
+
 /// A build target: `80`, `86`, `90a`, `121f`, ...
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Arch {

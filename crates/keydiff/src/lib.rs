@@ -162,6 +162,41 @@ fn open_cuda(name: &str, _ordinal: usize) -> Result<Device> {
     })
 }
 
+/// What to do about a CUDA failure, from the text of its error (the driver names the cause:
+/// `CUDA_ERROR_UNSUPPORTED_PTX_VERSION`, ...): for the causes a user can fix. `None` for other
+/// errors. `keydiff` prints it under the error.
+pub fn cuda_error_hint(error: &str) -> Option<String> {
+    let toolkit =
+        arch::BUILD_CUDA_VERSION.map_or("its toolkit".to_string(), |v| format!("CUDA {v}"));
+    if error.contains("CUDA_ERROR_UNSUPPORTED_PTX_VERSION") {
+        return Some(format!(
+            "the NVIDIA driver is older than the CUDA toolkit this keydiff's GPU code was built \
+             with ({toolkit}): update the driver (nvidia-smi shows the newest CUDA it supports), \
+             or build keydiff with a toolkit it supports"
+        ));
+    }
+    if error.contains("CUDA_ERROR_NO_BINARY_FOR_GPU")
+        || error.contains("no kernel image is available")
+    {
+        let target = arch::Arch::of_build().map_or("another architecture".into(), |a| a.name());
+        return Some(format!(
+            "this keydiff's GPU code was built for {target}, not for this GPU: build it for this \
+             GPU's compute capability (nvidia-smi --query-gpu=compute_cap --format=csv), e.g. \
+             `scripts/build-cuda.sh 80` for an A100"
+        ));
+    }
+    if error.contains("CUDA_ERROR_OUT_OF_MEMORY") {
+        return Some(
+            "the GPU ran out of memory beyond what keydiff planned (another process, or \
+             candle's temporaries): a smaller --budget or --ctx-size, a quantized cache \
+             (--kv-dtype q8_0), or a --memory-limit below the free memory, which requests are \
+             then planned within"
+                .into(),
+        );
+    }
+    None
+}
+
 /// Parses what a KV cache holds: `f32`, `f16`, `bf16`, `fp8` (`f8e4m3`, `fp8_e4m3`), `q8_0`,
 /// `q5_1`, `q5_0`, `q4_1` or `q4_0` ([`KvType::parse`]).
 pub fn parse_kv_dtype(s: &str) -> Result<KvType> {
@@ -182,5 +217,34 @@ pub fn parse_dtype(s: &str) -> Result<DType> {
         other => Err(EngineError::BadParams(format!(
             "unknown dtype `{other}` (expected f32, f16, bf16)"
         ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cuda_failures_a_user_can_fix_get_a_hint() {
+        let ptx =
+            "loading weights: DriverError(CUDA_ERROR_UNSUPPORTED_PTX_VERSION, \"the provided \
+                   PTX was compiled with an unsupported toolchain.\")";
+        let h = cuda_error_hint(ptx).expect("a hint for an old driver");
+        assert!(
+            h.starts_with("the NVIDIA driver is older than the CUDA toolkit"),
+            "{h}"
+        );
+        let h = cuda_error_hint("CUDA_ERROR_NO_BINARY_FOR_GPU").expect("a hint for the arch");
+        assert!(h.contains("scripts/build-cuda.sh 80"), "{h}");
+        let h = cuda_error_hint("DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")")
+            .expect("a hint for memory");
+        assert!(h.contains("--memory-limit"), "{h}");
+        for other in [
+            "the prompt is empty",
+            "DriverError(CUDA_ERROR_UNKNOWN, \"\")",
+            "",
+        ] {
+            assert_eq!(cuda_error_hint(other), None, "{other}");
+        }
     }
 }
