@@ -6,8 +6,9 @@
 //! - candle-flash-attn's kernels and candle's GGUF matrix kernels (`fast_mmvq`, `fast_mmq`) are
 //!   machine code (SASS) only, which runs on that architecture's major version alone (sm_80
 //!   code on sm_80, sm_86 and sm_89, not on sm_90);
-//! - from sm_90 on, candle's build (cudaforge) compiles for the architecture-specific target
-//!   (`90` becomes `sm_90a`), whose PTX and code run on that exact architecture only.
+//! - from sm_90 on, candle's build (cudaforge) compiles for architecture-specific targets: `90`
+//!   to `120` become `sm_90a` .. `sm_120a`, whose PTX and code run on that exact architecture
+//!   only, and later ones family targets (`sm_121f`: that major version, from that minor on).
 //!
 //! So a build for 90 runs on H100/H200 and nowhere else, and a build for 80 runs on A100 and,
 //! through the PTX, partly on H100/H200 (not flash attention, not GGUF matrix kernels).
@@ -18,8 +19,26 @@
 pub const BUILD_COMPUTE_CAP: Option<&str> = option_env!("KEYDIFF_BUILD_COMPUTE_CAP");
 
 /// The CUDA toolkit release the build's GPU code was compiled with (`13.0`), from `nvcc
-/// --version`; `None` without the `cuda` feature. A driver older than it cannot load the PTX.
+/// --version`; `None` without the `cuda` feature.
 pub const BUILD_CUDA_VERSION: Option<&str> = option_env!("KEYDIFF_BUILD_CUDA_VERSION");
+
+/// The PTX ISA version of keydiff's kernels (`9.0`), from the `.version` line of the PTX this
+/// build embeds (nvvm writes it, and a driver older than it cannot load the PTX); `None`
+/// without the `cuda` feature.
+pub fn ptx_isa() -> Option<&'static str> {
+    #[cfg(feature = "cuda")]
+    return crate::PTX
+        .lines()
+        .find_map(|l| l.trim().strip_prefix(".version "))
+        .map(str::trim);
+    #[cfg(not(feature = "cuda"))]
+    None
+}
+
+/// The oldest architecture the pinned toolkit (CUDA 13) compiles for.
+pub const OLDEST_ARCH: u32 = 75;
+/// The oldest architecture FlashAttention-2 runs on.
+pub const FLASH_OLDEST_ARCH: u32 = 80;
 
 /// A build target: `80`, `86`, `90a`, `121f`, ...
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -42,8 +61,9 @@ pub enum ArchKind {
 }
 
 impl Arch {
-    /// Parses `CUDA_COMPUTE_CAP` as cudaforge does: `90`, `9.0`, `9`, `90a`, `sm_90a`, `121f`;
-    /// without a suffix, 90 to 120 become `a` and later ones `f`.
+    /// Parses `CUDA_COMPUTE_CAP` as cudaforge does: `90`, `9`, `90a`, `sm_90a`, `121f`; without a
+    /// suffix, 90 to 120 become `a` and later ones `f`. (A dotted `9.0` is read as 90 too,
+    /// though candle's build refuses it.)
     pub fn parse(s: &str) -> Option<Self> {
         let s = s.trim().to_ascii_lowercase();
         let s = s.strip_prefix("sm_").unwrap_or(&s).replace('.', "");
@@ -94,10 +114,14 @@ impl Arch {
         }
     }
 
-    /// What a GPU of compute capability `major.minor` needs for the whole of a build:
-    /// `scripts/build-cuda.sh`'s argument.
-    pub fn for_device(major: u32, minor: u32) -> String {
-        format!("{}", major * 10 + minor)
+    /// The GPUs a build for `self` runs all of its code on: `sm_90 GPUs alone`, `sm_8x GPUs
+    /// from sm_80`.
+    pub fn runs_on(self) -> String {
+        let major = self.base / 10;
+        match self.kind {
+            ArchKind::Specific => format!("sm_{} GPUs alone", self.base),
+            _ => format!("sm_{major}x GPUs from sm_{}", self.base),
+        }
     }
 }
 
@@ -158,10 +182,24 @@ impl DeviceFit {
         )
     }
 
-    /// `scripts/build-cuda.sh 90`: the build for this device.
-    pub fn rebuild(&self) -> String {
+    /// What to do about it: the build to make for this device (with `--flash` when `flash`),
+    /// or why there is none.
+    pub fn remedy(&self, flash: bool) -> String {
         let (major, minor) = self.capability;
-        format!("scripts/build-cuda.sh {}", Arch::for_device(major, minor))
+        let dev = major * 10 + minor;
+        if dev < OLDEST_ARCH {
+            return format!(
+                "CUDA 13, which keydiff builds with, compiles for sm_{OLDEST_ARCH} and later, so \
+                 keydiff does not run on this GPU"
+            );
+        }
+        if flash && dev < FLASH_OLDEST_ARCH {
+            return format!(
+                "flash attention runs on sm_{FLASH_OLDEST_ARCH} and later; use --attention eager"
+            );
+        }
+        let flash = if flash { " --flash" } else { "" };
+        format!("build one for this GPU with `scripts/build-cuda.sh {dev}{flash}`")
     }
 }
 
@@ -229,7 +267,15 @@ mod tests {
         assert_eq!(fit("90", 10, 0), Fit::None);
         assert_eq!(fit("100f", 10, 3), Fit::All);
         assert_eq!(fit("100f", 12, 0), Fit::None);
-        assert_eq!(Arch::for_device(8, 6), "86");
+        assert_eq!(
+            Arch::parse("80").unwrap().runs_on(),
+            "sm_8x GPUs from sm_80"
+        );
+        assert_eq!(Arch::parse("90").unwrap().runs_on(), "sm_90 GPUs alone");
+        assert_eq!(
+            Arch::parse("121").unwrap().runs_on(),
+            "sm_12x GPUs from sm_121"
+        );
     }
 
     #[test]
@@ -247,7 +293,29 @@ mod tests {
             "{}",
             f.describe()
         );
-        assert_eq!(f.rebuild(), "scripts/build-cuda.sh 80");
+        assert_eq!(
+            f.remedy(false),
+            "build one for this GPU with `scripts/build-cuda.sh 80`"
+        );
+        assert_eq!(
+            f.remedy(true),
+            "build one for this GPU with `scripts/build-cuda.sh 80 --flash`"
+        );
+        let t4 = DeviceFit {
+            capability: (7, 5),
+            ..f.clone()
+        };
+        assert!(t4.remedy(false).contains("scripts/build-cuda.sh 75"));
+        assert!(t4
+            .remedy(true)
+            .starts_with("flash attention runs on sm_80 and later"));
+        let v100 = DeviceFit {
+            capability: (7, 0),
+            ..f
+        };
+        assert!(v100
+            .remedy(false)
+            .ends_with("keydiff does not run on this GPU"));
         assert_eq!(
             [Fit::All, Fit::PtxOnly, Fit::None].map(Fit::name),
             ["all", "ptx only", "none"]

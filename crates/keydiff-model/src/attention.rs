@@ -168,16 +168,16 @@ pub const FLASH_KERNELS: Option<&str> = if cfg!(feature = "flash-attn") {
 };
 
 /// Why this build's flash kernels cannot run on `device`, a GPU of another architecture than
-/// the build's: they are machine code for that architecture alone (see
-/// `keydiff_cache::arch`). `None` where they can, or where the build's target is unknown.
+/// the build's: they are machine code for the build's target (see `keydiff_cache::arch`).
+/// `None` where they can, or where the build's target is unknown.
 fn flash_cannot_run_on(device: &Device) -> Option<String> {
     use keydiff_cache::arch::{device_fit, Fit};
     device_fit(device).filter(|f| f.fit != Fit::All).map(|f| {
         format!(
-            "{}; flash attention's kernels are machine code for that target alone (build for \
-             this GPU with `{} --flash`)",
+            "{}; flash attention's kernels are machine code for {}: {}",
             f.describe(),
-            f.rebuild()
+            f.arch.runs_on(),
+            f.remedy(true)
         )
     })
 }

@@ -1451,7 +1451,7 @@ impl Engine {
         cfg.cache
             .validate()
             .map_err(|e| EngineError::BadParams(e.to_string()))?;
-        check_device_arch(&cfg.device)?;
+        check_device_arch(&cfg.device, source)?;
         // A given chat template and its variables are checked before the weights load.
         keydiff_model::chat::check_template_kwargs(&cfg.chat_template_kwargs)?;
         if let Some(src) = &cfg.chat_template {
@@ -2485,10 +2485,11 @@ impl Engine {
 
 /// Refuses a CUDA device that this build's code does not run on, naming the build to make for
 /// it. On one where only its PTX runs (a build for an earlier major version: sm_80 code on an
-/// sm_90 GPU), warns, and sends candle's GGUF matmuls through its PTX kernels, since its
-/// machine-code ones (`fast_mmvq`, `fast_mmq`) would fail there; flash attention is then not
-/// chosen either ([`AttentionBackend::resolve`]).
-fn check_device_arch(dev: &Device) -> Result<()> {
+/// sm_90 GPU), GGUF weights are refused too, since candle's GGUF matrix kernels are machine
+/// code (`fast_mmvq`, `fast_mmq`; its fallback dequantizes each weight to f32 for every prefill
+/// matmul, beyond any memory plan), and other models load with a warning; flash attention is
+/// then not chosen either ([`AttentionBackend::resolve`]).
+fn check_device_arch(dev: &Device, source: &ModelSource) -> Result<()> {
     use keydiff_cache::arch::{device_fit, Fit};
     let Some(f) = device_fit(dev) else {
         return Ok(());
@@ -2497,26 +2498,32 @@ fn check_device_arch(dev: &Device) -> Result<()> {
         candle_core::DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
         other => format!("{other:?}"),
     };
-    match f.fit {
-        Fit::All => Ok(()),
-        Fit::None => Err(EngineError::Device {
-            name,
-            reason: format!(
-                "{}, whose code does not run on it: build one for this GPU with `{}`",
-                f.describe(),
-                f.rebuild()
-            ),
-        }),
-        Fit::PtxOnly => {
+    let refuse = |why: String| EngineError::Device {
+        name: name.clone(),
+        reason: why,
+    };
+    match (f.fit, source) {
+        (Fit::All, _) => Ok(()),
+        (Fit::None, _) => Err(refuse(format!(
+            "{}, whose code runs on {}: {}",
+            f.describe(),
+            f.arch.runs_on(),
+            f.remedy(false)
+        ))),
+        (Fit::PtxOnly, ModelSource::Gguf(_)) => Err(refuse(format!(
+            "{}: candle's GGUF matrix kernels are machine code for {} and do not run on it; {}, \
+             or load the model's safetensors",
+            f.describe(),
+            f.arch.runs_on(),
+            f.remedy(false)
+        ))),
+        (Fit::PtxOnly, _) => {
             tracing::warn!(
-                "{name}: {}: its PTX kernels run (the driver compiles them), its machine code \
-                 does not, so flash attention is off and GGUF matmuls take candle's slower PTX \
-                 kernels; `{}` builds all of it for this GPU",
+                "{name}: {}: its PTX kernels run here (the driver compiles them), its machine \
+                 code (flash attention) does not; {}",
                 f.describe(),
-                f.rebuild()
+                f.remedy(false)
             );
-            #[cfg(feature = "cuda")]
-            candle_core::quantized::cuda::set_force_dmmv(true);
             Ok(())
         }
     }

@@ -121,10 +121,10 @@ fn open_cuda(name: &str, ordinal: usize) -> Result<Device> {
         reason,
     };
     let said = |e: &DriverError| {
+        // A stub or broken driver may not describe its own error.
         let text = e
             .error_string()
-            .map(|s| s.to_string_lossy().into_owned())
-            .unwrap_or_else(|_| "no description".into());
+            .map_or(String::new(), |s| format!(": {}", s.to_string_lossy()));
         let hint = match e.0 {
             CUresult::CUDA_ERROR_NO_DEVICE => {
                 " (is a GPU there? see nvidia-smi, and CUDA_VISIBLE_DEVICES)"
@@ -135,7 +135,7 @@ fn open_cuda(name: &str, ordinal: usize) -> Result<Device> {
             }
             _ => "",
         };
-        format!("the CUDA driver says {:?}: {text}{hint}", e.0)
+        format!("the CUDA driver says {:?}{text}{hint}", e.0)
     };
     let count = CudaContext::device_count().map_err(|e| refuse(said(&e)))?;
     let count = usize::try_from(count).unwrap_or(0);
@@ -166,23 +166,31 @@ fn open_cuda(name: &str, _ordinal: usize) -> Result<Device> {
 /// `CUDA_ERROR_UNSUPPORTED_PTX_VERSION`, ...): for the causes a user can fix. `None` for other
 /// errors. `keydiff` prints it under the error.
 pub fn cuda_error_hint(error: &str) -> Option<String> {
-    let toolkit =
-        arch::BUILD_CUDA_VERSION.map_or("its toolkit".to_string(), |v| format!("CUDA {v}"));
     if error.contains("CUDA_ERROR_UNSUPPORTED_PTX_VERSION") {
+        let built = match (arch::BUILD_CUDA_VERSION, arch::ptx_isa()) {
+            (Some(v), Some(isa)) => format!(" (CUDA {v}, PTX ISA {isa})"),
+            (Some(v), None) => format!(" (CUDA {v})"),
+            (None, Some(isa)) => format!(" (PTX ISA {isa})"),
+            (None, None) => String::new(),
+        };
         return Some(format!(
             "the NVIDIA driver is older than the CUDA toolkit this keydiff's GPU code was built \
-             with ({toolkit}): update the driver (nvidia-smi shows the newest CUDA it supports), \
-             or build keydiff with a toolkit it supports"
+             with{built}: update the driver (nvidia-smi shows the newest CUDA it supports), or \
+             build keydiff with a toolkit it supports"
         ));
     }
     if error.contains("CUDA_ERROR_NO_BINARY_FOR_GPU")
         || error.contains("no kernel image is available")
     {
-        let target = arch::Arch::of_build().map_or("another architecture".into(), |a| a.name());
+        let target = arch::Arch::of_build().map_or("an unrecorded architecture".into(), |a| {
+            format!("{} ({})", a.name(), a.runs_on())
+        });
         return Some(format!(
-            "this keydiff's GPU code was built for {target}, not for this GPU: build it for this \
-             GPU's compute capability (nvidia-smi --query-gpu=compute_cap --format=csv), e.g. \
-             `scripts/build-cuda.sh 80` for an A100"
+            "nothing of this keydiff's GPU code could be loaded for this GPU. Either the build \
+             targets another architecture, {target}: build it for this GPU's compute capability \
+             (nvidia-smi --query-gpu=compute_cap --format=csv; `scripts/build-cuda.sh 80` for an \
+             A100); or the driver's PTX compiler (libnvidia-ptxjitcompiler.so.1) is missing, as in \
+             containers given only part of the driver"
         ));
     }
     if error.contains("CUDA_ERROR_OUT_OF_MEMORY") {
@@ -235,7 +243,11 @@ mod tests {
             "{h}"
         );
         let h = cuda_error_hint("CUDA_ERROR_NO_BINARY_FOR_GPU").expect("a hint for the arch");
-        assert!(h.contains("scripts/build-cuda.sh 80"), "{h}");
+        let target = arch::Arch::of_build().map_or("an unrecorded architecture".into(), |a| {
+            format!("targets another architecture, {}", a.name())
+        });
+        assert!(h.contains(&target), "{h}");
+        assert!(h.contains("libnvidia-ptxjitcompiler.so.1"), "{h}");
         let h = cuda_error_hint("DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")")
             .expect("a hint for memory");
         assert!(h.contains("--memory-limit"), "{h}");
