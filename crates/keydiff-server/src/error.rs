@@ -75,8 +75,22 @@ impl From<EngineError> for ApiError {
             EngineError::CacheFile { .. } => Self::invalid(message, Some("filename")),
             // The request's KV cache does not fit in the memory there is now.
             EngineError::OutOfMemory(_) => Self::unavailable(message),
-            _ => Self::internal(message),
+            // The device ran out of memory beyond the plan (another process, a temporary):
+            // the request may fit later.
+            _ if message.contains("CUDA_ERROR_OUT_OF_MEMORY") => {
+                Self::unavailable(with_hint(message))
+            }
+            _ => Self::internal(with_hint(message)),
         }
+    }
+}
+
+/// `message`, with what to do about a CUDA failure a user can fix
+/// ([`keydiff::cuda_error_hint`]).
+fn with_hint(message: String) -> String {
+    match keydiff::cuda_error_hint(&message) {
+        Some(hint) => format!("{message} (hint: {hint})"),
+        None => message,
     }
 }
 
@@ -147,5 +161,16 @@ mod tests {
             assert_eq!(a.param, param, "{what}");
             assert_eq!(a.message, what);
         }
+        // A device out of memory mid-request may pass: 503, with the hint.
+        let oom = EngineError::Model(ModelError::Unsupported(
+            "DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")".into(),
+        ));
+        let a = ApiError::from(oom);
+        assert_eq!(a.status.as_u16(), 503);
+        assert!(
+            a.message.contains("(hint: the GPU ran out of memory"),
+            "{}",
+            a.message
+        );
     }
 }
