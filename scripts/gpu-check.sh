@@ -43,6 +43,7 @@ if nvlib=$(python3 -c 'import nvidia,os;print(os.path.join(nvidia.__path__[0],"c
 fi
 
 echo "== 1. environment"
+note "started: $(date -u +%FT%TZ)"
 nvidia-smi 2>&1 | tee "$out/env.log" || note "nvidia-smi: not available"
 missing=$(ldd "$bin" | grep 'not found')
 if [ -n "$missing" ]; then note "ldd: MISSING $missing"; exit 1; fi

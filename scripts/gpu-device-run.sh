@@ -5,6 +5,7 @@
 # gpu-check.sh with its logs outside $OUT, then packs them into $OUT (at most 8 files come
 # back): gpu-check.tgz, summary.txt, ldd.txt. Call through the device tool with carry [".gpu"]:
 #   bash scripts/gpu-device-run.sh        (GPU_CHECK_TIMEOUT_S, default 520, bounds the check)
+# Back here, `python3 scripts/gpu-results.py <files_at>/gpu-check.tgz` drafts the results page.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 back=${OUT:?the device tool sets OUT}

@@ -1192,3 +1192,62 @@ fn spec_type_ngram_gives_the_same_text_in_fewer_passes() {
         assert!(err.contains(want), "{args:?}: {err}");
     }
 }
+
+/// `scripts/gpu-results.py` turns a GPU check's summary into the results page: on the first
+/// hardware run's summary (bench/results/2026-12-04-gpu-check), one row per check with its
+/// result and detail (a failure counted, `FAILED` read as FAIL), the binary's commit, and the
+/// summary verbatim; a path without a summary is refused.
+#[test]
+fn gpu_results_page_lists_every_check_of_a_summary() {
+    let script = root().join("scripts/gpu-results.py");
+    let run = |arg: &std::path::Path| {
+        Command::new("python3")
+            .arg(&script)
+            .arg(arg)
+            .output()
+            .expect("python3 runs")
+    };
+    let out = run(&root().join("bench/results/2026-12-04-gpu-check"));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let page = String::from_utf8(out.stdout).unwrap();
+    for row in [
+        "| kernels | PASS |  |",
+        "| parity | FAIL |  |",
+        "| flash parity | not run | this binary was built without the flash-attn feature |",
+        "| prefix reuse | PASS | 26/26 records identical, 26 started from a prefix |",
+        "| sanitizer racecheck (keydiff_* kernels) | PASS |",
+        "12 checks, 1 failed.",
+        "- **Machine**: NVIDIA H200, 580.159.04, 143771 MiB.",
+        "commit `86a43846439b-dirty`",
+        "- **Wall time**: 269s for the check.",
+    ] {
+        assert!(page.contains(row), "missing {row:?} in:\n{page}");
+    }
+    // Facts are not checks, and the summary follows verbatim.
+    assert!(!page.contains("| elapsed |") && !page.contains("| memory plan |"));
+    let summary =
+        std::fs::read_to_string(root().join("bench/results/2026-12-04-gpu-check/summary.txt"))
+            .unwrap();
+    assert!(page.contains(summary.trim_end()), "{page}");
+    // A failure written `FAILED (exit 124)` and a run that recorded its start.
+    let dir = temp_dir("gpu-results");
+    std::fs::write(
+        dir.join("summary.txt"),
+        "started: 2026-12-05T06:00:00Z\ngpu: NVIDIA H200\nbatch: FAILED (exit 124); see errors.log\n",
+    )
+    .unwrap();
+    let page = String::from_utf8(run(&dir).stdout).unwrap();
+    assert!(page.starts_with("# GPU check, 2026-12-05\n"), "{page}");
+    assert!(
+        page.contains("| batch | FAIL | exit 124); see errors.log |"),
+        "{page}"
+    );
+    assert!(page.contains("1 check, 1 failed."), "{page}");
+    let none = run(&root().join("configs"));
+    assert!(!none.status.success());
+    assert!(String::from_utf8_lossy(&none.stderr).contains("no summary.txt in it"));
+}
