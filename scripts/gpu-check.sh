@@ -51,6 +51,8 @@ note "ldd: all libraries found"
 gpu=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1)
 note "gpu: $gpu"
 note "binary: $bin, $("$bin" --version 2>/dev/null || echo "version unknown"); tree $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+# What the binary sees: each CUDA device, its compute capability and memory, what runs there.
+"$bin" devices 2>> "$errors" | grep '^cuda' | while read -r line; do note "devices: $line"; done
 
 echo "== 2. eviction kernels against the CPU references, then timed against copy bandwidth"
 # Scoring, selection/plan, moves: odd sizes, d 64/128/256, f32/f16/bf16, n up to 131072 + 128.

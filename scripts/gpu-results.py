@@ -62,6 +62,7 @@ def page(summary: str, source: str) -> str:
         "",
         f"- **When**: {started or 'unknown (the check did not record its start)'} (UTC).",
         f"- **Machine**: {fact(lines, 'gpu') or 'unknown'}"
+        + "".join(f"; {line[len('devices: '):]}" for line in lines if line.startswith("devices: "))
         + (f"; {fact(lines, 'gpu arch')}" if fact(lines, "gpu arch") else "")
         + ".",
         f"- **Binary**: {binary}; commit `{commit[1] if commit else 'unknown'}`.",

@@ -1251,3 +1251,36 @@ fn gpu_results_page_lists_every_check_of_a_summary() {
     assert!(!none.status.success());
     assert!(String::from_utf8_lossy(&none.stderr).contains("no summary.txt in it"));
 }
+
+/// `keydiff devices` lists the CPU and what CUDA has to say: in a build without CUDA, the
+/// feature to build with (the table and the JSON agree).
+#[test]
+fn devices_lists_the_cpu_and_why_there_is_no_gpu() {
+    let (version, _) = ok(&["--version"]);
+    let (table, _) = ok(&["devices"]);
+    assert!(
+        table.contains(&format!(
+            "keydiff {}",
+            version.trim().trim_start_matches("keydiff ")
+        )),
+        "{table}"
+    );
+    let threads = std::thread::available_parallelism().unwrap().get();
+    assert!(
+        table.contains(&format!("cpu      {threads} threads")),
+        "{table}"
+    );
+    let (json, _) = ok(&["devices", "--json"]);
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(v["cpu"]["threads"], threads);
+    if version.contains("features: cuda") {
+        // The CUDA build on a machine without a GPU: the driver's answer, in both forms.
+        assert!(table.contains("cuda"), "{table}");
+        return;
+    }
+    let why = "this keydiff was built without CUDA; build it with `--features cuda`";
+    assert!(table.contains(&format!("cuda     none: {why}")), "{table}");
+    assert!(v["cuda_error"].as_str().unwrap().starts_with(why), "{v}");
+    assert_eq!(v["cuda"], serde_json::json!([]));
+    assert_eq!(v["build_target"], serde_json::Value::Null);
+}

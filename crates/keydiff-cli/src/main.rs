@@ -75,6 +75,14 @@ enum Cmd {
         #[arg(long)]
         special: bool,
     },
+    /// List the devices this keydiff can run on (llama.cpp's --list-devices): the CPU, and
+    /// every CUDA device the driver sees, with its compute capability, free and total memory
+    /// and how much of this build's GPU code runs on it; or why there are none.
+    Devices {
+        /// One JSON object instead of the table.
+        #[arg(long)]
+        json: bool,
+    },
     /// Print the architecture, shapes, dtype and quantization of a model.
     Info {
         #[command(flatten)]
@@ -650,6 +658,7 @@ fn real_main() -> Result<()> {
             Ok(())
         }
         Cmd::Info { model } => info(&model),
+        Cmd::Devices { json } => devices(json),
         Cmd::Perplexity(a) => perplexity(&a),
         Cmd::Chat(a) => chat(&a),
         Cmd::Serve(a) => serve(&a),
@@ -1135,6 +1144,75 @@ fn info(args: &ModelArgs) -> Result<()> {
         },
     });
     println!("{}", serde_json::to_string_pretty(&v)?);
+    Ok(())
+}
+
+/// `keydiff devices`.
+fn devices(json: bool) -> Result<()> {
+    use keydiff::arch::{Arch, Fit};
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let target = Arch::of_build().map(Arch::name);
+    let cuda = keydiff::cuda_devices();
+    if json {
+        let list = |devs: &Vec<std::result::Result<keydiff::CudaDeviceInfo, String>>| {
+            devs.iter()
+                .enumerate()
+                .map(|(i, d)| match d {
+                    Ok(d) => serde_json::json!({
+                        "device": format!("cuda:{}", d.ordinal), "name": d.name,
+                        "compute_capability": format!("{}.{}", d.capability.0, d.capability.1),
+                        "free_bytes": d.free_bytes, "total_bytes": d.total_bytes,
+                        "runs": d.fit.map(Fit::name),
+                    }),
+                    Err(e) => serde_json::json!({"device": format!("cuda:{i}"), "error": e}),
+                })
+                .collect::<Vec<_>>()
+        };
+        let v = serde_json::json!({
+            "build": keydiff::build_info(),
+            "build_target": target,
+            "cpu": {"device": "cpu", "threads": threads},
+            "cuda": cuda.as_ref().map(list).unwrap_or_default(),
+            "cuda_error": cuda.as_ref().err(),
+        });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    println!("keydiff {}", keydiff::build_info());
+    println!("cpu      {threads} threads");
+    match &cuda {
+        Err(why) => println!("cuda     none: {why}"),
+        Ok(devs) if devs.is_empty() => println!("cuda     none: the CUDA driver sees no device"),
+        Ok(devs) => {
+            for (i, d) in devs.iter().enumerate() {
+                match d {
+                    Ok(d) => println!(
+                        "cuda:{:<3} {}, compute {}.{}, {} free of {}; this build runs {}",
+                        d.ordinal,
+                        d.name,
+                        d.capability.0,
+                        d.capability.1,
+                        keydiff::human_bytes(d.free_bytes),
+                        keydiff::human_bytes(d.total_bytes),
+                        match d.fit {
+                            Some(Fit::All) => "all of its code here".to_string(),
+                            Some(Fit::PtxOnly) => format!(
+                                "its PTX here, not its machine code (flash attention, GGUF \
+                                 matmuls): built for {}",
+                                target.as_deref().unwrap_or("?")
+                            ),
+                            Some(Fit::None) => format!(
+                                "nothing here: built for {}",
+                                target.as_deref().unwrap_or("?")
+                            ),
+                            None => "here, unchecked (its target was not recorded)".to_string(),
+                        }
+                    ),
+                    Err(e) => println!("cuda:{i:<3} cannot be opened: {e}"),
+                }
+            }
+        }
+    }
     Ok(())
 }
 
