@@ -461,6 +461,7 @@ fn eviction_timings_are_cases_of_their_own() {
     assert!(bench::with_eviction_timings(cases, &[]).is_err());
     // Measured: the per-layer case runs per layer and keeps what the default keeps.
     let mut e = tiny("tiny-qwen", CacheConfig::full(32));
+    let per_layer = e.config().evict_per_layer;
     let plan = Plan {
         cases: both[1..3].to_vec(),
         warmup: 0,
@@ -479,8 +480,10 @@ fn eviction_timings_are_cases_of_their_own() {
         ("keydiff/per-layer", true)
     );
     assert!(first[0] > 0 && first[0] == first[1], "{first:?}");
-    // The engine ran the last case (per-layer) with the setting it names.
-    assert!(e.config().evict_per_layer);
+    // The cases ran with their own timing; the engine keeps its own.
+    assert!(!per_layer, "the default evicts every layer at once");
+    assert_eq!(e.config().evict_per_layer, per_layer);
+    assert_eq!(e.config().cache, CacheConfig::full(32));
 }
 
 /// `bench ttft --compare-attention eager,flash`: every case once per backend, run with the
@@ -538,9 +541,11 @@ fn attention_backends_are_cases_of_their_own() {
         evictions[2] > 0 && evictions[2] == evictions[3],
         "{evictions:?}"
     );
-    // The engine ran the last case with the backend it names.
-    assert_eq!(e.config().attention, Flash);
+    // The sweep leaves the engine's settings as they were (each case set its own).
+    assert_eq!(e.config().attention, loaded);
+    assert_eq!(e.config().cache, CacheConfig::full(32));
     // A prefix is used only under the backend it was prefilled with (they round differently).
+    e.set_attention(Flash).unwrap();
     let tokens: Vec<u32> = (0..80).map(|i| (i * 7 % 250) as u32 + 1).collect();
     let prefix = e
         .prefill_prefix(&tokens[..64], None, CacheConfig::full(32))

@@ -284,8 +284,18 @@ pub fn ttft_runs(plan: &Plan, profile_separately: bool) -> usize {
     (plan.warmup + plan.reps + extra) * plan.cases.len()
 }
 
-/// Runs a TTFT sweep. `on_run(phase, case, stats)` is called after every run.
+/// Runs a TTFT sweep. `on_run(phase, case, stats)` is called after every run. The engine's
+/// cache settings, eviction timing and attention are as they were when it returns.
 pub fn ttft(
+    engine: &mut Engine,
+    plan: &Plan,
+    on_run: impl FnMut(Phase, &Case, &Stats),
+) -> Result<Vec<TtftResult>> {
+    restoring(engine, |engine| ttft_sweep(engine, plan, on_run))
+}
+
+/// [`ttft`]'s runs; [`ttft`] restores the engine's settings after them.
+fn ttft_sweep(
     engine: &mut Engine,
     plan: &Plan,
     mut on_run: impl FnMut(Phase, &Case, &Stats),
@@ -395,6 +405,22 @@ where
         }
     }
     Ok(runs)
+}
+
+/// Runs `f`, then gives the engine back the cache settings, eviction timing and attention it
+/// had (each case sets its own), whether `f` succeeded or not: a library caller's engine is
+/// as it was after a sweep.
+fn restoring<T>(engine: &mut Engine, f: impl FnOnce(&mut Engine) -> Result<T>) -> Result<T> {
+    let cfg = engine.config();
+    let (cache, per_layer, attention) = (cfg.cache.clone(), cfg.evict_per_layer, cfg.attention);
+    let out = f(engine);
+    engine.set_evict_per_layer(per_layer);
+    let back = engine
+        .set_cache_config(cache)
+        .and_then(|()| engine.set_attention(attention));
+    let v = out?;
+    back?;
+    Ok(v)
 }
 
 /// Sets the engine's cache settings, eviction timing and (where the case names one) attention
@@ -515,8 +541,21 @@ pub struct DecodeResult {
 /// Runs a decode sweep: prefill each case's prompt, then generate `steps` tokens past the first,
 /// greedy, ignoring end-of-generation; with `batch` above 1, that many requests (the prompt
 /// and rotations of it) decode together and the rate is theirs together. The breakdown flag
-/// of `plan` is ignored.
+/// of `plan` is ignored. The engine's settings are as they were when it returns.
 pub fn decode(
+    engine: &mut Engine,
+    plan: &Plan,
+    steps: usize,
+    batch: usize,
+    on_run: impl FnMut(Phase, &Case, &Stats),
+) -> Result<Vec<DecodeResult>> {
+    restoring(engine, |engine| {
+        decode_sweep(engine, plan, steps, batch, on_run)
+    })
+}
+
+/// [`decode`]'s runs; [`decode`] restores the engine's settings after them.
+fn decode_sweep(
     engine: &mut Engine,
     plan: &Plan,
     steps: usize,
@@ -623,8 +662,23 @@ pub struct JoinResult {
 /// then the case's prompt joins, and steps run until it has its first token. Records the
 /// running requests' longest and mean time between tokens over that window, and the joiner's
 /// time to first token. Runs are interleaved: each round runs every case under every mode.
-/// `on_run(phase, case, mode, (max gap, TTFT))` is called after every run.
+/// `on_run(phase, case, mode, (max gap, TTFT))` is called after every run. The engine's
+/// settings are as they were when it returns.
 pub fn join(
+    engine: &mut Engine,
+    plan: &Plan,
+    running: usize,
+    running_prompt_len: usize,
+    modes: &[JoinMode],
+    on_run: impl FnMut(Phase, &Case, JoinMode, (f64, f64)),
+) -> Result<Vec<JoinResult>> {
+    restoring(engine, |engine| {
+        join_sweep(engine, plan, running, running_prompt_len, modes, on_run)
+    })
+}
+
+/// [`join`]'s runs; [`join`] restores the engine's settings after them.
+fn join_sweep(
     engine: &mut Engine,
     plan: &Plan,
     running: usize,
