@@ -77,7 +77,7 @@ pub fn cuda_error_hint(error: &str) -> Option<String> {
             format!("{} ({})", a.name(), a.runs_on())
         });
         return Some(format!(
-            "nothing of this keydiff's GPU code could be loaded for this GPU. Either the build \
+            "a kernel of this keydiff could not be loaded for this GPU. Either the build \
              targets another architecture, {target}: build it for this GPU's compute capability \
              (nvidia-smi --query-gpu=compute_cap --format=csv; `scripts/build-cuda.sh 80` for an \
              A100); or the driver's PTX compiler (libnvidia-ptxjitcompiler.so.1) is missing, as in \
