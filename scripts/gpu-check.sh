@@ -52,7 +52,7 @@ gpu=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,nohea
 note "gpu: $gpu"
 note "binary: $bin, $("$bin" --version 2>/dev/null || echo "version unknown"); tree $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
 # What the binary sees: each CUDA device, its compute capability and memory, what runs there.
-"$bin" devices 2>> "$errors" | grep '^cuda' | while read -r line; do note "devices: $line"; done
+timeout 30 "$bin" devices 2>> "$errors" | grep '^cuda' | while read -r line; do note "devices: $line"; done
 
 echo "== 2. eviction kernels against the CPU references, then timed against copy bandwidth"
 # Scoring, selection/plan, moves: odd sizes, d 64/128/256, f32/f16/bf16, n up to 131072 + 128.

@@ -76,8 +76,8 @@ enum Cmd {
         special: bool,
     },
     /// List the devices this keydiff can run on (llama.cpp's --list-devices): the CPU, and
-    /// every CUDA device the driver sees, with its compute capability, free and total memory
-    /// and how much of this build's GPU code runs on it; or why there are none.
+    /// every CUDA device the driver sees, with its compute capability, memory and how much of
+    /// this build's GPU code runs on it; or why there are none. Makes no context on any GPU.
     Devices {
         /// One JSON object instead of the table.
         #[arg(long)]
@@ -1161,7 +1161,7 @@ fn devices(json: bool) -> Result<()> {
                     Ok(d) => serde_json::json!({
                         "device": format!("cuda:{}", d.ordinal), "name": d.name,
                         "compute_capability": format!("{}.{}", d.capability.0, d.capability.1),
-                        "free_bytes": d.free_bytes, "total_bytes": d.total_bytes,
+                        "total_bytes": d.total_bytes,
                         "runs": d.fit.map(Fit::name),
                     }),
                     Err(e) => serde_json::json!({"device": format!("cuda:{i}"), "error": e}),
@@ -1187,12 +1187,11 @@ fn devices(json: bool) -> Result<()> {
             for (i, d) in devs.iter().enumerate() {
                 match d {
                     Ok(d) => println!(
-                        "cuda:{:<3} {}, compute {}.{}, {} free of {}; this build runs {}",
+                        "cuda:{:<3} {}, compute {}.{}, {}; this build runs {}",
                         d.ordinal,
                         d.name,
                         d.capability.0,
                         d.capability.1,
-                        keydiff::human_bytes(d.free_bytes),
                         keydiff::human_bytes(d.total_bytes),
                         match d.fit {
                             Some(Fit::All) => "all of its code here".to_string(),

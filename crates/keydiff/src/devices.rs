@@ -133,31 +133,47 @@ pub struct CudaDeviceInfo {
     pub name: String,
     /// Compute capability (major, minor).
     pub capability: (u32, u32),
-    /// Free and total device memory, bytes.
-    pub free_bytes: u64,
+    /// Device memory, bytes.
     pub total_bytes: u64,
     /// How much of this build runs on it (`None`: the build's target was not recorded).
     pub fit: Option<Fit>,
 }
 
-/// The CUDA devices the driver sees, each with what it reports or why it could not be opened;
+/// The CUDA devices the driver sees, each with what it reports or why it could not be read;
 /// `Err` when there are none to list: a build without CUDA, or a driver that does not answer.
+/// Asked of the driver's device queries alone: no context is made on any GPU (which would
+/// take memory on GPUs other jobs use, and fail on one held in exclusive mode), so free
+/// memory is not known here (`nvidia-smi` shows it; `keydiff info` plans against it).
 pub fn cuda_devices(
 ) -> std::result::Result<Vec<std::result::Result<CudaDeviceInfo, String>>, String> {
     #[cfg(feature = "cuda")]
     {
-        use candle_core::cuda_backend::cudarc::driver::CudaContext;
+        use candle_core::cuda_backend::cudarc::driver::{result::device, sys::CUdevice_attribute};
         let arch = Arch::of_build();
         let one = |i: usize| -> std::result::Result<CudaDeviceInfo, String> {
-            let ctx = CudaContext::new(i).map_err(|e| driver_said(&e))?;
-            let (major, minor) = ctx.compute_capability().map_err(|e| driver_said(&e))?;
+            let said = |e| driver_said(&e);
+            let dev = device::get(i as i32).map_err(said)?;
+            // SAFETY: `dev` is a device the driver returned for this ordinal.
+            let (major, minor, total) = unsafe {
+                (
+                    device::get_attribute(
+                        dev,
+                        CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
+                    )
+                    .map_err(said)?,
+                    device::get_attribute(
+                        dev,
+                        CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR,
+                    )
+                    .map_err(said)?,
+                    device::total_mem(dev).map_err(said)?,
+                )
+            };
             let (major, minor) = (major.max(0) as u32, minor.max(0) as u32);
-            let (free, total) = ctx.mem_get_info().map_err(|e| driver_said(&e))?;
             Ok(CudaDeviceInfo {
                 ordinal: i,
-                name: ctx.name().unwrap_or_else(|_| "a GPU".into()),
+                name: device::get_name(dev).unwrap_or_else(|_| "a GPU".into()),
                 capability: (major, minor),
-                free_bytes: free as u64,
                 total_bytes: total as u64,
                 fit: arch.map(|a| a.fit(major, minor)),
             })
