@@ -820,6 +820,248 @@ extern "C" __global__ void __launch_bounds__(KD_SEL_THREADS)
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// The same selection and plan in one launch, for evictions of few slots (m = n - budget, plus
+// the `recent` window, small against a slice): grid (slices, heads), a slice of KD_FEW_ITEMS
+// slots per block, as above. The many-block kernels need a launch per digit and read every
+// slot's key in each; here every slot is read once, and one block per head finishes.
+//
+//   1. Each block takes the c = min(m + recent, KD_FEW_ITEMS) smallest keys of its slice,
+//      protected by sinks only (the recent window is not known yet), and writes their slots in
+//      ascending order; with a recent window, also the slice's min(recent, KD_FEW_ITEMS)
+//      largest positions.
+//   2. The last block of the head (a ticket, as above) finds the exact recent-th largest
+//      position among those (the window's lowest, recent_min), then the m smallest full keys
+//      among the candidates: the evicted slots.
+//   3. It marks the evicted slots of [budget, n) in a bitmap, and emits the plan: holes are the
+//      evicted candidates below `budget` (ascending, as the candidates are), movers the slots
+//      of [budget, n) not evicted (ascending).
+// Why the candidates hold every evicted slot: a slot x outside its slice's c smallest has
+// m + recent keys of its slice below it, at most `recent` of them protected by the window, so
+// m unprotected slots whose full keys are below x's: x survives. The same holds for the
+// window: a position outside its slice's top min(recent, slice) is below the recent-th
+// largest. The threshold of each radix search may stop at the lowest key of a bin (as in
+// kd_radix_kth); it picks the right slots among those searched, and only those are compared
+// with it, except recent_min, which every slot is compared with: it is made exact first.
+//
+// Workspace per head (u32 words, zeroed, `ws_stride` apart): [0] the ticket; then slices x c
+// candidate slots (slice b from 1 + b * c); then slices x min(recent, KD_FEW_ITEMS) positions.
+// Blocks write them with atomicOr and the last block reads them with atomics, after the fence
+// of kd_sel_last_block. It holds every candidate in shared memory: slices x c <= KD_FEW_CAND,
+// which the launch wrappers check (crates/keydiff-kernels, `select_few_fits`).
+// ---------------------------------------------------------------------------------------------
+
+#define KD_FEW_THREADS 1024
+#define KD_FEW_ITEMS 4096
+#define KD_FEW_CAND 8192
+#define KD_FEW_DIGIT 11
+#define KD_FEW_BINS (1 << KD_FEW_DIGIT)
+
+static_assert(KD_FEW_BINS == 2 * KD_FEW_THREADS, "the digit search takes 2 bins per thread");
+
+struct KdFewShared {
+  unsigned hist[KD_FEW_BINS];
+  unsigned tmp[KD_FEW_THREADS / 32];
+  unsigned digit;
+  unsigned k;
+  unsigned done;
+};
+
+// As kd_radix_kth: a threshold t such that exactly k (1 <= k <= count) of key(0..count) are
+// >= t, over the low BITS bits, to every thread; 11-bit digits, and the digit is found by a
+// scan over the block (2 bins per thread) instead of one thread walking the bins.
+template <int BITS, typename F>
+__device__ uint64_t kd_few_kth(const F& key, int count, unsigned k, KdFewShared& sh) {
+  const int lane = (int)(threadIdx.x & 31u);
+  uint64_t prefix = 0, mask = 0;
+  for (int hi = BITS; hi > 0; hi -= KD_FEW_DIGIT) {
+    const int shift = max(hi - KD_FEW_DIGIT, 0);
+    const uint64_t width = (1ull << (hi - shift)) - 1ull;
+    for (int j = threadIdx.x; j < KD_FEW_BINS; j += blockDim.x) sh.hist[j] = 0;
+    __syncthreads();
+    for (int t0 = 0; t0 < count; t0 += blockDim.x) {
+      const int i = t0 + (int)threadIdx.x;
+      unsigned bin = KD_FEW_BINS;  // no bin: past count, or outside the prefix
+      if (i < count) {
+        const uint64_t x = key(i);
+        if ((x & mask) == prefix) bin = (unsigned)((x >> shift) & width);
+      }
+      const unsigned peers = __match_any_sync(0xffffffffu, bin);
+      if (bin < KD_FEW_BINS && lane == __ffs(peers) - 1)
+        atomicAdd(&sh.hist[bin], (unsigned)__popc(peers));
+    }
+    __syncthreads();
+    // Thread t holds bins BINS - 1 - 2t and BINS - 2 - 2t: the scan runs from the top bin down.
+    // (Blocks are KD_FEW_THREADS threads: the launch wrappers give no other size.)
+    const unsigned b0 = KD_FEW_BINS - 1 - 2 * threadIdx.x, b1 = b0 - 1;
+    const unsigned v0 = sh.hist[b0], v1 = sh.hist[b1];
+    if (threadIdx.x == 0) {  // unless a bin is found (it always is when k <= count): stop
+      sh.digit = 0;
+      sh.k = k;
+      sh.done = 1;
+    }
+    unsigned above = kd_sel_block_scan(v0 + v1, sh.tmp);
+    if (above < k && above + v0 >= k) {
+      sh.digit = b0;
+      sh.k = k - above;
+      sh.done = v0 == k - above;
+    }
+    above += v0;
+    if (above < k && above + v1 >= k) {
+      sh.digit = b1;
+      sh.k = k - above;
+      sh.done = v1 == k - above;
+    }
+    __syncthreads();
+    prefix |= (uint64_t)sh.digit << shift;
+    mask |= width << shift;
+    k = sh.k;
+    const bool done = sh.done || shift == 0;
+    __syncthreads();
+    if (done) break;
+  }
+  return prefix;
+}
+
+// Calls emit(rank, i) for the i in [0, count) where pred(i) holds, rank the number of such i
+// before it; returns how many there are, to every thread. Ends with a barrier.
+template <typename P, typename E>
+__device__ unsigned kd_few_compact(int count, const P& pred, const E& emit, unsigned* tmp) {
+  const int lane = (int)(threadIdx.x & 31u), warp = (int)(threadIdx.x >> 5);
+  const int warps = (int)(blockDim.x >> 5);
+  unsigned base = 0;
+  for (int t0 = 0; t0 < count; t0 += blockDim.x) {
+    const int i = t0 + (int)threadIdx.x;
+    const bool p = i < count && pred(i);
+    const unsigned bits = __ballot_sync(0xffffffffu, p);
+    if (lane == 0) tmp[warp] = (unsigned)__popc(bits);
+    __syncthreads();
+    unsigned rank = base + (unsigned)__popc(bits & ((1u << lane) - 1u)), total = 0;
+    for (int w = 0; w < warps; ++w) {
+      if (w < warp) rank += tmp[w];
+      total += tmp[w];
+    }
+    if (p) emit(rank, i);
+    base += total;
+    __syncthreads();
+  }
+  return base;
+}
+
+// The smallest `v` of the block, to every thread. Ends with a barrier.
+__device__ __forceinline__ unsigned kd_few_min(unsigned v, unsigned* tmp) {
+  for (int o = 16; o > 0; o >>= 1) v = min(v, (unsigned)__shfl_xor_sync(0xffffffffu, v, o));
+  if ((threadIdx.x & 31u) == 0) tmp[threadIdx.x >> 5] = v;
+  __syncthreads();
+  unsigned r = 0xffffffffu;
+  for (int w = 0; w < (int)(blockDim.x >> 5); ++w) r = min(r, tmp[w]);
+  __syncthreads();
+  return r;
+}
+
+extern "C" __global__ void __launch_bounds__(KD_FEW_THREADS)
+    keydiff_select_few(const float* scores, int64_t score_stride, const uint32_t* positions,
+                       int64_t pos_stride, int n, int budget, uint32_t sinks, int recent,
+                       uint32_t* plan, int64_t plan_stride, uint32_t* ws, int64_t ws_stride) {
+  __shared__ KdFewShared sh;
+  __shared__ unsigned list[KD_FEW_CAND];
+  __shared__ unsigned tail[KD_FEW_CAND / 32];
+  const int h = blockIdx.y;
+  const float* s = scores + h * score_stride;
+  const uint32_t* pos = positions + h * pos_stride;
+  uint32_t* w = ws + h * ws_stride;
+  const int m = n - budget;
+  const int slices = (int)gridDim.x;
+  const int c = min(m + recent, KD_FEW_ITEMS), rr = min(recent, KD_FEW_ITEMS);
+  uint32_t* cand = w + 1;
+  uint32_t* rcand = cand + (int64_t)slices * c;
+  const int i0 = blockIdx.x * KD_FEW_ITEMS, len = min(KD_FEW_ITEMS, n - i0);
+
+  // 1. The slice's candidates. Keys are inverted so that the smallest come first.
+  {
+    const KdSlotKey sink_key{s, pos, sinks, 0u, 0};
+    const auto inv = [&](int i) { return ~sink_key(i0 + i); };
+    const unsigned k = (unsigned)min(c, len);
+    const uint64_t t = kd_few_kth<64>(inv, len, k, sh);
+    uint32_t* out = cand + (int64_t)blockIdx.x * c;
+    // Exactly k pass with unique positions; the bound keeps duplicates inside the workspace.
+    kd_few_compact(
+        len, [&](int i) { return inv(i) >= t; },
+        [&](unsigned r, int i) {
+          if (r < k) atomicOr(&out[r], (unsigned)(i0 + i));
+        },
+        sh.tmp);
+  }
+  if (recent > 0) {
+    const auto newest = [&](int i) { return (uint64_t)pos[i0 + i]; };
+    const unsigned k = (unsigned)min(rr, len);
+    const uint64_t t = kd_few_kth<32>(newest, len, k, sh);
+    uint32_t* out = rcand + (int64_t)blockIdx.x * rr;
+    kd_few_compact(
+        len, [&](int i) { return newest(i) >= t; },
+        [&](unsigned r, int i) {
+          if (r < k) atomicOr(&out[r], pos[i0 + i]);
+        },
+        sh.tmp);
+  }
+  if (!kd_sel_last_block(&w[0])) return;
+
+  // 2. The last block: the window's lowest position, exact. (The wrappers keep the candidates
+  // within KD_FEW_CAND; past it, the plan moves nothing rather than write outside `list`.)
+  const int last = (slices - 1) * KD_FEW_ITEMS;
+  if ((int64_t)(slices - 1) * c + min(c, n - last) > KD_FEW_CAND) {
+    if (threadIdx.x == 0) plan[h * plan_stride] = 0;
+    return;
+  }
+  uint32_t recent_min = 0;
+  if (recent > 0) {
+    const int count = (slices - 1) * rr + min(rr, n - last);
+    for (int j = threadIdx.x; j < count; j += blockDim.x) list[j] = atomicAdd(&rcand[j], 0u);
+    __syncthreads();
+    const auto newest = [&](int i) { return (uint64_t)list[i]; };
+    const uint64_t t = kd_few_kth<32>(newest, count, (unsigned)recent, sh);
+    unsigned low = 0xffffffffu;
+    for (int j = threadIdx.x; j < count; j += blockDim.x)
+      if (list[j] >= t) low = min(low, list[j]);
+    recent_min = kd_few_min(low, sh.tmp);
+  }
+
+  // The m smallest full keys of the candidates are evicted.
+  const KdSlotKey key{s, pos, sinks, recent_min, recent > 0};
+  const int count = (slices - 1) * c + min(c, n - last);
+  for (int j = threadIdx.x; j < count; j += blockDim.x) list[j] = atomicAdd(&cand[j], 0u);
+  for (int j = threadIdx.x; j < (m + 31) / 32; j += blockDim.x) tail[j] = 0;
+  __syncthreads();
+  const auto inv = [&](int i) { return ~key((int)list[i]); };
+  const uint64_t t = kd_few_kth<64>(inv, count, (unsigned)m, sh);
+  for (int j = threadIdx.x; j < count; j += blockDim.x) {
+    const int x = (int)list[j] - budget;
+    if (x >= 0 && inv(j) >= t) atomicOr(&tail[x >> 5], 1u << (x & 31));
+  }
+  __syncthreads();
+
+  // 3. The plan.
+  const int max_moves = min(budget, m);
+  uint32_t* out = plan + h * plan_stride;
+  uint32_t* src = out + 1;
+  uint32_t* dst = out + 1 + max_moves;
+  const unsigned holes = kd_few_compact(
+      count, [&](int i) { return (int)list[i] < budget && inv(i) >= t; },
+      [&](unsigned r, int i) {
+        if (r < (unsigned)max_moves) dst[r] = list[i];
+      },
+      sh.tmp);
+  const unsigned movers = kd_few_compact(
+      m, [&](int j) { return ((tail[j >> 5] >> (j & 31)) & 1u) == 0; },
+      [&](unsigned r, int j) {
+        if (r < (unsigned)max_moves) src[r] = (uint32_t)(budget + j);
+      },
+      sh.tmp);
+  // Holes and movers are equal in number (m evicted, of which those at or past budget leave
+  // as many survivors there as holes below it); the minimum keeps a broken invariant safe.
+  if (threadIdx.x == 0) out[0] = min(min(holes, movers), (unsigned)max_moves);
+}
+
 // Applies the plan to one buffer of rows: [heads, rows, row_bytes] with byte strides. One warp
 // per move. Used for K, V (row = head_dim elements, or the bytes of head_dim / 32 quantized blocks),
 // positions and policy state (row = 4 bytes). Grid (ceil(M / warps per block), heads).

@@ -59,7 +59,9 @@ echo "== 2. eviction kernels against the CPU references, then timed against copy
 # The cache codecs (five block types and fp8, from f32/f16/bf16): the device's bytes and values
 # must be the CPU's exactly.
 # Timing: 8 KV heads, d 128, bf16 (Llama-3.1-8B's KV shape), B = 128, n = N + B; each n with
-# the selection on one block per head and on many (the engine takes many past 4096 slots), and
+# the selection on one block per head, on many (a launch per digit), and on many in one launch
+# for few evictions (the engine takes that past 4096 slots when the candidates fit, B = 128
+# always; many otherwise), and
 # the scoring with scalar and with 16-byte loads (the engine takes 16-byte loads for d 128).
 # Each at 8 heads (one layer) and at 256 (32 layers of 8: the engine evicts a chunk's layers
 # together, as one eviction over every layer's heads; KeyDiff on float caches scores them

@@ -90,6 +90,20 @@ mutants=(
   "select-many: no barrier before the slice histogram goes out~      atomicAdd(&hist[bin], (unsigned)__popc(peers));\n  }\n  __syncthreads();~      atomicAdd(&hist[bin], (unsigned)__popc(peers));\n  }"
   "select-many: block scan reads warp totals before they are written~  if (lane == 31) tmp[warp] = x;\n  __syncthreads();~  if (lane == 31) tmp[warp] = x;"
   "select-many: block sum reuses its totals without a barrier~  for (int w = 0; w < (int)(blockDim.x >> 5); ++w) total += tmp[w];\n  __syncthreads();~  for (int w = 0; w < (int)(blockDim.x >> 5); ++w) total += tmp[w];"
+  # The one-launch selection of few evictions (keydiff_select_few).
+  "select-few: candidates one short of m + recent~  const int c = min(m + recent, KD_FEW_ITEMS), rr~  const int c = min(m + recent - 1, KD_FEW_ITEMS), rr"
+  "select-few: candidates blind to the window~  const int c = min(m + recent, KD_FEW_ITEMS), rr~  const int c = min(m, KD_FEW_ITEMS), rr"
+  "select-few: the window's lowest position left inexact~    recent_min = kd_few_min(low, sh.tmp);~    recent_min = kd_few_min(low, sh.tmp) * 0u + (uint32_t)t;"
+  "select-few: candidates read without atomics~list[j] = atomicAdd(&cand[j], 0u);~list[j] = cand[j];"
+  "select-few: the tail bitmap never cleared~  for (int j = threadIdx.x; j < (m + 31) / 32; j += blockDim.x) tail[j] = 0;\n~"
+  "select-few: holes include the slot at the budget~      count, [&](int i) { return (int)list[i] < budget && inv(i) >= t; },~      count, [&](int i) { return (int)list[i] <= budget && inv(i) >= t; },"
+  "select-few: movers taken from the evicted tail slots~      m, [&](int j) { return ((tail[j >> 5] >> (j & 31)) & 1u) == 0; },~      m, [&](int j) { return ((tail[j >> 5] >> (j & 31)) & 1u) != 0; },"
+  "select-few: compaction ranks ignore lower lanes~    unsigned rank = base + (unsigned)__popc(bits & ((1u << lane) - 1u)), total = 0;~    unsigned rank = base + (unsigned)__popc(bits), total = 0;"
+  "select-few: the last slice's candidates counted as a full slice's~  const int count = (slices - 1) * c + min(c, n - last);~  const int count = slices * c;"
+  "select-few: no barrier before the digit search reuses shared memory~    const bool done = sh.done || shift == 0;\n    __syncthreads();~    const bool done = sh.done || shift == 0;"
+  "select-few: the digit's bin found one too low~    if (above < k && above + v0 >= k) {~    if (above < k && above + v0 > k) {"
+  "select-few: the second bin of a thread never searched~    if (above < k && above + v1 >= k) {~    if (false && above < k && above + v1 >= k) {"
+  "select-few: no barrier after the candidates are loaded~  for (int j = threadIdx.x; j < (m + 31) / 32; j += blockDim.x) tail[j] = 0;\n  __syncthreads();~  for (int j = threadIdx.x; j < (m + 31) / 32; j += blockDim.x) tail[j] = 0;"
 )
 # MUTANTS_MATCHING=TEXT runs only the mutants whose name holds TEXT.
 if [ -n "${MUTANTS_MATCHING:-}" ]; then

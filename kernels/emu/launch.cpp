@@ -100,7 +100,8 @@ extern "C" int kd_emu_select_plan(const float* scores, int64_t score_stride,
 }
 
 // The many-block selection: keydiff_select_pass (which 0, with `pass`; `plan` unused),
-// keydiff_select_count (1), keydiff_select_emit (2).
+// keydiff_select_count (1), keydiff_select_emit (2); and the one-launch selection of few
+// evictions, keydiff_select_few (3; `pass` unused).
 extern "C" int kd_emu_select_multi(int which, const float* scores, int64_t score_stride,
                                    const uint32_t* positions, int64_t pos_stride, int n,
                                    int budget, uint32_t sinks, int recent, int pass,
@@ -127,10 +128,17 @@ extern "C" int kd_emu_select_multi(int which, const float* scores, int64_t score
                            budget, sinks, recent, plan, plan_stride, ws, ws_stride);
       };
       break;
+    case 3:
+      body = [=] {
+        kd_emu::run_kernel(keydiff_select_few, scores, score_stride, positions, pos_stride, n,
+                           budget, sinks, recent, plan, plan_stride, ws, ws_stride);
+      };
+      break;
     default:
       return finish("unknown selection kernel " + std::to_string(which), err, err_len);
   }
-  return finish(guarded(d3(grid_x, grid_y), d3(block), KD_SEL_THREADS, seed, body), err, err_len);
+  const unsigned bounds = which == 3 ? KD_FEW_THREADS : KD_SEL_THREADS;
+  return finish(guarded(d3(grid_x, grid_y), d3(block), bounds, seed, body), err, err_len);
 }
 
 extern "C" int kd_emu_move_rows(char* buf, int64_t head_stride, int64_t row_stride,

@@ -6,7 +6,7 @@
 //! [`SelectPlan`] / [`ApplyPlan`] ops run it or the kernels, whatever the device.
 
 use candle_core::{CpuStorage, CustomOp2, InplaceOp2, Layout, Shape};
-pub use keydiff_kernels::geometry::SelectBlocks;
+pub use keydiff_kernels::geometry::{select_few_fits, SelectBlocks};
 
 /// Which slots of one head survive. `scores`, `positions`: one entry per used slot.
 ///

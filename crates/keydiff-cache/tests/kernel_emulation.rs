@@ -11,6 +11,7 @@ use candle_core::{DType, Device, Tensor};
 use half::{bf16, f16};
 use keydiff_cache::policy::{keydiff_scores, keydiff_scores_fused, PoolByPosition};
 use keydiff_cache::select::{move_plan, select, select_radix, SelectBlocks};
+use keydiff_kernels::geometry::select_few_fits;
 use keydiff_cache::{Anchor, KvType};
 use keydiff_kernels::emu;
 use keydiff_kernels::geometry::{vector_loads_fit, ScoreLoads, KVQ_BYTES};
@@ -476,22 +477,51 @@ fn check_selection(
 ) -> usize {
     let stride = n + 7;
     let (scores, positions) = selection_inputs(kv, n, stride, rng);
+    check_selection_on(
+        &scores, &positions, stride, kv, n, budget, sinks, recent, seed,
+    )
+}
+
+/// As [`check_selection`], on given scores and positions (`kv` rows of `n`, `stride` apart,
+/// padded with `u32::MAX` positions).
+#[allow(clippy::too_many_arguments)]
+fn check_selection_on(
+    scores: &[f32],
+    positions: &[u32],
+    stride: usize,
+    kv: usize,
+    n: usize,
+    budget: usize,
+    sinks: usize,
+    recent: usize,
+    seed: u64,
+) -> usize {
     let select_with = |blocks| {
         emu::select_plan(
-            &scores, stride, &positions, stride, kv, n, budget, sinks, recent, blocks, seed,
+            scores, stride, positions, stride, kv, n, budget, sinks, recent, blocks, seed,
         )
-        .unwrap()
     };
-    // Both ways of splitting the selection give the same plan; the moves below use it.
-    let plan = select_with(SelectBlocks::One);
+    // Every way of splitting the selection gives the same plan; the moves below use it.
+    let case = format!("kv {kv} n {n} budget {budget} sinks {sinks} recent {recent} seed {seed}");
+    let plan = select_with(SelectBlocks::One).unwrap();
     assert_eq!(
-        select_with(SelectBlocks::Many),
+        select_with(SelectBlocks::Many).unwrap(),
         plan,
-        "many blocks vs one: kv {kv} n {n} budget {budget} sinks {sinks} recent {recent} seed {seed}"
+        "many blocks vs one: {case}"
     );
+    if select_few_fits(n, budget, recent) {
+        assert_eq!(
+            select_with(SelectBlocks::Few).unwrap(),
+            plan,
+            "one launch for few evictions vs one block: {case}"
+        );
+    } else {
+        let e = select_with(SelectBlocks::Few).unwrap_err().to_string();
+        assert!(e.contains("too many for one launch"), "{case}: {e}");
+    }
     let cols = plan.len() / kv;
     let m = (cols - 1) / 2;
-    let mut moved = positions.clone();
+    let mut moved = positions.to_vec();
     let mut total_moves = 0;
     emu::move_rows(&mut moved, kv, n, 1, stride, 1, &plan, seed).unwrap();
     for h in 0..kv {
@@ -558,6 +588,52 @@ fn selection_matches_the_twin_past_the_argsort_limit() {
             );
         }
     }
+}
+
+/// The one-launch selection gathers each slice's smallest keys, and each slice's newest
+/// positions for the window: these inputs put every eviction, or the whole window, in one
+/// slice, or spread them one to a slice, and tie every score.
+#[test]
+fn few_evictions_selection_where_they_gather_in_one_slice() {
+    let (kv, n) = (1, 3 * 4096 + 100);
+    let stride = n + 7;
+    let pad = |mut v: Vec<u32>| {
+        v.resize(stride, u32::MAX);
+        v
+    };
+    let ascending: Vec<u32> = (0..n as u32).collect();
+    let descending: Vec<u32> = (0..n as u32).rev().collect();
+    // Slot i of slice b at (i % slices) * 4096 + i / slices: neighbours in slots are a slice
+    // apart, so the m lowest and the window's newest spread over every slice.
+    let slices = n.div_ceil(4096);
+    let mut spread: Vec<u32> = (0..n).map(|i| ((i % slices) * 4096 + i / slices) as u32).collect();
+    let mut order: Vec<usize> = (0..n).collect();
+    order.sort_by_key(|&i| spread[i]);
+    for (rank, &i) in order.iter().enumerate() {
+        spread[i] = rank as u32;
+    }
+    let scores_of = |pos: &[u32], f: &dyn Fn(u32) -> f32| -> Vec<f32> {
+        let mut s: Vec<f32> = pos.iter().map(|&p| f(p)).collect();
+        s.resize(stride, f32::NAN);
+        s
+    };
+    let by_position = |p: u32| p as f32;
+    let against_position = |p: u32| -(p as f32);
+    let tied = |_: u32| 0.5f32;
+    let mut cases = 0;
+    for positions in [&ascending, &descending, &spread] {
+        for f in [&by_position as &dyn Fn(u32) -> f32, &against_position, &tied] {
+            let scores = scores_of(positions, f);
+            let positions = pad(positions.clone());
+            for (budget, sinks, recent) in [(n - 128, 0, 0), (n - 128, 4, 64), (n - 300, 2, 1000)] {
+                check_selection_on(
+                    &scores, &positions, stride, kv, n, budget, sinks, recent, 7 + cases,
+                );
+                cases += 1;
+            }
+        }
+    }
+    assert_eq!(cases, 27);
 }
 
 proptest! {

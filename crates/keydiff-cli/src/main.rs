@@ -854,7 +854,11 @@ fn check_kernels(
             r.score_max_abs_vs_reference,
             r.score_max_abs_vs_twin,
             r.score_max_abs_scalar_vs_twin,
-            if r.plan_heads_differing + r.plan_heads_differing_many == 0 {
+            if r.plan_heads_differing
+                + r.plan_heads_differing_many
+                + r.plan_heads_differing_few.unwrap_or(0)
+                == 0
+            {
                 "same"
             } else {
                 "DIFF"
@@ -944,7 +948,7 @@ fn check_kernels(
                     eprintln!("(no 16-byte scoring kernels for head dim {head_dim}: not timed)");
                     continue;
                 }
-                for blocks in [SelectBlocks::One, SelectBlocks::Many] {
+                for blocks in [SelectBlocks::One, SelectBlocks::Many, SelectBlocks::Few] {
                     variants.push((blocks, loads));
                 }
             }
@@ -967,6 +971,17 @@ fn check_kernels(
                 anchor: keydiff::Anchor::Normalized,
             };
             for &(blocks, loads) in &variants {
+                if blocks == SelectBlocks::Few
+                    && !keydiff::kernel_check::select_few_fits(c.n, c.budget, c.recent)
+                {
+                    eprintln!(
+                        "({}: {} evictions of {} are too many for one launch: not timed)",
+                        blocks.name(),
+                        n - c.budget,
+                        n
+                    );
+                    continue;
+                }
                 let t = kernel_timing(&dev, &c, reps, copy, blocks, loads)?;
                 eprintln!(
                     "{:>5} {:>7} {:>7} {:>7} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>8.1} {:>6.1}%  {}",

@@ -9,8 +9,9 @@ use half::{bf16, f16};
 
 use crate::geometry::{
     check_kvq, check_pool, check_scores, check_select, kvq_launch, move_launch, per_head_launch,
-    plan_moves, pool_words, scores_launch, select_multi_launch, select_passes, select_workspace,
-    vector_loads_fit, Launch, ScoreLoads, SelectBlocks, KVQ_FP8, MAX_HEADS,
+    plan_moves, pool_words, scores_launch, select_few_launch, select_few_workspace,
+    select_multi_launch, select_passes, select_workspace, vector_loads_fit, Launch, ScoreLoads,
+    SelectBlocks, KVQ_FP8, MAX_HEADS,
 };
 
 /// PTX of `kernels/keydiff.cu`.
@@ -135,7 +136,7 @@ fn per_slot_pair(op: &str, values: &Layout, positions: &Layout) -> Result<(usize
 /// Survivors and move plan per KV head: `scores` `[kv, n]` f32 (rows contiguous), `positions`
 /// `[kv, ≥ n]` u32 (rows contiguous). Returns the plan `[kv, 1 + 2M]` u32: per head the number
 /// of moves, then M sources, then M destinations (see `kernels/keydiff.cu`). `blocks` picks
-/// one block per head or many ([`SelectBlocks`]); both give the same plan.
+/// one block per head, many, or many in one launch ([`SelectBlocks`]); all give the same plan.
 #[allow(clippy::too_many_arguments)]
 pub fn select_plan(
     scores: &CudaStorage,
@@ -183,7 +184,8 @@ pub fn select_plan(
             $b.arg(&recent32);
         };
     }
-    if blocks.resolve(n) == SelectBlocks::One {
+    let blocks = blocks.resolve(n, budget, recent)?;
+    if blocks == SelectBlocks::One {
         let f = dev.get_or_load_custom_func("keydiff_select_plan", MODULE, PTX)?;
         let mut b = f.builder();
         select_args!(b);
@@ -191,6 +193,21 @@ pub fn select_plan(
         b.arg(&plan_stride);
         // SAFETY: argument list matches `keydiff_select_plan`; one block per head.
         unsafe { b.launch(launch_cfg(per_head_launch(kv))) }.w()?;
+    } else if blocks == SelectBlocks::Few {
+        let ws_stride = select_few_workspace(n, budget, recent);
+        let ws = dev.alloc_zeros::<u32>(kv * ws_stride)?;
+        let ws_stride = ws_stride as i64;
+        let f = dev.get_or_load_custom_func("keydiff_select_few", MODULE, PTX)?;
+        let mut b = f.builder();
+        select_args!(b);
+        b.arg(&plan);
+        b.arg(&plan_stride);
+        b.arg(&ws);
+        b.arg(&ws_stride);
+        // SAFETY: argument list matches `keydiff_select_few`; the workspace holds
+        // `select_few_workspace` zeroed words per head, `resolve` checked that the candidates
+        // fit the kernel's shared memory, the grid is one slice per block.
+        unsafe { b.launch(launch_cfg(select_few_launch(kv, n))) }.w()?;
     } else {
         let ws_stride = select_workspace(n);
         let ws = dev.alloc_zeros::<u32>(kv * ws_stride)?;

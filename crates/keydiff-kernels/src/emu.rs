@@ -26,8 +26,9 @@ use half::{bf16, f16};
 use crate::fence::{Fenced, HeadAxis, Side};
 use crate::geometry::{
     check_kvq, check_pool, check_scores, check_select, kvq_launch, move_launch, per_head_launch,
-    plan_moves, pool_words, scores_launch, select_multi_launch, select_passes, select_workspace,
-    vector_loads_fit, ScoreLoads, SelectBlocks, KVQ_BYTES,
+    plan_moves, pool_words, scores_launch, select_few_launch, select_few_workspace,
+    select_multi_launch, select_passes, select_workspace, vector_loads_fit, ScoreLoads,
+    SelectBlocks, KVQ_BYTES,
 };
 
 extern "C" {
@@ -447,8 +448,9 @@ fn kvq_bytes(kind: i32) -> Result<usize> {
 }
 
 /// The selection and move plan, split as `blocks` says: `keydiff_select_plan` (one block per
-/// head), or `keydiff_select_pass` per digit, `keydiff_select_count` and `keydiff_select_emit`
-/// (many blocks per head, launched in that order on one zeroed workspace, as on CUDA).
+/// head), `keydiff_select_pass` per digit, `keydiff_select_count` and `keydiff_select_emit`
+/// (many blocks per head, launched in that order on one zeroed workspace, as on CUDA), or
+/// `keydiff_select_few` (many blocks, one launch, on its own zeroed workspace).
 /// `scores` and `positions` hold `kv` rows of `n` at their strides. Returns the plan
 /// `[kv, 1 + 2M]`: per head the number of moves, M sources, M destinations.
 #[allow(clippy::too_many_arguments)]
@@ -493,7 +495,8 @@ pub fn select_plan(
     // Not zeroed, unlike the CUDA launch: every entry the kernel should write is checked.
     let mut plan = Fenced::filled("select-plan plan", kv * cols, u32::MAX, side, 4)?;
     let sinks32 = sinks.min(u32::MAX as usize) as u32;
-    if blocks.resolve(n) == SelectBlocks::One {
+    let blocks = blocks.resolve(n, budget, recent)?;
+    if blocks == SelectBlocks::One {
         // One block per head.
         scores.view(kv, score_stride, 1, 0, n, HeadAxis::X)?;
         positions.view(kv, pos_stride, 1, 0, n, HeadAxis::X)?;
@@ -527,15 +530,25 @@ pub fn select_plan(
         scores.view(kv, score_stride, 1, 0, n, HeadAxis::Y)?;
         positions.view(kv, pos_stride, 1, 0, n, HeadAxis::Y)?;
         plan.view(kv, cols, 1, 0, cols, HeadAxis::Y)?;
-        let ws_stride = select_workspace(n);
+        let few = blocks == SelectBlocks::Few;
+        let ws_stride = if few {
+            select_few_workspace(n, budget, recent)
+        } else {
+            select_workspace(n)
+        };
         let mut ws = Fenced::filled("select-plan workspace", kv * ws_stride, 0u32, side, 4)?;
         ws.view(kv, ws_stride, 1, 0, ws_stride, HeadAxis::Y)?;
-        let l = select_multi_launch(kv, n);
-        let launches = select_passes(recent)
-            .map(|p| (0, p))
-            .chain([(1, 0), (2, 0)]);
-        for (i, (which, pass)) in launches.enumerate() {
-            let what = ["select-pass", "select-count", "select-emit"][which as usize];
+        let (l, launches): (_, Vec<(c_int, usize)>) = if few {
+            (select_few_launch(kv, n), vec![(3, 0)])
+        } else {
+            let passes = select_passes(recent).map(|p| (0, p));
+            (
+                select_multi_launch(kv, n),
+                passes.chain([(1, 0), (2, 0)]).collect(),
+            )
+        };
+        for (i, (which, pass)) in launches.into_iter().enumerate() {
+            let what = ["select-pass", "select-count", "select-emit", "select-few"][which as usize];
             call(what, |err, err_len| {
                 // SAFETY: reads kv rows of n inside the checked extents; reads and writes the
                 // workspace and plan rows allocated here (ws_stride and cols words per head).

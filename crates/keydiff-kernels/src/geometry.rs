@@ -111,25 +111,38 @@ pub const SELECT_PASSES: usize = 9;
 /// tickets, a histogram of 2048 bins per pass).
 pub const SELECT_COUNTS: usize = 96 + SELECT_PASSES * 2048;
 
-/// How the selection runs on CUDA: one block per head (`keydiff_select_plan`, one launch), or
-/// many (`keydiff_select_pass` per digit, `_count`, `_emit`: every SM at work for large n).
-/// The plan is the same.
+/// How the selection runs on CUDA: one block per head (`keydiff_select_plan`, one launch),
+/// many (`keydiff_select_pass` per digit, `_count`, `_emit`: every SM at work for large n), or
+/// many in one launch for few evictions (`keydiff_select_few`). The plan is the same.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum SelectBlocks {
-    /// Many blocks once a head has more than one slice of [`SELECT_ITEMS`] slots.
+    /// Once a head has more than one slice of [`SELECT_ITEMS`] slots: `Few` where
+    /// [`select_few_fits`], else `Many`. One block per head below that.
     #[default]
     Auto,
     One,
     Many,
+    /// `keydiff_select_few`: a slice per block, one launch; only where [`select_few_fits`].
+    Few,
 }
 
 impl SelectBlocks {
-    /// What a selection over `n` slots per head runs: never `Auto`.
-    pub fn resolve(self, n: usize) -> SelectBlocks {
+    /// What a selection of `budget` survivors of `n` slots per head, `recent` of them the
+    /// window, runs: never `Auto`. `Few` where it does not fit is an error, not a quiet
+    /// fallback.
+    pub fn resolve(self, n: usize, budget: usize, recent: usize) -> Result<SelectBlocks> {
+        let few = select_few_fits(n, budget, recent);
         match self {
-            SelectBlocks::Auto if n > SELECT_ITEMS => SelectBlocks::Many,
-            SelectBlocks::Auto => SelectBlocks::One,
-            b => b,
+            SelectBlocks::Auto if n <= SELECT_ITEMS => Ok(SelectBlocks::One),
+            SelectBlocks::Auto if few => Ok(SelectBlocks::Few),
+            SelectBlocks::Auto => Ok(SelectBlocks::Many),
+            SelectBlocks::Few if !few => bail!(
+                "select-plan: {} evictions and a window of {recent} from {n} slots are too \
+                 many for one launch ({} candidates, at most {SELECT_FEW_CANDIDATES})",
+                n.saturating_sub(budget),
+                select_few_candidates(n, budget, recent)
+            ),
+            b => Ok(b),
         }
     }
 
@@ -138,8 +151,46 @@ impl SelectBlocks {
             SelectBlocks::Auto => "auto",
             SelectBlocks::One => "one block per head",
             SelectBlocks::Many => "many blocks per head",
+            SelectBlocks::Few => "one launch, few evictions",
         }
     }
+}
+
+/// `KD_FEW_THREADS`: threads of a block of `keydiff_select_few`.
+pub const SELECT_FEW_THREADS: u32 = 1024;
+/// `KD_FEW_ITEMS`: slots of one slice (one block) of `keydiff_select_few`.
+pub const SELECT_FEW_ITEMS: usize = 4096;
+/// `KD_FEW_CAND`: most candidates per head that the last block of `keydiff_select_few` holds.
+pub const SELECT_FEW_CANDIDATES: usize = 8192;
+
+/// Candidates per head of `keydiff_select_few`: per slice, its min(m + recent, slice) smallest
+/// keys (m = n − budget evictions).
+pub fn select_few_candidates(n: usize, budget: usize, recent: usize) -> usize {
+    let c = (n.saturating_sub(budget) + recent).min(SELECT_FEW_ITEMS);
+    let slices = n.div_ceil(SELECT_FEW_ITEMS);
+    (slices.saturating_sub(1)) * c + c.min(n - (slices.saturating_sub(1)) * SELECT_FEW_ITEMS)
+}
+
+/// Whether `keydiff_select_few` takes a selection (`check_select`'s limits apart): its
+/// candidates fit the last block.
+pub fn select_few_fits(n: usize, budget: usize, recent: usize) -> bool {
+    budget < n && select_few_candidates(n, budget, recent) <= SELECT_FEW_CANDIDATES
+}
+
+/// `keydiff_select_few`: a slice of [`SELECT_FEW_ITEMS`] slots per block on grid.x, heads on
+/// grid.y.
+pub fn select_few_launch(kv: usize, n: usize) -> Launch {
+    Launch {
+        grid: (n.div_ceil(SELECT_FEW_ITEMS) as u32, kv as u32),
+        block: SELECT_FEW_THREADS,
+    }
+}
+
+/// Workspace words per head of `keydiff_select_few` (zeroed before it): the ticket, then per
+/// slice its eviction candidates and its window candidates.
+pub fn select_few_workspace(n: usize, budget: usize, recent: usize) -> usize {
+    let c = (n.saturating_sub(budget) + recent).min(SELECT_FEW_ITEMS);
+    1 + n.div_ceil(SELECT_FEW_ITEMS) * (c + recent.min(SELECT_FEW_ITEMS))
 }
 
 /// The many-block selection's kernels: a slice of [`SELECT_ITEMS`] slots per block on grid.x,
@@ -272,9 +323,26 @@ mod tests {
         assert_eq!(select_workspace(4097), SELECT_COUNTS + 8);
         assert_eq!(select_passes(0), 3..9);
         assert_eq!(select_passes(1), 0..9);
-        assert_eq!(SelectBlocks::Auto.resolve(4096), SelectBlocks::One);
-        assert_eq!(SelectBlocks::Auto.resolve(4097), SelectBlocks::Many);
-        assert_eq!(SelectBlocks::Many.resolve(10), SelectBlocks::Many);
+        let resolve = |b: SelectBlocks, n, budget, recent| b.resolve(n, budget, recent).unwrap();
+        assert_eq!(resolve(SelectBlocks::Auto, 4096, 4000, 0), SelectBlocks::One);
+        assert_eq!(resolve(SelectBlocks::Auto, 4097, 4000, 0), SelectBlocks::Few);
+        assert_eq!(resolve(SelectBlocks::Many, 10, 5, 0), SelectBlocks::Many);
+        assert_eq!(resolve(SelectBlocks::Few, 10, 5, 0), SelectBlocks::Few);
+        // 8K and 128K budgets with B = 128: 3 × 128 and 33 × 128 candidates.
+        assert_eq!(select_few_candidates(8320, 8192, 0), 384);
+        assert_eq!(select_few_candidates(131_200, 131_072, 1), 32 * 129 + 128);
+        assert_eq!(select_few_candidates(5000, 100, 0), 4096 + 904);
+        assert_eq!(select_few_candidates(10, 5, 3), 8);
+        assert_eq!(resolve(SelectBlocks::Auto, 131_200, 131_072, 0), SelectBlocks::Few);
+        // H2O's half-budget window, or a chunk of 4096 at 128K: too many candidates.
+        assert_eq!(resolve(SelectBlocks::Auto, 8320, 8192, 4096), SelectBlocks::Many);
+        assert_eq!(resolve(SelectBlocks::Auto, 135_168, 131_072, 0), SelectBlocks::Many);
+        assert!(SelectBlocks::Few.resolve(135_168, 131_072, 0).is_err());
+        assert_eq!(select_few_launch(8, 131_200).grid, (33, 8));
+        assert_eq!(select_few_launch(8, 131_200).block, 1024);
+        assert_eq!(select_few_workspace(8320, 8192, 0), 1 + 3 * 128);
+        assert_eq!(select_few_workspace(8320, 8192, 2), 1 + 3 * 132);
+        assert_eq!(select_few_workspace(10, 5, 3), 1 + 8 + 3);
         assert_eq!(plan_moves(8320, 8192), 128);
         assert_eq!(plan_moves(10, 3), 3);
         assert_eq!(pool_words(0), 1);

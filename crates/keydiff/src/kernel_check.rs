@@ -14,7 +14,7 @@ use keydiff_cache::policy::{
     PoolByPosition,
 };
 pub use keydiff_cache::policy::{ScoreLoads, VECTOR_HEAD_DIMS};
-pub use keydiff_cache::select::SelectBlocks;
+pub use keydiff_cache::select::{select_few_fits, SelectBlocks};
 use keydiff_cache::select::{move_plan, plan_tensor, select, ApplyPlan, SelectPlan};
 use keydiff_cache::{Anchor, KvType};
 use rand::rngs::StdRng;
@@ -100,9 +100,11 @@ pub struct KernelParity {
     /// The same with the scalar-load kernels (any view), which the engine runs otherwise.
     pub score_max_abs_scalar_vs_twin: f32,
     /// Heads whose plan (from the same scores) differs from the sorted reference's: the
-    /// one-block-per-head selection, and the many-block one.
+    /// one-block-per-head selection, the many-block one, and the one-launch selection of few
+    /// evictions (`None` where the case has too many for it: the engine runs `Many` there).
     pub plan_heads_differing: usize,
     pub plan_heads_differing_many: usize,
+    pub plan_heads_differing_few: Option<usize>,
     /// Slots kept by one and not the other when each side selects from its own scores.
     pub end_to_end_slots_differing: usize,
     /// Every such slot's reference score is within 2·error + 1e-6 of its head's marginal
@@ -248,6 +250,11 @@ pub fn kernel_parity(device: &Device, c: &KernelCase, seed: u64) -> Result<Kerne
     };
     let plan_heads_differing = differing(SelectBlocks::One)?;
     let plan_heads_differing_many = differing(SelectBlocks::Many)?;
+    let plan_heads_differing_few = if select_few_fits(c.n, c.budget, c.recent) {
+            Some(differing(SelectBlocks::Few)?)
+        } else {
+            None
+        };
 
     // End to end: each side selects from its own scores.
     let e2e_plan = Tensor::new(s_dev.clone(), &cpu)?
@@ -334,6 +341,7 @@ pub fn kernel_parity(device: &Device, c: &KernelCase, seed: u64) -> Result<Kerne
         && err_scalar <= SCORE_TOL
         && plan_heads_differing == 0
         && plan_heads_differing_many == 0
+        && plan_heads_differing_few.unwrap_or(0) == 0
         && ties_only
         && moves_equal
         && pool_err <= 1e-6;
@@ -352,6 +360,7 @@ pub fn kernel_parity(device: &Device, c: &KernelCase, seed: u64) -> Result<Kerne
         score_max_abs_scalar_vs_twin: err_scalar,
         plan_heads_differing,
         plan_heads_differing_many,
+        plan_heads_differing_few,
         end_to_end_slots_differing: differing,
         end_to_end_ties_only: ties_only,
         moves_equal,
@@ -649,7 +658,7 @@ pub fn kernel_timing(
         head_dim,
         budget,
         select_blocks: if device.is_cuda() {
-            blocks.resolve(n).name()
+            blocks.resolve(n, budget, c.recent)?.name()
         } else {
             "cpu twin"
         }
