@@ -11,9 +11,9 @@ use candle_core::{DType, Device, Tensor};
 use half::{bf16, f16};
 use keydiff_cache::policy::{keydiff_scores, keydiff_scores_fused, PoolByPosition};
 use keydiff_cache::select::{move_plan, select, select_radix, SelectBlocks};
-use keydiff_kernels::geometry::select_few_fits;
 use keydiff_cache::{Anchor, KvType};
 use keydiff_kernels::emu;
+use keydiff_kernels::geometry::select_few_fits;
 use keydiff_kernels::geometry::{vector_loads_fit, ScoreLoads, KVQ_BYTES};
 use proptest::prelude::*;
 use rand::rngs::StdRng;
@@ -606,7 +606,9 @@ fn few_evictions_selection_where_they_gather_in_one_slice() {
     // Slot i of slice b at (i % slices) * 4096 + i / slices: neighbours in slots are a slice
     // apart, so the m lowest and the window's newest spread over every slice.
     let slices = n.div_ceil(4096);
-    let mut spread: Vec<u32> = (0..n).map(|i| ((i % slices) * 4096 + i / slices) as u32).collect();
+    let mut spread: Vec<u32> = (0..n)
+        .map(|i| ((i % slices) * 4096 + i / slices) as u32)
+        .collect();
     let mut order: Vec<usize> = (0..n).collect();
     order.sort_by_key(|&i| spread[i]);
     for (rank, &i) in order.iter().enumerate() {
@@ -622,12 +624,24 @@ fn few_evictions_selection_where_they_gather_in_one_slice() {
     let tied = |_: u32| 0.5f32;
     let mut cases = 0;
     for positions in [&ascending, &descending, &spread] {
-        for f in [&by_position as &dyn Fn(u32) -> f32, &against_position, &tied] {
+        for f in [
+            &by_position as &dyn Fn(u32) -> f32,
+            &against_position,
+            &tied,
+        ] {
             let scores = scores_of(positions, f);
             let positions = pad(positions.clone());
             for (budget, sinks, recent) in [(n - 128, 0, 0), (n - 128, 4, 64), (n - 300, 2, 1000)] {
                 check_selection_on(
-                    &scores, &positions, stride, kv, n, budget, sinks, recent, 7 + cases,
+                    &scores,
+                    &positions,
+                    stride,
+                    kv,
+                    n,
+                    budget,
+                    sinks,
+                    recent,
+                    7 + cases,
                 );
                 cases += 1;
             }

@@ -324,8 +324,14 @@ mod tests {
         assert_eq!(select_passes(0), 3..9);
         assert_eq!(select_passes(1), 0..9);
         let resolve = |b: SelectBlocks, n, budget, recent| b.resolve(n, budget, recent).unwrap();
-        assert_eq!(resolve(SelectBlocks::Auto, 4096, 4000, 0), SelectBlocks::One);
-        assert_eq!(resolve(SelectBlocks::Auto, 4097, 4000, 0), SelectBlocks::Few);
+        assert_eq!(
+            resolve(SelectBlocks::Auto, 4096, 4000, 0),
+            SelectBlocks::One
+        );
+        assert_eq!(
+            resolve(SelectBlocks::Auto, 4097, 4000, 0),
+            SelectBlocks::Few
+        );
         assert_eq!(resolve(SelectBlocks::Many, 10, 5, 0), SelectBlocks::Many);
         assert_eq!(resolve(SelectBlocks::Few, 10, 5, 0), SelectBlocks::Few);
         // 8K and 128K budgets with B = 128: 3 × 128 and 33 × 128 candidates.
@@ -333,10 +339,19 @@ mod tests {
         assert_eq!(select_few_candidates(131_200, 131_072, 1), 32 * 129 + 128);
         assert_eq!(select_few_candidates(5000, 100, 0), 4096 + 904);
         assert_eq!(select_few_candidates(10, 5, 3), 8);
-        assert_eq!(resolve(SelectBlocks::Auto, 131_200, 131_072, 0), SelectBlocks::Few);
+        assert_eq!(
+            resolve(SelectBlocks::Auto, 131_200, 131_072, 0),
+            SelectBlocks::Few
+        );
         // H2O's half-budget window, or a chunk of 4096 at 128K: too many candidates.
-        assert_eq!(resolve(SelectBlocks::Auto, 8320, 8192, 4096), SelectBlocks::Many);
-        assert_eq!(resolve(SelectBlocks::Auto, 135_168, 131_072, 0), SelectBlocks::Many);
+        assert_eq!(
+            resolve(SelectBlocks::Auto, 8320, 8192, 4096),
+            SelectBlocks::Many
+        );
+        assert_eq!(
+            resolve(SelectBlocks::Auto, 135_168, 131_072, 0),
+            SelectBlocks::Many
+        );
         assert!(SelectBlocks::Few.resolve(135_168, 131_072, 0).is_err());
         assert_eq!(select_few_launch(8, 131_200).grid, (33, 8));
         assert_eq!(select_few_launch(8, 131_200).block, 1024);

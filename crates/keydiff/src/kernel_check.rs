@@ -14,8 +14,8 @@ use keydiff_cache::policy::{
     PoolByPosition,
 };
 pub use keydiff_cache::policy::{ScoreLoads, VECTOR_HEAD_DIMS};
-pub use keydiff_cache::select::{select_few_fits, SelectBlocks};
 use keydiff_cache::select::{move_plan, plan_tensor, select, ApplyPlan, SelectPlan};
+pub use keydiff_cache::select::{select_few_fits, SelectBlocks};
 use keydiff_cache::{Anchor, KvType};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -251,10 +251,10 @@ pub fn kernel_parity(device: &Device, c: &KernelCase, seed: u64) -> Result<Kerne
     let plan_heads_differing = differing(SelectBlocks::One)?;
     let plan_heads_differing_many = differing(SelectBlocks::Many)?;
     let plan_heads_differing_few = if select_few_fits(c.n, c.budget, c.recent) {
-            Some(differing(SelectBlocks::Few)?)
-        } else {
-            None
-        };
+        Some(differing(SelectBlocks::Few)?)
+    } else {
+        None
+    };
 
     // End to end: each side selects from its own scores.
     let e2e_plan = Tensor::new(s_dev.clone(), &cpu)?
