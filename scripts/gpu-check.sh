@@ -61,12 +61,13 @@ echo "== 2. eviction kernels against the CPU references, then timed against copy
 # Timing: 8 KV heads, d 128, bf16 (Llama-3.1-8B's KV shape), B = 128, n = N + B; each n with
 # the selection on one block per head, on many (a launch per digit), and on many in one launch
 # for few evictions (the engine takes that past 4096 slots when the candidates fit, B = 128
-# always; many otherwise), and
-# the scoring with scalar and with 16-byte loads (the engine takes 16-byte loads for d 128).
+# always; many otherwise; n = 2176, a 2K budget, shows whether it should below 4096 too),
+# each with 16-byte loads (the engine's for d 128); and scalar loads with the engine's split:
+# 4 rows per n, as before this third split.
 # Each at 8 heads (one layer) and at 256 (32 layers of 8: the engine evicts a chunk's layers
 # together, as one eviction over every layer's heads; KeyDiff on float caches scores them
 # together too).
-timeout 200 "$bin" check-kernels --device "$device" --large --time-n 4224,8320,32896,131200 \
+timeout 200 "$bin" check-kernels --device "$device" --large --time-n 2176,4224,8320,32896,131200 \
     --time-layers 1,32 \
     > "$out/kernels.jsonl" 2> "$out/kernels.txt"
 rc=$?

@@ -936,21 +936,30 @@ fn check_kernels(
             "% copy"
         );
         use keydiff::kernel_check::{ScoreLoads, SelectBlocks, VECTOR_HEAD_DIMS};
-        // Both ways of splitting the selection and both ways of reading the keys, in the same
-        // run: the engine's `Auto` picks by n and by the view alone, and this is what shows
-        // whether it picks well. On the CPU every variant is the same twin: it is timed once.
+        // Every way of splitting the selection (with the engine's loads) and both ways of
+        // reading the keys (with the engine's split), in the same run: the engine's `Auto`
+        // picks by n, evictions and the view alone, and this is what shows whether it picks
+        // well. A row's score, select and move times are apart, so the splits compare on the
+        // select column and the loads on the score column. On the CPU every variant is the
+        // same twin: it is timed once.
         let mut variants = Vec::new();
         if !dev.is_cuda() {
             variants.push((SelectBlocks::Auto, ScoreLoads::Auto));
         } else {
-            for loads in [ScoreLoads::Scalar, ScoreLoads::Vector] {
-                if loads == ScoreLoads::Vector && !VECTOR_HEAD_DIMS.contains(&head_dim) {
-                    eprintln!("(no 16-byte scoring kernels for head dim {head_dim}: not timed)");
-                    continue;
-                }
-                for blocks in [SelectBlocks::One, SelectBlocks::Many, SelectBlocks::Few] {
-                    variants.push((blocks, loads));
-                }
+            let vector = VECTOR_HEAD_DIMS.contains(&head_dim);
+            if !vector {
+                eprintln!("(no 16-byte scoring kernels for head dim {head_dim}: not timed)");
+            }
+            let loads = if vector {
+                ScoreLoads::Vector
+            } else {
+                ScoreLoads::Scalar
+            };
+            for blocks in [SelectBlocks::One, SelectBlocks::Many, SelectBlocks::Few] {
+                variants.push((blocks, loads));
+            }
+            if vector {
+                variants.push((SelectBlocks::Auto, ScoreLoads::Scalar));
             }
         }
         for (&layers, &n) in time_layers
