@@ -670,6 +670,24 @@ proptest! {
     }
 }
 
+proptest! {
+    // Past one slice of 4096, where the engine takes the one-launch selection of few
+    // evictions: random evictions (to past a slice's worth with the window) and windows.
+    #![proptest_config(ProptestConfig { cases: 6, failure_persistence: None, ..ProptestConfig::default() })]
+    #[test]
+    fn selection_matches_the_twin_on_random_shapes_past_a_slice(
+        n in 4097usize..13_000,
+        evict in 1usize..4500,
+        recent in 0usize..600,
+        sinks in 0usize..8,
+        seed in any::<u64>(),
+    ) {
+        let budget = n - evict.min(n - 1 - recent - sinks);
+        let mut rng = StdRng::seed_from_u64(seed);
+        check_selection(2, n, budget, sinks, recent, seed, &mut rng);
+    }
+}
+
 /// `move_rows` on a `[kv, cap, row_stride]` buffer against sequential copies of the plan.
 fn check_moves<T: Copy + PartialEq + std::fmt::Debug>(
     fill: impl Fn(usize) -> T,
