@@ -576,6 +576,11 @@ fn selection_matches_the_twin_past_the_argsort_limit() {
         // Many heads, as the cache's stack of every layer evicts them at once (a small model's
         // layers · KV heads), each past one slice of the many-block selection.
         (48, 4224, 4096, 4, 0),
+        // The one-launch selection of few evictions on whole slices only (n a multiple of
+        // 4096), and with a window wider than a slice (every slot a candidate: 8192 of them,
+        // its limit).
+        (2, 12_288, 12_160, 2, 100),
+        (1, 8192, 8000, 0, 5000),
     ];
     for (kv, n, budget, sinks, recent) in cases {
         for seed in SEEDS {

@@ -339,6 +339,10 @@ mod tests {
         assert_eq!(select_few_candidates(131_200, 131_072, 1), 32 * 129 + 128);
         assert_eq!(select_few_candidates(5000, 100, 0), 4096 + 904);
         assert_eq!(select_few_candidates(10, 5, 3), 8);
+        // A window wider than a slice: every slot a candidate, at the limit.
+        assert_eq!(select_few_candidates(8192, 8000, 5000), 8192);
+        assert!(select_few_fits(8192, 8000, 5000));
+        assert!(!select_few_fits(8193, 8000, 5000));
         assert_eq!(
             resolve(SelectBlocks::Auto, 131_200, 131_072, 0),
             SelectBlocks::Few
