@@ -13,8 +13,7 @@ use keydiff_cache::policy::{keydiff_scores, keydiff_scores_fused, PoolByPosition
 use keydiff_cache::select::{move_plan, select, select_radix, SelectBlocks};
 use keydiff_cache::{Anchor, KvType};
 use keydiff_kernels::emu;
-use keydiff_kernels::geometry::select_few_fits;
-use keydiff_kernels::geometry::{vector_loads_fit, ScoreLoads, KVQ_BYTES};
+use keydiff_kernels::geometry::{select_few_fits, vector_loads_fit, ScoreLoads, KVQ_BYTES};
 use proptest::prelude::*;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;

@@ -163,10 +163,16 @@ pub const SELECT_FEW_ITEMS: usize = 4096;
 /// `KD_FEW_CAND`: most candidates per head that the last block of `keydiff_select_few` holds.
 pub const SELECT_FEW_CANDIDATES: usize = 8192;
 
-/// Candidates per head of `keydiff_select_few`: per slice, its min(m + recent, slice) smallest
-/// keys (m = n − budget evictions).
+/// Candidates of a whole slice of `keydiff_select_few` (`c` in the kernel): its
+/// min(m + recent, slice) smallest keys, m = n − budget evictions.
+fn select_few_per_slice(n: usize, budget: usize, recent: usize) -> usize {
+    (n.saturating_sub(budget) + recent).min(SELECT_FEW_ITEMS)
+}
+
+/// Candidates per head of `keydiff_select_few`: [`select_few_per_slice`] for every slice, the
+/// last one's at most its length.
 pub fn select_few_candidates(n: usize, budget: usize, recent: usize) -> usize {
-    let c = (n.saturating_sub(budget) + recent).min(SELECT_FEW_ITEMS);
+    let c = select_few_per_slice(n, budget, recent);
     let slices = n.div_ceil(SELECT_FEW_ITEMS);
     (slices.saturating_sub(1)) * c + c.min(n - (slices.saturating_sub(1)) * SELECT_FEW_ITEMS)
 }
@@ -189,7 +195,7 @@ pub fn select_few_launch(kv: usize, n: usize) -> Launch {
 /// Workspace words per head of `keydiff_select_few` (zeroed before it): the ticket, then per
 /// slice its eviction candidates and its window candidates.
 pub fn select_few_workspace(n: usize, budget: usize, recent: usize) -> usize {
-    let c = (n.saturating_sub(budget) + recent).min(SELECT_FEW_ITEMS);
+    let c = select_few_per_slice(n, budget, recent);
     1 + n.div_ceil(SELECT_FEW_ITEMS) * (c + recent.min(SELECT_FEW_ITEMS))
 }
 
