@@ -2,10 +2,11 @@
 # One run on a GPU host (see GPU.md): environment, eviction-kernel parity and timing, the KV
 # cache codecs against the CPU, CPU-vs-GPU model parity (eager attention, and flash when the
 # binary has it; f16, q8_0, q4_0, q5_1 and fp8 caches, in bf16 and f32, and a bisect of the
-# block caches' bf16 gap), perplexity parity, batched passes against single runs on the
-# device, prefix reuse on the device (bf16 and fp8 caches), the memory plan against the
-# driver, a prompt cache saved and loaded on the device, speculative decoding on the device, a
-# short TTFT sweep, batched decode, a prompt joining a decoding batch, the 8B-shaped eviction
+# block caches' bf16 gap), GGUF weight types (candle's quantized matmuls) against the CPU and
+# under batching, perplexity parity, batched passes against single runs on the device,
+# prefix reuse on the device (bf16 and fp8 caches), the memory plan against the driver, a
+# prompt cache saved and loaded on the device, speculative decoding on the device, a short
+# TTFT sweep, batched decode, a prompt joining a decoding batch, the 8B-shaped eviction
 # share, eager against flash attention, then, as time allows, the kernels under
 # compute-sanitizer.
 # Build the binary here first (scripts/build-cuda.sh, or with FlashAttention-2
@@ -235,6 +236,58 @@ for r in map(json.loads, open(sys.argv[1])):
     print(f"  {r['attention']:5} {r['preset'].split('/')[-1]:24} {r['policy']:14} {r['max_rel']:9.2e} top1 {top}/{len(r['segments'])} {'ok' if r['pass'] else 'FAIL'}")
 PY
 [ $batch_ok = 1 ] && note "batch parity: PASS" || note "batch parity: FAIL"
+
+echo "== 3g. GGUF weight types on the device (candle's quantized matmuls) against the CPU, and batching"
+# Random models with their linears and embedding quantized as a GGUF file of each type holds
+# them (--weight-type; never run on hardware before): the CPU f32 reference multiplies the
+# dequantized blocks exactly (dense prefill copies), the device runs candle's quantized
+# matmuls. Chunks of 64 rows under the full cache and H2O eviction, and for four types chunks
+# of 8 rows under the full cache (CUDA's matrix-vector kernels take up to 8). The K types need
+# widths of 256 (tiny-qwen-d64). Then batching with quantized weights (decode rows of several
+# sequences through one quantized matmul). KeyDiff is left out here: bf16's rounding alone
+# moves its choice on tiny-qwen-d64 (CPU dry run in bf16, 2026-12-05: cosine 0.984-0.994 for
+# most types, as for its quantized caches); the CPU in bf16 gave >= 0.99976 for the rest.
+weights_ok=1
+: > "$out/weights-bf16.jsonl"
+for t in q4_0 q4_1 q5_0 q5_1 q8_0 q2_k q3_k q4_k q5_k q6_k; do
+  presets=(--preset configs/tiny-qwen-d64.json)
+  [[ $t != *_k ]] && presets+=(--preset configs/tiny-llama.json --preset configs/tiny-qwen3moe.json)
+  runs=("--prompt-len 700 --chunk 64 --budget 256 --policies h2o")
+  [[ $t =~ ^(q4_0|q8_0|q4_k|q6_k)$ ]] && runs+=("--prompt-len 96 --chunk 8")
+  for r in "${runs[@]}"; do
+    # shellcheck disable=SC2086
+    if ! timeout 60 "$bin" check-device --device "$device" --dtype bf16 --weight-type "$t" \
+        --attention eager $r "${presets[@]}" >> "$out/weights-bf16.jsonl" 2>> "$errors"; then
+      weights_ok=0
+      tail -3 "$errors"
+    fi
+  done
+done
+for a in "--weight-type q4_k --preset configs/tiny-qwen-d64.json" \
+         "--weight-type q4_0 --preset configs/tiny-llama.json"; do
+  # shellcheck disable=SC2086
+  if ! timeout 60 "$bin" check-device --batch --device "$device" --dtype bf16 $a \
+      --policies h2o,tova >> "$out/weights-batch-bf16.jsonl" 2>> "$errors"; then
+    weights_ok=0
+    tail -3 "$errors"
+  fi
+done
+python3 - "$out" >> "$summary" <<'PY'
+import json, sys
+print("GGUF weight types (bf16 on the device, CPU f32 reference):")
+print(f"  {'weights':7} {'preset':22} {'policy':8} {'chunk':>5} {'cosine':>9} {'max_rel':>9} top1")
+for r in map(json.loads, open(sys.argv[1] + "/weights-bf16.jsonl")):
+    d = r["diff"]
+    print(f"  {r['weights']:7} {r['preset'].split('/')[-1]:22} {r['policy']:8} {r['chunk']:5} {d['cosine']:9.6f} {d['max_rel']:9.2e} {'same' if r['top1_equal'] else 'DIFF'}")
+try:
+    rows = list(map(json.loads, open(sys.argv[1] + "/weights-batch-bf16.jsonl")))
+except FileNotFoundError:
+    rows = []
+for r in rows:
+    top = sum(s["top1_equal"] for s in r["segments"])
+    print(f"  batch {r['weights']:7} {r['preset'].split('/')[-1]:22} {r['policy']:8} {r['max_rel']:9.2e} top1 {top}/{len(r['segments'])} {'ok' if r['pass'] else 'FAIL'}")
+PY
+[ $weights_ok = 1 ] && note "weights parity: PASS" || note "weights parity: FAIL"
 
 echo "== 3b. prefix reuse on the device: the same answers as fresh prefills (tiny random, bf16; an fp8 cache)"
 # KeyDiff is left out: its anchor sums with float atomics on the GPU, so two fresh runs may

@@ -40,13 +40,14 @@ fn flash_backend_matches_eager_under_every_policy() {
             config: path.clone(),
             seed: 3,
             on_host: false,
+            weights: None,
         };
         for policy in policies.clone() {
             let eager = config(policy, AttentionBackend::Eager);
             let flash = config(policy, AttentionBackend::Flash);
             // Prefill of 250 tokens in chunks of 32 (eviction from the fourth chunk on).
             let (d, used) =
-                keydiff::parity::compare_devices(&path, 3, &eager, &flash, 250).unwrap();
+                keydiff::parity::compare_devices(&path, 3, None, &eager, &flash, 250).unwrap();
             assert_eq!(used, AttentionBackend::Flash);
             assert!(
                 d.max_rel < 1e-4 && d.top1_equal(),
@@ -95,6 +96,7 @@ fn flash_backend_runs_in_bf16() {
         let (d, _) = keydiff::parity::compare_devices(
             &path,
             3,
+            None,
             &bf16(AttentionBackend::Eager),
             &bf16(AttentionBackend::Flash),
             250,
@@ -116,6 +118,7 @@ fn default_config_resolves_attention_at_load() {
         config: root().join("configs/tiny-llama.json"),
         seed: 3,
         on_host: false,
+        weights: None,
     };
     let engine = Engine::load(&source, &EngineConfig::default()).unwrap();
     assert_eq!(engine.config().attention, AttentionBackend::Eager);
@@ -131,6 +134,7 @@ fn one_token_chunks_match_the_whole_prompt() {
         config: path,
         seed: 5,
         on_host: false,
+        weights: None,
     };
     let tokens = keydiff::parity::random_tokens(300, 256, 4);
     for attention in [AttentionBackend::Eager, AttentionBackend::Flash] {

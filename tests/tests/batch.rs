@@ -400,8 +400,17 @@ fn refusals_and_cancels_stay_with_their_request() {
 #[test]
 fn a_batch_step_equals_single_steps() {
     let config = root().join("configs/tiny-llama.json");
-    let random =
-        keydiff_model::load_random(&config, &Device::Cpu, DType::F32, 5, false, None).unwrap();
+    let random = keydiff_model::load_random(
+        &config,
+        &Device::Cpu,
+        DType::F32,
+        5,
+        false,
+        None,
+        keydiff::CpuWeights::FAST,
+        None,
+    )
+    .unwrap();
     batch_step_against_single_steps(&random.model, 1e-4, "random f32 Llama");
     let gguf = |path: &str| {
         keydiff_model::load_gguf(
@@ -442,6 +451,7 @@ fn limited_engine() -> (Engine, GenerateParams, keydiff::ModelConfig, u64) {
         config: root().join("configs/tiny-llama.json"),
         seed: 2,
         on_host: false,
+        weights: None,
     };
     let (chunk, n) = (32, 256);
     let base = Engine::load(&source, &EngineConfig::default()).unwrap();

@@ -12,6 +12,7 @@ fn tiny(preset: &str, cache: CacheConfig) -> Engine {
         config: root().join(format!("configs/{preset}.json")),
         seed: 3,
         on_host: false,
+        weights: None,
     };
     let cfg = EngineConfig {
         cache,

@@ -66,6 +66,7 @@ fn peak_kv_is_bounded_by_budget() {
             config: root().join(format!("configs/{preset}.json")),
             seed: 1,
             on_host: false,
+            weights: None,
         };
         let e = Engine::load(&source, &budgeted("keydiff", n, b)).unwrap();
         let c = e.model_config().clone();
@@ -97,6 +98,7 @@ fn a_budget_beyond_the_request_costs_what_full_costs() {
         config: root().join("configs/tiny-llama.json"),
         seed: 1,
         on_host: false,
+        weights: None,
     };
     let full = Engine::load(&source, &EngineConfig::default()).unwrap();
     let big = Engine::load(&source, &budgeted("keydiff", 100_000, 64)).unwrap();

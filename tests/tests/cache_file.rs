@@ -191,6 +191,7 @@ fn tiny_llama(seed: u64) -> ModelSource {
         config: root().join("configs/tiny-llama.json"),
         seed,
         on_host: false,
+        weights: None,
     }
 }
 

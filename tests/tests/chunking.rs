@@ -42,6 +42,7 @@ fn chunk_size_does_not_change_logits_random_archs() {
             config: root().join(format!("configs/{preset}.json")),
             seed: 3,
             on_host: true,
+            weights: None,
         };
         let engine = Engine::load(&source, &EngineConfig::default()).unwrap();
         let tokens = keydiff::parity::random_tokens(300, 256, 11);

@@ -703,6 +703,112 @@ fn check_device_runs_on_the_cpu() {
     }
 }
 
+/// `--weight-type`: random weights quantized as a GGUF file of that type holds them. `run`
+/// generates with them, `info` names the type (its provenance, each linear's stored type, the
+/// planned bytes held); `check-device` reports it per line; a type the preset's widths cannot
+/// hold, an unknown type, and the flag on a model file are refused by name.
+#[test]
+fn weight_type_quantizes_random_weights() {
+    let root = keydiff_tests::root();
+    let d64 = root.join("configs/tiny-qwen-d64.json");
+    let (out, _) = ok(&[
+        "check-device",
+        "--device",
+        "cpu",
+        "--dtype",
+        "bf16",
+        "--weight-type",
+        "q4_k",
+        "--preset",
+        d64.to_str().unwrap(),
+        "--prompt-len",
+        "100",
+        "--chunk",
+        "32",
+        "--budget",
+        "48",
+        "--policies",
+        "h2o",
+    ]);
+    let lines: Vec<serde_json::Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 2, "full and h2o: {lines:?}");
+    for l in &lines {
+        assert_eq!(l["weights"], "q4_k", "{l}");
+        assert!(l["diff"]["cosine"].as_f64().unwrap() > 0.999, "{l}");
+    }
+    ok(&[
+        "run",
+        "--random-weights",
+        "-m",
+        d64.to_str().unwrap(),
+        "--weight-type",
+        "q5_k",
+        "-p",
+        "hello",
+        "-n",
+        "3",
+    ]);
+    let (so, _) = ok(&[
+        "info",
+        "--random-weights",
+        "-m",
+        d64.to_str().unwrap(),
+        "--weight-type",
+        "Q6_K",
+    ]);
+    let info: serde_json::Value = serde_json::from_str(&so).unwrap();
+    assert!(
+        info["origin"]
+            .as_str()
+            .unwrap()
+            .contains("random weights in q6_k"),
+        "{info}"
+    );
+    assert_eq!(info["weights"]["ffn_down"], "Q6K", "{info}");
+    assert_eq!(
+        info["memory"]["weight_bytes"], info["memory"]["planned_weight_bytes"],
+        "{info}"
+    );
+    let fails = |args: &[&str], want: &[&str]| {
+        let out = Command::new(keydiff_bin()).args(args).output().unwrap();
+        let se = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        for w in want {
+            assert!(se.contains(w), "{args:?}: {se}");
+        }
+    };
+    let llama = root.join("configs/tiny-llama.json");
+    let base = ["run", "--random-weights", "-p", "hi", "-n", "1", "-m"];
+    fails(
+        &[
+            &base[..],
+            &[llama.to_str().unwrap(), "--weight-type", "q4_k"],
+        ]
+        .concat(),
+        &["q_proj.weight", "not whole", "256"],
+    );
+    fails(
+        &[&base[..], &[llama.to_str().unwrap(), "--weight-type", "q9"]].concat(),
+        &["weight type `q9`", "q4_0"],
+    );
+    let m = model(SMOLLM2);
+    fails(
+        &[
+            "run",
+            "-m",
+            m.to_str().unwrap(),
+            "--weight-type",
+            "q4_0",
+            "-p",
+            "hi",
+        ],
+        &["--weight-type q4_0 applies to --random-weights only"],
+    );
+}
+
 /// `--grammar` and `-j/--json-schema`: the reply is a whole text of the grammar, a value of
 /// the schema; a bad grammar, an unsupported schema keyword and a missing file are refused
 /// before the model loads, by name.

@@ -16,6 +16,7 @@ fn source() -> ModelSource {
         config: root().join("configs/tiny-qwen-d64.json"),
         seed: 5,
         on_host: false,
+        weights: None,
     }
 }
 
@@ -129,6 +130,7 @@ fn other_cache_dtypes_are_refused() {
         config: root().join("configs/tiny-llama.json"),
         seed: 5,
         on_host: false,
+        weights: None,
     };
     for t in [KvType::Q8_0, KvType::Q4_0] {
         let err = match Engine::load(
@@ -266,6 +268,7 @@ fn rotation_changes_only_quantized_caches() {
         config: root().join("configs/tiny-qwen3.json"),
         seed: 5,
         on_host: false,
+        weights: None,
     };
     let e = Engine::load(
         &heads_of_32,

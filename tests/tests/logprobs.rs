@@ -186,6 +186,7 @@ fn generated_logprobs_equal_a_naive_recomputation() {
             config: root().join(format!("configs/{config}.json")),
             seed: 3,
             on_host: false,
+            weights: None,
         };
         let e = Engine::load(&src, &EngineConfig::default()).unwrap();
         let vocab = e.model_config().vocab_size;

@@ -163,12 +163,33 @@ fn weight_plans_match_the_loaded_models() {
                 config: root().join(format!("configs/{preset}.json")),
                 seed: 1,
                 on_host: false,
+                weights: None,
             };
             assert_plan_holds(
                 &source,
                 &config(CpuWeights::FAST, dtype, None),
                 &format!("{preset} {dtype:?}"),
             );
+        }
+    }
+    // Random weights quantized as a GGUF file's (`--weight-type`): the plan counts their
+    // blocks and the CPU copies each option keeps (Q4_1 and Q5_0 re-quantized to Q8_0 under
+    // `requantize_slow`; experts without dense copies).
+    for (preset, t) in [
+        ("tiny-llama", GgmlDType::Q4_1),
+        ("tiny-qwen3moe", GgmlDType::Q5_0),
+        ("tiny-qwen-d64", GgmlDType::Q4K),
+    ] {
+        for opts in OPTIONS {
+            let source = ModelSource::Random {
+                config: root().join(format!("configs/{preset}.json")),
+                seed: 1,
+                on_host: false,
+                weights: Some(t),
+            };
+            let what = format!("{preset} {t:?} {opts:?}");
+            let e = assert_plan_holds(&source, &config(opts, DType::F32, None), &what);
+            assert_eq!(e.cpu_weights(), Some(opts), "{what}");
         }
     }
     std::fs::remove_dir_all(&dir).unwrap();
@@ -244,6 +265,7 @@ fn tiny_llama() -> ModelSource {
         config: root().join("configs/tiny-llama.json"),
         seed: 2,
         on_host: false,
+        weights: None,
     }
 }
 
@@ -320,6 +342,7 @@ fn kv_caches_that_cannot_fit_are_refused_per_request() {
         config: root().join("configs/tiny-qwen-d64.json"),
         seed: 2,
         on_host: false,
+        weights: None,
     };
     let base = Engine::load(&source, &EngineConfig::default()).unwrap();
     let m = base.model_config().clone();

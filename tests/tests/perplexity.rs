@@ -184,6 +184,7 @@ fn lengths_at_chunk_edges() {
         config: root().join("configs/tiny-llama.json"),
         seed: 4,
         on_host: false,
+        weights: None,
     };
     let cfg = EngineConfig {
         cache: cache("keydiff", Some(16), 8),

@@ -12,6 +12,7 @@ fn tiny(preset: &str) -> Engine {
         config: root().join(format!("configs/{preset}.json")),
         seed: 5,
         on_host: false,
+        weights: None,
     };
     let cfg = EngineConfig {
         cache: CacheConfig::full(CHUNK),

@@ -303,6 +303,7 @@ fn tiny_llama() -> (ModelSource, keydiff::ModelConfig, u64) {
         config: keydiff_tests::root().join("configs/tiny-llama.json"),
         seed: 2,
         on_host: false,
+        weights: None,
     };
     let base = Engine::load(&source, &EngineConfig::default()).unwrap();
     let (m, resident) = (base.model_config().clone(), base.weight_plan().resident);

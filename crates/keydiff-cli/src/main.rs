@@ -117,6 +117,12 @@ enum Cmd {
         /// KV budget for the eviction runs (none: full cache only).
         #[arg(long)]
         budget: Option<usize>,
+        /// Quantize the random models' linears and embedding to this GGML type (as
+        /// `--weight-type`): both devices run the same blocks, the CPU through dense prefill
+        /// copies (exact f32 products of the dequantized weights), the device through its
+        /// quantized matmuls, as a GGUF model of that type runs there.
+        #[arg(long)]
+        weight_type: Option<String>,
         /// Policies to check under the budget.
         #[arg(long, value_delimiter = ',', default_value = "keydiff")]
         policies: Vec<String>,
@@ -204,6 +210,12 @@ struct LoadArgs {
     /// Seed of the random weights.
     #[arg(long, default_value_t = 0)]
     weight_seed: u64,
+    /// With --random-weights: quantize the linears and the embedding to this GGML type, as a
+    /// GGUF file of that type holds them (q4_0, q4_1, q5_0, q5_1, q8_0, q2_k, q3_k, q4_k,
+    /// q5_k, q6_k; norms stay dense), so that a preset times or checks the quantized matmuls
+    /// a GGUF model runs. The K types need widths that are multiples of 256.
+    #[arg(long)]
+    weight_type: Option<String>,
     /// cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu")]
     device: String,
@@ -402,8 +414,19 @@ impl LoadArgs {
                 config,
                 seed: self.weight_seed,
                 on_host: false,
+                weights: self
+                    .weight_type
+                    .as_deref()
+                    .map(keydiff::parse_weight_type)
+                    .transpose()?,
             }
         } else {
+            if let Some(t) = &self.weight_type {
+                bail!(
+                    "--weight-type {t} applies to --random-weights only (a model file's weights \
+                     are of the types it stores)"
+                );
+            }
             ModelSource::parse(&self.model)?
         };
         let device = parse_device(&self.device)?;
@@ -672,11 +695,16 @@ fn real_main() -> Result<()> {
             chunk,
             seed,
             budget,
+            weight_type,
             policies,
             perplexity,
             batch,
         } => {
             let dev = parse_device(&device)?;
+            let weights = weight_type
+                .as_deref()
+                .map(keydiff::parse_weight_type)
+                .transpose()?;
             let dt = parse_dtype(&dtype)?;
             let kv_dt = kv_dtype
                 .as_deref()
@@ -695,7 +723,7 @@ fn real_main() -> Result<()> {
                     memory_limit: None,
                     ..Default::default()
                 };
-                return check_batch(&cfg, &preset, &policies, seed, (&device, &dtype));
+                return check_batch(&cfg, &preset, &policies, (seed, weights), (&device, &dtype));
             }
             let mut caches = vec![CacheConfig::full(chunk)];
             if let Some(n) = budget {
@@ -742,13 +770,14 @@ fn real_main() -> Result<()> {
                         memory_limit: None,
                         ..Default::default()
                     };
-                    let (d, used) =
-                        keydiff::parity::compare_devices(p, seed, &reference, &other, prompt_len)
-                            .with_context(|| format!("preset {}", p.display()))?;
+                    let (d, used) = keydiff::parity::compare_devices(
+                        p, seed, weights, &reference, &other, prompt_len,
+                    )
+                    .with_context(|| format!("preset {}", p.display()))?;
                     let nll = if perplexity {
                         Some(
                             keydiff::parity::compare_device_perplexity(
-                                p, seed, &reference, &other, prompt_len,
+                                p, seed, weights, &reference, &other, prompt_len,
                             )
                             .with_context(|| format!("perplexity, preset {}", p.display()))?,
                         )
@@ -762,6 +791,7 @@ fn real_main() -> Result<()> {
                             .unwrap_or(keydiff::DType::F32.into())
                             .to_string(),
                         "attention": used.name(),
+                        "weights": weights.map(keydiff::weight_type_name),
                         "policy": cache.policy.name(), "budget": cache.budget,
                         "prompt_len": prompt_len, "chunk": chunk, "diff": d,
                         "top1_equal": d.top1_equal(), "nll": nll,
@@ -1727,7 +1757,7 @@ fn check_batch(
     cfg: &EngineConfig,
     presets: &[PathBuf],
     policies: &[String],
-    seed: u64,
+    (seed, weights): (u64, Option<keydiff::GgmlDType>),
     (device, dtype): (&str, &str),
 ) -> Result<()> {
     let mut caches = vec![CacheConfig::full(16)];
@@ -1742,8 +1772,9 @@ fn check_batch(
     let mut failed = Vec::new();
     for p in presets {
         for cache in &caches {
-            let (segments, attention) = keydiff::parity::compare_batch(p, seed, cfg, cache)
-                .with_context(|| format!("batch check, preset {}", p.display()))?;
+            let (segments, attention) =
+                keydiff::parity::compare_batch(p, seed, weights, cfg, cache)
+                    .with_context(|| format!("batch check, preset {}", p.display()))?;
             let worst = segments
                 .iter()
                 .map(|d| d.max_abs / d.scale.max(f32::MIN_POSITIVE))
@@ -1758,7 +1789,8 @@ fn check_batch(
             });
             let v = serde_json::json!({
                 "check": "batch", "preset": p.display().to_string(), "device": device,
-                "dtype": dtype, "attention": attention.name(), "policy": cache.policy.name(),
+                "dtype": dtype, "attention": attention.name(),
+                "weights": weights.map(keydiff::weight_type_name), "policy": cache.policy.name(),
                 "budget": cache.budget, "chunk": cache.chunk, "segments": segments,
                 "max_rel": worst, "pass": pass,
             });

@@ -27,4 +27,4 @@ pub use load::{
 };
 pub use memory::MemoryBudget;
 pub use model::{Logits, Model, Segment};
-pub use weights::{CpuWeights, WeightPlan};
+pub use weights::{parse_weight_type, weight_type_name, CpuWeights, WeightPlan, WEIGHT_TYPES};

@@ -2,6 +2,7 @@
 
 use std::path::{Path, PathBuf};
 
+use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device};
 use tokenizers::Tokenizer;
 
@@ -11,7 +12,7 @@ use crate::error::{ModelError, Result};
 use crate::memory::{human, MemoryBudget};
 use crate::model::Model;
 use crate::tokenizer::tokenizer_from_gguf;
-use crate::weights::{CpuWeights, Key, WeightPlan, Weights};
+use crate::weights::{weight_type_name, CpuWeights, Key, WeightPlan, Weights};
 
 /// Where the weights of a loaded model came from.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
@@ -180,7 +181,8 @@ fn fit_weights(
     what: &str,
 ) -> Result<(CpuWeights, WeightPlan)> {
     let on_cpu = weights.device_dtype().0.is_cpu();
-    let describe = |c: CpuWeights| match (weights.gguf_content().is_some(), on_cpu) {
+    let quantized = weights.gguf_content().is_some() || weights.random_weight_type().is_some();
+    let describe = |c: CpuWeights| match (quantized, on_cpu) {
         (true, true) => c.describe(),
         (true, false) => "weights as stored",
         (false, _) => "dense weights",
@@ -368,26 +370,43 @@ pub fn load_hf_dir(
 /// Builds a model of a preset's shape (an HF `config.json`) with seeded random weights.
 /// Its tokenizer is a plain byte-level one: the text it produces is meaningless.
 /// `on_host` draws the values on the CPU so that every device gets the same model.
+/// `weight_type` quantizes its linears and embedding to that GGML type, as a GGUF file of
+/// that type holds them (drawn on the host whatever `on_host` says; see
+/// [`Weights::random_quantized`]), kept on the CPU with `opts`' copies.
+#[allow(clippy::too_many_arguments)]
 pub fn load_random(
     config: &Path,
     device: &Device,
     dtype: DType,
     seed: u64,
     on_host: bool,
+    weight_type: Option<GgmlDType>,
+    opts: CpuWeights,
     mem: Option<&MemoryPlan>,
 ) -> Result<Loaded> {
     let hf = HfConfig::load(config)?;
     let cfg = hf.to_model_config(config)?;
-    let weights = Weights::random(device, dtype, seed, on_host)?;
+    let (mut weights, asked) = match weight_type {
+        Some(t) => (
+            Weights::random_quantized(device, dtype, seed, t, opts)?,
+            opts,
+        ),
+        None => (
+            Weights::random(device, dtype, seed, on_host)?,
+            CpuWeights::AS_STORED,
+        ),
+    };
     let what = format!("the random weights of {}", config.display());
-    let (_, weight_plan) = fit_weights(&weights, &cfg, CpuWeights::AS_STORED, mem, &what)?;
+    let (opts, weight_plan) = fit_weights(&weights, &cfg, asked, mem, &what)?;
+    weights.set_cpu_weights(opts);
     let model = Model::load(&cfg, &weights)?;
+    let kind = weight_type.map_or(String::new(), |t| format!(" in {}", weight_type_name(t)));
     Ok(Loaded {
         model,
         vocab: byte_vocab(cfg.vocab_size)?,
         format: ModelFormat::Random,
-        origin: format!("{} (random weights, seed {seed})", config.display()),
-        cpu_weights: None,
+        origin: format!("{} (random weights{kind}, seed {seed})", config.display()),
+        cpu_weights: (weight_type.is_some() && device.is_cpu()).then_some(opts),
         weight_plan,
         files: vec![config.to_path_buf()],
     })

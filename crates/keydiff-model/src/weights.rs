@@ -419,7 +419,53 @@ pub enum Weights {
         on_host: bool,
         /// Host generator (candle's CPU backend cannot be seeded).
         rng: Mutex<StdRng>,
+        /// The GGML type linears and the embedding are quantized to (see
+        /// [`Weights::random_quantized`]); `None`: dense in `dtype`.
+        quantized: Option<GgmlDType>,
+        /// CPU copies of quantized linears, as for a GGUF file.
+        opts: CpuWeights,
     },
+}
+
+/// The GGML types a random model's weights can be quantized to (`--weight-type`), by the
+/// names llama.cpp's `quantize` gives them: the block types of its weight files that candle's
+/// CPU and CUDA matmuls run.
+pub const WEIGHT_TYPES: [(&str, GgmlDType); 10] = [
+    ("q4_0", GgmlDType::Q4_0),
+    ("q4_1", GgmlDType::Q4_1),
+    ("q5_0", GgmlDType::Q5_0),
+    ("q5_1", GgmlDType::Q5_1),
+    ("q8_0", GgmlDType::Q8_0),
+    ("q2_k", GgmlDType::Q2K),
+    ("q3_k", GgmlDType::Q3K),
+    ("q4_k", GgmlDType::Q4K),
+    ("q5_k", GgmlDType::Q5K),
+    ("q6_k", GgmlDType::Q6K),
+];
+
+/// A weight type of [`WEIGHT_TYPES`] by name (any case: `Q4_K` too), or an error that lists
+/// them.
+pub fn parse_weight_type(name: &str) -> Result<GgmlDType> {
+    let lower = name.to_ascii_lowercase();
+    WEIGHT_TYPES
+        .iter()
+        .find(|(n, _)| *n == lower)
+        .map(|(_, t)| *t)
+        .ok_or_else(|| {
+            let names: Vec<&str> = WEIGHT_TYPES.iter().map(|(n, _)| *n).collect();
+            ModelError::Unsupported(format!(
+                "weight type `{name}` (expected one of {})",
+                names.join(", ")
+            ))
+        })
+}
+
+/// The name [`WEIGHT_TYPES`] gives `t` (its debug name for other types).
+pub fn weight_type_name(t: GgmlDType) -> String {
+    WEIGHT_TYPES
+        .iter()
+        .find(|(_, x)| *x == t)
+        .map_or_else(|| format!("{t:?}"), |(n, _)| n.to_string())
 }
 
 impl Weights {
@@ -484,7 +530,76 @@ impl Weights {
             dtype,
             on_host,
             rng: Mutex::new(StdRng::seed_from_u64(seed)),
+            quantized: None,
+            opts: CpuWeights::AS_STORED,
         })
+    }
+
+    /// Seeded random weights whose linears (experts and the LM head included) and embedding
+    /// table are quantized to `t`, as a GGUF file of that type stores them: each is drawn on
+    /// the host as [`Weights::random`] with `on_host` draws it (the same values), quantized
+    /// by candle's CPU quantizer, then loaded as a GGUF tensor is (candle's quantized matmul
+    /// on every device; on the CPU with `opts`' copies). Norms and biases stay dense. Every
+    /// quantized tensor's rows must be whole blocks of `t` (32 values, 256 for the K types):
+    /// a shape that is not is refused by name when the model loads.
+    pub fn random_quantized(
+        device: &Device,
+        dtype: DType,
+        seed: u64,
+        t: GgmlDType,
+        opts: CpuWeights,
+    ) -> Result<Self> {
+        if !WEIGHT_TYPES.iter().any(|(_, x)| *x == t) {
+            return Err(ModelError::Unsupported(format!(
+                "random weights of type {t:?} (a weight type of llama.cpp's files is needed)"
+            )));
+        }
+        Ok(Weights::Random {
+            device: device.clone(),
+            dtype,
+            on_host: true,
+            rng: Mutex::new(StdRng::seed_from_u64(seed)),
+            quantized: Some(t),
+            opts,
+        })
+    }
+
+    /// The type a random source quantizes linears and embeddings to, if any.
+    pub fn random_weight_type(&self) -> Option<GgmlDType> {
+        match self {
+            Weights::Random { quantized, .. } => *quantized,
+            _ => None,
+        }
+    }
+
+    /// A random source's tensor `name` of `shape` (2-D or more, rows last) drawn on the host
+    /// and quantized to `t`, on the source's device, as [`Weights::qtensor`] reads a GGUF
+    /// tensor.
+    fn random_qtensor(&self, name: &str, shape: &[usize], t: GgmlDType) -> Result<QTensor> {
+        let Weights::Random { device, rng, .. } = self else {
+            unreachable!("random_qtensor on a non-random source")
+        };
+        let row = shape.last().copied().unwrap_or(0);
+        if !row.is_multiple_of(t.block_size()) {
+            return Err(ModelError::Unsupported(format!(
+                "tensor `{name}` {shape:?} in {}: its rows of {row} values are not whole \
+                 blocks of {} (pick a type of 32-value blocks, q4_0 to q8_0, or a preset whose \
+                 widths are multiples of 256)",
+                weight_type_name(t),
+                t.block_size()
+            )));
+        }
+        let dense = {
+            let mut rng = rng.lock().expect("rng lock poisoned");
+            Init::Normal.host(shape, &mut rng)?
+        };
+        let q = QTensor::quantize(&dense, t)?;
+        if device.is_cpu() {
+            return Ok(q);
+        }
+        let bytes = std::borrow::Cow::Owned(q.data()?.into_owned());
+        let storage = candle_core::quantized::QStorage::from_data(bytes, device, t)?;
+        Ok(QTensor::new(storage, shape)?)
     }
 
     /// The GGUF content, if this is a GGUF source.
@@ -504,9 +619,10 @@ impl Weights {
         cfg.tie_word_embeddings || !self.has(Key::LmHead, None)
     }
 
-    /// CPU options of a GGUF source (set before the model loads; see [`Weights::plan`]).
+    /// CPU options of a GGUF source or a quantized random one (set before the model loads;
+    /// see [`Weights::plan`]).
     pub fn set_cpu_weights(&mut self, cpu: CpuWeights) {
-        if let Weights::Gguf { opts, .. } = self {
+        if let Weights::Gguf { opts, .. } | Weights::Random { opts, .. } = self {
             *opts = cpu;
         }
     }
@@ -603,14 +719,21 @@ impl Weights {
         let dsize = dtype.size_in_bytes() as u64;
         let bytes_of = |t: GgmlDType, n: u64| n / t.block_size() as u64 * t.type_size() as u64;
         for (name, role, n) in self.model_tensors(cfg) {
-            let (resident, transient) = match self {
-                Weights::Gguf { content, .. } => {
-                    let Some(info) = content.tensor_infos.get(&name) else {
-                        continue;
-                    };
-                    let t = info.ggml_dtype;
+            let stored_type = match self {
+                Weights::Gguf { content, .. } => match content.tensor_infos.get(&name) {
+                    Some(info) => Some(info.ggml_dtype),
+                    None => continue,
+                },
+                Weights::Random {
+                    quantized: Some(t), ..
+                } if role != Role::Plain => Some(*t),
+                _ => None,
+            };
+            let (resident, transient) = match stored_type {
+                Some(t) => {
                     let stored = bytes_of(t, n);
-                    // Read from the file, dequantized to f32, cast: what passes through.
+                    // Read from the file (a quantized random tensor: drawn in f32 and
+                    // quantized on the host), dequantized to f32, cast: what passes through.
                     let passing = stored + 4 * n;
                     match (role, t.block_size() > 1) {
                         (Role::Embedding, true) => (stored, stored),
@@ -644,7 +767,7 @@ impl Weights {
                 }
                 // Safetensors are mapped and converted tensor by tensor; random values are
                 // drawn in f32 and cast.
-                _ => (n * dsize, 4 * n),
+                None => (n * dsize, 4 * n),
             };
             plan.resident += resident;
             plan.transient = plan.transient.max(transient);
@@ -731,6 +854,7 @@ impl Weights {
                 dtype,
                 on_host,
                 rng,
+                ..
             } => {
                 if *on_host || device.is_cpu() {
                     let mut rng = rng.lock().expect("rng lock poisoned");
@@ -778,42 +902,66 @@ impl Weights {
         bias: bool,
     ) -> Result<Linear> {
         let wname = format!("{base}.weight");
-        let mut dense = None;
-        let stored;
-        let w = match self {
-            Weights::Gguf {
-                device,
-                dtype,
-                opts,
-                ..
-            } => {
-                let q = self.qtensor(&wname)?;
-                if q.shape().dims() != [out_dim, in_dim] {
-                    return Err(ModelError::Shape(format!(
-                        "tensor `{wname}` has shape {:?}, expected [{out_dim}, {in_dim}]",
-                        q.shape().dims()
-                    )));
-                }
-                stored = format!("{:?}", q.dtype());
-                let (q, d) = opts.prepare(q, device, *dtype)?;
-                dense = d;
-                gguf_matmul(q, *dtype)?
-            }
-            _ => {
+        let mut linear = match self.stored_qtensor(&wname, &[out_dim, in_dim])? {
+            Some(q) => self.quantized_linear(q, false)?,
+            None => {
                 let t = self.tensor(&wname, &[out_dim, in_dim], Init::Normal)?;
-                stored = format!("{:?}", t.dtype());
-                QMatMul::Tensor(t)
+                Linear {
+                    stored: format!("{:?}", t.dtype()),
+                    w: QMatMul::Tensor(t),
+                    dense: None,
+                    b: None,
+                    rows_alone: Default::default(),
+                }
             }
         };
-        let b = if bias {
-            Some(self.tensor(&format!("{base}.bias"), &[out_dim], Init::Zeros)?)
-        } else {
-            None
+        if bias {
+            linear.b = Some(self.tensor(&format!("{base}.bias"), &[out_dim], Init::Zeros)?);
+        }
+        Ok(linear)
+    }
+
+    /// The tensor `name` as a GGUF file stores it, checked to be of `shape`: a GGUF source's
+    /// (any type), a quantized random source's (drawn and quantized); `None` for the dense
+    /// sources.
+    fn stored_qtensor(&self, name: &str, shape: &[usize]) -> Result<Option<QTensor>> {
+        let q = match self {
+            Weights::Gguf { .. } => self.qtensor(name)?,
+            Weights::Random {
+                quantized: Some(t), ..
+            } => self.random_qtensor(name, shape, *t)?,
+            _ => return Ok(None),
         };
+        if q.shape().dims() != shape {
+            return Err(ModelError::Shape(format!(
+                "tensor `{name}` has shape {:?}, expected {shape:?}",
+                q.shape().dims()
+            )));
+        }
+        Ok(Some(q))
+    }
+
+    /// CPU options for quantized linears ([`Weights::set_cpu_weights`]).
+    fn cpu_opts(&self) -> CpuWeights {
+        match self {
+            Weights::Gguf { opts, .. } | Weights::Random { opts, .. } => *opts,
+            Weights::Safetensors { .. } => CpuWeights::AS_STORED,
+        }
+    }
+
+    /// A linear (no bias) of a weight as a GGUF file stores it: with the CPU copies
+    /// [`Weights::cpu_opts`] asks for (an expert's without a dense prefill copy, see
+    /// [`Weights::experts`]), unquantized types cast to the model's dtype.
+    fn quantized_linear(&self, q: QTensor, expert: bool) -> Result<Linear> {
+        let (device, dtype) = self.device_dtype();
+        let stored = format!("{:?}", q.dtype());
+        let mut opts = self.cpu_opts();
+        opts.dense_prefill &= !expert;
+        let (q, dense) = opts.prepare(q, &device, dtype)?;
         Ok(Linear {
-            w,
+            w: gguf_matmul(q, dtype)?,
             dense,
-            b,
+            b: None,
             stored,
             rows_alone: Default::default(),
         })
@@ -835,15 +983,17 @@ impl Weights {
         out_dim: usize,
         in_dim: usize,
     ) -> Result<Vec<Linear>> {
-        let Weights::Gguf {
-            device,
-            dtype,
-            opts,
-            ..
-        } = self
-        else {
+        let Weights::Gguf { device, .. } = self else {
             return (0..n)
-                .map(|e| self.linear_named(&key.expert_name(false, l, e), out_dim, in_dim, false))
+                .map(|e| {
+                    let name = format!("{}.weight", key.expert_name(false, l, e));
+                    match self.stored_qtensor(&name, &[out_dim, in_dim])? {
+                        Some(q) => self.quantized_linear(q, true),
+                        None => {
+                            self.linear_named(&key.expert_name(false, l, e), out_dim, in_dim, false)
+                        }
+                    }
+                })
                 .collect();
         };
         let name = format!("{}.weight", key.expert_name(true, l, 0));
@@ -866,23 +1016,11 @@ impl Weights {
                 n * per
             )));
         }
-        let opts = CpuWeights {
-            dense_prefill: false,
-            ..*opts
-        };
         (0..n)
             .map(|e| {
                 let bytes = std::borrow::Cow::Borrowed(&data[e * per..(e + 1) * per]);
                 let storage = candle_core::quantized::QStorage::from_data(bytes, device, t)?;
-                let q = QTensor::new(storage, (out_dim, in_dim))?;
-                let (q, _) = opts.prepare(q, device, *dtype)?;
-                Ok(Linear {
-                    w: gguf_matmul(q, *dtype)?,
-                    dense: None,
-                    b: None,
-                    stored: format!("{t:?}"),
-                    rows_alone: Default::default(),
-                })
+                self.quantized_linear(QTensor::new(storage, (out_dim, in_dim))?, true)
             })
             .collect()
     }
@@ -890,23 +1028,13 @@ impl Weights {
     /// The embedding table `[vocab, hidden]`; kept quantized when stored quantized.
     pub fn embedding(&self, vocab: usize, hidden: usize) -> Result<Embedding> {
         let name = format!("{}.weight", Key::Embed.name(self.is_gguf(), None));
-        match self {
-            Weights::Gguf { .. } => {
-                let q = self.qtensor(&name)?;
-                if q.shape().dims() != [vocab, hidden] {
-                    return Err(ModelError::Shape(format!(
-                        "tensor `{name}` has shape {:?}, expected [{vocab}, {hidden}]",
-                        q.shape().dims()
-                    )));
-                }
-                if q.dtype().block_size() > 1 {
-                    Ok(Embedding::Quantized(Arc::new(q)))
-                } else {
-                    let (device, dtype) = self.device_dtype();
-                    Ok(Embedding::Dense(q.dequantize(&device)?.to_dtype(dtype)?))
-                }
+        match self.stored_qtensor(&name, &[vocab, hidden])? {
+            Some(q) if q.dtype().block_size() > 1 => Ok(Embedding::Quantized(Arc::new(q))),
+            Some(q) => {
+                let (device, dtype) = self.device_dtype();
+                Ok(Embedding::Dense(q.dequantize(&device)?.to_dtype(dtype)?))
             }
-            _ => Ok(Embedding::Dense(self.tensor(
+            None => Ok(Embedding::Dense(self.tensor(
                 &name,
                 &[vocab, hidden],
                 Init::Normal,
@@ -916,38 +1044,20 @@ impl Weights {
 
     /// The output projection tied to the embedding table.
     pub fn tied_lm_head(&self, vocab: usize, hidden: usize) -> Result<Linear> {
-        let mut dense = None;
-        let stored;
-        let w = match self {
-            Weights::Gguf {
-                device,
-                dtype,
-                opts,
-                ..
-            } => {
-                let q = self.qtensor(&format!("{}.weight", Key::Embed.name(true, None)))?;
-                stored = format!("{:?}", q.dtype());
-                let (q, d) = opts.prepare(q, device, *dtype)?;
-                dense = d;
-                gguf_matmul(q, *dtype)?
+        let name = format!("{}.weight", Key::Embed.name(self.is_gguf(), None));
+        match self.stored_qtensor(&name, &[vocab, hidden])? {
+            Some(q) => self.quantized_linear(q, false),
+            None => {
+                let t = self.tensor(&name, &[vocab, hidden], Init::Normal)?;
+                Ok(Linear {
+                    stored: format!("{:?}", t.dtype()),
+                    w: QMatMul::Tensor(t),
+                    dense: None,
+                    b: None,
+                    rows_alone: Default::default(),
+                })
             }
-            _ => {
-                let t = self.tensor(
-                    &format!("{}.weight", Key::Embed.name(false, None)),
-                    &[vocab, hidden],
-                    Init::Normal,
-                )?;
-                stored = format!("{:?}", t.dtype());
-                QMatMul::Tensor(t)
-            }
-        };
-        Ok(Linear {
-            w,
-            dense,
-            b: None,
-            stored,
-            rows_alone: Default::default(),
-        })
+        }
     }
 
     /// GGUF `rope_freqs.weight` (Llama 3.1 frequency factors), when present: `expected`
@@ -1058,6 +1168,80 @@ impl Init {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A quantized random source draws the values the dense one draws (`on_host`, same seed)
+    /// and stores candle's quantization of them, as a GGUF file of that type would: the
+    /// dequantized blocks are exactly those of the dense draw quantized, for a linear, an
+    /// expert-free LM head and the embedding table; norms stay dense and equal.
+    #[test]
+    fn quantized_random_weights_are_the_dense_draw_quantized() -> Result<()> {
+        let dev = Device::Cpu;
+        for (t, (out_dim, in_dim)) in [(GgmlDType::Q4_0, (48, 64)), (GgmlDType::Q4K, (8, 512))] {
+            let dense = Weights::random(&dev, DType::F32, 9, true)?;
+            let quant = Weights::random_quantized(&dev, DType::F32, 9, t, CpuWeights::FAST)?;
+            let norm = |w: &Weights| w.norm(Key::AttnNorm, Some(0), in_dim);
+            let a = dense.linear(Key::Q, Some(0), out_dim, in_dim, true)?;
+            let b = quant.linear(Key::Q, Some(0), out_dim, in_dim, true)?;
+            assert_eq!(b.kind(), format!("{t:?}"));
+            let QMatMul::Tensor(w) = &a.w else {
+                panic!("a dense random linear is a tensor")
+            };
+            let QMatMul::QTensor(q) = &b.w else {
+                panic!("a quantized random linear is a QTensor")
+            };
+            let want = QTensor::quantize(w, t)?.dequantize(&dev)?;
+            let got = q.dequantize(&dev)?;
+            let diff = (want - &got)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            assert_eq!(diff, 0.0, "{t:?}: the blocks are not the dense draw's");
+            // The dense prefill copy is the dequantized weight; the bias is drawn alike.
+            let copy = (b.dense.as_ref().expect("FAST keeps a prefill copy") - &got)?
+                .abs()?
+                .max_all()?
+                .to_scalar::<f32>()?;
+            assert_eq!(copy, 0.0);
+            assert!(b.b.is_some());
+            assert_eq!(
+                norm(&dense)?.to_vec1::<f32>()?,
+                norm(&quant)?.to_vec1::<f32>()?
+            );
+            // The embedding table is kept quantized, its rows those of the dense draw.
+            let (e_dense, e_quant) = (dense.embedding(16, in_dim)?, quant.embedding(16, in_dim)?);
+            let (Embedding::Dense(e), Embedding::Quantized(eq)) = (&e_dense, &e_quant) else {
+                panic!("embeddings: dense and quantized expected")
+            };
+            let want = QTensor::quantize(e, t)?.dequantize(&dev)?;
+            let diff = (want - eq.dequantize(&dev)?)?
+                .abs()?
+                .max_all()?
+                .to_scalar::<f32>()?;
+            assert_eq!(diff, 0.0, "{t:?}: embedding");
+        }
+        Ok(())
+    }
+
+    /// Types and shapes a quantized random source cannot take are refused by name.
+    #[test]
+    fn quantized_random_weights_refuse_what_they_cannot_hold() -> Result<()> {
+        assert_eq!(parse_weight_type("Q4_K")?, GgmlDType::Q4K);
+        assert_eq!(parse_weight_type("q8_0")?, GgmlDType::Q8_0);
+        let err = parse_weight_type("q8_1").unwrap_err().to_string();
+        assert!(err.contains("`q8_1`") && err.contains("q6_k"), "{err}");
+        let dev = Device::Cpu;
+        assert!(
+            Weights::random_quantized(&dev, DType::F32, 0, GgmlDType::Q8K, CpuWeights::FAST)
+                .is_err()
+        );
+        let w = Weights::random_quantized(&dev, DType::F32, 0, GgmlDType::Q6K, CpuWeights::FAST)?;
+        let err = w
+            .linear(Key::Q, Some(1), 64, 96, false)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("model.layers.1.self_attn.q_proj.weight") && err.contains("256"),
+            "{err}"
+        );
+        Ok(())
+    }
 
     /// GGUF files may store linears unquantized (F32/F16/BF16); candle dequantizes those to an
     /// f32 matrix, which a bf16 or f16 model must still be able to multiply.

@@ -1489,7 +1489,17 @@ impl Engine {
                 config,
                 seed,
                 on_host,
-            } => load_random(config, &cfg.device, cfg.dtype, *seed, *on_host, mem)?,
+                weights,
+            } => load_random(
+                config,
+                &cfg.device,
+                cfg.dtype,
+                *seed,
+                *on_host,
+                *weights,
+                cfg.cpu_weights,
+                mem,
+            )?,
             ModelSource::Hub { repo, file } => {
                 let local = ModelSource::resolve_hub(repo, file.as_deref())?;
                 return Self::load(&local, cfg);

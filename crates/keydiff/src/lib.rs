@@ -34,6 +34,7 @@ pub mod tools;
 
 pub use batch::{Batch, Ended};
 pub use cache_file::{CACHE_FILE_FORMAT, CACHE_FILE_VERSION};
+pub use candle_core::quantized::GgmlDType;
 pub use candle_core::{DType, Device};
 pub use conversation::Conversation;
 pub use devices::{cuda_devices, cuda_error_hint, parse_device, CudaDeviceInfo};
@@ -50,8 +51,9 @@ pub use keydiff_cache::{
 pub use keydiff_model::chat::check_template_kwargs;
 pub use keydiff_model::memory::{human as human_bytes, parse_size};
 pub use keydiff_model::{
-    AttentionBackend, CpuWeights, MemoryBudget, Message, ModelConfig, ModelError, ModelFormat,
-    RopeOverride, RopeScaling, RopeScalingType, SamplingDefaults, TemplateKwargs,
+    parse_weight_type, weight_type_name, AttentionBackend, CpuWeights, MemoryBudget, Message,
+    ModelConfig, ModelError, ModelFormat, RopeOverride, RopeScaling, RopeScalingType,
+    SamplingDefaults, TemplateKwargs, WEIGHT_TYPES,
 };
 pub use logprobs::{TokenLogprob, TokenPiece, MAX_TOP_LOGPROBS};
 pub use perplexity::Perplexity;

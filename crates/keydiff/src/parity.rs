@@ -2,6 +2,7 @@
 
 use std::path::Path;
 
+use candle_core::quantized::GgmlDType;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -73,17 +74,25 @@ pub fn random_tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
 
 /// Loads the same seeded random model of `preset`'s shape under two engine configs (e.g. CPU f32
 /// and CUDA bf16), prefills the same `prompt_len` random tokens in chunks, and compares the
-/// final logits.
+/// final logits. `weights`: its linears and embedding quantized to that GGML type (the same
+/// blocks on both devices; see [`ModelSource::Random`]), else dense.
 pub fn compare_devices(
     preset: &Path,
     seed: u64,
+    weights: Option<GgmlDType>,
     reference: &EngineConfig,
     other: &EngineConfig,
     prompt_len: usize,
 ) -> Result<(LogitDiff, AttentionBackend)> {
-    let (la, lb, attention) = on_both(preset, seed, reference, other, prompt_len, |e, t| {
-        e.prefill_logits(t, e.config().cache.chunk)
-    })?;
+    let (la, lb, attention) = on_both(
+        preset,
+        seed,
+        weights,
+        reference,
+        other,
+        prompt_len,
+        |e, t| e.prefill_logits(t, e.config().cache.chunk),
+    )?;
     Ok((compare_logits(&la, &lb), attention))
 }
 
@@ -94,6 +103,7 @@ pub fn compare_devices(
 fn on_both<T>(
     preset: &Path,
     seed: u64,
+    weights: Option<GgmlDType>,
     reference: &EngineConfig,
     other: &EngineConfig,
     prompt_len: usize,
@@ -103,6 +113,7 @@ fn on_both<T>(
         config: preset.to_path_buf(),
         seed,
         on_host: true,
+        weights,
     };
     let a = Engine::load(&source, reference)?;
     let tokens = random_tokens(prompt_len, a.model_config().vocab_size, seed);
@@ -160,43 +171,52 @@ pub fn compare_nlls(reference: &[f32], other: &[f32]) -> NllDiff {
 pub fn compare_device_perplexity(
     preset: &Path,
     seed: u64,
+    weights: Option<GgmlDType>,
     reference: &EngineConfig,
     other: &EngineConfig,
     prompt_len: usize,
 ) -> Result<NllDiff> {
-    let (pa, pb, _) = on_both(preset, seed, reference, other, prompt_len, |e, t| {
-        let ppl = e.perplexity(t)?;
-        // Perplexity runs all but the last token: so does this prompt, in the same chunks.
-        let p = GenerateParams {
-            prompt: Prompt::Tokens(t[..t.len() - 1].to_vec()),
-            max_tokens: 1,
-            prompt_logprobs: Some(5),
-            ..Default::default()
-        };
-        let lps = e.generate(&p, |_| {})?.prompt_logprobs.unwrap_or_default();
-        let mut worst = if lps.len() + 1 == ppl.nll.len() {
-            0f32
-        } else {
-            f32::INFINITY
-        };
-        for (lp, nll) in lps.iter().zip(&ppl.nll) {
-            let d = (-lp.logprob - nll).abs();
-            // A NaN counts as the worst.
-            worst = if d.is_nan() {
-                f32::INFINITY
-            } else {
-                worst.max(d)
+    let (pa, pb, _) = on_both(
+        preset,
+        seed,
+        weights,
+        reference,
+        other,
+        prompt_len,
+        |e, t| {
+            let ppl = e.perplexity(t)?;
+            // Perplexity runs all but the last token: so does this prompt, in the same chunks.
+            let p = GenerateParams {
+                prompt: Prompt::Tokens(t[..t.len() - 1].to_vec()),
+                max_tokens: 1,
+                prompt_logprobs: Some(5),
+                ..Default::default()
             };
-            // The alternatives come most likely first, and none is less likely than the
-            // target unless the target is not among them.
-            let sorted = lp.top.windows(2).all(|w| w[0].1 >= w[1].1);
-            let first = lp.top.first().map_or(f32::NAN, |t| t.1);
-            if !sorted || lp.top.len() != 5 || first < lp.logprob {
-                worst = f32::INFINITY;
+            let lps = e.generate(&p, |_| {})?.prompt_logprobs.unwrap_or_default();
+            let mut worst = if lps.len() + 1 == ppl.nll.len() {
+                0f32
+            } else {
+                f32::INFINITY
+            };
+            for (lp, nll) in lps.iter().zip(&ppl.nll) {
+                let d = (-lp.logprob - nll).abs();
+                // A NaN counts as the worst.
+                worst = if d.is_nan() {
+                    f32::INFINITY
+                } else {
+                    worst.max(d)
+                };
+                // The alternatives come most likely first, and none is less likely than the
+                // target unless the target is not among them.
+                let sorted = lp.top.windows(2).all(|w| w[0].1 >= w[1].1);
+                let first = lp.top.first().map_or(f32::NAN, |t| t.1);
+                if !sorted || lp.top.len() != 5 || first < lp.logprob {
+                    worst = f32::INFINITY;
+                }
             }
-        }
-        Ok((ppl, worst))
-    })?;
+            Ok((ppl, worst))
+        },
+    )?;
     Ok(NllDiff {
         logprobs_max_abs: Some(pa.1.max(pb.1)),
         ..compare_nlls(&pa.0.nll, &pb.0.nll)
@@ -341,11 +361,13 @@ pub fn batch_vs_single(m: &Model, cache: &CacheConfig) -> Result<Vec<SegmentDiff
     Ok(out)
 }
 
-/// [`batch_vs_single`] on a seeded random model of `preset`'s shape under `cfg` (its device,
-/// dtypes and attention; the cache is `cache`), and the attention backend it resolved to.
+/// [`batch_vs_single`] on a seeded random model of `preset`'s shape (`weights` as in
+/// [`compare_devices`]) under `cfg` (its device, dtypes and attention; the cache is `cache`),
+/// and the attention backend it resolved to.
 pub fn compare_batch(
     preset: &Path,
     seed: u64,
+    weights: Option<GgmlDType>,
     cfg: &EngineConfig,
     cache: &CacheConfig,
 ) -> Result<(Vec<SegmentDiff>, AttentionBackend)> {
@@ -353,6 +375,7 @@ pub fn compare_batch(
         config: preset.to_path_buf(),
         seed,
         on_host: true,
+        weights,
     };
     let e = Engine::load(&source, cfg)?;
     Ok((batch_vs_single(e.model(), cache)?, e.config().attention))

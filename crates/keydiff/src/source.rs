@@ -2,6 +2,8 @@
 
 use std::path::{Path, PathBuf};
 
+use candle_core::quantized::GgmlDType;
+
 use crate::error::{EngineError, Result};
 
 /// A model location, as given on the command line.
@@ -19,6 +21,10 @@ pub enum ModelSource {
         config: PathBuf,
         seed: u64,
         on_host: bool,
+        /// Linears and the embedding quantized to this GGML type (Q4_K, Q8_0, ...: what a
+        /// GGUF file of that type holds, run by the same quantized matmuls); drawn on the
+        /// host then, whatever `on_host` says. `None`: dense in the engine's dtype.
+        weights: Option<GgmlDType>,
     },
 }
 
