@@ -593,12 +593,10 @@ impl Weights {
             let mut rng = rng.lock().expect("rng lock poisoned");
             Init::Normal.host(shape, &mut rng)?
         };
-        let q = QTensor::quantize(&dense, t)?;
-        if device.is_cpu() {
-            return Ok(q);
-        }
-        let bytes = std::borrow::Cow::Owned(q.data()?.into_owned());
-        let storage = candle_core::quantized::QStorage::from_data(bytes, device, t)?;
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let bytes = quantize_rows(&dense, t, threads)?;
+        let storage =
+            candle_core::quantized::QStorage::from_data(std::borrow::Cow::Owned(bytes), device, t)?;
         Ok(QTensor::new(storage, shape)?)
     }
 
@@ -1099,6 +1097,42 @@ impl Weights {
     }
 }
 
+/// The blocks of `t` that candle's quantizer makes of `x` (f32 on the host, rows of whole
+/// blocks, at least 2-D), made by up to
+/// `threads` threads over runs of rows (candle's quantizer runs on one; a row's blocks depend
+/// on that row alone, so the bytes are the same).
+fn quantize_rows(x: &Tensor, t: GgmlDType, threads: usize) -> Result<Vec<u8>> {
+    let rows = x.dims().first().copied().unwrap_or(1);
+    // Runs of at least 64 rows: small tensors stay on one thread.
+    let parts = threads.clamp(1, rows.div_ceil(64).max(1));
+    let per = rows.div_ceil(parts);
+    let runs = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..rows)
+            .step_by(per.max(1))
+            .map(|start| {
+                scope.spawn(move || -> Result<Vec<u8>> {
+                    // A fresh tensor of the run's values: candle 0.11.1's `QTensor::quantize`
+                    // reads its source's storage from the start, whatever the view's offset.
+                    let run = x.narrow(0, start, per.min(rows - start))?;
+                    let mut shape = x.dims().to_vec();
+                    shape[0] = run.dim(0)?;
+                    let run = Tensor::from_vec(
+                        run.flatten_all()?.to_vec1::<f32>()?,
+                        shape,
+                        &Device::Cpu,
+                    )?;
+                    Ok(QTensor::quantize(&run, t)?.data()?.into_owned())
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("a quantizing thread panicked"))
+            .collect::<Result<Vec<_>>>()
+    })?;
+    Ok(runs.concat())
+}
+
 /// Opens a file, naming it in the error (a missing file is `NotFound`).
 fn open_file(path: &Path) -> Result<File> {
     File::open(path).map_err(|source| {
@@ -1215,6 +1249,28 @@ mod tests {
                 .max_all()?
                 .to_scalar::<f32>()?;
             assert_eq!(diff, 0.0, "{t:?}: embedding");
+        }
+        Ok(())
+    }
+
+    /// Quantizing runs of rows on several threads gives the bytes of one quantization of the
+    /// whole tensor, for every split (runs of 64 rows and more, uneven last runs).
+    #[test]
+    fn quantizing_on_threads_gives_the_whole_tensors_blocks() -> Result<()> {
+        let x = Tensor::randn(0f32, 1.0, (300, 256), &Device::Cpu)?;
+        for t in [
+            GgmlDType::Q4_0,
+            GgmlDType::Q5_1,
+            GgmlDType::Q4K,
+            GgmlDType::Q6K,
+        ] {
+            let whole = QTensor::quantize(&x, t)?.data()?.into_owned();
+            for threads in [1, 2, 3, 5, 16] {
+                assert!(
+                    quantize_rows(&x, t, threads)? == whole,
+                    "{t:?} on {threads} threads"
+                );
+            }
         }
         Ok(())
     }
