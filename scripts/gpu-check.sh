@@ -7,8 +7,8 @@
 # prefix reuse on the device (bf16 and fp8 caches), the memory plan against the driver, a
 # prompt cache saved and loaded on the device, speculative decoding on the device, a short
 # TTFT sweep, batched decode, a prompt joining a decoding batch, the 8B-shaped eviction
-# share, eager against flash attention, then, as time allows, the kernels under
-# compute-sanitizer.
+# share, eager against flash attention, GGUF-typed decoding with bf16 and f32 rows into the
+# quantized matmuls, then, as time allows, the kernels under compute-sanitizer.
 # Build the binary here first (scripts/build-cuda.sh, or with FlashAttention-2
 # `scripts/build-cuda.sh --flash`, which gives target/cuda-flash/release/keydiff: the TTFT steps
 # then run flash, as users get it), carry it, then on the GPU host:
@@ -244,7 +244,9 @@ echo "== 3g. GGUF weight types on the device (candle's quantized matmuls) agains
 # matmuls. Chunks of 64 rows under the full cache and H2O eviction, and for four types chunks
 # of 8 rows under the full cache (CUDA's matrix-vector kernels take up to 8). The K types need
 # widths of 256 (tiny-qwen-d64). Then batching with quantized weights (decode rows of several
-# sequences through one quantized matmul). KeyDiff is left out here: bf16's rounding alone
+# sequences through one quantized matmul). keydiff hands bf16 rows to those matmuls; two
+# types are also checked with the rows cast to f32 (KEYDIFF_CUDA_QMATMUL_F32=1), the path step
+# 4d times against. KeyDiff is left out here: bf16's rounding alone
 # moves its choice on tiny-qwen-d64 (CPU dry run in bf16, 2026-12-05: cosine 0.984-0.994 for
 # most types, as for its quantized caches); the CPU in bf16 gave >= 0.99976 for the rest.
 weights_ok=1
@@ -263,6 +265,18 @@ for t in q4_0 q4_1 q5_0 q5_1 q8_0 q2_k q3_k q4_k q5_k q6_k; do
     fi
   done
 done
+# The same through f32 rows (KEYDIFF_CUDA_QMATMUL_F32=1, the cast step 4d times against).
+for t in q4_0 q4_k; do
+  for r in "--prompt-len 700 --chunk 64 --budget 256 --policies h2o" "--prompt-len 96 --chunk 8"; do
+    # shellcheck disable=SC2086
+    if ! KEYDIFF_CUDA_QMATMUL_F32=1 timeout 60 "$bin" check-device --device "$device" --dtype bf16 \
+        --weight-type "$t" --attention eager $r --preset configs/tiny-qwen-d64.json \
+        >> "$out/weights-f32rows-bf16.jsonl" 2>> "$errors"; then
+      weights_ok=0
+      tail -3 "$errors"
+    fi
+  done
+done
 for a in "--weight-type q4_k --preset configs/tiny-qwen-d64.json" \
          "--weight-type q4_0 --preset configs/tiny-llama.json"; do
   # shellcheck disable=SC2086
@@ -276,9 +290,14 @@ python3 - "$out" >> "$summary" <<'PY'
 import json, sys
 print("GGUF weight types (bf16 on the device, CPU f32 reference):")
 print(f"  {'weights':7} {'preset':22} {'policy':8} {'chunk':>5} {'cosine':>9} {'max_rel':>9} top1")
-for r in map(json.loads, open(sys.argv[1] + "/weights-bf16.jsonl")):
-    d = r["diff"]
-    print(f"  {r['weights']:7} {r['preset'].split('/')[-1]:22} {r['policy']:8} {r['chunk']:5} {d['cosine']:9.6f} {d['max_rel']:9.2e} {'same' if r['top1_equal'] else 'DIFF'}")
+for name, tag in (("weights-bf16.jsonl", ""), ("weights-f32rows-bf16.jsonl", " (rows cast to f32)")):
+    try:
+        rows = list(map(json.loads, open(sys.argv[1] + "/" + name)))
+    except FileNotFoundError:
+        rows = []
+    for r in rows:
+        d = r["diff"]
+        print(f"  {r['weights']:7} {r['preset'].split('/')[-1]:22} {r['policy']:8} {r['chunk']:5} {d['cosine']:9.6f} {d['max_rel']:9.2e} {'same' if r['top1_equal'] else 'DIFF'}{tag}")
 try:
     rows = list(map(json.loads, open(sys.argv[1] + "/weights-batch-bf16.jsonl")))
 except FileNotFoundError:
@@ -466,6 +485,28 @@ else
   else
     note "join: FAILED (exit $?); see errors.log"
   fi
+fi
+
+echo "== 4d. GGUF-typed decoding: Q4_K weights (qwen3-0.6b's shape), bf16 rows into candle's quantized matmuls, and through f32"
+# keydiff hands bf16 rows to candle's quantized matmuls, which take them (see step 3g); with
+# KEYDIFF_CUDA_QMATMUL_F32=1 every such matmul casts to f32 and back, as before: two more
+# launches per linear, which a decode step (launch-bound at these sizes) pays ~200 times.
+# Loading draws 0.6 G random values on the host (12 s on 2 cores) in each run.
+left=$((deadline - SECONDS))
+if [ "$left" -lt 60 ]; then
+  note "gguf decode: skipped (${left}s left of the ${deadline}s budget)"
+else
+  mkdir -p "$out/qdecode"
+  for f32 in 0 1; do
+    if KEYDIFF_CUDA_QMATMUL_F32=$f32 timeout 60 "$bin" bench decode --random-weights -m qwen3-0.6b \
+        --weight-type q4_k --device "$device" --dtype bf16 --attention "$ttft_attention" \
+        --prompt-len 512 --budget 256 --chunks 128 --policies keydiff --gen-len 64 --batch 1,8 \
+        --warmup 1 --reps 1 --out "$out/qdecode/f32-$f32" > "$out/qdecode/table-$f32.txt" 2>>"$errors"; then
+      { echo "gguf decode (qwen3-0.6b Q4_K random weights, bf16 activations, rows to the matmuls $([ $f32 = 1 ] && echo 'cast to f32' || echo 'in bf16')):"; grep -v '^#' "$out/qdecode/table-$f32.txt"; } >> "$summary"
+    else
+      note "gguf decode (KEYDIFF_CUDA_QMATMUL_F32=$f32): FAILED (exit $?); see errors.log"
+    fi
+  done
 fi
 
 echo "== 5. eviction share at Llama-3.1-8B's shape: N = 8192, B = 128, prompt 12288"

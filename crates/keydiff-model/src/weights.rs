@@ -231,11 +231,21 @@ impl Linear {
 
     fn quantized_forward(&self, x: &Tensor) -> Result<Tensor> {
         Ok(match &self.w {
-            // CUDA quantized matmul wants f32 activations.
-            QMatMul::QTensor(_) if !x.device().is_cpu() && x.dtype() != DType::F32 => self
-                .w
-                .forward(&x.to_dtype(DType::F32)?)?
-                .to_dtype(x.dtype())?,
+            // candle's CUDA quantized matmul takes bf16/f16 rows itself (its matrix-vector
+            // kernels quantize them to Q8_1 as they do f32 rows of the same values, and write
+            // the output in their dtype; its matrix-matrix kernels cast in and out) for the
+            // block types of llama.cpp's weight files, on contiguous rows. Anything else goes
+            // through f32, which its fallbacks need: two more launches and allocations per
+            // linear, which a decode step, launch-bound, pays hundreds of times.
+            QMatMul::QTensor(q)
+                if !x.device().is_cpu()
+                    && x.dtype() != DType::F32
+                    && !(half_rows_direct() && q_takes_half_rows(q.dtype(), x)) =>
+            {
+                self.w
+                    .forward(&x.to_dtype(DType::F32)?)?
+                    .to_dtype(x.dtype())?
+            }
             _ => self.w.forward(x)?,
         })
     }
@@ -265,6 +275,25 @@ impl Linear {
             None => decode,
         }
     }
+}
+
+/// Whether candle's CUDA quantized matmul takes `x` (bf16/f16 rows) itself for a weight of
+/// type `t`: the types its MMVQ and MMQ kernels run (candle 0.11.1's `fast_mmvq` and
+/// `fast_mmq` gates: llama.cpp's weight types, [`WEIGHT_TYPES`]), rows `[m, k]` or `[b, m, k]`
+/// laid out contiguously (its f32-only fallbacks would otherwise get them).
+fn q_takes_half_rows(t: GgmlDType, x: &Tensor) -> bool {
+    matches!(x.dtype(), DType::BF16 | DType::F16)
+        && matches!(x.rank(), 2 | 3)
+        && x.is_contiguous()
+        && WEIGHT_TYPES.iter().any(|(_, w)| *w == t)
+}
+
+/// False when `KEYDIFF_CUDA_QMATMUL_F32` is set (to anything but `0`): every quantized matmul
+/// on a GPU then takes f32 rows, cast in and out, as before candle ran half-precision rows
+/// itself (for comparing the two on a GPU host; `scripts/gpu-check.sh` does). Read once.
+fn half_rows_direct() -> bool {
+    static DIRECT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *DIRECT.get_or_init(|| std::env::var("KEYDIFF_CUDA_QMATMUL_F32").map_or(true, |v| v == "0"))
 }
 
 /// Token embedding table, dense or quantized (rows are dequantized on lookup).
@@ -1271,6 +1300,29 @@ mod tests {
                     "{t:?} on {threads} threads"
                 );
             }
+        }
+        Ok(())
+    }
+
+    /// Which rows go to candle's CUDA quantized matmul as they are: bf16/f16, 2-D or 3-D,
+    /// contiguous, for llama.cpp's weight types; anything else is cast to f32 first (candle's
+    /// fallbacks read f32 only).
+    #[test]
+    fn half_rows_go_to_the_quantized_matmul_only_where_candle_takes_them() -> Result<()> {
+        let dev = Device::Cpu;
+        let x = Tensor::zeros((4, 64), DType::BF16, &dev)?;
+        for (_, t) in WEIGHT_TYPES {
+            assert!(q_takes_half_rows(t, &x), "{t:?}");
+            assert!(q_takes_half_rows(t, &x.to_dtype(DType::F16)?), "{t:?}");
+            assert!(q_takes_half_rows(t, &x.unsqueeze(0)?), "{t:?}");
+        }
+        let q = GgmlDType::Q4K;
+        assert!(!q_takes_half_rows(q, &x.to_dtype(DType::F32)?));
+        assert!(!q_takes_half_rows(q, &x.t()?));
+        assert!(!q_takes_half_rows(q, &x.unsqueeze(0)?.unsqueeze(0)?));
+        assert!(!q_takes_half_rows(q, &x.flatten_all()?));
+        for t in [GgmlDType::F16, GgmlDType::Q8_1, GgmlDType::Q8K] {
+            assert!(!q_takes_half_rows(t, &x), "{t:?}");
         }
         Ok(())
     }
