@@ -191,7 +191,8 @@ test_device!(
 /// GGUF-typed weights on the device: the same seeded random models with their linears and
 /// embedding quantized (`--weight-type`: llama.cpp's 32-value block types, and K types where
 /// the preset's widths are multiples of 256), CPU f32 (exact products of the dequantized
-/// weights) against bf16 on the device (on CUDA, candle's quantized matmuls), after a
+/// weights, as stored: no Q8_0 copies; experts, which keep no dense copies, through the CPU's
+/// quantized matmul) against bf16 on the device (on CUDA, candle's quantized matmuls), after a
 /// multi-chunk prefill: chunks of 32 rows with H2O eviction, and chunks of 8 (CUDA runs up to
 /// 8 rows through its matrix-vector kernels) under the full cache.
 fn quantized_weights_match_cpu_f32(dev: &Device) -> Result<()> {
@@ -223,7 +224,10 @@ fn quantized_weights_match_cpu_f32(dev: &Device) -> Result<()> {
                     device,
                     dtype,
                     cache: cache.clone(),
-                    cpu_weights: CpuWeights::FAST,
+                    cpu_weights: CpuWeights {
+                        dense_prefill: true,
+                        requantize_slow: false,
+                    },
                     memory_limit: None,
                     ..Default::default()
                 };
@@ -239,6 +243,28 @@ fn quantized_weights_match_cpu_f32(dev: &Device) -> Result<()> {
                 eprintln!("{preset} {t:?} chunk {chunk}: cosine {}", d.cosine);
                 ensure!(d.cosine > 0.99, "{preset} {t:?} chunk {chunk}: {d:?}");
             }
+            // The memory plan, made from shapes before anything loads, is what the device
+            // holds.
+            let source = keydiff::ModelSource::Random {
+                config: root().join(format!("configs/{preset}.json")),
+                seed: 3,
+                on_host: true,
+                weights: Some(t),
+            };
+            let e = keydiff::Engine::load(
+                &source,
+                &EngineConfig {
+                    device: dev.clone(),
+                    dtype: DType::BF16,
+                    ..Default::default()
+                },
+            )?;
+            ensure!(
+                e.weight_plan().resident == e.weight_bytes(),
+                "{preset} {t:?}: planned {:?}, holds {}",
+                e.weight_plan(),
+                e.weight_bytes()
+            );
         }
     }
     Ok(())

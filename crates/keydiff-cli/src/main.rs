@@ -118,9 +118,10 @@ enum Cmd {
         #[arg(long)]
         budget: Option<usize>,
         /// Quantize the random models' linears and embedding to this GGML type (as
-        /// `--weight-type`): both devices run the same blocks, the CPU through dense prefill
-        /// copies (exact f32 products of the dequantized weights), the device through its
-        /// quantized matmuls, as a GGUF model of that type runs there.
+        /// `--weight-type`): both devices hold the same blocks. The CPU multiplies dense
+        /// prefill copies of them (exact f32 products of the dequantized weights; experts,
+        /// which keep no copies, through its quantized matmul, and nothing re-quantized); the
+        /// device runs its quantized matmuls, as a GGUF model of that type runs there.
         #[arg(long)]
         weight_type: Option<String>,
         /// Policies to check under the budget.
@@ -755,7 +756,16 @@ fn real_main() -> Result<()> {
                         dtype: keydiff::DType::F32,
                         kv_dtype: reference_kv,
                         cache: cache.clone(),
-                        cpu_weights: CpuWeights::FAST,
+                        // Quantized weights: the device's blocks as they are (no Q8_0 copies
+                        // of Q4_1/Q5_x), multiplied exactly where dense copies are kept.
+                        cpu_weights: if weights.is_some() {
+                            CpuWeights {
+                                dense_prefill: true,
+                                requantize_slow: false,
+                            }
+                        } else {
+                            CpuWeights::FAST
+                        },
                         attention: AttentionBackend::Eager,
                         memory_limit: None,
                         ..Default::default()

@@ -279,11 +279,12 @@ impl Linear {
 
 /// Whether candle's CUDA quantized matmul takes `x` (bf16/f16 rows) itself for a weight of
 /// type `t`: the types its MMVQ and MMQ kernels run (candle 0.11.1's `fast_mmvq` and
-/// `fast_mmq` gates: llama.cpp's weight types, [`WEIGHT_TYPES`]), rows `[m, k]` or `[b, m, k]`
-/// laid out contiguously (its f32-only fallbacks would otherwise get them).
+/// `fast_mmq` gates: llama.cpp's weight types, [`WEIGHT_TYPES`]), rows `[m, k]` or `[b, m, k]`,
+/// at least one, laid out contiguously (its f32-only fallbacks would otherwise get them).
 fn q_takes_half_rows(t: GgmlDType, x: &Tensor) -> bool {
     matches!(x.dtype(), DType::BF16 | DType::F16)
         && matches!(x.rank(), 2 | 3)
+        && x.elem_count() > 0
         && x.is_contiguous()
         && WEIGHT_TYPES.iter().any(|(_, w)| *w == t)
 }
@@ -610,20 +611,37 @@ impl Weights {
         };
         let row = shape.last().copied().unwrap_or(0);
         if !row.is_multiple_of(t.block_size()) {
+            let hint = if t.block_size() > 32 && row.is_multiple_of(32) {
+                "pick a type of 32-value blocks, q4_0 to q8_0, or a preset whose widths are \
+                 multiples of 256"
+            } else {
+                "pick a preset whose widths are multiples of the block"
+            };
             return Err(ModelError::Unsupported(format!(
                 "tensor `{name}` {shape:?} in {}: its rows of {row} values are not whole \
-                 blocks of {} (pick a type of 32-value blocks, q4_0 to q8_0, or a preset whose \
-                 widths are multiples of 256)",
+                 blocks of {} ({hint})",
                 weight_type_name(t),
                 t.block_size()
             )));
         }
-        let dense = {
-            let mut rng = rng.lock().expect("rng lock poisoned");
-            Init::Normal.host(shape, &mut rng)?
-        };
+        // The values in the dense draw's order, a run of rows at a time (each its own tensor:
+        // candle 0.11.1's `QTensor::quantize` reads a view's storage from the start, whatever
+        // its offset), then each run quantized on its own thread: candle's quantizer runs on
+        // one, and a row's blocks depend on that row alone.
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let bytes = quantize_rows(&dense, t, threads)?;
+        let runs = {
+            let mut rng = rng.lock().expect("rng lock poisoned");
+            row_runs(shape[0], threads)
+                .into_iter()
+                .map(|rows| {
+                    let mut run = shape.to_vec();
+                    run[0] = rows;
+                    Init::Normal.host(&run, &mut rng)
+                })
+                .collect::<Result<Vec<_>>>()?
+        };
+        let bytes = quantize_runs(&runs, t)?;
+        drop(runs);
         let storage =
             candle_core::quantized::QStorage::from_data(std::borrow::Cow::Owned(bytes), device, t)?;
         Ok(QTensor::new(storage, shape)?)
@@ -727,7 +745,7 @@ impl Weights {
     }
 
     /// The memory the model's weights will take on their device under `cpu` (for GGUF
-    /// sources on the CPU; the others ignore it), computed from the shapes and stored types
+    /// sources and quantized random ones on the CPU; the others ignore it), computed from the shapes and stored types
     /// alone. On a GPU the weights are kept as stored (quantized ones stay quantized, candle's
     /// CUDA kernels run every type), in device memory. Tensors the source lacks are left out
     /// (loading then fails on them by name).
@@ -759,10 +777,9 @@ impl Weights {
             let (resident, transient) = match stored_type {
                 Some(t) => {
                     let stored = bytes_of(t, n);
-                    // Read from the file (a quantized random tensor: drawn in f32 and
-                    // quantized on the host), dequantized to f32, cast: what passes through.
+                    // Read from the file, dequantized to f32, cast: what passes through.
                     let passing = stored + 4 * n;
-                    match (role, t.block_size() > 1) {
+                    let (resident, transient) = match (role, t.block_size() > 1) {
                         (Role::Embedding, true) => (stored, stored),
                         // Read whole on the host, then copied expert by expert (each
                         // dequantized in passing when re-quantized).
@@ -790,6 +807,14 @@ impl Weights {
                             (decode + dense, if copies { passing } else { stored })
                         }
                         _ => (n * dsize, passing),
+                    };
+                    // A quantized random tensor passes through more: drawn in f32 (in runs
+                    // of rows), each run's blocks, their concatenation, and on the CPU the
+                    // storage's own copy of them (then what the options make of it, as a
+                    // GGUF tensor's, which is less).
+                    match self {
+                        Weights::Random { .. } => (resident, transient.max(4 * n + 3 * stored)),
+                        _ => (resident, transient),
                     }
                 }
                 // Safetensors are mapped and converted tensor by tensor; random values are
@@ -1126,31 +1151,25 @@ impl Weights {
     }
 }
 
-/// The blocks of `t` that candle's quantizer makes of `x` (f32 on the host, rows of whole
-/// blocks, at least 2-D), made by up to
-/// `threads` threads over runs of rows (candle's quantizer runs on one; a row's blocks depend
-/// on that row alone, so the bytes are the same).
-fn quantize_rows(x: &Tensor, t: GgmlDType, threads: usize) -> Result<Vec<u8>> {
-    let rows = x.dims().first().copied().unwrap_or(1);
-    // Runs of at least 64 rows: small tensors stay on one thread.
+/// Row counts of the runs a tensor of `rows` rows is quantized in on up to `threads` threads,
+/// at most one run per 64 rows (small tensors stay on one thread), the last one shorter if need
+/// be.
+fn row_runs(rows: usize, threads: usize) -> Vec<usize> {
     let parts = threads.clamp(1, rows.div_ceil(64).max(1));
-    let per = rows.div_ceil(parts);
-    let runs = std::thread::scope(|scope| {
-        let handles: Vec<_> = (0..rows)
-            .step_by(per.max(1))
-            .map(|start| {
+    let per = rows.div_ceil(parts).max(1);
+    (0..rows).step_by(per).map(|s| per.min(rows - s)).collect()
+}
+
+/// The blocks of `t` of the tensors `runs` (f32 on the host, rows of whole blocks, each with
+/// its storage to itself), one thread each, in order: the bytes of one quantization of their
+/// rows stacked.
+fn quantize_runs(runs: &[Tensor], t: GgmlDType) -> Result<Vec<u8>> {
+    let parts = std::thread::scope(|scope| {
+        let handles: Vec<_> = runs
+            .iter()
+            .map(|run| {
                 scope.spawn(move || -> Result<Vec<u8>> {
-                    // A fresh tensor of the run's values: candle 0.11.1's `QTensor::quantize`
-                    // reads its source's storage from the start, whatever the view's offset.
-                    let run = x.narrow(0, start, per.min(rows - start))?;
-                    let mut shape = x.dims().to_vec();
-                    shape[0] = run.dim(0)?;
-                    let run = Tensor::from_vec(
-                        run.flatten_all()?.to_vec1::<f32>()?,
-                        shape,
-                        &Device::Cpu,
-                    )?;
-                    Ok(QTensor::quantize(&run, t)?.data()?.into_owned())
+                    Ok(QTensor::quantize(run, t)?.data()?.into_owned())
                 })
             })
             .collect();
@@ -1159,7 +1178,7 @@ fn quantize_rows(x: &Tensor, t: GgmlDType, threads: usize) -> Result<Vec<u8>> {
             .map(|h| h.join().expect("a quantizing thread panicked"))
             .collect::<Result<Vec<_>>>()
     })?;
-    Ok(runs.concat())
+    Ok(parts.concat())
 }
 
 /// Opens a file, naming it in the error (a missing file is `NotFound`).
@@ -1232,52 +1251,80 @@ impl Init {
 mod tests {
     use super::*;
 
-    /// A quantized random source draws the values the dense one draws (`on_host`, same seed)
-    /// and stores candle's quantization of them, as a GGUF file of that type would: the
-    /// dequantized blocks are exactly those of the dense draw quantized, for a linear, an
-    /// expert-free LM head and the embedding table; norms stay dense and equal.
+    /// A quantized random source draws the values the dense one draws (`on_host`, same seed,
+    /// in the same order) and stores candle's quantization of them, as a GGUF file of that type
+    /// would: the dequantized blocks are exactly those of the dense draw quantized, for two
+    /// linears one after the other (the first with a bias, tall enough to be quantized in runs
+    /// of rows on several threads), experts, a tied LM head and the embedding table; norms and
+    /// biases stay dense and equal.
     #[test]
     fn quantized_random_weights_are_the_dense_draw_quantized() -> Result<()> {
         let dev = Device::Cpu;
-        for (t, (out_dim, in_dim)) in [(GgmlDType::Q4_0, (48, 64)), (GgmlDType::Q4K, (8, 512))] {
+        let blocks_of = |l: &Linear| -> Result<Tensor> {
+            match &l.w {
+                QMatMul::QTensor(q) => Ok(q.dequantize(&Device::Cpu)?),
+                _ => panic!("a quantized random linear is a QTensor"),
+            }
+        };
+        for (t, (out_dim, in_dim)) in [(GgmlDType::Q4_0, (200, 64)), (GgmlDType::Q4K, (136, 512))] {
             let dense = Weights::random(&dev, DType::F32, 9, true)?;
             let quant = Weights::random_quantized(&dev, DType::F32, 9, t, CpuWeights::FAST)?;
-            let norm = |w: &Weights| w.norm(Key::AttnNorm, Some(0), in_dim);
-            let a = dense.linear(Key::Q, Some(0), out_dim, in_dim, true)?;
-            let b = quant.linear(Key::Q, Some(0), out_dim, in_dim, true)?;
+            let same = |d: &Tensor, q: &Tensor, what: &str| -> Result<()> {
+                let want = QTensor::quantize(d, t)?.dequantize(&dev)?;
+                let diff = (want - q)?.abs()?.max_all()?.to_scalar::<f32>()?;
+                assert_eq!(diff, 0.0, "{t:?} {what}: not the dense draw's blocks");
+                Ok(())
+            };
+            let dense_w = |l: &Linear| -> Tensor {
+                match &l.w {
+                    QMatMul::Tensor(w) => w.clone(),
+                    _ => panic!("a dense random linear is a tensor"),
+                }
+            };
+            let (a, b) = (
+                dense.linear(Key::Q, Some(0), out_dim, in_dim, true)?,
+                quant.linear(Key::Q, Some(0), out_dim, in_dim, true)?,
+            );
             assert_eq!(b.kind(), format!("{t:?}"));
-            let QMatMul::Tensor(w) = &a.w else {
-                panic!("a dense random linear is a tensor")
-            };
-            let QMatMul::QTensor(q) = &b.w else {
-                panic!("a quantized random linear is a QTensor")
-            };
-            let want = QTensor::quantize(w, t)?.dequantize(&dev)?;
-            let got = q.dequantize(&dev)?;
-            let diff = (want - &got)?.abs()?.max_all()?.to_scalar::<f32>()?;
-            assert_eq!(diff, 0.0, "{t:?}: the blocks are not the dense draw's");
-            // The dense prefill copy is the dequantized weight; the bias is drawn alike.
+            let got = blocks_of(&b)?;
+            same(&dense_w(&a), &got, "q_proj")?;
+            // The dense prefill copy is the dequantized weight.
             let copy = (b.dense.as_ref().expect("FAST keeps a prefill copy") - &got)?
                 .abs()?
                 .max_all()?
                 .to_scalar::<f32>()?;
             assert_eq!(copy, 0.0);
-            assert!(b.b.is_some());
+            let bias = |l: &Linear| l.b.as_ref().expect("a bias").to_vec1::<f32>();
+            assert_eq!(bias(&a)?, bias(&b)?);
+            let norm = |w: &Weights| w.norm(Key::AttnNorm, Some(0), in_dim);
             assert_eq!(
                 norm(&dense)?.to_vec1::<f32>()?,
                 norm(&quant)?.to_vec1::<f32>()?
             );
+            let (a, b) = (
+                dense.linear(Key::K, Some(0), 32, in_dim, false)?,
+                quant.linear(Key::K, Some(0), 32, in_dim, false)?,
+            );
+            same(&dense_w(&a), &blocks_of(&b)?, "k_proj, drawn second")?;
+            let (a, b) = (
+                dense.experts(Key::GateExps, 0, 3, 16, in_dim)?,
+                quant.experts(Key::GateExps, 0, 3, 16, in_dim)?,
+            );
+            for (e, (a, b)) in a.iter().zip(&b).enumerate() {
+                same(&dense_w(a), &blocks_of(b)?, &format!("expert {e}"))?;
+                assert!(b.dense.is_none(), "experts keep no prefill copy");
+            }
+            let (a, b) = (
+                dense.tied_lm_head(24, in_dim)?,
+                quant.tied_lm_head(24, in_dim)?,
+            );
+            same(&dense_w(&a), &blocks_of(&b)?, "tied head")?;
             // The embedding table is kept quantized, its rows those of the dense draw.
             let (e_dense, e_quant) = (dense.embedding(16, in_dim)?, quant.embedding(16, in_dim)?);
             let (Embedding::Dense(e), Embedding::Quantized(eq)) = (&e_dense, &e_quant) else {
                 panic!("embeddings: dense and quantized expected")
             };
-            let want = QTensor::quantize(e, t)?.dequantize(&dev)?;
-            let diff = (want - eq.dequantize(&dev)?)?
-                .abs()?
-                .max_all()?
-                .to_scalar::<f32>()?;
-            assert_eq!(diff, 0.0, "{t:?}: embedding");
+            same(e, &eq.dequantize(&dev)?, "embedding")?;
         }
         Ok(())
     }
@@ -1286,6 +1333,12 @@ mod tests {
     /// whole tensor, for every split (runs of 64 rows and more, uneven last runs).
     #[test]
     fn quantizing_on_threads_gives_the_whole_tensors_blocks() -> Result<()> {
+        assert_eq!(row_runs(300, 1), [300]);
+        assert_eq!(row_runs(300, 3), [100, 100, 100]);
+        assert_eq!(row_runs(300, 16), [60, 60, 60, 60, 60]);
+        assert_eq!(row_runs(129, 2), [65, 64]);
+        assert_eq!(row_runs(40, 8), [40]);
+        assert!(row_runs(0, 4).is_empty());
         let x = Tensor::randn(0f32, 1.0, (300, 256), &Device::Cpu)?;
         for t in [
             GgmlDType::Q4_0,
@@ -1295,8 +1348,16 @@ mod tests {
         ] {
             let whole = QTensor::quantize(&x, t)?.data()?.into_owned();
             for threads in [1, 2, 3, 5, 16] {
+                let mut start = 0;
+                let mut runs = Vec::new();
+                for rows in row_runs(300, threads) {
+                    let values = x.narrow(0, start, rows)?.flatten_all()?.to_vec1::<f32>()?;
+                    runs.push(Tensor::from_vec(values, (rows, 256), &Device::Cpu)?);
+                    start += rows;
+                }
+                assert_eq!(start, 300);
                 assert!(
-                    quantize_rows(&x, t, threads)? == whole,
+                    quantize_runs(&runs, t)? == whole,
                     "{t:?} on {threads} threads"
                 );
             }
@@ -1321,6 +1382,7 @@ mod tests {
         assert!(!q_takes_half_rows(q, &x.t()?));
         assert!(!q_takes_half_rows(q, &x.unsqueeze(0)?.unsqueeze(0)?));
         assert!(!q_takes_half_rows(q, &x.flatten_all()?));
+        assert!(!q_takes_half_rows(q, &x.narrow(0, 0, 0)?));
         for t in [GgmlDType::F16, GgmlDType::Q8_1, GgmlDType::Q8K] {
             assert!(!q_takes_half_rows(t, &x), "{t:?}");
         }

@@ -2495,10 +2495,11 @@ impl Engine {
 
 /// Refuses a CUDA device that this build's code does not run on, naming the build to make for
 /// it. On one where only its PTX runs (a build for an earlier major version: sm_80 code on an
-/// sm_90 GPU), GGUF weights are refused too, since candle's GGUF matrix kernels are machine
-/// code (`fast_mmvq`, `fast_mmq`; its fallback dequantizes each weight to f32 for every prefill
-/// matmul, beyond any memory plan), and other models load with a warning; flash attention is
-/// then not chosen either ([`AttentionBackend::resolve`]).
+/// sm_90 GPU), GGUF weights (and random weights of a `--weight-type`) are refused too, since
+/// candle's GGUF matrix kernels are machine code (`fast_mmvq`, `fast_mmq`; its fallback
+/// dequantizes each weight to f32 for every prefill matmul, beyond any memory plan), and other
+/// models load with a warning; flash attention is then not chosen either
+/// ([`AttentionBackend::resolve`]).
 fn check_device_arch(dev: &Device, source: &ModelSource) -> Result<()> {
     use keydiff_cache::arch::{device_fit, Fit};
     let Some(f) = device_fit(dev) else {
@@ -2524,6 +2525,19 @@ fn check_device_arch(dev: &Device, source: &ModelSource) -> Result<()> {
             "{}: candle's GGUF matrix kernels are machine code for {} and do not run on it; {}, \
              or load the model's safetensors",
             f.describe(),
+            f.arch.runs_on(),
+            f.remedy(false)
+        ))),
+        (
+            Fit::PtxOnly,
+            ModelSource::Random {
+                weights: Some(t), ..
+            },
+        ) => Err(refuse(format!(
+            "{}: candle's GGUF matrix kernels, which random weights in {} run, are machine code \
+             for {} and do not run on it; {}, or drop --weight-type",
+            f.describe(),
+            keydiff_model::weight_type_name(*t),
             f.arch.runs_on(),
             f.remedy(false)
         ))),
