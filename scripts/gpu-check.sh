@@ -241,14 +241,15 @@ echo "== 3g. GGUF weight types on the device (candle's quantized matmuls) agains
 # Random models with their linears and embedding quantized as a GGUF file of each type holds
 # them (--weight-type; never run on hardware before): the CPU f32 reference multiplies the
 # dequantized blocks exactly (dense prefill copies; a mixture's experts, which keep none,
-# through its quantized matmul), the device runs candle's quantized matmuls. Chunks of 64 rows under the full cache and H2O eviction, and for four types chunks
-# of 8 rows under the full cache (CUDA's matrix-vector kernels take up to 8). The K types need
-# widths of 256 (tiny-qwen-d64). Then batching with quantized weights (decode rows of several
-# sequences through one quantized matmul). keydiff hands bf16 rows to those matmuls; two
-# types are also checked with the rows cast to f32 (KEYDIFF_CUDA_QMATMUL_F32=1), the path step
-# 4d times against. KeyDiff is left out here: bf16's rounding alone
-# moves its choice on tiny-qwen-d64 (CPU dry run in bf16, 2026-12-05: cosine 0.984-0.994 for
-# most types, as for its quantized caches); the CPU in bf16 gave >= 0.99976 for the rest.
+# through its quantized matmul), the device runs candle's quantized matmuls. Chunks of 64 rows
+# under the full cache and H2O eviction, and for four types chunks of 8 rows under the full
+# cache (CUDA's matrix-vector kernels take up to 8). The K types need widths of 256
+# (tiny-qwen-d64). Then batching with quantized weights (decode rows of several sequences
+# through one quantized matmul). keydiff hands bf16 rows to those matmuls; two types are also
+# checked with the rows cast to f32 (KEYDIFF_CUDA_QMATMUL_F32=1), the path step 4d times
+# against. KeyDiff is left out here: bf16's rounding alone moves its choice on tiny-qwen-d64
+# (CPU dry run in bf16, 2026-12-05: cosine 0.984-0.994 for most types, as for its quantized
+# caches); under H2O and the full cache the CPU in bf16 gave >= 0.99976.
 weights_ok=1
 : > "$out/weights-bf16.jsonl"; : > "$out/weights-f32rows-bf16.jsonl"; : > "$out/weights-batch-bf16.jsonl"
 for t in q4_0 q4_1 q5_0 q5_1 q8_0 q2_k q3_k q4_k q5_k q6_k; do
@@ -490,7 +491,7 @@ fi
 echo "== 4d. GGUF-typed decoding: Q4_K weights (qwen3-0.6b's shape), bf16 rows into candle's quantized matmuls, and through f32"
 # keydiff hands bf16 rows to candle's quantized matmuls, which take them (see step 3g); with
 # KEYDIFF_CUDA_QMATMUL_F32=1 every such matmul casts to f32 and back, as before: two more
-# launches per linear, which a decode step (launch-bound at these sizes) pays ~200 times.
+# launches for each of a decode step's ~200 linears (launch-bound at these sizes).
 # Loading draws 0.6 G random values on the host (12 s on 2 cores) in each run.
 left=$((deadline - SECONDS))
 if [ "$left" -lt 120 ]; then
