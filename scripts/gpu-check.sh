@@ -492,7 +492,8 @@ echo "== 4d. GGUF-typed decoding: Q4_K weights (qwen3-0.6b's shape), bf16 rows i
 # keydiff hands bf16 rows to candle's quantized matmuls, which take them (see step 3g); with
 # KEYDIFF_CUDA_QMATMUL_F32=1 every such matmul casts to f32 and back, as before: two more
 # launches for each of a decode step's ~200 linears (launch-bound at these sizes).
-# Loading draws 0.6 G random values on the host (12 s on 2 cores) in each run.
+# Loading draws 0.6 G random values on the device, copies them to the host and quantizes them
+# there on every core, in each run.
 left=$((deadline - SECONDS))
 if [ "$left" -lt 120 ]; then
   note "gguf decode: skipped (${left}s left of the ${deadline}s budget; it takes up to 120 s)"

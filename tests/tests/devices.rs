@@ -244,11 +244,11 @@ fn quantized_weights_match_cpu_f32(dev: &Device) -> Result<()> {
                 ensure!(d.cosine > 0.99, "{preset} {t:?} chunk {chunk}: {d:?}");
             }
             // The memory plan, made from shapes before anything loads, is what the device
-            // holds.
+            // holds; values drawn on the device this time (as `--weight-type` draws them).
             let source = keydiff::ModelSource::Random {
                 config: root().join(format!("configs/{preset}.json")),
                 seed: 3,
-                on_host: true,
+                on_host: false,
                 weights: Some(t),
             };
             let e = keydiff::Engine::load(

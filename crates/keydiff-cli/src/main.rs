@@ -214,7 +214,8 @@ struct LoadArgs {
     /// With --random-weights: quantize the linears and the embedding to this GGML type, as a
     /// GGUF file of that type holds them (q4_0, q4_1, q5_0, q5_1, q8_0, q2_k, q3_k, q4_k,
     /// q5_k, q6_k; norms stay dense), so that a preset times or checks the quantized matmuls
-    /// a GGUF model runs. The K types need widths that are multiples of 256.
+    /// a GGUF model runs. The values are drawn as dense ones are (on a GPU, there) and
+    /// quantized on the host. The K types need widths that are multiples of 256.
     #[arg(long)]
     weight_type: Option<String>,
     /// cpu, cuda or cuda:N.

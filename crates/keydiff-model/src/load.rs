@@ -370,9 +370,9 @@ pub fn load_hf_dir(
 /// Builds a model of a preset's shape (an HF `config.json`) with seeded random weights.
 /// Its tokenizer is a plain byte-level one: the text it produces is meaningless.
 /// `on_host` draws the values on the CPU so that every device gets the same model.
-/// `weight_type` quantizes its linears and embedding to that GGML type, as a GGUF file of
-/// that type holds them (drawn on the host whatever `on_host` says; see
-/// [`Weights::random_quantized`]), kept on the CPU with `opts`' copies.
+/// `weight_type` quantizes its linears and embedding to that GGML type on the host, as a GGUF
+/// file of that type holds them (see [`Weights::random_quantized`]), kept on the CPU with
+/// `opts`' copies.
 #[allow(clippy::too_many_arguments)]
 pub fn load_random(
     config: &Path,
@@ -388,7 +388,7 @@ pub fn load_random(
     let cfg = hf.to_model_config(config)?;
     let (mut weights, asked) = match weight_type {
         Some(t) => (
-            Weights::random_quantized(device, dtype, seed, t, opts)?,
+            Weights::random_quantized(device, dtype, seed, on_host, t, opts)?,
             opts,
         ),
         None => (

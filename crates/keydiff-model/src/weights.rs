@@ -566,16 +566,18 @@ impl Weights {
     }
 
     /// Seeded random weights whose linears (experts and the LM head included) and embedding
-    /// table are quantized to `t`, as a GGUF file of that type stores them: each is drawn on
-    /// the host as [`Weights::random`] with `on_host` draws it (the same values), quantized
-    /// by candle's CPU quantizer, then loaded as a GGUF tensor is (candle's quantized matmul
-    /// on every device; on the CPU with `opts`' copies). Norms and biases stay dense. Every
-    /// quantized tensor's rows must be whole blocks of `t` (32 values, 256 for the K types):
-    /// a shape that is not is refused by name when the model loads.
+    /// table are quantized to `t`, as a GGUF file of that type stores them: each is drawn as
+    /// [`Weights::random`] draws it (with `on_host`, or on the CPU: the same values; else on
+    /// the device, a run of rows at a time, and copied to the host), quantized by candle's CPU
+    /// quantizer, then loaded as a GGUF tensor is (candle's quantized matmul on every device;
+    /// on the CPU with `opts`' copies). Norms and biases stay dense. Every quantized tensor's
+    /// rows must be whole blocks of `t` (32 values, 256 for the K types): a shape that is not
+    /// is refused by name when the model loads.
     pub fn random_quantized(
         device: &Device,
         dtype: DType,
         seed: u64,
+        on_host: bool,
         t: GgmlDType,
         opts: CpuWeights,
     ) -> Result<Self> {
@@ -584,14 +586,14 @@ impl Weights {
                 "random weights of type {t:?} (a weight type of llama.cpp's files is needed)"
             )));
         }
-        Ok(Weights::Random {
-            device: device.clone(),
-            dtype,
-            on_host: true,
-            rng: Mutex::new(StdRng::seed_from_u64(seed)),
-            quantized: Some(t),
-            opts,
-        })
+        let mut w = Weights::random(device, dtype, seed, on_host)?;
+        if let Weights::Random {
+            quantized, opts: o, ..
+        } = &mut w
+        {
+            (*quantized, *o) = (Some(t), opts);
+        }
+        Ok(w)
     }
 
     /// The type a random source quantizes linears and embeddings to, if any.
@@ -606,7 +608,13 @@ impl Weights {
     /// and quantized to `t`, on the source's device, as [`Weights::qtensor`] reads a GGUF
     /// tensor.
     fn random_qtensor(&self, name: &str, shape: &[usize], t: GgmlDType) -> Result<QTensor> {
-        let Weights::Random { device, rng, .. } = self else {
+        let Weights::Random {
+            device,
+            rng,
+            on_host,
+            ..
+        } = self
+        else {
             unreachable!("random_qtensor on a non-random source")
         };
         let row = shape.last().copied().unwrap_or(0);
@@ -624,10 +632,11 @@ impl Weights {
                 t.block_size()
             )));
         }
-        // The values in the dense draw's order, a run of rows at a time (each its own tensor:
-        // candle 0.11.1's `QTensor::quantize` reads a view's storage from the start, whatever
-        // its offset), then each run quantized on its own thread: candle's quantizer runs on
-        // one, and a row's blocks depend on that row alone.
+        // The values a run of rows at a time, each its own tensor on the host (candle 0.11.1's
+        // `QTensor::quantize` reads a view's storage from the start, whatever its offset):
+        // from the host generator in the dense draw's order, or drawn on the device (fast, for
+        // timing) and copied. Then each run is quantized on its own thread: candle's quantizer
+        // runs on one, and a row's blocks depend on that row alone.
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
         let runs = {
             let mut rng = rng.lock().expect("rng lock poisoned");
@@ -636,7 +645,13 @@ impl Weights {
                 .map(|rows| {
                     let mut run = shape.to_vec();
                     run[0] = rows;
-                    Init::Normal.host(&run, &mut rng)
+                    if *on_host || device.is_cpu() {
+                        Init::Normal.host(&run, &mut rng)
+                    } else {
+                        Ok(Init::Normal
+                            .make(&run, DType::F32, device)?
+                            .to_device(&Device::Cpu)?)
+                    }
                 })
                 .collect::<Result<Vec<_>>>()?
         };
@@ -1268,7 +1283,7 @@ mod tests {
         };
         for (t, (out_dim, in_dim)) in [(GgmlDType::Q4_0, (200, 64)), (GgmlDType::Q4K, (136, 512))] {
             let dense = Weights::random(&dev, DType::F32, 9, true)?;
-            let quant = Weights::random_quantized(&dev, DType::F32, 9, t, CpuWeights::FAST)?;
+            let quant = Weights::random_quantized(&dev, DType::F32, 9, true, t, CpuWeights::FAST)?;
             let same = |d: &Tensor, q: &Tensor, what: &str| -> Result<()> {
                 let want = QTensor::quantize(d, t)?.dequantize(&dev)?;
                 let diff = (want - q)?.abs()?.max_all()?.to_scalar::<f32>()?;
@@ -1397,11 +1412,17 @@ mod tests {
         let err = parse_weight_type("q8_1").unwrap_err().to_string();
         assert!(err.contains("`q8_1`") && err.contains("q6_k"), "{err}");
         let dev = Device::Cpu;
-        assert!(
-            Weights::random_quantized(&dev, DType::F32, 0, GgmlDType::Q8K, CpuWeights::FAST)
-                .is_err()
-        );
-        let w = Weights::random_quantized(&dev, DType::F32, 0, GgmlDType::Q6K, CpuWeights::FAST)?;
+        assert!(Weights::random_quantized(
+            &dev,
+            DType::F32,
+            0,
+            true,
+            GgmlDType::Q8K,
+            CpuWeights::FAST
+        )
+        .is_err());
+        let w =
+            Weights::random_quantized(&dev, DType::F32, 0, true, GgmlDType::Q6K, CpuWeights::FAST)?;
         let err = w
             .linear(Key::Q, Some(1), 64, 96, false)
             .unwrap_err()

@@ -22,8 +22,8 @@ pub enum ModelSource {
         seed: u64,
         on_host: bool,
         /// Linears and the embedding quantized to this GGML type (Q4_K, Q8_0, ...: what a
-        /// GGUF file of that type holds, run by the same quantized matmuls); drawn on the
-        /// host then, whatever `on_host` says. `None`: dense in the engine's dtype.
+        /// GGUF file of that type holds, run by the same quantized matmuls), on the host, of
+        /// values drawn as `on_host` says. `None`: dense in the engine's dtype.
         weights: Option<GgmlDType>,
     },
 }
