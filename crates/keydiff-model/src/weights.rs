@@ -286,7 +286,12 @@ fn q_takes_half_rows(t: GgmlDType, x: &Tensor) -> bool {
         && matches!(x.rank(), 2 | 3)
         && x.elem_count() > 0
         && x.is_contiguous()
-        && WEIGHT_TYPES.iter().any(|(_, w)| *w == t)
+        && is_weight_type(t)
+}
+
+/// Whether `t` is one of [`WEIGHT_TYPES`].
+fn is_weight_type(t: GgmlDType) -> bool {
+    WEIGHT_TYPES.iter().any(|(_, w)| *w == t)
 }
 
 /// False when `KEYDIFF_CUDA_QMATMUL_F32` is set (to anything but `0`): every quantized matmul
@@ -581,7 +586,7 @@ impl Weights {
         t: GgmlDType,
         opts: CpuWeights,
     ) -> Result<Self> {
-        if !WEIGHT_TYPES.iter().any(|(_, x)| *x == t) {
+        if !is_weight_type(t) {
             return Err(ModelError::Unsupported(format!(
                 "random weights of type {t:?} (a weight type of llama.cpp's files is needed)"
             )));
@@ -827,9 +832,10 @@ impl Weights {
                     // of rows), each run's blocks, their concatenation, and on the CPU the
                     // storage's own copy of them (then what the options make of it, as a
                     // GGUF tensor's, which is less).
-                    match self {
-                        Weights::Random { .. } => (resident, transient.max(4 * n + 3 * stored)),
-                        _ => (resident, transient),
+                    if matches!(self, Weights::Random { .. }) {
+                        (resident, transient.max(4 * n + 3 * stored))
+                    } else {
+                        (resident, transient)
                     }
                 }
                 // Safetensors are mapped and converted tensor by tensor; random values are
