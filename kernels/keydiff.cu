@@ -1367,3 +1367,153 @@ extern "C" __global__ void __launch_bounds__(KD_KVQ_THREADS)
   }
   out[(int64_t)h * n * d + i] = y;
 }
+
+// ---------------------------------------------------------------------------------------------
+// Decode attention (flash-decoding): a decode step's one query row per query head over its KV
+// head's cache, read in place. The eager path runs six launches for it (q · scale, q · kᵀ, a
+// cast to f32, softmax, a cast back, p · v) and writes a row of probabilities per head between
+// them; this is one launch, or two when the keys are split over several blocks. Its CPU twin is
+// `decode_attention_cpu` (crates/keydiff-model/src/decode_kernel.rs), the same online softmax
+// over units of keys; the reference is the eager path (`attention_probs`, `attention_output`).
+//
+// q [kv, g, d] contiguous (query head h · g + j attends KV head h: GQA); k, v [kv, t, d] views
+// of the cache (element strides, rows contiguous), all of one dtype T; d <= 32 · NE. Grid
+// (splits, kv), KD_DEC_THREADS threads: block (s, h) takes keys [s · span, min(t, (s + 1) ·
+// span)), which is never empty (the wrapper's split), its warps every KD_DEC_WARPS-th of them. A
+// warp reads each of its key and value rows once (lane l holds elements l, l + 32, ...) for all
+// g query heads, and keeps per head the running max m of the scores, the sum l of
+// exp(score - m) and the value rows weighted by those (f32). Scores are (q · scale) · k, q
+// scaled in f32. The warps are merged in shared memory; with one split the block writes
+// out [kv, g, d] in T, else (m, l, acc[d]) to part [kv, splits, g, d + 2] in f32, which
+// keydiff_decode_combine merges into out.
+#define KD_DEC_THREADS 128
+#define KD_DEC_WARPS (KD_DEC_THREADS / 32)
+#define KD_DEC_MAX_G 8
+
+__device__ __forceinline__ float kd_neg_inf() { return __uint_as_float(0xff800000u); }
+
+__device__ __forceinline__ void kd_store(float* p, float x) { *p = x; }
+__device__ __forceinline__ void kd_store(__half* p, float x) { *p = __float2half_rn(x); }
+__device__ __forceinline__ void kd_store(__nv_bfloat16* p, float x) {
+  *p = __float2bfloat16_rn(x);
+}
+
+// Merges n partial softmax states (m, l, acc) at stride `step` floats into (mx, sl, sa): mx the
+// largest m, sl = sum(l · e^(m - mx)), sa = sum(acc · e^(m - mx)); the value is sa / sl. At least
+// one state holds a key; one that holds none (m = -inf, l = acc = 0) adds 0, and a NaN anywhere
+// gives NaN.
+__device__ __forceinline__ void kd_softmax_merge(const float* m, const float* l, const float* acc,
+                                                 int n, int step, float& mx, float& sl,
+                                                 float& sa) {
+  mx = kd_neg_inf();
+  for (int i = 0; i < n; ++i) mx = fmaxf(mx, m[i * step]);
+  sl = 0.f;
+  sa = 0.f;
+  for (int i = 0; i < n; ++i) {
+    const float f = expf(m[i * step] - mx);
+    sl += l[i * step] * f;
+    sa += acc[i * step] * f;
+  }
+}
+
+template <typename T, int NE>
+__device__ void kd_decode(const T* q, const T* k, int64_t k_hs, int64_t k_rs, const T* v,
+                          int64_t v_hs, int64_t v_rs, int t, int g, int d, int span, float scale,
+                          T* out, float* part) {
+  __shared__ float sm_m[KD_DEC_MAX_G][KD_DEC_WARPS];
+  __shared__ float sm_l[KD_DEC_MAX_G][KD_DEC_WARPS];
+  __shared__ float sm_acc[KD_DEC_MAX_G][32 * NE][KD_DEC_WARPS];
+  const int h = blockIdx.y, s = blockIdx.x, splits = gridDim.x;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int r0 = s * span, r1 = min(t, r0 + span);
+  float qr[KD_DEC_MAX_G][NE], acc[KD_DEC_MAX_G][NE], m[KD_DEC_MAX_G], l[KD_DEC_MAX_G];
+  for (int j = 0; j < KD_DEC_MAX_G; ++j) {
+    m[j] = kd_neg_inf();
+    l[j] = 0.f;
+    for (int e = 0; e < NE; ++e) {
+      const int c = lane + 32 * e;
+      qr[j][e] = j < g && c < d ? kd_to_f(q[((int64_t)h * g + j) * d + c]) * scale : 0.f;
+      acc[j][e] = 0.f;
+    }
+  }
+  for (int r = r0 + warp; r < r1; r += KD_DEC_WARPS) {
+    const T* kr = k + h * k_hs + (int64_t)r * k_rs;
+    const T* vr = v + h * v_hs + (int64_t)r * v_rs;
+    float kx[NE], vx[NE];
+    for (int e = 0; e < NE; ++e) {
+      const int c = lane + 32 * e;
+      kx[e] = c < d ? kd_to_f(kr[c]) : 0.f;
+      vx[e] = c < d ? kd_to_f(vr[c]) : 0.f;
+    }
+    for (int j = 0; j < KD_DEC_MAX_G; ++j) {
+      if (j < g) {  // the same for every lane: the warp stays converged
+        float p = 0.f;
+        for (int e = 0; e < NE; ++e) p += qr[j][e] * kx[e];
+        p = kd_warp_sum(p);
+        const float mn = fmaxf(m[j], p);
+        const float c = expf(m[j] - mn), w = expf(p - mn);
+        l[j] = l[j] * c + w;
+        for (int e = 0; e < NE; ++e) acc[j][e] = acc[j][e] * c + w * vx[e];
+        m[j] = mn;
+      }
+    }
+  }
+  for (int j = 0; j < KD_DEC_MAX_G; ++j) {
+    if (j < g) {
+      if (lane == 0) {
+        sm_m[j][warp] = m[j];
+        sm_l[j][warp] = l[j];
+      }
+      for (int e = 0; e < NE; ++e) sm_acc[j][lane + 32 * e][warp] = acc[j][e];
+    }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < g * d; i += KD_DEC_THREADS) {
+    const int j = i / d, c = i % d;
+    // The warps' states of head j, then of element c, each KD_DEC_WARPS floats in a row.
+    float mx, sl, sa;
+    kd_softmax_merge(sm_m[j], sm_l[j], sm_acc[j][c], KD_DEC_WARPS, 1, mx, sl, sa);
+    if (splits == 1) {
+      kd_store(out + ((int64_t)h * g + j) * d + c, sa / sl);
+    } else {
+      float* p = part + (((int64_t)h * splits + s) * g + j) * (d + 2);
+      if (c == 0) {
+        p[0] = mx;
+        p[1] = sl;
+      }
+      p[2 + c] = sa;
+    }
+  }
+}
+
+// part [kv, splits, g, d + 2] (m, l, acc[d] of each split) -> out [kv, g, d]. Grid (1, kv).
+template <typename T>
+__device__ void kd_decode_combine(const float* part, int splits, int g, int d, T* out) {
+  const int h = blockIdx.y;
+  const int step = g * (d + 2);
+  for (int i = threadIdx.x; i < g * d; i += blockDim.x) {
+    const int j = i / d, c = i % d;
+    const float* p = part + ((int64_t)h * splits * g + j) * (d + 2);
+    float mx, sl, sa;
+    kd_softmax_merge(p, p + 1, p + 2 + c, splits, step, mx, sl, sa);
+    kd_store(out + ((int64_t)h * g + j) * d + c, sa / sl);
+  }
+}
+
+#define KD_DECODE(SUFFIX, T, NE)                                                                  \
+  extern "C" __global__ void __launch_bounds__(KD_DEC_THREADS) keydiff_decode_##SUFFIX##_##NE(   \
+      const T* q, const T* k, int64_t k_hs, int64_t k_rs, const T* v, int64_t v_hs, int64_t v_rs, \
+      int t, int g, int d, int span, float scale, T* out, float* part) {                          \
+    kd_decode<T, NE>(q, k, k_hs, k_rs, v, v_hs, v_rs, t, g, d, span, scale, out, part);           \
+  }
+#define KD_DECODE_DTYPE(SUFFIX, T)                                                                \
+  KD_DECODE(SUFFIX, T, 2)                                                                         \
+  KD_DECODE(SUFFIX, T, 4)                                                                         \
+  KD_DECODE(SUFFIX, T, 8)                                                                         \
+  extern "C" __global__ void __launch_bounds__(KD_DEC_THREADS) keydiff_decode_combine_##SUFFIX(  \
+      const float* part, int splits, int g, int d, T* out) {                                      \
+    kd_decode_combine<T>(part, splits, g, d, out);                                                \
+  }
+KD_DECODE_DTYPE(f32, float)
+KD_DECODE_DTYPE(f16, __half)
+KD_DECODE_DTYPE(bf16, __nv_bfloat16)

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Mutation check of the emulated kernel tests (crates/keydiff-cache/tests/kernel_emulation.rs):
+# Mutation check of the emulated kernel tests (crates/keydiff-cache/tests/kernel_emulation.rs,
+# and crates/keydiff-model/tests/decode_emulation.rs for the decode kernels):
 # plants one known defect at a time in kernels/keydiff.cu (an off-by-one, a missing barrier, a
 # wrong reduction, ...), runs the tests, and reports whether they caught it. Every mutant must
 # be caught. kernels/keydiff.cu is restored afterwards, whatever happens.
@@ -90,6 +91,18 @@ mutants=(
   "select-many: no barrier before the slice histogram goes out~      atomicAdd(&hist[bin], (unsigned)__popc(peers));\n  }\n  __syncthreads();~      atomicAdd(&hist[bin], (unsigned)__popc(peers));\n  }"
   "select-many: block scan reads warp totals before they are written~  if (lane == 31) tmp[warp] = x;\n  __syncthreads();~  if (lane == 31) tmp[warp] = x;"
   "select-many: block sum reuses its totals without a barrier~  for (int w = 0; w < (int)(blockDim.x >> 5); ++w) total += tmp[w];\n  __syncthreads();~  for (int w = 0; w < (int)(blockDim.x >> 5); ++w) total += tmp[w];"
+  # The decode-attention kernels (keydiff_decode_*, keydiff_decode_combine_*), caught by
+  # keydiff-model's tests/decode_emulation.rs (the mutants named "decode: ...").
+  "decode: the running sums not rescaled by a new max~acc[j][e] = acc[j][e] * c + w * vx[e];~acc[j][e] = acc[j][e] + w * vx[e];"
+  "decode: the running weight not rescaled by a new max~        l[j] = l[j] * c + w;~        l[j] = l[j] + w;"
+  "decode: a block drops its last key~r1 = min(t, r0 + span);~r1 = min(t, r0 + span - 1);"
+  "decode: q not scaled~kd_to_f(q[((int64_t)h * g + j) * d + c]) * scale~kd_to_f(q[((int64_t)h * g + j) * d + c])"
+  "decode: value rows at the key rows' strides~    const T* vr = v + h * v_hs + (int64_t)r * v_rs;~    const T* vr = v + h * k_hs + (int64_t)r * k_rs;"
+  "decode: no barrier before the warps are merged~      for (int e = 0; e < NE; ++e) sm_acc[j][lane + 32 * e][warp] = acc[j][e];\n    }\n  }\n  __syncthreads();~      for (int e = 0; e < NE; ++e) sm_acc[j][lane + 32 * e][warp] = acc[j][e];\n    }\n  }"
+  "decode: a merge without its max~    const float f = expf(m[i * step] - mx);~    const float f = expf(m[i * step]);"
+  "decode: the combine reads splits one head apart~  const int step = g * (d + 2);~  const int step = d + 2;"
+  "decode: only the first warp's keys merged~  for (int i = 0; i < n; ++i) mx = fmaxf(mx, m[i * step]);~  n = n > 1 && step == 1 ? 1 : n;\n  for (int i = 0; i < n; ++i) mx = fmaxf(mx, m[i * step]);"
+  "decode: an element past the head dim read as a value~      vx[e] = c < d ? kd_to_f(vr[c]) : 0.f;~      vx[e] = c < d + 32 ? kd_to_f(vr[c]) : 0.f;"
   # The one-launch selection of few evictions (keydiff_select_few). Two of its barriers are
   # not among them: the one at the end of each digit of kd_few_kth (the next digit's reads and
   # writes of the shared state come after two barriers of its own) and the one after the last
@@ -114,7 +127,13 @@ if [ -n "${MUTANTS_MATCHING:-}" ]; then
   mutants=("${kept[@]}")
 fi
 
+# The tests that catch a mutant: the decode kernels' own, or the eviction kernels'.
+tests_for() {
+  if [[ "$1" == decode:* ]]; then echo "-p keydiff-model --test decode_emulation"
+  else echo "-p keydiff-cache --test kernel_emulation"; fi
+}
 cargo test --release -p keydiff-cache --test kernel_emulation --no-run -q 2>/dev/null || true
+cargo test --release -p keydiff-model --test decode_emulation --no-run -q 2>/dev/null || true
 survived=0
 for m in "${mutants[@]}"; do
   IFS='~' read -r name from to <<< "$m"
@@ -127,7 +146,8 @@ if s.count(old) != 1:
     sys.exit(f"mutant text found {s.count(old)} times: {old!r}")
 open(path, "w").write(s.replace(old, new))
 PY
-  if out=$(cargo test --release -p keydiff-cache --test kernel_emulation 2>&1); then
+  # shellcheck disable=SC2046  # the package and test, two words each
+  if out=$(cargo test --release $(tests_for "$name") 2>&1); then
     echo "SURVIVED  $name"; survived=$((survived + 1))
   else
     failed=$({ grep -E '^test .* FAILED$' || true; } <<< "$out" | sed -E 's/^test (.*) \.\.\. FAILED$/\1/' | tr '\n' ' ')

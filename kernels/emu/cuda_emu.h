@@ -456,6 +456,13 @@ inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fsub_rn(float a, float b) { return a - b; }
 
 inline float __bfloat162float(__nv_bfloat16 h) { return kd_emu::u2f((uint32_t)h.x << 16); }
+// f32 -> bf16, round to nearest even, as the device's conversion (and `half::bf16::from_f32`);
+// a NaN stays a (quiet) NaN of its sign.
+inline __nv_bfloat16 __float2bfloat16_rn(float f) {
+  const uint32_t x = kd_emu::f2u(f);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return __nv_bfloat16{(uint16_t)((x >> 16) | 0x40u)};
+  return __nv_bfloat16{(uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16)};
+}
 inline unsigned short __half_as_ushort(__half h) { return h.x; }
 inline __half __ushort_as_half(unsigned short x) { return __half{x}; }
 // f32 -> f16, round to nearest even, as the device's conversion (and `half::f16::from_f32`).

@@ -194,6 +194,60 @@ extern "C" int kd_emu_kvq_dequantize(const uint8_t* q, int64_t head_stride, int6
   return finish(e, err, err_len);
 }
 
+// keydiff_decode_<dtype>_<ne> on grid (grid_x, grid_y), then for more than one split
+// keydiff_decode_combine_<dtype> on (1, grid_y), as the CUDA wrapper launches them. dtype: 0 f32,
+// 1 f16, 2 bf16; ne: 2, 4 or 8.
+extern "C" int kd_emu_decode(int dtype, int ne, const void* q, const void* k, int64_t k_hs,
+                             int64_t k_rs, const void* v, int64_t v_hs, int64_t v_rs, int t, int g,
+                             int d, int span, float scale, void* out, float* part,
+                             unsigned grid_x, unsigned grid_y, unsigned block, uint64_t seed,
+                             char* err, size_t err_len) {
+  std::function<void()> run, combine;
+#define KD_EMU_DECODE(SUFFIX, T, NE)                                                             \
+  run = [=] {                                                                                    \
+    kd_emu::run_kernel(keydiff_decode_##SUFFIX##_##NE, (const T*)q, (const T*)k, k_hs, k_rs,     \
+                       (const T*)v, v_hs, v_rs, t, g, d, span, scale, (T*)out, part);            \
+  };                                                                                             \
+  combine = [=] {                                                                                \
+    kd_emu::run_kernel(keydiff_decode_combine_##SUFFIX, (const float*)part, (int)grid_x, g, d,   \
+                       (T*)out);                                                                 \
+  };
+#define KD_EMU_DECODE_NE(SUFFIX, T)                                                              \
+  switch (ne) {                                                                                  \
+    case 2:                                                                                      \
+      KD_EMU_DECODE(SUFFIX, T, 2)                                                                \
+      break;                                                                                     \
+    case 4:                                                                                      \
+      KD_EMU_DECODE(SUFFIX, T, 4)                                                                \
+      break;                                                                                     \
+    case 8:                                                                                      \
+      KD_EMU_DECODE(SUFFIX, T, 8)                                                                \
+      break;                                                                                     \
+    default:                                                                                     \
+      return finish("no decode kernel for " + std::to_string(ne) + " values a lane", err,        \
+                    err_len);                                                                    \
+  }
+  switch (dtype) {
+    case 0:
+      KD_EMU_DECODE_NE(f32, float)
+      break;
+    case 1:
+      KD_EMU_DECODE_NE(f16, __half)
+      break;
+    case 2:
+      KD_EMU_DECODE_NE(bf16, __nv_bfloat16)
+      break;
+    default:
+      return finish("no decode kernel for dtype " + std::to_string(dtype), err, err_len);
+  }
+#undef KD_EMU_DECODE_NE
+#undef KD_EMU_DECODE
+  std::string e = guarded(d3(grid_x, grid_y), d3(block), KD_DEC_THREADS, seed, run);
+  if (e.empty() && grid_x > 1)
+    e = guarded(d3(1, grid_y), d3(block), KD_DEC_THREADS, seed + 1, combine);
+  return finish(e, err, err_len);
+}
+
 // `bitmap` must be zeroed.
 extern "C" int kd_emu_snapkv_pool(const float* stats, int64_t stats_stride,
                                   const uint32_t* positions, int64_t pos_stride, int n,

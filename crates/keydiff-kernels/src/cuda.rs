@@ -8,7 +8,8 @@ use candle_core::{bail, CudaStorage, DType, Layout, Result, Shape};
 use half::{bf16, f16};
 
 use crate::geometry::{
-    check_kvq, check_pool, check_scores, check_select, kvq_launch, move_launch, per_head_launch,
+    check_decode, check_kvq, check_pool, check_scores, check_select, decode_combine_launch,
+    decode_lanes, decode_launch, decode_split, kvq_launch, move_launch, per_head_launch,
     plan_moves, pool_words, scores_launch, select_few_launch, select_few_workspace,
     select_multi_launch, select_passes, select_workspace, vector_loads_fit, Launch, ScoreLoads,
     SelectBlocks, KVQ_FP8, MAX_HEADS,
@@ -488,4 +489,112 @@ pub fn kvq_dequantize(
         CudaStorage::wrap_cuda_slice(out, dev),
         Shape::from((kv, n, d)),
     ))
+}
+
+/// One decode step's attention (`keydiff_decode_<dtype>_<NE>`, then for more than one split
+/// `keydiff_decode_combine_<dtype>`; see the kernel source): `q` `[kv, g, d]` (contiguous), `k`
+/// and `v` `[kv, t, d]` views of a cache (any head and row stride, rows contiguous), all of one
+/// dtype (f32/f16/bf16). Returns softmax(q · kᵀ · scale) · v, `[kv, g, d]` in that dtype.
+pub fn decode_attention(
+    (q, ql): (&CudaStorage, &Layout),
+    (k, kl): (&CudaStorage, &Layout),
+    (v, vl): (&CudaStorage, &Layout),
+    scale: f32,
+) -> Result<(CudaStorage, Shape)> {
+    let (kv, g, d) = ql.shape().dims3()?;
+    let (kh, t, kd) = kl.shape().dims3()?;
+    let (ks, vs) = (kl.stride(), vl.stride());
+    if !ql.is_contiguous()
+        || (kh, kd) != (kv, d)
+        || vl.dims() != kl.dims()
+        || ks[2] != 1
+        || vs[2] != 1
+    {
+        bail!(
+            "decode-attention: q {:?} (contiguous), k {:?} strides {ks:?}, v {:?} strides {vs:?}",
+            ql.dims(),
+            kl.dims(),
+            vl.dims()
+        );
+    }
+    if q.dtype() != k.dtype() || k.dtype() != v.dtype() {
+        bail!(
+            "decode-attention: q {:?}, k {:?} and v {:?} must be of one dtype",
+            q.dtype(),
+            k.dtype(),
+            v.dtype()
+        );
+    }
+    check_decode(kv, g, t, d)?;
+    let Some(ne) = decode_lanes(d) else {
+        bail!("decode-attention: no kernel for head_dim {d}");
+    };
+    let (splits, span) = decode_split(kv, t);
+    let dev = q.device().clone();
+    // SAFETY: with several splits every (m, l, acc) is written by the first kernel before the
+    // combine reads it; with one the buffer is not touched.
+    let mut part = unsafe {
+        dev.alloc::<f32>(if splits > 1 {
+            kv * splits * g * (d + 2)
+        } else {
+            1
+        })?
+    };
+    let (k_hs, k_rs, v_hs, v_rs) = (ks[0] as i64, ks[1] as i64, vs[0] as i64, vs[1] as i64);
+    // `check_decode` bounds them to `int`.
+    let (t32, g32, d32, span32, splits32) =
+        (t as i32, g as i32, d as i32, span as i32, splits as i32);
+    macro_rules! launch {
+        ($t:ty, $sfx:literal) => {{
+            // SAFETY: every value is written, by the first kernel (one split) or the combine.
+            let mut out = unsafe { dev.alloc::<$t>(kv * g * d)? };
+            let qv = q.as_cuda_slice::<$t>()?.slice(ql.start_offset()..);
+            let kv_ = k.as_cuda_slice::<$t>()?.slice(kl.start_offset()..);
+            let vv = v.as_cuda_slice::<$t>()?.slice(vl.start_offset()..);
+            let f =
+                dev.get_or_load_custom_func(&format!("keydiff_decode_{}_{ne}", $sfx), MODULE, PTX)?;
+            let mut b = f.builder();
+            b.arg(&qv);
+            b.arg(&kv_);
+            b.arg(&k_hs);
+            b.arg(&k_rs);
+            b.arg(&vv);
+            b.arg(&v_hs);
+            b.arg(&v_rs);
+            b.arg(&t32);
+            b.arg(&g32);
+            b.arg(&d32);
+            b.arg(&span32);
+            b.arg(&scale);
+            b.arg(&mut out);
+            b.arg(&mut part);
+            // SAFETY: argument list matches the kernel; reads stay in the [kv, g, d] q and the
+            // [kv, t, d] views at these strides, writes in `out` and `part` as allocated here.
+            unsafe { b.launch(launch_cfg(decode_launch(kv, splits))) }.w()?;
+            if splits > 1 {
+                let f = dev.get_or_load_custom_func(
+                    concat!("keydiff_decode_combine_", $sfx),
+                    MODULE,
+                    PTX,
+                )?;
+                let mut b = f.builder();
+                b.arg(&part);
+                b.arg(&splits32);
+                b.arg(&g32);
+                b.arg(&d32);
+                b.arg(&mut out);
+                // SAFETY: argument list matches the kernel; it reads the kv · splits · g ·
+                // (d + 2) floats of `part` and writes the kv · g · d values of `out`.
+                unsafe { b.launch(launch_cfg(decode_combine_launch(kv))) }.w()?;
+            }
+            CudaStorage::wrap_cuda_slice(out, dev.clone())
+        }};
+    }
+    let out = match q.dtype() {
+        DType::F32 => launch!(f32, "f32"),
+        DType::F16 => launch!(f16, "f16"),
+        DType::BF16 => launch!(bf16, "bf16"),
+        dt => bail!("decode-attention: unsupported dtype {dt:?} (f32, f16, bf16)"),
+    };
+    Ok((out, Shape::from((kv, g, d))))
 }

@@ -25,7 +25,8 @@ use half::{bf16, f16};
 
 use crate::fence::{Fenced, HeadAxis, Side};
 use crate::geometry::{
-    check_kvq, check_pool, check_scores, check_select, kvq_launch, move_launch, per_head_launch,
+    check_decode, check_kvq, check_pool, check_scores, check_select, decode_combine_launch,
+    decode_lanes, decode_launch, decode_split, kvq_launch, move_launch, per_head_launch,
     plan_moves, pool_words, scores_launch, select_few_launch, select_few_workspace,
     select_multi_launch, select_passes, select_workspace, vector_loads_fit, ScoreLoads,
     SelectBlocks, KVQ_BYTES,
@@ -99,6 +100,30 @@ extern "C" {
         plan: *const u32,
         plan_stride: i64,
         max_moves: c_int,
+        grid_x: c_uint,
+        grid_y: c_uint,
+        block: c_uint,
+        seed: u64,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    fn kd_emu_decode(
+        dtype: c_int,
+        ne: c_int,
+        q: *const u8,
+        k: *const u8,
+        k_hs: i64,
+        k_rs: i64,
+        v: *const u8,
+        v_hs: i64,
+        v_rs: i64,
+        t: c_int,
+        g: c_int,
+        d: c_int,
+        span: c_int,
+        scale: f32,
+        out: *mut u8,
+        part: *mut f32,
         grid_x: c_uint,
         grid_y: c_uint,
         block: c_uint,
@@ -437,6 +462,117 @@ pub fn kvq_dequantize(
     })?;
     q.finish()?;
     out.finish()
+}
+
+/// `keydiff_decode_<dtype>_<NE>` and, for more than one split, `keydiff_decode_combine_<dtype>`
+/// (the split of [`decode_split`]): one decode step's attention for `q` `[kv, g, d]`
+/// (contiguous) over `k` and `v` viewed as `[kv, t, d]` with element strides `k_strides` /
+/// `v_strides` (head, row; rows contiguous), all three of one dtype. Returns the output
+/// `[kv · g · d]` in that dtype, widened to f32 (exactly).
+#[allow(clippy::too_many_arguments)]
+pub fn decode_attention(
+    q: Keys<'_>,
+    k: Keys<'_>,
+    k_strides: (usize, usize),
+    v: Keys<'_>,
+    v_strides: (usize, usize),
+    (kv, g, t, d): (usize, usize, usize, usize),
+    scale: f32,
+    seed: u64,
+) -> Result<Vec<f32>> {
+    check_decode(kv, g, t, d)?;
+    let Some(ne) = decode_lanes(d) else {
+        bail!("decode-attention: no kernel for head_dim {d}");
+    };
+    let (dtype, q_bytes, q_len, elem) = q.parts();
+    let (k_dtype, k_bytes, k_len, _) = k.parts();
+    let (v_dtype, v_bytes, v_len, _) = v.parts();
+    if k_dtype != dtype || v_dtype != dtype {
+        bail!("decode-attention: q, k and v must be of one dtype");
+    }
+    if q_len < kv * g * d {
+        bail!("decode-attention: q holds {q_len} values, not {kv} × {g} × {d}");
+    }
+    let (k_hs, k_rs) = k_strides;
+    let (v_hs, v_rs) = v_strides;
+    let k_extent = check_extent("decode-attention k", k_len, elem, kv, t, d, k_hs, k_rs)?;
+    let v_extent = check_extent("decode-attention v", v_len, elem, kv, t, d, v_hs, v_rs)?;
+    let (splits, span) = decode_split(kv, t);
+    let l = decode_launch(kv, splits);
+    debug_assert_eq!(decode_combine_launch(kv).block, l.block);
+    let side = Side::for_seed(seed);
+    let n_out = kv * g * d;
+    let qf = Fenced::copy_of("decode-attention q", &q_bytes[..n_out * elem], side, 16)?;
+    let kf = Fenced::copy_of("decode-attention k", &k_bytes[..k_extent * elem], side, 16)?;
+    let vf = Fenced::copy_of("decode-attention v", &v_bytes[..v_extent * elem], side, 16)?;
+    // Bytes of all ones: NaN in every dtype, so a value never written shows.
+    let mut out = Fenced::filled("decode-attention out", n_out * elem, 0xFFu8, side, 16)?;
+    let part_len = if splits > 1 {
+        kv * splits * g * (d + 2)
+    } else {
+        1
+    };
+    let mut part = Fenced::filled("decode-attention part", part_len, f32::NAN, side, 4)?;
+    qf.view(kv, g * d * elem, g, d * elem, d * elem, HeadAxis::Y)?;
+    kf.view(kv, k_hs * elem, t, k_rs * elem, d * elem, HeadAxis::Y)?;
+    vf.view(kv, v_hs * elem, t, v_rs * elem, d * elem, HeadAxis::Y)?;
+    out.view(kv, g * d * elem, g, d * elem, d * elem, HeadAxis::Y)?;
+    if splits > 1 {
+        let row = d + 2;
+        part.view(kv, splits * g * row, splits * g, row, row, HeadAxis::Y)?;
+    }
+    // `check_decode` bounds them to `int`.
+    let (t32, g32, d32, span32) = (t as c_int, g as c_int, d as c_int, span as c_int);
+    call("decode-attention", |err, err_len| {
+        // SAFETY: the kernels read q, k and v inside the extents checked above and write the
+        // kv · g · d values of `out` and, with several splits, the kv · splits · g · (d + 2)
+        // floats of `part`.
+        unsafe {
+            kd_emu_decode(
+                dtype,
+                ne as c_int,
+                qf.as_ptr(),
+                kf.as_ptr(),
+                k_hs as i64,
+                k_rs as i64,
+                vf.as_ptr(),
+                v_hs as i64,
+                v_rs as i64,
+                t32,
+                g32,
+                d32,
+                span32,
+                scale,
+                out.as_mut_ptr(),
+                part.as_mut_ptr(),
+                l.grid.0,
+                l.grid.1,
+                l.block,
+                seed,
+                err,
+                err_len,
+            )
+        }
+    })?;
+    qf.finish()?;
+    kf.finish()?;
+    vf.finish()?;
+    part.finish()?;
+    let bytes = out.finish()?;
+    Ok(match dtype {
+        0 => bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
+        1 => bytes
+            .chunks_exact(2)
+            .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        _ => bytes
+            .chunks_exact(2)
+            .map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+    })
 }
 
 /// Bytes of a block of `kind` (an unknown kind is an error).

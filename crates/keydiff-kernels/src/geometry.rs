@@ -269,6 +269,60 @@ pub fn check_kvq(kv: usize, n: usize, d: usize, kind: i32, bytes: usize) -> Resu
     Ok(())
 }
 
+/// `KD_DEC_THREADS`: threads of a `keydiff_decode_*` block (4 warps).
+pub const DECODE_THREADS: u32 = 128;
+/// `KD_DEC_MAX_G`: most query heads per KV head the decode kernel takes (the GQA groups of
+/// Llama 3.x and Qwen 2.5/3 are 1 to 8).
+pub const DECODE_MAX_GROUP: usize = 8;
+/// Keys a decode block takes before the keys of a head are split over more blocks.
+pub const DECODE_SPAN: usize = 256;
+/// Most blocks of a decode launch over all KV heads (a few per SM of an H100/H200, 132), so
+/// that a long cache is read by the whole GPU.
+pub const DECODE_BLOCKS: usize = 512;
+
+/// How `keydiff_decode_*` splits the `t` keys of each of `kv` heads: `(splits, span)`, block s
+/// taking keys `[s · span, min(t, (s + 1) · span))`, none of them empty. It depends on the
+/// shape alone, so a device gives the same sums for the same cache.
+pub fn decode_split(kv: usize, t: usize) -> (usize, usize) {
+    let most = (DECODE_BLOCKS / kv.max(1)).max(1);
+    let splits = t.div_ceil(DECODE_SPAN).clamp(1, most);
+    let span = t.div_ceil(splits).max(1);
+    (t.div_ceil(span).max(1), span)
+}
+
+/// The values each lane of the decode kernel holds of a row (the `NE` of
+/// `keydiff_decode_<dtype>_<NE>`): 2, 4 or 8 for head dims up to 64, 128 or 256.
+pub fn decode_lanes(d: usize) -> Option<usize> {
+    [2, 4, 8].into_iter().find(|ne| d <= 32 * ne)
+}
+
+/// `keydiff_decode_*`: splits on grid.x, heads on grid.y.
+pub fn decode_launch(kv: usize, splits: usize) -> Launch {
+    Launch {
+        grid: (splits as u32, kv as u32),
+        block: DECODE_THREADS,
+    }
+}
+
+/// `keydiff_decode_combine_*`: one block per head, on grid.y.
+pub fn decode_combine_launch(kv: usize) -> Launch {
+    decode_launch(kv, 1)
+}
+
+/// The decode kernel's limits: `kv` heads of `g` query heads each, `t` keys of `d` values.
+pub fn check_decode(kv: usize, g: usize, t: usize, d: usize) -> Result<()> {
+    if kv == 0 || kv > MAX_HEADS || g == 0 || g > DECODE_MAX_GROUP {
+        bail!(
+            "decode-attention: {kv} KV heads (1..={MAX_HEADS}) of {g} query heads \
+             (1..={DECODE_MAX_GROUP})"
+        );
+    }
+    if t == 0 || t > MAX_SLOTS || d == 0 || d > MAX_HEAD_DIM {
+        bail!("decode-attention: {t} keys (1..={MAX_SLOTS}) of head_dim {d} (1..={MAX_HEAD_DIM})");
+    }
+    Ok(())
+}
+
 /// Number of moves a plan row holds: M = min(N, n − N).
 pub fn plan_moves(n: usize, budget: usize) -> usize {
     budget.min(n.saturating_sub(budget))
@@ -315,6 +369,34 @@ pub fn check_pool(kv: usize, n: usize, span: usize) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn decode_splits_cover_every_key_once_and_none_is_empty() {
+        for kv in [1, 2, 3, 8, 64, 600] {
+            for t in (1..3000).chain([4095, 4096, 4097, 131_072, 131_200, 1 << 24]) {
+                let (splits, span) = decode_split(kv, t);
+                assert!(splits >= 1 && span >= 1, "kv {kv} t {t}");
+                // The last block starts inside the keys and the blocks reach the end.
+                assert!(
+                    (splits - 1) * span < t && splits * span >= t,
+                    "kv {kv} t {t}"
+                );
+                assert!(kv * splits <= DECODE_BLOCKS.max(kv), "kv {kv} t {t}");
+                assert!(splits == 1 || span >= DECODE_SPAN / 2, "kv {kv} t {t}");
+            }
+        }
+        assert_eq!(decode_split(8, 256), (1, 256));
+        assert_eq!(decode_split(8, 257), (2, 129));
+        assert_eq!(decode_split(8, 131_072), (64, 2048));
+        assert_eq!(decode_lanes(16), Some(2));
+        assert_eq!(decode_lanes(65), Some(4));
+        assert_eq!(decode_lanes(256), Some(8));
+        assert_eq!(decode_lanes(257), None);
+        assert!(check_decode(8, 9, 10, 128).is_err());
+        assert!(check_decode(8, 8, 0, 128).is_err());
+        assert!(check_decode(8, 8, 10, 257).is_err());
+        assert!(check_decode(8, 8, 10, 256).is_ok());
+    }
 
     #[test]
     fn geometry_stays_inside_cuda_limits() {

@@ -25,7 +25,7 @@ use std::str::FromStr;
 use candle_core::{DType, Device, Tensor, D};
 
 pub use crate::decode_kernel::{
-    decode_attention_cpu, decode_attention_cpu_blocks, widen_cache_view,
+    decode_attention_cpu, decode_attention_cpu_blocks, decode_attention_cuda, widen_cache_view,
 };
 use crate::error::{ModelError, Result};
 

@@ -60,6 +60,97 @@ pub fn decode_attention_cpu_blocks(
     decode_attention(q, k, v, Some(blocks), probs)
 }
 
+/// One decode step's attention on CUDA by keydiff's flash-decoding kernel
+/// (`keydiff_decode_*` of `kernels/keydiff.cu`): `q` `[kv_heads, g, d]`, `k` and `v`
+/// `[kv_heads, T, d]` views of the cache read in place, all three of one float dtype; returns
+/// `[kv_heads, g, d]` in that dtype, softmax(q · kᵀ / √d) · v with f32 sums. `None` where the
+/// kernel does not apply (off CUDA, caches of another dtype than q or of blocks, more than
+/// [`keydiff_kernels::geometry::DECODE_MAX_GROUP`] query heads per KV head, a head dim past
+/// 256, values of another shape than keys, rows not contiguous) or where
+/// `KEYDIFF_CUDA_DECODE_KERNEL=0` turns it off: the caller then takes the eager path (six
+/// launches and a row of probabilities per head). It gives no probabilities: policies that
+/// need a decode step's statistics take the eager path.
+pub fn decode_attention_cuda(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Option<Tensor>> {
+    use keydiff_kernels::geometry::{DECODE_MAX_GROUP, MAX_HEAD_DIM};
+    if !q.device().is_cuda() || !cuda_decode_kernel_on() {
+        return Ok(None);
+    }
+    let (kv_heads, g, d) = q.dims3()?;
+    let (kh, t, kd) = k.dims3()?;
+    let rows_contiguous = |x: &Tensor| x.stride().last() == Some(&1);
+    let float = matches!(q.dtype(), DType::F32 | DType::F16 | DType::BF16);
+    if !float
+        || k.dtype() != q.dtype()
+        || v.dtype() != q.dtype()
+        || (kh, kd) != (kv_heads, d)
+        || v.dims() != k.dims()
+        || g > DECODE_MAX_GROUP
+        || d > MAX_HEAD_DIM
+        || t == 0
+        || !rows_contiguous(k)
+        || !rows_contiguous(v)
+    {
+        return Ok(None);
+    }
+    cuda_decode(&q.contiguous()?, k, v)
+}
+
+/// Whether the CUDA decode kernel runs (`KEYDIFF_CUDA_DECODE_KERNEL=0` turns it off, to time
+/// or check the eager path against it).
+fn cuda_decode_kernel_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("KEYDIFF_CUDA_DECODE_KERNEL").map_or(true, |v| v != "0"))
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_decode(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Option<Tensor>> {
+    let scale = 1.0 / (q.dim(2)? as f32).sqrt();
+    Ok(Some(q.apply_op3_no_bwd(k, v, &CudaDecode { scale })?))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_decode(_q: &Tensor, _k: &Tensor, _v: &Tensor) -> Result<Option<Tensor>> {
+    Ok(None)
+}
+
+/// The candle op of [`decode_attention_cuda`]: CUDA only (the CPU has
+/// [`decode_attention_cpu`]).
+#[cfg(feature = "cuda")]
+struct CudaDecode {
+    scale: f32,
+}
+
+#[cfg(feature = "cuda")]
+impl candle_core::CustomOp3 for CudaDecode {
+    fn name(&self) -> &'static str {
+        "decode-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &candle_core::CpuStorage,
+        _: &candle_core::Layout,
+        _: &candle_core::CpuStorage,
+        _: &candle_core::Layout,
+        _: &candle_core::CpuStorage,
+        _: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        candle_core::bail!("decode-attention: the CUDA kernel's op runs on CUDA only")
+    }
+
+    fn cuda_fwd(
+        &self,
+        q: &candle_core::CudaStorage,
+        ql: &candle_core::Layout,
+        k: &candle_core::CudaStorage,
+        kl: &candle_core::Layout,
+        v: &candle_core::CudaStorage,
+        vl: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
+        keydiff_kernels::decode_attention((q, ql), (k, kl), (v, vl), self.scale)
+    }
+}
+
 fn decode_attention(
     q: &Tensor,
     k: &Tensor,

@@ -11,8 +11,8 @@ use keydiff_cache::{AttnStats, CacheConfig, KvCache, KvTypes};
 
 use crate::attention::{
     attention_output, attention_probs, chunk_mask, decode_attention_cpu,
-    decode_attention_cpu_blocks, flash_attend, row_sums, stats_pass, widen_cache_view,
-    AttentionBackend,
+    decode_attention_cpu_blocks, decode_attention_cuda, flash_attend, row_sums, stats_pass,
+    widen_cache_view, AttentionBackend,
 };
 use crate::config::{Arch, ModelConfig, RopeOverride};
 use crate::error::{ModelError, Result};
@@ -217,7 +217,8 @@ impl Attention {
         // A one-token chunk (a decode step) on the CPU in f32 runs the decode kernel under
         // either backend (see decode_attention_cpu): `[kv, g, d]`, and for eager the
         // probabilities its statistics need; flash takes its statistics from the extra pass,
-        // as for every chunk.
+        // as for every chunk. On CUDA, keydiff's decode kernel runs it (decode_attention_cuda)
+        // unless the eager statistics need the probabilities.
         let decoded = match (b, mask) {
             // Keys and values of different types (`--cache-type-k/-v`): the kernel reads one
             // type, so both are widened first.
@@ -230,6 +231,12 @@ impl Attention {
                 let probs = eager && rows.is_some();
                 match blocks.filter(|_| keys.dtype() == DType::U8) {
                     Some(t) => decode_attention_cpu_blocks(&q, &keys, &values, t, probs)?,
+                    // On CUDA, one launch (two for a long cache) in place of the eager path's
+                    // six, when no probabilities are needed (flash takes its statistics from
+                    // its own pass below).
+                    None if q.device().is_cuda() && !probs => {
+                        decode_attention_cuda(&q, &keys, &values)?.map(|y| (y, None))
+                    }
                     None => decode_attention_cpu(&q, &keys, &values, probs)?,
                 }
             }
