@@ -309,6 +309,44 @@ for r in rows:
 PY
 [ $weights_ok = 1 ] && note "weights parity: PASS" || note "weights parity: FAIL"
 
+echo "== 3h. decode attention on the device (keydiff_decode_*): every token a one-row step, against the CPU"
+# --chunk 1 makes every token of the prompt a decode-shaped step (one query row, no mask), so
+# that every step runs keydiff's decode kernel where it applies (float caches of the
+# activations' dtype, no probabilities needed: full, sink, keydiff; flash too) and the eager
+# path where it does not (h2o's statistics): never run on hardware before. 1200 tokens under
+# the full cache reach a split of the keys over 5 blocks a head and the combine kernel. In f32
+# the kernel must match the CPU closely under KeyDiff too; in bf16 the policies whose choice
+# rounding cannot move. Then the same with the kernel off (KEYDIFF_CUDA_DECODE_KERNEL=0), the
+# eager path, for comparison.
+decode_ok=1
+: > "$out/decode-kernel.jsonl"
+for kernel in 1 0; do
+  for dt in f32 bf16; do
+    pol=sink,h2o; [ $dt = f32 ] && pol=keydiff,sink,h2o
+    for r in "--prompt-len 1200 --chunk 1" "--prompt-len 400 --chunk 1 --budget 96 --policies $pol"; do
+      # shellcheck disable=SC2086
+      if ! KEYDIFF_CUDA_DECODE_KERNEL=$kernel timeout 90 "$bin" check-device --device "$device" \
+          --dtype $dt --attention eager $r --preset configs/tiny-llama.json \
+          --preset configs/tiny-qwen-d64.json --preset configs/tiny-qwen3.json \
+          > "$out/decode-kernel.tmp"; then
+        decode_ok=0
+        tail -3 "$errors"
+      fi
+      sed "s/^{/{\"kernel\":$kernel,\"dtype\":\"$dt\",/" "$out/decode-kernel.tmp" >> "$out/decode-kernel.jsonl"
+    done
+  done
+done 2>> "$errors"
+rm -f "$out/decode-kernel.tmp"
+python3 - "$out/decode-kernel.jsonl" >> "$summary" <<'PY'
+import json, sys
+print("decode attention (chunk 1, eager; CPU f32 reference):")
+print(f"  {'kernel':6} {'dtype':5} {'preset':22} {'policy':8} {'cosine':>9} {'max_rel':>9} top1")
+for r in map(json.loads, open(sys.argv[1])):
+    d = r["diff"]
+    print(f"  {'on' if r['kernel'] else 'off':6} {r['dtype']:5} {r['preset'].split('/')[-1]:22} {r['policy']:8} {d['cosine']:9.6f} {d['max_rel']:9.2e} {'same' if r['top1_equal'] else 'DIFF'}")
+PY
+[ $decode_ok = 1 ] && note "decode kernel parity: PASS" || note "decode kernel parity: FAIL"
+
 echo "== 3b. prefix reuse on the device: the same answers as fresh prefills (tiny random, bf16; an fp8 cache)"
 # KeyDiff is left out: its anchor sums with float atomics on the GPU, so two fresh runs may
 # already differ in the last bits; the other policies' ops are deterministic. The fp8 runs
@@ -466,6 +504,34 @@ else
   else
     note "batch: FAILED (exit $?); see errors.log"
   fi
+fi
+
+echo "== 4e. decode attention: keydiff's kernel against the eager path ($preset random weights, bf16)"
+# Step 4b's runs again with KEYDIFF_CUDA_DECODE_KERNEL=0 (the eager path: six launches a layer
+# where the kernel takes one), then a long cache (prompt 8192, full cache: the kernel splits
+# each head's keys over 32 blocks) both ways: decode was launch-bound in the first H200 run
+# (8.6 ms a token for 3B, 1.5 ms of weight reads).
+left=$((deadline - SECONDS))
+if [ "$left" -lt 90 ]; then
+  note "decode kernel timing: skipped (${left}s left of the ${deadline}s budget)"
+else
+  mkdir -p "$out/decode"
+  for kernel in 0 1; do
+    runs=("--prompt-len 8192 --chunks 512 --policies full --batch 1")
+    [ $kernel = 0 ] && runs=("--prompt-len 1024 --budget 512 --chunks 128 --policies keydiff --batch 1,8" "${runs[@]}")
+    i=0
+    for r in "${runs[@]}"; do
+      i=$((i + 1))
+      # shellcheck disable=SC2086
+      if KEYDIFF_CUDA_DECODE_KERNEL=$kernel timeout 60 "$bin" bench decode --random-weights -m "$preset" \
+          --device "$device" --dtype bf16 --attention "$ttft_attention" $r --gen-len 32 \
+          --warmup 1 --reps 1 --out "$out/decode/k$kernel-$i" > "$out/decode/table-k$kernel-$i.txt" 2>>"$errors"; then
+        { echo "decode ($preset, bf16, $r, kernel $([ $kernel = 1 ] && echo on || echo off)):"; grep -v '^#' "$out/decode/table-k$kernel-$i.txt"; } >> "$summary"
+      else
+        note "decode kernel timing (kernel $kernel, $r): FAILED (exit $?); see errors.log"
+      fi
+    done
+  done
 fi
 
 echo "== 4c. a prompt joining 4 decoding requests: alone vs in the batch's steps ($preset random weights, bf16)"
