@@ -508,16 +508,16 @@ fi
 
 echo "== 4e. decode attention: keydiff's kernel against the eager path ($preset random weights, bf16)"
 # Step 4b's runs again with KEYDIFF_CUDA_DECODE_KERNEL=0 (the eager path: six launches a layer
-# where the kernel takes one), then a long cache (prompt 8192, full cache: the kernel splits
-# each head's keys over 32 blocks) both ways: decode was launch-bound in the first H200 run
-# (8.6 ms a token for 3B, 1.5 ms of weight reads).
+# where the kernel takes one), then a long cache both ways (prompt 7680, within SmolLM2's 8192
+# for dry runs; full cache: the kernel splits each of 3B's 8 heads' keys over 31 blocks):
+# decode was launch-bound in the first H200 run (8.6 ms a token for 3B, 1.5 ms of weight reads).
 left=$((deadline - SECONDS))
 if [ "$left" -lt 90 ]; then
   note "decode kernel timing: skipped (${left}s left of the ${deadline}s budget)"
 else
   mkdir -p "$out/decode"
   for kernel in 0 1; do
-    runs=("--prompt-len 8192 --chunks 512 --policies full --batch 1")
+    runs=("--prompt-len 7680 --chunks 512 --policies full --batch 1")
     [ $kernel = 0 ] && runs=("--prompt-len 1024 --budget 512 --chunks 128 --policies keydiff --batch 1,8" "${runs[@]}")
     i=0
     for r in "${runs[@]}"; do

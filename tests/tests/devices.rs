@@ -554,3 +554,68 @@ test_device!(
     batch_step_matches_single_steps_cpu,
     batch_step_matches_single_steps_cuda
 );
+
+/// A decode step's attention by the device's decode kernel (on CUDA keydiff's
+/// `keydiff_decode_*`, which must take these inputs; on the CPU `decode_attention_cpu`) against
+/// the eager path on the same device in f32 over the same (widened) cache: caches of f32, f16
+/// and bf16, views with room past their rows, one split of the keys and several.
+fn decode_attention_matches_eager(dev: &Device) -> Result<()> {
+    use candle_core::Tensor;
+    use keydiff_model::attention::{
+        attention_output, attention_probs, decode_attention_cpu, decode_attention_cuda,
+    };
+    for (kv, g, d, t, cap) in [
+        (2, 4, 64, 40, 64),
+        (2, 3, 128, 300, 320),
+        (8, 4, 128, 3000, 3000),
+    ] {
+        for dt in [DType::F32, DType::F16, DType::BF16] {
+            let q = Tensor::randn(0f32, 1., (kv, g, d), dev)?;
+            let kb = Tensor::randn(0f32, 2., (kv, cap, d), dev)?.to_dtype(dt)?;
+            let vb = Tensor::randn(0f32, 1., (kv, cap, d), dev)?.to_dtype(dt)?;
+            let (k, v) = (kb.narrow(1, 0, t)?, vb.narrow(1, 0, t)?);
+            let y = if dev.is_cuda() {
+                let q = q.to_dtype(dt)?;
+                let y = decode_attention_cuda(&q, &k, &v)?;
+                ensure!(
+                    y.is_some(),
+                    "the CUDA decode kernel declined {dt:?} rows of {d}"
+                );
+                y.unwrap().to_dtype(DType::F32)?
+            } else {
+                let y = decode_attention_cpu(&q, &k, &v, false)?;
+                ensure!(
+                    y.is_some(),
+                    "the CPU decode kernel declined {dt:?} rows of {d}"
+                );
+                y.unwrap().0
+            };
+            // The reference from the query the kernel read (rounded to dt on CUDA).
+            let q = if dev.is_cuda() {
+                q.to_dtype(dt)?.to_dtype(DType::F32)?
+            } else {
+                q
+            };
+            let (kf, vf) = (k.to_dtype(DType::F32)?, v.to_dtype(DType::F32)?);
+            let want = attention_output(&attention_probs(&q, &kf, None, g)?, &vf)?;
+            let scale = want.abs()?.max_all()?.to_scalar::<f32>()?.max(1e-3);
+            let worst = (y - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            // The output's rounding in dt (the CPU kernel writes f32), plus f32 sums.
+            let tol = match (dev.is_cuda(), dt) {
+                (true, DType::F16) => 1e-3,
+                (true, DType::BF16) => 8e-3,
+                _ => 1e-5,
+            } * scale;
+            ensure!(
+                worst <= tol,
+                "kv {kv} g {g} d {d} t {t} {dt:?}: max |Δ| {worst} against eager (scale {scale})"
+            );
+        }
+    }
+    Ok(())
+}
+test_device!(
+    decode_attention_matches_eager,
+    decode_attention_matches_eager_cpu,
+    decode_attention_matches_eager_cuda
+);
