@@ -309,43 +309,44 @@ for r in rows:
 PY
 [ $weights_ok = 1 ] && note "weights parity: PASS" || note "weights parity: FAIL"
 
-echo "== 3h. decode attention on the device (keydiff_decode_*): every token a one-row step, against the CPU"
-# --chunk 1 makes every token of the prompt a decode-shaped step (one query row, no mask), so
-# that every step runs keydiff's decode kernel where it applies (float caches of the
-# activations' dtype, no probabilities needed: full, sink, keydiff; flash too) and the eager
-# path where it does not (h2o's statistics): never run on hardware before. 1200 tokens under
-# the full cache reach a split of the keys over 5 blocks a head and the combine kernel. In f32
-# the kernel must match the CPU closely under KeyDiff too; in bf16 the policies whose choice
-# rounding cannot move. Then the same with the kernel off (KEYDIFF_CUDA_DECODE_KERNEL=0), the
-# eager path, for comparison.
+echo "== 3h. the decode path on the device (decode kernel, fused linears): decode steps against the CPU"
+# --decode-steps runs the prompt's last tokens one at a time as generated tokens run: on a GPU
+# keydiff's decode-attention kernel (float caches of the activations' dtype, where no
+# probabilities are needed: full, sink, keydiff; flash too; h2o's statistics keep the eager
+# path) and the fused q/k/v and gate/up matmuls, with decode-time eviction. Neither has run on
+# hardware before. 1300 tokens under the full cache reach a split of each head's keys over 6
+# blocks and the combine kernel. In f32 the device must match the CPU closely under KeyDiff
+# too; in bf16 under the policies whose choice rounding cannot move. Then the same with both
+# off (KEYDIFF_CUDA_DECODE_KERNEL=0 KEYDIFF_CUDA_FUSE=0: the eager parts), for comparison.
 decode_ok=1
-: > "$out/decode-kernel.jsonl"
-for kernel in 1 0; do
+: > "$out/decode-path.jsonl"
+for on in 1 0; do
   for dt in f32 bf16; do
     pol=sink,h2o; [ $dt = f32 ] && pol=keydiff,sink,h2o
-    for r in "--prompt-len 1200 --chunk 1" "--prompt-len 400 --chunk 1 --budget 96 --policies $pol"; do
+    for r in "--prompt-len 1300 --decode-steps 300" "--prompt-len 400 --decode-steps 200 --budget 96 --policies $pol"; do
       # shellcheck disable=SC2086
-      if ! KEYDIFF_CUDA_DECODE_KERNEL=$kernel timeout 90 "$bin" check-device --device "$device" \
-          --dtype $dt --attention eager $r --preset configs/tiny-llama.json \
+      if ! KEYDIFF_CUDA_DECODE_KERNEL=$on KEYDIFF_CUDA_FUSE=$on timeout 90 "$bin" check-device \
+          --device "$device" --dtype $dt --attention eager --chunk 64 $r \
+          --preset configs/tiny-llama.json --preset configs/tiny-qwen.json \
           --preset configs/tiny-qwen-d64.json --preset configs/tiny-qwen3.json \
-          > "$out/decode-kernel.tmp"; then
+          > "$out/decode-path.tmp"; then
         decode_ok=0
         tail -3 "$errors"
       fi
-      sed "s/^{/{\"kernel\":$kernel,\"dtype\":\"$dt\",/" "$out/decode-kernel.tmp" >> "$out/decode-kernel.jsonl"
+      sed "s/^{/{\"new_path\":$on,\"dtype\":\"$dt\",/" "$out/decode-path.tmp" >> "$out/decode-path.jsonl"
     done
   done
 done 2>> "$errors"
-rm -f "$out/decode-kernel.tmp"
-python3 - "$out/decode-kernel.jsonl" >> "$summary" <<'PY'
+rm -f "$out/decode-path.tmp"
+python3 - "$out/decode-path.jsonl" >> "$summary" <<'PY'
 import json, sys
-print("decode attention (chunk 1, eager; CPU f32 reference):")
-print(f"  {'kernel':6} {'dtype':5} {'preset':22} {'policy':8} {'cosine':>9} {'max_rel':>9} top1")
+print("decode path (decode steps after a chunked prefill, eager; CPU f32 reference):")
+print(f"  {'path':5} {'dtype':5} {'preset':22} {'policy':8} {'steps':>5} {'cosine':>9} {'max_rel':>9} top1")
 for r in map(json.loads, open(sys.argv[1])):
     d = r["diff"]
-    print(f"  {'on' if r['kernel'] else 'off':6} {r['dtype']:5} {r['preset'].split('/')[-1]:22} {r['policy']:8} {d['cosine']:9.6f} {d['max_rel']:9.2e} {'same' if r['top1_equal'] else 'DIFF'}")
+    print(f"  {'new' if r['new_path'] else 'old':5} {r['dtype']:5} {r['preset'].split('/')[-1]:22} {r['policy']:8} {r['decode_steps']:5} {d['cosine']:9.6f} {d['max_rel']:9.2e} {'same' if r['top1_equal'] else 'DIFF'}")
 PY
-[ $decode_ok = 1 ] && note "decode kernel parity: PASS" || note "decode kernel parity: FAIL"
+[ $decode_ok = 1 ] && note "decode path parity: PASS" || note "decode path parity: FAIL"
 
 echo "== 3b. prefix reuse on the device: the same answers as fresh prefills (tiny random, bf16; an fp8 cache)"
 # KeyDiff is left out: its anchor sums with float atomics on the GPU, so two fresh runs may
@@ -506,31 +507,33 @@ else
   fi
 fi
 
-echo "== 4e. decode attention: keydiff's kernel against the eager path ($preset random weights, bf16)"
-# Step 4b's runs again with KEYDIFF_CUDA_DECODE_KERNEL=0 (the eager path: six launches a layer
-# where the kernel takes one), then a long cache both ways (prompt 7680, within SmolLM2's 8192
-# for dry runs; full cache: the kernel splits each of 3B's 8 heads' keys over 31 blocks):
-# decode was launch-bound in the first H200 run (8.6 ms a token for 3B, 1.5 ms of weight reads).
+echo "== 4e. decode launches: keydiff's decode kernel and fused linears against the eager parts ($preset random weights, bf16)"
+# Decode was launch-bound in the first H200 run (8.6 ms a token for 3B, 1.5 ms of weight
+# reads). Since then a decode step's attention is keydiff's kernel (one launch where the eager
+# path takes six) and q/k/v and gate/up are one matmul each (FusedLinear). Step 4b's runs again
+# with the kernel off (KEYDIFF_CUDA_DECODE_KERNEL=0) and with the linears unfused
+# (KEYDIFF_CUDA_FUSE=0), then a long cache (prompt 7680, within SmolLM2's 8192 for dry runs;
+# full cache: the kernel splits each of 3B's 8 heads' keys over 31 blocks) with the kernel on
+# and off.
 left=$((deadline - SECONDS))
 if [ "$left" -lt 90 ]; then
-  note "decode kernel timing: skipped (${left}s left of the ${deadline}s budget)"
+  note "decode launches: skipped (${left}s left of the ${deadline}s budget)"
 else
   mkdir -p "$out/decode"
-  for kernel in 0 1; do
-    runs=("--prompt-len 7680 --chunks 512 --policies full --batch 1")
-    [ $kernel = 0 ] && runs=("--prompt-len 1024 --budget 512 --chunks 128 --policies keydiff --batch 1,8" "${runs[@]}")
-    i=0
-    for r in "${runs[@]}"; do
-      i=$((i + 1))
-      # shellcheck disable=SC2086
-      if KEYDIFF_CUDA_DECODE_KERNEL=$kernel timeout 60 "$bin" bench decode --random-weights -m "$preset" \
-          --device "$device" --dtype bf16 --attention "$ttft_attention" $r --gen-len 32 \
-          --warmup 1 --reps 1 --out "$out/decode/k$kernel-$i" > "$out/decode/table-k$kernel-$i.txt" 2>>"$errors"; then
-        { echo "decode ($preset, bf16, $r, kernel $([ $kernel = 1 ] && echo on || echo off)):"; grep -v '^#' "$out/decode/table-k$kernel-$i.txt"; } >> "$summary"
-      else
-        note "decode kernel timing (kernel $kernel, $r): FAILED (exit $?); see errors.log"
-      fi
-    done
+  short="--prompt-len 1024 --budget 512 --chunks 128 --policies keydiff --batch 1,8"
+  long="--prompt-len 7680 --chunks 512 --policies full --batch 1"
+  i=0
+  for run in "0 1 $short" "1 0 $short" "1 1 $long" "0 1 $long"; do
+    read -r kernel fuse r <<< "$run"
+    i=$((i + 1))
+    # shellcheck disable=SC2086
+    if KEYDIFF_CUDA_DECODE_KERNEL=$kernel KEYDIFF_CUDA_FUSE=$fuse timeout 60 "$bin" bench decode \
+        --random-weights -m "$preset" --device "$device" --dtype bf16 --attention "$ttft_attention" \
+        $r --gen-len 32 --warmup 1 --reps 1 --out "$out/decode/$i" > "$out/decode/table-$i.txt" 2>>"$errors"; then
+      { echo "decode ($preset, bf16, $r; decode kernel $([ $kernel = 1 ] && echo on || echo off), linears $([ $fuse = 1 ] && echo fused || echo unfused)):"; grep -v '^#' "$out/decode/table-$i.txt"; } >> "$summary"
+    else
+      note "decode launches (kernel $kernel, fuse $fuse, $r): FAILED (exit $?); see errors.log"
+    fi
   done
 fi
 

@@ -684,6 +684,41 @@ fn check_device_runs_on_the_cpu() {
         assert!(l["diff"]["cosine"].as_f64().unwrap() > 0.9999, "{l}");
         assert_eq!(l["top1_equal"], true, "{l}");
     }
+    // The last 40 tokens as decode steps (decode-time eviction every 32 past N = 48).
+    let lines = run(&[
+        "--prompt-len",
+        "100",
+        "--chunk",
+        "32",
+        "--budget",
+        "48",
+        "--decode-steps",
+        "40",
+        "--policies",
+        "keydiff,h2o",
+    ]);
+    assert_eq!(
+        lines.len(),
+        2 * 3,
+        "two presets, full, keydiff, h2o: {lines:?}"
+    );
+    for l in &lines {
+        assert_eq!(l["decode_steps"], 40, "{l}");
+        assert!(l["diff"]["cosine"].as_f64().unwrap() > 0.9999, "{l}");
+        assert_eq!(l["top1_equal"], true, "{l}");
+    }
+    let out = Command::new(keydiff_bin())
+        .args(["check-device", "--device", "cpu", "--preset"])
+        .arg(&llama)
+        .args(["--prompt-len", "10", "--decode-steps", "10"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success()
+            && err.contains("10 decode steps need a prompt of more tokens than that, not 10"),
+        "{err}"
+    );
     let lines = run(&["--batch", "--policies", "keydiff,h2o"]);
     assert_eq!(
         lines.len(),

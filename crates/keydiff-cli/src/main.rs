@@ -112,6 +112,11 @@ enum Cmd {
         prompt_len: usize,
         #[arg(long, default_value_t = 64)]
         chunk: usize,
+        /// Run the last N tokens of the prompt as decode steps, one at a time, as generated
+        /// tokens run (decode weights; on a GPU the fused linears and the decode-attention
+        /// kernel; decode-time eviction), after the rest is prefilled in chunks.
+        #[arg(long, default_value_t = 0)]
+        decode_steps: usize,
         #[arg(long, default_value_t = 0)]
         seed: u64,
         /// KV budget for the eviction runs (none: full cache only).
@@ -134,7 +139,8 @@ enum Cmd {
         /// Instead: check batching on DEVICE itself. A batch decode step of three sequences,
         /// then a mixed pass (their decode rows and two prompt chunks of two more), against
         /// each sequence alone, on the full cache and each of --policies under N = 40, B = 16
-        /// (evicting; --chunk, --budget, --prompt-len and --perplexity do not apply). One JSON
+        /// (evicting; --chunk, --budget, --prompt-len, --decode-steps and --perplexity do not
+        /// apply). One JSON
         /// line per preset and policy; fails when a segment's logits differ by more than 2% of
         /// their scale (1e-4 on the CPU in f32).
         #[arg(long)]
@@ -695,6 +701,7 @@ fn real_main() -> Result<()> {
             preset,
             prompt_len,
             chunk,
+            decode_steps,
             seed,
             budget,
             weight_type,
@@ -781,8 +788,14 @@ fn real_main() -> Result<()> {
                         memory_limit: None,
                         ..Default::default()
                     };
-                    let (d, used) = keydiff::parity::compare_devices(
-                        p, seed, weights, &reference, &other, prompt_len,
+                    let (d, used) = keydiff::parity::compare_devices_decoding(
+                        p,
+                        seed,
+                        weights,
+                        &reference,
+                        &other,
+                        prompt_len,
+                        decode_steps,
                     )
                     .with_context(|| format!("preset {}", p.display()))?;
                     let nll = if perplexity {
@@ -804,7 +817,8 @@ fn real_main() -> Result<()> {
                         "attention": used.name(),
                         "weights": weights.map(keydiff::weight_type_name),
                         "policy": cache.policy.name(), "budget": cache.budget,
-                        "prompt_len": prompt_len, "chunk": chunk, "diff": d,
+                        "prompt_len": prompt_len, "chunk": chunk,
+                        "decode_steps": decode_steps, "diff": d,
                         "top1_equal": d.top1_equal(), "nll": nll,
                     });
                     println!("{v}");

@@ -18,7 +18,7 @@ use crate::config::{Arch, ModelConfig, RopeOverride};
 use crate::error::{ModelError, Result};
 use crate::kv_rotation::{rotate, KvRotation};
 use crate::rope::Rope;
-use crate::weights::{Embedding, Key, Linear, Pass, Weights};
+use crate::weights::{fuses_linears, Embedding, FusedLinear, Key, Linear, Pass, Weights};
 
 #[derive(Debug, Clone)]
 struct RmsNorm {
@@ -38,6 +38,8 @@ struct Attention {
     k: Linear,
     v: Linear,
     o: Linear,
+    /// q, k and v as one matmul for decode rows ([`FusedLinear`]; on a GPU).
+    qkv_fused: Option<FusedLinear>,
     /// Per-head RMSNorms of queries and keys before RoPE (Qwen 3).
     qk_norm: Option<(RmsNorm, RmsNorm)>,
     heads: usize,
@@ -71,6 +73,7 @@ impl Attention {
             k: w.linear(Key::K, Some(l), kv * d, hid, bias)?,
             v: w.linear(Key::V, Some(l), kv * d, hid, bias)?,
             o: w.linear(Key::O, Some(l), hid, h * d, false)?,
+            qkv_fused: None,
             qk_norm,
             heads: h,
             kv_heads: kv,
@@ -116,25 +119,32 @@ impl Attention {
         let pf = pass.into();
         let b = x.dim(0)?;
         let (h, kv, d) = (self.heads, self.kv_heads, self.head_dim);
-        // [1, heads, B, d]
-        let split = |t: Tensor, n: usize| -> Result<Tensor> {
-            Ok(t.reshape((b, n, d))?
-                .transpose(0, 1)?
-                .contiguous()?
-                .unsqueeze(0)?)
+        // Each `[B, n, d]`: views of one fused output, or the parts' own.
+        let (q, k, v) = match (&self.qkv_fused, pf) {
+            (Some(f), Pass::Decode | Pass::DecodeRows) => {
+                let y = f.forward(x, pf)?.reshape((b, h + 2 * kv, d))?;
+                (
+                    y.narrow(1, 0, h)?,
+                    y.narrow(1, h, kv)?,
+                    y.narrow(1, h + kv, kv)?,
+                )
+            }
+            _ => (
+                self.q.forward(x, pf)?.reshape((b, h, d))?,
+                self.k.forward(x, pf)?.reshape((b, kv, d))?,
+                self.v.forward(x, pf)?.reshape((b, kv, d))?,
+            ),
         };
-        let mut q = split(self.q.forward(x, pf)?, h)?;
-        let mut k = split(self.k.forward(x, pf)?, kv)?;
+        // [1, heads, B, d]
+        let split =
+            |t: Tensor| -> Result<Tensor> { Ok(t.transpose(0, 1)?.contiguous()?.unsqueeze(0)?) };
+        let (mut q, mut k) = (split(q)?, split(k)?);
         if let Some((qn, kn)) = &self.qk_norm {
             // Over each head's d values (the last dimension), before RoPE.
             q = qn.forward(&q)?;
             k = kn.forward(&k)?;
         }
-        let v = self
-            .v
-            .forward(x, pf)?
-            .reshape((b, kv, d))?
-            .transpose(0, 1)?;
+        let v = v.transpose(0, 1)?;
         let (cos, sin) = cos_sin;
         let q = rope.apply(&q, cos, sin)?;
         let k = rope.apply(&k, cos, sin)?.squeeze(0)?;
@@ -403,14 +413,22 @@ struct Mlp {
     gate: Linear,
     up: Linear,
     down: Linear,
+    /// gate and up as one matmul for decode rows ([`FusedLinear`]; on a GPU).
+    gate_up: Option<FusedLinear>,
 }
 
 impl Mlp {
     fn forward(&self, x: &Tensor, pass: impl Into<Pass>) -> Result<Tensor> {
-        let prefill = pass.into();
-        let a = self.gate.forward(x, prefill)?.silu()?;
-        self.down
-            .forward(&(a * self.up.forward(x, prefill)?)?, prefill)
+        let pass = pass.into();
+        let (gate, up) = match (&self.gate_up, pass) {
+            (Some(f), Pass::Decode | Pass::DecodeRows) => {
+                let y = f.forward(x, pass)?;
+                let n = f.outs()[0];
+                (y.narrow(D::Minus1, 0, n)?, y.narrow(D::Minus1, n, n)?)
+            }
+            _ => (self.gate.forward(x, pass)?, self.up.forward(x, pass)?),
+        };
+        self.down.forward(&(gate.silu()? * up)?, pass)
     }
 
     fn linears(&self) -> [&Linear; 3] {
@@ -548,6 +566,26 @@ struct Layer {
     mlp: Ffn,
 }
 
+impl Layer {
+    /// Fuses q/k/v and a dense MLP's gate/up for decode rows ([`FusedLinear`]), where they are
+    /// dense; returns how many groups it fused (again: 0).
+    fn fuse_linears(&mut self) -> Result<usize> {
+        let mut n = 0;
+        let a = &mut self.attn;
+        if a.qkv_fused.is_none() {
+            a.qkv_fused = FusedLinear::fuse(&mut [&mut a.q, &mut a.k, &mut a.v])?;
+            n += a.qkv_fused.is_some() as usize;
+        }
+        if let Ffn::Mlp(m) = &mut self.mlp {
+            if m.gate_up.is_none() {
+                m.gate_up = FusedLinear::fuse(&mut [&mut m.gate, &mut m.up])?;
+                n += m.gate_up.is_some() as usize;
+            }
+        }
+        Ok(n)
+    }
+}
+
 /// A loaded model, ready to run chunks.
 #[derive(Debug, Clone)]
 pub struct Model {
@@ -590,6 +628,7 @@ impl Model {
                     gate: w.linear(Key::Gate, Some(l), cfg.intermediate_size, hid, false)?,
                     up: w.linear(Key::Up, Some(l), cfg.intermediate_size, hid, false)?,
                     down: w.linear(Key::Down, Some(l), hid, cfg.intermediate_size, false)?,
+                    gate_up: None,
                 }),
                 Some(m) => {
                     let (n, ff) = (m.num_experts, m.expert_intermediate_size);
@@ -603,19 +642,29 @@ impl Model {
                             .into_iter()
                             .zip(up)
                             .zip(down)
-                            .map(|((gate, up), down)| Mlp { gate, up, down })
+                            .map(|((gate, up), down)| Mlp {
+                                gate,
+                                up,
+                                down,
+                                gate_up: None,
+                            })
                             .collect(),
                         top_k: m.experts_per_token,
                         norm_topk_prob: m.norm_topk_prob,
                     })
                 }
             };
-            layers.push(Layer {
+            let mut layer = Layer {
                 attn_norm,
                 attn,
                 mlp_norm,
                 mlp,
-            });
+            };
+            // Layer by layer, so that one layer's concatenation is all that passes through.
+            if fuses_linears(&device) {
+                layer.fuse_linears()?;
+            }
+            layers.push(layer);
         }
         let lm_head = if w.lm_head_tied(cfg) {
             w.tied_lm_head(cfg.vocab_size, hid)?
@@ -659,6 +708,19 @@ impl Model {
             .map_err(ModelError::Unsupported)?;
         self.kv_dtype = kv;
         Ok(())
+    }
+
+    /// Fuses each layer's q/k/v projections, and a dense MLP's gate and up, into one matmul
+    /// each for decode rows ([`crate::weights::FusedLinear`]), where their weights are dense:
+    /// views of one concatenated weight, so no memory is added. A model loaded onto a GPU has
+    /// them fused already (unless `KEYDIFF_CUDA_FUSE=0`); on the CPU this is for tests.
+    /// Returns how many groups it fused.
+    pub fn fuse_linears(&mut self) -> Result<usize> {
+        let mut n = 0;
+        for l in &mut self.layers {
+            n += l.fuse_linears()?;
+        }
+        Ok(n)
     }
 
     /// What the KV cache holds.
@@ -1239,7 +1301,12 @@ mod tests {
             .into_iter()
             .zip(up)
             .zip(down)
-            .map(|((gate, up), down)| Mlp { gate, up, down })
+            .map(|((gate, up), down)| Mlp {
+                gate,
+                up,
+                down,
+                gate_up: None,
+            })
             .collect();
         // Its probabilities are computed the same way here, so near-ties choose alike.
         let router = w.linear(Key::Router, Some(0), n, hid, false)?;

@@ -277,6 +277,98 @@ impl Linear {
     }
 }
 
+/// Dense linears that read the same input (a layer's q/k/v projections, its MLP's gate and up),
+/// fused into one matmul for decode rows: a decode step on a GPU is bound by launches (the first
+/// H200 run: 8.6 ms a token for a 3B model whose weights take 1.5 ms to read), and one matmul
+/// (and one bias add) launches once where the parts launch each. Their weights and biases are
+/// concatenated once, and each part's weight and bias become views of their rows, so nothing
+/// is held twice: the parts still run prefill chunks (and say what is stored), the fused
+/// linear runs [`Pass::Decode`] and [`Pass::DecodeRows`] (its own weight's row check, so a
+/// verified draft gets what its rows get alone, as before).
+#[derive(Debug, Clone)]
+pub struct FusedLinear {
+    linear: Linear,
+    /// Output width of each part, in order.
+    outs: Vec<usize>,
+}
+
+impl FusedLinear {
+    /// Fuses `parts`: dense weights (no quantized ones, no prefill copies) of one dtype,
+    /// device and input width, all with a bias or none. `None`, changing nothing, when they
+    /// are not.
+    pub fn fuse(parts: &mut [&mut Linear]) -> Result<Option<FusedLinear>> {
+        let mut ws = Vec::with_capacity(parts.len());
+        for p in parts.iter() {
+            match (&p.w, &p.dense) {
+                (QMatMul::Tensor(w), None) if w.rank() == 2 => ws.push(w.clone()),
+                _ => return Ok(None),
+            }
+        }
+        let Some(first) = ws.first() else {
+            return Ok(None);
+        };
+        let same = ws.iter().all(|w| {
+            w.dtype() == first.dtype()
+                && w.device().same_device(first.device())
+                && w.dim(1).ok() == first.dim(1).ok()
+        });
+        let with_bias = parts.iter().filter(|p| p.b.is_some()).count();
+        if !same || (with_bias != 0 && with_bias != parts.len()) {
+            return Ok(None);
+        }
+        let outs = ws
+            .iter()
+            .map(|w| w.dim(0))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let w = Tensor::cat(&ws, 0)?;
+        drop(ws);
+        let b = match with_bias {
+            0 => None,
+            _ => {
+                let bs: Vec<Tensor> = parts.iter().filter_map(|p| p.b.clone()).collect();
+                Some(Tensor::cat(&bs, 0)?)
+            }
+        };
+        let mut at = 0;
+        for (p, &n) in parts.iter_mut().zip(&outs) {
+            p.w = QMatMul::Tensor(w.narrow(0, at, n)?);
+            if let Some(b) = &b {
+                p.b = Some(b.narrow(0, at, n)?);
+            }
+            at += n;
+        }
+        Ok(Some(FusedLinear {
+            linear: Linear {
+                w: QMatMul::Tensor(w),
+                dense: None,
+                b,
+                stored: parts[0].stored.clone(),
+                rows_alone: Default::default(),
+            },
+            outs,
+        }))
+    }
+
+    /// `x`: `[.., in]` → `[.., Σ out]`, the parts' outputs side by side.
+    pub fn forward(&self, x: &Tensor, pass: impl Into<Pass>) -> Result<Tensor> {
+        self.linear.forward(x, pass)
+    }
+
+    /// The parts' output widths, in order.
+    pub fn outs(&self) -> &[usize] {
+        &self.outs
+    }
+}
+
+/// Whether a model on `device` fuses its linears for decode ([`FusedLinear`]): on a GPU, unless
+/// `KEYDIFF_CUDA_FUSE=0` (to time or check the parts against it). On the CPU a decode step is
+/// not bound by launches, and its quantized weights do not fuse.
+pub fn fuses_linears(device: &Device) -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    !device.is_cpu()
+        && *ON.get_or_init(|| std::env::var("KEYDIFF_CUDA_FUSE").map_or(true, |v| v != "0"))
+}
+
 /// Whether candle's CUDA quantized matmul takes `x` (bf16/f16 rows) itself for a weight of
 /// type `t`: the types its MMVQ and MMQ kernels run (candle 0.11.1's `fast_mmvq` and
 /// `fast_mmq` gates: llama.cpp's weight types, [`WEIGHT_TYPES`]), rows `[m, k]` or `[b, m, k]`,
@@ -845,7 +937,43 @@ impl Weights {
             plan.resident += resident;
             plan.transient = plan.transient.max(transient);
         }
+        // On a GPU a layer's dense q/k/v (and gate/up) are concatenated for decode
+        // ([`FusedLinear`]): the concatenation and its parts are held together for a moment.
+        if fuses_linears(&device) && self.fuses_dense(cfg) {
+            let (hid, d) = (cfg.hidden_size as u64, cfg.head_dim as u64);
+            let qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) as u64 * d * hid;
+            let gate_up = match cfg.moe {
+                None => 2 * cfg.intermediate_size as u64 * hid,
+                Some(_) => 0,
+            };
+            plan.transient = plan
+                .transient
+                .max(qkv.max(gate_up) * dtype.size_in_bytes() as u64);
+        }
         plan
+    }
+
+    /// Whether the layers' q/k/v and gate/up load as dense weights, which [`FusedLinear`]
+    /// fuses: always from safetensors and dense random draws; from a GGUF file when the first
+    /// layer's are stored unquantized (F32, F16, BF16).
+    fn fuses_dense(&self, cfg: &ModelConfig) -> bool {
+        match self {
+            Weights::Safetensors { .. } => true,
+            Weights::Random { quantized, .. } => quantized.is_none(),
+            Weights::Gguf { content, .. } => {
+                let mut keys = vec![Key::Q, Key::K, Key::V];
+                if cfg.moe.is_none() {
+                    keys.extend([Key::Gate, Key::Up]);
+                }
+                keys.iter().all(|k| {
+                    let name = format!("{}.weight", k.name(true, Some(0)));
+                    content
+                        .tensor_infos
+                        .get(&name)
+                        .is_some_and(|i| i.ggml_dtype.block_size() == 1)
+                })
+            }
+        }
     }
 
     /// True when the source has a tensor for `key` (used for tied embeddings).

@@ -2457,6 +2457,35 @@ impl Engine {
         self.prefill_with(tokens, chunk, &mut cache)
     }
 
+    /// Logits after `tokens`: all but the last `decode_steps` prefilled in chunks of `chunk`,
+    /// then those one at a time as decode steps (as generated tokens run: the decode weights,
+    /// on a GPU the fused linears and the decode-attention kernel, decode-time eviction),
+    /// `[vocab]`. For device parity checks of the decode path.
+    pub fn decode_logits(
+        &self,
+        tokens: &[u32],
+        chunk: usize,
+        decode_steps: usize,
+    ) -> Result<Vec<f32>> {
+        if decode_steps >= tokens.len() {
+            return Err(EngineError::BadParams(format!(
+                "{decode_steps} decode steps need a prompt of more tokens than that, not {}",
+                tokens.len()
+            )));
+        }
+        let mut cache = self.new_cache(tokens.len())?;
+        let (prompt, steps) = tokens.split_at(tokens.len() - decode_steps);
+        let mut logits = self.prefill_with(prompt, chunk, &mut cache)?;
+        for &t in steps {
+            logits = self
+                .loaded
+                .model
+                .forward(&[t], &mut cache, true)?
+                .to_vec1::<f32>()?;
+        }
+        Ok(logits)
+    }
+
     /// Logits after prefilling `tokens` under the engine's cache settings, starting from
     /// `prefix` when given (for parity tests of prefix reuse), `[vocab]`.
     pub fn prefill_logits_from(&self, tokens: &[u32], prefix: Option<&Prefix>) -> Result<Vec<f32>> {

@@ -84,6 +84,21 @@ pub fn compare_devices(
     other: &EngineConfig,
     prompt_len: usize,
 ) -> Result<(LogitDiff, AttentionBackend)> {
+    compare_devices_decoding(preset, seed, weights, reference, other, prompt_len, 0)
+}
+
+/// [`compare_devices`] with the last `decode_steps` tokens of the prompt run as decode steps,
+/// one at a time, on both ([`Engine::decode_logits`]): the decode path (decode weights, on a
+/// GPU the fused linears and the decode-attention kernel, decode-time eviction).
+pub fn compare_devices_decoding(
+    preset: &Path,
+    seed: u64,
+    weights: Option<GgmlDType>,
+    reference: &EngineConfig,
+    other: &EngineConfig,
+    prompt_len: usize,
+    decode_steps: usize,
+) -> Result<(LogitDiff, AttentionBackend)> {
     let (la, lb, attention) = on_both(
         preset,
         seed,
@@ -91,7 +106,7 @@ pub fn compare_devices(
         reference,
         other,
         prompt_len,
-        |e, t| e.prefill_logits(t, e.config().cache.chunk),
+        |e, t| e.decode_logits(t, e.config().cache.chunk, decode_steps),
     )?;
     Ok((compare_logits(&la, &lb), attention))
 }
