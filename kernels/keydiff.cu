@@ -1425,7 +1425,8 @@ __device__ void kd_decode(const T* q, const T* k, int64_t k_hs, int64_t k_rs, co
   __shared__ float sm_acc[KD_DEC_MAX_G][32 * NE][KD_DEC_WARPS];
   const int h = blockIdx.y, s = blockIdx.x, splits = gridDim.x;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int r0 = s * span, r1 = min(t, r0 + span);
+  // (s + 1) · span may pass INT_MAX for the last block of a huge cache; s · span < t does not.
+  const int r0 = s * span, r1 = (int)min((long long)t, (long long)r0 + span);
   float qr[KD_DEC_MAX_G][NE], acc[KD_DEC_MAX_G][NE], m[KD_DEC_MAX_G], l[KD_DEC_MAX_G];
   for (int j = 0; j < KD_DEC_MAX_G; ++j) {
     m[j] = kd_neg_inf();
@@ -1450,8 +1451,11 @@ __device__ void kd_decode(const T* q, const T* k, int64_t k_hs, int64_t k_rs, co
         float p = 0.f;
         for (int e = 0; e < NE; ++e) p += qr[j][e] * kx[e];
         p = kd_warp_sum(p);
+        // A score of -inf (an infinite key) weighs 0, as in softmax, also as the first key
+        // (where m is -inf too); a NaN score (fmaxf passes it by) makes everything NaN.
         const float mn = fmaxf(m[j], p);
-        const float c = expf(m[j] - mn), w = expf(p - mn);
+        const bool none = mn == kd_neg_inf() && p == kd_neg_inf();
+        const float c = none ? 1.f : expf(m[j] - mn), w = none ? 0.f : expf(p - mn);
         l[j] = l[j] * c + w;
         for (int e = 0; e < NE; ++e) acc[j][e] = acc[j][e] * c + w * vx[e];
         m[j] = mn;

@@ -95,7 +95,9 @@ mutants=(
   # keydiff-model's tests/decode_emulation.rs (the mutants named "decode: ...").
   "decode: the running sums not rescaled by a new max~acc[j][e] = acc[j][e] * c + w * vx[e];~acc[j][e] = acc[j][e] + w * vx[e];"
   "decode: the running weight not rescaled by a new max~        l[j] = l[j] * c + w;~        l[j] = l[j] + w;"
-  "decode: a block drops its last key~r1 = min(t, r0 + span);~r1 = min(t, r0 + span - 1);"
+  "decode: a block drops its last key~(long long)r0 + span);~(long long)r0 + span - 1);"
+  "decode: a score of -inf not weighed 0~const bool none = mn == kd_neg_inf() && p == kd_neg_inf();~const bool none = mn == kd_neg_inf() && p != p;"
+  "decode: a NaN score as the first key dropped~const bool none = mn == kd_neg_inf() && p == kd_neg_inf();~const bool none = mn == kd_neg_inf();"
   "decode: q scaled by the square root of the scale~kd_to_f(q[((int64_t)h * g + j) * d + c]) * scale~kd_to_f(q[((int64_t)h * g + j) * d + c]) * sqrtf(scale)"
   "decode: value rows at the key rows' strides~    const T* vr = v + h * v_hs + (int64_t)r * v_rs;~    const T* vr = v + h * k_hs + (int64_t)r * k_rs + 0 * (v_hs + v_rs);"
   "decode: no barrier before the warps are merged~      for (int e = 0; e < NE; ++e) sm_acc[j][lane + 32 * e][warp] = acc[j][e];\n    }\n  }\n  __syncthreads();~      for (int e = 0; e < NE; ++e) sm_acc[j][lane + 32 * e][warp] = acc[j][e];\n    }\n  }"

@@ -564,16 +564,19 @@ fn decode_attention_matches_eager(dev: &Device) -> Result<()> {
     use keydiff_model::attention::{
         attention_output, attention_probs, decode_attention_cpu, decode_attention_cuda,
     };
-    for (kv, g, d, t, cap) in [
-        (2, 4, 64, 40, 64),
-        (2, 3, 128, 300, 320),
-        (8, 4, 128, 3000, 3000),
+    // (kv, g, d, t, rows held, first row of the view): a view may start past the buffer's
+    // start (the kernels take its offset).
+    for (kv, g, d, t, cap, at) in [
+        (2, 4, 64, 40, 64, 0),
+        (2, 3, 128, 300, 320, 7),
+        (8, 4, 128, 3000, 3000, 0),
+        (1, 8, 256, 700, 720, 5),
     ] {
         for dt in [DType::F32, DType::F16, DType::BF16] {
             let q = Tensor::randn(0f32, 1., (kv, g, d), dev)?;
             let kb = Tensor::randn(0f32, 2., (kv, cap, d), dev)?.to_dtype(dt)?;
             let vb = Tensor::randn(0f32, 1., (kv, cap, d), dev)?.to_dtype(dt)?;
-            let (k, v) = (kb.narrow(1, 0, t)?, vb.narrow(1, 0, t)?);
+            let (k, v) = (kb.narrow(1, at, t)?, vb.narrow(1, at, t)?);
             let y = if dev.is_cuda() {
                 let q = q.to_dtype(dt)?;
                 let y = decode_attention_cuda(&q, &k, &v)?;

@@ -712,7 +712,8 @@ impl Model {
 
     /// Fuses each layer's q/k/v projections, and a dense MLP's gate and up, into one matmul
     /// each for decode rows ([`crate::weights::FusedLinear`]), where their weights are dense:
-    /// views of one concatenated weight, so no memory is added. A model loaded onto a GPU has
+    /// the parts become views of one concatenated weight, so no memory is added (unless a
+    /// clone made before still holds the parts' old weights). A model loaded onto a GPU has
     /// them fused already (unless `KEYDIFF_CUDA_FUSE=0`); on the CPU this is for tests.
     /// Returns how many groups it fused.
     pub fn fuse_linears(&mut self) -> Result<usize> {

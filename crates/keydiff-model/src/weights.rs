@@ -939,39 +939,41 @@ impl Weights {
         }
         // On a GPU a layer's dense q/k/v (and gate/up) are concatenated for decode
         // ([`FusedLinear`]): the concatenation and its parts are held together for a moment.
-        if fuses_linears(&device) && self.fuses_dense(cfg) {
+        if fuses_linears(&device) {
             let (hid, d) = (cfg.hidden_size as u64, cfg.head_dim as u64);
             let qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) as u64 * d * hid;
-            let gate_up = match cfg.moe {
-                None => 2 * cfg.intermediate_size as u64 * hid,
-                Some(_) => 0,
-            };
-            plan.transient = plan
-                .transient
-                .max(qkv.max(gate_up) * dtype.size_in_bytes() as u64);
+            let gate_up = 2 * cfg.intermediate_size as u64 * hid;
+            let (fuse_qkv, fuse_gate_up) = self.fuses_dense(cfg);
+            let most = (if fuse_qkv { qkv } else { 0 }).max(if fuse_gate_up { gate_up } else { 0 });
+            plan.transient = plan.transient.max(most * dtype.size_in_bytes() as u64);
         }
         plan
     }
 
-    /// Whether the layers' q/k/v and gate/up load as dense weights, which [`FusedLinear`]
-    /// fuses: always from safetensors and dense random draws; from a GGUF file when the first
-    /// layer's are stored unquantized (F32, F16, BF16).
-    fn fuses_dense(&self, cfg: &ModelConfig) -> bool {
+    /// Whether some layer's q/k/v, and some layer's gate/up (a dense MLP's), load as dense
+    /// weights, which [`FusedLinear`] fuses: always from safetensors and dense random draws;
+    /// from a GGUF file where they are stored unquantized (F32, F16, BF16).
+    fn fuses_dense(&self, cfg: &ModelConfig) -> (bool, bool) {
+        let mlp = cfg.moe.is_none();
         match self {
-            Weights::Safetensors { .. } => true,
-            Weights::Random { quantized, .. } => quantized.is_none(),
+            Weights::Safetensors { .. } => (true, mlp),
+            Weights::Random { quantized, .. } => (quantized.is_none(), quantized.is_none() && mlp),
             Weights::Gguf { content, .. } => {
-                let mut keys = vec![Key::Q, Key::K, Key::V];
-                if cfg.moe.is_none() {
-                    keys.extend([Key::Gate, Key::Up]);
-                }
-                keys.iter().all(|k| {
-                    let name = format!("{}.weight", k.name(true, Some(0)));
-                    content
-                        .tensor_infos
-                        .get(&name)
-                        .is_some_and(|i| i.ggml_dtype.block_size() == 1)
-                })
+                let dense = |keys: &[Key]| {
+                    (0..cfg.num_layers).any(|l| {
+                        keys.iter().all(|k| {
+                            let name = format!("{}.weight", k.name(true, Some(l)));
+                            content
+                                .tensor_infos
+                                .get(&name)
+                                .is_some_and(|i| i.ggml_dtype.block_size() == 1)
+                        })
+                    })
+                };
+                (
+                    dense(&[Key::Q, Key::K, Key::V]),
+                    mlp && dense(&[Key::Gate, Key::Up]),
+                )
             }
         }
     }
@@ -1399,6 +1401,71 @@ impl Init {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Fused parts are views of the fused weight and bias (one storage each, nothing copied
+    /// twice), in order; quantized or mixed parts are left as they are.
+    #[test]
+    fn fused_parts_are_views_of_one_weight() -> Result<()> {
+        let dev = Device::Cpu;
+        let dense = |out: usize, bias: bool| -> Result<Linear> {
+            let w = Tensor::randn(0f32, 1., (out, 8), &dev)?;
+            Ok(Linear {
+                stored: "F32".into(),
+                w: QMatMul::Tensor(w),
+                dense: None,
+                b: if bias {
+                    Some(Tensor::randn(0f32, 1., out, &dev)?)
+                } else {
+                    None
+                },
+                rows_alone: Default::default(),
+            })
+        };
+        let (mut a, mut b, mut c) = (dense(4, true)?, dense(2, true)?, dense(3, true)?);
+        let x = Tensor::randn(0f32, 1., (3, 8), &dev)?;
+        let want: Vec<Tensor> = [&a, &b, &c]
+            .iter()
+            .map(|l| l.forward(&x, Pass::Decode))
+            .collect::<Result<_>>()?;
+        let f = FusedLinear::fuse(&mut [&mut a, &mut b, &mut c])?.expect("dense parts fuse");
+        assert_eq!(f.outs(), [4, 2, 3]);
+        let storage = |t: &Tensor| {
+            let (s, _) = t.storage_and_layout();
+            &*s as *const candle_core::Storage as usize
+        };
+        let weight = |l: &Linear| match &l.w {
+            QMatMul::Tensor(t) => t.clone(),
+            _ => unreachable!(),
+        };
+        let (fw, fb) = (weight(&f.linear), f.linear.b.clone().expect("fused bias"));
+        let y = f.forward(&x, Pass::Decode)?;
+        let mut at = 0;
+        for (part, want) in [&a, &b, &c].iter().zip(&want) {
+            assert_eq!(storage(&weight(part)), storage(&fw));
+            assert_eq!(storage(part.b.as_ref().expect("bias")), storage(&fb));
+            // The parts (views) and the fused output's columns give the parts' old outputs.
+            let n = want.dim(1)?;
+            for got in [part.forward(&x, Pass::Prefill)?, y.narrow(1, at, n)?] {
+                let d = (got - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+                assert!(d < 1e-6, "{d}");
+            }
+            at += n;
+        }
+        // A bias on some parts only, a quantized part, another width: not fused.
+        let (mut a, mut b) = (dense(4, true)?, dense(2, false)?);
+        assert!(FusedLinear::fuse(&mut [&mut a, &mut b])?.is_none());
+        let q = QTensor::quantize(&Tensor::randn(0f32, 1., (4, 32), &dev)?, GgmlDType::Q8_0)?;
+        let mut q = Linear {
+            stored: "Q8_0".into(),
+            w: QMatMul::from_qtensor(q)?,
+            dense: None,
+            b: None,
+            rows_alone: Default::default(),
+        };
+        let mut d = dense(4, false)?;
+        assert!(FusedLinear::fuse(&mut [&mut q, &mut d])?.is_none());
+        Ok(())
+    }
 
     /// A quantized random source draws the values the dense one draws (`on_host`, same seed,
     /// in the same order) and stores candle's quantization of them, as a GGUF file of that type

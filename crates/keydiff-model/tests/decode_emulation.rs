@@ -252,6 +252,49 @@ fn a_nan_key_reaches_its_heads_output() {
     }
 }
 
+/// A score of -inf (an infinite key element meeting a negative query element) weighs 0, as in
+/// softmax, also when it is the first key of its warp and its block.
+#[test]
+fn a_key_scoring_minus_infinity_weighs_nothing() {
+    for t in [40, 1000] {
+        let (kv, g, d) = (1, 3, 64);
+        let mut q = values(kv * g * d, 6, 1.0);
+        for j in 0..g {
+            q[j * d] = -1.0;
+        }
+        let mut k = values(kv * t * d, 7, 1.0);
+        let v = values(kv * t * d, 8, 1.0);
+        k[0] = f32::INFINITY;
+        let scale = 1.0 / (d as f32).sqrt();
+        let out = decode_attention(
+            Keys::F32(&q),
+            Keys::F32(&k),
+            (t * d, d),
+            Keys::F32(&v),
+            (t * d, d),
+            (kv, g, t, d),
+            scale,
+            10,
+        )
+        .unwrap();
+        // The reference: the other keys alone (attention_probs scales by 1/√d itself).
+        let dev = Device::Cpu;
+        let qt = Tensor::from_vec(q, (kv, g, d), &dev).unwrap();
+        let kt = Tensor::from_vec(k[d..].to_vec(), (kv, t - 1, d), &dev).unwrap();
+        let vt = Tensor::from_vec(v[d..].to_vec(), (kv, t - 1, d), &dev).unwrap();
+        let probs = attention_probs(&qt, &kt, None, g).unwrap();
+        let want = attention_output(&probs, &vt)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        for (a, b) in out.iter().zip(&want) {
+            assert!((a - b).abs() <= 1e-5, "t {t}: {a} against {b}");
+        }
+    }
+}
+
 /// Bad shapes are errors naming the problem, before anything runs.
 #[test]
 fn decode_kernel_refuses_what_it_cannot_run() {

@@ -1,7 +1,8 @@
 //! Fused linears for decode rows (`Model::fuse_linears`: q/k/v, and a dense MLP's gate/up, as
 //! one matmul each; on a GPU the loader fuses them): the same logits as the parts give, for
 //! decode steps (with eviction), verified drafts (`forward_decode_rows`, exact) and batch steps,
-//! on every architecture of the random presets; no memory added; quantized weights unfused.
+//! on every architecture of the random presets; the same bytes counted; quantized weights
+//! unfused.
 
 use std::path::PathBuf;
 
@@ -82,10 +83,12 @@ fn fused_linears_give_the_parts_logits() {
             "{name}"
         );
         assert_eq!(fused.fuse_linears().unwrap(), 0, "{name}: fused twice");
+        // The views count what the parts held (that they share one storage is checked in
+        // weights.rs's unit tests).
         assert_eq!(
             fused.weight_bytes(),
             parts.weight_bytes(),
-            "{name}: memory added"
+            "{name}: bytes counted"
         );
         let vocab = parts.config().vocab_size as u32;
         let tokens: Vec<u32> = (0..40u32).map(|i| (i * 7919 + 13) % vocab).collect();
@@ -102,7 +105,16 @@ fn fused_linears_give_the_parts_logits() {
             assert_close(&a, &b, &format!("{name}: decode step {i}"));
         }
         assert_eq!(ca.len(), cb.len(), "{name}: caches of other lengths");
-        // A verified draft: several decode rows, each exactly as alone.
+        // A verified draft: several decode rows, each exactly as alone. On the fused model,
+        // the draft's rows bit for bit against the same tokens as single decode steps (a cache
+        // brought to the same state by the same calls).
+        let mut cs = cache(&fused);
+        for c in tokens[..16].chunks(8) {
+            fused.forward(c, &mut cs, false).unwrap();
+        }
+        for &t in &tokens[16..30] {
+            fused.forward(&[t], &mut cs, true).unwrap();
+        }
         let a = parts
             .forward_decode_rows(&tokens[30..34], &mut ca, true)
             .unwrap();
@@ -110,6 +122,19 @@ fn fused_linears_give_the_parts_logits() {
             .forward_decode_rows(&tokens[30..34], &mut cb, true)
             .unwrap();
         assert_close(&a, &b, &format!("{name}: decode rows"));
+        let rows = b.to_vec2::<f32>().unwrap();
+        assert_eq!(rows.len(), 4, "{name}: a row of logits per draft token");
+        for (i, &t) in tokens[30..34].iter().enumerate() {
+            let one = fused
+                .forward(&[t], &mut cs, true)
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap();
+            assert!(
+                one == rows[i],
+                "{name}: draft row {i} differs from its decode step"
+            );
+        }
         // A batch step of two sequences.
         let (mut c2a, mut c2b) = (cache(&parts), cache(&fused));
         parts.forward(&tokens[..8], &mut c2a, false).unwrap();

@@ -2467,6 +2467,9 @@ impl Engine {
         chunk: usize,
         decode_steps: usize,
     ) -> Result<Vec<f32>> {
+        if tokens.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
         if decode_steps >= tokens.len() {
             return Err(EngineError::BadParams(format!(
                 "{decode_steps} decode steps need a prompt of more tokens than that, not {}",
