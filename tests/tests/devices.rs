@@ -4,8 +4,8 @@
 //! `scripts/gpu-check.sh` runs the same checks on a GPU host through `keydiff check-kernels`
 //! and `keydiff check-device`.
 
-use anyhow::{ensure, Result};
-use candle_core::{DType, Device};
+use anyhow::{ensure, Context, Result};
+use candle_core::{DType, Device, Tensor};
 use keydiff::kernel_check::{
     kernel_cases, kernel_parity, kernel_timing, launch_floor_us, ScoreLoads, SelectBlocks,
 };
@@ -28,7 +28,8 @@ macro_rules! test_device {
         fn $cuda() -> Result<()> {
             #[cfg(feature = "cuda")]
             {
-                let dev = Device::new_cuda(0)
+                // As the engine opens it (its allocator set up: `prepare_cuda`).
+                let dev = keydiff::parse_device("cuda:0")
                     .map_err(|e| anyhow::anyhow!("no CUDA device 0 in a cuda build: {e}"))?;
                 $body(&dev)
             }
@@ -75,6 +76,48 @@ fn unusable_cuda_devices_are_refused_with_the_reason() {
     }
     assert!(matches!(keydiff::parse_device("cpu"), Ok(Device::Cpu)));
 }
+
+/// The engine's CUDA devices keep freed memory in their pool across synchronisations and
+/// create no per-allocation events (`prepare_cuda`), and the memory plan still sees memory this
+/// process freed: a GiB allocated, freed and synchronised is free again for `detect_on`. The
+/// CPU has no such allocator.
+fn allocator_is_prepared(dev: &Device) -> Result<()> {
+    use keydiff_model::memory::{cuda_allocator, MemoryBudget};
+    let state = cuda_allocator(dev).map_err(anyhow::Error::msg)?;
+    if !dev.is_cuda() {
+        ensure!(state.is_none(), "{state:?} on {dev:?}");
+        return Ok(());
+    }
+    let state = state.context("no allocator state for a CUDA device")?;
+    ensure!(state.pool_retains && !state.event_tracking, "{state:?}");
+    let free = |what: &str| -> Result<u64> {
+        Ok(MemoryBudget::detect_on(dev)
+            .with_context(|| format!("no free memory {what}"))?
+            .ram)
+    };
+    let before = free("before")?;
+    let t = Tensor::zeros((256, 1024, 1024), DType::F32, dev)?;
+    dev.synchronize()?;
+    let during = free("with a GiB in use")?;
+    drop(t);
+    dev.synchronize()?;
+    let after = free("after")?;
+    const MIB: u64 = 1 << 20;
+    ensure!(
+        during + 1000 * MIB <= before,
+        "a GiB in use: free {before} -> {during}"
+    );
+    ensure!(
+        after + 64 * MIB >= before,
+        "freed memory not seen by the plan: free {before} before, {after} after"
+    );
+    Ok(())
+}
+test_device!(
+    allocator_is_prepared,
+    allocator_is_prepared_cpu,
+    allocator_is_prepared_cuda
+);
 
 /// Scoring, selection/plan and moves against the CPU references, on every case: odd sizes,
 /// head dims 64/128/256, f32/f16/bf16, protected slots, both anchors, n up to 131072 + 128.

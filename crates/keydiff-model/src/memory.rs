@@ -65,6 +65,9 @@ impl MemoryBudget {
             Device::Cuda(d) => {
                 let query = || -> Result<(usize, usize), String> {
                     device.synchronize().map_err(|e| e.to_string())?;
+                    // A pool that keeps freed memory (`prepare_cuda`) would hide it from the
+                    // driver's figure: hand it back first.
+                    trim_cuda_pool(d)?;
                     d.cuda_stream()
                         .context()
                         .mem_get_info()
@@ -124,6 +127,132 @@ impl fmt::Display for MemoryBudget {
             write!(f, "{} available ({})", human(self.ram), self.source)
         }
     }
+}
+
+/// How [`prepare_cuda`] left a CUDA device's allocator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CudaAllocator {
+    /// The device's memory pool keeps freed memory across synchronisations.
+    pub pool_retains: bool,
+    /// cudarc still creates two CUDA events for every allocation.
+    pub event_tracking: bool,
+}
+
+/// Sets up a CUDA device's allocator for inference, where every step allocates and frees the
+/// same temporaries (as PyTorch's caching allocator, or other candle engines, do):
+///
+/// - The memory pool candle allocates from (`cuMemAllocAsync`, the device's current pool)
+///   keeps what is freed across synchronisations: release threshold `u64::MAX`. The driver's
+///   default, 0, gives every freed byte back at each synchronisation (a token read back, a
+///   timed region), so the next step maps its temporaries afresh.
+///   `KEYDIFF_CUDA_POOL_RETAIN=0` keeps the driver's default. [`MemoryBudget::detect_on`]
+///   trims the pool before it reads the free memory, so plans still count memory freed here.
+/// - cudarc's event tracking is turned off: with it, every allocation creates two CUDA events
+///   (and destroys them when freed) for synchronisation across streams, but candle runs a
+///   device's work on one stream, where they are never waited on. `KEYDIFF_CUDA_EVENTS=1`
+///   keeps them.
+///
+/// Call it on a freshly opened device, before tensors are made on it (the engine's
+/// `parse_device` does). Other devices are left alone (`None`).
+pub fn prepare_cuda(device: &Device) -> Result<Option<CudaAllocator>, String> {
+    match device {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(d) => {
+            let retain = env_flag("KEYDIFF_CUDA_POOL_RETAIN", true);
+            let events = env_flag("KEYDIFF_CUDA_EVENTS", false);
+            if retain {
+                if let Some(pool) = cuda_pool(d)? {
+                    let mut threshold = u64::MAX;
+                    // SAFETY: the pool is the device's; the attribute's value is a u64.
+                    unsafe {
+                        cuda_result::mem_pool::set_attribute(
+                            pool,
+                            CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                            (&mut threshold as *mut u64).cast(),
+                        )
+                    }
+                    .map_err(|e| format!("cannot set its memory pool's release threshold: {e}"))?;
+                }
+            }
+            if !events {
+                // SAFETY: candle gives each device one stream, so no allocation's events are
+                // ever waited on or recorded (cudarc does so only with several streams);
+                // allocations made before this call keep theirs, unused.
+                unsafe { d.disable_event_tracking() };
+            }
+            let out = cuda_allocator(device)?;
+            tracing::debug!(?out, "CUDA allocator");
+            Ok(out)
+        }
+        _ => Ok(None),
+    }
+}
+
+/// How a CUDA device's allocator is set ([`prepare_cuda`]); `None` for other devices.
+pub fn cuda_allocator(device: &Device) -> Result<Option<CudaAllocator>, String> {
+    match device {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(d) => {
+            let pool_retains = match cuda_pool(d)? {
+                Some(pool) => {
+                    let mut threshold = 0u64;
+                    // SAFETY: the pool is the device's; the attribute's value is a u64.
+                    unsafe {
+                        cuda_result::mem_pool::get_attribute(
+                            pool,
+                            CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                            (&mut threshold as *mut u64).cast(),
+                        )
+                    }
+                    .map_err(|e| format!("cannot read its memory pool's release threshold: {e}"))?;
+                    threshold == u64::MAX
+                }
+                None => false,
+            };
+            Ok(Some(CudaAllocator {
+                pool_retains,
+                event_tracking: d.is_event_tracking(),
+            }))
+        }
+        _ => Ok(None),
+    }
+}
+
+#[cfg(feature = "cuda")]
+use candle_core::cuda_backend::cudarc::driver::{result as cuda_result, sys::CUmemPool_attribute};
+
+/// The memory pool candle's allocations come from (the device's current pool, which
+/// `cuMemAllocAsync` takes), or `None` where the device has no pools (cudarc then allocates
+/// without one).
+#[cfg(feature = "cuda")]
+fn cuda_pool(
+    d: &candle_core::CudaDevice,
+) -> Result<Option<candle_core::cuda_backend::cudarc::driver::sys::CUmemoryPool>, String> {
+    let ctx = d.cuda_stream().context().clone();
+    if !ctx.has_async_alloc() {
+        return Ok(None);
+    }
+    // SAFETY: the device handle is the context's own.
+    unsafe { cuda_result::device::get_mem_pool(ctx.cu_device()) }
+        .map(Some)
+        .map_err(|e| format!("cannot get its memory pool: {e}"))
+}
+
+/// Hands the unused memory of the pool candle allocates from back to the driver.
+#[cfg(feature = "cuda")]
+fn trim_cuda_pool(d: &candle_core::CudaDevice) -> Result<(), String> {
+    match cuda_pool(d)? {
+        // SAFETY: the pool is the device's; trimming releases only memory not in use.
+        Some(pool) => unsafe { cuda_result::mem_pool::trim_to(pool, 0) }
+            .map_err(|e| format!("cannot trim its memory pool: {e}")),
+        None => Ok(()),
+    }
+}
+
+/// A boolean environment switch: `0` is off, any other value on, unset `default`.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn env_flag(name: &str, default: bool) -> bool {
+    std::env::var(name).map_or(default, |v| v != "0")
 }
 
 /// Gives the free pages of the C heap back to the system (glibc's `malloc_trim`), so that

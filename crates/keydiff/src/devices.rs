@@ -42,7 +42,10 @@ fn open_cuda(name: &str, ordinal: usize) -> Result<Device> {
             ),
         }));
     }
-    Device::new_cuda(ordinal).map_err(|e| refuse(format!("cannot open it: {e}")))
+    let device = Device::new_cuda(ordinal).map_err(|e| refuse(format!("cannot open it: {e}")))?;
+    keydiff_model::memory::prepare_cuda(&device)
+        .map_err(|e| refuse(format!("cannot set up its allocator: {e}")))?;
+    Ok(device)
 }
 
 #[cfg(not(feature = "cuda"))]
