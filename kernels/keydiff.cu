@@ -1521,3 +1521,83 @@ __device__ void kd_decode_combine(const float* part, int splits, int g, int d, T
 KD_DECODE_DTYPE(f32, float)
 KD_DECODE_DTYPE(f16, __half)
 KD_DECODE_DTYPE(bf16, __nv_bfloat16)
+
+// ---------------------------------------------------------------------------------------------
+// Causal softmax of a chunk's attention scores (eager attention on CUDA). The eager path ran it
+// as four passes over a row of T scores per query row (a cast of q · kᵀ to f32, the mask added,
+// softmax, and for the value product a cast back), writing an f32 copy of the scores twice; a
+// chunk of 128 queries of Llama-3.1-8B over 8192 keys holds 34 M scores a layer. This is one
+// launch that reads the scores in their dtype twice and writes the probabilities once, in f32
+// (the policies' statistics sum them) or in the scores' dtype (for the value product).
+// Reference: `attention_probs` in crates/keydiff-model/src/attention.rs (softmax in f32 over
+// the scores plus `chunk_mask`), which the CPU runs.
+//
+// s [rows, t] contiguous, rows = heads · chunk with row r the query at position r % chunk of
+// the chunk, whose keys are the last `chunk` of t: it sees keys j < t - chunk + r % chunk + 1
+// (bottom-right causal; with chunk = 1 all t). p [rows, t]: softmax in f32 over those, 0 past
+// them. One block of KD_SMX_THREADS threads per row (grid.x = rows). Pass 1: each thread keeps
+// the running max m of its scores and the sum l of e^(score - m) (an online softmax), the block
+// merges them; pass 2 writes e^(score - m) / l. A NaN score makes its row NaN; a -inf score
+// weighs 0.
+#define KD_SMX_THREADS 256
+#define KD_SMX_WARPS (KD_SMX_THREADS / 32)
+
+// Adds the state (m2, l2) to (m, l): the larger max, the sums rescaled to it. A state holding
+// no score is (-inf, 0); where both maxima are equal (both -inf too) nothing is rescaled.
+__device__ __forceinline__ void kd_smx_merge(float& m, float& l, float m2, float l2) {
+  const float mx = fmaxf(m, m2);
+  const float a = m == mx ? 1.f : expf(m - mx);
+  const float b = m2 == mx ? 1.f : expf(m2 - mx);
+  l = l * a + l2 * b;
+  m = mx;
+}
+
+template <typename TI, typename TO>
+__device__ void kd_causal_softmax(const TI* s, TO* p, int t, int chunk) {
+  __shared__ float sm_m[KD_SMX_WARPS], sm_l[KD_SMX_WARPS];
+  const int64_t row = blockIdx.x;
+  const int seen = t - chunk + (int)(row % chunk) + 1;
+  const TI* x = s + row * t;
+  TO* y = p + row * t;
+  float m = kd_neg_inf(), l = 0.f;
+  for (int c = threadIdx.x; c < seen; c += KD_SMX_THREADS) {
+    const float v = kd_to_f(x[c]);
+    if (v > m) {
+      l = l * expf(m - v) + 1.f;  // m = -inf: l = 0 · 0 + 1
+      m = v;
+    } else if (v != kd_neg_inf()) {
+      l += expf(v - m);  // v NaN: l NaN
+    }
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    const float m2 = __shfl_xor_sync(0xffffffffu, m, o);
+    const float l2 = __shfl_xor_sync(0xffffffffu, l, o);
+    kd_smx_merge(m, l, m2, l2);
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) {
+    sm_m[warp] = m;
+    sm_l[warp] = l;
+  }
+  __syncthreads();
+  // Every thread merges the warps' states in the same order, so all hold the same (m, l).
+  m = sm_m[0];
+  l = sm_l[0];
+  for (int w = 1; w < KD_SMX_WARPS; ++w) kd_smx_merge(m, l, sm_m[w], sm_l[w]);
+  for (int c = threadIdx.x; c < t; c += KD_SMX_THREADS) {
+    kd_store(&y[c], c < seen ? expf(kd_to_f(x[c]) - m) / l : 0.f);
+  }
+}
+
+// keydiff_causal_softmax_<scores dtype>_<probabilities dtype>
+#define KD_INSTANTIATE_SMX(SI, TI, SO, TO)                                                      \
+  extern "C" __global__ void __launch_bounds__(KD_SMX_THREADS)                                  \
+      keydiff_causal_softmax_##SI##_##SO(const TI* s, TO* p, int t, int chunk) {                \
+    kd_causal_softmax<TI, TO>(s, p, t, chunk);                                                  \
+  }
+
+KD_INSTANTIATE_SMX(f32, float, f32, float)
+KD_INSTANTIATE_SMX(f16, __half, f32, float)
+KD_INSTANTIATE_SMX(f16, __half, f16, __half)
+KD_INSTANTIATE_SMX(bf16, __nv_bfloat16, f32, float)
+KD_INSTANTIATE_SMX(bf16, __nv_bfloat16, bf16, __nv_bfloat16)

@@ -488,6 +488,35 @@ else
 fi
 rm -f "$out/ttft/table.txt.tmp"
 
+echo "== 4f. eager prefill: keydiff's causal softmax and allocator settings against candle's ops and the driver's defaults ($preset, B = 128)"
+# The first H200 run spent 5.8 s of a 6.6 s profiled 8B prefill in eager attention, ~10x its
+# MLP: its scores went through four passes in f32 (cast, mask, softmax, cast back). Since then
+# keydiff_causal_softmax_* does them in one launch (KEYDIFF_CUDA_SOFTMAX_KERNEL=0 turns it
+# off), the device's memory pool keeps freed memory across synchronisations and cudarc's
+# per-allocation events are off (KEYDIFF_CUDA_POOL_RETAIN=0 KEYDIFF_CUDA_EVENTS=1 restore the
+# defaults). Three processes, eager attention: all on; the softmax kernel off; the allocator
+# as the driver leaves it. full writes bf16 probabilities, h2o f32 ones (its statistics).
+left=$((deadline - SECONDS))
+if [ "$left" -lt 90 ]; then
+  note "eager prefill settings: skipped (${left}s left of the ${deadline}s budget)"
+else
+  mkdir -p "$out/eager"
+  i=0
+  for envs in "KEYDIFF_CUDA_SOFTMAX_KERNEL=1" "KEYDIFF_CUDA_SOFTMAX_KERNEL=0" \
+      "KEYDIFF_CUDA_POOL_RETAIN=0 KEYDIFF_CUDA_EVENTS=1"; do
+    i=$((i + 1))
+    # shellcheck disable=SC2086  # the assignments, one word each
+    if env $envs timeout 60 "$bin" bench ttft --random-weights -m "$preset" --device "$device" \
+        --dtype bf16 --attention eager --prompt-len "$plen" --budget "$budget_n" --chunks 128 \
+        --policies full,h2o --warmup 1 --reps 2 --out "$out/eager/$i" \
+        > "$out/eager/table-$i.txt" 2>>"$errors"; then
+      { echo "TTFT ($preset, bf16, eager, prompt $plen, budget $budget_n; $envs):"; cat "$out/eager/table-$i.txt"; } >> "$summary"
+    else
+      note "eager prefill ($envs): FAILED (exit $?); see errors.log"
+    fi
+  done
+fi
+
 echo "== 4b. batched decoding: 1 and 8 requests decoded together ($preset random weights, bf16)"
 # Decode tok/s of the batch (bench decode --batch: the requests' decode steps, as serve
 # --max-batch runs them; their prompts are prefilled first): on a GPU a step of 8 rows should
@@ -523,16 +552,20 @@ else
   short="--prompt-len 1024 --budget 512 --chunks 128 --policies keydiff --batch 1,8"
   long="--prompt-len 7680 --chunks 512 --policies full --batch 1"
   i=0
-  for run in "0 1 $short" "1 0 $short" "1 1 $long" "0 1 $long"; do
-    read -r kernel fuse r <<< "$run"
+  # kernel, fuse, allocator (1: keydiff's settings, 0: the driver's and cudarc's defaults)
+  for run in "0 1 1 $short" "1 0 1 $short" "1 1 0 $short" "1 1 1 $long" "0 1 1 $long"; do
+    read -r kernel fuse alloc r <<< "$run"
     i=$((i + 1))
+    events=$((1 - alloc))
+    alloc_name="keydiff's"; [ "$alloc" = 1 ] || alloc_name="the driver's"
     # shellcheck disable=SC2086
-    if KEYDIFF_CUDA_DECODE_KERNEL=$kernel KEYDIFF_CUDA_FUSE=$fuse timeout 60 "$bin" bench decode \
+    if KEYDIFF_CUDA_DECODE_KERNEL=$kernel KEYDIFF_CUDA_FUSE=$fuse KEYDIFF_CUDA_POOL_RETAIN=$alloc \
+        KEYDIFF_CUDA_EVENTS=$events timeout 60 "$bin" bench decode \
         --random-weights -m "$preset" --device "$device" --dtype bf16 --attention "$ttft_attention" \
         $r --gen-len 32 --warmup 1 --reps 1 --out "$out/decode/$i" > "$out/decode/table-$i.txt" 2>>"$errors"; then
-      { echo "decode ($preset, bf16, $r; decode kernel $([ $kernel = 1 ] && echo on || echo off), linears $([ $fuse = 1 ] && echo fused || echo unfused)):"; grep -v '^#' "$out/decode/table-$i.txt"; } >> "$summary"
+      { echo "decode ($preset, bf16, $r; decode kernel $([ $kernel = 1 ] && echo on || echo off), linears $([ $fuse = 1 ] && echo fused || echo unfused), allocator $alloc_name):"; grep -v '^#' "$out/decode/table-$i.txt"; } >> "$summary"
     else
-      note "decode launches (kernel $kernel, fuse $fuse, $r): FAILED (exit $?); see errors.log"
+      note "decode launches (kernel $kernel, fuse $fuse, allocator $alloc, $r): FAILED (exit $?); see errors.log"
     fi
   done
 fi

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Mutation check of the emulated kernel tests (crates/keydiff-cache/tests/kernel_emulation.rs,
-# and crates/keydiff-model/tests/decode_emulation.rs for the decode kernels):
+# and crates/keydiff-model/tests/attention_emulation.rs for the decode and softmax kernels):
 # plants one known defect at a time in kernels/keydiff.cu (an off-by-one, a missing barrier, a
 # wrong reduction, ...), runs the tests, and reports whether they caught it. Every mutant must
 # be caught. kernels/keydiff.cu is restored afterwards, whatever happens.
@@ -92,7 +92,7 @@ mutants=(
   "select-many: block scan reads warp totals before they are written~  if (lane == 31) tmp[warp] = x;\n  __syncthreads();~  if (lane == 31) tmp[warp] = x;"
   "select-many: block sum reuses its totals without a barrier~  for (int w = 0; w < (int)(blockDim.x >> 5); ++w) total += tmp[w];\n  __syncthreads();~  for (int w = 0; w < (int)(blockDim.x >> 5); ++w) total += tmp[w];"
   # The decode-attention kernels (keydiff_decode_*, keydiff_decode_combine_*), caught by
-  # keydiff-model's tests/decode_emulation.rs (the mutants named "decode: ...").
+  # keydiff-model's tests/attention_emulation.rs (the mutants named "decode: ...").
   "decode: the running sums not rescaled by a new max~acc[j][e] = acc[j][e] * c + w * vx[e];~acc[j][e] = acc[j][e] + w * vx[e];"
   "decode: the running weight not rescaled by a new max~        l[j] = l[j] * c + w;~        l[j] = l[j] + w;"
   "decode: a block drops its last key~(long long)r0 + span);~(long long)r0 + span - 1);"
@@ -105,6 +105,17 @@ mutants=(
   "decode: the combine reads splits one head apart~  const int step = g * (d + 2);~  const int step = d + 2;"
   "decode: only the first warp's keys merged~  for (int i = 0; i < n; ++i) mx = fmaxf(mx, m[i * step]);~  n = n > 1 && step == 1 ? 1 : n;\n  for (int i = 0; i < n; ++i) mx = fmaxf(mx, m[i * step]);"
   "decode: an element past the head dim read as a value~      vx[e] = c < d ? kd_to_f(vr[c]) : 0.f;~      vx[e] = c < d + 32 ? kd_to_f(vr[c]) : 0.f;"
+  # The causal softmax of eager chunk attention (keydiff_causal_softmax_*), caught by
+  # keydiff-model's tests/attention_emulation.rs (the mutants named "softmax: ...").
+  "softmax: each query sees one key too few~  const int seen = t - chunk + (int)(row % chunk) + 1;~  const int seen = t - chunk + (int)(row % chunk);"
+  "softmax: a chunk's queries taken from its end~  const int seen = t - chunk + (int)(row % chunk) + 1;~  const int seen = t - (int)(row % chunk);"
+  "softmax: the running sum not rescaled by a new max~      l = l * expf(m - v) + 1.f;~      l = l + 1.f;"
+  "softmax: a score of -inf not weighed 0~    } else if (v != kd_neg_inf()) {~    } else {"
+  "softmax: states merged without rescaling~  l = l * a + l2 * b;~  l = l + l2 + 0.f * (a + b);"
+  "softmax: the lane-16 step of the warp merge skipped~  for (int o = 16; o > 0; o >>= 1) {\n    const float m2~  for (int o = 8; o > 0; o >>= 1) {\n    const float m2"
+  "softmax: no barrier before the warps' states are merged~    sm_l[warp] = l;\n  }\n  __syncthreads();~    sm_l[warp] = l;\n  }"
+  "softmax: only the first warp's state~  for (int w = 1; w < KD_SMX_WARPS; ++w) kd_smx_merge~  for (int w = 1; w < 1; ++w) kd_smx_merge"
+  "softmax: the first masked key weighed~    kd_store(&y[c], c < seen ?~    kd_store(&y[c], c <= seen ?"
   # The one-launch selection of few evictions (keydiff_select_few). Two of its barriers are
   # not among them: the one at the end of each digit of kd_few_kth (the next digit's reads and
   # writes of the shared state come after two barriers of its own) and the one after the last
@@ -129,13 +140,14 @@ if [ -n "${MUTANTS_MATCHING:-}" ]; then
   mutants=("${kept[@]}")
 fi
 
-# The tests that catch a mutant: the decode kernels' own, or the eviction kernels'.
+# The tests that catch a mutant: the attention kernels' own, or the eviction kernels'.
 tests_for() {
-  if [[ "$1" == decode:* ]]; then echo "-p keydiff-model --test decode_emulation"
+  if [[ "$1" == decode:* || "$1" == softmax:* ]]; then
+    echo "-p keydiff-model --test attention_emulation"
   else echo "-p keydiff-cache --test kernel_emulation"; fi
 }
 cargo test --release -p keydiff-cache --test kernel_emulation --no-run -q 2>/dev/null || true
-cargo test --release -p keydiff-model --test decode_emulation --no-run -q 2>/dev/null || true
+cargo test --release -p keydiff-model --test attention_emulation --no-run -q 2>/dev/null || true
 survived=0
 for m in "${mutants[@]}"; do
   IFS='~' read -r name from to <<< "$m"

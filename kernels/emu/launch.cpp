@@ -248,6 +248,32 @@ extern "C" int kd_emu_decode(int dtype, int ne, const void* q, const void* k, in
   return finish(e, err, err_len);
 }
 
+// in: 0 f32, 1 f16, 2 bf16; out: 0 f32, or the scores' own dtype.
+extern "C" int kd_emu_causal_softmax(int in, int out, const void* s, void* p, int t, int chunk,
+                                     unsigned grid_x, unsigned block, uint64_t seed, char* err,
+                                     size_t err_len) {
+  std::function<void()> run;
+#define KD_EMU_SMX(SI, TI, SO, TO) \
+  run = [=] { kd_emu::run_kernel(keydiff_causal_softmax_##SI##_##SO, (const TI*)s, (TO*)p, t, chunk); };
+  if (in == 0 && out == 0) {
+    KD_EMU_SMX(f32, float, f32, float)
+  } else if (in == 1 && out == 0) {
+    KD_EMU_SMX(f16, __half, f32, float)
+  } else if (in == 1 && out == 1) {
+    KD_EMU_SMX(f16, __half, f16, __half)
+  } else if (in == 2 && out == 0) {
+    KD_EMU_SMX(bf16, __nv_bfloat16, f32, float)
+  } else if (in == 2 && out == 2) {
+    KD_EMU_SMX(bf16, __nv_bfloat16, bf16, __nv_bfloat16)
+  } else {
+    return finish("no causal softmax from dtype " + std::to_string(in) + " to " +
+                      std::to_string(out),
+                  err, err_len);
+  }
+#undef KD_EMU_SMX
+  return finish(guarded(d3(grid_x), d3(block), KD_SMX_THREADS, seed, run), err, err_len);
+}
+
 // `bitmap` must be zeroed.
 extern "C" int kd_emu_snapkv_pool(const float* stats, int64_t stats_stride,
                                   const uint32_t* positions, int64_t pos_stride, int n,

@@ -598,6 +598,61 @@ test_device!(
     batch_step_matches_single_steps_cuda
 );
 
+/// The softmax of a chunk's attention scores as the device runs it (on CUDA keydiff's
+/// `keydiff_causal_softmax_*`, on the CPU candle's ops) against a naive one computed here row by
+/// row in f64: scores in f32, f16 and bf16, probabilities in f32 and in the scores' dtype,
+/// chunks of 1 to 128 queries, 0 exactly where masked.
+fn causal_softmax_matches_naive(dev: &Device) -> Result<()> {
+    use keydiff_model::attention::{chunk_mask, masked_softmax};
+    for (heads, chunk, t) in [(3, 1, 40), (4, 7, 7), (2, 128, 1000), (1, 16, 9000)] {
+        for dt in [DType::F32, DType::F16, DType::BF16] {
+            let scores = (Tensor::randn(0f32, 3., (heads, chunk, t), dev)?).to_dtype(dt)?;
+            let x = scores
+                .to_dtype(DType::F32)?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+            let mask = (chunk > 1)
+                .then(|| chunk_mask(chunk, t, dt, dev))
+                .transpose()?;
+            for out in [DType::F32, dt] {
+                let p = masked_softmax(&scores, mask.as_ref(), chunk, out)?;
+                ensure!(p.dtype() == out && p.dims() == scores.dims(), "{p:?}");
+                let p = p.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+                let rel = match out {
+                    DType::F16 => 1e-3,
+                    DType::BF16 => 8e-3,
+                    _ => 1e-5,
+                };
+                for (r, (xr, pr)) in x.chunks(t).zip(p.chunks(t)).enumerate() {
+                    let seen = t - chunk + r % chunk + 1;
+                    let max = xr[..seen]
+                        .iter()
+                        .fold(f64::NEG_INFINITY, |m, &v| m.max(v as f64));
+                    let sum: f64 = xr[..seen].iter().map(|&v| (v as f64 - max).exp()).sum();
+                    for (c, &got) in pr.iter().enumerate() {
+                        let want = if c < seen {
+                            (xr[c] as f64 - max).exp() / sum
+                        } else {
+                            0.0
+                        };
+                        ensure!(
+                            (got as f64 - want).abs() <= rel * want + 1e-7,
+                            "heads {heads} chunk {chunk} t {t} {dt:?} -> {out:?}: row {r} key \
+                             {c}: {got} against {want}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+test_device!(
+    causal_softmax_matches_naive,
+    causal_softmax_matches_naive_cpu,
+    causal_softmax_matches_naive_cuda
+);
+
 /// A decode step's attention by the device's decode kernel (on CUDA keydiff's
 /// `keydiff_decode_*`, which must take these inputs; on the CPU `decode_attention_cpu`) against
 /// the eager path on the same device in f32 over the same (widened) cache: caches of f32, f16

@@ -8,11 +8,11 @@ use candle_core::{bail, CudaStorage, DType, Layout, Result, Shape};
 use half::{bf16, f16};
 
 use crate::geometry::{
-    check_decode, check_kvq, check_pool, check_scores, check_select, decode_combine_launch,
-    decode_lanes, decode_launch, decode_split, kvq_launch, move_launch, per_head_launch,
-    plan_moves, pool_words, scores_launch, select_few_launch, select_few_workspace,
-    select_multi_launch, select_passes, select_workspace, vector_loads_fit, Launch, ScoreLoads,
-    SelectBlocks, KVQ_FP8, MAX_HEADS,
+    check_decode, check_kvq, check_pool, check_scores, check_select, check_softmax,
+    decode_combine_launch, decode_lanes, decode_launch, decode_split, kvq_launch, move_launch,
+    per_head_launch, plan_moves, pool_words, scores_launch, select_few_launch,
+    select_few_workspace, select_multi_launch, select_passes, select_workspace, softmax_launch,
+    vector_loads_fit, Launch, ScoreLoads, SelectBlocks, KVQ_FP8, MAX_HEADS,
 };
 
 /// PTX of `kernels/keydiff.cu`.
@@ -597,4 +597,61 @@ pub fn decode_attention(
         dt => bail!("decode-attention: unsupported dtype {dt:?} (f32, f16, bf16)"),
     };
     Ok((out, Shape::from((kv, g, d))))
+}
+
+/// The causal softmax of a chunk's attention scores (`keydiff_causal_softmax_<in>_<out>`; see
+/// the kernel source): `scores` `[.., t]` contiguous (f32/f16/bf16), rows ordered so that row
+/// r is the query at r % `chunk` of its chunk, whose keys are the last `chunk` of t. Returns
+/// the probabilities in the same shape, in f32 (`out` = F32) or in the scores' dtype, 0 where
+/// masked.
+pub fn causal_softmax(
+    (s, sl): (&CudaStorage, &Layout),
+    chunk: usize,
+    out: DType,
+) -> Result<(CudaStorage, Shape)> {
+    let t = sl.dims().last().copied().unwrap_or(0);
+    if !sl.is_contiguous() || t == 0 {
+        bail!(
+            "causal-softmax: scores {:?} strides {:?} (contiguous rows of keys)",
+            sl.dims(),
+            sl.stride()
+        );
+    }
+    let rows = sl.shape().elem_count() / t;
+    check_softmax(rows, t, chunk)?;
+    if out != DType::F32 && out != s.dtype() {
+        bail!(
+            "causal-softmax: probabilities in {out:?} from {:?} scores (f32 or the scores' dtype)",
+            s.dtype()
+        );
+    }
+    let dev = s.device().clone();
+    let (t32, chunk32) = (t as i32, chunk as i32);
+    let cfg = launch_cfg(softmax_launch(rows));
+    macro_rules! launch {
+        ($ti:ty, $to:ty, $name:literal) => {{
+            // SAFETY: the kernel writes every value of every row.
+            let mut p = unsafe { dev.alloc::<$to>(rows * t)? };
+            let sv = s.as_cuda_slice::<$ti>()?.slice(sl.start_offset()..);
+            let f = dev.get_or_load_custom_func($name, MODULE, PTX)?;
+            let mut b = f.builder();
+            b.arg(&sv);
+            b.arg(&mut p);
+            b.arg(&t32);
+            b.arg(&chunk32);
+            // SAFETY: argument list matches the kernel; block r reads row r of the rows · t
+            // scores and writes row r of `p`, allocated here.
+            unsafe { b.launch(cfg) }.w()?;
+            CudaStorage::wrap_cuda_slice(p, dev.clone())
+        }};
+    }
+    let p = match (s.dtype(), out) {
+        (DType::F32, _) => launch!(f32, f32, "keydiff_causal_softmax_f32_f32"),
+        (DType::F16, DType::F32) => launch!(f16, f32, "keydiff_causal_softmax_f16_f32"),
+        (DType::F16, _) => launch!(f16, f16, "keydiff_causal_softmax_f16_f16"),
+        (DType::BF16, DType::F32) => launch!(bf16, f32, "keydiff_causal_softmax_bf16_f32"),
+        (DType::BF16, _) => launch!(bf16, bf16, "keydiff_causal_softmax_bf16_bf16"),
+        (dt, _) => bail!("causal-softmax: unsupported dtype {dt:?} (f32, f16, bf16)"),
+    };
+    Ok((p, sl.shape().clone()))
 }

@@ -25,11 +25,11 @@ use half::{bf16, f16};
 
 use crate::fence::{Fenced, HeadAxis, Side};
 use crate::geometry::{
-    check_decode, check_kvq, check_pool, check_scores, check_select, decode_combine_launch,
-    decode_lanes, decode_launch, decode_split, kvq_launch, move_launch, per_head_launch,
-    plan_moves, pool_words, scores_launch, select_few_launch, select_few_workspace,
-    select_multi_launch, select_passes, select_workspace, vector_loads_fit, ScoreLoads,
-    SelectBlocks, KVQ_BYTES,
+    check_decode, check_kvq, check_pool, check_scores, check_select, check_softmax,
+    decode_combine_launch, decode_lanes, decode_launch, decode_split, kvq_launch, move_launch,
+    per_head_launch, plan_moves, pool_words, scores_launch, select_few_launch,
+    select_few_workspace, select_multi_launch, select_passes, select_workspace, softmax_launch,
+    vector_loads_fit, ScoreLoads, SelectBlocks, KVQ_BYTES,
 };
 
 extern "C" {
@@ -126,6 +126,19 @@ extern "C" {
         part: *mut f32,
         grid_x: c_uint,
         grid_y: c_uint,
+        block: c_uint,
+        seed: u64,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    fn kd_emu_causal_softmax(
+        in_dtype: c_int,
+        out_dtype: c_int,
+        s: *const u8,
+        p: *mut u8,
+        t: c_int,
+        chunk: c_int,
+        grid_x: c_uint,
         block: c_uint,
         seed: u64,
         err: *mut c_char,
@@ -558,8 +571,78 @@ pub fn decode_attention(
     kf.finish()?;
     vf.finish()?;
     part.finish()?;
-    let bytes = out.finish()?;
-    Ok(match dtype {
+    Ok(widen(dtype, &out.finish()?))
+}
+
+/// `keydiff_causal_softmax_<in>_<out>` on `scores`, `[rows, t]` contiguous: the queries of
+/// chunks of `chunk` (row r is the query at r % chunk of its chunk) over keys whose last
+/// `chunk` are the chunk's own, masked bottom-right causal. Returns the probabilities
+/// `[rows · t]` widened to f32 (exactly), written in f32 when `f32_out`, else in the scores'
+/// dtype.
+pub fn causal_softmax(
+    scores: Keys<'_>,
+    rows: usize,
+    t: usize,
+    chunk: usize,
+    f32_out: bool,
+    seed: u64,
+) -> Result<Vec<f32>> {
+    check_softmax(rows, t, chunk)?;
+    let (dtype, bytes, len, elem) = scores.parts();
+    let n = rows * t;
+    if len < n {
+        bail!("causal-softmax: {len} scores, not {rows} × {t}");
+    }
+    let (out_dtype, out_elem) = if f32_out { (0, 4) } else { (dtype, elem) };
+    let l = softmax_launch(rows);
+    let side = Side::for_seed(seed);
+    let sf = Fenced::copy_of("causal-softmax scores", &bytes[..n * elem], side, 16)?;
+    // Bytes of all ones: NaN in every dtype, so a value never written shows.
+    let mut out = Fenced::filled(
+        "causal-softmax probabilities",
+        n * out_elem,
+        0xFFu8,
+        side,
+        16,
+    )?;
+    // Block r touches row r alone.
+    sf.view(rows, t * elem, 1, t * elem, t * elem, HeadAxis::X)?;
+    out.view(
+        rows,
+        t * out_elem,
+        1,
+        t * out_elem,
+        t * out_elem,
+        HeadAxis::X,
+    )?;
+    // `check_softmax` bounds them to `int`.
+    let (t32, chunk32) = (t as c_int, chunk as c_int);
+    call("causal-softmax", |err, err_len| {
+        // SAFETY: block r reads the t scores of row r and writes the t probabilities of row r,
+        // of the rows · t checked and allocated above.
+        unsafe {
+            kd_emu_causal_softmax(
+                dtype,
+                out_dtype,
+                sf.as_ptr(),
+                out.as_mut_ptr(),
+                t32,
+                chunk32,
+                l.grid.0,
+                l.block,
+                seed,
+                err,
+                err_len,
+            )
+        }
+    })?;
+    sf.finish()?;
+    Ok(widen(out_dtype, &out.finish()?))
+}
+
+/// Values of dtype code `dtype` (0 f32, 1 f16, 2 bf16) from their little-endian bytes, as f32.
+fn widen(dtype: c_int, bytes: &[u8]) -> Vec<f32> {
+    match dtype {
         0 => bytes
             .chunks_exact(4)
             .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
@@ -572,7 +655,7 @@ pub fn decode_attention(
             .chunks_exact(2)
             .map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32())
             .collect(),
-    })
+    }
 }
 
 /// Bytes of a block of `kind` (an unknown kind is an error).

@@ -323,6 +323,29 @@ pub fn check_decode(kv: usize, g: usize, t: usize, d: usize) -> Result<()> {
     Ok(())
 }
 
+/// `KD_SMX_THREADS`: threads of a causal-softmax block.
+pub const SOFTMAX_THREADS: u32 = 256;
+
+/// `keydiff_causal_softmax_*`: one block per row of scores, on grid.x (up to 2^31 − 1).
+pub fn softmax_launch(rows: usize) -> Launch {
+    Launch {
+        grid: (rows as u32, 1),
+        block: SOFTMAX_THREADS,
+    }
+}
+
+/// The causal softmax's limits: `rows` rows of `t` scores, the queries of chunks of `chunk`
+/// whose keys are the last `chunk` of `t`.
+pub fn check_softmax(rows: usize, t: usize, chunk: usize) -> Result<()> {
+    if chunk == 0 || t < chunk || t > MAX_SLOTS {
+        bail!("causal-softmax: a chunk of {chunk} queries over {t} keys (1 <= chunk <= keys <= {MAX_SLOTS})");
+    }
+    if rows == 0 || !rows.is_multiple_of(chunk) || rows > i32::MAX as usize {
+        bail!("causal-softmax: {rows} rows, not a positive multiple of the chunk {chunk} (at most {})", i32::MAX);
+    }
+    Ok(())
+}
+
 /// Number of moves a plan row holds: M = min(N, n − N).
 pub fn plan_moves(n: usize, budget: usize) -> usize {
     budget.min(n.saturating_sub(budget))

@@ -7,6 +7,9 @@
 //! - **eager**: grouped queries are folded into the row dimension, `[kv_heads, g·B, d]`, so one
 //!   batched matmul serves all query heads of a KV head; the probabilities `[kv_heads, g·B, T]`
 //!   are materialised in f32, and the statistics of TOVA, SnapKV and H2O are sums of their rows.
+//!   On CUDA keydiff's causal softmax kernel ([`causal_softmax_cuda`]) takes the scores as the
+//!   matmul wrote them and writes the probabilities in the values' dtype where no statistics
+//!   are needed, in f32 where they are.
 //! - **flash**: a fused kernel that never materialises the scores (candle-flash-attn on CUDA with
 //!   the `flash-attn` feature, candle-nn's flash attention on the CPU), reading the cache in
 //!   place through a `[1, T, kv_heads, d]` view. Policies that need statistics get them from an
@@ -25,7 +28,8 @@ use std::str::FromStr;
 use candle_core::{DType, Device, Tensor, D};
 
 pub use crate::decode_kernel::{
-    decode_attention_cpu, decode_attention_cpu_blocks, decode_attention_cuda, widen_cache_view,
+    causal_softmax_cuda, decode_attention_cpu, decode_attention_cpu_blocks, decode_attention_cuda,
+    widen_cache_view,
 };
 use crate::error::{ModelError, Result};
 
@@ -337,28 +341,70 @@ pub fn attend(
 }
 
 /// Attention probabilities in f32, `[kv_heads, g·B, T]`, of grouped queries `q`
-/// (`[kv_heads, g·B, d]`) over keys `k` (`[kv_heads, T, d]`), masked bottom-right causal.
+/// (`[kv_heads, g·B, d]`) over keys `k` (`[kv_heads, T, d]`), masked bottom-right causal:
+/// `mask` is [`chunk_mask`]`(B, T)`, or `None` when B = 1.
 pub fn attention_probs(
     q: &Tensor,
     k: &Tensor,
     mask: Option<&Tensor>,
     group: usize,
 ) -> Result<Tensor> {
-    let (kv_heads, rows, d) = q.dims3()?;
-    let chunk = rows / group;
-    let t = k.dim(1)?;
+    attention_probs_in(q, k, mask, group, DType::F32)
+}
+
+/// [`attention_probs`] in `dtype`: f32 for the policies' statistics, the values' dtype for the
+/// value product alone. Softmax runs in f32 either way. On CUDA keydiff's causal softmax
+/// kernel ([`causal_softmax_cuda`]) reads the scores as the matmul wrote them and writes the
+/// probabilities in `dtype` in one launch, applying the mask by index; elsewhere (or with
+/// `KEYDIFF_CUDA_SOFTMAX_KERNEL=0`) candle's ops cast the scores to f32, add `mask`, take the
+/// softmax and cast the result.
+pub fn attention_probs_in(
+    q: &Tensor,
+    k: &Tensor,
+    mask: Option<&Tensor>,
+    group: usize,
+    dtype: DType,
+) -> Result<Tensor> {
+    let (_, rows, d) = q.dims3()?;
     let scale = 1.0 / (d as f64).sqrt();
     // [kv, g·B, T]. The scale goes on q first: unscaled q·k products in f16 overflow (65504)
     // on models with large q/k biases such as Qwen2.5, and cuBLAS writes f16 results.
-    let scores = (q * scale)?.matmul(&k.t()?)?.to_dtype(DType::F32)?;
-    let scores = match mask {
-        Some(m) => scores
-            .reshape((kv_heads, group, chunk, t))?
-            .broadcast_add(&m.to_dtype(DType::F32)?)?
-            .reshape((kv_heads, rows, t))?,
-        None => scores,
+    let scores = (q * scale)?.matmul(&k.t()?)?;
+    masked_softmax(&scores, mask, rows / group, dtype)
+}
+
+/// The softmax of [`attention_probs_in`]: `scores` `[heads, chunk, T]` (or any shape whose
+/// rows run over the chunk's queries in order and whose last dim is T), plus `mask`
+/// ([`chunk_mask`]`(chunk, T)`, or `None` for one query), softmax in f32, in `dtype`. On CUDA
+/// keydiff's kernel ([`causal_softmax_cuda`]); candle's ops elsewhere, the kernel's reference.
+pub fn masked_softmax(
+    scores: &Tensor,
+    mask: Option<&Tensor>,
+    chunk: usize,
+    dtype: DType,
+) -> Result<Tensor> {
+    let t = scores.dims().last().copied().unwrap_or(0);
+    // The kernel masks by index: it takes the mask `chunk_mask` makes, or none for one query.
+    let causal = match mask {
+        Some(m) => m.dims() == [chunk, t],
+        None => chunk == 1,
     };
-    Ok(candle_nn::ops::softmax_last_dim(&scores)?)
+    if causal {
+        if let Some(p) = causal_softmax_cuda(scores, chunk, dtype)? {
+            return Ok(p);
+        }
+    }
+    let f = scores.to_dtype(DType::F32)?;
+    let f = match mask {
+        Some(m) => {
+            let rows = f.elem_count() / t.max(1);
+            f.reshape((rows / chunk.max(1), chunk, t))?
+                .broadcast_add(&m.to_dtype(DType::F32)?)?
+                .reshape(scores.shape())?
+        }
+        None => f,
+    };
+    Ok(candle_nn::ops::softmax_last_dim(&f)?.to_dtype(dtype)?)
 }
 
 /// The policy statistics: the last `rows` query rows of each query head's probabilities,

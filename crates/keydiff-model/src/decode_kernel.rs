@@ -1,6 +1,7 @@
-//! The CPU decode kernel: one decode step's attention (a single query row per head) over the
-//! cache, read in place in f32, f16 or bf16, without candle's GEMMs. See
-//! [`decode_attention_cpu`].
+//! keydiff's own attention kernels: the CPU decode kernel, one decode step's attention (a single
+//! query row per head) over the cache, read in place in f32, f16 or bf16, without candle's
+//! GEMMs ([`decode_attention_cpu`]); and the candle ops of the CUDA decode kernel
+//! ([`decode_attention_cuda`]) and of the CUDA causal softmax ([`causal_softmax_cuda`]).
 
 use candle_core::{DType, Tensor};
 use keydiff_cache::KvType;
@@ -148,6 +149,78 @@ impl candle_core::CustomOp3 for CudaDecode {
         vl: &candle_core::Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
         keydiff_kernels::decode_attention((q, ql), (k, kl), (v, vl), self.scale)
+    }
+}
+
+/// The softmax of a chunk's attention scores on CUDA by keydiff's kernel
+/// (`keydiff_causal_softmax_*` of `kernels/keydiff.cu`), masked bottom-right causal by index:
+/// `scores` `[kv_heads, g·B, T]` as q · kᵀ wrote them (f32, f16 or bf16), row r the query at
+/// r % `chunk` of its chunk, whose keys are the last `chunk` of T. Returns the probabilities in
+/// `dtype`, f32 or the scores' dtype, computed in f32: what [`attention_probs`] gives over the
+/// same scores with [`chunk_mask`]`(chunk, T)`, in one launch instead of four (a cast to f32,
+/// the mask added, softmax, a cast for the value product). `None` where it does not apply (off
+/// CUDA, another dtype, fewer keys than queries) or where `KEYDIFF_CUDA_SOFTMAX_KERNEL=0` turns
+/// it off: the caller then runs candle's ops.
+///
+/// [`attention_probs`]: crate::attention::attention_probs
+/// [`chunk_mask`]: crate::attention::chunk_mask
+pub fn causal_softmax_cuda(scores: &Tensor, chunk: usize, dtype: DType) -> Result<Option<Tensor>> {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let on =
+        *ON.get_or_init(|| std::env::var("KEYDIFF_CUDA_SOFTMAX_KERNEL").map_or(true, |v| v != "0"));
+    let float = matches!(scores.dtype(), DType::F32 | DType::F16 | DType::BF16);
+    let t = scores.dims().last().copied().unwrap_or(0);
+    if !on
+        || !scores.device().is_cuda()
+        || !float
+        || (dtype != DType::F32 && dtype != scores.dtype())
+        || chunk == 0
+        || t < chunk
+    {
+        return Ok(None);
+    }
+    cuda_softmax(&scores.contiguous()?, chunk, dtype)
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_softmax(scores: &Tensor, chunk: usize, dtype: DType) -> Result<Option<Tensor>> {
+    Ok(Some(
+        scores.apply_op1_no_bwd(&CudaSoftmax { chunk, dtype })?,
+    ))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_softmax(_scores: &Tensor, _chunk: usize, _dtype: DType) -> Result<Option<Tensor>> {
+    Ok(None)
+}
+
+/// The candle op of [`causal_softmax_cuda`]: CUDA only (the CPU runs candle's ops).
+#[cfg(feature = "cuda")]
+struct CudaSoftmax {
+    chunk: usize,
+    dtype: DType,
+}
+
+#[cfg(feature = "cuda")]
+impl candle_core::CustomOp1 for CudaSoftmax {
+    fn name(&self) -> &'static str {
+        "causal-softmax"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &candle_core::CpuStorage,
+        _: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        candle_core::bail!("causal-softmax: the CUDA kernel's op runs on CUDA only")
+    }
+
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        sl: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
+        keydiff_kernels::causal_softmax((s, sl), self.chunk, self.dtype)
     }
 }
 

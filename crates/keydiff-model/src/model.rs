@@ -10,7 +10,7 @@ use candle_core::{DType, Device, Tensor, D};
 use keydiff_cache::{AttnStats, CacheConfig, KvCache, KvTypes};
 
 use crate::attention::{
-    attention_output, attention_probs, chunk_mask, decode_attention_cpu,
+    attention_output, attention_probs_in, chunk_mask, decode_attention_cpu,
     decode_attention_cpu_blocks, decode_attention_cuda, flash_attend, row_sums, stats_pass,
     widen_cache_view, AttentionBackend,
 };
@@ -264,8 +264,15 @@ impl Attention {
                 let (y, probs) = match decoded {
                     Some(yp) => yp,
                     None => {
-                        let probs = attention_probs(&q, &cast(&keys)?, mask, g)?;
-                        (attention_output(&probs, &cast(&values)?)?, Some(probs))
+                        // Probabilities in f32 for the statistics, else in the values'
+                        // dtype (written so by the CUDA softmax kernel, saving a cast).
+                        let values = cast(&values)?;
+                        let dt = match rows {
+                            Some(_) => DType::F32,
+                            None => values.dtype(),
+                        };
+                        let probs = attention_probs_in(&q, &cast(&keys)?, mask, g, dt)?;
+                        (attention_output(&probs, &values)?, Some(probs))
                     }
                 };
                 let stats = match (rows, &probs) {

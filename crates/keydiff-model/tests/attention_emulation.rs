@@ -1,14 +1,23 @@
-//! The CUDA decode-attention kernel (`keydiff_decode_*` of `kernels/keydiff.cu`) under the CPU
-//! emulation of CUDA (`keydiff_kernels::emu`), against the eager path (`attention_probs`,
-//! `attention_output` in f32 on the widened inputs) and the CPU decode kernel: every dtype, head
-//! dims 16 to 256 (odd ones too), GQA groups 1 to 8, one split and several, cache views with
-//! room past their rows. On hardware it runs in `scripts/gpu-check.sh`.
+//! keydiff's CUDA attention kernels under the CPU emulation of CUDA (`keydiff_kernels::emu`).
+//!
+//! - The decode-attention kernel (`keydiff_decode_*` of `kernels/keydiff.cu`) against the eager
+//!   path (`attention_probs`, `attention_output` in f32 on the widened inputs) and the CPU
+//!   decode kernel: every dtype, head dims 16 to 256 (odd ones too), GQA groups 1 to 8, one
+//!   split and several, cache views with room past their rows.
+//! - The causal softmax of eager chunk attention (`keydiff_causal_softmax_*`) against the
+//!   softmax the CPU runs (`masked_softmax`: candle's ops over the scores plus `chunk_mask`):
+//!   every pair of dtypes it takes, chunks of 1 to 128 queries over their own keys and more,
+//!   rows past 65536 keys, -inf and NaN scores.
+//!
+//! On hardware they run in `scripts/gpu-check.sh`.
 
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use half::{bf16, f16};
-use keydiff_kernels::emu::{decode_attention, Keys};
+use keydiff_kernels::emu::{causal_softmax, decode_attention, Keys};
 use keydiff_kernels::geometry::decode_split;
-use keydiff_model::attention::{attention_output, attention_probs, decode_attention_cpu};
+use keydiff_model::attention::{
+    attention_output, attention_probs, chunk_mask, decode_attention_cpu, masked_softmax,
+};
 
 /// Seeded values: normal-ish, times `scale`.
 fn values(n: usize, seed: u64, scale: f32) -> Vec<f32> {
@@ -329,4 +338,144 @@ fn decode_kernel_refuses_what_it_cannot_run() {
         1,
     );
     assert!(err(mixed).contains("one dtype"));
+}
+
+/// The CPU's softmax of `scores` (`[rows, t]`, rows in chunks of `chunk` queries), masked
+/// bottom-right causal, in f32: the kernel's reference.
+fn softmax_reference(scores: &[f32], rows: usize, t: usize, chunk: usize) -> Vec<f32> {
+    let dev = Device::Cpu;
+    let s = Tensor::from_vec(scores.to_vec(), (rows / chunk, chunk, t), &dev).unwrap();
+    let mask = (chunk > 1).then(|| chunk_mask(chunk, t, DType::F32, &dev).unwrap());
+    masked_softmax(&s, mask.as_ref(), chunk, DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+}
+
+/// Keys a query row sees: row r is the query at r % chunk of its chunk.
+fn seen(r: usize, t: usize, chunk: usize) -> usize {
+    t - chunk + r % chunk + 1
+}
+
+/// The emulated kernel on `scores` rounded to `dt`, probabilities in f32 or in `dt`, against
+/// the reference on the same rounded scores: within the output's rounding, and exactly 0 where
+/// masked.
+fn check_softmax(scores: &[f32], rows: usize, t: usize, chunk: usize, dt: Dt, f32_out: bool) {
+    let x = rounded(scores, dt);
+    let buf = Buf::new(&x, dt);
+    let what = format!("rows {rows} t {t} chunk {chunk} {dt:?} f32 out {f32_out}");
+    let want = softmax_reference(&x, rows, t, chunk);
+    for seed in [1, 2] {
+        let got = causal_softmax(buf.keys(), rows, t, chunk, f32_out, seed)
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+        assert_eq!(got.len(), rows * t, "{what}");
+        // The reference rounded to the output's dtype, as the kernel writes it.
+        let rel = match (f32_out, dt) {
+            (true, _) | (_, Dt::F32) => 2e-6,
+            (false, Dt::F16) => 1e-3,
+            (false, Dt::BF16) => 8e-3,
+        };
+        for r in 0..rows {
+            let lim = seen(r, t, chunk);
+            for c in 0..t {
+                let (g, w) = (got[r * t + c], want[r * t + c]);
+                if c >= lim {
+                    assert_eq!(g.to_bits(), 0, "{what}: row {r} key {c} masked, got {g}");
+                } else {
+                    assert!(
+                        (g - w).abs() <= rel * w.abs() + 1e-7,
+                        "{what} seed {seed}: row {r} key {c}: {g} against {w}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn causal_softmax_matches_the_cpu_softmax() {
+    // (rows, t, chunk): one query over one key; decode rows (chunk 1); a chunk over its own
+    // keys only (t = chunk); groups of query heads; a chunk of 128 over an evicting cache;
+    // rows of fewer keys than a block's threads and of a few more than a block's stride.
+    let cases = [
+        (1, 1, 1),
+        (6, 5, 1),
+        (12, 3, 3),
+        (4 * 7, 300, 7),
+        (2 * 128, 700, 128),
+        (3 * 2, 255, 2),
+        (2 * 5, 257, 5),
+    ];
+    for (i, &(rows, t, chunk)) in cases.iter().enumerate() {
+        // Spread 12: peaky rows, whose weights span many orders of magnitude.
+        let scores = values(rows * t, 40 + i as u64, 12.0);
+        for dt in [Dt::F32, Dt::F16, Dt::BF16] {
+            check_softmax(&scores, rows, t, chunk, dt, true);
+            if dt != Dt::F32 {
+                check_softmax(&scores, rows, t, chunk, dt, false);
+            }
+        }
+    }
+}
+
+#[test]
+fn causal_softmax_over_a_long_row() {
+    // 70,000 keys: each thread of a block runs 274 of them through the online softmax.
+    let (rows, t, chunk) = (4, 70_000, 4);
+    let scores = values(rows * t, 77, 6.0);
+    check_softmax(&scores, rows, t, chunk, Dt::BF16, true);
+    check_softmax(&scores, rows, t, chunk, Dt::BF16, false);
+}
+
+#[test]
+fn causal_softmax_weighs_minus_infinity_zero() {
+    // -inf as a row's first score (the running max starts at -inf), a thread's only score, and
+    // one in the middle: each weighs 0, as in the reference.
+    let (rows, t, chunk) = (6, 300, 3);
+    let mut scores = values(rows * t, 5, 4.0);
+    for (r, c) in [(0, 0), (1, 7), (2, 0), (2, 256), (4, 150), (5, 299)] {
+        scores[r * t + c] = f32::NEG_INFINITY;
+    }
+    for dt in [Dt::F32, Dt::BF16] {
+        check_softmax(&scores, rows, t, chunk, dt, true);
+    }
+}
+
+#[test]
+fn a_nan_score_makes_its_row_nan_and_a_masked_one_is_never_read() {
+    let (rows, t, chunk) = (4, 300, 2);
+    let clean = values(rows * t, 9, 3.0);
+    let mut scores = clean.clone();
+    // Row 1 sees every key: a NaN among them. Row 2 sees t - 1: a NaN in its masked key.
+    scores[t + 10] = f32::NAN;
+    scores[2 * t + t - 1] = f32::NAN;
+    let x = Buf::new(&scores, Dt::F32);
+    let clean_p =
+        causal_softmax(Buf::new(&clean, Dt::F32).keys(), rows, t, chunk, true, 3).unwrap();
+    for seed in [3, 4] {
+        let got = causal_softmax(x.keys(), rows, t, chunk, true, seed).unwrap();
+        let row = |r: usize| &got[r * t..(r + 1) * t];
+        assert!(row(1).iter().all(|p| p.is_nan()), "a NaN score's row");
+        for r in [0, 2, 3] {
+            assert_eq!(row(r), &clean_p[r * t..(r + 1) * t], "row {r}");
+        }
+    }
+}
+
+/// Bad shapes are errors naming the problem, before anything runs.
+#[test]
+fn causal_softmax_refuses_what_it_cannot_run() {
+    let x = vec![0f32; 64];
+    let err = |rows, t, chunk| {
+        causal_softmax(Keys::F32(&x), rows, t, chunk, true, 1)
+            .unwrap_err()
+            .to_string()
+    };
+    assert!(err(4, 3, 4).contains("chunk of 4 queries over 3 keys"));
+    assert!(err(4, 8, 0).contains("chunk of 0"));
+    assert!(err(6, 8, 4).contains("multiple of the chunk"));
+    assert!(err(0, 8, 4).contains("0 rows"));
+    assert!(err(16, 8, 4).contains("scores"));
 }
