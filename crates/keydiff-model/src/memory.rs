@@ -56,8 +56,8 @@ impl MemoryBudget {
 
     /// What `device` has free now: host memory on the CPU (see [`MemoryBudget::detect`]), the
     /// device's free memory on CUDA (after synchronising it, so that buffers freed on its
-    /// stream are back with the driver). `None` where it cannot be known (other devices, a
-    /// failed query, which is logged).
+    /// stream are freed), plus what candle's memory pool holds idle ([`cuda_pool_idle`]).
+    /// `None` where it cannot be known (other devices, a failed query, which is logged).
     pub fn detect_on(device: &Device) -> Option<Self> {
         match device {
             Device::Cpu => Self::detect(),
@@ -65,13 +65,14 @@ impl MemoryBudget {
             Device::Cuda(d) => {
                 let query = || -> Result<(usize, usize), String> {
                     device.synchronize().map_err(|e| e.to_string())?;
-                    // A pool that keeps freed memory (`prepare_cuda`) would hide it from the
-                    // driver's figure: hand it back first.
-                    trim_cuda_pool(d)?;
-                    d.cuda_stream()
+                    let (free, total) = d
+                        .cuda_stream()
                         .context()
                         .mem_get_info()
-                        .map_err(|e| e.to_string())
+                        .map_err(|e| e.to_string())?;
+                    // Memory a pool that keeps what is freed (`prepare_cuda`) holds idle is
+                    // this process's to allocate from, though the driver counts it as used.
+                    Ok((free + cuda_pool_idle(d)? as usize, total))
                 };
                 match query() {
                     Ok((free, total)) => {
@@ -146,10 +147,12 @@ pub struct CudaAllocator {
 ///   default, 0, gives every freed byte back at each synchronisation (a token read back, a
 ///   timed region), so the next step maps its temporaries afresh.
 ///   `KEYDIFF_CUDA_POOL_RETAIN=0` keeps the driver's default. [`MemoryBudget::detect_on`]
-///   trims the pool before it reads the free memory, so plans still count memory freed here.
+///   counts what the pool holds idle as free, so plans still count memory freed here. Other
+///   allocators (cuBLAS's workspace, module loads) cannot take it; they allocate early, before
+///   the first prompt's temporaries fill the pool.
 /// - cudarc's event tracking is turned off: with it, every allocation creates two CUDA events
 ///   (and destroys them when freed) for synchronisation across streams, but candle runs a
-///   device's work on one stream, where they are never waited on. `KEYDIFF_CUDA_EVENTS=1`
+///   device's work on CUDA's per-thread stream, where cudarc never waits on them. `KEYDIFF_CUDA_EVENTS=1`
 ///   keeps them.
 ///
 /// Call it on a freshly opened device, before tensors are made on it (the engine's
@@ -175,9 +178,10 @@ pub fn prepare_cuda(device: &Device) -> Result<Option<CudaAllocator>, String> {
                 }
             }
             if !events {
-                // SAFETY: candle gives each device one stream, so no allocation's events are
-                // ever waited on or recorded (cudarc does so only with several streams);
-                // allocations made before this call keep theirs, unused.
+                // SAFETY: candle runs a device's work on CUDA's per-thread stream, which
+                // cudarc does not count as a stream of its own, so it never waits on or records
+                // an allocation's events (it does so only once streams are made through it, as
+                // nothing here does); allocations made before this call keep theirs, unused.
                 unsafe { d.disable_event_tracking() };
             }
             let out = cuda_allocator(device)?;
@@ -238,15 +242,30 @@ fn cuda_pool(
         .map_err(|e| format!("cannot get its memory pool: {e}"))
 }
 
-/// Hands the unused memory of the pool candle allocates from back to the driver.
+/// Bytes the memory pool candle allocates from holds but does not use (reserved − used): freed
+/// memory a pool with a release threshold keeps ([`prepare_cuda`]), which the driver counts as
+/// used but candle's next allocations take first. 0 for a device without pools.
 #[cfg(feature = "cuda")]
-fn trim_cuda_pool(d: &candle_core::CudaDevice) -> Result<(), String> {
-    match cuda_pool(d)? {
-        // SAFETY: the pool is the device's; trimming releases only memory not in use.
-        Some(pool) => unsafe { cuda_result::mem_pool::trim_to(pool, 0) }
-            .map_err(|e| format!("cannot trim its memory pool: {e}")),
-        None => Ok(()),
-    }
+pub fn cuda_pool_idle(d: &candle_core::CudaDevice) -> Result<u64, String> {
+    let Some(pool) = cuda_pool(d)? else {
+        return Ok(0);
+    };
+    let get = |attr, what: &str| -> Result<u64, String> {
+        let mut v = 0u64;
+        // SAFETY: the pool is the device's; both attributes' values are u64.
+        unsafe { cuda_result::mem_pool::get_attribute(pool, attr, (&mut v as *mut u64).cast()) }
+            .map_err(|e| format!("cannot read its memory pool's {what}: {e}"))?;
+        Ok(v)
+    };
+    let reserved = get(
+        CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
+        "reserved memory",
+    )?;
+    let used = get(
+        CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT,
+        "used memory",
+    )?;
+    Ok(reserved.saturating_sub(used))
 }
 
 /// A boolean environment switch: `0` is off, any other value on, unset `default`.

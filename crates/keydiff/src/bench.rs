@@ -846,12 +846,15 @@ fn join_run(
     Ok((max_gap, mean_gap, ttft.expect("set before the loop ends")))
 }
 
-/// Memory in use on a CUDA device (driver's total − free, every process), `None` elsewhere.
+/// Memory in use on a CUDA device (driver's total − free, every process, less what candle's
+/// memory pool holds idle: `keydiff_model::memory::cuda_pool_idle`), `None` elsewhere.
 pub fn device_used_bytes(device: &candle_core::Device) -> Option<u64> {
     #[cfg(feature = "cuda")]
     if let candle_core::Device::Cuda(d) = device {
+        device.synchronize().ok()?;
         let (free, total) = d.cuda_stream().context().mem_get_info().ok()?;
-        return Some(total.saturating_sub(free) as u64);
+        let idle = keydiff_model::memory::cuda_pool_idle(d).ok()?;
+        return Some((total.saturating_sub(free) as u64).saturating_sub(idle));
     }
     let _ = device;
     None
