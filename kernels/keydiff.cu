@@ -1601,3 +1601,53 @@ KD_INSTANTIATE_SMX(f16, __half, f32, float)
 KD_INSTANTIATE_SMX(f16, __half, f16, __half)
 KD_INSTANTIATE_SMX(bf16, __nv_bfloat16, f32, float)
 KD_INSTANTIATE_SMX(bf16, __nv_bfloat16, bf16, __nv_bfloat16)
+
+// ---------------------------------------------------------------------------------------------
+// Residual add and RMSNorm in one launch (vLLM's fused_add_rms_norm): a layer's hidden state x
+// plus a block's output r, and the next block's norm of that sum. candle runs them as two
+// launches (x + r, then rms_norm), which at decode, one row, cost a launch each for a few KB.
+// Reference: `x + r` then candle's `rms_norm` (crates/keydiff-model/src/model.rs, RmsNorm),
+// which the CPU runs: the sum is rounded to T, and the norm is taken of the rounded sum,
+// (scale · s) · w with scale = rsqrt(mean(s²) + eps), as candle's kernel computes it.
+//
+// x, r [rows, cols] contiguous, w [cols]; out [2, rows, cols]: out[0] = T(x + r), out[1] =
+// T(scale · s · w). One block of KD_NORM_THREADS threads per row (grid.x = rows); a thread
+// reads back only the sums it wrote.
+#define KD_NORM_THREADS 256
+
+template <typename T>
+__device__ void kd_add_rms_norm(const T* x, const T* r, const T* w, T* out, int rows, int cols,
+                                float eps) {
+  __shared__ float warp_sums[KD_NORM_THREADS / 32];
+  const int64_t row = blockIdx.x;
+  const T* xr = x + row * cols;
+  const T* rr = r + row * cols;
+  T* s = out + row * cols;
+  T* y = out + ((int64_t)rows + row) * cols;
+  float ss = 0.f;
+  for (int c = threadIdx.x; c < cols; c += KD_NORM_THREADS) {
+    kd_store(&s[c], kd_to_f(xr[c]) + kd_to_f(rr[c]));
+    const float v = kd_to_f(s[c]);
+    ss += v * v;
+  }
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) warp_sums[warp] = ss;
+  __syncthreads();
+  float total = 0.f;
+  for (int i = 0; i < KD_NORM_THREADS / 32; ++i) total += warp_sums[i];
+  const float scale = rsqrtf(total / cols + eps);
+  for (int c = threadIdx.x; c < cols; c += KD_NORM_THREADS) {
+    kd_store(&y[c], scale * kd_to_f(s[c]) * kd_to_f(w[c]));
+  }
+}
+
+#define KD_INSTANTIATE_NORM(SUFFIX, T)                                                          \
+  extern "C" __global__ void __launch_bounds__(KD_NORM_THREADS) keydiff_add_rms_norm_##SUFFIX(  \
+      const T* x, const T* r, const T* w, T* out, int rows, int cols, float eps) {              \
+    kd_add_rms_norm<T>(x, r, w, out, rows, cols, eps);                                          \
+  }
+
+KD_INSTANTIATE_NORM(f32, float)
+KD_INSTANTIATE_NORM(f16, __half)
+KD_INSTANTIATE_NORM(bf16, __nv_bfloat16)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Mutation check of the emulated kernel tests (crates/keydiff-cache/tests/kernel_emulation.rs,
-# and crates/keydiff-model/tests/attention_emulation.rs for the decode and softmax kernels):
+# and crates/keydiff-model/tests/model_kernels_emulation.rs for the model's kernels):
 # plants one known defect at a time in kernels/keydiff.cu (an off-by-one, a missing barrier, a
 # wrong reduction, ...), runs the tests, and reports whether they caught it. Every mutant must
 # be caught. kernels/keydiff.cu is restored afterwards, whatever happens.
@@ -44,8 +44,8 @@ mutants=(
   # already orders that write before any read, so removing it is not a defect.
   "scores: no barrier after the accumulator is zeroed~acc[j] = 0.f;\n  __syncthreads();~acc[j] = 0.f;"
   "scores: no barrier before the block's sums go out~                                                int h, int d) {\n  __syncthreads();~                                                int h, int d) {"
-  "select: no barrier after the histogram is cleared~sh.hist[j] = 0;\n    __syncthreads();~sh.hist[j] = 0;"
-  "select: no barrier before the digit is chosen~        atomicAdd(&sh.hist[bin], (unsigned)__popc(peers));\n    }\n    __syncthreads();~        atomicAdd(&sh.hist[bin], (unsigned)__popc(peers));\n    }"
+  "select: no barrier after the histogram is cleared~j < 256; j += blockDim.x) sh.hist[j] = 0;\n    __syncthreads();~j < 256; j += blockDim.x) sh.hist[j] = 0;"
+  "select: no barrier before the digit is chosen~        atomicAdd(&sh.hist[bin], (unsigned)__popc(peers));\n    }\n    __syncthreads();\n    if (threadIdx.x == 0) {~        atomicAdd(&sh.hist[bin], (unsigned)__popc(peers));\n    }\n    if (threadIdx.x == 0) {"
   "select: no barrier after the threshold is read~  const uint64_t r = sh.prefix;\n  __syncthreads();~  const uint64_t r = sh.prefix;"
   "select: no barrier after the warp totals are written~      sh.warp_total[1][warp] = __popc(bm);\n    }\n    __syncthreads();~      sh.warp_total[1][warp] = __popc(bm);\n    }"
   "select: no barrier before the offsets advance~src[om] = (uint32_t)i;\n    __syncthreads();\n    if (threadIdx.x == 0) {\n      for (int w = 0;~src[om] = (uint32_t)i;\n    if (threadIdx.x == 0) {\n      for (int w = 0;"
@@ -92,7 +92,7 @@ mutants=(
   "select-many: block scan reads warp totals before they are written~  if (lane == 31) tmp[warp] = x;\n  __syncthreads();~  if (lane == 31) tmp[warp] = x;"
   "select-many: block sum reuses its totals without a barrier~  for (int w = 0; w < (int)(blockDim.x >> 5); ++w) total += tmp[w];\n  __syncthreads();~  for (int w = 0; w < (int)(blockDim.x >> 5); ++w) total += tmp[w];"
   # The decode-attention kernels (keydiff_decode_*, keydiff_decode_combine_*), caught by
-  # keydiff-model's tests/attention_emulation.rs (the mutants named "decode: ...").
+  # keydiff-model's tests/model_kernels_emulation.rs (the mutants named "decode: ...").
   "decode: the running sums not rescaled by a new max~acc[j][e] = acc[j][e] * c + w * vx[e];~acc[j][e] = acc[j][e] + w * vx[e];"
   "decode: the running weight not rescaled by a new max~        l[j] = l[j] * c + w;~        l[j] = l[j] + w;"
   "decode: a block drops its last key~(long long)r0 + span);~(long long)r0 + span - 1);"
@@ -106,7 +106,7 @@ mutants=(
   "decode: only the first warp's keys merged~  for (int i = 0; i < n; ++i) mx = fmaxf(mx, m[i * step]);~  n = n > 1 && step == 1 ? 1 : n;\n  for (int i = 0; i < n; ++i) mx = fmaxf(mx, m[i * step]);"
   "decode: an element past the head dim read as a value~      vx[e] = c < d ? kd_to_f(vr[c]) : 0.f;~      vx[e] = c < d + 32 ? kd_to_f(vr[c]) : 0.f;"
   # The causal softmax of eager chunk attention (keydiff_causal_softmax_*), caught by
-  # keydiff-model's tests/attention_emulation.rs (the mutants named "softmax: ...").
+  # keydiff-model's tests/model_kernels_emulation.rs (the mutants named "softmax: ...").
   "softmax: each query sees one key too few~  const int seen = t - chunk + (int)(row % chunk) + 1;~  const int seen = t - chunk + (int)(row % chunk);"
   "softmax: a chunk's queries taken from its end~  const int seen = t - chunk + (int)(row % chunk) + 1;~  const int seen = t - (int)(row % chunk);"
   "softmax: the running sum not rescaled by a new max~      l = l * expf(m - v) + 1.f;~      l = l + 1.f;"
@@ -116,6 +116,15 @@ mutants=(
   "softmax: no barrier before the warps' states are merged~    sm_l[warp] = l;\n  }\n  __syncthreads();~    sm_l[warp] = l;\n  }"
   "softmax: only the first warp's state~  for (int w = 1; w < KD_SMX_WARPS; ++w) kd_smx_merge~  for (int w = 1; w < 1; ++w) kd_smx_merge"
   "softmax: the first masked key weighed~    kd_store(&y[c], c < seen ?~    kd_store(&y[c], c <= seen ?"
+  # The residual add and RMSNorm (keydiff_add_rms_norm_*), caught by keydiff-model's
+  # tests/model_kernels_emulation.rs (the mutants named "norm: ...").
+  "norm: eps outside the root~  const float scale = rsqrtf(total / cols + eps);~  const float scale = rsqrtf(total / cols) + eps;"
+  "norm: the mean over one value too few~  const float scale = rsqrtf(total / cols + eps);~  const float scale = rsqrtf(total / (cols - 1) + eps);"
+  "norm: no barrier before the warps' sums are added~  if (lane == 0) warp_sums[warp] = ss;\n  __syncthreads();~  if (lane == 0) warp_sums[warp] = ss;"
+  "norm: the lane-16 step of the warp sum skipped~  for (int o = 16; o > 0; o >>= 1) ss +=~  for (int o = 8; o > 0; o >>= 1) ss +="
+  "norm: the residual not added~    kd_store(&s[c], kd_to_f(xr[c]) + kd_to_f(rr[c]));~    kd_store(&s[c], kd_to_f(xr[c]) + 0.f * kd_to_f(rr[c]));"
+  "norm: every value weighed by the first weight~    kd_store(&y[c], scale * kd_to_f(s[c]) * kd_to_f(w[c]));~    kd_store(&y[c], scale * kd_to_f(s[c]) * kd_to_f(w[0]));"
+  "norm: the norms written over the sums~  T* y = out + ((int64_t)rows + row) * cols;~  T* y = out + (int64_t)row * cols + 0 * rows;"
   # The one-launch selection of few evictions (keydiff_select_few). Two of its barriers are
   # not among them: the one at the end of each digit of kd_few_kth (the next digit's reads and
   # writes of the shared state come after two barriers of its own) and the one after the last
@@ -133,6 +142,17 @@ mutants=(
   "select-few: the digit's bin found one too low~    if (above < k && above + v0 >= k) {~    if (above < k && above + v0 > k) {"
   "select-few: the second bin of a thread never searched~    if (above < k && above + v1 >= k) {~    if (false && above < k && above + v1 >= k) {"
 )
+# Every mutant's text must occur exactly once in the source (a kernel added later may repeat
+# a line): checked for all of them before anything runs.
+printf '%s\n' "${mutants[@]}" | python3 -c '
+import sys
+src = open(sys.argv[1]).read()
+bad = [f"{src.count(old)}x  {name}" for name, old, _ in
+       (l.rstrip("\n").replace("\\n", "\n").split("~") for l in sys.stdin)
+       if src.count(old) != 1]
+if bad:
+    sys.exit("mutant texts not found exactly once:\n" + "\n".join(bad))
+' "$src"
 # MUTANTS_MATCHING=TEXT runs only the mutants whose name holds TEXT.
 if [ -n "${MUTANTS_MATCHING:-}" ]; then
   kept=()
@@ -142,12 +162,12 @@ fi
 
 # The tests that catch a mutant: the attention kernels' own, or the eviction kernels'.
 tests_for() {
-  if [[ "$1" == decode:* || "$1" == softmax:* ]]; then
-    echo "-p keydiff-model --test attention_emulation"
+  if [[ "$1" == decode:* || "$1" == softmax:* || "$1" == norm:* ]]; then
+    echo "-p keydiff-model --test model_kernels_emulation"
   else echo "-p keydiff-cache --test kernel_emulation"; fi
 }
 cargo test --release -p keydiff-cache --test kernel_emulation --no-run -q 2>/dev/null || true
-cargo test --release -p keydiff-model --test attention_emulation --no-run -q 2>/dev/null || true
+cargo test --release -p keydiff-model --test model_kernels_emulation --no-run -q 2>/dev/null || true
 survived=0
 for m in "${mutants[@]}"; do
   IFS='~' read -r name from to <<< "$m"

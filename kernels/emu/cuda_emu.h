@@ -454,6 +454,9 @@ inline long long max(long long a, long long b) { return a > b ? a : b; }
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fsub_rn(float a, float b) { return a - b; }
+// The device's rsqrtf is within 2 ulp of 1/sqrt(x); this is the correctly rounded quotient of
+// the rounded root, within 1 ulp.
+inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
 
 inline float __bfloat162float(__nv_bfloat16 h) { return kd_emu::u2f((uint32_t)h.x << 16); }
 // f32 -> bf16, round to nearest even, as the device's conversion (and `half::bf16::from_f32`);

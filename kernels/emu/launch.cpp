@@ -274,6 +274,33 @@ extern "C" int kd_emu_causal_softmax(int in, int out, const void* s, void* p, in
   return finish(guarded(d3(grid_x), d3(block), KD_SMX_THREADS, seed, run), err, err_len);
 }
 
+// dtype: 0 f32, 1 f16, 2 bf16.
+extern "C" int kd_emu_add_rms_norm(int dtype, const void* x, const void* r, const void* w,
+                                   void* out, int rows, int cols, float eps, unsigned grid_x,
+                                   unsigned block, uint64_t seed, char* err, size_t err_len) {
+  std::function<void()> run;
+#define KD_EMU_NORM(SUFFIX, T)                                                            \
+  run = [=] {                                                                             \
+    kd_emu::run_kernel(keydiff_add_rms_norm_##SUFFIX, (const T*)x, (const T*)r, (const T*)w, \
+                       (T*)out, rows, cols, eps);                                         \
+  };
+  switch (dtype) {
+    case 0:
+      KD_EMU_NORM(f32, float)
+      break;
+    case 1:
+      KD_EMU_NORM(f16, __half)
+      break;
+    case 2:
+      KD_EMU_NORM(bf16, __nv_bfloat16)
+      break;
+    default:
+      return finish("no add-rms-norm kernel for dtype " + std::to_string(dtype), err, err_len);
+  }
+#undef KD_EMU_NORM
+  return finish(guarded(d3(grid_x), d3(block), KD_NORM_THREADS, seed, run), err, err_len);
+}
+
 // `bitmap` must be zeroed.
 extern "C" int kd_emu_snapkv_pool(const float* stats, int64_t stats_stride,
                                   const uint32_t* positions, int64_t pos_stride, int n,

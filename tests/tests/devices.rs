@@ -686,6 +686,77 @@ test_device!(
     causal_softmax_matches_naive_cuda
 );
 
+/// A residual add and the RMSNorm of its sum as the device runs them (on CUDA keydiff's
+/// `keydiff_add_rms_norm_*`, which must take them; on the CPU candle's add and `rms_norm`)
+/// against a reference computed here: the sums rounded once to the dtype, exactly; the norms in
+/// f64 over those sums, within the output's rounding (on the CPU candle rounds its f16/bf16
+/// divisor to the dtype: a few ulps more).
+fn add_rms_norm_matches_reference(dev: &Device) -> Result<()> {
+    use keydiff_model::model::{add_rms_norm, add_rms_norm_cuda};
+    for (rows, cols) in [(1, 576), (3, 3072), (2, 257)] {
+        for dt in [DType::F32, DType::F16, DType::BF16] {
+            let seeded = |n: usize, seed: u64, scale: f32| -> Result<Tensor> {
+                let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+                let v: Vec<f32> = (0..n)
+                    .map(|_| {
+                        state ^= state << 13;
+                        state ^= state >> 7;
+                        state ^= state << 17;
+                        ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale
+                    })
+                    .collect();
+                Ok(Tensor::from_vec(v, n, dev)?.to_dtype(dt)?)
+            };
+            let x = seeded(rows * cols, 1, 4.0)?.reshape((rows, cols))?;
+            let r = seeded(rows * cols, 2, 2.0)?.reshape((rows, cols))?;
+            let w = seeded(cols, 3, 2.0)?;
+            let eps = 1e-6;
+            if dev.is_cuda() {
+                ensure!(
+                    add_rms_norm_cuda(&x, &r, &w, eps)?.is_some(),
+                    "the CUDA add+norm kernel declined {dt:?} rows of {cols} (KEYDIFF_CUDA_ADD_NORM=0?)"
+                );
+            }
+            let (sum, norm) = add_rms_norm(&x, &r, &w, eps)?;
+            let host = |t: &Tensor| -> Result<Vec<f32>> {
+                Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
+            };
+            let (xs, rs, ws) = (host(&x)?, host(&r)?, host(&w)?);
+            let (sum, norm) = (host(&sum)?, host(&norm)?);
+            // x + r in f32, rounded to dt once (by the CPU's cast), as the kernel and candle add.
+            let exact: Vec<f32> = xs.iter().zip(&rs).map(|(a, b)| a + b).collect();
+            let want_sum =
+                host(&Tensor::from_vec(exact, rows * cols, &Device::Cpu)?.to_dtype(dt)?)?;
+            ensure!(sum == want_sum, "{dt:?} rows of {cols}: sums differ");
+            let ulps = if dev.is_cuda() { 1.0 } else { 3.0 };
+            let rel = ulps
+                * match dt {
+                    DType::F16 => 1e-3,
+                    DType::BF16 => 8e-3,
+                    _ => 2e-6,
+                };
+            for (i, row) in want_sum.chunks(cols).enumerate() {
+                let ms = row.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / cols as f64;
+                let scale = 1.0 / (ms + eps as f64).sqrt();
+                for (c, &v) in row.iter().enumerate() {
+                    let want = scale * v as f64 * ws[c] as f64;
+                    let got = norm[i * cols + c] as f64;
+                    ensure!(
+                        (got - want).abs() <= rel * want.abs() + 1e-6,
+                        "{dt:?} rows of {cols}: norm of row {i} col {c}: {got} against {want}"
+                    );
+                }
+            }
+        }
+    }
+    Ok(())
+}
+test_device!(
+    add_rms_norm_matches_reference,
+    add_rms_norm_matches_reference_cpu,
+    add_rms_norm_matches_reference_cuda
+);
+
 /// A decode step's attention by the device's decode kernel (on CUDA keydiff's
 /// `keydiff_decode_*`, which must take these inputs; on the CPU `decode_attention_cpu`) against
 /// the eager path on the same device in f32 over the same (widened) cache: caches of f32, f16

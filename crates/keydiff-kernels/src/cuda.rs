@@ -8,9 +8,9 @@ use candle_core::{bail, CudaStorage, DType, Layout, Result, Shape};
 use half::{bf16, f16};
 
 use crate::geometry::{
-    check_decode, check_kvq, check_pool, check_scores, check_select, check_softmax,
+    check_decode, check_kvq, check_norm, check_pool, check_scores, check_select, check_softmax,
     decode_combine_launch, decode_lanes, decode_launch, decode_split, kvq_launch, move_launch,
-    per_head_launch, plan_moves, pool_words, scores_launch, select_few_launch,
+    norm_launch, per_head_launch, plan_moves, pool_words, scores_launch, select_few_launch,
     select_few_workspace, select_multi_launch, select_passes, select_workspace, softmax_launch,
     vector_loads_fit, Launch, ScoreLoads, SelectBlocks, KVQ_FP8, MAX_HEADS,
 };
@@ -654,4 +654,71 @@ pub fn causal_softmax(
         (dt, _) => bail!("causal-softmax: unsupported dtype {dt:?} (f32, f16, bf16)"),
     };
     Ok((p, sl.shape().clone()))
+}
+
+/// A residual add and the RMSNorm of its sum in one launch (`keydiff_add_rms_norm_<dtype>`; see
+/// the kernel source): `x` and `r` `[rows, cols]` contiguous, `w` `[cols]` contiguous, all of
+/// one dtype (f32/f16/bf16). Returns `[2, rows, cols]`: x + r rounded to the dtype, then
+/// rsqrt(mean((x + r)²) + eps) · (x + r) · w.
+pub fn add_rms_norm(
+    (x, xl): (&CudaStorage, &Layout),
+    (r, rl): (&CudaStorage, &Layout),
+    (w, wl): (&CudaStorage, &Layout),
+    eps: f32,
+) -> Result<(CudaStorage, Shape)> {
+    let (rows, cols) = xl.shape().dims2()?;
+    if !xl.is_contiguous()
+        || !rl.is_contiguous()
+        || !wl.is_contiguous()
+        || rl.dims() != xl.dims()
+        || wl.dims() != [cols]
+    {
+        bail!(
+            "add-rms-norm: x {:?}, r {:?}, w {:?} (contiguous [rows, cols], [rows, cols], [cols])",
+            xl.dims(),
+            rl.dims(),
+            wl.dims()
+        );
+    }
+    if x.dtype() != r.dtype() || x.dtype() != w.dtype() {
+        bail!(
+            "add-rms-norm: x {:?}, r {:?} and w {:?} must be of one dtype",
+            x.dtype(),
+            r.dtype(),
+            w.dtype()
+        );
+    }
+    check_norm(rows, cols)?;
+    let dev = x.device().clone();
+    let (rows32, cols32) = (rows as i32, cols as i32);
+    let cfg = launch_cfg(norm_launch(rows));
+    macro_rules! launch {
+        ($t:ty, $name:literal) => {{
+            // SAFETY: the kernel writes every value of both halves.
+            let mut out = unsafe { dev.alloc::<$t>(2 * rows * cols)? };
+            let xv = x.as_cuda_slice::<$t>()?.slice(xl.start_offset()..);
+            let rv = r.as_cuda_slice::<$t>()?.slice(rl.start_offset()..);
+            let wv = w.as_cuda_slice::<$t>()?.slice(wl.start_offset()..);
+            let f = dev.get_or_load_custom_func($name, MODULE, PTX)?;
+            let mut b = f.builder();
+            b.arg(&xv);
+            b.arg(&rv);
+            b.arg(&wv);
+            b.arg(&mut out);
+            b.arg(&rows32);
+            b.arg(&cols32);
+            b.arg(&eps);
+            // SAFETY: argument list matches the kernel; block i reads row i of x and r and the
+            // cols values of w, and writes row i of each half of `out`, allocated here.
+            unsafe { b.launch(cfg) }.w()?;
+            CudaStorage::wrap_cuda_slice(out, dev.clone())
+        }};
+    }
+    let out = match x.dtype() {
+        DType::F32 => launch!(f32, "keydiff_add_rms_norm_f32"),
+        DType::F16 => launch!(f16, "keydiff_add_rms_norm_f16"),
+        DType::BF16 => launch!(bf16, "keydiff_add_rms_norm_bf16"),
+        dt => bail!("add-rms-norm: unsupported dtype {dt:?} (f32, f16, bf16)"),
+    };
+    Ok((out, Shape::from((2, rows, cols))))
 }

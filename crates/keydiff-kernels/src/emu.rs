@@ -25,9 +25,9 @@ use half::{bf16, f16};
 
 use crate::fence::{Fenced, HeadAxis, Side};
 use crate::geometry::{
-    check_decode, check_kvq, check_pool, check_scores, check_select, check_softmax,
+    check_decode, check_kvq, check_norm, check_pool, check_scores, check_select, check_softmax,
     decode_combine_launch, decode_lanes, decode_launch, decode_split, kvq_launch, move_launch,
-    per_head_launch, plan_moves, pool_words, scores_launch, select_few_launch,
+    norm_launch, per_head_launch, plan_moves, pool_words, scores_launch, select_few_launch,
     select_few_workspace, select_multi_launch, select_passes, select_workspace, softmax_launch,
     vector_loads_fit, ScoreLoads, SelectBlocks, KVQ_BYTES,
 };
@@ -126,6 +126,21 @@ extern "C" {
         part: *mut f32,
         grid_x: c_uint,
         grid_y: c_uint,
+        block: c_uint,
+        seed: u64,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    fn kd_emu_add_rms_norm(
+        dtype: c_int,
+        x: *const u8,
+        r: *const u8,
+        w: *const u8,
+        out: *mut u8,
+        rows: c_int,
+        cols: c_int,
+        eps: f32,
+        grid_x: c_uint,
         block: c_uint,
         seed: u64,
         err: *mut c_char,
@@ -638,6 +653,70 @@ pub fn causal_softmax(
     })?;
     sf.finish()?;
     Ok(widen(out_dtype, &out.finish()?))
+}
+
+/// `keydiff_add_rms_norm_<dtype>` on `x` and `r` (`[rows, cols]` contiguous) and the norm's
+/// weight `w` (`[cols]`), all of one dtype: returns `[2, rows, cols]` widened to f32 (exactly),
+/// the sums x + r as rounded to the dtype, then their RMSNorm times `w`.
+pub fn add_rms_norm(
+    x: Keys<'_>,
+    r: Keys<'_>,
+    w: Keys<'_>,
+    rows: usize,
+    cols: usize,
+    eps: f32,
+    seed: u64,
+) -> Result<Vec<f32>> {
+    check_norm(rows, cols)?;
+    let (dtype, xb, x_len, elem) = x.parts();
+    let (r_dtype, rb, r_len, _) = r.parts();
+    let (w_dtype, wb, w_len, _) = w.parts();
+    if r_dtype != dtype || w_dtype != dtype {
+        bail!("add-rms-norm: x, r and w must be of one dtype");
+    }
+    let n = rows * cols;
+    if x_len < n || r_len < n || w_len < cols {
+        bail!("add-rms-norm: x {x_len}, r {r_len}, w {w_len} values for {rows} rows of {cols}");
+    }
+    let l = norm_launch(rows);
+    let side = Side::for_seed(seed);
+    let xf = Fenced::copy_of("add-rms-norm x", &xb[..n * elem], side, 16)?;
+    let rf = Fenced::copy_of("add-rms-norm r", &rb[..n * elem], side, 16)?;
+    let wf = Fenced::copy_of("add-rms-norm w", &wb[..cols * elem], side, 16)?;
+    // Bytes of all ones: NaN in every dtype, so a value never written shows.
+    let mut out = Fenced::filled("add-rms-norm out", 2 * n * elem, 0xFFu8, side, 16)?;
+    // Block i touches row i of x, r and both halves of out.
+    let row = cols * elem;
+    xf.view(rows, row, 1, row, row, HeadAxis::X)?;
+    rf.view(rows, row, 1, row, row, HeadAxis::X)?;
+    out.view(rows, row, 2, n * elem, row, HeadAxis::X)?;
+    // `check_norm` bounds them to `int`.
+    let (rows32, cols32) = (rows as c_int, cols as c_int);
+    call("add-rms-norm", |err, err_len| {
+        // SAFETY: block i reads row i of x and r and all of w, and writes row i of each half of
+        // the 2 · rows · cols values of `out`, as checked and allocated above.
+        unsafe {
+            kd_emu_add_rms_norm(
+                dtype,
+                xf.as_ptr(),
+                rf.as_ptr(),
+                wf.as_ptr(),
+                out.as_mut_ptr(),
+                rows32,
+                cols32,
+                eps,
+                l.grid.0,
+                l.block,
+                seed,
+                err,
+                err_len,
+            )
+        }
+    })?;
+    xf.finish()?;
+    rf.finish()?;
+    wf.finish()?;
+    Ok(widen(dtype, &out.finish()?))
 }
 
 /// Values of dtype code `dtype` (0 f32, 1 f16, 2 bf16) from their little-endian bytes, as f32.

@@ -346,6 +346,28 @@ pub fn check_softmax(rows: usize, t: usize, chunk: usize) -> Result<()> {
     Ok(())
 }
 
+/// `KD_NORM_THREADS`: threads of a residual-add-and-RMSNorm block.
+pub const NORM_THREADS: u32 = 256;
+
+/// `keydiff_add_rms_norm_*`: one block per row, on grid.x (up to 2^31 − 1).
+pub fn norm_launch(rows: usize) -> Launch {
+    Launch {
+        grid: (rows as u32, 1),
+        block: NORM_THREADS,
+    }
+}
+
+/// The residual-add-and-RMSNorm kernel's limits: `rows` rows of `cols` values.
+pub fn check_norm(rows: usize, cols: usize) -> Result<()> {
+    if rows == 0 || rows > i32::MAX as usize || cols == 0 || cols > MAX_SLOTS {
+        bail!(
+            "add-rms-norm: {rows} rows (1..={}) of {cols} values (1..={MAX_SLOTS})",
+            i32::MAX
+        );
+    }
+    Ok(())
+}
+
 /// Number of moves a plan row holds: M = min(N, n − N).
 pub fn plan_moves(n: usize, budget: usize) -> usize {
     budget.min(n.saturating_sub(budget))

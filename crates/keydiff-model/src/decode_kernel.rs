@@ -1,7 +1,8 @@
 //! keydiff's own attention kernels: the CPU decode kernel, one decode step's attention (a single
 //! query row per head) over the cache, read in place in f32, f16 or bf16, without candle's
 //! GEMMs ([`decode_attention_cpu`]); and the candle ops of the CUDA decode kernel
-//! ([`decode_attention_cuda`]) and of the CUDA causal softmax ([`causal_softmax_cuda`]).
+//! ([`decode_attention_cuda`]), of the CUDA causal softmax ([`causal_softmax_cuda`]) and of
+//! the CUDA residual add and RMSNorm ([`add_rms_norm_cuda`]).
 
 use candle_core::{DType, Tensor};
 use keydiff_cache::KvType;
@@ -221,6 +222,89 @@ impl candle_core::CustomOp1 for CudaSoftmax {
         sl: &candle_core::Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
         keydiff_kernels::causal_softmax((s, sl), self.chunk, self.dtype)
+    }
+}
+
+/// A residual add and the RMSNorm of its sum on CUDA by keydiff's kernel
+/// (`keydiff_add_rms_norm_*` of `kernels/keydiff.cu`), vLLM's `fused_add_rms_norm`: `x` and `r`
+/// `[rows, cols]`, the norm's weight `w` `[cols]`, one float dtype. Returns (x + r, its RMSNorm
+/// times w), the sum rounded to the dtype as candle's add rounds it and the norm taken of the
+/// rounded sum: what `x + r` then candle's `rms_norm` give, in one launch instead of two.
+/// `None` where it does not apply (off CUDA, another dtype or shape) or where
+/// `KEYDIFF_CUDA_ADD_NORM=0` turns it off: the caller then runs candle's ops.
+pub fn add_rms_norm_cuda(
+    x: &Tensor,
+    r: &Tensor,
+    w: &Tensor,
+    eps: f32,
+) -> Result<Option<(Tensor, Tensor)>> {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let on = *ON.get_or_init(|| std::env::var("KEYDIFF_CUDA_ADD_NORM").map_or(true, |v| v != "0"));
+    let float = matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16);
+    let two_d = x.rank() == 2 && r.dims() == x.dims() && w.dims() == [x.dim(1)?];
+    if !on
+        || !x.device().is_cuda()
+        || !float
+        || r.dtype() != x.dtype()
+        || w.dtype() != x.dtype()
+        || !two_d
+        || x.elem_count() == 0
+    {
+        return Ok(None);
+    }
+    cuda_add_norm(&x.contiguous()?, &r.contiguous()?, &w.contiguous()?, eps)
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_add_norm(x: &Tensor, r: &Tensor, w: &Tensor, eps: f32) -> Result<Option<(Tensor, Tensor)>> {
+    let both = x.apply_op3_no_bwd(r, w, &CudaAddNorm { eps })?;
+    Ok(Some((both.get(0)?, both.get(1)?)))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_add_norm(
+    _x: &Tensor,
+    _r: &Tensor,
+    _w: &Tensor,
+    _eps: f32,
+) -> Result<Option<(Tensor, Tensor)>> {
+    Ok(None)
+}
+
+/// The candle op of [`add_rms_norm_cuda`]: CUDA only.
+#[cfg(feature = "cuda")]
+struct CudaAddNorm {
+    eps: f32,
+}
+
+#[cfg(feature = "cuda")]
+impl candle_core::CustomOp3 for CudaAddNorm {
+    fn name(&self) -> &'static str {
+        "add-rms-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &candle_core::CpuStorage,
+        _: &candle_core::Layout,
+        _: &candle_core::CpuStorage,
+        _: &candle_core::Layout,
+        _: &candle_core::CpuStorage,
+        _: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        candle_core::bail!("add-rms-norm: the CUDA kernel's op runs on CUDA only")
+    }
+
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        xl: &candle_core::Layout,
+        r: &candle_core::CudaStorage,
+        rl: &candle_core::Layout,
+        w: &candle_core::CudaStorage,
+        wl: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
+        keydiff_kernels::add_rms_norm((x, xl), (r, rl), (w, wl), self.eps)
     }
 }
 

@@ -30,6 +30,34 @@ impl RmsNorm {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         Ok(candle_nn::ops::rms_norm(x, &self.w, self.eps)?)
     }
+
+    /// The norm of `x` after adding to it the residual `pending` (the previous block's output,
+    /// when it was left to be added here): the add and the norm in one launch on CUDA
+    /// ([`add_rms_norm`]).
+    fn add_forward(&self, x: &mut Tensor, pending: Option<Tensor>) -> Result<Tensor> {
+        match pending {
+            Some(r) => {
+                let (sum, norm) = add_rms_norm(x, &r, &self.w, self.eps)?;
+                *x = sum;
+                Ok(norm)
+            }
+            None => self.forward(x),
+        }
+    }
+}
+
+pub use crate::decode_kernel::add_rms_norm_cuda;
+
+/// A residual add `x + r` (`[rows, hidden]`) and the RMSNorm of the sum with weight `w`:
+/// (sum, norm). One launch on CUDA ([`add_rms_norm_cuda`]); candle's add and `rms_norm`
+/// elsewhere, the kernel's reference.
+pub fn add_rms_norm(x: &Tensor, r: &Tensor, w: &Tensor, eps: f32) -> Result<(Tensor, Tensor)> {
+    if let Some(both) = add_rms_norm_cuda(x, r, w, eps)? {
+        return Ok(both);
+    }
+    let s = (x + r)?;
+    let n = candle_nn::ops::rms_norm(&s, w, eps)?;
+    Ok((s, n))
 }
 
 #[derive(Debug, Clone)]
@@ -856,8 +884,10 @@ impl Model {
         // [B, hidden]
         let (mut x, cos_sin) = self.embed_chunk(tokens, cache)?;
         let mut clock = Clock::new(cache.profiling(), &self.device)?;
+        // The MLP's output, added to x by the next layer's norm (or after the last).
+        let mut pending = None;
         for (li, layer) in self.layers.iter().enumerate() {
-            let h = layer.attn_norm.forward(&x)?;
+            let h = layer.attn_norm.add_forward(&mut x, pending.take())?;
             let (q, k, v) = layer.attn.qkv(&h, &self.rope, &cos_sin, pass)?;
             let mut ys = Vec::with_capacity(b);
             for i in 0..b {
@@ -881,13 +911,14 @@ impl Model {
             };
             let h = layer.attn.o.forward(&y, pass)?;
             clock.lap(cache, Region::Attention)?;
-            x = (x + h)?;
-            let h = layer.mlp.forward(&layer.mlp_norm.forward(&x)?, pass)?;
-            x = (x + h)?;
+            let h = layer.mlp_norm.add_forward(&mut x, Some(h))?;
+            pending = Some(layer.mlp.forward(&h, pass)?);
             clock.lap(cache, Region::Mlp)?;
         }
         cache.advance(b);
-        let logits = self.lm_head.forward(&self.norm.forward(&x)?, pass)?;
+        let logits = self
+            .lm_head
+            .forward(&self.norm.add_forward(&mut x, pending)?, pass)?;
         Ok(logits.to_dtype(DType::F32)?)
     }
 
@@ -1036,8 +1067,10 @@ impl Model {
         let mut x = self.embed.forward(&ids, self.dtype)?;
         // Profiling is per request; a pass over several is not profiled.
         let mut clock = Clock::new(false, &self.device)?;
+        // The MLP's output, added to x by the next layer's norm (or after the last).
+        let mut pending = None;
         for (li, layer) in self.layers.iter().enumerate() {
-            let h = layer.attn_norm.forward(&x)?;
+            let h = layer.attn_norm.add_forward(&mut x, pending.take())?;
             let mut qkv = Vec::with_capacity(runs.len());
             for (r, cs) in runs.iter().zip(&cos_sin) {
                 let h = match runs.len() {
@@ -1084,10 +1117,11 @@ impl Model {
                 _ => Tensor::cat(&ys, 0)?,
             };
             let h = by_run(&y, &|y, pf| layer.attn.o.forward(y, pf))?;
-            x = (x + h)?;
-            let h = layer.mlp_norm.forward(&x)?;
-            let h = by_run(&h, &|h, pf| layer.mlp.forward(h, pf))?;
-            x = (x + h)?;
+            let h = layer.mlp_norm.add_forward(&mut x, Some(h))?;
+            pending = Some(by_run(&h, &|h, pf| layer.mlp.forward(h, pf))?);
+        }
+        if let Some(r) = pending {
+            x = (x + r)?;
         }
         for (c, s) in caches.iter_mut().zip(segments) {
             c.advance(s.tokens.len());
@@ -1161,8 +1195,10 @@ impl Model {
             None
         };
         let mut clock = Clock::new(cache.profiling(), &self.device)?;
+        // The MLP's output, added to x by the next layer's norm (or after the last).
+        let mut pending = None;
         for (li, layer) in self.layers.iter().enumerate() {
-            let h = layer.attn_norm.forward(&x)?;
+            let h = layer.attn_norm.add_forward(&mut x, pending.take())?;
             let h = layer.attn.forward(
                 &h,
                 &self.rope,
@@ -1176,10 +1212,12 @@ impl Model {
                 self.kv_rotation.as_ref(),
                 &mut clock,
             )?;
-            x = (x + h)?;
-            let h = layer.mlp.forward(&layer.mlp_norm.forward(&x)?, !decode)?;
-            x = (x + h)?;
+            let h = layer.mlp_norm.add_forward(&mut x, Some(h))?;
+            pending = Some(layer.mlp.forward(&h, !decode)?);
             clock.lap(cache, Region::Mlp)?;
+        }
+        if let Some(r) = pending {
+            x = (x + r)?;
         }
         cache.advance(b);
         Ok(x)

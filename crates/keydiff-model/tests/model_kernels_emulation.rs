@@ -1,4 +1,5 @@
-//! keydiff's CUDA attention kernels under the CPU emulation of CUDA (`keydiff_kernels::emu`).
+//! keydiff's CUDA kernels of the model's forward pass under the CPU emulation of CUDA
+//! (`keydiff_kernels::emu`).
 //!
 //! - The decode-attention kernel (`keydiff_decode_*` of `kernels/keydiff.cu`) against the eager
 //!   path (`attention_probs`, `attention_output` in f32 on the widened inputs) and the CPU
@@ -8,12 +9,15 @@
 //!   softmax the CPU runs (`masked_softmax`: candle's ops over the scores plus `chunk_mask`):
 //!   every pair of dtypes it takes, chunks of 1 to 128 queries over their own keys and more,
 //!   rows past 65536 keys, -inf and NaN scores.
+//! - The residual add and RMSNorm (`keydiff_add_rms_norm_*`) against candle's add and
+//!   `rms_norm` on the CPU (`add_rms_norm`): every dtype, hidden sizes of real models and odd
+//!   ones, one row and several.
 //!
 //! On hardware they run in `scripts/gpu-check.sh`.
 
 use candle_core::{DType, Device, Tensor};
 use half::{bf16, f16};
-use keydiff_kernels::emu::{causal_softmax, decode_attention, Keys};
+use keydiff_kernels::emu::{add_rms_norm, causal_softmax, decode_attention, Keys};
 use keydiff_kernels::geometry::decode_split;
 use keydiff_model::attention::{
     attention_output, attention_probs, chunk_mask, decode_attention_cpu, masked_softmax,
@@ -478,4 +482,114 @@ fn causal_softmax_refuses_what_it_cannot_run() {
     assert!(err(6, 8, 4).contains("multiple of the chunk"));
     assert!(err(0, 8, 4).contains("0 rows"));
     assert!(err(16, 8, 4).contains("scores"));
+}
+
+/// The emulated residual add and RMSNorm against candle's on the CPU, on inputs rounded to `dt`:
+/// the sums exactly (both round x + r once), the norms within the output's rounding (the sums of
+/// squares run in another order, and candle's CPU divides by the root where the kernel
+/// multiplies by its reciprocal).
+fn check_add_norm(rows: usize, cols: usize, dt: Dt, seed: u64, scale: f32) {
+    let x = rounded(&values(rows * cols, seed, 2.0 * scale), dt);
+    let r = rounded(&values(rows * cols, seed + 1, scale), dt);
+    let w = rounded(&values(cols, seed + 2, 1.0), dt);
+    let eps = 1e-6;
+    let what = format!("rows {rows} cols {cols} {dt:?}");
+    let (xb, rb, wb) = (Buf::new(&x, dt), Buf::new(&r, dt), Buf::new(&w, dt));
+    let got = add_rms_norm(xb.keys(), rb.keys(), wb.keys(), rows, cols, eps, seed)
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+    let dev = Device::Cpu;
+    let cdt = match dt {
+        Dt::F32 => DType::F32,
+        Dt::F16 => DType::F16,
+        Dt::BF16 => DType::BF16,
+    };
+    let t = |v: &[f32], shape: &[usize]| {
+        Tensor::from_vec(v.to_vec(), shape, &dev)
+            .unwrap()
+            .to_dtype(cdt)
+            .unwrap()
+    };
+    let (sum, _) = keydiff_model::model::add_rms_norm(
+        &t(&x, &[rows, cols]),
+        &t(&r, &[rows, cols]),
+        &t(&w, &[cols]),
+        eps,
+    )
+    .unwrap();
+    // The norm in f32 over the rounded sums, rounded to dt once, as the kernel (and candle's
+    // CUDA kernel) computes it: candle's CPU norm for f16 and bf16 rounds its divisor to the
+    // dtype, two ulps off.
+    let f32s = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+    let norm = candle_nn::ops::rms_norm(&f32s(&sum), &f32s(&t(&w, &[cols])), eps)
+        .unwrap()
+        .to_dtype(cdt)
+        .unwrap();
+    let flat = |t: Tensor| f32s(&t).flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let (sum, norm) = (flat(sum), flat(norm));
+    assert_eq!(&got[..rows * cols], &sum[..], "{what}: sums");
+    let rel = match dt {
+        Dt::F32 => 2e-6,
+        Dt::F16 => 1e-3,
+        Dt::BF16 => 8e-3,
+    };
+    for (i, (&g, &w)) in got[rows * cols..].iter().zip(&norm).enumerate() {
+        assert!(
+            (g - w).abs() <= rel * w.abs() + 1e-6,
+            "{what}: norm {} of row {}: {g} against {w}",
+            i % cols,
+            i / cols
+        );
+    }
+}
+
+#[test]
+fn add_rms_norm_matches_candle() {
+    // Hidden sizes: SmolLM2-135M (576), Qwen2.5-0.5B (896), Llama-3.2-3B (3072); odd ones
+    // below and past a block's 256 threads.
+    for (i, &(rows, cols)) in [(1, 576), (3, 896), (1, 3072), (5, 100), (2, 257), (4, 1000)]
+        .iter()
+        .enumerate()
+    {
+        for dt in [Dt::F32, Dt::F16, Dt::BF16] {
+            for seed in [60 + 2 * i as u64, 61 + 2 * i as u64] {
+                check_add_norm(rows, cols, dt, seed, 1.0);
+            }
+        }
+    }
+    // Values about 1e-3: their mean square is of the order of eps (1e-6), which then counts.
+    check_add_norm(2, 576, Dt::F32, 90, 1e-3);
+}
+
+/// Bad shapes are errors naming the problem, before anything runs.
+#[test]
+fn add_rms_norm_refuses_what_it_cannot_run() {
+    let x = vec![0f32; 64];
+    let err = |rows, cols, w: &[f32]| {
+        add_rms_norm(
+            Keys::F32(&x),
+            Keys::F32(&x),
+            Keys::F32(w),
+            rows,
+            cols,
+            1e-6,
+            1,
+        )
+        .unwrap_err()
+        .to_string()
+    };
+    assert!(err(0, 8, &x).contains("0 rows"));
+    assert!(err(2, 0, &x).contains("0 values"));
+    assert!(err(8, 16, &x).contains("values for 8 rows of 16"));
+    assert!(err(2, 16, &x[..8]).contains("w 8"));
+    let f16s = vec![f16::ZERO; 64];
+    let mixed = add_rms_norm(
+        Keys::F32(&x),
+        Keys::F16(&f16s),
+        Keys::F32(&x),
+        2,
+        8,
+        1e-6,
+        1,
+    );
+    assert!(mixed.unwrap_err().to_string().contains("one dtype"));
 }
