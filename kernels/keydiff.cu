@@ -1651,3 +1651,38 @@ __device__ void kd_add_rms_norm(const T* x, const T* r, const T* w, T* out, int 
 KD_INSTANTIATE_NORM(f32, float)
 KD_INSTANTIATE_NORM(f16, __half)
 KD_INSTANTIATE_NORM(bf16, __nv_bfloat16)
+
+// ---------------------------------------------------------------------------------------------
+// SwiGLU's product silu(gate) · up in one launch (candle runs silu, then the product). Reference:
+// `gate.silu() * up` (crates/keydiff-model/src/model.rs, Mlp), which the CPU runs: silu(g) =
+// g / (1 + e^-g). Here in f32 from the inputs' values, rounded to T once (candle rounds silu's
+// result and then the product in bf16/f16).
+//
+// gate, up [rows, cols] views with rows contiguous (the halves of a fused gate/up matmul's
+// output are at a row stride of 2 · cols); out [rows, cols] contiguous. A grid-stride loop over
+// the rows · cols values, KD_ACT_THREADS threads a block.
+#define KD_ACT_THREADS 256
+
+template <typename T>
+__device__ void kd_silu_mul(const T* gate, int64_t gate_rs, const T* up, int64_t up_rs, T* out,
+                            int64_t rows, int cols) {
+  const int64_t n = rows * cols;
+  for (int64_t i = (int64_t)blockIdx.x * KD_ACT_THREADS + threadIdx.x; i < n;
+       i += (int64_t)gridDim.x * KD_ACT_THREADS) {
+    const int64_t r = i / cols, c = i % cols;
+    const float g = kd_to_f(gate[r * gate_rs + c]);
+    const float u = kd_to_f(up[r * up_rs + c]);
+    kd_store(&out[i], g / (1.f + expf(-g)) * u);
+  }
+}
+
+#define KD_INSTANTIATE_ACT(SUFFIX, T)                                                           \
+  extern "C" __global__ void __launch_bounds__(KD_ACT_THREADS) keydiff_silu_mul_##SUFFIX(       \
+      const T* gate, int64_t gate_rs, const T* up, int64_t up_rs, T* out, int64_t rows,         \
+      int cols) {                                                                               \
+    kd_silu_mul<T>(gate, gate_rs, up, up_rs, out, rows, cols);                                  \
+  }
+
+KD_INSTANTIATE_ACT(f32, float)
+KD_INSTANTIATE_ACT(f16, __half)
+KD_INSTANTIATE_ACT(bf16, __nv_bfloat16)

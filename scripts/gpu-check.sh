@@ -318,9 +318,9 @@ echo "== 3h. the decode path on the device (decode kernel, fused linears): decod
 # blocks and the combine kernel. In f32 the device must match the CPU closely under KeyDiff
 # too; in bf16 under the policies whose choice rounding cannot move. The residual add and
 # RMSNorm kernel (keydiff_add_rms_norm_*) and the causal softmax run in every layer of both
-# the prefill and the steps. Then the same with all of them off (KEYDIFF_CUDA_DECODE_KERNEL=0
-# KEYDIFF_CUDA_FUSE=0 KEYDIFF_CUDA_ADD_NORM=0 KEYDIFF_CUDA_SOFTMAX_KERNEL=0: candle's ops), for
-# comparison.
+# the prefill and the steps, and so does SwiGLU's product (keydiff_silu_mul_*). Then the same
+# with all of them off (KEYDIFF_CUDA_DECODE_KERNEL=0 KEYDIFF_CUDA_FUSE=0 KEYDIFF_CUDA_ADD_NORM=0
+# KEYDIFF_CUDA_SOFTMAX_KERNEL=0 KEYDIFF_CUDA_SILU_MUL=0: candle's ops), for comparison.
 decode_ok=1
 : > "$out/decode-path.jsonl"
 for on in 1 0; do
@@ -329,7 +329,7 @@ for on in 1 0; do
     for r in "--prompt-len 1300 --decode-steps 300" "--prompt-len 400 --decode-steps 200 --budget 96 --policies $pol"; do
       # shellcheck disable=SC2086
       if ! KEYDIFF_CUDA_DECODE_KERNEL=$on KEYDIFF_CUDA_FUSE=$on KEYDIFF_CUDA_ADD_NORM=$on \
-          KEYDIFF_CUDA_SOFTMAX_KERNEL=$on timeout 90 "$bin" check-device \
+          KEYDIFF_CUDA_SOFTMAX_KERNEL=$on KEYDIFF_CUDA_SILU_MUL=$on timeout 90 "$bin" check-device \
           --device "$device" --dtype $dt --attention eager --chunk 64 $r \
           --preset configs/tiny-llama.json --preset configs/tiny-qwen.json \
           --preset configs/tiny-qwen-d64.json --preset configs/tiny-qwen3.json \
@@ -544,11 +544,12 @@ echo "== 4e. decode launches: keydiff's decode kernel and fused linears against 
 # Decode was launch-bound in the first H200 run (8.6 ms a token for 3B, 1.5 ms of weight
 # reads). Since then a decode step's attention is keydiff's kernel (one launch where the eager
 # path takes six), q/k/v and gate/up are one matmul each (FusedLinear), each residual add and
-# the next norm one launch (keydiff_add_rms_norm_*: two launches fewer a layer), and the
-# allocator keeps freed memory and makes no events. Step 4b's runs again with the kernel off
-# (KEYDIFF_CUDA_DECODE_KERNEL=0), with the linears unfused (KEYDIFF_CUDA_FUSE=0), with the
-# allocator as the driver leaves it (KEYDIFF_CUDA_POOL_RETAIN=0 KEYDIFF_CUDA_EVENTS=1) and with
-# the add+norm kernel off (KEYDIFF_CUDA_ADD_NORM=0), then a long cache (prompt 7680, within
+# the next norm one launch (keydiff_add_rms_norm_*: two launches fewer a layer), SwiGLU's
+# silu(gate) · up one launch (keydiff_silu_mul_*), and the allocator keeps freed memory and
+# makes no events. Step 4b's runs again with the kernel off (KEYDIFF_CUDA_DECODE_KERNEL=0),
+# with the linears unfused (KEYDIFF_CUDA_FUSE=0), with the allocator as the driver leaves it
+# (KEYDIFF_CUDA_POOL_RETAIN=0 KEYDIFF_CUDA_EVENTS=1) and with the add+norm and silu·mul kernels
+# off (KEYDIFF_CUDA_ADD_NORM=0 KEYDIFF_CUDA_SILU_MUL=0), then a long cache (prompt 7680, within
 # SmolLM2's 8192 for dry runs; full cache: the kernel splits each of 3B's 8 heads' keys over 31
 # blocks) with the kernel on and off.
 left=$((deadline - SECONDS))
@@ -560,7 +561,7 @@ else
   long="--prompt-len 7680 --chunks 512 --policies full --batch 1"
   i=0
   # kernel, fuse, allocator (1: keydiff's settings, 0: the driver's and cudarc's defaults),
-  # residual add + RMSNorm kernel
+  # the residual add + RMSNorm and SwiGLU product kernels
   for run in "0 1 1 1 $short" "1 0 1 1 $short" "1 1 0 1 $short" "1 1 1 0 $short" \
       "1 1 1 1 $long" "0 1 1 1 $long"; do
     read -r kernel fuse alloc norm r <<< "$run"
@@ -569,10 +570,11 @@ else
     alloc_name="keydiff's"; [ "$alloc" = 1 ] || alloc_name="the driver's"
     # shellcheck disable=SC2086
     if KEYDIFF_CUDA_DECODE_KERNEL=$kernel KEYDIFF_CUDA_FUSE=$fuse KEYDIFF_CUDA_POOL_RETAIN=$alloc \
-        KEYDIFF_CUDA_EVENTS=$events KEYDIFF_CUDA_ADD_NORM=$norm timeout 60 "$bin" bench decode \
+        KEYDIFF_CUDA_EVENTS=$events KEYDIFF_CUDA_ADD_NORM=$norm KEYDIFF_CUDA_SILU_MUL=$norm \
+        timeout 60 "$bin" bench decode \
         --random-weights -m "$preset" --device "$device" --dtype bf16 --attention "$ttft_attention" \
         $r --gen-len 32 --warmup 1 --reps 1 --out "$out/decode/$i" > "$out/decode/table-$i.txt" 2>>"$errors"; then
-      { echo "decode ($preset, bf16, $r; decode kernel $([ $kernel = 1 ] && echo on || echo off), linears $([ $fuse = 1 ] && echo fused || echo unfused), allocator $alloc_name, add+norm kernel $([ $norm = 1 ] && echo on || echo off)):"; grep -v '^#' "$out/decode/table-$i.txt"; } >> "$summary"
+      { echo "decode ($preset, bf16, $r; decode kernel $([ $kernel = 1 ] && echo on || echo off), linears $([ $fuse = 1 ] && echo fused || echo unfused), allocator $alloc_name, add+norm and silu·mul kernels $([ $norm = 1 ] && echo on || echo off)):"; grep -v '^#' "$out/decode/table-$i.txt"; } >> "$summary"
     else
       note "decode launches (kernel $kernel, fuse $fuse, allocator $alloc, add+norm $norm, $r): FAILED (exit $?); see errors.log"
     fi

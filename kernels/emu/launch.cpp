@@ -301,6 +301,34 @@ extern "C" int kd_emu_add_rms_norm(int dtype, const void* x, const void* r, cons
   return finish(guarded(d3(grid_x), d3(block), KD_NORM_THREADS, seed, run), err, err_len);
 }
 
+// dtype: 0 f32, 1 f16, 2 bf16.
+extern "C" int kd_emu_silu_mul(int dtype, const void* gate, int64_t gate_rs, const void* up,
+                               int64_t up_rs, void* out, int64_t rows, int cols,
+                               unsigned grid_x, unsigned block, uint64_t seed, char* err,
+                               size_t err_len) {
+  std::function<void()> run;
+#define KD_EMU_ACT(SUFFIX, T)                                                                    \
+  run = [=] {                                                                                    \
+    kd_emu::run_kernel(keydiff_silu_mul_##SUFFIX, (const T*)gate, gate_rs, (const T*)up, up_rs, \
+                       (T*)out, rows, cols);                                                     \
+  };
+  switch (dtype) {
+    case 0:
+      KD_EMU_ACT(f32, float)
+      break;
+    case 1:
+      KD_EMU_ACT(f16, __half)
+      break;
+    case 2:
+      KD_EMU_ACT(bf16, __nv_bfloat16)
+      break;
+    default:
+      return finish("no silu-mul kernel for dtype " + std::to_string(dtype), err, err_len);
+  }
+#undef KD_EMU_ACT
+  return finish(guarded(d3(grid_x), d3(block), KD_ACT_THREADS, seed, run), err, err_len);
+}
+
 // `bitmap` must be zeroed.
 extern "C" int kd_emu_snapkv_pool(const float* stats, int64_t stats_stride,
                                   const uint32_t* positions, int64_t pos_stride, int n,

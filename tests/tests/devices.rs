@@ -757,6 +757,64 @@ test_device!(
     add_rms_norm_matches_reference_cuda
 );
 
+/// SwiGLU's product as the device runs it (on CUDA keydiff's `keydiff_silu_mul_*`, which must
+/// take it; on the CPU candle's `silu` and product) against silu(g) · u computed here in f64,
+/// on the halves of a fused gate/up output (the layout decode rows give it) and on plain rows:
+/// within the output's rounding (on the CPU candle rounds silu's result too: an ulp more).
+fn silu_mul_matches_reference(dev: &Device) -> Result<()> {
+    use keydiff_model::model::{silu_mul, silu_mul_cuda};
+    for (rows, cols) in [(1, 8192), (3, 896), (2, 257)] {
+        for dt in [DType::F32, DType::F16, DType::BF16] {
+            let mut state = (rows * cols) as u64 | 1;
+            let v: Vec<f32> = (0..rows * 2 * cols)
+                .map(|_| {
+                    state ^= state << 13;
+                    state ^= state >> 7;
+                    state ^= state << 17;
+                    ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 12.0
+                })
+                .collect();
+            let both = Tensor::from_vec(v, (rows, 2 * cols), dev)?.to_dtype(dt)?;
+            let (g, u) = (both.narrow(1, 0, cols)?, both.narrow(1, cols, cols)?);
+            for (g, u) in [(g.clone(), u.clone()), (g.contiguous()?, u.contiguous()?)] {
+                if dev.is_cuda() {
+                    ensure!(
+                        silu_mul_cuda(&g, &u)?.is_some(),
+                        "the CUDA silu·mul kernel declined {dt:?} rows of {cols} \
+                         (KEYDIFF_CUDA_SILU_MUL=0?)"
+                    );
+                }
+                let got = silu_mul(&g, &u)?;
+                let host = |t: &Tensor| -> Result<Vec<f32>> {
+                    Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
+                };
+                let (got, gs, us) = (host(&got)?, host(&g)?, host(&u)?);
+                let ulps = if dev.is_cuda() { 1.0 } else { 2.0 };
+                let rel = ulps
+                    * match dt {
+                        DType::F16 => 1e-3,
+                        DType::BF16 => 8e-3,
+                        _ => 2e-6,
+                    };
+                for (i, ((&a, &gv), &uv)) in got.iter().zip(&gs).zip(&us).enumerate() {
+                    let (gv, uv) = (gv as f64, uv as f64);
+                    let want = gv / (1.0 + (-gv).exp()) * uv;
+                    ensure!(
+                        (a as f64 - want).abs() <= rel * want.abs() + 1e-6,
+                        "{dt:?} rows of {cols}: value {i}: {a} against {want}"
+                    );
+                }
+            }
+        }
+    }
+    Ok(())
+}
+test_device!(
+    silu_mul_matches_reference,
+    silu_mul_matches_reference_cpu,
+    silu_mul_matches_reference_cuda
+);
+
 /// A decode step's attention by the device's decode kernel (on CUDA keydiff's
 /// `keydiff_decode_*`, which must take these inputs; on the CPU `decode_attention_cpu`) against
 /// the eager path on the same device in f32 over the same (widened) cache: caches of f32, f16

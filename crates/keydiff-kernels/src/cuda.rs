@@ -8,11 +8,11 @@ use candle_core::{bail, CudaStorage, DType, Layout, Result, Shape};
 use half::{bf16, f16};
 
 use crate::geometry::{
-    check_decode, check_kvq, check_norm, check_pool, check_scores, check_select, check_softmax,
-    decode_combine_launch, decode_lanes, decode_launch, decode_split, kvq_launch, move_launch,
-    norm_launch, per_head_launch, plan_moves, pool_words, scores_launch, select_few_launch,
-    select_few_workspace, select_multi_launch, select_passes, select_workspace, softmax_launch,
-    vector_loads_fit, Launch, ScoreLoads, SelectBlocks, KVQ_FP8, MAX_HEADS,
+    act_launch, check_act, check_decode, check_kvq, check_norm, check_pool, check_scores,
+    check_select, check_softmax, decode_combine_launch, decode_lanes, decode_launch, decode_split,
+    kvq_launch, move_launch, norm_launch, per_head_launch, plan_moves, pool_words, scores_launch,
+    select_few_launch, select_few_workspace, select_multi_launch, select_passes, select_workspace,
+    softmax_launch, vector_loads_fit, Launch, ScoreLoads, SelectBlocks, KVQ_FP8, MAX_HEADS,
 };
 
 /// PTX of `kernels/keydiff.cu`.
@@ -721,4 +721,61 @@ pub fn add_rms_norm(
         dt => bail!("add-rms-norm: unsupported dtype {dt:?} (f32, f16, bf16)"),
     };
     Ok((out, Shape::from((2, rows, cols))))
+}
+
+/// SwiGLU's product silu(gate) · up in one launch (`keydiff_silu_mul_<dtype>`; see the kernel
+/// source): `gate` and `up` `[rows, cols]` views with rows contiguous (any row stride: the halves
+/// of a fused gate/up output), of one dtype (f32/f16/bf16). Returns `[rows, cols]` contiguous.
+pub fn silu_mul(
+    (g, gl): (&CudaStorage, &Layout),
+    (u, ul): (&CudaStorage, &Layout),
+) -> Result<(CudaStorage, Shape)> {
+    let (rows, cols) = gl.shape().dims2()?;
+    let (gs, us) = (gl.stride(), ul.stride());
+    if ul.dims() != gl.dims() || gs[1] != 1 || us[1] != 1 {
+        bail!(
+            "silu-mul: gate {:?} strides {gs:?}, up {:?} strides {us:?} (rows contiguous)",
+            gl.dims(),
+            ul.dims()
+        );
+    }
+    if g.dtype() != u.dtype() {
+        bail!(
+            "silu-mul: gate {:?} and up {:?} must be of one dtype",
+            g.dtype(),
+            u.dtype()
+        );
+    }
+    check_act(rows, cols)?;
+    let dev = g.device().clone();
+    let (g_rs, u_rs, rows64, cols32) = (gs[0] as i64, us[0] as i64, rows as i64, cols as i32);
+    let cfg = launch_cfg(act_launch(rows * cols));
+    macro_rules! launch {
+        ($t:ty, $name:literal) => {{
+            // SAFETY: the kernel writes every value.
+            let mut out = unsafe { dev.alloc::<$t>(rows * cols)? };
+            let gv = g.as_cuda_slice::<$t>()?.slice(gl.start_offset()..);
+            let uv = u.as_cuda_slice::<$t>()?.slice(ul.start_offset()..);
+            let f = dev.get_or_load_custom_func($name, MODULE, PTX)?;
+            let mut b = f.builder();
+            b.arg(&gv);
+            b.arg(&g_rs);
+            b.arg(&uv);
+            b.arg(&u_rs);
+            b.arg(&mut out);
+            b.arg(&rows64);
+            b.arg(&cols32);
+            // SAFETY: argument list matches the kernel; it reads the rows × cols views at these
+            // strides and writes the rows · cols values of `out`, allocated here.
+            unsafe { b.launch(cfg) }.w()?;
+            CudaStorage::wrap_cuda_slice(out, dev.clone())
+        }};
+    }
+    let out = match g.dtype() {
+        DType::F32 => launch!(f32, "keydiff_silu_mul_f32"),
+        DType::F16 => launch!(f16, "keydiff_silu_mul_f16"),
+        DType::BF16 => launch!(bf16, "keydiff_silu_mul_bf16"),
+        dt => bail!("silu-mul: unsupported dtype {dt:?} (f32, f16, bf16)"),
+    };
+    Ok((out, Shape::from((rows, cols))))
 }

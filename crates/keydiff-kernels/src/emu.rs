@@ -25,11 +25,11 @@ use half::{bf16, f16};
 
 use crate::fence::{Fenced, HeadAxis, Side};
 use crate::geometry::{
-    check_decode, check_kvq, check_norm, check_pool, check_scores, check_select, check_softmax,
-    decode_combine_launch, decode_lanes, decode_launch, decode_split, kvq_launch, move_launch,
-    norm_launch, per_head_launch, plan_moves, pool_words, scores_launch, select_few_launch,
-    select_few_workspace, select_multi_launch, select_passes, select_workspace, softmax_launch,
-    vector_loads_fit, ScoreLoads, SelectBlocks, KVQ_BYTES,
+    act_launch, check_act, check_decode, check_kvq, check_norm, check_pool, check_scores,
+    check_select, check_softmax, decode_combine_launch, decode_lanes, decode_launch, decode_split,
+    kvq_launch, move_launch, norm_launch, per_head_launch, plan_moves, pool_words, scores_launch,
+    select_few_launch, select_few_workspace, select_multi_launch, select_passes, select_workspace,
+    softmax_launch, vector_loads_fit, ScoreLoads, SelectBlocks, KVQ_BYTES,
 };
 
 extern "C" {
@@ -126,6 +126,21 @@ extern "C" {
         part: *mut f32,
         grid_x: c_uint,
         grid_y: c_uint,
+        block: c_uint,
+        seed: u64,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    fn kd_emu_silu_mul(
+        dtype: c_int,
+        gate: *const u8,
+        gate_rs: i64,
+        up: *const u8,
+        up_rs: i64,
+        out: *mut u8,
+        rows: i64,
+        cols: c_int,
+        grid_x: c_uint,
         block: c_uint,
         seed: u64,
         err: *mut c_char,
@@ -716,6 +731,84 @@ pub fn add_rms_norm(
     xf.finish()?;
     rf.finish()?;
     wf.finish()?;
+    Ok(widen(dtype, &out.finish()?))
+}
+
+/// `keydiff_silu_mul_<dtype>` on `gate` and `up`, `[rows, cols]` views at element row strides
+/// `gate_rs` and `up_rs` (rows contiguous), of one dtype: returns silu(gate) · up, `[rows ·
+/// cols]` widened to f32 (exactly).
+pub fn silu_mul(
+    gate: Keys<'_>,
+    gate_rs: usize,
+    up: Keys<'_>,
+    up_rs: usize,
+    rows: usize,
+    cols: usize,
+    seed: u64,
+) -> Result<Vec<f32>> {
+    check_act(rows, cols)?;
+    let (dtype, gb, g_len, elem) = gate.parts();
+    let (u_dtype, ub, u_len, _) = up.parts();
+    if u_dtype != dtype {
+        bail!("silu-mul: gate and up must be of one dtype");
+    }
+    if gate_rs < cols || up_rs < cols {
+        bail!("silu-mul: row strides {gate_rs}, {up_rs} below the {cols} values of a row");
+    }
+    let g_extent = (rows - 1) * gate_rs + cols;
+    let u_extent = (rows - 1) * up_rs + cols;
+    if g_len < g_extent || u_len < u_extent {
+        bail!(
+            "silu-mul: views of {g_extent} and {u_extent} values exceed gate {g_len}, up {u_len}"
+        );
+    }
+    let n = rows * cols;
+    let l = act_launch(n);
+    let side = Side::for_seed(seed);
+    let gf = Fenced::copy_of("silu-mul gate", &gb[..g_extent * elem], side, 16)?;
+    let uf = Fenced::copy_of("silu-mul up", &ub[..u_extent * elem], side, 16)?;
+    // Bytes of all ones: NaN in every dtype, so a value never written shows.
+    let mut out = Fenced::filled("silu-mul out", n * elem, 0xFFu8, side, 16)?;
+    // Any block may touch any row (one "head": the whole view).
+    gf.view(
+        1,
+        g_extent * elem,
+        rows,
+        gate_rs * elem,
+        cols * elem,
+        HeadAxis::Y,
+    )?;
+    uf.view(
+        1,
+        u_extent * elem,
+        rows,
+        up_rs * elem,
+        cols * elem,
+        HeadAxis::Y,
+    )?;
+    call("silu-mul", |err, err_len| {
+        // SAFETY: the kernel reads the rows · cols values of both views checked above and
+        // writes the rows · cols values of `out`.
+        unsafe {
+            kd_emu_silu_mul(
+                dtype,
+                gf.as_ptr(),
+                gate_rs as i64,
+                uf.as_ptr(),
+                up_rs as i64,
+                out.as_mut_ptr(),
+                rows as i64,
+                cols as c_int,
+                l.grid.0,
+                l.block,
+                seed,
+                err,
+                err_len,
+            )
+        }
+    })?;
+    gf.finish()?;
+    uf.finish()?;
     Ok(widen(dtype, &out.finish()?))
 }
 

@@ -368,6 +368,33 @@ pub fn check_norm(rows: usize, cols: usize) -> Result<()> {
     Ok(())
 }
 
+/// `KD_ACT_THREADS`: threads of a SwiGLU-product block.
+pub const ACT_THREADS: u32 = 256;
+/// Most blocks of a SwiGLU-product launch (a grid-stride loop covers the rest).
+pub const ACT_MAX_BLOCKS: usize = 1 << 16;
+
+/// `keydiff_silu_mul_*`: a grid-stride loop over `n` values.
+pub fn act_launch(n: usize) -> Launch {
+    Launch {
+        grid: (
+            n.div_ceil(ACT_THREADS as usize).clamp(1, ACT_MAX_BLOCKS) as u32,
+            1,
+        ),
+        block: ACT_THREADS,
+    }
+}
+
+/// The SwiGLU product's limits: `rows` rows of `cols` values.
+pub fn check_act(rows: usize, cols: usize) -> Result<()> {
+    if rows == 0 || cols == 0 || cols > i32::MAX as usize || rows.checked_mul(cols).is_none() {
+        bail!(
+            "silu-mul: {rows} rows of {cols} values (both at least 1, cols at most {})",
+            i32::MAX
+        );
+    }
+    Ok(())
+}
+
 /// Number of moves a plan row holds: M = min(N, n − N).
 pub fn plan_moves(n: usize, budget: usize) -> usize {
     budget.min(n.saturating_sub(budget))

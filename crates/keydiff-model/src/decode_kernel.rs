@@ -1,8 +1,9 @@
 //! keydiff's own attention kernels: the CPU decode kernel, one decode step's attention (a single
 //! query row per head) over the cache, read in place in f32, f16 or bf16, without candle's
 //! GEMMs ([`decode_attention_cpu`]); and the candle ops of the CUDA decode kernel
-//! ([`decode_attention_cuda`]), of the CUDA causal softmax ([`causal_softmax_cuda`]) and of
-//! the CUDA residual add and RMSNorm ([`add_rms_norm_cuda`]).
+//! ([`decode_attention_cuda`]), of the CUDA causal softmax ([`causal_softmax_cuda`]), of the
+//! CUDA residual add and RMSNorm ([`add_rms_norm_cuda`]) and of SwiGLU's product on CUDA
+//! ([`silu_mul_cuda`]).
 
 use candle_core::{DType, Tensor};
 use keydiff_cache::KvType;
@@ -305,6 +306,73 @@ impl candle_core::CustomOp3 for CudaAddNorm {
         wl: &candle_core::Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
         keydiff_kernels::add_rms_norm((x, xl), (r, rl), (w, wl), self.eps)
+    }
+}
+
+/// SwiGLU's product silu(gate) · up on CUDA by keydiff's kernel (`keydiff_silu_mul_*` of
+/// `kernels/keydiff.cu`): `gate` and `up` `[rows, cols]` (views with contiguous rows, such as the
+/// halves of a fused gate/up output), one float dtype; returns `[rows, cols]`, computed in f32
+/// and rounded once (candle rounds silu's result, then the product). One launch instead of two.
+/// `None` where it does not apply (off CUDA, another dtype or shape, rows not contiguous) or
+/// where `KEYDIFF_CUDA_SILU_MUL=0` turns it off: the caller then runs candle's ops.
+pub fn silu_mul_cuda(gate: &Tensor, up: &Tensor) -> Result<Option<Tensor>> {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let on = *ON.get_or_init(|| std::env::var("KEYDIFF_CUDA_SILU_MUL").map_or(true, |v| v != "0"));
+    let float = matches!(gate.dtype(), DType::F32 | DType::F16 | DType::BF16);
+    let rows_contiguous = |x: &Tensor| x.stride().last() == Some(&1);
+    if !on
+        || !gate.device().is_cuda()
+        || !float
+        || up.dtype() != gate.dtype()
+        || gate.rank() != 2
+        || up.dims() != gate.dims()
+        || gate.elem_count() == 0
+        || !rows_contiguous(gate)
+        || !rows_contiguous(up)
+    {
+        return Ok(None);
+    }
+    cuda_silu_mul(gate, up)
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_silu_mul(gate: &Tensor, up: &Tensor) -> Result<Option<Tensor>> {
+    Ok(Some(gate.apply_op2_no_bwd(up, &CudaSiluMul)?))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_silu_mul(_gate: &Tensor, _up: &Tensor) -> Result<Option<Tensor>> {
+    Ok(None)
+}
+
+/// The candle op of [`silu_mul_cuda`]: CUDA only.
+#[cfg(feature = "cuda")]
+struct CudaSiluMul;
+
+#[cfg(feature = "cuda")]
+impl candle_core::CustomOp2 for CudaSiluMul {
+    fn name(&self) -> &'static str {
+        "silu-mul"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &candle_core::CpuStorage,
+        _: &candle_core::Layout,
+        _: &candle_core::CpuStorage,
+        _: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        candle_core::bail!("silu-mul: the CUDA kernel's op runs on CUDA only")
+    }
+
+    fn cuda_fwd(
+        &self,
+        g: &candle_core::CudaStorage,
+        gl: &candle_core::Layout,
+        u: &candle_core::CudaStorage,
+        ul: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
+        keydiff_kernels::silu_mul((g, gl), (u, ul))
     }
 }
 

@@ -46,7 +46,16 @@ impl RmsNorm {
     }
 }
 
-pub use crate::decode_kernel::add_rms_norm_cuda;
+pub use crate::decode_kernel::{add_rms_norm_cuda, silu_mul_cuda};
+
+/// SwiGLU's product silu(gate) · up (`[rows, cols]` each): one launch on CUDA
+/// ([`silu_mul_cuda`]), candle's `silu` and product elsewhere, the kernel's reference.
+pub fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    if let Some(y) = silu_mul_cuda(gate, up)? {
+        return Ok(y);
+    }
+    Ok((gate.silu()? * up)?)
+}
 
 /// A residual add `x + r` (`[rows, hidden]`) and the RMSNorm of the sum with weight `w`:
 /// (sum, norm). One launch on CUDA ([`add_rms_norm_cuda`]); candle's add and `rms_norm`
@@ -463,7 +472,7 @@ impl Mlp {
             }
             _ => (self.gate.forward(x, pass)?, self.up.forward(x, pass)?),
         };
-        self.down.forward(&(gate.silu()? * up)?, pass)
+        self.down.forward(&silu_mul(&gate, &up)?, pass)
     }
 
     fn linears(&self) -> [&Linear; 3] {

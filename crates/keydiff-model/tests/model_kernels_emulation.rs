@@ -12,12 +12,14 @@
 //! - The residual add and RMSNorm (`keydiff_add_rms_norm_*`) against candle's add and
 //!   `rms_norm` on the CPU (`add_rms_norm`): every dtype, hidden sizes of real models and odd
 //!   ones, one row and several.
+//! - SwiGLU's product (`keydiff_silu_mul_*`) against silu(gate) · up in f32 on the CPU, on the
+//!   halves of a fused gate/up output (a row stride of twice the row) and on plain rows.
 //!
 //! On hardware they run in `scripts/gpu-check.sh`.
 
 use candle_core::{DType, Device, Tensor};
 use half::{bf16, f16};
-use keydiff_kernels::emu::{add_rms_norm, causal_softmax, decode_attention, Keys};
+use keydiff_kernels::emu::{add_rms_norm, causal_softmax, decode_attention, silu_mul, Keys};
 use keydiff_kernels::geometry::decode_split;
 use keydiff_model::attention::{
     attention_output, attention_probs, chunk_mask, decode_attention_cpu, masked_softmax,
@@ -591,5 +593,116 @@ fn add_rms_norm_refuses_what_it_cannot_run() {
         1e-6,
         1,
     );
+    assert!(mixed.unwrap_err().to_string().contains("one dtype"));
+}
+
+/// The emulated SwiGLU product against candle's `silu` and product in f32 on the CPU over the
+/// same rounded inputs, rounded to `dt` once: within the output's rounding. `fused`: gate and up
+/// are the two halves of each row of one `[rows, 2 · cols]` buffer, as a fused gate/up matmul
+/// writes them; else each in a buffer of its own with padded rows.
+fn check_silu_mul(rows: usize, cols: usize, dt: Dt, fused: bool, seed: u64) {
+    let what = format!("rows {rows} cols {cols} {dt:?} fused {fused}");
+    let (g, u, rs) = if fused {
+        let both = rounded(&values(rows * 2 * cols, seed, 8.0), dt);
+        let half = |k: usize| -> Vec<f32> {
+            both.chunks(2 * cols)
+                .flat_map(|r| r[k * cols..(k + 1) * cols].to_vec())
+                .collect()
+        };
+        (half(0), half(1), 2 * cols)
+    } else {
+        (
+            rounded(&values(rows * cols, seed, 8.0), dt),
+            rounded(&values(rows * cols, seed + 1, 2.0), dt),
+            cols,
+        )
+    };
+    // The kernel reads the views: for `fused` one buffer holding both halves.
+    let got = if fused {
+        let both: Vec<f32> = g
+            .chunks(cols)
+            .zip(u.chunks(cols))
+            .flat_map(|(a, b)| a.iter().chain(b).copied().collect::<Vec<_>>())
+            .collect();
+        let buf = Buf::new(&both, dt);
+        let keys = buf.keys();
+        let up = match keys {
+            Keys::F32(v) => Keys::F32(&v[cols..]),
+            Keys::F16(v) => Keys::F16(&v[cols..]),
+            Keys::BF16(v) => Keys::BF16(&v[cols..]),
+        };
+        silu_mul(keys, rs, up, rs, rows, cols, seed)
+    } else {
+        // Rows padded with NaN to strides of their own (cols + 3, cols + 5): a read of the
+        // padding, or of one view at the other's stride, shows.
+        let padded = |x: &[f32], pad: usize| -> Vec<f32> {
+            x.chunks(cols)
+                .flat_map(|r| r.iter().copied().chain(std::iter::repeat_n(f32::NAN, pad)))
+                .collect()
+        };
+        let (gb, ub) = (Buf::new(&padded(&g, 3), dt), Buf::new(&padded(&u, 5), dt));
+        silu_mul(gb.keys(), rs + 3, ub.keys(), rs + 5, rows, cols, seed)
+    }
+    .unwrap_or_else(|e| panic!("{what}: {e}"));
+    let dev = Device::Cpu;
+    let gt = Tensor::from_vec(g, (rows, cols), &dev).unwrap();
+    let ut = Tensor::from_vec(u, (rows, cols), &dev).unwrap();
+    let want = keydiff_model::model::silu_mul(&gt, &ut).unwrap();
+    let want = match dt {
+        Dt::F32 => want,
+        Dt::F16 => want.to_dtype(DType::F16).unwrap(),
+        Dt::BF16 => want.to_dtype(DType::BF16).unwrap(),
+    };
+    let want = want
+        .to_dtype(DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    let rel = match dt {
+        Dt::F32 => 2e-6,
+        Dt::F16 => 1e-3,
+        Dt::BF16 => 8e-3,
+    };
+    for (i, (&a, &b)) in got.iter().zip(&want).enumerate() {
+        assert!(
+            (a - b).abs() <= rel * b.abs() + 1e-6,
+            "{what}: value {} of row {}: {a} against {b}",
+            i % cols,
+            i / cols
+        );
+    }
+}
+
+#[test]
+fn silu_mul_matches_candle() {
+    // One decode row of Llama-3.2-3B's 8192, prompt rows of Qwen2.5-0.5B's 4864, odd sizes.
+    for (i, &(rows, cols)) in [(1, 8192), (3, 4864), (5, 100), (2, 257)]
+        .iter()
+        .enumerate()
+    {
+        for dt in [Dt::F32, Dt::F16, Dt::BF16] {
+            for fused in [true, false] {
+                check_silu_mul(rows, cols, dt, fused, 80 + i as u64 + fused as u64);
+            }
+        }
+    }
+}
+
+/// Bad shapes are errors naming the problem, before anything runs.
+#[test]
+fn silu_mul_refuses_what_it_cannot_run() {
+    let x = vec![0f32; 64];
+    let err = |rs, rows, cols| {
+        silu_mul(Keys::F32(&x), rs, Keys::F32(&x), rs, rows, cols, 1)
+            .unwrap_err()
+            .to_string()
+    };
+    assert!(err(8, 0, 8).contains("0 rows"));
+    assert!(err(4, 2, 8).contains("below the 8 values"));
+    assert!(err(16, 8, 16).contains("exceed"));
+    let f16s = vec![f16::ZERO; 64];
+    let mixed = silu_mul(Keys::F32(&x), 8, Keys::F16(&f16s), 8, 2, 8, 1);
     assert!(mixed.unwrap_err().to_string().contains("one dtype"));
 }
