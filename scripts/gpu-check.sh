@@ -576,7 +576,7 @@ else
         $r --gen-len 32 --warmup 1 --reps 1 --out "$out/decode/$i" > "$out/decode/table-$i.txt" 2>>"$errors"; then
       { echo "decode ($preset, bf16, $r; decode kernel $([ $kernel = 1 ] && echo on || echo off), linears $([ $fuse = 1 ] && echo fused || echo unfused), allocator $alloc_name, add+norm and silu·mul kernels $([ $norm = 1 ] && echo on || echo off)):"; grep -v '^#' "$out/decode/table-$i.txt"; } >> "$summary"
     else
-      note "decode launches (kernel $kernel, fuse $fuse, allocator $alloc, add+norm $norm, $r): FAILED (exit $?); see errors.log"
+      note "decode launches (kernel $kernel, fuse $fuse, allocator $alloc, add+norm and silu·mul $norm, $r): FAILED (exit $?); see errors.log"
     fi
   done
 fi

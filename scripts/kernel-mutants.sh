@@ -125,11 +125,13 @@ mutants=(
   "norm: the residual not added~    kd_store(&s[c], kd_to_f(xr[c]) + kd_to_f(rr[c]));~    kd_store(&s[c], kd_to_f(xr[c]) + 0.f * kd_to_f(rr[c]));"
   "norm: every value weighed by the first weight~    kd_store(&y[c], scale * kd_to_f(s[c]) * kd_to_f(w[c]));~    kd_store(&y[c], scale * kd_to_f(s[c]) * kd_to_f(w[0]));"
   "norm: the norms written over the sums~  T* y = out + ((int64_t)rows + row) * cols;~  T* y = out + (int64_t)row * cols + 0 * rows;"
+  "norm: the squares of the unrounded sums~    const float v = kd_to_f(s[c]);~    const float v = kd_to_f(xr[c]) + kd_to_f(rr[c]);"
   # SwiGLU's product (keydiff_silu_mul_*), caught by keydiff-model's
   # tests/model_kernels_emulation.rs (the mutants named "silu: ...").
   "silu: e^g in place of e^-g~    kd_store(&out[i], g / (1.f + expf(-g)) * u);~    kd_store(&out[i], g / (1.f + expf(g)) * u);"
   "silu: up read at gate's row stride~    const float u = kd_to_f(up[r * up_rs + c]);~    const float u = kd_to_f(up[r * gate_rs + c + 0 * up_rs]);"
   "silu: the last value left unwritten~  for (int64_t i = (int64_t)blockIdx.x * KD_ACT_THREADS + threadIdx.x; i < n;~  for (int64_t i = (int64_t)blockIdx.x * KD_ACT_THREADS + threadIdx.x; i < n - 1;"
+  "silu: the grid-stride loop steps a block too far~       i += (int64_t)gridDim.x * KD_ACT_THREADS) {~       i += (int64_t)(gridDim.x + 1) * KD_ACT_THREADS) {"
   "silu: columns counted past the row~    const int64_t r = i / cols, c = i % cols;~    const int64_t r = i / cols, c = i % cols + (i % cols == cols - 1);"
   # The one-launch selection of few evictions (keydiff_select_few). Two of its barriers are
   # not among them: the one at the end of each digit of kd_few_kth (the next digit's reads and

@@ -84,6 +84,19 @@ fn unusable_cuda_devices_are_refused_with_the_reason() {
     assert!(matches!(keydiff::parse_device("cpu"), Ok(Device::Cpu)));
 }
 
+/// `n` seeded values, uniform in ±scale / 2 (xorshift).
+fn seeded(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..n)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale
+        })
+        .collect()
+}
+
 /// The engine's CUDA devices keep freed memory in their pool across synchronisations and
 /// create no per-allocation events (`prepare_cuda`), and the memory plan still sees memory this
 /// process freed: a GiB allocated, freed and synchronised is free again for `detect_on` (which
@@ -620,17 +633,8 @@ fn causal_softmax_matches_naive(dev: &Device) -> Result<()> {
     use keydiff_model::attention::{causal_softmax_cuda, chunk_mask, masked_softmax};
     for (heads, chunk, t) in [(3, 1, 40), (4, 7, 7), (2, 128, 1000), (1, 16, 9000)] {
         for dt in [DType::F32, DType::F16, DType::BF16] {
-            // Seeded scores, spread about ±5.
             let n = heads * chunk * t;
-            let mut state = (n as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-            let x: Vec<f32> = (0..n)
-                .map(|_| {
-                    state ^= state << 13;
-                    state ^= state >> 7;
-                    state ^= state << 17;
-                    ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 10.0
-                })
-                .collect();
+            let x = seeded(n, n as u64, 10.0);
             let scores = Tensor::from_vec(x, (heads, chunk, t), dev)?.to_dtype(dt)?;
             // On CUDA the kernel must take them (not candle's ops in its place).
             if dev.is_cuda() {
@@ -695,21 +699,12 @@ fn add_rms_norm_matches_reference(dev: &Device) -> Result<()> {
     use keydiff_model::model::{add_rms_norm, add_rms_norm_cuda};
     for (rows, cols) in [(1, 576), (3, 3072), (2, 257)] {
         for dt in [DType::F32, DType::F16, DType::BF16] {
-            let seeded = |n: usize, seed: u64, scale: f32| -> Result<Tensor> {
-                let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-                let v: Vec<f32> = (0..n)
-                    .map(|_| {
-                        state ^= state << 13;
-                        state ^= state >> 7;
-                        state ^= state << 17;
-                        ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale
-                    })
-                    .collect();
-                Ok(Tensor::from_vec(v, n, dev)?.to_dtype(dt)?)
+            let t = |v: Vec<f32>, shape: &[usize]| -> Result<Tensor> {
+                Ok(Tensor::from_vec(v, shape, dev)?.to_dtype(dt)?)
             };
-            let x = seeded(rows * cols, 1, 4.0)?.reshape((rows, cols))?;
-            let r = seeded(rows * cols, 2, 2.0)?.reshape((rows, cols))?;
-            let w = seeded(cols, 3, 2.0)?;
+            let x = t(seeded(rows * cols, 1, 4.0), &[rows, cols])?;
+            let r = t(seeded(rows * cols, 2, 2.0), &[rows, cols])?;
+            let w = t(seeded(cols, 3, 2.0), &[cols])?;
             let eps = 1e-6;
             if dev.is_cuda() {
                 ensure!(
@@ -765,15 +760,7 @@ fn silu_mul_matches_reference(dev: &Device) -> Result<()> {
     use keydiff_model::model::{silu_mul, silu_mul_cuda};
     for (rows, cols) in [(1, 8192), (3, 896), (2, 257)] {
         for dt in [DType::F32, DType::F16, DType::BF16] {
-            let mut state = (rows * cols) as u64 | 1;
-            let v: Vec<f32> = (0..rows * 2 * cols)
-                .map(|_| {
-                    state ^= state << 13;
-                    state ^= state >> 7;
-                    state ^= state << 17;
-                    ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 12.0
-                })
-                .collect();
+            let v = seeded(rows * 2 * cols, (rows * cols) as u64, 12.0);
             let both = Tensor::from_vec(v, (rows, 2 * cols), dev)?.to_dtype(dt)?;
             let (g, u) = (both.narrow(1, 0, cols)?, both.narrow(1, cols, cols)?);
             for (g, u) in [(g.clone(), u.clone()), (g.contiguous()?, u.contiguous()?)] {

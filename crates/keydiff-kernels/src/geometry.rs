@@ -370,8 +370,9 @@ pub fn check_norm(rows: usize, cols: usize) -> Result<()> {
 
 /// `KD_ACT_THREADS`: threads of a SwiGLU-product block.
 pub const ACT_THREADS: u32 = 256;
-/// Most blocks of a SwiGLU-product launch (a grid-stride loop covers the rest).
-pub const ACT_MAX_BLOCKS: usize = 1 << 16;
+/// Most blocks of a SwiGLU-product launch: 262,144 threads, an H100's or H200's resident
+/// threads (132 SMs × 2048); a grid-stride loop covers the rest of a prompt chunk's values.
+pub const ACT_MAX_BLOCKS: usize = 1024;
 
 /// `keydiff_silu_mul_*`: a grid-stride loop over `n` values.
 pub fn act_launch(n: usize) -> Launch {

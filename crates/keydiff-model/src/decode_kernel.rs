@@ -5,6 +5,8 @@
 //! CUDA residual add and RMSNorm ([`add_rms_norm_cuda`]) and of SwiGLU's product on CUDA
 //! ([`silu_mul_cuda`]).
 
+use std::sync::OnceLock;
+
 use candle_core::{DType, Tensor};
 use keydiff_cache::KvType;
 
@@ -101,8 +103,14 @@ pub fn decode_attention_cuda(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Optio
 /// Whether the CUDA decode kernel runs (`KEYDIFF_CUDA_DECODE_KERNEL=0` turns it off, to time
 /// or check the eager path against it).
 fn cuda_decode_kernel_on() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("KEYDIFF_CUDA_DECODE_KERNEL").map_or(true, |v| v != "0"))
+    static ON: OnceLock<bool> = OnceLock::new();
+    switched_on(&ON, "KEYDIFF_CUDA_DECODE_KERNEL")
+}
+
+/// Whether one of keydiff's CUDA kernels runs: on unless the environment variable `var` is `0`
+/// (to time or check candle's ops against it), read once into `cell`.
+fn switched_on(cell: &OnceLock<bool>, var: &str) -> bool {
+    *cell.get_or_init(|| std::env::var(var).map_or(true, |v| v != "0"))
 }
 
 #[cfg(feature = "cuda")]
@@ -167,9 +175,8 @@ impl candle_core::CustomOp3 for CudaDecode {
 /// [`attention_probs`]: crate::attention::attention_probs
 /// [`chunk_mask`]: crate::attention::chunk_mask
 pub fn causal_softmax_cuda(scores: &Tensor, chunk: usize, dtype: DType) -> Result<Option<Tensor>> {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let on =
-        *ON.get_or_init(|| std::env::var("KEYDIFF_CUDA_SOFTMAX_KERNEL").map_or(true, |v| v != "0"));
+    static ON: OnceLock<bool> = OnceLock::new();
+    let on = switched_on(&ON, "KEYDIFF_CUDA_SOFTMAX_KERNEL");
     let float = matches!(scores.dtype(), DType::F32 | DType::F16 | DType::BF16);
     let t = scores.dims().last().copied().unwrap_or(0);
     if !on
@@ -239,8 +246,8 @@ pub fn add_rms_norm_cuda(
     w: &Tensor,
     eps: f32,
 ) -> Result<Option<(Tensor, Tensor)>> {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let on = *ON.get_or_init(|| std::env::var("KEYDIFF_CUDA_ADD_NORM").map_or(true, |v| v != "0"));
+    static ON: OnceLock<bool> = OnceLock::new();
+    let on = switched_on(&ON, "KEYDIFF_CUDA_ADD_NORM");
     let float = matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16);
     let two_d = x.rank() == 2 && r.dims() == x.dims() && w.dims() == [x.dim(1)?];
     if !on
@@ -316,8 +323,8 @@ impl candle_core::CustomOp3 for CudaAddNorm {
 /// `None` where it does not apply (off CUDA, another dtype or shape, rows not contiguous) or
 /// where `KEYDIFF_CUDA_SILU_MUL=0` turns it off: the caller then runs candle's ops.
 pub fn silu_mul_cuda(gate: &Tensor, up: &Tensor) -> Result<Option<Tensor>> {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let on = *ON.get_or_init(|| std::env::var("KEYDIFF_CUDA_SILU_MUL").map_or(true, |v| v != "0"));
+    static ON: OnceLock<bool> = OnceLock::new();
+    let on = switched_on(&ON, "KEYDIFF_CUDA_SILU_MUL");
     let float = matches!(gate.dtype(), DType::F32 | DType::F16 | DType::BF16);
     let rows_contiguous = |x: &Tensor| x.stride().last() == Some(&1);
     if !on
@@ -529,7 +536,6 @@ fn decode_typed<E: KvElem>(
     (kv_heads, g, d, t): (usize, usize, usize, usize),
     probs: bool,
 ) -> Result<(Vec<f32>, Option<Vec<f32>>)> {
-    use std::sync::OnceLock;
     let unit: DecodeUnit<E> = match d {
         64 => decode_unit::<64, E>,
         128 => decode_unit::<128, E>,

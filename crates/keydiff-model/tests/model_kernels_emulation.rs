@@ -529,15 +529,28 @@ fn check_add_norm(rows: usize, cols: usize, dt: Dt, seed: u64, scale: f32) {
     let flat = |t: Tensor| f32s(&t).flatten_all().unwrap().to_vec1::<f32>().unwrap();
     let (sum, norm) = (flat(sum), flat(norm));
     assert_eq!(&got[..rows * cols], &sum[..], "{what}: sums");
+    assert_within_rounding(
+        &format!("{what}: norms"),
+        &got[rows * cols..],
+        &norm,
+        dt,
+        cols,
+    );
+}
+
+/// `got` within the rounding of `dt` (an ulp; 2e-6 in f32) of `want`, value by value of rows
+/// of `cols`.
+fn assert_within_rounding(what: &str, got: &[f32], want: &[f32], dt: Dt, cols: usize) {
     let rel = match dt {
         Dt::F32 => 2e-6,
         Dt::F16 => 1e-3,
         Dt::BF16 => 8e-3,
     };
-    for (i, (&g, &w)) in got[rows * cols..].iter().zip(&norm).enumerate() {
+    assert_eq!(got.len(), want.len(), "{what}");
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
         assert!(
             (g - w).abs() <= rel * w.abs() + 1e-6,
-            "{what}: norm {} of row {}: {g} against {w}",
+            "{what}: value {} of row {}: {g} against {w}",
             i % cols,
             i / cols
         );
@@ -560,6 +573,34 @@ fn add_rms_norm_matches_candle() {
     }
     // Values about 1e-3: their mean square is of the order of eps (1e-6), which then counts.
     check_add_norm(2, 576, Dt::F32, 90, 1e-3);
+}
+
+/// The norm is taken of the sum as rounded to the dtype, as candle's add then `rms_norm` take
+/// it: 1 + 0.0035 rounds to 1 in bf16, so every sum is 1 and every norm (weights 1) is
+/// bf16(1 / sqrt(1 + eps)) = 1 exactly; the norm of the unrounded sums would be 0.9961.
+#[test]
+fn add_rms_norm_normalises_the_rounded_sum() {
+    let (rows, cols) = (2, 300);
+    let x = vec![bf16::ONE; rows * cols];
+    let r = vec![bf16::from_f32(0.0035); rows * cols];
+    let w = vec![bf16::ONE; cols];
+    for seed in [1, 2] {
+        let got = add_rms_norm(
+            Keys::BF16(&x),
+            Keys::BF16(&r),
+            Keys::BF16(&w),
+            rows,
+            cols,
+            1e-6,
+            seed,
+        )
+        .unwrap();
+        assert!(
+            got.iter().all(|&v| v == 1.0),
+            "sums and norms: {:?}",
+            &got[rows * cols..][..4]
+        );
+    }
 }
 
 /// Bad shapes are errors naming the problem, before anything runs.
@@ -660,28 +701,16 @@ fn check_silu_mul(rows: usize, cols: usize, dt: Dt, fused: bool, seed: u64) {
         .unwrap()
         .to_vec1::<f32>()
         .unwrap();
-    let rel = match dt {
-        Dt::F32 => 2e-6,
-        Dt::F16 => 1e-3,
-        Dt::BF16 => 8e-3,
-    };
-    for (i, (&a, &b)) in got.iter().zip(&want).enumerate() {
-        assert!(
-            (a - b).abs() <= rel * b.abs() + 1e-6,
-            "{what}: value {} of row {}: {a} against {b}",
-            i % cols,
-            i / cols
-        );
-    }
+    assert_within_rounding(&what, &got, &want, dt, cols);
 }
 
 #[test]
 fn silu_mul_matches_candle() {
-    // One decode row of Llama-3.2-3B's 8192, prompt rows of Qwen2.5-0.5B's 4864, odd sizes.
-    for (i, &(rows, cols)) in [(1, 8192), (3, 4864), (5, 100), (2, 257)]
-        .iter()
-        .enumerate()
-    {
+    // One decode row of Llama-3.2-3B's 8192, prompt rows of Qwen2.5-0.5B's 4864, odd sizes,
+    // and 40 rows of 8192: past the 262,144 values one grid covers (`act_launch`), so the
+    // grid-stride loop takes a second turn.
+    let shapes = [(1, 8192), (3, 4864), (5, 100), (2, 257), (40, 8192)];
+    for (i, &(rows, cols)) in shapes.iter().enumerate() {
         for dt in [Dt::F32, Dt::F16, Dt::BF16] {
             for fused in [true, false] {
                 check_silu_mul(rows, cols, dt, fused, 80 + i as u64 + fused as u64);
