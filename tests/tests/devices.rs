@@ -640,7 +640,8 @@ fn causal_softmax_matches_naive(dev: &Device) -> Result<()> {
             if dev.is_cuda() {
                 ensure!(
                     causal_softmax_cuda(&scores, chunk, DType::F32)?.is_some(),
-                    "the CUDA softmax kernel declined {dt:?} scores (KEYDIFF_CUDA_SOFTMAX_KERNEL=0?)"
+                    "the CUDA softmax kernel declined {dt:?} scores \
+                     (KEYDIFF_CUDA_SOFTMAX_KERNEL=0?)"
                 );
             }
             let x = scores
@@ -709,7 +710,8 @@ fn add_rms_norm_matches_reference(dev: &Device) -> Result<()> {
             if dev.is_cuda() {
                 ensure!(
                     add_rms_norm_cuda(&x, &r, &w, eps)?.is_some(),
-                    "the CUDA add+norm kernel declined {dt:?} rows of {cols} (KEYDIFF_CUDA_ADD_NORM=0?)"
+                    "the CUDA add+norm kernel declined {dt:?} rows of {cols} \
+                     (KEYDIFF_CUDA_ADD_NORM=0?)"
                 );
             }
             let (sum, norm) = add_rms_norm(&x, &r, &w, eps)?;

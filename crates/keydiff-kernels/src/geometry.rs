@@ -338,10 +338,17 @@ pub fn softmax_launch(rows: usize) -> Launch {
 /// whose keys are the last `chunk` of `t`.
 pub fn check_softmax(rows: usize, t: usize, chunk: usize) -> Result<()> {
     if chunk == 0 || t < chunk || t > MAX_SLOTS {
-        bail!("causal-softmax: a chunk of {chunk} queries over {t} keys (1 <= chunk <= keys <= {MAX_SLOTS})");
+        bail!(
+            "causal-softmax: a chunk of {chunk} queries over {t} keys \
+             (1 <= chunk <= keys <= {MAX_SLOTS})"
+        );
     }
     if rows == 0 || !rows.is_multiple_of(chunk) || rows > i32::MAX as usize {
-        bail!("causal-softmax: {rows} rows, not a positive multiple of the chunk {chunk} (at most {})", i32::MAX);
+        bail!(
+            "causal-softmax: {rows} rows, not a positive multiple of the chunk {chunk} \
+             (at most {})",
+            i32::MAX
+        );
     }
     Ok(())
 }

@@ -152,8 +152,8 @@ pub struct CudaAllocator {
 ///   the first prompt's temporaries fill the pool.
 /// - cudarc's event tracking is turned off: with it, every allocation creates two CUDA events
 ///   (and destroys them when freed) for synchronisation across streams, but candle runs a
-///   device's work on CUDA's per-thread stream, where cudarc never waits on them. `KEYDIFF_CUDA_EVENTS=1`
-///   keeps them.
+///   device's work on CUDA's per-thread stream, where cudarc never waits on them.
+///   `KEYDIFF_CUDA_EVENTS=1` keeps them.
 ///
 /// Call it on a freshly opened device, before tensors are made on it (the engine's
 /// `parse_device` does). Other devices are left alone (`None`).
