@@ -1527,8 +1527,9 @@ KD_DECODE_DTYPE(bf16, __nv_bfloat16)
 // as four passes over a row of T scores per query row (a cast of q · kᵀ to f32, the mask added,
 // softmax, and for the value product a cast back), writing an f32 copy of the scores twice; a
 // chunk of 128 queries of Llama-3.1-8B over 8192 keys holds 34 M scores a layer. This is one
-// launch that reads the scores in their dtype twice and writes the probabilities once, in f32
-// (the policies' statistics sum them) or in the scores' dtype (for the value product).
+// launch that reads the scores in their dtype twice and writes the probabilities once, in the
+// scores' dtype (for the value product) or in f32. Where a policy needs statistics,
+// keydiff_softmax_state_* and keydiff_softmax_sums_* (below) run instead.
 // Reference: `attention_probs` in crates/keydiff-model/src/attention.rs (softmax in f32 over
 // the scores plus `chunk_mask`), which the CPU runs.
 //
@@ -1552,13 +1553,15 @@ __device__ __forceinline__ void kd_smx_merge(float& m, float& l, float m2, float
   m = mx;
 }
 
-template <typename TI, typename TO>
-__device__ void kd_causal_softmax(const TI* s, TO* p, int t, int chunk) {
+// Keys the query at q of its chunk sees (bottom-right causal): j < t - chunk + q + 1.
+__device__ __forceinline__ int kd_smx_seen(int t, int chunk, int q) { return t - chunk + q + 1; }
+
+// Pass 1, block-wide over one row x: the max m of its first `seen` scores and the sum l of
+// e^(score - m) (an online softmax per thread, then the warps', then the block's), the same in
+// every thread.
+template <typename TI>
+__device__ void kd_smx_state(const TI* x, int seen, float& m_out, float& l_out) {
   __shared__ float sm_m[KD_SMX_WARPS], sm_l[KD_SMX_WARPS];
-  const int64_t row = blockIdx.x;
-  const int seen = t - chunk + (int)(row % chunk) + 1;
-  const TI* x = s + row * t;
-  TO* y = p + row * t;
   float m = kd_neg_inf(), l = 0.f;
   for (int c = threadIdx.x; c < seen; c += KD_SMX_THREADS) {
     const float v = kd_to_f(x[c]);
@@ -1584,6 +1587,18 @@ __device__ void kd_causal_softmax(const TI* s, TO* p, int t, int chunk) {
   m = sm_m[0];
   l = sm_l[0];
   for (int w = 1; w < KD_SMX_WARPS; ++w) kd_smx_merge(m, l, sm_m[w], sm_l[w]);
+  m_out = m;
+  l_out = l;
+}
+
+template <typename TI, typename TO>
+__device__ void kd_causal_softmax(const TI* s, TO* p, int t, int chunk) {
+  const int64_t row = blockIdx.x;
+  const int seen = kd_smx_seen(t, chunk, (int)(row % chunk));
+  const TI* x = s + row * t;
+  TO* y = p + row * t;
+  float m, l;
+  kd_smx_state(x, seen, m, l);
   for (int c = threadIdx.x; c < t; c += KD_SMX_THREADS) {
     kd_store(&y[c], c < seen ? expf(kd_to_f(x[c]) - m) / l : 0.f);
   }
@@ -1601,6 +1616,87 @@ KD_INSTANTIATE_SMX(f16, __half, f32, float)
 KD_INSTANTIATE_SMX(f16, __half, f16, __half)
 KD_INSTANTIATE_SMX(bf16, __nv_bfloat16, f32, float)
 KD_INSTANTIATE_SMX(bf16, __nv_bfloat16, bf16, __nv_bfloat16)
+
+// ---------------------------------------------------------------------------------------------
+// The causal softmax with the statistics of TOVA, SnapKV and H2O: the probabilities of the
+// last `stat_rows` queries of each query head summed per key, in f32 (`row_sums` in
+// crates/keydiff-model/src/attention.rs over `attention_probs`, which the CPU runs). The
+// one-launch softmax above would write the probabilities in f32 for candle to sum and cast
+// (four passes over them); here they are summed as they are made, and written only for the
+// value product, in its dtype (or not at all: flash attention's statistics pass).
+//
+// s [heads · chunk, t] contiguous, rows as for keydiff_causal_softmax (head h's queries are
+// rows h · chunk ..). Two launches:
+// 1. keydiff_softmax_state_<in>: the state (m, l) of every row, f32 [rows, 2] (pass 1 of the
+//    softmax above, one block of KD_SMX_THREADS per row).
+// 2. keydiff_softmax_sums_<in>_<out>: grid (ceil(t / KD_SMX_THREADS), heads), a thread per key:
+//    it walks the head's queries in order (reading KD_SMX_BATCH of them at a time), writes each
+//    probability e^(score - m) / l (0 where masked) to p when p is not null, and sums those of
+//    the last stat_rows queries into stats [heads, t] (f32). Without p only those queries are
+//    read. Consecutive threads read consecutive keys of a row: coalesced.
+template <typename TI>
+__device__ void kd_softmax_state(const TI* s, float* state, int t, int chunk) {
+  const int64_t row = blockIdx.x;
+  float m, l;
+  kd_smx_state(s + row * t, kd_smx_seen(t, chunk, (int)(row % chunk)), m, l);
+  if (threadIdx.x == 0) {
+    state[2 * row] = m;
+    state[2 * row + 1] = l;
+  }
+}
+
+// Queries a thread of keydiff_softmax_sums_* reads before it computes with them (loads in
+// flight together).
+#define KD_SMX_BATCH 4
+
+template <typename TI, typename TO>
+__device__ void kd_softmax_sums(const TI* __restrict__ s, const float* __restrict__ state,
+                                TO* __restrict__ p, float* __restrict__ stats, int t, int chunk,
+                                int stat_rows) {
+  const int64_t head = blockIdx.y;
+  const int c = blockIdx.x * KD_SMX_THREADS + threadIdx.x;
+  if (c >= t) return;
+  const int counted = chunk - stat_rows;
+  float acc = 0.f;
+  for (int q0 = p != nullptr ? 0 : counted; q0 < chunk; q0 += KD_SMX_BATCH) {
+    float x[KD_SMX_BATCH];
+    for (int b = 0; b < KD_SMX_BATCH; ++b) {
+      const int q = q0 + b;
+      const bool read = q < chunk && c < kd_smx_seen(t, chunk, q);
+      x[b] = read ? kd_to_f(s[(head * chunk + q) * t + c]) : 0.f;
+    }
+    for (int b = 0; b < KD_SMX_BATCH && q0 + b < chunk; ++b) {
+      const int q = q0 + b;
+      const int64_t row = head * chunk + q;
+      const float v =
+          c < kd_smx_seen(t, chunk, q) ? expf(x[b] - state[2 * row]) / state[2 * row + 1] : 0.f;
+      if (p != nullptr) kd_store(&p[row * t + c], v);
+      if (q >= counted) acc += v;
+    }
+  }
+  stats[head * t + c] = acc;
+}
+
+#define KD_INSTANTIATE_SMX_STATE(SI, TI)                                                        \
+  extern "C" __global__ void __launch_bounds__(KD_SMX_THREADS)                                  \
+      keydiff_softmax_state_##SI(const TI* s, float* state, int t, int chunk) {                 \
+    kd_softmax_state<TI>(s, state, t, chunk);                                                   \
+  }
+#define KD_INSTANTIATE_SMX_SUMS(SI, TI, SO, TO)                                                 \
+  extern "C" __global__ void __launch_bounds__(KD_SMX_THREADS)                                  \
+      keydiff_softmax_sums_##SI##_##SO(const TI* s, const float* state, TO* p, float* stats,    \
+                                       int t, int chunk, int stat_rows) {                       \
+    kd_softmax_sums<TI, TO>(s, state, p, stats, t, chunk, stat_rows);                           \
+  }
+
+KD_INSTANTIATE_SMX_STATE(f32, float)
+KD_INSTANTIATE_SMX_STATE(f16, __half)
+KD_INSTANTIATE_SMX_STATE(bf16, __nv_bfloat16)
+KD_INSTANTIATE_SMX_SUMS(f32, float, f32, float)
+KD_INSTANTIATE_SMX_SUMS(f16, __half, f32, float)
+KD_INSTANTIATE_SMX_SUMS(f16, __half, f16, __half)
+KD_INSTANTIATE_SMX_SUMS(bf16, __nv_bfloat16, f32, float)
+KD_INSTANTIATE_SMX_SUMS(bf16, __nv_bfloat16, bf16, __nv_bfloat16)
 
 // ---------------------------------------------------------------------------------------------
 // Residual add and RMSNorm in one launch (vLLM's fused_add_rms_norm): a layer's hidden state x

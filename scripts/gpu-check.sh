@@ -318,9 +318,12 @@ echo "== 3h. the decode path on the device (decode kernel, fused linears): decod
 # blocks and the combine kernel. In f32 the device must match the CPU closely under KeyDiff
 # too; in bf16 under the policies whose choice rounding cannot move. The residual add and
 # RMSNorm kernel (keydiff_add_rms_norm_*) and the causal softmax run in every layer of both
-# the prefill and the steps, and so does SwiGLU's product (keydiff_silu_mul_*). Then the same
-# with all of them off (KEYDIFF_CUDA_DECODE_KERNEL=0 KEYDIFF_CUDA_FUSE=0 KEYDIFF_CUDA_ADD_NORM=0
-# KEYDIFF_CUDA_SOFTMAX_KERNEL=0 KEYDIFF_CUDA_SILU_MUL=0: candle's ops), for comparison.
+# the prefill and the steps, and so does SwiGLU's product (keydiff_silu_mul_*); h2o's
+# statistics come from the softmax with sums (keydiff_softmax_state_*, keydiff_softmax_sums_*),
+# a step's too (chunks of one query). Then the same with all of them off
+# (KEYDIFF_CUDA_DECODE_KERNEL=0 KEYDIFF_CUDA_FUSE=0 KEYDIFF_CUDA_ADD_NORM=0
+# KEYDIFF_CUDA_SOFTMAX_KERNEL=0 KEYDIFF_CUDA_SOFTMAX_SUMS=0 KEYDIFF_CUDA_SILU_MUL=0: candle's
+# ops), for comparison.
 decode_ok=1
 : > "$out/decode-path.jsonl"
 for on in 1 0; do
@@ -329,7 +332,8 @@ for on in 1 0; do
     for r in "--prompt-len 1300 --decode-steps 300" "--prompt-len 400 --decode-steps 200 --budget 96 --policies $pol"; do
       # shellcheck disable=SC2086
       if ! KEYDIFF_CUDA_DECODE_KERNEL=$on KEYDIFF_CUDA_FUSE=$on KEYDIFF_CUDA_ADD_NORM=$on \
-          KEYDIFF_CUDA_SOFTMAX_KERNEL=$on KEYDIFF_CUDA_SILU_MUL=$on timeout 90 "$bin" check-device \
+          KEYDIFF_CUDA_SOFTMAX_KERNEL=$on KEYDIFF_CUDA_SOFTMAX_SUMS=$on KEYDIFF_CUDA_SILU_MUL=$on \
+          timeout 90 "$bin" check-device \
           --device "$device" --dtype $dt --attention eager --chunk 64 $r \
           --preset configs/tiny-llama.json --preset configs/tiny-qwen.json \
           --preset configs/tiny-qwen-d64.json --preset configs/tiny-qwen3.json \
@@ -498,15 +502,19 @@ echo "== 4f. eager prefill: keydiff's causal softmax and allocator settings agai
 # keydiff_causal_softmax_* does them in one launch (KEYDIFF_CUDA_SOFTMAX_KERNEL=0 turns it
 # off), the device's memory pool keeps freed memory across synchronisations and cudarc's
 # per-allocation events are off (KEYDIFF_CUDA_POOL_RETAIN=0 KEYDIFF_CUDA_EVENTS=1 restore the
-# defaults). Three processes, eager attention: all on; the softmax kernel off; the allocator
-# as the driver leaves it. full writes bf16 probabilities, h2o f32 ones (its statistics).
+# defaults). Where a policy needs statistics (h2o here), keydiff_softmax_state_* and
+# keydiff_softmax_sums_* sum the probabilities as they write them in bf16, where the one-launch
+# softmax wrote them in f32 for candle to sum and cast (KEYDIFF_CUDA_SOFTMAX_SUMS=0 goes back to
+# that). Four processes, eager attention: all on; the sums kernels off; the softmax kernels
+# off; the allocator as the driver leaves it.
 left=$((deadline - SECONDS))
-if [ "$left" -lt 90 ]; then
+if [ "$left" -lt 110 ]; then
   note "eager prefill settings: skipped (${left}s left of the ${deadline}s budget)"
 else
   mkdir -p "$out/eager"
   i=0
-  for envs in "KEYDIFF_CUDA_SOFTMAX_KERNEL=1" "KEYDIFF_CUDA_SOFTMAX_KERNEL=0" \
+  for envs in "KEYDIFF_CUDA_SOFTMAX_KERNEL=1" "KEYDIFF_CUDA_SOFTMAX_SUMS=0" \
+      "KEYDIFF_CUDA_SOFTMAX_KERNEL=0 KEYDIFF_CUDA_SOFTMAX_SUMS=0" \
       "KEYDIFF_CUDA_POOL_RETAIN=0 KEYDIFF_CUDA_EVENTS=1"; do
     i=$((i + 1))
     # shellcheck disable=SC2086  # the assignments, one word each

@@ -107,8 +107,8 @@ mutants=(
   "decode: an element past the head dim read as a value~      vx[e] = c < d ? kd_to_f(vr[c]) : 0.f;~      vx[e] = c < d + 32 ? kd_to_f(vr[c]) : 0.f;"
   # The causal softmax of eager chunk attention (keydiff_causal_softmax_*), caught by
   # keydiff-model's tests/model_kernels_emulation.rs (the mutants named "softmax: ...").
-  "softmax: each query sees one key too few~  const int seen = t - chunk + (int)(row % chunk) + 1;~  const int seen = t - chunk + (int)(row % chunk);"
-  "softmax: a chunk's queries taken from its end~  const int seen = t - chunk + (int)(row % chunk) + 1;~  const int seen = t - (int)(row % chunk);"
+  "softmax: each query sees one key too few~return t - chunk + q + 1;~return t - chunk + q;"
+  "softmax: a chunk's queries taken from its end~  const int seen = kd_smx_seen(t, chunk, (int)(row % chunk));~  const int seen = kd_smx_seen(t, chunk, chunk - 1 - (int)(row % chunk));"
   "softmax: the running sum not rescaled by a new max~      l = l * expf(m - v) + 1.f;~      l = l + 1.f;"
   "softmax: a score of -inf not weighed 0~    } else if (v != kd_neg_inf()) {~    } else {"
   "softmax: states merged without rescaling~  l = l * a + l2 * b;~  l = l + l2 + 0.f * (a + b);"
@@ -116,6 +116,18 @@ mutants=(
   "softmax: no barrier before the warps' states are merged~    sm_l[warp] = l;\n  }\n  __syncthreads();~    sm_l[warp] = l;\n  }"
   "softmax: only the first warp's state~  for (int w = 1; w < KD_SMX_WARPS; ++w) kd_smx_merge~  for (int w = 1; w < 1; ++w) kd_smx_merge"
   "softmax: the first masked key weighed~    kd_store(&y[c], c < seen ?~    kd_store(&y[c], c <= seen ?"
+  # The softmax with the policies' statistics (keydiff_softmax_state_* / _sums_*), caught by the
+  # same tests (the mutants named "sums: ..."). Its pass 1 is the softmax's own (above).
+  "sums: a row's state from another row's query~  kd_smx_state(s + row * t, kd_smx_seen(t, chunk, (int)(row % chunk)), m, l);~  kd_smx_state(s + row * t, kd_smx_seen(t, chunk, (int)(row % chunk) / 2), m, l);"
+  "sums: divided by the max, not the sum~ - state[2 * row]) / state[2 * row + 1]~ - state[2 * row]) / state[2 * row]"
+  "sums: the first masked key weighed~c < kd_smx_seen(t, chunk, q) ? expf~c <= kd_smx_seen(t, chunk, q) ? expf"
+  "sums: the first counted query not summed~    if (q >= counted) acc += v;~    if (q > counted) acc += v;"
+  "sums: one query too many counted~  const int counted = chunk - stat_rows;~  const int counted = max(chunk - stat_rows - 1, 0);"
+  "sums: without probabilities, the first counted query skipped~p != nullptr ? 0 : counted; q0 < chunk;~p != nullptr ? 0 : counted + 1; q0 < chunk;"
+  "sums: a batch reads past the head's last query~const bool read = q < chunk && c <~const bool read = c <"
+  "sums: a batch computes past the head's last query~b < KD_SMX_BATCH && q0 + b < chunk; ++b~b < KD_SMX_BATCH; ++b"
+  "sums: every head's statistics in the first head's row~  stats[head * t + c] = acc;~  stats[c] = acc;"
+  "sums: keys past t~  if (c >= t) return;\n  const int counted~  if (c > t) return;\n  const int counted"
   # The residual add and RMSNorm (keydiff_add_rms_norm_*), caught by keydiff-model's
   # tests/model_kernels_emulation.rs (the mutants named "norm: ...").
   "norm: eps outside the root~  const float scale = rsqrtf(total / cols + eps);~  const float scale = rsqrtf(total / cols) + eps;"
@@ -170,7 +182,7 @@ fi
 
 # The tests that catch a mutant: the attention kernels' own, or the eviction kernels'.
 tests_for() {
-  if [[ "$1" == decode:* || "$1" == softmax:* || "$1" == norm:* || "$1" == silu:* ]]; then
+  if [[ "$1" == decode:* || "$1" == softmax:* || "$1" == sums:* || "$1" == norm:* || "$1" == silu:* ]]; then
     echo "-p keydiff-model --test model_kernels_emulation"
   else echo "-p keydiff-cache --test kernel_emulation"; fi
 }

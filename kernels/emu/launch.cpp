@@ -274,6 +274,62 @@ extern "C" int kd_emu_causal_softmax(int in, int out, const void* s, void* p, in
   return finish(guarded(d3(grid_x), d3(block), KD_SMX_THREADS, seed, run), err, err_len);
 }
 
+// in: 0 f32, 1 f16, 2 bf16.
+extern "C" int kd_emu_softmax_state(int in, const void* s, float* state, int t, int chunk,
+                                    unsigned grid_x, unsigned block, uint64_t seed, char* err,
+                                    size_t err_len) {
+  std::function<void()> run;
+#define KD_EMU_SMX_STATE(SI, TI) \
+  run = [=] { kd_emu::run_kernel(keydiff_softmax_state_##SI, (const TI*)s, state, t, chunk); };
+  switch (in) {
+    case 0:
+      KD_EMU_SMX_STATE(f32, float)
+      break;
+    case 1:
+      KD_EMU_SMX_STATE(f16, __half)
+      break;
+    case 2:
+      KD_EMU_SMX_STATE(bf16, __nv_bfloat16)
+      break;
+    default:
+      return finish("no softmax state kernel for dtype " + std::to_string(in), err, err_len);
+  }
+#undef KD_EMU_SMX_STATE
+  return finish(guarded(d3(grid_x), d3(block), KD_SMX_THREADS, seed, run), err, err_len);
+}
+
+// in: 0 f32, 1 f16, 2 bf16; out: 0 f32, the scores' own dtype, or -1 for no probabilities
+// (p is then passed as a null pointer).
+extern "C" int kd_emu_softmax_sums(int in, int out, const void* s, const float* state, void* p,
+                                   float* stats, int t, int chunk, int stat_rows,
+                                   unsigned grid_x, unsigned grid_y, unsigned block,
+                                   uint64_t seed, char* err, size_t err_len) {
+  std::function<void()> run;
+#define KD_EMU_SMX_SUMS(SI, TI, SO, TO)                                                       \
+  run = [=] {                                                                                 \
+    kd_emu::run_kernel(keydiff_softmax_sums_##SI##_##SO, (const TI*)s, state,                 \
+                       out < 0 ? (TO*)nullptr : (TO*)p, stats, t, chunk, stat_rows);          \
+  };
+  if (in == 0 && out <= 0) {
+    KD_EMU_SMX_SUMS(f32, float, f32, float)
+  } else if (in == 1 && out == 0) {
+    KD_EMU_SMX_SUMS(f16, __half, f32, float)
+  } else if (in == 1 && (out == 1 || out < 0)) {
+    KD_EMU_SMX_SUMS(f16, __half, f16, __half)
+  } else if (in == 2 && out == 0) {
+    KD_EMU_SMX_SUMS(bf16, __nv_bfloat16, f32, float)
+  } else if (in == 2 && (out == 2 || out < 0)) {
+    KD_EMU_SMX_SUMS(bf16, __nv_bfloat16, bf16, __nv_bfloat16)
+  } else {
+    return finish("no softmax sums from dtype " + std::to_string(in) + " to " +
+                      std::to_string(out),
+                  err, err_len);
+  }
+#undef KD_EMU_SMX_SUMS
+  return finish(guarded(d3(grid_x, grid_y), d3(block), KD_SMX_THREADS, seed, run), err,
+                err_len);
+}
+
 // dtype: 0 f32, 1 f16, 2 bf16.
 extern "C" int kd_emu_add_rms_norm(int dtype, const void* x, const void* r, const void* w,
                                    void* out, int rows, int cols, float eps, unsigned grid_x,

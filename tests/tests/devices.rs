@@ -691,6 +691,100 @@ test_device!(
     causal_softmax_matches_naive_cuda
 );
 
+/// The softmax with the statistics of TOVA, SnapKV and H2O as the device runs it (on CUDA
+/// keydiff's `keydiff_softmax_state_*` and `keydiff_softmax_sums_*`, which must take it; on the
+/// CPU candle's softmax and `row_sums`) against sums computed here in f64: scores in f32, f16
+/// and bf16, groups of query heads, the last 1, some or all queries of a chunk summed, the
+/// probabilities written in f32, in the scores' dtype (within their rounding of the naive ones)
+/// or not at all.
+fn softmax_sums_match_naive(dev: &Device) -> Result<()> {
+    use keydiff_model::attention::{chunk_mask, masked_softmax_sums, softmax_sums_cuda};
+    for (kv, g, chunk, t, r) in [(2, 3, 1, 40, 1), (1, 2, 7, 7, 7), (2, 2, 128, 1000, 32)] {
+        for dt in [DType::F32, DType::F16, DType::BF16] {
+            let n = kv * g * chunk * t;
+            let x = seeded(n, n as u64 + 7, 10.0);
+            let scores = Tensor::from_vec(x, (kv, g * chunk, t), dev)?.to_dtype(dt)?;
+            if dev.is_cuda() {
+                ensure!(
+                    softmax_sums_cuda(&scores, chunk, r, None)?.is_some(),
+                    "the CUDA softmax-sums kernels declined {dt:?} scores \
+                     (KEYDIFF_CUDA_SOFTMAX_SUMS=0?)"
+                );
+            }
+            let x = scores
+                .to_dtype(DType::F32)?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+            let mask = (chunk > 1)
+                .then(|| chunk_mask(chunk, t, dt, dev))
+                .transpose()?;
+            // Naive probabilities in f64, row by row.
+            let naive: Vec<f64> = x
+                .chunks(t)
+                .enumerate()
+                .flat_map(|(row, xr)| {
+                    let seen = t - chunk + row % chunk + 1;
+                    let max = xr[..seen]
+                        .iter()
+                        .fold(f64::NEG_INFINITY, |m, &v| m.max(v as f64));
+                    let sum: f64 = xr[..seen].iter().map(|&v| (v as f64 - max).exp()).sum();
+                    (0..t).map(move |c| {
+                        if c < seen {
+                            (xr[c] as f64 - max).exp() / sum
+                        } else {
+                            0.0
+                        }
+                    })
+                })
+                .collect();
+            let what = format!("kv {kv} g {g} chunk {chunk} t {t} last {r} {dt:?}");
+            for out in [None, Some(DType::F32), Some(dt)] {
+                let (p, sums) = masked_softmax_sums(&scores, mask.as_ref(), chunk, g, r, out)?;
+                ensure!(sums.dims() == [kv, g, t], "{what}: sums {:?}", sums.dims());
+                let sums = sums.flatten_all()?.to_vec1::<f32>()?;
+                for (head, hs) in sums.chunks(t).enumerate() {
+                    for (c, &got) in hs.iter().enumerate() {
+                        let want: f64 = (chunk - r..chunk)
+                            .map(|q| naive[(head * chunk + q) * t + c])
+                            .sum();
+                        ensure!(
+                            (got as f64 - want).abs() <= 5e-5 * want + 1e-7,
+                            "{what} -> {out:?}: sum of head {head} key {c}: {got} against {want}"
+                        );
+                    }
+                }
+                match (out, p) {
+                    (None, None) => {}
+                    (Some(o), Some(p)) => {
+                        ensure!(p.dtype() == o && p.dims() == scores.dims(), "{what}: {p:?}");
+                        let p = p.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+                        let rel = match o {
+                            DType::F16 => 1e-3,
+                            DType::BF16 => 8e-3,
+                            _ => 5e-5,
+                        };
+                        for (i, (&got, &want)) in p.iter().zip(&naive).enumerate() {
+                            ensure!(
+                                (got as f64 - want).abs() <= rel * want + 1e-7,
+                                "{what} -> {o:?}: row {} key {}: {got} against {want}",
+                                i / t,
+                                i % t
+                            );
+                        }
+                    }
+                    (o, p) => anyhow::bail!("{what}: asked {o:?}, got {p:?}"),
+                }
+            }
+        }
+    }
+    Ok(())
+}
+test_device!(
+    softmax_sums_match_naive,
+    softmax_sums_match_naive_cpu,
+    softmax_sums_match_naive_cuda
+);
+
 /// A residual add and the RMSNorm of its sum as the device runs them (on CUDA keydiff's
 /// `keydiff_add_rms_norm_*`, which must take them; on the CPU candle's add and `rms_norm`)
 /// against a reference computed here: the sums rounded once to the dtype, exactly; the norms in

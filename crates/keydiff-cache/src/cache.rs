@@ -42,8 +42,10 @@ impl CacheCounters {
 pub struct Profile {
     /// Norm, Q/K/V/O projections, RoPE, cache append, scores, softmax and the value product.
     pub attention_s: f64,
-    /// Attention statistics for the policy: summing the rows it needs and folding them into
-    /// its state.
+    /// Attention statistics for the policy: summing the rows it needs (flash attention's extra
+    /// pass, or the sums of a decode step's probabilities; under eager attention over a chunk
+    /// the softmax sums them as it makes them, and that time is attention's) and folding them
+    /// into its state.
     pub stats_s: f64,
     /// Norm, gate/up/down projections and the residual adds.
     pub mlp_s: f64,

@@ -9,10 +9,11 @@ use half::{bf16, f16};
 
 use crate::geometry::{
     act_launch, check_act, check_decode, check_kvq, check_norm, check_pool, check_scores,
-    check_select, check_softmax, decode_combine_launch, decode_lanes, decode_launch, decode_split,
-    kvq_launch, move_launch, norm_launch, per_head_launch, plan_moves, pool_words, scores_launch,
-    select_few_launch, select_few_workspace, select_multi_launch, select_passes, select_workspace,
-    softmax_launch, vector_loads_fit, Launch, ScoreLoads, SelectBlocks, KVQ_FP8, MAX_HEADS,
+    check_select, check_softmax, check_softmax_sums, decode_combine_launch, decode_lanes,
+    decode_launch, decode_split, kvq_launch, move_launch, norm_launch, per_head_launch, plan_moves,
+    pool_words, scores_launch, select_few_launch, select_few_workspace, select_multi_launch,
+    select_passes, select_workspace, softmax_launch, softmax_sums_launch, vector_loads_fit, Launch,
+    ScoreLoads, SelectBlocks, KVQ_FP8, MAX_HEADS,
 };
 
 /// PTX of `kernels/keydiff.cu`.
@@ -654,6 +655,117 @@ pub fn causal_softmax(
         (dt, _) => bail!("causal-softmax: unsupported dtype {dt:?} (f32, f16, bf16)"),
     };
     Ok((p, sl.shape().clone()))
+}
+
+/// The causal softmax of a chunk's attention scores with the policies' statistics
+/// (`keydiff_softmax_state_<in>`, then `keydiff_softmax_sums_<in>_<out>`; see the kernel
+/// source): `scores` `[heads · chunk, t]` contiguous (f32/f16/bf16), rows as for
+/// [`causal_softmax`], head h's queries rows h · chunk ... Returns the probabilities in
+/// `probs` (f32 or the scores' dtype; `None`: not written) and, `[heads, t]` in f32, the sum
+/// over the last `stat_rows` queries of each head of its probabilities.
+pub fn softmax_sums(
+    (s, sl): (&CudaStorage, &Layout),
+    chunk: usize,
+    stat_rows: usize,
+    probs: Option<DType>,
+) -> Result<(Option<CudaStorage>, CudaStorage)> {
+    let t = sl.dims().last().copied().unwrap_or(0);
+    if !sl.is_contiguous() || t == 0 {
+        bail!(
+            "softmax sums: scores {:?} strides {:?} (contiguous rows of keys)",
+            sl.dims(),
+            sl.stride()
+        );
+    }
+    let rows = sl.shape().elem_count() / t;
+    check_softmax_sums(rows, t, chunk, stat_rows)?;
+    if let Some(out) = probs.filter(|&o| o != DType::F32 && o != s.dtype()) {
+        bail!(
+            "softmax sums: probabilities in {out:?} from {:?} scores (f32 or the scores' dtype)",
+            s.dtype()
+        );
+    }
+    let heads = rows / chunk;
+    let dev = s.device().clone();
+    let (t32, chunk32, r32) = (t as i32, chunk as i32, stat_rows as i32);
+    // SAFETY: the state kernel writes both values of every row, the sums kernel every key of
+    // every head.
+    let mut state = unsafe { dev.alloc::<f32>(rows * 2)? };
+    let mut stats = unsafe { dev.alloc::<f32>(heads * t)? };
+    let state_cfg = launch_cfg(softmax_launch(rows));
+    let sums_cfg = launch_cfg(softmax_sums_launch(t, heads));
+    macro_rules! launch {
+        ($ti:ty, $to:ty, $state:literal, $sums:literal) => {{
+            let sv = s.as_cuda_slice::<$ti>()?.slice(sl.start_offset()..);
+            let f = dev.get_or_load_custom_func($state, MODULE, PTX)?;
+            let mut b = f.builder();
+            b.arg(&sv);
+            b.arg(&mut state);
+            b.arg(&t32);
+            b.arg(&chunk32);
+            // SAFETY: argument list matches the kernel; block r reads row r of the rows · t
+            // scores and writes the two values of row r of `state`, allocated here.
+            unsafe { b.launch(state_cfg) }.w()?;
+            // SAFETY: as above, the sums kernel writes every value of `p`.
+            let mut p = match probs {
+                Some(_) => Some(unsafe { dev.alloc::<$to>(rows * t)? }),
+                None => None,
+            };
+            let null = 0u64;
+            let f = dev.get_or_load_custom_func($sums, MODULE, PTX)?;
+            let mut b = f.builder();
+            b.arg(&sv);
+            b.arg(&state);
+            match p.as_mut() {
+                Some(p) => b.arg(p),
+                // A null pointer: the kernel then writes no probabilities.
+                None => b.arg(&null),
+            };
+            b.arg(&mut stats);
+            b.arg(&t32);
+            b.arg(&chunk32);
+            b.arg(&r32);
+            // SAFETY: argument list matches the kernel; the thread of key c of head h reads
+            // column c of the head's rows of scores and `state`, and writes that column of the
+            // head's rows of `p` and of `stats`, all allocated above for rows · t and heads · t.
+            unsafe { b.launch(sums_cfg) }.w()?;
+            p.map(|p| CudaStorage::wrap_cuda_slice(p, dev.clone()))
+        }};
+    }
+    let p = match (s.dtype(), probs) {
+        (DType::F32, _) => launch!(
+            f32,
+            f32,
+            "keydiff_softmax_state_f32",
+            "keydiff_softmax_sums_f32_f32"
+        ),
+        (DType::F16, Some(DType::F32)) => launch!(
+            f16,
+            f32,
+            "keydiff_softmax_state_f16",
+            "keydiff_softmax_sums_f16_f32"
+        ),
+        (DType::F16, _) => launch!(
+            f16,
+            f16,
+            "keydiff_softmax_state_f16",
+            "keydiff_softmax_sums_f16_f16"
+        ),
+        (DType::BF16, Some(DType::F32)) => launch!(
+            bf16,
+            f32,
+            "keydiff_softmax_state_bf16",
+            "keydiff_softmax_sums_bf16_f32"
+        ),
+        (DType::BF16, _) => launch!(
+            bf16,
+            bf16,
+            "keydiff_softmax_state_bf16",
+            "keydiff_softmax_sums_bf16_bf16"
+        ),
+        (dt, _) => bail!("softmax sums: unsupported dtype {dt:?} (f32, f16, bf16)"),
+    };
+    Ok((p, CudaStorage::wrap_cuda_slice(stats, dev)))
 }
 
 /// A residual add and the RMSNorm of its sum in one launch (`keydiff_add_rms_norm_<dtype>`; see

@@ -26,10 +26,11 @@ use half::{bf16, f16};
 use crate::fence::{Fenced, HeadAxis, Side};
 use crate::geometry::{
     act_launch, check_act, check_decode, check_kvq, check_norm, check_pool, check_scores,
-    check_select, check_softmax, decode_combine_launch, decode_lanes, decode_launch, decode_split,
-    kvq_launch, move_launch, norm_launch, per_head_launch, plan_moves, pool_words, scores_launch,
-    select_few_launch, select_few_workspace, select_multi_launch, select_passes, select_workspace,
-    softmax_launch, vector_loads_fit, ScoreLoads, SelectBlocks, KVQ_BYTES,
+    check_select, check_softmax, check_softmax_sums, decode_combine_launch, decode_lanes,
+    decode_launch, decode_split, kvq_launch, move_launch, norm_launch, per_head_launch, plan_moves,
+    pool_words, scores_launch, select_few_launch, select_few_workspace, select_multi_launch,
+    select_passes, select_workspace, softmax_launch, softmax_sums_launch, vector_loads_fit,
+    ScoreLoads, SelectBlocks, KVQ_BYTES,
 };
 
 extern "C" {
@@ -169,6 +170,35 @@ extern "C" {
         t: c_int,
         chunk: c_int,
         grid_x: c_uint,
+        block: c_uint,
+        seed: u64,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    fn kd_emu_softmax_state(
+        in_dtype: c_int,
+        s: *const u8,
+        state: *mut f32,
+        t: c_int,
+        chunk: c_int,
+        grid_x: c_uint,
+        block: c_uint,
+        seed: u64,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    fn kd_emu_softmax_sums(
+        in_dtype: c_int,
+        out_dtype: c_int,
+        s: *const u8,
+        state: *const f32,
+        p: *mut u8,
+        stats: *mut f32,
+        t: c_int,
+        chunk: c_int,
+        stat_rows: c_int,
+        grid_x: c_uint,
+        grid_y: c_uint,
         block: c_uint,
         seed: u64,
         err: *mut c_char,
@@ -668,6 +698,118 @@ pub fn causal_softmax(
     })?;
     sf.finish()?;
     Ok(widen(out_dtype, &out.finish()?))
+}
+
+/// `keydiff_softmax_state_<in>` then `keydiff_softmax_sums_<in>_<out>` on `scores`,
+/// `[rows, t]` contiguous, rows as for [`causal_softmax`] (head h's queries are rows
+/// h · chunk ..). Returns the probabilities `[rows · t]` widened to f32 (exactly), written in
+/// f32 (`probs` = `Some(true)`) or in the scores' dtype (`Some(false)`), or `None` when `probs`
+/// is `None` (none written); and the sums over the last `stat_rows` queries of each head of its
+/// probabilities, `[rows / chunk · t]` in f32.
+pub fn softmax_sums(
+    scores: Keys<'_>,
+    rows: usize,
+    t: usize,
+    chunk: usize,
+    stat_rows: usize,
+    probs: Option<bool>,
+    seed: u64,
+) -> Result<(Option<Vec<f32>>, Vec<f32>)> {
+    check_softmax_sums(rows, t, chunk, stat_rows)?;
+    let (dtype, bytes, len, elem) = scores.parts();
+    let n = rows * t;
+    if len < n {
+        bail!("softmax sums: {len} scores, not {rows} × {t}");
+    }
+    let heads = rows / chunk;
+    let (out_dtype, out_elem) = match probs {
+        Some(true) => (0, 4),
+        Some(false) => (dtype, elem),
+        None => (-1, 0),
+    };
+    let side = Side::for_seed(seed);
+    let sf = Fenced::copy_of("softmax-sums scores", &bytes[..n * elem], side, 16)?;
+    // NaN bytes (all ones) wherever a value is never written.
+    let mut state = Fenced::filled("softmax-sums row states", rows * 2, f32::NAN, side, 16)?;
+    let mut out = Fenced::filled("softmax-sums probabilities", n * out_elem, 0xFFu8, side, 16)?;
+    let mut stats = Fenced::filled("softmax-sums statistics", heads * t, f32::NAN, side, 16)?;
+    // `check_softmax_sums` bounds them to `int`.
+    let (t32, chunk32, r32) = (t as c_int, chunk as c_int, stat_rows as c_int);
+    // Launch 1: block r reads row r and writes its state.
+    let l = softmax_launch(rows);
+    sf.view(rows, t * elem, 1, t * elem, t * elem, HeadAxis::X)?;
+    state.view(rows, 2, 1, 2, 2, HeadAxis::X)?;
+    call("softmax state", |err, err_len| {
+        // SAFETY: block r reads the t scores of row r and writes the two values of row r of
+        // the state, both checked and allocated above.
+        unsafe {
+            kd_emu_softmax_state(
+                dtype,
+                sf.as_ptr(),
+                state.as_mut_ptr(),
+                t32,
+                chunk32,
+                l.grid.0,
+                l.block,
+                seed,
+                err,
+                err_len,
+            )
+        }
+    })?;
+    // Launch 2: the blocks of grid.y = h touch head h's rows and statistics alone.
+    let l = softmax_sums_launch(t, heads);
+    sf.view(
+        heads,
+        chunk * t * elem,
+        chunk,
+        t * elem,
+        t * elem,
+        HeadAxis::Y,
+    )?;
+    state.view(heads, 2 * chunk, chunk, 2, 2, HeadAxis::Y)?;
+    out.view(
+        heads,
+        chunk * t * out_elem,
+        chunk,
+        t * out_elem,
+        t * out_elem,
+        HeadAxis::Y,
+    )?;
+    stats.view(heads, t, 1, t, t, HeadAxis::Y)?;
+    call("softmax sums", |err, err_len| {
+        // SAFETY: the thread of key c of head h reads column c of the head's rows of scores
+        // and their states, and writes that column of the head's rows of probabilities (when
+        // asked for) and of its statistics, all checked and allocated above.
+        unsafe {
+            kd_emu_softmax_sums(
+                dtype,
+                out_dtype,
+                sf.as_ptr(),
+                state.as_ptr(),
+                if probs.is_some() {
+                    out.as_mut_ptr()
+                } else {
+                    std::ptr::null_mut()
+                },
+                stats.as_mut_ptr(),
+                t32,
+                chunk32,
+                r32,
+                l.grid.0,
+                l.grid.1,
+                l.block,
+                seed + 1,
+                err,
+                err_len,
+            )
+        }
+    })?;
+    sf.finish()?;
+    state.finish()?;
+    let p = out.finish()?;
+    let p = probs.map(|_| widen(out_dtype, &p));
+    Ok((p, stats.finish()?))
 }
 
 /// `keydiff_add_rms_norm_<dtype>` on `x` and `r` (`[rows, cols]` contiguous) and the norm's

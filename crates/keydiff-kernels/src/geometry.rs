@@ -353,6 +353,30 @@ pub fn check_softmax(rows: usize, t: usize, chunk: usize) -> Result<()> {
     Ok(())
 }
 
+/// `keydiff_softmax_sums_*`: a thread per key, blocks of [`SOFTMAX_THREADS`] keys on grid.x,
+/// one query head per grid.y (up to 65535).
+pub fn softmax_sums_launch(t: usize, heads: usize) -> Launch {
+    Launch {
+        grid: (t.div_ceil(SOFTMAX_THREADS as usize) as u32, heads as u32),
+        block: SOFTMAX_THREADS,
+    }
+}
+
+/// The limits of the softmax with statistics (`keydiff_softmax_state_*` then
+/// `keydiff_softmax_sums_*`): those of [`check_softmax`], then the last `stat_rows` queries of
+/// each head's chunk summed (1 to the chunk), and at most 65535 heads (`rows / chunk`, grid.y).
+pub fn check_softmax_sums(rows: usize, t: usize, chunk: usize, stat_rows: usize) -> Result<()> {
+    check_softmax(rows, t, chunk)?;
+    if stat_rows == 0 || stat_rows > chunk {
+        bail!("softmax sums: the last {stat_rows} queries of chunks of {chunk} (1..={chunk})");
+    }
+    let heads = rows / chunk;
+    if heads > 65535 {
+        bail!("softmax sums: {heads} query heads (at most 65535)");
+    }
+    Ok(())
+}
+
 /// `KD_NORM_THREADS`: threads of a residual-add-and-RMSNorm block.
 pub const NORM_THREADS: u32 = 256;
 

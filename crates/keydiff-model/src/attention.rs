@@ -6,10 +6,12 @@
 //! Two backends ([`AttentionBackend`]):
 //! - **eager**: grouped queries are folded into the row dimension, `[kv_heads, g·B, d]`, so one
 //!   batched matmul serves all query heads of a KV head; the probabilities `[kv_heads, g·B, T]`
-//!   are materialised in f32, and the statistics of TOVA, SnapKV and H2O are sums of their rows.
+//!   are materialised (softmax in f32), and the statistics of TOVA, SnapKV and H2O are sums of
+//!   their rows ([`attention_probs_sums`]).
 //!   On CUDA keydiff's causal softmax kernel ([`causal_softmax_cuda`]) takes the scores as the
-//!   matmul wrote them and writes the probabilities in the values' dtype where no statistics
-//!   are needed, in f32 where they are.
+//!   matmul wrote them and writes the probabilities in the values' dtype; where statistics are
+//!   needed, its form with sums ([`softmax_sums_cuda`]) adds them up per key as it writes the
+//!   probabilities, so no f32 copy of them is made.
 //! - **flash**: a fused kernel that never materialises the scores (candle-flash-attn on CUDA with
 //!   the `flash-attn` feature, candle-nn's flash attention on the CPU), reading the cache in
 //!   place through a `[1, T, kv_heads, d]` view. Policies that need statistics get them from an
@@ -29,7 +31,7 @@ use candle_core::{DType, Device, Tensor, D};
 
 pub use crate::decode_kernel::{
     causal_softmax_cuda, decode_attention_cpu, decode_attention_cpu_blocks, decode_attention_cuda,
-    widen_cache_view,
+    softmax_sums_cuda, widen_cache_view,
 };
 use crate::error::{ModelError, Result};
 
@@ -293,8 +295,7 @@ pub fn stats_pass(q: &Tensor, k: &Tensor, rows: usize) -> Result<Tensor> {
     } else {
         None
     };
-    let probs = attention_probs(&qr, k, mask.as_ref(), g)?;
-    row_sums(&probs, g, r)
+    Ok(attention_probs_sums(&qr, k, mask.as_ref(), g, r, None)?.1)
 }
 
 /// Additive mask `[B, T]` for a chunk of `chunk` queries whose keys are the last `chunk` of `total`
@@ -332,12 +333,17 @@ pub fn attend(
     group: usize,
     stats_rows: Option<usize>,
 ) -> Result<(Tensor, Option<Tensor>)> {
-    let probs = attention_probs(q, k, mask, group)?;
-    let stats = match stats_rows {
-        Some(r) => Some(row_sums(&probs, group, r)?),
-        None => None,
-    };
-    Ok((attention_output(&probs, v)?, stats))
+    match stats_rows {
+        Some(r) => {
+            let (probs, sums) = attention_probs_sums(q, k, mask, group, r, Some(v.dtype()))?;
+            let probs = probs.ok_or_else(|| ModelError::Shape("no probabilities".into()))?;
+            Ok((attention_output(&probs, v)?, Some(sums)))
+        }
+        None => {
+            let probs = attention_probs_in(q, k, mask, group, v.dtype())?;
+            Ok((attention_output(&probs, v)?, None))
+        }
+    }
 }
 
 /// Attention probabilities in f32, `[kv_heads, g·B, T]`, of grouped queries `q`
@@ -352,12 +358,12 @@ pub fn attention_probs(
     attention_probs_in(q, k, mask, group, DType::F32)
 }
 
-/// [`attention_probs`] in `dtype`: f32 for the policies' statistics, the values' dtype for the
-/// value product alone. Softmax runs in f32 either way. On CUDA keydiff's causal softmax
-/// kernel ([`causal_softmax_cuda`]) reads the scores as the matmul wrote them and writes the
-/// probabilities in `dtype` in one launch, applying the mask by index; elsewhere (or with
-/// `KEYDIFF_CUDA_SOFTMAX_KERNEL=0`) candle's ops cast the scores to f32, add `mask`, take the
-/// softmax and cast the result.
+/// [`attention_probs`] in `dtype`: the values' dtype for the value product, f32 where they
+/// are summed ([`attention_probs_sums`] makes both at once). Softmax runs in f32 either way.
+/// On CUDA keydiff's causal softmax kernel ([`causal_softmax_cuda`]) reads the scores as the
+/// matmul wrote them and writes the probabilities in `dtype` in one launch, applying the mask
+/// by index; elsewhere (or with `KEYDIFF_CUDA_SOFTMAX_KERNEL=0`) candle's ops cast the scores
+/// to f32, add `mask`, take the softmax and cast the result.
 pub fn attention_probs_in(
     q: &Tensor,
     k: &Tensor,
@@ -365,12 +371,73 @@ pub fn attention_probs_in(
     group: usize,
     dtype: DType,
 ) -> Result<Tensor> {
-    let (_, rows, d) = q.dims3()?;
+    let rows = q.dim(1)?;
+    masked_softmax(&attention_scores(q, k)?, mask, rows / group, dtype)
+}
+
+/// The scaled scores q · kᵀ / √d, `[kv_heads, g·B, T]` in q's dtype, of grouped queries `q`
+/// (`[kv_heads, g·B, d]`) over keys `k` (`[kv_heads, T, d]`).
+fn attention_scores(q: &Tensor, k: &Tensor) -> Result<Tensor> {
+    let d = q.dim(2)?;
     let scale = 1.0 / (d as f64).sqrt();
-    // [kv, g·B, T]. The scale goes on q first: unscaled q·k products in f16 overflow (65504)
-    // on models with large q/k biases such as Qwen2.5, and cuBLAS writes f16 results.
-    let scores = (q * scale)?.matmul(&k.t()?)?;
-    masked_softmax(&scores, mask, rows / group, dtype)
+    // The scale goes on q first: unscaled q·k products in f16 overflow (65504) on models with
+    // large q/k biases such as Qwen2.5, and cuBLAS writes f16 results.
+    Ok((q * scale)?.matmul(&k.t()?)?)
+}
+
+/// [`attention_probs`] with the policies' statistics: the probabilities in `probs` (f32 or the
+/// scores' dtype; `None`: not made) and [`row_sums`] of the last `rows` queries of each query
+/// head, `[kv_heads, g, T]` in f32. On CUDA keydiff's kernels ([`softmax_sums_cuda`]) sum the
+/// probabilities as they write them (or without writing them); elsewhere the f32
+/// probabilities of [`masked_softmax`] are summed by [`row_sums`] and cast, the kernels'
+/// reference.
+pub fn attention_probs_sums(
+    q: &Tensor,
+    k: &Tensor,
+    mask: Option<&Tensor>,
+    group: usize,
+    rows: usize,
+    probs: Option<DType>,
+) -> Result<(Option<Tensor>, Tensor)> {
+    let chunk = q.dim(1)? / group;
+    masked_softmax_sums(&attention_scores(q, k)?, mask, chunk, group, rows, probs)
+}
+
+/// The softmax of [`attention_probs_sums`]: `scores` `[kv_heads, g·chunk, T]`, rows ordered
+/// (query head within group, token), plus `mask` ([`chunk_mask`]`(chunk, T)`, or `None` for one
+/// query). Returns the probabilities in `probs` and the sums over the last `rows` queries of
+/// each query head, `[kv_heads, g, T]` in f32.
+pub fn masked_softmax_sums(
+    scores: &Tensor,
+    mask: Option<&Tensor>,
+    chunk: usize,
+    group: usize,
+    rows: usize,
+    probs: Option<DType>,
+) -> Result<(Option<Tensor>, Tensor)> {
+    let (kv, _, t) = scores.dims3()?;
+    let r = rows.min(chunk);
+    if is_causal(mask, chunk, t) {
+        if let Some((p, sums)) = softmax_sums_cuda(scores, chunk, r, probs)? {
+            return Ok((p, sums.reshape((kv, group, t))?));
+        }
+    }
+    let p = masked_softmax(scores, mask, chunk, DType::F32)?;
+    let sums = row_sums(&p, group, r)?;
+    let p = match probs {
+        Some(dt) => Some(p.to_dtype(dt)?),
+        None => None,
+    };
+    Ok((p, sums))
+}
+
+/// Whether `mask` is the one the causal kernels apply by index: [`chunk_mask`]`(chunk, t)`, or
+/// none for one query.
+fn is_causal(mask: Option<&Tensor>, chunk: usize, t: usize) -> bool {
+    match mask {
+        Some(m) => m.dims() == [chunk, t],
+        None => chunk == 1,
+    }
 }
 
 /// The softmax of [`attention_probs_in`]: `scores` `[heads, chunk, T]` (or any shape whose
@@ -385,11 +452,7 @@ pub fn masked_softmax(
 ) -> Result<Tensor> {
     let t = scores.dims().last().copied().unwrap_or(0);
     // The kernel masks by index: it takes the mask `chunk_mask` makes, or none for one query.
-    let causal = match mask {
-        Some(m) => m.dims() == [chunk, t],
-        None => chunk == 1,
-    };
-    if causal {
+    if is_causal(mask, chunk, t) {
         if let Some(p) = causal_softmax_cuda(scores, chunk, dtype)? {
             return Ok(p);
         }

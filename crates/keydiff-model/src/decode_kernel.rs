@@ -1,9 +1,9 @@
 //! keydiff's own attention kernels: the CPU decode kernel, one decode step's attention (a single
 //! query row per head) over the cache, read in place in f32, f16 or bf16, without candle's
 //! GEMMs ([`decode_attention_cpu`]); and the candle ops of the CUDA decode kernel
-//! ([`decode_attention_cuda`]), of the CUDA causal softmax ([`causal_softmax_cuda`]), of the
-//! CUDA residual add and RMSNorm ([`add_rms_norm_cuda`]) and of SwiGLU's product on CUDA
-//! ([`silu_mul_cuda`]).
+//! ([`decode_attention_cuda`]), of the CUDA causal softmax ([`causal_softmax_cuda`]) and its
+//! form with the policies' statistics ([`softmax_sums_cuda`]), of the CUDA residual add and
+//! RMSNorm ([`add_rms_norm_cuda`]) and of SwiGLU's product on CUDA ([`silu_mul_cuda`]).
 
 use std::sync::OnceLock;
 
@@ -231,6 +231,79 @@ impl candle_core::CustomOp1 for CudaSoftmax {
     ) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
         keydiff_kernels::causal_softmax((s, sl), self.chunk, self.dtype)
     }
+}
+
+/// The softmax of a chunk's attention scores with the statistics of TOVA, SnapKV and H2O on
+/// CUDA by keydiff's kernels (`keydiff_softmax_state_*`, then `keydiff_softmax_sums_*` of
+/// `kernels/keydiff.cu`), masked bottom-right causal by index: `scores` `[heads · chunk, T]`
+/// (any shape whose last dimension is T and whose rows are the chunks of each query head in
+/// turn), f32, f16 or bf16. Returns the probabilities in `probs` (f32 or the scores' dtype;
+/// none when `None`) and the sums over the last `stat_rows` queries of each head of its
+/// probabilities, `[heads, T]` in f32: what [`masked_softmax`] in f32 then [`row_sums`] give,
+/// without the f32 probabilities written, summed and cast by three more passes. `None` where it
+/// does not apply (off CUDA, another dtype, fewer keys than queries) or where
+/// `KEYDIFF_CUDA_SOFTMAX_SUMS=0` turns it off: the caller then runs candle's ops.
+///
+/// [`masked_softmax`]: crate::attention::masked_softmax
+/// [`row_sums`]: crate::attention::row_sums
+pub fn softmax_sums_cuda(
+    scores: &Tensor,
+    chunk: usize,
+    stat_rows: usize,
+    probs: Option<DType>,
+) -> Result<Option<(Option<Tensor>, Tensor)>> {
+    static ON: OnceLock<bool> = OnceLock::new();
+    let on = switched_on(&ON, "KEYDIFF_CUDA_SOFTMAX_SUMS");
+    let float = matches!(scores.dtype(), DType::F32 | DType::F16 | DType::BF16);
+    let t = scores.dims().last().copied().unwrap_or(0);
+    let probs_fit = probs.is_none_or(|dt| dt == DType::F32 || dt == scores.dtype());
+    if !on
+        || !scores.device().is_cuda()
+        || !float
+        || !probs_fit
+        || chunk == 0
+        || t < chunk
+        || stat_rows == 0
+        || stat_rows > chunk
+    {
+        return Ok(None);
+    }
+    cuda_softmax_sums(&scores.contiguous()?, chunk, stat_rows, probs)
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_softmax_sums(
+    scores: &Tensor,
+    chunk: usize,
+    stat_rows: usize,
+    probs: Option<DType>,
+) -> Result<Option<(Option<Tensor>, Tensor)>> {
+    use candle_core::op::BackpropOp;
+    use candle_core::Storage;
+    let t = scores.dims().last().copied().unwrap_or(0);
+    let heads = scores.elem_count() / t / chunk;
+    let (p, stats) = {
+        let (s, l) = scores.storage_and_layout();
+        let Storage::Cuda(s) = &*s else {
+            return Ok(None);
+        };
+        keydiff_kernels::softmax_sums((s, l), chunk, stat_rows, probs)?
+    };
+    let wrap = |st, shape: &[usize]| {
+        Tensor::from_storage(Storage::Cuda(st), shape, BackpropOp::none(), false)
+    };
+    let p = p.map(|p| wrap(p, scores.dims()));
+    Ok(Some((p, wrap(stats, &[heads, t]))))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_softmax_sums(
+    _scores: &Tensor,
+    _chunk: usize,
+    _stat_rows: usize,
+    _probs: Option<DType>,
+) -> Result<Option<(Option<Tensor>, Tensor)>> {
+    Ok(None)
 }
 
 /// A residual add and the RMSNorm of its sum on CUDA by keydiff's kernel

@@ -10,7 +10,7 @@ use candle_core::{DType, Device, Tensor, D};
 use keydiff_cache::{AttnStats, CacheConfig, KvCache, KvTypes};
 
 use crate::attention::{
-    attention_output, attention_probs_in, chunk_mask, decode_attention_cpu,
+    attention_output, attention_probs_in, attention_probs_sums, chunk_mask, decode_attention_cpu,
     decode_attention_cpu_blocks, decode_attention_cuda, flash_attend, row_sums, stats_pass,
     widen_cache_view, AttentionBackend,
 };
@@ -296,38 +296,55 @@ impl Attention {
         let (y, stats) = match backend {
             // `Model::set_attention` resolves `Auto`: a model never holds it.
             AttentionBackend::Eager | AttentionBackend::Auto => {
-                // [kv, g·B, T] in f32, then [kv, g·B, d]
+                // Probabilities [kv, g·B, T], then [kv, g·B, d]
                 let q = q.reshape((kv, g * b, d))?;
-                let (y, probs) = match decoded {
-                    Some(yp) => yp,
+                let (y, sums) = match decoded {
+                    // The decode kernel's f32 probabilities, summed here.
+                    Some((y, probs)) => match (rows, probs) {
+                        (Some(r), Some(probs)) => {
+                            clock.lap(cache, Region::Attention)?;
+                            let sums = row_sums(&probs, g, r)?;
+                            clock.lap(cache, Region::Stats)?;
+                            (y, Some(sums))
+                        }
+                        (Some(_), None) => {
+                            return Err(ModelError::Shape(
+                                "decode attention returned no probabilities for the statistics"
+                                    .into(),
+                            ))
+                        }
+                        (None, _) => (y, None),
+                    },
+                    // Probabilities in the values' dtype (written so by the CUDA softmax
+                    // kernels, saving a cast). The statistics are summed from them in f32 as
+                    // the softmax makes them (on CUDA, in the same launches): under eager
+                    // attention their time is attention's.
                     None => {
-                        // Probabilities in f32 for the statistics, else in the values'
-                        // dtype (written so by the CUDA softmax kernel, saving a cast).
                         let values = cast(&values)?;
-                        let dt = match rows {
-                            Some(_) => DType::F32,
-                            None => values.dtype(),
-                        };
-                        let probs = attention_probs_in(&q, &cast(&keys)?, mask, g, dt)?;
-                        (attention_output(&probs, &values)?, Some(probs))
+                        let keys = cast(&keys)?;
+                        let dt = values.dtype();
+                        match rows {
+                            Some(r) => {
+                                let (probs, sums) =
+                                    attention_probs_sums(&q, &keys, mask, g, r, Some(dt))?;
+                                let probs = probs.ok_or_else(|| {
+                                    ModelError::Shape(
+                                        "the softmax returned no probabilities".into(),
+                                    )
+                                })?;
+                                (attention_output(&probs, &values)?, Some(sums))
+                            }
+                            None => {
+                                let probs = attention_probs_in(&q, &keys, mask, g, dt)?;
+                                (attention_output(&probs, &values)?, None)
+                            }
+                        }
                     }
                 };
-                let stats = match (rows, &probs) {
-                    (Some(r), Some(probs)) => {
-                        clock.lap(cache, Region::Attention)?;
-                        let sums = row_sums(probs, g, r)?;
-                        clock.lap(cache, Region::Stats)?;
-                        Some(AttnStats { sums, rows: r })
-                    }
-                    (Some(_), None) => {
-                        return Err(ModelError::Shape(
-                            "decode attention returned no probabilities for the statistics".into(),
-                        ))
-                    }
-                    (None, _) => None,
+                let stats = match (rows, sums) {
+                    (Some(r), Some(sums)) => Some(AttnStats { sums, rows: r }),
+                    _ => None,
                 };
-                // Freeing the probabilities is part of attention.
-                drop(probs);
                 clock.lap(cache, Region::Attention)?;
                 // [B, heads·d]
                 let y = y.reshape((h, b, d))?.transpose(0, 1)?.reshape((b, h * d))?;

@@ -9,6 +9,11 @@
 //!   softmax the CPU runs (`masked_softmax`: candle's ops over the scores plus `chunk_mask`):
 //!   every pair of dtypes it takes, chunks of 1 to 128 queries over their own keys and more,
 //!   rows past 65536 keys, -inf and NaN scores.
+//! - Its form with the statistics of TOVA, SnapKV and H2O (`keydiff_softmax_state_*`, then
+//!   `keydiff_softmax_sums_*`) against the CPU's (`masked_softmax_sums`: the same softmax, then
+//!   `row_sums` of its f32 probabilities): the probabilities bit for bit those of the one-launch
+//!   softmax, the sums over the last 1 to all queries of each head, with and without the
+//!   probabilities written.
 //! - The residual add and RMSNorm (`keydiff_add_rms_norm_*`) against candle's add and
 //!   `rms_norm` on the CPU (`add_rms_norm`): every dtype, hidden sizes of real models and odd
 //!   ones, one row and several.
@@ -19,10 +24,13 @@
 
 use candle_core::{DType, Device, Tensor};
 use half::{bf16, f16};
-use keydiff_kernels::emu::{add_rms_norm, causal_softmax, decode_attention, silu_mul, Keys};
+use keydiff_kernels::emu::{
+    add_rms_norm, causal_softmax, decode_attention, silu_mul, softmax_sums, Keys,
+};
 use keydiff_kernels::geometry::decode_split;
 use keydiff_model::attention::{
     attention_output, attention_probs, chunk_mask, decode_attention_cpu, masked_softmax,
+    masked_softmax_sums,
 };
 
 /// Seeded values: normal-ish, times `scale`.
@@ -484,6 +492,202 @@ fn causal_softmax_refuses_what_it_cannot_run() {
     assert!(err(6, 8, 4).contains("multiple of the chunk"));
     assert!(err(0, 8, 4).contains("0 rows"));
     assert!(err(16, 8, 4).contains("scores"));
+}
+
+/// One case of the softmax with sums: `kv` KV heads of `g` query heads, chunks of `chunk`
+/// queries over `t` keys, the last `stat_rows` of each head's queries summed.
+#[derive(Clone, Copy, Debug)]
+struct SumsCase {
+    kv: usize,
+    g: usize,
+    chunk: usize,
+    t: usize,
+    stat_rows: usize,
+}
+
+impl SumsCase {
+    fn rows(&self) -> usize {
+        self.kv * self.g * self.chunk
+    }
+}
+
+/// The CPU's probabilities (f32) and sums `[kv · g · t]` of `scores` `[kv, g · chunk, t]`.
+fn softmax_sums_reference(scores: &[f32], c: SumsCase) -> (Vec<f32>, Vec<f32>) {
+    let dev = Device::Cpu;
+    let s = Tensor::from_vec(scores.to_vec(), (c.kv, c.g * c.chunk, c.t), &dev).unwrap();
+    let mask = (c.chunk > 1).then(|| chunk_mask(c.chunk, c.t, DType::F32, &dev).unwrap());
+    let (p, sums) = masked_softmax_sums(
+        &s,
+        mask.as_ref(),
+        c.chunk,
+        c.g,
+        c.stat_rows,
+        Some(DType::F32),
+    )
+    .unwrap();
+    let flat = |x: Tensor| x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    assert_eq!(sums.dims(), [c.kv, c.g, c.t]);
+    (flat(p.unwrap()), flat(sums))
+}
+
+/// The emulated kernels on `scores` rounded to `dt` against the CPU on the same rounded scores:
+/// the sums within f32 rounding of the reference's, whatever the probabilities are written in
+/// (and equal bit for bit to those made without writing them); the probabilities exactly those
+/// of the one-launch causal softmax (same row states, same expression), so within its
+/// tolerance of the reference and 0 where masked.
+fn check_softmax_sums(scores: &[f32], c: SumsCase, dt: Dt) {
+    let (rows, t) = (c.rows(), c.t);
+    let x = rounded(scores, dt);
+    let buf = Buf::new(&x, dt);
+    let (_, want_sums) = softmax_sums_reference(&x, c);
+    let outs: &[Option<bool>] = match dt {
+        Dt::F32 => &[None, Some(true)],
+        _ => &[None, Some(true), Some(false)],
+    };
+    let mut first: Option<Vec<f32>> = None;
+    for &probs in outs {
+        for seed in [1, 2] {
+            let what = format!("{c:?} {dt:?} probs {probs:?} seed {seed}");
+            let (got_p, got_sums) =
+                softmax_sums(buf.keys(), rows, t, c.chunk, c.stat_rows, probs, seed)
+                    .unwrap_or_else(|e| panic!("{what}: {e}"));
+            assert_eq!(got_sums.len(), c.kv * c.g * t, "{what}");
+            for (i, (&g, &w)) in got_sums.iter().zip(&want_sums).enumerate() {
+                assert!(
+                    (g - w).abs() <= 4e-6 * w.abs() + 1e-7,
+                    "{what}: head {} key {}: sum {g} against {w}",
+                    i / t,
+                    i % t
+                );
+            }
+            // The sums do not depend on whether or how the probabilities are written.
+            match &first {
+                None => first = Some(got_sums.clone()),
+                Some(f) => assert!(
+                    f.iter()
+                        .zip(&got_sums)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{what}: sums differ from the first run's"
+                ),
+            }
+            match (probs, got_p) {
+                (None, None) => {}
+                (Some(f32_out), Some(p)) => {
+                    let one = causal_softmax(buf.keys(), rows, t, c.chunk, f32_out, seed).unwrap();
+                    assert!(
+                        p.iter().zip(&one).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{what}: probabilities differ from the one-launch softmax's"
+                    );
+                }
+                (probs, p) => panic!("{what}: asked {probs:?}, got {:?}", p.map(|p| p.len())),
+            }
+        }
+    }
+}
+
+#[test]
+fn softmax_sums_match_the_cpu_statistics() {
+    let case = |kv, g, chunk, t, stat_rows| SumsCase {
+        kv,
+        g,
+        chunk,
+        t,
+        stat_rows,
+    };
+    // One query over one key; decode rows (chunk 1); a chunk over its own keys only; H2O (every
+    // query summed) with groups; TOVA (the last query) and SnapKV's window (the last 32) over a
+    // chunk of 128; keys a few past one block of 256, and past two.
+    let cases = [
+        case(1, 1, 1, 1, 1),
+        case(2, 3, 1, 5, 1),
+        case(1, 2, 3, 3, 3),
+        case(2, 2, 7, 300, 7),
+        case(1, 4, 128, 700, 1),
+        case(2, 1, 128, 700, 32),
+        case(1, 2, 5, 257, 2),
+        case(3, 1, 2, 513, 1),
+    ];
+    for (i, &c) in cases.iter().enumerate() {
+        let scores = values(c.rows() * c.t, 60 + i as u64, 12.0);
+        for dt in [Dt::F32, Dt::F16, Dt::BF16] {
+            check_softmax_sums(&scores, c, dt);
+        }
+    }
+}
+
+#[test]
+fn softmax_sums_over_a_long_row() {
+    // 70,000 keys: 274 blocks of keys, each thread's queries over a key read row by row.
+    let c = SumsCase {
+        kv: 1,
+        g: 2,
+        chunk: 3,
+        t: 70_000,
+        stat_rows: 2,
+    };
+    check_softmax_sums(&values(c.rows() * c.t, 78, 6.0), c, Dt::BF16);
+}
+
+#[test]
+fn softmax_sums_read_only_the_rows_they_need() {
+    // Two heads of chunks of 3, the last 2 queries summed. A NaN in head 0's last query (a
+    // key it sees) makes every sum of head 0 NaN. Head 1 holds a NaN in its first query, which
+    // is not summed (its probabilities are NaN, its sums clean), and one in its second query's
+    // masked key, which weighs nothing (its row state ignores it: neither its probabilities
+    // nor the sums turn NaN).
+    let c = SumsCase {
+        kv: 1,
+        g: 2,
+        chunk: 3,
+        t: 300,
+        stat_rows: 2,
+    };
+    let t = c.t;
+    let clean = values(c.rows() * t, 11, 3.0);
+    let mut scores = clean.clone();
+    scores[2 * t + 10] = f32::NAN;
+    scores[3 * t + 5] = f32::NAN;
+    scores[4 * t + t - 1] = f32::NAN;
+    let x = Buf::new(&scores, Dt::F32);
+    let (_, clean_sums) =
+        softmax_sums(Buf::new(&clean, Dt::F32).keys(), 6, t, 3, 2, None, 3).unwrap();
+    for probs in [None, Some(true)] {
+        for seed in [3, 4] {
+            let (p, sums) = softmax_sums(x.keys(), 6, t, 3, 2, probs, seed).unwrap();
+            assert!(sums[..t].iter().all(|s| s.is_nan()), "head 0's sums");
+            assert_eq!(&sums[t..], &clean_sums[t..], "head 1's sums");
+            if let Some(p) = p {
+                // Its last two keys are masked: 0, not read.
+                assert!(
+                    p[3 * t..4 * t - 2].iter().all(|v| v.is_nan()),
+                    "head 1's first query"
+                );
+                assert_eq!(&p[4 * t - 2..4 * t], &[0.0, 0.0], "head 1's first query");
+                assert!(
+                    p[4 * t..5 * t].iter().all(|v| !v.is_nan()),
+                    "head 1's second query"
+                );
+            }
+        }
+    }
+}
+
+/// Bad shapes are errors naming the problem, before anything runs.
+#[test]
+fn softmax_sums_refuse_what_they_cannot_run() {
+    let x = vec![0f32; 65_536];
+    let err = |rows, t, chunk, stat_rows| {
+        softmax_sums(Keys::F32(&x), rows, t, chunk, stat_rows, None, 1)
+            .unwrap_err()
+            .to_string()
+    };
+    assert!(err(4, 8, 4, 0).contains("last 0 queries"));
+    assert!(err(4, 8, 4, 5).contains("last 5 queries of chunks of 4"));
+    assert!(err(4, 3, 4, 1).contains("chunk of 4 queries over 3 keys"));
+    assert!(err(6, 8, 4, 1).contains("multiple of the chunk"));
+    assert!(err(65_536, 1, 1, 1).contains("65536 query heads"));
+    let short = softmax_sums(Keys::F32(&x[..64]), 16, 8, 4, 1, None, 1).unwrap_err();
+    assert!(short.to_string().contains("64 scores"), "{short}");
 }
 
 /// The emulated residual add and RMSNorm against candle's on the CPU, on inputs rounded to `dt`:
