@@ -625,6 +625,39 @@ test_device!(
     batch_step_matches_single_steps_cuda
 );
 
+/// The softmax of `x` (`[rows, t]`, rows in chunks of `chunk` queries over keys whose last
+/// `chunk` are the chunk's own) masked bottom-right causal, naively in f64 row by row: the
+/// reference of the softmax kernels' device tests.
+fn naive_causal_softmax(x: &[f32], t: usize, chunk: usize) -> Vec<f64> {
+    x.chunks(t)
+        .enumerate()
+        .flat_map(|(row, xr)| {
+            let seen = t - chunk + row % chunk + 1;
+            let max = xr[..seen]
+                .iter()
+                .fold(f64::NEG_INFINITY, |m, &v| m.max(v as f64));
+            let sum: f64 = xr[..seen].iter().map(|&v| (v as f64 - max).exp()).sum();
+            (0..t).map(move |c| {
+                if c < seen {
+                    (xr[c] as f64 - max).exp() / sum
+                } else {
+                    0.0
+                }
+            })
+        })
+        .collect()
+}
+
+/// Relative error allowed of probabilities written in `dtype` against the naive ones: the
+/// output's rounding; in f32, sums over up to 9000 keys.
+fn probs_tolerance(dtype: DType) -> f64 {
+    match dtype {
+        DType::F16 => 1e-3,
+        DType::BF16 => 8e-3,
+        _ => 5e-5,
+    }
+}
+
 /// The softmax of a chunk's attention scores as the device runs it (on CUDA keydiff's
 /// `keydiff_causal_softmax_*`, on the CPU candle's ops) against a naive one computed here row by
 /// row in f64: scores in f32, f16 and bf16, probabilities in f32 and in the scores' dtype,
@@ -651,34 +684,19 @@ fn causal_softmax_matches_naive(dev: &Device) -> Result<()> {
             let mask = (chunk > 1)
                 .then(|| chunk_mask(chunk, t, dt, dev))
                 .transpose()?;
+            let naive = naive_causal_softmax(&x, t, chunk);
             for out in [DType::F32, dt] {
                 let p = masked_softmax(&scores, mask.as_ref(), chunk, out)?;
                 ensure!(p.dtype() == out && p.dims() == scores.dims(), "{p:?}");
                 let p = p.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-                // The output's rounding; f32 sums over up to 9000 keys.
-                let rel = match out {
-                    DType::F16 => 1e-3,
-                    DType::BF16 => 8e-3,
-                    _ => 5e-5,
-                };
-                for (r, (xr, pr)) in x.chunks(t).zip(p.chunks(t)).enumerate() {
-                    let seen = t - chunk + r % chunk + 1;
-                    let max = xr[..seen]
-                        .iter()
-                        .fold(f64::NEG_INFINITY, |m, &v| m.max(v as f64));
-                    let sum: f64 = xr[..seen].iter().map(|&v| (v as f64 - max).exp()).sum();
-                    for (c, &got) in pr.iter().enumerate() {
-                        let want = if c < seen {
-                            (xr[c] as f64 - max).exp() / sum
-                        } else {
-                            0.0
-                        };
-                        ensure!(
-                            (got as f64 - want).abs() <= rel * want + 1e-7,
-                            "heads {heads} chunk {chunk} t {t} {dt:?} -> {out:?}: row {r} key \
-                             {c}: {got} against {want}"
-                        );
-                    }
+                for (i, (&got, &want)) in p.iter().zip(&naive).enumerate() {
+                    ensure!(
+                        (got as f64 - want).abs() <= probs_tolerance(out) * want + 1e-7,
+                        "heads {heads} chunk {chunk} t {t} {dt:?} -> {out:?}: row {} key {}: \
+                         {got} against {want}",
+                        i / t,
+                        i % t
+                    );
                 }
             }
         }
@@ -718,25 +736,7 @@ fn softmax_sums_match_naive(dev: &Device) -> Result<()> {
             let mask = (chunk > 1)
                 .then(|| chunk_mask(chunk, t, dt, dev))
                 .transpose()?;
-            // Naive probabilities in f64, row by row.
-            let naive: Vec<f64> = x
-                .chunks(t)
-                .enumerate()
-                .flat_map(|(row, xr)| {
-                    let seen = t - chunk + row % chunk + 1;
-                    let max = xr[..seen]
-                        .iter()
-                        .fold(f64::NEG_INFINITY, |m, &v| m.max(v as f64));
-                    let sum: f64 = xr[..seen].iter().map(|&v| (v as f64 - max).exp()).sum();
-                    (0..t).map(move |c| {
-                        if c < seen {
-                            (xr[c] as f64 - max).exp() / sum
-                        } else {
-                            0.0
-                        }
-                    })
-                })
-                .collect();
+            let naive = naive_causal_softmax(&x, t, chunk);
             let what = format!("kv {kv} g {g} chunk {chunk} t {t} last {r} {dt:?}");
             for out in [None, Some(DType::F32), Some(dt)] {
                 let (p, sums) = masked_softmax_sums(&scores, mask.as_ref(), chunk, g, r, out)?;
@@ -758,14 +758,9 @@ fn softmax_sums_match_naive(dev: &Device) -> Result<()> {
                     (Some(o), Some(p)) => {
                         ensure!(p.dtype() == o && p.dims() == scores.dims(), "{what}: {p:?}");
                         let p = p.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-                        let rel = match o {
-                            DType::F16 => 1e-3,
-                            DType::BF16 => 8e-3,
-                            _ => 5e-5,
-                        };
                         for (i, (&got, &want)) in p.iter().zip(&naive).enumerate() {
                             ensure!(
-                                (got as f64 - want).abs() <= rel * want + 1e-7,
+                                (got as f64 - want).abs() <= probs_tolerance(o) * want + 1e-7,
                                 "{what} -> {o:?}: row {} key {}: {got} against {want}",
                                 i / t,
                                 i % t
