@@ -1067,6 +1067,21 @@ extern "C" __global__ void __launch_bounds__(KD_FEW_THREADS)
 // positions and policy state (row = 4 bytes). Grid (ceil(M / warps per block), heads).
 // A move naming a row outside [0, rows) is skipped (the CPU op refuses such a plan; a kernel
 // cannot, but it never writes outside the buffer).
+// One row of `row_bytes` bytes copied by the 32 lanes of a warp, in 16-byte words where both
+// ends and the length allow, else 4-byte words, else bytes.
+__device__ __forceinline__ void kd_copy_row(char* to, const char* from, int row_bytes,
+                                            int lane) {
+  if ((((uintptr_t)from | (uintptr_t)to | (uintptr_t)row_bytes) & 15u) == 0) {
+    for (int j = lane; j < row_bytes / 16; j += 32)
+      reinterpret_cast<uint4*>(to)[j] = reinterpret_cast<const uint4*>(from)[j];
+  } else if ((((uintptr_t)from | (uintptr_t)to | (uintptr_t)row_bytes) & 3u) == 0) {
+    for (int j = lane; j < row_bytes / 4; j += 32)
+      reinterpret_cast<uint32_t*>(to)[j] = reinterpret_cast<const uint32_t*>(from)[j];
+  } else {
+    for (int j = lane; j < row_bytes; j += 32) to[j] = from[j];
+  }
+}
+
 extern "C" __global__ void keydiff_move_rows(char* buf, int64_t head_stride, int64_t row_stride,
                                              int row_bytes, int rows, const uint32_t* plan,
                                              int64_t plan_stride, int max_moves) {
@@ -1077,16 +1092,40 @@ extern "C" __global__ void keydiff_move_rows(char* buf, int64_t head_stride, int
   if (m >= min((int)p[0], max_moves)) return;
   const uint32_t src = p[1 + m], dst = p[1 + max_moves + m];
   if (src >= (uint32_t)rows || dst >= (uint32_t)rows) return;
-  const char* from = buf + h * head_stride + (int64_t)src * row_stride;
-  char* to = buf + h * head_stride + (int64_t)dst * row_stride;
-  if ((((uintptr_t)from | (uintptr_t)to | (uintptr_t)row_bytes) & 15u) == 0) {
-    for (int j = lane; j < row_bytes / 16; j += 32)
-      reinterpret_cast<uint4*>(to)[j] = reinterpret_cast<const uint4*>(from)[j];
-  } else if ((((uintptr_t)from | (uintptr_t)to | (uintptr_t)row_bytes) & 3u) == 0) {
-    for (int j = lane; j < row_bytes / 4; j += 32)
-      reinterpret_cast<uint32_t*>(to)[j] = reinterpret_cast<const uint32_t*>(from)[j];
-  } else {
-    for (int j = lane; j < row_bytes; j += 32) to[j] = from[j];
+  kd_copy_row(buf + h * head_stride + (int64_t)dst * row_stride,
+              buf + h * head_stride + (int64_t)src * row_stride, row_bytes, lane);
+}
+
+// ---------------------------------------------------------------------------------------------
+// A chunk appended to a layer's cache in one launch: its keys and values written after the used
+// slots, with their positions and zeroed policy state. candle took seven operations a layer for
+// it (a slice_set each for K and V, a copy of V's transposed view, positions made on the host and
+// uploaded, their broadcast over the heads and its slice_set, a zeroed state and its slice_set),
+// which at decode, one row, cost a launch or a transfer each for a few hundred bytes. Reference:
+// `LayerCache::append`'s candle ops (crates/keydiff-cache/src/layer.rs), which the CPU runs.
+//
+// k, v: [heads, chunk] rows of `row_bytes` bytes at byte strides (k_hs, k_rs), (v_hs, v_rs) (a
+// row's bytes contiguous; any head and row order: V is a transposed view of the projection's
+// output). kbuf, vbuf: [heads, capacity] rows at byte strides (buf_hs, buf_rs), one layout for
+// both; positions (u32) and state (f32): [heads, capacity] at head stride meta_hs elements.
+// Row r of head h goes to slot `slot + r`, with position pos0 + r and state 0. The keys and
+// values are already in the cache's dtype: bytes are copied as they are. One warp per row, grid
+// (ceil(chunk / warps a block), heads).
+#define KD_APPEND_THREADS 256
+
+extern "C" __global__ void __launch_bounds__(KD_APPEND_THREADS) keydiff_append_rows(
+    const char* k, int64_t k_hs, int64_t k_rs, const char* v, int64_t v_hs, int64_t v_rs,
+    char* kbuf, char* vbuf, int64_t buf_hs, int64_t buf_rs, int row_bytes, uint32_t* positions,
+    float* state, int64_t meta_hs, int slot, int chunk, uint32_t pos0) {
+  const int h = blockIdx.y, lane = threadIdx.x & 31;
+  const int r = blockIdx.x * (KD_APPEND_THREADS / 32) + (threadIdx.x >> 5);
+  if (r >= chunk) return;
+  const int64_t to = h * buf_hs + (int64_t)(slot + r) * buf_rs;
+  kd_copy_row(kbuf + to, k + h * k_hs + (int64_t)r * k_rs, row_bytes, lane);
+  kd_copy_row(vbuf + to, v + h * v_hs + (int64_t)r * v_rs, row_bytes, lane);
+  if (lane == 0) {
+    positions[h * meta_hs + slot + r] = pos0 + (uint32_t)r;
+    state[h * meta_hs + slot + r] = 0.f;
   }
 }
 
@@ -1782,3 +1821,60 @@ __device__ void kd_silu_mul(const T* gate, int64_t gate_rs, const T* up, int64_t
 KD_INSTANTIATE_ACT(f32, float)
 KD_INSTANTIATE_ACT(f16, __half)
 KD_INSTANTIATE_ACT(bf16, __nv_bfloat16)
+
+// ---------------------------------------------------------------------------------------------
+// RoPE of a chunk's queries and keys in one launch. candle takes four: a contiguous copy of each
+// from the projection's output ([B, heads, d] → [heads, B, d]), then its rope kernel on each.
+// Reference: candle_nn::rotary_emb::rope / rope_i on those copies (crates/keydiff-model/src/
+// rope.rs, Rope::apply), which the CPU runs and whose kernels compute in T: out1 = x1·c − x2·s,
+// out2 = x1·s + x2·c, each product and the sum rounded to T. Here the products of two T values
+// are exact in f32 and rounded to T once, and so is the sum of two of them (f32 holds at least
+// 2p + 2 bits of a p-bit T, so rounding through it is the same as rounding once): the same
+// values as candle's bf16/f16 kernels and CPU ops. For f32, the same expression as candle's.
+//
+// q: [B, hq, d] at element strides (q_rs, q_hs) (each head's d values contiguous), k: [B, hk, d]
+// at (k_rs, k_hs): the projections' outputs, or [heads, B, d] tensors given as such strides.
+// cos, sin: [B, d / 2] contiguous. out: [hq + hk, B, d] contiguous, q's heads then k's.
+// interleaved: pairs (2j, 2j + 1) (rope_i, GGUF Llama); else (j, j + d / 2). One thread per
+// pair, a grid-stride loop over the (hq + hk) · B · d / 2 pairs.
+#define KD_ROPE_THREADS 256
+
+__device__ __forceinline__ float kd_round(float x, const float*) { return x; }
+__device__ __forceinline__ float kd_round(float x, const __half*) {
+  return __half2float(__float2half_rn(x));
+}
+__device__ __forceinline__ float kd_round(float x, const __nv_bfloat16*) {
+  return __bfloat162float(__float2bfloat16_rn(x));
+}
+
+template <typename T>
+__device__ void kd_rope_qk(const T* q, int64_t q_rs, int64_t q_hs, const T* k, int64_t k_rs,
+                           int64_t k_hs, const T* cos, const T* sin, T* out, int hq, int hk,
+                           int b, int d, int interleaved) {
+  const int half = d / 2;
+  const int64_t pairs = (int64_t)(hq + hk) * b * half;
+  for (int64_t i = (int64_t)blockIdx.x * KD_ROPE_THREADS + threadIdx.x; i < pairs;
+       i += (int64_t)gridDim.x * KD_ROPE_THREADS) {
+    const int j = (int)(i % half);
+    const int64_t row = i / half;
+    const int t = (int)(row % b), h = (int)(row / b);
+    const T* x = h < hq ? q + t * q_rs + h * q_hs : k + t * k_rs + (h - hq) * k_hs;
+    T* y = out + row * d;
+    const int i1 = interleaved ? 2 * j : j, i2 = interleaved ? 2 * j + 1 : j + half;
+    const float c = kd_to_f(cos[t * half + j]), s = kd_to_f(sin[t * half + j]);
+    const float x1 = kd_to_f(x[i1]), x2 = kd_to_f(x[i2]);
+    kd_store(&y[i1], kd_round(x1 * c, y) - kd_round(x2 * s, y));
+    kd_store(&y[i2], kd_round(x1 * s, y) + kd_round(x2 * c, y));
+  }
+}
+
+#define KD_INSTANTIATE_ROPE(SUFFIX, T)                                                          \
+  extern "C" __global__ void __launch_bounds__(KD_ROPE_THREADS) keydiff_rope_qk_##SUFFIX(       \
+      const T* q, int64_t q_rs, int64_t q_hs, const T* k, int64_t k_rs, int64_t k_hs,         \
+      const T* cos, const T* sin, T* out, int hq, int hk, int b, int d, int interleaved) {    \
+    kd_rope_qk<T>(q, q_rs, q_hs, k, k_rs, k_hs, cos, sin, out, hq, hk, b, d, interleaved);    \
+  }
+
+KD_INSTANTIATE_ROPE(f32, float)
+KD_INSTANTIATE_ROPE(f16, __half)
+KD_INSTANTIATE_ROPE(bf16, __nv_bfloat16)

@@ -161,6 +161,23 @@ mutants=(
   "select-few: the last slice's candidates counted as a full slice's~  const int count = (slices - 1) * c + min(c, n - last);~  const int count = slices * c;"
   "select-few: the digit's bin found one too low~    if (above < k && above + v0 >= k) {~    if (above < k && above + v0 > k) {"
   "select-few: the second bin of a thread never searched~    if (above < k && above + v1 >= k) {~    if (false && above < k && above + v1 >= k) {"
+  # The append kernel (keydiff_append_rows) and the row copy it shares with the moves.
+  "append: positions counted from pos0 + slot~    positions[h * meta_hs + slot + r] = pos0 + (uint32_t)r;~    positions[h * meta_hs + slot + r] = pos0 + (uint32_t)(slot + r);"
+  "append: the policy state of new slots left as it was~    state[h * meta_hs + slot + r] = 0.f;~    state[h * meta_hs + slot + r] += 0.f;"
+  "append: values read with head and row strides swapped~  kd_copy_row(vbuf + to, v + h * v_hs + (int64_t)r * v_rs, row_bytes, lane);~  kd_copy_row(vbuf + to, v + h * v_rs + (int64_t)r * v_hs, row_bytes, lane);"
+  "append: the chunk's last row dropped~  if (r >= chunk) return;\n  const int64_t to~  if (r >= chunk - 1) return;\n  const int64_t to"
+  "append: rows written a slot early~  const int64_t to = h * buf_hs + (int64_t)(slot + r) * buf_rs;~  const int64_t to = h * buf_hs + (int64_t)(slot + r - 1) * buf_rs;"
+  "append: blocks cover half a block's rows~  const int r = blockIdx.x * (KD_APPEND_THREADS / 32) + (threadIdx.x >> 5);~  const int r = blockIdx.x * (KD_APPEND_THREADS / 64) + (threadIdx.x >> 5);"
+  "copy-row: half of each 4-byte-word row~j < row_bytes / 4; j += 32~j < row_bytes / 8; j += 32"
+  # RoPE of queries and keys (keydiff_rope_qk_*).
+  "rope: x2 · s added in the first value~    kd_store(&y[i1], kd_round(x1 * c, y) - kd_round(x2 * s, y));~    kd_store(&y[i1], kd_round(x1 * c, y) + kd_round(x2 * s, y));"
+  "rope: an interleaved pair's second value one too far~i2 = interleaved ? 2 * j + 1 : j + half;~i2 = interleaved ? 2 * j + 2 : j + half;"
+  "rope: row 0's cos for every row~    const float c = kd_to_f(cos[t * half + j]),~    const float c = kd_to_f(cos[j]),"
+  "rope: products not rounded to the dtype~    kd_store(&y[i2], kd_round(x1 * s, y) + kd_round(x2 * c, y));~    kd_store(&y[i2], x1 * s + x2 * c);"
+  "rope: the grid-stride loop stops after one turn~       i += (int64_t)gridDim.x * KD_ROPE_THREADS) {\n    const int j = (int)(i % half);~       i += pairs) {\n    const int j = (int)(i % half);"
+  "rope: output rows in the input's order~    T* y = out + row * d;~    T* y = out + ((int64_t)t * (hq + hk) + h) * d;"
+  "rope: key heads one past~    const T* x = h < hq ? q + t * q_rs + h * q_hs : k + t * k_rs + (h - hq) * k_hs;~    const T* x = h < hq ? q + t * q_rs + h * q_hs : k + t * k_rs + (h - hq + 1) * k_hs;"
+  "copy-row: the last byte of a byte row~    for (int j = lane; j < row_bytes; j += 32) to[j] = from[j];~    for (int j = lane; j < row_bytes - 1; j += 32) to[j] = from[j];"
 )
 # Every mutant's text must occur exactly once in the source (a kernel added later may repeat
 # a line): checked for all of them before anything runs.
@@ -182,7 +199,7 @@ fi
 
 # The tests that catch a mutant: the attention kernels' own, or the eviction kernels'.
 tests_for() {
-  if [[ "$1" == decode:* || "$1" == softmax:* || "$1" == sums:* || "$1" == norm:* || "$1" == silu:* ]]; then
+  if [[ "$1" == decode:* || "$1" == softmax:* || "$1" == sums:* || "$1" == norm:* || "$1" == silu:* || "$1" == rope:* ]]; then
     echo "-p keydiff-model --test model_kernels_emulation"
   else echo "-p keydiff-cache --test kernel_emulation"; fi
 }

@@ -153,6 +153,19 @@ extern "C" int kd_emu_move_rows(char* buf, int64_t head_stride, int64_t row_stri
   return finish(e, err, err_len);
 }
 
+extern "C" int kd_emu_append_rows(const char* k, int64_t k_hs, int64_t k_rs, const char* v,
+                                  int64_t v_hs, int64_t v_rs, char* kbuf, char* vbuf,
+                                  int64_t buf_hs, int64_t buf_rs, int row_bytes,
+                                  uint32_t* positions, float* state, int64_t meta_hs, int slot,
+                                  int chunk, uint32_t pos0, unsigned grid_x, unsigned grid_y,
+                                  unsigned block, uint64_t seed, char* err, size_t err_len) {
+  const std::string e = guarded(d3(grid_x, grid_y), d3(block), KD_APPEND_THREADS, seed, [=] {
+    kd_emu::run_kernel(keydiff_append_rows, k, k_hs, k_rs, v, v_hs, v_rs, kbuf, vbuf, buf_hs,
+                       buf_rs, row_bytes, positions, state, meta_hs, slot, chunk, pos0);
+  });
+  return finish(e, err, err_len);
+}
+
 // keydiff_kvq_quantize_*: dtype 0 f32, 1 f16, 2 bf16; kind as KD_KVQ_*.
 extern "C" int kd_emu_kvq_quantize(int dtype, const void* x, int64_t head_stride,
                                    int64_t row_stride, int n, int d, int kind, uint8_t* out,
@@ -383,6 +396,35 @@ extern "C" int kd_emu_silu_mul(int dtype, const void* gate, int64_t gate_rs, con
   }
 #undef KD_EMU_ACT
   return finish(guarded(d3(grid_x), d3(block), KD_ACT_THREADS, seed, run), err, err_len);
+}
+
+extern "C" int kd_emu_rope_qk(int dtype, const void* q, int64_t q_rs, int64_t q_hs,
+                              const void* k, int64_t k_rs, int64_t k_hs, const void* cos,
+                              const void* sin, void* out, int hq, int hk, int b, int d,
+                              int interleaved, unsigned grid_x, unsigned block, uint64_t seed,
+                              char* err, size_t err_len) {
+  std::function<void()> run;
+#define KD_EMU_ROPE(SUFFIX, T)                                                                  \
+  run = [=] {                                                                                   \
+    kd_emu::run_kernel(keydiff_rope_qk_##SUFFIX, (const T*)q, q_rs, q_hs, (const T*)k, k_rs,   \
+                       k_hs, (const T*)cos, (const T*)sin, (T*)out, hq, hk, b, d,              \
+                       interleaved);                                                           \
+  };
+  switch (dtype) {
+    case 0:
+      KD_EMU_ROPE(f32, float)
+      break;
+    case 1:
+      KD_EMU_ROPE(f16, __half)
+      break;
+    case 2:
+      KD_EMU_ROPE(bf16, __nv_bfloat16)
+      break;
+    default:
+      return finish("no rope kernel for dtype " + std::to_string(dtype), err, err_len);
+  }
+#undef KD_EMU_ROPE
+  return finish(guarded(d3(grid_x), d3(block), KD_ROPE_THREADS, seed, run), err, err_len);
 }
 
 // `bitmap` must be zeroed.

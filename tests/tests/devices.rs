@@ -893,6 +893,163 @@ test_device!(
     silu_mul_matches_reference_cuda
 );
 
+/// A layer cache's appends on the device (on CUDA keydiff's `keydiff_append_rows`, which must
+/// take them; on the CPU candle's ops) against the same appends on the CPU, byte for byte:
+/// keys, values, positions and state of every used slot, for float caches of each dtype (the
+/// values a transposed view, as the model passes them) and a q8_0 cache (encoded rows), over a
+/// first chunk, a decode row and a chunk that fills the buffer.
+fn cache_appends_match_the_cpu(dev: &Device) -> Result<()> {
+    use keydiff_cache::{KvType, LayerCache};
+    let (kv, d, cap) = (4, 64, 200);
+    for kv_type in [
+        KvType::Float(DType::F32),
+        KvType::Float(DType::F16),
+        KvType::Float(DType::BF16),
+        KvType::Q8_0,
+    ] {
+        let dt = match kv_type {
+            KvType::Float(dt) => dt,
+            _ => DType::F32,
+        };
+        let mut on_dev = LayerCache::new(kv, d, cap, kv_type, dev)?;
+        let mut on_cpu = LayerCache::new(kv, d, cap, kv_type, &Device::Cpu)?;
+        let mut pos = 0;
+        for (i, chunk) in [128, 1, 71].into_iter().enumerate() {
+            let k = Tensor::from_vec(
+                seeded(kv * chunk * d, 2 * i as u64, 4.0),
+                (kv, chunk, d),
+                dev,
+            )?
+            .to_dtype(dt)?;
+            let v = Tensor::from_vec(
+                seeded(chunk * kv * d, 2 * i as u64 + 1, 4.0),
+                (chunk, kv, d),
+                dev,
+            )?
+            .to_dtype(dt)?
+            .transpose(0, 1)?;
+            on_dev.append(&k, &v, pos)?;
+            on_cpu.append(
+                &k.to_device(&Device::Cpu)?,
+                &v.to_device(&Device::Cpu)?,
+                pos,
+            )?;
+            ensure!(
+                on_dev.appended_by_kernel() == dev.is_cuda(),
+                "{kv_type}: chunk {i} appended by the kernel: {} on {dev:?} \
+                 (KEYDIFF_CUDA_APPEND=0?)",
+                on_dev.appended_by_kernel()
+            );
+            pos += chunk + 5;
+        }
+        let (a, b) = (on_dev.parts()?, on_cpu.parts()?);
+        let bytes = |t: &Tensor| -> Result<Vec<u8>> {
+            let t = t.to_device(&Device::Cpu)?.flatten_all()?;
+            Ok(match t.dtype() {
+                DType::U8 => t.to_vec1::<u8>()?,
+                _ => t
+                    .to_dtype(DType::F32)?
+                    .to_vec1::<f32>()?
+                    .iter()
+                    .flat_map(|x| x.to_bits().to_le_bytes())
+                    .collect(),
+            })
+        };
+        ensure!(bytes(&a.keys)? == bytes(&b.keys)?, "{kv_type}: keys differ");
+        ensure!(
+            bytes(&a.values)? == bytes(&b.values)?,
+            "{kv_type}: values differ"
+        );
+        ensure!(
+            a.positions.to_device(&Device::Cpu)?.to_vec2::<u32>()?
+                == b.positions.to_vec2::<u32>()?,
+            "{kv_type}: positions differ"
+        );
+        ensure!(
+            bytes(&a.state)? == bytes(&b.state)?,
+            "{kv_type}: state differs"
+        );
+    }
+    Ok(())
+}
+test_device!(
+    cache_appends_match_the_cpu,
+    cache_appends_match_the_cpu_cpu,
+    cache_appends_match_the_cpu_cuda
+);
+
+/// RoPE of a chunk's queries and keys as the device runs it (`Rope::apply_qk`: on CUDA
+/// keydiff's `keydiff_rope_qk_*`, which must take them; on the CPU candle's `rope` on
+/// contiguous copies) against candle's `rope` / `rope_i` on the CPU over the same values: bit
+/// for bit in f16 and bf16 (both round each product and sum once), within an f32 rounding in
+/// f32 (the GPU may fuse a product into the sum). Queries and keys as a fused projection gives
+/// them (transposed views), Llama-3.2-3B's frequencies, one row and a chunk, both pairings.
+fn rope_matches_the_cpu(dev: &Device) -> Result<()> {
+    use keydiff_model::config::HfConfig;
+    use keydiff_model::model::rope_qk_cuda;
+    use keydiff_model::rope::Rope;
+    let (hq, hk, d) = (24, 8, 128);
+    for interleaved in [false, true] {
+        let path = root().join("configs/llama-3.2-3b.json");
+        let mut cfg = HfConfig::load(&path)?.to_model_config(&path)?;
+        cfg.rope_interleaved = interleaved;
+        let rope = Rope::new(&cfg, None);
+        for dt in [DType::F32, DType::F16, DType::BF16] {
+            for rows in [1, 77] {
+                let (cos, sin) = rope.cos_sin(3000, rows, dt, dev)?;
+                let w = (hq + 2 * hk) * d;
+                let fused = Tensor::from_vec(seeded(rows * w, rows as u64, 6.0), (rows, w), dev)?
+                    .to_dtype(dt)?
+                    .reshape((rows, hq + 2 * hk, d))?;
+                let q = fused.narrow(1, 0, hq)?.transpose(0, 1)?;
+                let k = fused.narrow(1, hq, hk)?.transpose(0, 1)?;
+                if dev.is_cuda() {
+                    ensure!(
+                        rope_qk_cuda(&q, &k, &cos, &sin, interleaved)?.is_some(),
+                        "the CUDA RoPE kernel declined {dt:?} (KEYDIFF_CUDA_ROPE=0?)"
+                    );
+                }
+                let (gq, gk) = rope.apply_qk(&q, &k, &cos, &sin)?;
+                let cpu = |t: &Tensor| t.to_device(&Device::Cpu);
+                let (cc, sc) = (cpu(&cos)?, cpu(&sin)?);
+                // `Rope::apply`: candle's `rope` / `rope_i` on a contiguous copy.
+                let reference = |x: &Tensor| -> Result<Tensor> {
+                    Ok(rope.apply(&cpu(x)?.contiguous()?.unsqueeze(0)?, &cc, &sc)?)
+                };
+                let host = |t: &Tensor| -> Result<Vec<f32>> {
+                    Ok(cpu(t)?
+                        .to_dtype(DType::F32)?
+                        .flatten_all()?
+                        .to_vec1::<f32>()?)
+                };
+                for (what, got, want) in [
+                    ("queries", host(&gq)?, host(&reference(&q)?)?),
+                    ("keys", host(&gk)?, host(&reference(&k)?.squeeze(0)?)?),
+                ] {
+                    ensure!(got.len() == want.len(), "{what}: {} values", got.len());
+                    for (i, (&a, &b)) in got.iter().zip(&want).enumerate() {
+                        let ok = match dt {
+                            DType::F32 => (a - b).abs() <= 2.4e-7 * b.abs().max(1.0),
+                            _ => a.to_bits() == b.to_bits(),
+                        };
+                        ensure!(
+                            ok,
+                            "{dt:?} rows {rows} interleaved {interleaved}: {what} value {i}: \
+                             {a} against {b}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+test_device!(
+    rope_matches_the_cpu,
+    rope_matches_the_cpu_cpu,
+    rope_matches_the_cpu_cuda
+);
+
 /// A decode step's attention by the device's decode kernel (on CUDA keydiff's
 /// `keydiff_decode_*`, which must take these inputs; on the CPU `decode_attention_cpu`) against
 /// the eager path on the same device in f32 over the same (widened) cache: caches of f32, f16

@@ -52,6 +52,8 @@ pub struct LayerCache {
     /// Set when the buffers are a view of a model-wide stack ([`LayerCache::stack`]): the id
     /// of the stack's key buffer and this layer's index in it.
     stacked: Option<(TensorId, usize)>,
+    /// Whether the last [`LayerCache::append`] ran as one kernel launch (CUDA).
+    appended_by_kernel: bool,
 }
 
 impl LayerCache {
@@ -90,6 +92,7 @@ impl LayerCache {
             next_position: 0,
             fresh: 0,
             stacked: None,
+            appended_by_kernel: false,
         })
     }
 
@@ -302,25 +305,40 @@ impl LayerCache {
             )));
         }
         // Rounded to the cache's dtype where it differs from the activations', or quantized.
-        self.k
-            .slice_set(&self.kv.k.encode(k)?.contiguous()?, 1, self.len)?;
-        self.v
-            .slice_set(&self.kv.v.encode(v)?.contiguous()?, 1, self.len)?;
-        let dev = self.k.device();
-        let pos = Tensor::arange(pos0 as u32, (pos0 + chunk) as u32, dev)?
-            .unsqueeze(0)?
-            .broadcast_as((kv_heads, chunk))?
-            .contiguous()?;
-        self.positions.slice_set(&pos, 1, self.len)?;
-        self.state.slice_set(
-            &Tensor::zeros((kv_heads, chunk), DType::F32, dev)?,
-            1,
+        let (k, v) = (self.kv.k.encode(k)?, self.kv.v.encode(v)?);
+        // On CUDA, one launch writes the rows, positions and state (see `append_kernel`); the
+        // candle ops below are its reference, and what every other device runs.
+        self.appended_by_kernel = append_kernel(
+            (&k, &v),
+            [&self.k, &self.v, &self.positions, &self.state],
             self.len,
+            pos0,
         )?;
+        if !self.appended_by_kernel {
+            self.k.slice_set(&k.contiguous()?, 1, self.len)?;
+            self.v.slice_set(&v.contiguous()?, 1, self.len)?;
+            let dev = self.k.device();
+            let pos = Tensor::arange(pos0 as u32, (pos0 + chunk) as u32, dev)?
+                .unsqueeze(0)?
+                .broadcast_as((kv_heads, chunk))?
+                .contiguous()?;
+            self.positions.slice_set(&pos, 1, self.len)?;
+            self.state.slice_set(
+                &Tensor::zeros((kv_heads, chunk), DType::F32, dev)?,
+                1,
+                self.len,
+            )?;
+        }
         self.len += chunk;
         self.fresh += chunk;
         self.next_position = self.next_position.max(pos0 + chunk);
         Ok(())
+    }
+
+    /// Whether the last [`LayerCache::append`] wrote its rows, positions and state in one
+    /// launch of keydiff's CUDA kernel (`keydiff_append_rows`) rather than candle's ops.
+    pub fn appended_by_kernel(&self) -> bool {
+        self.appended_by_kernel
     }
 
     /// Keys of the used slots, `[kv_heads, len, head_dim]`: a view of a float cache (not a
@@ -626,6 +644,85 @@ impl LayerCache {
         let plan = crate::select::plan_tensor(plans, self.k.device())?;
         self.apply_plan(&plan, new_len)
     }
+}
+
+/// Appends a chunk's encoded keys and values (`[kv_heads, chunk, row]`, the buffers' dtype)
+/// to `bufs` (K, V, positions, state) at `slot` by keydiff's CUDA kernel
+/// (`keydiff_append_rows` of `kernels/keydiff.cu`): one launch in place of candle's seven
+/// operations (two `slice_set`s of the rows, a copy of V's transposed view, positions made on
+/// the host and uploaded, broadcast and set, a zeroed state and its `slice_set`), which at a
+/// decode step, one row a head, cost a launch or a transfer each. Every cache type takes it
+/// once its rows are encoded, if keys and values are stored alike. Returns `false` where it
+/// does not apply (off CUDA, keys and values of two storage dtypes, rows not contiguous) or
+/// where `KEYDIFF_CUDA_APPEND=0` turns it off: the caller then runs candle's ops.
+fn append_kernel(
+    (k, v): (&Tensor, &Tensor),
+    bufs: [&Tensor; 4],
+    slot: usize,
+    pos0: usize,
+) -> Result<bool> {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let on = *ON.get_or_init(|| std::env::var("KEYDIFF_CUDA_APPEND").map_or(true, |v| v != "0"));
+    let rows_contiguous = |x: &Tensor| x.stride().last() == Some(&1);
+    let [kb, vb, ..] = bufs;
+    if !on
+        || !k.device().is_cuda()
+        || v.dtype() != k.dtype()
+        || kb.dtype() != k.dtype()
+        || vb.dtype() != k.dtype()
+        || vb.layout() != kb.layout()
+        || ![k, v, kb, vb].into_iter().all(rows_contiguous)
+    {
+        return Ok(false);
+    }
+    append_cuda((k, v), bufs, slot, pos0)
+}
+
+#[cfg(feature = "cuda")]
+fn append_cuda(
+    (k, v): (&Tensor, &Tensor),
+    [kb, vb, pos, state]: [&Tensor; 4],
+    slot: usize,
+    pos0: usize,
+) -> Result<bool> {
+    use candle_core::{CudaStorage, Storage};
+    fn on_cuda(s: &Storage) -> Result<&CudaStorage> {
+        match s {
+            Storage::Cuda(c) => Ok(c),
+            _ => Err(CacheError::Config(
+                "append: a CUDA cache with a tensor off the device".into(),
+            )),
+        }
+    }
+    let ((ks, kl), (vs, vl)) = (k.storage_and_layout(), v.storage_and_layout());
+    let ((kbs, kbl), (vbs, vbl)) = (kb.storage_and_layout(), vb.storage_and_layout());
+    let ((ps, pl), (ss, sl)) = (pos.storage_and_layout(), state.storage_and_layout());
+    // SAFETY: the buffers are the layer's own (`LayerCache::append` holds `&mut self`), and
+    // nothing else writes or reads them while the launch is queued; reads queued before or
+    // after are ordered by the stream, as after `slice_set`.
+    unsafe {
+        keydiff_kernels::append_rows(
+            (on_cuda(&ks)?, kl),
+            (on_cuda(&vs)?, vl),
+            (on_cuda(&kbs)?, kbl),
+            (on_cuda(&vbs)?, vbl),
+            (on_cuda(&ps)?, pl),
+            (on_cuda(&ss)?, sl),
+            slot,
+            pos0,
+        )?;
+    }
+    Ok(true)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn append_cuda(
+    _kv: (&Tensor, &Tensor),
+    _bufs: [&Tensor; 4],
+    _slot: usize,
+    _pos0: usize,
+) -> Result<bool> {
+    Ok(false)
 }
 
 #[cfg(test)]

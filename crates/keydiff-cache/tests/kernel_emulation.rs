@@ -12,7 +12,7 @@ use half::{bf16, f16};
 use keydiff_cache::policy::{keydiff_scores, keydiff_scores_fused, PoolByPosition};
 use keydiff_cache::select::{move_plan, select, select_radix, SelectBlocks};
 use keydiff_cache::{Anchor, KvType};
-use keydiff_kernels::emu;
+use keydiff_kernels::emu::{self, AppendBuffers};
 use keydiff_kernels::geometry::{select_few_fits, vector_loads_fit, ScoreLoads, KVQ_BYTES};
 use proptest::prelude::*;
 use rand::rngs::StdRng;
@@ -1060,5 +1060,184 @@ fn fp8_kernels_match_candle_exactly() {
                 emu::kvq_quantize(emu::Keys::F32(&got), 5, 2, 4, 32, 128, 32, seed).unwrap();
             assert_eq!(again, all, "fp8 -> f32 -> fp8");
         }
+    }
+}
+
+/// A tensor's elements as little-endian bytes, in its own dtype (rows as stored).
+fn tensor_bytes(t: &Tensor) -> Vec<u8> {
+    let flat = t.flatten_all().unwrap();
+    match t.dtype() {
+        DType::U8 => flat.to_vec1::<u8>().unwrap(),
+        DType::F32 => flat
+            .to_vec1::<f32>()
+            .unwrap()
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect(),
+        DType::F16 => flat
+            .to_vec1::<f16>()
+            .unwrap()
+            .iter()
+            .flat_map(|x| x.to_bits().to_le_bytes())
+            .collect(),
+        DType::BF16 => flat
+            .to_vec1::<bf16>()
+            .unwrap()
+            .iter()
+            .flat_map(|x| x.to_bits().to_le_bytes())
+            .collect(),
+        dt => panic!("no bytes for {dt:?}"),
+    }
+}
+
+/// `keydiff_append_rows` against `LayerCache::append`'s candle ops on the CPU: a layer holding
+/// `slot` rows gets a chunk of `chunk` rows at position `pos0`, its keys contiguous and its
+/// values the transposed view of a `[chunk, kv, d]` projection output, as the model passes
+/// them (block types: the encoded, contiguous rows). The kernel runs on buffers of random bytes
+/// (slots the cache has not used, or that eviction left behind): the chunk's slots must hold
+/// the cache's rows, positions and zeroed state, and every other byte must be as it was.
+fn check_append(kv_type: KvType, kv: usize, d: usize, cap: usize, slot: usize, chunk: usize) {
+    let mut rng = StdRng::seed_from_u64((kv * 1000 + d * 10 + slot) as u64 ^ chunk as u64);
+    let dt = match kv_type {
+        KvType::Float(dt) => dt,
+        _ => DType::F32,
+    };
+    let pos0 = slot + 17;
+    let mut cache = keydiff_cache::LayerCache::new(kv, d, cap, kv_type, &Device::Cpu).unwrap();
+    if slot > 0 {
+        let k0 = cache_keys(kv, slot, d, dt, &mut rng);
+        let v0 = cache_keys(kv, slot, d, dt, &mut rng);
+        cache.append(&k0, &v0, 0).unwrap();
+    }
+    let k = cache_keys(kv, chunk, d, dt, &mut rng);
+    // The projection's output [chunk, kv, d]; attention passes its transposed view.
+    let v_rows = cache_keys(chunk, kv, d, dt, &mut rng);
+    let v = v_rows.transpose(0, 1).unwrap();
+    cache.append(&k, &v, pos0).unwrap();
+    let parts = cache.parts().unwrap();
+    let rb = kv_type.row_len(d) * kv_type.storage_dtype().size_in_bytes();
+    let (ke, ve) = (kv_type.encode(&k).unwrap(), kv_type.encode(&v).unwrap());
+    let (k_bytes, v_bytes) = (tensor_bytes(&ke), tensor_bytes(&ve.contiguous().unwrap()));
+    // What the kernel reads: the encoded keys as they are; float values as the view strides
+    // them, encoded ones contiguous.
+    let (v_src, v_hs, v_rs) = match kv_type {
+        KvType::Float(_) => (tensor_bytes(&v_rows), rb, kv * rb),
+        _ => (v_bytes.clone(), chunk * rb, rb),
+    };
+    let initial = AppendBuffers {
+        k: (0..kv * cap * rb).map(|_| rng.random()).collect(),
+        v: (0..kv * cap * rb).map(|_| rng.random()).collect(),
+        head_stride: cap * rb,
+        row_stride: rb,
+        capacity: cap,
+        positions: (0..kv * cap).map(|_| rng.random()).collect(),
+        state: (0..kv * cap).map(|_| rng.random_range(-1.0..1.0)).collect(),
+        meta_stride: cap,
+    };
+    let mut want = initial.clone();
+    let positions = parts.positions.to_vec2::<u32>().unwrap();
+    let state = parts.state.to_vec2::<f32>().unwrap();
+    let (stored_k, stored_v) = (tensor_bytes(&parts.keys), tensor_bytes(&parts.values));
+    let used = slot + chunk;
+    for h in 0..kv {
+        for r in slot..used {
+            let (to, from) = (h * cap * rb + r * rb, (h * used + r) * rb);
+            want.k[to..to + rb].copy_from_slice(&stored_k[from..from + rb]);
+            want.v[to..to + rb].copy_from_slice(&stored_v[from..from + rb]);
+            want.positions[h * cap + r] = positions[h][r];
+            want.state[h * cap + r] = state[h][r];
+        }
+    }
+    // The reference itself: the chunk's encoded rows, positions from pos0, zeroed state.
+    for h in 0..kv {
+        assert_eq!(
+            &stored_k[(h * used + slot) * rb..(h + 1) * used * rb],
+            &k_bytes[h * chunk * rb..(h + 1) * chunk * rb]
+        );
+        assert_eq!(
+            &stored_v[(h * used + slot) * rb..(h + 1) * used * rb],
+            &v_bytes[h * chunk * rb..(h + 1) * chunk * rb]
+        );
+        assert!(positions[h][slot..]
+            .iter()
+            .zip(pos0..)
+            .all(|(&p, q)| p as usize == q));
+        assert!(state[h][slot..].iter().all(|&s| s == 0.0));
+    }
+    let what = format!("{kv_type} kv {kv} d {d} cap {cap} slot {slot} chunk {chunk}");
+    for seed in SEEDS {
+        let mut got = initial.clone();
+        emu::append_rows(
+            emu::ByteRows {
+                bytes: &k_bytes,
+                head_stride: chunk * rb,
+                row_stride: rb,
+            },
+            emu::ByteRows {
+                bytes: &v_src,
+                head_stride: v_hs,
+                row_stride: v_rs,
+            },
+            &mut got,
+            kv,
+            chunk,
+            rb,
+            slot,
+            pos0,
+            seed,
+        )
+        .unwrap_or_else(|e| panic!("{what}, seed {seed}: {e}"));
+        assert!(got.k == want.k, "{what}, seed {seed}: keys");
+        assert!(got.v == want.v, "{what}, seed {seed}: values");
+        assert_eq!(got.positions, want.positions, "{what}, seed {seed}");
+        let bits = |s: &[f32]| s.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&got.state), bits(&want.state), "{what}, seed {seed}");
+    }
+}
+
+#[test]
+fn appends_match_the_cache_ops() {
+    // Every copy path: rows of 16-byte words (f32 d 64, bf16 d 128, f16 d 256), of 4-byte
+    // words (bf16 d 6: 12 bytes; q8_0 d 64: 68; q4_0 d 128: 72) and of bytes (f16 d 3: 6).
+    // One row (a decode step), a chunk of one block's warps and one past it, a chunk of 300
+    // (38 blocks a head), appended to an empty layer, after some rows, and up to capacity.
+    for (kv_type, kv, d, cap, slot, chunk) in [
+        (KvType::Float(DType::F32), 2, 64, 40, 5, 1),
+        (KvType::Float(DType::BF16), 8, 128, 64, 0, 8),
+        (KvType::Float(DType::F16), 3, 256, 50, 31, 9),
+        (KvType::Float(DType::BF16), 4, 6, 400, 100, 300),
+        (KvType::Float(DType::F16), 5, 3, 20, 7, 13),
+        (KvType::Q8_0, 2, 64, 30, 3, 27),
+        (KvType::Q4_0, 3, 128, 12, 11, 1),
+        (KvType::Float(DType::F32), 1, 128, 300, 0, 300),
+    ] {
+        check_append(kv_type, kv, d, cap, slot, chunk);
+    }
+    // Refused before launch: a chunk past the buffer, positions past 2^31, no rows.
+    let mut bufs = AppendBuffers {
+        k: vec![0; 2 * 4 * 8],
+        v: vec![0; 2 * 4 * 8],
+        head_stride: 32,
+        row_stride: 8,
+        capacity: 4,
+        positions: vec![0; 8],
+        state: vec![0.0; 8],
+        meta_stride: 4,
+    };
+    let rows = [0u8; 2 * 3 * 8];
+    let src = emu::ByteRows {
+        bytes: &rows,
+        head_stride: 24,
+        row_stride: 8,
+    };
+    for (chunk, slot, pos0, needle) in [
+        (3, 2, 0, "past a buffer of 4"),
+        (3, 0, (1 << 31) - 2, "past 2^31"),
+        (0, 0, 0, "rows (at least 1)"),
+    ] {
+        let err = emu::append_rows(src, src, &mut bufs, 2, chunk, 8, slot, pos0, 1)
+            .expect_err("a bad append passed")
+            .to_string();
+        assert!(err.contains(needle), "{err}");
     }
 }

@@ -8,12 +8,13 @@ use candle_core::{bail, CudaStorage, DType, Layout, Result, Shape};
 use half::{bf16, f16};
 
 use crate::geometry::{
-    act_launch, check_act, check_decode, check_kvq, check_norm, check_pool, check_scores,
-    check_select, check_softmax, check_softmax_sums, decode_combine_launch, decode_lanes,
-    decode_launch, decode_split, kvq_launch, move_launch, norm_launch, per_head_launch, plan_moves,
-    pool_words, scores_launch, select_few_launch, select_few_workspace, select_multi_launch,
-    select_passes, select_workspace, softmax_launch, softmax_sums_launch, vector_loads_fit, Launch,
-    ScoreLoads, SelectBlocks, KVQ_FP8, MAX_HEADS,
+    act_launch, append_launch, check_act, check_append, check_decode, check_kvq, check_norm,
+    check_pool, check_rope, check_scores, check_select, check_softmax, check_softmax_sums,
+    decode_combine_launch, decode_lanes, decode_launch, decode_split, kvq_launch, move_launch,
+    norm_launch, per_head_launch, plan_moves, pool_words, rope_launch, scores_launch,
+    select_few_launch, select_few_workspace, select_multi_launch, select_passes, select_workspace,
+    softmax_launch, softmax_sums_launch, vector_loads_fit, Launch, ScoreLoads, SelectBlocks,
+    KVQ_FP8, MAX_HEADS,
 };
 
 /// PTX of `kernels/keydiff.cu`.
@@ -319,6 +320,221 @@ pub fn move_rows(
         dt => bail!("move-rows: unsupported dtype {dt:?}"),
     }
     Ok(())
+}
+
+/// A chunk appended to a layer's cache in one launch (`keydiff_append_rows`; see the kernel
+/// source): rows `slot .. slot + chunk` of each head of `kbuf` and `vbuf` (`[kv, capacity, d]`)
+/// get `k` and `v` (`[kv, chunk, d]`, any head and row stride, rows contiguous, the buffers'
+/// dtype), `positions` (u32 `[kv, capacity]`) get `pos0 ..`, and `state` (f32, the positions'
+/// layout) zeros.
+///
+/// # Safety
+///
+/// The four buffers are written although they are passed by shared reference (candle lends no
+/// more than one storage mutably to an op): the caller must own them, so that nothing else
+/// reads or writes them through another tensor while this runs (`LayerCache::append` holds
+/// `&mut self`). Reads queued on the device before or after are ordered by the stream, as for
+/// candle's own `slice_set`.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn append_rows(
+    (k, kl): (&CudaStorage, &Layout),
+    (v, vl): (&CudaStorage, &Layout),
+    (kb, kbl): (&CudaStorage, &Layout),
+    (vb, vbl): (&CudaStorage, &Layout),
+    (pos, pl): (&CudaStorage, &Layout),
+    (state, sl): (&CudaStorage, &Layout),
+    slot: usize,
+    pos0: usize,
+) -> Result<()> {
+    let (kv, chunk, d) = kl.shape().dims3()?;
+    let (bkv, capacity, bd) = kbl.shape().dims3()?;
+    let (ks, vs, bs) = (kl.stride(), vl.stride(), kbl.stride());
+    if vl.dims() != kl.dims()
+        || (bkv, bd) != (kv, d)
+        || vbl.dims() != kbl.dims()
+        || vbl.stride() != bs
+        || ks[2] != 1
+        || vs[2] != 1
+        || bs[2] != 1
+    {
+        bail!(
+            "append: k {:?} / {ks:?}, v {:?} / {vs:?} into buffers {:?} / {bs:?} and {:?} / {:?} \
+             (rows contiguous, one layout for both buffers)",
+            kl.dims(),
+            vl.dims(),
+            kbl.dims(),
+            vbl.dims(),
+            vbl.stride()
+        );
+    }
+    let dt = k.dtype();
+    if v.dtype() != dt || kb.dtype() != dt || vb.dtype() != dt {
+        bail!(
+            "append: k {:?}, v {:?} into buffers of {:?} and {:?} (one dtype)",
+            dt,
+            v.dtype(),
+            kb.dtype(),
+            vb.dtype()
+        );
+    }
+    if pos.dtype() != DType::U32 || state.dtype() != DType::F32 {
+        bail!(
+            "append: positions {:?} (u32) and state {:?} (f32)",
+            pos.dtype(),
+            state.dtype()
+        );
+    }
+    let meta = pl.stride();
+    if pl.dims() != [kv, capacity] || sl.dims() != pl.dims() || sl.stride() != meta || meta[1] != 1
+    {
+        bail!(
+            "append: positions {:?} / {meta:?} and state {:?} / {:?} for [{kv}, {capacity}] \
+             (one layout, slots contiguous)",
+            pl.dims(),
+            sl.dims(),
+            sl.stride()
+        );
+    }
+    let elem = dt.size_in_bytes();
+    check_append(kv, chunk, d * elem, slot, capacity, pos0)?;
+    let b = |st: &[usize]| (st[0] as i64 * elem as i64, st[1] as i64 * elem as i64);
+    let ((k_hs, k_rs), (v_hs, v_rs), (buf_hs, buf_rs)) = (b(ks), b(vs), b(bs));
+    let (row_bytes, meta_hs) = ((d * elem) as i32, meta[0] as i64);
+    let (slot32, chunk32, pos32) = (slot as i32, chunk as i32, pos0 as u32);
+    let dev = k.device().clone();
+    let f = dev.get_or_load_custom_func("keydiff_append_rows", MODULE, PTX)?;
+    let pv = pos.as_cuda_slice::<u32>()?.slice(pl.start_offset()..);
+    let sv = state.as_cuda_slice::<f32>()?.slice(sl.start_offset()..);
+    let cfg = launch_cfg(append_launch(chunk, kv));
+    macro_rules! launch {
+        ($t:ty) => {{
+            let kv_ = k.as_cuda_slice::<$t>()?.slice(kl.start_offset()..);
+            let vv = v.as_cuda_slice::<$t>()?.slice(vl.start_offset()..);
+            let kbv = kb.as_cuda_slice::<$t>()?.slice(kbl.start_offset()..);
+            let vbv = vb.as_cuda_slice::<$t>()?.slice(vbl.start_offset()..);
+            let mut b = f.builder();
+            b.arg(&kv_);
+            b.arg(&k_hs);
+            b.arg(&k_rs);
+            b.arg(&vv);
+            b.arg(&v_hs);
+            b.arg(&v_rs);
+            b.arg(&kbv);
+            b.arg(&vbv);
+            b.arg(&buf_hs);
+            b.arg(&buf_rs);
+            b.arg(&row_bytes);
+            b.arg(&pv);
+            b.arg(&sv);
+            b.arg(&meta_hs);
+            b.arg(&slot32);
+            b.arg(&chunk32);
+            b.arg(&pos32);
+            // SAFETY: argument list matches the kernel; it reads the chunk's rows of the k and
+            // v views at these strides and writes slots slot .. slot + chunk of each head of
+            // the buffers, inside them (checked above); the caller owns the buffers.
+            unsafe { b.launch(cfg) }.w()?;
+        }};
+    }
+    match dt {
+        DType::F32 => launch!(f32),
+        DType::F16 => launch!(f16),
+        DType::BF16 => launch!(bf16),
+        DType::U8 => launch!(u8),
+        DType::F8E4M3 => launch!(float8::F8E4M3),
+        dt => bail!("append: unsupported dtype {dt:?} (f32, f16, bf16, u8, f8e4m3)"),
+    }
+    Ok(())
+}
+
+/// RoPE of a chunk's queries and keys in one launch (`keydiff_rope_qk_<dtype>`; see the kernel
+/// source): `q` `[hq, B, d]` and `k` `[hk, B, d]` (any head and row stride, each head's values
+/// contiguous), `cos` and `sin` `[B, d / 2]` contiguous, one dtype (f32/f16/bf16), pairs
+/// `(2j, 2j + 1)` when `interleaved`, else `(j, j + d / 2)`. Returns `[hq + hk, B, d]`
+/// contiguous: the rotated queries, then the keys.
+pub fn rope_qk(
+    (q, ql): (&CudaStorage, &Layout),
+    (k, kl): (&CudaStorage, &Layout),
+    (cos, cl): (&CudaStorage, &Layout),
+    (sin, sl): (&CudaStorage, &Layout),
+    interleaved: bool,
+) -> Result<(CudaStorage, Shape)> {
+    let (hq, b, d) = ql.shape().dims3()?;
+    let (hk, kb, kd) = kl.shape().dims3()?;
+    let (qs, ks) = (ql.stride(), kl.stride());
+    if (kb, kd) != (b, d) || qs[2] != 1 || ks[2] != 1 {
+        bail!(
+            "rope: q {:?} / {qs:?}, k {:?} / {ks:?} (one chunk and head dim, values contiguous)",
+            ql.dims(),
+            kl.dims()
+        );
+    }
+    check_rope(hq, hk, b, d)?;
+    if cl.dims() != [b, d / 2]
+        || sl.dims() != cl.dims()
+        || !cl.is_contiguous()
+        || !sl.is_contiguous()
+    {
+        bail!(
+            "rope: cos {:?} and sin {:?} for {b} rows of {d} (contiguous [{b}, {}])",
+            cl.dims(),
+            sl.dims(),
+            d / 2
+        );
+    }
+    let dt = q.dtype();
+    if [k.dtype(), cos.dtype(), sin.dtype()] != [dt; 3] {
+        bail!(
+            "rope: q {dt:?}, k {:?}, cos {:?}, sin {:?} (one dtype)",
+            k.dtype(),
+            cos.dtype(),
+            sin.dtype()
+        );
+    }
+    let dev = q.device().clone();
+    let n = (hq + hk) * b * d;
+    let (q_rs, q_hs, k_rs, k_hs) = (qs[1] as i64, qs[0] as i64, ks[1] as i64, ks[0] as i64);
+    let (hq32, hk32, b32, d32) = (hq as i32, hk as i32, b as i32, d as i32);
+    let inter = interleaved as i32;
+    let cfg = launch_cfg(rope_launch(n / 2));
+    macro_rules! launch {
+        ($t:ty, $name:literal) => {{
+            // SAFETY: the kernel writes every value (each pair of each row of each head).
+            let mut out = unsafe { dev.alloc::<$t>(n)? };
+            let qv = q.as_cuda_slice::<$t>()?.slice(ql.start_offset()..);
+            let kv = k.as_cuda_slice::<$t>()?.slice(kl.start_offset()..);
+            let cv = cos.as_cuda_slice::<$t>()?.slice(cl.start_offset()..);
+            let sv = sin.as_cuda_slice::<$t>()?.slice(sl.start_offset()..);
+            let f = dev.get_or_load_custom_func($name, MODULE, PTX)?;
+            let mut b = f.builder();
+            b.arg(&qv);
+            b.arg(&q_rs);
+            b.arg(&q_hs);
+            b.arg(&kv);
+            b.arg(&k_rs);
+            b.arg(&k_hs);
+            b.arg(&cv);
+            b.arg(&sv);
+            b.arg(&mut out);
+            b.arg(&hq32);
+            b.arg(&hk32);
+            b.arg(&b32);
+            b.arg(&d32);
+            b.arg(&inter);
+            // SAFETY: argument list matches the kernel; it reads the q and k views at these
+            // strides and cos/sin's b · d / 2 values, and writes the n values of `out`,
+            // allocated here.
+            unsafe { b.launch(cfg) }.w()?;
+            CudaStorage::wrap_cuda_slice(out, dev.clone())
+        }};
+    }
+    let out = match dt {
+        DType::F32 => launch!(f32, "keydiff_rope_qk_f32"),
+        DType::F16 => launch!(f16, "keydiff_rope_qk_f16"),
+        DType::BF16 => launch!(bf16, "keydiff_rope_qk_bf16"),
+        dt => bail!("rope: unsupported dtype {dt:?} (f32, f16, bf16)"),
+    };
+    Ok((out, Shape::from((hq + hk, b, d))))
 }
 
 /// SnapKV pooling along positions (`snapkv_pool`): `stats` `[kv, n]` f32 and `positions`

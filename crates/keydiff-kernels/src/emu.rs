@@ -25,12 +25,12 @@ use half::{bf16, f16};
 
 use crate::fence::{Fenced, HeadAxis, Side};
 use crate::geometry::{
-    act_launch, check_act, check_decode, check_kvq, check_norm, check_pool, check_scores,
-    check_select, check_softmax, check_softmax_sums, decode_combine_launch, decode_lanes,
-    decode_launch, decode_split, kvq_launch, move_launch, norm_launch, per_head_launch, plan_moves,
-    pool_words, scores_launch, select_few_launch, select_few_workspace, select_multi_launch,
-    select_passes, select_workspace, softmax_launch, softmax_sums_launch, vector_loads_fit,
-    ScoreLoads, SelectBlocks, KVQ_BYTES,
+    act_launch, append_launch, check_act, check_append, check_decode, check_kvq, check_norm,
+    check_pool, check_rope, check_scores, check_select, check_softmax, check_softmax_sums,
+    decode_combine_launch, decode_lanes, decode_launch, decode_split, kvq_launch, move_launch,
+    norm_launch, per_head_launch, plan_moves, pool_words, rope_launch, scores_launch,
+    select_few_launch, select_few_workspace, select_multi_launch, select_passes, select_workspace,
+    softmax_launch, softmax_sums_launch, vector_loads_fit, ScoreLoads, SelectBlocks, KVQ_BYTES,
 };
 
 extern "C" {
@@ -103,6 +103,53 @@ extern "C" {
         max_moves: c_int,
         grid_x: c_uint,
         grid_y: c_uint,
+        block: c_uint,
+        seed: u64,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    fn kd_emu_append_rows(
+        k: *const u8,
+        k_hs: i64,
+        k_rs: i64,
+        v: *const u8,
+        v_hs: i64,
+        v_rs: i64,
+        kbuf: *mut u8,
+        vbuf: *mut u8,
+        buf_hs: i64,
+        buf_rs: i64,
+        row_bytes: c_int,
+        positions: *mut u32,
+        state: *mut f32,
+        meta_hs: i64,
+        slot: c_int,
+        chunk: c_int,
+        pos0: c_uint,
+        grid_x: c_uint,
+        grid_y: c_uint,
+        block: c_uint,
+        seed: u64,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    fn kd_emu_rope_qk(
+        dtype: c_int,
+        q: *const u8,
+        q_rs: i64,
+        q_hs: i64,
+        k: *const u8,
+        k_rs: i64,
+        k_hs: i64,
+        cos: *const u8,
+        sin: *const u8,
+        out: *mut u8,
+        hq: c_int,
+        hk: c_int,
+        b: c_int,
+        d: c_int,
+        interleaved: c_int,
+        grid_x: c_uint,
         block: c_uint,
         seed: u64,
         err: *mut c_char,
@@ -954,6 +1001,92 @@ pub fn silu_mul(
     Ok(widen(dtype, &out.finish()?))
 }
 
+/// `keydiff_rope_qk_<dtype>` on `q` (`hq` heads) and `k` (`hk` heads) of `rows` rows of `d`
+/// values at element strides `(head, row)` (each head's values contiguous), `cos` and `sin`
+/// `[rows, d / 2]`, one dtype: returns the rotated queries then keys, `[(hq + hk) · rows · d]`
+/// widened to f32 (exactly).
+#[allow(clippy::too_many_arguments)]
+pub fn rope_qk(
+    (q, q_hs, q_rs): (Keys<'_>, usize, usize),
+    (k, k_hs, k_rs): (Keys<'_>, usize, usize),
+    cos: Keys<'_>,
+    sin: Keys<'_>,
+    (hq, hk, rows, d): (usize, usize, usize, usize),
+    interleaved: bool,
+    seed: u64,
+) -> Result<Vec<f32>> {
+    check_rope(hq, hk, rows, d)?;
+    let (dtype, qb, q_len, elem) = q.parts();
+    let (k_dtype, kb, k_len, _) = k.parts();
+    let (c_dtype, cb, c_len, _) = cos.parts();
+    let (s_dtype, sb, s_len, _) = sin.parts();
+    if [k_dtype, c_dtype, s_dtype] != [dtype; 3] {
+        bail!("rope: q, k, cos and sin must be of one dtype");
+    }
+    let half = d / 2;
+    if c_len < rows * half || s_len < rows * half {
+        bail!("rope: cos ({c_len}) and sin ({s_len}) hold fewer than {rows} rows of {half}");
+    }
+    let q_extent = check_extent("rope q", q_len, elem, hq, rows, d, q_hs, q_rs)?;
+    let k_extent = check_extent("rope k", k_len, elem, hk, rows, d, k_hs, k_rs)?;
+    let n = (hq + hk) * rows * d;
+    let l = rope_launch(n / 2);
+    let side = Side::for_seed(seed);
+    let qf = Fenced::copy_of("rope q", &qb[..q_extent * elem], side, 16)?;
+    let kf = Fenced::copy_of("rope k", &kb[..k_extent * elem], side, 16)?;
+    let cf = Fenced::copy_of("rope cos", &cb[..rows * half * elem], side, 16)?;
+    let sf = Fenced::copy_of("rope sin", &sb[..rows * half * elem], side, 16)?;
+    // Bytes of all ones: NaN in every dtype, so a value never written shows.
+    let mut out = Fenced::filled("rope out", n * elem, 0xFFu8, side, 16)?;
+    // Any block may touch any pair: each view as one "head" of rows, where its heads nest in
+    // its rows (a projection's output, heads side by side) or its rows in its heads (heads one
+    // after another); other layouts are only fenced.
+    let one_head = |f: &Fenced<u8>, heads: usize, hs: usize, rs: usize| -> Result<()> {
+        if hs == d && rs >= heads * d {
+            f.view(1, 0, rows, rs * elem, heads * d * elem, HeadAxis::Y)
+        } else if rs == d && (heads == 1 || hs == rows * d) {
+            f.view(1, 0, heads * rows, d * elem, d * elem, HeadAxis::Y)
+        } else {
+            Ok(())
+        }
+    };
+    one_head(&qf, hq, q_hs, q_rs)?;
+    one_head(&kf, hk, k_hs, k_rs)?;
+    call("rope", |err, err_len| {
+        // SAFETY: the kernel reads the q and k views and cos/sin's rows · d / 2 values checked
+        // above, and writes the n values of `out`.
+        unsafe {
+            kd_emu_rope_qk(
+                dtype,
+                qf.as_ptr(),
+                q_rs as i64,
+                q_hs as i64,
+                kf.as_ptr(),
+                k_rs as i64,
+                k_hs as i64,
+                cf.as_ptr(),
+                sf.as_ptr(),
+                out.as_mut_ptr(),
+                hq as c_int,
+                hk as c_int,
+                rows as c_int,
+                d as c_int,
+                interleaved as c_int,
+                l.grid.0,
+                l.block,
+                seed,
+                err,
+                err_len,
+            )
+        }
+    })?;
+    qf.finish()?;
+    kf.finish()?;
+    cf.finish()?;
+    sf.finish()?;
+    Ok(widen(dtype, &out.finish()?))
+}
+
 /// Values of dtype code `dtype` (0 f32, 1 f16, 2 bf16) from their little-endian bytes, as f32.
 fn widen(dtype: c_int, bytes: &[u8]) -> Vec<f32> {
     match dtype {
@@ -1219,6 +1352,193 @@ pub fn move_rows<T: Copy>(
     })?;
     plan.finish()?;
     buf[..extent].copy_from_slice(&fenced.finish()?);
+    Ok(())
+}
+
+/// Bytes at a head stride and a row stride (both in bytes): the rows of a view.
+#[derive(Debug, Clone, Copy)]
+pub struct ByteRows<'a> {
+    pub bytes: &'a [u8],
+    pub head_stride: usize,
+    pub row_stride: usize,
+}
+
+/// A layer cache's buffers as `keydiff_append_rows` writes them: K and V, `[kv, capacity]`
+/// rows at one pair of byte strides; positions and state, `[kv, capacity]` at one head stride
+/// (elements, slots contiguous).
+#[derive(Debug, Clone)]
+pub struct AppendBuffers {
+    pub k: Vec<u8>,
+    pub v: Vec<u8>,
+    pub head_stride: usize,
+    pub row_stride: usize,
+    pub capacity: usize,
+    pub positions: Vec<u32>,
+    pub state: Vec<f32>,
+    pub meta_stride: usize,
+}
+
+/// `keydiff_append_rows`: `kv` heads × `chunk` rows of `row_bytes` bytes of `k` and `v` written
+/// to slots `slot .. slot + chunk` of `bufs`' K and V, positions `pos0 ..` and state 0, in
+/// place. Everything else in the buffers must come out unchanged (the caller compares).
+#[allow(clippy::too_many_arguments)]
+pub fn append_rows(
+    k: ByteRows<'_>,
+    v: ByteRows<'_>,
+    bufs: &mut AppendBuffers,
+    kv: usize,
+    chunk: usize,
+    row_bytes: usize,
+    slot: usize,
+    pos0: usize,
+    seed: u64,
+) -> Result<()> {
+    check_append(kv, chunk, row_bytes, slot, bufs.capacity, pos0)?;
+    let rows = |what, r: &ByteRows<'_>| {
+        check_extent(
+            what,
+            r.bytes.len(),
+            1,
+            kv,
+            chunk,
+            row_bytes,
+            r.head_stride,
+            r.row_stride,
+        )
+    };
+    let (k_extent, v_extent) = (rows("append k", &k)?, rows("append v", &v)?);
+    let (hs, rs, cap) = (bufs.head_stride, bufs.row_stride, bufs.capacity);
+    let buf_extent = check_extent(
+        "append k buffer",
+        bufs.k.len(),
+        1,
+        kv,
+        cap,
+        row_bytes,
+        hs,
+        rs,
+    )?;
+    check_extent(
+        "append v buffer",
+        bufs.v.len(),
+        1,
+        kv,
+        cap,
+        row_bytes,
+        hs,
+        rs,
+    )?;
+    let ms = bufs.meta_stride;
+    let meta_extent = check_extent(
+        "append positions",
+        bufs.positions.len(),
+        4,
+        kv,
+        1,
+        cap,
+        ms,
+        0,
+    )?;
+    check_extent("append state", bufs.state.len(), 4, kv, 1, cap, ms, 0)?;
+    let l = append_launch(chunk, kv);
+    let side = Side::for_seed(seed);
+    // 16-byte aligned, like a device allocation, where the strides and rows allow it, so that
+    // the kernel's vector path runs; else aligned to a row's 4-byte words or to bytes.
+    let align = |strides: [usize; 2]| {
+        let all = [strides[0], strides[1], row_bytes];
+        if all.iter().all(|x| x % 16 == 0) {
+            16
+        } else if all.iter().all(|x| x % 4 == 0) {
+            4
+        } else {
+            1
+        }
+    };
+    let kf = Fenced::copy_of(
+        "append k",
+        &k.bytes[..k_extent],
+        side,
+        align([k.head_stride, k.row_stride]),
+    )?;
+    let vf = Fenced::copy_of(
+        "append v",
+        &v.bytes[..v_extent],
+        side,
+        align([v.head_stride, v.row_stride]),
+    )?;
+    let mut kb = Fenced::copy_of(
+        "append k buffer",
+        &bufs.k[..buf_extent],
+        side,
+        align([hs, rs]),
+    )?;
+    let mut vb = Fenced::copy_of(
+        "append v buffer",
+        &bufs.v[..buf_extent],
+        side,
+        align([hs, rs]),
+    )?;
+    let mut pf = Fenced::copy_of("append positions", &bufs.positions[..meta_extent], side, 4)?;
+    let mut sf = Fenced::copy_of("append state", &bufs.state[..meta_extent], side, 4)?;
+    // Blocks of (rows, head): each head's chunk rows, and its slots up to the last written.
+    kf.view(
+        kv,
+        k.head_stride,
+        chunk,
+        k.row_stride,
+        row_bytes,
+        HeadAxis::Y,
+    )?;
+    vf.view(
+        kv,
+        v.head_stride,
+        chunk,
+        v.row_stride,
+        row_bytes,
+        HeadAxis::Y,
+    )?;
+    let end = slot + chunk;
+    kb.view(kv, hs, end, rs, row_bytes, HeadAxis::Y)?;
+    vb.view(kv, hs, end, rs, row_bytes, HeadAxis::Y)?;
+    pf.view(kv, ms, 1, 0, end, HeadAxis::Y)?;
+    sf.view(kv, ms, 1, 0, end, HeadAxis::Y)?;
+    call("append", |err, err_len| {
+        // SAFETY: the kernel reads the chunk's rows of both views and writes slots below
+        // `slot + chunk` of each head of the buffers, all checked to fit above.
+        unsafe {
+            kd_emu_append_rows(
+                kf.as_ptr(),
+                k.head_stride as i64,
+                k.row_stride as i64,
+                vf.as_ptr(),
+                v.head_stride as i64,
+                v.row_stride as i64,
+                kb.as_mut_ptr(),
+                vb.as_mut_ptr(),
+                hs as i64,
+                rs as i64,
+                row_bytes as c_int,
+                pf.as_mut_ptr(),
+                sf.as_mut_ptr(),
+                ms as i64,
+                slot as c_int,
+                chunk as c_int,
+                pos0 as c_uint,
+                l.grid.0,
+                l.grid.1,
+                l.block,
+                seed,
+                err,
+                err_len,
+            )
+        }
+    })?;
+    kf.finish()?;
+    vf.finish()?;
+    bufs.k[..buf_extent].copy_from_slice(&kb.finish()?);
+    bufs.v[..buf_extent].copy_from_slice(&vb.finish()?);
+    bufs.positions[..meta_extent].copy_from_slice(&pf.finish()?);
+    bufs.state[..meta_extent].copy_from_slice(&sf.finish()?);
     Ok(())
 }
 

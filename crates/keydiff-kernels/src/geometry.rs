@@ -227,6 +227,88 @@ pub fn move_launch(moves: usize, kv: usize) -> Launch {
     }
 }
 
+/// `KD_APPEND_THREADS`: threads of a `keydiff_append_rows` block (a warp per row).
+pub const APPEND_THREADS: u32 = 256;
+
+/// `keydiff_append_rows`: one warp per appended row, heads on grid.y.
+pub fn append_launch(chunk: usize, kv: usize) -> Launch {
+    Launch {
+        grid: ((chunk as u32).div_ceil(APPEND_THREADS / 32), kv as u32),
+        block: APPEND_THREADS,
+    }
+}
+
+/// The append kernel's limits: `chunk` rows of `row_bytes` bytes a head written at slots
+/// `slot .. slot + chunk` of a buffer of `capacity`, positions from `pos0` below 2^31 (the
+/// selection keys' 31 bits; `int` counts in the kernel).
+pub fn check_append(
+    kv: usize,
+    chunk: usize,
+    row_bytes: usize,
+    slot: usize,
+    capacity: usize,
+    pos0: usize,
+) -> Result<()> {
+    if kv == 0 || kv > MAX_HEADS || chunk == 0 || row_bytes == 0 || row_bytes > i32::MAX as usize {
+        bail!(
+            "append: {kv} heads (1..={MAX_HEADS}), {chunk} rows (at least 1) of {row_bytes} \
+             bytes (1..={})",
+            i32::MAX
+        );
+    }
+    if capacity > MAX_SLOTS || slot + chunk > capacity {
+        bail!(
+            "append: slots {slot}..{} past a buffer of {capacity}",
+            slot + chunk
+        );
+    }
+    if pos0 + chunk > 1 << 31 {
+        bail!("append: position {} is past 2^31", pos0 + chunk);
+    }
+    Ok(())
+}
+
+/// `KD_ROPE_THREADS`: threads of a `keydiff_rope_qk_*` block (a thread per pair of values).
+pub const ROPE_THREADS: u32 = 256;
+/// Most blocks of a RoPE launch (as [`ACT_MAX_BLOCKS`]); a grid-stride loop covers the rest.
+pub const ROPE_MAX_BLOCKS: usize = 1024;
+
+/// `keydiff_rope_qk_*`: a grid-stride loop over `pairs` pairs of values.
+pub fn rope_launch(pairs: usize) -> Launch {
+    Launch {
+        grid: (
+            pairs
+                .div_ceil(ROPE_THREADS as usize)
+                .clamp(1, ROPE_MAX_BLOCKS) as u32,
+            1,
+        ),
+        block: ROPE_THREADS,
+    }
+}
+
+/// RoPE's limits: `hq` query and `hk` key heads of `rows` rows of `d` values (even), `int`
+/// counts in the kernel.
+pub fn check_rope(hq: usize, hk: usize, rows: usize, d: usize) -> Result<()> {
+    let heads = hq + hk;
+    let fits = |x: usize| x > 0 && x <= i32::MAX as usize;
+    if !fits(hq) || !fits(hk) || !fits(heads) || !fits(rows) || !fits(d) || d % 2 == 1 {
+        bail!(
+            "rope: {hq} query and {hk} key heads of {rows} rows of {d} values (each at least \
+             1, d even)"
+        );
+    }
+    if (heads as u64 * rows as u64)
+        .checked_mul(d as u64)
+        .is_none_or(|n| n > i64::MAX as u64)
+    {
+        bail!("rope: {heads} heads of {rows} rows of {d} values overflow");
+    }
+    if (rows * (d / 2)) > i32::MAX as usize {
+        bail!("rope: {rows} rows of cos and sin past the kernel's int");
+    }
+    Ok(())
+}
+
 /// `KD_KVQ_THREADS`: threads of a block of the quantized-cache kernels.
 pub const KVQ_THREADS: u32 = 256;
 

@@ -3,7 +3,8 @@
 //! GEMMs ([`decode_attention_cpu`]); and the candle ops of the CUDA decode kernel
 //! ([`decode_attention_cuda`]), of the CUDA causal softmax ([`causal_softmax_cuda`]) and its
 //! form with the policies' statistics ([`softmax_sums_cuda`]), of the CUDA residual add and
-//! RMSNorm ([`add_rms_norm_cuda`]) and of SwiGLU's product on CUDA ([`silu_mul_cuda`]).
+//! RMSNorm ([`add_rms_norm_cuda`]), of SwiGLU's product on CUDA ([`silu_mul_cuda`]) and of RoPE
+//! of queries and keys in one launch ([`rope_qk_cuda`]).
 
 use std::sync::OnceLock;
 
@@ -387,6 +388,85 @@ impl candle_core::CustomOp3 for CudaAddNorm {
     ) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
         keydiff_kernels::add_rms_norm((x, xl), (r, rl), (w, wl), self.eps)
     }
+}
+
+/// RoPE of a chunk's queries and keys on CUDA by keydiff's kernel (`keydiff_rope_qk_*` of
+/// `kernels/keydiff.cu`): `q` `[heads, B, d]` and `k` `[kv_heads, B, d]`, views with each
+/// head's values contiguous (a projection's output transposed, or normed copies), `cos` and
+/// `sin` `[B, d / 2]`, one float dtype; returns `[heads, B, d]` and `[kv_heads, B, d]`, views
+/// of one contiguous output, the values of candle's `rope` / `rope_i` on contiguous copies
+/// (`interleaved`). One launch instead of four (two copies, two rope launches; at a decode
+/// step the copies are free, so two). `None` where it does not apply (off CUDA, another dtype
+/// or shape, an odd head dim, values not contiguous) or where `KEYDIFF_CUDA_ROPE=0` turns it
+/// off: the caller then runs candle's ops.
+pub fn rope_qk_cuda(
+    q: &Tensor,
+    k: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    interleaved: bool,
+) -> Result<Option<(Tensor, Tensor)>> {
+    static ON: OnceLock<bool> = OnceLock::new();
+    let on = switched_on(&ON, "KEYDIFF_CUDA_ROPE");
+    let dt = q.dtype();
+    let float = matches!(dt, DType::F32 | DType::F16 | DType::BF16);
+    let (Ok((hq, b, d)), Ok((hk, kb, kd))) = (q.dims3(), k.dims3()) else {
+        return Ok(None);
+    };
+    let values_contiguous = |x: &Tensor| x.stride().last() == Some(&1);
+    if !on
+        || !q.device().is_cuda()
+        || !float
+        || [k.dtype(), cos.dtype(), sin.dtype()] != [dt; 3]
+        || (kb, kd) != (b, d)
+        || d % 2 == 1
+        || hq == 0
+        || hk == 0
+        || b == 0
+        || cos.dims() != [b, d / 2]
+        || sin.dims() != cos.dims()
+        || !values_contiguous(q)
+        || !values_contiguous(k)
+    {
+        return Ok(None);
+    }
+    cuda_rope_qk(q, k, &cos.contiguous()?, &sin.contiguous()?, interleaved)
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_rope_qk(
+    q: &Tensor,
+    k: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    interleaved: bool,
+) -> Result<Option<(Tensor, Tensor)>> {
+    use candle_core::op::BackpropOp;
+    use candle_core::Storage;
+    let (hq, hk) = (q.dim(0)?, k.dim(0)?);
+    let (out, shape) = {
+        let ((qs, ql), (ks, kl)) = (q.storage_and_layout(), k.storage_and_layout());
+        let ((cs, cl), (ss, sl)) = (cos.storage_and_layout(), sin.storage_and_layout());
+        let (Storage::Cuda(qs), Storage::Cuda(ks), Storage::Cuda(cs), Storage::Cuda(ss)) =
+            (&*qs, &*ks, &*cs, &*ss)
+        else {
+            return Ok(None);
+        };
+        keydiff_kernels::rope_qk((qs, ql), (ks, kl), (cs, cl), (ss, sl), interleaved)?
+    };
+    let out = Tensor::from_storage(Storage::Cuda(out), shape, BackpropOp::none(), false);
+    Ok(Some((out.narrow(0, 0, hq)?, out.narrow(0, hq, hk)?)))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_rope_qk(
+    _q: &Tensor,
+    _k: &Tensor,
+    _cos: &Tensor,
+    _sin: &Tensor,
+    _interleaved: bool,
+) -> Result<Option<(Tensor, Tensor)>> {
+    Ok(None)
 }
 
 /// SwiGLU's product silu(gate) · up on CUDA by keydiff's kernel (`keydiff_silu_mul_*` of

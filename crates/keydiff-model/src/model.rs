@@ -46,7 +46,7 @@ impl RmsNorm {
     }
 }
 
-pub use crate::decode_kernel::{add_rms_norm_cuda, silu_mul_cuda};
+pub use crate::decode_kernel::{add_rms_norm_cuda, rope_qk_cuda, silu_mul_cuda};
 
 /// SwiGLU's product silu(gate) · up (`[rows, cols]` each): one launch on CUDA
 /// ([`silu_mul_cuda`]), candle's `silu` and product elsewhere, the kernel's reference.
@@ -172,19 +172,15 @@ impl Attention {
                 self.v.forward(x, pf)?.reshape((b, kv, d))?,
             ),
         };
-        // [1, heads, B, d]
-        let split =
-            |t: Tensor| -> Result<Tensor> { Ok(t.transpose(0, 1)?.contiguous()?.unsqueeze(0)?) };
-        let (mut q, mut k) = (split(q)?, split(k)?);
+        // [heads, B, d] views
+        let (mut q, mut k, v) = (q.transpose(0, 1)?, k.transpose(0, 1)?, v.transpose(0, 1)?);
         if let Some((qn, kn)) = &self.qk_norm {
             // Over each head's d values (the last dimension), before RoPE.
-            q = qn.forward(&q)?;
-            k = kn.forward(&k)?;
+            q = qn.forward(&q.contiguous()?)?;
+            k = kn.forward(&k.contiguous()?)?;
         }
-        let v = v.transpose(0, 1)?;
         let (cos, sin) = cos_sin;
-        let q = rope.apply(&q, cos, sin)?;
-        let k = rope.apply(&k, cos, sin)?.squeeze(0)?;
+        let (q, k) = rope.apply_qk(&q, &k, cos, sin)?;
         Ok((q, k, v))
     }
 

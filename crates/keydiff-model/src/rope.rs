@@ -106,6 +106,28 @@ impl Rope {
         Ok((cos, sin))
     }
 
+    /// Rotates a chunk's queries and keys, `q` `[heads, len, head_dim]` and `k`
+    /// `[kv_heads, len, head_dim]` (views: each head's values contiguous, any head and row
+    /// stride, such as a projection's output transposed): returns `[1, heads, len, head_dim]`
+    /// and `[kv_heads, len, head_dim]`. On CUDA one launch of keydiff's kernel
+    /// ([`crate::decode_kernel::rope_qk_cuda`]) in place of two copies and two rope launches;
+    /// elsewhere candle's ops, its reference: [`Rope::apply`] on contiguous copies.
+    pub fn apply_qk(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
+        if let Some((q, k)) = crate::decode_kernel::rope_qk_cuda(q, k, cos, sin, self.interleaved)?
+        {
+            return Ok((q.unsqueeze(0)?, k));
+        }
+        let q = self.apply(&q.contiguous()?.unsqueeze(0)?, cos, sin)?;
+        let k = self.apply(&k.contiguous()?.unsqueeze(0)?, cos, sin)?;
+        Ok((q, k.squeeze(0)?))
+    }
+
     /// Rotates `x`, `[1, heads, len, head_dim]` (contiguous).
     pub fn apply(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
         Ok(if self.interleaved {

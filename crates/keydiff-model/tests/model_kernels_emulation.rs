@@ -25,7 +25,7 @@
 use candle_core::{DType, Device, Tensor};
 use half::{bf16, f16};
 use keydiff_kernels::emu::{
-    add_rms_norm, causal_softmax, decode_attention, silu_mul, softmax_sums, Keys,
+    add_rms_norm, causal_softmax, decode_attention, rope_qk, silu_mul, softmax_sums, Keys,
 };
 use keydiff_kernels::geometry::decode_split;
 use keydiff_model::attention::{
@@ -937,5 +937,197 @@ fn silu_mul_refuses_what_it_cannot_run() {
     assert!(err(16, 8, 16).contains("exceed"));
     let f16s = vec![f16::ZERO; 64];
     let mixed = silu_mul(Keys::F32(&x), 8, Keys::F16(&f16s), 8, 2, 8, 1);
+    assert!(mixed.unwrap_err().to_string().contains("one dtype"));
+}
+
+/// `keys` from element `off` on.
+fn keys_from(keys: Keys<'_>, off: usize) -> Keys<'_> {
+    match keys {
+        Keys::F32(v) => Keys::F32(&v[off..]),
+        Keys::F16(v) => Keys::F16(&v[off..]),
+        Keys::BF16(v) => Keys::BF16(&v[off..]),
+    }
+}
+
+/// Where a chunk's queries and keys lie for the RoPE kernel.
+#[derive(Clone, Copy, Debug)]
+enum RopeLayout {
+    /// One fused q/k/v projection output `[rows, (hq + 2 hk) · d]` (a decode step's).
+    Fused,
+    /// Separate projection outputs `[rows, hq · d]` and `[rows, hk · d]` (a prompt chunk's).
+    Separate,
+    /// Contiguous `[heads, rows, d]` tensors (Qwen 3's normed queries and keys).
+    Heads,
+}
+
+/// The emulated RoPE of queries and keys against candle's `rope` / `rope_i` on the CPU over
+/// contiguous `[1, heads, rows, d]` copies of the same rounded values (what `Rope::apply_qk`
+/// runs off CUDA): bit for bit, in every dtype.
+fn check_rope(
+    hq: usize,
+    hk: usize,
+    rows: usize,
+    d: usize,
+    inter: bool,
+    layout: RopeLayout,
+    dt: Dt,
+) {
+    let what = format!("hq {hq} hk {hk} rows {rows} d {d} interleaved {inter} {layout:?} {dt:?}");
+    let seed = (hq * 131 + hk * 17 + rows * 7 + d) as u64;
+    let half = d / 2;
+    // cos and sin of positions 1000 + t at Llama's frequencies, rounded to dt.
+    let (mut cos, mut sin) = (Vec::new(), Vec::new());
+    for t in 0..rows {
+        for j in 0..half {
+            let theta = (1000 + t) as f32 / 500000f32.powf(2.0 * j as f32 / d as f32);
+            cos.push(theta.cos());
+            sin.push(theta.sin());
+        }
+    }
+    let (cos, sin) = (rounded(&cos, dt), rounded(&sin, dt));
+    // The buffers as the layout holds them; element (head, row, j) of q and k at these strides.
+    let (q_buf, (q_off, q_hs, q_rs), k_buf, (k_off, k_hs, k_rs)) = match layout {
+        RopeLayout::Fused => {
+            let w = (hq + 2 * hk) * d;
+            let b = rounded(&values(rows * w, seed, 3.0), dt);
+            (b.clone(), (0, d, w), b, (hq * d, d, w))
+        }
+        RopeLayout::Separate => (
+            rounded(&values(rows * hq * d, seed, 3.0), dt),
+            (0, d, hq * d),
+            rounded(&values(rows * hk * d, seed + 1, 3.0), dt),
+            (0, d, hk * d),
+        ),
+        RopeLayout::Heads => (
+            rounded(&values(hq * rows * d, seed, 3.0), dt),
+            (0, rows * d, d),
+            rounded(&values(hk * rows * d, seed + 1, 3.0), dt),
+            (0, rows * d, d),
+        ),
+    };
+    let gather = |b: &[f32], heads: usize, (off, hs, rs): (usize, usize, usize)| -> Vec<f32> {
+        let mut out = Vec::with_capacity(heads * rows * d);
+        for h in 0..heads {
+            for t in 0..rows {
+                out.extend_from_slice(&b[off + h * hs + t * rs..][..d]);
+            }
+        }
+        out
+    };
+    let tensor_in = |x: Vec<f32>, shape: &[usize]| {
+        let t = Tensor::from_vec(x, shape, &Device::Cpu).unwrap();
+        match dt {
+            Dt::F32 => t,
+            Dt::F16 => t.to_dtype(DType::F16).unwrap(),
+            Dt::BF16 => t.to_dtype(DType::BF16).unwrap(),
+        }
+    };
+    let (ct, st) = (
+        tensor_in(cos.clone(), &[rows, half]),
+        tensor_in(sin.clone(), &[rows, half]),
+    );
+    let mut want = Vec::new();
+    for (b, heads, view) in [
+        (&q_buf, hq, (q_off, q_hs, q_rs)),
+        (&k_buf, hk, (k_off, k_hs, k_rs)),
+    ] {
+        let x = tensor_in(gather(b, heads, view), &[1, heads, rows, d]);
+        let y = if inter {
+            candle_nn::rotary_emb::rope_i(&x, &ct, &st).unwrap()
+        } else {
+            candle_nn::rotary_emb::rope(&x, &ct, &st).unwrap()
+        };
+        want.extend(
+            y.to_dtype(DType::F32)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap(),
+        );
+    }
+    let (qb, kb) = (Buf::new(&q_buf, dt), Buf::new(&k_buf, dt));
+    let (cb, sb) = (Buf::new(&cos, dt), Buf::new(&sin, dt));
+    for seed in [1, 2] {
+        let got = rope_qk(
+            (keys_from(qb.keys(), q_off), q_hs, q_rs),
+            (keys_from(kb.keys(), k_off), k_hs, k_rs),
+            cb.keys(),
+            sb.keys(),
+            (hq, hk, rows, d),
+            inter,
+            seed,
+        )
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+        assert_eq!(got.len(), want.len(), "{what}");
+        if let Some(i) = (0..got.len()).find(|&i| got[i].to_bits() != want[i].to_bits()) {
+            panic!(
+                "{what}, seed {seed}: value {} of row {} of head {}: {} against {}",
+                i % d,
+                i / d % rows,
+                i / d / rows,
+                got[i],
+                want[i]
+            );
+        }
+    }
+}
+
+#[test]
+fn rope_matches_candle() {
+    // A decode row of Llama-3.2-3B (24 query heads, 8 KV heads, d 128) in the fused q/k/v
+    // output; a prompt chunk of Qwen2.5-0.5B (14 and 2, d 64) in separate outputs; Qwen 3's
+    // normed heads; d 256; an odd half (d 6); and an 8B-shaped chunk of 128 rows (32 and 8
+    // heads, d 128: 327,680 pairs, past the 262,144 one grid covers, so the grid-stride loop
+    // takes a second turn). Both pairings (GGUF Llama's interleaved, and halves).
+    let cases = [
+        (24, 8, 1, 128, RopeLayout::Fused),
+        (14, 2, 128, 64, RopeLayout::Separate),
+        (16, 8, 9, 128, RopeLayout::Heads),
+        (4, 2, 5, 256, RopeLayout::Separate),
+        (3, 1, 3, 6, RopeLayout::Fused),
+        (32, 8, 128, 128, RopeLayout::Separate),
+    ];
+    for (hq, hk, rows, d, layout) in cases {
+        for dt in [Dt::F32, Dt::F16, Dt::BF16] {
+            for inter in [false, true] {
+                check_rope(hq, hk, rows, d, inter, layout, dt);
+            }
+        }
+    }
+}
+
+/// Bad shapes are errors naming the problem, before anything runs.
+#[test]
+fn rope_refuses_what_it_cannot_run() {
+    let x = vec![0f32; 64];
+    let k = |v| (Keys::F32(v), 8, 8);
+    let err = |dims, cos_len: usize| {
+        rope_qk(
+            k(&x),
+            k(&x),
+            Keys::F32(&x[..cos_len]),
+            Keys::F32(&x[..cos_len]),
+            dims,
+            false,
+            1,
+        )
+        .unwrap_err()
+        .to_string()
+    };
+    assert!(err((1, 1, 2, 7), 8).contains("d even"));
+    assert!(err((0, 1, 2, 8), 8).contains("each at least"));
+    assert!(err((1, 1, 2, 8), 7).contains("fewer than 2 rows of 4"));
+    assert!(err((2, 1, 8, 8), 32).contains("exceed"));
+    let f16s = vec![f16::ZERO; 64];
+    let mixed = rope_qk(
+        k(&x),
+        (Keys::F16(&f16s), 8, 8),
+        Keys::F32(&x),
+        Keys::F32(&x),
+        (1, 1, 2, 8),
+        false,
+        1,
+    );
     assert!(mixed.unwrap_err().to_string().contains("one dtype"));
 }
