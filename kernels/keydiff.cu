@@ -1062,11 +1062,6 @@ extern "C" __global__ void __launch_bounds__(KD_FEW_THREADS)
   if (threadIdx.x == 0) out[0] = min(min(holes, movers), (unsigned)max_moves);
 }
 
-// Applies the plan to one buffer of rows: [heads, rows, row_bytes] with byte strides. One warp
-// per move. Used for K, V (row = head_dim elements, or the bytes of head_dim / 32 quantized blocks),
-// positions and policy state (row = 4 bytes). Grid (ceil(M / warps per block), heads).
-// A move naming a row outside [0, rows) is skipped (the CPU op refuses such a plan; a kernel
-// cannot, but it never writes outside the buffer).
 // One row of `row_bytes` bytes copied by the 32 lanes of a warp, in 16-byte words where both
 // ends and the length allow, else 4-byte words, else bytes.
 __device__ __forceinline__ void kd_copy_row(char* to, const char* from, int row_bytes,
@@ -1082,6 +1077,11 @@ __device__ __forceinline__ void kd_copy_row(char* to, const char* from, int row_
   }
 }
 
+// Applies the plan to one buffer of rows: [heads, rows, row_bytes] with byte strides. One warp
+// per move. Used for K, V (row = head_dim elements, or the bytes of head_dim / 32 quantized blocks),
+// positions and policy state (row = 4 bytes). Grid (ceil(M / warps per block), heads).
+// A move naming a row outside [0, rows) is skipped (the CPU op refuses such a plan; a kernel
+// cannot, but it never writes outside the buffer).
 extern "C" __global__ void keydiff_move_rows(char* buf, int64_t head_stride, int64_t row_stride,
                                              int row_bytes, int rows, const uint32_t* plan,
                                              int64_t plan_stride, int max_moves) {
@@ -1826,11 +1826,13 @@ KD_INSTANTIATE_ACT(bf16, __nv_bfloat16)
 // RoPE of a chunk's queries and keys in one launch. candle takes four: a contiguous copy of each
 // from the projection's output ([B, heads, d] → [heads, B, d]), then its rope kernel on each.
 // Reference: candle_nn::rotary_emb::rope / rope_i on those copies (crates/keydiff-model/src/
-// rope.rs, Rope::apply), which the CPU runs and whose kernels compute in T: out1 = x1·c − x2·s,
-// out2 = x1·s + x2·c, each product and the sum rounded to T. Here the products of two T values
-// are exact in f32 and rounded to T once, and so is the sum of two of them (f32 holds at least
-// 2p + 2 bits of a p-bit T, so rounding through it is the same as rounding once): the same
-// values as candle's bf16/f16 kernels and CPU ops. For f32, the same expression as candle's.
+// rope.rs, Rope::apply), which the CPU runs in T: out1 = x1·c − x2·s, out2 = x1·s + x2·c, each
+// product and the sum rounded to T (half's operators). Here the products of two T values are
+// exact in f32 and rounded to T once, and so is the sum of two of them (f32 holds at least
+// 2p + 2 bits of a p-bit T, so rounding through it is the same as rounding once): the CPU's
+// values, bit for bit. candle's CUDA kernel may be an ulp off both, since PTX may fuse its
+// multiplies (mul.bf16 / mul.f16 without .rn) into the sum. For f32 the expression is the
+// same, which nvcc may contract to FMAs as it does candle's.
 //
 // q: [B, hq, d] at element strides (q_rs, q_hs) (each head's d values contiguous), k: [B, hk, d]
 // at (k_rs, k_hs): the projections' outputs, or [heads, B, d] tensors given as such strides.

@@ -140,8 +140,11 @@ for kvt in q8_0 q4_0 q5_1 fp8; do
 done
 # Diagnostics, not pass/fail: which setting moves a bf16 q8_0 cache's gap (one chunk for the
 # whole prompt; an f32 or f16 cache under bf16 activations, which reads the cache through the
-# same cast; f16 activations).
+# same cast; f16 activations), against the device's own bf16 cache on the same presets (the
+# first run had no tiny-qwen-d64 baseline) and the same q8_0 run on this host's CPU (the CPU
+# bf16 figures the first run was compared with were measured elsewhere, unlogged).
 for a in "--dtype bf16 --kv-dtype q8_0 --chunk 700 --budget 768" \
+         "--dtype bf16 --chunk 64 --budget 256" \
          "--dtype bf16 --kv-dtype f32 --chunk 64 --budget 256" \
          "--dtype f16 --kv-dtype q8_0 --chunk 64 --budget 256" \
          "--dtype f16 --kv-dtype f16 --chunk 64 --budget 256"; do
@@ -151,12 +154,20 @@ for a in "--dtype bf16 --kv-dtype q8_0 --chunk 700 --budget 768" \
       --policies h2o --preset configs/tiny-qwen3.json --preset configs/tiny-qwen-d64.json \
       > "$out/diag-$tag.jsonl" 2>> "$out/diag.err"
 done
+cpu_diag="$out/diag-cpu_dtype_bf16_kvdtype_q8_0_chunk_64_budget_256.jsonl"
+timeout 60 "$bin" check-device --device cpu --dtype bf16 --kv-dtype q8_0 --chunk 64 --budget 256 \
+    --attention eager --prompt-len 700 --policies h2o --preset configs/tiny-qwen3.json \
+    --preset configs/tiny-qwen-d64.json > "$cpu_diag" 2>> "$out/diag.err"
 python3 - "$out" >> "$summary" <<'PY'
 import json, sys, glob
 print("diagnostics (not pass/fail; CPU f32 reference with the same cache type):")
 for f in sorted(glob.glob(sys.argv[1] + "/diag-*.jsonl")):
     for line in open(f):
-        r = json.loads(line); d = r["diff"]
+        try:
+            r = json.loads(line); d = r["diff"]
+        except (ValueError, KeyError):
+            print(f"  {f.split('/diag-')[1][:-6]:44} (a line cut short: the run timed out?)")
+            continue
         print(f"  {f.split('/diag-')[1][:-6]:44} {r['preset'].split('/')[-1]:22} {r['policy']:6} {d['cosine']:9.6f} {d['max_rel']:9.2e}")
 PY
 python3 - "$out" >> "$summary" <<'PY'
@@ -318,12 +329,14 @@ echo "== 3h. the decode path on the device (decode kernel, fused linears): decod
 # blocks and the combine kernel. In f32 the device must match the CPU closely under KeyDiff
 # too; in bf16 under the policies whose choice rounding cannot move. The residual add and
 # RMSNorm kernel (keydiff_add_rms_norm_*) and the causal softmax run in every layer of both
-# the prefill and the steps, and so does SwiGLU's product (keydiff_silu_mul_*); h2o's
-# statistics come from the softmax with sums (keydiff_softmax_state_*, keydiff_softmax_sums_*),
-# a step's too (chunks of one query). Then the same with all of them off
-# (KEYDIFF_CUDA_DECODE_KERNEL=0 KEYDIFF_CUDA_FUSE=0 KEYDIFF_CUDA_ADD_NORM=0
-# KEYDIFF_CUDA_SOFTMAX_KERNEL=0 KEYDIFF_CUDA_SOFTMAX_SUMS=0 KEYDIFF_CUDA_SILU_MUL=0: candle's
-# ops), for comparison.
+# the prefill and the steps, and so do SwiGLU's product (keydiff_silu_mul_*), RoPE of the
+# queries and keys (keydiff_rope_qk_*; tiny-qwen3 after its q/k norms) and the cache append
+# (keydiff_append_rows); h2o's statistics come from the softmax with sums
+# (keydiff_softmax_state_*, keydiff_softmax_sums_*), a step's too (chunks of one query). Then
+# the same with all of them off (KEYDIFF_CUDA_DECODE_KERNEL=0 KEYDIFF_CUDA_FUSE=0
+# KEYDIFF_CUDA_ADD_NORM=0 KEYDIFF_CUDA_SOFTMAX_KERNEL=0 KEYDIFF_CUDA_SOFTMAX_SUMS=0
+# KEYDIFF_CUDA_SILU_MUL=0 KEYDIFF_CUDA_ROPE=0 KEYDIFF_CUDA_APPEND=0: candle's ops), for
+# comparison.
 decode_ok=1
 : > "$out/decode-path.jsonl"
 for on in 1 0; do
@@ -333,7 +346,7 @@ for on in 1 0; do
       # shellcheck disable=SC2086
       if ! KEYDIFF_CUDA_DECODE_KERNEL=$on KEYDIFF_CUDA_FUSE=$on KEYDIFF_CUDA_ADD_NORM=$on \
           KEYDIFF_CUDA_SOFTMAX_KERNEL=$on KEYDIFF_CUDA_SOFTMAX_SUMS=$on KEYDIFF_CUDA_SILU_MUL=$on \
-          timeout 90 "$bin" check-device \
+          KEYDIFF_CUDA_ROPE=$on KEYDIFF_CUDA_APPEND=$on timeout 90 "$bin" check-device \
           --device "$device" --dtype $dt --attention eager --chunk 64 $r \
           --preset configs/tiny-llama.json --preset configs/tiny-qwen.json \
           --preset configs/tiny-qwen-d64.json --preset configs/tiny-qwen3.json \
@@ -553,11 +566,14 @@ echo "== 4e. decode launches: keydiff's decode kernel and fused linears against 
 # reads). Since then a decode step's attention is keydiff's kernel (one launch where the eager
 # path takes six), q/k/v and gate/up are one matmul each (FusedLinear), each residual add and
 # the next norm one launch (keydiff_add_rms_norm_*: two launches fewer a layer), SwiGLU's
-# silu(gate) · up one launch (keydiff_silu_mul_*), and the allocator keeps freed memory and
-# makes no events. Step 4b's runs again with the kernel off (KEYDIFF_CUDA_DECODE_KERNEL=0),
-# with the linears unfused (KEYDIFF_CUDA_FUSE=0), with the allocator as the driver leaves it
-# (KEYDIFF_CUDA_POOL_RETAIN=0 KEYDIFF_CUDA_EVENTS=1) and with the add+norm and silu·mul kernels
-# off (KEYDIFF_CUDA_ADD_NORM=0 KEYDIFF_CUDA_SILU_MUL=0), then a long cache (prompt 7680, within
+# silu(gate) · up one launch (keydiff_silu_mul_*), RoPE of q and k one launch
+# (keydiff_rope_qk_*), the cache append one launch where candle took seven operations, one a
+# host upload (keydiff_append_rows), and the allocator keeps freed memory and makes no events.
+# Step 4b's runs again with the kernel off (KEYDIFF_CUDA_DECODE_KERNEL=0), with the linears
+# unfused (KEYDIFF_CUDA_FUSE=0), with the allocator as the driver leaves it
+# (KEYDIFF_CUDA_POOL_RETAIN=0 KEYDIFF_CUDA_EVENTS=1) and with the small kernels off
+# (KEYDIFF_CUDA_ADD_NORM=0 KEYDIFF_CUDA_SILU_MUL=0 KEYDIFF_CUDA_ROPE=0 KEYDIFF_CUDA_APPEND=0:
+# 20 operations a layer and step against 10 with them), then a long cache (prompt 7680, within
 # SmolLM2's 8192 for dry runs; full cache: the kernel splits each of 3B's 8 heads' keys over 31
 # blocks) with the kernel on and off.
 left=$((deadline - SECONDS))
@@ -569,7 +585,7 @@ else
   long="--prompt-len 7680 --chunks 512 --policies full --batch 1"
   i=0
   # kernel, fuse, allocator (1: keydiff's settings, 0: the driver's and cudarc's defaults),
-  # the residual add + RMSNorm and SwiGLU product kernels
+  # the small kernels (residual add + RMSNorm, SwiGLU product, RoPE, cache append)
   for run in "0 1 1 1 $short" "1 0 1 1 $short" "1 1 0 1 $short" "1 1 1 0 $short" \
       "1 1 1 1 $long" "0 1 1 1 $long"; do
     read -r kernel fuse alloc norm r <<< "$run"
@@ -579,12 +595,12 @@ else
     # shellcheck disable=SC2086
     if KEYDIFF_CUDA_DECODE_KERNEL=$kernel KEYDIFF_CUDA_FUSE=$fuse KEYDIFF_CUDA_POOL_RETAIN=$alloc \
         KEYDIFF_CUDA_EVENTS=$events KEYDIFF_CUDA_ADD_NORM=$norm KEYDIFF_CUDA_SILU_MUL=$norm \
-        timeout 60 "$bin" bench decode \
+        KEYDIFF_CUDA_ROPE=$norm KEYDIFF_CUDA_APPEND=$norm timeout 60 "$bin" bench decode \
         --random-weights -m "$preset" --device "$device" --dtype bf16 --attention "$ttft_attention" \
         $r --gen-len 32 --warmup 1 --reps 1 --out "$out/decode/$i" > "$out/decode/table-$i.txt" 2>>"$errors"; then
-      { echo "decode ($preset, bf16, $r; decode kernel $([ $kernel = 1 ] && echo on || echo off), linears $([ $fuse = 1 ] && echo fused || echo unfused), allocator $alloc_name, add+norm and silu·mul kernels $([ $norm = 1 ] && echo on || echo off)):"; grep -v '^#' "$out/decode/table-$i.txt"; } >> "$summary"
+      { echo "decode ($preset, bf16, $r; decode kernel $([ $kernel = 1 ] && echo on || echo off), linears $([ $fuse = 1 ] && echo fused || echo unfused), allocator $alloc_name, add+norm, silu·mul, RoPE and append kernels $([ $norm = 1 ] && echo on || echo off)):"; grep -v '^#' "$out/decode/table-$i.txt"; } >> "$summary"
     else
-      note "decode launches (kernel $kernel, fuse $fuse, allocator $alloc, add+norm and silu·mul $norm, $r): FAILED (exit $?); see errors.log"
+      note "decode launches (kernel $kernel, fuse $fuse, allocator $alloc, small kernels $norm, $r): FAILED (exit $?); see errors.log"
     fi
   done
 fi

@@ -894,33 +894,49 @@ test_device!(
 );
 
 /// A layer cache's appends on the device (on CUDA keydiff's `keydiff_append_rows`, which must
-/// take them; on the CPU candle's ops) against the same appends on the CPU, byte for byte:
-/// keys, values, positions and state of every used slot, for float caches of each dtype (the
-/// values a transposed view, as the model passes them) and a q8_0 cache (encoded rows), over a
-/// first chunk, a decode row and a chunk that fills the buffer.
+/// take them where keys and values are stored alike; on the CPU candle's ops) against the same
+/// appends on the CPU, byte for byte: keys, values, positions and state of every used slot, for
+/// float caches of each dtype (the values a transposed view, as the model passes them), a q8_0
+/// cache and an fp8 one (encoded rows), and f16 keys beside q8_0 values (candle's ops on every
+/// device), over a first chunk, a decode row and a chunk that fills the buffer. The layer is
+/// the middle one of a model's cache, a view of the stacked buffers at an offset; its
+/// neighbours' rows, appended first, must come out as they went in.
 fn cache_appends_match_the_cpu(dev: &Device) -> Result<()> {
-    use keydiff_cache::{KvType, LayerCache};
-    let (kv, d, cap) = (4, 64, 200);
-    for kv_type in [
-        KvType::Float(DType::F32),
-        KvType::Float(DType::F16),
-        KvType::Float(DType::BF16),
-        KvType::Q8_0,
+    use keydiff_cache::{KvCache, KvType, KvTypes};
+    let (layers, kv, d, cap) = (3, 4, 64, 200);
+    let f16_q8 = KvTypes {
+        k: KvType::Float(DType::F16),
+        v: KvType::Q8_0,
+    };
+    for kv_types in [
+        KvType::Float(DType::F32).into(),
+        KvType::Float(DType::F16).into(),
+        KvType::Float(DType::BF16).into(),
+        KvType::Q8_0.into(),
+        KvType::Float(DType::F8E4M3).into(),
+        f16_q8,
     ] {
-        let dt = match kv_type {
-            KvType::Float(dt) => dt,
+        let dt = match kv_types.k {
+            KvType::Float(dt) if dt != DType::F8E4M3 => dt,
             _ => DType::F32,
         };
-        let mut on_dev = LayerCache::new(kv, d, cap, kv_type, dev)?;
-        let mut on_cpu = LayerCache::new(kv, d, cap, kv_type, &Device::Cpu)?;
+        let alike = kv_types.k == kv_types.v;
+        let new =
+            |dev: &Device| KvCache::new(CacheConfig::full(64), layers, kv, d, cap, kv_types, dev);
+        let (mut on_dev, mut on_cpu) = (new(dev)?, new(&Device::Cpu)?);
+        let rows = |n: usize, seed: u64, dev: &Device| -> Result<Tensor> {
+            Ok(Tensor::from_vec(seeded(kv * n * d, seed, 4.0), (kv, n, d), dev)?.to_dtype(dt)?)
+        };
+        // The neighbours' rows first: appends to layer 1 must leave them as they are.
+        for l in [0, 2] {
+            let (k, v) = (rows(50, 10 + l as u64, dev)?, rows(50, 20 + l as u64, dev)?);
+            on_dev.layer_mut(l).append(&k, &v, 0)?;
+            let cpu = |t: &Tensor| t.to_device(&Device::Cpu);
+            on_cpu.layer_mut(l).append(&cpu(&k)?, &cpu(&v)?, 0)?;
+        }
         let mut pos = 0;
         for (i, chunk) in [128, 1, 71].into_iter().enumerate() {
-            let k = Tensor::from_vec(
-                seeded(kv * chunk * d, 2 * i as u64, 4.0),
-                (kv, chunk, d),
-                dev,
-            )?
-            .to_dtype(dt)?;
+            let k = rows(chunk, 2 * i as u64, dev)?;
             let v = Tensor::from_vec(
                 seeded(chunk * kv * d, 2 * i as u64 + 1, 4.0),
                 (chunk, kv, d),
@@ -928,47 +944,50 @@ fn cache_appends_match_the_cpu(dev: &Device) -> Result<()> {
             )?
             .to_dtype(dt)?
             .transpose(0, 1)?;
-            on_dev.append(&k, &v, pos)?;
-            on_cpu.append(
-                &k.to_device(&Device::Cpu)?,
-                &v.to_device(&Device::Cpu)?,
-                pos,
-            )?;
+            let layer = on_dev.layer_mut(1);
+            layer.append(&k, &v, pos)?;
             ensure!(
-                on_dev.appended_by_kernel() == dev.is_cuda(),
-                "{kv_type}: chunk {i} appended by the kernel: {} on {dev:?} \
+                layer.appended_by_kernel() == (dev.is_cuda() && alike),
+                "{kv_types}: chunk {i} appended by the kernel: {} on {dev:?} \
                  (KEYDIFF_CUDA_APPEND=0?)",
-                on_dev.appended_by_kernel()
+                layer.appended_by_kernel()
             );
+            let cpu = |t: &Tensor| t.to_device(&Device::Cpu);
+            on_cpu.layer_mut(1).append(&cpu(&k)?, &cpu(&v)?, pos)?;
             pos += chunk + 5;
         }
-        let (a, b) = (on_dev.parts()?, on_cpu.parts()?);
-        let bytes = |t: &Tensor| -> Result<Vec<u8>> {
-            let t = t.to_device(&Device::Cpu)?.flatten_all()?;
-            Ok(match t.dtype() {
-                DType::U8 => t.to_vec1::<u8>()?,
-                _ => t
-                    .to_dtype(DType::F32)?
-                    .to_vec1::<f32>()?
-                    .iter()
-                    .flat_map(|x| x.to_bits().to_le_bytes())
-                    .collect(),
-            })
-        };
-        ensure!(bytes(&a.keys)? == bytes(&b.keys)?, "{kv_type}: keys differ");
-        ensure!(
-            bytes(&a.values)? == bytes(&b.values)?,
-            "{kv_type}: values differ"
-        );
-        ensure!(
-            a.positions.to_device(&Device::Cpu)?.to_vec2::<u32>()?
-                == b.positions.to_vec2::<u32>()?,
-            "{kv_type}: positions differ"
-        );
-        ensure!(
-            bytes(&a.state)? == bytes(&b.state)?,
-            "{kv_type}: state differs"
-        );
+        for l in 0..layers {
+            let (a, b) = (on_dev.layer(l).parts()?, on_cpu.layer(l).parts()?);
+            let bytes = |t: &Tensor| -> Result<Vec<u8>> {
+                let t = t.to_device(&Device::Cpu)?.flatten_all()?;
+                Ok(match t.dtype() {
+                    DType::U8 => t.to_vec1::<u8>()?,
+                    _ => t
+                        .to_dtype(DType::F32)?
+                        .to_vec1::<f32>()?
+                        .iter()
+                        .flat_map(|x| x.to_bits().to_le_bytes())
+                        .collect(),
+                })
+            };
+            ensure!(
+                bytes(&a.keys)? == bytes(&b.keys)?,
+                "{kv_types}: layer {l}: keys differ"
+            );
+            ensure!(
+                bytes(&a.values)? == bytes(&b.values)?,
+                "{kv_types}: layer {l}: values differ"
+            );
+            ensure!(
+                a.positions.to_device(&Device::Cpu)?.to_vec2::<u32>()?
+                    == b.positions.to_vec2::<u32>()?,
+                "{kv_types}: layer {l}: positions differ"
+            );
+            ensure!(
+                bytes(&a.state)? == bytes(&b.state)?,
+                "{kv_types}: layer {l}: state differs"
+            );
+        }
     }
     Ok(())
 }

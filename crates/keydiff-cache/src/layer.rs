@@ -665,8 +665,12 @@ fn append_kernel(
     let on = *ON.get_or_init(|| std::env::var("KEYDIFF_CUDA_APPEND").map_or(true, |v| v != "0"));
     let rows_contiguous = |x: &Tensor| x.stride().last() == Some(&1);
     let [kb, vb, ..] = bufs;
+    // Beyond the kernel's heads (grid.y), or a chunk of no rows: candle's ops.
+    let (heads, rows) = (k.dim(0)?, k.dim(1)?);
     if !on
         || !k.device().is_cuda()
+        || rows == 0
+        || heads > keydiff_kernels::geometry::MAX_HEADS
         || v.dtype() != k.dtype()
         || kb.dtype() != k.dtype()
         || vb.dtype() != k.dtype()
