@@ -270,20 +270,10 @@ pub fn check_append(
 
 /// `KD_ROPE_THREADS`: threads of a `keydiff_rope_qk_*` block (a thread per pair of values).
 pub const ROPE_THREADS: u32 = 256;
-/// Most blocks of a RoPE launch (as [`ACT_MAX_BLOCKS`]); a grid-stride loop covers the rest.
-pub const ROPE_MAX_BLOCKS: usize = 1024;
 
 /// `keydiff_rope_qk_*`: a grid-stride loop over `pairs` pairs of values.
 pub fn rope_launch(pairs: usize) -> Launch {
-    Launch {
-        grid: (
-            pairs
-                .div_ceil(ROPE_THREADS as usize)
-                .clamp(1, ROPE_MAX_BLOCKS) as u32,
-            1,
-        ),
-        block: ROPE_THREADS,
-    }
+    grid_stride_launch(pairs, ROPE_THREADS)
 }
 
 /// RoPE's limits: `hq` query and `hk` key heads of `rows` rows of `d` values (even), `int`
@@ -483,18 +473,24 @@ pub fn check_norm(rows: usize, cols: usize) -> Result<()> {
 
 /// `KD_ACT_THREADS`: threads of a SwiGLU-product block.
 pub const ACT_THREADS: u32 = 256;
-/// Most blocks of a SwiGLU-product launch: 262,144 threads, an H100's or H200's resident
-/// threads (132 SMs × 2048); a grid-stride loop covers the rest of a prompt chunk's values.
+/// Most blocks of a SwiGLU-product or RoPE launch: 262,144 threads, an H100's or H200's
+/// resident threads (132 SMs × 2048); a grid-stride loop covers the rest of a prompt chunk's.
 pub const ACT_MAX_BLOCKS: usize = 1024;
 
 /// `keydiff_silu_mul_*`: a grid-stride loop over `n` values.
 pub fn act_launch(n: usize) -> Launch {
+    grid_stride_launch(n, ACT_THREADS)
+}
+
+/// A grid-stride loop over `n` items, `threads` a block: a thread per item up to
+/// [`ACT_MAX_BLOCKS`] blocks, which then turn over the rest.
+fn grid_stride_launch(n: usize, threads: u32) -> Launch {
     Launch {
         grid: (
-            n.div_ceil(ACT_THREADS as usize).clamp(1, ACT_MAX_BLOCKS) as u32,
+            n.div_ceil(threads as usize).clamp(1, ACT_MAX_BLOCKS) as u32,
             1,
         ),
-        block: ACT_THREADS,
+        block: threads,
     }
 }
 
