@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Compile checks of all GPU code on a machine without a GPU (see GPU.md), so that CUDA code can
 # never break unnoticed: the pinned CUDA 13.0 toolchain from PyPI, `nvcc -cubin` for sm_80 and
-# sm_90 on every kernels/*.cu, the flash-attn nvcc wrapper (scripts/cuda/test-flash-nvcc.sh),
-# then clippy (which type-checks) of the whole engine with the
-# `cuda` feature, warnings as errors, and of the `flash-attn` feature against an API stand-in.
+# sm_90 on every kernels/*.cu (and CUDA 11.8's and 12.2's NVRTC and ptxas on them), the
+# flash-attn nvcc wrapper (scripts/cuda/test-flash-nvcc.sh), then clippy (which type-checks) of
+# the whole engine with the `cuda` feature, warnings as errors, and of the `flash-attn` feature
+# against an API stand-in.
 # Uses its own target dir so the CPU build stays warm.
 # The first run builds candle's CUDA kernels (~15-20 min on 2 cores); later runs are incremental.
 set -euo pipefail
@@ -18,6 +19,9 @@ for f in kernels/*.cu; do
     echo "nvcc -cubin sm_$sm: $f ok"
   done
 done
+# The same kernels through older toolkits' front ends (NVRTC) and ptxas: CUDA 11.8 and 12.2,
+# which users' drivers run (scripts/cuda/older-toolkits.sh).
+bash scripts/cuda/older-toolkits.sh
 # The nvcc wrapper that builds only some FlashAttention kernels (build-cuda.sh --flash), against
 # candle-flash-attn's kernel files: which it builds, which it stubs, and two stubs compiled.
 bash scripts/cuda/test-flash-nvcc.sh
