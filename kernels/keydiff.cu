@@ -1369,6 +1369,26 @@ KD_KVQ_QUANTIZE(f32, float)
 KD_KVQ_QUANTIZE(f16, __half)
 KD_KVQ_QUANTIZE(bf16, __nv_bfloat16)
 
+// Value j (0..31) of a block of `kind` (KD_KVQ_*; for fp8, of 32 codes): llama.cpp's
+// dequantization, each step rounded as the CPU codec rounds it (no fused multiply-add).
+__device__ __forceinline__ float kd_kvq_value(const uint8_t* blk, int kind, int j) {
+  if (kind == KD_KVQ_FP8) return kd_fp8_to_f(blk[j]);
+  const float scale = kd_get_f16(blk);
+  if (kind == KD_KVQ_Q8_0) return __fmul_rn((float)(int8_t)blk[2 + j], scale);
+  const bool five = kind == KD_KVQ_Q5_0 || kind == KD_KVQ_Q5_1;
+  const bool with_min = kind == KD_KVQ_Q4_1 || kind == KD_KVQ_Q5_1;
+  const uint8_t* qs = blk + 2 + (with_min ? 2 : 0) + (five ? 4 : 0);
+  int code = j < 16 ? (qs[j] & 0x0f) : (qs[j - 16] >> 4);
+  if (five) {
+    const uint8_t* w = qs - 4;
+    const unsigned qh = (unsigned)w[0] | ((unsigned)w[1] << 8) | ((unsigned)w[2] << 16) |
+                        ((unsigned)w[3] << 24);
+    code |= (int)((qh >> j) & 1u) << 4;
+  }
+  if (with_min) return __fadd_rn(__fmul_rn((float)code, scale), kd_get_f16(blk + 2));
+  return __fmul_rn((float)(code - (five ? 16 : 8)), scale);
+}
+
 // q [heads, n, d / 32 * bytes] (byte strides: a view of the cache buffer) -> out [heads, n, d]
 // f32, contiguous. One thread per value; grid (ceil(n * d / threads), heads).
 extern "C" __global__ void __launch_bounds__(KD_KVQ_THREADS)
@@ -1378,33 +1398,9 @@ extern "C" __global__ void __launch_bounds__(KD_KVQ_THREADS)
   const int h = blockIdx.y;
   const int bytes = kd_kvq_bytes(kind);
   if (i >= (int64_t)n * d || bytes == 0) return;
-  const int r = (int)(i / d), c = (int)(i % d), j = c % KD_KVQ_BLOCK;
+  const int r = (int)(i / d), c = (int)(i % d);
   const uint8_t* blk = q + h * head_stride + r * row_stride + (c / KD_KVQ_BLOCK) * bytes;
-  if (kind == KD_KVQ_FP8) {
-    out[(int64_t)h * n * d + i] = kd_fp8_to_f(blk[j]);
-    return;
-  }
-  const float scale = kd_get_f16(blk);
-  float y;
-  if (kind == KD_KVQ_Q8_0) {
-    y = __fmul_rn((float)(int8_t)blk[2 + j], scale);
-  } else {
-    const bool five = kind == KD_KVQ_Q5_0 || kind == KD_KVQ_Q5_1;
-    const bool with_min = kind == KD_KVQ_Q4_1 || kind == KD_KVQ_Q5_1;
-    const uint8_t* qs = blk + 2 + (with_min ? 2 : 0) + (five ? 4 : 0);
-    int code = j < 16 ? (qs[j] & 0x0f) : (qs[j - 16] >> 4);
-    if (five) {
-      const uint8_t* w = qs - 4;
-      const unsigned qh = (unsigned)w[0] | ((unsigned)w[1] << 8) | ((unsigned)w[2] << 16) |
-                          ((unsigned)w[3] << 24);
-      code |= (int)((qh >> j) & 1u) << 4;
-    }
-    if (with_min)
-      y = __fadd_rn(__fmul_rn((float)code, scale), kd_get_f16(blk + 2));
-    else
-      y = __fmul_rn((float)(code - (five ? 16 : 8)), scale);
-  }
-  out[(int64_t)h * n * d + i] = y;
+  out[(int64_t)h * n * d + i] = kd_kvq_value(blk, kind, c % KD_KVQ_BLOCK);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1416,7 +1412,10 @@ extern "C" __global__ void __launch_bounds__(KD_KVQ_THREADS)
 // over units of keys; the reference is the eager path (`attention_probs`, `attention_output`).
 //
 // q [kv, g, d] contiguous (query head h · g + j attends KV head h: GQA); k, v [kv, t, d] views
-// of the cache (element strides, rows contiguous), all of one dtype T; d <= 32 · NE. Grid
+// of the cache (element strides, rows contiguous), all of one dtype T; d <= 32 · NE. Or
+// (keydiff_decode_kvq_*) k, v u8 rows of a quantized cache, blocks of 32 values of `kind`
+// (KD_KVQ_*, fp8 too; byte strides), dequantized as they are read, as keydiff_kvq_dequantize
+// does: the eager path's result over the dequantized cache, without writing it out. Grid
 // (splits, kv), KD_DEC_THREADS threads: block (s, h) takes keys [s · span, min(t, (s + 1) ·
 // span)), which is never empty (the wrapper's split), its warps every KD_DEC_WARPS-th of them. A
 // warp reads each of its key and value rows once (lane l holds elements l, l + 32, ...) for all
@@ -1455,10 +1454,41 @@ __device__ __forceinline__ void kd_softmax_merge(const float* m, const float* l,
   }
 }
 
-template <typename T, int NE>
-__device__ void kd_decode(const T* q, const T* k, int64_t k_hs, int64_t k_rs, const T* v,
-                          int64_t v_hs, int64_t v_rs, int t, int g, int d, int span, float scale,
-                          T* out, float* part) {
+// The K and V rows of a decode step: in the activations' dtype (element strides) ...
+template <typename T>
+struct KdDecodeRows {
+  const T* k;
+  int64_t k_hs, k_rs;
+  const T* v;
+  int64_t v_hs, v_rs;
+  __device__ __forceinline__ float key(int h, int r, int c) const {
+    return kd_to_f(k[h * k_hs + (int64_t)r * k_rs + c]);
+  }
+  __device__ __forceinline__ float value(int h, int r, int c) const {
+    return kd_to_f(v[h * v_hs + (int64_t)r * v_rs + c]);
+  }
+};
+
+// ... or of a quantized cache: blocks of `bytes` of `kind` (byte strides).
+struct KdDecodeBlockRows {
+  const uint8_t* k;
+  int64_t k_hs, k_rs;
+  const uint8_t* v;
+  int64_t v_hs, v_rs;
+  int kind, bytes;
+  __device__ __forceinline__ float key(int h, int r, int c) const {
+    return kd_kvq_value(k + h * k_hs + (int64_t)r * k_rs + (c / KD_KVQ_BLOCK) * bytes, kind,
+                        c % KD_KVQ_BLOCK);
+  }
+  __device__ __forceinline__ float value(int h, int r, int c) const {
+    return kd_kvq_value(v + h * v_hs + (int64_t)r * v_rs + (c / KD_KVQ_BLOCK) * bytes, kind,
+                        c % KD_KVQ_BLOCK);
+  }
+};
+
+template <typename T, int NE, typename Rows>
+__device__ void kd_decode(const T* q, const Rows& rows, int t, int g, int d, int span,
+                          float scale, T* out, float* part) {
   __shared__ float sm_m[KD_DEC_MAX_G][KD_DEC_WARPS];
   __shared__ float sm_l[KD_DEC_MAX_G][KD_DEC_WARPS];
   __shared__ float sm_acc[KD_DEC_MAX_G][32 * NE][KD_DEC_WARPS];
@@ -1477,13 +1507,11 @@ __device__ void kd_decode(const T* q, const T* k, int64_t k_hs, int64_t k_rs, co
     }
   }
   for (int r = r0 + warp; r < r1; r += KD_DEC_WARPS) {
-    const T* kr = k + h * k_hs + (int64_t)r * k_rs;
-    const T* vr = v + h * v_hs + (int64_t)r * v_rs;
     float kx[NE], vx[NE];
     for (int e = 0; e < NE; ++e) {
       const int c = lane + 32 * e;
-      kx[e] = c < d ? kd_to_f(kr[c]) : 0.f;
-      vx[e] = c < d ? kd_to_f(vr[c]) : 0.f;
+      kx[e] = c < d ? rows.key(h, r, c) : 0.f;
+      vx[e] = c < d ? rows.value(h, r, c) : 0.f;
     }
     for (int j = 0; j < KD_DEC_MAX_G; ++j) {
       if (j < g) {  // the same for every lane: the warp stays converged
@@ -1543,11 +1571,22 @@ __device__ void kd_decode_combine(const float* part, int splits, int g, int d, T
   }
 }
 
+// keydiff_decode_kvq_<dtype>_<NE>: `kind` must be a KD_KVQ_* (the wrapper checks it) and d a
+// multiple of 32.
 #define KD_DECODE(SUFFIX, T, NE)                                                                  \
   extern "C" __global__ void __launch_bounds__(KD_DEC_THREADS) keydiff_decode_##SUFFIX##_##NE(   \
       const T* q, const T* k, int64_t k_hs, int64_t k_rs, const T* v, int64_t v_hs, int64_t v_rs, \
       int t, int g, int d, int span, float scale, T* out, float* part) {                          \
-    kd_decode<T, NE>(q, k, k_hs, k_rs, v, v_hs, v_rs, t, g, d, span, scale, out, part);           \
+    const KdDecodeRows<T> rows{k, k_hs, k_rs, v, v_hs, v_rs};                                     \
+    kd_decode<T, NE>(q, rows, t, g, d, span, scale, out, part);                                   \
+  }                                                                                               \
+  extern "C" __global__ void __launch_bounds__(KD_DEC_THREADS)                                    \
+      keydiff_decode_kvq_##SUFFIX##_##NE(const T* q, const uint8_t* k, int64_t k_hs, int64_t k_rs, \
+                                         const uint8_t* v, int64_t v_hs, int64_t v_rs, int kind,  \
+                                         int t, int g, int d, int span, float scale, T* out,      \
+                                         float* part) {                                           \
+    const KdDecodeBlockRows rows{k, k_hs, k_rs, v, v_hs, v_rs, kind, kd_kvq_bytes(kind)};        \
+    kd_decode<T, NE>(q, rows, t, g, d, span, scale, out, part);                                   \
   }
 #define KD_DECODE_DTYPE(SUFFIX, T)                                                                \
   KD_DECODE(SUFFIX, T, 2)                                                                         \

@@ -99,12 +99,21 @@ mutants=(
   "decode: a score of -inf not weighed 0~const bool none = mn == kd_neg_inf() && p == kd_neg_inf();~const bool none = mn == kd_neg_inf() && p != p;"
   "decode: a NaN score as the first key dropped~const bool none = mn == kd_neg_inf() && p == kd_neg_inf();~const bool none = mn == kd_neg_inf();"
   "decode: q scaled by the square root of the scale~kd_to_f(q[((int64_t)h * g + j) * d + c]) * scale~kd_to_f(q[((int64_t)h * g + j) * d + c]) * sqrtf(scale)"
-  "decode: value rows at the key rows' strides~    const T* vr = v + h * v_hs + (int64_t)r * v_rs;~    const T* vr = v + h * k_hs + (int64_t)r * k_rs + 0 * (v_hs + v_rs);"
+  "decode: value rows at the key rows' strides~    return kd_to_f(v[h * v_hs + (int64_t)r * v_rs + c]);~    return kd_to_f(v[h * k_hs + (int64_t)r * k_rs + c]);"
   "decode: no barrier before the warps are merged~      for (int e = 0; e < NE; ++e) sm_acc[j][lane + 32 * e][warp] = acc[j][e];\n    }\n  }\n  __syncthreads();~      for (int e = 0; e < NE; ++e) sm_acc[j][lane + 32 * e][warp] = acc[j][e];\n    }\n  }"
   "decode: a merge without its max~    const float f = expf(m[i * step] - mx);~    const float f = expf(m[i * step]);"
   "decode: the combine reads splits one head apart~  const int step = g * (d + 2);~  const int step = d + 2;"
   "decode: only the first warp's keys merged~  for (int i = 0; i < n; ++i) mx = fmaxf(mx, m[i * step]);~  n = n > 1 && step == 1 ? 1 : n;\n  for (int i = 0; i < n; ++i) mx = fmaxf(mx, m[i * step]);"
-  "decode: an element past the head dim read as a value~      vx[e] = c < d ? kd_to_f(vr[c]) : 0.f;~      vx[e] = c < d + 32 ? kd_to_f(vr[c]) : 0.f;"
+  "decode: an element past the head dim read as a value~      vx[e] = c < d ? rows.value(h, r, c) : 0.f;~      vx[e] = c < d + 32 ? rows.value(h, r, c) : 0.f;"
+  # The block dequantization the cache's dequantize kernel and the decode kernel over blocks
+  # share (kd_kvq_value), caught by keydiff-cache's codec tests.
+  "kvq: q5's fifth bit taken from the next value~    code |= (int)((qh >> j) & 1u) << 4;~    code |= (int)((qh >> ((j + 1) & 31)) & 1u) << 4;"
+  "kvq: a block's minimum not added~  if (with_min) return __fadd_rn(__fmul_rn((float)code, scale), kd_get_f16(blk + 2));~  if (with_min) return __fmul_rn((float)code, scale);"
+  # The decode kernel over quantized caches (keydiff_decode_kvq_*), caught by the decode tests.
+  "decode: (blocks) value blocks at the key rows' strides~    return kd_kvq_value(v + h * v_hs + (int64_t)r * v_rs + (c / KD_KVQ_BLOCK) * bytes, kind,~    return kd_kvq_value(v + h * k_hs + (int64_t)r * k_rs + (c / KD_KVQ_BLOCK) * bytes, kind,"
+  "decode: (blocks) a key's third block read as its first~    return kd_kvq_value(k + h * k_hs + (int64_t)r * k_rs + (c / KD_KVQ_BLOCK) * bytes, kind,~    return kd_kvq_value(k + h * k_hs + (int64_t)r * k_rs + (c / KD_KVQ_BLOCK % 2) * bytes, kind,"
+  "decode: (blocks) every block taken as 32 bytes~v_hs, v_rs, kind, kd_kvq_bytes(kind)};~v_hs, v_rs, kind, 32};"
+  "decode: (blocks) a key's value at another place of its block~    return kd_kvq_value(k + h * k_hs + (int64_t)r * k_rs + (c / KD_KVQ_BLOCK) * bytes, kind,\n                        c % KD_KVQ_BLOCK);~    return kd_kvq_value(k + h * k_hs + (int64_t)r * k_rs + (c / KD_KVQ_BLOCK) * bytes, kind,\n                        (c + 1) % KD_KVQ_BLOCK);"
   # The causal softmax of eager chunk attention (keydiff_causal_softmax_*), caught by
   # keydiff-model's tests/model_kernels_emulation.rs (the mutants named "softmax: ...").
   "softmax: each query sees one key too few~return t - chunk + q + 1;~return t - chunk + q;"

@@ -207,19 +207,25 @@ extern "C" int kd_emu_kvq_dequantize(const uint8_t* q, int64_t head_stride, int6
   return finish(e, err, err_len);
 }
 
-// keydiff_decode_<dtype>_<ne> on grid (grid_x, grid_y), then for more than one split
-// keydiff_decode_combine_<dtype> on (1, grid_y), as the CUDA wrapper launches them. dtype: 0 f32,
-// 1 f16, 2 bf16; ne: 2, 4 or 8.
-extern "C" int kd_emu_decode(int dtype, int ne, const void* q, const void* k, int64_t k_hs,
-                             int64_t k_rs, const void* v, int64_t v_hs, int64_t v_rs, int t, int g,
-                             int d, int span, float scale, void* out, float* part,
+// keydiff_decode_<dtype>_<ne> (kind < 0: k and v in the dtype, element strides) or
+// keydiff_decode_kvq_<dtype>_<ne> (kind: a KD_KVQ_*, k and v u8 rows, byte strides) on grid
+// (grid_x, grid_y), then for more than one split keydiff_decode_combine_<dtype> on (1, grid_y),
+// as the CUDA wrapper launches them. dtype: 0 f32, 1 f16, 2 bf16; ne: 2, 4 or 8.
+extern "C" int kd_emu_decode(int dtype, int ne, int kind, const void* q, const void* k,
+                             int64_t k_hs, int64_t k_rs, const void* v, int64_t v_hs, int64_t v_rs,
+                             int t, int g, int d, int span, float scale, void* out, float* part,
                              unsigned grid_x, unsigned grid_y, unsigned block, uint64_t seed,
                              char* err, size_t err_len) {
   std::function<void()> run, combine;
 #define KD_EMU_DECODE(SUFFIX, T, NE)                                                             \
   run = [=] {                                                                                    \
-    kd_emu::run_kernel(keydiff_decode_##SUFFIX##_##NE, (const T*)q, (const T*)k, k_hs, k_rs,     \
-                       (const T*)v, v_hs, v_rs, t, g, d, span, scale, (T*)out, part);            \
+    if (kind < 0)                                                                                \
+      kd_emu::run_kernel(keydiff_decode_##SUFFIX##_##NE, (const T*)q, (const T*)k, k_hs, k_rs,   \
+                         (const T*)v, v_hs, v_rs, t, g, d, span, scale, (T*)out, part);          \
+    else                                                                                         \
+      kd_emu::run_kernel(keydiff_decode_kvq_##SUFFIX##_##NE, (const T*)q, (const uint8_t*)k,     \
+                         k_hs, k_rs, (const uint8_t*)v, v_hs, v_rs, kind, t, g, d, span, scale,  \
+                         (T*)out, part);                                                         \
   };                                                                                             \
   combine = [=] {                                                                                \
     kd_emu::run_kernel(keydiff_decode_combine_##SUFFIX, (const float*)part, (int)grid_x, g, d,   \

@@ -8,7 +8,7 @@ use candle_core::{bail, CudaStorage, DType, Layout, Result, Shape};
 use half::{bf16, f16};
 
 use crate::geometry::{
-    act_launch, append_launch, check_act, check_append, check_decode, check_kvq, check_norm,
+    act_launch, append_launch, check_act, check_append, check_decode, check_decode_kvq, check_kvq, check_norm,
     check_pool, check_rope, check_scores, check_select, check_softmax, check_softmax_sums,
     decode_combine_launch, decode_lanes, decode_launch, decode_split, kvq_launch, move_launch,
     norm_launch, per_head_launch, plan_moves, pool_words, rope_launch, scores_launch,
@@ -720,18 +720,11 @@ pub fn decode_attention(
 ) -> Result<(CudaStorage, Shape)> {
     let (kv, g, d) = ql.shape().dims3()?;
     let (kh, t, kd) = kl.shape().dims3()?;
-    let (ks, vs) = (kl.stride(), vl.stride());
-    if !ql.is_contiguous()
-        || (kh, kd) != (kv, d)
-        || vl.dims() != kl.dims()
-        || ks[2] != 1
-        || vs[2] != 1
-    {
+    if (kh, kd) != (kv, d) {
         bail!(
-            "decode-attention: q {:?} (contiguous), k {:?} strides {ks:?}, v {:?} strides {vs:?}",
+            "decode-attention: q {:?}, k {:?} (one head size)",
             ql.dims(),
-            kl.dims(),
-            vl.dims()
+            kl.dims()
         );
     }
     if q.dtype() != k.dtype() || k.dtype() != v.dtype() {
@@ -743,6 +736,66 @@ pub fn decode_attention(
         );
     }
     check_decode(kv, g, t, d)?;
+    decode_launch_all((q, ql), (k, kl), (v, vl), None, scale)
+}
+
+/// [`decode_attention`] over a quantized cache (`keydiff_decode_kvq_<dtype>_<NE>`): `k` and `v`
+/// `[kv, t, d / 32 · bytes]` views of its buffers (u8 blocks of `kind`, or F8E4M3 codes for
+/// [`KVQ_FP8`]; any head and row stride, rows contiguous), dequantized as they are read, as
+/// [`kvq_dequantize`] does; `q` `[kv, g, d]` f32, f16 or bf16, the output's dtype.
+pub fn decode_attention_kvq(
+    (q, ql): (&CudaStorage, &Layout),
+    (k, kl): (&CudaStorage, &Layout),
+    (v, vl): (&CudaStorage, &Layout),
+    kind: i32,
+    bytes: usize,
+    scale: f32,
+) -> Result<(CudaStorage, Shape)> {
+    let (kv, g, d) = ql.shape().dims3()?;
+    let (kh, t, rb) = kl.shape().dims3()?;
+    check_decode_kvq(kv, g, t, d, kind, bytes)?;
+    if (kh, rb) != (kv, d / 32 * bytes) {
+        bail!(
+            "decode-attention: q {:?}, k {:?}: rows of {d} values in blocks of {bytes} bytes",
+            ql.dims(),
+            kl.dims()
+        );
+    }
+    let storage = if kind == KVQ_FP8 {
+        DType::F8E4M3
+    } else {
+        DType::U8
+    };
+    if k.dtype() != storage || v.dtype() != storage {
+        bail!(
+            "decode-attention over blocks of kind {kind}: k {:?} and v {:?} ({storage:?})",
+            k.dtype(),
+            v.dtype()
+        );
+    }
+    decode_launch_all((q, ql), (k, kl), (v, vl), Some(kind), scale)
+}
+
+/// The launches of [`decode_attention`] (`kind` `None`) and [`decode_attention_kvq`], after
+/// their checks.
+fn decode_launch_all(
+    (q, ql): (&CudaStorage, &Layout),
+    (k, kl): (&CudaStorage, &Layout),
+    (v, vl): (&CudaStorage, &Layout),
+    kind: Option<i32>,
+    scale: f32,
+) -> Result<(CudaStorage, Shape)> {
+    let (kv, g, d) = ql.shape().dims3()?;
+    let t = kl.dims()[1];
+    let (ks, vs) = (kl.stride(), vl.stride());
+    if !ql.is_contiguous() || vl.dims() != kl.dims() || ks[2] != 1 || vs[2] != 1 {
+        bail!(
+            "decode-attention: q {:?} (contiguous), k {:?} strides {ks:?}, v {:?} strides {vs:?}",
+            ql.dims(),
+            kl.dims(),
+            vl.dims()
+        );
+    }
     let Some(ne) = decode_lanes(d) else {
         bail!("decode-attention: no kernel for head_dim {d}");
     };
@@ -757,6 +810,7 @@ pub fn decode_attention(
             1
         })?
     };
+    // Element strides: bytes for u8 and fp8 rows.
     let (k_hs, k_rs, v_hs, v_rs) = (ks[0] as i64, ks[1] as i64, vs[0] as i64, vs[1] as i64);
     // `check_decode` bounds them to `int`.
     let (t32, g32, d32, span32, splits32) =
@@ -766,18 +820,49 @@ pub fn decode_attention(
             // SAFETY: every value is written, by the first kernel (one split) or the combine.
             let mut out = unsafe { dev.alloc::<$t>(kv * g * d)? };
             let qv = q.as_cuda_slice::<$t>()?.slice(ql.start_offset()..);
-            let kv_ = k.as_cuda_slice::<$t>()?.slice(kl.start_offset()..);
-            let vv = v.as_cuda_slice::<$t>()?.slice(vl.start_offset()..);
-            let f =
-                dev.get_or_load_custom_func(&format!("keydiff_decode_{}_{ne}", $sfx), MODULE, PTX)?;
+            let name = match kind {
+                None => format!("keydiff_decode_{}_{ne}", $sfx),
+                Some(_) => format!("keydiff_decode_kvq_{}_{ne}", $sfx),
+            };
+            let f = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+            let (kt, ku, k8, vt, vu, v8);
             let mut b = f.builder();
             b.arg(&qv);
-            b.arg(&kv_);
+            match kind {
+                None => {
+                    kt = k.as_cuda_slice::<$t>()?.slice(kl.start_offset()..);
+                    b.arg(&kt);
+                }
+                Some(KVQ_FP8) => {
+                    k8 = k.as_cuda_slice::<float8::F8E4M3>()?.slice(kl.start_offset()..);
+                    b.arg(&k8);
+                }
+                Some(_) => {
+                    ku = k.as_cuda_slice::<u8>()?.slice(kl.start_offset()..);
+                    b.arg(&ku);
+                }
+            }
             b.arg(&k_hs);
             b.arg(&k_rs);
-            b.arg(&vv);
+            match kind {
+                None => {
+                    vt = v.as_cuda_slice::<$t>()?.slice(vl.start_offset()..);
+                    b.arg(&vt);
+                }
+                Some(KVQ_FP8) => {
+                    v8 = v.as_cuda_slice::<float8::F8E4M3>()?.slice(vl.start_offset()..);
+                    b.arg(&v8);
+                }
+                Some(_) => {
+                    vu = v.as_cuda_slice::<u8>()?.slice(vl.start_offset()..);
+                    b.arg(&vu);
+                }
+            }
             b.arg(&v_hs);
             b.arg(&v_rs);
+            if let Some(kind) = &kind {
+                b.arg(kind);
+            }
             b.arg(&t32);
             b.arg(&g32);
             b.arg(&d32);
@@ -785,8 +870,9 @@ pub fn decode_attention(
             b.arg(&scale);
             b.arg(&mut out);
             b.arg(&mut part);
-            // SAFETY: argument list matches the kernel; reads stay in the [kv, g, d] q and the
-            // [kv, t, d] views at these strides, writes in `out` and `part` as allocated here.
+            // SAFETY: argument list matches the kernel (`kind` only for the kvq one); reads
+            // stay in the [kv, g, d] q and the [kv, t, row] views at these strides, writes in
+            // `out` and `part` as allocated here.
             unsafe { b.launch(launch_cfg(decode_launch(kv, splits))) }.w()?;
             if splits > 1 {
                 let f = dev.get_or_load_custom_func(

@@ -25,7 +25,7 @@ use half::{bf16, f16};
 
 use crate::fence::{Fenced, HeadAxis, Side};
 use crate::geometry::{
-    act_launch, append_launch, check_act, check_append, check_decode, check_kvq, check_norm,
+    act_launch, append_launch, check_act, check_append, check_decode, check_decode_kvq, check_kvq, check_norm,
     check_pool, check_rope, check_scores, check_select, check_softmax, check_softmax_sums,
     decode_combine_launch, decode_lanes, decode_launch, decode_split, kvq_launch, move_launch,
     norm_launch, per_head_launch, plan_moves, pool_words, rope_launch, scores_launch,
@@ -158,6 +158,7 @@ extern "C" {
     fn kd_emu_decode(
         dtype: c_int,
         ne: c_int,
+        kind: c_int,
         q: *const u8,
         k: *const u8,
         k_hs: i64,
@@ -601,42 +602,112 @@ pub fn decode_attention(
     seed: u64,
 ) -> Result<Vec<f32>> {
     check_decode(kv, g, t, d)?;
-    let Some(ne) = decode_lanes(d) else {
-        bail!("decode-attention: no kernel for head_dim {d}");
-    };
-    let (dtype, q_bytes, q_len, elem) = q.parts();
+    let (dtype, _, _, elem) = q.parts();
     let (k_dtype, k_bytes, k_len, _) = k.parts();
     let (v_dtype, v_bytes, v_len, _) = v.parts();
     if k_dtype != dtype || v_dtype != dtype {
         bail!("decode-attention: q, k and v must be of one dtype");
     }
+    let rows = DecodeRows {
+        k: k_bytes,
+        v: v_bytes,
+        len: (k_len, v_len),
+        elem,
+        strides: (k_strides, v_strides),
+        row_len: d,
+        kind: -1,
+    };
+    decode_run(q, rows, (kv, g, t, d), scale, seed)
+}
+
+/// `keydiff_decode_kvq_<dtype>_<NE>` (then the combine, as [`decode_attention`]): the same
+/// attention over a quantized cache, `k` and `v` u8 rows of blocks of `kind` (`KD_KVQ_*`, fp8
+/// codes for [`crate::geometry::KVQ_FP8`]) viewed as `[kv, t, d / 32 · bytes]` at byte strides
+/// `k_strides` / `v_strides`, dequantized as they are read; `q` f32, f16 or bf16.
+#[allow(clippy::too_many_arguments)]
+pub fn decode_attention_kvq(
+    q: Keys<'_>,
+    k: &[u8],
+    k_strides: (usize, usize),
+    v: &[u8],
+    v_strides: (usize, usize),
+    (kv, g, t, d): (usize, usize, usize, usize),
+    kind: i32,
+    scale: f32,
+    seed: u64,
+) -> Result<Vec<f32>> {
+    let bytes = kvq_bytes(kind)?;
+    check_decode_kvq(kv, g, t, d, kind, bytes)?;
+    let rows = DecodeRows {
+        k,
+        v,
+        len: (k.len(), v.len()),
+        elem: 1,
+        strides: (k_strides, v_strides),
+        row_len: d / 32 * bytes,
+        kind,
+    };
+    decode_run(q, rows, (kv, g, t, d), scale, seed)
+}
+
+/// The K and V rows a decode kernel reads: bytes of `len` elements of `elem` bytes, strides in
+/// elements, rows of `row_len` elements; `kind` < 0 for rows in q's dtype, else a `KD_KVQ_*`.
+struct DecodeRows<'a> {
+    k: &'a [u8],
+    v: &'a [u8],
+    len: (usize, usize),
+    elem: usize,
+    strides: ((usize, usize), (usize, usize)),
+    row_len: usize,
+    kind: i32,
+}
+
+/// Runs a decode kernel (checked by the caller) and, for several splits, the combine.
+fn decode_run(
+    q: Keys<'_>,
+    rows: DecodeRows<'_>,
+    (kv, g, t, d): (usize, usize, usize, usize),
+    scale: f32,
+    seed: u64,
+) -> Result<Vec<f32>> {
+    let Some(ne) = decode_lanes(d) else {
+        bail!("decode-attention: no kernel for head_dim {d}");
+    };
+    let (dtype, q_bytes, q_len, q_elem) = q.parts();
     if q_len < kv * g * d {
         bail!("decode-attention: q holds {q_len} values, not {kv} × {g} × {d}");
     }
-    let (k_hs, k_rs) = k_strides;
-    let (v_hs, v_rs) = v_strides;
-    let k_extent = check_extent("decode-attention k", k_len, elem, kv, t, d, k_hs, k_rs)?;
-    let v_extent = check_extent("decode-attention v", v_len, elem, kv, t, d, v_hs, v_rs)?;
+    let DecodeRows {
+        k: k_bytes,
+        v: v_bytes,
+        len: (k_len, v_len),
+        elem,
+        strides: ((k_hs, k_rs), (v_hs, v_rs)),
+        row_len,
+        kind,
+    } = rows;
+    let k_extent = check_extent("decode-attention k", k_len, elem, kv, t, row_len, k_hs, k_rs)?;
+    let v_extent = check_extent("decode-attention v", v_len, elem, kv, t, row_len, v_hs, v_rs)?;
     let (splits, span) = decode_split(kv, t);
     let l = decode_launch(kv, splits);
     debug_assert_eq!(decode_combine_launch(kv).block, l.block);
     let side = Side::for_seed(seed);
     let n_out = kv * g * d;
-    let qf = Fenced::copy_of("decode-attention q", &q_bytes[..n_out * elem], side, 16)?;
+    let qf = Fenced::copy_of("decode-attention q", &q_bytes[..n_out * q_elem], side, 16)?;
     let kf = Fenced::copy_of("decode-attention k", &k_bytes[..k_extent * elem], side, 16)?;
     let vf = Fenced::copy_of("decode-attention v", &v_bytes[..v_extent * elem], side, 16)?;
     // Bytes of all ones: NaN in every dtype, so a value never written shows.
-    let mut out = Fenced::filled("decode-attention out", n_out * elem, 0xFFu8, side, 16)?;
+    let mut out = Fenced::filled("decode-attention out", n_out * q_elem, 0xFFu8, side, 16)?;
     let part_len = if splits > 1 {
         kv * splits * g * (d + 2)
     } else {
         1
     };
     let mut part = Fenced::filled("decode-attention part", part_len, f32::NAN, side, 4)?;
-    qf.view(kv, g * d * elem, g, d * elem, d * elem, HeadAxis::Y)?;
-    kf.view(kv, k_hs * elem, t, k_rs * elem, d * elem, HeadAxis::Y)?;
-    vf.view(kv, v_hs * elem, t, v_rs * elem, d * elem, HeadAxis::Y)?;
-    out.view(kv, g * d * elem, g, d * elem, d * elem, HeadAxis::Y)?;
+    qf.view(kv, g * d * q_elem, g, d * q_elem, d * q_elem, HeadAxis::Y)?;
+    kf.view(kv, k_hs * elem, t, k_rs * elem, row_len * elem, HeadAxis::Y)?;
+    vf.view(kv, v_hs * elem, t, v_rs * elem, row_len * elem, HeadAxis::Y)?;
+    out.view(kv, g * d * q_elem, g, d * q_elem, d * q_elem, HeadAxis::Y)?;
     if splits > 1 {
         let row = d + 2;
         part.view(kv, splits * g * row, splits * g, row, row, HeadAxis::Y)?;
@@ -651,6 +722,7 @@ pub fn decode_attention(
             kd_emu_decode(
                 dtype,
                 ne as c_int,
+                kind as c_int,
                 qf.as_ptr(),
                 kf.as_ptr(),
                 k_hs as i64,

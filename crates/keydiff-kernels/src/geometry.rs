@@ -395,6 +395,30 @@ pub fn check_decode(kv: usize, g: usize, t: usize, d: usize) -> Result<()> {
     Ok(())
 }
 
+/// The limits of the decode kernel over a quantized cache (`keydiff_decode_kvq_*`): those of
+/// [`check_decode`], a known `kind` of `bytes` per block (as [`check_kvq`]), and heads of whole
+/// blocks of 32 values.
+pub fn check_decode_kvq(
+    kv: usize,
+    g: usize,
+    t: usize,
+    d: usize,
+    kind: i32,
+    bytes: usize,
+) -> Result<()> {
+    check_decode(kv, g, t, d)?;
+    if usize::try_from(kind).ok().and_then(|k| KVQ_BYTES.get(k)) != Some(&bytes) {
+        bail!(
+            "decode-attention: kind {kind} of {bytes} bytes is not one of the kernels' \
+             ({KVQ_BYTES:?})"
+        );
+    }
+    if !d.is_multiple_of(32) {
+        bail!("decode-attention over blocks: head_dim {d} is not a multiple of 32");
+    }
+    Ok(())
+}
+
 /// `KD_SMX_THREADS`: threads of a causal-softmax block.
 pub const SOFTMAX_THREADS: u32 = 256;
 

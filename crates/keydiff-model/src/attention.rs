@@ -31,7 +31,7 @@ use candle_core::{DType, Device, Tensor, D};
 
 pub use crate::decode_kernel::{
     causal_softmax_cuda, decode_attention_cpu, decode_attention_cpu_blocks, decode_attention_cuda,
-    softmax_sums_cuda, widen_cache_view,
+    decode_attention_cuda_kvq, softmax_sums_cuda, widen_cache_view,
 };
 use crate::error::{ModelError, Result};
 

@@ -101,6 +101,55 @@ pub fn decode_attention_cuda(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Optio
     cuda_decode(&q.contiguous()?, k, v)
 }
 
+/// [`decode_attention_cuda`] over a quantized or fp8 cache (`keydiff_decode_kvq_*`): `k` and
+/// `v` `[kv_heads, T, d / 32 · bytes]` views of the cache buffers as stored (u8 blocks of
+/// `kv_type`, or F8E4M3 rows), read in place and dequantized as they are read, as the cache's
+/// own `keydiff_kvq_dequantize` does; `q` `[kv_heads, g, d]` f32, f16 or bf16, the output's
+/// dtype. The eager path dequantizes the whole view to f32 first, then casts it: three passes
+/// over the cache in f32 and one in the activations' dtype, where this reads its blocks once.
+/// `None` where it does not apply (off CUDA, a float cache of another type, the limits of
+/// [`decode_attention_cuda`], a head dim that is not a multiple of 32) or where
+/// `KEYDIFF_CUDA_DECODE_KERNEL=0` turns it off. Its CPU twin is [`decode_attention_cpu_blocks`]
+/// (f32 queries).
+pub fn decode_attention_cuda_kvq(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    kv_type: KvType,
+) -> Result<Option<Tensor>> {
+    use keydiff_kernels::geometry::{DECODE_MAX_GROUP, KVQ_BYTES, KVQ_FP8, MAX_HEAD_DIM};
+    if !q.device().is_cuda() || !cuda_decode_kernel_on() {
+        return Ok(None);
+    }
+    let kind = match kv_type {
+        KvType::Float(DType::F8E4M3) => KVQ_FP8,
+        t => match t.block_code() {
+            Some(code) => code,
+            None => return Ok(None),
+        },
+    };
+    let bytes = KVQ_BYTES[kind as usize];
+    let (kv_heads, g, d) = q.dims3()?;
+    let (kh, t, row) = k.dims3()?;
+    let rows_contiguous = |x: &Tensor| x.stride().last() == Some(&1);
+    let float = matches!(q.dtype(), DType::F32 | DType::F16 | DType::BF16);
+    if !float
+        || k.dtype() != kv_type.storage_dtype()
+        || v.dtype() != k.dtype()
+        || !d.is_multiple_of(32)
+        || (kh, row) != (kv_heads, d / 32 * bytes)
+        || v.dims() != k.dims()
+        || g > DECODE_MAX_GROUP
+        || d > MAX_HEAD_DIM
+        || t == 0
+        || !rows_contiguous(k)
+        || !rows_contiguous(v)
+    {
+        return Ok(None);
+    }
+    cuda_decode_kvq(&q.contiguous()?, k, v, kind, bytes)
+}
+
 /// Whether the CUDA decode kernel runs (`KEYDIFF_CUDA_DECODE_KERNEL=0` turns it off, to time
 /// or check the eager path against it).
 fn cuda_decode_kernel_on() -> bool {
@@ -117,7 +166,11 @@ fn switched_on(cell: &OnceLock<bool>, var: &str) -> bool {
 #[cfg(feature = "cuda")]
 fn cuda_decode(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Option<Tensor>> {
     let scale = 1.0 / (q.dim(2)? as f32).sqrt();
-    Ok(Some(q.apply_op3_no_bwd(k, v, &CudaDecode { scale })?))
+    let op = CudaDecode {
+        scale,
+        blocks: None,
+    };
+    Ok(Some(q.apply_op3_no_bwd(k, v, &op)?))
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -125,11 +178,40 @@ fn cuda_decode(_q: &Tensor, _k: &Tensor, _v: &Tensor) -> Result<Option<Tensor>> 
     Ok(None)
 }
 
-/// The candle op of [`decode_attention_cuda`]: CUDA only (the CPU has
-/// [`decode_attention_cpu`]).
+#[cfg(feature = "cuda")]
+fn cuda_decode_kvq(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    kind: i32,
+    bytes: usize,
+) -> Result<Option<Tensor>> {
+    let scale = 1.0 / (q.dim(2)? as f32).sqrt();
+    let op = CudaDecode {
+        scale,
+        blocks: Some((kind, bytes)),
+    };
+    Ok(Some(q.apply_op3_no_bwd(k, v, &op)?))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_decode_kvq(
+    _q: &Tensor,
+    _k: &Tensor,
+    _v: &Tensor,
+    _kind: i32,
+    _bytes: usize,
+) -> Result<Option<Tensor>> {
+    Ok(None)
+}
+
+/// The candle op of [`decode_attention_cuda`] and, with `blocks` (kind, bytes),
+/// [`decode_attention_cuda_kvq`]: CUDA only (the CPU has [`decode_attention_cpu`] and
+/// [`decode_attention_cpu_blocks`]).
 #[cfg(feature = "cuda")]
 struct CudaDecode {
     scale: f32,
+    blocks: Option<(i32, usize)>,
 }
 
 #[cfg(feature = "cuda")]
@@ -159,7 +241,17 @@ impl candle_core::CustomOp3 for CudaDecode {
         v: &candle_core::CudaStorage,
         vl: &candle_core::Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
-        keydiff_kernels::decode_attention((q, ql), (k, kl), (v, vl), self.scale)
+        match self.blocks {
+            None => keydiff_kernels::decode_attention((q, ql), (k, kl), (v, vl), self.scale),
+            Some((kind, bytes)) => keydiff_kernels::decode_attention_kvq(
+                (q, ql),
+                (k, kl),
+                (v, vl),
+                kind,
+                bytes,
+                self.scale,
+            ),
+        }
     }
 }
 

@@ -7,11 +7,12 @@
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor, D};
-use keydiff_cache::{AttnStats, CacheConfig, KvCache, KvTypes};
+use keydiff_cache::{AttnStats, CacheConfig, KvCache, KvType, KvTypes};
 
 use crate::attention::{
     attention_output, attention_probs_in, attention_probs_sums, chunk_mask, decode_attention_cpu,
-    decode_attention_cpu_blocks, decode_attention_cuda, flash_attend, row_sums, stats_pass,
+    decode_attention_cpu_blocks, decode_attention_cuda, decode_attention_cuda_kvq, flash_attend,
+    row_sums, stats_pass,
     widen_cache_view, AttentionBackend,
 };
 use crate::config::{Arch, ModelConfig, RopeOverride};
@@ -235,10 +236,15 @@ impl Attention {
         // A quantized cache's decode step gives the decode kernel the blocks to read in place
         // (dequantized, the whole view would first be written out as f32), unless a flash
         // step's statistics pass needs the keys as values, or keys and values are of two
-        // types. Should the kernel decline them, the values are dequantized below.
+        // types. Should the kernel decline them, the values are dequantized below. On CUDA an
+        // fp8 cache's rows go to the kernel as stored too (its reads of them are widened to
+        // f32 by keydiff's kernels, candle's fp8 casts being unreachable there).
         let kvt = layer.kv_type();
         let blocks = (kvt.k == kvt.v && kvt.k.block_bytes().is_some()).then_some(kvt.k);
-        let (keys, values) = if blocks.is_some() && one_row && (eager || rows.is_none()) {
+        let fp8 = KvType::Float(DType::F8E4M3);
+        let cuda_fp8 = (kvt.k == fp8 && kvt.v == fp8 && q.device().is_cuda()).then_some(fp8);
+        let in_place = blocks.or(cuda_fp8);
+        let (keys, values) = if in_place.is_some() && one_row && (eager || rows.is_none()) {
             (layer.stored_keys()?, layer.stored_values()?)
         } else {
             (layer.keys()?, layer.values()?)
@@ -272,7 +278,14 @@ impl Attention {
             (1, None) => {
                 let q = q.reshape((kv, g, d))?;
                 let probs = eager && rows.is_some();
-                match blocks.filter(|_| keys.dtype() == DType::U8) {
+                match in_place.filter(|t| keys.dtype() == t.storage_dtype()) {
+                    // On CUDA, keydiff's decode kernel reads the blocks (or fp8 rows) in place,
+                    // when no probabilities are needed.
+                    Some(t) if q.device().is_cuda() => match probs {
+                        false => decode_attention_cuda_kvq(&q, &keys, &values, t)?
+                            .map(|y| (y, None)),
+                        true => None,
+                    },
                     Some(t) => decode_attention_cpu_blocks(&q, &keys, &values, t, probs)?,
                     // On CUDA, one launch (two for a long cache) in place of the eager path's
                     // six, when no probabilities are needed (flash takes its statistics from
@@ -285,8 +298,11 @@ impl Attention {
             }
             _ => None,
         };
+        // Rows as stored that no decode kernel took: read as values.
         let (keys, values) = match decoded {
-            None if keys.dtype() == DType::U8 => (layer.keys()?, layer.values()?),
+            None if in_place.is_some_and(|t| keys.dtype() == t.storage_dtype()) => {
+                (layer.keys()?, layer.values()?)
+            }
             _ => (keys, values),
         };
         let (y, stats) = match backend {

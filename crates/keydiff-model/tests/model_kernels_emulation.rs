@@ -4,7 +4,10 @@
 //! - The decode-attention kernel (`keydiff_decode_*` of `kernels/keydiff.cu`) against the eager
 //!   path (`attention_probs`, `attention_output` in f32 on the widened inputs) and the CPU
 //!   decode kernel: every dtype, head dims 16 to 256 (odd ones too), GQA groups 1 to 8, one
-//!   split and several, cache views with room past their rows.
+//!   split and several, cache views with room past their rows. Its form over quantized caches
+//!   (`keydiff_decode_kvq_*`: the five block types and fp8, read in place) against the eager
+//!   path over the cache as keydiff-cache's codec dequantizes it, and against the CPU twin
+//!   (`decode_attention_cpu_blocks`).
 //! - The causal softmax of eager chunk attention (`keydiff_causal_softmax_*`) against the
 //!   softmax the CPU runs (`masked_softmax`: candle's ops over the scores plus `chunk_mask`):
 //!   every pair of dtypes it takes, chunks of 1 to 128 queries over their own keys and more,
@@ -24,13 +27,15 @@
 
 use candle_core::{DType, Device, Tensor};
 use half::{bf16, f16};
+use keydiff_cache::KvType;
 use keydiff_kernels::emu::{
-    add_rms_norm, causal_softmax, decode_attention, rope_qk, silu_mul, softmax_sums, Keys,
+    add_rms_norm, causal_softmax, decode_attention, decode_attention_kvq, rope_qk, silu_mul,
+    softmax_sums, Keys,
 };
-use keydiff_kernels::geometry::decode_split;
+use keydiff_kernels::geometry::{decode_split, KVQ_FP8};
 use keydiff_model::attention::{
-    attention_output, attention_probs, chunk_mask, decode_attention_cpu, masked_softmax,
-    masked_softmax_sums,
+    attention_output, attention_probs, chunk_mask, decode_attention_cpu,
+    decode_attention_cpu_blocks, masked_softmax, masked_softmax_sums,
 };
 
 /// Seeded values: normal-ish, times `scale`.
@@ -352,6 +357,220 @@ fn decode_kernel_refuses_what_it_cannot_run() {
         1,
     );
     assert!(err(mixed).contains("one dtype"));
+}
+
+/// A quantized cache's buffers for a case: K and V rows `[kv, cap, d]` (the seeds of [`run`])
+/// encoded by keydiff-cache's CPU codec. Returns the bytes of K and V, a row's bytes, and the
+/// first `t` rows of each head as the codec decodes them, `[kv, t, d]` f32.
+fn encoded(c: &Case, t: KvType, seed: u64) -> ([Vec<u8>; 2], usize, [Vec<f32>; 2]) {
+    let (kv, d) = (c.kv, c.d);
+    let dev = Device::Cpu;
+    let code = |x: Vec<f32>, cap: usize| -> (Vec<u8>, Vec<f32>) {
+        let x = Tensor::from_vec(x, (kv, cap, d), &dev).unwrap();
+        let enc = t.encode(&x).unwrap();
+        let dec = t
+            .decode(&enc, d)
+            .unwrap()
+            .narrow(1, 0, c.t)
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        let bytes = match enc.dtype() {
+            DType::U8 => enc.flatten_all().unwrap().to_vec1::<u8>().unwrap(),
+            DType::F8E4M3 => enc
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<float8::F8E4M3>()
+                .unwrap()
+                .iter()
+                .map(|x| x.to_bits())
+                .collect(),
+            dt => panic!("{t}: buffers of {dt:?}"),
+        };
+        (bytes, dec)
+    };
+    let (kb, kd) = code(values(kv * c.k_cap * d, seed + 1, c.key_scale), c.k_cap);
+    let (vb, vd) = code(values(kv * c.v_cap * d, seed + 2, 1.0), c.v_cap);
+    ([kb, vb], t.row_bytes(d), [kd, vd])
+}
+
+/// The kernels' `kind` of a quantized cache type.
+fn kind_of(t: KvType) -> i32 {
+    match t {
+        KvType::Float(DType::F8E4M3) => KVQ_FP8,
+        t => t.block_code().expect("a block type"),
+    }
+}
+
+/// The quantized cache types the decode kernel reads in place.
+fn quantized() -> Vec<KvType> {
+    let mut v = KvType::BLOCKS.to_vec();
+    v.push(KvType::Float(DType::F8E4M3));
+    v
+}
+
+/// Runs `keydiff_decode_kvq_*` on a case's cache in `t`, with q in `dt`; returns the output
+/// and the eager path's over the codec's dequantized rows (q widened).
+fn run_kvq(c: &Case, t: KvType, dt: Dt, seed: u64) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let (kv, g, d) = (c.kv, c.g, c.d);
+    let q = rounded(&values(kv * g * d, seed, 1.0), dt);
+    let ([kb, vb], row, [k, v]) = encoded(c, t, seed);
+    let qb = Buf::new(&q, dt);
+    let out = decode_attention_kvq(
+        qb.keys(),
+        &kb,
+        (c.k_cap * row, row),
+        &vb,
+        (c.v_cap * row, row),
+        (kv, g, c.t, d),
+        kind_of(t),
+        1.0 / (d as f32).sqrt(),
+        seed,
+    )
+    .unwrap_or_else(|e| panic!("{t} kv {kv} g {g} d {d} t {} {dt:?}: {e}", c.t));
+    let dev = Device::Cpu;
+    let qt = Tensor::from_vec(q.clone(), (kv, g, d), &dev).unwrap();
+    let kt = Tensor::from_vec(k, (kv, c.t, d), &dev).unwrap();
+    let vt = Tensor::from_vec(v, (kv, c.t, d), &dev).unwrap();
+    let probs = attention_probs(&qt, &kt, None, g).unwrap();
+    let want = attention_output(&probs, &vt)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    (out, want, q)
+}
+
+/// The decode kernel over every quantized cache type reads the blocks as the codec does: the
+/// eager result over the dequantized cache, within the output's rounding, for every dtype of
+/// q, one split and several, views with room past their rows.
+#[test]
+fn decode_kernel_over_quantized_caches_matches_eager_attention() {
+    let all = cases();
+    for t in quantized() {
+        for (i, c) in all.iter().enumerate().filter(|(_, c)| c.d % 32 == 0) {
+            // The long cases, and f16 queries, for q8_0; every type runs the rest in f32 and
+            // bf16 (the engine's GPU dtype).
+            let wide = t == KvType::Q8_0;
+            if c.kv * c.t > 1500 && !wide {
+                continue;
+            }
+            let dts: &[Dt] = if wide {
+                &[Dt::F32, Dt::F16, Dt::BF16]
+            } else {
+                &[Dt::F32, Dt::BF16]
+            };
+            for &dt in dts {
+                let seed = 60 + i as u64;
+                let (out, want, _) = run_kvq(c, t, dt, seed);
+                let scale = want.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-3);
+                let worst = out.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(
+                    0f32,
+                    |m, x| if x.is_nan() { f32::INFINITY } else { m.max(x) },
+                );
+                assert!(
+                    worst <= tolerance(dt, scale, c.key_scale),
+                    "{t} kv {} g {} d {} t {} ({} splits) {dt:?}: max |Δ| {worst} against \
+                     the eager path over the dequantized cache (scale {scale})",
+                    c.kv,
+                    c.g,
+                    c.d,
+                    c.t,
+                    decode_split(c.kv, c.t).0
+                );
+            }
+        }
+    }
+}
+
+/// In f32 the kernel over blocks gives what its CPU twin gives (`decode_attention_cpu_blocks`;
+/// for fp8, `decode_attention_cpu` over the F8E4M3 rows), head dims 64/128/256.
+#[test]
+fn decode_kernel_over_quantized_caches_matches_its_cpu_twin() {
+    let dev = Device::Cpu;
+    for t in quantized() {
+        for c in cases().iter().filter(|c| matches!(c.d, 64 | 128 | 256)) {
+            if c.kv * c.t > 1500 && t != KvType::Q4_0 {
+                continue;
+            }
+            let (out, _, q) = run_kvq(c, t, Dt::F32, 8);
+            let ([kb, vb], row, _) = encoded(c, t, 8);
+            let view = |b: Vec<u8>, cap: usize| -> Tensor {
+                let x = Tensor::from_vec(b, (c.kv, cap, row), &dev).unwrap();
+                let x = match t {
+                    KvType::Float(DType::F8E4M3) => {
+                        let codes: Vec<float8::F8E4M3> = x
+                            .flatten_all()
+                            .unwrap()
+                            .to_vec1::<u8>()
+                            .unwrap()
+                            .into_iter()
+                            .map(float8::F8E4M3::from_bits)
+                            .collect();
+                        Tensor::from_vec(codes, (c.kv, cap, row), &dev).unwrap()
+                    }
+                    _ => x,
+                };
+                x.narrow(1, 0, c.t).unwrap()
+            };
+            let (kt, vt) = (view(kb, c.k_cap), view(vb, c.v_cap));
+            let qt = Tensor::from_vec(q, (c.kv, c.g, c.d), &dev).unwrap();
+            let twin = match t {
+                KvType::Float(_) => decode_attention_cpu(&qt, &kt, &vt, false),
+                _ => decode_attention_cpu_blocks(&qt, &kt, &vt, t, false),
+            }
+            .unwrap()
+            .expect("the CPU kernel takes these rows")
+            .0
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+            let scale = twin.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-3);
+            for (a, b) in out.iter().zip(&twin) {
+                assert!(
+                    (a - b).abs() <= 2e-6 * scale,
+                    "{t} kv {} g {} d {} t {}: {a} against the CPU twin's {b}",
+                    c.kv,
+                    c.g,
+                    c.d,
+                    c.t
+                );
+            }
+        }
+    }
+}
+
+/// Over blocks, what the kernel cannot run is an error naming it, before anything runs.
+#[test]
+fn decode_kernel_over_blocks_refuses_what_it_cannot_run() {
+    let q = vec![0f32; 4096];
+    let b = vec![0u8; 65536];
+    let run = |t: usize, d: usize, kind: i32, row: usize| {
+        decode_attention_kvq(
+            Keys::F32(&q),
+            &b,
+            (t * row, row),
+            &b,
+            (t * row, row),
+            (1, 2, t, d),
+            kind,
+            1.0,
+            1,
+        )
+    };
+    let err = |r: candle_core::Result<Vec<f32>>| r.unwrap_err().to_string();
+    assert!(err(run(4, 48, 0, 34)).contains("multiple of 32"));
+    assert!(err(run(4, 64, 6, 64)).contains("no block type 6"));
+    assert!(err(run(4, 64, -1, 64)).contains("no block type -1"));
+    assert!(err(run(0, 64, 0, 68)).contains("keys"));
+    // A view past its buffer: 1000 rows of two q8_0 blocks.
+    assert!(err(run(1000, 64, 0, 68)).contains("exceed"));
 }
 
 /// The CPU's softmax of `scores` (`[rows, t]`, rows in chunks of `chunk` queries), masked
