@@ -336,20 +336,30 @@ echo "== 3h. the decode path on the device (decode kernel, fused linears): decod
 # the same with all of them off (KEYDIFF_CUDA_DECODE_KERNEL=0 KEYDIFF_CUDA_FUSE=0
 # KEYDIFF_CUDA_ADD_NORM=0 KEYDIFF_CUDA_SOFTMAX_KERNEL=0 KEYDIFF_CUDA_SOFTMAX_SUMS=0
 # KEYDIFF_CUDA_SILU_MUL=0 KEYDIFF_CUDA_ROPE=0 KEYDIFF_CUDA_APPEND=0: candle's ops), for
-# comparison.
+# comparison. Quantized caches (q8_0, q4_0 and fp8, f32 activations, on the presets whose heads
+# hold whole blocks of 32) run the decode kernel's form that reads blocks and fp8 rows in place
+# (keydiff_decode_kvq_*; off, the eager path dequantizes the view) under the full cache, and
+# the block types under KeyDiff too (the CPU reference holds blocks as they are, fp8 in f32:
+# see the quantized caches of step 3).
 decode_ok=1
 : > "$out/decode-path.jsonl"
 for on in 1 0; do
-  for dt in f32 bf16; do
+  for dt in f32 bf16 f32-q8_0 f32-q4_0 f32-fp8; do
     pol=sink,h2o; [ $dt = f32 ] && pol=keydiff,sink,h2o
-    for r in "--prompt-len 1300 --decode-steps 300" "--prompt-len 400 --decode-steps 200 --budget 96 --policies $pol"; do
+    presets="--preset configs/tiny-llama.json --preset configs/tiny-qwen.json --preset configs/tiny-qwen-d64.json --preset configs/tiny-qwen3.json"
+    runs=("--prompt-len 1300 --decode-steps 300" "--prompt-len 400 --decode-steps 200 --budget 96 --policies $pol")
+    if [ "${dt#f32-}" != "$dt" ]; then
+      presets="--preset configs/tiny-qwen-d64.json --preset configs/tiny-qwen3.json"
+      runs=("--kv-dtype ${dt#f32-} --prompt-len 1300 --decode-steps 300")
+      [ "$dt" = f32-fp8 ] ||
+        runs+=("--kv-dtype ${dt#f32-} --prompt-len 1300 --decode-steps 300 --budget 1024 --policies keydiff")
+    fi
+    for r in "${runs[@]}"; do
       # shellcheck disable=SC2086
       if ! KEYDIFF_CUDA_DECODE_KERNEL=$on KEYDIFF_CUDA_FUSE=$on KEYDIFF_CUDA_ADD_NORM=$on \
           KEYDIFF_CUDA_SOFTMAX_KERNEL=$on KEYDIFF_CUDA_SOFTMAX_SUMS=$on KEYDIFF_CUDA_SILU_MUL=$on \
           KEYDIFF_CUDA_ROPE=$on KEYDIFF_CUDA_APPEND=$on timeout 90 "$bin" check-device \
-          --device "$device" --dtype $dt --attention eager --chunk 64 $r \
-          --preset configs/tiny-llama.json --preset configs/tiny-qwen.json \
-          --preset configs/tiny-qwen-d64.json --preset configs/tiny-qwen3.json \
+          --device "$device" --dtype "${dt%%-*}" --attention eager --chunk 64 $r $presets \
           > "$out/decode-path.tmp"; then
         decode_ok=0
         tail -3 "$errors"
@@ -362,10 +372,11 @@ rm -f "$out/decode-path.tmp"
 python3 - "$out/decode-path.jsonl" >> "$summary" <<'PY'
 import json, sys
 print("decode path (decode steps after a chunked prefill, eager; CPU f32 reference):")
-print(f"  {'path':5} {'dtype':5} {'preset':22} {'policy':8} {'steps':>5} {'cosine':>9} {'max_rel':>9} top1")
+print(f"  {'path':5} {'dtype':10} {'preset':22} {'policy':8} {'steps':>5} {'cosine':>9} {'max_rel':>9} top1")
 for r in map(json.loads, open(sys.argv[1])):
     d = r["diff"]
-    print(f"  {'new' if r['new_path'] else 'old':5} {r['dtype']:5} {r['preset'].split('/')[-1]:22} {r['policy']:8} {r['decode_steps']:5} {d['cosine']:9.6f} {d['max_rel']:9.2e} {'same' if r['top1_equal'] else 'DIFF'}")
+    dt = r['dtype'] if r.get('kv_dtype', r['dtype']) == r['dtype'] else f"{r['dtype']}/{r['kv_dtype']}"
+    print(f"  {'new' if r['new_path'] else 'old':5} {dt:10} {r['preset'].split('/')[-1]:22} {r['policy']:8} {r['decode_steps']:5} {d['cosine']:9.6f} {d['max_rel']:9.2e} {'same' if r['top1_equal'] else 'DIFF'}")
 PY
 [ $decode_ok = 1 ] && note "decode path parity: PASS" || note "decode path parity: FAIL"
 
@@ -575,7 +586,8 @@ echo "== 4e. decode launches: keydiff's decode kernel and fused linears against 
 # (KEYDIFF_CUDA_ADD_NORM=0 KEYDIFF_CUDA_SILU_MUL=0 KEYDIFF_CUDA_ROPE=0 KEYDIFF_CUDA_APPEND=0:
 # 20 operations a layer and step against 10 with them), then a long cache (prompt 7680, within
 # SmolLM2's 8192 for dry runs; full cache: the kernel splits each of 3B's 8 heads' keys over 31
-# blocks) with the kernel on and off.
+# blocks) with the kernel on and off, and the same in a q8_0 cache (the kernel reads its blocks
+# in place, keydiff_decode_kvq_*; off, each step dequantizes the view to f32, then casts it).
 left=$((deadline - SECONDS))
 if [ "$left" -lt 90 ]; then
   note "decode launches: skipped (${left}s left of the ${deadline}s budget)"
@@ -587,7 +599,7 @@ else
   # kernel, fuse, allocator (1: keydiff's settings, 0: the driver's and cudarc's defaults),
   # the small kernels (residual add + RMSNorm, SwiGLU product, RoPE, cache append)
   for run in "0 1 1 1 $short" "1 0 1 1 $short" "1 1 0 1 $short" "1 1 1 0 $short" \
-      "1 1 1 1 $long" "0 1 1 1 $long"; do
+      "1 1 1 1 $long" "0 1 1 1 $long" "1 1 1 1 $long --kv-dtype q8_0" "0 1 1 1 $long --kv-dtype q8_0"; do
     read -r kernel fuse alloc norm r <<< "$run"
     i=$((i + 1))
     events=$((1 - alloc))

@@ -8,13 +8,13 @@ use candle_core::{bail, CudaStorage, DType, Layout, Result, Shape};
 use half::{bf16, f16};
 
 use crate::geometry::{
-    act_launch, append_launch, check_act, check_append, check_decode, check_decode_kvq, check_kvq, check_norm,
-    check_pool, check_rope, check_scores, check_select, check_softmax, check_softmax_sums,
-    decode_combine_launch, decode_lanes, decode_launch, decode_split, kvq_launch, move_launch,
-    norm_launch, per_head_launch, plan_moves, pool_words, rope_launch, scores_launch,
-    select_few_launch, select_few_workspace, select_multi_launch, select_passes, select_workspace,
-    softmax_launch, softmax_sums_launch, vector_loads_fit, Launch, ScoreLoads, SelectBlocks,
-    KVQ_FP8, MAX_HEADS,
+    act_launch, append_launch, check_act, check_append, check_decode, check_decode_kvq, check_kvq,
+    check_norm, check_pool, check_rope, check_scores, check_select, check_softmax,
+    check_softmax_sums, decode_combine_launch, decode_lanes, decode_launch, decode_split,
+    kvq_launch, move_launch, norm_launch, per_head_launch, plan_moves, pool_words, rope_launch,
+    scores_launch, select_few_launch, select_few_workspace, select_multi_launch, select_passes,
+    select_workspace, softmax_launch, softmax_sums_launch, vector_loads_fit, Launch, ScoreLoads,
+    SelectBlocks, KVQ_FP8, MAX_HEADS,
 };
 
 /// PTX of `kernels/keydiff.cu`.
@@ -834,7 +834,9 @@ fn decode_launch_all(
                     b.arg(&kt);
                 }
                 Some(KVQ_FP8) => {
-                    k8 = k.as_cuda_slice::<float8::F8E4M3>()?.slice(kl.start_offset()..);
+                    k8 = k
+                        .as_cuda_slice::<float8::F8E4M3>()?
+                        .slice(kl.start_offset()..);
                     b.arg(&k8);
                 }
                 Some(_) => {
@@ -850,7 +852,9 @@ fn decode_launch_all(
                     b.arg(&vt);
                 }
                 Some(KVQ_FP8) => {
-                    v8 = v.as_cuda_slice::<float8::F8E4M3>()?.slice(vl.start_offset()..);
+                    v8 = v
+                        .as_cuda_slice::<float8::F8E4M3>()?
+                        .slice(vl.start_offset()..);
                     b.arg(&v8);
                 }
                 Some(_) => {

@@ -25,12 +25,13 @@ use half::{bf16, f16};
 
 use crate::fence::{Fenced, HeadAxis, Side};
 use crate::geometry::{
-    act_launch, append_launch, check_act, check_append, check_decode, check_decode_kvq, check_kvq, check_norm,
-    check_pool, check_rope, check_scores, check_select, check_softmax, check_softmax_sums,
-    decode_combine_launch, decode_lanes, decode_launch, decode_split, kvq_launch, move_launch,
-    norm_launch, per_head_launch, plan_moves, pool_words, rope_launch, scores_launch,
-    select_few_launch, select_few_workspace, select_multi_launch, select_passes, select_workspace,
-    softmax_launch, softmax_sums_launch, vector_loads_fit, ScoreLoads, SelectBlocks, KVQ_BYTES,
+    act_launch, append_launch, check_act, check_append, check_decode, check_decode_kvq, check_kvq,
+    check_norm, check_pool, check_rope, check_scores, check_select, check_softmax,
+    check_softmax_sums, decode_combine_launch, decode_lanes, decode_launch, decode_split,
+    kvq_launch, move_launch, norm_launch, per_head_launch, plan_moves, pool_words, rope_launch,
+    scores_launch, select_few_launch, select_few_workspace, select_multi_launch, select_passes,
+    select_workspace, softmax_launch, softmax_sums_launch, vector_loads_fit, ScoreLoads,
+    SelectBlocks, KVQ_BYTES,
 };
 
 extern "C" {
@@ -686,8 +687,26 @@ fn decode_run(
         row_len,
         kind,
     } = rows;
-    let k_extent = check_extent("decode-attention k", k_len, elem, kv, t, row_len, k_hs, k_rs)?;
-    let v_extent = check_extent("decode-attention v", v_len, elem, kv, t, row_len, v_hs, v_rs)?;
+    let k_extent = check_extent(
+        "decode-attention k",
+        k_len,
+        elem,
+        kv,
+        t,
+        row_len,
+        k_hs,
+        k_rs,
+    )?;
+    let v_extent = check_extent(
+        "decode-attention v",
+        v_len,
+        elem,
+        kv,
+        t,
+        row_len,
+        v_hs,
+        v_rs,
+    )?;
     let (splits, span) = decode_split(kv, t);
     let l = decode_launch(kv, splits);
     debug_assert_eq!(decode_combine_launch(kv).block, l.block);

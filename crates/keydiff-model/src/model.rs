@@ -12,8 +12,7 @@ use keydiff_cache::{AttnStats, CacheConfig, KvCache, KvType, KvTypes};
 use crate::attention::{
     attention_output, attention_probs_in, attention_probs_sums, chunk_mask, decode_attention_cpu,
     decode_attention_cpu_blocks, decode_attention_cuda, decode_attention_cuda_kvq, flash_attend,
-    row_sums, stats_pass,
-    widen_cache_view, AttentionBackend,
+    row_sums, stats_pass, widen_cache_view, AttentionBackend,
 };
 use crate::config::{Arch, ModelConfig, RopeOverride};
 use crate::error::{ModelError, Result};
@@ -282,8 +281,9 @@ impl Attention {
                     // On CUDA, keydiff's decode kernel reads the blocks (or fp8 rows) in place,
                     // when no probabilities are needed.
                     Some(t) if q.device().is_cuda() => match probs {
-                        false => decode_attention_cuda_kvq(&q, &keys, &values, t)?
-                            .map(|y| (y, None)),
+                        false => {
+                            decode_attention_cuda_kvq(&q, &keys, &values, t)?.map(|y| (y, None))
+                        }
                         true => None,
                     },
                     Some(t) => decode_attention_cpu_blocks(&q, &keys, &values, t, probs)?,

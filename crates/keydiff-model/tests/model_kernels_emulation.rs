@@ -469,10 +469,14 @@ fn decode_kernel_over_quantized_caches_matches_eager_attention() {
                 let seed = 60 + i as u64;
                 let (out, want, _) = run_kvq(c, t, dt, seed);
                 let scale = want.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-3);
-                let worst = out.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(
-                    0f32,
-                    |m, x| if x.is_nan() { f32::INFINITY } else { m.max(x) },
-                );
+                let worst = out
+                    .iter()
+                    .zip(&want)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(
+                        0f32,
+                        |m, x| if x.is_nan() { f32::INFINITY } else { m.max(x) },
+                    );
                 assert!(
                     worst <= tolerance(dt, scale, c.key_scale),
                     "{t} kv {} g {} d {} t {} ({} splits) {dt:?}: max |Δ| {worst} against \
