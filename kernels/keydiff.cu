@@ -1389,19 +1389,38 @@ __device__ __forceinline__ float kd_kvq_value(const uint8_t* blk, int kind, int 
   return __fmul_rn((float)(code - (five ? 16 : 8)), scale);
 }
 
+// A value in f32, f16 or bf16 (rounded to nearest even, as candle's casts round).
+__device__ __forceinline__ void kd_store(float* p, float x) { *p = x; }
+__device__ __forceinline__ void kd_store(__half* p, float x) { *p = __float2half_rn(x); }
+__device__ __forceinline__ void kd_store(__nv_bfloat16* p, float x) {
+  *p = __float2bfloat16_rn(x);
+}
+
 // q [heads, n, d / 32 * bytes] (byte strides: a view of the cache buffer) -> out [heads, n, d]
-// f32, contiguous. One thread per value; grid (ceil(n * d / threads), heads).
-extern "C" __global__ void __launch_bounds__(KD_KVQ_THREADS)
-    keydiff_kvq_dequantize(const uint8_t* q, int64_t head_stride, int64_t row_stride, int n, int d,
-                           int kind, float* out) {
+// contiguous, in f32 (keydiff_kvq_dequantize) or rounded once from f32 to the activations'
+// dtype (keydiff_kvq_dequantize_<f16|bf16>: what a cast of the f32 values gives, in one pass
+// and a third of the bytes). One thread per value; grid (ceil(n * d / threads), heads).
+template <typename O>
+__device__ void kd_kvq_dequantize(const uint8_t* q, int64_t head_stride, int64_t row_stride, int n,
+                                  int d, int kind, O* out) {
   const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   const int h = blockIdx.y;
   const int bytes = kd_kvq_bytes(kind);
   if (i >= (int64_t)n * d || bytes == 0) return;
   const int r = (int)(i / d), c = (int)(i % d);
   const uint8_t* blk = q + h * head_stride + r * row_stride + (c / KD_KVQ_BLOCK) * bytes;
-  out[(int64_t)h * n * d + i] = kd_kvq_value(blk, kind, c % KD_KVQ_BLOCK);
+  kd_store(out + (int64_t)h * n * d + i, kd_kvq_value(blk, kind, c % KD_KVQ_BLOCK));
 }
+
+#define KD_KVQ_DEQUANTIZE(NAME, O)                                                                 \
+  extern "C" __global__ void __launch_bounds__(KD_KVQ_THREADS)                                     \
+      NAME(const uint8_t* q, int64_t head_stride, int64_t row_stride, int n, int d, int kind,      \
+           O* out) {                                                                               \
+    kd_kvq_dequantize<O>(q, head_stride, row_stride, n, d, kind, out);                             \
+  }
+KD_KVQ_DEQUANTIZE(keydiff_kvq_dequantize, float)
+KD_KVQ_DEQUANTIZE(keydiff_kvq_dequantize_f16, __half)
+KD_KVQ_DEQUANTIZE(keydiff_kvq_dequantize_bf16, __nv_bfloat16)
 
 // ---------------------------------------------------------------------------------------------
 // Decode attention (flash-decoding): a decode step's one query row per query head over its KV
@@ -1429,12 +1448,6 @@ extern "C" __global__ void __launch_bounds__(KD_KVQ_THREADS)
 #define KD_DEC_MAX_G 8
 
 __device__ __forceinline__ float kd_neg_inf() { return __uint_as_float(0xff800000u); }
-
-__device__ __forceinline__ void kd_store(float* p, float x) { *p = x; }
-__device__ __forceinline__ void kd_store(__half* p, float x) { *p = __float2half_rn(x); }
-__device__ __forceinline__ void kd_store(__nv_bfloat16* p, float x) {
-  *p = __float2bfloat16_rn(x);
-}
 
 // Merges n partial softmax states (m, l, acc) at stride `step` floats into (mx, sl, sa): mx the
 // largest m, sl = sum(l · e^(m - mx)), sa = sum(acc · e^(m - mx)); the value is sa / sl. At least

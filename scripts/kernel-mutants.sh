@@ -108,6 +108,7 @@ mutants=(
   # The block dequantization the cache's dequantize kernel and the decode kernel over blocks
   # share (kd_kvq_value), caught by keydiff-cache's codec tests.
   "kvq: q5's fifth bit taken from the next value~    code |= (int)((qh >> j) & 1u) << 4;~    code |= (int)((qh >> ((j + 1) & 31)) & 1u) << 4;"
+  "kvq: bf16 writes rounded from a value 1e-4 off~  *p = __float2bfloat16_rn(x);~  *p = __float2bfloat16_rn(x * 1.0001f);"
   "kvq: a block's minimum not added~  if (with_min) return __fadd_rn(__fmul_rn((float)code, scale), kd_get_f16(blk + 2));~  if (with_min) return __fmul_rn((float)code, scale);"
   # The decode kernel over quantized caches (keydiff_decode_kvq_*), caught by the decode tests.
   "decode: (blocks) value blocks at the key rows' strides~    return kd_kvq_value(v + h * v_hs + (int64_t)r * v_rs + (c / KD_KVQ_BLOCK) * bytes, kind,~    return kd_kvq_value(v + h * k_hs + (int64_t)r * k_rs + (c / KD_KVQ_BLOCK) * bytes, kind,"

@@ -197,13 +197,35 @@ extern "C" int kd_emu_kvq_quantize(int dtype, const void* x, int64_t head_stride
   return finish(guarded(d3(grid_x, grid_y), d3(block), KD_KVQ_THREADS, seed, body), err, err_len);
 }
 
+// out_dtype: 0 f32 (keydiff_kvq_dequantize), 1 f16, 2 bf16 (keydiff_kvq_dequantize_<dtype>).
 extern "C" int kd_emu_kvq_dequantize(const uint8_t* q, int64_t head_stride, int64_t row_stride,
-                                     int n, int d, int kind, float* out, unsigned grid_x,
-                                     unsigned grid_y, unsigned block, uint64_t seed, char* err,
-                                     size_t err_len) {
-  const std::string e = guarded(d3(grid_x, grid_y), d3(block), KD_KVQ_THREADS, seed, [=] {
-    kd_emu::run_kernel(keydiff_kvq_dequantize, q, head_stride, row_stride, n, d, kind, out);
-  });
+                                     int n, int d, int kind, int out_dtype, void* out,
+                                     unsigned grid_x, unsigned grid_y, unsigned block,
+                                     uint64_t seed, char* err, size_t err_len) {
+  std::function<void()> run;
+  switch (out_dtype) {
+    case 0:
+      run = [=] {
+        kd_emu::run_kernel(keydiff_kvq_dequantize, q, head_stride, row_stride, n, d, kind,
+                           (float*)out);
+      };
+      break;
+    case 1:
+      run = [=] {
+        kd_emu::run_kernel(keydiff_kvq_dequantize_f16, q, head_stride, row_stride, n, d, kind,
+                           (__half*)out);
+      };
+      break;
+    case 2:
+      run = [=] {
+        kd_emu::run_kernel(keydiff_kvq_dequantize_bf16, q, head_stride, row_stride, n, d, kind,
+                           (__nv_bfloat16*)out);
+      };
+      break;
+    default:
+      return finish("no dequantize kernel for dtype " + std::to_string(out_dtype), err, err_len);
+  }
+  const std::string e = guarded(d3(grid_x, grid_y), d3(block), KD_KVQ_THREADS, seed, run);
   return finish(e, err, err_len);
 }
 

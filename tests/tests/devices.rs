@@ -1140,69 +1140,28 @@ test_device!(
 /// A decode step's attention over a quantized cache by the device's decode kernel, which reads
 /// the blocks (or fp8 rows) in place (on CUDA keydiff's `keydiff_decode_kvq_*`, which must take
 /// them; on the CPU `decode_attention_cpu_blocks`, for fp8 `decode_attention_cpu`), against
-/// the eager path in f32 over the cache as the device's codec dequantizes it: every block type
-/// and fp8, encoded on the device, views past the buffer's start, one split and several; on
-/// CUDA with queries in f32, f16 and bf16.
+/// the eager path in f32 over the cache as the device's codec dequantizes it
+/// (`kernel_check::decode_parity`, as `keydiff check-kernels` runs it): every block type and
+/// fp8, encoded on the device, views past the buffer's start, one split and several, head
+/// dims 64/128/256; on CUDA with queries in f32, f16 and bf16.
 fn decode_attention_over_quantized_caches_matches_eager(dev: &Device) -> Result<()> {
-    use candle_core::Tensor;
-    use keydiff_cache::KvType;
-    use keydiff_model::attention::{
-        attention_output, attention_probs, decode_attention_cpu, decode_attention_cpu_blocks,
-        decode_attention_cuda_kvq,
-    };
-    let mut types = KvType::BLOCKS.to_vec();
-    types.push(KvType::Float(DType::F8E4M3));
-    let dts: &[DType] = if dev.is_cuda() {
-        &[DType::F32, DType::F16, DType::BF16]
-    } else {
-        &[DType::F32]
-    };
-    for t_ in types {
-        for (kv, g, d, t, cap, at) in [
-            (2, 3, 128, 300, 320, 7),
-            (8, 4, 128, 3000, 3000, 0),
-            (1, 8, 64, 700, 720, 5),
-        ] {
-            let kb = t_.encode(&Tensor::randn(0f32, 2., (kv, cap, d), dev)?)?;
-            let vb = t_.encode(&Tensor::randn(0f32, 1., (kv, cap, d), dev)?)?;
-            let (k, v) = (kb.narrow(1, at, t)?, vb.narrow(1, at, t)?);
-            // The cache as the device's codec reads it back.
-            let kf = t_.decode(&k, d)?.to_dtype(DType::F32)?;
-            let vf = t_.decode(&v, d)?.to_dtype(DType::F32)?;
-            for &dt in dts {
-                let q = Tensor::randn(0f32, 1., (kv, g, d), dev)?.to_dtype(dt)?;
-                let y = if dev.is_cuda() {
-                    decode_attention_cuda_kvq(&q, &k, &v, t_)?
-                } else {
-                    match t_ {
-                        KvType::Float(_) => decode_attention_cpu(&q, &k, &v, false)?,
-                        _ => decode_attention_cpu_blocks(&q, &k, &v, t_, false)?,
-                    }
-                    .map(|(y, _)| y)
-                };
-                let Some(y) = y else {
-                    anyhow::bail!(
-                        "the decode kernel declined a {t_} cache of heads of {d} ({dt:?})"
-                    );
-                };
-                let y = y.to_dtype(DType::F32)?;
-                let want = attention_output(
-                    &attention_probs(&q.to_dtype(DType::F32)?, &kf, None, g)?,
-                    &vf,
-                )?;
-                let scale = want.abs()?.max_all()?.to_scalar::<f32>()?.max(1e-3);
-                let worst = (y - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
-                let tol = match dt {
-                    DType::F16 => 1e-3,
-                    DType::BF16 => 8e-3,
-                    _ => 1e-5,
-                } * scale;
-                ensure!(
-                    worst <= tol,
-                    "{t_} kv {kv} g {g} d {d} t {t} {dt:?}: max |Δ| {worst} against eager (scale {scale})"
-                );
-            }
-        }
+    use keydiff::kernel_check::{decode_cases, decode_parity};
+    for (i, c) in decode_cases(dev).into_iter().enumerate() {
+        let r = decode_parity(dev, c, 70 + i as u64)?;
+        ensure!(
+            r.pass,
+            "{} cache, q {} (kv {} g {} d {} keys {}): ran {}, max |Δ| {} against eager \
+             (tolerance {})",
+            r.kv_type,
+            r.dtype,
+            r.kv_heads,
+            r.group,
+            r.head_dim,
+            r.keys,
+            r.ran,
+            r.max_abs,
+            r.tolerance
+        );
     }
     Ok(())
 }
@@ -1210,4 +1169,36 @@ test_device!(
     decode_attention_over_quantized_caches_matches_eager,
     decode_attention_over_quantized_caches_matches_eager_cpu,
     decode_attention_over_quantized_caches_matches_eager_cuda
+);
+
+/// The cache codecs on the device against the CPU's (`kernel_check::codec_parity`, as
+/// `keydiff check-kernels` runs it): the same bytes from a strided view, the same values back,
+/// and the same values read for attention in the activations' dtype (`KvType::decode_as`,
+/// which `LayerCache::keys_as` takes: on CUDA `keydiff_kvq_dequantize_<dtype>` writes it
+/// directly), for every block type and fp8 from f32, f16 and bf16.
+fn cache_codecs_match_the_cpu(dev: &Device) -> Result<()> {
+    use keydiff::kernel_check::{codec_cases, codec_parity};
+    for (i, c) in codec_cases().into_iter().enumerate() {
+        let r = codec_parity(dev, c, 90 + i as u64)?;
+        ensure!(
+            r.pass,
+            "{} from {} (kv {} n {} d {}): {} of {} bytes differ, decoded values {} apart, {} \
+             read in the dtype differ",
+            r.kv_type,
+            r.dtype,
+            r.kv_heads,
+            r.n,
+            r.head_dim,
+            r.bytes_differing,
+            r.bytes,
+            r.decoded_max_abs,
+            r.decoded_as_differing
+        );
+    }
+    Ok(())
+}
+test_device!(
+    cache_codecs_match_the_cpu,
+    cache_codecs_match_the_cpu_cpu,
+    cache_codecs_match_the_cpu_cuda
 );

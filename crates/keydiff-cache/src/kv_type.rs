@@ -164,7 +164,10 @@ impl KvType {
     pub fn encode(&self, x: &Tensor) -> Result<Tensor> {
         match self {
             KvType::Float(DType::F8E4M3) if x.device().is_cuda() => {
-                Ok(x.apply_op1_no_bwd(&Fp8Rows { encode: true })?)
+                Ok(x.apply_op1_no_bwd(&Fp8Rows {
+                    encode: true,
+                    out: DType::F8E4M3,
+                })?)
             }
             KvType::Float(dt) => Ok(x.to_dtype(*dt)?),
             t => quantize_blocks(x, *t),
@@ -177,10 +180,29 @@ impl KvType {
     pub fn decode(&self, x: &Tensor, head_dim: usize) -> Result<Tensor> {
         match self {
             KvType::Float(DType::F8E4M3) if x.device().is_cuda() => {
-                Ok(x.apply_op1_no_bwd(&Fp8Rows { encode: false })?)
+                Ok(x.apply_op1_no_bwd(&Fp8Rows {
+                    encode: false,
+                    out: DType::F32,
+                })?)
             }
             KvType::Float(_) => Ok(x.clone()),
             t => dequantize_blocks(x, *t, head_dim),
+        }
+    }
+
+    /// [`KvType::decode`] into `dtype` (f32, f16 or bf16): the values `decode(..).to_dtype(dtype)`
+    /// gives. On CUDA the kernels write block and fp8 rows in `dtype` directly (one pass, no
+    /// f32 copy of the view); float caches are cast as `to_dtype` casts them.
+    pub fn decode_as(&self, x: &Tensor, head_dim: usize, dtype: DType) -> Result<Tensor> {
+        let cuda = x.device().is_cuda();
+        match self {
+            KvType::Float(DType::F8E4M3) if cuda => Ok(x.apply_op1_no_bwd(&Fp8Rows {
+                encode: false,
+                out: dtype,
+            })?),
+            KvType::Float(_) => Ok(x.to_dtype(dtype)?),
+            t if cuda => dequantize_blocks_as(x, *t, head_dim, dtype),
+            t => Ok(dequantize_blocks(x, *t, head_dim)?.to_dtype(dtype)?),
         }
     }
 }
@@ -399,6 +421,12 @@ pub fn quantize_blocks(x: &Tensor, t: KvType) -> Result<Tensor> {
 /// Rows of `t`'s blocks, u8 `[.., head_dim / 32 · bytes]` (rows contiguous; any outer
 /// strides, such as a view of a cache's used slots), into f32 `[.., head_dim]`.
 pub fn dequantize_blocks(q: &Tensor, t: KvType, head_dim: usize) -> Result<Tensor> {
+    dequantize_blocks_as(q, t, head_dim, DType::F32)
+}
+
+/// [`dequantize_blocks`] into `dtype` (f32, f16 or bf16): on CUDA the kernel writes it directly;
+/// on the CPU the f32 values are cast (the same values).
+fn dequantize_blocks_as(q: &Tensor, t: KvType, head_dim: usize, dtype: DType) -> Result<Tensor> {
     let row = q.dims().last().copied().unwrap_or(0);
     if q.dtype() != DType::U8 || t.block_bytes().is_none() || t.head_dim_of(row) != Some(head_dim) {
         return Err(CacheError::Shape(format!(
@@ -411,9 +439,21 @@ pub fn dequantize_blocks(q: &Tensor, t: KvType, head_dim: usize) -> Result<Tenso
         // No rows (an empty cache): no launch, on any device.
         let mut shape = q.dims().to_vec();
         *shape.last_mut().unwrap() = head_dim;
-        return Ok(Tensor::zeros(shape, DType::F32, q.device())?);
+        return Ok(Tensor::zeros(shape, dtype, q.device())?);
     }
-    Ok(q.apply_op1_no_bwd(&BlockDequantize { t, head_dim })?)
+    if q.device().is_cuda() {
+        return Ok(q.apply_op1_no_bwd(&BlockDequantize {
+            t,
+            head_dim,
+            out: dtype,
+        })?);
+    }
+    let y = q.apply_op1_no_bwd(&BlockDequantize {
+        t,
+        head_dim,
+        out: DType::F32,
+    })?;
+    Ok(y.to_dtype(dtype)?)
 }
 
 /// Walks the rows of `layout` (last dimension contiguous): calls `f` with each row's start
@@ -522,8 +562,10 @@ pub fn contiguous_rows(t: &Tensor, head_dim: usize) -> Result<Tensor> {
 /// `to_dtype` there. On the CPU the op is the twin of the kernels: `F8E4M3::from_f32` (round to
 /// nearest even, saturating at ±448) and `to_f32`, which `to_dtype` also does.
 struct Fp8Rows {
-    /// Values into fp8 codes; else fp8 codes into f32.
+    /// Values into fp8 codes; else fp8 codes into `out`.
     encode: bool,
+    /// What decoding writes: f32, f16 or bf16 (on the CPU, f32 alone).
+    out: DType,
 }
 
 impl CustomOp1 for Fp8Rows {
@@ -556,7 +598,9 @@ impl CustomOp1 for Fp8Rows {
             (true, CpuStorage::BF16(xs)) => {
                 CpuStorage::F8E4M3(rows!(xs, |v: half::bf16| F8E4M3::from_f32(v.to_f32())))
             }
-            (false, CpuStorage::F8E4M3(xs)) => CpuStorage::F32(rows!(xs, |v: F8E4M3| v.to_f32())),
+            (false, CpuStorage::F8E4M3(xs)) if self.out == DType::F32 => {
+                CpuStorage::F32(rows!(xs, |v: F8E4M3| v.to_f32()))
+            }
             _ => candle_core::bail!("{}: unsupported rows {:?}", self.name(), s.dtype()),
         };
         Ok((out, l.shape().clone()))
@@ -581,7 +625,7 @@ impl CustomOp1 for Fp8Rows {
         if self.encode {
             keydiff_kernels::kvq_quantize(s, l, KVQ_FP8, bytes)
         } else {
-            keydiff_kernels::kvq_dequantize(s, l, d, KVQ_FP8, bytes)
+            keydiff_kernels::kvq_dequantize(s, l, d, KVQ_FP8, bytes, self.out)
         }
     }
 }
@@ -589,6 +633,8 @@ impl CustomOp1 for Fp8Rows {
 struct BlockDequantize {
     t: KvType,
     head_dim: usize,
+    /// f32, f16 or bf16 on CUDA; f32 on the CPU.
+    out: DType,
 }
 
 impl CustomOp1 for BlockDequantize {
@@ -600,6 +646,13 @@ impl CustomOp1 for BlockDequantize {
         let CpuStorage::U8(qs) = s else {
             candle_core::bail!("{}-dequantize: u8 blocks, not {:?}", self.t, s.dtype());
         };
+        if self.out != DType::F32 {
+            candle_core::bail!(
+                "{}-dequantize on the CPU writes f32, not {:?}",
+                self.t,
+                self.out
+            );
+        }
         let dims = l.dims();
         let (d, rb) = (self.head_dim, dims[dims.len() - 1]);
         let (t, bb) = (self.t, self.t.block_bytes().unwrap_or(0));
@@ -629,7 +682,7 @@ impl CustomOp1 for BlockDequantize {
             candle_core::bail!("{} is not a block type", self.t);
         };
         match l.dims().len() {
-            3 => keydiff_kernels::kvq_dequantize(s, l, self.head_dim, code, bytes),
+            3 => keydiff_kernels::kvq_dequantize(s, l, self.head_dim, code, bytes, self.out),
             _ => candle_core::bail!(
                 "{}-dequantize on CUDA takes [kv, n, rb], not {:?}",
                 self.t,
@@ -858,7 +911,12 @@ mod tests {
                 .unwrap()
                 .transpose(0, 1)
                 .unwrap();
-            let ours = view.apply_op1_no_bwd(&Fp8Rows { encode: true }).unwrap();
+            let ours = view
+                .apply_op1_no_bwd(&Fp8Rows {
+                    encode: true,
+                    out: DType::F8E4M3,
+                })
+                .unwrap();
             let bits = |t: &Tensor| -> Vec<u8> {
                 let t = t
                     .flatten_all()
@@ -872,7 +930,10 @@ mod tests {
             let back = want
                 .narrow(1, 0, 5)
                 .unwrap()
-                .apply_op1_no_bwd(&Fp8Rows { encode: false })
+                .apply_op1_no_bwd(&Fp8Rows {
+                    encode: false,
+                    out: DType::F32,
+                })
                 .unwrap();
             let want_back = want.narrow(1, 0, 5).unwrap().to_dtype(DType::F32).unwrap();
             assert_eq!(

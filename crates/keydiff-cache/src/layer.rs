@@ -352,6 +352,19 @@ impl LayerCache {
         self.kv.v.decode(&self.stored_values()?, self.head_dim)
     }
 
+    /// [`LayerCache::keys`] for attention in `dtype`: a block type's keys (and, on CUDA, an
+    /// fp8 cache's) dequantized into `dtype`, the values `keys()?.to_dtype(dtype)` gives (on
+    /// CUDA written so by the kernel, with no f32 copy of the view); a float cache's view as
+    /// [`LayerCache::keys`] gives it, for the caller to widen or cast.
+    pub fn keys_as(&self, dtype: DType) -> Result<Tensor> {
+        rows_as(self.kv.k, &self.stored_keys()?, self.head_dim, dtype)
+    }
+
+    /// Values of the used slots, as [`LayerCache::keys_as`].
+    pub fn values_as(&self, dtype: DType) -> Result<Tensor> {
+        rows_as(self.kv.v, &self.stored_values()?, self.head_dim, dtype)
+    }
+
     /// Keys of the used slots as stored, `[kv_heads, len, row]` (a view; for a block type, the
     /// u8 blocks).
     pub fn stored_keys(&self) -> Result<Tensor> {
@@ -727,6 +740,17 @@ fn append_cuda(
     _pos0: usize,
 ) -> Result<bool> {
     Ok(false)
+}
+
+/// Rows of a cache buffer view `x` of type `t` read for attention in `dtype`
+/// ([`LayerCache::keys_as`]).
+fn rows_as(t: KvType, x: &Tensor, head_dim: usize, dtype: DType) -> Result<Tensor> {
+    let fp8_on_cuda = t == KvType::Float(DType::F8E4M3) && x.device().is_cuda();
+    if t.block_bytes().is_some() || fp8_on_cuda {
+        t.decode_as(x, head_dim, dtype)
+    } else {
+        t.decode(x, head_dim)
+    }
 }
 
 #[cfg(test)]

@@ -962,6 +962,33 @@ fn quantized_cache_kernels_match_the_cpu_twin_exactly() {
                         "{t} {dtype:?} kv {kv} n {n} d {d}: values differ"
                     );
                 }
+                // Written in f16 and bf16: the f32 values rounded once, as a cast rounds them.
+                for (code, round) in [
+                    (
+                        1,
+                        (|x: f32| half::f16::from_f32(x).to_f32()) as fn(f32) -> f32,
+                    ),
+                    (2, |x: f32| half::bf16::from_f32(x).to_f32()),
+                ] {
+                    let got = emu::kvq_dequantize_in(
+                        &bytes,
+                        kind,
+                        kv,
+                        n,
+                        d,
+                        (rows + 3) * rb,
+                        rb,
+                        code,
+                        SEEDS[0],
+                    )
+                    .unwrap();
+                    assert!(
+                        got.iter()
+                            .zip(&want)
+                            .all(|(a, b)| a.to_bits() == round(*b).to_bits()),
+                        "{t} {dtype:?} kv {kv} n {n} d {d}: values written in dtype {code} differ"
+                    );
+                }
             }
         }
     }
@@ -971,6 +998,7 @@ fn quantized_cache_kernels_match_the_cpu_twin_exactly() {
     assert!(emu::kvq_quantize(emu::Keys::F32(&x[..48]), 0, 1, 1, 48, 48, 48, 0).is_err());
     assert!(emu::kvq_quantize(emu::Keys::F32(&x), 6, 1, 1, 64, 64, 64, 0).is_err());
     assert!(emu::kvq_dequantize(&[0u8; 68], -1, 1, 1, 64, 68, 68, 0).is_err());
+    assert!(emu::kvq_dequantize_in(&[0u8; 68], 0, 1, 1, 64, 68, 68, 3, 0).is_err());
 }
 
 /// The fp8 kind of the same kernels (an fp8 cache on CUDA, where candle's F8E4M3 casts cannot
@@ -1059,6 +1087,17 @@ fn fp8_kernels_match_candle_exactly() {
             let again =
                 emu::kvq_quantize(emu::Keys::F32(&got), 5, 2, 4, 32, 128, 32, seed).unwrap();
             assert_eq!(again, all, "fp8 -> f32 -> fp8");
+        }
+        // Written in f16 and bf16 (an fp8 cache read for attention in the activations' dtype):
+        // every code is exact in both.
+        for code in [1, 2] {
+            let half = emu::kvq_dequantize_in(&all, 5, 2, n, 32, 128, 32, code, seed).unwrap();
+            for (y, x) in half.iter().zip(&got) {
+                assert!(
+                    y.to_bits() == x.to_bits() || (y.is_nan() && x.is_nan()),
+                    "dtype {code}: {y} vs {x}"
+                );
+            }
         }
     }
 }

@@ -936,14 +936,14 @@ fn check_kernels(
     }
     // The cache codecs (block types and fp8): the device's bytes and values against the CPU's.
     eprintln!(
-        "{:6} {:5} {:>3} {:>7} {:>4} {:>14} {:>11} {:>5}",
-        "cache", "dtype", "kv", "n", "d", "bytes differ", "decode err", "pass"
+        "{:6} {:5} {:>3} {:>7} {:>4} {:>14} {:>11} {:>10} {:>5}",
+        "cache", "dtype", "kv", "n", "d", "bytes differ", "decode err", "as dtype", "pass"
     );
     for (i, c) in keydiff::kernel_check::codec_cases().into_iter().enumerate() {
         let r = keydiff::kernel_check::codec_parity(&dev, c, seed + 1000 + i as u64)
             .with_context(|| format!("codec case {} {:?}", c.0, c.1))?;
         eprintln!(
-            "{:6} {:5} {:>3} {:>7} {:>4} {:>14} {:>11.1e} {:>5}",
+            "{:6} {:5} {:>3} {:>7} {:>4} {:>14} {:>11.1e} {:>10} {:>5}",
             r.kv_type,
             r.dtype,
             r.kv_heads,
@@ -951,6 +951,7 @@ fn check_kernels(
             r.head_dim,
             format!("{}/{}", r.bytes_differing, r.bytes),
             r.decoded_max_abs,
+            r.decoded_as_differing,
             if r.pass { "ok" } else { "FAIL" },
         );
         if !r.pass {
@@ -958,6 +959,43 @@ fn check_kernels(
         }
         let mut v = serde_json::to_value(&r)?;
         v["kind"] = "codec".into();
+        println!("{v}");
+    }
+    // A decode step's attention over quantized caches, read in place by the decode kernel,
+    // against the eager path over the dequantized cache.
+    eprintln!(
+        "decode over quantized caches: {:6} {:5} {:>3} {:>2} {:>4} {:>5} {:>9} {:>9} {:>5}",
+        "cache", "q", "kv", "g", "d", "keys", "max |Δ|", "tol", "pass"
+    );
+    for (i, c) in keydiff::kernel_check::decode_cases(&dev)
+        .into_iter()
+        .enumerate()
+    {
+        let r = keydiff::kernel_check::decode_parity(&dev, c, seed + 2000 + i as u64)
+            .with_context(|| format!("decode case {} {:?} {:?}", c.0, c.1, c.2))?;
+        eprintln!(
+            "                              {:6} {:5} {:>3} {:>2} {:>4} {:>5} {:>9.2e} {:>9.2e} {:>5}",
+            r.kv_type,
+            r.dtype,
+            r.kv_heads,
+            r.group,
+            r.head_dim,
+            r.keys,
+            r.max_abs,
+            r.tolerance,
+            if r.pass {
+                "ok"
+            } else if r.ran {
+                "FAIL"
+            } else {
+                "NOT RUN"
+            },
+        );
+        if !r.pass {
+            failed.push(format!("decode {} {} d {}", r.kv_type, r.dtype, r.head_dim));
+        }
+        let mut v = serde_json::to_value(&r)?;
+        v["kind"] = "decode".into();
         println!("{v}");
     }
     if !time_n.is_empty() {

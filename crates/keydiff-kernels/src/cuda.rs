@@ -660,13 +660,15 @@ enum Out {
 
 /// Values of rows `q` of quantized-cache type `kind` (u8 `[kv, n, d / 32 · bytes]`, or F8E4M3
 /// `[kv, n, d]` for [`KVQ_FP8`]; any head and row stride, rows contiguous: a view of a cache
-/// buffer): f32 `[kv, n, d]`, contiguous (`keydiff_kvq_dequantize`).
+/// buffer): `[kv, n, d]` contiguous in `out`, f32 (`keydiff_kvq_dequantize`) or f16/bf16,
+/// rounded once from the f32 values as a cast rounds them (`keydiff_kvq_dequantize_<dtype>`).
 pub fn kvq_dequantize(
     q: &CudaStorage,
     layout: &Layout,
     d: usize,
     kind: i32,
     bytes: usize,
+    out: DType,
 ) -> Result<(CudaStorage, Shape)> {
     let (kv, n, rb) = layout.shape().dims3()?;
     let st = layout.stride();
@@ -677,35 +679,54 @@ pub fn kvq_dequantize(
         );
     }
     check_kvq(kv, n, d, kind, bytes)?;
+    let storage = if kind == KVQ_FP8 {
+        DType::F8E4M3
+    } else {
+        DType::U8
+    };
+    if q.dtype() != storage {
+        bail!(
+            "kv-block-dequantize: kind {kind} is read from {storage:?} rows, not {:?}",
+            q.dtype()
+        );
+    }
     let dev = q.device().clone();
-    // SAFETY: every value is written by the kernel (one thread each).
-    let mut out = unsafe { dev.alloc::<f32>(kv * n * d)? };
     let (hs, rs) = (st[0] as i64, st[1] as i64);
     let (n32, d32) = (n as i32, d as i32);
-    let f = dev.get_or_load_custom_func("keydiff_kvq_dequantize", MODULE, PTX)?;
     let o = layout.start_offset();
-    let mut b = f.builder();
-    let (u8s, fp8s);
-    if kind == KVQ_FP8 {
-        fp8s = q.as_cuda_slice::<float8::F8E4M3>()?.slice(o..);
-        b.arg(&fp8s);
-    } else {
-        u8s = q.as_cuda_slice::<u8>()?.slice(o..);
-        b.arg(&u8s);
+    macro_rules! launch {
+        ($t:ty, $name:literal) => {{
+            // SAFETY: every value is written by the kernel (one thread each).
+            let mut y = unsafe { dev.alloc::<$t>(kv * n * d)? };
+            let f = dev.get_or_load_custom_func($name, MODULE, PTX)?;
+            let (u8s, fp8s);
+            let mut b = f.builder();
+            if kind == KVQ_FP8 {
+                fp8s = q.as_cuda_slice::<float8::F8E4M3>()?.slice(o..);
+                b.arg(&fp8s);
+            } else {
+                u8s = q.as_cuda_slice::<u8>()?.slice(o..);
+                b.arg(&u8s);
+            }
+            b.arg(&hs);
+            b.arg(&rs);
+            b.arg(&n32);
+            b.arg(&d32);
+            b.arg(&kind);
+            b.arg(&mut y);
+            // SAFETY: argument list matches the kernel; reads stay in the [kv, n, rb] view at
+            // these strides, writes in the kv · n · d values allocated here.
+            unsafe { b.launch(launch_cfg(kvq_launch(kv, n * d))) }.w()?;
+            CudaStorage::wrap_cuda_slice(y, dev.clone())
+        }};
     }
-    b.arg(&hs);
-    b.arg(&rs);
-    b.arg(&n32);
-    b.arg(&d32);
-    b.arg(&kind);
-    b.arg(&mut out);
-    // SAFETY: argument list matches the kernel; reads stay in the [kv, n, rb] view at these
-    // strides, writes in the kv · n · d values allocated here.
-    unsafe { b.launch(launch_cfg(kvq_launch(kv, n * d))) }.w()?;
-    Ok((
-        CudaStorage::wrap_cuda_slice(out, dev),
-        Shape::from((kv, n, d)),
-    ))
+    let y = match out {
+        DType::F32 => launch!(f32, "keydiff_kvq_dequantize"),
+        DType::F16 => launch!(f16, "keydiff_kvq_dequantize_f16"),
+        DType::BF16 => launch!(bf16, "keydiff_kvq_dequantize_bf16"),
+        dt => bail!("kv-block-dequantize: no kernel writes {dt:?} (f32, f16, bf16)"),
+    };
+    Ok((y, Shape::from((kv, n, d))))
 }
 
 /// One decode step's attention (`keydiff_decode_<dtype>_<NE>`, then for more than one split

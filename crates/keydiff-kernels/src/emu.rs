@@ -293,7 +293,8 @@ extern "C" {
         n: c_int,
         d: c_int,
         kind: c_int,
-        out: *mut f32,
+        out_dtype: c_int,
+        out: *mut u8,
         grid_x: c_uint,
         grid_y: c_uint,
         block: c_uint,
@@ -542,8 +543,30 @@ pub fn kvq_dequantize(
     row_stride: usize,
     seed: u64,
 ) -> Result<Vec<f32>> {
+    kvq_dequantize_in(q, kind, kv, n, d, head_stride, row_stride, 0, seed)
+}
+
+/// [`kvq_dequantize`] into `out_dtype` (0 f32, 1 f16, 2 bf16: `keydiff_kvq_dequantize`,
+/// `keydiff_kvq_dequantize_f16`, `keydiff_kvq_dequantize_bf16`), widened back to f32 (exactly).
+#[allow(clippy::too_many_arguments)]
+pub fn kvq_dequantize_in(
+    q: &[u8],
+    kind: i32,
+    kv: usize,
+    n: usize,
+    d: usize,
+    head_stride: usize,
+    row_stride: usize,
+    out_dtype: i32,
+    seed: u64,
+) -> Result<Vec<f32>> {
     let bytes = kvq_bytes(kind)?;
     check_kvq(kv, n, d, kind, bytes)?;
+    let elem = match out_dtype {
+        0 => 4,
+        1 | 2 => 2,
+        _ => bail!("kv-block-dequantize: no output dtype {out_dtype} (0 f32, 1 f16, 2 bf16)"),
+    };
     let rb = d / 32 * bytes;
     let extent = check_extent(
         "kv-block-dequantize",
@@ -558,9 +581,16 @@ pub fn kvq_dequantize(
     let l = kvq_launch(kv, n * d);
     let side = Side::for_seed(seed);
     let q = Fenced::copy_of("kv-block-dequantize q", &q[..extent], side, 2)?;
-    let mut out = Fenced::filled("kv-block-dequantize out", kv * n * d, f32::NAN, side, 4)?;
+    // Bytes of all ones: NaN in every dtype, so a value never written shows.
+    let mut out = Fenced::filled(
+        "kv-block-dequantize out",
+        kv * n * d * elem,
+        0xFFu8,
+        side,
+        4,
+    )?;
     q.view(kv, head_stride, n, row_stride, rb, HeadAxis::Y)?;
-    out.view(kv, n * d, n, d, d, HeadAxis::Y)?;
+    out.view(kv, n * d * elem, n, d * elem, d * elem, HeadAxis::Y)?;
     call("kv-block-dequantize", |err, err_len| {
         // SAFETY: the kernel reads q inside the extent checked above and writes the kv · n · d
         // values of `out`.
@@ -572,6 +602,7 @@ pub fn kvq_dequantize(
                 n as c_int,
                 d as c_int,
                 kind as c_int,
+                out_dtype as c_int,
                 out.as_mut_ptr(),
                 l.grid.0,
                 l.grid.1,
@@ -583,7 +614,7 @@ pub fn kvq_dequantize(
         }
     })?;
     q.finish()?;
-    out.finish()
+    Ok(widen(out_dtype as c_int, &out.finish()?))
 }
 
 /// `keydiff_decode_<dtype>_<NE>` and, for more than one split, `keydiff_decode_combine_<dtype>`

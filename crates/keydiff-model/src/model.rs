@@ -243,10 +243,12 @@ impl Attention {
         let fp8 = KvType::Float(DType::F8E4M3);
         let cuda_fp8 = (kvt.k == fp8 && kvt.v == fp8 && q.device().is_cuda()).then_some(fp8);
         let in_place = blocks.or(cuda_fp8);
+        // Otherwise a quantized cache is read in the activations' dtype (on CUDA the kernel
+        // writes it so, with no f32 copy of the view between).
         let (keys, values) = if in_place.is_some() && one_row && (eager || rows.is_none()) {
             (layer.stored_keys()?, layer.stored_values()?)
         } else {
-            (layer.keys()?, layer.values()?)
+            (layer.keys_as(q.dtype())?, layer.values_as(q.dtype())?)
         };
         // A cache held in another dtype than the activations (`Model::set_kv_dtype`) is read
         // in place by the decode kernel; the general path gets a converted copy of the view.
@@ -301,7 +303,7 @@ impl Attention {
         // Rows as stored that no decode kernel took: read as values.
         let (keys, values) = match decoded {
             None if in_place.is_some_and(|t| keys.dtype() == t.storage_dtype()) => {
-                (layer.keys()?, layer.values()?)
+                (layer.keys_as(q.dtype())?, layer.values_as(q.dtype())?)
             }
             _ => (keys, values),
         };

@@ -385,6 +385,10 @@ pub struct CodecParity {
     pub bytes: usize,
     /// Largest |device − CPU| of the decoded values of the same bytes (0 expected).
     pub decoded_max_abs: f32,
+    /// Values of the same bytes read for attention in the case's dtype
+    /// (`KvType::decode_as`: on CUDA the kernel writes that dtype) that differ from the CPU's
+    /// decoding cast to it, bit for bit (0 expected).
+    pub decoded_as_differing: usize,
     pub pass: bool,
 }
 
@@ -458,6 +462,15 @@ pub fn codec_parity(
             err = err.max((p - q).abs());
         }
     }
+    // Read in the case's dtype, as attention in that dtype reads the cache.
+    let as_dev = flat(&t.decode_as(&dev.narrow(1, 0, used)?, d, dtype)?)?;
+    let as_cpu = flat(&on_cpu.to_dtype(dtype)?)?;
+    let as_differing = as_dev
+        .iter()
+        .zip(&as_cpu)
+        .filter(|(p, q)| p.to_bits() != q.to_bits() && !(p.is_nan() && q.is_nan()))
+        .count()
+        + as_dev.len().abs_diff(as_cpu.len());
     Ok(CodecParity {
         kv_type: t.to_string(),
         dtype: dtype.as_str().to_string(),
@@ -467,7 +480,127 @@ pub fn codec_parity(
         bytes_differing: differing,
         bytes: b.len(),
         decoded_max_abs: err,
-        pass: differing == 0 && err == 0.0,
+        decoded_as_differing: as_differing,
+        pass: differing == 0 && err == 0.0 && as_differing == 0,
+    })
+}
+
+/// One case of a decode step's attention over a quantized cache by the device's decode kernel
+/// (on CUDA `keydiff_decode_kvq_*`, reading the blocks or fp8 rows in place; on the CPU its
+/// twin) against the eager path in f32 over the cache as the device's codec dequantizes it.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct DecodeParity {
+    pub kv_type: String,
+    /// The queries' dtype, and the output's.
+    pub dtype: String,
+    pub kv_heads: usize,
+    pub group: usize,
+    pub head_dim: usize,
+    pub keys: usize,
+    /// Whether the kernel took the inputs (it must).
+    pub ran: bool,
+    pub max_abs: f32,
+    /// The output's rounding in its dtype, plus f32 sums, scaled by its largest value.
+    pub tolerance: f32,
+    pub pass: bool,
+}
+
+/// The decode cases: every block type and fp8; queries in f32, f16 and bf16 on CUDA (the CPU
+/// kernel takes f32); (kv, g, d, keys, rows held, first row): views past the buffer's start,
+/// one split of the keys and several, head dims 64/128/256.
+pub fn decode_cases(device: &Device) -> Vec<(KvType, DType, [usize; 6])> {
+    let dtypes: &[DType] = if device.is_cuda() {
+        &[DType::F32, DType::F16, DType::BF16]
+    } else {
+        &[DType::F32]
+    };
+    let mut out = Vec::new();
+    for t in KvType::BLOCKS
+        .into_iter()
+        .chain([KvType::Float(DType::F8E4M3)])
+    {
+        for &dt in dtypes {
+            for shape in [
+                [2, 3, 128, 300, 320, 7],
+                [8, 4, 128, 3000, 3000, 0],
+                [1, 8, 64, 700, 720, 5],
+                [1, 7, 256, 500, 520, 3],
+            ] {
+                out.push((t, dt, shape));
+            }
+        }
+    }
+    out
+}
+
+/// Runs one of [`decode_cases`] on `device`.
+pub fn decode_parity(
+    device: &Device,
+    (t, dtype, [kv, g, d, keys, cap, at]): (KvType, DType, [usize; 6]),
+    seed: u64,
+) -> Result<DecodeParity> {
+    use keydiff_model::attention::{
+        attention_output, attention_probs, decode_attention_cpu, decode_attention_cpu_blocks,
+        decode_attention_cuda_kvq,
+    };
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut normal = |n: usize, scale: f32| -> Result<Tensor> {
+        let v: Vec<f32> = (0..n)
+            .map(|_| scale * rng.sample::<f32, _>(rand_distr::StandardNormal))
+            .collect();
+        Ok(Tensor::from_vec(v, n, &Device::Cpu)?.to_device(device)?)
+    };
+    let kb = t.encode(&normal(kv * cap * d, 2.0)?.reshape((kv, cap, d))?)?;
+    let vb = t.encode(&normal(kv * cap * d, 1.0)?.reshape((kv, cap, d))?)?;
+    let q = normal(kv * g * d, 1.0)?
+        .reshape((kv, g, d))?
+        .to_dtype(dtype)?;
+    let (k, v) = (kb.narrow(1, at, keys)?, vb.narrow(1, at, keys)?);
+    let y = if device.is_cuda() {
+        decode_attention_cuda_kvq(&q, &k, &v, t)?
+    } else {
+        match t {
+            KvType::Float(_) => decode_attention_cpu(&q, &k, &v, false)?,
+            _ => decode_attention_cpu_blocks(&q, &k, &v, t, false)?,
+        }
+        .map(|(y, _)| y)
+    };
+    // The reference: the cache as the device's codec reads it back, q as the kernel read it.
+    let kf = t.decode(&k, d)?.to_dtype(DType::F32)?;
+    let vf = t.decode(&v, d)?.to_dtype(DType::F32)?;
+    let want = attention_output(
+        &attention_probs(&q.to_dtype(DType::F32)?, &kf, None, g)?,
+        &vf,
+    )?;
+    let scale = want.abs()?.max_all()?.to_scalar::<f32>()?.max(1e-3);
+    let tolerance = scale
+        * match dtype {
+            DType::F16 => 1e-3,
+            DType::BF16 => 8e-3,
+            _ => 1e-5,
+        };
+    let (ran, max_abs) = match y {
+        Some(y) => (
+            true,
+            (y.to_dtype(DType::F32)? - &want)?
+                .abs()?
+                .max_all()?
+                .to_scalar::<f32>()?,
+        ),
+        None => (false, f32::INFINITY),
+    };
+    Ok(DecodeParity {
+        kv_type: t.to_string(),
+        dtype: dtype.as_str().to_string(),
+        kv_heads: kv,
+        group: g,
+        head_dim: d,
+        keys,
+        ran,
+        max_abs,
+        tolerance,
+        // A NaN fails (not <=).
+        pass: ran && max_abs <= tolerance,
     })
 }
 
