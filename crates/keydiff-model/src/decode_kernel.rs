@@ -77,28 +77,14 @@ pub fn decode_attention_cpu_blocks(
 /// launches and a row of probabilities per head). It gives no probabilities: policies that
 /// need a decode step's statistics take the eager path.
 pub fn decode_attention_cuda(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Option<Tensor>> {
-    use keydiff_kernels::geometry::{DECODE_MAX_GROUP, MAX_HEAD_DIM};
     if !q.device().is_cuda() || !cuda_decode_kernel_on() {
         return Ok(None);
     }
-    let (kv_heads, g, d) = q.dims3()?;
-    let (kh, t, kd) = k.dims3()?;
-    let rows_contiguous = |x: &Tensor| x.stride().last() == Some(&1);
-    let float = matches!(q.dtype(), DType::F32 | DType::F16 | DType::BF16);
-    if !float
-        || k.dtype() != q.dtype()
-        || v.dtype() != q.dtype()
-        || (kh, kd) != (kv_heads, d)
-        || v.dims() != k.dims()
-        || g > DECODE_MAX_GROUP
-        || d > MAX_HEAD_DIM
-        || t == 0
-        || !rows_contiguous(k)
-        || !rows_contiguous(v)
-    {
+    let d = q.dim(2)?;
+    if k.dtype() != q.dtype() || v.dtype() != q.dtype() || !decode_fits(q, k, v, d)? {
         return Ok(None);
     }
-    cuda_decode(&q.contiguous()?, k, v)
+    cuda_decode(&q.contiguous()?, k, v, None)
 }
 
 /// [`decode_attention_cuda`] over a quantized or fp8 cache (`keydiff_decode_kvq_*`): `k` and
@@ -117,7 +103,7 @@ pub fn decode_attention_cuda_kvq(
     v: &Tensor,
     kv_type: KvType,
 ) -> Result<Option<Tensor>> {
-    use keydiff_kernels::geometry::{DECODE_MAX_GROUP, KVQ_BYTES, KVQ_FP8, MAX_HEAD_DIM};
+    use keydiff_kernels::geometry::{KVQ_BYTES, KVQ_FP8};
     if !q.device().is_cuda() || !cuda_decode_kernel_on() {
         return Ok(None);
     }
@@ -129,25 +115,34 @@ pub fn decode_attention_cuda_kvq(
         },
     };
     let bytes = KVQ_BYTES[kind as usize];
-    let (kv_heads, g, d) = q.dims3()?;
-    let (kh, t, row) = k.dims3()?;
-    let rows_contiguous = |x: &Tensor| x.stride().last() == Some(&1);
-    let float = matches!(q.dtype(), DType::F32 | DType::F16 | DType::BF16);
-    if !float
-        || k.dtype() != kv_type.storage_dtype()
+    let d = q.dim(2)?;
+    if k.dtype() != kv_type.storage_dtype()
         || v.dtype() != k.dtype()
         || !d.is_multiple_of(32)
-        || (kh, row) != (kv_heads, d / 32 * bytes)
-        || v.dims() != k.dims()
-        || g > DECODE_MAX_GROUP
-        || d > MAX_HEAD_DIM
-        || t == 0
-        || !rows_contiguous(k)
-        || !rows_contiguous(v)
+        || !decode_fits(q, k, v, d / 32 * bytes)?
     {
         return Ok(None);
     }
-    cuda_decode_kvq(&q.contiguous()?, k, v, kind, bytes)
+    cuda_decode(&q.contiguous()?, k, v, Some((kind, bytes)))
+}
+
+/// Whether the CUDA decode kernels take these shapes: `q` `[kv_heads, g, d]` in f32, f16 or
+/// bf16, `k` and `v` of one shape `[kv_heads, T ≥ 1, row]` with rows contiguous, a group of at
+/// most [`keydiff_kernels::geometry::DECODE_MAX_GROUP`] and a head dim of at most
+/// [`keydiff_kernels::geometry::MAX_HEAD_DIM`] (their dtypes are the caller's to check).
+fn decode_fits(q: &Tensor, k: &Tensor, v: &Tensor, row: usize) -> Result<bool> {
+    use keydiff_kernels::geometry::{DECODE_MAX_GROUP, MAX_HEAD_DIM};
+    let (kv_heads, g, d) = q.dims3()?;
+    let (kh, t, kr) = k.dims3()?;
+    let rows_contiguous = |x: &Tensor| x.stride().last() == Some(&1);
+    Ok(matches!(q.dtype(), DType::F32 | DType::F16 | DType::BF16)
+        && (kh, kr) == (kv_heads, row)
+        && v.dims() == k.dims()
+        && g <= DECODE_MAX_GROUP
+        && d <= MAX_HEAD_DIM
+        && t > 0
+        && rows_contiguous(k)
+        && rows_contiguous(v))
 }
 
 /// Whether the CUDA decode kernel runs (`KEYDIFF_CUDA_DECODE_KERNEL=0` turns it off, to time
@@ -163,44 +158,25 @@ fn switched_on(cell: &OnceLock<bool>, var: &str) -> bool {
     *cell.get_or_init(|| std::env::var(var).map_or(true, |v| v != "0"))
 }
 
+/// The decode kernel on CUDA: over float rows (`blocks` `None`) or blocks of (kind, bytes).
 #[cfg(feature = "cuda")]
-fn cuda_decode(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Option<Tensor>> {
-    let scale = 1.0 / (q.dim(2)? as f32).sqrt();
-    let op = CudaDecode {
-        scale,
-        blocks: None,
-    };
-    Ok(Some(q.apply_op3_no_bwd(k, v, &op)?))
-}
-
-#[cfg(not(feature = "cuda"))]
-fn cuda_decode(_q: &Tensor, _k: &Tensor, _v: &Tensor) -> Result<Option<Tensor>> {
-    Ok(None)
-}
-
-#[cfg(feature = "cuda")]
-fn cuda_decode_kvq(
+fn cuda_decode(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
-    kind: i32,
-    bytes: usize,
+    blocks: Option<(i32, usize)>,
 ) -> Result<Option<Tensor>> {
     let scale = 1.0 / (q.dim(2)? as f32).sqrt();
-    let op = CudaDecode {
-        scale,
-        blocks: Some((kind, bytes)),
-    };
+    let op = CudaDecode { scale, blocks };
     Ok(Some(q.apply_op3_no_bwd(k, v, &op)?))
 }
 
 #[cfg(not(feature = "cuda"))]
-fn cuda_decode_kvq(
+fn cuda_decode(
     _q: &Tensor,
     _k: &Tensor,
     _v: &Tensor,
-    _kind: i32,
-    _bytes: usize,
+    _blocks: Option<(i32, usize)>,
 ) -> Result<Option<Tensor>> {
     Ok(None)
 }

@@ -149,6 +149,21 @@ fn run(c: &Case, dt: Dt, seed: u64) -> (Vec<f32>, Vec<f32>, [Vec<f32>; 3]) {
     (out, want, [q, k, v])
 }
 
+/// The reference's largest magnitude (at least 1e-3), and the largest |out − want| (infinite
+/// where a difference is NaN).
+fn scale_and_worst(out: &[f32], want: &[f32]) -> (f32, f32) {
+    let scale = want.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-3);
+    let worst = out
+        .iter()
+        .zip(want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(
+            0f32,
+            |m, x| if x.is_nan() { f32::INFINITY } else { m.max(x) },
+        );
+    (scale, worst)
+}
+
 /// The output's rounding: what `dt` loses on values up to `scale`, plus f32 sums, whose error in
 /// a weight e^score grows with the scores (with the keys' spread).
 fn tolerance(dt: Dt, scale: f32, key_scale: f32) -> f32 {
@@ -198,15 +213,7 @@ fn decode_kernel_matches_eager_attention() {
         for dt in [Dt::F32, Dt::F16, Dt::BF16] {
             for seed in [11 + i as u64, 40 + i as u64] {
                 let (out, want, _) = run(c, dt, seed);
-                let scale = want.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-3);
-                let worst = out
-                    .iter()
-                    .zip(&want)
-                    .map(|(a, b)| (a - b).abs())
-                    .fold(
-                        0f32,
-                        |m, x| if x.is_nan() { f32::INFINITY } else { m.max(x) },
-                    );
+                let (scale, worst) = scale_and_worst(&out, &want);
                 let splits = decode_split(c.kv, c.t).0;
                 assert!(
                     worst <= tolerance(dt, scale, c.key_scale),
@@ -468,15 +475,7 @@ fn decode_kernel_over_quantized_caches_matches_eager_attention() {
             for &dt in dts {
                 let seed = 60 + i as u64;
                 let (out, want, _) = run_kvq(c, t, dt, seed);
-                let scale = want.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-3);
-                let worst = out
-                    .iter()
-                    .zip(&want)
-                    .map(|(a, b)| (a - b).abs())
-                    .fold(
-                        0f32,
-                        |m, x| if x.is_nan() { f32::INFINITY } else { m.max(x) },
-                    );
+                let (scale, worst) = scale_and_worst(&out, &want);
                 assert!(
                     worst <= tolerance(dt, scale, c.key_scale),
                     "{t} kv {} g {} d {} t {} ({} splits) {dt:?}: max |Δ| {worst} against \
