@@ -1,0 +1,231 @@
+// Stand-ins for cuBLAS, cuRAND and NVRTC beside the mock driver (mockcuda.c): the calls candle's
+// CUDA backend makes, checked as the real libraries check them, doing no arithmetic. A matmul
+// must have non-negative sizes, leading dimensions the library accepts, and every operand
+// inside a live device allocation; a random fill must stay inside its buffer. build.sh
+// compiles this file once per library (-DMOCK_CUBLAS, -DMOCK_CURAND, -DMOCK_NVRTC) and adds a
+// refusing stub for every other symbol the real library exports.
+#include <stddef.h>
+#include <stdint.h>
+
+#include "mockcommon.h"
+
+// In the mock driver (libcuda.so.1): is [p, p + bytes) inside one live allocation?
+int mock_device_range(uintptr_t p, size_t bytes);
+
+static int dummy_handle;
+
+#ifdef MOCK_CUBLAS
+enum { OK = 0, INVALID_VALUE = 7 };
+
+// cudaDataType_t: bytes of one element (0: a type the stand-in does not know).
+static size_t elem_bytes(int t) {
+  switch (t) {
+    case 0: return 4;   // CUDA_R_32F
+    case 1: return 8;   // CUDA_R_64F
+    case 2: return 2;   // CUDA_R_16F
+    case 3: return 1;   // CUDA_R_8I
+    case 10: return 4;  // CUDA_R_32I
+    case 14: return 2;  // CUDA_R_16BF
+    case 28: return 1;  // CUDA_R_8F_E4M3
+    case 29: return 1;  // CUDA_R_8F_E5M2
+    default: return 0;
+  }
+}
+
+// An operand of `rows` × `cols` (column-major, leading dimension ld), `batch` of them `stride`
+// elements apart: its last element must be in the same live allocation as its first.
+static int operand(const char* fn, const char* name, const void* p, long long rows, long long cols,
+                   long long ld, long long stride, long long batch, size_t es) {
+  if (rows == 0 || cols == 0 || batch == 0) return OK;
+  if (!p) return mock_error(INVALID_VALUE, "%s: %s is null", fn, name);
+  long long last = (cols - 1) * ld + rows - 1 + (batch - 1) * stride;
+  if (stride < 0 || last < 0)
+    return mock_error(INVALID_VALUE, "%s: %s has a negative stride %lld", fn, name, stride);
+  if (!mock_device_range((uintptr_t)p, (size_t)(last + 1) * es))
+    return mock_error(INVALID_VALUE,
+                      "%s: %s (%lld × %lld, ld %lld, %lld × stride %lld, %zu-byte elements) leaves its "
+                      "device allocation",
+                      fn, name, rows, cols, ld, batch, stride, es);
+  return OK;
+}
+
+// cuBLAS's checks of a gemm (column-major C = op(A) op(B)), then the operands' extents.
+static int gemm(const char* fn, int ta, int tb, long long m, long long n, long long k, const void* a,
+                size_t ea, long long lda, long long sa, const void* b, size_t eb, long long ldb,
+                long long sb, void* c, size_t ec, long long ldc, long long sc, long long batch) {
+  if (m < 0 || n < 0 || k < 0 || batch < 0)
+    return mock_error(INVALID_VALUE, "%s: negative size m %lld n %lld k %lld batch %lld", fn, m, n, k,
+                      batch);
+  if (ta < 0 || ta > 2 || tb < 0 || tb > 2)
+    return mock_error(INVALID_VALUE, "%s: unknown operation %d / %d", fn, ta, tb);
+  if (!ea || !eb || !ec) return mock_error(INVALID_VALUE, "%s: a data type the mock does not know", fn);
+  long long ar = ta == 0 ? m : k, ac = ta == 0 ? k : m;
+  long long br = tb == 0 ? k : n, bc = tb == 0 ? n : k;
+  if (lda < (ar > 1 ? ar : 1) || ldb < (br > 1 ? br : 1) || ldc < (m > 1 ? m : 1))
+    return mock_error(INVALID_VALUE,
+                      "%s: leading dimensions lda %lld ldb %lld ldc %lld too small for m %lld n %lld "
+                      "k %lld (ops %d, %d)",
+                      fn, lda, ldb, ldc, m, n, k, ta, tb);
+  int r;
+  if ((r = operand(fn, "A", a, ar, k == 0 ? 0 : ac, lda, sa, batch, ea))) return r;
+  if ((r = operand(fn, "B", b, k == 0 ? 0 : br, bc, ldb, sb, batch, eb))) return r;
+  return operand(fn, "C", c, m, n, ldc, sc, batch, ec);
+}
+
+int cublasCreate_v2(void** h) {
+  *h = &dummy_handle;
+  return OK;
+}
+int cublasDestroy_v2(void* h) {
+  (void)h;
+  return OK;
+}
+int cublasSetStream_v2(void* h, void* s) {
+  (void)h;
+  (void)s;
+  return OK;
+}
+int cublasGetStream_v2(void* h, void** s) {
+  (void)h;
+  *s = NULL;
+  return OK;
+}
+int cublasSetPointerMode_v2(void* h, int m) {
+  (void)h;
+  (void)m;
+  return OK;
+}
+int cublasGetPointerMode_v2(void* h, int* m) {
+  (void)h;
+  *m = 0;
+  return OK;
+}
+int cublasSetMathMode(void* h, int m) {
+  (void)h;
+  (void)m;
+  return OK;
+}
+int cublasGetMathMode(void* h, int* m) {
+  (void)h;
+  *m = 0;
+  return OK;
+}
+int cublasSetWorkspace_v2(void* h, void* w, size_t bytes) {
+  (void)h;
+  if (bytes && !mock_device_range((uintptr_t)w, bytes))
+    return mock_error(INVALID_VALUE, "cublasSetWorkspace: %zu bytes outside device memory", bytes);
+  return OK;
+}
+
+int cublasSgemm_v2(void* h, int ta, int tb, int m, int n, int k, const float* al, const float* a, int lda,
+                   const float* b, int ldb, const float* be, float* c, int ldc) {
+  (void)h;
+  (void)al;
+  (void)be;
+  return gemm("cublasSgemm", ta, tb, m, n, k, a, 4, lda, 0, b, 4, ldb, 0, c, 4, ldc, 0, 1);
+}
+int cublasDgemm_v2(void* h, int ta, int tb, int m, int n, int k, const double* al, const double* a,
+                   int lda, const double* b, int ldb, const double* be, double* c, int ldc) {
+  (void)h;
+  (void)al;
+  (void)be;
+  return gemm("cublasDgemm", ta, tb, m, n, k, a, 8, lda, 0, b, 8, ldb, 0, c, 8, ldc, 0, 1);
+}
+int cublasSgemmStridedBatched(void* h, int ta, int tb, int m, int n, int k, const float* al, const float* a,
+                              int lda, long long sa, const float* b, int ldb, long long sb, const float* be,
+                              float* c, int ldc, long long sc, int batch) {
+  (void)h;
+  (void)al;
+  (void)be;
+  return gemm("cublasSgemmStridedBatched", ta, tb, m, n, k, a, 4, lda, sa, b, 4, ldb, sb, c, 4, ldc, sc,
+              batch);
+}
+int cublasDgemmStridedBatched(void* h, int ta, int tb, int m, int n, int k, const double* al,
+                              const double* a, int lda, long long sa, const double* b, int ldb, long long sb,
+                              const double* be, double* c, int ldc, long long sc, int batch) {
+  (void)h;
+  (void)al;
+  (void)be;
+  return gemm("cublasDgemmStridedBatched", ta, tb, m, n, k, a, 8, lda, sa, b, 8, ldb, sb, c, 8, ldc, sc,
+              batch);
+}
+int cublasGemmEx(void* h, int ta, int tb, int m, int n, int k, const void* al, const void* a, int at, int lda,
+                 const void* b, int bt, int ldb, const void* be, void* c, int ct, int ldc, int compute,
+                 int algo) {
+  (void)h;
+  (void)al;
+  (void)be;
+  (void)compute;
+  (void)algo;
+  return gemm("cublasGemmEx", ta, tb, m, n, k, a, elem_bytes(at), lda, 0, b, elem_bytes(bt), ldb, 0, c,
+              elem_bytes(ct), ldc, 0, 1);
+}
+int cublasGemmStridedBatchedEx(void* h, int ta, int tb, int m, int n, int k, const void* al, const void* a,
+                               int at, int lda, long long sa, const void* b, int bt, int ldb, long long sb,
+                               const void* be, void* c, int ct, int ldc, long long sc, int batch, int compute,
+                               int algo) {
+  (void)h;
+  (void)al;
+  (void)be;
+  (void)compute;
+  (void)algo;
+  return gemm("cublasGemmStridedBatchedEx", ta, tb, m, n, k, a, elem_bytes(at), lda, sa, b, elem_bytes(bt),
+              ldb, sb, c, elem_bytes(ct), ldc, sc, batch);
+}
+#endif
+
+#ifdef MOCK_CURAND
+enum { OK = 0, LENGTH_NOT_MULTIPLE = 105, LAUNCH_FAILURE = 201 };
+
+int curandCreateGenerator(void** g, int type) {
+  (void)type;
+  *g = &dummy_handle;
+  return OK;
+}
+int curandDestroyGenerator(void* g) {
+  (void)g;
+  return OK;
+}
+int curandSetStream(void* g, void* s) {
+  (void)g;
+  (void)s;
+  return OK;
+}
+int curandSetPseudoRandomGeneratorSeed(void* g, unsigned long long seed) {
+  (void)g;
+  (void)seed;
+  return OK;
+}
+int curandSetGeneratorOffset(void* g, unsigned long long off) {
+  (void)g;
+  (void)off;
+  return OK;
+}
+static int fill(const char* fn, void* p, size_t n, size_t es, int pairs) {
+  // cuRAND's normal generators take an even count.
+  if (pairs && n % 2) return mock_error(LENGTH_NOT_MULTIPLE, "%s: an odd count %zu", fn, n);
+  if (n && !mock_device_range((uintptr_t)p, n * es))
+    return mock_error(LAUNCH_FAILURE, "%s: %zu values leave their device allocation", fn, n);
+  return OK;
+}
+int curandGenerateUniform(void* g, float* p, size_t n) {
+  (void)g;
+  return fill("curandGenerateUniform", p, n, 4, 0);
+}
+int curandGenerateUniformDouble(void* g, double* p, size_t n) {
+  (void)g;
+  return fill("curandGenerateUniformDouble", p, n, 8, 0);
+}
+int curandGenerateNormal(void* g, float* p, size_t n, float mean, float sd) {
+  (void)g;
+  (void)mean;
+  (void)sd;
+  return fill("curandGenerateNormal", p, n, 4, 1);
+}
+int curandGenerateNormalDouble(void* g, double* p, size_t n, double mean, double sd) {
+  (void)g;
+  (void)mean;
+  (void)sd;
+  return fill("curandGenerateNormalDouble", p, n, 8, 1);
+}
+#endif

@@ -1,0 +1,605 @@
+// A stand-in CUDA driver (libcuda.so.1) for running a CUDA build of keydiff on a machine without
+// a GPU: every host-side path of the engine's CUDA code (candle's CUDA backend, cudarc, our
+// wrappers in keydiff-kernels, the model's and cache's CUDA branches) runs, and the driver calls
+// it makes are checked the way the real driver would refuse them. Kernels do not run: a launch
+// is checked and counted, then does nothing. Device memory is host memory, zeroed at
+// allocation, so every kernel's output reads as zeros.
+//
+// What it finds (each is printed to stderr as "mockcuda: ERROR ..." and the call fails with
+// the real driver's error code):
+//   - a kernel name its module does not have (CUDA_ERROR_NOT_FOUND, as candle 0.11.1's fp8
+//     casts asked for on the first GPU run);
+//   - a launch with a zero or oversized grid or block, more threads than the kernel's
+//     __launch_bounds__ (.maxntid in its PTX), or more dynamic shared memory than allowed;
+//   - a copy or memset that leaves the allocation it starts in, or reads freed memory;
+//   - a driver call this stand-in does not implement (so that nothing silently succeeds).
+// At exit, with MOCKCUDA_LOG=path, it appends each launched kernel with its count and each
+// error to that file.
+//
+// Built by scripts/cuda/mock/build.sh together with libcublas/libcublasLt/libcurand/libnvrtc
+// stand-ins (mockblas.c), and used by scripts/cuda-mock-check.sh.
+#define __CUDA_API_VERSION_INTERNAL 1
+#include <cuda.h>
+
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "mockcommon.h"
+
+// ---------------------------------------------------------------------------------------
+// Device memory: host memory with a registry of live ranges (sorted by start).
+
+typedef struct {
+  uintptr_t start;
+  size_t size;
+} Range;
+
+static pthread_mutex_t mem_lock = PTHREAD_MUTEX_INITIALIZER;
+static Range* live = NULL;
+static size_t live_n = 0, live_cap = 0;
+static size_t used = 0, used_high = 0, release_threshold = 0;
+
+static size_t total_mem(void) {
+  const char* g = getenv("MOCKCUDA_MEM_GIB");
+  double gib = g ? atof(g) : 80.0;
+  return (size_t)(gib * 1024.0 * 1024.0 * 1024.0);
+}
+
+// Index of the first range starting after p.
+static size_t upper(uintptr_t p) {
+  size_t lo = 0, hi = live_n;
+  while (lo < hi) {
+    size_t mid = (lo + hi) / 2;
+    if (live[mid].start <= p) lo = mid + 1; else hi = mid;
+  }
+  return lo;
+}
+
+static CUresult mem_alloc(CUdeviceptr* out, size_t bytes, const char* what) {
+  if (!out) return mock_error(CUDA_ERROR_INVALID_VALUE, "%s: null result pointer", what);
+  if (bytes == 0) return mock_error(CUDA_ERROR_INVALID_VALUE, "%s of 0 bytes", what);
+  pthread_mutex_lock(&mem_lock);
+  if (used + bytes > total_mem()) {
+    pthread_mutex_unlock(&mem_lock);
+    // Not a defect of the caller: the real driver answers the same (the memory plan checks it).
+    return CUDA_ERROR_OUT_OF_MEMORY;
+  }
+  // 256-byte aligned, as cudaMalloc's; calloc-like (large sizes are mapped lazily).
+  size_t padded = (bytes + 255) & ~(size_t)255;
+  void* p = aligned_alloc(256, padded);
+  if (!p) {
+    pthread_mutex_unlock(&mem_lock);
+    return CUDA_ERROR_OUT_OF_MEMORY;
+  }
+  memset(p, 0, padded);
+  if (live_n == live_cap) {
+    live_cap = live_cap ? live_cap * 2 : 1024;
+    live = realloc(live, live_cap * sizeof(Range));
+  }
+  size_t at = upper((uintptr_t)p);
+  memmove(&live[at + 1], &live[at], (live_n - at) * sizeof(Range));
+  live[at] = (Range){(uintptr_t)p, bytes};
+  live_n++;
+  used += bytes;
+  if (used > used_high) used_high = used;
+  pthread_mutex_unlock(&mem_lock);
+  *out = (CUdeviceptr)(uintptr_t)p;
+  return CUDA_SUCCESS;
+}
+
+static CUresult mem_free(CUdeviceptr d, const char* what) {
+  if (d == 0) return CUDA_SUCCESS;
+  pthread_mutex_lock(&mem_lock);
+  size_t at = upper((uintptr_t)d);
+  if (at == 0 || live[at - 1].start != (uintptr_t)d) {
+    pthread_mutex_unlock(&mem_lock);
+    return mock_error(CUDA_ERROR_INVALID_VALUE, "%s of %#llx: not the start of a live allocation",
+                      what, (unsigned long long)d);
+  }
+  used -= live[at - 1].size;
+  memmove(&live[at - 1], &live[at], (live_n - at) * sizeof(Range));
+  live_n--;
+  pthread_mutex_unlock(&mem_lock);
+  free((void*)(uintptr_t)d);
+  return CUDA_SUCCESS;
+}
+
+int mock_device_range(uintptr_t p, size_t bytes) {
+  if (bytes == 0) return 1;
+  pthread_mutex_lock(&mem_lock);
+  size_t at = upper(p);
+  int ok = at > 0 && p + bytes <= live[at - 1].start + live[at - 1].size;
+  pthread_mutex_unlock(&mem_lock);
+  return ok;
+}
+
+static CUresult check_range(CUdeviceptr d, size_t bytes, const char* what) {
+  if (!mock_device_range((uintptr_t)d, bytes))
+    return mock_error(CUDA_ERROR_INVALID_VALUE,
+                      "%s: %zu bytes at %#llx leave every live allocation", what, bytes,
+                      (unsigned long long)d);
+  return CUDA_SUCCESS;
+}
+
+// ---------------------------------------------------------------------------------------
+// Modules: the entries of the PTX text loaded, with their .maxntid.
+
+typedef struct Func {
+  char name[256];
+  unsigned maxntid;  // threads a block at most (0: no bound given)
+  int max_dynamic_shared;
+  unsigned long long launches;
+  struct Func* next;
+} Func;
+
+typedef struct Module {
+  Func* funcs;
+  struct Module* next;
+} Module;
+
+static pthread_mutex_t mod_lock = PTHREAD_MUTEX_INITIALIZER;
+static Module* modules = NULL;  // every module loaded, for the exit report
+
+static unsigned parse_maxntid(const char* after, const char* body) {
+  const char* m = strstr(after, ".maxntid");
+  if (!m || (body && m > body)) m = strstr(after, ".reqntid");
+  if (!m || (body && m > body)) return 0;
+  unsigned x = 1, y = 1, z = 1;
+  const char* p = m + 8;
+  int got = sscanf(p, " %u , %u , %u", &x, &y, &z);
+  if (got < 1) return 0;
+  return x * (got > 1 ? y : 1) * (got > 2 ? z : 1);
+}
+
+static Module* load_ptx(const char* ptx) {
+  Module* m = calloc(1, sizeof(Module));
+  const char* p = ptx;
+  while ((p = strstr(p, ".entry ")) != NULL) {
+    p += 7;
+    while (*p == ' ' || *p == '\t') p++;
+    const char* e = p;
+    while (*e && *e != '(' && *e != ' ' && *e != '\n' && *e != '\t') e++;
+    Func* f = calloc(1, sizeof(Func));
+    size_t len = (size_t)(e - p) < sizeof(f->name) - 1 ? (size_t)(e - p) : sizeof(f->name) - 1;
+    memcpy(f->name, p, len);
+    // The directives sit between the parameter list and the body's '{'.
+    const char* close = strchr(e, ')');
+    const char* body = close ? strchr(close, '{') : NULL;
+    f->maxntid = close ? parse_maxntid(close, body) : 0;
+    f->next = m->funcs;
+    m->funcs = f;
+    p = e;
+  }
+  return m;
+}
+
+// ---------------------------------------------------------------------------------------
+// Driver API.
+
+static int dummy_ctx, dummy_stream, dummy_event, dummy_pool;
+
+CUresult cuInit(unsigned int flags) {
+  (void)flags;
+  return CUDA_SUCCESS;
+}
+CUresult cuDriverGetVersion(int* v) {
+  *v = 13000;
+  return CUDA_SUCCESS;
+}
+CUresult cuDeviceGetCount(int* n) {
+  *n = 1;
+  return CUDA_SUCCESS;
+}
+CUresult cuDeviceGet(CUdevice* d, int ordinal) {
+  if (ordinal != 0) return CUDA_ERROR_INVALID_DEVICE;
+  *d = 0;
+  return CUDA_SUCCESS;
+}
+CUresult cuDeviceGetName(char* name, int len, CUdevice d) {
+  (void)d;
+  snprintf(name, (size_t)len, "keydiff mock GPU (no kernels run)");
+  return CUDA_SUCCESS;
+}
+CUresult cuDeviceTotalMem_v2(size_t* bytes, CUdevice d) {
+  (void)d;
+  *bytes = total_mem();
+  return CUDA_SUCCESS;
+}
+CUresult cuDeviceGetUuid(CUuuid* u, CUdevice d) {
+  (void)d;
+  memset(u, 0x4b, sizeof(*u));
+  return CUDA_SUCCESS;
+}
+CUresult cuDeviceGetUuid_v2(CUuuid* u, CUdevice d) { return cuDeviceGetUuid(u, d); }
+CUresult cuDeviceGetAttribute(int* v, CUdevice_attribute a, CUdevice d) {
+  (void)d;
+  switch (a) {
+    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: *v = 9; break;
+    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: *v = 0; break;
+    case CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: *v = 132; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK: *v = 1024; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_X: *v = 1024; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Y: *v = 1024; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Z: *v = 64; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_X: *v = 2147483647; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Y: *v = 65535; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Z: *v = 65535; break;
+    case CU_DEVICE_ATTRIBUTE_WARP_SIZE: *v = 32; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK: *v = 49152; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN: *v = 232448; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR: *v = 233472; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_BLOCK: *v = 65536; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR: *v = 2048; break;
+    case CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE: *v = 50331648; break;
+    case CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED: *v = 1; break;
+    case CU_DEVICE_ATTRIBUTE_CLOCK_RATE: *v = 1980000; break;
+    case CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE: *v = 2619000; break;
+    case CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH: *v = 5120; break;
+    case CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING: *v = 1; break;
+    case CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS: *v = 0; break;
+    default: *v = 0; break;
+  }
+  return CUDA_SUCCESS;
+}
+CUresult cuDevicePrimaryCtxRetain(CUcontext* c, CUdevice d) {
+  (void)d;
+  *c = (CUcontext)&dummy_ctx;
+  return CUDA_SUCCESS;
+}
+CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d) {
+  (void)d;
+  return CUDA_SUCCESS;
+}
+CUresult cuCtxSetCurrent(CUcontext c) {
+  (void)c;
+  return CUDA_SUCCESS;
+}
+CUresult cuCtxGetCurrent(CUcontext* c) {
+  *c = (CUcontext)&dummy_ctx;
+  return CUDA_SUCCESS;
+}
+CUresult cuCtxGetDevice(CUdevice* d) {
+  *d = 0;
+  return CUDA_SUCCESS;
+}
+CUresult cuCtxPushCurrent_v2(CUcontext c) {
+  (void)c;
+  return CUDA_SUCCESS;
+}
+CUresult cuCtxPopCurrent_v2(CUcontext* c) {
+  if (c) *c = (CUcontext)&dummy_ctx;
+  return CUDA_SUCCESS;
+}
+CUresult cuCtxSynchronize(void) { return CUDA_SUCCESS; }
+CUresult cuCtxSetLimit(CUlimit l, size_t v) {
+  (void)l;
+  (void)v;
+  return CUDA_SUCCESS;
+}
+CUresult cuCtxGetLimit(size_t* v, CUlimit l) {
+  (void)l;
+  *v = 0;
+  return CUDA_SUCCESS;
+}
+CUresult cuCtxGetStreamPriorityRange(int* least, int* greatest) {
+  if (least) *least = 0;
+  if (greatest) *greatest = -5;
+  return CUDA_SUCCESS;
+}
+
+CUresult cuStreamCreate(CUstream* s, unsigned int flags) {
+  (void)flags;
+  *s = (CUstream)&dummy_stream;
+  return CUDA_SUCCESS;
+}
+CUresult cuStreamCreateWithPriority(CUstream* s, unsigned int flags, int prio) {
+  (void)prio;
+  return cuStreamCreate(s, flags);
+}
+CUresult cuStreamDestroy_v2(CUstream s) {
+  (void)s;
+  return CUDA_SUCCESS;
+}
+CUresult cuStreamSynchronize(CUstream s) {
+  (void)s;
+  return CUDA_SUCCESS;
+}
+CUresult cuStreamQuery(CUstream s) {
+  (void)s;
+  return CUDA_SUCCESS;
+}
+CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned int f) {
+  (void)s;
+  (void)e;
+  (void)f;
+  return CUDA_SUCCESS;
+}
+CUresult cuStreamIsCapturing(CUstream s, CUstreamCaptureStatus* st) {
+  (void)s;
+  *st = CU_STREAM_CAPTURE_STATUS_NONE;
+  return CUDA_SUCCESS;
+}
+
+CUresult cuEventCreate(CUevent* e, unsigned int flags) {
+  (void)flags;
+  *e = (CUevent)&dummy_event;
+  return CUDA_SUCCESS;
+}
+CUresult cuEventDestroy_v2(CUevent e) {
+  (void)e;
+  return CUDA_SUCCESS;
+}
+CUresult cuEventRecord(CUevent e, CUstream s) {
+  (void)e;
+  (void)s;
+  return CUDA_SUCCESS;
+}
+CUresult cuEventRecordWithFlags(CUevent e, CUstream s, unsigned int f) {
+  (void)f;
+  return cuEventRecord(e, s);
+}
+CUresult cuEventSynchronize(CUevent e) {
+  (void)e;
+  return CUDA_SUCCESS;
+}
+CUresult cuEventQuery(CUevent e) {
+  (void)e;
+  return CUDA_SUCCESS;
+}
+// Timings are not measured: every interval reads as 1 µs.
+CUresult cuEventElapsedTime(float* ms, CUevent a, CUevent b) {
+  (void)a;
+  (void)b;
+  *ms = 0.001f;
+  return CUDA_SUCCESS;
+}
+CUresult cuEventElapsedTime_v2(float* ms, CUevent a, CUevent b) { return cuEventElapsedTime(ms, a, b); }
+
+CUresult cuMemAlloc_v2(CUdeviceptr* d, size_t bytes) { return mem_alloc(d, bytes, "cuMemAlloc"); }
+CUresult cuMemAllocAsync(CUdeviceptr* d, size_t bytes, CUstream s) {
+  (void)s;
+  return mem_alloc(d, bytes, "cuMemAllocAsync");
+}
+CUresult cuMemAllocFromPoolAsync(CUdeviceptr* d, size_t bytes, CUmemoryPool p, CUstream s) {
+  (void)p;
+  (void)s;
+  return mem_alloc(d, bytes, "cuMemAllocFromPoolAsync");
+}
+CUresult cuMemFree_v2(CUdeviceptr d) { return mem_free(d, "cuMemFree"); }
+CUresult cuMemFreeAsync(CUdeviceptr d, CUstream s) {
+  (void)s;
+  return mem_free(d, "cuMemFreeAsync");
+}
+CUresult cuMemGetInfo_v2(size_t* free_b, size_t* total_b) {
+  pthread_mutex_lock(&mem_lock);
+  size_t t = total_mem();
+  if (free_b) *free_b = t - used;
+  if (total_b) *total_b = t;
+  pthread_mutex_unlock(&mem_lock);
+  return CUDA_SUCCESS;
+}
+CUresult cuMemHostAlloc(void** p, size_t bytes, unsigned int flags) {
+  (void)flags;
+  *p = calloc(1, bytes ? bytes : 1);
+  return *p ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+}
+CUresult cuMemAllocHost_v2(void** p, size_t bytes) { return cuMemHostAlloc(p, bytes, 0); }
+CUresult cuMemFreeHost(void* p) {
+  free(p);
+  return CUDA_SUCCESS;
+}
+
+CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void* src, size_t n) {
+  CUresult r = check_range(dst, n, "copy host to device");
+  if (r == CUDA_SUCCESS && n) memcpy((void*)(uintptr_t)dst, src, n);
+  return r;
+}
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t n, CUstream s) {
+  (void)s;
+  return cuMemcpyHtoD_v2(dst, src, n);
+}
+CUresult cuMemcpyDtoH_v2(void* dst, CUdeviceptr src, size_t n) {
+  CUresult r = check_range(src, n, "copy device to host");
+  if (r == CUDA_SUCCESS && n) memcpy(dst, (const void*)(uintptr_t)src, n);
+  return r;
+}
+CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t n, CUstream s) {
+  (void)s;
+  return cuMemcpyDtoH_v2(dst, src, n);
+}
+CUresult cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t n) {
+  CUresult r = check_range(src, n, "copy device to device (source)");
+  if (r == CUDA_SUCCESS) r = check_range(dst, n, "copy device to device (destination)");
+  if (r == CUDA_SUCCESS && n) memmove((void*)(uintptr_t)dst, (const void*)(uintptr_t)src, n);
+  return r;
+}
+CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) {
+  (void)s;
+  return cuMemcpyDtoD_v2(dst, src, n);
+}
+CUresult cuMemcpy(CUdeviceptr dst, CUdeviceptr src, size_t n) { return cuMemcpyDtoD_v2(dst, src, n); }
+CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) {
+  (void)s;
+  return cuMemcpyDtoD_v2(dst, src, n);
+}
+CUresult cuMemsetD8_v2(CUdeviceptr d, unsigned char v, size_t n) {
+  CUresult r = check_range(d, n, "memset (8 bits)");
+  if (r == CUDA_SUCCESS && n) memset((void*)(uintptr_t)d, v, n);
+  return r;
+}
+CUresult cuMemsetD8Async(CUdeviceptr d, unsigned char v, size_t n, CUstream s) {
+  (void)s;
+  return cuMemsetD8_v2(d, v, n);
+}
+CUresult cuMemsetD32_v2(CUdeviceptr d, unsigned int v, size_t n) {
+  CUresult r = check_range(d, n * 4, "memset (32 bits)");
+  if (r == CUDA_SUCCESS)
+    for (size_t i = 0; i < n; i++) ((unsigned int*)(uintptr_t)d)[i] = v;
+  return r;
+}
+CUresult cuMemsetD32Async(CUdeviceptr d, unsigned int v, size_t n, CUstream s) {
+  (void)s;
+  return cuMemsetD32_v2(d, v, n);
+}
+CUresult cuMemsetD16_v2(CUdeviceptr d, unsigned short v, size_t n) {
+  CUresult r = check_range(d, n * 2, "memset (16 bits)");
+  if (r == CUDA_SUCCESS)
+    for (size_t i = 0; i < n; i++) ((unsigned short*)(uintptr_t)d)[i] = v;
+  return r;
+}
+CUresult cuMemsetD16Async(CUdeviceptr d, unsigned short v, size_t n, CUstream s) {
+  (void)s;
+  return cuMemsetD16_v2(d, v, n);
+}
+
+CUresult cuDeviceGetDefaultMemPool(CUmemoryPool* p, CUdevice d) {
+  (void)d;
+  *p = (CUmemoryPool)&dummy_pool;
+  return CUDA_SUCCESS;
+}
+CUresult cuDeviceGetMemPool(CUmemoryPool* p, CUdevice d) { return cuDeviceGetDefaultMemPool(p, d); }
+CUresult cuDeviceSetMemPool(CUdevice d, CUmemoryPool p) {
+  (void)d;
+  (void)p;
+  return CUDA_SUCCESS;
+}
+CUresult cuMemPoolTrimTo(CUmemoryPool p, size_t keep) {
+  (void)p;
+  (void)keep;
+  return CUDA_SUCCESS;
+}
+// The pool holds exactly what is allocated (no cached blocks): reserved = used.
+CUresult cuMemPoolSetAttribute(CUmemoryPool p, CUmemPool_attribute a, void* v) {
+  (void)p;
+  pthread_mutex_lock(&mem_lock);
+  switch (a) {
+    case CU_MEMPOOL_ATTR_RELEASE_THRESHOLD: release_threshold = *(cuuint64_t*)v; break;
+    case CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH:
+    case CU_MEMPOOL_ATTR_USED_MEM_HIGH: used_high = used; break;  // may only be reset
+    default: break;
+  }
+  pthread_mutex_unlock(&mem_lock);
+  return CUDA_SUCCESS;
+}
+CUresult cuMemPoolGetAttribute(CUmemoryPool p, CUmemPool_attribute a, void* v) {
+  (void)p;
+  pthread_mutex_lock(&mem_lock);
+  switch (a) {
+    case CU_MEMPOOL_ATTR_RELEASE_THRESHOLD: *(cuuint64_t*)v = release_threshold; break;
+    case CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT:
+    case CU_MEMPOOL_ATTR_USED_MEM_CURRENT: *(cuuint64_t*)v = used; break;
+    case CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH:
+    case CU_MEMPOOL_ATTR_USED_MEM_HIGH: *(cuuint64_t*)v = used_high; break;
+    default: *(int*)v = 0; break;
+  }
+  pthread_mutex_unlock(&mem_lock);
+  return CUDA_SUCCESS;
+}
+
+CUresult cuModuleLoadData(CUmodule* m, const void* image) {
+  const char* text = image;
+  if (!text || !strstr(text, ".version") || !strstr(text, ".target"))
+    return mock_error(CUDA_ERROR_INVALID_IMAGE, "cuModuleLoadData: not PTX text");
+  Module* mod = load_ptx(text);
+  pthread_mutex_lock(&mod_lock);
+  mod->next = modules;
+  modules = mod;
+  pthread_mutex_unlock(&mod_lock);
+  *m = (CUmodule)mod;
+  return CUDA_SUCCESS;
+}
+CUresult cuModuleUnload(CUmodule m) {
+  (void)m;  // kept for the exit report
+  return CUDA_SUCCESS;
+}
+CUresult cuModuleGetFunction(CUfunction* out, CUmodule m, const char* name) {
+  for (Func* f = ((Module*)m)->funcs; f; f = f->next) {
+    if (strcmp(f->name, name) == 0) {
+      *out = (CUfunction)f;
+      return CUDA_SUCCESS;
+    }
+  }
+  return mock_error(CUDA_ERROR_NOT_FOUND,
+                    "kernel `%s` is not in the module it is asked of (named symbol not found)", name);
+}
+CUresult cuFuncGetAttribute(int* v, CUfunction_attribute a, CUfunction fn) {
+  Func* f = (Func*)fn;
+  switch (a) {
+    case CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK: *v = f->maxntid ? (int)f->maxntid : 1024; break;
+    case CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES: *v = f->max_dynamic_shared; break;
+    case CU_FUNC_ATTRIBUTE_NUM_REGS: *v = 32; break;
+    default: *v = 0; break;
+  }
+  return CUDA_SUCCESS;
+}
+CUresult cuFuncSetAttribute(CUfunction fn, CUfunction_attribute a, int v) {
+  Func* f = (Func*)fn;
+  if (a == CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES) {
+    if (v < 0 || v > 232448)
+      return mock_error(CUDA_ERROR_INVALID_VALUE, "%s: dynamic shared memory %d past 227 KiB",
+                        f->name, v);
+    f->max_dynamic_shared = v;
+  }
+  return CUDA_SUCCESS;
+}
+CUresult cuFuncSetCacheConfig(CUfunction f, CUfunc_cache c) {
+  (void)f;
+  (void)c;
+  return CUDA_SUCCESS;
+}
+
+CUresult cuLaunchKernel(CUfunction fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                        unsigned bz, unsigned shmem, CUstream s, void** params, void** extra) {
+  (void)s;
+  (void)extra;
+  Func* f = (Func*)fn;
+  const char* n = f ? f->name : "(null)";
+  if (!f) return mock_error(CUDA_ERROR_INVALID_HANDLE, "launch of a null function");
+  if (gx == 0 || gy == 0 || gz == 0 || bx == 0 || by == 0 || bz == 0)
+    return mock_error(CUDA_ERROR_INVALID_VALUE, "%s: launch with an empty grid (%u,%u,%u) or block (%u,%u,%u)",
+                      n, gx, gy, gz, bx, by, bz);
+  if (gy > 65535 || gz > 65535 || gx > 2147483647u)
+    return mock_error(CUDA_ERROR_INVALID_VALUE, "%s: grid (%u,%u,%u) past the limits (2^31-1, 65535, 65535)",
+                      n, gx, gy, gz);
+  unsigned long long threads = (unsigned long long)bx * by * bz;
+  if (bx > 1024 || by > 1024 || bz > 64 || threads > 1024)
+    return mock_error(CUDA_ERROR_INVALID_VALUE, "%s: block (%u,%u,%u) past 1024 threads", n, bx, by, bz);
+  if (f->maxntid && threads > f->maxntid)
+    return mock_error(CUDA_ERROR_INVALID_VALUE,
+                      "%s: %llu threads a block, past its __launch_bounds__ of %u (too many resources requested)",
+                      n, threads, f->maxntid);
+  int shared_limit = f->max_dynamic_shared > 49152 ? f->max_dynamic_shared : 49152;
+  if ((int)shmem > shared_limit)
+    return mock_error(CUDA_ERROR_INVALID_VALUE, "%s: %u bytes of dynamic shared memory, past %d", n, shmem,
+                      shared_limit);
+  if (!params && !extra) return mock_error(CUDA_ERROR_INVALID_VALUE, "%s: launch without arguments", n);
+  __atomic_add_fetch(&f->launches, 1, __ATOMIC_RELAXED);
+  return CUDA_SUCCESS;
+}
+
+CUresult cuGetErrorName(CUresult e, const char** s) { return mock_error_name(e, s); }
+CUresult cuGetErrorString(CUresult e, const char** s) { return mock_error_name(e, s); }
+
+CUresult cuPointerGetAttribute(void* data, CUpointer_attribute a, CUdeviceptr p) {
+  if (a == CU_POINTER_ATTRIBUTE_MEMORY_TYPE) {
+    *(unsigned int*)data = mock_device_range((uintptr_t)p, 1) ? CU_MEMORYTYPE_DEVICE : CU_MEMORYTYPE_HOST;
+    return CUDA_SUCCESS;
+  }
+  return mock_unimplemented("cuPointerGetAttribute (this attribute)");
+}
+
+// ---------------------------------------------------------------------------------------
+// The exit report.
+
+__attribute__((destructor)) static void report(void) {
+  FILE* out = mock_log();
+  if (!out) return;
+  for (Module* m = modules; m; m = m->next)
+    for (Func* f = m->funcs; f; f = f->next)
+      if (f->launches) fprintf(out, "launch %s %llu\n", f->name, f->launches);
+  fclose(out);
+}
