@@ -59,4 +59,10 @@ build cublasLt libcublasLt.so.13 libcublasLt.so.13 15 "" ""
 build curand libcurand.so.10 libcurand.so.10 999 mockblas.c MOCK_CURAND
 build nvrtc libnvrtc.so.13 libnvrtc.so.13 11 "" ""
 build cudart libcudart.so.13 libcudart.so.13 801 mockcudart.c ""
+# The checks themselves, against known good and bad calls (their refusals print to stderr).
+gcc "${cflags[@]}" -o "$work/selftest" "$here/selftest.c" -L "$out" -l:libcuda.so.1 -l:libcublas.so.13
+LD_LIBRARY_PATH=$out MOCKCUDA_LOG= "$work/selftest" 2> "$work/selftest.err" >&2 || {
+  cat "$work/selftest.err" >&2
+  exit 1
+}
 echo "$out"
