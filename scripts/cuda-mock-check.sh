@@ -8,14 +8,27 @@
 # (mockcuda: ERROR: a kernel name a module lacks, a launch past a kernel's limits, a copy or a
 # matmul operand outside its allocation), what they do not implement (UNIMPLEMENTED), and the
 # engine's own errors other than parity. Also lists which of our kernels were launched.
-# Usage: scripts/cuda-mock-check.sh [OUT]   (default target/cuda-mock-check)
-#   KEYDIFF_BIN: the CUDA binary (default target/cuda/release/keydiff, scripts/build-cuda.sh)
-#   MOCKCUDA_MEM_GIB: the stand-in device's memory (default 14: this machine's RAM backs it)
-# Exit status: 0 when the mock libraries reported nothing, 1 otherwise.
+# Usage: scripts/cuda-mock-check.sh [OUT]   (default target/cuda-mock-check; scripts/test.sh runs it)
+#   KEYDIFF_BIN: a CUDA binary to check (e.g. scripts/build-cuda.sh's); unset, the CLI is built
+#     with `--features cuda` in $CUDA_CHECK_TARGET_DIR (default target/cuda-check), with the
+#     package set of scripts/check-cuda.sh's clippy, whose build scripts (candle's CUDA kernels)
+#     it then reuses: ~5 min after check-cuda.sh on 2 cores.
+#   PRESET, PROMPT_LEN, BUDGET: gpu-check.sh's TTFT shape (default here smollm2-135m, 512, 256,
+#     gpu-check.sh's dry-run sizes: the whole check then takes ~4 min; set them empty for its own).
+#   MOCKCUDA_MEM_GIB: the stand-in device's memory (default 14: this machine's RAM backs it).
+# Exit status: 0 when the mock libraries refused nothing and met no call they lack, 1 otherwise.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out=$(realpath -m "${1:-target/cuda-mock-check}")
-bin=$(realpath "${KEYDIFF_BIN:-target/cuda/release/keydiff}") || { echo "no CUDA binary: run scripts/build-cuda.sh" >&2; exit 2; }
+if [ -z "${KEYDIFF_BIN:-}" ]; then
+  eval "$(scripts/cuda/toolchain.sh)"
+  target=${CUDA_CHECK_TARGET_DIR:-target/cuda-check}
+  CARGO_TARGET_DIR=$target CUDA_COMPUTE_CAP=90 cargo build --release -p keydiff-cli -p keydiff-tests \
+    -p keydiff-kernels -p keydiff-cache --features cuda || exit 2
+  KEYDIFF_BIN=$target/release/keydiff
+fi
+bin=$(realpath "$KEYDIFF_BIN") || { echo "no CUDA binary at $KEYDIFF_BIN" >&2; exit 2; }
+export PRESET=${PRESET-smollm2-135m} PROMPT_LEN=${PROMPT_LEN-512} BUDGET=${BUDGET-256}
 libs=$(scripts/cuda/mock/build.sh "$out/libs" | tail -1) || exit 2
 rm -rf "$out/gpu-check"; mkdir -p "$out/gpu-check"
 log=$out/mock.log

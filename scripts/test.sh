@@ -11,3 +11,6 @@ cargo build --release --workspace
 cargo test --release --workspace
 # GPU code must compile although no GPU is here: kernels (nvcc) and the cuda feature (clippy).
 scripts/check-cuda.sh
+# And its host side must run: the GPU check with a CUDA build over stand-in CUDA libraries,
+# which refuse what the real ones would (kernels do not run; see the script).
+scripts/cuda-mock-check.sh

@@ -1137,14 +1137,15 @@ test_device!(
     decode_attention_matches_eager_cuda
 );
 
-/// A decode step's attention over a quantized cache by the device's decode kernel, which reads
-/// the blocks (or fp8 rows) in place (on CUDA keydiff's `keydiff_decode_kvq_*`, which must take
-/// them; on the CPU `decode_attention_cpu_blocks`, for fp8 `decode_attention_cpu`), against
-/// the eager path in f32 over the cache as the device's codec dequantizes it
-/// (`kernel_check::decode_parity`, as `keydiff check-kernels` runs it): every block type and
-/// fp8, encoded on the device, views past the buffer's start, one split and several, head
-/// dims 64/128/256; on CUDA with queries in f32, f16 and bf16.
-fn decode_attention_over_quantized_caches_matches_eager(dev: &Device) -> Result<()> {
+/// A decode step's attention by the device's decode kernels (on CUDA keydiff's
+/// `keydiff_decode_<dtype>_<NE>` over a float cache in the queries' dtype, and
+/// `keydiff_decode_kvq_*` reading blocks or fp8 rows in place, which must take them; on the CPU
+/// `decode_attention_cpu` and `decode_attention_cpu_blocks`) against the eager path in f32 on
+/// the CPU over the bytes the kernel read (`kernel_check::decode_parity`, as `keydiff
+/// check-kernels` runs it): float caches, every block type and fp8, encoded on the device,
+/// views past the buffer's start, one split and several, head dims 64/128/256; on CUDA with
+/// queries in f32, f16 and bf16.
+fn decode_kernels_match_eager_on_the_cpu(dev: &Device) -> Result<()> {
     use keydiff::kernel_check::{decode_cases, decode_parity};
     for (i, c) in decode_cases(dev).into_iter().enumerate() {
         let r = decode_parity(dev, c, 70 + i as u64)?;
@@ -1166,9 +1167,9 @@ fn decode_attention_over_quantized_caches_matches_eager(dev: &Device) -> Result<
     Ok(())
 }
 test_device!(
-    decode_attention_over_quantized_caches_matches_eager,
-    decode_attention_over_quantized_caches_matches_eager_cpu,
-    decode_attention_over_quantized_caches_matches_eager_cuda
+    decode_kernels_match_eager_on_the_cpu,
+    decode_kernels_match_eager_on_the_cpu_cpu,
+    decode_kernels_match_eager_on_the_cpu_cuda
 );
 
 /// The cache codecs on the device against the CPU's (`kernel_check::codec_parity`, as

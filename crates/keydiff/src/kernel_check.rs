@@ -485,9 +485,11 @@ pub fn codec_parity(
     })
 }
 
-/// One case of a decode step's attention over a quantized cache by the device's decode kernel
-/// (on CUDA `keydiff_decode_kvq_*`, reading the blocks or fp8 rows in place; on the CPU its
-/// twin) against the eager path in f32 over the cache as the device's codec dequantizes it.
+/// One case of a decode step's attention by the device's decode kernel (on CUDA
+/// `keydiff_decode_<dtype>_<NE>` over a float cache, `keydiff_decode_kvq_*` over blocks or fp8
+/// rows, read in place; on the CPU their twins) against the eager path in f32 on the CPU, over
+/// the bytes the kernel read, copied to the host and decoded by the CPU codec. Nothing of the
+/// reference runs on the device, so a device that computes nothing (or wrongly everywhere) fails.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct DecodeParity {
     pub kv_type: String,
@@ -505,9 +507,11 @@ pub struct DecodeParity {
     pub pass: bool,
 }
 
-/// The decode cases: every block type and fp8; queries in f32, f16 and bf16 on CUDA (the CPU
-/// kernel takes f32); (kv, g, d, keys, rows held, first row): views past the buffer's start,
-/// one split of the keys and several, head dims 64/128/256.
+/// The decode cases: float caches in the queries' dtype (the kernel the engine runs over a
+/// `--kv-dtype` left at the activations' dtype), every block type and fp8; queries in f32, f16
+/// and bf16 on CUDA (the CPU kernel takes f32); (kv, g, d, keys, rows held, first row): views
+/// past the buffer's start, one split of the keys and several, head dims 64/128/256 (each
+/// kernel's values a lane: 2, 4, 8).
 pub fn decode_cases(device: &Device) -> Vec<(KvType, DType, [usize; 6])> {
     let dtypes: &[DType] = if device.is_cuda() {
         &[DType::F32, DType::F16, DType::BF16]
@@ -515,11 +519,16 @@ pub fn decode_cases(device: &Device) -> Vec<(KvType, DType, [usize; 6])> {
         &[DType::F32]
     };
     let mut out = Vec::new();
-    for t in KvType::BLOCKS
+    for t in [KvType::Float(DType::F32)] // stands for the queries' dtype below
         .into_iter()
+        .chain(KvType::BLOCKS)
         .chain([KvType::Float(DType::F8E4M3)])
     {
         for &dt in dtypes {
+            let t = match t {
+                KvType::Float(DType::F32) => KvType::Float(dt),
+                t => t,
+            };
             for shape in [
                 [2, 3, 128, 300, 320, 7],
                 [8, 4, 128, 3000, 3000, 0],
@@ -541,7 +550,7 @@ pub fn decode_parity(
 ) -> Result<DecodeParity> {
     use keydiff_model::attention::{
         attention_output, attention_probs, decode_attention_cpu, decode_attention_cpu_blocks,
-        decode_attention_cuda_kvq,
+        decode_attention_cuda, decode_attention_cuda_kvq,
     };
     let mut rng = StdRng::seed_from_u64(seed);
     let mut normal = |n: usize, scale: f32| -> Result<Tensor> {
@@ -557,7 +566,11 @@ pub fn decode_parity(
         .to_dtype(dtype)?;
     let (k, v) = (kb.narrow(1, at, keys)?, vb.narrow(1, at, keys)?);
     let y = if device.is_cuda() {
-        decode_attention_cuda_kvq(&q, &k, &v, t)?
+        match t {
+            KvType::Float(DType::F8E4M3) => decode_attention_cuda_kvq(&q, &k, &v, t)?,
+            KvType::Float(_) => decode_attention_cuda(&q, &k, &v)?,
+            _ => decode_attention_cuda_kvq(&q, &k, &v, t)?,
+        }
     } else {
         match t {
             KvType::Float(_) => decode_attention_cpu(&q, &k, &v, false)?,
@@ -565,11 +578,13 @@ pub fn decode_parity(
         }
         .map(|(y, _)| y)
     };
-    // The reference: the cache as the device's codec reads it back, q as the kernel read it.
-    let kf = t.decode(&k, d)?.to_dtype(DType::F32)?;
-    let vf = t.decode(&v, d)?.to_dtype(DType::F32)?;
+    // The reference, on the CPU: the bytes the kernel read, decoded by the CPU codec, and q as
+    // the kernel read it.
+    let cpu = |x: &Tensor| x.to_device(&Device::Cpu);
+    let kf = t.decode(&cpu(&k)?, d)?.to_dtype(DType::F32)?;
+    let vf = t.decode(&cpu(&v)?, d)?.to_dtype(DType::F32)?;
     let want = attention_output(
-        &attention_probs(&q.to_dtype(DType::F32)?, &kf, None, g)?,
+        &attention_probs(&cpu(&q)?.to_dtype(DType::F32)?, &kf, None, g)?,
         &vf,
     )?;
     let scale = want.abs()?.max_all()?.to_scalar::<f32>()?.max(1e-3);
@@ -582,7 +597,7 @@ pub fn decode_parity(
     let (ran, max_abs) = match y {
         Some(y) => (
             true,
-            (y.to_dtype(DType::F32)? - &want)?
+            (cpu(&y)?.to_dtype(DType::F32)? - &want)?
                 .abs()?
                 .max_all()?
                 .to_scalar::<f32>()?,
