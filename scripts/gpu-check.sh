@@ -59,8 +59,8 @@ echo "== 2. eviction kernels against the CPU references, then timed against copy
 # Scoring, selection/plan, moves: odd sizes, d 64/128/256, f32/f16/bf16, n up to 131072 + 128.
 # The cache codecs (five block types and fp8, from f32/f16/bf16): the device's bytes and values
 # must be the CPU's exactly. The decode kernels (float caches in the queries' dtype, blocks and
-# fp8 read in place; f32/f16/bf16 queries, d 64/128/256, one split and several) against eager
-# attention on the CPU over the bytes they read.
+# fp8 read in place; f32/f16/bf16 queries, d 64/128/256, one split and several; the cache
+# encoded on the device) against eager attention on the CPU over the CPU codec's cache.
 # Timing: 8 KV heads, d 128, bf16 (Llama-3.1-8B's KV shape), B = 128, n = N + B; each n with
 # the selection on one block per head, on many (a launch per digit), and on many in one launch
 # for few evictions (the engine takes that past 4096 slots when the candidates fit, B = 128

@@ -1141,8 +1141,8 @@ test_device!(
 /// `keydiff_decode_<dtype>_<NE>` over a float cache in the queries' dtype, and
 /// `keydiff_decode_kvq_*` reading blocks or fp8 rows in place, which must take them; on the CPU
 /// `decode_attention_cpu` and `decode_attention_cpu_blocks`) against the eager path in f32 on
-/// the CPU over the bytes the kernel read (`kernel_check::decode_parity`, as `keydiff
-/// check-kernels` runs it): float caches, every block type and fp8, encoded on the device,
+/// the CPU over the same values through the CPU codec (`kernel_check::decode_parity`, as
+/// `keydiff check-kernels` runs it): float caches, every block type and fp8, encoded on the device,
 /// views past the buffer's start, one split and several, head dims 64/128/256; on CUDA with
 /// queries in f32, f16 and bf16.
 fn decode_kernels_match_eager_on_the_cpu(dev: &Device) -> Result<()> {

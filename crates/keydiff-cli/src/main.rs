@@ -962,7 +962,7 @@ fn check_kernels(
         println!("{v}");
     }
     // A decode step's attention by the decode kernels (float caches, and quantized ones read
-    // in place) against the eager path on the CPU over the same bytes.
+    // in place) against the eager path on the CPU over the CPU codec's cache.
     eprintln!(
         "decode kernels vs the CPU:    {:6} {:5} {:>3} {:>2} {:>4} {:>5} {:>9} {:>9} {:>5}",
         "cache", "q", "kv", "g", "d", "keys", "max |Δ|", "tol", "pass"

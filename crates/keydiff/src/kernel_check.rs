@@ -487,9 +487,10 @@ pub fn codec_parity(
 
 /// One case of a decode step's attention by the device's decode kernel (on CUDA
 /// `keydiff_decode_<dtype>_<NE>` over a float cache, `keydiff_decode_kvq_*` over blocks or fp8
-/// rows, read in place; on the CPU their twins) against the eager path in f32 on the CPU, over
-/// the bytes the kernel read, copied to the host and decoded by the CPU codec. Nothing of the
-/// reference runs on the device, so a device that computes nothing (or wrongly everywhere) fails.
+/// rows, read in place; on the CPU their twins) over the cache as the device encodes it,
+/// against the eager path in f32 on the CPU over the same values encoded and decoded by the CPU
+/// codec. Nothing of the reference runs on the device, so a device that computes nothing (or
+/// wrongly everywhere) fails.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct DecodeParity {
     pub kv_type: String,
@@ -557,13 +558,20 @@ pub fn decode_parity(
         let v: Vec<f32> = (0..n)
             .map(|_| scale * rng.sample::<f32, _>(rand_distr::StandardNormal))
             .collect();
-        Ok(Tensor::from_vec(v, n, &Device::Cpu)?.to_device(device)?)
+        Ok(Tensor::from_vec(v, n, &Device::Cpu)?)
     };
-    let kb = t.encode(&normal(kv * cap * d, 2.0)?.reshape((kv, cap, d))?)?;
-    let vb = t.encode(&normal(kv * cap * d, 1.0)?.reshape((kv, cap, d))?)?;
-    let q = normal(kv * g * d, 1.0)?
+    // Values on the host; the cache encoded on the device (as the engine writes it) for the
+    // kernel, and by the CPU codec for the reference.
+    let (k0, v0) = (
+        normal(kv * cap * d, 2.0)?.reshape((kv, cap, d))?,
+        normal(kv * cap * d, 1.0)?.reshape((kv, cap, d))?,
+    );
+    let q_cpu = normal(kv * g * d, 1.0)?
         .reshape((kv, g, d))?
         .to_dtype(dtype)?;
+    let kb = t.encode(&k0.to_device(device)?)?;
+    let vb = t.encode(&v0.to_device(device)?)?;
+    let q = q_cpu.to_device(device)?;
     let (k, v) = (kb.narrow(1, at, keys)?, vb.narrow(1, at, keys)?);
     let y = if device.is_cuda() {
         match t {
@@ -578,14 +586,18 @@ pub fn decode_parity(
         }
         .map(|(y, _)| y)
     };
-    // The reference, on the CPU: the bytes the kernel read, decoded by the CPU codec, and q as
-    // the kernel read it.
-    let cpu = |x: &Tensor| x.to_device(&Device::Cpu);
-    let kf = t.decode(&cpu(&k)?, d)?.to_dtype(DType::F32)?;
-    let vf = t.decode(&cpu(&v)?, d)?.to_dtype(DType::F32)?;
+    // The reference, on the CPU: the same values through the CPU codec (the device's must give
+    // the same bytes: `codec_parity`), and q as the kernel read it.
+    let kf = t.decode(&t.encode(&k0)?.narrow(1, at, keys)?, d)?;
+    let vf = t.decode(&t.encode(&v0)?.narrow(1, at, keys)?, d)?;
     let want = attention_output(
-        &attention_probs(&cpu(&q)?.to_dtype(DType::F32)?, &kf, None, g)?,
-        &vf,
+        &attention_probs(
+            &q_cpu.to_dtype(DType::F32)?,
+            &kf.to_dtype(DType::F32)?,
+            None,
+            g,
+        )?,
+        &vf.to_dtype(DType::F32)?,
     )?;
     let scale = want.abs()?.max_all()?.to_scalar::<f32>()?.max(1e-3);
     let tolerance = scale
@@ -597,7 +609,7 @@ pub fn decode_parity(
     let (ran, max_abs) = match y {
         Some(y) => (
             true,
-            (cpu(&y)?.to_dtype(DType::F32)? - &want)?
+            (y.to_device(&Device::Cpu)?.to_dtype(DType::F32)? - &want)?
                 .abs()?
                 .max_all()?
                 .to_scalar::<f32>()?,

@@ -22,6 +22,7 @@
 #include <cuda.h>
 
 #include <pthread.h>
+#include <sys/mman.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -37,6 +38,11 @@ typedef struct {
   uintptr_t start;
   size_t size;
 } Range;
+
+// What the process asked of the driver, for the exit report.
+static unsigned long long n_alloc, n_free, n_htod, n_dtoh, n_dtod, n_memset, b_htod, b_dtoh, n_sync;
+#define COUNT(c) __atomic_add_fetch(&(c), 1, __ATOMIC_RELAXED)
+#define ADD(c, v) __atomic_add_fetch(&(c), (v), __ATOMIC_RELAXED)
 
 static pthread_mutex_t mem_lock = PTHREAD_MUTEX_INITIALIZER;
 static Range* live = NULL;
@@ -68,14 +74,21 @@ static CUresult mem_alloc(CUdeviceptr* out, size_t bytes, const char* what) {
     // Not a defect of the caller: the real driver answers the same (the memory plan checks it).
     return CUDA_ERROR_OUT_OF_MEMORY;
   }
-  // 256-byte aligned, as cudaMalloc's; calloc-like (large sizes are mapped lazily).
+  // 256-byte aligned, as cudaMalloc's, and zeroed. From 1 MiB on, a fresh mapping: its pages
+  // are zero and cost nothing until touched (kernels touch nothing).
   size_t padded = (bytes + 255) & ~(size_t)255;
-  void* p = aligned_alloc(256, padded);
+  void* p;
+  if (padded >= (1u << 20)) {
+    p = mmap(NULL, padded, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) p = NULL;
+  } else {
+    p = aligned_alloc(256, padded);
+    if (p) memset(p, 0, padded);
+  }
   if (!p) {
     pthread_mutex_unlock(&mem_lock);
     return CUDA_ERROR_OUT_OF_MEMORY;
   }
-  memset(p, 0, padded);
   if (live_n == live_cap) {
     live_cap = live_cap ? live_cap * 2 : 1024;
     live = realloc(live, live_cap * sizeof(Range));
@@ -87,6 +100,7 @@ static CUresult mem_alloc(CUdeviceptr* out, size_t bytes, const char* what) {
   used += bytes;
   if (used > used_high) used_high = used;
   pthread_mutex_unlock(&mem_lock);
+  COUNT(n_alloc);
   *out = (CUdeviceptr)(uintptr_t)p;
   return CUDA_SUCCESS;
 }
@@ -100,11 +114,14 @@ static CUresult mem_free(CUdeviceptr d, const char* what) {
     return mock_error(CUDA_ERROR_INVALID_VALUE, "%s of %#llx: not the start of a live allocation",
                       what, (unsigned long long)d);
   }
-  used -= live[at - 1].size;
+  size_t bytes = live[at - 1].size, padded = (bytes + 255) & ~(size_t)255;
+  used -= bytes;
   memmove(&live[at - 1], &live[at], (live_n - at) * sizeof(Range));
   live_n--;
   pthread_mutex_unlock(&mem_lock);
-  free((void*)(uintptr_t)d);
+  COUNT(n_free);
+  if (padded >= (1u << 20)) munmap((void*)(uintptr_t)d, padded);
+  else free((void*)(uintptr_t)d);
   return CUDA_SUCCESS;
 }
 
@@ -274,7 +291,10 @@ CUresult cuCtxPopCurrent_v2(CUcontext* c) {
   if (c) *c = (CUcontext)&dummy_ctx;
   return CUDA_SUCCESS;
 }
-CUresult cuCtxSynchronize(void) { return CUDA_SUCCESS; }
+CUresult cuCtxSynchronize(void) {
+  COUNT(n_sync);
+  return CUDA_SUCCESS;
+}
 CUresult cuCtxSetLimit(CUlimit l, size_t v) {
   (void)l;
   (void)v;
@@ -306,6 +326,7 @@ CUresult cuStreamDestroy_v2(CUstream s) {
 }
 CUresult cuStreamSynchronize(CUstream s) {
   (void)s;
+  COUNT(n_sync);
   return CUDA_SUCCESS;
 }
 CUresult cuStreamQuery(CUstream s) {
@@ -344,6 +365,7 @@ CUresult cuEventRecordWithFlags(CUevent e, CUstream s, unsigned int f) {
 }
 CUresult cuEventSynchronize(CUevent e) {
   (void)e;
+  COUNT(n_sync);
   return CUDA_SUCCESS;
 }
 CUresult cuEventQuery(CUevent e) {
@@ -396,6 +418,8 @@ CUresult cuMemFreeHost(void* p) {
 CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void* src, size_t n) {
   CUresult r = check_range(dst, n, "copy host to device");
   if (r == CUDA_SUCCESS && n) memcpy((void*)(uintptr_t)dst, src, n);
+  COUNT(n_htod);
+  ADD(b_htod, n);
   return r;
 }
 CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t n, CUstream s) {
@@ -405,6 +429,8 @@ CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t n, CUstre
 CUresult cuMemcpyDtoH_v2(void* dst, CUdeviceptr src, size_t n) {
   CUresult r = check_range(src, n, "copy device to host");
   if (r == CUDA_SUCCESS && n) memcpy(dst, (const void*)(uintptr_t)src, n);
+  COUNT(n_dtoh);
+  ADD(b_dtoh, n);
   return r;
 }
 CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t n, CUstream s) {
@@ -415,6 +441,7 @@ CUresult cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t n) {
   CUresult r = check_range(src, n, "copy device to device (source)");
   if (r == CUDA_SUCCESS) r = check_range(dst, n, "copy device to device (destination)");
   if (r == CUDA_SUCCESS && n) memmove((void*)(uintptr_t)dst, (const void*)(uintptr_t)src, n);
+  COUNT(n_dtod);
   return r;
 }
 CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) {
@@ -427,6 +454,7 @@ CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) {
   return cuMemcpyDtoD_v2(dst, src, n);
 }
 CUresult cuMemsetD8_v2(CUdeviceptr d, unsigned char v, size_t n) {
+  COUNT(n_memset);
   CUresult r = check_range(d, n, "memset (8 bits)");
   if (r == CUDA_SUCCESS && n) memset((void*)(uintptr_t)d, v, n);
   return r;
@@ -436,6 +464,7 @@ CUresult cuMemsetD8Async(CUdeviceptr d, unsigned char v, size_t n, CUstream s) {
   return cuMemsetD8_v2(d, v, n);
 }
 CUresult cuMemsetD32_v2(CUdeviceptr d, unsigned int v, size_t n) {
+  COUNT(n_memset);
   CUresult r = check_range(d, n * 4, "memset (32 bits)");
   if (r == CUDA_SUCCESS)
     for (size_t i = 0; i < n; i++) ((unsigned int*)(uintptr_t)d)[i] = v;
@@ -446,6 +475,7 @@ CUresult cuMemsetD32Async(CUdeviceptr d, unsigned int v, size_t n, CUstream s) {
   return cuMemsetD32_v2(d, v, n);
 }
 CUresult cuMemsetD16_v2(CUdeviceptr d, unsigned short v, size_t n) {
+  COUNT(n_memset);
   CUresult r = check_range(d, n * 2, "memset (16 bits)");
   if (r == CUDA_SUCCESS)
     for (size_t i = 0; i < n; i++) ((unsigned short*)(uintptr_t)d)[i] = v;
@@ -601,5 +631,8 @@ __attribute__((destructor)) static void report(void) {
   for (Module* m = modules; m; m = m->next)
     for (Func* f = m->funcs; f; f = f->next)
       if (f->launches) fprintf(out, "launch %s %llu\n", f->name, f->launches);
+  fprintf(out, "calls alloc %llu free %llu memset %llu copy-htod %llu copy-dtoh %llu copy-dtod %llu sync %llu\n",
+          n_alloc, n_free, n_memset, n_htod, n_dtoh, n_dtod, n_sync);
+  fprintf(out, "bytes htod %llu dtoh %llu\n", b_htod, b_dtoh);
   fclose(out);
 }
