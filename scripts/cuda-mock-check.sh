@@ -16,9 +16,9 @@
 #   PRESET, PROMPT_LEN, BUDGET: gpu-check.sh's TTFT shape (default here smollm2-135m, 512, 256,
 #     gpu-check.sh's dry-run sizes: the whole check then takes ~4 min; set them empty for its own).
 #   MOCKCUDA_MEM_GIB: the stand-in device's memory (default 14: this machine's RAM backs it).
-# Exit status: 0 when the mock libraries refused nothing and met no call they lack, every kernel
-# of ours was launched (but those scripts/cuda/mock/not-launched.txt excuses) and nothing
-# panicked; 1 otherwise.
+# Exit status: 0 when gpu-check.sh ran to its end, the mock libraries refused nothing and met
+# no call they lack, every kernel of ours was launched (but those scripts/cuda/mock/
+# not-launched.txt excuses) and nothing panicked; 1 otherwise.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out=$(realpath -m "${1:-target/cuda-mock-check}")
@@ -29,23 +29,27 @@ if [ -z "${KEYDIFF_BIN:-}" ]; then
     -p keydiff-kernels -p keydiff-cache --features cuda || exit 2
   KEYDIFF_BIN=$target/release/keydiff
 fi
-bin=$(realpath "$KEYDIFF_BIN") || { echo "no CUDA binary at $KEYDIFF_BIN" >&2; exit 2; }
+bin=$(realpath -e "$KEYDIFF_BIN") || { echo "no CUDA binary at $KEYDIFF_BIN" >&2; exit 2; }
 export PRESET=${PRESET-smollm2-135m} PROMPT_LEN=${PROMPT_LEN-512} BUDGET=${BUDGET-256}
 libs=$(scripts/cuda/mock/build.sh "$out/libs" | tail -1) || exit 2
 rm -rf "$out/gpu-check"; mkdir -p "$out/gpu-check"
 log=$out/mock.log
 : > "$log"
-export LD_LIBRARY_PATH=$libs MOCKCUDA_LOG=$log MOCKCUDA_MEM_GIB=${MOCKCUDA_MEM_GIB:-14}
+# KEYDIFF_GPU_CHECK_LIBS=keep: gpu-check.sh must not put torch's real CUDA libraries first.
+export LD_LIBRARY_PATH=$libs MOCKCUDA_LOG=$log MOCKCUDA_MEM_GIB=${MOCKCUDA_MEM_GIB:-14} KEYDIFF_GPU_CHECK_LIBS=keep
 ldd "$bin" | grep -E 'libcuda|libcublas|libcurand|libnvrtc|libcudart' > "$out/ldd.txt"
 if grep -v "$libs" "$out/ldd.txt"; then echo "the binary does not load the mock libraries" >&2; exit 2; fi
 start=$(date +%s)
 OUT=$out/gpu-check KEYDIFF_BIN=$bin timeout "${MOCK_CHECK_TIMEOUT_S:-3000}" bash scripts/gpu-check.sh \
   > "$out/gpu-check.log" 2>&1
-echo "gpu-check exit: $? after $(( $(date +%s) - start )) s" | tee -a "$out/gpu-check.log"
+gc_rc=$?
+echo "gpu-check exit: $gc_rc after $(( $(date +%s) - start )) s" | tee -a "$out/gpu-check.log"
 
-# Our kernels: every entry of kernels/*.cu's PTX (the build's), launched or not.
+# Our kernels: every entry of kernels/*.cu's PTX (the newest build's), launched or not, that the
+# binary holds too (an older build's PTX may sit beside it).
 ptx=$(ls -t "$(dirname "$bin")"/build/keydiff-kernels-*/out/*.ptx 2>/dev/null | head -1)
-ours=$( [ -n "$ptx" ] && grep -oE '\.entry [A-Za-z0-9_]+' "$ptx" | awk '{print $2}' | sort -u)
+ours=$( [ -n "$ptx" ] && comm -12 <(grep -oE '\.entry [A-Za-z0-9_]+' "$ptx" | awk '{print $2}' | sort -u) \
+  <(grep -aoE '\.entry [A-Za-z0-9_]+' "$bin" | awk '{print $2}' | sort -u))
 launched=$(awk '$1 == "launch" {n[$2] += $3} END {for (k in n) print k, n[k]}' "$log" | sort)
 never=$( [ -n "$ours" ] && comm -23 <(echo "$ours") <(echo "$launched" | awk '{print $1}' | sort))
 excused=$(sed 's/#.*//' scripts/cuda/mock/not-launched.txt | awk 'NF {print $1}' | sort)
@@ -81,4 +85,8 @@ if grep -qE '^(ERROR|UNIMPLEMENTED)' "$log"; then echo "FAIL: the mock libraries
 if [ -z "$ours" ]; then echo "FAIL: no PTX of kernels/*.cu beside $bin" >&2; status=1; fi
 if [ -n "$unexcused" ]; then echo "FAIL: kernels of ours no step launched: $(echo $unexcused)" >&2; status=1; fi
 if grep -q 'panicked at' "$out/gpu-check.log" "$out/gpu-check/errors.log"; then echo "FAIL: a Rust panic" >&2; status=1; fi
+# gpu-check.sh itself fails here (every comparison with the CPU does); it must run to its end.
+if [ $gc_rc -ge 124 ] || ! grep -q '^elapsed: ' "$out/gpu-check/summary.txt" 2>/dev/null; then
+  echo "FAIL: gpu-check.sh did not run to its end (exit $gc_rc)" >&2; status=1
+fi
 exit $status

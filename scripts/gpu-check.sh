@@ -38,8 +38,10 @@ errors=$out/errors.log
 deadline=${DEADLINE_S:-420}
 note() { echo "$*" | tee -a "$summary"; }
 
-# Libraries: the driver's libcuda, the rest from torch's CUDA 13 wheels.
-if nvlib=$(python3 -c 'import nvidia,os;print(os.path.join(nvidia.__path__[0],"cu13","lib"))' 2>/dev/null); then
+# Libraries: the driver's libcuda, the rest from torch's CUDA 13 wheels (KEYDIFF_GPU_CHECK_LIBS=keep
+# leaves LD_LIBRARY_PATH as it is: scripts/cuda-mock-check.sh's stand-ins).
+if [ "${KEYDIFF_GPU_CHECK_LIBS:-}" != keep ] &&
+   nvlib=$(python3 -c 'import nvidia,os;print(os.path.join(nvidia.__path__[0],"cu13","lib"))' 2>/dev/null); then
   export LD_LIBRARY_PATH=$nvlib:${LD_LIBRARY_PATH:-}
 fi
 

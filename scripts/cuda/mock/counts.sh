@@ -21,7 +21,10 @@ while [ $# -gt 0 ]; do
 done
 [ $# -gt 0 ] || { echo "usage: $0 [--top K] [--stdout FILE] -- COMMAND [ARGS...]" >&2; exit 2; }
 libs=${MOCKCUDA_LIBS:-$(cd "$here/../../.." && pwd)/target/cuda-mock-libs}
-[ -f "$libs/libcuda.so.1" ] || "$here/build.sh" "$libs" > /dev/null
+# Built when missing or older than a source.
+if [ ! -f "$libs/libcuda.so.1" ] || [ -n "$(find "$here" -newer "$libs/libcuda.so.1" -name '*.[ch]')" ]; then
+  "$here/build.sh" "$libs" > /dev/null
+fi
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 rc=0
@@ -32,11 +35,12 @@ awk '
   $1 == "bytes" { for (i = 2; i < NF; i += 2) bytes[$i] += $(i + 1) }
   $1 == "ERROR" || $1 == "UNIMPLEMENTED" { bad++ }
   END {
-    printf "launches %d (%d kernels)\n", total, length(n)
+    # %.0f: mawk clamps %d to 2^31 - 1.
+    printf "launches %.0f (%d kernels)\n", total, length(n)
     split("alloc free memset copy-htod copy-dtoh copy-dtod sync gemm", order, " ")
-    for (i = 1; i <= 8; i++) printf "%s %d\n", order[i], calls[order[i]]
-    printf "bytes-htod %d\nbytes-dtoh %d\nmock-errors %d\n", bytes["htod"], bytes["dtoh"], bad
+    for (i = 1; i <= 8; i++) printf "%s %.0f\n", order[i], calls[order[i]]
+    printf "bytes-htod %.0f\nbytes-dtoh %.0f\nmock-errors %d\n", bytes["htod"], bytes["dtoh"], bad
   }' "$log"
-awk '$1 == "launch" { n[$2] += $3 } END { for (k in n) printf "  %9d %s\n", n[k], k }' "$log" |
+awk '$1 == "launch" { n[$2] += $3 } END { for (k in n) printf "  %9.0f %s\n", n[k], k }' "$log" |
   sort -rn | head -n "$top"
 exit $rc

@@ -38,10 +38,15 @@ static int operand(const char* fn, const char* name, const void* p, long long ro
                    long long ld, long long stride, long long batch, size_t es) {
   if (rows == 0 || cols == 0 || batch == 0) return OK;
   if (!p) return mock_error(INVALID_VALUE, "%s: %s is null", fn, name);
-  long long last = (cols - 1) * ld + rows - 1 + (batch - 1) * stride;
-  if (stride < 0 || last < 0)
-    return mock_error(INVALID_VALUE, "%s: %s has a negative stride %lld", fn, name, stride);
-  if (!mock_device_range((uintptr_t)p, (size_t)(last + 1) * es))
+  if (stride < 0) return mock_error(INVALID_VALUE, "%s: %s has a negative stride %lld", fn, name, stride);
+  long long a, b, last;
+  unsigned long long bytes;
+  if (__builtin_mul_overflow(cols - 1, ld, &a) || __builtin_mul_overflow(batch - 1, stride, &b) ||
+      __builtin_add_overflow(a, b, &last) || __builtin_add_overflow(last, rows, &last) ||
+      __builtin_mul_overflow((unsigned long long)last, (unsigned long long)es, &bytes))
+    return mock_error(INVALID_VALUE, "%s: %s's extent overflows (ld %lld, stride %lld, batch %lld)", fn, name, ld,
+                      stride, batch);
+  if (!mock_device_range((uintptr_t)p, (size_t)bytes))
     return mock_error(INVALID_VALUE,
                       "%s: %s (%lld × %lld, ld %lld, %lld × stride %lld, %zu-byte elements) leaves its "
                       "device allocation",

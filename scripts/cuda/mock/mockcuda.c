@@ -67,7 +67,14 @@ static size_t upper(uintptr_t p) {
 
 static CUresult mem_alloc(CUdeviceptr* out, size_t bytes, const char* what) {
   if (!out) return mock_error(CUDA_ERROR_INVALID_VALUE, "%s: null result pointer", what);
-  if (bytes == 0) return mock_error(CUDA_ERROR_INVALID_VALUE, "%s of 0 bytes", what);
+  if (bytes == 0) {
+    // cuMemAlloc documents CUDA_ERROR_INVALID_VALUE for 0 bytes; what the stream-ordered
+    // allocator answers is not documented, so that one is let through (a null pointer).
+    if (strcmp(what, "cuMemAlloc") == 0)
+      return mock_error(CUDA_ERROR_INVALID_VALUE, "%s of 0 bytes", what);
+    *out = 0;
+    return CUDA_SUCCESS;
+  }
   pthread_mutex_lock(&mem_lock);
   if (used + bytes > total_mem()) {
     pthread_mutex_unlock(&mem_lock);
@@ -90,8 +97,14 @@ static CUresult mem_alloc(CUdeviceptr* out, size_t bytes, const char* what) {
     return CUDA_ERROR_OUT_OF_MEMORY;
   }
   if (live_n == live_cap) {
-    live_cap = live_cap ? live_cap * 2 : 1024;
-    live = realloc(live, live_cap * sizeof(Range));
+    size_t cap = live_cap ? live_cap * 2 : 1024;
+    Range* grown = realloc(live, cap * sizeof(Range));
+    if (!grown) {
+      pthread_mutex_unlock(&mem_lock);
+      return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    live = grown;
+    live_cap = cap;
   }
   size_t at = upper((uintptr_t)p);
   memmove(&live[at + 1], &live[at], (live_n - at) * sizeof(Range));
@@ -125,28 +138,35 @@ static CUresult mem_free(CUdeviceptr d, const char* what) {
   return CUDA_SUCCESS;
 }
 
-int mock_device_range(uintptr_t p, size_t bytes) {
+// With mem_lock held.
+static int in_range(uintptr_t p, size_t bytes) {
   if (bytes == 0) return 1;
-  pthread_mutex_lock(&mem_lock);
   size_t at = upper(p);
-  int ok = at > 0 && p + bytes <= live[at - 1].start + live[at - 1].size;
+  return at > 0 && p >= live[at - 1].start && bytes <= live[at - 1].start + live[at - 1].size - p;
+}
+
+int mock_device_range(uintptr_t p, size_t bytes) {
+  pthread_mutex_lock(&mem_lock);
+  int ok = in_range(p, bytes);
   pthread_mutex_unlock(&mem_lock);
   return ok;
 }
 
-static CUresult check_range(CUdeviceptr d, size_t bytes, const char* what) {
-  if (!mock_device_range((uintptr_t)d, bytes))
-    return mock_error(CUDA_ERROR_INVALID_VALUE,
-                      "%s: %zu bytes at %#llx leave every live allocation", what, bytes,
-                      (unsigned long long)d);
-  return CUDA_SUCCESS;
+// Checks [d, d + bytes) and, on success, returns with mem_lock held (so that no free comes
+// between the check and the copy): the caller copies, then unlocks.
+static CUresult lock_range(CUdeviceptr d, size_t bytes, const char* what) {
+  pthread_mutex_lock(&mem_lock);
+  if (in_range((uintptr_t)d, bytes)) return CUDA_SUCCESS;
+  pthread_mutex_unlock(&mem_lock);
+  return mock_error(CUDA_ERROR_INVALID_VALUE, "%s: %zu bytes at %#llx leave every live allocation",
+                    what, bytes, (unsigned long long)d);
 }
 
 // ---------------------------------------------------------------------------------------
 // Modules: the entries of the PTX text loaded, with their .maxntid.
 
 typedef struct Func {
-  char name[256];
+  char* name;
   unsigned maxntid;  // threads a block at most (0: no bound given)
   int max_dynamic_shared;
   unsigned long long launches;
@@ -161,13 +181,21 @@ typedef struct Module {
 static pthread_mutex_t mod_lock = PTHREAD_MUTEX_INITIALIZER;
 static Module* modules = NULL;  // every module loaded, for the exit report
 
-static unsigned parse_maxntid(const char* after, const char* body) {
-  const char* m = strstr(after, ".maxntid");
-  if (!m || (body && m > body)) m = strstr(after, ".reqntid");
-  if (!m || (body && m > body)) return 0;
+// The first occurrence of `needle` in [from, to), or NULL.
+static const char* find_in(const char* from, const char* to, const char* needle) {
+  size_t n = strlen(needle);
+  for (const char* p = from; p + n <= to; p++)
+    if (memcmp(p, needle, n) == 0) return p;
+  return NULL;
+}
+
+// Threads a block at most from the directives between an entry's name and its body's '{'.
+static unsigned parse_maxntid(const char* from, const char* to) {
+  const char* m = find_in(from, to, ".maxntid");
+  if (!m) m = find_in(from, to, ".reqntid");
+  if (!m) return 0;
   unsigned x = 1, y = 1, z = 1;
-  const char* p = m + 8;
-  int got = sscanf(p, " %u , %u , %u", &x, &y, &z);
+  int got = sscanf(m + 8, " %u , %u , %u", &x, &y, &z);
   if (got < 1) return 0;
   return x * (got > 1 ? y : 1) * (got > 2 ? z : 1);
 }
@@ -179,14 +207,12 @@ static Module* load_ptx(const char* ptx) {
     p += 7;
     while (*p == ' ' || *p == '\t') p++;
     const char* e = p;
-    while (*e && *e != '(' && *e != ' ' && *e != '\n' && *e != '\t') e++;
+    while (*e && *e != '(' && *e != ' ' && *e != '\n' && *e != '\t' && *e != '{') e++;
     Func* f = calloc(1, sizeof(Func));
-    size_t len = (size_t)(e - p) < sizeof(f->name) - 1 ? (size_t)(e - p) : sizeof(f->name) - 1;
-    memcpy(f->name, p, len);
-    // The directives sit between the parameter list and the body's '{'.
-    const char* close = strchr(e, ')');
-    const char* body = close ? strchr(close, '{') : NULL;
-    f->maxntid = close ? parse_maxntid(close, body) : 0;
+    f->name = strndup(p, (size_t)(e - p));
+    // The directives (.maxntid, .reqntid, ...) sit before the body's '{'.
+    const char* body = strchr(e, '{');
+    f->maxntid = body ? parse_maxntid(e, body) : 0;
     f->next = m->funcs;
     m->funcs = f;
     p = e;
@@ -416,33 +442,44 @@ CUresult cuMemFreeHost(void* p) {
 }
 
 CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void* src, size_t n) {
-  CUresult r = check_range(dst, n, "copy host to device");
-  if (r == CUDA_SUCCESS && n) memcpy((void*)(uintptr_t)dst, src, n);
+  CUresult r = lock_range(dst, n, "copy host to device");
+  if (r != CUDA_SUCCESS) return r;
+  if (n) memcpy((void*)(uintptr_t)dst, src, n);
+  pthread_mutex_unlock(&mem_lock);
   COUNT(n_htod);
   ADD(b_htod, n);
-  return r;
+  return CUDA_SUCCESS;
 }
 CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t n, CUstream s) {
   (void)s;
   return cuMemcpyHtoD_v2(dst, src, n);
 }
 CUresult cuMemcpyDtoH_v2(void* dst, CUdeviceptr src, size_t n) {
-  CUresult r = check_range(src, n, "copy device to host");
-  if (r == CUDA_SUCCESS && n) memcpy(dst, (const void*)(uintptr_t)src, n);
+  CUresult r = lock_range(src, n, "copy device to host");
+  if (r != CUDA_SUCCESS) return r;
+  if (n) memcpy(dst, (const void*)(uintptr_t)src, n);
+  pthread_mutex_unlock(&mem_lock);
   COUNT(n_dtoh);
   ADD(b_dtoh, n);
-  return r;
+  return CUDA_SUCCESS;
 }
 CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t n, CUstream s) {
   (void)s;
   return cuMemcpyDtoH_v2(dst, src, n);
 }
 CUresult cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t n) {
-  CUresult r = check_range(src, n, "copy device to device (source)");
-  if (r == CUDA_SUCCESS) r = check_range(dst, n, "copy device to device (destination)");
-  if (r == CUDA_SUCCESS && n) memmove((void*)(uintptr_t)dst, (const void*)(uintptr_t)src, n);
+  if (!mock_device_range((uintptr_t)src, n))
+    return mock_error(CUDA_ERROR_INVALID_VALUE, "copy device to device (source): %zu bytes at %#llx leave "
+                      "every live allocation", n, (unsigned long long)src);
+  CUresult r = lock_range(dst, n, "copy device to device (destination)");
+  if (r != CUDA_SUCCESS) return r;
+  // The source is checked again under the lock the copy holds.
+  int ok = in_range((uintptr_t)src, n);
+  if (ok && n) memmove((void*)(uintptr_t)dst, (const void*)(uintptr_t)src, n);
+  pthread_mutex_unlock(&mem_lock);
+  if (!ok) return mock_error(CUDA_ERROR_INVALID_VALUE, "copy device to device: the source was freed meanwhile");
   COUNT(n_dtod);
-  return r;
+  return CUDA_SUCCESS;
 }
 CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) {
   (void)s;
@@ -453,37 +490,36 @@ CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) {
   (void)s;
   return cuMemcpyDtoD_v2(dst, src, n);
 }
-CUresult cuMemsetD8_v2(CUdeviceptr d, unsigned char v, size_t n) {
+// Sets n values of `width` bytes (1, 2 or 4) to v.
+static CUresult fill(CUdeviceptr d, unsigned v, size_t n, size_t width, const char* what) {
   COUNT(n_memset);
-  CUresult r = check_range(d, n, "memset (8 bits)");
-  if (r == CUDA_SUCCESS && n) memset((void*)(uintptr_t)d, v, n);
-  return r;
+  size_t bytes;
+  if (__builtin_mul_overflow(n, width, &bytes))
+    return mock_error(CUDA_ERROR_INVALID_VALUE, "%s: %zu values overflow", what, n);
+  CUresult r = lock_range(d, bytes, what);
+  if (r != CUDA_SUCCESS) return r;
+  if (width == 1) memset((void*)(uintptr_t)d, (int)(v & 0xff), n);
+  for (size_t i = 0; width > 1 && i < n; i++) {
+    if (width == 2) ((unsigned short*)(uintptr_t)d)[i] = (unsigned short)v;
+    else ((unsigned int*)(uintptr_t)d)[i] = v;
+  }
+  pthread_mutex_unlock(&mem_lock);
+  return CUDA_SUCCESS;
 }
+CUresult cuMemsetD8_v2(CUdeviceptr d, unsigned char v, size_t n) { return fill(d, v, n, 1, "memset (8 bits)"); }
 CUresult cuMemsetD8Async(CUdeviceptr d, unsigned char v, size_t n, CUstream s) {
   (void)s;
   return cuMemsetD8_v2(d, v, n);
 }
-CUresult cuMemsetD32_v2(CUdeviceptr d, unsigned int v, size_t n) {
-  COUNT(n_memset);
-  CUresult r = check_range(d, n * 4, "memset (32 bits)");
-  if (r == CUDA_SUCCESS)
-    for (size_t i = 0; i < n; i++) ((unsigned int*)(uintptr_t)d)[i] = v;
-  return r;
-}
-CUresult cuMemsetD32Async(CUdeviceptr d, unsigned int v, size_t n, CUstream s) {
-  (void)s;
-  return cuMemsetD32_v2(d, v, n);
-}
-CUresult cuMemsetD16_v2(CUdeviceptr d, unsigned short v, size_t n) {
-  COUNT(n_memset);
-  CUresult r = check_range(d, n * 2, "memset (16 bits)");
-  if (r == CUDA_SUCCESS)
-    for (size_t i = 0; i < n; i++) ((unsigned short*)(uintptr_t)d)[i] = v;
-  return r;
-}
+CUresult cuMemsetD16_v2(CUdeviceptr d, unsigned short v, size_t n) { return fill(d, v, n, 2, "memset (16 bits)"); }
 CUresult cuMemsetD16Async(CUdeviceptr d, unsigned short v, size_t n, CUstream s) {
   (void)s;
   return cuMemsetD16_v2(d, v, n);
+}
+CUresult cuMemsetD32_v2(CUdeviceptr d, unsigned int v, size_t n) { return fill(d, v, n, 4, "memset (32 bits)"); }
+CUresult cuMemsetD32Async(CUdeviceptr d, unsigned int v, size_t n, CUstream s) {
+  (void)s;
+  return cuMemsetD32_v2(d, v, n);
 }
 
 CUresult cuDeviceGetDefaultMemPool(CUmemoryPool* p, CUdevice d) {
@@ -532,8 +568,9 @@ CUresult cuMemPoolGetAttribute(CUmemoryPool p, CUmemPool_attribute a, void* v) {
 
 CUresult cuModuleLoadData(CUmodule* m, const void* image) {
   const char* text = image;
-  if (!text || !strstr(text, ".version") || !strstr(text, ".target"))
-    return mock_error(CUDA_ERROR_INVALID_IMAGE, "cuModuleLoadData: not PTX text");
+  if (!text) return mock_error(CUDA_ERROR_INVALID_VALUE, "cuModuleLoadData: no image");
+  if (!strstr(text, ".version") || !strstr(text, ".target"))
+    return mock_unimplemented("cuModuleLoadData of a cubin or fatbin (the mock reads PTX text only)");
   Module* mod = load_ptx(text);
   pthread_mutex_lock(&mod_lock);
   mod->next = modules;
@@ -628,6 +665,9 @@ CUresult cuPointerGetAttribute(void* data, CUpointer_attribute a, CUdeviceptr p)
 __attribute__((destructor)) static void report(void) {
   FILE* out = mock_log();
   if (!out) return;
+  // One write at the close, so that processes appending to the same log do not interleave.
+  static char buf[1 << 20];
+  setvbuf(out, buf, _IOFBF, sizeof buf);
   for (Module* m = modules; m; m = m->next)
     for (Func* f = m->funcs; f; f = f->next)
       if (f->launches) fprintf(out, "launch %s %llu\n", f->name, f->launches);

@@ -95,7 +95,19 @@ cudaError_t __cudaPopCallConfiguration(dim3* grid, dim3* block, size_t* shared, 
   return cudaSuccess;
 }
 
+// The runtime's sticky error: a refused launch is what the next cudaGetLastError answers
+// (the launch stub nvcc writes discards the launch's own return value).
+static __thread cudaError_t last_error = cudaSuccess;
+
+static cudaError_t check_launch(cudaKernel_t kernel, dim3 g, dim3 b, void** args, size_t shared);
 static cudaError_t launch(cudaKernel_t kernel, dim3 g, dim3 b, void** args, size_t shared) {
+  cudaError_t r = check_launch(kernel, g, b, args, shared);
+  if (r != cudaSuccess) last_error = r;
+  return r;
+}
+// No __launch_bounds__ here: these kernels come as SASS in the binary's fat binary, not as PTX
+// the mock reads.
+static cudaError_t check_launch(cudaKernel_t kernel, dim3 g, dim3 b, void** args, size_t shared) {
   Kernel* k = (Kernel*)kernel;
   if (!k) return mock_error(cudaErrorInvalidDeviceFunction, "runtime launch of a null kernel");
   if (!g.x || !g.y || !g.z || !b.x || !b.y || !b.z)
@@ -155,8 +167,12 @@ cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessorWithFlags(int* n, const
   return cudaSuccess;
 }
 
-cudaError_t cudaGetLastError(void) { return cudaSuccess; }
-cudaError_t cudaPeekAtLastError(void) { return cudaSuccess; }
+cudaError_t cudaGetLastError(void) {
+  cudaError_t r = last_error;
+  last_error = cudaSuccess;
+  return r;
+}
+cudaError_t cudaPeekAtLastError(void) { return last_error; }
 cudaError_t cudaGetDevice(int* d) {
   *d = 0;
   return cudaSuccess;
@@ -194,7 +210,7 @@ cudaError_t cudaMemsetAsync_ptsz(void* p, int v, size_t n, cudaStream_t s) {
 }
 cudaError_t cudaStreamSynchronize_ptsz(cudaStream_t s) {
   (void)s;
-  return cudaSuccess;
+  return from_driver(cuStreamSynchronize(NULL));  // counted with the driver's
 }
 const char* cudaGetErrorName(cudaError_t e) { return e == cudaSuccess ? "cudaSuccess" : "cudaError (mock)"; }
 const char* cudaGetErrorString(cudaError_t e) { return cudaGetErrorName(e); }
@@ -202,6 +218,8 @@ const char* cudaGetErrorString(cudaError_t e) { return cudaGetErrorName(e); }
 __attribute__((destructor)) static void report(void) {
   FILE* out = mock_log();
   if (!out) return;
+  static char buf[1 << 16];
+  setvbuf(out, buf, _IOFBF, sizeof buf);
   for (Kernel* k = kernels; k; k = k->next)
     if (k->launches) fprintf(out, "launch %s %llu\n", k->name, k->launches);
   fclose(out);
