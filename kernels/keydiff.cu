@@ -1932,3 +1932,77 @@ __device__ void kd_rope_qk(const T* q, int64_t q_rs, int64_t q_hs, const T* k, i
 KD_INSTANTIATE_ROPE(f32, float)
 KD_INSTANTIATE_ROPE(f16, __half)
 KD_INSTANTIATE_ROPE(bf16, __nv_bfloat16)
+
+// ---------------------------------------------------------------------------------------------
+// Greedy sampling on the device: the index of each row's largest value, so that a greedy decode
+// step reads 4 bytes a request back to the host instead of its whole row of logits. Reference:
+// `argmax` of crates/keydiff/src/sampling.rs (and `argmax_rows`' CPU path in crates/keydiff-model/
+// src/decode_kernel.rs): the first index of the largest value, NaNs skipped, and 0 when the
+// row's first value is NaN (what a scan keeping `x > best` gives). Equal values keep the lower
+// index, so the answer does not depend on the thread schedule.
+//
+// x: [rows, cols] at element row stride x_rs (rows contiguous); out: [rows] u32. One block of
+// KD_ARGMAX_THREADS threads a row: each thread scans a strided part of the row in ascending
+// order, then a warp shuffle and a pass over the warps' winners.
+#define KD_ARGMAX_THREADS 1024
+#define KD_ARGMAX_NONE 0xFFFFFFFFu
+
+// Whether (v, i) is to be preferred to (bv, bi): a number beats nothing, a larger value beats a
+// smaller one, and of two equal values the lower index wins.
+__device__ __forceinline__ bool kd_argmax_better(float v, unsigned i, float bv, unsigned bi) {
+  if (i == KD_ARGMAX_NONE || isnan(v)) return false;
+  return bi == KD_ARGMAX_NONE || v > bv || (v == bv && i < bi);
+}
+
+template <typename T>
+__device__ void kd_argmax_rows(const T* x, int64_t x_rs, unsigned* out, int cols) {
+  __shared__ float s_val[KD_ARGMAX_THREADS / 32];
+  __shared__ unsigned s_idx[KD_ARGMAX_THREADS / 32];
+  const T* row = x + (int64_t)blockIdx.x * x_rs;
+  float bv = 0.f;
+  unsigned bi = KD_ARGMAX_NONE;
+  for (int c = threadIdx.x; c < cols; c += KD_ARGMAX_THREADS) {
+    const float v = kd_to_f(row[c]);
+    if (kd_argmax_better(v, (unsigned)c, bv, bi)) {
+      bv = v;
+      bi = (unsigned)c;
+    }
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+    const unsigned oi = __shfl_xor_sync(0xffffffffu, bi, o);
+    if (kd_argmax_better(ov, oi, bv, bi)) {
+      bv = ov;
+      bi = oi;
+    }
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) {
+    s_val[warp] = bv;
+    s_idx[warp] = bi;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    bv = lane < KD_ARGMAX_THREADS / 32 ? s_val[lane] : 0.f;
+    bi = lane < KD_ARGMAX_THREADS / 32 ? s_idx[lane] : KD_ARGMAX_NONE;
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+      const unsigned oi = __shfl_xor_sync(0xffffffffu, bi, o);
+      if (kd_argmax_better(ov, oi, bv, bi)) {
+        bv = ov;
+        bi = oi;
+      }
+    }
+    if (lane == 0) out[blockIdx.x] = bi == KD_ARGMAX_NONE || isnan(kd_to_f(row[0])) ? 0u : bi;
+  }
+}
+
+#define KD_INSTANTIATE_ARGMAX(SUFFIX, T)                                                        \
+  extern "C" __global__ void __launch_bounds__(KD_ARGMAX_THREADS) keydiff_argmax_rows_##SUFFIX( \
+      const T* x, int64_t x_rs, unsigned* out, int cols) {                                      \
+    kd_argmax_rows<T>(x, x_rs, out, cols);                                                      \
+  }
+
+KD_INSTANTIATE_ARGMAX(f32, float)
+KD_INSTANTIATE_ARGMAX(f16, __half)
+KD_INSTANTIATE_ARGMAX(bf16, __nv_bfloat16)

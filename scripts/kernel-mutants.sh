@@ -155,6 +155,16 @@ mutants=(
   "silu: the last value left unwritten~  for (int64_t i = (int64_t)blockIdx.x * KD_ACT_THREADS + threadIdx.x; i < n;~  for (int64_t i = (int64_t)blockIdx.x * KD_ACT_THREADS + threadIdx.x; i < n - 1;"
   "silu: the grid-stride loop steps a block too far~       i += (int64_t)gridDim.x * KD_ACT_THREADS) {~       i += (int64_t)(gridDim.x + 1) * KD_ACT_THREADS) {"
   "silu: columns counted past the row~    const int64_t r = i / cols, c = i % cols;~    const int64_t r = i / cols, c = i % cols + (i % cols == cols - 1);"
+  # Greedy sampling on the device (keydiff_argmax_rows_*), caught by keydiff-model's
+  # tests/model_kernels_emulation.rs (the mutants named "argmax: ...").
+  "argmax: ties keep the higher index~  return bi == KD_ARGMAX_NONE || v > bv || (v == bv && i < bi);~  return bi == KD_ARGMAX_NONE || v > bv || (v == bv && i > bi);"
+  "argmax: a later equal value wins~  return bi == KD_ARGMAX_NONE || v > bv || (v == bv && i < bi);~  return bi == KD_ARGMAX_NONE || v >= bv || (v == bv && i < bi);"
+  "argmax: NaN not skipped~  if (i == KD_ARGMAX_NONE || isnan(v)) return false;~  if (i == KD_ARGMAX_NONE) return false;"
+  "argmax: a row starting with NaN not sent to 0~    if (lane == 0) out[blockIdx.x] = bi == KD_ARGMAX_NONE || isnan(kd_to_f(row[0])) ? 0u : bi;~    if (lane == 0) out[blockIdx.x] = bi == KD_ARGMAX_NONE ? 0u : bi;"
+  "argmax: the last value of a row not read~  for (int c = threadIdx.x; c < cols; c += KD_ARGMAX_THREADS) {~  for (int c = threadIdx.x; c < cols - 1; c += KD_ARGMAX_THREADS) {"
+  "argmax: the lane-1 step of the warp shuffle skipped~  for (int o = 16; o > 0; o >>= 1) {\n    const float ov = __shfl_xor_sync(0xffffffffu, bv, o);~  for (int o = 16; o > 1; o >>= 1) {\n    const float ov = __shfl_xor_sync(0xffffffffu, bv, o);"
+  "argmax: only the first warp's winner read~    bv = lane < KD_ARGMAX_THREADS / 32 ? s_val[lane] : 0.f;~    bv = lane < 1 ? s_val[lane] : 0.f;"
+  "argmax: no barrier before the warps' winners are read~    s_idx[warp] = bi;\n  }\n  __syncthreads();~    s_idx[warp] = bi;\n  }"
   # The one-launch selection of few evictions (keydiff_select_few). Two of its barriers are
   # not among them: the one at the end of each digit of kd_few_kth (the next digit's reads and
   # writes of the shared state come after two barriers of its own) and the one after the last
@@ -209,7 +219,7 @@ fi
 
 # The tests that catch a mutant: the attention kernels' own, or the eviction kernels'.
 tests_for() {
-  if [[ "$1" == decode:* || "$1" == softmax:* || "$1" == sums:* || "$1" == norm:* || "$1" == silu:* || "$1" == rope:* ]]; then
+  if [[ "$1" == decode:* || "$1" == softmax:* || "$1" == sums:* || "$1" == norm:* || "$1" == silu:* || "$1" == rope:* || "$1" == argmax:* ]]; then
     echo "-p keydiff-model --test model_kernels_emulation"
   else echo "-p keydiff-cache --test kernel_emulation"; fi
 }

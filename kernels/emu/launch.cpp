@@ -426,6 +426,30 @@ extern "C" int kd_emu_silu_mul(int dtype, const void* gate, int64_t gate_rs, con
   return finish(guarded(d3(grid_x), d3(block), KD_ACT_THREADS, seed, run), err, err_len);
 }
 
+// dtype: 0 f32, 1 f16, 2 bf16.
+extern "C" int kd_emu_argmax_rows(int dtype, const void* x, int64_t x_rs, unsigned* out,
+                                  int cols, unsigned grid_x, unsigned block, uint64_t seed,
+                                  char* err, size_t err_len) {
+  std::function<void()> run;
+#define KD_EMU_ARGMAX(SUFFIX, T)                                                   \
+  run = [=] { kd_emu::run_kernel(keydiff_argmax_rows_##SUFFIX, (const T*)x, x_rs, out, cols); };
+  switch (dtype) {
+    case 0:
+      KD_EMU_ARGMAX(f32, float)
+      break;
+    case 1:
+      KD_EMU_ARGMAX(f16, __half)
+      break;
+    case 2:
+      KD_EMU_ARGMAX(bf16, __nv_bfloat16)
+      break;
+    default:
+      return finish("no argmax kernel for dtype " + std::to_string(dtype), err, err_len);
+  }
+#undef KD_EMU_ARGMAX
+  return finish(guarded(d3(grid_x), d3(block), KD_ARGMAX_THREADS, seed, run), err, err_len);
+}
+
 extern "C" int kd_emu_rope_qk(int dtype, const void* q, int64_t q_rs, int64_t q_hs,
                               const void* k, int64_t k_rs, int64_t k_hs, const void* cos,
                               const void* sin, void* out, int hq, int hk, int b, int d,

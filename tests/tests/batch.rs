@@ -145,6 +145,62 @@ fn batched_requests_equal_their_runs_alone() {
     }
 }
 
+/// A plain greedy request's tokens are picked where the logits are (`argmax_rows`: on a GPU one
+/// launch, 4 bytes a row back); any request that needs its logits on the host (logprobs, a
+/// logit bias, here one of 0 that changes nothing) reads them there. Both give the same
+/// tokens, alone and in one batch step (greedy rows beside host rows, prompts of different
+/// lengths, so a row given to the wrong request shows).
+#[test]
+fn greedy_tokens_are_the_same_picked_where_the_logits_are_or_on_the_host() {
+    let e = engine(SMOLLM2, keydiff(96, 32));
+    let prompts = [
+        text(12, "the library") + "In short,",
+        "Once upon a time".to_string(),
+        text(4, "the bridge") + "The bridge",
+    ];
+    let ways = [
+        ("device", None, Vec::new()),
+        ("logprobs", Some(1), Vec::new()),
+        ("bias 0", None, vec![(0u32, 0.0f32)]),
+    ];
+    let mut reqs = Vec::new();
+    for p in &prompts {
+        for (_, logprobs, bias) in &ways {
+            reqs.push(GenerateParams {
+                prompt: Prompt::Text(p.clone()),
+                max_tokens: 24,
+                logprobs: *logprobs,
+                sampling: Sampling {
+                    logit_bias: bias.clone(),
+                    ..Default::default()
+                },
+                ..Default::default()
+            });
+        }
+    }
+    let batched = e.generate_batch(&reqs, |_, _| {}).unwrap();
+    let mut firsts = Vec::new();
+    for (i, (params, out)) in reqs.iter().zip(batched).enumerate() {
+        let what = format!("prompt {} by {}", i / ways.len(), ways[i % ways.len()].0);
+        let out = out.unwrap_or_else(|err| panic!("{what}: {err}"));
+        let alone = e.generate(params, |_| {}).unwrap();
+        assert_eq!(out.tokens, alone.tokens, "{what}: batched and alone");
+        assert_eq!(out.tokens.len(), 24, "{what}");
+        firsts.push(out.tokens);
+    }
+    for (p, runs) in firsts.chunks(ways.len()).enumerate() {
+        for (w, run) in runs.iter().enumerate().skip(1) {
+            assert_eq!(
+                run, &runs[0],
+                "prompt {p}: {} against the device's pick",
+                ways[w].0
+            );
+        }
+    }
+    // The prompts' outputs differ: a row given to another request would show.
+    assert!(firsts[0] != firsts[ways.len()] && firsts[ways.len()] != firsts[2 * ways.len()]);
+}
+
 /// The stop strings and limits end requests at different steps: the reasons differ, so the
 /// batch shrank as it ran (checked through `Batch` directly).
 #[test]

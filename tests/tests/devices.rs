@@ -1172,6 +1172,29 @@ test_device!(
     decode_kernels_match_eager_on_the_cpu_cuda
 );
 
+/// Greedy sampling where the logits are (`argmax_rows`: on CUDA `keydiff_argmax_rows_*`, one
+/// launch and 4 bytes a row back) against the host sampler's argmax over the same values
+/// (`kernel_check::greedy_parity`, as `keydiff check-kernels` runs it): ties, NaNs, −∞ rows,
+/// strided views, every float dtype, vocabularies to 151,936.
+fn greedy_tokens_match_the_host(dev: &Device) -> Result<()> {
+    use keydiff::kernel_check::{greedy_cases, greedy_parity};
+    for (i, c) in greedy_cases().into_iter().enumerate() {
+        let r = greedy_parity(dev, c, 40 + i as u64)?;
+        ensure!(
+            r.pass,
+            "{c:?}: {} of {} rows differ",
+            r.rows_differing,
+            r.rows
+        );
+    }
+    Ok(())
+}
+test_device!(
+    greedy_tokens_match_the_host,
+    greedy_tokens_match_the_host_cpu,
+    greedy_tokens_match_the_host_cuda
+);
+
 /// The cache codecs on the device against the CPU's (`kernel_check::codec_parity`, as
 /// `keydiff check-kernels` runs it): the same bytes from a strided view, the same values back,
 /// and the same values read for attention in the activations' dtype (`KvType::decode_as`,

@@ -998,6 +998,33 @@ fn check_kernels(
         v["kind"] = "decode".into();
         println!("{v}");
     }
+    // Greedy sampling where the logits are, against the host sampler's argmax.
+    eprintln!(
+        "greedy tokens vs the host:    {:5} {:>4} {:>7} {:>7} {:>9} {:>5}",
+        "dtype", "rows", "vocab", "view", "differ", "pass"
+    );
+    for (i, c) in keydiff::kernel_check::greedy_cases()
+        .into_iter()
+        .enumerate()
+    {
+        let r = keydiff::kernel_check::greedy_parity(&dev, c, seed + 3000 + i as u64)
+            .with_context(|| format!("greedy case {c:?}"))?;
+        eprintln!(
+            "                              {:5} {:>4} {:>7} {:>7} {:>9} {:>5}",
+            r.dtype,
+            r.rows,
+            r.vocab,
+            if r.strided { "strided" } else { "rows" },
+            r.rows_differing,
+            if r.pass { "ok" } else { "FAIL" },
+        );
+        if !r.pass {
+            failed.push(format!("greedy {} {}x{}", r.dtype, r.rows, r.vocab));
+        }
+        let mut v = serde_json::to_value(&r)?;
+        v["kind"] = "greedy".into();
+        println!("{v}");
+    }
     if !time_n.is_empty() {
         let dt = parse_dtype(dtype)?;
         let copy = copy_bandwidth(&dev)?;

@@ -8,13 +8,13 @@ use candle_core::{bail, CudaStorage, DType, Layout, Result, Shape};
 use half::{bf16, f16};
 
 use crate::geometry::{
-    act_launch, append_launch, check_act, check_append, check_decode, check_decode_kvq, check_kvq,
-    check_norm, check_pool, check_rope, check_scores, check_select, check_softmax,
-    check_softmax_sums, decode_combine_launch, decode_lanes, decode_launch, decode_split,
-    kvq_launch, move_launch, norm_launch, per_head_launch, plan_moves, pool_words, rope_launch,
-    scores_launch, select_few_launch, select_few_workspace, select_multi_launch, select_passes,
-    select_workspace, softmax_launch, softmax_sums_launch, vector_loads_fit, Launch, ScoreLoads,
-    SelectBlocks, KVQ_FP8, MAX_HEADS,
+    act_launch, append_launch, argmax_launch, check_act, check_append, check_argmax, check_decode,
+    check_decode_kvq, check_kvq, check_norm, check_pool, check_rope, check_scores, check_select,
+    check_softmax, check_softmax_sums, decode_combine_launch, decode_lanes, decode_launch,
+    decode_split, kvq_launch, move_launch, norm_launch, per_head_launch, plan_moves, pool_words,
+    rope_launch, scores_launch, select_few_launch, select_few_workspace, select_multi_launch,
+    select_passes, select_workspace, softmax_launch, softmax_sums_launch, vector_loads_fit, Launch,
+    ScoreLoads, SelectBlocks, KVQ_FP8, MAX_HEADS,
 };
 
 /// PTX of `kernels/keydiff.cu`.
@@ -1217,4 +1217,44 @@ pub fn silu_mul(
         dt => bail!("silu-mul: unsupported dtype {dt:?} (f32, f16, bf16)"),
     };
     Ok((out, Shape::from((rows, cols))))
+}
+
+/// Greedy sampling on the device (`keydiff_argmax_rows_<dtype>`; see the kernel source): the
+/// first index of each row's largest value of `x`, a `[rows, cols]` view with rows contiguous
+/// (any row stride), f32/f16/bf16, NaNs skipped and 0 for a row that starts with NaN (the
+/// host sampler's `argmax`). Returns `[rows]` u32.
+pub fn argmax_rows((x, l): (&CudaStorage, &Layout)) -> Result<(CudaStorage, Shape)> {
+    let (rows, cols) = l.shape().dims2()?;
+    let st = l.stride();
+    if st[1] != 1 && cols > 1 {
+        bail!("argmax: {:?} at strides {st:?} (rows contiguous)", l.dims());
+    }
+    check_argmax(rows, cols)?;
+    let dev = x.device().clone();
+    let (rs, cols32) = (st[0] as i64, cols as i32);
+    let cfg = launch_cfg(argmax_launch(rows));
+    macro_rules! launch {
+        ($t:ty, $name:literal) => {{
+            // SAFETY: block r writes out[r], for every row.
+            let mut out = unsafe { dev.alloc::<u32>(rows)? };
+            let xv = x.as_cuda_slice::<$t>()?.slice(l.start_offset()..);
+            let f = dev.get_or_load_custom_func($name, MODULE, PTX)?;
+            let mut b = f.builder();
+            b.arg(&xv);
+            b.arg(&rs);
+            b.arg(&mut out);
+            b.arg(&cols32);
+            // SAFETY: argument list matches the kernel; block r reads the `cols` values of row
+            // r of the view at row stride `rs` and writes out[r], allocated here with `rows`.
+            unsafe { b.launch(cfg) }.w()?;
+            CudaStorage::wrap_cuda_slice(out, dev.clone())
+        }};
+    }
+    let out = match x.dtype() {
+        DType::F32 => launch!(f32, "keydiff_argmax_rows_f32"),
+        DType::F16 => launch!(f16, "keydiff_argmax_rows_f16"),
+        DType::BF16 => launch!(bf16, "keydiff_argmax_rows_bf16"),
+        dt => bail!("argmax: unsupported dtype {dt:?} (f32, f16, bf16)"),
+    };
+    Ok((out, Shape::from(rows)))
 }

@@ -25,13 +25,13 @@ use half::{bf16, f16};
 
 use crate::fence::{Fenced, HeadAxis, Side};
 use crate::geometry::{
-    act_launch, append_launch, check_act, check_append, check_decode, check_decode_kvq, check_kvq,
-    check_norm, check_pool, check_rope, check_scores, check_select, check_softmax,
-    check_softmax_sums, decode_combine_launch, decode_lanes, decode_launch, decode_split,
-    kvq_launch, move_launch, norm_launch, per_head_launch, plan_moves, pool_words, rope_launch,
-    scores_launch, select_few_launch, select_few_workspace, select_multi_launch, select_passes,
-    select_workspace, softmax_launch, softmax_sums_launch, vector_loads_fit, ScoreLoads,
-    SelectBlocks, KVQ_BYTES,
+    act_launch, append_launch, argmax_launch, check_act, check_append, check_argmax, check_decode,
+    check_decode_kvq, check_kvq, check_norm, check_pool, check_rope, check_scores, check_select,
+    check_softmax, check_softmax_sums, decode_combine_launch, decode_lanes, decode_launch,
+    decode_split, kvq_launch, move_launch, norm_launch, per_head_launch, plan_moves, pool_words,
+    rope_launch, scores_launch, select_few_launch, select_few_workspace, select_multi_launch,
+    select_passes, select_workspace, softmax_launch, softmax_sums_launch, vector_loads_fit,
+    ScoreLoads, SelectBlocks, KVQ_BYTES,
 };
 
 extern "C" {
@@ -176,6 +176,18 @@ extern "C" {
         part: *mut f32,
         grid_x: c_uint,
         grid_y: c_uint,
+        block: c_uint,
+        seed: u64,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    fn kd_emu_argmax_rows(
+        dtype: c_int,
+        x: *const u8,
+        x_rs: i64,
+        out: *mut u32,
+        cols: c_int,
+        grid_x: c_uint,
         block: c_uint,
         seed: u64,
         err: *mut c_char,
@@ -1043,6 +1055,55 @@ pub fn add_rms_norm(
     rf.finish()?;
     wf.finish()?;
     Ok(widen(dtype, &out.finish()?))
+}
+
+/// `keydiff_argmax_rows_<dtype>` on `x`, a `[rows, cols]` view at element row stride `rs`
+/// (rows contiguous): each row's greedy token, the first index of its largest value (NaNs
+/// skipped; 0 when the row starts with NaN).
+pub fn argmax_rows(
+    x: Keys<'_>,
+    rs: usize,
+    rows: usize,
+    cols: usize,
+    seed: u64,
+) -> Result<Vec<u32>> {
+    check_argmax(rows, cols)?;
+    let (dtype, xb, x_len, elem) = x.parts();
+    if rs < cols {
+        bail!("argmax: row stride {rs} below the {cols} values of a row");
+    }
+    let extent = (rows - 1) * rs + cols;
+    if x_len < extent {
+        bail!("argmax: a view of {extent} values exceeds the {x_len} given");
+    }
+    let l = argmax_launch(rows);
+    let side = Side::for_seed(seed);
+    let xf = Fenced::copy_of("argmax x", &xb[..extent * elem], side, 16)?;
+    // Never a token of a row of `cols`: a row left unwritten shows.
+    let mut out = Fenced::filled("argmax out", rows, u32::MAX, side, 16)?;
+    // Block r reads row r only (a "head" per row, by blockIdx.x), and writes its one word.
+    xf.view(rows, rs * elem, 1, cols * elem, cols * elem, HeadAxis::X)?;
+    out.view(rows, 1, 1, 1, 1, HeadAxis::X)?;
+    call("argmax", |err, err_len| {
+        // SAFETY: block r reads the `cols` values of row r of the view checked above and
+        // writes out[r].
+        unsafe {
+            kd_emu_argmax_rows(
+                dtype,
+                xf.as_ptr(),
+                rs as i64,
+                out.as_mut_ptr(),
+                cols as c_int,
+                l.grid.0,
+                l.block,
+                seed,
+                err,
+                err_len,
+            )
+        }
+    })?;
+    xf.finish()?;
+    out.finish()
 }
 
 /// `keydiff_silu_mul_<dtype>` on `gate` and `up`, `[rows, cols]` views at element row strides

@@ -529,6 +529,28 @@ pub fn check_act(rows: usize, cols: usize) -> Result<()> {
     Ok(())
 }
 
+/// `KD_ARGMAX_THREADS`: threads of a greedy-sampling (argmax) block, one block a row.
+pub const ARGMAX_THREADS: u32 = 1024;
+
+/// `keydiff_argmax_rows_*`: a block per row.
+pub fn argmax_launch(rows: usize) -> Launch {
+    Launch {
+        grid: (rows as u32, 1),
+        block: ARGMAX_THREADS,
+    }
+}
+
+/// The argmax's limits: `rows` rows (a block each) of `cols` values, an `int` in the kernel.
+pub fn check_argmax(rows: usize, cols: usize) -> Result<()> {
+    if rows == 0 || rows > i32::MAX as usize || cols == 0 || cols > i32::MAX as usize {
+        bail!(
+            "argmax: {rows} rows of {cols} values (both from 1 to {})",
+            i32::MAX
+        );
+    }
+    Ok(())
+}
+
 /// Number of moves a plan row holds: M = min(N, n − N).
 pub fn plan_moves(n: usize, budget: usize) -> usize {
     budget.min(n.saturating_sub(budget))

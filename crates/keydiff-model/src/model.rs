@@ -46,7 +46,9 @@ impl RmsNorm {
     }
 }
 
-pub use crate::decode_kernel::{add_rms_norm_cuda, rope_qk_cuda, silu_mul_cuda};
+pub use crate::decode_kernel::{
+    add_rms_norm_cuda, argmax, argmax_rows, rope_qk_cuda, silu_mul_cuda,
+};
 
 /// SwiGLU's product silu(gate) · up (`[rows, cols]` each): one launch on CUDA
 /// ([`silu_mul_cuda`]), candle's `silu` and product elsewhere, the kernel's reference.
@@ -1341,11 +1343,6 @@ impl Model {
             .map(|(n, l)| (*n, l.runtime_kind()))
             .collect()
     }
-}
-
-/// Index of the largest logit (greedy sampling), on the host.
-pub fn argmax(logits: &Tensor) -> Result<u32> {
-    Ok(logits.argmax(D::Minus1)?.to_scalar::<u32>()?)
 }
 
 #[cfg(test)]

@@ -22,6 +22,9 @@
 //!   ones, one row and several.
 //! - SwiGLU's product (`keydiff_silu_mul_*`) against silu(gate) · up in f32 on the CPU, on the
 //!   halves of a fused gate/up output (a row stride of twice the row) and on plain rows.
+//! - Greedy sampling (`keydiff_argmax_rows_*`) against the host sampler's argmax
+//!   (`keydiff_model::model::argmax`): ties within a thread's values, across a warp's lanes and
+//!   across warps, NaNs, infinities, rows shorter than a block and views inside wider rows.
 //!
 //! On hardware they run in `scripts/gpu-check.sh`.
 
@@ -29,8 +32,8 @@ use candle_core::{DType, Device, Tensor};
 use half::{bf16, f16};
 use keydiff_cache::KvType;
 use keydiff_kernels::emu::{
-    add_rms_norm, causal_softmax, decode_attention, decode_attention_kvq, rope_qk, silu_mul,
-    softmax_sums, Keys,
+    add_rms_norm, argmax_rows, causal_softmax, decode_attention, decode_attention_kvq, rope_qk,
+    silu_mul, softmax_sums, Keys,
 };
 use keydiff_kernels::geometry::{decode_split, KVQ_FP8};
 use keydiff_model::attention::{
@@ -1160,6 +1163,119 @@ fn silu_mul_refuses_what_it_cannot_run() {
     let f16s = vec![f16::ZERO; 64];
     let mixed = silu_mul(Keys::F32(&x), 8, Keys::F16(&f16s), 8, 2, 8, 1);
     assert!(mixed.unwrap_err().to_string().contains("one dtype"));
+}
+
+/// A row of `cols` logits for greedy sampling: random values in ±8, and by `kind`: 0 as they
+/// are; 1 the largest (9.5) at 2 to 9 random places (a tie: the first must win, wherever the
+/// others fall among the threads, lanes and warps); 2 all one value (0); 3 NaN first (0, as
+/// the host scan gives); 4 NaNs at random places, the largest after them; 5 all −∞; 6 all −∞
+/// but one value; 7 +∞ at two places (the first wins); 8 the largest last, the row otherwise
+/// NaN.
+fn greedy_row(cols: usize, kind: usize, seed: u64) -> Vec<f32> {
+    let mut v = values(cols, seed, 8.0);
+    let mut s = seed.wrapping_mul(0x2545_f491_4f6c_dd1d) | 1;
+    let mut at = || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        (s % cols as u64) as usize
+    };
+    match kind {
+        1 => {
+            let ties = 2 + at() % 8;
+            for _ in 0..ties {
+                v[at()] = 9.5;
+            }
+        }
+        2 => v.fill(1.25),
+        3 => v[0] = f32::NAN,
+        4 => {
+            for _ in 0..cols.div_ceil(4) {
+                v[at()] = f32::NAN;
+            }
+            let i = at();
+            v[i] = 9.0;
+        }
+        5 => v.fill(f32::NEG_INFINITY),
+        6 => {
+            v.fill(f32::NEG_INFINITY);
+            v[at()] = -2.0;
+        }
+        7 => {
+            v[at()] = f32::INFINITY;
+            v[at()] = f32::INFINITY;
+        }
+        8 => {
+            v.fill(f32::NAN);
+            v[0] = -1.0;
+            v[cols - 1] = 3.0;
+        }
+        _ => {}
+    }
+    v
+}
+
+fn check_argmax(rows: usize, cols: usize, dt: Dt, pad: usize, seed: u64) {
+    let what = format!("rows {rows} cols {cols} {dt:?} pad {pad} seed {seed}");
+    let logits: Vec<Vec<f32>> = (0..rows)
+        .map(|r| {
+            rounded(
+                &greedy_row(cols, (r + seed as usize) % 9, seed + r as u64),
+                dt,
+            )
+        })
+        .collect();
+    // Each row padded to a stride of its own with values larger than any logit: a read past
+    // the view (which the fence reports too) would pick one.
+    let flat: Vec<f32> = (logits.iter())
+        .flat_map(|r| r.iter().copied().chain(std::iter::repeat_n(100.0, pad)))
+        .collect();
+    let buf = Buf::new(&flat, dt);
+    let got = argmax_rows(buf.keys(), cols + pad, rows, cols, seed)
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+    let want: Vec<u32> = logits
+        .iter()
+        .map(|r| keydiff_model::model::argmax(r))
+        .collect();
+    assert_eq!(got, want, "{what}");
+}
+
+#[test]
+fn argmax_rows_matches_the_host_sampler() {
+    // Rows shorter than a warp and a block, a block exactly, a block and one, Qwen 2.5's
+    // vocabulary (148 values a thread); every dtype; contiguous rows and padded ones; two
+    // thread schedules each.
+    let shapes = [
+        (9, 1),
+        (9, 31),
+        (9, 1000),
+        (9, 1024),
+        (9, 1025),
+        (9, 5000),
+        (2, 151_936),
+    ];
+    for (i, &(rows, cols)) in shapes.iter().enumerate() {
+        for dt in [Dt::F32, Dt::F16, Dt::BF16] {
+            for (j, pad) in [0, 3].into_iter().enumerate() {
+                check_argmax(rows, cols, dt, pad, 300 + 10 * i as u64 + j as u64);
+            }
+        }
+    }
+}
+
+/// Bad shapes are errors naming the problem, before anything runs.
+#[test]
+fn argmax_rows_refuses_what_it_cannot_run() {
+    let x = vec![0f32; 64];
+    let err = |rs, rows, cols| {
+        argmax_rows(Keys::F32(&x), rs, rows, cols, 1)
+            .unwrap_err()
+            .to_string()
+    };
+    assert!(err(8, 0, 8).contains("0 rows"));
+    assert!(err(8, 2, 0).contains("of 0 values"));
+    assert!(err(4, 2, 8).contains("below the 8 values"));
+    assert!(err(16, 8, 16).contains("exceeds"));
 }
 
 /// `keys` from element `off` on.

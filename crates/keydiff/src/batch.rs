@@ -864,6 +864,11 @@ impl<'e> Batch<'e> {
             for r in self.running.iter_mut() {
                 r.fed = r.decoding.with_draft(r.next, &r.cache);
             }
+            // A greedy request fed one token takes its row's argmax, picked where the logits
+            // are (one launch for all of them on a GPU); the others read their rows.
+            let greedy: Vec<bool> = (self.running.iter())
+                .map(|r| r.fed.len() == 1 && r.decoding.greedy())
+                .collect();
             for Running { cache, fed, .. } in self.running.iter_mut() {
                 segments.push(Segment {
                     tokens: fed,
@@ -894,18 +899,7 @@ impl<'e> Batch<'e> {
                     // Each running request's rows: one, or its token's and its draft's.
                     let rows = match out.into_iter().collect::<Option<Vec<_>>>() {
                         Some(rows) if rows.is_empty() => Vec::new(),
-                        Some(rows) => {
-                            let lens: Vec<usize> = rows
-                                .iter()
-                                .map(|t| t.dim(0))
-                                .collect::<candle_core::Result<_>>()?;
-                            let mut all = candle_core::Tensor::cat(&rows, 0)?
-                                .to_vec2::<f32>()?
-                                .into_iter();
-                            lens.iter()
-                                .map(|&n| all.by_ref().take(n).collect::<Vec<_>>())
-                                .collect()
-                        }
+                        Some(rows) => decode_rows(&rows, &greedy)?,
                         None => {
                             return Err(EngineError::Model(keydiff_model::ModelError::Shape(
                                 "a decode row without logits".into(),
@@ -950,11 +944,15 @@ impl<'e> Batch<'e> {
             self.joining.push_front(j);
         }
         let mut still = Vec::with_capacity(self.running.len());
-        for (mut r, mut rows) in std::mem::take(&mut self.running).into_iter().zip(rows) {
+        for (mut r, rows) in std::mem::take(&mut self.running).into_iter().zip(rows) {
             let id = r.id;
             let mut events = |e: Event<'_>| on_event(id, e);
-            let next = match r.fed.len() {
-                1 => match rows.pop() {
+            let next = match (r.fed.len(), rows) {
+                (1, Rows::Greedy(tok)) => {
+                    r.decoding.fed_greedy(tok);
+                    r.decoding.next(r.cache.position(), &mut events)
+                }
+                (1, Rows::Host(mut rows)) => match rows.pop() {
                     Some(row) => {
                         r.decoding.fed(row);
                         r.decoding.next(r.cache.position(), &mut events)
@@ -963,7 +961,12 @@ impl<'e> Batch<'e> {
                         "a decode row without logits".into(),
                     ))),
                 },
-                _ => (r.decoding).verify(rows, &r.fed[1..], &mut r.cache, &mut events),
+                (_, Rows::Host(rows)) => {
+                    (r.decoding).verify(rows, &r.fed[1..], &mut r.cache, &mut events)
+                }
+                (_, Rows::Greedy(_)) => Err(EngineError::Model(keydiff_model::ModelError::Shape(
+                    "a greedy token for a token and its draft".into(),
+                ))),
             };
             match next {
                 Ok(Some(next)) => {
@@ -984,6 +987,55 @@ impl<'e> Batch<'e> {
         }
         Ok(ended)
     }
+}
+
+/// A running request's logits after a step: its rows on the host, or its greedy token.
+enum Rows {
+    Host(Vec<Vec<f32>>),
+    Greedy(u32),
+}
+
+/// Each running request's logits from its `rows` (`[fed tokens, vocab]` each): the argmax of
+/// its one row where `greedy` says so, its rows on the host otherwise. One argmax over all the
+/// greedy rows and one read of the others' rows, so that a step costs at most two reads from
+/// the device.
+fn decode_rows(rows: &[candle_core::Tensor], greedy: &[bool]) -> Result<Vec<Rows>> {
+    use candle_core::Tensor;
+    let picked = |want: bool| -> Vec<Tensor> {
+        (rows.iter().zip(greedy))
+            .filter(|(_, &g)| g == want)
+            .map(|(t, _)| t.clone())
+            .collect()
+    };
+    let (g, h) = (picked(true), picked(false));
+    let mut tokens = match g.is_empty() {
+        true => Vec::new(),
+        false => keydiff_model::model::argmax_rows(&Tensor::cat(&g, 0)?)?,
+    }
+    .into_iter();
+    let mut host = match h.is_empty() {
+        true => Vec::new(),
+        false => Tensor::cat(&h, 0)?.to_vec2::<f32>()?,
+    }
+    .into_iter();
+    let mut out = Vec::with_capacity(rows.len());
+    for (t, &g) in rows.iter().zip(greedy) {
+        let n = t.dim(0)?;
+        out.push(match g {
+            true if n == 1 => Rows::Greedy(tokens.next().ok_or_else(|| {
+                EngineError::Model(keydiff_model::ModelError::Shape(
+                    "fewer greedy tokens than greedy rows".into(),
+                ))
+            })?),
+            true => {
+                return Err(EngineError::Model(keydiff_model::ModelError::Shape(
+                    format!("{n} rows of logits for a greedy request fed one token"),
+                )))
+            }
+            false => Rows::Host(host.by_ref().take(n).collect()),
+        });
+    }
+    Ok(out)
 }
 
 /// What `Batch::admit` gives for a request set up on a kept cache or a fresh one.

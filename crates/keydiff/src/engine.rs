@@ -570,17 +570,18 @@ impl<'e> Prefill<'e> {
             .map(|p| Breakdown::new(p, cache.counters().since(&self.counted), prefill_s));
         cache.set_profiling(false);
         // Cancelled during prefill: nothing to sample from.
+        let e = self.engine;
+        let constraint = Constraint::new(&self.params.sampling.format)?;
+        let greedy = greedy_where_logits_are(&self.params, &constraint);
         let (logits, reason) = match self.logits {
-            Some(l) if self.done == n => (l.to_vec1::<f32>()?, StopReason::MaxTokens),
+            Some(l) if self.done == n => (Next::of(&l, greedy)?, StopReason::MaxTokens),
             _ if self.done == n => {
                 return Err(EngineError::Model(keydiff_model::ModelError::Shape(
                     "the prompt's last chunk ran without its logits".into(),
                 )))
             }
-            _ => (Vec::new(), StopReason::Cancelled),
+            _ => (Next::Logits(Vec::new()), StopReason::Cancelled),
         };
-        let e = self.engine;
-        let constraint = Constraint::new(&self.params.sampling.format)?;
         Ok(Decoding {
             engine: e,
             sampler: Sampler::new(self.params.sampling.clone()),
@@ -609,7 +610,44 @@ impl<'e> Prefill<'e> {
             spec_schedule: None,
             reason,
             logits,
+            greedy,
             constraint,
+        })
+    }
+}
+
+/// Whether a request's tokens are its logits' argmax and nothing else
+/// ([`Sampling::is_plain_greedy`], no constraint on the output, no logprobs to report): they are
+/// then picked where the logits are ([`keydiff_model::model::argmax_rows`]), and on a GPU the
+/// host reads a token a step instead of the vocabulary's row of logits.
+fn greedy_where_logits_are(params: &GenerateParams, constraint: &Option<Constraint>) -> bool {
+    params.sampling.is_plain_greedy() && constraint.is_none() && params.logprobs.is_none()
+}
+
+/// What a request samples its next token from.
+#[derive(Clone)]
+enum Next {
+    /// The model's logits, read to the host.
+    Logits(Vec<f32>),
+    /// The argmax of the logits, picked where they are (a greedy request,
+    /// [`greedy_where_logits_are`]).
+    Greedy(u32),
+}
+
+impl Next {
+    /// The next token's distribution from a `[vocab]` row of logits: its argmax where it is
+    /// when `greedy`, else the row on the host.
+    fn of(logits: &Tensor, greedy: bool) -> Result<Self> {
+        Ok(match greedy {
+            true => match keydiff_model::model::argmax_rows(logits)?[..] {
+                [tok] => Next::Greedy(tok),
+                ref other => {
+                    return Err(EngineError::Model(keydiff_model::ModelError::Shape(
+                        format!("{} greedy tokens for one row of logits", other.len()),
+                    )))
+                }
+            },
+            false => Next::Logits(logits.to_dtype(candle_core::DType::F32)?.to_vec1::<f32>()?),
         })
     }
 }
@@ -652,7 +690,10 @@ pub(crate) struct Decoding<'e> {
     /// The next drafts' lengths, from how the last ones went.
     spec_schedule: Option<crate::speculative::Schedule>,
     reason: StopReason,
-    logits: Vec<f32>,
+    /// What the next token is sampled from.
+    logits: Next,
+    /// The tokens are the logits' argmax, picked where they are ([`greedy_where_logits_are`]).
+    greedy: bool,
     /// JSON mode's checker or the grammar's state, over what was generated so far.
     constraint: Option<Constraint>,
 }
@@ -1136,11 +1177,18 @@ impl<'e> Decoding<'e> {
         if self.reason != StopReason::MaxTokens || self.generated.len() >= params.max_tokens {
             return Ok(None);
         }
-        // The model's distribution, before the sampler's penalties and temperature.
-        let raw = params.logprobs.map(|top| (self.logits.clone(), top));
         let vocab = &self.engine.loaded.vocab;
+        if let Next::Greedy(tok) = self.logits {
+            debug_assert!(self.greedy);
+            return self.sampled(tok, None, position, on_event);
+        }
+        let Next::Logits(logits) = &mut self.logits else {
+            unreachable!("matched above")
+        };
+        // The model's distribution, before the sampler's penalties and temperature.
+        let raw = params.logprobs.map(|top| (logits.clone(), top));
         let tok = match &mut self.constraint {
-            None => self.sampler.sample(&mut self.logits, &self.history),
+            None => self.sampler.sample(logits, &self.history),
             Some(c) => {
                 let (tokens, eos) = (self.engine.token_bytes()?, &vocab.eos_ids);
                 let by_bytes = match c {
@@ -1150,7 +1198,7 @@ impl<'e> Decoding<'e> {
                     Constraint::Json(_) => &[],
                 };
                 let tok = self.sampler.sample_constrained(
-                    &mut self.logits,
+                    logits,
                     &self.history,
                     c,
                     |c, t| c.push(t, tokens, eos),
@@ -1165,6 +1213,20 @@ impl<'e> Decoding<'e> {
                 })?
             }
         };
+        self.sampled(tok, raw, position, on_event)
+    }
+
+    /// [`Decoding::next`] once `tok` is sampled (`raw`: the logits it was sampled from, and how
+    /// many alternatives to report, when logprobs are asked for).
+    fn sampled(
+        &mut self,
+        tok: u32,
+        raw: Option<(Vec<f32>, usize)>,
+        position: usize,
+        on_event: &mut impl FnMut(Event<'_>),
+    ) -> Result<Option<u32>> {
+        let params = &self.params;
+        let vocab = &self.engine.loaded.vocab;
         if self.generated.is_empty() {
             self.ttft_s = self.t0.elapsed().as_secs_f64();
         }
@@ -1323,10 +1385,32 @@ impl<'e> Decoding<'e> {
         d
     }
 
-    /// The logits after the token [`Decoding::next`] returned was fed.
+    /// The logits after the token [`Decoding::next`] returned was fed, on the host.
     pub(crate) fn fed(&mut self, logits: Vec<f32>) {
-        self.logits = logits;
+        self.logits = Next::Logits(logits);
         self.decode_steps += 1;
+    }
+
+    /// The greedy token after the token [`Decoding::next`] returned was fed, picked where the
+    /// logits are (only for a request whose [`Decoding::greedy`] is true).
+    pub(crate) fn fed_greedy(&mut self, tok: u32) {
+        debug_assert!(self.greedy);
+        self.logits = Next::Greedy(tok);
+        self.decode_steps += 1;
+    }
+
+    /// Whether this request's tokens are picked where the logits are: [`Decoding::fed_greedy`]
+    /// then takes the place of [`Decoding::fed`].
+    pub(crate) fn greedy(&self) -> bool {
+        self.greedy
+    }
+
+    /// The logits after the token [`Decoding::next`] returned was fed, a `[vocab]` row where
+    /// the model left it: read to the host, or only its argmax for a greedy request.
+    pub(crate) fn fed_row(&mut self, logits: &Tensor) -> Result<()> {
+        self.logits = Next::of(logits, self.greedy)?;
+        self.decode_steps += 1;
+        Ok(())
     }
 
     /// The output, once [`Decoding::next`] has returned `None`; and the last sampled token,
@@ -2369,7 +2453,7 @@ impl Engine {
             let fed = d.with_draft(tok, cache);
             if fed.len() == 1 {
                 let logits = model.forward(&fed, cache, true)?;
-                d.fed(logits.to_vec1::<f32>()?);
+                d.fed_row(&logits)?;
                 next = d.next(cache.position(), on_event)?;
                 continue;
             }

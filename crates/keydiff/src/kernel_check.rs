@@ -631,6 +631,108 @@ pub fn decode_parity(
     })
 }
 
+/// One case of greedy sampling where the logits are (`keydiff_model::model::argmax_rows`; on
+/// CUDA `keydiff_argmax_rows_*`) against the host sampler's argmax over the same values.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct GreedyParity {
+    pub dtype: String,
+    pub rows: usize,
+    pub vocab: usize,
+    /// The rows are a view inside a wider buffer (a row stride past the vocabulary, an offset).
+    pub strided: bool,
+    /// Rows whose token differs from the host's (0 expected: the same first index of the
+    /// largest value, NaNs skipped).
+    pub rows_differing: usize,
+    pub pass: bool,
+}
+
+/// Greedy sampling's cases: f32, f16 and bf16 logits; vocabularies of Qwen 2.5 (151,936),
+/// Llama 3 (128,256), an odd one and a few tiny ones; a batch's rows; contiguous rows and views.
+pub fn greedy_cases() -> Vec<(DType, usize, usize, bool)> {
+    let mut out = Vec::new();
+    for dt in [DType::F32, DType::F16, DType::BF16] {
+        out.push((dt, 6, 151_936, false));
+        out.push((dt, 7, 32_007, true));
+        out.push((dt, 6, 1025, false));
+        out.push((dt, 3, 1, true));
+    }
+    out.push((DType::F32, 9, 128_256, true));
+    out
+}
+
+/// Greedy tokens of `rows` rows of `vocab` logits in `dtype` on `device` against the host's
+/// [`crate::sampling::argmax`] over the same (rounded) values. Row r is, by r mod 6: random
+/// values; random with the largest planted at four places across the row (a tie: the first
+/// wins); NaN first (0, as the host scan gives); NaNs sprinkled with the largest past them;
+/// all −∞ (0); all −∞ but the last value.
+pub fn greedy_parity(
+    device: &Device,
+    (dtype, rows, vocab, strided): (DType, usize, usize, bool),
+    seed: u64,
+) -> Result<GreedyParity> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let (pad_rows, pad_cols) = if strided { (2, 5) } else { (0, 0) };
+    let width = vocab + pad_cols;
+    let mut xs = Vec::with_capacity((rows + pad_rows) * width);
+    for r in 0..rows + pad_rows {
+        // Around the view, values larger than any inside it: a kernel that reads past its
+        // row's view picks one of them.
+        let mut row = vec![100.0f32; width];
+        if r < pad_rows / 2 || r >= pad_rows / 2 + rows {
+            xs.extend(row);
+            continue;
+        }
+        let v = &mut row[pad_cols.min(2)..pad_cols.min(2) + vocab];
+        v.iter_mut().for_each(|x| *x = rng.random_range(-8.0..8.0));
+        match (r - pad_rows / 2) % 6 {
+            1 => {
+                for at in [vocab - 1, vocab / 2, 1025 % vocab, 3 % vocab] {
+                    v[at] = 9.5;
+                }
+            }
+            2 => v[0] = f32::NAN,
+            3 => {
+                for (i, x) in v.iter_mut().enumerate() {
+                    if i % 10 == 3 {
+                        *x = f32::NAN;
+                    }
+                }
+                v[vocab - 1] = 9.0;
+            }
+            4 => v.fill(f32::NEG_INFINITY),
+            5 => {
+                v.fill(f32::NEG_INFINITY);
+                v[vocab - 1] = -3.0;
+            }
+            _ => {}
+        }
+        xs.extend(row);
+    }
+    let all = Tensor::from_vec(xs, (rows + pad_rows, width), device)?.to_dtype(dtype)?;
+    let view = match strided {
+        true => all.narrow(0, pad_rows / 2, rows)?.narrow(1, 2, vocab)?,
+        false => all,
+    };
+    let want: Vec<u32> = (view.to_device(&Device::Cpu)?.to_dtype(DType::F32)?)
+        .to_vec2::<f32>()?
+        .iter()
+        .map(|r| crate::sampling::argmax(r))
+        .collect();
+    let got = keydiff_model::model::argmax_rows(&view)?;
+    let rows_differing = match got.len() == want.len() {
+        true => got.iter().zip(&want).filter(|(a, b)| a != b).count(),
+        false => rows,
+    };
+    Ok(GreedyParity {
+        dtype: dtype.as_str().to_string(),
+        rows,
+        vocab,
+        strided,
+        rows_differing,
+        pass: rows_differing == 0,
+    })
+}
+
 /// Timing of one eviction (scoring + selection/plan + moves of K, V, positions and state).
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct KernelTiming {

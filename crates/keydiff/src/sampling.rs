@@ -175,6 +175,21 @@ impl Sampling {
     }
 }
 
+impl Sampling {
+    /// Whether a token is the logits' argmax and nothing else: greedy, with no logit bias and
+    /// no penalty (what [`Sampler::sample`] then does is [`argmax`]). The engine then picks it
+    /// where the logits are ([`keydiff_model::model::argmax_rows`]: on the GPU, 4 bytes come
+    /// back instead of the vocabulary's row).
+    pub fn is_plain_greedy(&self) -> bool {
+        let penalised = self.repetition_penalty != 1.0
+            || self.frequency_penalty != 0.0
+            || self.presence_penalty != 0.0;
+        self.temperature <= 0.0
+            && self.logit_bias.is_empty()
+            && !(penalised && self.repeat_last_n > 0)
+    }
+}
+
 /// A seeded sampler over host logits.
 #[derive(Clone)]
 pub struct Sampler {
@@ -375,16 +390,9 @@ fn pick(mut cand: Vec<(u32, f32)>, c: &Sampling, r: f32) -> u32 {
     ranked.get(len - 1).0
 }
 
-/// Index of the largest value; the first one on ties.
-pub(crate) fn argmax(xs: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &x) in xs.iter().enumerate() {
-        if x > xs[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
+/// Index of the largest value; the first one on ties (NaNs skipped, 0 when the first is NaN).
+/// The same function as the device's greedy choice takes for its reference.
+pub(crate) use keydiff_model::model::argmax;
 
 #[cfg(test)]
 mod tests {
@@ -627,6 +635,60 @@ mod tests {
     fn greedy_is_argmax() {
         let mut l = vec![0.1, 3.0, -1.0, 2.9];
         assert_eq!(s(Sampling::default()).sample(&mut l, &[]), 1);
+    }
+
+    /// What the device's greedy pick must equal (`keydiff_argmax_rows_*`): the first of equal
+    /// largest values, NaNs skipped, 0 for a row that starts with NaN or is all −∞.
+    #[test]
+    fn argmax_keeps_the_first_of_ties_and_skips_nans() {
+        let (nan, inf) = (f32::NAN, f32::INFINITY);
+        assert_eq!(argmax(&[1.0, 5.0, 2.0, 5.0]), 1);
+        assert_eq!(argmax(&[1.0, nan, 4.0, nan, 4.0]), 2);
+        assert_eq!(argmax(&[nan, 9.0, 1.0]), 0);
+        assert_eq!(argmax(&[-inf, -inf, -inf]), 0);
+        assert_eq!(argmax(&[-inf, -inf, -7.0]), 2);
+        assert_eq!(argmax(&[1.0, inf, inf]), 1);
+        assert_eq!(argmax(&[2.0]), 0);
+        assert_eq!(argmax(&[]), 0);
+    }
+
+    /// Plain greedy (the token is the argmax and nothing else) only without a bias or an active
+    /// penalty; a penalty with an empty window is no penalty.
+    #[test]
+    fn plain_greedy_is_greedy_without_bias_or_penalty() {
+        assert!(Sampling::default().is_plain_greedy());
+        let not = [
+            Sampling {
+                temperature: 0.7,
+                ..Default::default()
+            },
+            Sampling {
+                logit_bias: vec![(3, 0.0)],
+                ..Default::default()
+            },
+            Sampling {
+                repetition_penalty: 1.1,
+                ..Default::default()
+            },
+            Sampling {
+                frequency_penalty: 0.1,
+                ..Default::default()
+            },
+            Sampling {
+                presence_penalty: -0.1,
+                ..Default::default()
+            },
+        ];
+        for c in not {
+            assert!(!c.is_plain_greedy(), "{c:?}");
+        }
+        assert!(Sampling {
+            repetition_penalty: 1.3,
+            repeat_last_n: 0,
+            top_k: 5,
+            ..Default::default()
+        }
+        .is_plain_greedy());
     }
 
     #[test]
