@@ -1349,6 +1349,101 @@ fn fma(a: f32, b: f32, c: f32) -> f32 {
     }
 }
 
+/// Index of the largest value of `xs`; the first one on ties, NaNs skipped, and 0 when `xs`
+/// starts with NaN (or is empty): greedy sampling's choice, on the host. The reference of
+/// `keydiff_argmax_rows_*`.
+pub fn argmax(xs: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in xs.iter().enumerate() {
+        if x > xs[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Greedy sampling where the logits are: [`argmax`] of each row of `logits` (`[vocab]` or
+/// `[rows, vocab]`, f32/f16/bf16). On CUDA one launch of keydiff's kernel
+/// (`keydiff_argmax_rows_*`), and 4 bytes a row come back to the host instead of the row;
+/// elsewhere, or with `KEYDIFF_CUDA_ARGMAX=0`, the host reads the rows.
+pub fn argmax_rows(logits: &Tensor) -> Result<Vec<u32>> {
+    static ON: OnceLock<bool> = OnceLock::new();
+    let x = match logits.rank() {
+        1 => logits.unsqueeze(0)?,
+        2 => logits.clone(),
+        r => {
+            return Err(ModelError::Shape(format!(
+                "greedy sampling over logits of rank {r} (1 or 2)"
+            )))
+        }
+    };
+    let (rows, cols) = x.dims2()?;
+    if cols == 0 {
+        return Err(ModelError::Shape(
+            "greedy sampling over an empty vocabulary".into(),
+        ));
+    }
+    if rows == 0 {
+        return Ok(Vec::new());
+    }
+    let float = matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16);
+    if switched_on(&ON, "KEYDIFF_CUDA_ARGMAX")
+        && x.device().is_cuda()
+        && float
+        && x.stride()[1] == 1
+    {
+        if let Some(t) = cuda_argmax_rows(&x)? {
+            return Ok(t.to_vec1::<u32>()?);
+        }
+    }
+    let x = x.to_dtype(DType::F32)?;
+    let (s, l) = x.storage_and_layout();
+    if let (candle_core::Storage::Cpu(c), Some((start, end))) = (&*s, l.contiguous_offsets()) {
+        // The CPU's rows in place: no copy of the vocabulary per step.
+        let all = &c.as_slice::<f32>()?[start..end];
+        return Ok(all.chunks_exact(cols).map(argmax).collect());
+    }
+    drop(s);
+    Ok(x.to_vec2::<f32>()?.iter().map(|r| argmax(r)).collect())
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_argmax_rows(x: &Tensor) -> Result<Option<Tensor>> {
+    Ok(Some(x.apply_op1_no_bwd(&CudaArgmax)?))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_argmax_rows(_x: &Tensor) -> Result<Option<Tensor>> {
+    Ok(None)
+}
+
+/// The candle op of [`argmax_rows`] on CUDA.
+#[cfg(feature = "cuda")]
+struct CudaArgmax;
+
+#[cfg(feature = "cuda")]
+impl candle_core::CustomOp1 for CudaArgmax {
+    fn name(&self) -> &'static str {
+        "argmax-rows"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &candle_core::CpuStorage,
+        _: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        candle_core::bail!("argmax-rows: the CUDA kernel's op runs on CUDA only")
+    }
+
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        l: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
+        keydiff_kernels::argmax_rows((x, l))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use candle_core::{Device, D};
@@ -1685,100 +1780,5 @@ mod tests {
                 assert_eq!(max(&x), 0.5, "n={n} at={at}");
             }
         }
-    }
-}
-
-/// Index of the largest value of `xs`; the first one on ties, NaNs skipped, and 0 when `xs`
-/// starts with NaN (or is empty): greedy sampling's choice, on the host. The reference of
-/// `keydiff_argmax_rows_*`.
-pub fn argmax(xs: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &x) in xs.iter().enumerate() {
-        if x > xs[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
-
-/// Greedy sampling where the logits are: [`argmax`] of each row of `logits` (`[vocab]` or
-/// `[rows, vocab]`, f32/f16/bf16). On CUDA one launch of keydiff's kernel
-/// (`keydiff_argmax_rows_*`), and 4 bytes a row come back to the host instead of the row;
-/// elsewhere, or with `KEYDIFF_CUDA_ARGMAX=0`, the host reads the rows.
-pub fn argmax_rows(logits: &Tensor) -> Result<Vec<u32>> {
-    static ON: OnceLock<bool> = OnceLock::new();
-    let x = match logits.rank() {
-        1 => logits.unsqueeze(0)?,
-        2 => logits.clone(),
-        r => {
-            return Err(ModelError::Shape(format!(
-                "greedy sampling over logits of rank {r} (1 or 2)"
-            )))
-        }
-    };
-    let (rows, cols) = x.dims2()?;
-    if cols == 0 {
-        return Err(ModelError::Shape(
-            "greedy sampling over an empty vocabulary".into(),
-        ));
-    }
-    if rows == 0 {
-        return Ok(Vec::new());
-    }
-    let float = matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16);
-    if switched_on(&ON, "KEYDIFF_CUDA_ARGMAX")
-        && x.device().is_cuda()
-        && float
-        && x.stride()[1] == 1
-    {
-        if let Some(t) = cuda_argmax_rows(&x)? {
-            return Ok(t.to_vec1::<u32>()?);
-        }
-    }
-    let x = x.to_dtype(DType::F32)?;
-    let (s, l) = x.storage_and_layout();
-    if let (candle_core::Storage::Cpu(c), Some((start, end))) = (&*s, l.contiguous_offsets()) {
-        // The CPU's rows in place: no copy of the vocabulary per step.
-        let all = &c.as_slice::<f32>()?[start..end];
-        return Ok(all.chunks_exact(cols).map(argmax).collect());
-    }
-    drop(s);
-    Ok(x.to_vec2::<f32>()?.iter().map(|r| argmax(r)).collect())
-}
-
-#[cfg(feature = "cuda")]
-fn cuda_argmax_rows(x: &Tensor) -> Result<Option<Tensor>> {
-    Ok(Some(x.apply_op1_no_bwd(&CudaArgmax)?))
-}
-
-#[cfg(not(feature = "cuda"))]
-fn cuda_argmax_rows(_x: &Tensor) -> Result<Option<Tensor>> {
-    Ok(None)
-}
-
-/// The candle op of [`argmax_rows`] on CUDA.
-#[cfg(feature = "cuda")]
-struct CudaArgmax;
-
-#[cfg(feature = "cuda")]
-impl candle_core::CustomOp1 for CudaArgmax {
-    fn name(&self) -> &'static str {
-        "argmax-rows"
-    }
-
-    fn cpu_fwd(
-        &self,
-        _: &candle_core::CpuStorage,
-        _: &candle_core::Layout,
-    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
-        candle_core::bail!("argmax-rows: the CUDA kernel's op runs on CUDA only")
-    }
-
-    fn cuda_fwd(
-        &self,
-        x: &candle_core::CudaStorage,
-        l: &candle_core::Layout,
-    ) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
-        keydiff_kernels::argmax_rows((x, l))
     }
 }
