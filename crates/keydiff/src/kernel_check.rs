@@ -708,17 +708,21 @@ pub fn greedy_parity(
         }
         xs.extend(row);
     }
-    let all = Tensor::from_vec(xs, (rows + pad_rows, width), device)?.to_dtype(dtype)?;
-    let view = match strided {
-        true => all.narrow(0, pad_rows / 2, rows)?.narrow(1, 2, vocab)?,
-        false => all,
+    // Rounded to the dtype on the CPU, then copied: the reference never reads back what the
+    // device computed (a device that computes nothing fails).
+    let host = Tensor::from_vec(xs, (rows + pad_rows, width), &Device::Cpu)?.to_dtype(dtype)?;
+    let view = |all: &Tensor| -> Result<Tensor> {
+        Ok(match strided {
+            true => all.narrow(0, pad_rows / 2, rows)?.narrow(1, 2, vocab)?,
+            false => all.clone(),
+        })
     };
-    let want: Vec<u32> = (view.to_device(&Device::Cpu)?.to_dtype(DType::F32)?)
+    let want: Vec<u32> = (view(&host)?.to_dtype(DType::F32)?)
         .to_vec2::<f32>()?
         .iter()
         .map(|r| crate::sampling::argmax(r))
         .collect();
-    let got = keydiff_model::model::argmax_rows(&view)?;
+    let got = keydiff_model::model::argmax_rows(&view(&host.to_device(device)?)?)?;
     let rows_differing = match got.len() == want.len() {
         true => got.iter().zip(&want).filter(|(a, b)| a != b).count(),
         false => rows,
