@@ -569,10 +569,10 @@ impl<'e> Prefill<'e> {
             .profile()
             .map(|p| Breakdown::new(p, cache.counters().since(&self.counted), prefill_s));
         cache.set_profiling(false);
-        // Cancelled during prefill: nothing to sample from.
         let e = self.engine;
         let constraint = Constraint::new(&self.params.sampling.format)?;
         let greedy = greedy_where_logits_are(&self.params, &constraint);
+        // Cancelled during prefill: nothing to sample from.
         let (logits, reason) = match self.logits {
             Some(l) if self.done == n => (Next::of(&l, greedy)?, StopReason::MaxTokens),
             _ if self.done == n => {
