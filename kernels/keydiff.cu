@@ -1936,8 +1936,8 @@ KD_INSTANTIATE_ROPE(bf16, __nv_bfloat16)
 // ---------------------------------------------------------------------------------------------
 // Greedy sampling on the device: the index of each row's largest value, so that a greedy decode
 // step reads 4 bytes a request back to the host instead of its whole row of logits. Reference:
-// `argmax` of crates/keydiff/src/sampling.rs (and `argmax_rows`' CPU path in crates/keydiff-model/
-// src/decode_kernel.rs): the first index of the largest value, NaNs skipped, and 0 when the
+// `argmax` of crates/keydiff-model/src/decode_kernel.rs (the host sampler's greedy choice, and
+// `argmax_rows`' CPU path): the first index of the largest value, NaNs skipped, and 0 when the
 // row's first value is NaN (what a scan keeping `x > best` gives). Equal values keep the lower
 // index, so the answer does not depend on the thread schedule.
 //

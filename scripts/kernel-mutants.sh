@@ -159,6 +159,7 @@ mutants=(
   # tests/model_kernels_emulation.rs (the mutants named "argmax: ...").
   "argmax: ties keep the higher index~  return bi == KD_ARGMAX_NONE || v > bv || (v == bv && i < bi);~  return bi == KD_ARGMAX_NONE || v > bv || (v == bv && i > bi);"
   "argmax: a later equal value wins~  return bi == KD_ARGMAX_NONE || v > bv || (v == bv && i < bi);~  return bi == KD_ARGMAX_NONE || v >= bv || (v == bv && i < bi);"
+  "argmax: a thread with no values competes with its placeholder~  if (i == KD_ARGMAX_NONE || isnan(v)) return false;~  if (isnan(v)) return false;"
   "argmax: NaN not skipped~  if (i == KD_ARGMAX_NONE || isnan(v)) return false;~  if (i == KD_ARGMAX_NONE) return false;"
   "argmax: a row starting with NaN not sent to 0~    if (lane == 0) out[blockIdx.x] = bi == KD_ARGMAX_NONE || isnan(kd_to_f(row[0])) ? 0u : bi;~    if (lane == 0) out[blockIdx.x] = bi == KD_ARGMAX_NONE ? 0u : bi;"
   "argmax: the last value of a row not read~  for (int c = threadIdx.x; c < cols; c += KD_ARGMAX_THREADS) {~  for (int c = threadIdx.x; c < cols - 1; c += KD_ARGMAX_THREADS) {"

@@ -198,7 +198,11 @@ fn greedy_tokens_are_the_same_picked_where_the_logits_are_or_on_the_host() {
         }
     }
     // The prompts' outputs differ: a row given to another request would show.
-    assert!(firsts[0] != firsts[ways.len()] && firsts[ways.len()] != firsts[2 * ways.len()]);
+    let (a, b, c) = (&firsts[0], &firsts[ways.len()], &firsts[2 * ways.len()]);
+    assert!(
+        a != b && b != c && a != c,
+        "the prompts' outputs must differ"
+    );
 }
 
 /// The stop strings and limits end requests at different steps: the reasons differ, so the

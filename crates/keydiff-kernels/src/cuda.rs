@@ -1226,8 +1226,11 @@ pub fn silu_mul(
 pub fn argmax_rows((x, l): (&CudaStorage, &Layout)) -> Result<(CudaStorage, Shape)> {
     let (rows, cols) = l.shape().dims2()?;
     let st = l.stride();
-    if st[1] != 1 && cols > 1 {
-        bail!("argmax: {:?} at strides {st:?} (rows contiguous)", l.dims());
+    if (st[1] != 1 && cols > 1) || (st[0] < cols && rows > 1) {
+        bail!(
+            "argmax: {:?} at strides {st:?} (rows contiguous, apart)",
+            l.dims()
+        );
     }
     check_argmax(rows, cols)?;
     let dev = x.device().clone();

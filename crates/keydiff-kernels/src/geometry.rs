@@ -540,11 +540,13 @@ pub fn argmax_launch(rows: usize) -> Launch {
     }
 }
 
-/// The argmax's limits: `rows` rows (a block each) of `cols` values, an `int` in the kernel.
+/// The argmax's limits: `rows` rows (a block each) of `cols` values, an `int` in the kernel
+/// whose strided loop steps a block past the row's end.
 pub fn check_argmax(rows: usize, cols: usize) -> Result<()> {
-    if rows == 0 || rows > i32::MAX as usize || cols == 0 || cols > i32::MAX as usize {
+    let most_cols = i32::MAX as usize - ARGMAX_THREADS as usize;
+    if rows == 0 || rows > i32::MAX as usize || cols == 0 || cols > most_cols {
         bail!(
-            "argmax: {rows} rows of {cols} values (both from 1 to {})",
+            "argmax: {rows} rows of {cols} values (rows from 1 to {}, values from 1 to {most_cols})",
             i32::MAX
         );
     }

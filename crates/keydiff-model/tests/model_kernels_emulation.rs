@@ -1167,10 +1167,10 @@ fn silu_mul_refuses_what_it_cannot_run() {
 
 /// A row of `cols` logits for greedy sampling: random values in ±8, and by `kind`: 0 as they
 /// are; 1 the largest (9.5) at 2 to 9 random places (a tie: the first must win, wherever the
-/// others fall among the threads, lanes and warps); 2 all one value (0); 3 NaN first (0, as
-/// the host scan gives); 4 NaNs at random places, the largest after them; 5 all −∞; 6 all −∞
-/// but one value; 7 +∞ at two places (the first wins); 8 the largest last, the row otherwise
-/// NaN.
+/// others fall among the threads, lanes and warps); 2 all one value (0: ties within each
+/// thread's values too); 3 NaN first (0, as the host scan gives); 4 NaNs at random places and
+/// the largest at another; 5 all −∞ (0); 6 all −∞ but one value; 7 +∞ at two places (the first
+/// wins); 8 NaN everywhere but the first value and the largest, last.
 fn greedy_row(cols: usize, kind: usize, seed: u64) -> Vec<f32> {
     let mut v = values(cols, seed, 8.0);
     let mut s = seed.wrapping_mul(0x2545_f491_4f6c_dd1d) | 1;
@@ -1202,8 +1202,10 @@ fn greedy_row(cols: usize, kind: usize, seed: u64) -> Vec<f32> {
             v[at()] = -2.0;
         }
         7 => {
-            v[at()] = f32::INFINITY;
-            v[at()] = f32::INFINITY;
+            let i = at();
+            v[i] = f32::INFINITY;
+            // Another place, where there is one.
+            v[(i + 1 + at() % cols.saturating_sub(1).max(1)) % cols] = f32::INFINITY;
         }
         8 => {
             v.fill(f32::NAN);
@@ -1274,6 +1276,7 @@ fn argmax_rows_refuses_what_it_cannot_run() {
     };
     assert!(err(8, 0, 8).contains("0 rows"));
     assert!(err(8, 2, 0).contains("of 0 values"));
+    assert!(err(8, 1, i32::MAX as usize - 1000).contains("values from 1 to"));
     assert!(err(4, 2, 8).contains("below the 8 values"));
     assert!(err(16, 8, 16).contains("exceeds"));
 }

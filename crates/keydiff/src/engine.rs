@@ -2707,6 +2707,54 @@ fn start_from(
 mod tests {
     use super::*;
 
+    /// Only a request whose token is the logits' argmax and nothing else has it picked where
+    /// the logits are: not with logprobs (even of no alternatives), an output format, a logit
+    /// bias, a penalty or a temperature.
+    #[test]
+    fn greedy_where_the_logits_are_only_for_plain_greedy_requests() {
+        let decide = |p: GenerateParams| {
+            let c = Constraint::new(&p.sampling.format).unwrap();
+            greedy_where_logits_are(&p, &c)
+        };
+        let with = |s: Sampling| GenerateParams {
+            sampling: s,
+            ..Default::default()
+        };
+        assert!(decide(GenerateParams::default()));
+        assert!(decide(GenerateParams {
+            prompt_logprobs: Some(3),
+            ..Default::default()
+        }));
+        assert!(!decide(GenerateParams {
+            logprobs: Some(0),
+            ..Default::default()
+        }));
+        for format in [
+            Format::JsonObject,
+            Format::Grammar(r#"root ::= "a" | "b""#.into()),
+        ] {
+            assert!(
+                !decide(with(Sampling {
+                    format: format.clone(),
+                    ..Default::default()
+                })),
+                "{format:?}"
+            );
+        }
+        assert!(!decide(with(Sampling {
+            logit_bias: vec![(1, -1.0)],
+            ..Default::default()
+        })));
+        assert!(!decide(with(Sampling {
+            presence_penalty: 0.5,
+            ..Default::default()
+        })));
+        assert!(!decide(with(Sampling {
+            temperature: 0.3,
+            ..Default::default()
+        })));
+    }
+
     /// A lazy constraint with `<tool_call>` anywhere and `{"name"` at the start, over the
     /// grammar of `<tool_call>\nX\n</tool_call>` or `{"name":1}`.
     fn lazy() -> Constraint {
