@@ -2006,3 +2006,220 @@ __device__ void kd_argmax_rows(const T* x, int64_t x_rs, unsigned* out, int cols
 KD_INSTANTIATE_ARGMAX(f32, float)
 KD_INSTANTIATE_ARGMAX(f16, __half)
 KD_INSTANTIATE_ARGMAX(bf16, __nv_bfloat16)
+
+// ---------------------------------------------------------------------------------------------
+// Sampling on the device: each row's token drawn as the host sampler draws it (temperature,
+// top-k, top-p, min-p) from the uniform r the host drew for it, so that a sampled decode step
+// reads 4 bytes a request back instead of its row of logits, and the host does not sort a
+// vocabulary. Reference: `keydiff::sampling::draw` (crates/keydiff/src/sampling.rs), which
+// walks the finite logits in their order (largest first, equal values by index) and keeps
+//   1. the k first (top-k, when 0 < k < their count);
+//   2. of those, the shortest head whose weights exp(l - max) sum to at least top_p of all of
+//      theirs (top-p, when top_p < 1);
+//   3. of those, the ones with exp(l - max) >= min_p, the first always (min-p, when > 0);
+// then draws the first whose running sum of exp((l - max) / T) passes r times their sum.
+// Each step keeps a head of that order, so each is a select over 64-bit keys (the logit's
+// order bits, largest first; then the index): a radix select of 8-bit digits whose histogram
+// counts (top-k) or sums the weights (top-p, the draw) of the keys kept so far. Weights are
+// summed in fixed point, units of 2^-44, in exact integer sums: the token does not depend on
+// the thread schedule, and each sum is within n · 2^-45 of the host's f64 sums (the largest
+// weight is 1). min-p's test is the host's, in f64. A row with no finite logit has no draw:
+// its token is the host's argmax, flagged with KD_SAMPLE_NO_DRAW so that the host can give r
+// back. A temperature <= 0 is greedy: the argmax (`kd_argmax_better`'s order).
+//
+// x: [rows, cols] at element row stride x_rs (rows contiguous); params: [rows, 5] words
+// (temperature, top_k, top_p, min_p, r; the floats as their bits); out: [rows] u32. One block
+// of KD_SAMPLE_THREADS threads a row; cols < 2^31.
+#define KD_SAMPLE_THREADS 1024
+#define KD_SAMPLE_NO_DRAW 0x80000000u
+#define KD_SAMPLE_UNIT 17592186044416.0  // 2^44: a weight of 1 in fixed point
+
+// The order of the host's candidates as one ascending 64-bit key: larger logits first (by
+// their bits, so -0 after +0, as `f32::total_cmp`), then lower indices.
+__device__ __forceinline__ unsigned long long kd_sample_key(float l, unsigned i) {
+  const unsigned b = __float_as_uint(l);
+  const unsigned up = (b & 0x80000000u) ? ~b : (b | 0x80000000u);  // ascending with l
+  return ((unsigned long long)~up << 32) | i;
+}
+
+// exp((l - mx) / t) in units of 2^-44, rounded (l <= mx: at most 2^44).
+__device__ __forceinline__ unsigned long long kd_sample_units(float l, float mx, double t) {
+  return (unsigned long long)(exp((double)(l - mx) / t) * KD_SAMPLE_UNIT + 0.5);
+}
+
+struct KdSampleShared {
+  unsigned long long hist[256];
+  unsigned long long prefix;
+  unsigned long long kmin;
+  unsigned count, argmax;
+  unsigned long long warp_kmin[KD_SAMPLE_THREADS / 32];
+  unsigned warp_count[KD_SAMPLE_THREADS / 32];
+  float warp_val[KD_SAMPLE_THREADS / 32];
+  unsigned warp_idx[KD_SAMPLE_THREADS / 32];
+};
+
+// The first key, in ascending order, at which the kept keys' running count (mode 0) reaches
+// `goal`, or their running weight exp((l - mx) / t) reaches (mode 1) or passes (mode 2) `goal`
+// times their total. Kept: finite, key <= cut, and with `minp` exp(l - mx) >= min_p or the
+// first key `kmin`. Where rounding leaves the goal past every key, the last kept key (the
+// host's walk ends there too). Digits of the index above `top_shift` are 0 for every key.
+template <typename T>
+__device__ unsigned long long kd_sample_select(const T* row, int cols, int top_shift,
+                                               unsigned long long cut, bool minp, double min_p,
+                                               unsigned long long kmin, float mx, int mode,
+                                               double t, double goal, KdSampleShared& sh) {
+  const int lane = threadIdx.x % 32;
+  unsigned long long prefix = 0, mask = 0, before = 0;
+  double target = goal;
+  for (int shift = 56; shift >= 0; shift -= 8) {
+    if (shift < 32 && shift > top_shift) {
+      mask |= 255ull << shift;
+      continue;
+    }
+    for (int j = threadIdx.x; j < 256; j += blockDim.x) sh.hist[j] = 0;
+    __syncthreads();
+    for (int base = 0; base < cols; base += KD_SAMPLE_THREADS) {
+      const int i = base + threadIdx.x;
+      bool in = false;
+      unsigned bin = 0;
+      unsigned long long w = 0;
+      if (i < cols) {
+        const float l = kd_to_f(row[i]);
+        const unsigned long long k = kd_sample_key(l, (unsigned)i);
+        if (isfinite(l) && (k & mask) == prefix && k <= cut &&
+            (!minp || k == kmin || exp((double)(l - mx)) >= min_p)) {
+          in = true;
+          bin = (unsigned)(k >> shift) & 255u;
+          if (mode != 0) w = kd_sample_units(l, mx, t);
+        }
+      }
+      if (mode == 0) {
+        // Counts: one atomic per bin a warp touches (logits crowd into few top digits).
+        const unsigned peers = __match_any_sync(0xffffffffu, in ? bin : 256u);
+        if (in && __ffs(peers) - 1 == lane) atomicAdd(&sh.hist[bin], (unsigned long long)__popc(peers));
+      } else if (in) {
+        atomicAdd(&sh.hist[bin], w);
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      if (shift == 56 && mode != 0) {
+        unsigned long long total = 0;
+        for (int j = 0; j < 256; ++j) total += sh.hist[j];
+        target = goal * (double)total;
+      }
+      int chosen = -1, last = -1;
+      for (int j = 0; j < 256; ++j) {
+        const unsigned long long h = sh.hist[j];
+        if (h == 0) continue;
+        last = j;
+        const double cum = (double)(before + h);
+        if (mode == 0 ? cum >= goal : mode == 1 ? cum >= target : target < cum) {
+          chosen = j;
+          break;
+        }
+        before += h;
+      }
+      if (chosen < 0 && last >= 0) {
+        chosen = last;
+        before -= sh.hist[last];
+      }
+      sh.prefix = prefix | ((unsigned long long)max(chosen, 0) << shift);
+    }
+    __syncthreads();
+    prefix = sh.prefix;
+    mask |= 255ull << shift;
+  }
+  return prefix;
+}
+
+template <typename T>
+__device__ void kd_sample_rows(const T* x, int64_t x_rs, const unsigned* params, unsigned* out,
+                               int cols) {
+  __shared__ KdSampleShared sh;
+  const T* row = x + (int64_t)blockIdx.x * x_rs;
+  const unsigned* p = params + 5 * (int64_t)blockIdx.x;
+  const float temperature = __uint_as_float(p[0]);
+  const unsigned top_k = p[1];
+  const float top_p = __uint_as_float(p[2]), min_p = __uint_as_float(p[3]);
+  const float r = __uint_as_float(p[4]);
+  // The finite logits' count and first key, and the argmax (greedy, or a row without a draw).
+  unsigned n = 0, bi = KD_ARGMAX_NONE;
+  unsigned long long kmin = ~0ull;
+  float bv = 0.f;
+  for (int c = threadIdx.x; c < cols; c += KD_SAMPLE_THREADS) {
+    const float v = kd_to_f(row[c]);
+    if (kd_argmax_better(v, (unsigned)c, bv, bi)) {
+      bv = v;
+      bi = (unsigned)c;
+    }
+    if (isfinite(v)) {
+      ++n;
+      const unsigned long long k = kd_sample_key(v, (unsigned)c);
+      kmin = k < kmin ? k : kmin;
+    }
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+    const unsigned oi = __shfl_xor_sync(0xffffffffu, bi, o);
+    if (kd_argmax_better(ov, oi, bv, bi)) {
+      bv = ov;
+      bi = oi;
+    }
+    n += __shfl_xor_sync(0xffffffffu, n, o);
+    const unsigned long long ok = __shfl_xor_sync(0xffffffffu, kmin, o);
+    kmin = ok < kmin ? ok : kmin;
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) {
+    sh.warp_val[warp] = bv;
+    sh.warp_idx[warp] = bi;
+    sh.warp_count[warp] = n;
+    sh.warp_kmin[warp] = kmin;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < KD_SAMPLE_THREADS / 32; ++w) {
+      if (kd_argmax_better(sh.warp_val[w], sh.warp_idx[w], bv, bi)) {
+        bv = sh.warp_val[w];
+        bi = sh.warp_idx[w];
+      }
+      n += sh.warp_count[w];
+      kmin = sh.warp_kmin[w] < kmin ? sh.warp_kmin[w] : kmin;
+    }
+    sh.count = n;
+    sh.kmin = kmin;
+    sh.argmax = bi == KD_ARGMAX_NONE || isnan(kd_to_f(row[0])) ? 0u : bi;
+  }
+  __syncthreads();
+  const unsigned count = sh.count;
+  kmin = sh.kmin;
+  if (temperature <= 0.f || count == 0) {
+    if (threadIdx.x == 0) out[blockIdx.x] = sh.argmax | (temperature <= 0.f ? 0u : KD_SAMPLE_NO_DRAW);
+    return;
+  }
+  const float mx = kd_to_f(row[(unsigned)kmin]);
+  const unsigned last_id = (unsigned)cols - 1;
+  const int top_shift = last_id < (1u << 8) ? 0 : last_id < (1u << 16) ? 8 : last_id < (1u << 24) ? 16 : 24;
+  unsigned long long cut = ~0ull;
+  if (top_k > 0 && top_k < count)
+    cut = kd_sample_select(row, cols, top_shift, cut, false, 0.0, kmin, mx, 0, 1.0,
+                           (double)top_k, sh);
+  if (top_p < 1.f)
+    cut = kd_sample_select(row, cols, top_shift, cut, false, 0.0, kmin, mx, 1, 1.0,
+                           (double)top_p, sh);
+  const unsigned long long k = kd_sample_select(row, cols, top_shift, cut, min_p > 0.f,
+                                                (double)min_p, kmin, mx, 2, (double)temperature,
+                                                (double)r, sh);
+  if (threadIdx.x == 0) out[blockIdx.x] = (unsigned)k;
+}
+
+#define KD_INSTANTIATE_SAMPLE(SUFFIX, T)                                                        \
+  extern "C" __global__ void __launch_bounds__(KD_SAMPLE_THREADS) keydiff_sample_rows_##SUFFIX( \
+      const T* x, int64_t x_rs, const unsigned* params, unsigned* out, int cols) {              \
+    kd_sample_rows<T>(x, x_rs, params, out, cols);                                              \
+  }
+
+KD_INSTANTIATE_SAMPLE(f32, float)
+KD_INSTANTIATE_SAMPLE(f16, __half)
+KD_INSTANTIATE_SAMPLE(bf16, __nv_bfloat16)

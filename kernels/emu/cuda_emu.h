@@ -393,6 +393,13 @@ KD_EMU_UNTRACKED inline T shfl_xor(unsigned mask, T x, int lane_mask, const char
   const int lane = cur_fiber().lane, src = lane ^ lane_mask;
   return src < kWarp ? from_bits<T>(v[src]) : x;
 }
+// Width 32 only; a source lane >= 32 wraps, as CUDA's `srcLane % width`.
+template <typename T>
+KD_EMU_UNTRACKED inline T shfl(unsigned mask, T x, int src, const char* file, int line) {
+  Untracked u;
+  const uint64_t* v = warp_exchange(mask, to_bits(x), "__shfl_sync", file, line);
+  return from_bits<T>(v[src & (kWarp - 1)]);
+}
 template <typename T>
 KD_EMU_UNTRACKED inline T shfl_up(unsigned mask, T x, unsigned delta, const char* file,
                                   int line) {
@@ -408,6 +415,7 @@ KD_EMU_UNTRACKED inline T shfl_up(unsigned mask, T x, unsigned delta, const char
 #define __match_any_sync(m, x) ::kd_emu::match_any((m), (x), __FILE__, __LINE__)
 #define __shfl_xor_sync(m, x, o) ::kd_emu::shfl_xor((m), (x), (o), __FILE__, __LINE__)
 #define __shfl_up_sync(m, x, d) ::kd_emu::shfl_up((m), (x), (d), __FILE__, __LINE__)
+#define __shfl_sync(m, x, l) ::kd_emu::shfl((m), (x), (l), __FILE__, __LINE__)
 
 // Threads switch only at synchronisation points, so an atomic is a plain read-modify-write,
 // which the race checker is told is atomic.
@@ -422,6 +430,13 @@ KD_EMU_UNTRACKED inline unsigned atomicAdd(unsigned* a, unsigned v) {
   kd_race::access(a, sizeof *a, kd_race::kAtomic, __builtin_return_address(0));
   kd_emu::Untracked u;
   const unsigned old = *a;
+  *a = old + v;
+  return old;
+}
+KD_EMU_UNTRACKED inline unsigned long long atomicAdd(unsigned long long* a, unsigned long long v) {
+  kd_race::access(a, sizeof *a, kd_race::kAtomic, __builtin_return_address(0));
+  kd_emu::Untracked u;
+  const unsigned long long old = *a;
   *a = old + v;
   return old;
 }

@@ -450,6 +450,32 @@ extern "C" int kd_emu_argmax_rows(int dtype, const void* x, int64_t x_rs, unsign
   return finish(guarded(d3(grid_x), d3(block), KD_ARGMAX_THREADS, seed, run), err, err_len);
 }
 
+// dtype: 0 f32, 1 f16, 2 bf16. params: [rows, 5] words (see the kernel).
+extern "C" int kd_emu_sample_rows(int dtype, const void* x, int64_t x_rs, const unsigned* params,
+                                  unsigned* out, int cols, unsigned grid_x, unsigned block,
+                                  uint64_t seed, char* err, size_t err_len) {
+  std::function<void()> run;
+#define KD_EMU_SAMPLE(SUFFIX, T)                                                             \
+  run = [=] {                                                                                \
+    kd_emu::run_kernel(keydiff_sample_rows_##SUFFIX, (const T*)x, x_rs, params, out, cols); \
+  };
+  switch (dtype) {
+    case 0:
+      KD_EMU_SAMPLE(f32, float)
+      break;
+    case 1:
+      KD_EMU_SAMPLE(f16, __half)
+      break;
+    case 2:
+      KD_EMU_SAMPLE(bf16, __nv_bfloat16)
+      break;
+    default:
+      return finish("no sample kernel for dtype " + std::to_string(dtype), err, err_len);
+  }
+#undef KD_EMU_SAMPLE
+  return finish(guarded(d3(grid_x), d3(block), KD_SAMPLE_THREADS, seed, run), err, err_len);
+}
+
 extern "C" int kd_emu_rope_qk(int dtype, const void* q, int64_t q_rs, int64_t q_hs,
                               const void* k, int64_t k_rs, int64_t k_hs, const void* cos,
                               const void* sin, void* out, int hq, int hk, int b, int d,

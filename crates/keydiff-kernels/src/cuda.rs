@@ -9,12 +9,13 @@ use half::{bf16, f16};
 
 use crate::geometry::{
     act_launch, append_launch, argmax_launch, check_act, check_append, check_argmax, check_decode,
-    check_decode_kvq, check_kvq, check_norm, check_pool, check_rope, check_scores, check_select,
+    check_decode_kvq, check_kvq, check_norm, check_pool, check_rope, check_sample, check_scores,
+    check_select,
     check_softmax, check_softmax_sums, decode_combine_launch, decode_lanes, decode_launch,
     decode_split, kvq_launch, move_launch, norm_launch, per_head_launch, plan_moves, pool_words,
-    rope_launch, scores_launch, select_few_launch, select_few_workspace, select_multi_launch,
+    rope_launch, sample_launch, scores_launch, select_few_launch, select_few_workspace, select_multi_launch,
     select_passes, select_workspace, softmax_launch, softmax_sums_launch, vector_loads_fit, Launch,
-    ScoreLoads, SelectBlocks, KVQ_FP8, MAX_HEADS,
+    ScoreLoads, SelectBlocks, KVQ_FP8, MAX_HEADS, SAMPLE_PARAM_WORDS,
 };
 
 /// PTX of `kernels/keydiff.cu`.
@@ -1258,6 +1259,64 @@ pub fn argmax_rows((x, l): (&CudaStorage, &Layout)) -> Result<(CudaStorage, Shap
         DType::F16 => launch!(f16, "keydiff_argmax_rows_f16"),
         DType::BF16 => launch!(bf16, "keydiff_argmax_rows_bf16"),
         dt => bail!("argmax: unsupported dtype {dt:?} (f32, f16, bf16)"),
+    };
+    Ok((out, Shape::from(rows)))
+}
+
+/// Sampling on the device (`keydiff_sample_rows_<dtype>`; see the kernel source): each row of
+/// `x` (a `[rows, cols]` view with rows contiguous, any row stride, f32/f16/bf16) drawn as the
+/// host sampler draws it, with `params` (`[rows, SAMPLE_PARAM_WORDS]` u32, contiguous:
+/// temperature, top-k, top-p, min-p and the uniform draw, the floats as their bits). Returns
+/// `[rows]` u32, with [`crate::geometry::SAMPLE_NO_DRAW`] set where a row has no finite logit.
+pub fn sample_rows(
+    (x, l): (&CudaStorage, &Layout),
+    (p, pl): (&CudaStorage, &Layout),
+) -> Result<(CudaStorage, Shape)> {
+    let (rows, cols) = l.shape().dims2()?;
+    let st = l.stride();
+    if (st[1] != 1 && cols > 1) || (st[0] < cols && rows > 1) {
+        bail!(
+            "sample: {:?} at strides {st:?} (rows contiguous, apart)",
+            l.dims()
+        );
+    }
+    check_sample(rows, cols)?;
+    if pl.dims() != [rows, SAMPLE_PARAM_WORDS] || !pl.is_contiguous() || p.dtype() != DType::U32 {
+        bail!(
+            "sample: parameters {:?} {:?} for {rows} rows (u32, [{rows}, {SAMPLE_PARAM_WORDS}], \
+             contiguous)",
+            p.dtype(),
+            pl.dims()
+        );
+    }
+    let dev = x.device().clone();
+    let (rs, cols32) = (st[0] as i64, cols as i32);
+    let cfg = launch_cfg(sample_launch(rows));
+    let pv = p.as_cuda_slice::<u32>()?.slice(pl.start_offset()..);
+    macro_rules! launch {
+        ($t:ty, $name:literal) => {{
+            // SAFETY: block r writes out[r], for every row.
+            let mut out = unsafe { dev.alloc::<u32>(rows)? };
+            let xv = x.as_cuda_slice::<$t>()?.slice(l.start_offset()..);
+            let f = dev.get_or_load_custom_func($name, MODULE, PTX)?;
+            let mut b = f.builder();
+            b.arg(&xv);
+            b.arg(&rs);
+            b.arg(&pv);
+            b.arg(&mut out);
+            b.arg(&cols32);
+            // SAFETY: argument list matches the kernel; block r reads the `cols` values of row
+            // r of the view at row stride `rs` and the 5 words of its parameters (checked
+            // above), and writes out[r], allocated here with `rows`.
+            unsafe { b.launch(cfg) }.w()?;
+            CudaStorage::wrap_cuda_slice(out, dev.clone())
+        }};
+    }
+    let out = match x.dtype() {
+        DType::F32 => launch!(f32, "keydiff_sample_rows_f32"),
+        DType::F16 => launch!(f16, "keydiff_sample_rows_f16"),
+        DType::BF16 => launch!(bf16, "keydiff_sample_rows_bf16"),
+        dt => bail!("sample: unsupported dtype {dt:?} (f32, f16, bf16)"),
     };
     Ok((out, Shape::from(rows)))
 }

@@ -26,12 +26,13 @@ use half::{bf16, f16};
 use crate::fence::{Fenced, HeadAxis, Side};
 use crate::geometry::{
     act_launch, append_launch, argmax_launch, check_act, check_append, check_argmax, check_decode,
-    check_decode_kvq, check_kvq, check_norm, check_pool, check_rope, check_scores, check_select,
+    check_decode_kvq, check_kvq, check_norm, check_pool, check_rope, check_sample, check_scores,
+    check_select,
     check_softmax, check_softmax_sums, decode_combine_launch, decode_lanes, decode_launch,
     decode_split, kvq_launch, move_launch, norm_launch, per_head_launch, plan_moves, pool_words,
-    rope_launch, scores_launch, select_few_launch, select_few_workspace, select_multi_launch,
+    rope_launch, sample_launch, scores_launch, select_few_launch, select_few_workspace, select_multi_launch,
     select_passes, select_workspace, softmax_launch, softmax_sums_launch, vector_loads_fit,
-    ScoreLoads, SelectBlocks, KVQ_BYTES,
+    ScoreLoads, SelectBlocks, KVQ_BYTES, SAMPLE_PARAM_WORDS,
 };
 
 extern "C" {
@@ -185,6 +186,19 @@ extern "C" {
         dtype: c_int,
         x: *const u8,
         x_rs: i64,
+        out: *mut u32,
+        cols: c_int,
+        grid_x: c_uint,
+        block: c_uint,
+        seed: u64,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    fn kd_emu_sample_rows(
+        dtype: c_int,
+        x: *const u8,
+        x_rs: i64,
+        params: *const u32,
         out: *mut u32,
         cols: c_int,
         grid_x: c_uint,
@@ -1103,6 +1117,69 @@ pub fn argmax_rows(
         }
     })?;
     xf.finish()?;
+    out.finish()
+}
+
+/// `keydiff_sample_rows_<dtype>` on `x`, a `[rows, cols]` view at element row stride `rs`
+/// (rows contiguous), with `params` (`[rows, SAMPLE_PARAM_WORDS]`: temperature, top-k, top-p,
+/// min-p, the draw): each row's token as the host sampler draws it (see the kernel), with
+/// [`crate::geometry::SAMPLE_NO_DRAW`] set where a row has no finite logit.
+pub fn sample_rows(
+    x: Keys<'_>,
+    rs: usize,
+    rows: usize,
+    cols: usize,
+    params: &[u32],
+    seed: u64,
+) -> Result<Vec<u32>> {
+    check_sample(rows, cols)?;
+    let (dtype, xb, x_len, elem) = x.parts();
+    if rs < cols {
+        bail!("sample: row stride {rs} below the {cols} values of a row");
+    }
+    let extent = (rows - 1) * rs + cols;
+    if x_len < extent {
+        bail!("sample: a view of {extent} values exceeds the {x_len} given");
+    }
+    if params.len() != rows * SAMPLE_PARAM_WORDS {
+        bail!(
+            "sample: {} parameter words for {rows} rows ({SAMPLE_PARAM_WORDS} a row)",
+            params.len()
+        );
+    }
+    let l = sample_launch(rows);
+    let side = Side::for_seed(seed);
+    let xf = Fenced::copy_of("sample x", &xb[..extent * elem], side, 16)?;
+    let pf = Fenced::copy_of("sample params", params, side, 16)?;
+    // Never a token of a row of `cols` (nor the no-draw flag with one): a row left unwritten
+    // shows.
+    let mut out = Fenced::filled("sample out", rows, u32::MAX, side, 16)?;
+    // Block r reads row r and its parameters only, and writes its one word.
+    xf.view(rows, rs * elem, 1, cols * elem, cols * elem, HeadAxis::X)?;
+    let w = SAMPLE_PARAM_WORDS;
+    pf.view(rows, w, 1, w, w, HeadAxis::X)?;
+    out.view(rows, 1, 1, 1, 1, HeadAxis::X)?;
+    call("sample", |err, err_len| {
+        // SAFETY: block r reads the `cols` values of row r of the view checked above and its
+        // 5 parameter words, and writes out[r].
+        unsafe {
+            kd_emu_sample_rows(
+                dtype,
+                xf.as_ptr(),
+                rs as i64,
+                pf.as_ptr().cast(),
+                out.as_mut_ptr(),
+                cols as c_int,
+                l.grid.0,
+                l.block,
+                seed,
+                err,
+                err_len,
+            )
+        }
+    })?;
+    xf.finish()?;
+    pf.finish()?;
     out.finish()
 }
 

@@ -553,6 +553,38 @@ pub fn check_argmax(rows: usize, cols: usize) -> Result<()> {
     Ok(())
 }
 
+/// `KD_SAMPLE_THREADS`: threads of a sampling block, one block a row.
+pub const SAMPLE_THREADS: u32 = 1024;
+
+/// Words of one row's parameters for `keydiff_sample_rows_*`: temperature, top-k, top-p,
+/// min-p and the uniform draw (the floats as their bits).
+pub const SAMPLE_PARAM_WORDS: usize = 5;
+
+/// `KD_SAMPLE_NO_DRAW`: set in a sampled token whose row has no finite logit (the token is the
+/// row's argmax, and the draw was not used).
+pub const SAMPLE_NO_DRAW: u32 = 1 << 31;
+
+/// `keydiff_sample_rows_*`: a block per row.
+pub fn sample_launch(rows: usize) -> Launch {
+    Launch {
+        grid: (rows as u32, 1),
+        block: SAMPLE_THREADS,
+    }
+}
+
+/// The sampler's limits: `rows` rows (a block each) of `cols` values, indices below the
+/// no-draw flag, an `int` loop that steps a block past the row's end.
+pub fn check_sample(rows: usize, cols: usize) -> Result<()> {
+    let most_cols = (SAMPLE_NO_DRAW as usize).min(i32::MAX as usize - SAMPLE_THREADS as usize);
+    if rows == 0 || rows > i32::MAX as usize || cols == 0 || cols > most_cols {
+        bail!(
+            "sample: {rows} rows of {cols} values (rows from 1 to {}, values from 1 to {most_cols})",
+            i32::MAX
+        );
+    }
+    Ok(())
+}
+
 /// Number of moves a plan row holds: M = min(N, n − N).
 pub fn plan_moves(n: usize, budget: usize) -> usize {
     budget.min(n.saturating_sub(budget))

@@ -47,7 +47,8 @@ impl RmsNorm {
 }
 
 pub use crate::decode_kernel::{
-    add_rms_norm_cuda, argmax, argmax_rows, rope_qk_cuda, silu_mul_cuda,
+    add_rms_norm_cuda, argmax, argmax_rows, rope_qk_cuda, sample_rows, samples_on, silu_mul_cuda,
+    DrawParams, NO_DRAW,
 };
 
 /// SwiGLU's product silu(gate) · up (`[rows, cols]` each): one launch on CUDA

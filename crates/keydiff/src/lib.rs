@@ -58,7 +58,7 @@ pub use keydiff_model::{
 pub use logprobs::{TokenLogprob, TokenPiece, MAX_TOP_LOGPROBS};
 pub use perplexity::Perplexity;
 pub use prompt_cache::{PromptCache, Reuse};
-pub use sampling::{Format, Sampler, Sampling};
+pub use sampling::{draw, DrawParams, Format, Sampler, Sampling};
 pub use source::ModelSource;
 pub use speculative::{NgramSpec, SpecCounters, MAX_DRAFT};
 pub use stream::TextStream;

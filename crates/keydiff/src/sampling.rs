@@ -6,6 +6,9 @@
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
+/// One row's draw on the device ([`Sampler::device_draw`]).
+pub use keydiff_model::model::DrawParams;
+
 /// Sampling settings. `temperature <= 0` is greedy.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Sampling {
@@ -279,18 +282,60 @@ impl Sampler {
         if c.temperature <= 0.0 {
             return argmax(logits);
         }
-        let cand: Vec<(u32, f32)> = logits
-            .iter()
-            .enumerate()
-            .filter(|(_, l)| l.is_finite())
-            .map(|(i, &l)| (i as u32, l))
-            .collect();
-        if cand.is_empty() {
+        if !logits.iter().any(|l| l.is_finite()) {
             return argmax(logits);
         }
         let r: f32 = self.rng.random();
-        pick(cand, c, r)
+        draw(logits, c, r).unwrap_or_else(|| argmax(logits))
     }
+
+    /// What the device needs to draw this sampler's next token from a row of logits as
+    /// [`Sampler::sample`] would ([`keydiff_model::model::sample_rows`]): its settings and the
+    /// next uniform draw, taken from its generator now. `None` for a sampler the device cannot
+    /// stand in for (a logit bias or an active penalty; greedy is `temperature` 0). Keep the
+    /// returned generator state and [`Sampler::give_back`] it when the row had no finite logit
+    /// (the host draws nothing then).
+    pub fn device_draw(&mut self) -> Option<(DrawParams, StdRng)> {
+        let c = &self.cfg;
+        let penalised =
+            c.repetition_penalty != 1.0 || c.frequency_penalty != 0.0 || c.presence_penalty != 0.0;
+        if !c.logit_bias.is_empty() || (penalised && c.repeat_last_n > 0) {
+            return None;
+        }
+        let before = self.rng.clone();
+        let r = match c.temperature > 0.0 {
+            true => self.rng.random(),
+            false => 0.0,
+        };
+        let p = DrawParams {
+            temperature: c.temperature,
+            top_k: u32::try_from(c.top_k).unwrap_or(u32::MAX),
+            top_p: c.top_p,
+            min_p: c.min_p,
+            r,
+        };
+        Some((p, before))
+    }
+
+    /// Puts the generator back as [`Sampler::device_draw`] found it.
+    pub fn give_back(&mut self, rng: StdRng) {
+        self.rng = rng;
+    }
+}
+
+/// The host's draw from a row of logits with `c`'s top-k, top-p, min-p and temperature, `r`
+/// uniform in [0, 1) (`temperature` > 0; no bias or penalty here): the finite logits in
+/// [`order`], truncated, and the first whose running probability passes `r`. `None` when no
+/// logit is finite (there is nothing to draw). The reference of the device's sampler
+/// (`keydiff_sample_rows_*`).
+pub fn draw(logits: &[f32], c: &Sampling, r: f32) -> Option<u32> {
+    let cand: Vec<(u32, f32)> = logits
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| l.is_finite())
+        .map(|(i, &l)| (i as u32, l))
+        .collect();
+    (!cand.is_empty()).then(|| pick(cand, c, r))
 }
 
 /// Candidates by logit, descending; ties keep the lower id first (a total order).

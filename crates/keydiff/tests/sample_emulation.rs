@@ -1,0 +1,255 @@
+//! The device's sampler (`keydiff_sample_rows_*` in kernels/keydiff.cu) under the kernel
+//! emulation against the host's draw (`keydiff::draw`), row by row: the same token, unless the
+//! host's own token changes when `r`, top-p or min-p move by 2e-7 (the kernel sums weights in
+//! fixed point, within ~n · 2^-45 of the host's f64 sums; such rows are counted and must stay
+//! rare). Rows with no finite logit must come back as the host's argmax with the no-draw
+//! flag; greedy rows (temperature 0) as the argmax. Every dtype, rows padded to a stride of
+//! their own, two thread schedules; the memory checker is on.
+
+use half::{bf16, f16};
+use keydiff::{draw, DrawParams, Sampling};
+use keydiff_kernels::emu::{sample_rows, Keys};
+use keydiff_kernels::geometry::SAMPLE_NO_DRAW;
+use keydiff_model::model::argmax;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+#[derive(Clone, Copy, Debug)]
+enum Dt {
+    F32,
+    F16,
+    BF16,
+}
+
+fn rounded(x: &[f32], dt: Dt) -> Vec<f32> {
+    match dt {
+        Dt::F32 => x.to_vec(),
+        Dt::F16 => x.iter().map(|&v| f16::from_f32(v).to_f32()).collect(),
+        Dt::BF16 => x.iter().map(|&v| bf16::from_f32(v).to_f32()).collect(),
+    }
+}
+
+enum Buf {
+    F32(Vec<f32>),
+    F16(Vec<f16>),
+    BF16(Vec<bf16>),
+}
+
+impl Buf {
+    fn new(x: &[f32], dt: Dt) -> Self {
+        match dt {
+            Dt::F32 => Buf::F32(x.to_vec()),
+            Dt::F16 => Buf::F16(x.iter().map(|&v| f16::from_f32(v)).collect()),
+            Dt::BF16 => Buf::BF16(x.iter().map(|&v| bf16::from_f32(v)).collect()),
+        }
+    }
+
+    fn keys(&self) -> Keys<'_> {
+        match self {
+            Buf::F32(v) => Keys::F32(v),
+            Buf::F16(v) => Keys::F16(v),
+            Buf::BF16(v) => Keys::BF16(v),
+        }
+    }
+}
+
+/// A row of logits of kind `kind`: 0 spread values; 1 an LLM-like row (a few large values,
+/// a long tail, the largest tied at two places); 2 small integers (ties everywhere); 3 NaN,
+/// −∞ and +∞ among the values (none of them a candidate); 4 no finite value; 5 one finite
+/// value; 6 zeros of both signs tied at the top, negative values below.
+fn row(cols: usize, kind: usize, rng: &mut StdRng) -> Vec<f32> {
+    let mut v: Vec<f32> = (0..cols).map(|_| rng.random_range(-8.0f32..8.0)).collect();
+    match kind {
+        1 => {
+            v.iter_mut()
+                .for_each(|x| *x = rng.random_range(-12.0f32..2.0));
+            for _ in 0..5.min(cols) {
+                let i = rng.random_range(0..cols);
+                v[i] = rng.random_range(6.0f32..14.0);
+            }
+            let (a, b) = (rng.random_range(0..cols), rng.random_range(0..cols));
+            v[a] = 15.0;
+            v[b] = 15.0;
+        }
+        2 => v
+            .iter_mut()
+            .for_each(|x| *x = rng.random_range(-2i32..=2) as f32),
+        3 => {
+            for _ in 0..cols.div_ceil(5) {
+                let i = rng.random_range(0..cols);
+                v[i] = [f32::NAN, f32::NEG_INFINITY, f32::INFINITY][rng.random_range(0..3)];
+            }
+        }
+        4 => {
+            for x in v.iter_mut() {
+                *x = [f32::NAN, f32::NEG_INFINITY, f32::INFINITY][rng.random_range(0..3)];
+            }
+        }
+        5 => {
+            v.fill(f32::NEG_INFINITY);
+            v[rng.random_range(0..cols)] = -3.5;
+        }
+        6 => {
+            v.iter_mut()
+                .for_each(|x| *x = rng.random_range(-6.0f32..-0.5));
+            for _ in 0..3.min(cols) {
+                let i = rng.random_range(0..cols);
+                v[i] = if rng.random_bool(0.5) { 0.0 } else { -0.0 };
+            }
+        }
+        _ => {}
+    }
+    v
+}
+
+/// Sampler settings: (temperature, top-k, top-p, min-p).
+const SETTINGS: [(f32, usize, f32, f32); 10] = [
+    (1.0, 0, 1.0, 0.0),
+    (0.7, 40, 0.9, 0.0),
+    (1.5, 0, 0.95, 0.05),
+    (0.3, 5, 1.0, 0.0),
+    (2.0, 0, 1.0, 0.1),
+    (0.8, 1, 1.0, 0.0),
+    (1.0, 1_000_000, 0.5, 0.0),
+    (0.6, 3, 0.3, 0.9),
+    (1.2, 0, 0.999, 0.0),
+    (0.0, 0, 1.0, 0.0),
+];
+
+fn sampling((temperature, top_k, top_p, min_p): (f32, usize, f32, f32)) -> Sampling {
+    Sampling {
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        ..Sampling::default()
+    }
+}
+
+/// The host's token for `logits` and whether it holds when `r`, top-p and min-p move by 2e-7
+/// (the device's rounding, ~n · 2^-45 of a sum, cannot decide it).
+fn host(logits: &[f32], c: &Sampling, r: f32) -> (u32, bool) {
+    if c.temperature <= 0.0 {
+        return (argmax(logits), true);
+    }
+    let Some(tok) = draw(logits, c, r) else {
+        return (argmax(logits) | SAMPLE_NO_DRAW, true);
+    };
+    let d = 2e-7f32;
+    let mut moved: Vec<Option<u32>> = [(r - d).max(0.0), (r + d).min(1.0 - f32::EPSILON / 2.0)]
+        .into_iter()
+        .map(|r| draw(logits, c, r))
+        .collect();
+    if c.top_p < 1.0 {
+        for top_p in [c.top_p - d, (c.top_p + d).min(1.0 - f32::EPSILON)] {
+            moved.push(draw(logits, &Sampling { top_p, ..c.clone() }, r));
+        }
+    }
+    if c.min_p > 0.0 {
+        for min_p in [(c.min_p - d).max(1e-9), c.min_p + d] {
+            moved.push(draw(logits, &Sampling { min_p, ..c.clone() }, r));
+        }
+    }
+    (tok, moved.iter().all(|&t| t == Some(tok)))
+}
+
+/// `per` rows of `cols` logits under each setting (kinds in turn), in `dt`, padded by `pad`
+/// with values larger than any logit: returns (rows compared, rows left out as within
+/// rounding of a boundary).
+fn check(cols: usize, dt: Dt, pad: usize, seed: u64, per: usize) -> (usize, usize) {
+    let what = format!("cols {cols} {dt:?} pad {pad} seed {seed}");
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut logits = Vec::new();
+    let mut params = Vec::new();
+    for (s, &set) in SETTINGS.iter().enumerate() {
+        for j in 0..per {
+            logits.push(rounded(&row(cols, (s + j) % 7, &mut rng), dt));
+            let r = match j % 5 {
+                0 => 0.0,
+                1 => 1.0 - f32::EPSILON / 2.0,
+                _ => rng.random::<f32>(),
+            };
+            params.push((sampling(set), r));
+        }
+    }
+    let flat: Vec<f32> = (logits.iter())
+        .flat_map(|r| r.iter().copied().chain(std::iter::repeat_n(100.0, pad)))
+        .collect();
+    let words: Vec<u32> = (params.iter())
+        .flat_map(|(c, r)| {
+            DrawParams {
+                temperature: c.temperature,
+                top_k: c.top_k as u32,
+                top_p: c.top_p,
+                min_p: c.min_p,
+                r: *r,
+            }
+            .words()
+        })
+        .collect();
+    let buf = Buf::new(&flat, dt);
+    let got = sample_rows(buf.keys(), cols + pad, logits.len(), cols, &words, seed)
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+    let (mut compared, mut near) = (0, 0);
+    for (i, (l, (c, r))) in logits.iter().zip(&params).enumerate() {
+        let (want, stable) = host(l, c, *r);
+        if !stable {
+            near += 1;
+            continue;
+        }
+        compared += 1;
+        assert_eq!(
+            got[i],
+            want,
+            "{what}: row {i} (kind {}), {c:?}, r {r}",
+            (i / per + i % per) % 7
+        );
+    }
+    (compared, near)
+}
+
+#[test]
+fn sampled_tokens_are_the_host_draws() {
+    let (mut compared, mut near) = (0, 0);
+    for (i, &(cols, per)) in [(1, 4), (31, 4), (300, 7), (1025, 3), (5000, 2)]
+        .iter()
+        .enumerate()
+    {
+        for dt in [Dt::F32, Dt::F16, Dt::BF16] {
+            for (j, pad) in [0, 3].into_iter().enumerate() {
+                let (c, n) = check(cols, dt, pad, 500 + 10 * i as u64 + j as u64, per);
+                compared += c;
+                near += n;
+            }
+        }
+    }
+    eprintln!("{compared} rows compared, {near} within rounding of a boundary");
+    assert!(near * 20 <= compared, "{near} of {compared} rows near a boundary");
+}
+
+/// Qwen 2.5's vocabulary (148 values a thread), each setting once, in f32 and bf16.
+#[test]
+fn sampled_tokens_over_a_large_vocabulary_are_the_host_draws() {
+    let mut near = 0;
+    for (j, dt) in [Dt::F32, Dt::BF16].into_iter().enumerate() {
+        near += check(151_936, dt, 0, 700 + j as u64, 1).1;
+    }
+    assert!(near <= 2, "{near} rows near a boundary");
+}
+
+/// Bad shapes and parameters are errors naming the problem, before anything runs.
+#[test]
+fn sample_rows_refuses_what_it_cannot_run() {
+    let x = vec![0f32; 64];
+    let w = vec![0u32; 5 * 8];
+    let err = |rs, rows, cols, p: &[u32]| {
+        sample_rows(Keys::F32(&x), rs, rows, cols, p, 1)
+            .unwrap_err()
+            .to_string()
+    };
+    assert!(err(8, 0, 8, &[]).contains("0 rows"));
+    assert!(err(8, 2, 0, &w[..10]).contains("of 0 values"));
+    assert!(err(4, 2, 8, &w[..10]).contains("below the 8 values"));
+    assert!(err(16, 8, 16, &w).contains("exceeds"));
+    assert!(err(8, 2, 8, &w[..9]).contains("9 parameter words for 2 rows"));
+}
