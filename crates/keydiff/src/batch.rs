@@ -33,7 +33,8 @@ use std::time::Instant;
 use keydiff_cache::KvCache;
 use keydiff_model::{Logits, Segment};
 
-use crate::engine::{Decoding, Prefill};
+use crate::engine::{Decoding, Pick, Prefill};
+use crate::sampling::DrawParams;
 use crate::error::{EngineError, Result};
 use crate::prompt_cache::Resumed;
 use crate::{Engine, Event, GenerateParams, Output, PromptCache, Reuse};
@@ -864,10 +865,18 @@ impl<'e> Batch<'e> {
             for r in self.running.iter_mut() {
                 r.fed = r.decoding.with_draft(r.next, &r.cache);
             }
-            // A greedy request fed one token takes its row's argmax, picked where the logits
-            // are (one launch for all of them on a GPU); the others read their rows.
-            let greedy: Vec<bool> = (self.running.iter())
-                .map(|r| r.fed.len() == 1 && r.decoding.greedy())
+            // A request fed one token has its token picked where the logits are when it can
+            // (greedy requests' argmax in one launch, the device's draws in another, on a GPU);
+            // the others read their rows.
+            let picks: Vec<RowPick> = (self.running.iter_mut())
+                .map(|r| match (r.fed.len(), r.decoding.pick()) {
+                    (1, Pick::Greedy) => RowPick::Greedy,
+                    (1, Pick::Device) => match r.decoding.draw_on_device() {
+                        Some(p) => RowPick::Draw(p),
+                        None => RowPick::Host,
+                    },
+                    _ => RowPick::Host,
+                })
                 .collect();
             for Running { cache, fed, .. } in self.running.iter_mut() {
                 segments.push(Segment {
@@ -899,7 +908,7 @@ impl<'e> Batch<'e> {
                     // Each running request's rows: one, or its token's and its draft's.
                     let rows = match out.into_iter().collect::<Option<Vec<_>>>() {
                         Some(rows) if rows.is_empty() => Vec::new(),
-                        Some(rows) => decode_rows(&rows, &greedy)?,
+                        Some(rows) => decode_rows(&rows, &picks)?,
                         None => {
                             return Err(EngineError::Model(keydiff_model::ModelError::Shape(
                                 "a decode row without logits".into(),
@@ -948,8 +957,8 @@ impl<'e> Batch<'e> {
             let id = r.id;
             let mut events = |e: Event<'_>| on_event(id, e);
             let next = match (r.fed.len(), rows) {
-                (1, Rows::Greedy(tok)) => {
-                    r.decoding.fed_greedy(tok);
+                (1, Rows::Token(tok)) => {
+                    r.decoding.fed_token(tok);
                     r.decoding.next(r.cache.position(), &mut events)
                 }
                 (1, Rows::Host(mut rows)) => match rows.pop() {
@@ -964,8 +973,8 @@ impl<'e> Batch<'e> {
                 (_, Rows::Host(rows)) => {
                     (r.decoding).verify(rows, &r.fed[1..], &mut r.cache, &mut events)
                 }
-                (_, Rows::Greedy(_)) => Err(EngineError::Model(keydiff_model::ModelError::Shape(
-                    "a greedy token for a token and its draft".into(),
+                (_, Rows::Token(_)) => Err(EngineError::Model(keydiff_model::ModelError::Shape(
+                    "a picked token for a token and its draft".into(),
                 ))),
             };
             match next {
@@ -989,51 +998,81 @@ impl<'e> Batch<'e> {
     }
 }
 
-/// A running request's logits after a step: its rows on the host, or its greedy token.
+/// A running request's logits after a step: its rows on the host, or its token picked where
+/// they are (the argmax, or the device's draw with its no-draw flag).
 enum Rows {
     Host(Vec<Vec<f32>>),
-    Greedy(u32),
+    Token(u32),
 }
 
-/// Each running request's logits from its `rows` (`[fed tokens, vocab]` each): the argmax of
-/// its one row where `greedy` says so, its rows on the host otherwise. One argmax over all the
-/// greedy rows and one read of the others' rows, so that a step costs at most two reads from
-/// the device.
-fn decode_rows(rows: &[candle_core::Tensor], greedy: &[bool]) -> Result<Vec<Rows>> {
+/// How a running request's row is taken this step.
+#[derive(Clone, Copy)]
+enum RowPick {
+    /// Its rows read to the host.
+    Host,
+    /// The argmax of its one row.
+    Greedy,
+    /// Its one row drawn from on the device with these parameters.
+    Draw(DrawParams),
+}
+
+/// Each running request's logits from its `rows` (`[fed tokens, vocab]` each), as `picks`
+/// says: one argmax launch over all the greedy rows, one launch of the device's draws, and one
+/// read of the other rows, so that a step costs at most three small waits on the device. Rows
+/// the device cannot draw from (`sample_rows` gives `None`) are read with the others.
+fn decode_rows(rows: &[candle_core::Tensor], picks: &[RowPick]) -> Result<Vec<Rows>> {
     use candle_core::Tensor;
-    let picked = |want: bool| -> Vec<Tensor> {
-        (rows.iter().zip(greedy))
-            .filter(|(_, &g)| g == want)
-            .map(|(t, _)| t.clone())
-            .collect()
-    };
-    let (g, h) = (picked(true), picked(false));
-    let mut tokens = match g.is_empty() {
+    let shape = |what: String| EngineError::Model(keydiff_model::ModelError::Shape(what));
+    let (mut greedy, mut drawn, mut draws) = (Vec::new(), Vec::new(), Vec::new());
+    for (t, p) in rows.iter().zip(picks) {
+        match p {
+            RowPick::Greedy | RowPick::Draw(_) if t.dim(0)? != 1 => {
+                return Err(shape(format!(
+                    "{} rows of logits for a request fed one token",
+                    t.dim(0)?
+                )))
+            }
+            RowPick::Greedy => greedy.push(t.clone()),
+            RowPick::Draw(d) => {
+                drawn.push(t.clone());
+                draws.push(*d);
+            }
+            RowPick::Host => {}
+        }
+    }
+    let mut greedy = match greedy.is_empty() {
         true => Vec::new(),
-        false => keydiff_model::model::argmax_rows(&Tensor::cat(&g, 0)?)?,
+        false => keydiff_model::model::argmax_rows(&Tensor::cat(&greedy, 0)?)?,
     }
     .into_iter();
+    let mut drawn = match drawn.is_empty() {
+        true => Some(Vec::new()),
+        false => keydiff_model::model::sample_rows(&Tensor::cat(&drawn, 0)?, &draws)?,
+    }
+    .map(|t| t.into_iter());
+    let h: Vec<Tensor> = (rows.iter().zip(picks))
+        .filter(|(_, p)| matches!(p, RowPick::Host) || (drawn.is_none() && matches!(p, RowPick::Draw(_))))
+        .map(|(t, _)| t.clone())
+        .collect();
     let mut host = match h.is_empty() {
         true => Vec::new(),
         false => Tensor::cat(&h, 0)?.to_vec2::<f32>()?,
     }
     .into_iter();
     let mut out = Vec::with_capacity(rows.len());
-    for (t, &g) in rows.iter().zip(greedy) {
+    for (t, p) in rows.iter().zip(picks) {
         let n = t.dim(0)?;
-        out.push(match g {
-            true if n == 1 => Rows::Greedy(tokens.next().ok_or_else(|| {
-                EngineError::Model(keydiff_model::ModelError::Shape(
-                    "fewer greedy tokens than greedy rows".into(),
-                ))
-            })?),
-            true => {
-                return Err(EngineError::Model(keydiff_model::ModelError::Shape(
-                    format!("{n} rows of logits for a greedy request fed one token"),
-                )))
+        let token = match (p, &mut drawn) {
+            (RowPick::Greedy, _) => greedy.next(),
+            (RowPick::Draw(_), Some(d)) => d.next(),
+            _ => {
+                out.push(Rows::Host(host.by_ref().take(n).collect()));
+                continue;
             }
-            false => Rows::Host(host.by_ref().take(n).collect()),
-        });
+        };
+        out.push(Rows::Token(
+            token.ok_or_else(|| shape("fewer picked tokens than rows to pick".into()))?,
+        ));
     }
     Ok(out)
 }

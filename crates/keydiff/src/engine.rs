@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
+use rand::rngs::StdRng;
 use keydiff_cache::{CacheConfig, CacheCounters, KvCache, KvType, KvTypes};
 use keydiff_model::memory::human;
 use keydiff_model::{
@@ -571,10 +572,17 @@ impl<'e> Prefill<'e> {
         cache.set_profiling(false);
         let e = self.engine;
         let constraint = Constraint::new(&self.params.sampling.format)?;
-        let greedy = greedy_where_logits_are(&self.params, &constraint);
+        let pick = match &self.logits {
+            Some(l) => Pick::of(
+                &self.params,
+                &constraint,
+                keydiff_model::model::samples_on(l.device()),
+            ),
+            None => Pick::Host,
+        };
         // Cancelled during prefill: nothing to sample from.
         let (logits, reason) = match self.logits {
-            Some(l) if self.done == n => (Next::of(&l, greedy)?, StopReason::MaxTokens),
+            Some(l) if self.done == n => (Next::of(&l, pick)?, StopReason::MaxTokens),
             _ if self.done == n => {
                 return Err(EngineError::Model(keydiff_model::ModelError::Shape(
                     "the prompt's last chunk ran without its logits".into(),
@@ -610,18 +618,44 @@ impl<'e> Prefill<'e> {
             spec_schedule: None,
             reason,
             logits,
-            greedy,
+            pick,
+            drawn: None,
             constraint,
         })
     }
 }
 
-/// Whether a request's tokens are its logits' argmax and nothing else
-/// ([`Sampling::is_plain_greedy`], no constraint on the output, no logprobs to report): they are
-/// then picked where the logits are ([`keydiff_model::model::argmax_rows`]), and on a GPU the
-/// host reads a token a step instead of the vocabulary's row of logits.
-fn greedy_where_logits_are(params: &GenerateParams, constraint: &Option<Constraint>) -> bool {
-    params.sampling.is_plain_greedy() && constraint.is_none() && params.logprobs.is_none()
+/// Where a request's tokens are picked from its logits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Pick {
+    /// The row is read to the host and sampled there.
+    Host,
+    /// The argmax, picked where the logits are ([`keydiff_model::model::argmax_rows`]): a
+    /// plain greedy request ([`Sampling::is_plain_greedy`]).
+    Greedy,
+    /// Drawn on the device ([`keydiff_model::model::sample_rows`]) with the host sampler's
+    /// settings and generator: a sampled request without a logit bias or an active penalty, on
+    /// a device that samples ([`keydiff_model::model::samples_on`]).
+    Device,
+}
+
+impl Pick {
+    /// Where `params`' tokens are picked, on a device that draws tokens or not
+    /// (`device_samples`, [`keydiff_model::model::samples_on`]). A constraint on the output, or
+    /// logprobs to report, need the row on the host. On a GPU the others read a token a step
+    /// instead of the vocabulary's row of logits.
+    fn of(params: &GenerateParams, constraint: &Option<Constraint>, device_samples: bool) -> Pick {
+        let s = &params.sampling;
+        if constraint.is_some() || params.logprobs.is_some() {
+            Pick::Host
+        } else if s.is_plain_greedy() {
+            Pick::Greedy
+        } else if s.is_plain() && device_samples {
+            Pick::Device
+        } else {
+            Pick::Host
+        }
+    }
 }
 
 /// What a request samples its next token from.
@@ -629,25 +663,30 @@ fn greedy_where_logits_are(params: &GenerateParams, constraint: &Option<Constrai
 enum Next {
     /// The model's logits, read to the host.
     Logits(Vec<f32>),
-    /// The argmax of the logits, picked where they are (a greedy request,
-    /// [`greedy_where_logits_are`]).
-    Greedy(u32),
+    /// The token, picked where the logits are ([`Pick::Greedy`], or drawn for
+    /// [`Pick::Device`]).
+    Token(u32),
+    /// A `[vocab]` row of logits left on the device, to draw the token from there
+    /// ([`Pick::Device`]) when it is asked for: a fork of the request draws its own.
+    Row(Tensor),
 }
 
 impl Next {
-    /// The next token's distribution from a `[vocab]` row of logits: its argmax where it is
-    /// when `greedy`, else the row on the host.
-    fn of(logits: &Tensor, greedy: bool) -> Result<Self> {
-        Ok(match greedy {
-            true => match keydiff_model::model::argmax_rows(logits)?[..] {
-                [tok] => Next::Greedy(tok),
+    /// The next token's distribution from a `[vocab]` row of logits, as `pick` takes it.
+    fn of(logits: &Tensor, pick: Pick) -> Result<Self> {
+        Ok(match pick {
+            Pick::Greedy => match keydiff_model::model::argmax_rows(logits)?[..] {
+                [tok] => Next::Token(tok),
                 ref other => {
                     return Err(EngineError::Model(keydiff_model::ModelError::Shape(
                         format!("{} greedy tokens for one row of logits", other.len()),
                     )))
                 }
             },
-            false => Next::Logits(logits.to_dtype(candle_core::DType::F32)?.to_vec1::<f32>()?),
+            Pick::Device => Next::Row(logits.clone()),
+            Pick::Host => {
+                Next::Logits(logits.to_dtype(candle_core::DType::F32)?.to_vec1::<f32>()?)
+            }
         })
     }
 }
@@ -692,8 +731,11 @@ pub(crate) struct Decoding<'e> {
     reason: StopReason,
     /// What the next token is sampled from.
     logits: Next,
-    /// The tokens are the logits' argmax, picked where they are ([`greedy_where_logits_are`]).
-    greedy: bool,
+    /// Where the tokens are picked.
+    pick: Pick,
+    /// The generator's state before [`Decoding::draw_on_device`] drew for a row not yet fed:
+    /// given back if the row had nothing to draw from, or came to the host after all.
+    drawn: Option<StdRng>,
     /// JSON mode's checker or the grammar's state, over what was generated so far.
     constraint: Option<Constraint>,
 }
@@ -1173,13 +1215,13 @@ impl<'e> Decoding<'e> {
         position: usize,
         on_event: &mut impl FnMut(Event<'_>),
     ) -> Result<Option<u32>> {
-        let params = &self.params;
-        if self.reason != StopReason::MaxTokens || self.generated.len() >= params.max_tokens {
+        if self.reason != StopReason::MaxTokens || self.generated.len() >= self.params.max_tokens {
             return Ok(None);
         }
+        self.draw_row()?;
+        let params = &self.params;
         let vocab = &self.engine.loaded.vocab;
-        if let Next::Greedy(tok) = self.logits {
-            debug_assert!(self.greedy);
+        if let Next::Token(tok) = self.logits {
             return self.sampled(tok, None, position, on_event);
         }
         let Next::Logits(logits) = &mut self.logits else {
@@ -1385,30 +1427,98 @@ impl<'e> Decoding<'e> {
         d
     }
 
-    /// The logits after the token [`Decoding::next`] returned was fed, on the host.
+    /// The logits after the token [`Decoding::next`] returned was fed, on the host (a draw
+    /// taken for the device is given back: the host draws again).
     pub(crate) fn fed(&mut self, logits: Vec<f32>) {
+        if let Some(rng) = self.drawn.take() {
+            self.sampler.give_back(rng);
+        }
         self.logits = Next::Logits(logits);
         self.decode_steps += 1;
     }
 
-    /// The greedy token after the token [`Decoding::next`] returned was fed, picked where the
-    /// logits are (only for a request whose [`Decoding::greedy`] is true).
-    pub(crate) fn fed_greedy(&mut self, tok: u32) {
-        debug_assert!(self.greedy);
-        self.logits = Next::Greedy(tok);
+    /// The token after the token [`Decoding::next`] returned was fed, picked where the logits
+    /// are: the argmax ([`Pick::Greedy`]), or drawn with [`Decoding::draw_on_device`]'s
+    /// parameters ([`Pick::Device`]; with [`keydiff_model::model::NO_DRAW`] set when the row
+    /// had no finite logit).
+    pub(crate) fn fed_token(&mut self, tok: u32) {
+        debug_assert!(self.pick != Pick::Host);
+        self.logits = Next::Token(self.took_drawn(tok));
         self.decode_steps += 1;
     }
 
-    /// Whether this request's tokens are picked where the logits are: [`Decoding::fed_greedy`]
-    /// then takes the place of [`Decoding::fed`].
-    pub(crate) fn greedy(&self) -> bool {
-        self.greedy
+    /// Where this request's tokens are picked: for [`Pick::Greedy`] and [`Pick::Device`],
+    /// [`Decoding::fed_token`] takes the place of [`Decoding::fed`].
+    pub(crate) fn pick(&self) -> Pick {
+        self.pick
+    }
+
+    /// The parameters of the device's draw for the next row ([`Pick::Device`]), taking the
+    /// uniform number from this request's generator as the host's sampler would; `None` for
+    /// other requests.
+    pub(crate) fn draw_on_device(&mut self) -> Option<keydiff_model::model::DrawParams> {
+        if self.pick != Pick::Device {
+            return None;
+        }
+        let (p, before) = self.sampler.device_draw()?;
+        self.drawn = Some(before);
+        Some(p)
+    }
+
+    /// A row left on the device ([`Next::Row`]) drawn from there, or read to the host where the
+    /// device does not draw.
+    fn draw_row(&mut self) -> Result<()> {
+        let Next::Row(row) = &self.logits else {
+            return Ok(());
+        };
+        let row = row.reshape((1, ()))?;
+        self.logits = match self.draw_on_device() {
+            Some(p) => match keydiff_model::model::sample_rows(&row, &[p])?.as_deref() {
+                Some(&[tok]) => Next::Token(self.took_drawn(tok)),
+                Some(other) => {
+                    return Err(EngineError::Model(keydiff_model::ModelError::Shape(
+                        format!("{} drawn tokens for one row of logits", other.len()),
+                    )))
+                }
+                None => self.to_host(&row)?,
+            },
+            None => self.to_host(&row)?,
+        };
+        Ok(())
+    }
+
+    /// The token of a device draw: without the no-draw flag, the generator given back when it
+    /// is set (the host's sampler draws nothing for a row without a finite logit).
+    fn took_drawn(&mut self, tok: u32) -> u32 {
+        let before = self.drawn.take();
+        match tok & keydiff_model::model::NO_DRAW {
+            0 => tok,
+            _ => {
+                if let Some(rng) = before {
+                    self.sampler.give_back(rng);
+                }
+                tok & !keydiff_model::model::NO_DRAW
+            }
+        }
+    }
+
+    /// A row the device did not draw from, read to the host (a draw taken is given back).
+    fn to_host(&mut self, row: &Tensor) -> Result<Next> {
+        if let Some(rng) = self.drawn.take() {
+            self.sampler.give_back(rng);
+        }
+        Ok(Next::Logits(
+            row.to_dtype(candle_core::DType::F32)?
+                .flatten_all()?
+                .to_vec1::<f32>()?,
+        ))
     }
 
     /// The logits after the token [`Decoding::next`] returned was fed, a `[vocab]` row where
-    /// the model left it: read to the host, or only its argmax for a greedy request.
+    /// the model left it: read to the host, its argmax for a greedy request, or kept there
+    /// for the device's draw.
     pub(crate) fn fed_row(&mut self, logits: &Tensor) -> Result<()> {
-        self.logits = Next::of(logits, self.greedy)?;
+        self.logits = Next::of(logits, self.pick)?;
         self.decode_steps += 1;
         Ok(())
     }
@@ -2707,52 +2817,87 @@ fn start_from(
 mod tests {
     use super::*;
 
-    /// Only a request whose token is the logits' argmax and nothing else has it picked where
-    /// the logits are: not with logprobs (even of no alternatives), an output format, a logit
-    /// bias, a penalty or a temperature.
+    /// Tokens are picked where the logits are only for requests drawn from the logits as they
+    /// come: the argmax of a greedy one everywhere, and a sampled one's draw on a device that
+    /// draws; never with logprobs (even of no alternatives), an output format, a logit bias or
+    /// an active penalty.
     #[test]
-    fn greedy_where_the_logits_are_only_for_plain_greedy_requests() {
-        let decide = |p: GenerateParams| {
+    fn tokens_are_picked_where_the_logits_are_only_for_plain_requests() {
+        let decide = |p: GenerateParams, device_samples: bool| {
             let c = Constraint::new(&p.sampling.format).unwrap();
-            greedy_where_logits_are(&p, &c)
+            Pick::of(&p, &c, device_samples)
         };
         let with = |s: Sampling| GenerateParams {
             sampling: s,
             ..Default::default()
         };
-        assert!(decide(GenerateParams::default()));
-        assert!(decide(GenerateParams {
-            prompt_logprobs: Some(3),
-            ..Default::default()
-        }));
-        assert!(!decide(GenerateParams {
-            logprobs: Some(0),
-            ..Default::default()
-        }));
-        for format in [
-            Format::JsonObject,
-            Format::Grammar(r#"root ::= "a" | "b""#.into()),
-        ] {
-            assert!(
-                !decide(with(Sampling {
-                    format: format.clone(),
-                    ..Default::default()
-                })),
-                "{format:?}"
-            );
-        }
-        assert!(!decide(with(Sampling {
-            logit_bias: vec![(1, -1.0)],
-            ..Default::default()
-        })));
-        assert!(!decide(with(Sampling {
-            presence_penalty: 0.5,
-            ..Default::default()
-        })));
-        assert!(!decide(with(Sampling {
+        let sampled = Sampling {
             temperature: 0.3,
+            top_k: 40,
+            top_p: 0.9,
+            min_p: 0.05,
             ..Default::default()
-        })));
+        };
+        for device_samples in [false, true] {
+            let d = |p| decide(p, device_samples);
+            assert_eq!(d(GenerateParams::default()), Pick::Greedy);
+            assert_eq!(
+                d(GenerateParams {
+                    prompt_logprobs: Some(3),
+                    ..Default::default()
+                }),
+                Pick::Greedy
+            );
+            let drawn = match device_samples {
+                true => Pick::Device,
+                false => Pick::Host,
+            };
+            assert_eq!(d(with(sampled.clone())), drawn);
+            // A penalty with an empty window is none.
+            assert_eq!(
+                d(with(Sampling {
+                    presence_penalty: 0.5,
+                    repeat_last_n: 0,
+                    ..sampled.clone()
+                })),
+                drawn
+            );
+            for s in [Sampling::default(), sampled.clone()] {
+                assert_eq!(
+                    d(GenerateParams {
+                        logprobs: Some(0),
+                        sampling: s.clone(),
+                        ..Default::default()
+                    }),
+                    Pick::Host
+                );
+                for format in [
+                    Format::JsonObject,
+                    Format::Grammar(r#"root ::= "a" | "b""#.into()),
+                ] {
+                    let p = with(Sampling {
+                        format: format.clone(),
+                        ..s.clone()
+                    });
+                    assert_eq!(d(p), Pick::Host, "{format:?}");
+                }
+                let biased = Sampling {
+                    logit_bias: vec![(1, -1.0)],
+                    ..s.clone()
+                };
+                assert_eq!(d(with(biased)), Pick::Host);
+                let penalised = Sampling {
+                    presence_penalty: 0.5,
+                    ..s.clone()
+                };
+                assert_eq!(d(with(penalised)), Pick::Host);
+                let repeated = Sampling {
+                    repetition_penalty: 1.1,
+                    ..s.clone()
+                };
+                assert_eq!(d(with(repeated)), Pick::Host);
+            }
+        }
     }
 
     /// A lazy constraint with `<tool_call>` anywhere and `{"name"` at the start, over the

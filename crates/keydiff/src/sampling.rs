@@ -184,12 +184,17 @@ impl Sampling {
     /// where the logits are ([`keydiff_model::model::argmax_rows`]: on the GPU, 4 bytes come
     /// back instead of the vocabulary's row).
     pub fn is_plain_greedy(&self) -> bool {
+        self.temperature <= 0.0 && self.is_plain()
+    }
+
+    /// Whether the token is drawn from the logits as they come, with no logit bias and no
+    /// active penalty (a penalty with an empty window is none): what the device's sampler
+    /// (`keydiff_model::model::sample_rows`) can stand in for.
+    pub fn is_plain(&self) -> bool {
         let penalised = self.repetition_penalty != 1.0
             || self.frequency_penalty != 0.0
             || self.presence_penalty != 0.0;
-        self.temperature <= 0.0
-            && self.logit_bias.is_empty()
-            && !(penalised && self.repeat_last_n > 0)
+        self.logit_bias.is_empty() && !(penalised && self.repeat_last_n > 0)
     }
 }
 
@@ -297,9 +302,7 @@ impl Sampler {
     /// (the host draws nothing then).
     pub fn device_draw(&mut self) -> Option<(DrawParams, StdRng)> {
         let c = &self.cfg;
-        let penalised =
-            c.repetition_penalty != 1.0 || c.frequency_penalty != 0.0 || c.presence_penalty != 0.0;
-        if !c.logit_bias.is_empty() || (penalised && c.repeat_last_n > 0) {
+        if !c.is_plain() {
             return None;
         }
         let before = self.rng.clone();
