@@ -145,13 +145,15 @@ fn batched_requests_equal_their_runs_alone() {
     }
 }
 
-/// A plain greedy request's tokens are picked where the logits are (`argmax_rows`: on a GPU one
-/// launch, 4 bytes a row back); any request that needs its logits on the host (logprobs, a
-/// logit bias, here one of 0 that changes nothing) reads them there. Both give the same
-/// tokens, alone and in one batch step (greedy rows beside host rows, prompts of different
-/// lengths, so a row given to the wrong request shows).
+/// A plain request's tokens are picked where the logits are: a greedy one's argmax
+/// (`argmax_rows`) and a sampled one's draw (`sample_rows`, with the request's own generator:
+/// on a GPU one launch each, 4 bytes a row back; on the CPU the rows in place). Any request
+/// that needs its logits on the host (logprobs, a logit bias, here one of 0 that changes
+/// nothing) reads them there. All give the same tokens, alone and in one batch step (greedy,
+/// drawn and host rows side by side, prompts of different lengths, so a row given to the wrong
+/// request shows).
 #[test]
-fn greedy_tokens_are_the_same_picked_where_the_logits_are_or_on_the_host() {
+fn tokens_are_the_same_picked_where_the_logits_are_or_on_the_host() {
     let e = engine(SMOLLM2, keydiff(96, 32));
     let prompts = [
         text(12, "the library") + "In short,",
@@ -163,25 +165,42 @@ fn greedy_tokens_are_the_same_picked_where_the_logits_are_or_on_the_host() {
         ("logprobs", Some(1), Vec::new()),
         ("bias 0", None, vec![(0u32, 0.0f32)]),
     ];
+    let sampled = Sampling {
+        temperature: 0.9,
+        top_k: 50,
+        top_p: 0.95,
+        min_p: 0.02,
+        seed: 7,
+        ..Default::default()
+    };
+    let bases = [("greedy", Sampling::default()), ("sampled", sampled)];
     let mut reqs = Vec::new();
-    for p in &prompts {
-        for (_, logprobs, bias) in &ways {
-            reqs.push(GenerateParams {
-                prompt: Prompt::Text(p.clone()),
-                max_tokens: 24,
-                logprobs: *logprobs,
-                sampling: Sampling {
-                    logit_bias: bias.clone(),
+    for (_, base) in &bases {
+        for p in &prompts {
+            for (_, logprobs, bias) in &ways {
+                reqs.push(GenerateParams {
+                    prompt: Prompt::Text(p.clone()),
+                    max_tokens: 24,
+                    logprobs: *logprobs,
+                    sampling: Sampling {
+                        logit_bias: bias.clone(),
+                        ..base.clone()
+                    },
                     ..Default::default()
-                },
-                ..Default::default()
-            });
+                });
+            }
         }
     }
     let batched = e.generate_batch(&reqs, |_, _| {}).unwrap();
     let mut firsts = Vec::new();
+    let per_base = prompts.len() * ways.len();
     for (i, (params, out)) in reqs.iter().zip(batched).enumerate() {
-        let what = format!("prompt {} by {}", i / ways.len(), ways[i % ways.len()].0);
+        let what = format!(
+            "{} prompt {} by {}",
+            bases[i / per_base].0,
+            i % per_base / ways.len(),
+            ways[i % ways.len()].0
+        );
         let out = out.unwrap_or_else(|err| panic!("{what}: {err}"));
         let alone = e.generate(params, |_| {}).unwrap();
         assert_eq!(out.tokens, alone.tokens, "{what}: batched and alone");
@@ -191,17 +210,29 @@ fn greedy_tokens_are_the_same_picked_where_the_logits_are_or_on_the_host() {
     for (p, runs) in firsts.chunks(ways.len()).enumerate() {
         for (w, run) in runs.iter().enumerate().skip(1) {
             assert_eq!(
-                run, &runs[0],
-                "prompt {p}: {} against the device's pick",
+                run,
+                &runs[0],
+                "{} prompt {}: {} against the device's pick",
+                bases[p / prompts.len()].0,
+                p % prompts.len(),
                 ways[w].0
             );
         }
     }
-    // The prompts' outputs differ: a row given to another request would show.
-    let (a, b, c) = (&firsts[0], &firsts[ways.len()], &firsts[2 * ways.len()]);
+    for b in 0..bases.len() {
+        // The prompts' outputs differ: a row given to another request would show.
+        let f = |p: usize| &firsts[b * per_base + p * ways.len()];
+        let (x, y, z) = (f(0), f(1), f(2));
+        assert!(
+            x != y && y != z && x != z,
+            "{}: the prompts' outputs must differ",
+            bases[b].0
+        );
+    }
+    // The sampled requests drew: not the greedy tokens.
     assert!(
-        a != b && b != c && a != c,
-        "the prompts' outputs must differ"
+        (0..prompts.len()).any(|p| firsts[p * ways.len()] != firsts[per_base + p * ways.len()]),
+        "the sampled outputs equal the greedy ones"
     );
 }
 

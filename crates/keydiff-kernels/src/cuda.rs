@@ -10,12 +10,11 @@ use half::{bf16, f16};
 use crate::geometry::{
     act_launch, append_launch, argmax_launch, check_act, check_append, check_argmax, check_decode,
     check_decode_kvq, check_kvq, check_norm, check_pool, check_rope, check_sample, check_scores,
-    check_select,
-    check_softmax, check_softmax_sums, decode_combine_launch, decode_lanes, decode_launch,
-    decode_split, kvq_launch, move_launch, norm_launch, per_head_launch, plan_moves, pool_words,
-    rope_launch, sample_launch, scores_launch, select_few_launch, select_few_workspace, select_multi_launch,
-    select_passes, select_workspace, softmax_launch, softmax_sums_launch, vector_loads_fit, Launch,
-    ScoreLoads, SelectBlocks, KVQ_FP8, MAX_HEADS, SAMPLE_PARAM_WORDS,
+    check_select, check_softmax, check_softmax_sums, decode_combine_launch, decode_lanes,
+    decode_launch, decode_split, kvq_launch, move_launch, norm_launch, per_head_launch, plan_moves,
+    pool_words, rope_launch, sample_launch, scores_launch, select_few_launch, select_few_workspace,
+    select_multi_launch, select_passes, select_workspace, softmax_launch, softmax_sums_launch,
+    vector_loads_fit, Launch, ScoreLoads, SelectBlocks, KVQ_FP8, MAX_HEADS, SAMPLE_PARAM_WORDS,
 };
 
 /// PTX of `kernels/keydiff.cu`.

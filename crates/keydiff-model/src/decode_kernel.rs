@@ -154,7 +154,7 @@ fn cuda_decode_kernel_on() -> bool {
 
 /// Whether one of keydiff's CUDA kernels runs: on unless the environment variable `var` is `0`
 /// (to time or check candle's ops against it), read once into `cell`.
-fn switched_on(cell: &OnceLock<bool>, var: &str) -> bool {
+pub(crate) fn switched_on(cell: &OnceLock<bool>, var: &str) -> bool {
     *cell.get_or_init(|| std::env::var(var).map_or(true, |v| v != "0"))
 }
 
@@ -1441,110 +1441,6 @@ impl candle_core::CustomOp1 for CudaArgmax {
         l: &candle_core::Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
         keydiff_kernels::argmax_rows((x, l))
-    }
-}
-
-/// One row's draw for [`sample_rows`]: the sampler's temperature (0 or less is greedy), top-k
-/// (0 is off), top-p (1 is off) and min-p (0 is off), and the uniform `r` in [0, 1) the host's
-/// generator gave for this step.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct DrawParams {
-    pub temperature: f32,
-    pub top_k: u32,
-    pub top_p: f32,
-    pub min_p: f32,
-    pub r: f32,
-}
-
-impl DrawParams {
-    /// The kernel's words for this row (`SAMPLE_PARAM_WORDS`).
-    pub fn words(&self) -> [u32; keydiff_kernels::geometry::SAMPLE_PARAM_WORDS] {
-        [
-            self.temperature.to_bits(),
-            self.top_k,
-            self.top_p.to_bits(),
-            self.min_p.to_bits(),
-            self.r.to_bits(),
-        ]
-    }
-}
-
-/// Set in a token from [`sample_rows`] whose row had no finite logit: the token is the row's
-/// argmax, and `r` was not used (the host's sampler draws nothing for such a row).
-pub const NO_DRAW: u32 = keydiff_kernels::geometry::SAMPLE_NO_DRAW;
-
-/// Whether [`sample_rows`] draws tokens on `device`: CUDA, unless `KEYDIFF_CUDA_SAMPLE=0`.
-pub fn samples_on(device: &candle_core::Device) -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    cfg!(feature = "cuda") && device.is_cuda() && switched_on(&ON, "KEYDIFF_CUDA_SAMPLE")
-}
-
-/// Sampling where the logits are: each row of `logits` (`[rows, vocab]`, f32/f16/bf16, rows
-/// contiguous) drawn with its [`DrawParams`] as the host's sampler draws it
-/// (`keydiff::sampling::draw`, up to the rounding of its sums: the kernel sums weights in fixed
-/// point), by one launch of `keydiff_sample_rows_*`; 4 bytes a row come back. `None` where the
-/// device does not sample ([`samples_on`]), or for logits it cannot take: the caller reads the
-/// rows and samples on the host. [`NO_DRAW`] is set in the token of a row with no finite logit.
-pub fn sample_rows(logits: &Tensor, params: &[DrawParams]) -> Result<Option<Vec<u32>>> {
-    let (rows, cols) = logits.dims2()?;
-    if rows != params.len() {
-        return Err(ModelError::Shape(format!(
-            "{} draws for {rows} rows of logits",
-            params.len()
-        )));
-    }
-    let float = matches!(logits.dtype(), DType::F32 | DType::F16 | DType::BF16);
-    if rows == 0 || cols == 0 || !float || !samples_on(logits.device()) || logits.stride()[1] != 1
-    {
-        return Ok(None);
-    }
-    let words: Vec<u32> = params.iter().flat_map(|p| p.words()).collect();
-    let p = Tensor::from_vec(
-        words,
-        (rows, keydiff_kernels::geometry::SAMPLE_PARAM_WORDS),
-        logits.device(),
-    )?;
-    cuda_sample_rows(logits, &p)
-}
-
-#[cfg(feature = "cuda")]
-fn cuda_sample_rows(x: &Tensor, p: &Tensor) -> Result<Option<Vec<u32>>> {
-    Ok(Some(x.apply_op2_no_bwd(p, &CudaSample)?.to_vec1::<u32>()?))
-}
-
-#[cfg(not(feature = "cuda"))]
-fn cuda_sample_rows(_x: &Tensor, _p: &Tensor) -> Result<Option<Vec<u32>>> {
-    Ok(None)
-}
-
-/// The candle op of [`sample_rows`] on CUDA (logits, parameters).
-#[cfg(feature = "cuda")]
-struct CudaSample;
-
-#[cfg(feature = "cuda")]
-impl candle_core::CustomOp2 for CudaSample {
-    fn name(&self) -> &'static str {
-        "sample-rows"
-    }
-
-    fn cpu_fwd(
-        &self,
-        _: &candle_core::CpuStorage,
-        _: &candle_core::Layout,
-        _: &candle_core::CpuStorage,
-        _: &candle_core::Layout,
-    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
-        candle_core::bail!("sample-rows: the CUDA kernel's op runs on CUDA only")
-    }
-
-    fn cuda_fwd(
-        &self,
-        x: &candle_core::CudaStorage,
-        l: &candle_core::Layout,
-        p: &candle_core::CudaStorage,
-        pl: &candle_core::Layout,
-    ) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
-        keydiff_kernels::sample_rows((x, l), (p, pl))
     }
 }
 

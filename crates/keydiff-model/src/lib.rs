@@ -12,6 +12,7 @@ mod load;
 pub mod memory;
 pub mod model;
 pub mod rope;
+mod sample;
 pub mod tokenizer;
 pub mod weights;
 

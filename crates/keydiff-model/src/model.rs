@@ -47,9 +47,9 @@ impl RmsNorm {
 }
 
 pub use crate::decode_kernel::{
-    add_rms_norm_cuda, argmax, argmax_rows, rope_qk_cuda, sample_rows, samples_on, silu_mul_cuda,
-    DrawParams, NO_DRAW,
+    add_rms_norm_cuda, argmax, argmax_rows, rope_qk_cuda, silu_mul_cuda,
 };
+pub use crate::sample::{draw, order, pick, sample_rows, samples_on, DrawParams, NO_DRAW};
 
 /// SwiGLU's product silu(gate) · up (`[rows, cols]` each): one launch on CUDA
 /// ([`silu_mul_cuda`]), candle's `silu` and product elsewhere, the kernel's reference.

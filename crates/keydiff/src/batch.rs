@@ -34,9 +34,9 @@ use keydiff_cache::KvCache;
 use keydiff_model::{Logits, Segment};
 
 use crate::engine::{Decoding, Pick, Prefill};
-use crate::sampling::DrawParams;
 use crate::error::{EngineError, Result};
 use crate::prompt_cache::Resumed;
+use crate::sampling::DrawParams;
 use crate::{Engine, Event, GenerateParams, Output, PromptCache, Reuse};
 
 /// Requests being decoded together on one engine (see the module docs). Ids are the
@@ -1051,7 +1051,9 @@ fn decode_rows(rows: &[candle_core::Tensor], picks: &[RowPick]) -> Result<Vec<Ro
     }
     .map(|t| t.into_iter());
     let h: Vec<Tensor> = (rows.iter().zip(picks))
-        .filter(|(_, p)| matches!(p, RowPick::Host) || (drawn.is_none() && matches!(p, RowPick::Draw(_))))
+        .filter(|(_, p)| {
+            matches!(p, RowPick::Host) || (drawn.is_none() && matches!(p, RowPick::Draw(_)))
+        })
         .map(|(t, _)| t.clone())
         .collect();
     let mut host = match h.is_empty() {
@@ -1070,9 +1072,9 @@ fn decode_rows(rows: &[candle_core::Tensor], picks: &[RowPick]) -> Result<Vec<Ro
                 continue;
             }
         };
-        out.push(Rows::Token(
-            token.ok_or_else(|| shape("fewer picked tokens than rows to pick".into()))?,
-        ));
+        out.push(Rows::Token(token.ok_or_else(|| {
+            shape("fewer picked tokens than rows to pick".into())
+        })?));
     }
     Ok(out)
 }

@@ -5,13 +5,13 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
-use rand::rngs::StdRng;
 use keydiff_cache::{CacheConfig, CacheCounters, KvCache, KvType, KvTypes};
 use keydiff_model::memory::human;
 use keydiff_model::{
     load_gguf, load_hf_dir, load_random, AttentionBackend, CpuWeights, Loaded, Logits,
     MemoryBudget, MemoryPlan, Message, ModelConfig, ModelFormat, RopeOverride,
 };
+use rand::rngs::StdRng;
 
 use crate::error::{EngineError, Result};
 use crate::grammar::{Grammar, GrammarState};
@@ -684,9 +684,7 @@ impl Next {
                 }
             },
             Pick::Device => Next::Row(logits.clone()),
-            Pick::Host => {
-                Next::Logits(logits.to_dtype(candle_core::DType::F32)?.to_vec1::<f32>()?)
-            }
+            Pick::Host => Next::Logits(logits.to_dtype(candle_core::DType::F32)?.to_vec1::<f32>()?),
         })
     }
 }

@@ -9,6 +9,23 @@ use rand::{Rng, SeedableRng};
 /// One row's draw on the device ([`Sampler::device_draw`]).
 pub use keydiff_model::model::DrawParams;
 
+/// [`DrawParams`] of a sampler's settings and a uniform `r`.
+trait DrawOf {
+    fn of(c: &Sampling, r: f32) -> Self;
+}
+
+impl DrawOf for DrawParams {
+    fn of(c: &Sampling, r: f32) -> Self {
+        DrawParams {
+            temperature: c.temperature,
+            top_k: u32::try_from(c.top_k).unwrap_or(u32::MAX),
+            top_p: c.top_p,
+            min_p: c.min_p,
+            r,
+        }
+    }
+}
+
 /// Sampling settings. `temperature <= 0` is greedy.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Sampling {
@@ -310,14 +327,7 @@ impl Sampler {
             true => self.rng.random(),
             false => 0.0,
         };
-        let p = DrawParams {
-            temperature: c.temperature,
-            top_k: u32::try_from(c.top_k).unwrap_or(u32::MAX),
-            top_p: c.top_p,
-            min_p: c.min_p,
-            r,
-        };
-        Some((p, before))
+        Some((DrawParams::of(c, r), before))
     }
 
     /// Puts the generator back as [`Sampler::device_draw`] found it.
@@ -327,116 +337,20 @@ impl Sampler {
 }
 
 /// The host's draw from a row of logits with `c`'s top-k, top-p, min-p and temperature, `r`
-/// uniform in [0, 1) (`temperature` > 0; no bias or penalty here): the finite logits in
-/// [`order`], truncated, and the first whose running probability passes `r`. `None` when no
-/// logit is finite (there is nothing to draw). The reference of the device's sampler
-/// (`keydiff_sample_rows_*`).
+/// uniform in [0, 1) (`temperature` > 0; no bias or penalty here): `None` when no logit is
+/// finite. See [`keydiff_model::model::draw`], the reference of the device's sampler.
 pub fn draw(logits: &[f32], c: &Sampling, r: f32) -> Option<u32> {
-    let cand: Vec<(u32, f32)> = logits
-        .iter()
-        .enumerate()
-        .filter(|(_, l)| l.is_finite())
-        .map(|(i, &l)| (i as u32, l))
-        .collect();
-    (!cand.is_empty()).then(|| pick(cand, c, r))
+    keydiff_model::model::draw(logits, &DrawParams::of(c, r))
 }
 
-/// Candidates by logit, descending; ties keep the lower id first (a total order).
-fn order(a: &(u32, f32), b: &(u32, f32)) -> std::cmp::Ordering {
-    b.1.total_cmp(&a.1).then(a.0.cmp(&b.0))
+/// [`keydiff_model::model::pick`] with `c`'s settings and `r`.
+#[cfg(test)]
+fn pick(cand: Vec<(u32, f32)>, c: &Sampling, r: f32) -> u32 {
+    keydiff_model::model::pick(cand, &DrawParams::of(c, r))
 }
 
-/// Candidates sorted by [`order`] only as far as they are read: the first `sorted` are the
-/// first of all in order, and [`Ranked::get`] sorts on (in growing chunks) when asked for one
-/// past them. A draw mostly ends in the first few tokens, so this costs a selection over the
-/// vocabulary where a whole sort cost several milliseconds a step.
-struct Ranked {
-    cand: Vec<(u32, f32)>,
-    sorted: usize,
-}
-
-impl Ranked {
-    fn get(&mut self, i: usize) -> (u32, f32) {
-        if i >= self.sorted {
-            let upto = (self.sorted * 2).max(i + 1).max(64).min(self.cand.len());
-            let rest = &mut self.cand[self.sorted..];
-            let n = upto - self.sorted;
-            if n < rest.len() {
-                rest.select_nth_unstable_by(n - 1, order);
-            }
-            rest[..n].sort_by(order);
-            self.sorted = upto;
-        }
-        self.cand[i]
-    }
-
-    /// Keeps the first `n` in order.
-    fn truncate(&mut self, n: usize) {
-        if n <= self.sorted {
-            self.cand.truncate(n);
-            self.sorted = n;
-        } else if n < self.cand.len() {
-            // The next `n - sorted` in order, unsorted: the draw sorts what it reads of them.
-            self.cand[self.sorted..].select_nth_unstable_by(n - 1 - self.sorted, order);
-            self.cand.truncate(n);
-        }
-    }
-}
-
-/// Draws from the finite candidates `cand` (non-empty) with top-k, top-p, min-p and the
-/// temperature of `c`, `r` uniform in [0, 1): walking the candidates in [`order`], the first
-/// whose running probability passes `r`. The same draw as sorting all of them first, up to
-/// the rounding of the sums (`tests::pick_whole_sort`).
-fn pick(mut cand: Vec<(u32, f32)>, c: &Sampling, r: f32) -> u32 {
-    if c.top_k > 0 && c.top_k < cand.len() {
-        // The order is total, so the k first are the same as after a whole sort.
-        cand.select_nth_unstable_by(c.top_k - 1, order);
-        cand.truncate(c.top_k);
-    }
-    let max = cand.iter().map(|x| x.1).fold(f32::NEG_INFINITY, f32::max);
-    let mut ranked = Ranked { cand, sorted: 0 };
-    // Weights and sums in f64: the sums are taken in two orders (all candidates as they lie,
-    // the running sum in rank order), and in f32 the tail of a 150K vocabulary rounds away
-    // in one but not the other, leaving the running sum short of the total.
-    if c.top_p < 1.0 {
-        let w = |l: f32| ((l - max) as f64).exp();
-        let total: f64 = ranked.cand.iter().map(|x| w(x.1)).sum();
-        let target = c.top_p as f64 * total;
-        let (mut acc, mut keep, len) = (0.0, ranked.cand.len(), ranked.cand.len());
-        for i in 0..len {
-            acc += w(ranked.get(i).1);
-            if acc >= target {
-                keep = i + 1;
-                break;
-            }
-        }
-        ranked.truncate(keep.max(1));
-    }
-    if c.min_p > 0.0 {
-        // p ≥ p_max · min_p, with p ∝ exp(logit − max): the tokens whose logit is within
-        // −ln(min_p) of the best.
-        let keep = ranked
-            .cand
-            .iter()
-            .filter(|x| ((x.1 - max) as f64).exp() >= c.min_p as f64)
-            .count();
-        ranked.truncate(keep.max(1));
-    }
-    let w = |l: f32| ((l - max) as f64 / c.temperature as f64).exp();
-    let total: f64 = ranked.cand.iter().map(|x| w(x.1)).sum();
-    let target = r as f64 * total;
-    let mut acc = 0.0;
-    let len = ranked.cand.len();
-    for i in 0..len {
-        let (tok, l) = ranked.get(i);
-        acc += w(l);
-        if target < acc {
-            return tok;
-        }
-    }
-    // Only rounding gets here (`r` < 1 and the sums agree to ~1e-16): the last token read.
-    ranked.get(len - 1).0
-}
+#[cfg(test)]
+use keydiff_model::model::order;
 
 /// Index of the largest value; the first one on ties (NaNs skipped, 0 when the first is NaN).
 /// The same function as the device's greedy choice takes for its reference.
@@ -676,6 +590,65 @@ mod tests {
             let got = s(Sampling { top_k: k, ..cfg.clone() }).sample(&mut logits.clone(), &[]);
             let want = s(cfg).sample(&mut kept, &[]);
             proptest::prop_assert_eq!(got, want);
+        }
+    }
+
+    /// A sampler drawing for the device ([`Sampler::device_draw`], then
+    /// `keydiff_model::model::sample_rows`, here on the CPU) gives the tokens
+    /// [`Sampler::sample`] gives, step after step: the generator is given back for a row with
+    /// no finite logit (the host draws nothing for it), and greedy takes no draw. A biased or
+    /// penalised sampler does not draw for the device.
+    #[test]
+    fn device_draws_follow_the_host_sampler() {
+        use candle_core::{Device, Tensor};
+        use keydiff_model::model::{sample_rows, NO_DRAW};
+        for temperature in [0.8, 0.0] {
+            let c = Sampling {
+                temperature,
+                top_k: 20,
+                top_p: 0.9,
+                min_p: 0.01,
+                seed: 5,
+                ..Sampling::default()
+            };
+            let (mut host, mut dev) = (s(c.clone()), s(c.clone()));
+            let mut rng = StdRng::seed_from_u64(9);
+            let mut flagged = 0;
+            for step in 0..40 {
+                let mut row: Vec<f32> = (0..500).map(|_| rng.random_range(-5.0..5.0)).collect();
+                if step % 7 == 3 {
+                    row.fill(f32::NEG_INFINITY);
+                    row[step] = f32::NAN;
+                }
+                let want = host.sample(&mut row.clone(), &[]);
+                let (p, before) = dev.device_draw().unwrap();
+                let t = Tensor::from_vec(row, (1, 500), &Device::Cpu).unwrap();
+                let got = sample_rows(&t, &[p]).unwrap().unwrap()[0];
+                let got = match got & NO_DRAW {
+                    0 => got,
+                    _ => {
+                        flagged += 1;
+                        dev.give_back(before);
+                        got & !NO_DRAW
+                    }
+                };
+                assert_eq!(got, want, "temperature {temperature} step {step}");
+            }
+            assert_eq!(flagged, if temperature > 0.0 { 6 } else { 0 });
+        }
+        for c in [
+            Sampling {
+                temperature: 0.8,
+                logit_bias: vec![(2, 1.0)],
+                ..Sampling::default()
+            },
+            Sampling {
+                temperature: 0.8,
+                repetition_penalty: 1.2,
+                ..Sampling::default()
+            },
+        ] {
+            assert!(s(c).device_draw().is_none());
         }
     }
 

@@ -224,7 +224,10 @@ fn sampled_tokens_are_the_host_draws() {
         }
     }
     eprintln!("{compared} rows compared, {near} within rounding of a boundary");
-    assert!(near * 20 <= compared, "{near} of {compared} rows near a boundary");
+    assert!(
+        near * 20 <= compared,
+        "{near} of {compared} rows near a boundary"
+    );
 }
 
 /// Qwen 2.5's vocabulary (148 values a thread), each setting once, in f32 and bf16.
