@@ -1195,6 +1195,33 @@ test_device!(
     greedy_tokens_match_the_host_cuda
 );
 
+/// Sampling where the logits are (`sample_rows`: on CUDA `keydiff_sample_rows_*`, one launch
+/// and 4 bytes a row back) against the host sampler's draw over the same values
+/// (`kernel_check::sample_parity`, as `keydiff check-kernels` runs it): temperature, top-k,
+/// top-p and min-p settings, ties, NaNs, ±∞, rows without a finite logit, strided views, every
+/// float dtype, vocabularies to 151,936. On the CPU `sample_rows` is the host's draw itself
+/// (over the rows in place): there this checks the views and the no-draw flag only.
+fn sampled_tokens_match_the_host(dev: &Device) -> Result<()> {
+    use keydiff::kernel_check::{sample_cases, sample_parity};
+    for (i, c) in sample_cases().into_iter().enumerate() {
+        let r = sample_parity(dev, c, 60 + i as u64)?;
+        ensure!(
+            r.pass,
+            "{c:?}: the device drew: {}; {} of {} rows differ, {} near a boundary",
+            r.ran,
+            r.rows_differing,
+            r.rows,
+            r.rows_near
+        );
+    }
+    Ok(())
+}
+test_device!(
+    sampled_tokens_match_the_host,
+    sampled_tokens_match_the_host_cpu,
+    sampled_tokens_match_the_host_cuda
+);
+
 /// The cache codecs on the device against the CPU's (`kernel_check::codec_parity`, as
 /// `keydiff check-kernels` runs it): the same bytes from a strided view, the same values back,
 /// and the same values read for attention in the activations' dtype (`KvType::decode_as`,

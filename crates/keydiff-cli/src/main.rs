@@ -1025,6 +1025,38 @@ fn check_kernels(
         v["kind"] = "greedy".into();
         println!("{v}");
     }
+    // Sampling where the logits are, against the host sampler's draw.
+    eprintln!(
+        "sampled tokens vs the host:   {:5} {:>4} {:>7} {:>7} {:>9} {:>5} {:>5}",
+        "dtype", "rows", "vocab", "view", "differ", "near", "pass"
+    );
+    for (i, c) in keydiff::kernel_check::sample_cases()
+        .into_iter()
+        .enumerate()
+    {
+        let r = keydiff::kernel_check::sample_parity(&dev, c, seed + 4000 + i as u64)
+            .with_context(|| format!("sampling case {c:?}"))?;
+        eprintln!(
+            "                              {:5} {:>4} {:>7} {:>7} {:>9} {:>5} {:>5}",
+            r.dtype,
+            r.rows,
+            r.vocab,
+            if r.strided { "strided" } else { "rows" },
+            r.rows_differing,
+            r.rows_near,
+            match (r.ran, r.pass) {
+                (false, _) => "host",
+                (true, true) => "ok",
+                (true, false) => "FAIL",
+            },
+        );
+        if !r.pass {
+            failed.push(format!("sampled {} {}x{}", r.dtype, r.rows, r.vocab));
+        }
+        let mut v = serde_json::to_value(&r)?;
+        v["kind"] = "sampled".into();
+        println!("{v}");
+    }
     if !time_n.is_empty() {
         let dt = parse_dtype(dtype)?;
         let copy = copy_bandwidth(&dev)?;

@@ -1478,9 +1478,9 @@ impl<'e> Decoding<'e> {
                         format!("{} drawn tokens for one row of logits", other.len()),
                     )))
                 }
-                None => self.to_host(&row)?,
+                None => self.read_to_host(&row)?,
             },
-            None => self.to_host(&row)?,
+            None => self.read_to_host(&row)?,
         };
         Ok(())
     }
@@ -1501,7 +1501,7 @@ impl<'e> Decoding<'e> {
     }
 
     /// A row the device did not draw from, read to the host (a draw taken is given back).
-    fn to_host(&mut self, row: &Tensor) -> Result<Next> {
+    fn read_to_host(&mut self, row: &Tensor) -> Result<Next> {
         if let Some(rng) = self.drawn.take() {
             self.sampler.give_back(rng);
         }

@@ -22,6 +22,7 @@ use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 
 use crate::error::Result;
+use crate::sampling::DrawParams;
 
 /// Largest |score difference| accepted between a device and the references: scores are
 /// computed in f32 from the same (dtype-rounded) keys, so only the summation order differs.
@@ -734,6 +735,176 @@ pub fn greedy_parity(
         strided,
         rows_differing,
         pass: rows_differing == 0,
+    })
+}
+
+/// One case of sampling where the logits are (`keydiff_model::model::sample_rows`; on CUDA
+/// `keydiff_sample_rows_*`) against the host sampler's draw over the same values.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct SampleParity {
+    pub dtype: String,
+    pub rows: usize,
+    pub vocab: usize,
+    /// The rows are a view inside a wider buffer (a row stride past the vocabulary, an offset).
+    pub strided: bool,
+    /// The device drew (false where `sample_rows` declines: the host samples there).
+    pub ran: bool,
+    /// Rows whose token differs from the host's (0 expected).
+    pub rows_differing: usize,
+    /// Rows left out: the host's own token changes when `r`, top-p or min-p move by 2e-7, so
+    /// rounding may decide (the kernel sums weights in fixed point, within ~n · 2^-45).
+    pub rows_near: usize,
+    pub pass: bool,
+}
+
+/// Sampling's cases: those of greedy sampling ([`greedy_cases`]).
+pub fn sample_cases() -> Vec<(DType, usize, usize, bool)> {
+    greedy_cases()
+}
+
+/// Sampler settings the sampling check cycles through: (temperature, top-k, top-p, min-p);
+/// the last is greedy.
+const SAMPLE_SETTINGS: [(f32, u32, f32, f32); 8] = [
+    (1.0, 0, 1.0, 0.0),
+    (0.7, 40, 0.9, 0.0),
+    (1.5, 0, 0.95, 0.05),
+    (0.3, 5, 1.0, 0.0),
+    (0.8, 1, 1.0, 0.0),
+    (0.6, 3, 0.3, 0.9),
+    (1.2, 0, 0.999, 0.02),
+    (0.0, 0, 1.0, 0.0),
+];
+
+/// The host's token for a row (with [`keydiff_model::model::NO_DRAW`] where it has no finite
+/// logit, as `sample_rows` gives it) and whether it holds when `r`, top-p and min-p move by
+/// 2e-7 (rounding cannot decide it).
+pub fn host_draw(logits: &[f32], p: &DrawParams) -> (u32, bool) {
+    use keydiff_model::model::{argmax, draw, NO_DRAW};
+    if p.temperature <= 0.0 {
+        return (argmax(logits), true);
+    }
+    let Some(tok) = draw(logits, p) else {
+        return (argmax(logits) | NO_DRAW, true);
+    };
+    let d = 2e-7f32;
+    let mut moved = vec![
+        DrawParams {
+            r: (p.r - d).max(0.0),
+            ..*p
+        },
+        DrawParams {
+            r: (p.r + d).min(1.0 - f32::EPSILON / 2.0),
+            ..*p
+        },
+    ];
+    if p.top_p < 1.0 {
+        for top_p in [p.top_p - d, (p.top_p + d).min(1.0 - f32::EPSILON)] {
+            moved.push(DrawParams { top_p, ..*p });
+        }
+    }
+    if p.min_p > 0.0 {
+        for min_p in [(p.min_p - d).max(1e-9), p.min_p + d] {
+            moved.push(DrawParams { min_p, ..*p });
+        }
+    }
+    let stable = moved.iter().all(|m| draw(logits, m) == Some(tok));
+    (tok, stable)
+}
+
+/// Sampled tokens of `rows` rows of `vocab` logits in `dtype` on `device` against the host's
+/// draw ([`host_draw`]) over the same (rounded) values. Row r takes setting r mod 8 of
+/// [`SAMPLE_SETTINGS`] and is, by r mod 5: spread values; an LLM-like row (a long tail, a few
+/// large values, the largest at two places); small integers (ties everywhere); NaN, ±∞ among
+/// the values; no finite value (the argmax, flagged).
+pub fn sample_parity(
+    device: &Device,
+    (dtype, rows, vocab, strided): (DType, usize, usize, bool),
+    seed: u64,
+) -> Result<SampleParity> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let (pad_rows, pad_cols) = if strided { (2, 5) } else { (0, 0) };
+    let width = vocab + pad_cols;
+    let mut xs = Vec::with_capacity((rows + pad_rows) * width);
+    let mut params = Vec::with_capacity(rows);
+    for r in 0..rows + pad_rows {
+        // Around the view, values larger than any inside it: a kernel that reads past its
+        // row's view draws one of them.
+        let mut row = vec![100.0f32; width];
+        if r < pad_rows / 2 || r >= pad_rows / 2 + rows {
+            xs.extend(row);
+            continue;
+        }
+        let i = r - pad_rows / 2;
+        let v = &mut row[pad_cols.min(2)..pad_cols.min(2) + vocab];
+        v.iter_mut()
+            .for_each(|x| *x = rng.random_range(-8.0..8.0));
+        match i % 5 {
+            1 => {
+                v.iter_mut()
+                    .for_each(|x| *x = rng.random_range(-12.0..2.0));
+                for _ in 0..5 {
+                    v[rng.random_range(0..vocab)] = rng.random_range(6.0..14.0);
+                }
+                v[rng.random_range(0..vocab)] = 15.0;
+                v[rng.random_range(0..vocab)] = 15.0;
+            }
+            2 => v
+                .iter_mut()
+                .for_each(|x| *x = rng.random_range(-2i32..=2) as f32),
+            3 => {
+                for _ in 0..vocab.div_ceil(5) {
+                    let at = rng.random_range(0..vocab);
+                    v[at] = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY][rng.random_range(0..3)];
+                }
+            }
+            4 => v.fill(f32::NEG_INFINITY),
+            _ => {}
+        }
+        let (temperature, top_k, top_p, min_p) = SAMPLE_SETTINGS[i % SAMPLE_SETTINGS.len()];
+        params.push(DrawParams {
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            r: rng.random(),
+        });
+        xs.extend(row);
+    }
+    // Rounded to the dtype on the CPU, then copied: the reference never reads back what the
+    // device computed.
+    let host = Tensor::from_vec(xs, (rows + pad_rows, width), &Device::Cpu)?.to_dtype(dtype)?;
+    let view = |all: &Tensor| -> Result<Tensor> {
+        Ok(match strided {
+            true => all.narrow(0, pad_rows / 2, rows)?.narrow(1, 2, vocab)?,
+            false => all.clone(),
+        })
+    };
+    let want: Vec<(u32, bool)> = (view(&host)?.to_dtype(DType::F32)?)
+        .to_vec2::<f32>()?
+        .iter()
+        .zip(&params)
+        .map(|(r, p)| host_draw(r, p))
+        .collect();
+    let got = keydiff_model::model::sample_rows(&view(&host.to_device(device)?)?, &params)?;
+    let ran = got.is_some();
+    let got = got.unwrap_or_default();
+    let rows_near = want.iter().filter(|(_, stable)| !stable).count();
+    let rows_differing = match got.len() == want.len() {
+        true => (got.iter().zip(&want))
+            .filter(|(g, (w, stable))| *stable && g != &w)
+            .count(),
+        false => rows,
+    };
+    Ok(SampleParity {
+        dtype: dtype.as_str().to_string(),
+        rows,
+        vocab,
+        strided,
+        ran,
+        rows_differing,
+        rows_near,
+        // Not one row decided by rounding in four.
+        pass: ran && rows_differing == 0 && rows_near * 4 <= rows,
     })
 }
 
