@@ -4,7 +4,9 @@
 use std::process::Command;
 
 use keydiff::bench::{self, JoinMode, Phase, Plan};
-use keydiff::{CacheConfig, Engine, EngineConfig, GenerateParams, ModelSource, PolicyKind, Prompt};
+use keydiff::{
+    CacheConfig, Engine, EngineConfig, GenerateParams, ModelSource, PolicyKind, Prompt, Sampling,
+};
 use keydiff_tests::{keydiff_bin, root, temp_dir};
 
 fn tiny(preset: &str, cache: CacheConfig) -> Engine {
@@ -181,7 +183,8 @@ fn decode_sweep_reports_throughput_and_bounded_cache() {
         seed: 1,
         breakdown: false,
     };
-    let r = bench::decode(&mut e, &plan, 150, 1, |_, _, _| {}).unwrap();
+    let greedy = Sampling::default();
+    let r = bench::decode(&mut e, &plan, 150, 1, &greedy, |_, _, _| {}).unwrap();
     assert_eq!(r.len(), 2);
     assert_eq!(r[0].final_cache_len, 300 + 150, "full keeps everything");
     assert!(r[1].final_cache_len <= 128 + 64, "{:?}", r[1]);
@@ -195,7 +198,7 @@ fn decode_sweep_reports_throughput_and_bounded_cache() {
 
     // Three requests decoded together: each runs the same steps and keeps the same cache as
     // one alone; the rate is theirs together.
-    let b = bench::decode(&mut e, &plan, 150, 3, |_, _, _| {}).unwrap();
+    let b = bench::decode(&mut e, &plan, 150, 3, &greedy, |_, _, _| {}).unwrap();
     for (x, one) in b.iter().zip(&r) {
         assert_eq!(x.batch, 3);
         assert_eq!(x.decode_steps, 150);
@@ -203,7 +206,29 @@ fn decode_sweep_reports_throughput_and_bounded_cache() {
         assert_eq!(x.peak_kv_bytes, one.peak_kv_bytes);
         assert!(x.decode.median > 0.0);
     }
-    assert!(bench::decode(&mut e, &plan, 150, 0, |_, _, _| {}).is_err());
+    assert!(bench::decode(&mut e, &plan, 150, 0, &greedy, |_, _, _| {}).is_err());
+
+    // Sampled tokens: the same steps and caches, the settings recorded; bad ones refused.
+    let sampled = Sampling {
+        temperature: 0.8,
+        top_p: 0.9,
+        seed: 3,
+        ..Default::default()
+    };
+    for batch in [1, 2] {
+        let s = bench::decode(&mut e, &plan, 150, batch, &sampled, |_, _, _| {}).unwrap();
+        for (x, one) in s.iter().zip(&r) {
+            assert_eq!(x.sampling, sampled);
+            assert_eq!(x.decode_steps, 150);
+            assert_eq!(x.final_cache_len, one.final_cache_len);
+        }
+    }
+    let bad = Sampling {
+        top_p: 0.0,
+        ..sampled
+    };
+    let err = bench::decode(&mut e, &plan, 150, 1, &bad, |_, _, _| {}).unwrap_err();
+    assert!(err.to_string().contains("top-p"), "{err}");
 }
 
 /// A prompt joining running requests, prefilled alone and in the batch's steps: every run is

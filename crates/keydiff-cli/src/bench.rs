@@ -107,6 +107,23 @@ pub struct DecodeArgs {
     /// a case of its own; the rate is the batch's, all requests together.
     #[arg(long, value_delimiter = ',', default_value = "1")]
     batch: Vec<usize>,
+    /// Sampling temperature of the decoded tokens; 0 is greedy. Sampled tokens are drawn where
+    /// the logits are (on CUDA keydiff's kernel; `KEYDIFF_CUDA_SAMPLE=0` reads each row to the
+    /// host and draws there).
+    #[arg(long, default_value_t = 0.0)]
+    temp: f32,
+    /// Top-k (0 is off).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    /// Top-p (1 is off).
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Min-p (0 is off).
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f32,
+    /// Seed of the sampler (request i of a batch takes this + i).
+    #[arg(long, default_value_t = 0)]
+    sample_seed: u64,
 }
 
 #[derive(Args)]
@@ -297,6 +314,14 @@ fn decode(a: DecodeArgs) -> Result<()> {
     let mut engine = a.sweep.load(&a.chunks)?;
     let prov = Provenance::collect(&engine, a.sweep.load.random_weights, command_line());
     let bar = progress_bar(bench::ttft_runs(&plan, false) * a.batch.len());
+    let sampling = keydiff::Sampling {
+        temperature: a.temp,
+        top_k: a.top_k,
+        top_p: a.top_p,
+        min_p: a.min_p,
+        seed: a.sample_seed,
+        ..Default::default()
+    };
     let mut results = Vec::new();
     for &n in &a.batch {
         results.extend(bench::decode(
@@ -304,6 +329,7 @@ fn decode(a: DecodeArgs) -> Result<()> {
             &plan,
             a.gen_len,
             n,
+            &sampling,
             on_run(&bar),
         )?);
     }
@@ -472,6 +498,17 @@ fn ttft_table(results: &[TtftResult], prov: &Provenance, plan: &Plan) -> String 
 
 fn decode_table(results: &[DecodeResult], prov: &Provenance, plan: &Plan) -> String {
     let mut s = header(prov, plan);
+    if let Some(c) = results.first().map(|r| &r.sampling) {
+        let _ = match c.temperature > 0.0 {
+            false => writeln!(s, "# tokens: greedy"),
+            true => writeln!(
+                s,
+                "# tokens: sampled, temperature {}, top-k {}, top-p {}, min-p {}, seed {} (a \
+                 batch's request i: seed + i)",
+                c.temperature, c.top_k, c.top_p, c.min_p, c.seed
+            ),
+        };
+    }
     let _ = writeln!(
         s,
         "{:>6} {:>4} {:>15} {:>6} {:>5} {:>6} {:>9} {:>9} {:>9} {:>10} {:>7} {:>10}",

@@ -316,7 +316,14 @@ fn ttft_sweep(
     let on_cpu = engine.config().device.is_cpu();
     let profile_measured = plan.breakdown && on_cpu;
     let runs = rounds(engine, plan, &mut on_run, |engine, c, p, phase| {
-        request(engine, c, p, 1, phase == Phase::Measure && profile_measured)
+        request(
+            engine,
+            c,
+            p,
+            1,
+            phase == Phase::Measure && profile_measured,
+            &Sampling::default(),
+        )
     })?;
     let mut out = Vec::with_capacity(plan.cases.len());
     for (c, stats) in plan.cases.iter().zip(runs) {
@@ -329,7 +336,7 @@ fn ttft_sweep(
             (mean_breakdown(&stats), false)
         } else {
             let p = prompt(engine, c.prompt_len, plan.seed, 0);
-            let s = request(engine, c, p, 1, true)?;
+            let s = request(engine, c, p, 1, true, &Sampling::default())?;
             on_run(Phase::Profile, c, &s);
             (s.breakdown.unwrap_or_default(), true)
         };
@@ -434,21 +441,22 @@ fn configure(engine: &mut Engine, case: &Case) -> Result<()> {
     Ok(())
 }
 
-/// Prefills `tokens` under the case's cache settings and generates `max_tokens`, greedy,
-/// ignoring end-of-generation, with the device idle at the start.
+/// Prefills `tokens` under the case's cache settings and generates `max_tokens` with
+/// `sampling`, ignoring end-of-generation, with the device idle at the start.
 fn request(
     engine: &mut Engine,
     case: &Case,
     tokens: Vec<u32>,
     max_tokens: usize,
     profile: bool,
+    sampling: &Sampling,
 ) -> Result<Stats> {
     configure(engine, case)?;
     engine.config().device.synchronize()?;
     let params = GenerateParams {
         prompt: Prompt::Tokens(tokens),
         max_tokens,
-        sampling: Sampling::default(),
+        sampling: sampling.clone(),
         ignore_eos: true,
         profile,
         ..Default::default()
@@ -458,7 +466,8 @@ fn request(
 
 /// Prefills `batch` prompts (`tokens` and rotations of it) under the case's cache settings,
 /// one after the other, then decodes them together ([`crate::Batch`]) until each has
-/// `max_tokens`, greedy, ignoring end-of-generation. The first request's stats, with
+/// `max_tokens`, with `sampling` (request i seeded with its seed + i), ignoring
+/// end-of-generation. The first request's stats, with
 /// `decode_s` the wall time of the batch's decode steps and `decode_tok_s` the aggregate
 /// rate over all requests' steps.
 fn request_batch(
@@ -467,6 +476,7 @@ fn request_batch(
     tokens: Vec<u32>,
     max_tokens: usize,
     batch: usize,
+    sampling: &Sampling,
 ) -> Result<Stats> {
     configure(engine, case)?;
     let device = engine.config().device.clone();
@@ -480,6 +490,10 @@ fn request_batch(
                 prompt: Prompt::Tokens(t),
                 max_tokens,
                 ignore_eos: true,
+                sampling: Sampling {
+                    seed: sampling.seed.wrapping_add(i as u64),
+                    ..sampling.clone()
+                },
                 ..Default::default()
             }
         })
@@ -519,6 +533,8 @@ pub struct DecodeResult {
     pub budget: Option<usize>,
     /// Requests decoded together (1: one request alone).
     pub batch: usize,
+    /// How the tokens were picked (request i of a batch seeded with the seed + i).
+    pub sampling: Sampling,
     /// Decode steps per request (tokens after the first).
     pub decode_steps: usize,
     /// Decode tokens per second of every measured run, in round order: all requests of a
@@ -538,19 +554,21 @@ pub struct DecodeResult {
     pub device_used_bytes: Option<u64>,
 }
 
-/// Runs a decode sweep: prefill each case's prompt, then generate `steps` tokens past the first,
-/// greedy, ignoring end-of-generation; with `batch` above 1, that many requests (the prompt
-/// and rotations of it) decode together and the rate is theirs together. The breakdown flag
-/// of `plan` is ignored. The engine's settings are as they were when it returns.
+/// Runs a decode sweep: prefill each case's prompt, then generate `steps` tokens past the first
+/// with `sampling` (greedy by default), ignoring end-of-generation; with `batch` above 1, that
+/// many requests (the prompt and rotations of it) decode together and the rate is theirs
+/// together. The breakdown flag of `plan` is ignored. The engine's settings are as they were
+/// when it returns.
 pub fn decode(
     engine: &mut Engine,
     plan: &Plan,
     steps: usize,
     batch: usize,
+    sampling: &Sampling,
     on_run: impl FnMut(Phase, &Case, &Stats),
 ) -> Result<Vec<DecodeResult>> {
     restoring(engine, |engine| {
-        decode_sweep(engine, plan, steps, batch, on_run)
+        decode_sweep(engine, plan, steps, batch, sampling, on_run)
     })
 }
 
@@ -560,8 +578,10 @@ fn decode_sweep(
     plan: &Plan,
     steps: usize,
     batch: usize,
+    sampling: &Sampling,
     mut on_run: impl FnMut(Phase, &Case, &Stats),
 ) -> Result<Vec<DecodeResult>> {
+    sampling.validate().map_err(EngineError::BadParams)?;
     if plan.reps == 0 || steps == 0 || batch == 0 {
         return Err(EngineError::BadParams(
             "--reps, --gen-len and --batch must be at least 1".into(),
@@ -578,8 +598,8 @@ fn decode_sweep(
         }
     }
     let runs = rounds(engine, plan, &mut on_run, |engine, c, p, _| match batch {
-        1 => request(engine, c, p, steps + 1, false),
-        n => request_batch(engine, c, p, steps + 1, n),
+        1 => request(engine, c, p, steps + 1, false, sampling),
+        n => request_batch(engine, c, p, steps + 1, n, sampling),
     })?;
     let rss = peak_rss_bytes();
     let device_used = device_used_bytes(&engine.config().device);
@@ -595,6 +615,7 @@ fn decode_sweep(
                 policy: c.policy_name(),
                 budget: c.cache.budget,
                 batch,
+                sampling: sampling.clone(),
                 decode_steps: stats[0].generated_tokens.saturating_sub(1),
                 decode: Spread::of(&tok_s),
                 decode_tok_s: tok_s,

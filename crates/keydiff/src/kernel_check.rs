@@ -836,12 +836,10 @@ pub fn sample_parity(
         }
         let i = r - pad_rows / 2;
         let v = &mut row[pad_cols.min(2)..pad_cols.min(2) + vocab];
-        v.iter_mut()
-            .for_each(|x| *x = rng.random_range(-8.0..8.0));
+        v.iter_mut().for_each(|x| *x = rng.random_range(-8.0..8.0));
         match i % 5 {
             1 => {
-                v.iter_mut()
-                    .for_each(|x| *x = rng.random_range(-12.0..2.0));
+                v.iter_mut().for_each(|x| *x = rng.random_range(-12.0..2.0));
                 for _ in 0..5 {
                     v[rng.random_range(0..vocab)] = rng.random_range(6.0..14.0);
                 }
