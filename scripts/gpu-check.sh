@@ -64,7 +64,10 @@ echo "== 2. eviction kernels against the CPU references, then timed against copy
 # fp8 read in place; f32/f16/bf16 queries, d 64/128/256, one split and several; the cache
 # encoded on the device) against eager attention on the CPU over the CPU codec's cache.
 # Greedy sampling on the device (keydiff_argmax_rows_*: f32/f16/bf16 logits, vocabularies to
-# 151,936, ties, NaN, strided views) against the host sampler's argmax. Timing: 8 KV heads, d 128, bf16 (Llama-3.1-8B's KV shape), B = 128, n = N + B; each n with
+# 151,936, ties, NaN, strided views) against the host sampler's argmax, and sampled tokens
+# (keydiff_sample_rows_*: temperature, top-k, top-p, min-p; rows without a finite logit)
+# against the host's draw. Timing: 8 KV heads, d 128, bf16 (Llama-3.1-8B's KV shape), B = 128,
+# n = N + B; each n with
 # the selection on one block per head, on many (a launch per digit), and on many in one launch
 # for few evictions (the engine takes that past 4096 slots when the candidates fit, B = 128
 # always; many otherwise; n = 2176, a 2K budget, shows whether it should below 4096 too),
@@ -593,7 +596,9 @@ echo "== 4e. decode launches: keydiff's decode kernel and fused linears against 
 # (KEYDIFF_CUDA_ADD_NORM=0 KEYDIFF_CUDA_SILU_MUL=0 KEYDIFF_CUDA_ROPE=0 KEYDIFF_CUDA_APPEND=0:
 # 20 operations a layer and step against 10 with them), with greedy's token read from the
 # whole row of logits on the host (KEYDIFF_CUDA_ARGMAX=0; on: keydiff_argmax_rows_f32 picks it
-# on the device and 4 bytes come back), then a long cache (prompt 7680, within
+# on the device and 4 bytes come back), sampled tokens (temperature 0.8, top-p 0.95) drawn on
+# the device (keydiff_sample_rows_f32) and on the host (KEYDIFF_CUDA_SAMPLE=0: the row read
+# and sorted as far as the draw goes), then a long cache (prompt 7680, within
 # SmolLM2's 8192 for dry runs; full cache: the kernel splits each of 3B's 8 heads' keys over 31
 # blocks) with the kernel on and off, and the same in a q8_0 cache (the kernel reads its blocks
 # in place, keydiff_decode_kvq_*; off, each step dequantizes the view to f32, then casts it).
@@ -606,10 +611,12 @@ else
   long="--prompt-len 7680 --chunks 512 --policies full --batch 1"
   i=0
   # kernel, fuse, allocator (1: keydiff's settings, 0: the driver's and cudarc's defaults),
-  # the small kernels (residual add + RMSNorm, SwiGLU product, RoPE, cache append), greedy on
-  # the device
+  # the small kernels (residual add + RMSNorm, SwiGLU product, RoPE, cache append), tokens
+  # picked on the device (greedy's argmax, sampling's draw)
+  sampled="$short --temp 0.8 --top-p 0.95 --sample-seed 1"
   for run in "0 1 1 1 1 $short" "1 0 1 1 1 $short" "1 1 0 1 1 $short" "1 1 1 0 1 $short" \
-      "1 1 1 1 0 $short" "1 1 1 1 1 $long" "0 1 1 1 1 $long" "1 1 1 1 1 $long --kv-dtype q8_0" \
+      "1 1 1 1 0 $short" "1 1 1 1 1 $sampled" "1 1 1 1 0 $sampled" "1 1 1 1 1 $long" \
+      "0 1 1 1 1 $long" "1 1 1 1 1 $long --kv-dtype q8_0" \
       "0 1 1 1 1 $long --kv-dtype q8_0"; do
     read -r kernel fuse alloc norm argmax r <<< "$run"
     i=$((i + 1))
@@ -618,10 +625,11 @@ else
     # shellcheck disable=SC2086
     if KEYDIFF_CUDA_DECODE_KERNEL=$kernel KEYDIFF_CUDA_FUSE=$fuse KEYDIFF_CUDA_POOL_RETAIN=$alloc \
         KEYDIFF_CUDA_EVENTS=$events KEYDIFF_CUDA_ADD_NORM=$norm KEYDIFF_CUDA_SILU_MUL=$norm \
-        KEYDIFF_CUDA_ROPE=$norm KEYDIFF_CUDA_APPEND=$norm KEYDIFF_CUDA_ARGMAX=$argmax timeout 60 "$bin" bench decode \
+        KEYDIFF_CUDA_ROPE=$norm KEYDIFF_CUDA_APPEND=$norm KEYDIFF_CUDA_ARGMAX=$argmax \
+        KEYDIFF_CUDA_SAMPLE=$argmax timeout 60 "$bin" bench decode \
         --random-weights -m "$preset" --device "$device" --dtype bf16 --attention "$ttft_attention" \
         $r --gen-len 32 --warmup 1 --reps 1 --out "$out/decode/$i" > "$out/decode/table-$i.txt" 2>>"$errors"; then
-      { echo "decode ($preset, bf16, $r; decode kernel $([ $kernel = 1 ] && echo on || echo off), linears $([ $fuse = 1 ] && echo fused || echo unfused), allocator $alloc_name, add+norm, silu·mul, RoPE and append kernels $([ $norm = 1 ] && echo on || echo off), greedy on the $([ $argmax = 1 ] && echo device || echo host)):"; grep -v '^#' "$out/decode/table-$i.txt"; } >> "$summary"
+      { echo "decode ($preset, bf16, $r; decode kernel $([ $kernel = 1 ] && echo on || echo off), linears $([ $fuse = 1 ] && echo fused || echo unfused), allocator $alloc_name, add+norm, silu·mul, RoPE and append kernels $([ $norm = 1 ] && echo on || echo off), tokens picked on the $([ $argmax = 1 ] && echo device || echo host)):"; grep -v '^#' "$out/decode/table-$i.txt"; } >> "$summary"
     else
       note "decode launches (kernel $kernel, fuse $fuse, allocator $alloc, small kernels $norm, argmax $argmax, $r): FAILED (exit $?); see errors.log"
     fi
