@@ -2038,8 +2038,8 @@ KD_INSTANTIATE_ARGMAX(bf16, __nv_bfloat16)
 // their bits, so -0 after +0, as `f32::total_cmp`), then lower indices.
 __device__ __forceinline__ unsigned long long kd_sample_key(float l, unsigned i) {
   const unsigned b = __float_as_uint(l);
-  const unsigned up = (b & 0x80000000u) ? ~b : (b | 0x80000000u);  // ascending with l
-  return ((unsigned long long)~up << 32) | i;
+  const unsigned desc = (b & 0x80000000u) ? b : b ^ 0x7fffffffu;  // descending with l
+  return ((unsigned long long)desc << 32) | i;
 }
 
 // exp((l - mx) / t) in units of 2^-44, rounded (l <= mx: at most 2^44).
@@ -2076,7 +2076,7 @@ __device__ unsigned long long kd_sample_select(const T* row, int cols, int top_s
       mask |= 255ull << shift;
       continue;
     }
-    for (int j = threadIdx.x; j < 256; j += blockDim.x) sh.hist[j] = 0;
+    for (int b = threadIdx.x; b < 256; b += KD_SAMPLE_THREADS) sh.hist[b] = 0;
     __syncthreads();
     for (int base = 0; base < cols; base += KD_SAMPLE_THREADS) {
       const int i = base + threadIdx.x;
@@ -2159,7 +2159,7 @@ __device__ void kd_sample_rows(const T* x, int64_t x_rs, const unsigned* params,
       kmin = k < kmin ? k : kmin;
     }
   }
-  for (int o = 16; o > 0; o >>= 1) {
+  for (int o = 16; o >= 1; o /= 2) {
     const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
     const unsigned oi = __shfl_xor_sync(0xffffffffu, bi, o);
     if (kd_argmax_better(ov, oi, bv, bi)) {

@@ -166,6 +166,27 @@ mutants=(
   "argmax: the lane-1 step of the warp shuffle skipped~  for (int o = 16; o > 0; o >>= 1) {\n    const float ov = __shfl_xor_sync(0xffffffffu, bv, o);~  for (int o = 16; o > 1; o >>= 1) {\n    const float ov = __shfl_xor_sync(0xffffffffu, bv, o);"
   "argmax: only the first warp's winner read~    bv = lane < KD_ARGMAX_THREADS / 32 ? s_val[lane] : 0.f;~    bv = lane < 1 ? s_val[lane] : 0.f;"
   "argmax: no barrier before the warps' winners are read~    s_idx[warp] = bi;\n  }\n  __syncthreads();~    s_idx[warp] = bi;\n  }"
+  # Sampling on the device (keydiff_sample_rows_*), caught by keydiff's
+  # tests/sample_emulation.rs (the mutants named "sample: ..."). Not among them: weights
+  # truncated instead of rounded, the top-p and draw comparisons one step looser (>, <=), the
+  # fallback to the last key, min-p's "the first always", the mask of the index's high digits:
+  # each differs only where the fixed-point sums tie a goal exactly or bits are 0 anyway.
+  "sample: keys ascending with the logit~  return ((unsigned long long)desc << 32) | i;~  return ((unsigned long long)(0xffffffffu - desc) << 32) | i;"
+  "sample: -0 and +0 keyed alike~(b & 0x80000000u) ? b : b ^ 0x7fffffffu;~(b & 0x80000000u) ? (b == 0x80000000u ? 0x7fffffffu : b) : b ^ 0x7fffffffu;"
+  "sample: the temperature ignored~  return (unsigned long long)(exp((double)(l - mx) / t) * KD_SAMPLE_UNIT + 0.5);~  return (unsigned long long)(exp((double)(l - mx)) * KD_SAMPLE_UNIT + 0.5);"
+  "sample: min-p's test the other way round~exp((double)(l - mx)) >= min_p)) {~exp((double)(l - mx)) < min_p)) {"
+  "sample: top-k not applied~  if (top_k > 0 && top_k < count)\n    cut = ~  if (top_k > 0 && top_k < count)\n    (void)"
+  "sample: top-p not applied~  if (top_p < 1.f)\n    cut = ~  if (top_p < 1.f)\n    (void)"
+  "sample: top-k keeps one too many~                           (double)top_k, sh);~                           (double)top_k + 1, sh);"
+  "sample: the goal not scaled by the total~        target = goal * (double)total;~        target = goal;"
+  "sample: the running weight without the bins before~        before += h;~        (void)h;"
+  "sample: the index's middle digit skipped~last_id < (1u << 16) ? 8~last_id < (1u << 16) ? 0"
+  "sample: a row with no finite logit not flagged~    if (threadIdx.x == 0) out[blockIdx.x] = sh.argmax | (temperature <= 0.f ? 0u : KD_SAMPLE_NO_DRAW);~    if (threadIdx.x == 0) out[blockIdx.x] = sh.argmax;"
+  "sample: a row starting with NaN not sent to 0~    sh.argmax = bi == KD_ARGMAX_NONE || isnan(kd_to_f(row[0])) ? 0u : bi;~    sh.argmax = bi == KD_ARGMAX_NONE ? 0u : bi;"
+  "sample: counts one a bin a warp touches~(unsigned long long)__popc(peers)~1ull"
+  "sample: only the first warp's count and first key~    for (int w = 1; w < KD_SAMPLE_THREADS / 32; ++w) {~    for (int w = 1; w < 1; ++w) {"
+  "sample: no barrier after the histogram is filled~        atomicAdd(&sh.hist[bin], w);\n      }\n    }\n    __syncthreads();~        atomicAdd(&sh.hist[bin], w);\n      }\n    }"
+  "sample: no barrier before the chosen digit is read~    __syncthreads();\n    prefix = sh.prefix;~    prefix = sh.prefix;"
   # The one-launch selection of few evictions (keydiff_select_few). Two of its barriers are
   # not among them: the one at the end of each digit of kd_few_kth (the next digit's reads and
   # writes of the shared state come after two barriers of its own) and the one after the last
@@ -222,10 +243,14 @@ fi
 tests_for() {
   if [[ "$1" == decode:* || "$1" == softmax:* || "$1" == sums:* || "$1" == norm:* || "$1" == silu:* || "$1" == rope:* || "$1" == argmax:* ]]; then
     echo "-p keydiff-model --test model_kernels_emulation"
+  elif [[ "$1" == sample:* ]]; then
+    # The smaller vocabularies' test (the 151,936-value rows take the rest of the binary's time).
+    echo "-p keydiff --test sample_emulation sampled_tokens_are_the_host_draws"
   else echo "-p keydiff-cache --test kernel_emulation"; fi
 }
 cargo test --release -p keydiff-cache --test kernel_emulation --no-run -q 2>/dev/null || true
 cargo test --release -p keydiff-model --test model_kernels_emulation --no-run -q 2>/dev/null || true
+cargo test --release -p keydiff --test sample_emulation --no-run -q 2>/dev/null || true
 survived=0
 for m in "${mutants[@]}"; do
   IFS='~' read -r name from to <<< "$m"
