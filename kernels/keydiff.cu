@@ -2025,11 +2025,12 @@ KD_INSTANTIATE_ARGMAX(bf16, __nv_bfloat16)
 // the thread schedule, and each sum is within n · 2^-45 of the host's f64 sums (the largest
 // weight is 1). min-p's test is the host's, in f64. A row with no finite logit has no draw:
 // its token is the host's argmax, flagged with KD_SAMPLE_NO_DRAW so that the host can give r
-// back. A temperature <= 0 is greedy: the argmax (`kd_argmax_better`'s order).
+// back. A temperature <= 0 (or NaN) is greedy: the argmax (`kd_argmax_better`'s order).
 //
 // x: [rows, cols] at element row stride x_rs (rows contiguous); params: [rows, 5] words
 // (temperature, top_k, top_p, min_p, r; the floats as their bits); out: [rows] u32. One block
-// of KD_SAMPLE_THREADS threads a row; cols < 2^31.
+// of KD_SAMPLE_THREADS threads a row; cols <= 2^20, so that a sum of weights (each at most 2^44
+// units) fits 64 bits.
 #define KD_SAMPLE_THREADS 1024
 #define KD_SAMPLE_NO_DRAW 0x80000000u
 #define KD_SAMPLE_UNIT 17592186044416.0  // 2^44: a weight of 1 in fixed point
@@ -2194,8 +2195,9 @@ __device__ void kd_sample_rows(const T* x, int64_t x_rs, const unsigned* params,
   __syncthreads();
   const unsigned count = sh.count;
   kmin = sh.kmin;
-  if (temperature <= 0.f || count == 0) {
-    if (threadIdx.x == 0) out[blockIdx.x] = sh.argmax | (temperature <= 0.f ? 0u : KD_SAMPLE_NO_DRAW);
+  const bool greedy = !(temperature > 0.f);  // NaN too, as `sample_rows`' CPU path
+  if (greedy || count == 0) {
+    if (threadIdx.x == 0) out[blockIdx.x] = sh.argmax | (greedy ? 0u : KD_SAMPLE_NO_DRAW);
     return;
   }
   const float mx = kd_to_f(row[(unsigned)kmin]);

@@ -173,7 +173,7 @@ mutants=(
   # each differs only where the fixed-point sums tie a goal exactly or bits are 0 anyway.
   "sample: keys ascending with the logit~  return ((unsigned long long)desc << 32) | i;~  return ((unsigned long long)(0xffffffffu - desc) << 32) | i;"
   "sample: -0 and +0 keyed alike~(b & 0x80000000u) ? b : b ^ 0x7fffffffu;~(b & 0x80000000u) ? (b == 0x80000000u ? 0x7fffffffu : b) : b ^ 0x7fffffffu;"
-  "sample: the temperature ignored~  return (unsigned long long)(exp((double)(l - mx) / t) * KD_SAMPLE_UNIT + 0.5);~  return (unsigned long long)(exp((double)(l - mx)) * KD_SAMPLE_UNIT + 0.5);"
+  "sample: the temperature ignored~  return (unsigned long long)(exp((double)(l - mx) / t) * KD_SAMPLE_UNIT + 0.5);~  return (unsigned long long)(exp((double)(l - mx) / (t / t)) * KD_SAMPLE_UNIT + 0.5);"
   "sample: min-p's test the other way round~exp((double)(l - mx)) >= min_p)) {~exp((double)(l - mx)) < min_p)) {"
   "sample: top-k not applied~  if (top_k > 0 && top_k < count)\n    cut = ~  if (top_k > 0 && top_k < count)\n    (void)"
   "sample: top-p not applied~  if (top_p < 1.f)\n    cut = ~  if (top_p < 1.f)\n    (void)"
@@ -181,7 +181,8 @@ mutants=(
   "sample: the goal not scaled by the total~        target = goal * (double)total;~        target = goal;"
   "sample: the running weight without the bins before~        before += h;~        (void)h;"
   "sample: the index's middle digit skipped~last_id < (1u << 16) ? 8~last_id < (1u << 16) ? 0"
-  "sample: a row with no finite logit not flagged~    if (threadIdx.x == 0) out[blockIdx.x] = sh.argmax | (temperature <= 0.f ? 0u : KD_SAMPLE_NO_DRAW);~    if (threadIdx.x == 0) out[blockIdx.x] = sh.argmax;"
+  "sample: a row with no finite logit not flagged~    if (threadIdx.x == 0) out[blockIdx.x] = sh.argmax | (greedy ? 0u : KD_SAMPLE_NO_DRAW);~    if (threadIdx.x == 0) out[blockIdx.x] = sh.argmax;"
+  "sample: the index's top_shift boundary off by one~last_id < (1u << 8) ? 0~last_id <= (1u << 8) ? 0"
   "sample: a row starting with NaN not sent to 0~    sh.argmax = bi == KD_ARGMAX_NONE || isnan(kd_to_f(row[0])) ? 0u : bi;~    sh.argmax = bi == KD_ARGMAX_NONE ? 0u : bi;"
   "sample: counts one a bin a warp touches~(unsigned long long)__popc(peers)~1ull"
   "sample: only the first warp's count and first key~    for (int w = 1; w < KD_SAMPLE_THREADS / 32; ++w) {~    for (int w = 1; w < 1; ++w) {"

@@ -623,7 +623,9 @@ fn a_step_s_prompt_rows_are_planned() {
 /// carry); the prefill's events go to the first completion only.
 #[test]
 fn several_completions_equal_their_runs_alone() {
-    for policy in ["keydiff", "h2o"] {
+    // With logprobs each row is read and drawn from on the host; without, drawn where the
+    // logits are: each fork with its own generator.
+    for (policy, logprobs) in [("keydiff", Some(2)), ("h2o", Some(2)), ("keydiff", None)] {
         let cache = CacheConfig {
             policy: PolicyKind::parse(policy, 8, 0).unwrap(),
             ..keydiff(96, 32)
@@ -638,7 +640,7 @@ fn several_completions_equal_their_runs_alone() {
                 seed: 11,
                 ..Default::default()
             },
-            logprobs: Some(2),
+            logprobs,
             ..Default::default()
         };
         let mut texts: HashMap<usize, String> = HashMap::new();

@@ -91,6 +91,17 @@ fn speculation_gives_the_tokens_of_token_by_token_decoding() {
             assert_eq!(a.eviction.evicted_slots, b.eviction.evicted_slots, "{what}");
             assert_eq!(a.final_cache_len, b.final_cache_len, "{what}");
             assert_eq!(a.speculative, None);
+            if temperature > 0.0 {
+                // Without logprobs the tokens are drawn where the logits are (one row a
+                // step), and a draft's rows on the host: the same generator either way.
+                for spec in [None, Some(NgramSpec::default())] {
+                    let p = GenerateParams {
+                        logprobs: None,
+                        ..params(temperature, spec)
+                    };
+                    assert_eq!(run(&e, &p).tokens, plain.tokens, "{what}: drawn, {spec:?}");
+                }
+            }
             let c = b.speculative.expect("speculative counters");
             if name == "h2o" {
                 assert_eq!(c.drafted, 0, "{what}: H2O cannot take tokens back");

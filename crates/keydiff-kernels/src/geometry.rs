@@ -572,10 +572,13 @@ pub fn sample_launch(rows: usize) -> Launch {
     }
 }
 
-/// The sampler's limits: `rows` rows (a block each) of `cols` values, indices below the
-/// no-draw flag, an `int` loop that steps a block past the row's end.
+/// Most values a row of `keydiff_sample_rows_*` may hold: each weight is at most 2^44 units
+/// of the kernel's fixed point, and their sum must fit 64 bits.
+pub const SAMPLE_MAX_COLS: usize = 1 << 20;
+
+/// The sampler's limits: `rows` rows (a block each) of at most [`SAMPLE_MAX_COLS`] values.
 pub fn check_sample(rows: usize, cols: usize) -> Result<()> {
-    let most_cols = (SAMPLE_NO_DRAW as usize).min(i32::MAX as usize - SAMPLE_THREADS as usize);
+    let most_cols = SAMPLE_MAX_COLS;
     if rows == 0 || rows > i32::MAX as usize || cols == 0 || cols > most_cols {
         bail!(
             "sample: {rows} rows of {cols} values (rows from 1 to {}, values from 1 to {most_cols})",

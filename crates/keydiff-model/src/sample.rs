@@ -90,6 +90,10 @@ pub fn sample_rows(logits: &Tensor, params: &[DrawParams]) -> Result<Option<Vec<
             rows.iter().zip(params).map(|(r, p)| one(r, p)).collect(),
         ));
     }
+    if cols > keydiff_kernels::geometry::SAMPLE_MAX_COLS {
+        // Past the kernel's fixed point: the host draws.
+        return Ok(None);
+    }
     let words: Vec<u32> = params.iter().flat_map(|p| p.words()).collect();
     let p = Tensor::from_vec(
         words,
