@@ -2011,8 +2011,8 @@ KD_INSTANTIATE_ARGMAX(bf16, __nv_bfloat16)
 // Sampling on the device: each row's token drawn as the host sampler draws it (temperature,
 // top-k, top-p, min-p) from the uniform r the host drew for it, so that a sampled decode step
 // reads 4 bytes a request back instead of its row of logits, and the host does not sort a
-// vocabulary. Reference: `keydiff::sampling::draw` (crates/keydiff/src/sampling.rs), which
-// walks the finite logits in their order (largest first, equal values by index) and keeps
+// vocabulary. Reference: `keydiff_model::model::draw` (crates/keydiff-model/src/sample.rs),
+// which walks the finite logits in their order (largest first, equal values by index) and keeps
 //   1. the k first (top-k, when 0 < k < their count);
 //   2. of those, the shortest head whose weights exp(l - max) sum to at least top_p of all of
 //      theirs (top-p, when top_p < 1);

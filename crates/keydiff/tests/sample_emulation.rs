@@ -56,7 +56,8 @@ impl Buf {
 /// A row of logits of kind `kind`: 0 spread values; 1 an LLM-like row (a few large values,
 /// a long tail, the largest tied at two places); 2 small integers (ties everywhere); 3 NaN,
 /// −∞ and +∞ among the values (none of them a candidate); 4 no finite value; 5 one finite
-/// value; 6 zeros of both signs tied at the top, negative values below.
+/// value; 6 zeros of both signs tied at the top, negative values below; 7 every value the same
+/// (the order is the indices': a draw near 1 takes the last index).
 fn row(cols: usize, kind: usize, rng: &mut StdRng) -> Vec<f32> {
     let mut v: Vec<f32> = (0..cols).map(|_| rng.random_range(-8.0f32..8.0)).collect();
     match kind {
@@ -97,6 +98,7 @@ fn row(cols: usize, kind: usize, rng: &mut StdRng) -> Vec<f32> {
                 v[i] = if rng.random_bool(0.5) { 0.0 } else { -0.0 };
             }
         }
+        7 => v.fill(0.75),
         _ => {}
     }
     v
@@ -163,17 +165,27 @@ fn check(cols: usize, dt: Dt, pad: usize, seed: u64, per: usize) -> (usize, usiz
     let mut params = Vec::new();
     for (s, &set) in SETTINGS.iter().enumerate() {
         for j in 0..per {
-            logits.push(rounded(&row(cols, (s + j) % 7, &mut rng), dt));
+            let kind = (s + j) % 8;
+            logits.push(rounded(&row(cols, kind, &mut rng), dt));
             // Each setting's rows take r = 0, 1 − 2^-25 and random ones in turn (one row a
-            // setting still sees all three over the settings).
-            let r = match (s + j) % 5 {
-                0 => 0.0,
-                1 => 1.0 - f32::EPSILON / 2.0,
-                _ => rng.random::<f32>(),
+            // setting still sees all three over the settings); rows of one value, near 1 or
+            // random.
+            let near_one = 1.0 - f32::EPSILON / 2.0;
+            let r = match kind {
+                7 if j % 2 == 0 => near_one,
+                7 => rng.random::<f32>(),
+                _ => match (s + j) % 5 {
+                    0 => 0.0,
+                    1 => near_one,
+                    _ => rng.random::<f32>(),
+                },
             };
             params.push((sampling(set), r));
         }
     }
+    // And a row of one value drawn from untruncated near 1: the last index.
+    logits.push(rounded(&row(cols, 7, &mut rng), dt));
+    params.push((sampling(SETTINGS[0]), 1.0 - f32::EPSILON / 2.0));
     let flat: Vec<f32> = (logits.iter())
         .flat_map(|r| r.iter().copied().chain(std::iter::repeat_n(100.0, pad)))
         .collect();
@@ -204,7 +216,7 @@ fn check(cols: usize, dt: Dt, pad: usize, seed: u64, per: usize) -> (usize, usiz
             got[i],
             want,
             "{what}: row {i} (kind {}), {c:?}, r {r}",
-            (i / per + i % per) % 7
+            (i / per + i % per) % 8
         );
     }
     (compared, near)
