@@ -2097,7 +2097,8 @@ __device__ unsigned long long kd_sample_select(const T* row, int cols, int top_s
       if (mode == 0) {
         // Counts: one atomic per bin a warp touches (logits crowd into few top digits).
         const unsigned peers = __match_any_sync(0xffffffffu, in ? bin : 256u);
-        if (in && __ffs(peers) - 1 == lane) atomicAdd(&sh.hist[bin], (unsigned long long)__popc(peers));
+        if (in && __ffs(peers) - 1 == lane)
+          atomicAdd(&sh.hist[bin], (unsigned long long)__popc(peers));
       } else if (in) {
         atomicAdd(&sh.hist[bin], w);
       }
