@@ -7,10 +7,9 @@
 //! their own, two thread schedules; the memory checker is on.
 
 use half::{bf16, f16};
-use keydiff::{draw, DrawParams, Sampling};
+use keydiff::kernel_check::host_draw;
+use keydiff::{DrawParams, Sampling};
 use keydiff_kernels::emu::{sample_rows, Keys};
-use keydiff_kernels::geometry::SAMPLE_NO_DRAW;
-use keydiff_model::model::argmax;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -128,31 +127,17 @@ fn sampling((temperature, top_k, top_p, min_p): (f32, usize, f32, f32)) -> Sampl
     }
 }
 
-/// The host's token for `logits` and whether it holds when `r`, top-p and min-p move by 2e-7
-/// (the device's rounding, ~n · 2^-45 of a sum, cannot decide it).
+/// The host's token for `logits` and whether rounding cannot decide it
+/// (`kernel_check::host_draw`, as `check-kernels` takes it).
 fn host(logits: &[f32], c: &Sampling, r: f32) -> (u32, bool) {
-    if c.temperature <= 0.0 {
-        return (argmax(logits), true);
-    }
-    let Some(tok) = draw(logits, c, r) else {
-        return (argmax(logits) | SAMPLE_NO_DRAW, true);
+    let p = DrawParams {
+        temperature: c.temperature,
+        top_k: c.top_k as u32,
+        top_p: c.top_p,
+        min_p: c.min_p,
+        r,
     };
-    let d = 2e-7f32;
-    let mut moved: Vec<Option<u32>> = [(r - d).max(0.0), (r + d).min(1.0 - f32::EPSILON / 2.0)]
-        .into_iter()
-        .map(|r| draw(logits, c, r))
-        .collect();
-    if c.top_p < 1.0 {
-        for top_p in [c.top_p - d, (c.top_p + d).min(1.0 - f32::EPSILON)] {
-            moved.push(draw(logits, &Sampling { top_p, ..c.clone() }, r));
-        }
-    }
-    if c.min_p > 0.0 {
-        for min_p in [(c.min_p - d).max(1e-9), c.min_p + d] {
-            moved.push(draw(logits, &Sampling { min_p, ..c.clone() }, r));
-        }
-    }
-    (tok, moved.iter().all(|&t| t == Some(tok)))
+    host_draw(logits, &p)
 }
 
 /// `per` rows of `cols` logits under each setting (kinds in turn), in `dt`, padded by `pad`
