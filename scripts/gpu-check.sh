@@ -36,6 +36,10 @@ errors=$out/errors.log
 : > "$summary"; : > "$errors"
 # Whole-run budget: TTFT configurations still pending past it are skipped (and said so).
 deadline=${DEADLINE_S:-420}
+# FLASH_PARITY_REQUIRED=0 runs the flash steps even where flash parity failed on the logits alone
+# (scripts/cuda-mock-check.sh: kernels do not run there, so every comparison fails, and the
+# flash host path of the TTFT steps is what it checks).
+flash_required=${FLASH_PARITY_REQUIRED:-1}
 note() { echo "$*" | tee -a "$summary"; }
 
 # Libraries: the driver's libcuda, the rest from torch's CUDA 13 wheels (KEYDIFF_GPU_CHECK_LIBS=keep
@@ -222,18 +226,28 @@ if timeout 150 "$bin" check-device --device "$device" --dtype bf16 --attention f
     --preset configs/tiny-qwen3.json --preset configs/tiny-qwen3moe.json \
     --chunk 64 --budget 256 --policies keydiff,tova,snapkv,h2o,sink \
     > "$out/flash-bf16.jsonl" 2> "$out/flash.err"; then
-  python3 - "$out/flash-bf16.jsonl" >> "$summary" <<'PY'
+  flash_rc=0
+else
+  flash_rc=$?
+fi
+# Its rows whether it passed or not: a failure's cosines say how far off flash is.
+[ -s "$out/flash-bf16.jsonl" ] && python3 - "$out/flash-bf16.jsonl" >> "$summary" <<'PY'
 import json, sys
 for r in map(json.loads, open(sys.argv[1])):
     d = r["diff"]
     print(f"  bf16  {r.get('kv_dtype', 'bf16'):5} {r['attention']:5} {r['preset'].split('/')[-1]:24} {r['policy']:14} {d['cosine']:9.6f} {d['max_rel']:9.2e} {'same' if r['top1_equal'] else 'DIFF'}")
 PY
+if [ $flash_rc = 0 ]; then
   note "flash parity: PASS"
   flash_ok=1
 elif grep -qF 'built without the `flash-attn` feature' "$out/flash.err"; then
   note "flash parity: not run (this binary was built without the flash-attn feature)"
+elif [ "$flash_required" = 0 ] && [ "$(grep -c '^error' "$out/flash.err")" = 1 ] &&
+    grep -q '^error: logits differ from the CPU' "$out/flash.err"; then
+  note "flash parity: FAIL on the logits alone; the flash steps run all the same (FLASH_PARITY_REQUIRED=0)"
+  flash_ok=1
 else
-  note "flash parity: FAIL (the TTFT steps take eager)"; tail -5 "$out/flash.err" | tee -a "$errors"
+  note "flash parity: FAIL (exit $flash_rc; the TTFT steps take eager)"; tail -5 "$out/flash.err" | tee -a "$errors"
   ttft_attention=eager
 fi
 
