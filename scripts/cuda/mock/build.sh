@@ -59,8 +59,19 @@ build cublasLt libcublasLt.so.13 libcublasLt.so.13 15 "" ""
 build curand libcurand.so.10 libcurand.so.10 999 mockblas.c MOCK_CURAND
 build nvrtc libnvrtc.so.13 libnvrtc.so.13 11 "" ""
 build cudart libcudart.so.13 libcudart.so.13 801 mockcudart.c ""
+# FlashAttention's parameter block as mockcudart.c reads it, against the crate's own header
+# (only where the cargo registry holds the version Cargo.lock pins: a build with flash-attn).
+fa=$(awk '/^name = "candle-flash-attn"$/ {getline; print $3}' "$root/Cargo.lock" | tr -d '"' | head -1)
+fa_h=$(ls "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/candle-flash-attn-"$fa"/kernels/flash.h 2>/dev/null | head -1)
+if [ -n "$fa" ] && [ -n "$fa_h" ]; then
+  g++ -std=c++17 -fsyntax-only -Wno-invalid-offsetof -I "$CUDA_HOME/include" -I "$(dirname "$fa_h")" -I "$here" \
+    "$here/flashlayout.cpp"
+else
+  echo "mock build: FlashAttention's parameter layout not compared (no candle-flash-attn ${fa:-?} in the cargo registry)" >&2
+fi
 # The checks themselves, against known good and bad calls (their refusals print to stderr).
-gcc "${cflags[@]}" -o "$work/selftest" "$here/selftest.c" -L "$out" -l:libcuda.so.1 -l:libcublas.so.13
+gcc "${cflags[@]}" -o "$work/selftest" "$here/selftest.c" -L "$out" -l:libcuda.so.1 -l:libcublas.so.13 \
+  -l:libcudart.so.13
 LD_LIBRARY_PATH=$out MOCKCUDA_LOG= "$work/selftest" 2> "$work/selftest.err" >&2 || {
   cat "$work/selftest.err" >&2
   exit 1

@@ -8,6 +8,7 @@
 #include <cuda_runtime_api.h>
 
 #include <pthread.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -23,6 +24,7 @@ typedef struct Kernel {
 
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static Kernel* kernels = NULL;
+int mock_device_range(uintptr_t p, size_t bytes);  // mockcuda.c
 static int dummy_fatbin;
 
 static Kernel* find(const void* host) {
@@ -105,6 +107,97 @@ static cudaError_t launch(cudaKernel_t kernel, dim3 g, dim3 b, void** args, size
   if (r != cudaSuccess) last_error = r;
   return r;
 }
+#include "mockflash.h"  // FlashParams: FlashAttention-2's parameter block
+
+// One of q, k, v, o: `b` batches of `seq` rows of `heads` heads of `d` 2-byte values, at the
+// given strides (elements): its last value must be in the allocation its first is in.
+static cudaError_t flash_extent(const char* kernel, const char* name, const void* p, int b, int seq, int heads, int d,
+                                int64_t bs, int64_t rs, int64_t hs) {
+  if (!p) return mock_error(cudaErrorInvalidValue, "%s: %s is null", kernel, name);
+  if (bs < 0 || rs < 0 || hs < 0)
+    return mock_error(cudaErrorInvalidValue, "%s: %s has a negative stride (%lld, %lld, %lld)", kernel, name,
+                      (long long)bs, (long long)rs, (long long)hs);
+  long long last = (long long)(b - 1) * bs + (long long)(seq - 1) * rs + (long long)(heads - 1) * hs + d;
+  if (!mock_device_range((uintptr_t)p, (size_t)last * 2))
+    return mock_error(cudaErrorInvalidValue,
+                      "%s: %s (batch %d, %d rows, %d heads, d %d; strides %lld, %lld, %lld) leaves its device "
+                      "allocation",
+                      kernel, name, b, seq, heads, d, (long long)bs, (long long)rs, (long long)hs);
+  return cudaSuccess;
+}
+
+// The checks of a kernel that takes Flash_fwd_params: the block reads consistently, the kernel
+// was compiled for its head size, dtype and causality (flash_fwd_kernel's template flags), and
+// q, k, v, o and the softmax's log-sum-exp lie in their allocations. Dense batches only (no
+// varlen, paged or split-KV path: candle-flash-attn's `flash_attn` takes none).
+static cudaError_t check_flash(const char* name, void** args) {
+  const FlashParams* p = (const FlashParams*)args[0];
+  if (!p) return mock_error(cudaErrorInvalidValue, "%s: no parameter block", name);
+  float log2_twin = p->scale_softmax * 1.4426950408889634f;
+  float off = p->scale_softmax_log2 - log2_twin;
+  if (p->b < 1 || p->h < 1 || p->h_k < 1 || p->h % p->h_k || p->h_h_k_ratio != p->h / p->h_k || p->d < 1 ||
+      p->d > p->d_rounded || p->seqlen_q < 1 || p->seqlen_k < 1 || p->seqlen_q > p->seqlen_q_rounded ||
+      p->seqlen_k > p->seqlen_k_rounded || !(off < 1e-5f && off > -1e-5f) || !(p->scale_softmax > 0))
+    return mock_error(cudaErrorInvalidValue,
+                      "%s: the parameter block does not read as candle-flash-attn 0.11.1's Flash_fwd_params "
+                      "(b %d, h %d, h_k %d, ratio %d, d %d/%d, seqlen_q %d/%d, seqlen_k %d/%d, scale %g, log2 %g)",
+                      name, p->b, p->h, p->h_k, p->h_h_k_ratio, p->d, p->d_rounded, p->seqlen_q, p->seqlen_q_rounded,
+                      p->seqlen_k, p->seqlen_k_rounded, p->scale_softmax, p->scale_softmax_log2);
+  int bf16 = strstr(name, "bfloat16") != NULL, f16 = strstr(name, "half_t") != NULL;
+  if (bf16 == f16 || p->is_bf16 != bf16)
+    return mock_error(cudaErrorInvalidValue, "%s: is_bf16 %d for a kernel compiled for %s", name, p->is_bf16,
+                      bf16 ? "bf16" : f16 ? "f16" : "neither bf16 nor f16");
+  if (p->d % 8) return mock_error(cudaErrorInvalidValue, "%s: head size %d is not a multiple of 8", name, p->d);
+  if (p->cu_seqlens_q || p->cu_seqlens_k || p->block_table || p->num_splits > 1 || p->knew_ptr || p->p_ptr)
+    return mock_error(cudaErrorInvalidValue, "%s: a varlen, paged, split-KV or appending launch (not checked here)",
+                      name);
+  // candle-flash-attn's causal: no left window (set to seqlen_k by its wrapper), none right.
+  if (p->is_causal ? p->window_size_right != 0 || p->window_size_left < p->seqlen_k
+                   : p->window_size_left >= 0 || p->window_size_right >= 0)
+    return mock_error(cudaErrorInvalidValue, "%s: is_causal %d with a window (%d, %d) over %d keys", name,
+                      p->is_causal, p->window_size_left, p->window_size_right, p->seqlen_k);
+  // flash_fwd_kernel<Flash_fwd_kernel_traits<kHeadDim, kBlockM, kBlockN, kNWarps, ...>,
+  // Is_dropout, Is_causal, Is_local, Has_alibi, Is_even_MN, Is_even_K, Is_softcap,
+  // Return_softmax>: the head-size bucket, the tiles and the flags.
+  const char* traits = strstr(name, "kernel_traitsILi");
+  const char* end = strstr(name, "EEv16Flash_fwd_params");
+  int bucket = 0, block_m = 0, block_n = 0;
+  if (strncmp(name, "_Z16flash_fwd_kernel", 20) == 0 && traits && end &&
+      sscanf(traits, "kernel_traitsILi%dELi%dELi%dE", &bucket, &block_m, &block_n) == 3 && block_m > 0 &&
+      block_n > 0) {
+    if (p->d > bucket) return mock_error(cudaErrorInvalidValue, "%s: head size %d past the kernel's %d", name, p->d, bucket);
+    int flags[16], n = 0;
+    for (const char* at = traits; (at = strstr(at, "ELb")) && at < end && n < 16; at += 3) flags[n++] = at[3] == '1';
+    if (n < 8) return mock_error(cudaErrorInvalidValue, "%s: cannot read the kernel's template flags", name);
+    const int* f = flags + n - 8;
+    if (f[0] || f[2] || f[3] || f[6] || f[7])
+      return mock_error(cudaErrorInvalidValue, "%s: dropout, local, alibi, softcap or softmax-out kernel", name);
+    if (f[1] != p->is_causal)
+      return mock_error(cudaErrorInvalidValue, "%s: is_causal %d for a kernel compiled with Is_causal %d", name,
+                        p->is_causal, f[1]);
+    if (f[4] && (p->seqlen_q % block_m || p->seqlen_k % block_n))
+      return mock_error(cudaErrorInvalidValue, "%s: Is_even_MN with seqlen_q %d, seqlen_k %d (tiles %d × %d)", name,
+                        p->seqlen_q, p->seqlen_k, block_m, block_n);
+    if (f[5] && p->d != bucket)
+      return mock_error(cudaErrorInvalidValue, "%s: Is_even_K with head size %d in the %d bucket", name, p->d, bucket);
+  }
+  cudaError_t r;
+  if ((r = flash_extent(name, "q", p->q_ptr, p->b, p->seqlen_q, p->h, p->d, p->q_batch_stride, p->q_row_stride,
+                        p->q_head_stride)) ||
+      (r = flash_extent(name, "k", p->k_ptr, p->b, p->seqlen_k, p->h_k, p->d, p->k_batch_stride, p->k_row_stride,
+                        p->k_head_stride)) ||
+      (r = flash_extent(name, "v", p->v_ptr, p->b, p->seqlen_k, p->h_k, p->d, p->v_batch_stride, p->v_row_stride,
+                        p->v_head_stride)) ||
+      (r = flash_extent(name, "o", p->o_ptr, p->b, p->seqlen_q, p->h, p->d, p->o_batch_stride, p->o_row_stride,
+                        p->o_head_stride)))
+    return r;
+  if (!p->softmax_lse_ptr ||
+      !mock_device_range((uintptr_t)p->softmax_lse_ptr, (size_t)p->b * p->h * p->seqlen_q * sizeof(float)))
+    return mock_error(cudaErrorInvalidValue, "%s: the log-sum-exp (%d × %d × %d floats) leaves its allocation", name,
+                      p->b, p->h, p->seqlen_q);
+  return cudaSuccess;
+}
+
 // No __launch_bounds__ here: these kernels come as SASS in the binary's fat binary, not as PTX
 // the mock reads.
 static cudaError_t check_launch(cudaKernel_t kernel, dim3 g, dim3 b, void** args, size_t shared) {
@@ -121,6 +214,10 @@ static cudaError_t check_launch(cudaKernel_t kernel, dim3 g, dim3 b, void** args
   if (shared > (size_t)limit)
     return mock_error(cudaErrorInvalidValue, "%s: %zu bytes of dynamic shared memory, past %d", k->name, shared, limit);
   if (!args) return mock_error(cudaErrorInvalidValue, "%s: launch without arguments", k->name);
+  if (strstr(k->name, "Flash_fwd_params")) {
+    cudaError_t r = check_flash(k->name, args);
+    if (r != cudaSuccess) return r;
+  }
   __atomic_add_fetch(&k->launches, 1, __ATOMIC_RELAXED);
   return cudaSuccess;
 }

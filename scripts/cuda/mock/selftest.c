@@ -3,10 +3,17 @@
 #define __CUDA_API_VERSION_INTERNAL 1
 #include <cuda.h>
 
+#include <cuda_runtime_api.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "mockflash.h"
+
+void __cudaRegisterFunction(void** h, const char* host, char* dev, const char* name, int limit, void* tid,
+                            void* bid, void* bdim, void* gdim, int* wsize);
 
 int cublasCreate_v2(void** h);
 int cublasGemmStridedBatchedEx(void* h, int ta, int tb, int m, int n, int k, const void* al, const void* a, int at,
@@ -82,6 +89,69 @@ int main(void) {
   EXPECT("gemm A's batch stride past its buffer", GEMM(4, 21, 5, 15, 4, 12), 7);
   EXPECT("gemm C's batch stride past its buffer", GEMM(4, 20, 5, 15, 4, 13), 7);
   EXPECT("gemm on a broadcast B (stride 0)", GEMM(4, 20, 5, 0, 4, 12), 0);
+
+  // FlashAttention-2 (through the runtime): a bf16, causal, head-size-128 kernel over a chunk
+  // of 128 queries (8 heads) and a view of 300 keys (2 KV heads) of a cache of 512 slots a head.
+  static const char flash_host = 0;  // stands for the kernel's host stub
+  static char flash_name[] =
+      "_Z16flash_fwd_kernelI23Flash_fwd_kernel_traitsILi128ELi128ELi64ELi4ELb0ELb0EN7cutlass10bfloat16_tE19Flash_"
+      "kernel_traitsILi128ELi128ELi64ELi4ES2_EELb0ELb1ELb0ELb0ELb0ELb1ELb0ELb0EEv16Flash_fwd_params";
+  __cudaRegisterFunction(NULL, &flash_host, flash_name, flash_name, -1, NULL, NULL, NULL, NULL, NULL);
+  CUdeviceptr q, kv, o, lse, lse_short;
+  cuMemAlloc_v2(&q, 128 * 8 * 128 * 2);
+  cuMemAlloc_v2(&kv, 2 * 512 * 128 * 2);
+  cuMemAlloc_v2(&o, 128 * 8 * 128 * 2);
+  cuMemAlloc_v2(&lse, 8 * 128 * 4);
+  cuMemAlloc_v2(&lse_short, 8 * 128 * 4 - 4);
+  FlashParams good;
+  memset(&good, 0, sizeof good);
+  good.q_ptr = (void*)(uintptr_t)q;
+  good.k_ptr = good.v_ptr = (void*)(uintptr_t)kv;
+  good.o_ptr = (void*)(uintptr_t)o;
+  good.softmax_lse_ptr = (void*)(uintptr_t)lse;
+  good.q_batch_stride = good.o_batch_stride = 128 * 8 * 128;
+  good.q_row_stride = good.o_row_stride = 8 * 128;
+  good.q_head_stride = good.o_head_stride = 128;
+  good.k_batch_stride = good.v_batch_stride = 2 * 512 * 128;
+  good.k_row_stride = good.v_row_stride = 128;
+  good.k_head_stride = good.v_head_stride = 512 * 128;
+  good.b = 1, good.h = 8, good.h_k = 2, good.h_h_k_ratio = 4, good.d = good.d_rounded = 128;
+  good.seqlen_q = 128, good.seqlen_k = 300, good.seqlen_q_rounded = 128, good.seqlen_k_rounded = 384;
+  good.scale_softmax = 1 / sqrtf(128.f), good.scale_softmax_log2 = good.scale_softmax * (float)M_LOG2E;
+  good.window_size_left = 300, good.window_size_right = 0;
+  good.is_bf16 = good.is_causal = true, good.num_splits = 1;
+  FlashParams bad;
+  void* flash_args[] = {&bad};
+  dim3 grid = {1, 8, 1}, block = {128, 1, 1};
+#define FLASH(what, change, want)                                                        \
+  do {                                                                                   \
+    bad = good;                                                                          \
+    change;                                                                              \
+    EXPECT(what, cudaLaunchKernel(&flash_host, grid, block, flash_args, 0, NULL), want); \
+    cudaGetLastError();                                                                  \
+  } while (0)
+  FLASH("flash in bounds", (void)0, cudaSuccess);
+  FLASH("flash over all 512 slots", (bad.seqlen_k = bad.window_size_left = 512, bad.seqlen_k_rounded = 512),
+        cudaSuccess);
+  FLASH("flash keys past the cache's slots", (bad.seqlen_k = bad.window_size_left = 513, bad.seqlen_k_rounded = 640),
+        cudaErrorInvalidValue);
+  FLASH("flash k's head stride past its buffer", bad.k_head_stride = 800 * 128, cudaErrorInvalidValue);
+  FLASH("flash q's rows past its buffer", bad.q_row_stride = 9 * 128, cudaErrorInvalidValue);
+  FLASH("flash o's rows past its buffer", bad.o_row_stride = 9 * 128, cudaErrorInvalidValue);
+  FLASH("flash a GQA ratio that is not h / h_k", bad.h_h_k_ratio = 2, cudaErrorInvalidValue);
+  FLASH("flash f16 data in a bf16 kernel", bad.is_bf16 = false, cudaErrorInvalidValue);
+  FLASH("flash not causal in a causal kernel", (bad.is_causal = false, bad.window_size_left = -1,
+                                                 bad.window_size_right = -1),
+        cudaErrorInvalidValue);
+  FLASH("flash causal with a left window", bad.window_size_left = 100, cudaErrorInvalidValue);
+  FLASH("flash head size past the kernel's", (bad.d = bad.d_rounded = 160), cudaErrorInvalidValue);
+  FLASH("flash head size 120 in an even-K kernel", (bad.d = 120), cudaErrorInvalidValue);
+  FLASH("flash a log-sum-exp past its buffer", bad.softmax_lse_ptr = (void*)(uintptr_t)lse_short,
+        cudaErrorInvalidValue);
+  FLASH("flash more queries than rounded", bad.seqlen_q = 129, cudaErrorInvalidValue);
+  FLASH("flash a softmax scale without its log2 twin", bad.scale_softmax_log2 = bad.scale_softmax,
+        cudaErrorInvalidValue);
+
   if (failures) return 1;
   printf("mock selftest: all checks behave\n");
   return 0;
