@@ -142,7 +142,11 @@ static CUresult mem_free(CUdeviceptr d, const char* what) {
 static int in_range(uintptr_t p, size_t bytes) {
   if (bytes == 0) return 1;
   size_t at = upper(p);
-  return at > 0 && p >= live[at - 1].start && bytes <= live[at - 1].start + live[at - 1].size - p;
+  if (at == 0) return 0;
+  // p in [start, start + size), then [p, p + bytes) within it (no unsigned wrap for a p past
+  // the end of the allocation below it).
+  size_t into = p - live[at - 1].start, size = live[at - 1].size;
+  return into < size && bytes <= size - into;
 }
 
 int mock_device_range(uintptr_t p, size_t bytes) {
@@ -168,6 +172,8 @@ static CUresult lock_range(CUdeviceptr d, size_t bytes, const char* what) {
 typedef struct Func {
   char* name;
   unsigned maxntid;  // threads a block at most (0: no bound given)
+  int n_params;
+  unsigned long long pointers;  // bit i: parameter i is a global pointer (its body cvta's it)
   int max_dynamic_shared;
   unsigned long long launches;
   struct Func* next;
@@ -200,6 +206,35 @@ static unsigned parse_maxntid(const char* from, const char* to) {
   return x * (got > 1 ? y : 1) * (got > 2 ? z : 1);
 }
 
+// The parameters of an entry whose body turns them into global addresses (`ld.param.u64 %rdA,
+// [NAME_param_K];` then `cvta.to.global.u64 %rdB, %rdA;`): the pointers, which a launch must
+// give as addresses in live allocations (or null). Parameters past 64 are not checked.
+static void parse_pointers(Func* f, const char* from, const char* to) {
+  char key[300];
+  snprintf(key, sizeof key, "[%s_param_", f->name);
+  size_t klen = strlen(key);
+  // Registers loaded from each parameter: `ld.param.u64 %rdA, [NAME_param_K];`.
+  enum { MAX = 64 };
+  int reg_of[MAX];
+  for (int i = 0; i < MAX; i++) reg_of[i] = -1;
+  for (const char* p = from; (p = find_in(p, to, "ld.param.u64")) != NULL; p++) {
+    const char* eol = memchr(p, '\n', (size_t)(to - p));
+    if (!eol) eol = to;
+    int reg;
+    const char* at = find_in(p, eol, key);
+    if (at && sscanf(p + 12, " %%rd%d ,", &reg) == 1) {
+      int k = atoi(at + klen);
+      if (k >= 0 && k < MAX) reg_of[k] = reg;
+    }
+  }
+  for (const char* p = from; (p = find_in(p, to, "cvta.to.global.u64")) != NULL; p++) {
+    int dst, src;
+    if (sscanf(p + 18, " %%rd%d , %%rd%d", &dst, &src) != 2) continue;
+    for (int k = 0; k < MAX; k++)
+      if (reg_of[k] == src) f->pointers |= 1ull << k;
+  }
+}
+
 static Module* load_ptx(const char* ptx) {
   Module* m = calloc(1, sizeof(Module));
   const char* p = ptx;
@@ -213,6 +248,13 @@ static Module* load_ptx(const char* ptx) {
     // The directives (.maxntid, .reqntid, ...) sit before the body's '{'.
     const char* body = strchr(e, '{');
     f->maxntid = body ? parse_maxntid(e, body) : 0;
+    if (body) {
+      // The parameters, and the body up to the next entry.
+      const char* close = find_in(e, body, ")");
+      for (const char* q = e; close && (q = find_in(q, close, ".param")) != NULL; q++) f->n_params++;
+      const char* next = strstr(body, ".entry ");
+      parse_pointers(f, body, next ? next : body + strlen(body));
+    }
     f->next = m->funcs;
     m->funcs = f;
     p = e;
@@ -644,6 +686,16 @@ CUresult cuLaunchKernel(CUfunction fn, unsigned gx, unsigned gy, unsigned gz, un
     return mock_error(CUDA_ERROR_INVALID_VALUE, "%s: %u bytes of dynamic shared memory, past %d", n, shmem,
                       shared_limit);
   if (!params && !extra) return mock_error(CUDA_ERROR_INVALID_VALUE, "%s: launch without arguments", n);
+  // Every pointer parameter (see parse_pointers) is null or inside a live allocation: not freed
+  // memory, not an offset past its buffer, not an integer in a pointer's place.
+  for (int k = 0; params && k < f->n_params && k < 64; k++) {
+    if (!(f->pointers >> k & 1)) continue;
+    unsigned long long v;
+    memcpy(&v, params[k], sizeof v);
+    if (v && !mock_device_range((uintptr_t)v, 1))
+      return mock_error(CUDA_ERROR_INVALID_VALUE, "%s: pointer parameter %d (%#llx) is in no live allocation", n, k,
+                        v);
+  }
   __atomic_add_fetch(&f->launches, 1, __ATOMIC_RELAXED);
   return CUDA_SUCCESS;
 }

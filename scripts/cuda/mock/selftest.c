@@ -33,7 +33,11 @@ static int failures = 0;
 static const char* ptx =
     ".version 9.0\n.target sm_90\n.address_size 64\n"
     ".visible .entry bounded(\n\t.param .u64 bounded_param_0\n)\n.maxntid 256, 1, 1\n{\n\tret;\n}\n"
-    ".visible .entry free_kernel(\n\t.param .u64 free_kernel_param_0\n)\n{\n\tret;\n}\n";
+    ".visible .entry free_kernel(\n\t.param .u64 free_kernel_param_0\n)\n{\n\tret;\n}\n"
+    ".visible .entry pointers(\n\t.param .u64 pointers_param_0,\n\t.param .u64 pointers_param_1,\n"
+    "\t.param .u32 pointers_param_2\n)\n{\n\t.reg .b64 %rd<4>;\n"
+    "\tld.param.u64 %rd1, [pointers_param_0];\n\tld.param.u64 %rd2, [pointers_param_1];\n"
+    "\tcvta.to.global.u64 %rd3, %rd2;\n\tret;\n}\n";
 
 int main(void) {
   CUmodule m;
@@ -60,6 +64,27 @@ int main(void) {
   EXPECT("opt in", cuFuncSetAttribute(g, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, 100000), CUDA_SUCCESS);
   EXPECT("opted in", cuLaunchKernel(g, 1, 1, 1, 32, 1, 1, 100000, NULL, args, NULL), CUDA_SUCCESS);
 
+  // `pointers`: parameter 1 is a global pointer (its body cvta's it), 0 a plain u64.
+  CUfunction pf;
+  EXPECT("a kernel with a pointer", cuModuleGetFunction(&pf, m, "pointers"), CUDA_SUCCESS);
+  CUdeviceptr live = 0, gone = 0;
+  cuMemAlloc_v2(&live, 256);
+  cuMemAlloc_v2(&gone, 256);
+  cuMemFree_v2(gone);
+  unsigned long long word = 12345, at = live + 100, past = live + 256, freed = gone, null = 0;
+  unsigned small = 7;
+#define POINTERS(what, p1, want)                                                        \
+  do {                                                                                  \
+    void* pargs[] = {&word, &p1, &small};                                               \
+    EXPECT(what, cuLaunchKernel(pf, 1, 1, 1, 32, 1, 1, 0, NULL, pargs, NULL), want);    \
+  } while (0)
+  POINTERS("a pointer inside a live allocation", at, CUDA_SUCCESS);
+  POINTERS("a null pointer", null, CUDA_SUCCESS);
+  POINTERS("a pointer past its allocation", past, CUDA_ERROR_INVALID_VALUE);
+  POINTERS("a pointer to freed memory", freed, CUDA_ERROR_INVALID_VALUE);
+  POINTERS("an integer in a pointer's place", word, CUDA_ERROR_INVALID_VALUE);
+  cuMemFree_v2(live);
+
   char host[2000];
   memset(host, 7, sizeof host);
   EXPECT("copy in", cuMemcpyHtoD_v2(d, host, 1000), CUDA_SUCCESS);
@@ -70,6 +95,15 @@ int main(void) {
   EXPECT("memset past the end", cuMemsetD8_v2(d, 0, 1001), CUDA_ERROR_INVALID_VALUE);
   EXPECT("free", cuMemFree_v2(d), CUDA_SUCCESS);
   EXPECT("copy from freed memory", cuMemcpyDtoH_v2(host, d, 4), CUDA_ERROR_INVALID_VALUE);
+  // Past the end of the allocation below it, before the next one's start.
+  CUdeviceptr lower, upper;
+  cuMemAlloc_v2(&lower, 256);
+  cuMemAlloc_v2(&upper, 256);
+  CUdeviceptr gap = (lower < upper ? lower : upper) + 256 + 8;
+  if (gap + 4 <= (lower < upper ? upper : lower))
+    EXPECT("copy from past an allocation's end", cuMemcpyDtoH_v2(host, gap, 4), CUDA_ERROR_INVALID_VALUE);
+  cuMemFree_v2(lower);
+  cuMemFree_v2(upper);
   EXPECT("free twice", cuMemFree_v2(d), CUDA_ERROR_INVALID_VALUE);
 
   // A bf16 (type 14) C[4 × 3] = A[4 × 5] · B[5 × 3], column-major, 2 batches.
