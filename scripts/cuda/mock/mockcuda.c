@@ -12,6 +12,8 @@
 //   - a launch with a zero or oversized grid or block, more threads than the kernel's
 //     __launch_bounds__ (.maxntid in its PTX), or more dynamic shared memory than allowed;
 //   - a copy or memset that leaves the allocation it starts in, or reads freed memory;
+//   - a launch whose pointer parameters (those the kernel's PTX turns into global addresses)
+//     are not null and in no live allocation;
 //   - a driver call this stand-in does not implement (so that nothing silently succeeds).
 // At exit, with MOCKCUDA_LOG=path, it appends each launched kernel with its count and each
 // error to that file.

@@ -2,7 +2,9 @@
 // that nvcc compiled with host code into the binary (candle-kernels' static library): their
 // registration at start-up, and their <<<>>> launches, which are checked (empty or oversized
 // grids and blocks, dynamic shared memory past the limit) and counted like the driver's, under
-// the kernel's device name. Memory calls go to the mock driver.
+// the kernel's device name; FlashAttention-2's launches (candle-flash-attn, in a `--flash`
+// build) also have their parameter block checked (check_flash). Memory calls go to the mock
+// driver.
 #define __CUDA_API_VERSION_INTERNAL 1
 #include <cuda.h>
 #include <cuda_runtime_api.h>
