@@ -62,7 +62,10 @@ build cudart libcudart.so.13 libcudart.so.13 801 mockcudart.c ""
 # FlashAttention's parameter block as mockcudart.c reads it, against the crate's own header
 # (only where the cargo registry holds the version Cargo.lock pins: a build with flash-attn).
 fa=$(awk '/^name = "candle-flash-attn"$/ {getline; print $3}' "$root/Cargo.lock" | tr -d '"' | head -1)
-fa_h=$(ls "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/candle-flash-attn-"$fa"/kernels/flash.h 2>/dev/null | head -1)
+fa_h=""
+for h in "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/candle-flash-attn-"$fa"/kernels/flash.h; do
+  [ -n "$fa" ] && [ -f "$h" ] && fa_h=$h && break
+done
 if [ -n "$fa" ] && [ -n "$fa_h" ]; then
   g++ -std=c++17 -fsyntax-only -Wno-invalid-offsetof -I "$CUDA_HOME/include" -I "$(dirname "$fa_h")" -I "$here" \
     "$here/flashlayout.cpp"

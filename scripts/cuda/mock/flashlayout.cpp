@@ -1,6 +1,6 @@
 // Compiled (never run) by build.sh where the cargo registry holds the candle-flash-attn that
 // Cargo.lock pins: the fields mockcudart.c reads from a FlashAttention launch must sit where
-// the crate's own Flash_fwd_params has them.
+// the crate's own Flash_fwd_params has them, with the same sizes.
 #include <cstddef>
 
 #include <cuda_runtime_api.h>  // cudaStream_t, which flash.h uses without including it
@@ -8,7 +8,9 @@
 #include "flash.h"
 #include "mockflash.h"
 
-#define SAME(f) static_assert(offsetof(Flash_fwd_params, f) == offsetof(FlashParams, f), #f " moved")
+#define SAME(f)                                                                         \
+  static_assert(offsetof(Flash_fwd_params, f) == offsetof(FlashParams, f), #f " moved"); \
+  static_assert(sizeof(Flash_fwd_params::f) == sizeof(FlashParams::f), #f " changed size")
 SAME(q_ptr);
 SAME(k_ptr);
 SAME(v_ptr);

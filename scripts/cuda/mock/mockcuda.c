@@ -210,31 +210,53 @@ static unsigned parse_maxntid(const char* from, const char* to) {
 
 // The parameters of an entry whose body turns them into global addresses (`ld.param.u64 %rdA,
 // [NAME_param_K];` then `cvta.to.global.u64 %rdB, %rdA;`): the pointers, which a launch must
-// give as addresses in live allocations (or null). Parameters past 64 are not checked.
+// give as addresses in live allocations (or null). A parameter may be loaded into several
+// registers (nvcc reloads them); a load at an offset (`[NAME_param_K+8]`, a struct's field) is
+// not a pointer parameter. Parameters past 64 are not checked.
 static void parse_pointers(Func* f, const char* from, const char* to) {
-  char key[300];
-  snprintf(key, sizeof key, "[%s_param_", f->name);
-  size_t klen = strlen(key);
-  // Registers loaded from each parameter: `ld.param.u64 %rdA, [NAME_param_K];`.
-  enum { MAX = 64 };
-  int reg_of[MAX];
-  for (int i = 0; i < MAX; i++) reg_of[i] = -1;
+  size_t klen = strlen(f->name) + 8;  // "[" NAME "_param_"
+  char* key = malloc(klen + 1);
+  if (!key) return;
+  snprintf(key, klen + 1, "[%s_param_", f->name);
+  // Each load: its register and parameter.
+  size_t n = 0, cap = 0;
+  struct Load {
+    int reg, param;
+  }* loads = NULL;
   for (const char* p = from; (p = find_in(p, to, "ld.param.u64")) != NULL; p++) {
     const char* eol = memchr(p, '\n', (size_t)(to - p));
     if (!eol) eol = to;
-    int reg;
+    int reg, k, used = 0;
     const char* at = find_in(p, eol, key);
-    if (at && sscanf(p + 12, " %%rd%d ,", &reg) == 1) {
-      int k = atoi(at + klen);
-      if (k >= 0 && k < MAX) reg_of[k] = reg;
+    if (!at || sscanf(p + 12, " %%rd%d ,", &reg) != 1 || sscanf(at + klen, "%d]%n", &k, &used) != 1 || !used ||
+        k < 0 || k >= 64)
+      continue;
+    if (n == cap) {
+      cap = cap ? cap * 2 : 16;
+      struct Load* grown = realloc(loads, cap * sizeof *loads);
+      if (!grown) break;
+      loads = grown;
     }
+    loads[n++] = (struct Load){reg, k};
   }
   for (const char* p = from; (p = find_in(p, to, "cvta.to.global.u64")) != NULL; p++) {
     int dst, src;
     if (sscanf(p + 18, " %%rd%d , %%rd%d", &dst, &src) != 2) continue;
-    for (int k = 0; k < MAX; k++)
-      if (reg_of[k] == src) f->pointers |= 1ull << k;
+    for (size_t i = 0; i < n; i++)
+      if (loads[i].reg == src) f->pointers |= 1ull << loads[i].param;
   }
+  free(loads);
+  free(key);
+}
+
+// The end of the body that opens at `body` (its matching '}'), or the text's end.
+static const char* body_end(const char* body) {
+  int depth = 0;
+  for (const char* p = body; *p; p++) {
+    if (*p == '{') depth++;
+    else if (*p == '}' && --depth == 0) return p;
+  }
+  return body + strlen(body);
 }
 
 static Module* load_ptx(const char* ptx) {
@@ -251,11 +273,10 @@ static Module* load_ptx(const char* ptx) {
     const char* body = strchr(e, '{');
     f->maxntid = body ? parse_maxntid(e, body) : 0;
     if (body) {
-      // The parameters, and the body up to the next entry.
+      // The parameters, and the body (to its matching brace: not a .func after it).
       const char* close = find_in(e, body, ")");
       for (const char* q = e; close && (q = find_in(q, close, ".param")) != NULL; q++) f->n_params++;
-      const char* next = strstr(body, ".entry ");
-      parse_pointers(f, body, next ? next : body + strlen(body));
+      parse_pointers(f, body, body_end(body));
     }
     f->next = m->funcs;
     m->funcs = f;
@@ -688,13 +709,15 @@ CUresult cuLaunchKernel(CUfunction fn, unsigned gx, unsigned gy, unsigned gz, un
     return mock_error(CUDA_ERROR_INVALID_VALUE, "%s: %u bytes of dynamic shared memory, past %d", n, shmem,
                       shared_limit);
   if (!params && !extra) return mock_error(CUDA_ERROR_INVALID_VALUE, "%s: launch without arguments", n);
-  // Every pointer parameter (see parse_pointers) is null or inside a live allocation: not freed
-  // memory, not an offset past its buffer, not an integer in a pointer's place.
+  // Every pointer parameter (see parse_pointers) is null or inside a live allocation (or just
+  // past its end): not freed memory, not an offset past its buffer, not an integer in a
+  // pointer's place.
   for (int k = 0; params && k < f->n_params && k < 64; k++) {
     if (!(f->pointers >> k & 1)) continue;
     unsigned long long v;
     memcpy(&v, params[k], sizeof v);
-    if (v && !mock_device_range((uintptr_t)v, 1))
+    // One past an allocation's end is a pointer too (an empty view at a buffer's end).
+    if (v && !mock_device_range((uintptr_t)v, 1) && !mock_device_range((uintptr_t)v - 1, 1))
       return mock_error(CUDA_ERROR_INVALID_VALUE, "%s: pointer parameter %d (%#llx) is in no live allocation", n, k,
                         v);
   }

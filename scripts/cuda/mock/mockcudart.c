@@ -136,7 +136,7 @@ static cudaError_t check_flash(const char* name, void** args) {
   const FlashParams* p = (const FlashParams*)args[0];
   if (!p) return mock_error(cudaErrorInvalidValue, "%s: no parameter block", name);
   float log2_twin = p->scale_softmax * 1.4426950408889634f;
-  float off = p->scale_softmax_log2 - log2_twin;
+  float off = (p->scale_softmax_log2 - log2_twin) / log2_twin;  // relative
   if (p->b < 1 || p->h < 1 || p->h_k < 1 || p->h % p->h_k || p->h_h_k_ratio != p->h / p->h_k || p->d < 1 ||
       p->d > p->d_rounded || p->seqlen_q < 1 || p->seqlen_k < 1 || p->seqlen_q > p->seqlen_q_rounded ||
       p->seqlen_k > p->seqlen_k_rounded || !(off < 1e-5f && off > -1e-5f) || !(p->scale_softmax > 0))
@@ -151,8 +151,8 @@ static cudaError_t check_flash(const char* name, void** args) {
                       bf16 ? "bf16" : f16 ? "f16" : "neither bf16 nor f16");
   if (p->d % 8) return mock_error(cudaErrorInvalidValue, "%s: head size %d is not a multiple of 8", name, p->d);
   if (p->cu_seqlens_q || p->cu_seqlens_k || p->block_table || p->num_splits > 1 || p->knew_ptr || p->p_ptr)
-    return mock_error(cudaErrorInvalidValue, "%s: a varlen, paged, split-KV or appending launch (not checked here)",
-                      name);
+    return mock_error(cudaErrorInvalidValue,
+                      "%s: a varlen, paged, split-KV or appending launch, which keydiff never makes", name);
   // candle-flash-attn's causal: no left window (set to seqlen_k by its wrapper), none right.
   if (p->is_causal ? p->window_size_right != 0 || p->window_size_left < p->seqlen_k
                    : p->window_size_left >= 0 || p->window_size_right >= 0)
@@ -164,9 +164,10 @@ static cudaError_t check_flash(const char* name, void** args) {
   const char* traits = strstr(name, "kernel_traitsILi");
   const char* end = strstr(name, "EEv16Flash_fwd_params");
   int bucket = 0, block_m = 0, block_n = 0;
-  if (strncmp(name, "_Z16flash_fwd_kernel", 20) == 0 && traits && end &&
-      sscanf(traits, "kernel_traitsILi%dELi%dELi%dE", &bucket, &block_m, &block_n) == 3 && block_m > 0 &&
-      block_n > 0) {
+  if (strncmp(name, "_Z16flash_fwd_kernel", 20) == 0) {
+    if (!traits || !end || sscanf(traits, "kernel_traitsILi%dELi%dELi%dE", &bucket, &block_m, &block_n) != 3 ||
+        block_m < 1 || block_n < 1)
+      return mock_error(cudaErrorInvalidValue, "%s: cannot read the kernel's traits (head size, tiles)", name);
     if (p->d > bucket) return mock_error(cudaErrorInvalidValue, "%s: head size %d past the kernel's %d", name, p->d, bucket);
     int flags[16], n = 0;
     for (const char* at = traits; (at = strstr(at, "ELb")) && at < end && n < 16; at += 3) flags[n++] = at[3] == '1';
