@@ -9,23 +9,6 @@ use rand::{Rng, SeedableRng};
 /// One row's draw on the device ([`Sampler::device_draw`]).
 pub use keydiff_model::model::DrawParams;
 
-/// [`DrawParams`] of a sampler's settings and a uniform `r`.
-trait DrawOf {
-    fn of(c: &Sampling, r: f32) -> Self;
-}
-
-impl DrawOf for DrawParams {
-    fn of(c: &Sampling, r: f32) -> Self {
-        DrawParams {
-            temperature: c.temperature,
-            top_k: u32::try_from(c.top_k).unwrap_or(u32::MAX),
-            top_p: c.top_p,
-            min_p: c.min_p,
-            r,
-        }
-    }
-}
-
 /// Sampling settings. `temperature <= 0` is greedy.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Sampling {
@@ -151,6 +134,18 @@ impl Default for Sampling {
 }
 
 impl Sampling {
+    /// The device draw's [`DrawParams`] of these settings and a uniform `r` (a top-k past
+    /// `u32::MAX` saturates: no vocabulary is that large).
+    pub fn draw_params(&self, r: f32) -> DrawParams {
+        DrawParams {
+            temperature: self.temperature,
+            top_k: u32::try_from(self.top_k).unwrap_or(u32::MAX),
+            top_p: self.top_p,
+            min_p: self.min_p,
+            r,
+        }
+    }
+
     /// Refuses settings with no meaning, as vLLM does, rather than sampling from NaNs:
     /// a negative or non-finite temperature, top-p outside (0, 1], min-p outside [0, 1], a
     /// repetition penalty that is not a positive number, or a logit bias that is NaN or +∞.
@@ -327,7 +322,7 @@ impl Sampler {
             true => self.rng.random(),
             false => 0.0,
         };
-        Some((DrawParams::of(c, r), before))
+        Some((c.draw_params(r), before))
     }
 
     /// Puts the generator back as [`Sampler::device_draw`] found it.
@@ -340,13 +335,13 @@ impl Sampler {
 /// uniform in [0, 1) (`temperature` > 0; no bias or penalty here): `None` when no logit is
 /// finite. See [`keydiff_model::model::draw`], the reference of the device's sampler.
 pub fn draw(logits: &[f32], c: &Sampling, r: f32) -> Option<u32> {
-    keydiff_model::model::draw(logits, &DrawParams::of(c, r))
+    keydiff_model::model::draw(logits, &c.draw_params(r))
 }
 
 /// [`keydiff_model::model::pick`] with `c`'s settings and `r`.
 #[cfg(test)]
 fn pick(cand: Vec<(u32, f32)>, c: &Sampling, r: f32) -> u32 {
-    keydiff_model::model::pick(cand, &DrawParams::of(c, r))
+    keydiff_model::model::pick(cand, &c.draw_params(r))
 }
 
 #[cfg(test)]

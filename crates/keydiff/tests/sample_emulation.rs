@@ -8,7 +8,7 @@
 
 use half::{bf16, f16};
 use keydiff::kernel_check::host_draw;
-use keydiff::{DrawParams, Sampling};
+use keydiff::Sampling;
 use keydiff_kernels::emu::{sample_rows, Keys};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -130,14 +130,7 @@ fn sampling((temperature, top_k, top_p, min_p): (f32, usize, f32, f32)) -> Sampl
 /// The host's token for `logits` and whether rounding cannot decide it
 /// (`kernel_check::host_draw`, as `check-kernels` takes it).
 fn host(logits: &[f32], c: &Sampling, r: f32) -> (u32, bool) {
-    let p = DrawParams {
-        temperature: c.temperature,
-        top_k: c.top_k as u32,
-        top_p: c.top_p,
-        min_p: c.min_p,
-        r,
-    };
-    host_draw(logits, &p)
+    host_draw(logits, &c.draw_params(r))
 }
 
 /// `per` rows of `cols` logits under each setting (kinds in turn), in `dt`, padded by `pad`
@@ -175,16 +168,7 @@ fn check(cols: usize, dt: Dt, pad: usize, seed: u64, per: usize) -> (usize, usiz
         .flat_map(|r| r.iter().copied().chain(std::iter::repeat_n(100.0, pad)))
         .collect();
     let words: Vec<u32> = (params.iter())
-        .flat_map(|(c, r)| {
-            DrawParams {
-                temperature: c.temperature,
-                top_k: c.top_k as u32,
-                top_p: c.top_p,
-                min_p: c.min_p,
-                r: *r,
-            }
-            .words()
-        })
+        .flat_map(|(c, r)| c.draw_params(*r).words())
         .collect();
     let buf = Buf::new(&flat, dt);
     let got = sample_rows(buf.keys(), cols + pad, logits.len(), cols, &words, seed)
