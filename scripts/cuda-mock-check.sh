@@ -16,9 +16,11 @@
 #   PRESET, PROMPT_LEN, BUDGET: gpu-check.sh's TTFT shape (default here smollm2-135m, 512, 256,
 #     gpu-check.sh's dry-run sizes: the whole check then takes ~4 min; set them empty for its own).
 #   MOCKCUDA_MEM_GIB: the stand-in device's memory (default 14: this machine's RAM backs it).
+#   MOCK_EXEC=0: leave out the executing mock's comparisons with the CPU (the end of this script).
 # Exit status: 0 when gpu-check.sh ran to its end, the mock libraries refused nothing and met
 # no call they lack, every kernel of ours was launched (but those scripts/cuda/mock/
-# not-launched.txt excuses) and nothing panicked; 1 otherwise.
+# not-launched.txt excuses) and nothing panicked, and the executing mock's CUDA path agreed with
+# the CPU; 1 otherwise.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out=$(realpath -m "${1:-target/cuda-mock-check}")
@@ -90,5 +92,48 @@ if grep -q 'panicked at' "$out/gpu-check.log" "$out/gpu-check/errors.log"; then 
 # gpu-check.sh itself fails here (every comparison with the CPU does); it must run to its end.
 if [ $gc_rc -ge 124 ] || ! grep -q '^elapsed: ' "$out/gpu-check/summary.txt" 2>/dev/null; then
   echo "FAIL: gpu-check.sh did not run to its end (exit $gc_rc)" >&2; status=1
+fi
+
+# The executing mock: the same stand-ins, now running every kernel launched (its host build
+# over the CPU emulation, scripts/cuda/mock/exec) and every matmul, so that the CUDA path
+# computes real values here. check-device then compares them with the CPU's, as on a GPU:
+# multi-chunk prefill with eviction and decode steps (the decode kernel, fused linears, the
+# eviction kernels, the statistics kernels), in f32 (which must agree to rounding) and bf16,
+# a block cache, and a batch. FlashAttention's kernels have no host build (the CUDA binary
+# built here has none). ~3 min.
+if [ "${MOCK_EXEC:-1}" = 1 ]; then
+  kx=$(scripts/cuda/mock/exec/build.sh "$out/exec-libs" | tail -1) || exit 2
+  exec_mock=$out/exec-mock.log exec_out=$out/exec.jsonl
+  : > "$exec_mock"; : > "$exec_out"
+  exec_rc=0
+  run_exec() {
+    echo "== check-device $*" >> "$out/exec.log"
+    MOCKCUDA_EXEC=$kx MOCKCUDA_LOG=$exec_mock "$bin" check-device --device cuda:0 --budget 128 "$@" \
+      2>> "$out/exec.log" | tee -a "$out/exec.log" | grep '^{' >> "$exec_out" || exec_rc=1
+  }
+  exec_start=$(date +%s)
+  run_exec --dtype f32 --attention eager --policies keydiff,tova,snapkv,h2o --decode-steps 4 \
+    --preset configs/tiny-llama.json --preset configs/tiny-qwen.json
+  run_exec --dtype bf16 --policies keydiff,snapkv --decode-steps 4 --preset configs/tiny-qwen3.json \
+    --preset configs/tiny-qwen3moe.json
+  run_exec --dtype bf16 --kv-dtype q8_0 --policies keydiff --decode-steps 4 --preset configs/tiny-qwen-d64.json
+  run_exec --dtype bf16 --batch --policies keydiff --preset configs/tiny-llama.json
+  # f32 must agree to rounding, not just to check-device's cosine of 0.99.
+  python3 - "$exec_out" <<'PY' || exec_rc=1
+import json, sys
+lines = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+bad = [l for l in lines if l.get("dtype") == "f32" and "diff" in l
+       and (l["diff"]["max_rel"] > 1e-4 or not l["top1_equal"])]
+for l in bad:
+    print("f32 off:", l["preset"], l["policy"], l["diff"], file=sys.stderr)
+print(f"executing mock: {len(lines)} comparisons, {len(bad)} f32 ones off", file=sys.stderr)
+sys.exit(1 if bad or len(lines) < 16 else 0)
+PY
+  echo "executing mock: $(( $(date +%s) - exec_start )) s, exit $exec_rc" | tee -a "$out/exec.log"
+  if [ $exec_rc -ne 0 ]; then echo "FAIL: the CUDA path, run by the executing mock, differs from the CPU (see $out/exec.log)" >&2; status=1; fi
+  if grep -qE '^(ERROR|UNIMPLEMENTED)' "$exec_mock"; then
+    grep -E '^(ERROR|UNIMPLEMENTED)' "$exec_mock" | sort | uniq -c | head >&2
+    echo "FAIL: the executing mock refused calls or lacks some" >&2; status=1
+  fi
 fi
 exit $status

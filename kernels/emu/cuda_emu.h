@@ -38,6 +38,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <string.h>
 #include <ucontext.h>
 
@@ -50,18 +51,25 @@
 
 #include "race.h"
 
+#ifndef KD_EMU_REAL_FP_TYPES
 struct dim3 {
   unsigned x = 1, y = 1, z = 1;
 };
 struct alignas(16) uint4 {
   unsigned x, y, z, w;
 };
+#endif
+// KD_EMU_REAL_FP_TYPES: the toolkit's own cuda_fp16.h / cuda_bf16.h (host-compilable) give
+// these types (and dim3, uint4 above) and their conversions instead (scripts/cuda/mock/exec:
+// candle's kernels need their operators).
+#ifndef KD_EMU_REAL_FP_TYPES
 struct __half {
   uint16_t x;
 };
 struct __nv_bfloat16 {
   uint16_t x;
 };
+#endif
 
 #define __global__
 #define __device__
@@ -120,6 +128,9 @@ struct Block {
   std::mt19937_64 rng;
   std::string error;
   const std::function<void()>* body = nullptr;
+  // Threads run one after another as plain calls, with no fibers (scripts/cuda/mock/exec, for
+  // kernels whose PTX has no barrier or warp-synchronous instruction): nothing may park.
+  bool plain = false;
 };
 
 // Per OS thread, so that launches on several threads (parallel tests) do not meet.
@@ -129,7 +140,13 @@ inline thread_local dim3 g_block_idx, g_block_dim, g_grid_dim;
 KD_EMU_UNTRACKED inline Fiber& cur_fiber() { return g_block->fibers[g_block->cur]; }
 
 // Back to the scheduler; returns when this fiber is made runnable again.
-KD_EMU_UNTRACKED inline void park() { swapcontext(&cur_fiber().ctx, &g_block->sched); }
+KD_EMU_UNTRACKED inline void park() {
+  if (g_block->plain) {
+    fprintf(stderr, "emulation: a barrier or warp-synchronous call in a kernel run without fibers\n");
+    std::abort();
+  }
+  swapcontext(&cur_fiber().ctx, &g_block->sched);
+}
 
 KD_EMU_UNTRACKED inline void release(std::vector<int>& waiters) {
   for (int i : waiters) g_block->runnable.push_back(i);
@@ -354,11 +371,11 @@ KD_EMU_UNTRACKED inline dim3 grid_dim() {
 KD_EMU_UNTRACKED inline void __syncthreads() { kd_emu::syncthreads(); }
 
 namespace kd_emu {
-// Any 32- or 64-bit value travels as its bits (CUDA has overloads for int, unsigned, float,
-// and their 64-bit forms).
+// Any value of up to 64 bits travels as its bits (CUDA has overloads for int, unsigned, float,
+// their 64-bit forms, and the half types).
 template <typename T>
 inline uint64_t to_bits(T x) {
-  static_assert(sizeof(T) == 4 || sizeof(T) == 8, "shuffles move 32- or 64-bit values");
+  static_assert(sizeof(T) <= 8, "shuffles move values of up to 64 bits");
   uint64_t b = 0;
   memcpy(&b, &x, sizeof(T));
   return b;
@@ -473,6 +490,7 @@ inline float __fsub_rn(float a, float b) { return a - b; }
 // the rounded root, within 1 ulp.
 inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
 
+#ifndef KD_EMU_REAL_FP_TYPES
 inline float __bfloat162float(__nv_bfloat16 h) { return kd_emu::u2f((uint32_t)h.x << 16); }
 // f32 -> bf16, round to nearest even, as the device's conversion (and `half::bf16::from_f32`);
 // a NaN stays a (quiet) NaN of its sign.
@@ -508,3 +526,4 @@ inline float __half2float(__half h) {
   if (exp == 31) return kd_emu::u2f(sign | 0x7f800000u | (mant << 13));
   return kd_emu::u2f(sign | ((exp + 112u) << 23) | (mant << 13));
 }
+#endif  // KD_EMU_REAL_FP_TYPES

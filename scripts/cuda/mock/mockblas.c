@@ -1,11 +1,14 @@
 // Stand-ins for cuBLAS, cuRAND and NVRTC beside the mock driver (mockcuda.c): the calls candle's
-// CUDA backend makes, checked as the real libraries check them, doing no arithmetic. A matmul
+// CUDA backend makes, checked as the real libraries check them, doing no arithmetic (but the
+// matmuls, when MOCKCUDA_EXEC is set: the executing mock, see mockcuda.c). A matmul
 // must have non-negative sizes, leading dimensions the library accepts, and every operand
 // inside a live device allocation; a random fill must stay inside its buffer. build.sh
 // compiles this file once per library (-DMOCK_CUBLAS, -DMOCK_CURAND, -DMOCK_NVRTC) and adds a
 // refusing stub for every other symbol the real library exports.
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "mockcommon.h"
 
@@ -87,6 +90,65 @@ static int gemm(const char* fn, int ta, int tb, long long m, long long n, long l
   return operand(fn, "C", c, m, n, ldc, sc, batch, ec);
 }
 
+// The executing mock (MOCKCUDA_EXEC set, see mockcuda.c): the product itself, column-major
+// C = alpha op(A) op(B) + beta C, summed in double. Elements of f32, f64, f16 and bf16.
+static double load(const void* p, int t, long long i) {
+  switch (t) {
+    case 0: return ((const float*)p)[i];
+    case 1: return ((const double*)p)[i];
+    case 2: return (double)((const _Float16*)p)[i];
+    case 14: {
+      uint32_t u = (uint32_t)((const uint16_t*)p)[i] << 16;
+      float f;
+      memcpy(&f, &u, 4);
+      return f;
+    }
+    default: return 0;
+  }
+}
+static void store(void* p, int t, long long i, double v) {
+  switch (t) {
+    case 0: ((float*)p)[i] = (float)v; break;
+    case 1: ((double*)p)[i] = v; break;
+    case 2: ((_Float16*)p)[i] = (_Float16)(float)v; break;
+    case 14: {
+      float f = (float)v;
+      uint32_t x;
+      memcpy(&x, &f, 4);
+      uint16_t h = (x & 0x7fffffffu) > 0x7f800000u ? (uint16_t)((x >> 16) | 0x40u)
+                                                   : (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+      ((uint16_t*)p)[i] = h;
+      break;
+    }
+    default: break;
+  }
+}
+static int executing(void) { return getenv("MOCKCUDA_EXEC") != NULL; }
+static void gemm_run(int ta, int tb, long long m, long long n, long long k, double alpha, const void* a, int at,
+                     long long lda, long long sa, const void* b, int bt, long long ldb, long long sb, double beta,
+                     void* c, int ct, long long ldc, long long sc, long long batch) {
+  for (long long z = 0; z < batch; z++)
+    for (long long j = 0; j < n; j++)
+      for (long long i = 0; i < m; i++) {
+        double acc = 0;
+        for (long long l = 0; l < k; l++) {
+          long long ia = z * sa + (ta == 0 ? i + l * lda : l + i * lda);
+          long long ib = z * sb + (tb == 0 ? l + j * ldb : j + l * ldb);
+          acc += load(a, at, ia) * load(b, bt, ib);
+        }
+        long long ic = z * sc + i + j * ldc;
+        double v = alpha * acc;
+        if (beta != 0) v += beta * load(c, ct, ic);
+        store(c, ct, ic, v);
+      }
+}
+// alpha and beta as a cublasComputeType_t (or, in the older form, a cudaDataType_t) says.
+static double scalar(const void* p, int compute) {
+  if (compute == 64 || compute == 65 || compute == 2) return (double)*(const _Float16*)p;
+  if (compute == 70 || compute == 71 || compute == 1) return *(const double*)p;
+  return *(const float*)p;
+}
+
 int cublasCreate_v2(void** h) {
   *h = &dummy_handle;
   return OK;
@@ -135,57 +197,59 @@ int cublasSetWorkspace_v2(void* h, void* w, size_t bytes) {
 int cublasSgemm_v2(void* h, int ta, int tb, int m, int n, int k, const float* al, const float* a, int lda,
                    const float* b, int ldb, const float* be, float* c, int ldc) {
   (void)h;
-  (void)al;
-  (void)be;
-  return gemm("cublasSgemm", ta, tb, m, n, k, a, 4, lda, 0, b, 4, ldb, 0, c, 4, ldc, 0, 1);
+  int r = gemm("cublasSgemm", ta, tb, m, n, k, a, 4, lda, 0, b, 4, ldb, 0, c, 4, ldc, 0, 1);
+  if (!r && executing()) gemm_run(ta, tb, m, n, k, *al, a, 0, lda, 0, b, 0, ldb, 0, *be, c, 0, ldc, 0, 1);
+  return r;
 }
 int cublasDgemm_v2(void* h, int ta, int tb, int m, int n, int k, const double* al, const double* a,
                    int lda, const double* b, int ldb, const double* be, double* c, int ldc) {
   (void)h;
-  (void)al;
-  (void)be;
-  return gemm("cublasDgemm", ta, tb, m, n, k, a, 8, lda, 0, b, 8, ldb, 0, c, 8, ldc, 0, 1);
+  int r = gemm("cublasDgemm", ta, tb, m, n, k, a, 8, lda, 0, b, 8, ldb, 0, c, 8, ldc, 0, 1);
+  if (!r && executing()) gemm_run(ta, tb, m, n, k, *al, a, 1, lda, 0, b, 1, ldb, 0, *be, c, 1, ldc, 0, 1);
+  return r;
 }
 int cublasSgemmStridedBatched(void* h, int ta, int tb, int m, int n, int k, const float* al, const float* a,
                               int lda, long long sa, const float* b, int ldb, long long sb, const float* be,
                               float* c, int ldc, long long sc, int batch) {
   (void)h;
-  (void)al;
-  (void)be;
-  return gemm("cublasSgemmStridedBatched", ta, tb, m, n, k, a, 4, lda, sa, b, 4, ldb, sb, c, 4, ldc, sc,
-              batch);
+  int r = gemm("cublasSgemmStridedBatched", ta, tb, m, n, k, a, 4, lda, sa, b, 4, ldb, sb, c, 4, ldc, sc,
+               batch);
+  if (!r && executing()) gemm_run(ta, tb, m, n, k, *al, a, 0, lda, sa, b, 0, ldb, sb, *be, c, 0, ldc, sc, batch);
+  return r;
 }
 int cublasDgemmStridedBatched(void* h, int ta, int tb, int m, int n, int k, const double* al,
                               const double* a, int lda, long long sa, const double* b, int ldb, long long sb,
                               const double* be, double* c, int ldc, long long sc, int batch) {
   (void)h;
-  (void)al;
-  (void)be;
-  return gemm("cublasDgemmStridedBatched", ta, tb, m, n, k, a, 8, lda, sa, b, 8, ldb, sb, c, 8, ldc, sc,
-              batch);
+  int r = gemm("cublasDgemmStridedBatched", ta, tb, m, n, k, a, 8, lda, sa, b, 8, ldb, sb, c, 8, ldc, sc,
+               batch);
+  if (!r && executing()) gemm_run(ta, tb, m, n, k, *al, a, 1, lda, sa, b, 1, ldb, sb, *be, c, 1, ldc, sc, batch);
+  return r;
 }
 int cublasGemmEx(void* h, int ta, int tb, int m, int n, int k, const void* al, const void* a, int at, int lda,
                  const void* b, int bt, int ldb, const void* be, void* c, int ct, int ldc, int compute,
                  int algo) {
   (void)h;
-  (void)al;
-  (void)be;
-  (void)compute;
   (void)algo;
-  return gemm("cublasGemmEx", ta, tb, m, n, k, a, elem_bytes(at), lda, 0, b, elem_bytes(bt), ldb, 0, c,
-              elem_bytes(ct), ldc, 0, 1);
+  int r = gemm("cublasGemmEx", ta, tb, m, n, k, a, elem_bytes(at), lda, 0, b, elem_bytes(bt), ldb, 0, c,
+               elem_bytes(ct), ldc, 0, 1);
+  if (!r && executing())
+    gemm_run(ta, tb, m, n, k, scalar(al, compute), a, at, lda, 0, b, bt, ldb, 0, scalar(be, compute), c, ct, ldc,
+             0, 1);
+  return r;
 }
 int cublasGemmStridedBatchedEx(void* h, int ta, int tb, int m, int n, int k, const void* al, const void* a,
                                int at, int lda, long long sa, const void* b, int bt, int ldb, long long sb,
                                const void* be, void* c, int ct, int ldc, long long sc, int batch, int compute,
                                int algo) {
   (void)h;
-  (void)al;
-  (void)be;
-  (void)compute;
   (void)algo;
-  return gemm("cublasGemmStridedBatchedEx", ta, tb, m, n, k, a, elem_bytes(at), lda, sa, b, elem_bytes(bt),
-              ldb, sb, c, elem_bytes(ct), ldc, sc, batch);
+  int r = gemm("cublasGemmStridedBatchedEx", ta, tb, m, n, k, a, elem_bytes(at), lda, sa, b, elem_bytes(bt),
+               ldb, sb, c, elem_bytes(ct), ldc, sc, batch);
+  if (!r && executing())
+    gemm_run(ta, tb, m, n, k, scalar(al, compute), a, at, lda, sa, b, bt, ldb, sb, scalar(be, compute), c, ct,
+             ldc, sc, batch);
+  return r;
 }
 #endif
 

@@ -3,7 +3,10 @@
 // wrappers in keydiff-kernels, the model's and cache's CUDA branches) runs, and the driver calls
 // it makes are checked the way the real driver would refuse them. Kernels do not run: a launch
 // is checked and counted, then does nothing. Device memory is host memory, zeroed at
-// allocation, so every kernel's output reads as zeros.
+// allocation, so every kernel's output reads as zeros. Unless MOCKCUDA_EXEC names the folder
+// of the kernels' host builds (exec/build.sh): then each launch, once checked, runs its
+// kernel's host build over the CPU emulation (exec/runtime.cpp), and mockblas.c computes the
+// matmuls, so that the CUDA path computes real values (the executing mock).
 //
 // What it finds (each is printed to stderr as "mockcuda: ERROR ..." and the call fails with
 // the real driver's error code):
@@ -23,6 +26,8 @@
 #define __CUDA_API_VERSION_INTERNAL 1
 #include <cuda.h>
 
+#include <dirent.h>
+#include <dlfcn.h>
 #include <pthread.h>
 #include <sys/mman.h>
 #include <stdarg.h>
@@ -179,6 +184,15 @@ typedef struct Func {
   int max_dynamic_shared;
   unsigned long long launches;
   struct Func* next;
+  // For the executing mock (MOCKCUDA_EXEC): each parameter's type as exec/runtime.cpp reads
+  // it (u: integer of `sizes` bytes, f: float, d: double; 0 past n_params or unreadable), and
+  // whether the body has no barrier and no warp-synchronous instruction (threads may run as
+  // plain calls).
+  char types[65];
+  unsigned char sizes[64];
+  int plain;
+  void* host_fn;   // the kernel's host build and its library's kx_launch, found at its first
+  void* host_run;  // launch
 } Func;
 
 typedef struct Module {
@@ -249,6 +263,40 @@ static void parse_pointers(Func* f, const char* from, const char* to) {
   free(key);
 }
 
+// Each parameter's type, from the entry's parameter list [from, to): `.param .u64 NAME`,
+// `.param .f32 NAME`, `.param .align 2 .b8 NAME[2]` (a struct of 2 bytes by value), ...
+static void parse_param_types(Func* f, const char* from, const char* to) {
+  int k = 0;
+  for (const char* q = from; k < 64 && (q = find_in(q, to, ".param")) != NULL; k++) {
+    const char* next = find_in(q + 6, to, ".param");
+    const char* end = next ? next : to;
+    char t = 0;
+    int size = 0;
+    static const struct {
+      const char* name;
+      char type;
+      int size;
+    } kinds[] = {{".u64", 'u', 8}, {".s64", 'u', 8}, {".b64", 'u', 8}, {".f64", 'd', 8},
+                 {".u32", 'u', 4}, {".s32", 'u', 4}, {".b32", 'u', 4}, {".f32", 'f', 4},
+                 {".u16", 'u', 2}, {".s16", 'u', 2}, {".b16", 'u', 2}, {".f16", 'u', 2},
+                 {".u8", 'u', 1},  {".s8", 'u', 1}};
+    for (size_t i = 0; i < sizeof kinds / sizeof kinds[0] && !t; i++)
+      if (find_in(q + 6, end, kinds[i].name)) t = kinds[i].type, size = kinds[i].size;
+    const char* b8 = find_in(q + 6, end, ".b8");
+    if (!t && b8) {
+      // A struct by value: `NAME[N]`. Up to 8 bytes it travels as an integer of its size
+      // (the half types, fp8); larger ones are not read (0: the launch is refused).
+      const char* br = find_in(b8, end, "[");
+      int n = 0;
+      if (br && sscanf(br + 1, "%d", &n) == 1 && (n == 1 || n == 2 || n == 4 || n == 8)) t = 'u', size = n;
+    }
+    f->types[k] = t;
+    f->sizes[k] = (unsigned char)size;
+    q = end - 1;
+  }
+  f->types[k] = 0;
+}
+
 // The end of the body that opens at `body` (its matching '}'), or the text's end.
 static const char* body_end(const char* body) {
   int depth = 0;
@@ -276,7 +324,13 @@ static Module* load_ptx(const char* ptx) {
       // The parameters, and the body (to its matching brace: not a .func after it).
       const char* close = find_in(e, body, ")");
       for (const char* q = e; close && (q = find_in(q, close, ".param")) != NULL; q++) f->n_params++;
-      parse_pointers(f, body, body_end(body));
+      if (close) parse_param_types(f, e, close);
+      const char* end = body_end(body);
+      parse_pointers(f, body, end);
+      static const char* const sync[] = {"bar.", "barrier", "shfl.", "vote.", "match.", "redux.", "call"};
+      f->plain = 1;
+      for (size_t i = 0; i < sizeof sync / sizeof sync[0]; i++)
+        if (find_in(body, end, sync[i])) f->plain = 0;
     }
     f->next = m->funcs;
     m->funcs = f;
@@ -684,6 +738,61 @@ CUresult cuFuncSetCacheConfig(CUfunction f, CUfunc_cache c) {
   return CUDA_SUCCESS;
 }
 
+// ---------------------------------------------------------------------------------------
+// The executing mock: with MOCKCUDA_EXEC=DIR (the kernel libraries exec/build.sh makes), a
+// launch runs the kernel's host build over the CPU emulation (exec/runtime.cpp) after the
+// checks above, so that device memory holds what the GPU would compute.
+
+typedef int (*KxLaunch)(void (*)(void), int, const char*, const unsigned char*, void**, unsigned,
+                        unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, int, char*,
+                        size_t);
+static pthread_once_t exec_once = PTHREAD_ONCE_INIT;
+static void* exec_libs[64];
+static int exec_n = 0;
+
+static void exec_open(void) {
+  const char* dir = getenv("MOCKCUDA_EXEC");
+  DIR* d = dir ? opendir(dir) : NULL;
+  if (!d) {
+    fprintf(stderr, "mockcuda: MOCKCUDA_EXEC=%s is not a folder\n", dir ? dir : "");
+    return;
+  }
+  struct dirent* e;
+  while ((e = readdir(d)) != NULL && exec_n < 64) {
+    if (strncmp(e->d_name, "libkx_", 6) != 0) continue;
+    char path[4096];
+    snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+    void* h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    if (!h) {
+      fprintf(stderr, "mockcuda: %s\n", dlerror());
+      continue;
+    }
+    exec_libs[exec_n++] = h;
+  }
+  closedir(d);
+}
+
+static CUresult exec_launch(Func* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                            unsigned bz, unsigned shmem, void** params) {
+  pthread_once(&exec_once, exec_open);
+  for (int i = 0; i < exec_n && !f->host_fn; i++) {
+    void* fn = dlsym(exec_libs[i], f->name);
+    if (fn) f->host_run = dlsym(exec_libs[i], "kx_launch"), f->host_fn = fn;
+  }
+  void (*fn)(void) = (void (*)(void))f->host_fn;
+  KxLaunch run = (KxLaunch)f->host_run;
+  if (!fn || !run)
+    return mock_error(CUDA_ERROR_NOT_FOUND, "%s: no host build of this kernel to run (MOCKCUDA_EXEC)", f->name);
+  for (int k = 0; k < f->n_params; k++)
+    if (k >= 64 || !f->types[k])
+      return mock_error(CUDA_ERROR_NOT_SUPPORTED, "%s: parameter %d of a type the executing mock cannot pass",
+                        f->name, k);
+  char err[512] = "";
+  if (run(fn, f->n_params, f->types, f->sizes, params, gx, gy, gz, bx, by, bz, shmem, f->plain, err, sizeof err))
+    return mock_error(CUDA_ERROR_LAUNCH_FAILED, "%s: %s", f->name, err);
+  return CUDA_SUCCESS;
+}
+
 CUresult cuLaunchKernel(CUfunction fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                         unsigned bz, unsigned shmem, CUstream s, void** params, void** extra) {
   (void)s;
@@ -722,6 +831,7 @@ CUresult cuLaunchKernel(CUfunction fn, unsigned gx, unsigned gy, unsigned gz, un
                         v);
   }
   __atomic_add_fetch(&f->launches, 1, __ATOMIC_RELAXED);
+  if (getenv("MOCKCUDA_EXEC")) return exec_launch(f, gx, gy, gz, bx, by, bz, shmem, params);
   return CUDA_SUCCESS;
 }
 

@@ -1,0 +1,142 @@
+// Included first (g++ -include) when build.sh compiles a kernel source for the executing mock
+// (MOCKCUDA_EXEC, see runtime.cpp): the toolkit's half, bfloat16 and fp8 types (their headers
+// compile for the host, with operators and conversions), then the CPU emulation of the CUDA
+// execution model (kernels/emu/cuda_emu.h), then the device intrinsics the kernels call that
+// those headers declare for the device only.
+//
+// __CUDA_ARCH__ is defined after the toolkit's headers (which would otherwise take their
+// device-only inline-PTX paths) so that candle's `#if __CUDA_ARCH__ >= 800` kernels (bf16,
+// fp8) exist, as in the sm_90 build.
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <math.h>
+#include <stdint.h>
+#include <cmath>
+#include <limits>
+
+// The toolkit's host_defines.h gives these attributes; the emulation's are plain.
+#undef __global__
+#undef __device__
+#undef __host__
+#undef __forceinline__
+#undef __shared__
+#undef __launch_bounds__
+#define KD_EMU_REAL_FP_TYPES 1
+#include "cuda_emu.h"
+
+#define __CUDA_ARCH__ 900
+#define __CUDACC_VER_MAJOR__ 13
+#define __CUDACC_VER_MINOR__ 0
+#define __restrict__ __restrict
+
+// int64_t and uint64_t are long here, which the emulation's overloads (int, unsigned,
+// long long) leave ambiguous.
+inline long min(long a, long b) { return a < b ? a : b; }
+inline long max(long a, long b) { return a > b ? a : b; }
+inline unsigned long min(unsigned long a, unsigned long b) { return a < b ? a : b; }
+inline unsigned long max(unsigned long a, unsigned long b) { return a > b ? a : b; }
+
+// Device math on the half types, through f32 (as the device's own conversions).
+#define KX_HALF_FN(NAME, F)                                                  \
+  inline __half NAME(__half a) { return __float2half(F(__half2float(a))); } \
+  inline __nv_bfloat16 NAME(__nv_bfloat16 a) { return __float2bfloat16(F(__bfloat162float(a))); }
+KX_HALF_FN(hexp, expf)
+KX_HALF_FN(hlog, logf)
+KX_HALF_FN(hsqrt, sqrtf)
+KX_HALF_FN(hsin, sinf)
+KX_HALF_FN(hcos, cosf)
+KX_HALF_FN(hrsqrt, 1.0f / sqrtf)
+#undef KX_HALF_FN
+
+inline float __expf(float x) { return expf(x); }
+inline float __logf(float x) { return logf(x); }
+inline float __fdividef(float a, float b) { return a / b; }
+inline float __frcp_rn(float a) { return 1.0f / a; }
+inline float __saturatef(float x) { return x < 0.f ? 0.f : (x > 1.f ? 1.f : x); }
+inline float normcdff(float x) { return 0.5f * erfcf(-x * (float)M_SQRT1_2); }
+inline double normcdf(double x) { return 0.5 * erfc(-x * M_SQRT1_2); }
+template <typename T>
+inline T __ldg(const T* p) { return *p; }
+inline int __clz(int x) { return x ? __builtin_clz((unsigned)x) : 32; }
+inline int __clzll(long long x) { return x ? __builtin_clzll((unsigned long long)x) : 64; }
+inline int __popcll(unsigned long long x) { return __builtin_popcountll(x); }
+inline int __ffsll(long long x) { return __builtin_ffsll(x); }
+inline unsigned __brev(unsigned x) {
+  unsigned r = 0;
+  for (int i = 0; i < 32; ++i) r |= ((x >> i) & 1u) << (31 - i);
+  return r;
+}
+inline int __float_as_int(float x) { return (int)kd_emu::f2u(x); }
+inline float __int_as_float(int x) { return kd_emu::u2f((uint32_t)x); }
+inline long long __double_as_longlong(double x) {
+  long long r;
+  memcpy(&r, &x, 8);
+  return r;
+}
+inline double __longlong_as_double(long long x) {
+  double r;
+  memcpy(&r, &x, 8);
+  return r;
+}
+inline void __threadfence_block() {}
+inline void __syncwarp(unsigned mask = 0xffffffffu) { (void)mask; }
+
+// Atomics: threads switch only at synchronisation points, so a read-modify-write is atomic.
+#define KX_ATOMIC(NAME, T, EXPR)          \
+  inline T NAME(T* a, T v) {              \
+    const T old = *a;                     \
+    *a = EXPR;                            \
+    return old;                           \
+  }
+KX_ATOMIC(atomicAdd, int, old + v)
+KX_ATOMIC(atomicAdd, double, old + v)
+KX_ATOMIC(atomicAdd, __half, __float2half(__half2float(old) + __half2float(v)))
+KX_ATOMIC(atomicAdd, __nv_bfloat16, __float2bfloat16(__bfloat162float(old) + __bfloat162float(v)))
+KX_ATOMIC(atomicMax, int, old > v ? old : v)
+KX_ATOMIC(atomicMax, unsigned, old > v ? old : v)
+KX_ATOMIC(atomicMin, int, old < v ? old : v)
+KX_ATOMIC(atomicMin, unsigned, old < v ? old : v)
+KX_ATOMIC(atomicMax, long long, old > v ? old : v)
+KX_ATOMIC(atomicMax, unsigned long long, old > v ? old : v)
+KX_ATOMIC(atomicMin, long long, old < v ? old : v)
+KX_ATOMIC(atomicMin, unsigned long long, old < v ? old : v)
+KX_ATOMIC(atomicExch, unsigned, v)
+KX_ATOMIC(atomicExch, int, v)
+KX_ATOMIC(atomicExch, float, v)
+#undef KX_ATOMIC
+inline unsigned atomicCAS(unsigned* a, unsigned cmp, unsigned v) {
+  const unsigned old = *a;
+  if (old == cmp) *a = v;
+  return old;
+}
+inline int atomicCAS(int* a, int cmp, int v) {
+  const int old = *a;
+  if (old == cmp) *a = v;
+  return old;
+}
+inline unsigned long long atomicCAS(unsigned long long* a, unsigned long long cmp,
+                                    unsigned long long v) {
+  const unsigned long long old = *a;
+  if (old == cmp) *a = v;
+  return old;
+}
+inline unsigned short atomicCAS(unsigned short* a, unsigned short cmp, unsigned short v) {
+  const unsigned short old = *a;
+  if (old == cmp) *a = v;
+  return old;
+}
+
+// candle passes the width (always 32, the only one the emulation has).
+#undef __shfl_xor_sync
+#undef __shfl_sync
+#undef __shfl_up_sync
+#define __shfl_xor_sync(m, x, o, ...) ::kd_emu::shfl_xor((m), (x), (o), __FILE__, __LINE__)
+#define __shfl_sync(m, x, l, ...) ::kd_emu::shfl((m), (x), (l), __FILE__, __LINE__)
+#define __shfl_up_sync(m, x, d, ...) ::kd_emu::shfl_up((m), (x), (d), __FILE__, __LINE__)
+
+// Dynamic shared memory (`extern __shared__ T name[];` is rewritten by build.sh to a pointer
+// from here): the launch's bytes, one buffer per OS thread, reused by the blocks that run one
+// after another on it.
+extern "C" void* kx_dynamic_shared();
