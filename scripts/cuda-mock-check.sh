@@ -99,8 +99,9 @@ fi
 # computes real values here. check-device then compares them with the CPU's, as on a GPU:
 # multi-chunk prefill with eviction and decode steps (the decode kernel, fused linears, the
 # eviction kernels, the statistics kernels), in f32 (which must agree to rounding) and bf16,
-# a block cache, and a batch. FlashAttention's kernels have no host build (the CUDA binary
-# built here has none). ~3 min.
+# a block cache, and a batch; then check-kernels. FlashAttention's and the GGUF matmuls'
+# kernels have no host build (they are launched through the runtime; the binary built here has
+# no FlashAttention). ~3 min.
 if [ "${MOCK_EXEC:-1}" = 1 ]; then
   kx=$(scripts/cuda/mock/exec/build.sh "$out/exec-libs" | tail -1) || exit 2
   exec_mock=$out/exec-mock.log exec_out=$out/exec.jsonl
@@ -118,6 +119,15 @@ if [ "${MOCK_EXEC:-1}" = 1 ]; then
     --preset configs/tiny-qwen3moe.json
   run_exec --dtype bf16 --kv-dtype q8_0 --policies keydiff --decode-steps 4 --preset configs/tiny-qwen-d64.json
   run_exec --dtype bf16 --batch --policies keydiff --preset configs/tiny-llama.json
+  # And gpu-check.sh's kernel parity step (without its n = 131200 and its timings), through
+  # the CUDA wrappers of keydiff-kernels this time: eviction kernels, codecs, decode kernels,
+  # greedy and sampled tokens against the CPU.
+  echo "== check-kernels --time-n" >> "$out/exec.log"
+  MOCKCUDA_EXEC=$kx MOCKCUDA_LOG=$exec_mock "$bin" check-kernels --device cuda:0 --time-n \
+    > "$out/exec-kernels.jsonl" 2>> "$out/exec.log" || exec_rc=1
+  kernel_cases=$(grep -c '^{' "$out/exec-kernels.jsonl")
+  echo "check-kernels: $kernel_cases cases" | tee -a "$out/exec.log"
+  [ "$kernel_cases" -ge 100 ] || exec_rc=1
   # f32 must agree to rounding, not just to check-device's cosine of 0.99.
   python3 - "$exec_out" <<'PY' || exec_rc=1
 import json, sys

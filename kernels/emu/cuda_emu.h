@@ -1,7 +1,7 @@
 // A CPU emulation of the CUDA execution model, enough to run kernels/*.cu on a machine without a
-// GPU: every CUDA thread of a block is a fiber (ucontext), blocks run one after another, and the
-// fibers switch only at synchronisation points (__syncthreads and the warp-synchronous
-// intrinsics), in an order drawn from a seed. The kernels' source is compiled unchanged by the
+// GPU: every CUDA thread of a block is a fiber (its own stack, see Context), blocks run one
+// after another, and the fibers switch only at synchronisation points (__syncthreads and the
+// warp-synchronous intrinsics), in an order drawn from a seed. The kernels' source is compiled unchanged by the
 // host C++ compiler (kernels/emu/launch.cpp includes it); crates/keydiff-kernels (feature
 // `emulate`) runs it against the CPU twins.
 //
@@ -98,8 +98,24 @@ constexpr int kWarp = 32;
 constexpr unsigned kMaxThreads = 1024;
 constexpr size_t kStackBytes = 64 * 1024;
 
+// A fiber's saved context. On x86-64, a stack pointer: kd_emu_switch saves the callee-saved
+// registers on the stack it leaves and restores them from the one it enters, with none of the
+// signal-mask system calls swapcontext makes at every switch (most of the emulation's time
+// went there). Elsewhere, or with KD_EMU_UCONTEXT defined, ucontext.
+#if defined(__x86_64__) && !defined(KD_EMU_UCONTEXT)
+#define KD_EMU_FAST_SWITCH 1
+struct Context {
+  void* sp = nullptr;
+};
+#else
+#define KD_EMU_FAST_SWITCH 0
+struct Context {
+  ucontext_t uc;
+};
+#endif
+
 struct Fiber {
-  ucontext_t ctx;
+  Context ctx;
   dim3 tid;
   int lane = 0, warp = 0;
   bool done = false;
@@ -124,7 +140,7 @@ struct Block {
   int cur = -1;
   uint32_t epoch = 0;     // barriers passed
   uint32_t first_id = 0;  // race-checker id of thread 0 (block linear index * threads + 1)
-  ucontext_t sched;
+  Context sched;
   std::mt19937_64 rng;
   std::string error;
   const std::function<void()>* body = nullptr;
@@ -132,6 +148,43 @@ struct Block {
   // kernels whose PTX has no barrier or warp-synchronous instruction): nothing may park.
   bool plain = false;
 };
+
+#if KD_EMU_FAST_SWITCH
+// kd_emu_switch(from, to): pushes rbp, rbx, r12-r15, stores the stack pointer in *from, loads
+// `to` and pops the same registers from it, then returns on that stack. Weak, so that every
+// translation unit including this header may define it. (The SysV ABI leaves the other
+// registers to the caller; the floating-point control state is the same on every fiber.)
+extern "C" void kd_emu_switch(void** from, void* to);
+asm(".text\n"
+    ".weak kd_emu_switch\n"
+    ".type kd_emu_switch, @function\n"
+    "kd_emu_switch:\n"
+    "  pushq %rbp\n"
+    "  pushq %rbx\n"
+    "  pushq %r12\n"
+    "  pushq %r13\n"
+    "  pushq %r14\n"
+    "  pushq %r15\n"
+    "  movq %rsp, (%rdi)\n"
+    "  movq %rsi, %rsp\n"
+    "  popq %r15\n"
+    "  popq %r14\n"
+    "  popq %r13\n"
+    "  popq %r12\n"
+    "  popq %rbx\n"
+    "  popq %rbp\n"
+    "  ret\n"
+    ".size kd_emu_switch, .-kd_emu_switch\n");
+#endif
+
+// Leaves `from` (its context saved there) for `to`; returns when something switches back.
+KD_EMU_UNTRACKED inline void switch_to(Context& from, Context& to) {
+#if KD_EMU_FAST_SWITCH
+  kd_emu_switch(&from.sp, to.sp);
+#else
+  swapcontext(&from.uc, &to.uc);
+#endif
+}
 
 // Per OS thread, so that launches on several threads (parallel tests) do not meet.
 inline thread_local Block* g_block = nullptr;
@@ -145,7 +198,7 @@ KD_EMU_UNTRACKED inline void park() {
     fprintf(stderr, "emulation: a barrier or warp-synchronous call in a kernel run without fibers\n");
     std::abort();
   }
-  swapcontext(&cur_fiber().ctx, &g_block->sched);
+  switch_to(cur_fiber().ctx, g_block->sched);
 }
 
 KD_EMU_UNTRACKED inline void release(std::vector<int>& waiters) {
@@ -214,20 +267,38 @@ KD_EMU_UNTRACKED inline void trampoline() {
   if (!w.waiters.empty() && b.error.empty())
     b.error = "a lane exited while its warp waits in a warp-synchronous call";
   if (!b.bar_waiters.empty() && (int)b.bar_waiters.size() == b.live) release_barrier();
-  // returns to the scheduler through uc_link
+#if KD_EMU_FAST_SWITCH
+  // Back to the scheduler for good: a finished fiber is never resumed.
+  switch_to(f.ctx, b.sched);
+  std::abort();
+#endif
+  // (ucontext: returns to the scheduler through uc_link)
 }
 
+#if KD_EMU_FAST_SWITCH
+// A fiber that starts in trampoline on `stack`: its first switch pops six zeroed registers,
+// then returns into trampoline with the stack aligned as after a call.
+KD_EMU_UNTRACKED inline void init_context(Context& ctx, char* stack, Context* link) {
+  (void)link;
+  uintptr_t top = ((uintptr_t)(stack + kStackBytes)) & ~(uintptr_t)15;
+  void** sp = (void**)top;
+  *--sp = nullptr;  // where trampoline's return address would be (it never returns)
+  *--sp = (void*)&trampoline;
+  for (int i = 0; i < 6; ++i) *--sp = nullptr;
+  ctx.sp = sp;
+}
+#else
 // getcontext returns twice in general; kept out of launch's frame so that no local there can be
 // clobbered (the context is only ever entered through makecontext's entry point).
-KD_EMU_UNTRACKED __attribute__((noinline)) inline void init_context(ucontext_t& ctx,
-                                                                    char* stack,
-                                                                    ucontext_t* link) {
-  getcontext(&ctx);
-  ctx.uc_stack.ss_sp = stack;
-  ctx.uc_stack.ss_size = kStackBytes;
-  ctx.uc_link = link;
-  makecontext(&ctx, trampoline, 0);
+KD_EMU_UNTRACKED __attribute__((noinline)) inline void init_context(Context& ctx, char* stack,
+                                                                    Context* link) {
+  getcontext(&ctx.uc);
+  ctx.uc.uc_stack.ss_sp = stack;
+  ctx.uc.uc_stack.ss_size = kStackBytes;
+  ctx.uc.uc_link = &link->uc;
+  makecontext(&ctx.uc, trampoline, 0);
 }
+#endif
 
 // What a launch's body calls: the kernel with its arguments, with the race checker tracking
 // the kernel's accesses (and not the body's reads of its captures).
@@ -280,7 +351,7 @@ KD_EMU_UNTRACKED inline std::string run_blocks(dim3 grid, dim3 block, std::mt199
       b.runnable.pop_back();
       kd_race::tls.thread = b.first_id + (uint32_t)b.cur;
       kd_race::tls.epoch = b.epoch;
-      swapcontext(&b.sched, &b.fibers[b.cur].ctx);
+      switch_to(b.sched, b.fibers[b.cur].ctx);
     }
     g_block = nullptr;
     if (b.live > 0 || !b.error.empty()) {

@@ -75,7 +75,7 @@ fi
 # The checks themselves, against known good and bad calls (their refusals print to stderr).
 gcc "${cflags[@]}" -o "$work/selftest" "$here/selftest.c" -L "$out" -l:libcuda.so.1 -l:libcublas.so.13 \
   -l:libcudart.so.13
-LD_LIBRARY_PATH=$out MOCKCUDA_LOG= "$work/selftest" 2> "$work/selftest.err" >&2 || {
+LD_LIBRARY_PATH=$out MOCKCUDA_LOG= MOCKCUDA_EXEC= "$work/selftest" 2> "$work/selftest.err" >&2 || {
   cat "$work/selftest.err" >&2
   exit 1
 }

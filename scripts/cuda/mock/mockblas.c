@@ -123,7 +123,10 @@ static void store(void* p, int t, long long i, double v) {
     default: break;
   }
 }
-static int executing(void) { return getenv("MOCKCUDA_EXEC") != NULL; }
+static int executing(void) {
+  const char* e = getenv("MOCKCUDA_EXEC");
+  return e && *e;
+}
 static void gemm_run(int ta, int tb, long long m, long long n, long long k, double alpha, const void* a, int at,
                      long long lda, long long sa, const void* b, int bt, long long ldb, long long sb, double beta,
                      void* c, int ct, long long ldc, long long sc, long long batch) {

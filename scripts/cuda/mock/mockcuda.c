@@ -103,6 +103,11 @@ static CUresult mem_alloc(CUdeviceptr* out, size_t bytes, const char* what) {
     pthread_mutex_unlock(&mem_lock);
     return CUDA_ERROR_OUT_OF_MEMORY;
   }
+  // MOCKCUDA_FILL=BYTE (e.g. 0xff: NaN in every float type): new memory holds that byte instead
+  // of zeros, as the real allocator's recycled memory holds anything. With the executing mock,
+  // a result that then changes read memory nothing had written.
+  const char* fill_byte = getenv("MOCKCUDA_FILL");
+  if (fill_byte && *fill_byte) memset(p, (int)strtol(fill_byte, NULL, 0), bytes);
   if (live_n == live_cap) {
     size_t cap = live_cap ? live_cap * 2 : 1024;
     Range* grown = realloc(live, cap * sizeof(Range));
@@ -831,7 +836,8 @@ CUresult cuLaunchKernel(CUfunction fn, unsigned gx, unsigned gy, unsigned gz, un
                         v);
   }
   __atomic_add_fetch(&f->launches, 1, __ATOMIC_RELAXED);
-  if (getenv("MOCKCUDA_EXEC")) return exec_launch(f, gx, gy, gz, bx, by, bz, shmem, params);
+  const char* exec = getenv("MOCKCUDA_EXEC");
+  if (exec && *exec) return exec_launch(f, gx, gy, gz, bx, by, bz, shmem, params);
   return CUDA_SUCCESS;
 }
 

@@ -222,6 +222,12 @@ static cudaError_t check_launch(cudaKernel_t kernel, dim3 g, dim3 b, void** args
     if (r != cudaSuccess) return r;
   }
   __atomic_add_fetch(&k->launches, 1, __ATOMIC_RELAXED);
+  // The executing mock (mockcuda.c) has host builds of PTX kernels only: these (candle's GGUF
+  // matmuls, FlashAttention) would leave their outputs unwritten, so they are refused there.
+  const char* exec = getenv("MOCKCUDA_EXEC");
+  if (exec && *exec)
+    return mock_error(cudaErrorInvalidDeviceFunction,
+                      "%s: no host build of this runtime-launched kernel to run (MOCKCUDA_EXEC)", k->name);
   return cudaSuccess;
 }
 cudaError_t __cudaLaunchKernel(cudaKernel_t k, dim3 g, dim3 b, void** args, size_t shared, cudaStream_t s) {

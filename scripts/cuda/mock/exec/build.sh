@@ -39,7 +39,7 @@ lib() {  # name source [include dir]
 }
 lib keydiff "$root/kernels/keydiff.cu" &
 pids=($!)
-for f in affine binary cast fill indexing reduce sort ternary unary; do
+for f in affine binary cast fill indexing quantized reduce sort ternary unary; do
   lib "$f" "$src/$f.cu" "$src" &
   pids+=($!)
   # Two at a time (the build machines have two cores).

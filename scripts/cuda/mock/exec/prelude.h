@@ -38,6 +38,31 @@ inline long max(long a, long b) { return a > b ? a : b; }
 inline unsigned long min(unsigned long a, unsigned long b) { return a < b ? a : b; }
 inline unsigned long max(unsigned long a, unsigned long b) { return a > b ? a : b; }
 
+// CUDA's mixed overloads compare as unsigned.
+inline unsigned min(unsigned a, int b) { return a < (unsigned)b ? a : (unsigned)b; }
+inline unsigned min(int a, unsigned b) { return (unsigned)a < b ? (unsigned)a : b; }
+inline unsigned max(unsigned a, int b) { return a > (unsigned)b ? a : (unsigned)b; }
+inline unsigned max(int a, unsigned b) { return (unsigned)a > b ? (unsigned)a : b; }
+
+// Byte-wise integer SIMD (candle's quantized matmuls).
+inline int __dp4a(int a, int b, int c) {
+  for (int i = 0; i < 4; ++i) c += (int)(int8_t)(a >> (8 * i)) * (int)(int8_t)(b >> (8 * i));
+  return c;
+}
+inline unsigned __dp4a(unsigned a, unsigned b, unsigned c) {
+  for (int i = 0; i < 4; ++i) c += ((a >> (8 * i)) & 0xffu) * ((b >> (8 * i)) & 0xffu);
+  return c;
+}
+inline int __vsubss4(int a, int b) {
+  unsigned r = 0;
+  for (int i = 0; i < 4; ++i) {
+    int d = (int)(int8_t)(a >> (8 * i)) - (int)(int8_t)(b >> (8 * i));
+    d = d < -128 ? -128 : (d > 127 ? 127 : d);
+    r |= ((unsigned)d & 0xffu) << (8 * i);
+  }
+  return (int)r;
+}
+
 // Device math on the half types, through f32 (as the device's own conversions).
 #define KX_HALF_FN(NAME, F)                                                  \
   inline __half NAME(__half a) { return __float2half(F(__half2float(a))); } \
