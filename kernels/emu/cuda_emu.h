@@ -102,7 +102,8 @@ constexpr size_t kStackBytes = 64 * 1024;
 // registers on the stack it leaves and restores them from the one it enters, with none of the
 // signal-mask system calls swapcontext makes at every switch (most of the emulation's time
 // went there). Elsewhere, or with KD_EMU_UCONTEXT defined, ucontext.
-#if defined(__x86_64__) && !defined(KD_EMU_UCONTEXT)
+// (Not under CET shadow stacks: the switch returns on another stack than it was called on.)
+#if defined(__x86_64__) && !defined(KD_EMU_UCONTEXT) && !defined(__CET__)
 #define KD_EMU_FAST_SWITCH 1
 struct Context {
   void* sp = nullptr;
@@ -155,7 +156,7 @@ struct Block {
 // translation unit including this header may define it. (The SysV ABI leaves the other
 // registers to the caller; the floating-point control state is the same on every fiber.)
 extern "C" void kd_emu_switch(void** from, void* to);
-asm(".text\n"
+asm(".pushsection .text\n"
     ".weak kd_emu_switch\n"
     ".type kd_emu_switch, @function\n"
     "kd_emu_switch:\n"
@@ -174,7 +175,8 @@ asm(".text\n"
     "  popq %rbx\n"
     "  popq %rbp\n"
     "  ret\n"
-    ".size kd_emu_switch, .-kd_emu_switch\n");
+    ".size kd_emu_switch, .-kd_emu_switch\n"
+    ".popsection\n");
 #endif
 
 // Leaves `from` (its context saved there) for `to`; returns when something switches back.

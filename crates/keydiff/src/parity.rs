@@ -34,12 +34,24 @@ impl LogitDiff {
     }
 }
 
-/// Compares two logit vectors of the same vocabulary.
+/// |a − b|, infinite where either is NaN or both are the same infinity: `f32::max` skips NaN,
+/// so a NaN logit would otherwise leave the largest difference small.
+fn abs_diff(a: f32, b: f32) -> f32 {
+    let d = (a - b).abs();
+    if d.is_nan() {
+        f32::INFINITY
+    } else {
+        d
+    }
+}
+
+/// Compares two logit vectors of the same vocabulary. A NaN on either side makes `max_abs`
+/// and `max_rel` infinite and `cosine` NaN (which no threshold accepts).
 pub fn compare_logits(reference: &[f32], other: &[f32]) -> LogitDiff {
     let max_abs = reference
         .iter()
         .zip(other)
-        .map(|(a, b)| (a - b).abs())
+        .map(|(a, b)| abs_diff(*a, *b))
         .fold(0f32, f32::max);
     let scale = reference.iter().map(|x| x.abs()).fold(0f32, f32::max);
     let dot: f64 = reference
@@ -171,7 +183,7 @@ pub fn compare_nlls(reference: &[f32], other: &[f32]) -> NllDiff {
         max_abs: reference
             .iter()
             .zip(other)
-            .map(|(a, b)| (a - b).abs())
+            .map(|(a, b)| abs_diff(*a, *b))
             .fold(0f32, f32::max),
         correlation: sab / (saa * sbb).sqrt().max(f64::MIN_POSITIVE),
         reference_mean: ma,
@@ -394,4 +406,40 @@ pub fn compare_batch(
     };
     let e = Engine::load(&source, cfg)?;
     Ok((batch_vs_single(e.model(), cache)?, e.config().attention))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn equal_logits_compare_as_equal() {
+        let a = [1.0f32, -2.0, 0.5];
+        let d = compare_logits(&a, &a);
+        assert_eq!((d.max_abs, d.max_rel), (0.0, 0.0));
+        assert!((d.cosine - 1.0).abs() < 1e-6);
+        assert!(d.top1_equal());
+    }
+
+    #[test]
+    fn a_nan_logit_is_never_close() {
+        let reference = [1.0f32, -2.0, 0.5, 0.25];
+        for other in [
+            [1.0f32, f32::NAN, 0.5, 0.25],
+            [f32::NAN; 4],
+            [1.0, -2.0, f32::INFINITY, 0.25],
+        ] {
+            let d = compare_logits(&reference, &other);
+            assert_eq!(d.max_abs, f32::INFINITY, "{other:?}");
+            assert_eq!(d.max_rel, f32::INFINITY, "{other:?}");
+            // check-device accepts only `cosine >= MIN`: NaN fails it.
+            assert!(!(d.cosine >= 0.99), "{other:?}: cosine {}", d.cosine);
+        }
+        // A NaN on the reference's side too.
+        let d = compare_logits(&[f32::NAN, 1.0], &[0.0, 1.0]);
+        assert_eq!(d.max_abs, f32::INFINITY);
+        let n = compare_nlls(&[1.0, f32::NAN], &[1.0, 2.0]);
+        assert_eq!(n.max_abs, f32::INFINITY);
+        assert!(n.correlation.is_nan());
+    }
 }

@@ -50,7 +50,7 @@ build() {
   fi
   local deps=()
   [ "$name" != cuda ] && deps=(-L "$out" -l:libcuda.so.1)
-  gcc -shared -Wl,-soname,"$soname" "${vflags[@]}" -o "$out/$soname" "${objs[@]}" "${deps[@]}"
+  gcc -shared -Wl,-soname,"$soname" "${vflags[@]}" -o "$out/$soname" "${objs[@]}" "${deps[@]}" -lm
 }
 
 build cuda libcuda.so.1 "" 801 mockcuda.c ""

@@ -5,6 +5,7 @@
 // inside a live device allocation; a random fill must stay inside its buffer. build.sh
 // compiles this file once per library (-DMOCK_CUBLAS, -DMOCK_CURAND, -DMOCK_NVRTC) and adds a
 // refusing stub for every other symbol the real library exports.
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -16,6 +17,12 @@
 int mock_device_range(uintptr_t p, size_t bytes);
 
 static int dummy_handle;
+
+// The executing mock (MOCKCUDA_EXEC set to a folder; see mockcuda.c): compute, not just check.
+static int executing(void) {
+  const char* e = getenv("MOCKCUDA_EXEC");
+  return e && *e;
+}
 
 #ifdef MOCK_CUBLAS
 enum { OK = 0, INVALID_VALUE = 7 };
@@ -123,18 +130,21 @@ static void store(void* p, int t, long long i, double v) {
     default: break;
   }
 }
-static int executing(void) {
-  const char* e = getenv("MOCKCUDA_EXEC");
-  return e && *e;
-}
-static void gemm_run(int ta, int tb, long long m, long long n, long long k, double alpha, const void* a, int at,
-                     long long lda, long long sa, const void* b, int bt, long long ldb, long long sb, double beta,
-                     void* c, int ct, long long ldc, long long sc, long long batch) {
+static int computable(int t) { return t == 0 || t == 1 || t == 2 || t == 14; }
+// Returns OK, or refuses element types it does not compute (int8, int32, fp8), which would
+// otherwise leave C as it was.
+static int gemm_run(const char* fn, int ta, int tb, long long m, long long n, long long k, double alpha,
+                    const void* a, int at, long long lda, long long sa, const void* b, int bt, long long ldb,
+                    long long sb, double beta, void* c, int ct, long long ldc, long long sc, long long batch) {
+  if (!computable(at) || !computable(bt) || !computable(ct))
+    return mock_error(INVALID_VALUE, "%s: data types %d, %d, %d the executing mock does not compute", fn, at, bt,
+                      ct);
   for (long long z = 0; z < batch; z++)
     for (long long j = 0; j < n; j++)
       for (long long i = 0; i < m; i++) {
         double acc = 0;
-        for (long long l = 0; l < k; l++) {
+        // cuBLAS reads neither A nor B when alpha is 0 (nor C when beta is 0).
+        for (long long l = 0; alpha != 0 && l < k; l++) {
           long long ia = z * sa + (ta == 0 ? i + l * lda : l + i * lda);
           long long ib = z * sb + (tb == 0 ? l + j * ldb : j + l * ldb);
           acc += load(a, at, ia) * load(b, bt, ib);
@@ -144,12 +154,22 @@ static void gemm_run(int ta, int tb, long long m, long long n, long long k, doub
         if (beta != 0) v += beta * load(c, ct, ic);
         store(c, ct, ic, v);
       }
+  return OK;
 }
-// alpha and beta as a cublasComputeType_t (or, in the older form, a cudaDataType_t) says.
+// alpha and beta as a cublasComputeType_t (or, in the older form, a cudaDataType_t) says; -1
+// for a compute type the executing mock does not take (the 32-bit integer ones).
+static int scalar_kind(int compute) {
+  if (compute == 64 || compute == 65 || compute == 2) return 2;                // 16F
+  if (compute == 70 || compute == 71 || compute == 1) return 1;                // 64F
+  if ((compute >= 66 && compute <= 69) || (compute >= 74 && compute <= 77) || compute == 0) return 0;  // 32F
+  return -1;
+}
 static double scalar(const void* p, int compute) {
-  if (compute == 64 || compute == 65 || compute == 2) return (double)*(const _Float16*)p;
-  if (compute == 70 || compute == 71 || compute == 1) return *(const double*)p;
-  return *(const float*)p;
+  switch (scalar_kind(compute)) {
+    case 2: return (double)*(const _Float16*)p;
+    case 1: return *(const double*)p;
+    default: return *(const float*)p;
+  }
 }
 
 int cublasCreate_v2(void** h) {
@@ -201,14 +221,14 @@ int cublasSgemm_v2(void* h, int ta, int tb, int m, int n, int k, const float* al
                    const float* b, int ldb, const float* be, float* c, int ldc) {
   (void)h;
   int r = gemm("cublasSgemm", ta, tb, m, n, k, a, 4, lda, 0, b, 4, ldb, 0, c, 4, ldc, 0, 1);
-  if (!r && executing()) gemm_run(ta, tb, m, n, k, *al, a, 0, lda, 0, b, 0, ldb, 0, *be, c, 0, ldc, 0, 1);
+  if (!r && executing()) r = gemm_run("cublasSgemm", ta, tb, m, n, k, *al, a, 0, lda, 0, b, 0, ldb, 0, *be, c, 0, ldc, 0, 1);
   return r;
 }
 int cublasDgemm_v2(void* h, int ta, int tb, int m, int n, int k, const double* al, const double* a,
                    int lda, const double* b, int ldb, const double* be, double* c, int ldc) {
   (void)h;
   int r = gemm("cublasDgemm", ta, tb, m, n, k, a, 8, lda, 0, b, 8, ldb, 0, c, 8, ldc, 0, 1);
-  if (!r && executing()) gemm_run(ta, tb, m, n, k, *al, a, 1, lda, 0, b, 1, ldb, 0, *be, c, 1, ldc, 0, 1);
+  if (!r && executing()) r = gemm_run("cublasDgemm", ta, tb, m, n, k, *al, a, 1, lda, 0, b, 1, ldb, 0, *be, c, 1, ldc, 0, 1);
   return r;
 }
 int cublasSgemmStridedBatched(void* h, int ta, int tb, int m, int n, int k, const float* al, const float* a,
@@ -217,7 +237,9 @@ int cublasSgemmStridedBatched(void* h, int ta, int tb, int m, int n, int k, cons
   (void)h;
   int r = gemm("cublasSgemmStridedBatched", ta, tb, m, n, k, a, 4, lda, sa, b, 4, ldb, sb, c, 4, ldc, sc,
                batch);
-  if (!r && executing()) gemm_run(ta, tb, m, n, k, *al, a, 0, lda, sa, b, 0, ldb, sb, *be, c, 0, ldc, sc, batch);
+  if (!r && executing())
+    r = gemm_run("cublasSgemmStridedBatched", ta, tb, m, n, k, *al, a, 0, lda, sa, b, 0, ldb, sb, *be, c, 0, ldc, sc,
+                 batch);
   return r;
 }
 int cublasDgemmStridedBatched(void* h, int ta, int tb, int m, int n, int k, const double* al,
@@ -226,7 +248,9 @@ int cublasDgemmStridedBatched(void* h, int ta, int tb, int m, int n, int k, cons
   (void)h;
   int r = gemm("cublasDgemmStridedBatched", ta, tb, m, n, k, a, 8, lda, sa, b, 8, ldb, sb, c, 8, ldc, sc,
                batch);
-  if (!r && executing()) gemm_run(ta, tb, m, n, k, *al, a, 1, lda, sa, b, 1, ldb, sb, *be, c, 1, ldc, sc, batch);
+  if (!r && executing())
+    r = gemm_run("cublasDgemmStridedBatched", ta, tb, m, n, k, *al, a, 1, lda, sa, b, 1, ldb, sb, *be, c, 1, ldc, sc,
+                 batch);
   return r;
 }
 int cublasGemmEx(void* h, int ta, int tb, int m, int n, int k, const void* al, const void* a, int at, int lda,
@@ -236,9 +260,11 @@ int cublasGemmEx(void* h, int ta, int tb, int m, int n, int k, const void* al, c
   (void)algo;
   int r = gemm("cublasGemmEx", ta, tb, m, n, k, a, elem_bytes(at), lda, 0, b, elem_bytes(bt), ldb, 0, c,
                elem_bytes(ct), ldc, 0, 1);
+  if (!r && executing() && scalar_kind(compute) < 0)
+    r = mock_error(INVALID_VALUE, "cublasGemmEx: compute type %d the executing mock does not compute", compute);
   if (!r && executing())
-    gemm_run(ta, tb, m, n, k, scalar(al, compute), a, at, lda, 0, b, bt, ldb, 0, scalar(be, compute), c, ct, ldc,
-             0, 1);
+    r = gemm_run("cublasGemmEx", ta, tb, m, n, k, scalar(al, compute), a, at, lda, 0, b, bt, ldb, 0,
+                 scalar(be, compute), c, ct, ldc, 0, 1);
   return r;
 }
 int cublasGemmStridedBatchedEx(void* h, int ta, int tb, int m, int n, int k, const void* al, const void* a,
@@ -249,9 +275,12 @@ int cublasGemmStridedBatchedEx(void* h, int ta, int tb, int m, int n, int k, con
   (void)algo;
   int r = gemm("cublasGemmStridedBatchedEx", ta, tb, m, n, k, a, elem_bytes(at), lda, sa, b, elem_bytes(bt),
                ldb, sb, c, elem_bytes(ct), ldc, sc, batch);
+  if (!r && executing() && scalar_kind(compute) < 0)
+    r = mock_error(INVALID_VALUE, "cublasGemmStridedBatchedEx: compute type %d the executing mock does not compute",
+                   compute);
   if (!r && executing())
-    gemm_run(ta, tb, m, n, k, scalar(al, compute), a, at, lda, sa, b, bt, ldb, sb, scalar(be, compute), c, ct,
-             ldc, sc, batch);
+    r = gemm_run("cublasGemmStridedBatchedEx", ta, tb, m, n, k, scalar(al, compute), a, at, lda, sa, b, bt, ldb,
+                 sb, scalar(be, compute), c, ct, ldc, sc, batch);
   return r;
 }
 #endif
@@ -290,24 +319,40 @@ static int fill(const char* fn, void* p, size_t n, size_t es, int pairs) {
     return mock_error(LAUNCH_FAILURE, "%s: %zu values leave their device allocation", fn, n);
   return OK;
 }
+// Under the executing mock the values are drawn too (not cuRAND's sequence: a splitmix64 stream
+// per process, uniform in (0, 1], normal by Box-Muller), so that what reads them reads numbers
+// of the right law rather than zeros.
+static unsigned long long rng_state = 0x6b657964696666ull;
+static double uniform01(void) {
+  unsigned long long z = (rng_state += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  z ^= z >> 31;
+  return ((double)(z >> 11) + 1.0) / 9007199254740992.0;  // (0, 1]
+}
+static double normal01(void) { return sqrt(-2.0 * log(uniform01())) * cos(6.283185307179586 * uniform01()); }
 int curandGenerateUniform(void* g, float* p, size_t n) {
   (void)g;
-  return fill("curandGenerateUniform", p, n, 4, 0);
+  int r = fill("curandGenerateUniform", p, n, 4, 0);
+  for (size_t i = 0; !r && executing() && i < n; i++) p[i] = (float)uniform01();
+  return r;
 }
 int curandGenerateUniformDouble(void* g, double* p, size_t n) {
   (void)g;
-  return fill("curandGenerateUniformDouble", p, n, 8, 0);
+  int r = fill("curandGenerateUniformDouble", p, n, 8, 0);
+  for (size_t i = 0; !r && executing() && i < n; i++) p[i] = uniform01();
+  return r;
 }
 int curandGenerateNormal(void* g, float* p, size_t n, float mean, float sd) {
   (void)g;
-  (void)mean;
-  (void)sd;
-  return fill("curandGenerateNormal", p, n, 4, 1);
+  int r = fill("curandGenerateNormal", p, n, 4, 1);
+  for (size_t i = 0; !r && executing() && i < n; i++) p[i] = (float)(mean + sd * normal01());
+  return r;
 }
 int curandGenerateNormalDouble(void* g, double* p, size_t n, double mean, double sd) {
   (void)g;
-  (void)mean;
-  (void)sd;
-  return fill("curandGenerateNormalDouble", p, n, 8, 1);
+  int r = fill("curandGenerateNormalDouble", p, n, 8, 1);
+  for (size_t i = 0; !r && executing() && i < n; i++) p[i] = mean + sd * normal01();
+  return r;
 }
 #endif

@@ -190,7 +190,8 @@ typedef struct Func {
   unsigned long long launches;
   struct Func* next;
   // For the executing mock (MOCKCUDA_EXEC): each parameter's type as exec/runtime.cpp reads
-  // it (u: integer of `sizes` bytes, f: float, d: double; 0 past n_params or unreadable), and
+  // it (u / i: unsigned / signed integer of `sizes` bytes, f: float, d: double; 0 past
+  // n_params or unreadable), and
   // whether the body has no barrier and no warp-synchronous instruction (threads may run as
   // plain calls).
   char types[65];
@@ -281,10 +282,10 @@ static void parse_param_types(Func* f, const char* from, const char* to) {
       const char* name;
       char type;
       int size;
-    } kinds[] = {{".u64", 'u', 8}, {".s64", 'u', 8}, {".b64", 'u', 8}, {".f64", 'd', 8},
-                 {".u32", 'u', 4}, {".s32", 'u', 4}, {".b32", 'u', 4}, {".f32", 'f', 4},
-                 {".u16", 'u', 2}, {".s16", 'u', 2}, {".b16", 'u', 2}, {".f16", 'u', 2},
-                 {".u8", 'u', 1},  {".s8", 'u', 1}};
+    } kinds[] = {{".u64", 'u', 8}, {".s64", 'i', 8}, {".b64", 'u', 8}, {".f64", 'd', 8},
+                 {".u32", 'u', 4}, {".s32", 'i', 4}, {".b32", 'u', 4}, {".f32", 'f', 4},
+                 {".u16", 'u', 2}, {".s16", 'i', 2}, {".b16", 'u', 2}, {".f16", 'u', 2},
+                 {".u8", 'u', 1},  {".s8", 'i', 1}};
     for (size_t i = 0; i < sizeof kinds / sizeof kinds[0] && !t; i++)
       if (find_in(q + 6, end, kinds[i].name)) t = kinds[i].type, size = kinds[i].size;
     const char* b8 = find_in(q + 6, end, ".b8");
@@ -788,6 +789,8 @@ static CUresult exec_launch(Func* f, unsigned gx, unsigned gy, unsigned gz, unsi
   KxLaunch run = (KxLaunch)f->host_run;
   if (!fn || !run)
     return mock_error(CUDA_ERROR_NOT_FOUND, "%s: no host build of this kernel to run (MOCKCUDA_EXEC)", f->name);
+  if (!params)
+    return mock_unimplemented("cuLaunchKernel with arguments in `extra` (the executing mock takes kernelParams)");
   for (int k = 0; k < f->n_params; k++)
     if (k >= 64 || !f->types[k])
       return mock_error(CUDA_ERROR_NOT_SUPPORTED, "%s: parameter %d of a type the executing mock cannot pass",

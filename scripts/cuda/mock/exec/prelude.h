@@ -106,7 +106,9 @@ inline double __longlong_as_double(long long x) {
   return r;
 }
 inline void __threadfence_block() {}
-inline void __syncwarp(unsigned mask = 0xffffffffu) { (void)mask; }
+// A warp-wide meeting point, as the device's: every lane must reach it (the emulation's
+// warp-synchronous check), and none goes on before all have.
+#define __syncwarp(...) ((void)::kd_emu::ballot(0xffffffffu, 0, __FILE__, __LINE__))
 
 // Atomics: threads switch only at synchronisation points, so a read-modify-write is atomic.
 #define KX_ATOMIC(NAME, T, EXPR)          \

@@ -29,8 +29,10 @@ extern "C" void* kx_dynamic_shared() { return g_dynamic.data(); }
 
 // Runs `fn` (a kernel of this library) over the grid with `args` (the launch's kernelParams:
 // a pointer to each argument's value). `types[k]` is parameter k's kind as mockcuda.c reads it
-// from the PTX ('u' an integer of sizes[k] bytes, which is also how a struct of that size
-// travels; 'f' float; 'd' double). Returns 0, or 1 with the error in `err`.
+// from the PTX ('u' / 'i' an unsigned / signed integer of sizes[k] bytes, 'u' also for a struct
+// of that size: the half types and fp8, integer-class in the x86-64 ABI, as no kernel here
+// takes a struct of floats by value; 'f' float; 'd' double). The PTX is the binary's and the
+// host build the working tree's: they must come from the same kernels/keydiff.cu. Returns 0, or 1 with the error in `err`.
 extern "C" int kx_launch(void (*fn)(void), int n_params, const char* types,
                          const unsigned char* sizes, void** args, unsigned gx, unsigned gy,
                          unsigned gz, unsigned bx, unsigned by, unsigned bz, unsigned shmem,
@@ -48,6 +50,13 @@ extern "C" int kx_launch(void (*fn)(void), int n_params, const char* types,
                 : sizes[k] == 4 ? &ffi_type_uint32
                 : sizes[k] == 2 ? &ffi_type_uint16
                 : sizes[k] == 1 ? &ffi_type_uint8
+                                : nullptr;
+        break;
+      case 'i':  // signed: the caller extends 8- and 16-bit values by their sign
+        at[k] = sizes[k] == 8   ? &ffi_type_sint64
+                : sizes[k] == 4 ? &ffi_type_sint32
+                : sizes[k] == 2 ? &ffi_type_sint16
+                : sizes[k] == 1 ? &ffi_type_sint8
                                 : nullptr;
         break;
       default: at[k] = nullptr;
