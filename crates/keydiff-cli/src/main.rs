@@ -829,8 +829,8 @@ fn real_main() -> Result<()> {
                                 .logprobs_max_abs
                                 .is_some_and(|d| d <= MAX_LOGPROB_NLL_DIFF)
                     });
-                    // NaN logits give a NaN cosine, which `<` would let through.
-                    if !(d.cosine >= MIN_DEVICE_COSINE) || nll_bad {
+                    // NaN logits give a NaN cosine, which `cosine < MIN` would let through.
+                    if !d.cosine_at_least(MIN_DEVICE_COSINE) || nll_bad {
                         failed.push(format!("{} {}", p.display(), cache.policy.name()));
                     }
                 }

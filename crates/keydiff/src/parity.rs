@@ -32,6 +32,11 @@ impl LogitDiff {
     pub fn top1_equal(&self) -> bool {
         self.reference_top1 == self.other_top1
     }
+
+    /// True when the cosine is at least `min`; never for a NaN cosine (NaN logits).
+    pub fn cosine_at_least(&self, min: f32) -> bool {
+        self.cosine >= min
+    }
 }
 
 /// |a − b|, infinite where either is NaN or both are the same infinity: `f32::max` skips NaN,
@@ -433,7 +438,7 @@ mod tests {
             assert_eq!(d.max_abs, f32::INFINITY, "{other:?}");
             assert_eq!(d.max_rel, f32::INFINITY, "{other:?}");
             // check-device accepts only `cosine >= MIN`: NaN fails it.
-            assert!(!(d.cosine >= 0.99), "{other:?}: cosine {}", d.cosine);
+            assert!(!d.cosine_at_least(0.99), "{other:?}: cosine {}", d.cosine);
         }
         // A NaN on the reference's side too.
         let d = compare_logits(&[f32::NAN, 1.0], &[0.0, 1.0]);
