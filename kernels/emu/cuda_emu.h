@@ -1,9 +1,9 @@
 // A CPU emulation of the CUDA execution model, enough to run kernels/*.cu on a machine without a
 // GPU: every CUDA thread of a block is a fiber (its own stack, see Context), blocks run one
 // after another, and the fibers switch only at synchronisation points (__syncthreads and the
-// warp-synchronous intrinsics), in an order drawn from a seed. The kernels' source is compiled unchanged by the
-// host C++ compiler (kernels/emu/launch.cpp includes it); crates/keydiff-kernels (feature
-// `emulate`) runs it against the CPU twins.
+// warp-synchronous intrinsics), in an order drawn from a seed. The kernels' source is compiled
+// unchanged by the host C++ compiler (kernels/emu/launch.cpp includes it);
+// crates/keydiff-kernels (feature `emulate`) runs it against the CPU twins.
 //
 // What it checks beyond the kernels' arithmetic:
 //   - launch configurations: block size <= 1024 and a multiple of 32, <= the kernel's
@@ -197,7 +197,8 @@ KD_EMU_UNTRACKED inline Fiber& cur_fiber() { return g_block->fibers[g_block->cur
 // Back to the scheduler; returns when this fiber is made runnable again.
 KD_EMU_UNTRACKED inline void park() {
   if (g_block->plain) {
-    fprintf(stderr, "emulation: a barrier or warp-synchronous call in a kernel run without fibers\n");
+    fprintf(stderr,
+            "emulation: a barrier or warp-synchronous call in a kernel run without fibers\n");
     std::abort();
   }
   switch_to(cur_fiber().ctx, g_block->sched);
