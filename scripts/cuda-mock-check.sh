@@ -16,7 +16,8 @@
 #   PRESET, PROMPT_LEN, BUDGET: gpu-check.sh's TTFT shape (default here smollm2-135m, 512, 256,
 #     gpu-check.sh's dry-run sizes: the whole check then takes ~4 min; set them empty for its own).
 #   MOCKCUDA_MEM_GIB: the stand-in device's memory (default 14: this machine's RAM backs it).
-#   MOCK_EXEC=0: leave out the executing mock's comparisons with the CPU (the end of this script).
+#   MOCK_EXEC=0: leave out the executing mock's comparisons with the CPU (the end of this script;
+#     its host builds come from this tree, so KEYDIFF_BIN must be built from the same kernels).
 # Exit status: 0 when gpu-check.sh ran to its end, the mock libraries refused nothing and met
 # no call they lack, every kernel of ours was launched (but those scripts/cuda/mock/
 # not-launched.txt excuses) and nothing panicked, and the executing mock's CUDA path agreed with
@@ -128,7 +129,7 @@ if [ "${MOCK_EXEC:-1}" = 1 ]; then
   kernel_cases=$(grep -c '^{' "$out/exec-kernels.jsonl")
   echo "check-kernels: $kernel_cases cases" | tee -a "$out/exec.log"
   [ "$kernel_cases" -ge 100 ] || exec_rc=1
-    # f32 must agree to rounding, not just to check-device's cosine of 0.99. A NaN or infinite
+  # f32 must agree to rounding, not just to check-device's cosine of 0.99. A NaN or infinite
   # difference is written as null: never accepted.
   python3 - "$exec_out" <<'PY' || exec_rc=1
 import json, sys
