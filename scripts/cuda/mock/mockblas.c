@@ -172,6 +172,20 @@ static double scalar(const void* p, int compute) {
   }
 }
 
+// Every gemm entry point: cuBLAS's checks, then, under the executing mock, the product (alpha
+// and beta already read as `compute` says; a compute type it does not take is refused).
+static int gemm_call(const char* fn, int ta, int tb, long long m, long long n, long long k, double alpha,
+                     const void* a, int at, long long lda, long long sa, const void* b, int bt, long long ldb,
+                     long long sb, double beta, void* c, int ct, long long ldc, long long sc, long long batch,
+                     int compute) {
+  int r = gemm(fn, ta, tb, m, n, k, a, elem_bytes(at), lda, sa, b, elem_bytes(bt), ldb, sb, c, elem_bytes(ct), ldc,
+               sc, batch);
+  if (r || !executing()) return r;
+  if (scalar_kind(compute) < 0)
+    return mock_error(INVALID_VALUE, "%s: compute type %d the executing mock does not compute", fn, compute);
+  return gemm_run(fn, ta, tb, m, n, k, alpha, a, at, lda, sa, b, bt, ldb, sb, beta, c, ct, ldc, sc, batch);
+}
+
 int cublasCreate_v2(void** h) {
   *h = &dummy_handle;
   return OK;
@@ -220,52 +234,34 @@ int cublasSetWorkspace_v2(void* h, void* w, size_t bytes) {
 int cublasSgemm_v2(void* h, int ta, int tb, int m, int n, int k, const float* al, const float* a, int lda,
                    const float* b, int ldb, const float* be, float* c, int ldc) {
   (void)h;
-  int r = gemm("cublasSgemm", ta, tb, m, n, k, a, 4, lda, 0, b, 4, ldb, 0, c, 4, ldc, 0, 1);
-  if (!r && executing()) r = gemm_run("cublasSgemm", ta, tb, m, n, k, *al, a, 0, lda, 0, b, 0, ldb, 0, *be, c, 0, ldc, 0, 1);
-  return r;
+  return gemm_call("cublasSgemm", ta, tb, m, n, k, *al, a, 0, lda, 0, b, 0, ldb, 0, *be, c, 0, ldc, 0, 1, 68);
 }
 int cublasDgemm_v2(void* h, int ta, int tb, int m, int n, int k, const double* al, const double* a,
                    int lda, const double* b, int ldb, const double* be, double* c, int ldc) {
   (void)h;
-  int r = gemm("cublasDgemm", ta, tb, m, n, k, a, 8, lda, 0, b, 8, ldb, 0, c, 8, ldc, 0, 1);
-  if (!r && executing()) r = gemm_run("cublasDgemm", ta, tb, m, n, k, *al, a, 1, lda, 0, b, 1, ldb, 0, *be, c, 1, ldc, 0, 1);
-  return r;
+  return gemm_call("cublasDgemm", ta, tb, m, n, k, *al, a, 1, lda, 0, b, 1, ldb, 0, *be, c, 1, ldc, 0, 1, 70);
 }
 int cublasSgemmStridedBatched(void* h, int ta, int tb, int m, int n, int k, const float* al, const float* a,
                               int lda, long long sa, const float* b, int ldb, long long sb, const float* be,
                               float* c, int ldc, long long sc, int batch) {
   (void)h;
-  int r = gemm("cublasSgemmStridedBatched", ta, tb, m, n, k, a, 4, lda, sa, b, 4, ldb, sb, c, 4, ldc, sc,
-               batch);
-  if (!r && executing())
-    r = gemm_run("cublasSgemmStridedBatched", ta, tb, m, n, k, *al, a, 0, lda, sa, b, 0, ldb, sb, *be, c, 0, ldc, sc,
-                 batch);
-  return r;
+  return gemm_call("cublasSgemmStridedBatched", ta, tb, m, n, k, *al, a, 0, lda, sa, b, 0, ldb, sb, *be, c, 0,
+                   ldc, sc, batch, 68);
 }
 int cublasDgemmStridedBatched(void* h, int ta, int tb, int m, int n, int k, const double* al,
                               const double* a, int lda, long long sa, const double* b, int ldb, long long sb,
                               const double* be, double* c, int ldc, long long sc, int batch) {
   (void)h;
-  int r = gemm("cublasDgemmStridedBatched", ta, tb, m, n, k, a, 8, lda, sa, b, 8, ldb, sb, c, 8, ldc, sc,
-               batch);
-  if (!r && executing())
-    r = gemm_run("cublasDgemmStridedBatched", ta, tb, m, n, k, *al, a, 1, lda, sa, b, 1, ldb, sb, *be, c, 1, ldc, sc,
-                 batch);
-  return r;
+  return gemm_call("cublasDgemmStridedBatched", ta, tb, m, n, k, *al, a, 1, lda, sa, b, 1, ldb, sb, *be, c, 1,
+                   ldc, sc, batch, 70);
 }
 int cublasGemmEx(void* h, int ta, int tb, int m, int n, int k, const void* al, const void* a, int at, int lda,
                  const void* b, int bt, int ldb, const void* be, void* c, int ct, int ldc, int compute,
                  int algo) {
   (void)h;
   (void)algo;
-  int r = gemm("cublasGemmEx", ta, tb, m, n, k, a, elem_bytes(at), lda, 0, b, elem_bytes(bt), ldb, 0, c,
-               elem_bytes(ct), ldc, 0, 1);
-  if (!r && executing() && scalar_kind(compute) < 0)
-    r = mock_error(INVALID_VALUE, "cublasGemmEx: compute type %d the executing mock does not compute", compute);
-  if (!r && executing())
-    r = gemm_run("cublasGemmEx", ta, tb, m, n, k, scalar(al, compute), a, at, lda, 0, b, bt, ldb, 0,
-                 scalar(be, compute), c, ct, ldc, 0, 1);
-  return r;
+  return gemm_call("cublasGemmEx", ta, tb, m, n, k, scalar(al, compute), a, at, lda, 0, b, bt, ldb, 0,
+                   scalar(be, compute), c, ct, ldc, 0, 1, compute);
 }
 int cublasGemmStridedBatchedEx(void* h, int ta, int tb, int m, int n, int k, const void* al, const void* a,
                                int at, int lda, long long sa, const void* b, int bt, int ldb, long long sb,
@@ -273,15 +269,8 @@ int cublasGemmStridedBatchedEx(void* h, int ta, int tb, int m, int n, int k, con
                                int algo) {
   (void)h;
   (void)algo;
-  int r = gemm("cublasGemmStridedBatchedEx", ta, tb, m, n, k, a, elem_bytes(at), lda, sa, b, elem_bytes(bt),
-               ldb, sb, c, elem_bytes(ct), ldc, sc, batch);
-  if (!r && executing() && scalar_kind(compute) < 0)
-    r = mock_error(INVALID_VALUE, "cublasGemmStridedBatchedEx: compute type %d the executing mock does not compute",
-                   compute);
-  if (!r && executing())
-    r = gemm_run("cublasGemmStridedBatchedEx", ta, tb, m, n, k, scalar(al, compute), a, at, lda, sa, b, bt, ldb,
-                 sb, scalar(be, compute), c, ct, ldc, sc, batch);
-  return r;
+  return gemm_call("cublasGemmStridedBatchedEx", ta, tb, m, n, k, scalar(al, compute), a, at, lda, sa, b, bt,
+                   ldb, sb, scalar(be, compute), c, ct, ldc, sc, batch, compute);
 }
 #endif
 
