@@ -100,9 +100,10 @@ fi
 # computes real values here. check-device then compares them with the CPU's, as on a GPU:
 # multi-chunk prefill with eviction and decode steps (the decode kernel, fused linears, the
 # eviction kernels, the statistics kernels), in f32 (which must agree to rounding) and bf16,
-# a block cache, and a batch; then check-kernels. FlashAttention's and the GGUF matmuls'
-# kernels have no host build (they are launched through the runtime; the binary built here has
-# no FlashAttention). ~2.5 min.
+# a block cache, a batch, and GGUF-typed weights through candle's quantized matmuls (MMVQ and
+# MMQ, launched through the runtime; their inline PTX, tensor-core mma.sync and ldmatrix,
+# emulated by exec/runtime.cpp); then check-kernels. FlashAttention's kernels have no host
+# build (and the binary built here has no FlashAttention). ~3.5 min.
 if [ "${MOCK_EXEC:-1}" = 1 ]; then
   kx=$(scripts/cuda/mock/exec/build.sh "$out/exec-libs" | tail -1) || exit 2
   exec_mock=$out/exec-mock.log exec_out=$out/exec.jsonl
@@ -120,6 +121,15 @@ if [ "${MOCK_EXEC:-1}" = 1 ]; then
     --preset configs/tiny-qwen3moe.json
   run_exec --dtype bf16 --kv-dtype q8_0 --policies keydiff --decode-steps 4 --preset configs/tiny-qwen-d64.json
   run_exec --dtype bf16 --batch --policies keydiff --preset configs/tiny-llama.json
+  # GGUF weight types (gpu-check.sh's step 3g, three of its cases): chunks of 8 rows take
+  # MMVQ, chunks of 64 MMQ (q4_k: its m16n8k32 mma and ldmatrix .x4; q6_k: m16n8k16 and .x2);
+  # with H2O eviction, against the CPU's exact dequantized products.
+  run_exec --dtype bf16 --weight-type q4_0 --attention eager --prompt-len 96 --chunk 8 \
+    --preset configs/tiny-llama.json
+  for t in q4_k q6_k; do
+    run_exec --dtype bf16 --weight-type $t --attention eager --prompt-len 300 --chunk 64 --policies h2o \
+      --preset configs/tiny-qwen-d64.json
+  done
   # And gpu-check.sh's kernel parity step (without its n = 131200 and its timings), through
   # the CUDA wrappers of keydiff-kernels this time: eviction kernels, codecs, decode kernels,
   # greedy and sampled tokens against the CPU.
@@ -147,6 +157,13 @@ for l in bad:
 print(f"executing mock: {len(lines)} comparisons, {len(bad)} off", file=sys.stderr)
 sys.exit(1 if bad or len(lines) < 16 else 0)
 PY
+  # Those GGUF cases ran candle's kernels, tensor cores included (not a fallback path).
+  for want in 'launch mmvq_gguf_q4_0_bf16_plain_cuda8 ' 'launch _Z9mul_mat_qIL9ggml_type12E' \
+      'launch _Z9mul_mat_qIL9ggml_type14E' 'asm mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 ' \
+      'asm mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 ' 'asm ldmatrix.sync.aligned.m8n8.x4.b16 ' \
+      'asm ldmatrix.sync.aligned.m8n8.x2.b16 '; do
+    grep -q "^$want" "$exec_mock" || { echo "executing mock: no '$want' in $exec_mock" | tee -a "$out/exec.log"; exec_rc=1; }
+  done
   echo "executing mock: $(( $(date +%s) - exec_start )) s, exit $exec_rc" | tee -a "$out/exec.log"
   if [ $exec_rc -ne 0 ]; then echo "FAIL: the CUDA path, run by the executing mock, differs from the CPU (see $out/exec.log)" >&2; status=1; fi
   if grep -qE '^(ERROR|UNIMPLEMENTED)' "$exec_mock"; then

@@ -1905,11 +1905,7 @@ fn check_batch(
             // Logits that are all 0 (or NaN) agree with anything: a device that computes
             // nothing would pass, so the single runs' logits must be non-zero.
             let pass = segments.iter().all(|d| {
-                let tol = if exact {
-                    1e-4
-                } else {
-                    keydiff::parity::MAX_BATCH_REL_DIFF * d.scale
-                };
+                let tol = keydiff::parity::batch_tolerance(exact, weights.is_some(), d.scale);
                 d.scale > 0.0 && d.max_abs <= tol
             });
             let v = serde_json::json!({
@@ -1926,10 +1922,19 @@ fn check_batch(
         }
     }
     if !failed.is_empty() {
+        let rel = if weights.is_some() {
+            keydiff::parity::MAX_BATCH_REL_DIFF_QUANTIZED
+        } else {
+            keydiff::parity::MAX_BATCH_REL_DIFF
+        };
+        let tol = if exact {
+            "1e-4".to_string()
+        } else {
+            format!("{rel} of the logits' scale")
+        };
         bail!(
-            "a batched pass differs from single ones (beyond {} of the logits' scale), or the \
-             single ones' logits are all 0, on: {}",
-            keydiff::parity::MAX_BATCH_REL_DIFF,
+            "a batched pass differs from single ones (beyond {tol}), or the single ones' logits \
+             are all 0, on: {}",
             failed.join(", ")
         );
     }

@@ -756,6 +756,47 @@ static pthread_once_t exec_once = PTHREAD_ONCE_INIT;
 static void* exec_libs[64];
 static int exec_n = 0;
 
+// The runtime-launched kernels' host builds (exec/build.sh's kx_runtime.tsv, one line each:
+// the name the binary registers the kernel by, the host symbol, and the parameters' types and
+// sizes as KxLaunch takes them, read from the symbol's demangled name).
+typedef struct RtKernel {
+  char* key;
+  char* sym;
+  int n_params;
+  char types[65];
+  unsigned char sizes[64];
+} RtKernel;
+static RtKernel* rt_index = NULL;
+static int rt_n = 0;
+
+static void exec_index_load(const char* dir) {
+  char path[4096];
+  snprintf(path, sizeof path, "%s/kx_runtime.tsv", dir);
+  FILE* in = fopen(path, "r");
+  if (!in) return;
+  static char line[8192];
+  int cap = 0;
+  while (fgets(line, sizeof line, in)) {
+    char* key = strtok(line, "\t\n");
+    char* sym = strtok(NULL, "\t\n");
+    char* types = strtok(NULL, "\t\n");
+    char* sizes = strtok(NULL, "\t\n");
+    if (!key || !sym || !types || !sizes || strlen(types) != strlen(sizes) || strlen(types) > 64) continue;
+    if (types[0] == '-') types = sizes = "";  // no parameters
+    if (rt_n == cap) {
+      cap = cap ? 2 * cap : 1024;
+      rt_index = realloc(rt_index, (size_t)cap * sizeof *rt_index);
+    }
+    RtKernel* k = &rt_index[rt_n++];
+    k->key = strdup(key);
+    k->sym = strdup(sym);
+    k->n_params = (int)strlen(types);
+    memcpy(k->types, types, (size_t)k->n_params + 1);
+    for (int i = 0; i < k->n_params; i++) k->sizes[i] = (unsigned char)(sizes[i] - '0');
+  }
+  fclose(in);
+}
+
 static void exec_open(void) {
   const char* dir = getenv("MOCKCUDA_EXEC");
   DIR* d = dir ? opendir(dir) : NULL;
@@ -776,6 +817,7 @@ static void exec_open(void) {
     exec_libs[exec_n++] = h;
   }
   closedir(d);
+  exec_index_load(dir);
 }
 
 static CUresult exec_launch(Func* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
@@ -799,6 +841,37 @@ static CUresult exec_launch(Func* f, unsigned gx, unsigned gy, unsigned gz, unsi
   if (run(fn, f->n_params, f->types, f->sizes, params, gx, gy, gz, bx, by, bz, shmem, f->plain, err, sizeof err))
     return mock_error(CUDA_ERROR_LAUNCH_FAILED, "%s: %s", f->name, err);
   return CUDA_SUCCESS;
+}
+
+// A launch through the runtime (mockcudart.c: candle's statically linked kernels, the GGUF
+// matmuls), checked there, run here by its host build. `cache` (the caller's, per kernel)
+// keeps what the lookup found.
+CUresult mock_exec_runtime_launch(const char* name, void** cache, unsigned gx, unsigned gy, unsigned gz,
+                                  unsigned bx, unsigned by, unsigned bz, unsigned shmem, void** params) {
+  pthread_once(&exec_once, exec_open);
+  Func* f = (Func*)*cache;
+  if (!f) {
+    for (int i = 0; i < rt_n && !f; i++) {
+      if (strcmp(rt_index[i].key, name) != 0) continue;
+      for (int j = 0; j < exec_n; j++) {
+        void* fn = dlsym(exec_libs[j], rt_index[i].sym);
+        if (!fn) continue;
+        f = calloc(1, sizeof(Func));
+        f->name = strdup(name);
+        f->n_params = rt_index[i].n_params;
+        memcpy(f->types, rt_index[i].types, sizeof f->types);
+        memcpy(f->sizes, rt_index[i].sizes, sizeof f->sizes);
+        f->host_fn = fn;
+        f->host_run = dlsym(exec_libs[j], "kx_launch");
+        break;
+      }
+    }
+    if (!f)
+      return mock_error(CUDA_ERROR_NOT_FOUND, "%s: no host build of this runtime-launched kernel to run (MOCKCUDA_EXEC)",
+                        name);
+    *cache = f;
+  }
+  return exec_launch(f, gx, gy, gz, bx, by, bz, shmem, params);
 }
 
 CUresult cuLaunchKernel(CUfunction fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,

@@ -4,7 +4,9 @@
 // grids and blocks, dynamic shared memory past the limit) and counted like the driver's, under
 // the kernel's device name; FlashAttention-2's launches (candle-flash-attn, in a `--flash`
 // build) also have their parameter block checked (check_flash). Memory calls go to the mock
-// driver.
+// driver. Under the executing mock (MOCKCUDA_EXEC), a launch runs the kernel's host build
+// (exec/build.sh's libkx_gguf.so: candle's GGUF matmuls) through the driver's
+// mock_exec_runtime_launch; one with no host build (FlashAttention) is refused.
 #define __CUDA_API_VERSION_INTERNAL 1
 #include <cuda.h>
 #include <cuda_runtime_api.h>
@@ -21,12 +23,15 @@ typedef struct Kernel {
   char name[256];
   int max_dynamic_shared;
   unsigned long long launches;
+  void* exec;  // the executing mock's lookup (mockcuda.c)
   struct Kernel* next;
 } Kernel;
 
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static Kernel* kernels = NULL;
 int mock_device_range(uintptr_t p, size_t bytes);  // mockcuda.c
+CUresult mock_exec_runtime_launch(const char* name, void** cache, unsigned gx, unsigned gy, unsigned gz,
+                                  unsigned bx, unsigned by, unsigned bz, unsigned shmem, void** params);
 static int dummy_fatbin;
 
 static Kernel* find(const void* host) {
@@ -222,12 +227,13 @@ static cudaError_t check_launch(cudaKernel_t kernel, dim3 g, dim3 b, void** args
     if (r != cudaSuccess) return r;
   }
   __atomic_add_fetch(&k->launches, 1, __ATOMIC_RELAXED);
-  // The executing mock (mockcuda.c) has host builds of PTX kernels only: these (candle's GGUF
-  // matmuls, FlashAttention) would leave their outputs unwritten, so they are refused there.
+  // The executing mock (mockcuda.c) runs the kernel's host build where exec/build.sh made one
+  // (candle's GGUF matmuls); the others (FlashAttention) are refused, not left unwritten.
   const char* exec = getenv("MOCKCUDA_EXEC");
   if (exec && *exec)
-    return mock_error(cudaErrorInvalidDeviceFunction,
-                      "%s: no host build of this runtime-launched kernel to run (MOCKCUDA_EXEC)", k->name);
+    return mock_exec_runtime_launch(k->name, &k->exec, g.x, g.y, g.z, b.x, b.y, b.z, (unsigned)shared, args)
+               ? cudaErrorLaunchFailure
+               : cudaSuccess;
   return cudaSuccess;
 }
 cudaError_t __cudaLaunchKernel(cudaKernel_t k, dim3 g, dim3 b, void** args, size_t shared, cudaStream_t s) {

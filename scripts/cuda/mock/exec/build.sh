@@ -2,9 +2,12 @@
 # Builds the executing mock's kernel libraries into DIR (default target/cuda-mock-exec): each
 # kernel source the CUDA build launches (kernels/keydiff.cu, and candle-kernels' sources at
 # the version Cargo.lock pins) compiled for the host with prelude.h and linked with
-# runtime.cpp, as libkx_<source>.so. With MOCKCUDA_EXEC=DIR, the stand-in driver
-# (../mockcuda.c) runs every launch with them (see runtime.cpp).
-# Needs g++, libffi (Debian: libffi-dev) and the pinned toolkit's headers (../../toolchain.sh).
+# runtime.cpp, as libkx_<source>.so; and candle's runtime-launched GGUF matmuls, rewritten
+# by hostify.py, as libkx_gguf.so with its index kx_runtime.tsv. With MOCKCUDA_EXEC=DIR, the
+# stand-in driver (../mockcuda.c) and runtime (../mockcudart.c) run every launch with them
+# (see runtime.cpp). ~1 min on two cores.
+# Needs g++, binutils (nm, c++filt), python3, libffi (Debian: libffi-dev) and the pinned
+# toolkit's headers (../../toolchain.sh).
 # Usage: scripts/cuda/mock/exec/build.sh [DIR]
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -46,4 +49,23 @@ for f in affine binary cast fill indexing quantized reduce sort ternary unary; d
   if [ ${#pids[@]} -ge 2 ]; then wait "${pids[0]}"; pids=("${pids[@]:1}"); fi
 done
 for p in "${pids[@]}"; do wait "$p"; done
+
+# candle's runtime-launched GGUF matmuls (MMVQ for up to 8 rows, MMQ above, and their q8_1
+# quantizers), which nvcc links into the binary as a static library: hostify.py turns their
+# nvcc-only parts (launches in host code, inline PTX) into host code, and the index maps the
+# names the binary registers them by to the symbols and parameter types here.
+mkdir -p "$work/gguf/mmq_gguf"
+for f in "$src"/mmvq_gguf.cu "$src"/mmq_gguf/*; do
+  python3 "$here/hostify.py" "$f" "$work/gguf/${f#"$src"/}"
+done
+gguf=("$work/gguf/mmvq_gguf.cu" "$work/gguf/mmq_gguf/mmq_quantize.cu" "$work"/gguf/mmq_gguf/mmq_instance_*.cu)
+pids=()
+for f in "${gguf[@]}"; do
+  g++ "${flags[@]}" -x c++ -include "$here/prelude.h" -c "$f" -o "${f%.cu}.o" &
+  pids+=($!)
+  if [ ${#pids[@]} -ge 2 ]; then wait "${pids[0]}"; pids=("${pids[@]:1}"); fi
+done
+for p in "${pids[@]}"; do wait "$p"; done
+g++ -shared -o "$out/libkx_gguf.so" "${gguf[@]/%.cu/.o}" "$work/runtime.o" "$work/race.o" -lffi
+python3 "$here/hostify.py" --index "$out/libkx_gguf.so" > "$out/kx_runtime.tsv"
 echo "$out"

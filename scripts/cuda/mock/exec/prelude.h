@@ -62,6 +62,25 @@ inline int __vsubss4(int a, int b) {
   }
   return (int)r;
 }
+inline int __vsub4(int a, int b) {
+  unsigned r = 0;
+  for (int i = 0; i < 4; ++i) r |= ((((unsigned)a >> (8 * i)) - ((unsigned)b >> (8 * i))) & 0xffu) << (8 * i);
+  return (int)r;
+}
+inline unsigned __vcmpne4(unsigned a, unsigned b) {
+  unsigned r = 0;
+  for (int i = 0; i < 4; ++i)
+    if (((a >> (8 * i)) & 0xffu) != ((b >> (8 * i)) & 0xffu)) r |= 0xffu << (8 * i);
+  return r;
+}
+// Byte i of the result is byte (s >> 4i) & 7 of the eight of {y, x} (x the low four).
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+  const unsigned long long xy = (unsigned long long)y << 32 | x;
+  unsigned r = 0;
+  for (int i = 0; i < 4; ++i) r |= (unsigned)((xy >> (8 * ((s >> (4 * i)) & 7))) & 0xffu) << (8 * i);
+  return r;
+}
+inline void __trap() { ::kd_emu::fail("__trap() reached (a device-side assertion or NO_DEVICE_CODE)"); }
 
 // Device math on the half types, through f32 (as the device's own conversions).
 #define KX_HALF_FN(NAME, F)                                                  \
@@ -163,7 +182,45 @@ inline unsigned short atomicCAS(unsigned short* a, unsigned short cmp, unsigned 
 #define __shfl_sync(m, x, l, ...) ::kd_emu::shfl((m), (x), (l), __FILE__, __LINE__)
 #define __shfl_up_sync(m, x, d, ...) ::kd_emu::shfl_up((m), (x), (d), __FILE__, __LINE__)
 
+// The host launch code (kept for the kernels it instantiates, never run here) raises a
+// kernel's shared memory limit through the runtime's C++ overload.
+template <typename... A>
+inline int cudaFuncSetAttribute(void (*)(A...), int, int) {
+  return 0;
+}
+
+// Warp-wide reductions (sm_80), over the warp exchange.
+#define __reduce_add_sync(m, x) ::kx_reduce_sync((m), (x), 0, __FILE__, __LINE__)
+#define __reduce_max_sync(m, x) ::kx_reduce_sync((m), (x), 1, __FILE__, __LINE__)
+template <typename T>
+inline T kx_reduce_sync(unsigned mask, T x, int max, const char* file, int line) {
+  static_assert(sizeof(T) == 4, "__reduce_*_sync takes 32-bit integers");
+  const uint64_t* v = ::kd_emu::warp_exchange(mask, (uint64_t)(uint32_t)x, "__reduce_*_sync", file, line);
+  T r = (T)(uint32_t)v[0];
+  for (int l = 1; l < ::kd_emu::kWarp; ++l) {
+    const T y = (T)(uint32_t)v[l];
+    r = max ? (y > r ? y : r) : (T)(r + y);
+  }
+  return r;
+}
+
 // Dynamic shared memory (`extern __shared__ T name[];` is rewritten by build.sh to a pointer
 // from here): the launch's bytes, one buffer per OS thread, reused by the blocks that run one
 // after another on it.
 extern "C" void* kx_dynamic_shared();
+
+// Inline PTX (hostify.py rewrites `asm(...)` of the runtime-launched kernels to this): the
+// operands' bits, and the instruction run by runtime.cpp over the warp exchange.
+#include <initializer_list>
+template <typename T>
+inline unsigned long long kx_bits(const T& v) {
+  static_assert(sizeof(T) <= 8, "an asm operand wider than 64 bits");
+  unsigned long long r = 0;
+  memcpy(&r, &v, sizeof(T));
+  return r;
+}
+void kx_asm(const char* ptx, const char* out_kinds, std::initializer_list<void*> outs,
+            std::initializer_list<unsigned long long> ins, const char* file, int line);
+// hostify.py's stand-in for a launch in host code: keeps the kernel's instantiation (and so
+// its symbol) in the library.
+extern "C" void kx_keep(const void* kernel);
