@@ -103,7 +103,7 @@ fi
 # a block cache, a batch, and GGUF-typed weights through candle's quantized matmuls (MMVQ and
 # MMQ, launched through the runtime; their inline PTX, tensor-core mma.sync and ldmatrix,
 # emulated by exec/runtime.cpp); then check-kernels. FlashAttention's kernels have no host
-# build (and the binary built here has no FlashAttention). ~3.5 min.
+# build (and the binary built here has no FlashAttention). ~3 min.
 if [ "${MOCK_EXEC:-1}" = 1 ]; then
   kx=$(scripts/cuda/mock/exec/build.sh "$out/exec-libs" | tail -1) || exit 2
   exec_mock=$out/exec-mock.log exec_out=$out/exec.jsonl

@@ -282,13 +282,14 @@ pub const MAX_BATCH_REL_DIFF: f32 = 2e-2;
 /// sequences differs by the scale itself.
 pub const MAX_BATCH_REL_DIFF_QUANTIZED: f32 = 5e-2;
 
-/// The largest |Δ| [`batch_vs_single`]'s segments may have on `device` in `dtype` with
-/// `weights`: 1e-4 absolute on the CPU in f32 (rows are computed one by one there), else
-/// relative to the logits' `scale`.
-pub fn batch_tolerance(exact: bool, quantized: bool, scale: f32) -> f32 {
+/// The largest |Δ| [`batch_vs_single`]'s segments may have against single runs: 1e-4 absolute
+/// when `exact` (the CPU in f32: rows are computed one by one there), else relative to the
+/// logits' `scale`: [`MAX_BATCH_REL_DIFF_QUANTIZED`] when `quantized_on_device` (GGUF-typed
+/// weights on a device), [`MAX_BATCH_REL_DIFF`] otherwise.
+pub fn batch_tolerance(exact: bool, quantized_on_device: bool, scale: f32) -> f32 {
     if exact {
         1e-4
-    } else if quantized {
+    } else if quantized_on_device {
         MAX_BATCH_REL_DIFF_QUANTIZED * scale
     } else {
         MAX_BATCH_REL_DIFF * scale

@@ -753,6 +753,7 @@ typedef int (*KxLaunch)(void (*)(void), int, const char*, const unsigned char*, 
                         unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, int, char*,
                         size_t);
 static pthread_once_t exec_once = PTHREAD_ONCE_INIT;
+static pthread_mutex_t exec_lock = PTHREAD_MUTEX_INITIALIZER;  // the lookups' caches
 static void* exec_libs[64];
 static int exec_n = 0;
 
@@ -774,20 +775,25 @@ static void exec_index_load(const char* dir) {
   snprintf(path, sizeof path, "%s/kx_runtime.tsv", dir);
   FILE* in = fopen(path, "r");
   if (!in) return;
-  static char line[8192];
+  char line[8192];
   int cap = 0;
   while (fgets(line, sizeof line, in)) {
-    char* key = strtok(line, "\t\n");
-    char* sym = strtok(NULL, "\t\n");
-    char* types = strtok(NULL, "\t\n");
-    char* sizes = strtok(NULL, "\t\n");
+    char* save = NULL;
+    char* key = strtok_r(line, "\t\n", &save);
+    char* sym = strtok_r(NULL, "\t\n", &save);
+    char* types = strtok_r(NULL, "\t\n", &save);
+    char* sizes = strtok_r(NULL, "\t\n", &save);
     if (!key || !sym || !types || !sizes || strlen(types) != strlen(sizes) || strlen(types) > 64) continue;
     if (types[0] == '-') types = sizes = "";  // no parameters
+    if (strspn(sizes, "12348") != strlen(sizes) || strspn(types, "uifd") != strlen(types)) continue;
     if (rt_n == cap) {
-      cap = cap ? 2 * cap : 1024;
-      rt_index = realloc(rt_index, (size_t)cap * sizeof *rt_index);
+      int grown = cap ? 2 * cap : 1024;
+      RtKernel* more = realloc(rt_index, (size_t)grown * sizeof *rt_index);
+      if (!more) break;
+      rt_index = more, cap = grown;
     }
     RtKernel* k = &rt_index[rt_n++];
+    memset(k, 0, sizeof *k);
     k->key = strdup(key);
     k->sym = strdup(sym);
     k->n_params = (int)strlen(types);
@@ -823,12 +829,14 @@ static void exec_open(void) {
 static CUresult exec_launch(Func* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                             unsigned bz, unsigned shmem, void** params) {
   pthread_once(&exec_once, exec_open);
+  pthread_mutex_lock(&exec_lock);
   for (int i = 0; i < exec_n && !f->host_fn; i++) {
     void* fn = dlsym(exec_libs[i], f->name);
     if (fn) f->host_run = dlsym(exec_libs[i], "kx_launch"), f->host_fn = fn;
   }
   void (*fn)(void) = (void (*)(void))f->host_fn;
   KxLaunch run = (KxLaunch)f->host_run;
+  pthread_mutex_unlock(&exec_lock);
   if (!fn || !run)
     return mock_error(CUDA_ERROR_NOT_FOUND, "%s: no host build of this kernel to run (MOCKCUDA_EXEC)", f->name);
   if (!params)
@@ -849,6 +857,7 @@ static CUresult exec_launch(Func* f, unsigned gx, unsigned gy, unsigned gz, unsi
 CUresult mock_exec_runtime_launch(const char* name, void** cache, unsigned gx, unsigned gy, unsigned gz,
                                   unsigned bx, unsigned by, unsigned bz, unsigned shmem, void** params) {
   pthread_once(&exec_once, exec_open);
+  pthread_mutex_lock(&exec_lock);
   Func* f = (Func*)*cache;
   if (!f) {
     for (int i = 0; i < rt_n && !f; i++) {
@@ -866,11 +875,12 @@ CUresult mock_exec_runtime_launch(const char* name, void** cache, unsigned gx, u
         break;
       }
     }
-    if (!f)
-      return mock_error(CUDA_ERROR_NOT_FOUND, "%s: no host build of this runtime-launched kernel to run (MOCKCUDA_EXEC)",
-                        name);
     *cache = f;
   }
+  pthread_mutex_unlock(&exec_lock);
+  if (!f)
+    return mock_error(CUDA_ERROR_NOT_FOUND, "%s: no host build of this runtime-launched kernel to run (MOCKCUDA_EXEC)",
+                      name);
   return exec_launch(f, gx, gy, gz, bx, by, bz, shmem, params);
 }
 

@@ -3,14 +3,15 @@
 nvcc-only parts of candle's runtime-launched kernels (the GGUF matmuls, MMVQ and MMQ) stand:
 
   - `K<<<grid, block, shared, stream>>>(args)` (host launch code, which the binary's own copy
-    runs) becomes `((void)&(K))`: the kernel is still instantiated, nothing is launched;
+    runs) becomes `kx_keep(&K)`: the kernel is still instantiated (and exported), nothing is
+    launched;
   - `static __global__` / `extern "C" __global__` lose the `static` / `extern "C"`: every
     kernel gets an exported, C++-mangled symbol, whose demangled name gives its parameter
     types (build.sh's index; the binary registers extern "C" kernels by their plain name);
   - `extern __shared__ T name[];` (dynamic shared memory) becomes the launch's buffer;
   - `asm [volatile] ("ptx" : outputs : inputs);` becomes a call to kx_asm (runtime.cpp), which
-    runs the warp-collective instructions these kernels use (mma.sync, ldmatrix, movmatrix)
-    over the emulation's warp exchange; any other instruction fails the launch there.
+    runs the warp-collective instructions these kernels use at sm_90 (mma.sync, ldmatrix) over
+    the emulation's warp exchange; any other instruction fails the launch there.
 
 Usage: hostify.py SRC DST
        hostify.py --index LIB.so   (kx_runtime.tsv's lines for the library's kernels)
@@ -51,8 +52,10 @@ def match_forward(text, i, open_ch, close_ch):
     raise ValueError(f"unbalanced {open_ch}")
 
 
-def split_top(s, sep=","):
-    """Splits s at separators outside (), [], {} and strings."""
+def split_top(s, sep=",", angle=False):
+    """Splits s at separators outside (), [], {} (and <> with `angle`: type names) and
+    strings."""
+    opens, closes = ("([{<", ")]}>") if angle else ("([{", ")]}")
     parts, depth, cur, i = [], 0, [], 0
     while i < len(s):
         c = s[i]
@@ -61,9 +64,9 @@ def split_top(s, sep=","):
             cur.append(s[i:j + 1])
             i = j + 1
             continue
-        if c in "([{":
+        if c in opens:
             depth += 1
-        elif c in ")]}":
+        elif c in closes:
             depth -= 1
         if c == sep and depth == 0:
             parts.append("".join(cur))
@@ -94,7 +97,7 @@ def chevrons(text):
         while j > 0 and out[j - 1] in " \t\n\\":
             j -= 1
         start = j
-        while True:
+        while start > 0:
             if out[start - 1] == ">":
                 start = match_back(out, start - 1, "<", ">")
             elif out[start - 1] == ")":
@@ -102,12 +105,14 @@ def chevrons(text):
             k = start
             while k > 0 and (out[k - 1].isalnum() or out[k - 1] in "_:#"):
                 k -= 1
-            if k == start:
-                break
+            ident = out[k:start]
             start = k
-            if out[start - 1] not in ">)":
+            # Only a scope's template arguments (`A<T>::k`) go on to the left.
+            if not (ident.startswith("::") and start > 0 and out[start - 1] == ">"):
                 break
         kernel = out[start:j]
+        if not kernel.strip():
+            raise ValueError("a launch with no kernel before <<<")
         end_cfg = out.index(">>>", i) + 3
         k = end_cfg
         while out[k] in " \t\\\n":
@@ -115,7 +120,7 @@ def chevrons(text):
         if out[k] != "(":
             raise ValueError(f"no arguments after the launch of {kernel}")
         end = match_forward(out, k, "(", ")")
-        out = out[:start] + f"::kx_keep((const void*)&({kernel}))" + newlines(out[start:end]) + out[end:]
+        out = out[:start] + f"::kx_keep((const void*)&({kernel}))" + newlines(out[j:end]) + out[end:]
 
 
 ASM = re.compile(r"\basm\s*(volatile\s*)?\(")
@@ -129,7 +134,8 @@ def asm_calls(text):
         open_paren = m.end() - 1
         end = match_forward(text, open_paren, "(", ")")
         body = text[open_paren + 1:end - 1]
-        sections = split_top(body, ":")
+        # (Inside a macro, the statement's lines end in backslashes.)
+        sections = split_top(body.replace("\\\n", " "), ":")
         # The template: adjacent string literals (possibly across lines).
         tmpl = "".join(re.findall(r'"((?:[^"\\]|\\.)*)"', sections[0]))
         outs = [o.strip() for o in split_top(sections[1])] if len(sections) > 1 else []
@@ -138,7 +144,7 @@ def asm_calls(text):
         ins = [o for o in ins if o]
 
         def operand(o):
-            mm = re.match(r'"([^"]*)"\s*\((.*)\)\s*$', o.replace("\\\n", " "), re.S)
+            mm = re.match(r'"([^"]*)"\s*\((.*)\)\s*$', o, re.S)
             if not mm:
                 raise ValueError(f"asm operand {o!r}")
             return mm.group(1), mm.group(2)
@@ -185,7 +191,7 @@ def param_types(demangled):
     if inner in ("", "void"):
         return []
     out = []
-    for p in split_top(inner):
+    for p in split_top(inner, angle=True):
         p = re.sub(r"\b(const|volatile|__restrict)\b", "", p).strip()
         p = re.sub(r"\s+", " ", p)
         if p.endswith("*") or p.endswith("&"):

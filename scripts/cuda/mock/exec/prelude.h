@@ -62,10 +62,10 @@ inline int __vsubss4(int a, int b) {
   }
   return (int)r;
 }
-inline int __vsub4(int a, int b) {
+inline unsigned __vsub4(unsigned a, unsigned b) {
   unsigned r = 0;
-  for (int i = 0; i < 4; ++i) r |= ((((unsigned)a >> (8 * i)) - ((unsigned)b >> (8 * i))) & 0xffu) << (8 * i);
-  return (int)r;
+  for (int i = 0; i < 4; ++i) r |= (((a >> (8 * i)) - (b >> (8 * i))) & 0xffu) << (8 * i);
+  return r;
 }
 inline unsigned __vcmpne4(unsigned a, unsigned b) {
   unsigned r = 0;
@@ -197,11 +197,13 @@ inline T kx_reduce_sync(unsigned mask, T x, int max, const char* file, int line)
   static_assert(sizeof(T) == 4, "__reduce_*_sync takes 32-bit integers");
   const uint64_t* v = ::kd_emu::warp_exchange(mask, (uint64_t)(uint32_t)x, "__reduce_*_sync", file, line);
   T r = (T)(uint32_t)v[0];
+  uint32_t sum = (uint32_t)v[0];  // wraps, as the device's
   for (int l = 1; l < ::kd_emu::kWarp; ++l) {
     const T y = (T)(uint32_t)v[l];
-    r = max ? (y > r ? y : r) : (T)(r + y);
+    r = y > r ? y : r;
+    sum += (uint32_t)v[l];
   }
-  return r;
+  return max ? r : (T)sum;
 }
 
 // Dynamic shared memory (`extern __shared__ T name[];` is rewritten by build.sh to a pointer

@@ -123,6 +123,13 @@ extern "C" int kx_launch(void (*fn)(void), int n_params, const char* types,
 
 extern "C" void kx_keep(const void* kernel) { (void)kernel; }
 
+// The host launch code that hostify.py keeps (never run here) refers to the runtime's
+// cudaGetDevice: this weak one lets the library load where no libcudart is.
+extern "C" __attribute__((weak)) cudaError_t cudaGetDevice(int* device) {
+  *device = 0;
+  return cudaSuccess;
+}
+
 // ---------------------------------------------------------------------------------------
 // Inline PTX of the runtime-launched kernels (hostify.py rewrites their `asm` statements to
 // kx_asm): the tensor-core instructions candle's MMQ (llama.cpp's mma.cuh) runs at sm_90 for
@@ -155,6 +162,7 @@ std::mutex g_asm_lock;
 std::map<std::string, unsigned long long> g_asm_runs;
 struct AsmReport {
   ~AsmReport() {
+    std::lock_guard<std::mutex> hold(g_asm_lock);
     const char* path = getenv("MOCKCUDA_LOG");
     FILE* out = path && !g_asm_runs.empty() ? fopen(path, "a") : nullptr;
     if (!out) return;
