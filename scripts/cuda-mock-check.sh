@@ -130,6 +130,9 @@ if [ "${MOCK_EXEC:-1}" = 1 ]; then
     run_exec --dtype bf16 --weight-type $t --attention eager --prompt-len 300 --chunk 64 --policies h2o \
       --preset configs/tiny-qwen-d64.json
   done
+  # A batched step of quantized weights: its rows go through MMQ where each alone takes MMVQ,
+  # so the batch check's tolerance is MAX_BATCH_REL_DIFF_QUANTIZED there (gpu-check.sh 3g).
+  run_exec --dtype bf16 --batch --weight-type q4_0 --policies keydiff --preset configs/tiny-llama.json
   # And gpu-check.sh's kernel parity step (without its n = 131200 and its timings), through
   # the CUDA wrappers of keydiff-kernels this time: eviction kernels, codecs, decode kernels,
   # greedy and sampled tokens against the CPU.
@@ -155,7 +158,7 @@ bad = [l for l in lines if off(l)]
 for l in bad:
     print("off:", l["preset"], l["policy"], l.get("diff", l.get("max_rel")), file=sys.stderr)
 print(f"executing mock: {len(lines)} comparisons, {len(bad)} off", file=sys.stderr)
-sys.exit(1 if bad or len(lines) < 16 else 0)
+sys.exit(1 if bad or len(lines) < 28 else 0)
 PY
   # Those GGUF cases ran candle's kernels, tensor cores included (not a fallback path).
   for want in 'launch mmvq_gguf_q4_0_bf16_plain_cuda8 ' 'launch _Z9mul_mat_qIL9ggml_type12E' \

@@ -610,7 +610,7 @@ fn batch_step_matches_single_steps(dev: &Device) -> Result<()> {
     };
     let rows = keydiff::parity::batch_vs_single(&loaded.model, &cache)?;
     for (i, d) in rows.into_iter().enumerate() {
-        let tol = keydiff::parity::batch_tolerance(dev.is_cpu(), false, d.scale);
+        let tol = keydiff::parity::batch_tolerance(dev, dtype, false, d.scale);
         ensure!(d.max_abs <= tol, "segment {i}: {d:?}");
     }
     Ok(())

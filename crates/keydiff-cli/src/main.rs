@@ -1891,10 +1891,6 @@ fn check_batch(
             ..CacheConfig::full(16)
         });
     }
-    let exact = cfg.device.is_cpu() && cfg.dtype == keydiff::DType::F32;
-    // On a device, a quantized matmul's kernel depends on the step's rows (see
-    // MAX_BATCH_REL_DIFF_QUANTIZED); the CPU computes rows one by one.
-    let quantized_on_device = weights.is_some() && !cfg.device.is_cpu();
     let mut failed = Vec::new();
     for p in presets {
         for cache in &caches {
@@ -1908,7 +1904,12 @@ fn check_batch(
             // Logits that are all 0 (or NaN) agree with anything: a device that computes
             // nothing would pass, so the single runs' logits must be non-zero.
             let pass = segments.iter().all(|d| {
-                let tol = keydiff::parity::batch_tolerance(exact, quantized_on_device, d.scale);
+                let tol = keydiff::parity::batch_tolerance(
+                    &cfg.device,
+                    cfg.dtype,
+                    weights.is_some(),
+                    d.scale,
+                );
                 d.scale > 0.0 && d.max_abs <= tol
             });
             let v = serde_json::json!({
@@ -1925,15 +1926,12 @@ fn check_batch(
         }
     }
     if !failed.is_empty() {
-        let rel = if quantized_on_device {
-            keydiff::parity::MAX_BATCH_REL_DIFF_QUANTIZED
+        // With a scale of 1: the absolute bound on the CPU in f32, else the relative one.
+        let tol = keydiff::parity::batch_tolerance(&cfg.device, cfg.dtype, weights.is_some(), 1.0);
+        let tol = if cfg.device.is_cpu() && cfg.dtype == keydiff::DType::F32 {
+            format!("{tol}")
         } else {
-            keydiff::parity::MAX_BATCH_REL_DIFF
-        };
-        let tol = if exact {
-            "1e-4".to_string()
-        } else {
-            format!("{rel} of the logits' scale")
+            format!("{tol} of the logits' scale")
         };
         bail!(
             "a batched pass differs from single ones (beyond {tol}), or the single ones' logits \

@@ -282,14 +282,20 @@ pub const MAX_BATCH_REL_DIFF: f32 = 2e-2;
 /// sequences differs by the scale itself.
 pub const MAX_BATCH_REL_DIFF_QUANTIZED: f32 = 5e-2;
 
-/// The largest |Δ| [`batch_vs_single`]'s segments may have against single runs: 1e-4 absolute
-/// when `exact` (the CPU in f32: rows are computed one by one there), else relative to the
-/// logits' `scale`: [`MAX_BATCH_REL_DIFF_QUANTIZED`] when `quantized_on_device` (GGUF-typed
-/// weights on a device), [`MAX_BATCH_REL_DIFF`] otherwise.
-pub fn batch_tolerance(exact: bool, quantized_on_device: bool, scale: f32) -> f32 {
-    if exact {
+/// The largest |Δ| [`batch_vs_single`]'s segments may have against single runs, for a model
+/// on `device` in `dtype`, its weights GGUF-typed when `quantized`: 1e-4 absolute on the CPU
+/// in f32 (rows are computed one by one there, quantized or not), else relative to the
+/// logits' `scale`: [`MAX_BATCH_REL_DIFF_QUANTIZED`] for quantized weights on a device,
+/// [`MAX_BATCH_REL_DIFF`] otherwise.
+pub fn batch_tolerance(
+    device: &candle_core::Device,
+    dtype: candle_core::DType,
+    quantized: bool,
+    scale: f32,
+) -> f32 {
+    if device.is_cpu() && dtype == candle_core::DType::F32 {
         1e-4
-    } else if quantized_on_device {
+    } else if quantized && !device.is_cpu() {
         MAX_BATCH_REL_DIFF_QUANTIZED * scale
     } else {
         MAX_BATCH_REL_DIFF * scale
@@ -470,5 +476,36 @@ mod tests {
         let n = compare_nlls(&[1.0, f32::NAN], &[1.0, 2.0]);
         assert_eq!(n.max_abs, f32::INFINITY);
         assert!(n.correlation.is_nan());
+    }
+
+    /// Exact on the CPU in f32 (quantized or not: the CPU computes rows one by one); the wider
+    /// bound only where the kernel depends on the rows, quantized weights on a device.
+    #[test]
+    fn batch_tolerance_by_device_dtype_and_weights() {
+        use candle_core::{DType, Device};
+        let cpu = Device::Cpu;
+        assert_eq!(batch_tolerance(&cpu, DType::F32, false, 7.0), 1e-4);
+        assert_eq!(batch_tolerance(&cpu, DType::F32, true, 7.0), 1e-4);
+        for q in [false, true] {
+            assert_eq!(
+                batch_tolerance(&cpu, DType::BF16, q, 7.0),
+                MAX_BATCH_REL_DIFF * 7.0
+            );
+        }
+        const { assert!(MAX_BATCH_REL_DIFF < MAX_BATCH_REL_DIFF_QUANTIZED) };
+        // A device (the CUDA build only: without it there is none to ask for).
+        #[cfg(feature = "cuda")]
+        if let Ok(gpu) = Device::new_cuda(0) {
+            for dtype in [DType::F32, DType::BF16] {
+                assert_eq!(
+                    batch_tolerance(&gpu, dtype, false, 7.0),
+                    MAX_BATCH_REL_DIFF * 7.0
+                );
+                assert_eq!(
+                    batch_tolerance(&gpu, dtype, true, 7.0),
+                    MAX_BATCH_REL_DIFF_QUANTIZED * 7.0
+                );
+            }
+        }
     }
 }
