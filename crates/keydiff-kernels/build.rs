@@ -93,6 +93,9 @@ fn emulation(root: &std::path::Path) {
             .flag("-fno-strict-aliasing")
             // No fused multiply-adds: the same results on every host, whatever its -march.
             .flag("-ffp-contract=off")
+            // Every page a frame takes is touched in order: a thread that outgrows its fiber
+            // stack meets the guard page below it (kernels/emu/cuda_emu.h, Stacks).
+            .flag("-fstack-clash-protection")
             .opt_level(2)
             .warnings(true)
             .extra_warnings(true)

@@ -40,11 +40,14 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <ucontext.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdlib>
 #include <functional>
+#include <new>
 #include <random>
 #include <string>
 #include <vector>
@@ -97,6 +100,58 @@ struct Untracked {
 constexpr int kWarp = 32;
 constexpr unsigned kMaxThreads = 1024;
 constexpr size_t kStackBytes = 64 * 1024;
+
+// The fibers' stacks: kStackBytes each, each above a guard page that nothing may touch, so
+// that a thread that outgrows its stack faults (SIGSEGV) at once instead of writing over its
+// neighbour's frames. (Frames larger than a page still meet the guard: the emulation is
+// built with -fstack-clash-protection, which touches every page a frame takes.) Fresh pages
+// read as zero.
+class Stacks {
+ public:
+  Stacks() = default;
+  Stacks(const Stacks&) = delete;
+  Stacks& operator=(const Stacks&) = delete;
+  KD_EMU_UNTRACKED ~Stacks() { release(); }
+
+  // Room for `threads` stacks (what is there is kept when it is enough); throws
+  // std::bad_alloc when the pages cannot be had.
+  KD_EMU_UNTRACKED void reserve(unsigned threads) {
+    if (threads <= n_) return;
+    release();
+    const size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    guard_ = page;
+    slot_ = (kStackBytes + page - 1) / page * page + guard_;
+    size_ = slot_ * threads;
+    void* p = mmap(nullptr, size_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) {
+      size_ = 0;
+      throw std::bad_alloc();
+    }
+    base_ = (char*)p;
+    n_ = threads;
+    for (unsigned t = 0; t < threads; ++t)
+      if (mprotect(base_ + (size_t)t * slot_, guard_, PROT_NONE) != 0) {
+        release();
+        throw std::bad_alloc();
+      }
+  }
+  // The lowest address of thread t's stack (it grows down from kStackBytes above).
+  KD_EMU_UNTRACKED char* at(unsigned t) const { return base_ + (size_t)t * slot_ + guard_; }
+  // The range all the stacks (and their guards) take.
+  KD_EMU_UNTRACKED uintptr_t lo() const { return (uintptr_t)base_; }
+  KD_EMU_UNTRACKED uintptr_t hi() const { return (uintptr_t)(base_ + size_); }
+
+ private:
+  KD_EMU_UNTRACKED void release() {
+    if (base_) munmap(base_, size_);
+    base_ = nullptr;
+    size_ = 0;
+    n_ = 0;
+  }
+  char* base_ = nullptr;
+  size_t size_ = 0, slot_ = 0, guard_ = 0;
+  unsigned n_ = 0;
+};
 
 // A fiber's saved context. On x86-64, a stack pointer: kd_emu_switch saves the callee-saved
 // registers on the stack it leaves and restores them from the one it enters, with none of the
@@ -190,6 +245,9 @@ KD_EMU_UNTRACKED inline void switch_to(Context& from, Context& to) {
 
 // Per OS thread, so that launches on several threads (parallel tests) do not meet.
 inline thread_local Block* g_block = nullptr;
+// The fiber stacks (guards included) of the launch this OS thread runs, or [0, 0): a fault in
+// there is a stack overflow (kd_emu_in_fiber_stacks, for crates/keydiff-kernels' fault handler).
+inline thread_local uintptr_t g_stacks_lo = 0, g_stacks_hi = 0;
 inline thread_local dim3 g_block_idx, g_block_dim, g_grid_dim;
 
 KD_EMU_UNTRACKED inline Fiber& cur_fiber() { return g_block->fibers[g_block->cur]; }
@@ -315,8 +373,9 @@ KD_EMU_UNTRACKED inline void run_kernel(void (*kernel)(P...), A... args) {
 // Runs the blocks of a launch in a random order; returns "" or the first block's error.
 KD_EMU_UNTRACKED inline std::string run_blocks(dim3 grid, dim3 block, std::mt19937_64& rng,
                                                const std::function<void()>& body,
-                                               std::vector<char>& stacks) {
+                                               Stacks& stacks) {
   const unsigned threads = block.x * block.y * block.z;
+  stacks.reserve(threads);
   std::vector<dim3> order;
   for (unsigned z = 0; z < grid.z; ++z)
     for (unsigned y = 0; y < grid.y; ++y)
@@ -326,6 +385,13 @@ KD_EMU_UNTRACKED inline std::string run_blocks(dim3 grid, dim3 block, std::mt199
   g_block_dim = block;
   Block b;
   b.body = &body;
+  struct StacksScope {
+    KD_EMU_UNTRACKED StacksScope(const Stacks& s) {
+      g_stacks_lo = s.lo();
+      g_stacks_hi = s.hi();
+    }
+    KD_EMU_UNTRACKED ~StacksScope() { g_stacks_lo = g_stacks_hi = 0; }
+  } stacks_scope(stacks);
   for (const dim3& bi : order) {
     g_block_idx = bi;
     b.fibers.assign(threads, Fiber{});
@@ -344,7 +410,7 @@ KD_EMU_UNTRACKED inline std::string run_blocks(dim3 grid, dim3 block, std::mt199
       f.tid = dim3{t % block.x, (t / block.x) % block.y, t / (block.x * block.y)};
       f.lane = (int)(t % kWarp);
       f.warp = (int)(t / kWarp);
-      init_context(f.ctx, stacks.data() + (size_t)t * kStackBytes, &b.sched);
+      init_context(f.ctx, stacks.at(t), &b.sched);
       b.runnable.push_back((int)t);
     }
     while (!b.runnable.empty()) {
@@ -393,10 +459,10 @@ KD_EMU_UNTRACKED inline std::string launch(dim3 grid, dim3 block, unsigned launc
     return "grid (" + std::to_string(grid.x) + ", " + std::to_string(grid.y) + ", " +
            std::to_string(grid.z) + ") out of CUDA's limits";
   std::mt19937_64 rng(seed);
-  std::vector<char> stacks((size_t)threads * kStackBytes);
-  std::string e = kd_race::begin_launch(grid.x, grid.y, grid.z, threads,
-                                        (uintptr_t)stacks.data(),
-                                        (uintptr_t)(stacks.data() + stacks.size()));
+  Stacks stacks;
+  stacks.reserve(threads);
+  std::string e =
+      kd_race::begin_launch(grid.x, grid.y, grid.z, threads, stacks.lo(), stacks.hi());
   if (!e.empty()) return e;
   RaceScope scope;
   e = run_blocks(grid, block, rng, body, stacks);

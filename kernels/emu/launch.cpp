@@ -636,14 +636,30 @@ void st_past_end(int* out) {
   if (threadIdx.x == 0) out[0] = out[256];
 }
 
+// A thread whose frame outgrows its fiber stack (80 KiB of locals, every 512th byte written):
+// it must meet the guard page below its stack and fault, not write over its neighbour's.
+void st_stack_overflow(int* out) {
+  volatile char big[80 * 1024];
+  for (size_t i = 0; i < sizeof big; i += 512) big[i] = (char)i;
+  out[threadIdx.x] = big[threadIdx.x];
+}
+
 }  // namespace
+
+// 1 when `addr` lies in the fiber stacks of a launch this OS thread is running: a fault there
+// is a thread that outgrew its stack into the guard page below it (the rest is writable).
+// Async-signal-safe (two thread-local words).
+extern "C" int kd_emu_in_fiber_stacks(uintptr_t addr) {
+  return addr >= kd_emu::g_stacks_lo && addr < kd_emu::g_stacks_hi;
+}
 
 // which: 0 reduce, 1 diverged shuffle, 2 exited lane, 3 split barrier, 4 partial mask, 5 race,
 // 6 reduce with a 2048-thread block, 7 reduce with a 48-thread block, 8 grid.y of 70000,
 // 9 reduce with 512 threads against __launch_bounds__(256), 10 uninitialised shared memory,
 // 11 a race between blocks, 12 correct atomics over 2 blocks, 13 a read racing atomics,
 // 14 another head's rows, 15 row padding, 16 a read past the end of `out`, 17 a counter
-// zeroed and updated with no barrier between.
+// zeroed and updated with no barrier between, 18 a thread that overflows its stack (the process
+// faults: SIGSEGV).
 extern "C" int kd_emu_selftest(int which, uint64_t seed, int* out, char* err, size_t err_len) {
   struct SelfTest {
     void (*kernel)(int*);
@@ -670,6 +686,7 @@ extern "C" int kd_emu_selftest(int which, uint64_t seed, int* out, char* err, si
       {st_padding, one, b256, 0},            // 15
       {st_past_end, one, b256, 0},           // 16
       {st_zero_then_add, one, b256, 0},      // 17
+      {st_stack_overflow, one, d3(32), 0},   // 18
   };
   if (which < 0 || which >= (int)(sizeof tests / sizeof tests[0]))
     return finish("unknown self-test " + std::to_string(which), err, err_len);

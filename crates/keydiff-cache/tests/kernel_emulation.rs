@@ -341,6 +341,32 @@ fn wrappers_reject_bad_arguments() {
     assert!(err.unwrap_err().to_string().contains("position 1 twice"));
 }
 
+/// The guard page below each emulated thread's fiber stack: a thread that outgrows its 64 KiB
+/// (self-test 18) aborts the process with a report, instead of writing over its neighbour's
+/// frames (checked in a child process: this test runs itself with `KD_STACK_CHILD` set).
+#[test]
+fn a_thread_that_outgrows_its_stack_is_reported() {
+    if std::env::var_os("KD_STACK_CHILD").is_some() {
+        let r = emu::selftest(18, 1);
+        panic!("self-test 18 returned without a fault: {r:?}");
+    }
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "a_thread_that_outgrows_its_stack_is_reported",
+            "--nocapture",
+        ])
+        .env("KD_STACK_CHILD", "1")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "the child survived: {stderr}");
+    assert!(
+        stderr.contains("outgrew its fiber stack") && !stderr.contains("without a fault"),
+        "{stderr}"
+    );
+}
+
 /// The guard pages around the emulated kernels' buffers: an access one element outside a
 /// buffer, on its fenced side, aborts the process with a report naming the buffer and offset
 /// (checked in a child process: this test runs itself with `KD_FENCE_CHILD` set); a write into

@@ -1921,7 +1921,8 @@ pub fn snapkv_pool(
 /// another head's rows (`out` viewed as 2 heads of 128), 15 writes to row padding (`out` viewed
 /// as 4 rows of 32 at a stride of 64), 16 a read one past the end of `out` (odd seeds only: for
 /// even ones the buffer's end touches its guard page, and the process aborts), 17 a shared
-/// counter zeroed and updated atomically with no barrier between. Returns the
+/// counter zeroed and updated atomically with no barrier between, 18 a thread that outgrows its
+/// fiber stack (the process aborts: the fault handler of [`crate::fence`] reports it). Returns the
 /// kernel's 256 outputs (global memory, fenced as `self-test out`, initially −1), or the
 /// emulation's error.
 pub fn selftest(which: i32, seed: u64) -> Result<Vec<i32>> {

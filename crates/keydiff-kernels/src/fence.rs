@@ -11,6 +11,9 @@
 //!
 //! On a GPU, `compute-sanitizer --tool memcheck` (scripts/gpu-check.sh) is the same check.
 //!
+//! The handler also reports a fault in the guard page below an emulated thread's fiber stack
+//! (`Stacks` in kernels/emu/cuda_emu.h): a thread that outgrew its stack, then aborts.
+//!
 //! Every buffer is also registered with the emulation's memory checker (`kernels/emu/race.h`) as
 //! global memory, so that a race on it, or an access outside it or outside its
 //! [view](Fenced::view), is reported with its name and the byte offset.
@@ -467,8 +470,24 @@ extern "C" fn on_fault(sig: libc::c_int, info: *mut libc::siginfo_t, _ctx: *mut 
             libc::abort();
         }
     }
-    // Not a fenced buffer.
+    // SAFETY: reads two thread-local words (kernels/emu/launch.cpp).
+    if unsafe { kd_emu_in_fiber_stacks(addr) } != 0 {
+        let msg = b"keydiff emulation: an emulated kernel's thread outgrew its fiber stack \
+                    (64 KiB) into the guard page below it; aborting\n";
+        // SAFETY: write and abort are async-signal-safe.
+        unsafe {
+            libc::write(2, msg.as_ptr().cast(), msg.len());
+            libc::abort();
+        }
+    }
+    // Not a fenced buffer, nor a fiber's stack.
     restore(sig);
+}
+
+extern "C" {
+    /// Whether `addr` lies in the fiber stacks (guard pages included) of the launch this OS
+    /// thread is running (kernels/emu/launch.cpp).
+    fn kd_emu_in_fiber_stacks(addr: usize) -> libc::c_int;
 }
 
 /// A message built without allocating (inside a signal handler).

@@ -28,7 +28,7 @@ fi
 mkdir -p "$out"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-flags=(-std=c++17 -O1 -fPIC -ffp-contract=off -w -I "$here/include" -I "$CUDA_HOME/include"
+flags=(-std=c++17 -O1 -fPIC -ffp-contract=off -fstack-clash-protection -w -I "$here/include" -I "$CUDA_HOME/include"
   -I "$root/kernels/emu" -I "$here")
 g++ "${flags[@]}" -c "$here/runtime.cpp" -o "$work/runtime.o"
 g++ "${flags[@]}" -c "$root/kernels/emu/race.cpp" -o "$work/race.o"

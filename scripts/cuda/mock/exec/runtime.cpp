@@ -25,7 +25,7 @@
 
 namespace {
 thread_local std::vector<char> g_dynamic;
-thread_local std::vector<char> g_stacks;
+thread_local kd_emu::Stacks g_stacks;  // reused launch to launch
 thread_local uint64_t g_seed = 0x6b6579646966ull;
 }  // namespace
 
@@ -105,8 +105,6 @@ extern "C" int kx_launch(void (*fn)(void), int n_params, const char* types,
     if (threads % kd_emu::kWarp != 0) {
       e = "a block of " + std::to_string(threads) + " threads (the fibers emulate whole warps)";
     } else {
-      const size_t need = (size_t)threads * kd_emu::kStackBytes;
-      if (g_stacks.size() < need) g_stacks.resize(need);
       std::mt19937_64 rng(g_seed++);
       const std::function<void()> body = [&] { ffi_call(cif, fn, nullptr, args); };
       try {
