@@ -167,6 +167,19 @@ PY
       'asm ldmatrix.sync.aligned.m8n8.x2.b16 '; do
     grep -q "^$want" "$exec_mock" || { echo "executing mock: no '$want' in $exec_mock" | tee -a "$out/exec.log"; exec_rc=1; }
   done
+  # A binary whose kernels come from another kernels/keydiff.cu than the host build's is refused,
+  # not run on the wrong code: its PTX's source mark (build.rs) against kx_sources.tsv.
+  drift=$out/exec-drift
+  rm -rf "$drift" && mkdir -p "$drift"
+  for f in "$kx"/libkx_*.so "$kx"/kx_runtime.tsv; do ln -s "$f" "$drift/"; done
+  printf 'keydiff.cu\t0123456789abcdef\n' > "$drift/kx_sources.tsv"
+  : > "$out/exec-drift.log"
+  if MOCKCUDA_EXEC=$drift MOCKCUDA_LOG=$out/exec-drift.log "$bin" check-device --device cuda:0 \
+      --dtype f32 --budget 128 --policies keydiff --preset configs/tiny-llama.json > /dev/null 2>&1 ||
+     ! grep -q "another source than MOCKCUDA_EXEC" "$out/exec-drift.log"; then
+    echo "executing mock: a host build of another kernels/keydiff.cu was not refused" | tee -a "$out/exec.log"
+    exec_rc=1
+  fi
   echo "executing mock: $(( $(date +%s) - exec_start )) s, exit $exec_rc" | tee -a "$out/exec.log"
   if [ $exec_rc -ne 0 ]; then echo "FAIL: the CUDA path, run by the executing mock, differs from the CPU (see $out/exec.log)" >&2; status=1; fi
   if grep -qE '^(ERROR|UNIMPLEMENTED)' "$exec_mock"; then

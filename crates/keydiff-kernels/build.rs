@@ -67,6 +67,17 @@ fn main() {
         if !status.success() {
             panic!("{nvcc} failed on {}", src.display());
         }
+        // The source's FNV-1a 64 as a trailing PTX comment (the driver ignores it), so that the
+        // executing mock can refuse a host build of another kernels/keydiff.cu than the one this
+        // binary's kernels come from (scripts/cuda/mock/mockcuda.c; exec/build.sh writes the
+        // host build's in kx_sources.tsv).
+        let bytes = std::fs::read(&src).expect("kernel source");
+        let hash = bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
+            (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
+        });
+        let mut text = std::fs::read_to_string(&ptx).expect("nvcc's PTX");
+        text.push_str(&format!("\n// {name}.cu fnv1a64 {hash:016x}\n"));
+        std::fs::write(&ptx, text).expect("PTX written");
     }
 }
 

@@ -199,6 +199,9 @@ typedef struct Func {
   int plain;
   void* host_fn;   // the kernel's host build and its library's kx_launch, found at its first
   void* host_run;  // launch
+  // The FNV-1a 64 of the source its PTX was compiled from, where the PTX says (our own
+  // kernels: crates/keydiff-kernels/build.rs appends `// keydiff.cu fnv1a64 <hex>`), else "".
+  char source[80];
 } Func;
 
 typedef struct Module {
@@ -315,6 +318,19 @@ static const char* body_end(const char* body) {
 
 static Module* load_ptx(const char* ptx) {
   Module* m = calloc(1, sizeof(Module));
+  // `// NAME.cu fnv1a64 HEX` (crates/keydiff-kernels/build.rs): "NAME.cu\tHEX", as
+  // exec/build.sh's kx_sources.tsv writes it.
+  char source[80] = "";
+  const char* mark = strstr(ptx, ".cu fnv1a64 ");
+  if (mark) {
+    const char* start = mark;
+    while (start > ptx && start[-1] != ' ' && start[-1] != '/' && start[-1] != '\n') start--;
+    char name[32], hex[17];
+    if (mark - start < (long)sizeof name - 3 && sscanf(mark + 12, "%16[0-9a-f]", hex) == 1) {
+      snprintf(name, sizeof name, "%.*s.cu", (int)(mark - start), start);
+      snprintf(source, sizeof source, "%s\t%s", name, hex);
+    }
+  }
   const char* p = ptx;
   while ((p = strstr(p, ".entry ")) != NULL) {
     p += 7;
@@ -323,6 +339,7 @@ static Module* load_ptx(const char* ptx) {
     while (*e && *e != '(' && *e != ' ' && *e != '\n' && *e != '\t' && *e != '{') e++;
     Func* f = calloc(1, sizeof(Func));
     f->name = strndup(p, (size_t)(e - p));
+    memcpy(f->source, source, sizeof source);
     // The directives (.maxntid, .reqntid, ...) sit before the body's '{'.
     const char* body = strchr(e, '{');
     f->maxntid = body ? parse_maxntid(e, body) : 0;
@@ -803,6 +820,31 @@ static void exec_index_load(const char* dir) {
   fclose(in);
 }
 
+// exec/build.sh's kx_sources.tsv: "NAME.cu\tHEX" for each of our sources it built (FNV-1a 64).
+static char exec_sources[8][80];
+static int exec_sources_n = 0;
+
+static void exec_sources_load(const char* dir) {
+  char path[4096], line[256];
+  snprintf(path, sizeof path, "%s/kx_sources.tsv", dir);
+  FILE* in = fopen(path, "r");
+  if (!in) return;
+  while (exec_sources_n < 8 && fgets(line, sizeof line, in)) {
+    line[strcspn(line, "\n")] = 0;
+    if (strlen(line) < sizeof exec_sources[0]) strcpy(exec_sources[exec_sources_n++], line);
+  }
+  fclose(in);
+}
+
+// Whether the host build in MOCKCUDA_EXEC is of the source `f`'s PTX was compiled from (always,
+// for a PTX that does not say: candle's, whose host build is of the version Cargo.lock pins).
+static int exec_same_source(const Func* f) {
+  if (!f->source[0]) return 1;
+  for (int i = 0; i < exec_sources_n; i++)
+    if (strcmp(exec_sources[i], f->source) == 0) return 1;
+  return 0;
+}
+
 static void exec_open(void) {
   const char* dir = getenv("MOCKCUDA_EXEC");
   DIR* d = dir ? opendir(dir) : NULL;
@@ -824,6 +866,7 @@ static void exec_open(void) {
   }
   closedir(d);
   exec_index_load(dir);
+  exec_sources_load(dir);
 }
 
 static CUresult exec_launch(Func* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
@@ -839,6 +882,14 @@ static CUresult exec_launch(Func* f, unsigned gx, unsigned gy, unsigned gz, unsi
   pthread_mutex_unlock(&exec_lock);
   if (!fn || !run)
     return mock_error(CUDA_ERROR_NOT_FOUND, "%s: no host build of this kernel to run (MOCKCUDA_EXEC)", f->name);
+  if (!exec_same_source(f)) {
+    const char* tab = strchr(f->source, '\t');
+    return mock_error(CUDA_ERROR_INVALID_SOURCE,
+                      "%s: the binary's kernels come from another source than MOCKCUDA_EXEC's host "
+                      "build (its PTX is of %.*s with FNV-1a 64 %s; see kx_sources.tsv there): "
+                      "build both from one tree",
+                      f->name, (int)(tab ? tab - f->source : 0), f->source, tab ? tab + 1 : f->source);
+  }
   if (!params)
     return mock_unimplemented("cuLaunchKernel with arguments in `extra` (the executing mock takes kernelParams)");
   for (int k = 0; k < f->n_params; k++)

@@ -68,4 +68,13 @@ done
 for p in "${pids[@]}"; do wait "$p"; done
 g++ -shared -o "$out/libkx_gguf.so" "${gguf[@]/%.cu/.o}" "$work/runtime.o" "$work/race.o" -lffi
 python3 "$here/hostify.py" --index "$out/libkx_gguf.so" > "$out/kx_runtime.tsv"
+# Which kernels/keydiff.cu the host build is of (FNV-1a 64, as crates/keydiff-kernels/build.rs
+# marks the binary's PTX): the stand-in driver refuses to run a binary's kernels on another's.
+python3 - "$root/kernels/keydiff.cu" > "$out/kx_sources.tsv" <<'PY'
+import sys
+h = 0xcbf29ce484222325
+for b in open(sys.argv[1], "rb").read():
+    h = ((h ^ b) * 0x100000001b3) & 0xffffffffffffffff
+print(f"keydiff.cu\t{h:016x}")
+PY
 echo "$out"

@@ -37,7 +37,8 @@ extern "C" void* kx_dynamic_shared() { return g_dynamic.data(); }
 // sizes[k] bytes, 'u' also for a struct of that size: the half types and fp8, integer-class
 // in the x86-64 ABI, as no kernel here takes a struct of floats by value; 'f' float; 'd'
 // double). The PTX is the binary's and the host build the working tree's: they must come from
-// the same kernels/keydiff.cu. Returns 0, or 1 with the error in `err`.
+// the same kernels/keydiff.cu (the stand-in driver checks: kx_sources.tsv against the mark
+// build.rs leaves in the PTX). Returns 0, or 1 with the error in `err`.
 extern "C" int kx_launch(void (*fn)(void), int n_params, const char* types,
                          const unsigned char* sizes, void** args, unsigned gx, unsigned gy,
                          unsigned gz, unsigned bx, unsigned by, unsigned bz, unsigned shmem,
