@@ -104,8 +104,11 @@ constexpr size_t kStackBytes = 64 * 1024;
 // The fibers' stacks: kStackBytes each, each above a guard page that nothing may touch, so
 // that a thread that outgrows its stack faults (SIGSEGV) at once instead of writing over its
 // neighbour's frames. (Frames larger than a page still meet the guard: the emulation is
-// built with -fstack-clash-protection, which touches every page a frame takes.) Fresh pages
-// read as zero.
+// built with -fstack-clash-protection, which touches every page a frame takes.) A fresh
+// reservation reads as zero; a reused one holds what the last launch left. Each reservation
+// takes about two mappings a thread (guard and stack alternate), against the kernel's
+// vm.max_map_count (65530 by default); a failure to map is std::bad_alloc, reported by the
+// launch.
 class Stacks {
  public:
   Stacks() = default;

@@ -649,7 +649,8 @@ void st_stack_overflow(int* out) {
 // 1 when `addr` lies in the fiber stacks of a launch this OS thread is running: a fault there
 // is a thread that outgrew its stack into the guard page below it (the rest is writable).
 // Async-signal-safe (two thread-local words).
-extern "C" int kd_emu_in_fiber_stacks(uintptr_t addr) {
+// Untracked: it runs in a signal handler, where the memory checker (which allocates) must not.
+extern "C" KD_EMU_UNTRACKED int kd_emu_in_fiber_stacks(uintptr_t addr) {
   return addr >= kd_emu::g_stacks_lo && addr < kd_emu::g_stacks_hi;
 }
 

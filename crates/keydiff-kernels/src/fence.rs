@@ -12,7 +12,9 @@
 //! On a GPU, `compute-sanitizer --tool memcheck` (scripts/gpu-check.sh) is the same check.
 //!
 //! The handler also reports a fault in the guard page below an emulated thread's fiber stack
-//! (`Stacks` in kernels/emu/cuda_emu.h): a thread that outgrew its stack, then aborts.
+//! (`Stacks` in kernels/emu/cuda_emu.h): a thread that outgrew its stack, then aborts. It can
+//! run there only on an alternate signal stack, which every thread Rust's std starts has; on a
+//! thread without one the fault kills the process unexplained (still not a silent overwrite).
 //!
 //! Every buffer is also registered with the emulation's memory checker (`kernels/emu/race.h`) as
 //! global memory, so that a race on it, or an access outside it or outside its
@@ -470,7 +472,7 @@ extern "C" fn on_fault(sig: libc::c_int, info: *mut libc::siginfo_t, _ctx: *mut 
             libc::abort();
         }
     }
-    // SAFETY: reads two thread-local words (kernels/emu/launch.cpp).
+    // SAFETY: reads two thread-local words, uninstrumented (kernels/emu/launch.cpp).
     if unsafe { kd_emu_in_fiber_stacks(addr) } != 0 {
         let msg = b"keydiff emulation: an emulated kernel's thread outgrew its fiber stack \
                     (64 KiB) into the guard page below it; aborting\n";

@@ -50,8 +50,10 @@ static inline int mock_error_name(int e, const char** s) {
     case 2: *s = "CUDA_ERROR_OUT_OF_MEMORY"; break;
     case 101: *s = "CUDA_ERROR_INVALID_DEVICE"; break;
     case 200: *s = "CUDA_ERROR_INVALID_IMAGE"; break;
+    case 300: *s = "CUDA_ERROR_INVALID_SOURCE"; break;
     case 400: *s = "CUDA_ERROR_INVALID_HANDLE"; break;
     case 500: *s = "CUDA_ERROR_NOT_FOUND"; break;
+    case 719: *s = "CUDA_ERROR_LAUNCH_FAILED"; break;
     case 801: *s = "CUDA_ERROR_NOT_SUPPORTED (not implemented by the mock driver)"; break;
     default: *s = "CUDA_ERROR_UNKNOWN"; break;
   }

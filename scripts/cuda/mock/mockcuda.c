@@ -836,13 +836,18 @@ static void exec_sources_load(const char* dir) {
   fclose(in);
 }
 
-// Whether the host build in MOCKCUDA_EXEC is of the source `f`'s PTX was compiled from (always,
-// for a PTX that does not say: candle's, whose host build is of the version Cargo.lock pins).
-static int exec_same_source(const Func* f) {
-  if (!f->source[0]) return 1;
+// NULL when the host build in MOCKCUDA_EXEC is of the source `f`'s PTX was compiled from (a
+// PTX of candle's says nothing: its host build is of the version Cargo.lock pins), else why not.
+static const char* exec_other_source(const Func* f) {
+  if (!f->source[0])
+    return strncmp(f->name, "keydiff_", 8) == 0
+               ? "its PTX has no source mark (a binary built before build.rs marked it): rebuild it"
+               : NULL;
+  if (exec_sources_n == 0)
+    return "MOCKCUDA_EXEC has no kx_sources.tsv (built before it was written): run exec/build.sh again";
   for (int i = 0; i < exec_sources_n; i++)
-    if (strcmp(exec_sources[i], f->source) == 0) return 1;
-  return 0;
+    if (strcmp(exec_sources[i], f->source) == 0) return NULL;
+  return "another source";
 }
 
 static void exec_open(void) {
@@ -882,7 +887,10 @@ static CUresult exec_launch(Func* f, unsigned gx, unsigned gy, unsigned gz, unsi
   pthread_mutex_unlock(&exec_lock);
   if (!fn || !run)
     return mock_error(CUDA_ERROR_NOT_FOUND, "%s: no host build of this kernel to run (MOCKCUDA_EXEC)", f->name);
-  if (!exec_same_source(f)) {
+  const char* other = exec_other_source(f);
+  if (other && strcmp(other, "another source") != 0)
+    return mock_error(CUDA_ERROR_INVALID_SOURCE, "%s: %s", f->name, other);
+  if (other) {
     const char* tab = strchr(f->source, '\t');
     return mock_error(CUDA_ERROR_INVALID_SOURCE,
                       "%s: the binary's kernels come from another source than MOCKCUDA_EXEC's host "
