@@ -280,9 +280,10 @@ fn speculative_requests_in_a_batch_get_what_they_get_alone() {
 }
 
 /// A conversation's turn looks its drafts up in the earlier turns too (they are in its cache,
-/// not in the turn's prompt): asked to copy its last reply, the second turn takes drafts from
-/// it (25 tokens taken, 7 when only the turn's own tokens are looked up), and every turn's
-/// tokens are those of the same conversation decoded token by token.
+/// not in the turn's prompt): asked to copy its last reply, the second turn takes most of its
+/// tokens from drafts (on an Intel Xeon 25 taken, 7 when only the turn's own tokens were
+/// looked up; on an AMD EPYC the reply is shorter, 14 taken of its 16 drafted), and every
+/// turn's tokens are those of the same conversation decoded token by token.
 #[test]
 fn a_chat_turn_drafts_from_earlier_turns() {
     let e = engine(&ModelSource::Gguf(model(SMOLLM2)), CacheConfig::full(16));
@@ -307,8 +308,15 @@ fn a_chat_turn_drafts_from_earlier_turns() {
     for (a, b) in plain.iter().zip(&spec) {
         assert_eq!(a.tokens, b.tokens, "{:?} / {:?}", a.text, b.text);
     }
+    // At least half of the copy came from accepted drafts. The reply's length follows the
+    // host's float arithmetic, so the bound is relative to it, not a count.
     let second = spec[1].stats.speculative.unwrap();
-    assert!(second.accepted >= 16, "{second:?}: {:?}", spec[1].text);
+    assert!(
+        second.accepted >= 8 && 2 * second.accepted >= spec[1].tokens.len(),
+        "{second:?} for {} tokens: {:?}",
+        spec[1].tokens.len(),
+        spec[1].text
+    );
 }
 
 /// At the end of the context (`-c`), drafts stop inside it: the request ends where
