@@ -19,6 +19,14 @@ fn fails(args: &[&str]) -> String {
         !err.contains("panicked"),
         "keydiff {args:?} panicked: {err}"
     );
+    // The error's chain is printed `a: b: c`; no cause twice in a row (an error whose
+    // message has its cause's and that also gives it as its `source()`).
+    let line = err.lines().find(|l| l.starts_with("error: ")).unwrap_or("");
+    let parts: Vec<&str> = line.split(": ").collect();
+    assert!(
+        parts.windows(2).all(|w| w[0] != w[1]),
+        "keydiff {args:?}: a cause printed twice: {line}"
+    );
     err
 }
 
@@ -535,9 +543,38 @@ fn serve_settings() {
     );
     let err = fails(&["serve", "--host", "203.0.113.7", "--port", "1"]);
     expect(&err, "cannot listen on 203.0.113.7:1");
-    // A port in use fails before the model loads (none is given here).
+    // A port in use fails before the model loads (none is given here), with the reason.
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = taken.local_addr().unwrap().port().to_string();
     let err = fails(&["serve", "-m", "no/such/model.gguf", "--port", &port]);
-    expect(&err, &format!("cannot listen on 127.0.0.1:{port}"));
+    expect(
+        &err,
+        &format!("cannot listen on 127.0.0.1:{port}: Address already in use"),
+    );
+}
+
+/// A config that cannot be read is named, with the reason once.
+#[test]
+fn check_device_unreadable_preset() {
+    let err = fails(&[
+        "check-device",
+        "--device",
+        "cpu",
+        "--preset",
+        "/no/such/preset.json",
+    ]);
+    expect(
+        &err,
+        "io error on /no/such/preset.json: No such file or directory",
+    );
+    let d = temp_dir("dirpreset");
+    let err = fails(&[
+        "check-device",
+        "--device",
+        "cpu",
+        "--batch",
+        "--preset",
+        d.to_str().unwrap(),
+    ]);
+    expect(&err, "Is a directory");
 }

@@ -540,7 +540,7 @@ impl HfConfig {
         };
         let text = std::fs::read_to_string(path).map_err(|source| ModelError::Io {
             path: path.to_path_buf(),
-            source,
+            error: source,
         })?;
         serde_json::from_str(&text).map_err(|e| bad(e.to_string()))
     }

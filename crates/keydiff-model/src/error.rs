@@ -32,11 +32,12 @@ pub enum ModelError {
     /// A planned allocation cannot fit in the memory there is (the message has the numbers).
     #[error("not enough memory: {0}")]
     OutOfMemory(String),
-    #[error("io error on {path}: {source}")]
+    /// The message has the I/O error's own; it is not also the [`std::error::Error::source`],
+    /// which a printer of the chain (anyhow's `{:#}`) would print a second time.
+    #[error("io error on {path}: {error}")]
     Io {
         path: PathBuf,
-        #[source]
-        source: std::io::Error,
+        error: std::io::Error,
     },
     #[error(transparent)]
     Cache(#[from] keydiff_cache::CacheError),

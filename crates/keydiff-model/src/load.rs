@@ -417,7 +417,7 @@ fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
     if index.exists() {
         let text = std::fs::read_to_string(&index).map_err(|source| ModelError::Io {
             path: index.clone(),
-            source,
+            error: source,
         })?;
         let v: serde_json::Value =
             serde_json::from_str(&text).map_err(|e| ModelError::BadSafetensors {
@@ -453,7 +453,7 @@ fn read_json(path: &Path) -> Result<Option<serde_json::Value>> {
     }
     let text = std::fs::read_to_string(path).map_err(|source| ModelError::Io {
         path: path.to_path_buf(),
-        source,
+        error: source,
     })?;
     serde_json::from_str(&text)
         .map(Some)

@@ -605,7 +605,7 @@ impl Weights {
         };
         let io = |source| ModelError::Io {
             path: path.to_path_buf(),
-            source,
+            error: source,
         };
         if gguf_check::declared_alignment(&mut file).map_err(io)? == Some(0) {
             return Err(bad(
@@ -621,7 +621,7 @@ impl Weights {
             .metadata()
             .map_err(|source| ModelError::Io {
                 path: path.to_path_buf(),
-                source,
+                error: source,
             })?
             .len();
         gguf_check::tensor_layout(&content, len).map_err(bad)?;
@@ -1340,7 +1340,7 @@ fn open_file(path: &Path) -> Result<File> {
         } else {
             ModelError::Io {
                 path: path.to_path_buf(),
-                source,
+                error: source,
             }
         }
     })
@@ -1353,7 +1353,7 @@ fn check_safetensors_header(path: &Path) -> Result<()> {
     // SAFETY: read-only mapping of a checkpoint that is not modified while we read it.
     let map = unsafe { memmap2::Mmap::map(&f) }.map_err(|source| ModelError::Io {
         path: path.to_path_buf(),
-        source,
+        error: source,
     })?;
     safetensors::SafeTensors::read_metadata(&map).map_err(|e| ModelError::BadSafetensors {
         path: path.to_path_buf(),

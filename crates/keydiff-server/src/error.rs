@@ -101,18 +101,23 @@ impl IntoResponse for ApiError {
     }
 }
 
-/// What can stop the server itself.
+/// What can stop the server itself. A message has the I/O error's own; it is not also the
+/// [`std::error::Error::source`], which a printer of the chain (anyhow's `{:#}`) would print a
+/// second time.
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
-    #[error("cannot listen on {addr}: {source}")]
-    Bind {
-        addr: String,
-        source: std::io::Error,
-    },
+    #[error("cannot listen on {addr}: {error}")]
+    Bind { addr: String, error: std::io::Error },
     #[error("server I/O: {0}")]
-    Io(#[from] std::io::Error),
+    Io(std::io::Error),
     #[error("the generation worker panicked")]
     Worker,
+}
+
+impl From<std::io::Error> for ServerError {
+    fn from(e: std::io::Error) -> Self {
+        Self::Io(e)
+    }
 }
 
 #[cfg(test)]

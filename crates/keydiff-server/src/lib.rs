@@ -391,9 +391,9 @@ impl Server {
 
 /// Binds `addr` (`host:port`), naming it in the error.
 pub fn listen(addr: &str) -> Result<std::net::TcpListener, ServerError> {
-    std::net::TcpListener::bind(addr).map_err(|source| ServerError::Bind {
+    std::net::TcpListener::bind(addr).map_err(|error| ServerError::Bind {
         addr: addr.to_string(),
-        source,
+        error,
     })
 }
 

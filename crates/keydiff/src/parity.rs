@@ -282,23 +282,51 @@ pub const MAX_BATCH_REL_DIFF: f32 = 2e-2;
 /// sequences differs by the scale itself.
 pub const MAX_BATCH_REL_DIFF_QUANTIZED: f32 = 5e-2;
 
-/// The largest |Δ| [`batch_vs_single`]'s segments may have against single runs, for a model
-/// on `device` in `dtype`, its weights GGUF-typed when `quantized`: 1e-4 absolute on the CPU
-/// in f32 (rows are computed one by one there, quantized or not), else relative to the
-/// logits' `scale`: [`MAX_BATCH_REL_DIFF_QUANTIZED`] for quantized weights on a device,
-/// [`MAX_BATCH_REL_DIFF`] otherwise.
+/// The largest |Δ| [`batch_vs_single`]'s segments may have against single runs: absolute,
+/// or relative to the logits' scale.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum BatchTolerance {
+    /// A bound on |Δ| itself.
+    Absolute(f32),
+    /// A bound on |Δ| / the logits' scale.
+    Relative(f32),
+}
+
+impl BatchTolerance {
+    /// The bound on |Δ| for logits of `scale`.
+    pub fn bound(self, scale: f32) -> f32 {
+        match self {
+            Self::Absolute(t) => t,
+            Self::Relative(t) => t * scale,
+        }
+    }
+}
+
+impl std::fmt::Display for BatchTolerance {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Absolute(t) => write!(f, "{t}"),
+            Self::Relative(t) => write!(f, "{t} of the logits' scale"),
+        }
+    }
+}
+
+/// The tolerance of [`batch_vs_single`] for a model on `device` in `dtype`, its weights
+/// GGUF-typed when `quantized`: 1e-4 absolute on the CPU in f32 (rows are computed one by one
+/// there, quantized or not), else relative to the logits' scale:
+/// [`MAX_BATCH_REL_DIFF_QUANTIZED`] for quantized weights on a device, [`MAX_BATCH_REL_DIFF`]
+/// otherwise.
 pub fn batch_tolerance(
     device: &candle_core::Device,
     dtype: candle_core::DType,
     quantized: bool,
-    scale: f32,
-) -> f32 {
+) -> BatchTolerance {
     if device.is_cpu() && dtype == candle_core::DType::F32 {
-        1e-4
+        BatchTolerance::Absolute(1e-4)
     } else if quantized && !device.is_cpu() {
-        MAX_BATCH_REL_DIFF_QUANTIZED * scale
+        BatchTolerance::Relative(MAX_BATCH_REL_DIFF_QUANTIZED)
     } else {
-        MAX_BATCH_REL_DIFF * scale
+        BatchTolerance::Relative(MAX_BATCH_REL_DIFF)
     }
 }
 
@@ -483,27 +511,33 @@ mod tests {
     #[test]
     fn batch_tolerance_by_device_dtype_and_weights() {
         use candle_core::{DType, Device};
+        use BatchTolerance::{Absolute, Relative};
         let cpu = Device::Cpu;
-        assert_eq!(batch_tolerance(&cpu, DType::F32, false, 7.0), 1e-4);
-        assert_eq!(batch_tolerance(&cpu, DType::F32, true, 7.0), 1e-4);
+        assert_eq!(batch_tolerance(&cpu, DType::F32, false), Absolute(1e-4));
+        assert_eq!(batch_tolerance(&cpu, DType::F32, true), Absolute(1e-4));
         for q in [false, true] {
             assert_eq!(
-                batch_tolerance(&cpu, DType::BF16, q, 7.0),
-                MAX_BATCH_REL_DIFF * 7.0
+                batch_tolerance(&cpu, DType::BF16, q),
+                Relative(MAX_BATCH_REL_DIFF)
             );
         }
         const { assert!(MAX_BATCH_REL_DIFF < MAX_BATCH_REL_DIFF_QUANTIZED) };
+        // The bound: absolute ignores the scale, relative scales with it.
+        assert_eq!(Absolute(1e-4).bound(7.0), 1e-4);
+        assert_eq!(Relative(0.5).bound(7.0), 3.5);
+        assert_eq!(Absolute(1e-4).to_string(), "0.0001");
+        assert_eq!(Relative(0.02).to_string(), "0.02 of the logits' scale");
         // A device (the CUDA build only: without it there is none to ask for).
         #[cfg(feature = "cuda")]
         if let Ok(gpu) = Device::new_cuda(0) {
             for dtype in [DType::F32, DType::BF16] {
                 assert_eq!(
-                    batch_tolerance(&gpu, dtype, false, 7.0),
-                    MAX_BATCH_REL_DIFF * 7.0
+                    batch_tolerance(&gpu, dtype, false),
+                    Relative(MAX_BATCH_REL_DIFF)
                 );
                 assert_eq!(
-                    batch_tolerance(&gpu, dtype, true, 7.0),
-                    MAX_BATCH_REL_DIFF_QUANTIZED * 7.0
+                    batch_tolerance(&gpu, dtype, true),
+                    Relative(MAX_BATCH_REL_DIFF_QUANTIZED)
                 );
             }
         }
