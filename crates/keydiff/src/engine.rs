@@ -1532,6 +1532,15 @@ impl<'e> Decoding<'e> {
         if !rest.is_empty() {
             on_event(Event::Text(&rest));
         }
+        // A stop in the last character, complete only in the flush (a token cut short at the
+        // limit): the text ends at the stop, so the stop ended it.
+        if matches!(self.reason, StopReason::MaxTokens | StopReason::Context) {
+            match self.stream.stopped_by() {
+                Some(Stopped::String) => self.reason = StopReason::StopString,
+                Some(Stopped::Indent) => self.reason = StopReason::Indent,
+                None => {}
+            }
+        }
         let decode_s = self.td.elapsed().as_secs_f64();
         let e = self.engine;
         let n = self.prompt.len();

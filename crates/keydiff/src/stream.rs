@@ -2,6 +2,12 @@
 //!
 //! Byte-level BPE tokens can end inside a UTF-8 character, and a stop string can span tokens, so
 //! text is released only when it is complete and cannot be the start of a stop string.
+//!
+//! Each token costs the same however long the output is: only a window of the last tokens is
+//! decoded (as vLLM's and TGI's incremental detokenizers do: the window starts one step back,
+//! so that a decoder's rules for a first token, such as SentencePiece's leading space, apply
+//! to tokens already decoded and the new text is what the window's decoding adds), and the
+//! stops are looked for only in the new text and the stop length before it.
 
 use tokenizers::Tokenizer;
 
@@ -12,13 +18,25 @@ use crate::error::{EngineError, Result};
 pub struct TextStream<'a> {
     tokenizer: &'a Tokenizer,
     tokens: Vec<u32>,
+    /// The window: `tokens[prefix..]` is decoded on each token; `tokens[prefix..read]`, whose
+    /// text (`prefix_text`) is in `text` already, gives the decoder its context.
+    prefix: usize,
+    read: usize,
+    prefix_text: String,
+    /// `text`'s length before the text of `tokens[read..]`: what a token's decoding rewrites.
+    base: usize,
     /// All text decoded so far (complete characters only).
     text: String,
     /// Bytes of `text` already handed out.
     emitted: usize,
     stops: Vec<String>,
+    /// Bytes of `text` already looked through for a stop: a stop can start at most its length
+    /// less one byte before it.
+    searched: usize,
     /// End at a line less indented than this ([`TextStream::stop_below_indent`]).
     indent: Option<usize>,
+    /// Where [`below_indent_from`] starts next: a line after the first not yet decided.
+    indent_from: Option<usize>,
     stopped: Option<Stopped>,
 }
 
@@ -37,10 +55,16 @@ impl<'a> TextStream<'a> {
         Self {
             tokenizer,
             tokens: Vec::new(),
+            prefix: 0,
+            read: 0,
+            prefix_text: String::new(),
+            base: 0,
             text: String::new(),
             emitted: 0,
             stops: stops.into_iter().filter(|s| !s.is_empty()).collect(),
+            searched: 0,
             indent: None,
+            indent_from: None,
             stopped: None,
         }
     }
@@ -53,21 +77,33 @@ impl<'a> TextStream<'a> {
         self
     }
 
+    fn decode(&self, tokens: &[u32]) -> Result<String> {
+        (self.tokenizer)
+            .decode(tokens, true)
+            .map_err(|e| EngineError::Tokenizer(e.to_string()))
+    }
+
     /// Adds a token; returns the text that is now safe to show (possibly empty).
     pub fn push(&mut self, token: u32) -> Result<String> {
         if self.stopped.is_some() {
             return Ok(String::new());
         }
         self.tokens.push(token);
-        let decoded = self
-            .tokenizer
-            .decode(&self.tokens, true)
-            .map_err(|e| EngineError::Tokenizer(e.to_string()))?;
-        // An incomplete UTF-8 sequence decodes to U+FFFD: wait for the next token.
-        if decoded.ends_with('\u{FFFD}') {
+        let window = self.window()?;
+        // An incomplete UTF-8 sequence decodes to U+FFFD: the complete text before it is
+        // taken (and looked through for stops) now, the rest on a later token.
+        let complete = window.trim_end_matches('\u{FFFD}');
+        let whole = complete.len() == window.len();
+        if !self.extend(complete) {
             return Ok(String::new());
         }
-        self.text = decoded;
+        if whole {
+            // The window moves on: the new tokens become the next one's context.
+            self.prefix = self.read;
+            self.read = self.tokens.len();
+            self.prefix_text = self.decode(&self.tokens[self.prefix..self.read])?;
+            self.base = self.text.len();
+        }
         if self.cut() {
             return Ok(self.take(self.text.len()));
         }
@@ -81,17 +117,65 @@ impl<'a> TextStream<'a> {
         Ok(self.take(self.text.len() - hold))
     }
 
-    /// Ends the text at the first stop string or line below the indentation in it; true
-    /// when one was there.
+    /// The window's tokens decoded, beginning with `prefix_text`. A decoder could rewrite its
+    /// context's text given more tokens (none of the byte-level BPE, SentencePiece or
+    /// byte-fallback decoders does): then all the tokens are decoded, and the window starts
+    /// over from the first.
+    fn window(&mut self) -> Result<String> {
+        let window = self.decode(&self.tokens[self.prefix..])?;
+        if window.starts_with(self.prefix_text.as_str()) {
+            return Ok(window);
+        }
+        tracing::debug!("the decoder rewrote text before the new token: decoding all tokens");
+        (self.prefix, self.read, self.base) = (0, 0, 0);
+        self.prefix_text.clear();
+        (self.searched, self.indent_from) = (0, None);
+        self.decode(&self.tokens)
+    }
+
+    /// Makes `text` end with what `window` (from [`TextStream::window`]) adds to its context's
+    /// text; false (`text` unchanged) when it adds nothing beyond what `text` has.
+    fn extend(&mut self, window: &str) -> bool {
+        let Some(new) = window.strip_prefix(self.prefix_text.as_str()) else {
+            return false;
+        };
+        if self.base + new.len() <= self.text.len() {
+            return false;
+        }
+        self.text.truncate(self.base);
+        self.text.push_str(new);
+        true
+    }
+
+    /// Ends the text at the first stop string or line below the indentation in the text not
+    /// yet looked through; true when one was there.
     fn cut(&mut self) -> bool {
+        let longest = self.stops.iter().map(String::len).max().unwrap_or(1);
+        let mut from = self
+            .searched
+            .saturating_sub(longest - 1)
+            .min(self.text.len());
+        while !self.text.is_char_boundary(from) {
+            from -= 1;
+        }
         let string = (self.stops.iter())
-            .filter_map(|s| self.text.find(s.as_str()))
+            .filter_map(|s| self.text[from..].find(s.as_str()))
             .min()
-            .map(|at| (at, Stopped::String));
+            .map(|at| (from + at, Stopped::String));
         let indent = (self.indent)
-            .and_then(|n| below_indent(&self.text, n))
+            .and_then(|n| match self.indent_from {
+                Some(at) => below_indent_from(&self.text, n, at),
+                // No line break before `searched`: the second line starts after the first one.
+                None => (self.text[self.searched..].find('\n'))
+                    .and_then(|nl| below_indent_from(&self.text, n, self.searched + nl + 1)),
+            })
             .map(|at| (at, Stopped::Indent));
         let Some((at, why)) = string.into_iter().chain(indent).min_by_key(|c| c.0) else {
+            // The next search of the indentation starts at the last line, which may go on.
+            if let Some(nl) = self.text[self.searched..].rfind('\n') {
+                self.indent_from = Some(self.searched + nl + 1);
+            }
+            self.searched = self.text.len();
             return false;
         };
         self.text.truncate(at);
@@ -102,10 +186,11 @@ impl<'a> TextStream<'a> {
     /// Flushes what was held back at the end of generation (a character cut short decoded as
     /// it is), cut as [`TextStream::push`] cuts.
     pub fn finish(&mut self) -> String {
-        if let Ok(rest) = self.tokenizer.decode(&self.tokens, true) {
-            if self.stopped.is_none() && rest.len() >= self.text.len() {
-                self.text = rest;
-                self.cut();
+        if self.stopped.is_none() {
+            if let Ok(window) = self.window() {
+                if self.extend(&window) {
+                    self.cut();
+                }
             }
         }
         self.take(self.text.len())
@@ -139,8 +224,13 @@ impl<'a> TextStream<'a> {
 /// Where `text` ends by llama.cpp's `n_indent` rule: on a line after the first, the first
 /// character other than a space or a tab (a line break too: an empty line ends it) where the
 /// indentation before it is below `n`.
-pub fn below_indent(text: &str, n: usize) -> Option<usize> {
-    let mut at = text.find('\n')? + 1;
+#[cfg(test)]
+fn below_indent(text: &str, n: usize) -> Option<usize> {
+    below_indent_from(text, n, text.find('\n')? + 1)
+}
+
+/// [`below_indent`] from `at`, the start of a line after the first.
+fn below_indent_from(text: &str, n: usize, mut at: usize) -> Option<usize> {
     loop {
         let line = &text[at..];
         let indent = line
