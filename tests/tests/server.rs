@@ -1731,6 +1731,132 @@ fn llama_cpp_completion_endpoint() {
     server.stop().unwrap();
 }
 
+/// llama.cpp's `logit_bias` (pairs of an id or a text and a number or `false`, or an object)
+/// on `/completion`; its samplers keydiff does not have, refused unless off; vLLM's
+/// `stop_token_ids`, and its fields keydiff does not have, refused unless they ask for
+/// nothing; seeds and `repeat_last_n` as integers of any sign.
+#[test]
+fn logit_bias_stop_tokens_and_unsupported_samplers() {
+    let local = engine(CacheConfig::full(32));
+    let server = start(CacheConfig::full(32), 4);
+    let text = "<|im_start|>user\nName a colour.<|im_end|>\n<|im_start|>assistant\n";
+    let ids = local.tokenize(text, true).unwrap();
+    let greedy_with = |bias: Vec<(u32, f32)>, stop_tokens: Vec<u32>| {
+        let mut p = greedy(Prompt::Tokens(ids.clone()), 8);
+        p.sampling.logit_bias = bias;
+        p.stop_tokens = stop_tokens;
+        local.generate(&p, |_| {}).unwrap()
+    };
+    let plain = greedy_with(vec![], vec![]);
+    let first = plain.tokens[0];
+    let banned = greedy_with(vec![(first, f32::NEG_INFINITY)], vec![]);
+    assert_ne!(banned.tokens[0], first);
+    let first_text = local.detokenize(&[first]).unwrap();
+    let text_ids = local.tokenize_continuation(&first_text).unwrap();
+    let text_banned = greedy_with(
+        text_ids.iter().map(|&t| (t, f32::NEG_INFINITY)).collect(),
+        vec![],
+    );
+    let lowered = greedy_with(vec![(first, -1.5)], vec![]);
+    let url = format!("{}/completion", server.url());
+    for (bias, want) in [
+        (json!([[first, false]]), &banned),
+        (json!({ first.to_string(): false }), &banned),
+        (json!([[first_text, false]]), &text_banned),
+        (json!([[first, -1.5]]), &lowered),
+        (json!([]), &plain),
+    ] {
+        let body = json!({"prompt": text, "n_predict": 8, "temperature": 0, "logit_bias": bias});
+        let (code, v) = post(&url, &body);
+        assert_eq!(code, 200, "{body}: {v}");
+        assert_eq!(v["content"], want.text.as_str(), "{body}: {v}");
+    }
+    for bias in [
+        json!([[first, true]]),
+        json!([[first]]),
+        json!([[-1, 1.0]]),
+        json!([["", 1.0]]),
+        json!("x"),
+        json!([[1_000_000, 1.0]]),
+    ] {
+        let (code, v) = post(&url, &json!({"prompt": text, "logit_bias": bias}));
+        assert_eq!(code, 400, "{bias}: {v}");
+        let msg = v["error"]["message"].as_str().unwrap();
+        assert!(
+            msg.contains("logit bias") || msg.contains("logit_bias"),
+            "{bias}: {v}"
+        );
+    }
+    // llama.cpp's other samplers: off is answered, on is refused by name.
+    let off = json!({"prompt": text, "n_predict": 2, "n_probs": 0, "typical_p": 1.0,
+        "mirostat": 0, "dynatemp_range": 0.0, "dry_multiplier": 0.0, "xtc_probability": 0.0,
+        "top_n_sigma": -1.0});
+    let (code, v) = post(&url, &off);
+    assert_eq!(code, 200, "{v}");
+    for (field, on) in [
+        ("n_probs", json!(5)),
+        ("typical_p", json!(0.5)),
+        ("mirostat", json!(2)),
+        ("dynatemp_range", json!(0.5)),
+        ("dry_multiplier", json!(0.8)),
+        ("xtc_probability", json!(0.5)),
+        ("top_n_sigma", json!(1.0)),
+    ] {
+        let mut body = off.clone();
+        body[field] = on;
+        let (code, v) = post(&url, &body);
+        assert_eq!(code, 400, "{field}: {v}");
+        assert_eq!(v["error"]["param"], field, "{v}");
+    }
+
+    // vLLM's stop_token_ids: the reply ends before the first of them, as at an EOS.
+    let stop = plain.tokens[3];
+    let k = plain.tokens.iter().position(|&t| t == stop).unwrap();
+    let stopped = greedy_with(vec![], vec![stop]);
+    assert_eq!(stopped.tokens, plain.tokens[..=k]);
+    assert_eq!(stopped.stats.stop_reason, StopReason::Eos);
+    let url = format!("{}/v1/completions", server.url());
+    let body = json!({"prompt": ids, "max_tokens": 8, "temperature": 0,
+        "stop_token_ids": [stop]});
+    let (code, v) = post(&url, &body);
+    assert_eq!(code, 200, "{v}");
+    assert_eq!(v["choices"][0]["text"], stopped.text.as_str(), "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], k + 1, "{v}");
+    let (code, v) = post(&url, &json!({"prompt": ids, "stop_token_ids": [1_000_000]}));
+    assert_eq!(code, 400, "{v}");
+    // vLLM's fields keydiff does not have.
+    let (code, v) = post(
+        &url,
+        &json!({"prompt": "a", "max_tokens": 2, "min_tokens": 0, "bad_words": [],
+            "allowed_token_ids": [], "include_stop_str_in_output": false}),
+    );
+    assert_eq!(code, 200, "{v}");
+    for (field, on) in [
+        ("min_tokens", json!(4)),
+        ("bad_words", json!(["red"])),
+        ("allowed_token_ids", json!([1, 2])),
+        ("include_stop_str_in_output", json!(true)),
+    ] {
+        let mut body = json!({"prompt": "a", "max_tokens": 2});
+        body[field] = on;
+        let (code, v) = post(&url, &body);
+        assert_eq!(code, 400, "{field}: {v}");
+        assert_eq!(v["error"]["param"], field, "{v}");
+    }
+    // A negative seed is a seed; repeat_last_n -1 is the whole context.
+    let seeded = json!({"prompt": "Once upon a time", "max_tokens": 8, "temperature": 1.5,
+        "seed": -5, "repeat_last_n": -1, "repetition_penalty": 1.1});
+    let (code, a) = post(&url, &seeded);
+    assert_eq!(code, 200, "{a}");
+    let (_, b) = post(&url, &seeded);
+    assert_eq!(a["choices"][0]["text"], b["choices"][0]["text"]);
+    let (code, v) = post(&url, &json!({"prompt": "a", "repeat_last_n": -2}));
+    assert_eq!(code, 400, "{v}");
+    assert_eq!(v["error"]["param"], "repeat_last_n", "{v}");
+    server.stop().unwrap();
+}
+
 /// A ChatML template of a reasoning model: `enable_thinking: false` writes an empty
 /// `<think>` block into the generation prompt, as Qwen 3's does.
 const THINKING_TEMPLATE: &str = "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + \

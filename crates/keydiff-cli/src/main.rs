@@ -2157,6 +2157,7 @@ fn generate_with(
         sampling,
         stop: a.stop.clone(),
         ignore_eos: a.ignore_eos,
+        stop_tokens: Vec::new(),
         profile: a.profile,
         cancel: None,
         logprobs: a.logprobs,

@@ -3,8 +3,9 @@
 //!
 //! Unknown fields are ignored, as OpenAI clients send many; fields this server cannot honour
 //! (`best_of` above `n` with a stream, `suffix` with `echo`, image content, JSON schema
-//! keywords the grammar cannot enforce, tools for a model whose calls keydiff cannot read) are refused with a 400 naming the field rather than ignored, so
-//! that no client gets an answer it did not ask for.
+//! keywords the grammar cannot enforce, tools for a model whose calls keydiff cannot read,
+//! vLLM's and llama.cpp's samplers keydiff does not have, when on) are refused with a 400
+//! naming the field rather than ignored, so that no client gets an answer it did not ask for.
 //!
 //! The output's form is OpenAI's `response_format` (`text`, `json_object`, `json_schema`) or
 //! llama.cpp's `grammar` (GBNF) or `json_schema`, on both endpoints.
@@ -52,10 +53,12 @@ pub struct Common {
     pub top_k: Option<i64>,
     pub min_p: Option<f32>,
     pub repetition_penalty: Option<f32>,
-    pub repeat_last_n: Option<usize>,
+    /// The last this many tokens are penalised; -1: the whole context (llama.cpp's).
+    pub repeat_last_n: Option<i64>,
     pub frequency_penalty: Option<f32>,
     pub presence_penalty: Option<f32>,
-    pub seed: Option<u64>,
+    /// Any integer (OpenAI's and vLLM's); a negative one is taken as its 64 bits.
+    pub seed: Option<i64>,
     pub stop: Option<StopInput>,
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
@@ -69,6 +72,14 @@ pub struct Common {
     pub grammar: Option<String>,
     /// llama.cpp's: a JSON schema the output must be a value of.
     pub json_schema: Option<Value>,
+    /// vLLM's: generation also ends at these tokens ([`GenerateParams::stop_tokens`]).
+    pub stop_token_ids: Option<Vec<u32>>,
+    /// vLLM's sampling fields keydiff does not have: refused unless they ask for nothing
+    /// ([`Common::refuse_unsupported`]).
+    pub min_tokens: Option<u64>,
+    pub include_stop_str_in_output: Option<bool>,
+    pub allowed_token_ids: Option<Vec<u32>>,
+    pub bad_words: Option<Vec<String>>,
 }
 
 /// `POST /v1/completions`.
@@ -162,6 +173,9 @@ pub struct Mapped {
     pub answer_format: bool,
     /// How llama.cpp's own endpoints shape the answer.
     pub llama: LlamaReply,
+    /// llama.cpp's `logit_bias` on texts: each of the text's tokens gets the bias, once the
+    /// server has tokenized it (into `params.sampling.logit_bias`).
+    pub bias_texts: TextBiases,
 }
 
 /// What llama.cpp's endpoints (`/completion`, `/infill`) answer beyond the engine's output.
@@ -211,9 +225,20 @@ impl Common {
         if !(1..=MAX_N).contains(&n) {
             return bad(format!("n = {n}: it must be from 1 to {MAX_N}"), "n");
         }
+        self.refuse_unsupported()?;
         let logit_bias = match &self.logit_bias {
             None => Vec::new(),
             Some(m) => logit_bias(m)?,
+        };
+        let repeat_last_n = match self.repeat_last_n {
+            Some(-1) => Some(usize::MAX),
+            Some(n) if n < 0 => {
+                return bad(
+                    format!("repeat_last_n = {n}: it must be -1 (the context) or more"),
+                    "repeat_last_n",
+                )
+            }
+            n => n.map(|n| n as usize),
         };
         let max_tokens = match self.max_completion_tokens.or(self.max_tokens) {
             Some(0) => return bad("max_tokens must be at least 1".into(), "max_tokens"),
@@ -244,14 +269,12 @@ impl Common {
             repetition_penalty: (self.repetition_penalty)
                 .or(m.repetition_penalty)
                 .unwrap_or(1.0),
-            repeat_last_n: (self.repeat_last_n)
-                .or(m.repeat_last_n)
-                .unwrap_or(d.repeat_last_n),
+            repeat_last_n: repeat_last_n.or(m.repeat_last_n).unwrap_or(d.repeat_last_n),
             frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
             presence_penalty: self.presence_penalty.unwrap_or(0.0),
             logit_bias,
             format: self.format()?,
-            seed: self.seed.unwrap_or_else(rand::random),
+            seed: self.seed.map_or_else(rand::random, |s| s as u64),
         };
         sampling
             .validate()
@@ -263,6 +286,7 @@ impl Common {
                 sampling,
                 stop,
                 ignore_eos: self.ignore_eos.unwrap_or(false),
+                stop_tokens: self.stop_token_ids.clone().unwrap_or_default(),
                 profile: false,
                 cancel: None,
                 logprobs,
@@ -280,6 +304,7 @@ impl Common {
             tools: None,
             answer_format: self.response_format.as_ref().is_some_and(|v| !v.is_null()),
             llama: LlamaReply::default(),
+            bias_texts: Vec::new(),
             include_usage: self
                 .stream_options
                 .as_ref()
@@ -289,6 +314,35 @@ impl Common {
 }
 
 impl Common {
+    /// Refuses vLLM's sampling fields that keydiff does not have, where they ask for
+    /// something (a client that sends their defaults is answered).
+    fn refuse_unsupported(&self) -> Result<(), ApiError> {
+        let asked = [
+            ("min_tokens", self.min_tokens.is_some_and(|n| n > 0)),
+            (
+                "include_stop_str_in_output",
+                self.include_stop_str_in_output == Some(true),
+            ),
+            (
+                "allowed_token_ids",
+                self.allowed_token_ids
+                    .as_ref()
+                    .is_some_and(|v| !v.is_empty()),
+            ),
+            (
+                "bad_words",
+                self.bad_words.as_ref().is_some_and(|v| !v.is_empty()),
+            ),
+        ];
+        match asked.iter().find(|a| a.1) {
+            Some(&(field, _)) => Err(ApiError::invalid(
+                format!("{field} is not supported"),
+                Some(field),
+            )),
+            None => Ok(()),
+        }
+    }
+
     /// The output's form: OpenAI's `response_format` (`text`, `json_object`, or `json_schema`
     /// with its `json_schema.schema`), or llama.cpp's `grammar` or `json_schema`; one of them.
     /// A schema is compiled to a grammar here, so that what it cannot enforce is refused
@@ -725,12 +779,54 @@ pub struct LlamaParams {
     pub ignore_eos: Option<bool>,
     pub grammar: Option<String>,
     pub json_schema: Option<Value>,
+    /// `[[token, bias], …]` (a token id or a text, whose every token is biased; a number, or
+    /// `false`: never), or OpenAI's object form.
+    pub logit_bias: Option<Value>,
+    /// llama.cpp's samplers keydiff does not have: refused unless off
+    /// ([`LlamaParams::refuse_unsupported`]).
+    pub n_probs: Option<i64>,
+    pub typical_p: Option<f32>,
+    pub mirostat: Option<i64>,
+    pub dynatemp_range: Option<f32>,
+    pub dry_multiplier: Option<f32>,
+    pub xtc_probability: Option<f32>,
+    pub top_n_sigma: Option<f32>,
 }
 
 /// llama.cpp's seed for "a fresh one" (`LLAMA_DEFAULT_SEED`), as negative ones are.
 const LLAMA_RANDOM_SEED: i64 = 0xFFFF_FFFF;
 
 impl LlamaParams {
+    /// Refuses llama.cpp's samplers that keydiff does not have, unless they are off (its web
+    /// UI and editor plugins send them all, at their defaults).
+    fn refuse_unsupported(&self) -> Result<(), ApiError> {
+        let on = [
+            ("n_probs", self.n_probs.is_some_and(|n| n > 0)),
+            ("typical_p", self.typical_p.is_some_and(|p| p < 1.0)),
+            ("mirostat", self.mirostat.is_some_and(|m| m != 0)),
+            (
+                "dynatemp_range",
+                self.dynatemp_range.is_some_and(|r| r > 0.0),
+            ),
+            (
+                "dry_multiplier",
+                self.dry_multiplier.is_some_and(|m| m > 0.0),
+            ),
+            (
+                "xtc_probability",
+                self.xtc_probability.is_some_and(|p| p > 0.0),
+            ),
+            ("top_n_sigma", self.top_n_sigma.is_some_and(|s| s > 0.0)),
+        ];
+        match on.iter().find(|o| o.1) {
+            Some(&(field, _)) => Err(ApiError::invalid(
+                format!("{field} is not supported (keydiff's samplers: {KEYDIFF_SAMPLERS})"),
+                Some(field),
+            )),
+            None => Ok(()),
+        }
+    }
+
     /// The request on `prompt`, as the OpenAI endpoints would run it with these settings.
     fn map(self, prompt: Prompt, defaults: Defaults) -> Result<Mapped, ApiError> {
         // llama.cpp's n_predict: −1 (the default) generates to the end or the context; 0
@@ -755,15 +851,10 @@ impl LlamaParams {
         // llama.cpp's defaults, under the checkpoint's recommendation where it gives one.
         let m = defaults.sampling;
         let penalties = listed("penalties");
-        let repeat_last_n = match self.repeat_last_n {
-            Some(-1) => Some(usize::MAX),
-            Some(n) if n < 0 => {
-                return Err(ApiError::invalid(
-                    format!("repeat_last_n = {n}: it must be -1 (the context) or more"),
-                    Some("repeat_last_n"),
-                ))
-            }
-            n => n.map(|n| n as usize),
+        self.refuse_unsupported()?;
+        let (bias_ids, bias_texts) = match &self.logit_bias {
+            None => (Vec::new(), Vec::new()),
+            Some(v) => llama_logit_bias(v)?,
         };
         let common = Common {
             max_tokens,
@@ -786,12 +877,10 @@ impl LlamaParams {
             repetition_penalty: (self.repeat_penalty)
                 .or(m.repetition_penalty)
                 .filter(|_| penalties),
-            repeat_last_n,
+            repeat_last_n: self.repeat_last_n,
             presence_penalty: self.presence_penalty.filter(|_| penalties),
             frequency_penalty: self.frequency_penalty.filter(|_| penalties),
-            seed: (self.seed)
-                .filter(|&s| s >= 0 && s != LLAMA_RANDOM_SEED)
-                .map(|s| s as u64),
+            seed: (self.seed).filter(|&s| s >= 0 && s != LLAMA_RANDOM_SEED),
             // llama.cpp drops empty stop strings.
             stop: self.stop.map(|s| {
                 let v = match s {
@@ -807,6 +896,8 @@ impl LlamaParams {
             ..Common::default()
         };
         let mut m = common.map(prompt, defaults, None)?;
+        m.params.sampling.logit_bias.extend(bias_ids);
+        m.bias_texts = bias_texts;
         m.params.stop_indent = n_indent;
         m.params.time_limit = time_limit;
         m.llama = LlamaReply {
@@ -848,6 +939,69 @@ fn sampler_names(v: &Value) -> Result<Vec<&'static str>, ApiError> {
             Some("samplers"),
         )),
     }
+}
+
+/// The samplers keydiff has, for messages.
+const KEYDIFF_SAMPLERS: &str =
+    "penalties, top_k, top_p, min_p, temperature, logit_bias, grammar, json_schema";
+
+/// Texts and the bias of each of their tokens (llama.cpp's `logit_bias`).
+pub type TextBiases = Vec<(String, f32)>;
+
+/// llama.cpp's `logit_bias`: `[[token, bias], …]`, or an object of token (id or text) to bias,
+/// where a token is an id or a text (each of the text's tokens is biased) and a bias a number
+/// or `false` (the token never comes). Ids outside the vocabulary are refused by the engine.
+/// The ids, and the texts to tokenize ([`Mapped::bias_texts`]).
+fn llama_logit_bias(v: &Value) -> Result<(Vec<(u32, f32)>, TextBiases), ApiError> {
+    let bad = |m: String| ApiError::invalid(m, Some("logit_bias"));
+    let pairs: Vec<(Value, &Value)> = match v {
+        Value::Array(a) => (a.iter())
+            .map(|el| match el.as_array().map(Vec::as_slice) {
+                Some([t, b]) => Ok((t.clone(), b)),
+                _ => Err(bad(format!(
+                    "logit_bias entry {el}: it must be a [token, bias] pair"
+                ))),
+            })
+            .collect::<Result<_, _>>()?,
+        Value::Object(m) => (m.iter())
+            .map(|(k, b)| {
+                let t = k.parse::<u64>().map_or_else(|_| json!(k), |id| json!(id));
+                (t, b)
+            })
+            .collect(),
+        _ => {
+            return Err(bad(format!(
+                "logit_bias must be an array of [token, bias] pairs or an object, not {v}"
+            )))
+        }
+    };
+    let (mut ids, mut texts) = (Vec::new(), Vec::new());
+    for (t, b) in pairs {
+        let bias = match b {
+            Value::Bool(false) => f32::NEG_INFINITY,
+            Value::Number(n) if n.as_f64().is_some_and(f64::is_finite) => {
+                n.as_f64().unwrap_or_default() as f32
+            }
+            _ => {
+                return Err(bad(format!(
+                    "logit_bias for {t} is {b}; it must be a number or false"
+                )))
+            }
+        };
+        match t {
+            Value::Number(n) => match n.as_u64().and_then(|id| u32::try_from(id).ok()) {
+                Some(id) => ids.push((id, bias)),
+                None => return Err(bad(format!("logit_bias token {n} is not a token id"))),
+            },
+            Value::String(s) if !s.is_empty() => texts.push((s, bias)),
+            _ => {
+                return Err(bad(format!(
+                    "logit_bias token {t}: it must be a token id or a non-empty text"
+                )))
+            }
+        }
+    }
+    Ok((ids, texts))
 }
 
 /// `POST /completion` (and `/completions`), llama.cpp's own completion endpoint: one prompt,

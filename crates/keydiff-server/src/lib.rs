@@ -1761,7 +1761,7 @@ fn defaults(st: &AppState) -> Defaults {
 /// Runs a mapped request and answers it, whole or as a stream.
 async fn respond(st: Arc<AppState>, m: Mapped, mut reply: Reply) -> Response {
     let Mapped {
-        params,
+        mut params,
         more,
         n,
         best_of,
@@ -1772,7 +1772,27 @@ async fn respond(st: Arc<AppState>, m: Mapped, mut reply: Reply) -> Response {
         answer_format: _,
         tools,
         llama,
+        bias_texts,
     } = m;
+    // llama.cpp's logit bias on a text: on each of its tokens (as a continuation, as there).
+    if !bias_texts.is_empty() {
+        let biased = with_engine(&st, move |e| {
+            let mut out = Vec::new();
+            for (text, bias) in bias_texts {
+                out.extend(
+                    e.tokenize_continuation(&text)?
+                        .into_iter()
+                        .map(|t| (t, bias)),
+                );
+            }
+            Ok(out)
+        })
+        .await;
+        match biased {
+            Ok(b) => params.sampling.logit_bias.extend(b),
+            Err(e) => return e.into_response(),
+        }
+    }
     reply.tools = tools;
     reply.llama = llama;
     if params.logprobs.is_some() && !hide_logprobs {

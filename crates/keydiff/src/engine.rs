@@ -184,6 +184,10 @@ pub struct GenerateParams {
     pub stop: Vec<String>,
     /// Keep generating past end-of-generation tokens (for benchmarks).
     pub ignore_eos: bool,
+    /// Generation also ends at these tokens, as at an end-of-generation one
+    /// ([`StopReason::Eos`], its text not in the output), `ignore_eos` or not (vLLM's
+    /// `stop_token_ids`).
+    pub stop_tokens: Vec<u32>,
     /// Time the prefill's regions ([`Stats::breakdown`]). This synchronises the device at every
     /// region boundary, so it slows GPU runs: benchmarks use a separate profiled run.
     pub profile: bool,
@@ -250,6 +254,7 @@ impl Default for GenerateParams {
             sampling: Sampling::default(),
             stop: Vec::new(),
             ignore_eos: false,
+            stop_tokens: Vec::new(),
             profile: false,
             cancel: None,
             logprobs: None,
@@ -1276,7 +1281,8 @@ impl<'e> Decoding<'e> {
         }
         self.generated.push(tok);
         self.history.push(tok);
-        if !params.ignore_eos && vocab.eos_ids.contains(&tok) {
+        if (!params.ignore_eos && vocab.eos_ids.contains(&tok)) || params.stop_tokens.contains(&tok)
+        {
             self.reason = StopReason::Eos;
             return Ok(None);
         }
@@ -2365,7 +2371,7 @@ impl Engine {
     }
 
     /// Refuses a request the engine cannot honour: [`GenerateParams::validate`], and logit
-    /// biases on token ids outside the model's vocabulary.
+    /// biases or stop tokens on token ids outside the model's vocabulary.
     pub fn check_params(&self, params: &GenerateParams) -> Result<()> {
         params.validate()?;
         let format = &params.sampling.format;
@@ -2389,6 +2395,11 @@ impl Engine {
             }
         }
         let vocab = self.model_config().vocab_size;
+        if let Some(bad) = params.stop_tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(EngineError::BadParams(format!(
+                "stop token id {bad}, outside the vocabulary of {vocab}"
+            )));
+        }
         match params
             .sampling
             .logit_bias
