@@ -1732,7 +1732,7 @@ fn llama_cpp_completion_endpoint() {
 }
 
 /// llama.cpp's `logit_bias` (pairs of an id or a text and a number or `false`, or an object)
-/// on `/completion`; its samplers keydiff does not have, refused unless off; vLLM's
+/// and `n_probs` on `/completion`; its samplers keydiff does not have, refused unless off; vLLM's
 /// `stop_token_ids`, and its fields keydiff does not have, refused unless they ask for
 /// nothing; seeds and `repeat_last_n` as integers of any sign.
 #[test]
@@ -1787,14 +1787,57 @@ fn logit_bias_stop_tokens_and_unsupported_samplers() {
             "{bias}: {v}"
         );
     }
+    // n_probs: each token's log-probability and its alternatives', before sampling, whole
+    // and streamed.
+    let mut p = greedy(Prompt::Tokens(ids.clone()), 4);
+    p.logprobs = Some(3);
+    let scored = local.generate(&p, |_| {}).unwrap();
+    let lps = scored.logprobs.as_ref().unwrap();
+    let body = json!({"prompt": text, "n_predict": 4, "temperature": 0, "n_probs": 3});
+    let (code, v) = post(&url, &body);
+    assert_eq!(code, 200, "{v}");
+    let probs = v["completion_probabilities"].as_array().unwrap();
+    assert_eq!(probs.len(), 4, "{v}");
+    for (p, want) in probs.iter().zip(lps) {
+        assert_eq!(p["id"], want.token, "{p}");
+        assert!((p["logprob"].as_f64().unwrap() - want.logprob as f64).abs() < 1e-5);
+        let piece = &local.token_pieces(&[want.token]).unwrap()[0];
+        assert_eq!(p["bytes"], json!(piece.bytes), "{p}");
+        let top: Vec<u64> = (p["top_logprobs"].as_array().unwrap().iter())
+            .map(|t| t["id"].as_u64().unwrap())
+            .collect();
+        let want_top: Vec<u64> = want.top.iter().map(|t| t.0 as u64).collect();
+        assert_eq!(top, want_top, "{p}");
+    }
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let r = ureq::post(&url).send_json(&streamed).unwrap();
+    let joined: Vec<Value> = BufReader::new(r.into_reader())
+        .lines()
+        .filter_map(|l| l.unwrap().strip_prefix("data: ").map(str::to_string))
+        .flat_map(|d| {
+            let c: Value = serde_json::from_str(&d).unwrap();
+            c["completion_probabilities"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
+        .collect();
+    assert_eq!(&joined, probs);
+    for (field, on) in [("n_probs", json!(21)), ("post_sampling_probs", json!(true))] {
+        let (code, v) = post(&url, &json!({"prompt": text, "n_probs": 2, field: on}));
+        assert_eq!(code, 400, "{field}: {v}");
+        assert_eq!(v["error"]["param"], field, "{v}");
+    }
+
     // llama.cpp's other samplers: off is answered, on is refused by name.
-    let off = json!({"prompt": text, "n_predict": 2, "n_probs": 0, "typical_p": 1.0,
+    let off = json!({"prompt": text, "n_predict": 2, "n_probs": 0, "post_sampling_probs": false,
+        "typical_p": 1.0,
         "mirostat": 0, "dynatemp_range": 0.0, "dry_multiplier": 0.0, "xtc_probability": 0.0,
         "top_n_sigma": -1.0});
     let (code, v) = post(&url, &off);
     assert_eq!(code, 200, "{v}");
     for (field, on) in [
-        ("n_probs", json!(5)),
         ("typical_p", json!(0.5)),
         ("mirostat", json!(2)),
         ("dynatemp_range", json!(0.5)),

@@ -782,9 +782,13 @@ pub struct LlamaParams {
     /// `[[token, bias], …]` (a token id or a text, whose every token is biased; a number, or
     /// `false`: never), or OpenAI's object form.
     pub logit_bias: Option<Value>,
-    /// llama.cpp's samplers keydiff does not have: refused unless off
-    /// ([`LlamaParams::refuse_unsupported`]).
+    /// The probabilities of each generated token and of its `n_probs` most likely
+    /// alternatives, before sampling (`completion_probabilities`; at most
+    /// [`MAX_TOP_LOGPROBS`]).
     pub n_probs: Option<i64>,
+    /// llama.cpp's samplers keydiff does not have, and probabilities after its samplers:
+    /// refused unless off ([`LlamaParams::refuse_unsupported`]).
+    pub post_sampling_probs: Option<bool>,
     pub typical_p: Option<f32>,
     pub mirostat: Option<i64>,
     pub dynatemp_range: Option<f32>,
@@ -801,7 +805,10 @@ impl LlamaParams {
     /// UI and editor plugins send them all, at their defaults).
     fn refuse_unsupported(&self) -> Result<(), ApiError> {
         let on = [
-            ("n_probs", self.n_probs.is_some_and(|n| n > 0)),
+            (
+                "post_sampling_probs",
+                self.post_sampling_probs == Some(true),
+            ),
             ("typical_p", self.typical_p.is_some_and(|p| p < 1.0)),
             ("mirostat", self.mirostat.is_some_and(|m| m != 0)),
             (
@@ -895,7 +902,17 @@ impl LlamaParams {
             json_schema: self.json_schema,
             ..Common::default()
         };
-        let mut m = common.map(prompt, defaults, None)?;
+        let logprobs = match self.n_probs {
+            None | Some(..=0) => None,
+            Some(n) if n as u64 > MAX_TOP_LOGPROBS as u64 => {
+                return Err(ApiError::invalid(
+                    format!("n_probs = {n}: at most {MAX_TOP_LOGPROBS} are reported"),
+                    Some("n_probs"),
+                ))
+            }
+            Some(n) => Some(n as usize),
+        };
+        let mut m = common.map(prompt, defaults, logprobs)?;
         m.params.sampling.logit_bias.extend(bias_ids);
         m.bias_texts = bias_texts;
         m.params.stop_indent = n_indent;

@@ -1345,7 +1345,9 @@ impl Reply {
                 self.offsets[choice].object(engine, &tokens, &entries)
             }
             Kind::Chat => logprobs::chat(engine, lps),
-            Kind::Llama => Ok(Value::Null),
+            // `n_predict: 0` left its one sampled token out.
+            Kind::Llama if self.llama.prefill_only => Ok(Value::Null),
+            Kind::Llama => logprobs::llama(engine, lps),
         }
     }
 
@@ -1480,7 +1482,15 @@ impl Reply {
             let out = outs
                 .first()
                 .ok_or_else(|| ApiError::internal("no output"))?;
-            return Ok(self.llama_object(out, false));
+            let mut v = self.llama_object(out, false);
+            let probs = self.generated_logprobs(0, out.logprobs.as_deref().unwrap_or_default())?;
+            let fields = &self.llama.fields;
+            if !probs.is_null()
+                && (fields.is_empty() || fields.iter().any(|f| f == "completion_probabilities"))
+            {
+                v["completion_probabilities"] = probs;
+            }
+            return Ok(v);
         }
         let mut choices = Vec::with_capacity(outs.len());
         for (i, out) in outs.iter().enumerate() {
@@ -1564,8 +1574,14 @@ impl Reply {
         logprobs: Value,
     ) -> Value {
         let choice = match self.kind {
-            // llama.cpp's stream: the text, and `stop`.
-            Kind::Llama => return json!({"index": 0, "content": text.unwrap_or(""), "stop": false}),
+            // llama.cpp's stream: the text, `stop`, and the probabilities of its tokens.
+            Kind::Llama => {
+                let mut v = json!({"index": 0, "content": text.unwrap_or(""), "stop": false});
+                if !logprobs.is_null() {
+                    v["completion_probabilities"] = logprobs;
+                }
+                return v;
+            }
             Kind::Completion => json!({
                 "index": choice,
                 "text": text.unwrap_or(""),
@@ -1910,7 +1926,13 @@ async fn respond(st: Arc<AppState>, m: Mapped, mut reply: Reply) -> Response {
             };
             rest.map(|l| {
                 let last = match reply.kind {
-                    Kind::Llama => reply.llama_object(out, true),
+                    Kind::Llama => {
+                        let mut last = reply.llama_object(out, true);
+                        if !l.is_null() {
+                            last["completion_probabilities"] = l;
+                        }
+                        last
+                    }
                     _ => {
                         let mut last = reply.chunk(i, None, false, Some(reason), l);
                         last["keydiff"] = api::stats(out);

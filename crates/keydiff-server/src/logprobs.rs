@@ -7,6 +7,8 @@
 //!   `text_offset` is the character offset of each token in the returned `text`; special
 //!   tokens (BOS, end of turn) take no room there, as the text leaves them out.
 //! - `/v1/chat/completions`: `{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}`.
+//! - llama.cpp's `/completion` and `/infill` (`n_probs`): `completion_probabilities`, an array
+//!   of `{"id", "token", "bytes", "logprob", "top_logprobs"}` ([`llama`]).
 //!
 //! A token that ends inside a UTF-8 character shows as `bytes:\xe6\x97` in `token` (OpenAI's
 //! form); `bytes` (chat) has its exact bytes. A log-probability of −∞ (a token the model rules
@@ -86,6 +88,34 @@ impl CompletionLogprobs {
             "text_offset": offsets,
         }))
     }
+}
+
+/// llama.cpp's `completion_probabilities` of `entries` (its `n_probs`, before sampling): per
+/// token `{"id", "token", "bytes", "logprob", "top_logprobs"}`, each alternative `{"id",
+/// "token", "bytes", "logprob"}`. `token` is the text of the token's bytes up to a character
+/// they split (llama.cpp's `validate_utf8`); `bytes` has them all.
+pub fn llama(engine: &Engine, entries: &[TokenLogprob]) -> Result<Value, ApiError> {
+    let ids = entries
+        .iter()
+        .flat_map(|e| std::iter::once(&e.token).chain(e.top.iter().map(|t| &t.0)));
+    let map = pieces(engine, ids)?;
+    let item = |id: &u32, lp: f32| {
+        let bytes = &map[id].bytes;
+        let whole = match std::str::from_utf8(bytes) {
+            Ok(s) => s,
+            // The prefix up to the error is valid UTF-8.
+            Err(e) => std::str::from_utf8(&bytes[..e.valid_up_to()]).unwrap_or_default(),
+        };
+        json!({"id": id, "token": whole, "bytes": bytes, "logprob": finite(lp)})
+    };
+    Ok(entries
+        .iter()
+        .map(|e| {
+            let mut v = item(&e.token, e.logprob);
+            v["top_logprobs"] = e.top.iter().map(|(id, lp)| item(id, *lp)).collect();
+            v
+        })
+        .collect())
 }
 
 /// The `/v1/chat/completions` logprobs object of `entries`.
