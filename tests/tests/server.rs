@@ -1787,6 +1787,22 @@ fn logit_bias_stop_tokens_and_unsupported_samplers() {
             "{bias}: {v}"
         );
     }
+    // llama.cpp's stopping_word: the stop string that ended the reply.
+    let words: Vec<&str> = plain.text.split_inclusive(' ').collect();
+    let stop = words.get(1).copied().unwrap_or(&plain.text[1..]).trim();
+    assert!(!stop.is_empty(), "{:?}", plain.text);
+    let body = json!({"prompt": text, "n_predict": 8, "temperature": 0,
+        "stop": ["never-said", stop]});
+    let (code, v) = post(&url, &body);
+    assert_eq!(code, 200, "{v}");
+    assert_eq!(v["stop_type"], "word", "{v}");
+    assert_eq!(v["stopping_word"], stop, "{v}");
+    let (_, v) = post(
+        &url,
+        &json!({"prompt": text, "n_predict": 2, "temperature": 0}),
+    );
+    assert_eq!(v["stopping_word"], "", "{v}");
+
     // n_probs: each token's log-probability and its alternatives', before sampling, whole
     // and streamed.
     let mut p = greedy(Prompt::Tokens(ids.clone()), 4);

@@ -1442,6 +1442,7 @@ impl Reply {
             "stop_type": stop_type,
             "stopped_eos": stop_type == "eos",
             "stopped_word": stop_type == "word",
+            "stopping_word": out.stop_string.as_deref().unwrap_or(""),
             "stopped_limit": stop_type == "limit",
             "timings": {
                 "cache_n": s.prefix_tokens,

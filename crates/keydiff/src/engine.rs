@@ -436,6 +436,9 @@ pub struct Output {
     /// it), when [`GenerateParams::prompt_logprobs`] asked (`None` when a cancel stopped the
     /// prefill).
     pub prompt_logprobs: Option<Vec<TokenLogprob>>,
+    /// The stop string that ended it ([`StopReason::StopString`]; llama.cpp's
+    /// `stopping_word`).
+    pub stop_string: Option<String>,
     pub stats: Stats,
 }
 
@@ -1589,6 +1592,9 @@ impl<'e> Decoding<'e> {
                     .prompt_logprobs
                     .filter(|_| complete)
                     .map(|_| self.prompt_lp),
+                stop_string: (self.reason == StopReason::StopString)
+                    .then(|| self.stream.stop_string().map(str::to_string))
+                    .flatten(),
                 stats,
             },
             last,

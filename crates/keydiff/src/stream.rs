@@ -38,6 +38,8 @@ pub struct TextStream<'a> {
     /// Where [`below_indent_from`] starts next: a line after the first not yet decided.
     indent_from: Option<usize>,
     stopped: Option<Stopped>,
+    /// Which of `stops` ended the text.
+    stop_index: Option<usize>,
 }
 
 /// What ended a [`TextStream`].
@@ -66,6 +68,7 @@ impl<'a> TextStream<'a> {
             indent: None,
             indent_from: None,
             stopped: None,
+            stop_index: None,
         }
     }
 
@@ -158,10 +161,12 @@ impl<'a> TextStream<'a> {
         while !self.text.is_char_boundary(from) {
             from -= 1;
         }
-        let string = (self.stops.iter())
-            .filter_map(|s| self.text[from..].find(s.as_str()))
-            .min()
-            .map(|at| (from + at, Stopped::String));
+        // The earliest; of two at the same place, the first given.
+        let string = (self.stops.iter().enumerate())
+            .filter_map(|(i, s)| Some((from + self.text[from..].find(s.as_str())?, i)))
+            .min();
+        self.stop_index = string.map(|s| s.1);
+        let string = string.map(|(at, _)| (at, Stopped::String));
         let indent = (self.indent)
             .and_then(|n| match self.indent_from {
                 Some(at) => below_indent_from(&self.text, n, at),
@@ -180,6 +185,9 @@ impl<'a> TextStream<'a> {
         };
         self.text.truncate(at);
         self.stopped = Some(why);
+        if why != Stopped::String {
+            self.stop_index = None;
+        }
         true
     }
 
@@ -204,6 +212,11 @@ impl<'a> TextStream<'a> {
     /// What ended the text, if anything did.
     pub fn stopped_by(&self) -> Option<Stopped> {
         self.stopped
+    }
+
+    /// The stop string that ended the text, if one did.
+    pub fn stop_string(&self) -> Option<&str> {
+        self.stop_index.map(|i| self.stops[i].as_str())
     }
 
     /// Everything produced so far, stop string excluded.

@@ -81,14 +81,19 @@ fn decode(tok: &Tokenizer, ids: &[u32]) -> String {
     tok.decode(ids, true).unwrap()
 }
 
-/// The first place `text` ends at: a stop, or llama.cpp's indentation rule.
-fn first_cut(text: &str, stops: &[String], indent: usize) -> Option<usize> {
-    let string = stops
-        .iter()
-        .filter(|s| !s.is_empty())
-        .filter_map(|s| text.find(s.as_str()));
+/// The first place `text` ends at: a stop (the earliest, of two at one place the first
+/// given), or llama.cpp's indentation rule; and the stop, if a stop ended it.
+fn first_cut(text: &str, stops: &[String], indent: usize) -> Option<(usize, Option<String>)> {
+    let string = (stops.iter().enumerate())
+        .filter(|(_, s)| !s.is_empty())
+        .filter_map(|(i, s)| Some((text.find(s.as_str())?, i)))
+        .min();
     let below = (indent > 0).then(|| below_indent(text, indent)).flatten();
-    string.chain(below).min()
+    match (string, below) {
+        (Some((at, i)), b) if b.is_none_or(|b| at <= b) => Some((at, Some(stops[i].clone()))),
+        (_, Some(b)) => Some((b, None)),
+        _ => None,
+    }
 }
 
 /// llama.cpp's `n_indent`, written out for the reference: on a line after the first, the
@@ -109,25 +114,31 @@ fn below_indent(text: &str, n: usize) -> Option<usize> {
 }
 
 /// The reference: after each token all tokens decoded, the complete text (no trailing
-/// U+FFFD) looked through; at the end the lossy decoding. The text and whether a stop came.
-fn naive(tok: &Tokenizer, ids: &[u32], stops: &[String], indent: usize) -> (String, bool) {
+/// U+FFFD) looked through; at the end the lossy decoding. The text, whether it was cut, and
+/// the stop string that cut it.
+fn naive(
+    tok: &Tokenizer,
+    ids: &[u32],
+    stops: &[String],
+    indent: usize,
+) -> (String, bool, Option<String>) {
     for i in 1..=ids.len() {
         let all = decode(tok, &ids[..i]);
         let complete = all.trim_end_matches('\u{FFFD}');
-        if let Some(at) = first_cut(complete, stops, indent) {
-            return (complete[..at].to_string(), true);
+        if let Some((at, stop)) = first_cut(complete, stops, indent) {
+            return (complete[..at].to_string(), true, stop);
         }
     }
     let all = decode(tok, ids);
     match first_cut(&all, stops, indent) {
-        Some(at) => (all[..at].to_string(), true),
-        None => (all, false),
+        Some((at, stop)) => (all[..at].to_string(), true, stop),
+        None => (all, false, None),
     }
 }
 
 /// Streams `ids`; checks the pieces, the text and the stop against [`naive`].
 fn check(tok: &Tokenizer, ids: &[u32], stops: &[String], indent: usize) {
-    let (want, want_stop) = naive(tok, ids, stops, indent);
+    let (want, want_stop, want_string) = naive(tok, ids, stops, indent);
     let mut s = TextStream::new(tok, stops.to_vec()).stop_below_indent(indent);
     let mut joined = String::new();
     for &t in ids {
@@ -146,6 +157,11 @@ fn check(tok: &Tokenizer, ids: &[u32], stops: &[String], indent: usize) {
     );
     assert_eq!(s.text(), want, "ids {ids:?}, stops {stops:?}");
     assert_eq!(s.stopped(), want_stop, "ids {ids:?}, stops {stops:?}");
+    assert_eq!(
+        s.stop_string(),
+        want_string.as_deref(),
+        "ids {ids:?}, stops {stops:?}"
+    );
 }
 
 /// Token ids: mostly a real text's (so that stops and lines come), some random ones (bytes of
