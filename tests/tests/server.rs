@@ -2370,6 +2370,14 @@ fn a_checkpoints_sampling_fills_what_a_request_leaves_out() {
         load(&bad).sampling_defaults(),
         keydiff::SamplingDefaults::default()
     );
+    // llama.cpp's -1: the whole context; below it, out of range.
+    for (n, want) in [(-1, Some(usize::MAX)), (-2, None)] {
+        let p = with(
+            &format!("last{n}.gguf"),
+            vec![("general.sampling.penalty_last_n", Value::I32(n))],
+        );
+        assert_eq!(load(&p).sampling_defaults().repeat_last_n, want, "{n}");
+    }
 
     let engine_text = |s: keydiff::Sampling| {
         let p = GenerateParams {

@@ -595,8 +595,9 @@ struct RunArgs {
     /// Do not stop at end-of-generation tokens (benchmarks).
     #[arg(long)]
     ignore_eos: bool,
-    /// Tokens to generate at most.
-    #[arg(short = 'n', long, default_value_t = 256)]
+    /// Tokens to generate at most; -1: until end of generation or the context (llama.cpp's).
+    #[arg(short = 'n', long, default_value = "256", value_parser = count_or_all,
+        allow_negative_numbers = true)]
     max_tokens: usize,
     /// Wrap the prompt in the model's chat template.
     #[arg(long)]
@@ -1481,13 +1482,30 @@ fn run(a: RunArgs) -> Result<()> {
     generate(&a, &engine, prompt)
 }
 
+/// A count, or -1 for no limit (`usize::MAX`), as llama.cpp's flags take it.
+fn count_or_all(s: &str) -> std::result::Result<usize, String> {
+    match s.trim() {
+        "-1" => Ok(usize::MAX),
+        t => t
+            .parse()
+            .map_err(|_| format!("`{s}`: expected a count, or -1 for no limit")),
+    }
+}
+
+/// `--top-k`: a count; 0 or less turns it off, as in llama.cpp.
+fn top_k(s: &str) -> std::result::Result<usize, String> {
+    let k: i64 = (s.trim().parse()).map_err(|_| format!("`{s}`: expected an integer"))?;
+    Ok(k.max(0) as usize)
+}
+
 /// Sampling options shared by `run` and `chat`.
 #[derive(Args)]
 struct SamplingArgs {
     /// Temperature; 0 is greedy.
     #[arg(long, default_value_t = 0.0)]
     temp: f32,
-    #[arg(long, default_value_t = 0)]
+    /// Keep the K most likely tokens; 0 or less: all (llama.cpp's).
+    #[arg(long, default_value = "0", value_parser = top_k, allow_negative_numbers = true)]
     top_k: usize,
     #[arg(long, default_value_t = 1.0)]
     top_p: f32,
@@ -1496,8 +1514,9 @@ struct SamplingArgs {
     /// Repetition penalty (1 = off).
     #[arg(long, default_value_t = 1.0)]
     repeat_penalty: f32,
-    /// Tokens the penalties look back on.
-    #[arg(long, default_value_t = 64)]
+    /// Tokens the penalties look back on; -1: the whole context (llama.cpp's).
+    #[arg(long, default_value = "64", value_parser = count_or_all,
+        allow_negative_numbers = true)]
     repeat_last_n: usize,
     /// Subtracted from a token's logit per occurrence in the last --repeat-last-n tokens
     /// (0 = off).
@@ -1687,8 +1706,9 @@ struct ChatArgs {
     /// System message.
     #[arg(long)]
     system: Option<String>,
-    /// Tokens to generate at most per reply.
-    #[arg(short = 'n', long, default_value_t = 512)]
+    /// Tokens to generate at most per reply; -1: until end of generation or the context.
+    #[arg(short = 'n', long, default_value = "512", value_parser = count_or_all,
+        allow_negative_numbers = true)]
     max_tokens: usize,
     #[command(flatten)]
     sampling: SamplingArgs,
@@ -2289,4 +2309,51 @@ fn generate_with(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// llama.cpp's -1 (no limit) for counts, and a top-k of 0 or less (off).
+    #[test]
+    fn counts_take_minus_one_and_top_k_takes_negatives() {
+        assert_eq!(count_or_all("-1"), Ok(usize::MAX));
+        assert_eq!(count_or_all("64"), Ok(64));
+        assert!(count_or_all("-2").unwrap_err().contains("-1 for no limit"));
+        assert!(count_or_all("x").is_err());
+        assert_eq!(top_k("-1"), Ok(0));
+        assert_eq!(top_k("40"), Ok(40));
+        assert!(top_k("4.5").is_err());
+        let cli = Cli::try_parse_from([
+            "keydiff",
+            "run",
+            "-m",
+            "m.gguf",
+            "-p",
+            "hi",
+            "-n",
+            "-1",
+            "--repeat-last-n",
+            "-1",
+            "--top-k",
+            "-1",
+        ])
+        .unwrap();
+        let Cmd::Run(a) = cli.cmd else {
+            panic!("not run")
+        };
+        assert_eq!(a.max_tokens, usize::MAX);
+        assert_eq!(a.sampling.repeat_last_n, usize::MAX);
+        assert_eq!(a.sampling.top_k, 0);
+        // The defaults still parse.
+        let Cmd::Run(a) = Cli::try_parse_from(["keydiff", "run", "-m", "m", "-p", "hi"])
+            .unwrap()
+            .cmd
+        else {
+            panic!("not run")
+        };
+        assert_eq!((a.max_tokens, a.sampling.repeat_last_n), (256, 64));
+        assert!(Cli::try_parse_from(["keydiff", "run", "-m", "m", "-n", "-3"]).is_err());
+    }
 }

@@ -86,7 +86,14 @@ impl SamplingDefaults {
             top_p: value(2, &|v| v > 0.0 && v <= 1.0).map(|v| v as f32),
             min_p: value(3, &|v| (0.0..=1.0).contains(&v)).map(|v| v as f32),
             repetition_penalty: value(4, &|v| v > 0.0).map(|v| v as f32),
-            repeat_last_n: value(5, &count).map(|v| v as usize),
+            // -1: the whole context (llama.cpp's `penalty_last_n`).
+            repeat_last_n: value(5, &|v| v == -1.0 || count(v)).map(|v| {
+                if v < 0.0 {
+                    usize::MAX
+                } else {
+                    v as usize
+                }
+            }),
         }
     }
 
