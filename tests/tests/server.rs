@@ -1121,6 +1121,32 @@ fn logprobs_score_prompts_and_replies() {
         .collect();
     check_completion_logprobs(&local, lp, text, &all_tokens, &entries);
 
+    // The same with `max_tokens: 0` (vLLM's form, older harnesses'): the prompt and its
+    // logprobs only, whole and streamed; no completion tokens.
+    let mut body0 = body.clone();
+    body0["max_tokens"] = json!(0);
+    let (code, got0) = post(&c, &body0);
+    assert_eq!(code, 200, "{got0}");
+    let choice0 = &got0["choices"][0];
+    assert_eq!(choice0["text"], echoed.as_str(), "{got0}");
+    assert_eq!(choice0["finish_reason"], "length", "{got0}");
+    assert_eq!(got0["usage"]["completion_tokens"], 0, "{got0}");
+    assert_eq!(got0["usage"]["prompt_tokens"], ids.len(), "{got0}");
+    let entries0: Vec<_> = std::iter::once(None).chain(plp.iter().map(Some)).collect();
+    check_completion_logprobs(&local, &choice0["logprobs"], &echoed, &ids, &entries0);
+    body0["stream"] = json!(true);
+    body0["stream_options"] = json!({"include_usage": true});
+    let chunks = events(ureq::post(&c).send_json(&body0).unwrap());
+    let joined: String = (chunks.iter())
+        .filter_map(|ch| ch["choices"][0]["text"].as_str())
+        .collect();
+    assert_eq!(joined, echoed);
+    let usage = &chunks.last().unwrap()["usage"];
+    assert_eq!(usage["completion_tokens"], 0, "{usage}");
+    // Without echo, 0 is still refused.
+    let (code, v) = post(&c, &json!({"prompt": "a", "max_tokens": 0}));
+    assert_eq!(code, 400, "{v}");
+
     // Logprobs of a reply, whole and streamed; echo streamed. (With prompt logprobs every
     // prompt row goes through the LM head, without them only the last: the first reply
     // token's logits may differ in the last bits, so each is compared with its own kind.)

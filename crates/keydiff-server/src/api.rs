@@ -176,6 +176,10 @@ pub struct Mapped {
     /// llama.cpp's `logit_bias` on texts: each of the text's tokens gets the bias, once the
     /// server has tokenized it (into `params.sampling.logit_bias`).
     pub bias_texts: TextBiases,
+    /// Completions' `echo` with `max_tokens: 0` (vLLM's; the form of evaluation harnesses
+    /// that score a text): the prompt and its logprobs only. One token is generated and left
+    /// out of the answer and of `usage`.
+    pub prompt_only: bool,
 }
 
 /// What llama.cpp's endpoints (`/completion`, `/infill`) answer beyond the engine's output.
@@ -305,6 +309,7 @@ impl Common {
             answer_format: self.response_format.as_ref().is_some_and(|v| !v.is_null()),
             llama: LlamaReply::default(),
             bias_texts: Vec::new(),
+            prompt_only: false,
             include_usage: self
                 .stream_options
                 .as_ref()
@@ -472,7 +477,15 @@ impl CompletionRequest {
             Some(Value::Bool(false)) => None,
             v => alternatives(v, "logprobs")?,
         };
-        let mut m = self.common.map(prompt, defaults, logprobs)?;
+        // `echo` with `max_tokens: 0`: the prompt only (one token generated and left out).
+        let echo = self.echo.unwrap_or(false);
+        let mut common = self.common;
+        let prompt_only = echo && common.max_completion_tokens.or(common.max_tokens) == Some(0);
+        if prompt_only {
+            (common.max_tokens, common.max_completion_tokens) = (Some(1), None);
+        }
+        let mut m = common.map(prompt, defaults, logprobs)?;
+        m.prompt_only = prompt_only;
         if !more.is_empty() && m.stream {
             return bad(
                 "a stream answers one prompt: stream each prompt of a batch in its own request",
@@ -499,7 +512,7 @@ impl CompletionRequest {
                 m.hide_logprobs = true;
             }
         }
-        m.echo = self.echo.unwrap_or(false);
+        m.echo = echo;
         if m.echo {
             m.params.prompt_logprobs = logprobs;
         }

@@ -1775,6 +1775,33 @@ fn defaults(st: &AppState) -> Defaults {
     }
 }
 
+/// A message of a request that answers with its prompt only ([`api::Mapped::prompt_only`]):
+/// the one token it generated, its text and its log-probability left out.
+fn only_the_prompt(msg: Msg) -> Option<Msg> {
+    let strip = |out: &mut Output| {
+        out.text.clear();
+        out.tokens.clear();
+        if let Some(l) = &mut out.logprobs {
+            l.clear();
+        }
+        out.stop_string = None;
+        out.stats.generated_tokens = 0;
+        out.stats.stop_reason = StopReason::MaxTokens;
+    };
+    match msg {
+        Msg::Text(..) | Msg::Logprob(..) => None,
+        Msg::Ended(i, mut out) => {
+            strip(&mut out);
+            Some(Msg::Ended(i, out))
+        }
+        Msg::Done(Ok(mut outs)) => {
+            outs.iter_mut().for_each(strip);
+            Some(Msg::Done(Ok(outs)))
+        }
+        m => Some(m),
+    }
+}
+
 /// Runs a mapped request and answers it, whole or as a stream.
 async fn respond(st: Arc<AppState>, m: Mapped, mut reply: Reply) -> Response {
     let Mapped {
@@ -1790,6 +1817,7 @@ async fn respond(st: Arc<AppState>, m: Mapped, mut reply: Reply) -> Response {
         tools,
         llama,
         bias_texts,
+        prompt_only,
     } = m;
     // llama.cpp's logit bias on a text: on each of its tokens (as a continuation, as there).
     if !bias_texts.is_empty() {
@@ -1832,6 +1860,16 @@ async fn respond(st: Arc<AppState>, m: Mapped, mut reply: Reply) -> Response {
     if !stream {
         let mut msg = Some(first);
         loop {
+            if prompt_only {
+                // A message left out: the next one (a channel's end stays `None`).
+                match msg.take().map(only_the_prompt) {
+                    Some(None) => {
+                        msg = rx.recv().await;
+                        continue;
+                    }
+                    m => msg = m.flatten(),
+                }
+            }
             match msg.take() {
                 Some(Msg::Done(Ok(outs))) => {
                     // `usage` counts every completion generated, returned or not.
@@ -1958,6 +1996,12 @@ async fn respond(st: Arc<AppState>, m: Mapped, mut reply: Reply) -> Response {
                     // The client went away: dropping `_guard` cancels the request.
                     _ = tx.closed() => return,
                 },
+            };
+            let Some(msg) = (match prompt_only {
+                true => only_the_prompt(msg),
+                false => Some(msg),
+            }) else {
+                continue;
             };
             let chunks: Result<Vec<Value>, ApiError> = match msg {
                 Msg::Started => {
