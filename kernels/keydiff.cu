@@ -2014,10 +2014,12 @@ KD_INSTANTIATE_ARGMAX(bf16, __nv_bfloat16)
 // vocabulary. Reference: `keydiff_model::model::draw` (crates/keydiff-model/src/sample.rs),
 // which walks the finite logits in their order (largest first, equal values by index) and keeps
 //   1. the k first (top-k, when 0 < k < their count);
-//   2. of those, the shortest head whose weights exp(l - max) sum to at least top_p of all of
-//      theirs (top-p, when top_p < 1);
-//   3. of those, the ones with exp(l - max) >= min_p, the first always (min-p, when > 0);
-// then draws the first whose running sum of exp((l - max) / T) passes r times their sum.
+//   2. of those, the shortest head whose weights exp((l - max) / Tc) sum to at least top_p of
+//      all of theirs (top-p, when top_p < 1);
+//   3. of those, the ones with exp((l - max) / Tc) >= min_p, the first always (min-p, when > 0);
+// then draws the first whose running sum of exp((l - max) / T) passes r times their sum. Tc,
+// the truncations' temperature, is 1 (llama.cpp's order: temperature after top-p and min-p) or
+// T (vLLM's and Hugging Face's: before).
 // Each step keeps a head of that order, so each is a select over 64-bit keys (the logit's
 // order bits, largest first; then the index): a radix select of 8-bit digits whose histogram
 // counts (top-k) or sums the weights (top-p, the draw) of the keys kept so far. Weights are
@@ -2027,8 +2029,8 @@ KD_INSTANTIATE_ARGMAX(bf16, __nv_bfloat16)
 // its token is the host's argmax, flagged with KD_SAMPLE_NO_DRAW so that the host can give r
 // back. A temperature <= 0 (or NaN) is greedy: the argmax (`kd_argmax_better`'s order).
 //
-// x: [rows, cols] at element row stride x_rs (rows contiguous); params: [rows, 5] words
-// (temperature, top_k, top_p, min_p, r; the floats as their bits); out: [rows] u32. One block
+// x: [rows, cols] at element row stride x_rs (rows contiguous); params: [rows, 6] words
+// (temperature, top_k, top_p, min_p, r, Tc; the floats as their bits); out: [rows] u32. One block
 // of KD_SAMPLE_THREADS threads a row; cols <= 2^20, so that a sum of weights (each at most 2^44
 // units) fits 64 bits.
 #define KD_SAMPLE_THREADS 1024
@@ -2061,14 +2063,15 @@ struct KdSampleShared {
 
 // The first key, in ascending order, at which the kept keys' running count (mode 0) reaches
 // `goal`, or their running weight exp((l - mx) / t) reaches (mode 1) or passes (mode 2) `goal`
-// times their total. Kept: finite, key <= cut, and with `minp` exp(l - mx) >= min_p or the
-// first key `kmin`. Where rounding leaves the goal past every key, the last kept key (the
+// times their total. Kept: finite, key <= cut, and with `minp` exp((l - mx) / tc) >= min_p or
+// the first key `kmin`. Where rounding leaves the goal past every key, the last kept key (the
 // host's walk ends there too). Digits of the index above `top_shift` are 0 for every key.
 template <typename T>
 __device__ unsigned long long kd_sample_select(const T* row, int cols, int top_shift,
                                                unsigned long long cut, bool minp, double min_p,
-                                               unsigned long long kmin, float mx, int mode,
-                                               double t, double goal, KdSampleShared& sh) {
+                                               double tc, unsigned long long kmin, float mx,
+                                               int mode, double t, double goal,
+                                               KdSampleShared& sh) {
   const int lane = threadIdx.x % 32;
   unsigned long long prefix = 0, mask = 0, before = 0;
   double target = goal;
@@ -2088,7 +2091,7 @@ __device__ unsigned long long kd_sample_select(const T* row, int cols, int top_s
         const float l = kd_to_f(row[i]);
         const unsigned long long k = kd_sample_key(l, (unsigned)i);
         if (isfinite(l) && (k & mask) == prefix && k <= cut &&
-            (!minp || k == kmin || exp((double)(l - mx)) >= min_p)) {
+            (!minp || k == kmin || exp((double)(l - mx) / tc) >= min_p)) {
           in = true;
           bin = (unsigned)(k >> shift) & 255u;
           if (mode != 0) w = kd_sample_units(l, mx, t);
@@ -2140,11 +2143,12 @@ __device__ void kd_sample_rows(const T* x, int64_t x_rs, const unsigned* params,
                                int cols) {
   __shared__ KdSampleShared sh;
   const T* row = x + (int64_t)blockIdx.x * x_rs;
-  const unsigned* p = params + 5 * (int64_t)blockIdx.x;
+  const unsigned* p = params + 6 * (int64_t)blockIdx.x;
   const float temperature = __uint_as_float(p[0]);
   const unsigned top_k = p[1];
   const float top_p = __uint_as_float(p[2]), min_p = __uint_as_float(p[3]);
   const float r = __uint_as_float(p[4]);
+  const double tc = (double)__uint_as_float(p[5]);
   // The finite logits' count and first key, and the argmax (greedy, or a row without a draw).
   unsigned n = 0, bi = KD_ARGMAX_NONE;
   unsigned long long kmin = ~0ull;
@@ -2206,14 +2210,14 @@ __device__ void kd_sample_rows(const T* x, int64_t x_rs, const unsigned* params,
   const int top_shift = last_id < (1u << 8) ? 0 : last_id < (1u << 16) ? 8 : last_id < (1u << 24) ? 16 : 24;
   unsigned long long cut = ~0ull;
   if (top_k > 0 && top_k < count)
-    cut = kd_sample_select(row, cols, top_shift, cut, false, 0.0, kmin, mx, 0, 1.0,
+    cut = kd_sample_select(row, cols, top_shift, cut, false, 0.0, 1.0, kmin, mx, 0, 1.0,
                            (double)top_k, sh);
   if (top_p < 1.f)
-    cut = kd_sample_select(row, cols, top_shift, cut, false, 0.0, kmin, mx, 1, 1.0,
+    cut = kd_sample_select(row, cols, top_shift, cut, false, 0.0, 1.0, kmin, mx, 1, tc,
                            (double)top_p, sh);
   const unsigned long long k = kd_sample_select(row, cols, top_shift, cut, min_p > 0.f,
-                                                (double)min_p, kmin, mx, 2, (double)temperature,
-                                                (double)r, sh);
+                                                (double)min_p, tc, kmin, mx, 2,
+                                                (double)temperature, (double)r, sh);
   if (threadIdx.x == 0) out[blockIdx.x] = (unsigned)k;
 }
 

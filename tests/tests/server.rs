@@ -1894,6 +1894,42 @@ fn logit_bias_stop_tokens_and_unsupported_samplers() {
         assert_eq!(v["error"]["param"], field, "{v}");
     }
 
+    // The samplers' order: llama.cpp's on its endpoint (top-p and min-p at temperature 1,
+    // then the temperature), vLLM's on the OpenAI one (the temperature first).
+    let sampled = |temperature_first| {
+        let mut p = greedy(Prompt::Tokens(ids.clone()), 12);
+        p.sampling = keydiff::Sampling {
+            temperature: 1.5,
+            top_p: 0.6,
+            min_p: 0.02,
+            seed: 11,
+            temperature_first,
+            ..Default::default()
+        };
+        local.generate(&p, |_| {}).unwrap().text
+    };
+    let (llama_order, vllm_order) = (sampled(false), sampled(true));
+    assert_ne!(
+        llama_order, vllm_order,
+        "the test must tell the orders apart"
+    );
+    let knobs = json!({"temperature": 1.5, "top_p": 0.6, "min_p": 0.02, "seed": 11,
+        "top_k": 0, "repeat_penalty": 1.0});
+    let mut body = json!({"prompt": text, "n_predict": 12});
+    body.as_object_mut()
+        .unwrap()
+        .extend(knobs.as_object().unwrap().clone());
+    let (code, v) = post(&url, &body);
+    assert_eq!(code, 200, "{v}");
+    assert_eq!(v["content"], llama_order.as_str(), "{v}");
+    let mut body = json!({"prompt": ids, "max_tokens": 12});
+    body.as_object_mut()
+        .unwrap()
+        .extend(knobs.as_object().unwrap().clone());
+    let (code, v) = post(&format!("{}/v1/completions", server.url()), &body);
+    assert_eq!(code, 200, "{v}");
+    assert_eq!(v["choices"][0]["text"], vllm_order.as_str(), "{v}");
+
     // vLLM's stop_token_ids: the reply ends before the first of them, as at an EOS.
     let stop = plain.tokens[3];
     let k = plain.tokens.iter().position(|&t| t == stop).unwrap();
@@ -2423,6 +2459,8 @@ fn a_checkpoints_sampling_fills_what_a_request_leaves_out() {
         repetition_penalty: 1.125,
         repeat_last_n: 32,
         seed: 5,
+        // The OpenAI endpoints' order (vLLM's): top-p and min-p cut the tempered weights.
+        temperature_first: true,
         ..Default::default()
     });
     let openai = engine_text(keydiff::Sampling {

@@ -1692,6 +1692,8 @@ impl SamplingArgs {
             logit_bias: self.logit_bias.clone(),
             format,
             seed: self.seed,
+            // llama.cpp's order, as its flags.
+            temperature_first: false,
         })
     }
 }

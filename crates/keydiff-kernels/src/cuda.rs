@@ -1265,7 +1265,8 @@ pub fn argmax_rows((x, l): (&CudaStorage, &Layout)) -> Result<(CudaStorage, Shap
 /// Sampling on the device (`keydiff_sample_rows_<dtype>`; see the kernel source): each row of
 /// `x` (a `[rows, cols]` view with rows contiguous, any row stride, f32/f16/bf16) drawn as the
 /// host sampler draws it, with `params` (`[rows, SAMPLE_PARAM_WORDS]` u32, contiguous:
-/// temperature, top-k, top-p, min-p and the uniform draw, the floats as their bits). Returns
+/// temperature, top-k, top-p, min-p, the uniform draw and the truncations' temperature, the
+/// floats as their bits). Returns
 /// `[rows]` u32, with [`crate::geometry::SAMPLE_NO_DRAW`] set where a row has no finite logit.
 pub fn sample_rows(
     (x, l): (&CudaStorage, &Layout),

@@ -1121,7 +1121,7 @@ pub fn argmax_rows(
 
 /// `keydiff_sample_rows_<dtype>` on `x`, a `[rows, cols]` view at element row stride `rs`
 /// (rows contiguous), with `params` (`[rows, SAMPLE_PARAM_WORDS]`: temperature, top-k, top-p,
-/// min-p, the draw): each row's token as the host sampler draws it (see the kernel), with
+/// min-p, the draw, the truncations' temperature): each row's token as the host sampler draws it (see the kernel), with
 /// [`crate::geometry::SAMPLE_NO_DRAW`] set where a row has no finite logit.
 pub fn sample_rows(
     x: Keys<'_>,
@@ -1160,7 +1160,7 @@ pub fn sample_rows(
     out.view(rows, 1, 1, 1, 1, HeadAxis::X)?;
     call("sample", |err, err_len| {
         // SAFETY: block r reads the `cols` values of row r of the view checked above and its
-        // 5 parameter words, and writes out[r].
+        // SAMPLE_PARAM_WORDS parameter words, and writes out[r].
         unsafe {
             kd_emu_sample_rows(
                 dtype,

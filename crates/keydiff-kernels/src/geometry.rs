@@ -557,8 +557,8 @@ pub fn check_argmax(rows: usize, cols: usize) -> Result<()> {
 pub const SAMPLE_THREADS: u32 = 1024;
 
 /// Words of one row's parameters for `keydiff_sample_rows_*`: temperature, top-k, top-p,
-/// min-p and the uniform draw (the floats as their bits).
-pub const SAMPLE_PARAM_WORDS: usize = 5;
+/// min-p, the uniform draw and the truncations' temperature (the floats as their bits).
+pub const SAMPLE_PARAM_WORDS: usize = 6;
 
 /// `KD_SAMPLE_NO_DRAW`: set in a sampled token whose row has no finite logit (the token is the
 /// row's argmax, and the draw was not used).

@@ -12,8 +12,8 @@ use crate::decode_kernel::{argmax, switched_on};
 use crate::error::{ModelError, Result};
 
 /// One row's draw for [`sample_rows`]: the sampler's temperature (0 or less is greedy), top-k
-/// (0 is off), top-p (1 is off) and min-p (0 is off), and the uniform `r` in [0, 1) the host's
-/// generator gave for this step.
+/// (0 is off), top-p (1 is off) and min-p (0 is off), the uniform `r` in [0, 1) the host's
+/// generator gave for this step, and the temperature top-p and min-p see.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct DrawParams {
     pub temperature: f32,
@@ -21,6 +21,10 @@ pub struct DrawParams {
     pub top_p: f32,
     pub min_p: f32,
     pub r: f32,
+    /// The temperature of the weights top-p and min-p cut by: 1 in llama.cpp's order (the
+    /// temperature after the truncations), `temperature` in vLLM's and Hugging Face's (before
+    /// them). Positive.
+    pub truncation_temperature: f32,
 }
 
 impl DrawParams {
@@ -32,6 +36,7 @@ impl DrawParams {
             self.top_p.to_bits(),
             self.min_p.to_bits(),
             self.r.to_bits(),
+            self.truncation_temperature.to_bits(),
         ]
     }
 }
@@ -146,7 +151,8 @@ impl candle_core::CustomOp2 for CudaSample {
 
 /// The host sampler's draw from a row of logits with `c`'s top-k, top-p, min-p, temperature
 /// (> 0) and uniform `r` in [0, 1) (any logit bias and penalties applied before): the finite
-/// logits in [`order`], truncated, and the first whose running probability passes `r`. `None`
+/// logits in [`order`], truncated (top-p and min-p at `c.truncation_temperature`), and the first
+/// whose running probability passes `r`. `None`
 /// when no logit is finite (there is nothing to draw). The reference of the device's sampler
 /// (`keydiff_sample_rows_*`).
 pub fn draw(logits: &[f32], c: &DrawParams) -> Option<u32> {
@@ -218,8 +224,9 @@ pub fn pick(mut cand: Vec<(u32, f32)>, c: &DrawParams) -> u32 {
     // Weights and sums in f64: the sums are taken in two orders (all candidates as they lie,
     // the running sum in rank order), and in f32 the tail of a 150K vocabulary rounds away
     // in one but not the other, leaving the running sum short of the total.
+    let tc = c.truncation_temperature as f64;
     if c.top_p < 1.0 {
-        let w = |l: f32| ((l - max) as f64).exp();
+        let w = |l: f32| ((l - max) as f64 / tc).exp();
         let total: f64 = ranked.cand.iter().map(|x| w(x.1)).sum();
         let target = c.top_p as f64 * total;
         let (mut acc, mut keep, len) = (0.0, ranked.cand.len(), ranked.cand.len());
@@ -233,12 +240,12 @@ pub fn pick(mut cand: Vec<(u32, f32)>, c: &DrawParams) -> u32 {
         ranked.truncate(keep.max(1));
     }
     if c.min_p > 0.0 {
-        // p ≥ p_max · min_p, with p ∝ exp(logit − max): the tokens whose logit is within
-        // −ln(min_p) of the best.
+        // p ≥ p_max · min_p, with p ∝ exp((logit − max) / tc): the tokens whose logit is
+        // within −tc · ln(min_p) of the best.
         let keep = ranked
             .cand
             .iter()
-            .filter(|x| ((x.1 - max) as f64).exp() >= c.min_p as f64)
+            .filter(|x| ((x.1 - max) as f64 / tc).exp() >= c.min_p as f64)
             .count();
         ranked.truncate(keep.max(1));
     }

@@ -279,6 +279,8 @@ impl Common {
             logit_bias,
             format: self.format()?,
             seed: self.seed.map_or_else(rand::random, |s| s as u64),
+            // vLLM's order on the OpenAI endpoints (llama.cpp's own take llama.cpp's).
+            temperature_first: true,
         };
         sampling
             .validate()
@@ -926,6 +928,7 @@ impl LlamaParams {
             Some(n) => Some(n as usize),
         };
         let mut m = common.map(prompt, defaults, logprobs)?;
+        m.params.sampling.temperature_first = false;
         m.params.sampling.logit_bias.extend(bias_ids);
         m.bias_texts = bias_texts;
         m.params.stop_indent = n_indent;

@@ -762,17 +762,20 @@ pub fn sample_cases() -> Vec<(DType, usize, usize, bool)> {
     greedy_cases()
 }
 
-/// Sampler settings the sampling check cycles through: (temperature, top-k, top-p, min-p);
-/// the last is greedy.
-const SAMPLE_SETTINGS: [(f32, u32, f32, f32); 8] = [
-    (1.0, 0, 1.0, 0.0),
-    (0.7, 40, 0.9, 0.0),
-    (1.5, 0, 0.95, 0.05),
-    (0.3, 5, 1.0, 0.0),
-    (0.8, 1, 1.0, 0.0),
-    (0.6, 3, 0.3, 0.9),
-    (1.2, 0, 0.999, 0.02),
-    (0.0, 0, 1.0, 0.0),
+/// Sampler settings the sampling check cycles through: (temperature, top-k, top-p, min-p,
+/// the truncations' temperature: 1 in llama.cpp's order, the temperature in vLLM's); the last
+/// is greedy.
+const SAMPLE_SETTINGS: [(f32, u32, f32, f32, f32); 10] = [
+    (1.0, 0, 1.0, 0.0, 1.0),
+    (0.7, 40, 0.9, 0.0, 1.0),
+    (1.5, 0, 0.95, 0.05, 1.0),
+    (0.3, 5, 1.0, 0.0, 1.0),
+    (0.8, 1, 1.0, 0.0, 1.0),
+    (0.6, 3, 0.3, 0.9, 1.0),
+    (1.2, 0, 0.999, 0.02, 1.0),
+    (0.7, 0, 0.8, 0.1, 0.7),
+    (1.6, 20, 0.9, 0.05, 1.6),
+    (0.0, 0, 1.0, 0.0, 1.0),
 ];
 
 /// The host's token for a row (with [`keydiff_model::model::NO_DRAW`] where it has no finite
@@ -812,7 +815,7 @@ pub fn host_draw(logits: &[f32], p: &DrawParams) -> (u32, bool) {
 }
 
 /// Sampled tokens of `rows` rows of `vocab` logits in `dtype` on `device` against the host's
-/// draw ([`host_draw`]) over the same (rounded) values. Row r takes setting r mod 8 of
+/// draw ([`host_draw`]) over the same (rounded) values. Row r takes setting r mod 10 of
 /// [`SAMPLE_SETTINGS`] and is, by r mod 5: spread values; an LLM-like row (a long tail, a few
 /// large values, the largest at two places); small integers (ties everywhere); NaN, ±∞ among
 /// the values; no finite value (the argmax, flagged).
@@ -858,13 +861,15 @@ pub fn sample_parity(
             4 => v.fill(f32::NEG_INFINITY),
             _ => {}
         }
-        let (temperature, top_k, top_p, min_p) = SAMPLE_SETTINGS[i % SAMPLE_SETTINGS.len()];
+        let (temperature, top_k, top_p, min_p, truncation_temperature) =
+            SAMPLE_SETTINGS[i % SAMPLE_SETTINGS.len()];
         params.push(DrawParams {
             temperature,
             top_k,
             top_p,
             min_p,
             r: rng.random(),
+            truncation_temperature,
         });
         xs.extend(row);
     }

@@ -103,26 +103,33 @@ fn row(cols: usize, kind: usize, rng: &mut StdRng) -> Vec<f32> {
     v
 }
 
-/// Sampler settings: (temperature, top-k, top-p, min-p).
-const SETTINGS: [(f32, usize, f32, f32); 10] = [
-    (1.0, 0, 1.0, 0.0),
-    (0.7, 40, 0.9, 0.0),
-    (1.5, 0, 0.95, 0.05),
-    (0.3, 5, 1.0, 0.0),
-    (2.0, 0, 1.0, 0.1),
-    (0.8, 1, 1.0, 0.0),
-    (1.0, 1_000_000, 0.5, 0.0),
-    (0.6, 3, 0.3, 0.9),
-    (1.2, 0, 0.999, 0.0),
-    (0.0, 0, 1.0, 0.0),
+/// Sampler settings: (temperature, top-k, top-p, min-p, temperature before top-p and min-p:
+/// vLLM's order, else llama.cpp's).
+const SETTINGS: [(f32, usize, f32, f32, bool); 13] = [
+    (1.0, 0, 1.0, 0.0, false),
+    (0.7, 40, 0.9, 0.0, false),
+    (1.5, 0, 0.95, 0.05, false),
+    (0.3, 5, 1.0, 0.0, false),
+    (2.0, 0, 1.0, 0.1, false),
+    (0.8, 1, 1.0, 0.0, false),
+    (1.0, 1_000_000, 0.5, 0.0, false),
+    (0.6, 3, 0.3, 0.9, false),
+    (1.2, 0, 0.999, 0.0, false),
+    (0.7, 0, 0.8, 0.1, true),
+    (1.8, 40, 0.95, 0.05, true),
+    (0.3, 0, 0.5, 0.2, true),
+    (0.0, 0, 1.0, 0.0, false),
 ];
 
-fn sampling((temperature, top_k, top_p, min_p): (f32, usize, f32, f32)) -> Sampling {
+fn sampling(
+    (temperature, top_k, top_p, min_p, temperature_first): (f32, usize, f32, f32, bool),
+) -> Sampling {
     Sampling {
         temperature,
         top_k,
         top_p,
         min_p,
+        temperature_first,
         ..Sampling::default()
     }
 }
