@@ -175,7 +175,7 @@ mutants=(
   "sample: -0 and +0 keyed alike~(b & 0x80000000u) ? b : b ^ 0x7fffffffu;~(b & 0x80000000u) ? (b == 0x80000000u ? 0x7fffffffu : b) : b ^ 0x7fffffffu;"
   "sample: the temperature ignored~  return (unsigned long long)(exp((double)(l - mx) / t) * KD_SAMPLE_UNIT + 0.5);~  return (unsigned long long)(exp((double)(l - mx) / (t / t)) * KD_SAMPLE_UNIT + 0.5);"
   "sample: min-p's test the other way round~exp((double)(l - mx) / tc) >= min_p)) {~exp((double)(l - mx) / tc) < min_p)) {"
-  "sample: min-p at temperature 1 in vLLM's order~exp((double)(l - mx) / tc) >= min_p)) {~exp((double)(l - mx)) >= min_p)) {"
+  "sample: min-p at temperature 1 in vLLM's order~exp((double)(l - mx) / tc) >= min_p)) {~exp((double)(l - mx) / (tc / tc)) >= min_p)) {"
   "sample: top-p at temperature 1 in vLLM's order~kmin, mx, 1, tc,~kmin, mx, 1, 1.0,"
   "sample: top-k not applied~  if (top_k > 0 && top_k < count)\n    cut = ~  if (top_k > 0 && top_k < count)\n    (void)"
   "sample: top-p not applied~  if (top_p < 1.f)\n    cut = ~  if (top_p < 1.f)\n    (void)"
