@@ -1442,7 +1442,10 @@ impl Reply {
             "stop_type": stop_type,
             "stopped_eos": stop_type == "eos",
             "stopped_word": stop_type == "word",
-            "stopping_word": out.stop_string.as_deref().unwrap_or(""),
+            "stopping_word": match stop_type {
+                "word" => out.stop_string.as_deref().unwrap_or(""),
+                _ => "",
+            },
             "stopped_limit": stop_type == "limit",
             "timings": {
                 "cache_n": s.prefix_tokens,

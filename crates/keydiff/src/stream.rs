@@ -92,11 +92,15 @@ impl<'a> TextStream<'a> {
             return Ok(String::new());
         }
         self.tokens.push(token);
-        let window = self.window()?;
+        let Some(window) = self.window(false)? else {
+            return Ok(String::new());
+        };
         // An incomplete UTF-8 sequence decodes to U+FFFD: the complete text before it is
         // taken (and looked through for stops) now, the rest on a later token.
         let complete = window.trim_end_matches('\u{FFFD}');
         let whole = complete.len() == window.len();
+        // A token that adds no text (a special one) leaves the window where it is: the
+        // window's first token must be one with text, for a decoder's first-token rules.
         if !self.extend(complete) {
             return Ok(String::new());
         }
@@ -120,20 +124,25 @@ impl<'a> TextStream<'a> {
         Ok(self.take(self.text.len() - hold))
     }
 
-    /// The window's tokens decoded, beginning with `prefix_text`. A decoder could rewrite its
-    /// context's text given more tokens (none of the byte-level BPE, SentencePiece or
-    /// byte-fallback decoders does): then all the tokens are decoded, and the window starts
-    /// over from the first.
-    fn window(&mut self) -> Result<String> {
+    /// The window's tokens decoded, beginning with `prefix_text`. A decoder can rewrite its
+    /// context's text given more tokens: byte fallback (SentencePiece's) decodes a group of
+    /// byte tokens that is not valid UTF-8 as one U+FFFD a byte, those of the context too,
+    /// until the character is whole. `None` (wait for more tokens) while the window ends in
+    /// such a character, unless `last`; else, when the window still does not begin with its
+    /// context's text, all the tokens are decoded and the window starts over from the first.
+    fn window(&mut self, last: bool) -> Result<Option<String>> {
         let window = self.decode(&self.tokens[self.prefix..])?;
         if window.starts_with(self.prefix_text.as_str()) {
-            return Ok(window);
+            return Ok(Some(window));
+        }
+        if !last && window.ends_with('\u{FFFD}') {
+            return Ok(None);
         }
         tracing::debug!("the decoder rewrote text before the new token: decoding all tokens");
         (self.prefix, self.read, self.base) = (0, 0, 0);
         self.prefix_text.clear();
         (self.searched, self.indent_from) = (0, None);
-        self.decode(&self.tokens)
+        self.decode(&self.tokens).map(Some)
     }
 
     /// Makes `text` end with what `window` (from [`TextStream::window`]) adds to its context's
@@ -195,7 +204,7 @@ impl<'a> TextStream<'a> {
     /// it is), cut as [`TextStream::push`] cuts.
     pub fn finish(&mut self) -> String {
         if self.stopped.is_none() {
-            if let Ok(window) = self.window() {
+            if let Ok(Some(window)) = self.window(true) {
                 if self.extend(&window) {
                     self.cut();
                 }
@@ -225,6 +234,11 @@ impl<'a> TextStream<'a> {
     }
 
     fn take(&mut self, upto: usize) -> String {
+        // Text already out that a decoder rewrote ([`TextStream::window`]) may now end inside
+        // a character: what comes next starts after it.
+        while self.emitted < self.text.len() && !self.text.is_char_boundary(self.emitted) {
+            self.emitted += 1;
+        }
         if upto <= self.emitted || !self.text.is_char_boundary(upto) {
             return String::new();
         }

@@ -329,3 +329,36 @@ fn a_stop_before_a_split_character_is_found_at_once() {
     joined.push_str(&s.finish());
     assert_eq!(joined, "x");
 }
+
+/// A group of byte-fallback tokens that never makes a character: the decoder then rewrites
+/// text already out ("\n" becomes U+FFFD beside the stray byte). The stream neither panics
+/// nor loses what follows, and its text is the full decoding. While a character's bytes come
+/// whole (`\n` and `€` in one group), the window waits instead of decoding everything.
+#[test]
+fn byte_fallback_groups_rewritten_or_whole() {
+    let tok = sentencepiece();
+    let id = |p: &str| tok.token_to_id(p).unwrap();
+    let ids = [id("▁the"), id("<0x0A>"), id("<0xE2>"), id("a")];
+    let mut s = TextStream::new(tok, vec![]);
+    let mut joined = String::new();
+    for t in ids {
+        joined.push_str(&s.push(t).unwrap());
+    }
+    joined.push_str(&s.finish());
+    assert_eq!(s.text(), decode(tok, &ids));
+    assert!(
+        joined.starts_with("the\n") && joined.ends_with('a'),
+        "{joined:?}"
+    );
+    // "x\n€x": the newline and the euro sign's three bytes are one group of byte tokens.
+    let ids = [
+        id("x"),
+        id("<0x0A>"),
+        id("<0xE2>"),
+        id("<0x82>"),
+        id("<0xAC>"),
+        id("x"),
+    ];
+    check(tok, &ids, &["€".to_string()], 0);
+    check(tok, &ids, &[], 0);
+}
