@@ -90,24 +90,18 @@ impl CompletionLogprobs {
     }
 }
 
-/// llama.cpp's `completion_probabilities` of `entries` (its `n_probs`, before sampling): per
-/// token `{"id", "token", "bytes", "logprob", "top_logprobs"}`, each alternative `{"id",
-/// "token", "bytes", "logprob"}`. `token` is the text of the token's bytes up to a character
-/// they split (llama.cpp's `validate_utf8`); `bytes` has them all.
-pub fn llama(engine: &Engine, entries: &[TokenLogprob]) -> Result<Value, ApiError> {
+/// Each of `entries` as `item(id, piece, logprob)` with its alternatives, as `item`s, under
+/// `top_logprobs` (chat's and llama.cpp's shape).
+fn with_alternatives(
+    engine: &Engine,
+    entries: &[TokenLogprob],
+    item: impl Fn(u32, &TokenPiece, f32) -> Value,
+) -> Result<Vec<Value>, ApiError> {
     let ids = entries
         .iter()
         .flat_map(|e| std::iter::once(&e.token).chain(e.top.iter().map(|t| &t.0)));
     let map = pieces(engine, ids)?;
-    let item = |id: &u32, lp: f32| {
-        let bytes = &map[id].bytes;
-        let whole = match std::str::from_utf8(bytes) {
-            Ok(s) => s,
-            // The prefix up to the error is valid UTF-8.
-            Err(e) => std::str::from_utf8(&bytes[..e.valid_up_to()]).unwrap_or_default(),
-        };
-        json!({"id": id, "token": whole, "bytes": bytes, "logprob": finite(lp)})
-    };
+    let item = |id: &u32, lp: f32| item(*id, &map[id], finite(lp));
     Ok(entries
         .iter()
         .map(|e| {
@@ -118,23 +112,28 @@ pub fn llama(engine: &Engine, entries: &[TokenLogprob]) -> Result<Value, ApiErro
         .collect())
 }
 
+/// llama.cpp's `completion_probabilities` of `entries` (its `n_probs`, before sampling): per
+/// token `{"id", "token", "bytes", "logprob", "top_logprobs"}`, each alternative `{"id",
+/// "token", "bytes", "logprob"}`. `token` is the text of the token's bytes up to a character
+/// they split (llama.cpp's `validate_utf8`); `bytes` has them all.
+pub fn llama(engine: &Engine, entries: &[TokenLogprob]) -> Result<Value, ApiError> {
+    let items = with_alternatives(engine, entries, |id, p, lp| {
+        let whole = match std::str::from_utf8(&p.bytes) {
+            Ok(s) => s,
+            // The prefix up to the error is valid UTF-8.
+            Err(e) => std::str::from_utf8(&p.bytes[..e.valid_up_to()]).unwrap_or_default(),
+        };
+        json!({"id": id, "token": whole, "bytes": p.bytes, "logprob": lp})
+    })?;
+    Ok(Value::Array(items))
+}
+
 /// The `/v1/chat/completions` logprobs object of `entries`.
 pub fn chat(engine: &Engine, entries: &[TokenLogprob]) -> Result<Value, ApiError> {
-    let ids = entries
-        .iter()
-        .flat_map(|e| std::iter::once(&e.token).chain(e.top.iter().map(|t| &t.0)));
-    let map = pieces(engine, ids)?;
-    let item = |id: &u32, lp: f32| {
-        let p = &map[id];
-        json!({"token": p.text(), "logprob": finite(lp), "bytes": p.bytes})
-    };
-    let content: Vec<Value> = entries
-        .iter()
-        .map(|e| {
-            let mut v = item(&e.token, e.logprob);
-            v["top_logprobs"] = e.top.iter().map(|(id, lp)| item(id, *lp)).collect();
-            v
-        })
-        .collect();
+    let content = with_alternatives(
+        engine,
+        entries,
+        |_, p, lp| json!({"token": p.text(), "logprob": lp, "bytes": p.bytes}),
+    )?;
     Ok(json!({ "content": content }))
 }
