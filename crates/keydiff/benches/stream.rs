@@ -5,6 +5,7 @@
 //! two stop strings that never come and llama.cpp's indentation stop at 4 (never met);
 //! reported per token, so a cost that grows with L shows. Beside it, for L up to 4096, what
 //! a stream that decodes all tokens so far on each token costs (keydiff's before 2026-12-07).
+//! Last, a reply that goes on with its end-of-text token after 64 tokens (`ignore_eos`).
 //!
 //!     scripts/fetch-models.sh && cargo bench -p keydiff --bench stream
 
@@ -59,6 +60,27 @@ fn stream(c: &mut Criterion) {
                 })
             });
         }
+    }
+    // A reply that ends and goes on generating its end-of-text token (`ignore_eos`, as
+    // serving benchmarks ask for): 64 tokens of text, then L − 64 special tokens.
+    let eos = tok
+        .token_to_id("<|im_end|>")
+        .expect("SmolLM2's end of turn");
+    for len in [4096usize, 16384] {
+        let run: Vec<u32> = (ids[..64].iter().copied())
+            .chain(std::iter::repeat_n(eos, len - 64))
+            .collect();
+        grp.throughput(Throughput::Elements(len as u64));
+        grp.bench_function(BenchmarkId::new("push-special-run", len), |b| {
+            b.iter(|| {
+                let mut s = TextStream::new(&tok, vec!["<never-a-stop>".to_string()]);
+                let mut n = 0;
+                for &t in &run {
+                    n += s.push(t).unwrap().len();
+                }
+                n + s.finish().len()
+            })
+        });
     }
     grp.finish();
 }

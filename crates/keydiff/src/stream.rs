@@ -86,9 +86,18 @@ impl<'a> TextStream<'a> {
             .map_err(|e| EngineError::Tokenizer(e.to_string()))
     }
 
+    /// True for a token that decoding leaves out (a special token, or an id the vocabulary
+    /// lacks: `Tokenizer::decode`'s filter). It is not kept: a run of them (an end-of-text
+    /// token generated again and again under `ignore_eos`) would otherwise grow the window,
+    /// which must begin with a token that has text, and every token would decode the run.
+    fn skipped(&self, token: u32) -> bool {
+        (self.tokenizer.id_to_token(token))
+            .is_none_or(|t| self.tokenizer.get_added_vocabulary().is_special_token(&t))
+    }
+
     /// Adds a token; returns the text that is now safe to show (possibly empty).
     pub fn push(&mut self, token: u32) -> Result<String> {
-        if self.stopped.is_some() {
+        if self.stopped.is_some() || self.skipped(token) {
             return Ok(String::new());
         }
         self.tokens.push(token);
@@ -99,8 +108,8 @@ impl<'a> TextStream<'a> {
         // taken (and looked through for stops) now, the rest on a later token.
         let complete = window.trim_end_matches('\u{FFFD}');
         let whole = complete.len() == window.len();
-        // A token that adds no text (a special one) leaves the window where it is: the
-        // window's first token must be one with text, for a decoder's first-token rules.
+        // A token that adds no text leaves the window where it is: the window's first token
+        // must be one with text, for a decoder's first-token rules.
         if !self.extend(complete) {
             return Ok(String::new());
         }
@@ -300,6 +309,34 @@ mod tests {
         assert_eq!(below_indent("a\n\t\tb", 2), None);
         assert_eq!(below_indent("a\n  ", 4), None, "the line has not started");
         assert_eq!(below_indent("no newline", 4), None);
+    }
+
+    /// Special tokens are not kept: a run of them costs nothing later tokens decode again.
+    #[test]
+    fn special_tokens_leave_the_window_alone() {
+        let json = serde_json::json!({
+            "version": "1.0",
+            "added_tokens": [{"id": 2, "content": "<eos>", "single_word": false,
+                "lstrip": false, "rstrip": false, "normalized": false, "special": true}],
+            "model": {"type": "WordLevel", "vocab": {"a": 0, "b": 1, "<eos>": 2},
+                "unk_token": "a"},
+        });
+        let tok = Tokenizer::from_bytes(json.to_string()).unwrap();
+        let mut s = TextStream::new(&tok, vec!["a b".into()]);
+        let mut out = s.push(0).unwrap();
+        for _ in 0..1000 {
+            out += &s.push(2).unwrap();
+            out += &s.push(7).unwrap(); // not in the vocabulary: decoding drops it too
+        }
+        assert_eq!(s.tokens, [0], "the run is not kept");
+        out += &s.push(1).unwrap();
+        out += &s.finish();
+        assert_eq!(out, "", "the stop spans the run");
+        assert_eq!(s.stop_string(), Some("a b"));
+        let mut s = TextStream::new(&tok, vec![]);
+        let out: String = [0, 2, 2, 1, 2, 0].map(|t| s.push(t).unwrap()).concat() + &s.finish();
+        assert_eq!(out, tok.decode(&[0, 2, 2, 1, 2, 0], true).unwrap());
+        assert_eq!(out, "a b a");
     }
 
     #[test]
