@@ -567,14 +567,19 @@ impl KvCache {
         Ok(())
     }
 
-    /// Query rows of a chunk of `chunk` tokens whose attention the policy needs, if any.
-    pub fn stats_rows(&self, chunk: usize) -> Option<usize> {
+    /// Query rows of a chunk of `chunk` tokens, just appended to layer `i`, whose attention
+    /// the policy needs, if any (`decode` as [`KvCache::after_attention`] gets it). A policy
+    /// that scores from the last rows (TOVA, SnapKV) needs them only when this pass evicts:
+    /// a prompt chunk that leaves the layer within its budget, and the decode steps before
+    /// the one that reaches N + K, take none (nor the decode kernel's detour through the
+    /// probabilities, nor flash's statistics pass). H2O sums every row into its state.
+    pub fn stats_rows(&self, i: usize, chunk: usize, decode: bool) -> Option<usize> {
         if self.cfg.policy == PolicyKind::Full {
             return None;
         }
         match self.policy.needs() {
             StatsNeed::None => None,
-            StatsNeed::LastRows(r) => Some(r.min(chunk)),
+            StatsNeed::LastRows(r) => self.due(i, decode).then_some(r.min(chunk)),
             StatsNeed::AllRows => Some(chunk),
         }
     }

@@ -124,12 +124,17 @@ impl CacheConfig {
         }
     }
 
-    /// Recent slots protected from eviction: the user window, or the policy's own minimum.
+    /// Recent slots protected from eviction: the user window, or the policy's own minimum
+    /// (SnapKV's observation window, TOVA's newest token), whichever is more; under H2O the
+    /// user window, or half the budget when none is set (the reference's default).
     pub fn protected_recent(&self, budget: usize) -> usize {
         let user = (self.window * budget as f64).round() as usize;
         let policy = match &self.policy {
             PolicyKind::SnapKv { window } => (*window).min(self.chunk),
-            PolicyKind::H2o { .. } => (H2O_RECENT_FRACTION * budget as f64).round() as usize,
+            // The reference's heavy:recent = 1:1, unless the user sets the window.
+            PolicyKind::H2o { .. } if self.window == 0.0 => {
+                (H2O_RECENT_FRACTION * budget as f64).round() as usize
+            }
             // kvpress keeps the newest token under TOVA.
             PolicyKind::Tova { .. } => 1,
             _ => 0,
@@ -215,5 +220,34 @@ impl CacheConfig {
     /// head: the capacity, or `max_tokens` when that is less (or when there is no budget).
     pub fn slots_for(&self, max_tokens: usize) -> usize {
         self.capacity().map_or(max_tokens, |c| c.min(max_tokens))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn recent_slots_protected_per_policy() {
+        let with = |policy: PolicyKind, window: f64| CacheConfig {
+            policy,
+            budget: Some(100),
+            window,
+            ..CacheConfig::full(64)
+        };
+        let h2o = PolicyKind::H2o { normalized: false };
+        // H2O: the reference's half unless the user sets the window, which then rules.
+        assert_eq!(with(h2o.clone(), 0.0).protected_recent(100), 50);
+        assert_eq!(with(h2o.clone(), 0.2).protected_recent(100), 20);
+        assert_eq!(with(h2o, 0.8).protected_recent(100), 80);
+        // SnapKV: at least its observation window (at most a chunk); TOVA the newest token.
+        let snap = PolicyKind::SnapKv { window: 32 };
+        assert_eq!(with(snap.clone(), 0.0).protected_recent(100), 32);
+        assert_eq!(with(snap, 0.5).protected_recent(100), 50);
+        let tova = PolicyKind::Tova { per_head: false };
+        assert_eq!(with(tova, 0.0).protected_recent(100), 1);
+        let keydiff = PolicyKind::parse("keydiff", 32, 0).unwrap();
+        assert_eq!(with(keydiff.clone(), 0.0).protected_recent(100), 0);
+        assert_eq!(with(keydiff, 0.2).protected_recent(100), 20);
     }
 }

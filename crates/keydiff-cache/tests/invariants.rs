@@ -100,7 +100,7 @@ fn drive(
             .unwrap();
         let n = cache.layer(0).len();
         prop_assert!(n <= cap, "{n} slots > N+B = {cap}");
-        let rows = cache.stats_rows(len);
+        let rows = cache.stats_rows(0, len, is_decode);
         let st = rows.map(|r| stats(n, r, salt ^ step as u64));
         cache.after_attention(0, st.as_ref(), is_decode).unwrap();
         cache.advance(len);
@@ -187,7 +187,7 @@ fn step(cache: &mut KvCache, len: usize, decode: bool, salt: u64) {
         .unwrap();
     let n = cache.layer(0).len();
     let st = cache
-        .stats_rows(len)
+        .stats_rows(0, len, decode)
         .map(|r| stats(n, r, salt ^ pos0 as u64));
     cache.after_attention(0, st.as_ref(), decode).unwrap();
     cache.advance(len);
@@ -764,7 +764,7 @@ proptest! {
             q.layer_mut(0).append(&k, &v, pos0).unwrap();
             f.layer_mut(0).append(&rounded(&k), &rounded(&v), pos0).unwrap();
             let n = q.layer(0).len();
-            let st = q.stats_rows(len).map(|r| stats(n, r, salt ^ i as u64));
+            let st = q.stats_rows(0, len, false).map(|r| stats(n, r, salt ^ i as u64));
             q.after_attention(0, st.as_ref(), false).unwrap();
             f.after_attention(0, st.as_ref(), false).unwrap();
             q.advance(len);
@@ -795,7 +795,9 @@ fn step_layers(c: &mut KvCache, len: usize, decode: bool, salt: u64) -> Vec<usiz
             .append(&t, &(&t * 2.0).unwrap(), pos0)
             .unwrap();
         let n = c.layer(l).len();
-        let st = c.stats_rows(len).map(|r| stats(n, r, salt ^ pos0 as u64));
+        let st = c
+            .stats_rows(l, len, decode)
+            .map(|r| stats(n, r, salt ^ pos0 as u64));
         c.after_attention(l, st.as_ref(), decode).unwrap();
         after.push(c.layer(l).len());
     }
@@ -921,4 +923,53 @@ fn layers_evict_together_only_while_they_are_views_of_one_buffer() {
     step_layers(&mut d, 8, false, 1);
     assert_eq!(step_layers(&mut d, 8, false, 2), vec![8, 8]);
     assert_eq!(layer_snapshots(&d), layer_snapshots(&alone));
+}
+
+/// TOVA and SnapKV score from the statistics of the pass that evicts: the others take none
+/// (a prompt chunk within the budget, decode steps before N + K). H2O sums every pass's.
+#[test]
+fn statistics_only_where_the_policy_reads_them() {
+    let (budget, chunk, every) = (8, 4, 3);
+    for (policy, every_pass) in [
+        (PolicyKind::Tova { per_head: false }, false),
+        (PolicyKind::SnapKv { window: 2 }, false),
+        (PolicyKind::H2o { normalized: false }, true),
+    ] {
+        let cfg = CacheConfig {
+            policy: policy.clone(),
+            budget: Some(budget),
+            evict_every: Some(every),
+            ..CacheConfig::full(chunk)
+        };
+        let mut cache = KvCache::new(cfg, 1, KV, D, 64, DType::F32, &Device::Cpu).unwrap();
+        // Three prompt chunks (4, 8, then 12 > N), then decode steps.
+        let steps = [(chunk, false); 3].into_iter().chain([(1, true); 8]);
+        let mut evicted_at = vec![];
+        for (step, (len, decode)) in steps.enumerate() {
+            let pos0 = cache.position();
+            let t = chunk_tensor(pos0, len, 5);
+            cache.layer_mut(0).append(&t, &t, pos0).unwrap();
+            let n = cache.layer(0).len();
+            let due = if decode {
+                n >= budget + every
+            } else {
+                n > budget
+            };
+            let rows = cache.stats_rows(0, len, decode);
+            let want = (every_pass || due).then_some(match policy {
+                PolicyKind::Tova { .. } => 1,
+                PolicyKind::SnapKv { window } => window.min(len),
+                _ => len,
+            });
+            assert_eq!(rows, want, "{policy:?} step {step}: {n} slots");
+            let st = rows.map(|r| stats(n, r, step as u64));
+            cache.after_attention(0, st.as_ref(), decode).unwrap();
+            cache.advance(len);
+            if cache.layer(0).len() < n {
+                evicted_at.push(step);
+            }
+        }
+        // The third chunk (12 slots) evicts to 8; decode then evicts at 8 + 3 = 11 slots.
+        assert_eq!(evicted_at, [2, 5, 8], "{policy:?}");
+    }
 }

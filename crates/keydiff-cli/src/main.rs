@@ -493,7 +493,9 @@ impl LoadArgs {
 /// Policy parameters shared by `run` and the benchmarks.
 #[derive(Args, Clone)]
 struct PolicyArgs {
-    /// Share of the budget reserved for the most recent tokens (KeyDiff + window: 0.2).
+    /// Share of the budget reserved for the most recent tokens (KeyDiff + window: 0.2). H2O
+    /// reserves 0.5 unless this is set (its reference's heavy:recent = 1:1); SnapKV at least
+    /// its observation window.
     #[arg(long, default_value_t = 0.0)]
     window: f64,
     /// First positions never evicted.

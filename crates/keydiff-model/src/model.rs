@@ -231,7 +231,7 @@ impl Attention {
             None => v,
         };
         layer.append(k, v, pos0)?;
-        let rows = cache.stats_rows(b);
+        let rows = cache.stats_rows(li, b, decode);
         let layer = cache.layer(li);
         let eager = backend != AttentionBackend::Flash;
         let one_row = b == 1 && mask.is_none();

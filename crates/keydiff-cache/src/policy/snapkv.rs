@@ -3,6 +3,12 @@
 //! over the g query heads of each KV head (kvpress's GQA form). The window's own tokens are
 //! protected by the shared selection.
 //!
+//! As in the reference code (`attn_weights[..., -window:, :-window]`) and kvpress, the pooling
+//! runs over the tokens before the observation window: the window's queries attend most to
+//! themselves, and pooled in, that attention would lift the two tokens just before the window.
+//! The window's own slots count as zeros in their neighbours' pools (the zero padding at the
+//! end of the reference's prefix); their own scores do not matter, they are kept.
+//!
 //! Slots are not in position order after compaction, so pooling runs over the head's slots
 //! sorted by position: neighbours in the text, as in the reference.
 
@@ -42,15 +48,19 @@ impl Policy for SnapKv {
         Ok(self.score_tensor(layer, stats)?.to_vec2::<f32>()?)
     }
 
-    /// On the cache's device: the mean over the g query heads, then [`PoolByPosition`].
+    /// On the cache's device: the mean over the g query heads, the observed queries' own
+    /// slots (the newest `rows` positions) zeroed, then [`PoolByPosition`].
     fn score_tensor(&mut self, layer: &LayerCache, stats: Option<&AttnStats>) -> Result<Tensor> {
         let s =
             stats.ok_or_else(|| CacheError::Config("SnapKV needs attention statistics".into()))?;
-        let per_head = s.sums.mean(1)?.to_dtype(DType::F32)?.contiguous()?;
-        let op = PoolByPosition {
-            span: layer.next_position(),
-        };
-        Ok(per_head.apply_op2_no_bwd(&layer.positions_tensor()?, &op)?)
+        let span = layer.next_position();
+        let positions = layer.positions_tensor()?;
+        let per_head = s.sums.mean(1)?.to_dtype(DType::F32)?;
+        let window = positions.ge(span.saturating_sub(s.rows) as u32)?;
+        let per_head = window
+            .where_cond(&per_head.zeros_like()?, &per_head)?
+            .contiguous()?;
+        Ok(per_head.apply_op2_no_bwd(&positions, &PoolByPosition { span })?)
     }
 }
 
