@@ -437,7 +437,7 @@ fn the_model_digest_follows_the_weights() {
 /// A conversation saved after its first turn (`Engine::save_conversation`) and loaded again
 /// (`Engine::load_conversation`, `keydiff chat --prompt-cache`) goes on exactly as the one
 /// kept in memory: the next turn's tokens, logprobs, kept tokens and evictions. A prompt
-/// cache's file is not a conversation.
+/// cache's file is not a conversation, nor a conversation's a prompt cache.
 #[test]
 fn a_saved_conversation_goes_on_as_the_one_in_memory() {
     let dir = temp_dir("cache-file-conversation");
@@ -483,6 +483,15 @@ fn a_saved_conversation_goes_on_as_the_one_in_memory() {
         Err(err) => err.to_string(),
     };
     assert!(msg.contains("not a conversation"), "{msg}");
+    // Nor is a conversation's file a prompt cache (`run --prompt-cache` would save one over
+    // it); the file is left as it was.
+    let before = std::fs::read(&path).unwrap();
+    let msg = match e.load_prompt_cache(&path, Reuse::Continue) {
+        Ok(_) => panic!("a conversation loaded as a prompt cache"),
+        Err(err) => err.to_string(),
+    };
+    assert!(msg.contains("holds a conversation"), "{msg}");
+    assert_eq!(std::fs::read(&path).unwrap(), before);
 }
 
 /// A cache saved Hadamard-rotated (a quantized cache, the default) is refused by an engine

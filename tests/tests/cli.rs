@@ -168,6 +168,21 @@ fn chat_template_flags_shape_the_prompt() {
         "0",
     ]);
     assert_eq!(budget, off);
+    // A template flag asks for the template: no --chat needed.
+    let (so, _) = ok(&[
+        "run",
+        "-m",
+        m.to_str().unwrap(),
+        "-p",
+        "Hi",
+        "-n",
+        "1",
+        "--json",
+        "--chat-template-file",
+        file.to_str().unwrap(),
+    ]);
+    let v: serde_json::Value = serde_json::from_str(&so).unwrap();
+    assert_eq!(v["stats"]["prompt_tokens"].as_u64(), Some(given), "{v}");
     // The template writes `</think>`: with --json, the reasoning comes apart from the answer.
     let (so, _) = ok(&[
         "run",
@@ -411,6 +426,103 @@ fn perplexity_reports_json_and_truncation() {
         )),
         "{so}"
     );
+    // One scored token: no standard error, and three quarters with no token: `n/a`, not 1.
+    let (so, _) = ok(&[
+        "perplexity",
+        "-m",
+        m.to_str().unwrap(),
+        "-p",
+        text,
+        "--max-tokens",
+        "2",
+    ]);
+    assert!(so.contains("± n/a") && !so.contains("NaN"), "{so}");
+    let quarters = so.split("by quarter: ").nth(1).unwrap();
+    let quarters: Vec<&str> = quarters.split(" | ").next().unwrap().split(' ').collect();
+    assert_eq!(quarters.len(), 4, "{so}");
+    assert_eq!(quarters.iter().filter(|q| **q == "n/a").count(), 3, "{so}");
+}
+
+/// A closed pipe on stdout (`keydiff ... | head -c 3`) ends the process as it ends
+/// llama.cpp's tools (SIGPIPE), neither with a panic nor after generating for no reader.
+#[test]
+fn a_closed_stdout_ends_the_process_quietly() {
+    use std::io::Read;
+    use std::os::unix::process::ExitStatusExt;
+    use std::process::Stdio;
+    let m = model(SMOLLM2);
+    let m = m.to_str().unwrap();
+    for args in [
+        &["tokenize", "-m", m, "-p", "hello"][..],
+        &[
+            "run",
+            "-m",
+            m,
+            "-p",
+            "Once upon a time",
+            "-n",
+            "400",
+            "--ignore-eos",
+        ],
+    ] {
+        let mut child = Command::new(keydiff_bin())
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut stdout = child.stdout.take().unwrap();
+        if args[0] == "run" {
+            // The reader goes away after the first bytes of the reply.
+            let mut first = [0u8; 3];
+            stdout.read_exact(&mut first).unwrap();
+        }
+        drop(stdout);
+        let out = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+        assert_eq!(
+            out.status.signal(),
+            Some(13),
+            "{args:?}: {:?} {err}",
+            out.status
+        );
+        // Ended by the signal, `run` never printed its closing stats line.
+        assert!(!err.contains("TTFT"), "{args:?}: {err}");
+    }
+}
+
+/// `-f FILE` reads the prompt without the line break that ends the file (llama.cpp's `-f`);
+/// `--parse-special` reads special-token text as the special tokens (llama-cli's way).
+#[test]
+fn prompt_file_and_special_tokens() {
+    let dir = temp_dir("cli-prompt-file");
+    let m = model(SMOLLM2);
+    let m = m.to_str().unwrap();
+    let prompt_tokens = |extra: &[&str]| -> u64 {
+        let (so, _) = ok(&[&["run", "-m", m, "-n", "1", "--json"][..], extra].concat());
+        let v: serde_json::Value = serde_json::from_str(&so).unwrap();
+        v["stats"]["prompt_tokens"].as_u64().unwrap()
+    };
+    let file = dir.join("prompt.txt");
+    std::fs::write(&file, "Once upon a time\n").unwrap();
+    let from_file = prompt_tokens(&["-f", file.to_str().unwrap()]);
+    assert_eq!(from_file, prompt_tokens(&["-p", "Once upon a time"]));
+    std::fs::write(&file, "Once upon a time\n\n").unwrap();
+    assert_eq!(
+        prompt_tokens(&["-f", file.to_str().unwrap()]),
+        prompt_tokens(&["-p", "Once upon a time\n"]),
+        "only one line break is left out"
+    );
+    let chat = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n";
+    let plain = prompt_tokens(&["-p", chat]);
+    let parsed = prompt_tokens(&["-p", chat, "--parse-special"]);
+    // Each of the 4 special tokens is one token, not its text's several.
+    assert!(parsed + 4 < plain, "{parsed} vs {plain}");
+    let (so, _) = ok(&["tokenize", "-m", m, "-p", chat, "--parse-special"]);
+    let ids: Vec<u64> = serde_json::from_str(&so).unwrap();
+    assert_eq!(ids.len() as u64, parsed);
+    std::fs::remove_dir_all(dir).ok();
 }
 
 /// `perplexity -c W --stride S` scores in windows; a text beyond the model's context is
@@ -1142,6 +1254,18 @@ fn ctx_size_bounds_the_context() {
         Some(24 * 30 * 3 * 64 * 2 * 4),
         "{s}"
     );
+    // A prompt that fills the context leaves no room: nothing is generated.
+    let out = run(&["-c", "4", "-p", "Once upon a time", "-n", "8"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let s = &v["stats"];
+    assert_eq!(s["prompt_tokens"], 4, "{s}");
+    assert_eq!(s["generated_tokens"], 0, "{s}");
+    assert_eq!(s["stop_reason"], "context", "{s}");
     // 0 is the model's context.
     let out = run(&["-c", "0", "-p", "Once upon a time", "-n", "8"]);
     assert!(out.status.success());

@@ -189,7 +189,8 @@ impl CacheConfig {
         }
         if n < self.chunk {
             return Err(CacheError::Config(format!(
-                "budget {n} is smaller than the chunk {}: every chunk must fit in the budget",
+                "budget {n} is smaller than the chunk {} (--budget, --chunk): every chunk must \
+                 fit in the budget",
                 self.chunk
             )));
         }
@@ -203,7 +204,7 @@ impl CacheConfig {
         let protected = self.protected_recent(n) + self.protected_sinks();
         if protected > n {
             return Err(CacheError::Config(format!(
-                "protected slots ({} sinks + {} recent) exceed the budget {n}",
+                "protected slots ({} sinks + {} recent: --sinks, --window) exceed the budget {n}",
                 self.protected_sinks(),
                 self.protected_recent(n)
             )));

@@ -72,7 +72,7 @@ enum Cmd {
         #[arg(short = 'p', long)]
         prompt: String,
         /// Parse special tokens (e.g. <|im_start|>) written in the text.
-        #[arg(long)]
+        #[arg(long, visible_alias = "parse-special")]
         special: bool,
     },
     /// List the devices this keydiff can run on (llama.cpp's --list-devices): the CPU, and
@@ -238,10 +238,10 @@ struct LoadArgs {
     kv_dtype: Option<String>,
     /// The keys' cache type alone, over --kv-dtype (llama.cpp's `-ctk`): e.g. `--cache-type-k
     /// f16 --cache-type-v q8_0` keeps keys, which hold outliers, in f16.
-    #[arg(long, alias = "ctk")]
+    #[arg(long, visible_alias = "ctk")]
     cache_type_k: Option<String>,
     /// The values' cache type alone, over --kv-dtype (llama.cpp's `-ctv`).
-    #[arg(long, alias = "ctv")]
+    #[arg(long, visible_alias = "ctv")]
     cache_type_v: Option<String>,
     /// Store quantized caches as they are, not Hadamard-rotated. By default, as llama.cpp
     /// (whose `LLAMA_ATTN_ROT_DISABLE=1` this is), keys and values of a block type are
@@ -303,6 +303,14 @@ struct TemplateArgs {
 }
 
 impl TemplateArgs {
+    /// True when any of these flags is given: `run` then applies the chat template.
+    fn given(&self) -> bool {
+        self.chat_template.is_some()
+            || self.chat_template_file.is_some()
+            || self.chat_template_kwargs.is_some()
+            || self.reasoning_budget.is_some()
+    }
+
     /// The template given, if any, and the kwargs (empty without the flag).
     fn resolve(&self) -> Result<(Option<String>, keydiff::TemplateKwargs)> {
         let template = match (&self.chat_template, &self.chat_template_file) {
@@ -481,8 +489,12 @@ impl LoadArgs {
             // `bench ttft --eviction per-layer` sets it per case.
             evict_per_layer: false,
         };
-        let engine = Engine::load(&source, &cfg)
-            .with_context(|| format!("cannot load model `{}`", self.model))?;
+        // A setting that cannot be (the cache's, the context's, the chat template's) is
+        // reported as it is; anything else failed loading the model.
+        let engine = Engine::load(&source, &cfg).map_err(|e| match e {
+            keydiff::EngineError::BadParams(_) => anyhow::Error::new(e),
+            e => anyhow::Error::new(e).context(format!("cannot load model `{}`", self.model)),
+        })?;
         if self.random_weights {
             eprintln!("note: random weights: the generated text is meaningless by design");
         }
@@ -496,7 +508,7 @@ struct PolicyArgs {
     /// Share of the budget reserved for the most recent tokens (KeyDiff + window: 0.2). H2O
     /// reserves 0.5 unless this is set (its reference's heavy:recent = 1:1); SnapKV at least
     /// its observation window.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     window: f64,
     /// First positions never evicted.
     #[arg(long, default_value_t = 0)]
@@ -555,7 +567,35 @@ impl ModelArgs {
             (None, Some(_)) => "keydiff",
             (None, None) => "full",
         };
-        self.policy_args.cache(name, self.budget, self.chunk)
+        let cfg = self.policy_args.cache(name, self.budget, self.chunk)?;
+        // Settings the policy never reads: said, not silently dropped.
+        let p = &self.policy_args;
+        let mut unused = vec![];
+        if cfg.budget.is_none() {
+            (p.window != 0.0).then(|| unused.push("--window"));
+            (p.sinks != 0).then(|| unused.push("--sinks"));
+            p.evict_every
+                .is_some()
+                .then(|| unused.push("--evict-every"));
+        }
+        let snapkv = matches!(cfg.policy, PolicyKind::SnapKv { .. });
+        (!snapkv && p.snap_window != keydiff::SNAPKV_WINDOW).then(|| unused.push("--snap-window"));
+        let random = matches!(cfg.policy, PolicyKind::Random { .. });
+        (!random && p.policy_seed != 0).then(|| unused.push("--policy-seed"));
+        if !unused.is_empty() {
+            eprintln!(
+                "warning: {} {} no effect under policy `{}`{}",
+                unused.join(", "),
+                if unused.len() == 1 { "has" } else { "have" },
+                cfg.policy.name(),
+                if cfg.budget.is_none() {
+                    " (no --budget: nothing is evicted)"
+                } else {
+                    ""
+                }
+            );
+        }
+        Ok(cfg)
     }
 
     fn load(&self) -> Result<Engine> {
@@ -574,7 +614,7 @@ struct ContextArgs {
     /// Context size in tokens, prompt and output together (llama.cpp's -c, vLLM's
     /// --max-model-len): at most the model's (with its RoPE scaling); 0: the model's. Longer
     /// prompts are refused, generation stops there, and a full cache never takes more.
-    #[arg(short = 'c', long, value_name = "N")]
+    #[arg(short = 'c', long, value_name = "N", allow_negative_numbers = true)]
     ctx_size: Option<usize>,
 }
 
@@ -584,16 +624,21 @@ struct RunArgs {
     model: ModelArgs,
     #[command(flatten)]
     ctx: ContextArgs,
-    /// Prompt text.
+    /// Prompt text (without -p or -f, the prompt is read from stdin).
     #[arg(short = 'p', long, conflicts_with = "file")]
     prompt: Option<String>,
-    /// Read the prompt from a file.
+    /// Read the prompt from a file (one line break at its end left out, as llama.cpp does).
     #[arg(short = 'f', long)]
     file: Option<PathBuf>,
     /// Read the prompt as token ids (a JSON array) from a file, e.g. to feed two engines the
     /// very same ids in a benchmark.
     #[arg(long, conflicts_with_all = ["prompt", "file", "chat", "system"])]
     prompt_tokens: Option<PathBuf>,
+    /// Read special-token text in the prompt as the special tokens (`<|im_start|>` as one
+    /// token), as llama-cli and Hugging Face's tokenizers do; by default it is plain text, as
+    /// in every text prompt of this engine (a chat's template text is always parsed).
+    #[arg(long, conflicts_with_all = ["chat", "system", "suffix", "tools", "prompt_tokens"])]
+    parse_special: bool,
     /// Do not stop at end-of-generation tokens (benchmarks).
     #[arg(long)]
     ignore_eos: bool,
@@ -601,7 +646,8 @@ struct RunArgs {
     #[arg(short = 'n', long, default_value = "256", value_parser = count_or_all,
         allow_negative_numbers = true)]
     max_tokens: usize,
-    /// Wrap the prompt in the model's chat template.
+    /// Wrap the prompt in the model's chat template (implied by --system, --tools and the
+    /// chat template flags).
     #[arg(long)]
     chat: bool,
     /// System message (implies --chat).
@@ -676,8 +722,79 @@ fn main() {
     }
 }
 
+/// A closed pipe on stdout (`keydiff run ... | head`) ends the process quietly, as it ends
+/// llama.cpp's tools and every C filter, instead of a panic from `println!` (Rust ignores
+/// SIGPIPE) and a generation that goes on for no reader. The server keeps ignoring it: a
+/// client that hangs up must not end it.
+fn die_on_closed_stdout() {
+    #[cfg(unix)]
+    // SAFETY: called at start-up, before any thread exists; sets the default disposition.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+}
+
+/// llama.cpp's flags of several letters after one dash (`-ctk`, `-fa`, `-ngl`), which clap
+/// would read as clusters of one-letter flags (`-ctk f16` as `-c tk`): those keydiff has are
+/// rewritten to its names, those it has no use for are refused, saying why.
+fn llama_cpp_flags(args: Vec<std::ffi::OsString>) -> Result<Vec<std::ffi::OsString>> {
+    let mut out = Vec::with_capacity(args.len());
+    let mut it = args.into_iter().peekable();
+    while let Some(a) = it.next() {
+        let Some(flag) = a.to_str() else {
+            out.push(a);
+            continue;
+        };
+        let to = match flag {
+            "-ctk" => "--cache-type-k",
+            "-ctv" => "--cache-type-v",
+            "-sys" => "--system",
+            "-hf" | "-hfr" => "--model",
+            "-dev" => "--device",
+            "-np" => "--max-batch",
+            "-ps" => "--prefill-tokens",
+            // Plain completion: what `run` does unless told --chat.
+            "-no-cnv" => continue,
+            // `-fa [on|off|auto]`, or alone (older llama.cpp): on.
+            "-fa" | "--flash-attn" => {
+                let value = match it.peek().and_then(|v| v.to_str()) {
+                    Some("on" | "1" | "true") => Some("flash"),
+                    Some("off" | "0" | "false") => Some("eager"),
+                    Some("auto") => Some("auto"),
+                    _ => None,
+                };
+                if value.is_some() {
+                    it.next();
+                }
+                out.push("--attention".into());
+                out.push(value.unwrap_or("flash").into());
+                continue;
+            }
+            "-cnv" | "--conversation" => bail!(
+                "{flag} is llama-cli's conversation mode: `keydiff chat` is keydiff's (one \
+                 user message per line of stdin)"
+            ),
+            "-ngl" | "--n-gpu-layers" | "--gpu-layers" | "-ts" | "--tensor-split" | "-sm"
+            | "--split-mode" | "-mg" | "--main-gpu" | "-nkvo" | "--no-kv-offload" => bail!(
+                "{flag} (llama.cpp's layer offload) has no equivalent: keydiff runs the whole \
+                 model and its KV cache on --device (cpu, cuda or cuda:N)"
+            ),
+            _ => {
+                out.push(a);
+                continue;
+            }
+        };
+        out.push(to.into());
+    }
+    Ok(out)
+}
+
 fn real_main() -> Result<()> {
-    match Cli::parse().cmd {
+    let cli = Cli::parse_from(llama_cpp_flags(std::env::args_os().collect())?);
+    if !matches!(cli.cmd, Cmd::Serve(_)) {
+        die_on_closed_stdout();
+    }
+    match cli.cmd {
         Cmd::Run(a) => run(*a),
         Cmd::Bench(b) => bench::bench(b),
         Cmd::Eval(a) => eval::eval(a),
@@ -1187,7 +1304,7 @@ struct PplArgs {
     /// The text (or -f FILE).
     #[arg(short = 'p', long, conflicts_with = "file")]
     prompt: Option<String>,
-    /// Read the text from a file.
+    /// Read the text from a file (one line break at its end left out, as llama.cpp does).
     #[arg(short = 'f', long)]
     file: Option<PathBuf>,
     /// Score only the first N tokens (the run says so).
@@ -1208,11 +1325,21 @@ struct PplArgs {
     json: bool,
 }
 
+/// A `-f` file's text, without the line break that ends it, as llama.cpp reads `-f` (an
+/// editor ends every file with one; the prompt does not end there).
+fn read_text_file(path: &Path, what: &str) -> Result<String> {
+    let mut text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read {what} file {}", path.display()))?;
+    if text.ends_with('\n') {
+        text.pop();
+    }
+    Ok(text)
+}
+
 fn perplexity(a: &PplArgs) -> Result<()> {
     let text = match (&a.prompt, &a.file) {
         (Some(p), _) => p.clone(),
-        (None, Some(f)) => std::fs::read_to_string(f)
-            .with_context(|| format!("cannot read text file {}", f.display()))?,
+        (None, Some(f)) => read_text_file(f, "text")?,
         (None, None) => bail!("give the text with -p TEXT or -f FILE"),
     };
     if a.max_tokens == Some(0) {
@@ -1259,14 +1386,19 @@ fn perplexity(a: &PplArgs) -> Result<()> {
         });
         println!("{v}");
     } else {
-        let q: Vec<String> = quarters.iter().map(|x| format!("{x:.3}")).collect();
+        // Undefined (NaN: one scored token's error, a quarter with no token): `n/a`.
+        let num = |x: f64, digits: usize| match x.is_nan() {
+            true => "n/a".to_string(),
+            false => format!("{x:.digits$}"),
+        };
+        let q: Vec<String> = quarters.iter().map(|&x| num(x, 3)).collect();
         let budget = cache.budget.map_or("none".to_string(), |n| n.to_string());
         println!(
             "perplexity {:.4} (mean NLL {:.4} ± {:.4}) over {} scored tokens{}{} | by quarter: {} \
              | policy {} budget {budget} chunk {} ({} evictions) | {:.2} s",
             r.ppl(),
             r.mean_nll(..),
-            r.nll_stderr(),
+            num(r.nll_stderr(), 4),
             r.nll.len(),
             if tokens.len() < total {
                 format!(" (the first {} of the text's {total} tokens)", tokens.len())
@@ -1429,9 +1561,12 @@ fn run(a: RunArgs) -> Result<()> {
     }
     let text = match (&a.prompt, &a.file) {
         (Some(p), _) => p.clone(),
-        (None, Some(f)) => std::fs::read_to_string(f)
-            .with_context(|| format!("cannot read prompt file {}", f.display()))?,
+        (None, Some(f)) => read_text_file(f, "prompt")?,
         (None, None) => {
+            use std::io::IsTerminal;
+            if std::io::stdin().is_terminal() {
+                eprintln!("reading the prompt from stdin (end it with Ctrl-D; or give -p or -f)");
+            }
             let mut s = String::new();
             std::io::stdin()
                 .read_to_string(&mut s)
@@ -1465,7 +1600,10 @@ fn run(a: RunArgs) -> Result<()> {
         };
         return generate_with(&a, &engine, prompt, reading.map(|(s, f)| (s, list, f)));
     }
-    let prompt = if a.chat || a.system.is_some() {
+    // A chat template flag asks for the chat template (llama.cpp's apply it in conversation
+    // mode, its default for a model with a template).
+    let templated = a.model.load.template.given() && a.suffix.is_none();
+    let prompt = if a.chat || a.system.is_some() || templated {
         let mut m = Vec::new();
         if let Some(s) = &a.system {
             m.push(Message::new("system", s.clone()));
@@ -1479,7 +1617,11 @@ fn run(a: RunArgs) -> Result<()> {
             repo: None,
         }
     } else {
-        Prompt::Text(text)
+        if a.parse_special && !text.is_empty() {
+            Prompt::Tokens(engine.tokenize(&text, true)?)
+        } else {
+            Prompt::Text(text)
+        }
     };
     generate(&a, &engine, prompt)
 }
@@ -1500,18 +1642,40 @@ fn top_k(s: &str) -> std::result::Result<usize, String> {
     Ok(k.max(0) as usize)
 }
 
+/// `--seed`: a number, or -1 for one drawn at random (llama.cpp's `LLAMA_DEFAULT_SEED`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Seed {
+    Fixed(u64),
+    Random,
+}
+
+/// The seed `--seed -1` drew.
+static DRAWN_SEED: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+
+fn seed(s: &str) -> std::result::Result<Seed, String> {
+    match s.trim() {
+        "-1" => Ok(Seed::Random),
+        t => t.parse().map(Seed::Fixed).map_err(|_| {
+            format!("`{s}`: expected a number from 0 to 2^64 - 1, or -1 for a random one")
+        }),
+    }
+}
+
 /// Sampling options shared by `run` and `chat`.
 #[derive(Args)]
 struct SamplingArgs {
-    /// Temperature; 0 is greedy.
-    #[arg(long, default_value_t = 0.0)]
+    /// Temperature; 0 is greedy (the default here, unlike llama.cpp's 0.8: a run gives the
+    /// same text each time unless asked to sample).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     temp: f32,
     /// Keep the K most likely tokens; 0 or less: all (llama.cpp's).
     #[arg(long, default_value = "0", value_parser = top_k, allow_negative_numbers = true)]
     top_k: usize,
-    #[arg(long, default_value_t = 1.0)]
+    /// Keep the most likely tokens whose probabilities add up to P (1 = off).
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     top_p: f32,
-    #[arg(long, default_value_t = 0.0)]
+    /// Drop tokens less likely than P times the most likely one (0 = off).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     min_p: f32,
     /// Repetition penalty (1 = off).
     #[arg(long, default_value_t = 1.0)]
@@ -1551,8 +1715,11 @@ struct SamplingArgs {
     /// --json-schema, read from FILE.
     #[arg(long, value_name = "FILE", group = "constraint")]
     json_schema_file: Option<PathBuf>,
-    #[arg(long, default_value_t = 299_792_458)]
-    seed: u64,
+    /// Seed of the sampler: the same seed, settings and prompt give the same text; -1 draws
+    /// one (printed on stderr), as llama.cpp's default does.
+    #[arg(short = 's', long, default_value = "299792458", value_parser = seed,
+        allow_negative_numbers = true)]
+    seed: Seed,
 }
 
 /// Speculative decoding, shared by `run`, `chat` and `serve`.
@@ -1693,7 +1860,18 @@ impl SamplingArgs {
             presence_penalty: self.presence_penalty,
             logit_bias: self.logit_bias.clone(),
             format,
-            seed: self.seed,
+            seed: match self.seed {
+                Seed::Fixed(n) => n,
+                // Drawn once a process (the settings are read more than once), and said.
+                Seed::Random => *DRAWN_SEED.get_or_init(|| {
+                    use std::hash::{BuildHasher, Hasher};
+                    let n = std::collections::hash_map::RandomState::new()
+                        .build_hasher()
+                        .finish();
+                    eprintln!("seed: {n} (drawn for --seed -1)");
+                    n
+                }),
+            },
             // llama.cpp's order, as its flags.
             temperature_first: false,
         })
@@ -2231,6 +2409,10 @@ fn generate_with(
         Some(pc) => engine.generate_cached(&params, pc, on_event)?,
         None => engine.generate(&params, on_event)?,
     };
+    if !a.json {
+        // The streamed text's line ends before anything else is said.
+        println!();
+    }
     if let (Some(path), Some(pc)) = (&a.prompt_cache, &pc) {
         let s = &result.stats;
         eprintln!(
@@ -2275,7 +2457,6 @@ fn generate_with(
         }
         println!("{}", serde_json::to_string(&v)?);
     } else {
-        println!();
         for c in calls.iter().flat_map(|p| &p.calls) {
             eprintln!("tool call: {} {}", c.name, c.arguments);
         }
@@ -2359,5 +2540,88 @@ mod tests {
         };
         assert_eq!((a.max_tokens, a.sampling.repeat_last_n), (256, 64));
         assert!(Cli::try_parse_from(["keydiff", "run", "-m", "m", "-n", "-3"]).is_err());
+    }
+
+    /// llama.cpp's seed -1 (a random one), and negative values reach their own checks
+    /// instead of reading as flags.
+    #[test]
+    fn seed_minus_one_draws_and_negatives_are_values() {
+        assert_eq!(seed("-1"), Ok(Seed::Random));
+        assert_eq!(seed("42"), Ok(Seed::Fixed(42)));
+        assert!(seed("-2").unwrap_err().contains("-1 for a random one"));
+        let parse = |extra: &[&str]| {
+            let mut args = vec!["keydiff", "run", "-m", "m", "-p", "hi"];
+            args.extend_from_slice(extra);
+            match Cli::try_parse_from(args).map(|c| c.cmd) {
+                Ok(Cmd::Run(a)) => Ok(a),
+                Ok(_) => panic!("not run"),
+                Err(e) => Err(e.to_string()),
+            }
+        };
+        assert_eq!(parse(&["-s", "-1"]).unwrap().sampling.seed, Seed::Random);
+        assert_eq!(parse(&[]).unwrap().sampling.seed, Seed::Fixed(299_792_458));
+        let a = parse(&["--temp", "-1", "--top-p", "-0.5", "--min-p", "-1"]).unwrap();
+        assert_eq!((a.sampling.temp, a.sampling.top_p), (-1.0, -0.5));
+        assert!(
+            a.sampling.get().unwrap().validate().is_err(),
+            "refused by the sampler's checks"
+        );
+        let Err(err) = parse(&["-c", "-1"]) else {
+            panic!("-c -1 parsed")
+        };
+        assert!(err.contains("invalid value '-1' for '--ctx-size"), "{err}");
+    }
+
+    /// llama.cpp's multi-letter single-dash flags: rewritten to keydiff's, or refused with
+    /// the reason; everything else is left as it is.
+    #[test]
+    fn llama_cpp_flags_are_read_or_refused() {
+        let tr = |args: &[&str]| {
+            llama_cpp_flags(args.iter().map(Into::into).collect())
+                .map(|v| {
+                    v.into_iter()
+                        .map(|a| a.into_string().unwrap())
+                        .collect::<Vec<_>>()
+                })
+                .map_err(|e| e.to_string())
+        };
+        assert_eq!(
+            tr(&["run", "-ctk", "f16", "-ctv", "q8_0", "-sys", "be brief", "-no-cnv"]).unwrap(),
+            [
+                "run",
+                "--cache-type-k",
+                "f16",
+                "--cache-type-v",
+                "q8_0",
+                "--system",
+                "be brief"
+            ]
+        );
+        assert_eq!(
+            tr(&["serve", "-fa", "on", "-np", "4"]).unwrap(),
+            ["serve", "--attention", "flash", "--max-batch", "4"]
+        );
+        assert_eq!(
+            tr(&["run", "-fa", "-p", "x"]).unwrap()[1..3],
+            ["--attention", "flash"]
+        );
+        assert_eq!(
+            tr(&["run", "-fa", "off"]).unwrap()[1..],
+            ["--attention", "eager"]
+        );
+        assert!(tr(&["run", "-ngl", "99"])
+            .unwrap_err()
+            .contains("keydiff runs the whole"));
+        assert!(tr(&["run", "-cnv"]).unwrap_err().contains("`keydiff chat`"));
+        let plain = ["run", "-p", "-1", "-c", "4", "-n", "-1", "--stop", "x"];
+        assert_eq!(tr(&plain).unwrap(), plain);
+        // What the rewrite gives parses.
+        let args = tr(&[
+            "keydiff", "run", "-m", "m", "-p", "hi", "-ctk", "f16", "-fa", "on",
+        ]);
+        let Cmd::Run(a) = Cli::try_parse_from(args.unwrap()).unwrap().cmd else {
+            panic!("not run")
+        };
+        assert_eq!(a.model.load.cache_type_k.as_deref(), Some("f16"));
     }
 }

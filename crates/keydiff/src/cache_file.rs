@@ -294,6 +294,13 @@ impl Engine {
         held: u64,
     ) -> Result<PromptCache> {
         let (h, cache) = self.read_cache_file(path, reuse, held)?;
+        if h.messages.is_some() {
+            // Its caller would save a prompt cache over it: the conversation would be lost.
+            return Err(EngineError::CacheFile {
+                path: path.to_path_buf(),
+                reason: "it holds a conversation (chat --prompt-cache), not a prompt cache".into(),
+            });
+        }
         let mut pc = PromptCache::with_reuse(reuse);
         pc.tokens = h.tokens;
         pc.prompt_len = h.prompt_len;

@@ -1224,6 +1224,12 @@ impl<'e> Decoding<'e> {
         if self.reason != StopReason::MaxTokens || self.generated.len() >= self.params.max_tokens {
             return Ok(None);
         }
+        // A prompt that fills the context leaves no room for a token: prompt and output
+        // together stay within it (as every later token is checked in `sampled`).
+        if position >= self.engine.model_config().context() {
+            self.reason = StopReason::Context;
+            return Ok(None);
+        }
         self.draw_row()?;
         let params = &self.params;
         let vocab = &self.engine.loaded.vocab;

@@ -187,6 +187,10 @@ impl Perplexity {
         (0..parts)
             .map(|p| {
                 let (a, b) = (p * n / parts, (p + 1) * n / parts);
+                // A part with no token has no perplexity (not exp(0) = 1).
+                if a == b {
+                    return f64::NAN;
+                }
                 self.mean_nll(a..b).exp()
             })
             .collect()
@@ -219,5 +223,9 @@ mod tests {
         assert!((parts[0] - 1.5f64.exp()).abs() < 1e-12);
         assert!((parts[1] - 4.5f64.exp()).abs() < 1e-12);
         assert!(p(vec![1.0]).nll_stderr().is_nan());
+        // Fewer tokens than parts: the empty parts have none.
+        let parts = p(vec![1.0, 2.0]).ppl_by_part(4);
+        assert!(parts[0].is_nan() && parts[2].is_nan(), "{parts:?}");
+        assert!((parts[1] - 1f64.exp()).abs() < 1e-12 && (parts[3] - 2f64.exp()).abs() < 1e-12);
     }
 }
