@@ -522,6 +522,11 @@ fn prompt_file_and_special_tokens() {
     let (so, _) = ok(&["tokenize", "-m", m, "-p", chat, "--parse-special"]);
     let ids: Vec<u64> = serde_json::from_str(&so).unwrap();
     assert_eq!(ids.len() as u64, parsed);
+    // tokenize reads -f as run does.
+    std::fs::write(&file, "Once upon a time\n").unwrap();
+    let (a, _) = ok(&["tokenize", "-m", m, "-f", file.to_str().unwrap()]);
+    let (b, _) = ok(&["tokenize", "-m", m, "-p", "Once upon a time"]);
+    assert_eq!(a, b);
     std::fs::remove_dir_all(dir).ok();
 }
 

@@ -65,12 +65,16 @@ enum Cmd {
     /// model's context is scored in overlapping windows (--stride). Prints the perplexity,
     /// the mean NLL ± its standard error and the perplexity of each quarter of the text.
     Perplexity(PplArgs),
-    /// Print the token ids of a text as a JSON array.
+    /// Print the token ids of a text as a JSON array (BOS first when the model adds one).
     Tokenize {
         #[command(flatten)]
         model: ModelArgs,
-        #[arg(short = 'p', long)]
-        prompt: String,
+        /// The text (without -p or -f, it is read from stdin).
+        #[arg(short = 'p', long, conflicts_with = "file")]
+        prompt: Option<String>,
+        /// Read the text from a file (one line break at its end left out, as llama.cpp does).
+        #[arg(short = 'f', long)]
+        file: Option<PathBuf>,
         /// Parse special tokens (e.g. <|im_start|>) written in the text.
         #[arg(long, visible_alias = "parse-special")]
         special: bool,
@@ -799,10 +803,24 @@ fn real_main() -> Result<()> {
         Cmd::Bench(b) => bench::bench(b),
         Cmd::Eval(a) => eval::eval(a),
         Cmd::Tokenize {
-            model,
+            mut model,
             prompt,
+            file,
             special,
         } => {
+            let prompt = match (prompt, file) {
+                (Some(p), _) => p,
+                (None, Some(f)) => read_text_file(&f, "text")?,
+                (None, None) => {
+                    let mut s = String::new();
+                    std::io::stdin()
+                        .read_to_string(&mut s)
+                        .context("cannot read the text from stdin")?;
+                    s
+                }
+            };
+            // Only the tokenizer is used: no dense copies of the weights.
+            model.load.as_stored = true;
             let engine = model.load()?;
             let ids = engine.tokenize(&prompt, special)?;
             println!("{}", serde_json::to_string(&ids)?);
