@@ -368,6 +368,7 @@ fn bench_ttft_writes_table_csv_json_and_svg() {
         "peak_kv_bytes",
         "commit",
         "binary_commit",
+        "env",
         "machine",
         "command",
     ] {
@@ -386,6 +387,7 @@ fn bench_ttft_writes_table_csv_json_and_svg() {
         for key in [
             "commit",
             "binary_commit",
+            "env",
             "machine",
             "device",
             "command",
@@ -454,6 +456,33 @@ fn bench_refuses_bad_cases_before_running() {
     ]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
+    assert!(stderr.contains("context"), "{stderr}");
+    // A prompt that fills the context leaves no room for the first token, so no TTFT.
+    let config: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(root().join("configs/tiny-qwen.json")).unwrap(),
+    )
+    .unwrap();
+    let context = config["max_position_embeddings"]
+        .as_u64()
+        .unwrap()
+        .to_string();
+    let out = run_cli(&[
+        "bench",
+        "ttft",
+        "--preset",
+        "tiny-qwen",
+        "--random-weights",
+        "--prompt-len",
+        &context,
+        "--chunks",
+        "64",
+        "--policies",
+        "full",
+        "--out",
+        temp_dir("bench-full-context").to_str().unwrap(),
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
     assert!(stderr.contains("context"), "{stderr}");
 }
 

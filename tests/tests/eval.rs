@@ -134,6 +134,27 @@ fn niah_writes_results_heatmap_and_resumes() {
     .concat());
     assert!(!ok && stderr.contains("--rope-* (RoPE)"), "{stderr}");
     assert_eq!(records(&dir).len(), 24);
+    // And another SnapKV window (a setting that changes the answers of one policy).
+    let (ok, _, stderr) = run(&[
+        &base[..],
+        &["--policies", "full", "--snap-window", "8", "--resume"],
+    ]
+    .concat());
+    assert!(!ok && stderr.contains("--snap-window"), "{stderr}");
+    // A first run stopped before its results.json is checked against run.json, written
+    // before its first record.
+    std::fs::remove_file(dir.join("results.json")).unwrap();
+    let (ok, _, stderr) = run(&[
+        &base[..],
+        &["--policies", "full", "--window", "0.1", "--resume"],
+    ]
+    .concat());
+    assert!(!ok && stderr.contains("--window"), "{stderr}");
+    // Records with neither file to check them against are refused, not mixed.
+    std::fs::remove_file(dir.join("run.json")).unwrap();
+    let (ok, _, stderr) = run(&[&base[..], &["--policies", "full", "--resume"]].concat());
+    assert!(!ok && stderr.contains("no settings"), "{stderr}");
+    assert_eq!(records(&dir).len(), 24);
 }
 
 /// A chat evaluation records the chat template it rendered with, and `--resume` refuses
@@ -235,7 +256,10 @@ fn bad_eval_parameters_fail_before_running() {
     for (args, want) in [
         (vec!["eval", "haystack"], "unknown task `haystack`"),
         (vec!["eval", "passkey", "--budgets", "120%"], "bad budget"),
-        (vec!["eval", "passkey", "--lengths", "20"], "too short"),
+        (
+            vec!["eval", "passkey", "--lengths", "20"],
+            "length 20 (the prompt and a 12-token answer): too short",
+        ),
         (
             vec!["eval", "passkey", "--lengths", "9000"],
             "exceed the context",

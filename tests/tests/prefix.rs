@@ -150,3 +150,44 @@ fn unusable_prefixes_are_refused() {
     let msg = err(e.generate_from(&greedy(&tokens), Some(&full), |_| {}));
     assert!(msg.contains("chunks of 64"), "{msg}");
 }
+
+/// One engine shared between threads (`Arc<Engine>`): a prefix made on one thread goes on
+/// on another as it does on its own, and requests on two threads at once give what each
+/// gives alone. The parity helpers refuse ids beyond the vocabulary (on CUDA an embedding
+/// lookup would read out of bounds).
+#[test]
+fn an_engine_and_its_prefixes_cross_threads() {
+    let e = std::sync::Arc::new(tiny("tiny-llama"));
+    let vocab = e.model_config().vocab_size;
+    let tokens = keydiff::parity::random_tokens(200, vocab, 8);
+    let alone = e.generate(&greedy(&tokens), |_| {}).unwrap().tokens;
+    let made = {
+        let (e, t) = (e.clone(), tokens.clone());
+        std::thread::spawn(move || e.prefill_prefix(&t[..128], None, cache("full", None)))
+            .join()
+            .unwrap()
+            .unwrap()
+    };
+    let (a, b) = std::thread::scope(|s| {
+        let (e, tokens) = (&e, &tokens);
+        let from = s.spawn(move || {
+            let made = made;
+            (e.generate_from(&greedy(tokens), Some(&made), |_| {}))
+                .unwrap()
+                .tokens
+        });
+        let fresh = s.spawn(move || e.generate(&greedy(tokens), |_| {}).unwrap().tokens);
+        (from.join().unwrap(), fresh.join().unwrap())
+    });
+    assert_eq!(a, alone);
+    assert_eq!(b, alone);
+    let mut bad = tokens.clone();
+    bad[3] = vocab as u32;
+    for err in [
+        e.prefill_logits(&bad, CHUNK).unwrap_err(),
+        e.decode_logits(&bad, CHUNK, 2).unwrap_err(),
+        e.prefill_logits_from(&bad, None).unwrap_err(),
+    ] {
+        assert!(err.to_string().contains("outside the vocabulary"), "{err}");
+    }
+}

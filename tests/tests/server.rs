@@ -9,7 +9,7 @@ use keydiff::{
     CacheConfig, Engine, EngineConfig, GenerateParams, Message, ModelSource, PolicyKind, Prompt,
     StopReason,
 };
-use keydiff_server::{Server, ServerConfig, ServerHandle};
+use keydiff_server::{Server, ServerConfig, ServerError, ServerHandle};
 use keydiff_tests::{keydiff_bin, model, SMOLLM2};
 use serde_json::{json, Value};
 
@@ -2556,4 +2556,42 @@ fn a_speculative_server_answers_as_one_without() {
     let accepted = counters["accepted"].as_u64().unwrap() + l_accepted;
     assert_eq!(value("keydiff_spec_decode_accepted_tokens_total"), accepted);
     assert!(value("keydiff_spec_decode_draft_tokens_total") >= accepted);
+}
+
+/// Embedded in an async program: `Server::serve` on the caller's runtime answers and ends
+/// with its shutdown future (its worker too); `Server::run` there is refused, not a panic.
+#[test]
+fn a_server_serves_on_the_callers_runtime() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let server = Server::bind(
+        "127.0.0.1:0",
+        engine(CacheConfig::full(128)),
+        ServerConfig::new("smol"),
+    )
+    .unwrap();
+    let url = format!("http://{}/v1/completions", server.local_addr());
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let served = rt.spawn(server.serve(async {
+        let _ = rx.await;
+    }));
+    let body = json!({"prompt": "Once upon a time", "max_tokens": 2});
+    let (code, v) = std::thread::spawn(move || post(&url, &body))
+        .join()
+        .unwrap();
+    assert_eq!(code, 200, "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 2, "{v}");
+    tx.send(()).unwrap();
+    rt.block_on(served).unwrap().unwrap();
+    let other = Server::bind(
+        "127.0.0.1:0",
+        engine(CacheConfig::full(128)),
+        ServerConfig::new("smol"),
+    )
+    .unwrap();
+    let err = rt.block_on(async { other.run(async {}) }).unwrap_err();
+    assert!(matches!(err, ServerError::InRuntime), "{err}");
 }

@@ -412,7 +412,7 @@ fn header(prov: &Provenance, plan: &Plan) -> String {
         prov.dtype,
         prov.kv_dtype,
         prov.attention,
-        prov.commit,
+        prov.code(),
         prov.machine,
         plan.warmup,
         plan.reps,
@@ -472,7 +472,7 @@ fn ttft_table(results: &[TtftResult], prov: &Provenance, plan: &Plan) -> String 
             .map_or_else(|| "-".into(), |f| format!("{:.3}", r.ttft.median / f));
         let b = &r.breakdown;
         let stats_share = if plan.breakdown && b.total() > 0.0 {
-            format!("{:.2}", 100.0 * b.attention_stats_s / b.total())
+            format!("{:.2}", 100.0 * r.share(b.attention_stats_s))
         } else {
             "-".into()
         };
@@ -805,6 +805,7 @@ fn write_csv(path: &Path, prov: &Provenance, t: &Csv) -> Result<()> {
         ("date", prov.date.as_str()),
         ("commit", prov.commit.as_str()),
         ("binary_commit", prov.binary_commit.as_str()),
+        ("env", prov.env.as_str()),
         ("machine", prov.machine.as_str()),
         ("device", prov.device.as_str()),
         ("dtype", prov.dtype.as_str()),

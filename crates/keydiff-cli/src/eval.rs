@@ -230,6 +230,14 @@ pub fn eval(a: EvalArgs) -> Result<()> {
         .sum::<usize>();
 
     let prov = Provenance::collect(&engine, a.load.random_weights, crate::bench::command_line());
+    if !a.report {
+        // The settings the records are made under, before the first one: a run stopped before
+        // it writes results.json can still be checked by --resume.
+        let v = serde_json::json!({"provenance": prov, "task": a.task, "options": options(&a)});
+        let path = out.join(RUN_FILE);
+        std::fs::write(&path, serde_json::to_string_pretty(&v)? + "\n")
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
     let total = todo;
     let bar = crate::bench::progress_bar(todo);
     let mut file = std::fs::OpenOptions::new()
@@ -293,11 +301,7 @@ pub fn eval(a: EvalArgs) -> Result<()> {
     let v = serde_json::json!({
         "provenance": prov,
         "task": a.task,
-        "options": {
-            "policies": a.policies, "budgets": a.budgets, "lengths": a.lengths,
-            "depths": a.depths, "samples": a.samples, "seed": a.seed, "chunk": a.chunk,
-            "chat": a.chat, "window": a.policy_args.window, "sinks": a.policy_args.sinks,
-        },
+        "options": options(&a),
         "cells": cells,
         "cells_by_depth": by_depth,
         "records": done,
@@ -322,7 +326,10 @@ pub fn eval(a: EvalArgs) -> Result<()> {
         let path = out.join("heatmap.svg");
         let title = format!(
             "needle in a haystack: {}, B = {}, {} per cell (commit {})",
-            prov.model, a.chunk, a.samples, prov.commit
+            prov.model,
+            a.chunk,
+            a.samples,
+            prov.code()
         );
         plot::heatmap_svg(&path, &heat, &title)?;
         wrote.push(path.display().to_string());
@@ -375,11 +382,7 @@ fn table(a: &EvalArgs, prov: &Provenance, cells: &[Cell], longbench: bool) -> St
         if a.chat { "chat" } else { "plain" },
         a.chunk,
         prov.date,
-        if prov.binary_commit == prov.commit {
-            prov.commit.clone()
-        } else {
-            format!("{} (binary built from {})", prov.commit, prov.binary_commit)
-        }
+        prov.code()
     );
     let mut lengths: Vec<usize> = cells.iter().map(|c| c.length).collect();
     lengths.sort_unstable();
@@ -421,9 +424,34 @@ fn table(a: &EvalArgs, prov: &Provenance, cells: &[Cell], longbench: bool) -> St
 /// records (model, dtype, KV dtype, attention, CPU weight copies, RoPE, chat template, chunk,
 /// protection, seed): their records would be mixed with incomparable ones. Lengths, depths,
 /// budgets, policies and samples may grow.
+/// Where a run writes its settings before its first record (see [`check_resume`]).
+const RUN_FILE: &str = "run.json";
+
+/// The options a results file records (and --resume checks).
+fn options(a: &EvalArgs) -> serde_json::Value {
+    let p = &a.policy_args;
+    serde_json::json!({
+        "policies": a.policies, "budgets": a.budgets, "lengths": a.lengths,
+        "depths": a.depths, "samples": a.samples, "seed": a.seed, "chunk": a.chunk,
+        "chat": a.chat, "window": p.window, "sinks": p.sinks,
+        "evict_every": p.evict_every.unwrap_or(a.chunk), "snap_window": p.snap_window,
+        "policy_seed": p.policy_seed,
+    })
+}
+
 fn check_resume(results: &std::path::Path, a: &EvalArgs, engine: &keydiff::Engine) -> Result<()> {
-    let Ok(text) = std::fs::read_to_string(results) else {
-        return Ok(()); // an interrupted first run: only records.jsonl exists
+    // An interrupted first run left no results.json: its settings are in run.json, written
+    // before its first record.
+    let settings = results.with_file_name(RUN_FILE);
+    let (text, results) = match std::fs::read_to_string(results) {
+        Ok(t) => (t, results),
+        Err(_) => match std::fs::read_to_string(&settings) {
+            Ok(t) => (t, settings.as_path()),
+            Err(_) => bail!(
+                "cannot --resume into {}: its records carry no settings to check this run                  against (neither results.json nor {RUN_FILE}); start afresh there",
+                results.parent().unwrap_or(results).display()
+            ),
+        },
     };
     let v: serde_json::Value = serde_json::from_str(&text)
         .with_context(|| format!("{}: not a results file", results.display()))?;
@@ -458,11 +486,28 @@ fn check_resume(results: &std::path::Path, a: &EvalArgs, engine: &keydiff::Engin
         serde_json::Value::String(s) if !s.is_empty() && a.chat => p["chat_template"].clone(),
         _ => serde_json::Value::Null,
     };
-    let checks: [(&str, serde_json::Value, serde_json::Value); 13] = [
+    let now_options = options(a);
+    let checks: [(&str, serde_json::Value, serde_json::Value); 16] = [
         ("--chat", o["chat"].clone(), a.chat.into()),
         ("--chunk", o["chunk"].clone(), a.chunk.into()),
         ("--window", o["window"].clone(), a.policy_args.window.into()),
         ("--sinks", o["sinks"].clone(), a.policy_args.sinks.into()),
+        // Files written before these were recorded: not checked.
+        (
+            "--evict-every",
+            o["evict_every"].clone(),
+            now_options["evict_every"].clone(),
+        ),
+        (
+            "--snap-window",
+            o["snap_window"].clone(),
+            now_options["snap_window"].clone(),
+        ),
+        (
+            "--policy-seed",
+            o["policy_seed"].clone(),
+            now_options["policy_seed"].clone(),
+        ),
         ("--seed", o["seed"].clone(), a.seed.into()),
         ("-m", p["model"].clone(), now.model.into()),
         ("--dtype", p["dtype"].clone(), now.dtype.into()),

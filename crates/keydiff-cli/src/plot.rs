@@ -51,7 +51,10 @@ pub fn ttft_svg(path: &Path, results: &[TtftResult], prov: &Provenance) -> Resul
     root.fill(&WHITE).map_err(err)?;
     let title = format!(
         "TTFT by chunk size: {} on {} {} (commit {})",
-        prov.model, prov.device, prov.dtype, prov.commit
+        prov.model,
+        prov.device,
+        prov.dtype,
+        prov.code()
     );
     let root = root
         .titled(&title, ("sans-serif", 18).into_font())

@@ -144,7 +144,8 @@ fn fit(
     let bare = count(&parts.render(0, depth))?;
     if bare > max_tokens {
         return Err(EvalError::Params(format!(
-            "length {max_tokens} is too short: the task's question alone takes {bare} tokens"
+            "too short: its {max_tokens} tokens for the prompt are too few, the task's \
+             question alone takes {bare} tokens"
         )));
     }
     let (mut lo, mut hi) = (0usize, parts.units.len());
@@ -325,7 +326,13 @@ pub fn sample(
             "length {length} is shorter than the answer ({max_new})"
         ))
     })?;
-    let (prompt, tokens) = fit(&parts, depth, budget, &mut |t: &str| count(t, &prefix))?;
+    let (prompt, tokens) =
+        fit(&parts, depth, budget, &mut |t: &str| count(t, &prefix)).map_err(|e| match e {
+            EvalError::Params(m) => EvalError::Params(format!(
+                "length {length} (the prompt and a {max_new}-token answer): {m}"
+            )),
+            e => e,
+        })?;
     tracing::debug!(task = task.name(), length, tokens, depth, "sample fitted");
     Ok(Sample {
         task: task.name().into(),

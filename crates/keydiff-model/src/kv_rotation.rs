@@ -56,7 +56,11 @@ impl KvRotation {
 /// Sylvester's Hadamard matrix of order `n` (a power of two), normalised to be orthonormal:
 /// `H[i][j] = (-1)^popcount(i & j) / sqrt(n)`, symmetric, `H·H = I`.
 pub fn hadamard(n: usize, dtype: DType, device: &Device) -> Result<Tensor> {
-    assert!(n.is_power_of_two(), "a Hadamard matrix of order {n}");
+    if !n.is_power_of_two() {
+        return Err(crate::error::ModelError::Unsupported(format!(
+            "a Hadamard matrix of order {n}: the order must be a power of two"
+        )));
+    }
     let s = 1.0 / (n as f32).sqrt();
     let data: Vec<f32> = (0..n * n)
         .map(|ij| {

@@ -112,6 +112,9 @@ pub enum ServerError {
     Io(std::io::Error),
     #[error("the generation worker panicked")]
     Worker,
+    /// [`crate::Server::run`] called inside an async runtime, which it cannot block.
+    #[error("Server::run blocks its thread and cannot run inside an async runtime: await Server::serve there")]
+    InRuntime,
 }
 
 impl From<std::io::Error> for ServerError {

@@ -341,13 +341,18 @@ impl Server {
             .expect("a bound listener has an address")
     }
 
-    /// Serves until `shutdown` completes. Then the running requests are stopped at their next
-    /// chunk or token and queued ones are refused (each client gets an error saying the
-    /// server is shutting down), the answers are delivered, and the worker ends.
+    /// Serves until `shutdown` completes, on a runtime of its own: blocks the calling thread,
+    /// which must not be inside an async runtime (that is refused: await
+    /// [`Server::serve`] there). Then the running requests are stopped at their next chunk
+    /// or token and queued ones are refused (each client gets an error saying the server is
+    /// shutting down), the answers are delivered, and the worker ends.
     pub fn run(
         self,
         shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     ) -> Result<(), ServerError> {
+        if tokio::runtime::Handle::try_current().is_ok() {
+            return Err(ServerError::InRuntime);
+        }
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
@@ -357,19 +362,31 @@ impl Server {
             app,
             worker,
         } = self;
-        let stop = worker.stop.clone();
-        rt.block_on(async move {
-            let listener = tokio::net::TcpListener::from_std(listener)?;
-            axum::serve(listener, app)
-                .with_graceful_shutdown(async move {
-                    shutdown.await;
-                    stop.stop();
-                })
-                .await
-        })?;
-        // Dropping the runtime drops the router, the queue's last sender: the worker ends.
+        rt.block_on(serve_until(listener, app, &worker, shutdown))?;
+        // Dropping the runtime drops whatever still holds the router (the queue's senders):
+        // the worker ends.
         drop(rt);
         worker.join()
+    }
+
+    /// [`Server::run`] on the caller's Tokio runtime (a program that embeds the server in its
+    /// own async code).
+    pub async fn serve(
+        self,
+        shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    ) -> Result<(), ServerError> {
+        let Self {
+            listener,
+            app,
+            worker,
+        } = self;
+        serve_until(listener, app, &worker, shutdown).await?;
+        // The router is gone with `axum::serve`, and the requests it ran (stopped and
+        // answered) with their connections: the worker ends once its queue's last sender
+        // is dropped.
+        tokio::task::spawn_blocking(move || worker.join())
+            .await
+            .map_err(|_| ServerError::Worker)?
     }
 
     /// Serves on a thread of its own until the handle is stopped or dropped.
@@ -387,6 +404,25 @@ impl Server {
             thread: Some(thread),
         }
     }
+}
+
+/// Serves `app` on `listener` until `shutdown` completes, then stops the worker's requests
+/// (see [`Server::run`]).
+async fn serve_until(
+    listener: std::net::TcpListener,
+    app: axum::Router,
+    worker: &Worker,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<(), ServerError> {
+    let stop = worker.stop.clone();
+    let listener = tokio::net::TcpListener::from_std(listener)?;
+    axum::serve(listener, app)
+        .with_graceful_shutdown(async move {
+            shutdown.await;
+            stop.stop();
+        })
+        .await?;
+    Ok(())
 }
 
 /// Binds `addr` (`host:port`), naming it in the error.

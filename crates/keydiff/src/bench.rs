@@ -235,7 +235,8 @@ pub struct TtftResult {
     pub ttft: Spread,
     /// Prompt tokens per second of prefill, median over runs.
     pub prefill_tok_s: f64,
-    /// Eviction (scoring + selection/moves) as a share of prefill time, from the breakdown.
+    /// Eviction (scoring + selection/moves) as a share of prefill time, from the breakdown
+    /// ([`TtftResult::share`]).
     pub eviction_share: f64,
     /// Evictions per request (layers × eviction points).
     pub evictions: usize,
@@ -305,9 +306,11 @@ fn ttft_sweep(
     }
     let context = engine.model_config().context();
     for c in &plan.cases {
-        if c.prompt_len > context {
+        // The first token needs a place in the context too: a prompt that fills it gets none
+        // (and so no time to it).
+        if c.prompt_len + 1 > context {
             return Err(EngineError::PromptTooLong {
-                tokens: c.prompt_len,
+                tokens: c.prompt_len + 1,
                 context,
                 limited: engine.model_config().context_limited(),
             });
@@ -342,9 +345,14 @@ fn ttft_sweep(
         };
         let ttft_s: Vec<f64> = stats.iter().map(|s| s.ttft_s).collect();
         let prefill: Vec<f64> = stats.iter().map(|s| s.prefill_tok_s).collect();
-        let prefill_total = breakdown.total();
-        let eviction_share = if plan.breakdown && prefill_total > 0.0 {
-            (breakdown.eviction_score_s + breakdown.select_move_s) / prefill_total
+        let ttft = Spread::of(&ttft_s);
+        let eviction_share = if plan.breakdown && breakdown.total() > 0.0 {
+            share(
+                breakdown.eviction_score_s + breakdown.select_move_s,
+                &breakdown,
+                separate,
+                ttft.median,
+            )
         } else {
             // No breakdown: host timers around eviction (exact on the CPU).
             let s = &stats[0];
@@ -357,7 +365,7 @@ fn ttft_sweep(
             evict_per_layer: c.evict_per_layer,
             attention: Some(attention.name().to_string()),
             budget: c.cache.budget,
-            ttft: Spread::of(&ttft_s),
+            ttft,
             ttft_s,
             prefill_tok_s: Spread::of(&prefill).median,
             eviction_share,
@@ -368,6 +376,32 @@ fn ttft_sweep(
         });
     }
     Ok(out)
+}
+
+/// `seconds` of a region of `breakdown` as a share of the prefill. From the measured runs
+/// (the CPU), of their time. From a separate profiled run (GPUs), of the measured TTFT's
+/// median: that run waits for the device at every region, which makes it 1.5–1.9× as long as
+/// a measured one, so a share of its own total would understate a region's cost.
+fn share(seconds: f64, breakdown: &Breakdown, separate: bool, ttft_median: f64) -> f64 {
+    let whole = if separate {
+        ttft_median
+    } else {
+        breakdown.total()
+    };
+    seconds / whole.max(1e-12)
+}
+
+impl TtftResult {
+    /// `seconds` of a region of this case's breakdown as a share of its prefill (see
+    /// `eviction_share`).
+    pub fn share(&self, seconds: f64) -> f64 {
+        share(
+            seconds,
+            &self.breakdown,
+            self.breakdown_from_separate_run,
+            self.ttft.median,
+        )
+    }
 }
 
 fn mean_breakdown(stats: &[Stats]) -> Breakdown {
@@ -932,10 +966,37 @@ pub struct Provenance {
     pub chat_template: String,
     /// The full command line.
     pub command: String,
+    /// The environment variables set for the run that change what keydiff computes or how
+    /// fast (`KEYDIFF_*` kernel and allocator switches, `RAYON_NUM_THREADS`,
+    /// `CUDA_VISIBLE_DEVICES`), as a JSON object; empty in rows written before it was
+    /// recorded.
+    #[serde(default)]
+    pub env: String,
     pub keydiff_version: String,
 }
 
+/// Whether an environment variable is one that [`Provenance::env`] records.
+fn recorded_env(name: &str) -> bool {
+    (name.starts_with("KEYDIFF_") && name != "KEYDIFF_COMMIT")
+        || [
+            "RAYON_NUM_THREADS",
+            "CUDA_VISIBLE_DEVICES",
+            "CUDA_LAUNCH_BLOCKING",
+        ]
+        .contains(&name)
+}
+
 impl Provenance {
+    /// The commit of the code that ran (the binary's), and the working tree's when it is
+    /// another: what a results header or a plot names.
+    pub fn code(&self) -> String {
+        match (self.binary_commit.as_str(), self.commit.as_str()) {
+            (b, c) if b == c || c == "unknown" || c.is_empty() => b.to_string(),
+            ("unknown" | "", c) => c.to_string(),
+            (b, c) => format!("{b} (run in a tree at {c})"),
+        }
+    }
+
     /// Collects the environment of this run.
     pub fn collect(engine: &Engine, random_weights: bool, command: String) -> Self {
         let device = match &engine.config().device {
@@ -1002,6 +1063,17 @@ impl Provenance {
                 .to_string()
             },
             command,
+            env: {
+                let mut vars: Vec<(String, String)> =
+                    std::env::vars().filter(|(k, _)| recorded_env(k)).collect();
+                vars.sort();
+                serde_json::Value::Object(
+                    vars.into_iter()
+                        .map(|(k, v)| (k, serde_json::Value::String(v)))
+                        .collect(),
+                )
+                .to_string()
+            },
             keydiff_version: env!("CARGO_PKG_VERSION").to_string(),
         }
     }
@@ -1068,6 +1140,39 @@ pub fn format_utc(secs: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The switches that change a run are recorded; the commit override and others are not.
+    #[test]
+    fn recorded_environment() {
+        for v in [
+            "KEYDIFF_CUDA_DECODE",
+            "KEYDIFF_CUDA_POOL_RETAIN",
+            "RAYON_NUM_THREADS",
+        ] {
+            assert!(recorded_env(v), "{v}");
+        }
+        for v in ["KEYDIFF_COMMIT", "HOME", "PATH", "KEYDIFF"] {
+            assert!(!recorded_env(v), "{v}");
+        }
+    }
+
+    /// A header names the code that ran: the binary's commit, and the tree's beside it.
+    #[test]
+    fn code_is_the_binarys_commit() {
+        let p = |binary: &str, tree: &str| Provenance {
+            binary_commit: binary.into(),
+            commit: tree.into(),
+            ..serde_json::from_value(serde_json::json!({
+                "date": "", "commit": "", "machine": "", "device": "", "dtype": "",
+                "model": "", "random_weights": false, "command": "", "keydiff_version": ""
+            }))
+            .unwrap()
+        };
+        assert_eq!(p("abc", "abc").code(), "abc");
+        assert_eq!(p("abc", "unknown").code(), "abc");
+        assert_eq!(p("unknown", "def").code(), "def");
+        assert_eq!(p("abc", "def").code(), "abc (run in a tree at def)");
+    }
 
     #[test]
     fn spread_of_odd_and_even_samples() {

@@ -178,6 +178,8 @@ impl Engine {
         messages.push(Message::new("assistant", content));
         conv.messages = messages;
         conv.cache = Some(cache);
+        // The next turn may come from another thread (see [`Engine`]).
+        self.settle()?;
         Ok(out)
     }
 }

@@ -1648,6 +1648,14 @@ impl Prefix {
 
 /// A loaded model ready to serve requests: one at a time, or several decoded together
 /// ([`Engine::batch`], [`Engine::generate_batch`]).
+///
+/// An `Engine` is `Send + Sync`: share it (`Arc<Engine>`) and call it from several threads.
+/// Each call runs on its own (on CUDA, on the calling thread's stream, candle's per-thread
+/// default stream), and what a call hands back holding device memory ([`Prefix`],
+/// [`crate::PromptCache`], [`crate::Conversation`]; `Send`, not `Sync`) is complete when it
+/// returns, so it may be moved to another thread and go on there. Concurrent calls each plan
+/// their memory as if alone: to run requests together within the device's memory, decode
+/// them in one [`Engine::batch`], which counts them all.
 pub struct Engine {
     loaded: Loaded,
     cfg: EngineConfig,
@@ -1664,7 +1672,28 @@ pub struct Engine {
     digest: std::sync::OnceLock<String>,
 }
 
+// What the docs above promise: an engine can be shared between threads, and what a call
+// hands back moved to another.
+const _: () = {
+    const fn shared<T: Send + Sync>() {}
+    const fn sent<T: Send>() {}
+    shared::<Engine>();
+    sent::<Prefix>();
+    sent::<crate::PromptCache>();
+    sent::<crate::Conversation>();
+};
+
 impl Engine {
+    /// Waits for the work this thread queued on the device (a no-op on the CPU): each thread
+    /// has its own CUDA stream, so device state handed to the caller must be complete
+    /// before another thread may read it (see [`Engine`]).
+    pub(crate) fn settle(&self) -> Result<()> {
+        if !self.cfg.device.is_cpu() {
+            self.cfg.device.synchronize()?;
+        }
+        Ok(())
+    }
+
     /// Loads a model from `source` onto the configured device.
     pub fn load(source: &ModelSource, cfg: &EngineConfig) -> Result<Self> {
         cfg.cache
@@ -2495,6 +2524,8 @@ impl Engine {
         for piece in tokens[start..].chunks(chunk) {
             model.forward(piece, &mut kv, false)?;
         }
+        // Nothing of the prefill was read back: it may still be running.
+        self.settle()?;
         Ok(Prefix {
             tokens: tokens.to_vec(),
             cache: kv,
@@ -2700,6 +2731,8 @@ impl Engine {
                 tokens.len()
             )));
         }
+        // Ids beyond the vocabulary: a CUDA embedding lookup does not check them.
+        self.check_vocab(tokens)?;
         let mut cache = self.new_cache(tokens.len())?;
         let (prompt, steps) = tokens.split_at(tokens.len() - decode_steps);
         let mut logits = self.prefill_with(prompt, chunk, &mut cache)?;
@@ -2740,6 +2773,8 @@ impl Engine {
                 self.cfg.cache.chunk
             )));
         }
+        // Ids beyond the vocabulary: a CUDA embedding lookup does not check them.
+        self.check_vocab(tokens)?;
         let model = &self.loaded.model;
         let mut logits = None;
         for piece in tokens.chunks(chunk) {

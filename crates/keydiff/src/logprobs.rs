@@ -48,7 +48,7 @@ pub fn token_logprob(logits: &[f32], token: u32, top: usize) -> Result<TokenLogp
     let lse = f64::from(max) + sum.ln();
     let lp = |l: f32| (f64::from(l) - lse) as f32;
     // The best `top` so far, most likely first (ties: the lower id, which comes first).
-    let mut best: Vec<(u32, f32)> = Vec::with_capacity(top + 1);
+    let mut best: Vec<(u32, f32)> = Vec::with_capacity(top.min(logits.len()) + 1);
     if top > 0 {
         for (i, &l) in logits.iter().enumerate() {
             if best.len() == top && l <= best[top - 1].1 {

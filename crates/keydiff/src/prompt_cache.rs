@@ -213,6 +213,18 @@ impl Engine {
         &self,
         params: &GenerateParams,
         pc: &mut PromptCache,
+        on_event: impl FnMut(Event<'_>),
+    ) -> Result<Output> {
+        let out = self.generate_cached_here(params, pc, on_event)?;
+        // The kept cache (a copy, a cut) may still be being written (see [`Engine`]).
+        self.settle()?;
+        Ok(out)
+    }
+
+    fn generate_cached_here(
+        &self,
+        params: &GenerateParams,
+        pc: &mut PromptCache,
         mut on_event: impl FnMut(Event<'_>),
     ) -> Result<Output> {
         let t0 = Instant::now();

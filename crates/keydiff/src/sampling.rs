@@ -253,6 +253,9 @@ impl Sampler {
         push: impl Fn(&mut C, u32) -> bool,
         mask: impl FnOnce(&C, &mut [f32]) -> usize,
     ) -> Result<u32, &'static str> {
+        if logits.is_empty() {
+            return Err("no logits to sample from");
+        }
         let c = &self.cfg;
         if c.temperature <= 0.0 || (c.top_k == 0 && c.top_p >= 1.0 && c.min_p == 0.0) {
             let mut first = logits.to_vec();
