@@ -154,6 +154,18 @@ pub fn eval(a: EvalArgs) -> Result<()> {
         reuse_prefix: !a.no_prefix_reuse,
     };
     let samples: Vec<Sample> = if a.task == "longbench" {
+        // Settings of the synthetic tasks: said, not silently dropped.
+        let mut unread = vec![];
+        (a.lengths != [2048, 4096, 8192]).then(|| unread.push("--lengths"));
+        a.depths.is_some().then(|| unread.push("--depths"));
+        (a.seed != 0).then(|| unread.push("--seed"));
+        if !unread.is_empty() {
+            eprintln!(
+                "warning: {} set the synthetic tasks' samples and have no effect on longbench, \
+                 whose records are taken as they are (the first --samples of each task)",
+                unread.join(", ")
+            );
+        }
         let dir = a
             .data
             .as_ref()
@@ -179,6 +191,12 @@ pub fn eval(a: EvalArgs) -> Result<()> {
         all
     } else {
         let task = Task::parse(&a.task)?;
+        if a.tasks.is_some() || a.data.is_some() {
+            eprintln!(
+                "warning: --tasks and --data apply to longbench only: not read by {}",
+                a.task
+            );
+        }
         let depths = match (&a.depths, task) {
             (Some(d), _) => d.clone(),
             (None, Task::Niah) => vec![0.0, 0.25, 0.5, 0.75, 1.0],

@@ -2378,6 +2378,7 @@ fn generate_with(
         stop: a.stop.clone(),
         ignore_eos: a.ignore_eos,
         stop_tokens: Vec::new(),
+        min_tokens: 0,
         profile: a.profile,
         cancel: None,
         logprobs: a.logprobs,

@@ -10,8 +10,10 @@
 //! 3. wrap the prompt in the model's chat template, except for trec, triviaqa, samsum, lsht,
 //!    lcc and repobench-p — [`TaskSpec::chat`], carried to [`crate::Sample::chat`];
 //! 4. greedy decoding of at most `config/dataset2maxlen.json` tokens —
-//!    [`TaskSpec::max_new_tokens`]. (For samsum `pred.py` also stops at the newline token and
-//!    sets `min_length = context_length + 1`; that is the runner's business.)
+//!    [`TaskSpec::max_new_tokens`]. For samsum `pred.py` also stops at the newline token and
+//!    sets `min_length = context_length + 1` (neither it nor the end of text as the first
+//!    token) — [`stops_at_newline`], which the runner gives the engine as a stop token
+//!    (`GenerateParams::stop_tokens`) with `min_tokens` 1;
 //! 5. keep only the first line of the prediction for trec, triviaqa, samsum, lsht —
 //!    [`postprocess`];
 //! 6. score against every reference answer with the task's metric (`dataset2metric` in
@@ -186,6 +188,13 @@ pub const ENGLISH_TASKS: &[&str] = &[
     "lcc",
     "repobench-p",
 ];
+
+/// True for the task whose generation `pred.py` ends at the newline token
+/// (`tokenizer.encode("\n", add_special_tokens=False)[-1]` as an extra EOS), with at least one
+/// token first (`min_length = context_length + 1`): samsum.
+pub fn stops_at_newline(task: &str) -> bool {
+    task == "samsum"
+}
 
 /// The tasks whose prediction `eval.py` cuts to its first line (lsht is Chinese and not
 /// loadable here, but its post-processing is the same).

@@ -278,11 +278,18 @@ pub fn run(
             let budget_tokens = cache.budget;
             engine.set_cache_config(cache)?;
             let t = Instant::now();
-            let params = GenerateParams {
+            let mut params = GenerateParams {
                 prompt: Prompt::Tokens(p.ids.clone()),
                 max_tokens: s.max_new_tokens,
                 ..Default::default()
             };
+            let task = s.task.strip_prefix("longbench/");
+            if task.is_some_and(longbench::stops_at_newline) {
+                // pred.py's extra EOS: the last token of "\n" alone; not as the first token.
+                let newline = engine.tokenize_continuation("\n")?;
+                params.stop_tokens = newline.last().copied().into_iter().collect();
+                params.min_tokens = 1;
+            }
             let from = if point > 0 { prefix.as_ref() } else { None };
             let o = engine.generate_from(&params, from, |_| {})?;
             let prediction = if let Some(task) = s.task.strip_prefix("longbench/") {

@@ -731,3 +731,12 @@ get(key,default_weights),normalize=True)",
         assert_eq!(fuzz_ratio(a, b), want, "{a:?} vs {b:?}");
     }
 }
+
+/// pred.py ends samsum's generation at the newline token (with at least one token first);
+/// no other task.
+#[test]
+fn only_samsum_stops_at_the_newline() {
+    for t in longbench::ENGLISH_TASKS {
+        assert_eq!(longbench::stops_at_newline(t), *t == "samsum", "{t}");
+    }
+}

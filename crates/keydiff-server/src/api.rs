@@ -74,9 +74,11 @@ pub struct Common {
     pub json_schema: Option<Value>,
     /// vLLM's: generation also ends at these tokens ([`GenerateParams::stop_tokens`]).
     pub stop_token_ids: Option<Vec<u32>>,
+    /// vLLM's: no end of generation before this many tokens
+    /// ([`GenerateParams::min_tokens`]).
+    pub min_tokens: Option<u64>,
     /// vLLM's sampling fields keydiff does not have: refused unless they ask for nothing
     /// ([`Common::refuse_unsupported`]).
-    pub min_tokens: Option<u64>,
     pub include_stop_str_in_output: Option<bool>,
     pub allowed_token_ids: Option<Vec<u32>>,
     pub bad_words: Option<Vec<String>>,
@@ -293,6 +295,8 @@ impl Common {
                 stop,
                 ignore_eos: self.ignore_eos.unwrap_or(false),
                 stop_tokens: self.stop_token_ids.clone().unwrap_or_default(),
+                min_tokens: (self.min_tokens)
+                    .map_or(0, |n| usize::try_from(n).unwrap_or(usize::MAX)),
                 profile: false,
                 cancel: None,
                 logprobs,
@@ -325,7 +329,6 @@ impl Common {
     /// something (a client that sends their defaults is answered).
     fn refuse_unsupported(&self) -> Result<(), ApiError> {
         let asked = [
-            ("min_tokens", self.min_tokens.is_some_and(|n| n > 0)),
             (
                 "include_stop_str_in_output",
                 self.include_stop_str_in_output == Some(true),

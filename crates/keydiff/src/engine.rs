@@ -188,6 +188,10 @@ pub struct GenerateParams {
     /// ([`StopReason::Eos`], its text not in the output), `ignore_eos` or not (vLLM's
     /// `stop_token_ids`).
     pub stop_tokens: Vec<u32>,
+    /// vLLM's `min_tokens`: before this many tokens, the end-of-generation tokens and
+    /// `stop_tokens` cannot be sampled (their logits are −∞; logprobs stay the model's), and
+    /// the stops are not looked for in the text (their check begins at this token). 0: off.
+    pub min_tokens: usize,
     /// Time the prefill's regions ([`Stats::breakdown`]). This synchronises the device at every
     /// region boundary, so it slows GPU runs: benchmarks use a separate profiled run.
     pub profile: bool,
@@ -255,6 +259,7 @@ impl Default for GenerateParams {
             stop: Vec::new(),
             ignore_eos: false,
             stop_tokens: Vec::new(),
+            min_tokens: 0,
             profile: false,
             cancel: None,
             logprobs: None,
@@ -603,7 +608,8 @@ impl<'e> Prefill<'e> {
             sampler: Sampler::new(self.params.sampling.clone()),
             history: self.prompt.clone(),
             stream: TextStream::new(&e.loaded.vocab.tokenizer, self.params.stop.clone())
-                .stop_below_indent(self.params.stop_indent),
+                .stop_below_indent(self.params.stop_indent)
+                .min_tokens(self.params.min_tokens),
             params: self.params,
             prompt: self.prompt,
             start: self.start,
@@ -654,7 +660,8 @@ impl Pick {
     /// instead of the vocabulary's row of logits.
     fn of(params: &GenerateParams, constraint: &Option<Constraint>, device_samples: bool) -> Pick {
         let s = &params.sampling;
-        if constraint.is_some() || params.logprobs.is_some() {
+        // `min_tokens` masks the end of generation on the host's row.
+        if constraint.is_some() || params.logprobs.is_some() || params.min_tokens > 0 {
             Pick::Host
         } else if s.is_plain_greedy() {
             Pick::Greedy
@@ -1241,6 +1248,13 @@ impl<'e> Decoding<'e> {
         };
         // The model's distribution, before the sampler's penalties and temperature.
         let raw = params.logprobs.map(|top| (logits.clone(), top));
+        if self.generated.len() < params.min_tokens {
+            for &t in vocab.eos_ids.iter().chain(&params.stop_tokens) {
+                if let Some(l) = logits.get_mut(t as usize) {
+                    *l = f32::NEG_INFINITY;
+                }
+            }
+        }
         let tok = match &mut self.constraint {
             None => self.sampler.sample(logits, &self.history),
             Some(c) => {
@@ -2434,6 +2448,12 @@ impl Engine {
                     Constraint::what(format)
                 )));
             }
+        }
+        if params.min_tokens > params.max_tokens {
+            return Err(EngineError::BadParams(format!(
+                "min_tokens {} is more than max_tokens {}",
+                params.min_tokens, params.max_tokens
+            )));
         }
         let vocab = self.model_config().vocab_size;
         if let Some(bad) = params.stop_tokens.iter().find(|&&t| t as usize >= vocab) {

@@ -40,6 +40,9 @@ pub struct TextStream<'a> {
     stopped: Option<Stopped>,
     /// Which of `stops` ended the text.
     stop_index: Option<usize>,
+    /// Tokens pushed, and how many must be before the stops apply ([`TextStream::min_tokens`]).
+    pushed: usize,
+    min_tokens: usize,
 }
 
 /// What ended a [`TextStream`].
@@ -69,7 +72,17 @@ impl<'a> TextStream<'a> {
             indent_from: None,
             stopped: None,
             stop_index: None,
+            pushed: 0,
+            min_tokens: 0,
         }
+    }
+
+    /// The stops (strings and the indentation) apply only once `n` tokens were pushed: the
+    /// text of the first `n − 1` is never looked through for them (vLLM's `min_tokens`, whose
+    /// stop checks begin at the `n`-th token).
+    pub fn min_tokens(mut self, n: usize) -> Self {
+        self.min_tokens = n;
+        self
     }
 
     /// Also ends the text where a line after its first starts with fewer than `n` spaces or
@@ -97,7 +110,11 @@ impl<'a> TextStream<'a> {
 
     /// Adds a token; returns the text that is now safe to show (possibly empty).
     pub fn push(&mut self, token: u32) -> Result<String> {
-        if self.stopped.is_some() || self.skipped(token) {
+        if self.stopped.is_some() {
+            return Ok(String::new());
+        }
+        self.pushed += 1;
+        if self.skipped(token) {
             return Ok(String::new());
         }
         self.tokens.push(token);
@@ -120,7 +137,11 @@ impl<'a> TextStream<'a> {
             self.prefix_text = self.decode(&self.tokens[self.prefix..self.read])?;
             self.base = self.text.len();
         }
-        if self.cut() {
+        if self.pushed < self.min_tokens {
+            // Before the stops apply, the text is out of their reach (but a tail that could
+            // begin one is held back, as always: the stops apply at the next token).
+            self.searched = self.text.len();
+        } else if self.cut() {
             return Ok(self.take(self.text.len()));
         }
         // Hold back a tail that could begin a stop string.
@@ -214,7 +235,7 @@ impl<'a> TextStream<'a> {
     pub fn finish(&mut self) -> String {
         if self.stopped.is_none() {
             if let Ok(Some(window)) = self.window(true) {
-                if self.extend(&window) {
+                if self.extend(&window) && self.pushed >= self.min_tokens {
                     self.cut();
                 }
             }
@@ -337,6 +358,34 @@ mod tests {
         let out: String = [0, 2, 2, 1, 2, 0].map(|t| s.push(t).unwrap()).concat() + &s.finish();
         assert_eq!(out, tok.decode(&[0, 2, 2, 1, 2, 0], true).unwrap());
         assert_eq!(out, "a b a");
+    }
+
+    /// With `min_tokens`, a stop in the text of the first tokens is not looked for; from
+    /// the `n`-th token on, the stops apply to the new text.
+    #[test]
+    fn stops_wait_for_min_tokens() {
+        let json = serde_json::json!({
+            "version": "1.0",
+            "model": {"type": "WordLevel", "vocab": {"a": 0, "b": 1}, "unk_token": "a"},
+        });
+        let tok = Tokenizer::from_bytes(json.to_string()).unwrap();
+        let run = |min: usize| {
+            let mut s = TextStream::new(&tok, vec!["a b".into()]).min_tokens(min);
+            let mut out = String::new();
+            for t in [0, 1, 0, 1, 0] {
+                out += &s.push(t).unwrap();
+            }
+            (out + &s.finish(), s.stop_string().is_some())
+        };
+        assert_eq!(run(0), (String::new(), true));
+        assert_eq!(
+            run(2),
+            (String::new(), true),
+            "the 2nd token's stop applies"
+        );
+        // The first two tokens' "a b" is never a stop; the second one (tokens 3, 4) is.
+        assert_eq!(run(3), ("a b ".to_string(), true));
+        assert_eq!(run(5), ("a b a b a".to_string(), false));
     }
 
     #[test]
