@@ -381,7 +381,11 @@ fn unreachable_hub_model() {
         "-p",
         "hi",
     ]);
-    expect(&err, "Hugging Face hub: cannot fetch `config.json`");
+    expect(
+        &err,
+        "Hugging Face hub: `keydiff-test-no-such-org/no-such-model` is no local file or \
+         directory, and as a hub id: cannot fetch `config.json`",
+    );
 }
 
 /// Memory: a malformed `--memory-limit` is a usage error naming the value; a model that

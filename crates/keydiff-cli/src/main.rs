@@ -1867,6 +1867,19 @@ impl SamplingArgs {
         if let Format::Grammar(g) = &format {
             keydiff::grammar::Grammar::parse(g)?;
         }
+        // Greedy is the default here (llama.cpp's is 0.8): truncation asked for at
+        // temperature 0 would do nothing, silently.
+        let truncation = self.top_k != 0 || self.top_p != 1.0 || self.min_p != 0.0;
+        let seeded = self.seed != Seed::Fixed(299_792_458);
+        if self.temp == 0.0 && (truncation || seeded) {
+            static SAID: std::sync::Once = std::sync::Once::new();
+            SAID.call_once(|| {
+                eprintln!(
+                    "warning: --temp is 0 (greedy, keydiff's default): --top-k, --top-p, \
+                     --min-p and --seed have no effect; give --temp to sample"
+                )
+            });
+        }
         Ok(Sampling {
             temperature: self.temp,
             top_k: self.top_k,

@@ -71,7 +71,8 @@ impl ModelSource {
         let get = |name: &str| -> Result<PathBuf> {
             r.get(name).map_err(|e| {
                 EngineError::Hub(format!(
-                    "cannot fetch `{name}` of `{repo}`: {e} (offline? pass a local path to -m)"
+                    "`{repo}` is no local file or directory, and as a hub id: cannot fetch \
+                     `{name}`: {e} (offline? pass a local path to -m)"
                 ))
             })
         };
