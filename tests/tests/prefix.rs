@@ -191,3 +191,27 @@ fn an_engine_and_its_prefixes_cross_threads() {
         assert!(err.to_string().contains("outside the vocabulary"), "{err}");
     }
 }
+
+/// A prefix, a prompt cache or a conversation goes on only with the engine that made it:
+/// another engine of the very same shape (here the same model loaded twice) refuses it
+/// instead of continuing someone else's cache.
+#[test]
+fn state_goes_on_only_with_its_engine() {
+    let (a, b) = (tiny("tiny-llama"), tiny("tiny-llama"));
+    assert_ne!(a.id(), b.id());
+    let tokens = keydiff::parity::random_tokens(200, a.model_config().vocab_size, 9);
+    let prefix = a
+        .prefill_prefix(&tokens[..128], None, cache("full", None))
+        .unwrap();
+    let err = b.generate_from(&greedy(&tokens), Some(&prefix), |_| {});
+    assert!(err.unwrap_err().to_string().contains("another engine"));
+    a.generate_from(&greedy(&tokens), Some(&prefix), |_| {})
+        .unwrap();
+    let mut pc = keydiff::PromptCache::new();
+    a.generate_cached(&greedy(&tokens), &mut pc, |_| {})
+        .unwrap();
+    let err = b.generate_cached(&greedy(&tokens), &mut pc, |_| {});
+    assert!(err.unwrap_err().to_string().contains("another engine"));
+    a.generate_cached(&greedy(&tokens), &mut pc, |_| {})
+        .unwrap();
+}

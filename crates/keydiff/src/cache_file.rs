@@ -305,6 +305,7 @@ impl Engine {
         pc.tokens = h.tokens;
         pc.prompt_len = h.prompt_len;
         pc.cache = Some(cache);
+        pc.engine = Some(self.id());
         pc.text = h.text;
         pc.pending = h.pending;
         Ok(pc)
@@ -341,6 +342,7 @@ impl Engine {
                 })
                 .collect(),
             cache: Some(cache),
+            engine: Some(self.id()),
             fed_text: text,
             pending: h.pending.first().copied(),
             fed_tokens: h.tokens,

@@ -24,6 +24,8 @@ pub struct Conversation {
     pub(crate) pending: Option<u32>,
     /// The tokens the cache holds, in order (its first slots while it has not evicted).
     pub(crate) fed_tokens: Vec<u32>,
+    /// The engine that made the cache ([`Engine::id`]).
+    pub(crate) engine: Option<u64>,
 }
 
 impl Conversation {
@@ -37,6 +39,7 @@ impl Conversation {
             fed_text: String::new(),
             pending: None,
             fed_tokens: Vec::new(),
+            engine: None,
         }
     }
 
@@ -137,6 +140,10 @@ impl Engine {
         let need = (kept + feed.len())
             .saturating_add(params.max_tokens)
             .min(context);
+        if conv.cache.is_some() {
+            self.check_owner(conv.engine, "the conversation")?;
+        }
+        conv.engine = Some(self.id());
         let cfg = self.config().cache.clone();
         let mut cache = match conv.cache.take() {
             // A budgeted cache gets its N + B slots once; a full one what this turn needs.

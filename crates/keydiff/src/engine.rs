@@ -1636,6 +1636,8 @@ pub struct Prefix {
     tokens: Vec<u32>,
     cache: KvCache,
     attention: AttentionBackend,
+    /// The engine that made it ([`Engine::id`]).
+    engine: u64,
 }
 
 impl Prefix {
@@ -1684,7 +1686,12 @@ pub struct Engine {
     load_taken: Option<u64>,
     /// The model's digest ([`Engine::model_digest`]), made on first use.
     digest: std::sync::OnceLock<String>,
+    /// This engine among the process's ([`Engine::id`]).
+    id: u64,
 }
+
+/// The next [`Engine::id`].
+static NEXT_ENGINE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 // What the docs above promise: an engine can be shared between threads, and what a call
 // hands back moved to another.
@@ -1811,7 +1818,28 @@ impl Engine {
             tokens_by_bytes: std::sync::OnceLock::new(),
             load_taken,
             digest: std::sync::OnceLock::new(),
+            id: NEXT_ENGINE.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         })
+    }
+
+    /// This engine's number in the process, unique: what a [`Prefix`], a
+    /// [`crate::PromptCache`] or a [`crate::Conversation`] it made is checked against, so that
+    /// one is never continued by another engine (another model of the same shape would give
+    /// wrong text, silently).
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// Refuses state (a cache) that engine `made` made, when this is another.
+    pub(crate) fn check_owner(&self, made: Option<u64>, what: &str) -> Result<()> {
+        match made {
+            Some(id) if id != self.id => Err(EngineError::BadParams(format!(
+                "{what} holds the cache of another engine (engine {id}, this is {}): a cache \
+                 goes on only with the engine that made it",
+                self.id
+            ))),
+            _ => Ok(()),
+        }
     }
 
     /// The loaded model.
@@ -2538,7 +2566,7 @@ impl Engine {
         let mut kv = self.alloc_cache(cache, tokens.len())?;
         let model = &self.loaded.model;
         if let Some(b) = base {
-            same_attention(b, model.attention())?;
+            same_attention(b, self)?;
             kv.resume_from(&b.cache)?;
         }
         for piece in tokens[start..].chunks(chunk) {
@@ -2550,6 +2578,7 @@ impl Engine {
             tokens: tokens.to_vec(),
             cache: kv,
             attention: model.attention(),
+            engine: self.id,
         })
     }
 
@@ -2564,7 +2593,7 @@ impl Engine {
     ) -> Result<Output> {
         let t0 = Instant::now();
         let (prompt, mut cache) = self.request_cache(params, 0)?;
-        let start = start_from(&mut cache, &prompt, prefix, self.loaded.model.attention())?;
+        let start = start_from(&mut cache, &prompt, prefix, self)?;
         let (out, _) = self.run_request(&mut cache, &prompt, start, params, t0, &mut on_event)?;
         Ok(out)
     }
@@ -2773,7 +2802,7 @@ impl Engine {
             return Err(EngineError::EmptyPrompt);
         }
         let mut cache = self.new_cache(tokens.len())?;
-        let start = start_from(&mut cache, tokens, prefix, self.loaded.model.attention())?;
+        let start = start_from(&mut cache, tokens, prefix, self)?;
         self.prefill_with(&tokens[start..], self.cfg.cache.chunk, &mut cache)
     }
 
@@ -2865,7 +2894,9 @@ fn check_device_arch(dev: &Device, source: &ModelSource) -> Result<()> {
 }
 
 /// Refuses a prefix prefilled under another attention backend than `attention`.
-fn same_attention(p: &Prefix, attention: AttentionBackend) -> Result<()> {
+fn same_attention(p: &Prefix, engine: &Engine) -> Result<()> {
+    engine.check_owner(Some(p.engine), "the prefix")?;
+    let attention = engine.loaded.model.attention();
     if p.attention != attention {
         return Err(EngineError::BadParams(format!(
             "the prefix was prefilled with {} attention and the engine now runs {attention}",
@@ -2881,12 +2912,12 @@ fn start_from(
     cache: &mut KvCache,
     prompt: &[u32],
     prefix: Option<&Prefix>,
-    attention: AttentionBackend,
+    engine: &Engine,
 ) -> Result<usize> {
     let Some(p) = prefix else {
         return Ok(0);
     };
-    same_attention(p, attention)?;
+    same_attention(p, engine)?;
     if p.len() >= prompt.len() || !prompt.starts_with(&p.tokens) {
         return Err(EngineError::BadParams(format!(
             "the prompt ({} tokens) does not extend the prefix of {} tokens",

@@ -56,6 +56,8 @@ pub struct PromptCache {
     pub(crate) pending: Vec<u32>,
     /// Keep the cache as the prompt left it, without the reply.
     pub(crate) prompt_only: bool,
+    /// The engine whose requests made the cache ([`Engine::id`]).
+    pub(crate) engine: Option<u64>,
 }
 
 impl PromptCache {
@@ -337,6 +339,11 @@ impl Engine {
         ids: Option<&[u32]>,
     ) -> Result<Resumed> {
         self.check_params(params)?;
+        if pc.cache.is_some() {
+            self.check_owner(pc.engine, "the prompt cache")?;
+        }
+        // What this request leaves in it is this engine's.
+        pc.engine = Some(self.id());
         let context = self.model_config().context();
         if params.prompt_logprobs.is_some() {
             // Every prompt row's logits are needed, so nothing can be reused; the request
