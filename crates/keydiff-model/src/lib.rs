@@ -29,3 +29,26 @@ pub use load::{
 pub use memory::MemoryBudget;
 pub use model::{Logits, Model, Segment};
 pub use weights::{parse_weight_type, weight_type_name, CpuWeights, WeightPlan, WEIGHT_TYPES};
+
+/// True when this build's CPU code uses AVX2, FMA and F16C (the target has them: `-C
+/// target-cpu=native` or x86-64-v3), as candle's CPU matmuls and keydiff's decode kernel do
+/// only then.
+pub const SIMD_BUILD: bool = cfg!(avx2_f16c);
+
+/// The reason a CPU run is slower than it could be: this machine has AVX2, FMA and F16C but
+/// the build does not use them (a program that depends on keydiff without
+/// `-C target-cpu=native`). `None` where the build fits the machine.
+pub fn cpu_build_note() -> Option<&'static str> {
+    #[cfg(target_arch = "x86_64")]
+    if !SIMD_BUILD
+        && std::is_x86_feature_detected!("avx2")
+        && std::is_x86_feature_detected!("fma")
+        && std::is_x86_feature_detected!("f16c")
+    {
+        return Some(
+            "this CPU has AVX2/FMA/F16C but the build does not use them: CPU inference runs \
+             3-4x slower (build with RUSTFLAGS=\"-C target-cpu=native\")",
+        );
+    }
+    None
+}

@@ -1751,6 +1751,11 @@ impl Engine {
                 .map(|b| b.ram)
         };
         let free_before = free();
+        if cfg.device.is_cpu() {
+            if let Some(note) = keydiff_model::cpu_build_note() {
+                tracing::warn!("{note}");
+            }
+        }
         let mut loaded = match source {
             ModelSource::Gguf(p) => load_gguf(p, &cfg.device, cfg.dtype, cfg.cpu_weights, mem)?,
             ModelSource::HfDir(d) => load_hf_dir(d, &cfg.device, cfg.dtype, mem)?,

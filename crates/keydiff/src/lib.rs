@@ -61,7 +61,7 @@ pub use prompt_cache::{PromptCache, Reuse};
 pub use sampling::{draw, DrawParams, Format, Sampler, Sampling};
 pub use source::ModelSource;
 pub use speculative::{NgramSpec, SpecCounters, MAX_DRAFT};
-pub use stream::TextStream;
+pub use stream::{Stopped, TextStream};
 
 /// The commit this library was built from (`git describe --always --dirty`), when it was built
 /// in a git checkout; `None` otherwise (a crates.io build).
