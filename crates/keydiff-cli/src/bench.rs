@@ -273,10 +273,11 @@ fn ttft(a: TtftArgs) -> Result<()> {
     let results = bench::ttft(&mut engine, &plan, on_run(&bar))?;
     bar.finish_and_clear();
 
-    print!("{}", ttft_table(&results, &prov, &plan));
+    // The files first: a closed stdout (`| head`) ends the process at the table.
     write_json(&out.join("results.json"), &prov, &results)?;
     write_csv(&out.join("results.csv"), &prov, &ttft_csv(&results))?;
     plot::ttft_svg(&out.join("ttft.svg"), &results, &prov)?;
+    print!("{}", ttft_table(&results, &prov, &plan));
     eprintln!(
         "wrote {0}/results.csv, {0}/results.json, {0}/ttft.svg",
         out.display()
@@ -335,9 +336,9 @@ fn decode(a: DecodeArgs) -> Result<()> {
     }
     bar.finish_and_clear();
 
-    print!("{}", decode_table(&results, &prov, &plan));
     write_json(&out.join("results.json"), &prov, &results)?;
     write_csv(&out.join("results.csv"), &prov, &decode_csv(&results))?;
+    print!("{}", decode_table(&results, &prov, &plan));
     eprintln!("wrote {0}/results.csv, {0}/results.json", out.display());
     Ok(())
 }
@@ -391,9 +392,9 @@ fn join(a: JoinArgs) -> Result<()> {
         )?);
     }
     bar.finish_and_clear();
-    print!("{}", join_table(&results, &prov, &plan));
     write_json(&out.join("results.json"), &prov, &results)?;
     write_csv(&out.join("results.csv"), &prov, &join_csv(&results))?;
+    print!("{}", join_table(&results, &prov, &plan));
     eprintln!("wrote {0}/results.csv, {0}/results.json", out.display());
     Ok(())
 }

@@ -314,7 +314,6 @@ pub fn eval(a: EvalArgs) -> Result<()> {
         })
         .collect();
     let cells = run::cells(&for_table, false);
-    print!("{}", table(&a, &prov, &cells, longbench));
     let by_depth = run::cells(&done, true);
     let v = serde_json::json!({
         "provenance": prov,
@@ -352,6 +351,8 @@ pub fn eval(a: EvalArgs) -> Result<()> {
         plot::heatmap_svg(&path, &heat, &title)?;
         wrote.push(path.display().to_string());
     }
+    // The table last: a closed stdout (`| head`) ends the process there, the files written.
+    print!("{}", table(&a, &prov, &cells, longbench));
     eprintln!("wrote {}", wrote.join(", "));
     Ok(())
 }
