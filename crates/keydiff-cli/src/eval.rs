@@ -439,10 +439,6 @@ fn table(a: &EvalArgs, prov: &Provenance, cells: &[Cell], longbench: bool) -> St
     s
 }
 
-/// Refuses to resume into a directory whose earlier run used other options that change the
-/// records (model, dtype, KV dtype, attention, CPU weight copies, RoPE, chat template, chunk,
-/// protection, seed): their records would be mixed with incomparable ones. Lengths, depths,
-/// budgets, policies and samples may grow.
 /// Where a run writes its settings before its first record (see [`check_resume`]).
 const RUN_FILE: &str = "run.json";
 
@@ -458,16 +454,21 @@ fn options(a: &EvalArgs) -> serde_json::Value {
     })
 }
 
+/// Refuses to resume into a directory whose earlier run used other options that change the
+/// records (model, dtype, KV dtype, attention, CPU weight copies, RoPE, chat template, chunk,
+/// protection, seed): their records would be mixed with incomparable ones. Lengths, depths,
+/// budgets, policies and samples may grow. The settings are the last run's `run.json`
+/// (written before its first record, so a run stopped early has it), else, for directories
+/// made before it existed, `results.json`.
 fn check_resume(results: &std::path::Path, a: &EvalArgs, engine: &keydiff::Engine) -> Result<()> {
-    // An interrupted first run left no results.json: its settings are in run.json, written
-    // before its first record.
     let settings = results.with_file_name(RUN_FILE);
-    let (text, results) = match std::fs::read_to_string(results) {
-        Ok(t) => (t, results),
-        Err(_) => match std::fs::read_to_string(&settings) {
-            Ok(t) => (t, settings.as_path()),
+    let (text, results) = match std::fs::read_to_string(&settings) {
+        Ok(t) => (t, settings.as_path()),
+        Err(_) => match std::fs::read_to_string(results) {
+            Ok(t) => (t, results),
             Err(_) => bail!(
-                "cannot --resume into {}: its records carry no settings to check this run                  against (neither results.json nor {RUN_FILE}); start afresh there",
+                "cannot go on from the records in {}: they carry no settings to check this \
+                 run against (neither {RUN_FILE} nor results.json); start afresh there",
                 results.parent().unwrap_or(results).display()
             ),
         },

@@ -264,8 +264,10 @@ impl<'e> Batch<'e> {
 
     /// Keeps `pc` (a cache loaded from a file, say) as the most recently used, for later
     /// requests; beyond the slots, the least recently used goes. Refused when the batch keeps
-    /// no caches, when `pc` holds none, or when it reuses otherwise than the batch.
+    /// no caches, when `pc` holds none, when it reuses otherwise than the batch, or when
+    /// another engine made it.
     pub fn keep_cache(&mut self, pc: PromptCache) -> Result<()> {
+        self.engine.check_owner(pc.engine, "the prompt cache")?;
         let Some(k) = &mut self.kept else {
             return Err(EngineError::BadParams(
                 "this batch keeps no prompt caches".into(),

@@ -309,11 +309,12 @@ fn ttft_sweep(
         // The first token needs a place in the context too: a prompt that fills it gets none
         // (and so no time to it).
         if c.prompt_len + 1 > context {
-            return Err(EngineError::PromptTooLong {
-                tokens: c.prompt_len + 1,
-                context,
-                limited: engine.model_config().context_limited(),
-            });
+            return Err(EngineError::BadParams(format!(
+                "a prompt of {} tokens leaves no room in the context of {context} for the \
+                 first token (--prompt-len at most {})",
+                c.prompt_len,
+                context.saturating_sub(1)
+            )));
         }
     }
     let on_cpu = engine.config().device.is_cpu();
@@ -624,11 +625,12 @@ fn decode_sweep(
     let context = engine.model_config().context();
     for c in &plan.cases {
         if c.prompt_len + steps + 1 > context {
-            return Err(EngineError::PromptTooLong {
-                tokens: c.prompt_len + steps + 1,
-                context,
-                limited: engine.model_config().context_limited(),
-            });
+            return Err(EngineError::BadParams(format!(
+                "a prompt of {} tokens and {} generated ones do not fit in the context of \
+                 {context}",
+                c.prompt_len,
+                steps + 1
+            )));
         }
     }
     let runs = rounds(engine, plan, &mut on_run, |engine, c, p, _| match batch {
@@ -975,9 +977,12 @@ pub struct Provenance {
     pub keydiff_version: String,
 }
 
-/// Whether an environment variable is one that [`Provenance::env`] records.
+/// Whether an environment variable is one that [`Provenance::env`] records: keydiff's kernel
+/// and allocator switches (never a secret such as `KEYDIFF_API_KEY`: results are committed)
+/// and the thread and device settings.
 fn recorded_env(name: &str) -> bool {
-    (name.starts_with("KEYDIFF_") && name != "KEYDIFF_COMMIT")
+    name.starts_with("KEYDIFF_CUDA_")
+        || name.starts_with("KEYDIFF_FLASH_")
         || [
             "RAYON_NUM_THREADS",
             "CUDA_VISIBLE_DEVICES",
@@ -1147,11 +1152,18 @@ mod tests {
         for v in [
             "KEYDIFF_CUDA_DECODE",
             "KEYDIFF_CUDA_POOL_RETAIN",
+            "KEYDIFF_FLASH_KERNELS",
             "RAYON_NUM_THREADS",
         ] {
             assert!(recorded_env(v), "{v}");
         }
-        for v in ["KEYDIFF_COMMIT", "HOME", "PATH", "KEYDIFF"] {
+        for v in [
+            "KEYDIFF_COMMIT",
+            "KEYDIFF_API_KEY",
+            "HOME",
+            "PATH",
+            "KEYDIFF",
+        ] {
             assert!(!recorded_env(v), "{v}");
         }
     }

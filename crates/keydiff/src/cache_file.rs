@@ -306,6 +306,8 @@ impl Engine {
         pc.prompt_len = h.prompt_len;
         pc.cache = Some(cache);
         pc.engine = Some(self.id());
+        // Its copies to the device may still run (see [`Engine`]).
+        self.settle()?;
         pc.text = h.text;
         pc.pending = h.pending;
         Ok(pc)
@@ -316,6 +318,8 @@ impl Engine {
     /// the file holds a prompt cache rather than a conversation).
     pub fn load_conversation(&self, path: &Path) -> Result<Conversation> {
         let (h, cache) = self.read_cache_file(path, Reuse::Continue, 0)?;
+        // Its copies to the device may still run (see [`Engine`]).
+        self.settle()?;
         let bad = |reason: &str| EngineError::CacheFile {
             path: path.to_path_buf(),
             reason: reason.into(),

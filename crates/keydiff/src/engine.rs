@@ -188,7 +188,8 @@ pub struct GenerateParams {
     /// ([`StopReason::Eos`], its text not in the output), `ignore_eos` or not (vLLM's
     /// `stop_token_ids`).
     pub stop_tokens: Vec<u32>,
-    /// vLLM's `min_tokens`: before this many tokens, the end-of-generation tokens and
+    /// vLLM's `min_tokens`: before this many tokens, the end-of-generation tokens (unless
+    /// `ignore_eos`, or a constraint on the output, which ends it when its text is whole) and
     /// `stop_tokens` cannot be sampled (their logits are −∞; logprobs stay the model's), and
     /// the stops are not looked for in the text (their check begins at this token). 0: off.
     pub min_tokens: usize,
@@ -1249,7 +1250,10 @@ impl<'e> Decoding<'e> {
         // The model's distribution, before the sampler's penalties and temperature.
         let raw = params.logprobs.map(|top| (logits.clone(), top));
         if self.generated.len() < params.min_tokens {
-            for &t in vocab.eos_ids.iter().chain(&params.stop_tokens) {
+            // vLLM's stop ids: the end of generation unless ignored, and `stop_tokens`. A
+            // constraint (grammar, JSON) decides itself when its text may end: it wins.
+            let eos = (!params.ignore_eos && self.constraint.is_none()).then_some(&vocab.eos_ids);
+            for &t in eos.into_iter().flatten().chain(&params.stop_tokens) {
                 if let Some(l) = logits.get_mut(t as usize) {
                     *l = f32::NEG_INFINITY;
                 }

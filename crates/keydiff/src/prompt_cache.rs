@@ -217,10 +217,10 @@ impl Engine {
         pc: &mut PromptCache,
         on_event: impl FnMut(Event<'_>),
     ) -> Result<Output> {
-        let out = self.generate_cached_here(params, pc, on_event)?;
+        let out = self.generate_cached_here(params, pc, on_event);
         // The kept cache (a copy, a cut) may still be being written (see [`Engine`]).
         self.settle()?;
-        Ok(out)
+        out
     }
 
     fn generate_cached_here(
@@ -450,6 +450,7 @@ impl Engine {
         let Some(src) = &pc.cache else {
             return Ok(None);
         };
+        self.check_owner(pc.engine, "the prompt cache")?;
         if params.prompt_logprobs.is_some() {
             return Ok(None);
         }

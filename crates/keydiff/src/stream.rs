@@ -43,6 +43,9 @@ pub struct TextStream<'a> {
     /// Tokens pushed, and how many must be before the stops apply ([`TextStream::min_tokens`]).
     pushed: usize,
     min_tokens: usize,
+    /// Bytes of `text` made before the stops applied: never looked through again, not even
+    /// when a decoder's rewrite makes the stream decode everything anew.
+    floor: usize,
 }
 
 /// What ended a [`TextStream`].
@@ -74,6 +77,7 @@ impl<'a> TextStream<'a> {
             stop_index: None,
             pushed: 0,
             min_tokens: 0,
+            floor: 0,
         }
     }
 
@@ -139,8 +143,14 @@ impl<'a> TextStream<'a> {
         }
         if self.pushed < self.min_tokens {
             // Before the stops apply, the text is out of their reach (but a tail that could
-            // begin one is held back, as always: the stops apply at the next token).
+            // begin one is held back, as always: the stops apply at the next token). The
+            // indentation rule goes on from the last line, which may go on after them.
+            let from = floor_char_boundary(&self.text, self.searched);
+            if let Some(nl) = self.text[from..].rfind('\n') {
+                self.indent_from = Some(from + nl + 1);
+            }
             self.searched = self.text.len();
+            self.floor = self.searched;
         } else if self.cut() {
             return Ok(self.take(self.text.len()));
         }
@@ -171,7 +181,7 @@ impl<'a> TextStream<'a> {
         tracing::debug!("the decoder rewrote text before the new token: decoding all tokens");
         (self.prefix, self.read, self.base) = (0, 0, 0);
         self.prefix_text.clear();
-        (self.searched, self.indent_from) = (0, None);
+        (self.searched, self.indent_from) = (self.floor, None);
         self.decode(&self.tokens).map(Some)
     }
 
@@ -301,6 +311,15 @@ fn below_indent_from(text: &str, n: usize, mut at: usize) -> Option<usize> {
         }
         at += line.find('\n')? + 1;
     }
+}
+
+/// The largest char boundary of `text` at or below `at`.
+fn floor_char_boundary(text: &str, at: usize) -> usize {
+    let mut at = at.min(text.len());
+    while !text.is_char_boundary(at) {
+        at -= 1;
+    }
+    at
 }
 
 /// Length of the longest suffix of `text` that is a proper prefix of `stop`.
