@@ -756,7 +756,6 @@ fn llama_cpp_flags(args: Vec<std::ffi::OsString>) -> Result<Vec<std::ffi::OsStri
             "-hf" | "-hfr" => "--model",
             "-dev" => "--device",
             "-np" => "--max-batch",
-            "-ps" => "--prefill-tokens",
             // Plain completion: what `run` does unless told --chat.
             "-no-cnv" => continue,
             // `-fa [on|off|auto]`, or alone (older llama.cpp): on.
