@@ -1239,14 +1239,15 @@ fn ctx_size_bounds_the_context() {
         args.extend_from_slice(extra);
         Command::new(keydiff_bin()).args(&args).output().unwrap()
     };
-    let out = run(&["-c", "24", "-p", "Once upon a time", "-n", "64"]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let s = &v["stats"];
+    // A run that must succeed: its `--json` stats.
+    let stats = |extra: &[&str]| -> serde_json::Value {
+        let out = run(extra);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{extra:?}: {err}");
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        v["stats"].clone()
+    };
+    let s = &stats(&["-c", "24", "-p", "Once upon a time", "-n", "64"]);
     assert_eq!(s["stop_reason"], "context", "{s}");
     let (prompt, generated) = (
         s["prompt_tokens"].as_u64().unwrap(),
@@ -1260,14 +1261,7 @@ fn ctx_size_bounds_the_context() {
         "{s}"
     );
     // A prompt that fills the context leaves no room: nothing is generated.
-    let out = run(&["-c", "4", "-p", "Once upon a time", "-n", "8"]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let s = &v["stats"];
+    let s = &stats(&["-c", "4", "-p", "Once upon a time", "-n", "8"]);
     assert_eq!(s["prompt_tokens"], 4, "{s}");
     assert_eq!(s["generated_tokens"], 0, "{s}");
     assert_eq!(s["stop_reason"], "context", "{s}");
