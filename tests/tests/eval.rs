@@ -84,12 +84,32 @@ fn niah_writes_results_heatmap_and_resumes() {
     assert!(!built.is_empty() && built != "unknown", "{built}");
     let svg = std::fs::read_to_string(dir.join("heatmap.svg")).unwrap();
     assert!(svg.contains("keydiff, N = 50%") && svg.contains("depth"));
+    // Each record names the build that made it, as the table does.
+    let code = recs[0]["code"].as_str().unwrap().to_string();
+    assert!(code.starts_with(built), "{code} vs {built}");
+    assert!(recs.iter().all(|r| r["code"] == code.as_str()));
+    assert!(stdout.contains(&format!("| commit {code}\n")), "{stdout}");
 
     // Resume with one more policy: only its 8 runs are made, the 16 old records are kept.
-    let (ok, _, stderr) =
+    // Records from another build (as after a rebuild) are kept, and the table says so.
+    let older = std::fs::read_to_string(dir.join("records.jsonl"))
+        .unwrap()
+        .replace(&format!("\"code\":\"{code}\""), "\"code\":\"feedbee\"");
+    std::fs::write(dir.join("records.jsonl"), older).unwrap();
+    let (ok, stdout, stderr) =
         run(&[&base[..], &["--policies", "full,keydiff,sink", "--resume"]].concat());
     assert!(ok, "{stderr}");
     assert_eq!(stderr.matches("] niah-").count(), 8, "{stderr}");
+    assert!(
+        stderr.contains("were made by feedbee (16)") && stderr.contains("the table mixes them"),
+        "{stderr}"
+    );
+    assert!(
+        stdout.contains(&format!(
+            "| commits feedbee (16 records), {code} (8 records)\n"
+        )),
+        "{stdout}"
+    );
     let recs = records(&dir);
     assert_eq!(recs.len(), 24);
     let json: serde_json::Value =
@@ -141,6 +161,18 @@ fn niah_writes_results_heatmap_and_resumes() {
     ]
     .concat());
     assert!(!ok && stderr.contains("--snap-window"), "{stderr}");
+    // And records made on another kind of device (here: as if on a GPU).
+    let settings = std::fs::read_to_string(dir.join("run.json")).unwrap();
+    let mut v: serde_json::Value = serde_json::from_str(&settings).unwrap();
+    assert_eq!(v["provenance"]["device"], "cpu");
+    v["provenance"]["device"] = "Cuda { gpu_id: 0 }".into();
+    std::fs::write(dir.join("run.json"), v.to_string()).unwrap();
+    let (ok, _, stderr) = run(&[&base[..], &["--policies", "full", "--resume"]].concat());
+    assert!(
+        !ok && stderr.contains("--device \"cuda\", this run has \"cpu\""),
+        "{stderr}"
+    );
+    std::fs::write(dir.join("run.json"), settings).unwrap();
     // A first run stopped before its results.json is checked against run.json, written
     // before its first record.
     std::fs::remove_file(dir.join("results.json")).unwrap();

@@ -264,11 +264,26 @@ pub fn eval(a: EvalArgs) -> Result<()> {
         .open(&records_path)
         .with_context(|| format!("cannot write {}", records_path.display()))?;
     let plain = !std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let code = prov.code();
+    let mut write_error: Option<std::io::Error> = None;
     let new = if a.report {
         Vec::new()
     } else {
         run::run(&mut engine, &samples, &settings, &opts, is_done, |r| {
-            let _ = writeln!(file, "{}", serde_json::to_string(r).unwrap_or_default());
+            let r = Record {
+                code: code.clone(),
+                ..r.clone()
+            };
+            if let Err(e) = writeln!(file, "{}", serde_json::to_string(&r).unwrap_or_default()) {
+                if write_error.is_none() {
+                    tracing::warn!(
+                        "cannot append to {}: {e} (the records from here on are kept only in \
+                         results.json; --resume would make them again)",
+                        records_path.display()
+                    );
+                }
+                write_error.get_or_insert(e);
+            }
             let msg = format!(
                 "{} {} N={}: {} ({:.0}%)",
                 r.id,
@@ -285,7 +300,22 @@ pub fn eval(a: EvalArgs) -> Result<()> {
         })?
     };
     bar.finish_and_clear();
-    done.extend(new);
+    let earlier = builds(&done);
+    if !a.report && earlier.iter().any(|(c, _)| *c != code) {
+        tracing::warn!(
+            "the records in {} were made by {}; this run is {code}: the table mixes them",
+            records_path.display(),
+            earlier
+                .iter()
+                .map(|(c, n)| format!("{c} ({n})"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
+    done.extend(new.into_iter().map(|r| Record {
+        code: code.clone(),
+        ..r
+    }));
     // Keep the order of samples × settings.
     let order: Vec<String> = samples
         .iter()
@@ -326,6 +356,15 @@ pub fn eval(a: EvalArgs) -> Result<()> {
     let json_path = out.join("results.json");
     std::fs::write(&json_path, serde_json::to_string_pretty(&v)? + "\n")
         .with_context(|| format!("cannot write {}", json_path.display()))?;
+    if let Some(e) = write_error {
+        bail!(
+            "cannot append to {}: {e}; {} holds every record, but --resume reads {} and would \
+             make the missing ones again",
+            records_path.display(),
+            json_path.display(),
+            records_path.display()
+        );
+    }
     let mut wrote = vec![json_path.display().to_string()];
     if a.task == "niah" {
         let heat: Vec<plot::HeatCell> = by_depth
@@ -342,17 +381,17 @@ pub fn eval(a: EvalArgs) -> Result<()> {
             .collect();
         let path = out.join("heatmap.svg");
         let title = format!(
-            "needle in a haystack: {}, B = {}, {} per cell (commit {})",
+            "needle in a haystack: {}, B = {}, {} per cell ({})",
             prov.model,
             a.chunk,
             a.samples,
-            prov.code()
+            commits(&done)
         );
         plot::heatmap_svg(&path, &heat, &title)?;
         wrote.push(path.display().to_string());
     }
     // The table last: a closed stdout (`| head`) ends the process there, the files written.
-    print!("{}", table(&a, &prov, &cells, longbench));
+    print!("{}", table(&a, &prov, &cells, longbench, &commits(&done)));
     eprintln!("wrote {}", wrote.join(", "));
     Ok(())
 }
@@ -388,20 +427,60 @@ fn record_from_json(v: &serde_json::Value) -> Option<Record> {
             .get("prefix_seconds")
             .and_then(|p| p.as_f64())
             .unwrap_or(0.0),
+        // Records made before the build was recorded have none.
+        code: s("code").unwrap_or_default(),
     })
+}
+
+/// The builds that made `records`, in order of first appearance, with how many records each
+/// made (`unrecorded` for records older than the field).
+fn builds(records: &[Record]) -> Vec<(String, usize)> {
+    let mut out: Vec<(String, usize)> = Vec::new();
+    for r in records {
+        let c = if r.code.is_empty() {
+            "unrecorded"
+        } else {
+            r.code.as_str()
+        };
+        match out.iter_mut().find(|(k, _)| k == c) {
+            Some((_, n)) => *n += 1,
+            None => out.push((c.to_string(), 1)),
+        }
+    }
+    out
+}
+
+/// `commit X`, or `commits X (n records), Y (m)` when the records come from several builds.
+fn commits(records: &[Record]) -> String {
+    match builds(records).as_slice() {
+        [] => "no records".into(),
+        [(c, _)] => format!("commit {c}"),
+        many => format!(
+            "commits {}",
+            many.iter()
+                .map(|(c, n)| format!("{c} ({n} records)"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    }
 }
 
 /// Rows: task, policy, budget; columns: lengths. Each cell: mean score in %, ± standard error,
 /// and the number of samples.
-fn table(a: &EvalArgs, prov: &Provenance, cells: &[Cell], longbench: bool) -> String {
+fn table(
+    a: &EvalArgs,
+    prov: &Provenance,
+    cells: &[Cell],
+    longbench: bool,
+    commits: &str,
+) -> String {
     let mut s = format!(
-        "# {} | {} | {} | chunk {} | {} | commit {}\n# score in % ± standard error (samples)\n",
+        "# {} | {} | {} | chunk {} | {} | {commits}\n# score in % ± standard error (samples)\n",
         a.task,
         prov.model,
         if a.chat { "chat" } else { "plain" },
         a.chunk,
         prov.date,
-        prov.code()
     );
     let mut lengths: Vec<usize> = cells.iter().map(|c| c.length).collect();
     lengths.sort_unstable();
@@ -455,8 +534,8 @@ fn options(a: &EvalArgs) -> serde_json::Value {
 }
 
 /// Refuses to resume into a directory whose earlier run used other options that change the
-/// records (model, dtype, KV dtype, attention, CPU weight copies, RoPE, chat template, chunk,
-/// protection, seed): their records would be mixed with incomparable ones. Lengths, depths,
+/// records (device kind, model, dtype, KV dtype, attention, CPU weight copies, RoPE, chat
+/// template, chunk, protection, seed): their records would be mixed with incomparable ones. Lengths, depths,
 /// budgets, policies and samples may grow. The settings are the last run's `run.json`
 /// (written before its first record, so a run stopped early has it), else, for directories
 /// made before it existed, `results.json`.
@@ -506,8 +585,22 @@ fn check_resume(results: &std::path::Path, a: &EvalArgs, engine: &keydiff::Engin
         serde_json::Value::String(s) if !s.is_empty() && a.chat => p["chat_template"].clone(),
         _ => serde_json::Value::Null,
     };
+    // The kind of device (`cpu`, `Cuda`, ...), not its ordinal: another GPU of the same kind
+    // may resume, a CPU may not go on from a GPU's records (other kernels, other rounding).
+    let kind = |d: &str| -> serde_json::Value {
+        d.split(|c: char| c == ' ' || c == '{' || c == '(')
+            .next()
+            .unwrap_or(d)
+            .to_lowercase()
+            .into()
+    };
+    let device = match p["device"].as_str() {
+        Some(d) => kind(d),
+        None => serde_json::Value::Null,
+    };
     let now_options = options(a);
-    let checks: [(&str, serde_json::Value, serde_json::Value); 16] = [
+    let checks: [(&str, serde_json::Value, serde_json::Value); 17] = [
+        ("--device", device, kind(&now.device)),
         ("--chat", o["chat"].clone(), a.chat.into()),
         ("--chunk", o["chunk"].clone(), a.chunk.into()),
         ("--window", o["window"].clone(), a.policy_args.window.into()),

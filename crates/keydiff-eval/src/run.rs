@@ -149,6 +149,10 @@ pub struct Record {
     /// Seconds it took to prefill that prefix (shared: other records count it too), so that
     /// `seconds + prefix_seconds` is about what the run takes alone.
     pub prefix_seconds: f64,
+    /// The keydiff build that made it (a commit), for records gathered over several runs
+    /// (`--resume`); set by the caller, empty when unknown (and then not written).
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub code: String,
 }
 
 /// A sample's model input, prepared once for every setting.
@@ -315,6 +319,7 @@ pub fn run(
                 seconds: t.elapsed().as_secs_f64(),
                 prefix_tokens: o.stats.prefix_tokens,
                 prefix_seconds: if point > 0 { prefix_s } else { 0.0 },
+                code: String::new(),
             };
             on_record(&r);
             out.push(r);
@@ -428,6 +433,7 @@ mod tests {
             seconds: 0.0,
             prefix_tokens: 0,
             prefix_seconds: 0.0,
+            code: String::new(),
         }
     }
 
