@@ -588,7 +588,7 @@ fn check_resume(results: &std::path::Path, a: &EvalArgs, engine: &keydiff::Engin
     // The kind of device (`cpu`, `Cuda`, ...), not its ordinal: another GPU of the same kind
     // may resume, a CPU may not go on from a GPU's records (other kernels, other rounding).
     let kind = |d: &str| -> serde_json::Value {
-        d.split(|c: char| c == ' ' || c == '{' || c == '(')
+        d.split([' ', '{', '('])
             .next()
             .unwrap_or(d)
             .to_lowercase()
