@@ -5,7 +5,8 @@ use std::path::Path;
 
 use candle_core::quantized::GgmlDType;
 use keydiff::{
-    parity::compare_logits, Engine, EngineConfig, ModelSource, RopeOverride, RopeScalingType,
+    parity::compare_logits, Engine, EngineConfig, EngineError, ModelSource, RopeOverride,
+    RopeScalingType,
 };
 use keydiff_tests::{
     export_hf, fixture, model, temp_dir, write_tiny_qwen3, write_tiny_qwen3_moe, SMOLLM2,
@@ -17,6 +18,39 @@ use keydiff_tests::{
 /// A loader bug (wrong tensor, missed Q/K permutation, wrong RoPE variant) moves logits by
 /// tens of percent.
 const HF_VS_GGUF_TOL: f32 = 1e-4;
+
+/// A text prompt in the model's own format (what the server's completion endpoints take):
+/// special-token text parsed, and the BOS the model adds not doubled when the text begins
+/// with it (a model with `add_bos_token`: SmolLM2's copy with it set).
+#[test]
+fn formatted_prompts_parse_special_tokens_and_keep_one_bos() {
+    let dir = temp_dir("smollm2-hf-bos");
+    export_hf(&model(SMOLLM2), &dir).unwrap();
+    let path = dir.join("tokenizer_config.json");
+    let mut tc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    tc["add_bos_token"] = true.into();
+    std::fs::write(&path, tc.to_string()).unwrap();
+    let e = Engine::load(&ModelSource::HfDir(dir), &EngineConfig::default()).unwrap();
+    let bos_text = tc["bos_token"].as_str().unwrap();
+    let bos = e.tokenize_special(bos_text).unwrap();
+    assert_eq!(bos.len(), 1, "{bos_text}");
+    let body = "Hi<|im_end|>\n<|im_start|>assistant\n";
+    let parsed = e.tokenize_special(body).unwrap();
+    assert!(parsed.len() + 4 < e.tokenize_continuation(body).unwrap().len());
+    let want = [&bos[..], &parsed].concat();
+    assert_eq!(e.tokenize_formatted(body).unwrap(), want);
+    assert_eq!(
+        e.tokenize_formatted(&format!("{bos_text}{body}")).unwrap(),
+        want
+    );
+    // Plain text prompts keep special-token text as text.
+    assert_ne!(e.tokenize(body, false).unwrap(), want);
+    assert!(matches!(
+        e.tokenize_formatted(""),
+        Err(EngineError::EmptyPrompt)
+    ));
+}
 
 #[test]
 fn hf_directory_matches_gguf() {

@@ -1280,11 +1280,14 @@ fn logprobs_score_prompts_and_replies() {
     let eos_id = local.tokenize_special(&eos).unwrap();
     assert_eq!(eos_id.len(), 1);
     assert_eq!(t["tokens"], json!(eos_id));
-    // By default, as a completion's text prompt: the special token's text is plain text.
+    // By default, as a completion's text prompt: in the model's format, the special token's
+    // text parsed (vLLM's and llama-server's way).
     let (_, t) = post(&format!("{base}/tokenize"), &json!({ "prompt": eos }));
-    let as_text = local.prompt_tokens(&Prompt::Text(eos.clone())).unwrap();
-    assert_eq!(t["tokens"], json!(as_text));
-    assert_ne!(as_text, eos_id);
+    assert_eq!(t["tokens"], json!(local.tokenize(&eos, true).unwrap()));
+    assert_ne!(
+        local.prompt_tokens(&Prompt::Text(eos.clone())).unwrap(),
+        local.tokenize(&eos, true).unwrap()
+    );
     let (_, t) = post(
         &format!("{base}/tokenize"),
         &json!({"prompt": "Hello world", "add_special_tokens": false}),
@@ -1736,6 +1739,27 @@ fn llama_cpp_completion_endpoint() {
         assert_eq!(joined, want.text);
         assert_eq!(chunks.last().unwrap()["stop"], true);
     }
+    // The OpenAI endpoint reads a text prompt the same way (as vLLM and llama-server do), in
+    // a batch too, and echoes the text as given.
+    let url = format!("{}/v1/completions", server.url());
+    let (code, v) = post(
+        &url,
+        &json!({"prompt": [text, text], "max_tokens": 8, "temperature": 0, "echo": true}),
+    );
+    assert_eq!(code, 200, "{v}");
+    for c in v["choices"].as_array().unwrap() {
+        assert_eq!(c["text"], format!("{text}{}", want.text), "{v}");
+    }
+    assert_eq!(v["usage"]["prompt_tokens"], 2 * ids.len(), "{v}");
+    let (code, v) = post(&url, &json!({"prompt": ["a", ""], "max_tokens": 1}));
+    assert_eq!(code, 400, "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .starts_with("prompt 1: "),
+        "{v}"
+    );
     let url = format!("{}/completion", server.url());
     // llama.cpp's samplers as letters: temperature (0: greedy) and top-k listed.
     let (code, v) = post(

@@ -1665,8 +1665,56 @@ impl Reply {
     }
 }
 
+/// Text prompts as llama-server and vLLM read them on their completion endpoints: in the
+/// model's own format, special-token text such as `<|im_start|>` parsed
+/// ([`Engine::tokenize_formatted`]). Returns the texts (for `echo`), `None` for prompts that
+/// were token ids or a fill in the middle.
+async fn formatted_prompts(
+    st: &AppState,
+    mapped: &mut api::Mapped,
+) -> Result<Vec<Option<String>>, ApiError> {
+    let texts: Vec<Option<String>> = std::iter::once(&mapped.params.prompt)
+        .chain(&mapped.more)
+        .map(|p| match p {
+            keydiff::Prompt::Text(t) => Some(t.clone()),
+            _ => None,
+        })
+        .collect();
+    if texts.iter().all(Option::is_none) {
+        return Ok(texts);
+    }
+    let batch = texts.len() > 1;
+    let each = texts.clone();
+    let ids = with_engine(st, move |e| {
+        each.iter()
+            .enumerate()
+            .map(|(k, t)| {
+                t.as_ref()
+                    .map(|t| {
+                        e.tokenize_formatted(t).map_err(|err| match batch {
+                            true => ApiError::invalid(format!("prompt {k}: {err}"), Some("prompt")),
+                            false => err.into(),
+                        })
+                    })
+                    .transpose()
+            })
+            .collect::<Result<Vec<_>, ApiError>>()
+    })
+    .await?;
+    for (p, ids) in std::iter::once(&mut mapped.params.prompt)
+        .chain(mapped.more.iter_mut())
+        .zip(ids)
+    {
+        if let Some(ids) = ids {
+            *p = keydiff::Prompt::Tokens(ids);
+        }
+    }
+    Ok(texts)
+}
+
 async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Result<Response, ApiError> {
-    let mapped = api::parse::<CompletionRequest>(&body)?.map(defaults(&st))?;
+    let mut mapped = api::parse::<CompletionRequest>(&body)?.map(defaults(&st))?;
+    let texts = formatted_prompts(&st, &mut mapped).await?;
     let prompts = 1 + mapped.more.len();
     if prompts > 1 {
         // A bad prompt of a batch is refused before any of them runs.
@@ -1692,10 +1740,14 @@ async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Result<Res
     }
     let mut reply = Reply::new(Kind::Completion, &st.cfg.model_id, prompts, mapped.n);
     if mapped.echo {
-        let mut texts = Vec::with_capacity(prompts);
-        for p in std::iter::once(&mapped.params.prompt).chain(&mapped.more) {
-            texts.push(match p {
-                keydiff::Prompt::Tokens(ids) => {
+        let mut echoes = Vec::with_capacity(prompts);
+        for (p, text) in std::iter::once(&mapped.params.prompt)
+            .chain(&mapped.more)
+            .zip(texts)
+        {
+            echoes.push(match (p, text) {
+                (_, Some(t)) => t,
+                (keydiff::Prompt::Tokens(ids), None) => {
                     let ids = ids.clone();
                     with_engine(&st, move |e| {
                         e.check_vocab(&ids)?;
@@ -1703,16 +1755,19 @@ async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Result<Res
                     })
                     .await?
                 }
-                keydiff::Prompt::Text(t) => t.clone(),
-                keydiff::Prompt::Chat(_)
-                | keydiff::Prompt::ChatTools { .. }
-                | keydiff::Prompt::Infill { .. } => {
+                (keydiff::Prompt::Text(t), None) => t.clone(),
+                (
+                    keydiff::Prompt::Chat(_)
+                    | keydiff::Prompt::ChatTools { .. }
+                    | keydiff::Prompt::Infill { .. },
+                    None,
+                ) => {
                     unreachable!("completions take no messages, and echo no suffix")
                 }
             });
         }
-        reply.more_echoes = texts.split_off(1);
-        reply.echo = texts.pop();
+        reply.more_echoes = echoes.split_off(1);
+        reply.echo = echoes.pop();
     }
     Ok(respond(st, mapped, reply).await)
 }
@@ -1786,18 +1841,8 @@ async fn llama_completion(
 ) -> Result<Response, ApiError> {
     let mut mapped = api::parse::<api::LlamaCompletionRequest>(&body)?.map(defaults(&st))?;
     // llama.cpp parses special-token text in this endpoint's prompts (a prompt written in
-    // the chat format), where keydiff's text prompts keep it as text.
-    if let keydiff::Prompt::Text(t) = &mapped.params.prompt {
-        if t.is_empty() {
-            return Err(ApiError::invalid(
-                "prompt must not be empty",
-                Some("prompt"),
-            ));
-        }
-        let t = t.clone();
-        let ids = with_engine(&st, move |e| Ok(e.tokenize(&t, true)?)).await?;
-        mapped.params.prompt = keydiff::Prompt::Tokens(ids);
-    }
+    // the chat format), where keydiff's own text prompts keep it as text.
+    formatted_prompts(&st, &mut mapped).await?;
     let reply = Reply::new(Kind::Llama, &st.cfg.model_id, 1, mapped.n);
     Ok(respond(st, mapped, reply).await)
 }
@@ -2230,9 +2275,11 @@ async fn tokenize(State(st): State<Arc<AppState>>, body: Bytes) -> Result<Json<V
     let req = api::parse::<api::TokenizeRequest>(&body)?;
     let raw = req.raw_text().map(str::to_string);
     let prompt = req.prompt()?;
-    let tokens = with_engine(&st, move |e| match raw {
-        Some(text) => Ok(e.tokenize_special(&text)?),
-        None => Ok(e.prompt_tokens(&prompt)?),
+    let tokens = with_engine(&st, move |e| match (raw, prompt) {
+        (Some(text), _) => Ok(e.tokenize_special(&text)?),
+        // As `/v1/completions` reads a text prompt.
+        (None, keydiff::Prompt::Text(text)) => Ok(e.tokenize_formatted(&text)?),
+        (None, prompt) => Ok(e.prompt_tokens(&prompt)?),
     })
     .await?;
     Ok(Json(json!({

@@ -2209,6 +2209,21 @@ impl Engine {
             .to_vec())
     }
 
+    /// Token ids of a prompt written in the model's own format, as llama-server's and vLLM's
+    /// completion endpoints take it: special-token text (`<|im_start|>`) parsed, BOS first
+    /// when the model adds one, but not a second time when the text begins with it.
+    pub fn tokenize_formatted(&self, text: &str) -> Result<Vec<u32>> {
+        if text.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        let mut ids = self.tokenize(text, true)?;
+        let bos = self.loaded.vocab.bos_id;
+        if self.loaded.vocab.add_bos && ids.len() > 1 && bos == Some(ids[1]) {
+            ids.remove(0);
+        }
+        Ok(ids)
+    }
+
     /// Token ids of `text` with special tokens parsed and no BOS: a chat template's text
     /// that continues a conversation, or Hugging Face's `add_special_tokens=False`.
     pub fn tokenize_special(&self, text: &str) -> Result<Vec<u32>> {
