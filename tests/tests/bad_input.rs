@@ -176,7 +176,7 @@ fn contradicting_rope_flags() {
     ]);
     expect(&err, "YaRN RoPE scaling factor 0.5 must be at least 1");
     let err = fails(&["info", "-m", m, "--rope-freq-base", "0"]);
-    expect(&err, "rope_theta 0 must be finite and positive");
+    expect(&err, "rope_theta 0 must be above 1 and at most 1e12");
 }
 
 #[test]

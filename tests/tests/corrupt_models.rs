@@ -239,7 +239,7 @@ fn metadata_corruptions_are_named() {
         (
             "llama.attention.layer_norm_rms_epsilon",
             Some(Value::F32(-1e-5)),
-            "must be finite and non-negative",
+            "must be from 0 to 0.1",
         ),
         (
             "llama.context_length",
@@ -289,6 +289,29 @@ fn metadata_corruptions_are_named() {
             Some(Value::U32(VOCAB as u32)),
             "outside the vocab of 49152 tokens",
         ),
+        // As llama.cpp: the embedding has a row per token of the list.
+        (
+            "llama.vocab_size",
+            Some(Value::U32(40_000)),
+            "`llama.vocab_size` is 40000 but tokenizer.ggml.tokens has 49152 tokens",
+        ),
+        // Used to divide by zero (a panic) in attention.
+        (
+            "llama.attention.head_count",
+            Some(Value::U32(0)),
+            "query heads must be non-zero",
+        ),
+        // Used to give NaN logits, then an empty reply.
+        (
+            "llama.attention.layer_norm_rms_epsilon",
+            Some(Value::F32(1e30)),
+            "must be from 0 to 0.1",
+        ),
+        (
+            "llama.rope.freq_base",
+            Some(Value::F32(1e-30)),
+            "must be above 1 and at most 1e12",
+        ),
     ];
     let mut failures = Vec::new();
     for (key, value, needle) in cases {
@@ -302,6 +325,15 @@ fn metadata_corruptions_are_named() {
         }
     }
     assert!(failures.is_empty(), "{failures:#?}");
+    // A key twice: candle keeps the last value, llama.cpp refuses the file; so do we.
+    let mut md = tiny_metadata();
+    md.push(("llama.rope.freq_base".into(), Value::F32(10.0)));
+    write(&p, &md, &ts);
+    expect_error(
+        "duplicate key",
+        &p,
+        "metadata key `llama.rope.freq_base` appears twice",
+    );
     // Scaling that changes nothing still loads.
     for (ty, factor, legacy) in [
         (Some("none"), None, None),
@@ -881,6 +913,26 @@ fn tensor_info_corruptions_fail() {
         std::fs::write(&p, &b).unwrap();
         expect_error(&format!("{needle} case"), &p, needle);
     }
+    // Two tensors of one size with their offsets swapped leave no gap and no overlap: the
+    // header's order (llama.cpp's check) finds them, where the offsets' order cannot.
+    let pair = info_positions(
+        &bytes,
+        &[
+            "blk.0.attn_q.weight".to_string(),
+            "blk.0.attn_output.weight".to_string(),
+        ],
+    );
+    let (a, b) = (&pair[0], &pair[1]);
+    let mut swapped = bytes.clone();
+    let (oa, ob) = (
+        bytes[a.offset..a.offset + 8].to_vec(),
+        bytes[b.offset..b.offset + 8].to_vec(),
+    );
+    assert_ne!(oa, ob);
+    swapped[a.offset..a.offset + 8].copy_from_slice(&ob);
+    swapped[b.offset..b.offset + 8].copy_from_slice(&oa);
+    std::fs::write(&p, &swapped).unwrap();
+    expect_error("swapped offsets", &p, "starts at byte");
 }
 
 /// Seeded random corruption (truncation, bytes, and 4- or 8-byte extreme values in the
@@ -986,12 +1038,12 @@ fn hf_config_corruptions_are_named() {
         (
             "rope_theta",
             serde_json::json!(0),
-            "rope_theta 0 must be finite and positive",
+            "rope_theta 0 must be above 1 and at most 1e12",
         ),
         (
             "rms_norm_eps",
             serde_json::json!(-1),
-            "rms_norm_eps -1 must be finite and non-negative",
+            "rms_norm_eps -1 must be from 0 to 0.1",
         ),
         (
             "rope_scaling",
@@ -1020,6 +1072,58 @@ fn hf_config_corruptions_are_named() {
             serde_json::json!({"rope_type": "yarn", "factor": 4.0, "beta_slow": "1"}),
             "rope_scaling.beta_slow must be a number",
         ),
+        (
+            "rope_scaling",
+            serde_json::json!({"rope_type": "yarn", "factor": 4.0, "beta_fast": 1,
+                "beta_slow": 32}),
+            "beta_fast the larger",
+        ),
+        // Used to divide by zero (a panic).
+        (
+            "num_attention_heads",
+            serde_json::json!(0),
+            "query heads must be non-zero",
+        ),
+        // Used to give NaN logits, then an empty reply.
+        (
+            "rope_theta",
+            serde_json::json!(1e-300),
+            "must be above 1 and at most 1e12",
+        ),
+        (
+            "rms_norm_eps",
+            serde_json::json!(1e30),
+            "must be from 0 to 0.1",
+        ),
+        // Used to be ignored: the forward pass computes none of these.
+        ("hidden_act", serde_json::json!("gelu"), "hidden_act `gelu`"),
+        ("mlp_bias", serde_json::json!(true), "mlp_bias true"),
+        (
+            "use_sliding_window",
+            serde_json::json!(true),
+            "sliding-window attention",
+        ),
+        (
+            "quantization_config",
+            serde_json::json!({"quant_method": "fp8", "weight_block_size": [128, 128]}),
+            "quant_method \"fp8\"",
+        ),
+        // The export is tied (no lm_head.weight): untied, the output layer is missing.
+        (
+            "tie_word_embeddings",
+            serde_json::json!(false),
+            "no `lm_head.weight`",
+        ),
+        (
+            "eos_token_id",
+            serde_json::json!(4294967298u64),
+            "token id 4294967298 is outside the model's vocabulary",
+        ),
+        (
+            "eos_token_id",
+            serde_json::json!("2"),
+            "\"2\" is not a token id",
+        ),
     ];
     let mut failures = Vec::new();
     for (key, value, needle) in cases {
@@ -1035,6 +1139,133 @@ fn hf_config_corruptions_are_named() {
         }
     }
     assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// The files around the weights: a tensor the model does not read, a non-float tensor, a
+/// tensor in two shards, an index pointing outside the directory, and a BOS that does not
+/// exist are refused by name; a chat template is found where transformers puts it.
+#[test]
+fn hf_weights_and_tokenizer_files_are_checked() {
+    let (base, case) = tiny_hf("hf-files");
+    let dev = Device::Cpu;
+    let tensors = candle_core::safetensors::load(base.join("model.safetensors"), &dev).unwrap();
+    let save = |ts: &std::collections::HashMap<String, Tensor>, file: &str| {
+        candle_core::safetensors::save(ts, case.join(file)).unwrap();
+    };
+    let fails = |needle: &str| expect_error(needle, &case, needle);
+
+    // A tensor no part of the model reads (q/k/v biases under `attention_bias: false`).
+    copy_dir(&base, &case);
+    let mut ts = tensors.clone();
+    ts.insert(
+        "model.layers.0.self_attn.q_proj.bias".into(),
+        Tensor::zeros(HIDDEN, candle_core::DType::F32, &dev).unwrap(),
+    );
+    save(&ts, "model.safetensors");
+    fails("`model.layers.0.self_attn.q_proj.bias`");
+    // RoPE frequencies saved by older exports are not weights: still loads.
+    let mut ts = tensors.clone();
+    ts.insert(
+        "model.layers.0.self_attn.rotary_emb.inv_freq".into(),
+        Tensor::ones(16, candle_core::DType::F32, &dev).unwrap(),
+    );
+    save(&ts, "model.safetensors");
+    assert!(matches!(load_and_run(&case), Outcome::Ran));
+
+    // A non-float tensor (as an FP8 or integer-quantized release stores its linears).
+    let mut ts = tensors.clone();
+    let name = "model.layers.1.mlp.up_proj.weight";
+    let w = ts[name].clone();
+    ts.insert(name.into(), w.to_dtype(candle_core::DType::I64).unwrap());
+    save(&ts, "model.safetensors");
+    fails(&format!("tensor `{name}` is stored as I64"));
+
+    // Two shards, with one tensor in both; then an index naming a file outside.
+    let shard = |names: &dyn Fn(&str) -> bool| -> std::collections::HashMap<String, Tensor> {
+        tensors
+            .iter()
+            .filter(|(n, _)| names(n))
+            .map(|(n, t)| (n.clone(), t.clone()))
+            .collect()
+    };
+    copy_dir(&base, &case);
+    std::fs::remove_file(case.join("model.safetensors")).unwrap();
+    save(&shard(&|n| n.contains("layers.0")), "a.safetensors");
+    save(
+        &shard(&|n| !n.contains("layers.0") || n.ends_with("0.input_layernorm.weight")),
+        "b.safetensors",
+    );
+    let index = |file_of: &dyn Fn(&str) -> &'static str| {
+        let map: serde_json::Map<String, serde_json::Value> = tensors
+            .keys()
+            .map(|n| (n.clone(), file_of(n).into()))
+            .collect();
+        std::fs::write(
+            case.join("model.safetensors.index.json"),
+            serde_json::json!({ "weight_map": map }).to_string(),
+        )
+        .unwrap();
+    };
+    index(&|n| match n.contains("layers.0") {
+        true => "a.safetensors",
+        false => "b.safetensors",
+    });
+    fails("tensor `model.layers.0.input_layernorm.weight` is also in");
+    save(&shard(&|n| !n.contains("layers.0")), "b.safetensors");
+    assert!(matches!(load_and_run(&case), Outcome::Ran));
+    index(&|n| match n.contains("layers.0") {
+        true => "../a.safetensors",
+        false => "b.safetensors",
+    });
+    fails("which is not a file of the model's directory");
+
+    // A BOS to add that the tokenizer does not have.
+    copy_dir(&base, &case);
+    let tc_path = case.join("tokenizer_config.json");
+    let tc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&tc_path).unwrap()).unwrap();
+    let mut bad = tc.clone();
+    bad["add_bos_token"] = true.into();
+    bad["bos_token"] = "<no such token>".into();
+    std::fs::write(&tc_path, bad.to_string()).unwrap();
+    fails("add_bos_token is true but the BOS token (<no such token>) is not in tokenizer.json");
+    // generation_config.json's ids are checked as config.json's.
+    copy_dir(&base, &case);
+    std::fs::write(
+        case.join("generation_config.json"),
+        r#"{"eos_token_id": [2, 70000]}"#,
+    )
+    .unwrap();
+    fails("token id 70000 is outside the model's vocabulary of 49152");
+
+    // Chat templates: a list of named ones (transformers' form) uses `default`, and
+    // chat_template.jinja (where transformers 4.50 and later save it) stands over both.
+    let chat = |dir: &Path| -> String {
+        let cfg = EngineConfig::default();
+        let e = Engine::load(&ModelSource::HfDir(dir.to_path_buf()), &cfg).unwrap();
+        let ids = e
+            .prompt_tokens(&Prompt::Chat(vec![keydiff::Message::new("user", "hi")]))
+            .unwrap();
+        e.detokenize(&ids).unwrap()
+    };
+    copy_dir(&base, &case);
+    let mut listed = tc.clone();
+    listed["chat_template"] = serde_json::json!([
+        {"name": "tool_use", "template": "TOOLS {{ messages[0].content }}"},
+        {"name": "default", "template": "DEFAULT {{ messages[0].content }}"},
+    ]);
+    std::fs::write(&tc_path, listed.to_string()).unwrap();
+    assert_eq!(chat(&case), "DEFAULT hi");
+    std::fs::write(
+        case.join("chat_template.jinja"),
+        "JINJA {{ messages[0].content }}",
+    )
+    .unwrap();
+    assert_eq!(chat(&case), "JINJA hi");
+    listed["chat_template"] = serde_json::json!([{"name": "tool_use", "template": "x"}]);
+    std::fs::remove_file(case.join("chat_template.jinja")).unwrap();
+    std::fs::write(&tc_path, listed.to_string()).unwrap();
+    fails("without a `default` one");
 }
 
 /// Seeded random corruption of model.safetensors (its header's length, its JSON, truncation)

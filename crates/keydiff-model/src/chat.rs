@@ -73,6 +73,18 @@ pub struct ChatTemplate {
 
 const TEMPLATE_NAME: &str = "chat";
 
+/// Instructions one render may run: real templates take thousands per message, so this
+/// allows conversations of tens of thousands of messages, and stops a template that loops
+/// for ever (a model file's template is untrusted input) within a second or so.
+pub const TEMPLATE_FUEL: u64 = 50_000_000;
+
+/// Bytes a render may write beyond [`TEMPLATE_OUTPUT_PER_INPUT`] times its input's.
+pub const TEMPLATE_OUTPUT_BASE: usize = 1 << 20;
+/// How many times its input's size (messages, tools, kwargs as JSON) a render may write,
+/// beyond [`TEMPLATE_OUTPUT_BASE`]: a template repeats some of what it is given (a tool's
+/// schema, a system prompt), never without bound.
+pub const TEMPLATE_OUTPUT_PER_INPUT: usize = 8;
+
 impl ChatTemplate {
     /// Compiles `source`; `bos_token` and `eos_token` are the texts the template sees under those
     /// names (undefined when `None`, as in transformers).
@@ -85,6 +97,7 @@ impl ChatTemplate {
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
         env.add_filter("tojson", tojson);
+        env.set_fuel(Some(TEMPLATE_FUEL));
         env.add_template_owned(TEMPLATE_NAME, source.to_string())
             .map_err(template_err)?;
         Ok(Self {
@@ -142,6 +155,9 @@ impl ChatTemplate {
         }
         ctx.insert("messages", Value::from_serialize(messages));
         ctx.insert("add_generation_prompt", Value::from(add_generation_prompt));
+        let input = serde_json::to_vec(messages).map_or(0, |v| v.len())
+            + serde_json::to_vec(tools).map_or(0, |v| v.len())
+            + serde_json::to_vec(kwargs).map_or(0, |v| v.len());
         let tools = match tools.is_empty() {
             true => Value::from(()),
             false => Value::from_serialize(tools),
@@ -154,10 +170,53 @@ impl ChatTemplate {
         if let Some(eos) = &self.eos_token {
             ctx.insert("eos_token", Value::from(eos.as_str()));
         }
-        self.env
+        let limit = TEMPLATE_OUTPUT_BASE.saturating_add(input * TEMPLATE_OUTPUT_PER_INPUT);
+        let mut out = Capped {
+            text: Vec::new(),
+            limit,
+            over: false,
+        };
+        let rendered = self
+            .env
             .get_template(TEMPLATE_NAME)
-            .and_then(|t| t.render(ctx))
-            .map_err(template_err)
+            .and_then(|t| t.render_captured_to(ctx, &mut out));
+        match rendered {
+            Ok(_) => String::from_utf8(out.text)
+                .map_err(|e| ModelError::ChatTemplate(format!("rendered no UTF-8 text: {e}"))),
+            Err(e) if e.kind() == ErrorKind::OutOfFuel => Err(ModelError::ChatTemplate(format!(
+                "the chat template ran more than {TEMPLATE_FUEL} steps for {} message(s) \
+                 without ending: a loop without bound?",
+                messages.len()
+            ))),
+            Err(_) if out.over => Err(ModelError::ChatTemplate(format!(
+                "the chat template wrote more than {} bytes for {} bytes of messages, tools \
+                 and kwargs: a loop without bound?",
+                out.limit, input
+            ))),
+            Err(e) => Err(template_err(e)),
+        }
+    }
+}
+
+/// A render's output, refusing to grow past `limit` bytes (`over` once it has refused).
+struct Capped {
+    text: Vec<u8>,
+    limit: usize,
+    over: bool,
+}
+
+impl std::io::Write for Capped {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.text.len().saturating_add(buf.len()) > self.limit {
+            self.over = true;
+            return Err(std::io::Error::other("output beyond the limit"));
+        }
+        self.text.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
     }
 }
 
@@ -816,6 +875,38 @@ mod tests {
             matches!(err, ModelError::ChatTemplate(ref m) if m.contains("Unknown role: robot")),
             "{err}"
         );
+    }
+
+    /// A model file's template is untrusted: one that loops for ever or writes without bound
+    /// is stopped with an error naming that, and a long real conversation still renders.
+    #[test]
+    fn endless_or_huge_renders_are_stopped() {
+        let user = [Message::new("user", "hi")];
+        let endless = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}\
+                       {% endfor %}";
+        let t = std::time::Instant::now();
+        let err = ChatTemplate::new(endless, None, None)
+            .unwrap()
+            .render(&user, true)
+            .unwrap_err();
+        assert!(err.to_string().contains("steps"), "{err}");
+        eprintln!("endless template stopped after {:?}", t.elapsed());
+        let huge = "{% set s = 'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx' %}\
+                    {% for i in range(100000) %}{{ s }}{% endfor %}";
+        let err = ChatTemplate::new(huge, None, None)
+            .unwrap()
+            .render(&user, true)
+            .unwrap_err();
+        assert!(err.to_string().contains("wrote more than"), "{err}");
+        // 20,000 turns of Qwen 2.5's template (tool branches included), one big message.
+        let mut long: Vec<Message> = (0..20_000)
+            .map(|i| Message::new(["user", "assistant"][i % 2], format!("turn {i}")))
+            .collect();
+        long.push(Message::new("user", "x".repeat(4 << 20)));
+        let t = ChatTemplate::new(QWEN25, None, None).unwrap();
+        let text = t.render(&long, true).unwrap();
+        assert!(text.ends_with("<|im_start|>assistant\n"));
+        assert_eq!(text.matches("<|im_start|>").count(), 20_003);
     }
 
     #[test]

@@ -150,9 +150,13 @@ impl RopeScaling {
                         y.factor
                     ));
                 }
-                if !(finite_pos(y.beta_fast) && finite_pos(y.beta_slow)) {
+                if !(finite_pos(y.beta_fast)
+                    && finite_pos(y.beta_slow)
+                    && y.beta_fast > y.beta_slow)
+                {
                     return Err(format!(
-                        "YaRN beta_fast {} and beta_slow {} must be finite and positive",
+                        "YaRN beta_fast {} and beta_slow {} must be finite and positive, \
+                         beta_fast the larger",
                         y.beta_fast, y.beta_slow
                     ));
                 }
@@ -438,6 +442,8 @@ pub const MAX_HEADS: usize = 1 << 12;
 pub const MAX_HEAD_DIM: usize = 1 << 12;
 /// Longest context accepted (the longest open models use 10M).
 pub const MAX_CONTEXT: usize = 1 << 30;
+/// Largest `rms_norm_eps` accepted (real models: 1e-6 to 1e-5).
+pub const MAX_NORM_EPS: f64 = 0.1;
 
 /// A GGUF metadata value as a count: any non-negative integer type. Booleans, which candle's
 /// `to_u64` would accept, and negative numbers, which `as usize` would wrap, are refused.
@@ -521,6 +527,16 @@ pub struct HfConfig {
     pub decoder_sparse_step: Option<usize>,
     #[serde(default)]
     pub mlp_only_layers: Option<Vec<usize>>,
+    /// Read to refuse what the forward pass does not compute: an MLP activation other than
+    /// SiLU, MLP biases, sliding-window attention, and a quantized checkpoint's scheme.
+    #[serde(default)]
+    pub hidden_act: Option<String>,
+    #[serde(default)]
+    pub mlp_bias: Option<bool>,
+    #[serde(default)]
+    pub use_sliding_window: Option<bool>,
+    #[serde(default)]
+    pub quantization_config: Option<serde_json::Value>,
 }
 
 fn default_rope_theta() -> f64 {
@@ -561,6 +577,34 @@ impl HfConfig {
             path: path.to_path_buf(),
             reason,
         };
+        if let Some(q) = self.quantization_config.as_ref().filter(|q| !q.is_null()) {
+            let method = q
+                .get("quant_method")
+                .map_or("unnamed".into(), |m| m.to_string());
+            return Err(bad_config(format!(
+                "quantization_config (quant_method {method}): keydiff loads float checkpoints; \
+                 use the model's float release or a GGUF file"
+            )));
+        }
+        if let Some(act) = self
+            .hidden_act
+            .as_deref()
+            .filter(|a| !matches!(*a, "silu" | "swish"))
+        {
+            return Err(bad_config(format!(
+                "hidden_act `{act}`: keydiff's MLP computes SiLU (`silu`) only"
+            )));
+        }
+        if self.mlp_bias == Some(true) {
+            return Err(bad_config(
+                "mlp_bias true: keydiff's MLP has no biases".into(),
+            ));
+        }
+        if self.use_sliding_window == Some(true) {
+            return Err(bad_config(
+                "use_sliding_window true: sliding-window attention is not supported".into(),
+            ));
+        }
         let (rope_theta, rope_scaling) =
             match self.rope_parameters.as_ref().filter(|v| !v.is_null()) {
                 Some(p) => {
@@ -740,15 +784,25 @@ impl ModelConfig {
         let num_heads = int("attention.head_count")?;
         let num_kv_heads = opt_int("attention.head_count_kv")?.unwrap_or(num_heads);
         let head_dim = opt_int("attention.key_length")?.unwrap_or(hidden_size / num_heads.max(1));
+        // As llama.cpp: the vocabulary is the tokenizer's list (its converter pads the list
+        // to the embedding's rows), and the embedding must have a row per token.
+        let tokens = get("tokenizer.ggml.tokens")?
+            .to_vec()
+            .map_err(|e| ModelError::BadGguf {
+                path: path.to_path_buf(),
+                reason: format!("tokenizer.ggml.tokens: {e}"),
+            })?
+            .len();
         let vocab_size = match opt_int("vocab_size")? {
-            Some(v) => v,
-            None => get("tokenizer.ggml.tokens")?
-                .to_vec()
-                .map_err(|e| ModelError::BadGguf {
+            Some(v) if v != tokens => {
+                return Err(ModelError::BadGguf {
                     path: path.to_path_buf(),
-                    reason: e.to_string(),
-                })?
-                .len(),
+                    reason: format!(
+                        "`{a}.vocab_size` is {v} but tokenizer.ggml.tokens has {tokens} tokens"
+                    ),
+                })
+            }
+            _ => tokens,
         };
         let tie_word_embeddings = !ct.tensor_infos.contains_key("output.weight");
         let attention_bias = ct.tensor_infos.contains_key("blk.0.attn_q.bias");
@@ -907,6 +961,12 @@ impl ModelConfig {
         if self.num_layers == 0 || self.hidden_size == 0 || self.vocab_size == 0 {
             return Err("layers, hidden size and vocab must be non-zero".into());
         }
+        if self.num_heads == 0 {
+            return Err("the number of query heads must be non-zero".into());
+        }
+        if self.moe.is_none() && self.intermediate_size == 0 {
+            return Err("the MLP's intermediate size must be non-zero".into());
+        }
         let limits = [
             ("layers", self.num_layers, MAX_LAYERS),
             ("hidden size", self.hidden_size, MAX_WIDTH),
@@ -922,15 +982,18 @@ impl ModelConfig {
                 return Err(format!("{what} {v} is beyond the supported maximum {max}"));
             }
         }
-        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps >= 0.0) {
+        // Real models use 1e-6 to 1e-5; anything near 1 drowns the activations.
+        if !(self.rms_norm_eps.is_finite() && (0.0..=MAX_NORM_EPS).contains(&self.rms_norm_eps)) {
             return Err(format!(
-                "rms_norm_eps {} must be finite and non-negative",
+                "rms_norm_eps {} must be from 0 to {MAX_NORM_EPS}",
                 self.rms_norm_eps
             ));
         }
-        if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
+        // Real models use 1e4 to 1e8; at 1 or below no position rotates (or the frequencies
+        // overflow), past 1e12 none rotates measurably.
+        if !(self.rope_theta.is_finite() && self.rope_theta > 1.0 && self.rope_theta <= 1e12) {
             return Err(format!(
-                "rope_theta {} must be finite and positive",
+                "rope_theta {} must be above 1 and at most 1e12",
                 self.rope_theta
             ));
         }
@@ -1134,7 +1197,7 @@ mod tests {
             .contains("must be finite and positive"));
         let mut c = qwen(Some(RopeScaling::Yarn(YarnRopeScaling::new(4.0, 32768))));
         c.rope_theta = 1.0;
-        assert!(c.validate().unwrap_err().contains("rope_theta above 1"));
+        assert!(c.validate().unwrap_err().contains("must be above 1"));
         let c = qwen(Some(RopeScaling::Yarn(YarnRopeScaling::new(1e30, 32768))));
         assert!(c
             .validate()

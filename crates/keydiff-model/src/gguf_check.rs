@@ -7,25 +7,39 @@ use std::io::{BufRead, BufReader, Seek, SeekFrom};
 
 use candle_core::quantized::gguf_file;
 
-/// The `general.alignment` a GGUF file declares, read the way candle reads it (an integer type
-/// of at most 32 bits, not negative), or None when absent, of another type, or unreadable.
+/// What a walk over a GGUF file's header finds that candle's reader does not keep.
+#[derive(Debug, Default)]
+pub(crate) struct Scan {
+    /// The `general.alignment` the file declares, read the way candle reads it (an integer
+    /// type of at most 32 bits, not negative), or None when absent, of another type, or
+    /// unreadable.
+    pub alignment: Option<u64>,
+    /// The first metadata key that appears twice (candle keeps the last; llama.cpp refuses
+    /// the file).
+    pub duplicate_key: Option<String>,
+    /// The tensors' names in header order, when the walk read every tensor's entry.
+    pub tensors: Option<Vec<String>>,
+}
+
+/// Walks a GGUF file's header (see [`Scan`]) and leaves the file at its start.
 ///
-/// candle divides by this value unchecked (huggingface/candle#3876, open as of 0.11.1), so a
-/// file declaring 0 panics inside `Content::read`. This walks the metadata first, skipping
-/// values, and leaves the file at its start. It follows candle's reading: both magics, keys
-/// without trailing NULs, the last of duplicate keys, nesting to depth 64. Where it cannot
-/// follow the file, candle cannot either, and reports it.
-pub(crate) fn declared_alignment(file: &mut File) -> std::io::Result<Option<u64>> {
+/// candle divides by the alignment unchecked (huggingface/candle#3876, open as of 0.11.1),
+/// so a file declaring 0 panics inside `Content::read`: this walk comes first, skipping
+/// values. It follows candle's reading: both magics, strings without trailing NULs and
+/// decoded lossily, nesting to depth 64. Where it cannot follow the file, candle cannot
+/// either, and reports it.
+pub(crate) fn scan(file: &mut File) -> std::io::Result<Scan> {
     let len = file.metadata()?.len();
     file.seek(SeekFrom::Start(0))?;
-    let found = {
+    let mut found = Scan::default();
+    {
         let mut w = Walker {
             r: BufReader::new(&mut *file),
             long: true,
             len,
         };
-        w.alignment()
-    };
+        let _ = w.walk(&mut found);
+    }
     file.seek(SeekFrom::Start(0))?;
     Ok(found)
 }
@@ -72,15 +86,20 @@ impl<R: BufRead + Seek> Walker<R> {
         self.r.seek_relative(n)
     }
 
-    /// The last `general.alignment` entry (candle keeps the last of duplicate keys), as
-    /// candle reads it. Seen so far is returned too when the walk fails part-way.
-    fn alignment(&mut self) -> Option<u64> {
-        let mut found = None;
-        let _ = self.walk(&mut found);
-        found
+    /// A string as candle reads it: trailing NULs dropped, decoded lossily.
+    fn string(&mut self) -> Io<String> {
+        let n = self.count()?;
+        let mut b = vec![0u8; n as usize];
+        self.r.read_exact(&mut b)?;
+        while b.last() == Some(&0) {
+            b.pop();
+        }
+        Ok(String::from_utf8_lossy(&b).into_owned())
     }
 
-    fn walk(&mut self, found: &mut Option<u64>) -> Io<()> {
+    /// Fills `found` as far as the file can be followed (seen so far is kept when the walk
+    /// fails part-way; candle then reports the failure).
+    fn walk(&mut self, found: &mut Scan) -> Io<()> {
         // candle reads both byte orders of the magic, and little-endian values after either.
         if !matches!(u32::from_le_bytes(self.bytes()?), 0x4655_4747 | 0x4747_5546) {
             return Ok(());
@@ -90,18 +109,13 @@ impl<R: BufRead + Seek> Walker<R> {
             2 | 3 => true,
             _ => return Ok(()),
         };
-        let _tensors = self.count()?;
+        let tensors = self.count()?;
         let entries = self.count()?;
+        let mut keys = std::collections::HashSet::new();
         for _ in 0..entries {
-            // candle drops trailing NULs from strings, keys included.
-            let key_len = self.count()?;
-            let mut key = vec![0u8; key_len as usize];
-            self.r.read_exact(&mut key)?;
-            while key.last() == Some(&0) {
-                key.pop();
-            }
+            let key = self.string()?;
             let ty = self.u32()?;
-            if key == b"general.alignment" {
+            if key == "general.alignment" {
                 let value = match ty {
                     0 => Some(u64::from(self.bytes::<1>()?[0])),
                     1 => u64::try_from(i8::from_le_bytes(self.bytes()?)).ok(),
@@ -115,11 +129,26 @@ impl<R: BufRead + Seek> Walker<R> {
                     }
                 };
                 // A value candle does not take as the alignment leaves its default.
-                *found = value;
+                found.alignment = value;
             } else {
                 self.skip_value(ty, 0)?;
             }
+            if !keys.insert(key.clone()) && found.duplicate_key.is_none() {
+                found.duplicate_key = Some(key);
+            }
         }
+        let mut names = Vec::new();
+        for _ in 0..tensors {
+            names.push(self.string()?);
+            let dims = self.u32()?;
+            if dims > 4 {
+                return Ok(());
+            }
+            self.skip(u64::from(dims) * if self.long { 8 } else { 4 })?;
+            // Type and offset.
+            self.skip(12)?;
+        }
+        found.tensors = Some(names);
         Ok(())
     }
 
@@ -162,9 +191,15 @@ impl<R: BufRead + Seek> Walker<R> {
 /// then fails here with the tensor's name, instead of as a wild allocation or as another
 /// tensor's bytes. Bytes after the last tensor are allowed, as llama.cpp allows them, so a
 /// change that only shrinks the last tensor goes unseen.
+///
+/// `order` is the tensors' header order ([`Scan::tensors`]): each tensor must start where the
+/// one before it in that order ends, as llama.cpp requires, so that two tensors of one size
+/// with their offsets swapped are refused too. A name twice is refused. Without `order`, the
+/// packing is checked in offset order.
 pub(crate) fn tensor_layout(
     content: &gguf_file::Content,
     file_len: u64,
+    order: Option<&[String]>,
 ) -> std::result::Result<(), String> {
     // As candle reads it: other types, and negative values, leave the default of 32.
     use gguf_file::Value as V;
@@ -225,10 +260,32 @@ pub(crate) fn tensor_layout(
         extents.push((start, end, name));
     }
     // llama.cpp requires each tensor to start where the one before it ends, padded to the
-    // alignment, in header order. candle keeps no order, so this checks the same packing in
-    // offset order: every file llama.cpp loads passes, and a changed type, shape or offset
-    // leaves a gap or an overlap.
-    extents.sort_unstable();
+    // alignment, in header order. candle keeps no order: the walk's is used, and where the
+    // walk could not give it, the offsets' (every file llama.cpp loads passes either way;
+    // in offset order a changed type, shape or offset still leaves a gap or an overlap).
+    match order {
+        Some(order) => {
+            if order.len() != extents.len() {
+                let mut seen = std::collections::HashSet::new();
+                let twice = order.iter().find(|n| !seen.insert(n.as_str()));
+                return Err(match twice {
+                    Some(n) => format!("tensor `{n}` appears twice in the header"),
+                    None => format!(
+                        "the header lists {} tensors, {} of them by distinct names",
+                        order.len(),
+                        extents.len()
+                    ),
+                });
+            }
+            let rank: std::collections::HashMap<&str, usize> = order
+                .iter()
+                .enumerate()
+                .map(|(i, n)| (n.as_str(), i))
+                .collect();
+            extents.sort_by_key(|e| rank.get(e.2).copied().unwrap_or(usize::MAX));
+        }
+        None => extents.sort_unstable(),
+    }
     let mut expected = content.tensor_data_offset;
     let mut before: Option<&str> = None;
     for (start, end, name) in extents {

@@ -357,9 +357,45 @@ pub fn load_hf_dir(
             ),
         });
     }
+    if !cfg.tie_word_embeddings && !weights.has(Key::LmHead, None) {
+        return Err(ModelError::BadConfig {
+            path: cfg_path,
+            reason: "the checkpoint has no `lm_head.weight` and tie_word_embeddings is not \
+                     true: the output layer is missing"
+                .into(),
+        });
+    }
     let what = format!("the weights of {}", dir.display());
     let (_, weight_plan) = fit_weights(&weights, &cfg, CpuWeights::AS_STORED, mem, &what)?;
     let model = Model::load(&cfg, &weights)?;
+    // Tensors the model did not read would be dropped without a word (biases under
+    // `attention_bias: false`, layers past `num_hidden_layers`, another architecture's
+    // norms). Not counted: RoPE's precomputed frequencies, which older checkpoints carry,
+    // and an LM head saved beside tied embeddings (transformers ties it too).
+    let unused: Vec<String> = weights
+        .unused_tensors()
+        .into_iter()
+        .filter(|n| !n.ends_with("rotary_emb.inv_freq"))
+        .filter(|n| !(cfg.tie_word_embeddings && n == "lm_head.weight"))
+        .collect();
+    if !unused.is_empty() {
+        let shown: Vec<String> = unused.iter().take(4).map(|n| format!("`{n}`")).collect();
+        return Err(ModelError::BadConfig {
+            path: cfg_path,
+            reason: format!(
+                "the checkpoint has {} tensor(s) that a {:?} model of this config does not \
+                 use: {}{}",
+                unused.len(),
+                cfg.arch,
+                shown.join(", "),
+                if unused.len() > shown.len() {
+                    ", …"
+                } else {
+                    ""
+                }
+            ),
+        });
+    }
     let vocab = hf_vocab(dir, &hf)?;
     let mut read = vec![cfg_path, dir.join("tokenizer.json")];
     read.extend(files);
@@ -438,11 +474,29 @@ fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
                 path: index.clone(),
                 reason: "no `weight_map` object".into(),
             })?;
-        let mut files: Vec<PathBuf> = map
-            .values()
-            .filter_map(|f| f.as_str())
-            .map(|f| dir.join(f))
-            .collect();
+        let mut files: Vec<PathBuf> = Vec::new();
+        for (tensor, f) in map {
+            let name = f.as_str().ok_or_else(|| ModelError::BadSafetensors {
+                path: index.clone(),
+                reason: format!("`weight_map` gives tensor `{tensor}` the file {f}, not a name"),
+            })?;
+            // Shards are files of the model's directory: no absolute path, no `..`.
+            let rel = Path::new(name);
+            let inside = !name.is_empty()
+                && rel
+                    .components()
+                    .all(|c| matches!(c, std::path::Component::Normal(_)));
+            if !inside {
+                return Err(ModelError::BadSafetensors {
+                    path: index.clone(),
+                    reason: format!(
+                        "`weight_map` puts tensor `{tensor}` in `{name}`, which is not a file \
+                         of the model's directory"
+                    ),
+                });
+            }
+            files.push(dir.join(rel));
+        }
         files.sort();
         files.dedup();
         return Ok(files);
@@ -479,17 +533,78 @@ fn token_text(v: Option<&serde_json::Value>) -> Option<String> {
     }
 }
 
-fn ids_of(v: Option<&serde_json::Value>) -> Vec<u32> {
-    match v {
-        Some(serde_json::Value::Number(n)) => {
-            n.as_u64().map(|x| vec![x as u32]).unwrap_or_default()
+/// Token ids under `key` of a JSON file (`file`): absent or null is none, else one id or a
+/// list of ids, each an integer below `vocab` (the model's vocabulary).
+fn ids_of(v: Option<&serde_json::Value>, key: &str, file: &Path, vocab: usize) -> Result<Vec<u32>> {
+    let bad = |what: String| ModelError::BadConfig {
+        path: file.to_path_buf(),
+        reason: format!("{key}: {what}"),
+    };
+    let id = |x: &serde_json::Value| -> Result<u32> {
+        match x.as_u64() {
+            Some(i) if (i as usize) < vocab => Ok(i as u32),
+            Some(i) => Err(bad(format!(
+                "token id {i} is outside the model's vocabulary of {vocab}"
+            ))),
+            None => Err(bad(format!("{x} is not a token id"))),
         }
-        Some(serde_json::Value::Array(a)) => a
-            .iter()
-            .filter_map(|x| x.as_u64())
-            .map(|x| x as u32)
-            .collect(),
-        _ => vec![],
+    };
+    match v {
+        None | Some(serde_json::Value::Null) => Ok(vec![]),
+        Some(serde_json::Value::Array(a)) => a.iter().map(id).collect(),
+        Some(x) => Ok(vec![id(x)?]),
+    }
+}
+
+/// The chat template's source in an HF directory, where transformers looks for it:
+/// `chat_template.jinja` (what transformers 4.50 and later save), else tokenizer_config.json's
+/// `chat_template` (a string, or a list of named templates, of which `default` is used), else
+/// `chat_template.json` (processors').
+fn hf_chat_template(dir: &Path, tc: &serde_json::Value) -> Result<Option<String>> {
+    let jinja = dir.join("chat_template.jinja");
+    if jinja.exists() {
+        return std::fs::read_to_string(&jinja)
+            .map(Some)
+            .map_err(|error| ModelError::Io { path: jinja, error });
+    }
+    let from = |v: Option<&serde_json::Value>, file: &Path| -> Result<Option<String>> {
+        let bad = |reason: String| ModelError::BadConfig {
+            path: file.to_path_buf(),
+            reason,
+        };
+        match v {
+            None | Some(serde_json::Value::Null) => Ok(None),
+            Some(serde_json::Value::String(s)) => Ok(Some(s.clone())),
+            Some(serde_json::Value::Array(named)) => {
+                fn name(t: &serde_json::Value) -> Option<&str> {
+                    t.get("name").and_then(|n| n.as_str())
+                }
+                let default = named.iter().find(|t| name(t) == Some("default"));
+                match default
+                    .and_then(|t| t.get("template"))
+                    .and_then(|t| t.as_str())
+                {
+                    Some(src) => Ok(Some(src.to_string())),
+                    None => Err(bad(format!(
+                        "chat_template is a list of templates ({}) without a `default` one \
+                         with a `template` string",
+                        named.iter().filter_map(name).collect::<Vec<_>>().join(", ")
+                    ))),
+                }
+            }
+            Some(other) => Err(bad(format!(
+                "chat_template must be a string or a list of named templates, found {other}"
+            ))),
+        }
+    };
+    let tc_path = dir.join("tokenizer_config.json");
+    if let Some(src) = from(tc.get("chat_template"), &tc_path)? {
+        return Ok(Some(src));
+    }
+    let json_path = dir.join("chat_template.json");
+    match read_json(&json_path)? {
+        Some(v) => from(v.get("chat_template"), &json_path),
+        None => Ok(None),
     }
 }
 
@@ -504,12 +619,23 @@ fn hf_vocab(dir: &Path, hf: &HfConfig) -> Result<Vocab> {
     let gc = read_json(&dir.join("generation_config.json"))?.unwrap_or_default();
     let bos_token = token_text(tc.get("bos_token"));
     let eos_token = token_text(tc.get("eos_token"));
-    let bos_id = bos_token
-        .as_deref()
-        .and_then(|t| tokenizer.token_to_id(t))
-        .or_else(|| ids_of(hf.bos_token_id.as_ref()).first().copied());
-    let mut eos_ids = ids_of(gc.get("eos_token_id"));
-    eos_ids.extend(ids_of(hf.eos_token_id.as_ref()));
+    let cfg_path = dir.join("config.json");
+    let gc_path = dir.join("generation_config.json");
+    let tc_path = dir.join("tokenizer_config.json");
+    let vocab = hf.vocab_size;
+    let bos_id = match bos_token.as_deref().and_then(|t| tokenizer.token_to_id(t)) {
+        Some(id) => Some(id),
+        None => ids_of(hf.bos_token_id.as_ref(), "bos_token_id", &cfg_path, vocab)?
+            .first()
+            .copied(),
+    };
+    let mut eos_ids = ids_of(gc.get("eos_token_id"), "eos_token_id", &gc_path, vocab)?;
+    eos_ids.extend(ids_of(
+        hf.eos_token_id.as_ref(),
+        "eos_token_id",
+        &cfg_path,
+        vocab,
+    )?);
     if let Some(id) = eos_token.as_deref().and_then(|t| tokenizer.token_to_id(t)) {
         eos_ids.push(id);
     }
@@ -524,9 +650,19 @@ fn hf_vocab(dir: &Path, hf: &HfConfig) -> Result<Vocab> {
             _ => false,
         },
     };
-    let chat_template = match tc.get("chat_template").and_then(|t| t.as_str()) {
+    if add_bos && bos_id.is_none() {
+        return Err(ModelError::BadConfig {
+            path: tc_path,
+            reason: format!(
+                "add_bos_token is true but the BOS token ({}) is not in tokenizer.json, and \
+                 config.json gives no bos_token_id",
+                bos_token.as_deref().unwrap_or("none named")
+            ),
+        });
+    }
+    let chat_template = match hf_chat_template(dir, &tc)? {
         Some(src) => Some(ChatTemplate::new(
-            src,
+            &src,
             bos_token.clone(),
             eos_token.clone(),
         )?),

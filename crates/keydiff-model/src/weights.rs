@@ -536,7 +536,13 @@ pub enum Weights {
         used: Mutex<HashSet<String>>,
     },
     /// HF safetensors (memory-mapped).
-    Safetensors { vb: VarBuilder<'static> },
+    Safetensors {
+        vb: VarBuilder<'static>,
+        /// Every tensor of the checkpoint, by name.
+        names: Vec<String>,
+        /// Names of the tensors read so far (see [`Weights::unused_tensors`]).
+        used: Mutex<HashSet<String>>,
+    },
     /// Seeded random values in real shapes, for timing without a checkpoint. With `on_host`,
     /// values are drawn on the CPU and copied, so that every device gets the same weights
     /// (slower; for parity checks).
@@ -607,7 +613,8 @@ impl Weights {
             path: path.to_path_buf(),
             error: source,
         };
-        if gguf_check::declared_alignment(&mut file).map_err(io)? == Some(0) {
+        let scan = gguf_check::scan(&mut file).map_err(io)?;
+        if scan.alignment == Some(0) {
             return Err(bad(
                 "`general.alignment` is 0; it must be a power of two".into()
             ));
@@ -624,7 +631,11 @@ impl Weights {
                 error: source,
             })?
             .len();
-        gguf_check::tensor_layout(&content, len).map_err(bad)?;
+        if let Some(key) = scan.duplicate_key {
+            // llama.cpp refuses such a file; candle would keep the last value silently.
+            return Err(bad(format!("metadata key `{key}` appears twice")));
+        }
+        gguf_check::tensor_layout(&content, len, scan.tensors.as_deref()).map_err(bad)?;
         Ok(Weights::Gguf {
             path: path.to_path_buf(),
             content,
@@ -637,13 +648,51 @@ impl Weights {
     }
 
     /// Memory-maps safetensors files.
+    ///
+    /// Every tensor must be a float (f32, f16, bf16, f64: converted to `dtype`) and in one
+    /// file only: an FP8 or integer checkpoint is refused by name rather than cast (its scales
+    /// would be lost), and a tensor in two shards is refused rather than one taken.
     pub fn open_safetensors(paths: &[PathBuf], device: &Device, dtype: DType) -> Result<Self> {
+        let mut at: std::collections::HashMap<String, &PathBuf> = Default::default();
         for p in paths {
-            check_safetensors_header(p)?;
+            for (name, stored) in check_safetensors_header(p)? {
+                let float = matches!(
+                    stored,
+                    safetensors::Dtype::F32
+                        | safetensors::Dtype::F16
+                        | safetensors::Dtype::BF16
+                        | safetensors::Dtype::F64
+                );
+                if !float {
+                    return Err(ModelError::BadSafetensors {
+                        path: p.clone(),
+                        reason: format!(
+                            "tensor `{name}` is stored as {stored:?}: keydiff loads float \
+                             checkpoints (f32, f16, bf16); an FP8 or integer-quantized release \
+                             needs its float original or a GGUF file"
+                        ),
+                    });
+                }
+                if let Some(first) = at.insert(name.clone(), p) {
+                    return Err(ModelError::BadSafetensors {
+                        path: p.clone(),
+                        reason: format!(
+                            "tensor `{name}` is also in {}: a tensor must be in one shard",
+                            first.display()
+                        ),
+                    });
+                }
+            }
         }
+        let mut names: Vec<String> = at.into_keys().collect();
+        names.sort();
         // SAFETY: the files are not modified while mapped (they are model checkpoints).
         let vb = unsafe { VarBuilder::from_mmaped_safetensors(paths, dtype, device)? };
-        Ok(Weights::Safetensors { vb })
+        Ok(Weights::Safetensors {
+            vb,
+            names,
+            used: Mutex::new(HashSet::new()),
+        })
     }
 
     /// Seeded random weights: drawn on `device` (after seeding it), or on the host when
@@ -983,7 +1032,7 @@ impl Weights {
         let name = format!("{}.weight", key.name(self.is_gguf(), layer));
         match self {
             Weights::Gguf { content, .. } => content.tensor_infos.contains_key(&name),
-            Weights::Safetensors { vb } => vb.contains_tensor(&name),
+            Weights::Safetensors { vb, .. } => vb.contains_tensor(&name),
             Weights::Random { .. } => true,
         }
     }
@@ -992,13 +1041,14 @@ impl Weights {
     /// these are tensors the architecture does not use. llama.cpp refuses such a file ("wrong
     /// number of tensors"), since it is likely another variant than the metadata says.
     pub fn unused_tensors(&self) -> Vec<String> {
-        let Weights::Gguf { content, used, .. } = self else {
-            return Vec::new();
+        let (names, used): (Vec<&String>, _) = match self {
+            Weights::Gguf { content, used, .. } => (content.tensor_infos.keys().collect(), used),
+            Weights::Safetensors { names, used, .. } => (names.iter().collect(), used),
+            Weights::Random { .. } => return Vec::new(),
         };
-        let used = used.lock().expect("gguf tensor set poisoned");
-        let mut unused: Vec<String> = content
-            .tensor_infos
-            .keys()
+        let used = used.lock().expect("tensor set poisoned");
+        let mut unused: Vec<String> = names
+            .into_iter()
             .filter(|k| !used.contains(*k))
             .cloned()
             .collect();
@@ -1046,10 +1096,13 @@ impl Weights {
             Weights::Gguf { device, dtype, .. } => {
                 self.qtensor(name)?.dequantize(device)?.to_dtype(*dtype)?
             }
-            Weights::Safetensors { vb } => {
+            Weights::Safetensors { vb, used, .. } => {
                 if !vb.contains_tensor(name) {
                     return Err(ModelError::MissingTensor(name.to_string()));
                 }
+                used.lock()
+                    .expect("tensor set poisoned")
+                    .insert(name.to_string());
                 vb.get(shape, name)?
             }
             Weights::Random {
@@ -1297,7 +1350,7 @@ impl Weights {
             Weights::Gguf { device, dtype, .. } | Weights::Random { device, dtype, .. } => {
                 (device.clone(), *dtype)
             }
-            Weights::Safetensors { vb } => (vb.device().clone(), vb.dtype()),
+            Weights::Safetensors { vb, .. } => (vb.device().clone(), vb.dtype()),
         }
     }
 }
@@ -1348,18 +1401,24 @@ fn open_file(path: &Path) -> Result<File> {
 
 /// Validates a safetensors header (JSON table of tensors whose data lies inside the file)
 /// without reading the tensor data, so that a bad file names itself.
-fn check_safetensors_header(path: &Path) -> Result<()> {
+/// Checks a safetensors file's header; returns its tensors' names and stored types.
+fn check_safetensors_header(path: &Path) -> Result<Vec<(String, safetensors::Dtype)>> {
     let f = open_file(path)?;
     // SAFETY: read-only mapping of a checkpoint that is not modified while we read it.
     let map = unsafe { memmap2::Mmap::map(&f) }.map_err(|source| ModelError::Io {
         path: path.to_path_buf(),
         error: source,
     })?;
-    safetensors::SafeTensors::read_metadata(&map).map_err(|e| ModelError::BadSafetensors {
-        path: path.to_path_buf(),
-        reason: e.to_string(),
-    })?;
-    Ok(())
+    let (_, meta) =
+        safetensors::SafeTensors::read_metadata(&map).map_err(|e| ModelError::BadSafetensors {
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        })?;
+    Ok(meta
+        .tensors()
+        .into_iter()
+        .map(|(name, info)| (name, info.dtype))
+        .collect())
 }
 
 /// How a random weight is initialised.
