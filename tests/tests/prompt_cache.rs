@@ -278,6 +278,58 @@ fn a_reply_that_retokenizes_differently_still_continues() {
     );
 }
 
+/// A plain prompt that extends the held one inside a word ("Ita" + "ly"): going on by text
+/// would feed the model "Ita", "ly" where a fresh run reads "Italy". It is refused: the whole
+/// prompt's tokens decide (here they do not extend the held ones, so the run is a fresh
+/// one's), while an extension at a word boundary still goes on from the whole cache.
+#[test]
+fn a_prompt_that_extends_the_held_one_inside_a_word_is_tokenized_whole() {
+    let e = engine(budget("keydiff", 48, 16));
+    // Longer than the budget: the held cache evicted, so it cannot be cut back either.
+    let pairs = [
+        ("France", "Paris"),
+        ("Germany", "Berlin"),
+        ("Portugal", "Lisbon"),
+        ("Austria", "Vienna"),
+        ("Poland", "Warsaw"),
+        ("Greece", "Athens"),
+        ("Sweden", "Stockholm"),
+        ("Norway", "Oslo"),
+        ("Egypt", "Cairo"),
+        ("Japan", "Tokyo"),
+    ];
+    let mut head: String = pairs
+        .iter()
+        .map(|(c, k)| format!("The capital of {c} is {k}. "))
+        .collect();
+    head.push_str("The capital of Ita");
+    let head = head.as_str();
+    let whole = format!("{head}ly is");
+    let held = e.prompt_tokens(&Prompt::Text(head.into())).unwrap();
+    let fresh = e.prompt_tokens(&Prompt::Text(whole.clone())).unwrap();
+    let alone = e.tokenize_continuation("ly is").unwrap();
+    assert!(!fresh.starts_with(&held) && !fresh.ends_with(&alone));
+    assert!(held.len() > 48);
+    let mut pc = PromptCache::with_reuse(keydiff::Reuse::Continue);
+    // As `run --prompt-cache` keeps it: the prompt, not the reply.
+    pc.set_prompt_only(true);
+    e.generate_cached(&greedy(Prompt::Text(head.into()), 1), &mut pc, |_| {})
+        .unwrap();
+    let cut = same_as_fresh(&e, &mut pc, &greedy(Prompt::Text(whole.clone()), 6));
+    assert_eq!(cut.stats.prefix_tokens, 0);
+    // At a word boundary, the held (evicted) cache is gone on from.
+    let held = pc.tokens().len();
+    let more = format!("{whole} Rome. The capital of Spain is");
+    let out = e
+        .generate_cached(&greedy(Prompt::Text(more.clone()), 4), &mut pc, |_| {})
+        .unwrap();
+    assert_eq!(out.stats.prefix_tokens, held);
+    assert_eq!(
+        out.prompt_tokens,
+        e.prompt_tokens(&Prompt::Text(more)).unwrap()
+    );
+}
+
 /// Joins `requests` to `batch` and steps it until they all ended; their outputs by id.
 fn run_batch(
     batch: &mut keydiff::Batch<'_>,

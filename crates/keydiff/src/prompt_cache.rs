@@ -515,24 +515,43 @@ impl Engine {
                 .cache
                 .as_ref()
                 .is_some_and(|c| c.config() == &self.config().cache);
+        let mut fresh: Option<Vec<u32>> = None;
         if let (true, Some(t), Some(h)) = (can, text, &pc.text) {
             if let Some(delta) = t.strip_prefix(h.as_str()).filter(|d| !d.is_empty()) {
-                let added = match prompt {
-                    Prompt::Chat(_) | Prompt::ChatTools { .. } => self.tokenize_special(delta)?,
-                    _ => self.tokenize_continuation(delta)?,
+                let chat = matches!(prompt, Prompt::Chat(_) | Prompt::ChatTools { .. });
+                let added = match chat {
+                    true => self.tokenize_special(delta)?,
+                    false => self.tokenize_continuation(delta)?,
                 };
-                let mut ids = pc.tokens.clone();
-                ids.extend(&pc.pending);
-                ids.extend(added);
-                self.check_vocab(&ids)?;
-                if ids.len() > held {
-                    return Ok((ids, held));
+                // A plain prompt may extend the held text inside a word ("Ita" + "ly"): the
+                // added text alone then tokenizes otherwise than in the whole prompt, and the
+                // model would see words no fresh run sees. Go on by text only where the whole
+                // prompt's tokens end with the added text's (a chat's turns start at the
+                // template's special tokens); else the tokens decide, below.
+                let clean = chat || {
+                    let all = match ids {
+                        Some(ids) => ids.to_vec(),
+                        None => self.prompt_tokens(prompt)?,
+                    };
+                    let ok = all.ends_with(&added);
+                    fresh = Some(all);
+                    ok
+                };
+                if clean {
+                    let mut ids = pc.tokens.clone();
+                    ids.extend(&pc.pending);
+                    ids.extend(added);
+                    self.check_vocab(&ids)?;
+                    if ids.len() > held {
+                        return Ok((ids, held));
+                    }
                 }
             }
         }
-        let ids = match ids {
-            Some(ids) => ids.to_vec(),
-            None => self.prompt_tokens(prompt)?,
+        let ids = match (fresh, ids) {
+            (Some(f), _) => f,
+            (None, Some(ids)) => ids.to_vec(),
+            (None, None) => self.prompt_tokens(prompt)?,
         };
         let go_on = if can && ids.len() > held && ids.starts_with(&pc.tokens) {
             held
