@@ -189,6 +189,13 @@ fn a_budgeted_conversation_stays_in_its_slots() {
 /// Runs `keydiff chat` on SmolLM2 (16 tokens a reply) with `args`, `input` on stdin;
 /// checks that it succeeded and returns its stdout and stderr.
 fn chat_cli(args: &[&str], input: &[u8]) -> (String, String) {
+    let (ok, so, se) = chat_cli_status(args, input);
+    assert!(ok, "{se}");
+    (so, se)
+}
+
+/// [`chat_cli`] that may fail: whether it succeeded, its stdout and stderr.
+fn chat_cli_status(args: &[&str], input: &[u8]) -> (bool, String, String) {
     let mut child = Command::new(keydiff_bin())
         .args(["chat", "-m", model(SMOLLM2).to_str().unwrap(), "-n", "16"])
         .args(args)
@@ -199,12 +206,58 @@ fn chat_cli(args: &[&str], input: &[u8]) -> (String, String) {
         .unwrap();
     child.stdin.take().unwrap().write_all(input).unwrap();
     let out = child.wait_with_output().unwrap();
-    let (so, se) = (
+    (
+        out.status.success(),
         String::from_utf8_lossy(&out.stdout).to_string(),
         String::from_utf8_lossy(&out.stderr).to_string(),
+    )
+}
+
+/// The `kept` counts of each turn's stats line.
+fn kept(stderr: &str) -> Vec<usize> {
+    stderr
+        .lines()
+        .filter_map(|l| l.split(" kept)").next()?.rsplit('(').next()?.parse().ok())
+        .collect()
+}
+
+/// A line ending in `\` goes on to the next (llama-cli's multi-line input); bytes that are not
+/// UTF-8 are replaced, not the end of the chat; `/clear` starts a new conversation and `/exit`
+/// ends it (what follows is not read).
+#[test]
+fn chat_command_reads_continued_lines_and_commands() {
+    let (so, se) = chat_cli(
+        &[],
+        b"What is the capital\\\nof France?\n/clear\nAnd the capital of \xffItaly?\n/exit\n\
+          Never read.\n",
     );
-    assert!(out.status.success(), "{se}");
-    (so, se)
+    let replies: Vec<&str> = so.lines().filter(|l| !l.is_empty()).collect();
+    assert_eq!(kept(&se), [0, 0], "{se}");
+    assert!(replies.len() >= 2, "{so}");
+    assert!(so.contains("Paris"), "{so}");
+    assert!(
+        se.contains("[a new conversation]") && se.contains("not UTF-8"),
+        "{se}"
+    );
+    assert_eq!(se.matches("[turn:").count(), 2, "{se}");
+}
+
+/// A message the context cannot hold fails alone, as a server's request does: the chat goes
+/// on (here after `/clear`), and the exit status says a message failed.
+#[test]
+fn chat_command_goes_on_after_a_message_that_does_not_fit() {
+    let long = "Tell me more about it. ".repeat(30);
+    let q = "What is the capital of France?";
+    let input = format!("{q}\n{long}\n/clear\n{q}\n");
+    let (ok, so, se) = chat_cli_status(&["-c", "120"], input.as_bytes());
+    assert!(!ok, "{se}");
+    assert!(
+        se.contains("beyond") && se.contains("/clear starts a new one"),
+        "{se}"
+    );
+    assert!(se.contains("1 message(s) failed"), "{se}");
+    assert_eq!(se.matches("[turn:").count(), 2, "{se}");
+    assert_eq!(so.matches("Paris").count(), 2, "{so}");
 }
 
 #[test]
@@ -215,10 +268,7 @@ fn chat_command_answers_each_line() {
     assert!(replies[0].contains("Paris"), "{so}");
     assert!(replies[1].contains("Rome"), "{so}");
     // The blank line is skipped; the second turn kept the first one's tokens.
-    let kept: Vec<usize> = se
-        .lines()
-        .filter_map(|l| l.split(" kept)").next()?.rsplit('(').next()?.parse().ok())
-        .collect();
+    let kept = kept(&se);
     assert_eq!(kept.len(), 2, "{se}");
     assert!(kept[0] == 0 && kept[1] > 30, "{se}");
 }

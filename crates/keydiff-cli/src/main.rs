@@ -715,6 +715,11 @@ fn main() {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
         )
         .with_writer(std::io::stderr)
+        // Colour only for a terminal (and not under NO_COLOR): a log file gets plain text.
+        .with_ansi(
+            std::io::IsTerminal::is_terminal(&std::io::stderr())
+                && std::env::var_os("NO_COLOR").is_none(),
+        )
         .init();
     if let Err(e) = real_main() {
         let text = format!("{e:#}");
@@ -743,6 +748,7 @@ fn die_on_closed_stdout() {
 /// rewritten to its names, those it has no use for are refused, saying why.
 fn llama_cpp_flags(args: Vec<std::ffi::OsString>) -> Result<Vec<std::ffi::OsString>> {
     let mut out = Vec::with_capacity(args.len());
+    let chat = args.get(1).and_then(|c| c.to_str()) == Some("chat");
     let mut it = args.into_iter().peekable();
     while let Some(a) = it.next() {
         let Some(flag) = a.to_str() else {
@@ -750,6 +756,22 @@ fn llama_cpp_flags(args: Vec<std::ffi::OsString>) -> Result<Vec<std::ffi::OsStri
             continue;
         };
         let to = match flag {
+            // `keydiff chat` is the conversation mode.
+            "-cnv" | "--conversation" if chat => continue,
+            "-mli" | "--multiline-input" => bail!(
+                "{flag}: keydiff reads one message per line; end a line with \\ to go on \
+                 to the next"
+            ),
+            // The system message from a file.
+            "-sysf" | "--system-prompt-file" => {
+                let Some(path) = it.next() else {
+                    bail!("{flag} needs a file");
+                };
+                let text = read_text_file(std::path::Path::new(&path), "system message")?;
+                out.push("--system".into());
+                out.push(text.into());
+                continue;
+            }
             "-ctk" => "--cache-type-k",
             "-ctv" => "--cache-type-v",
             "-sys" => "--system",
@@ -1937,7 +1959,7 @@ struct ChatArgs {
 }
 
 fn chat(a: &ChatArgs) -> Result<()> {
-    use std::io::{BufRead, IsTerminal, Write};
+    use std::io::{IsTerminal, Write};
     let sampling = a.sampling.get()?;
     sampling
         .validate()
@@ -1978,34 +2000,77 @@ fn chat(a: &ChatArgs) -> Result<()> {
         }
         _ => keydiff::Conversation::new(a.system.as_deref()),
     };
+    if let Some(path) = &a.prompt_cache {
+        check_writable(path).context("--prompt-cache")?;
+    }
     let interactive = std::io::stdin().is_terminal();
     let cache = engine.config().cache.clone();
     if interactive {
         eprintln!(
-            "chat with {} (policy {}, budget {}): one message per line, Ctrl-D to end",
+            "chat with {} (policy {}, budget {}): one message per line (end a line with \\ \
+             to go on to the next), /clear starts a new conversation, /exit or Ctrl-D ends; \
+             Ctrl-C stops a reply",
             engine.origin(),
             cache.policy.name(),
             cache.budget.map_or("none".to_string(), |n| n.to_string())
         );
+        interrupt::install();
     }
-    let mut lines = std::io::stdin().lock().lines();
+    let mut stdin = std::io::stdin().lock();
+    let mut failed = 0usize;
     loop {
         if interactive {
             eprint!("> ");
         }
-        let Some(line) = lines.next() else { break };
-        let line = line.context("cannot read stdin")?;
-        let line = line.trim();
-        if line.is_empty() {
-            continue;
+        let Some(message) = read_message(&mut stdin, interactive)? else {
+            if interactive {
+                eprintln!();
+            }
+            break;
+        };
+        match message.trim() {
+            "" => continue,
+            "/exit" | "/quit" => break,
+            "/clear" => {
+                conv = keydiff::Conversation::new(a.system.as_deref());
+                eprintln!("[a new conversation]");
+                continue;
+            }
+            _ => {}
         }
         let mut out = std::io::stdout().lock();
-        let result = engine.chat_turn(&mut conv, line, &params, |ev| {
-            if let Event::Text(t) = ev {
-                let _ = out.write_all(t.as_bytes());
-                let _ = out.flush();
+        let cancel = keydiff::CancelToken::new();
+        let turn = GenerateParams {
+            cancel: Some(cancel.clone()),
+            ..params.clone()
+        };
+        let result = interrupt::while_generating(&cancel, || {
+            engine.chat_turn(&mut conv, &message, &turn, |ev| {
+                if let Event::Text(t) = ev {
+                    let _ = out.write_all(t.as_bytes());
+                    let _ = out.flush();
+                }
+            })
+        });
+        let result = match result {
+            Ok(r) => r,
+            Err(e) => {
+                // As a server fails one request: this message is dropped, the conversation
+                // (and its file) stay as they were, and the next line is read.
+                failed += 1;
+                let full = matches!(e, keydiff::EngineError::PromptTooLong { .. });
+                eprintln!(
+                    "error: {e}{}",
+                    if full {
+                        " (the conversation's positions count every turn, evicted or not: \
+                         /clear starts a new one, a larger -c or model context holds more)"
+                    } else {
+                        ""
+                    }
+                );
+                continue;
             }
-        })?;
+        };
         writeln!(out)?;
         let s = &result.stats;
         eprintln!(
@@ -2034,7 +2099,125 @@ fn chat(a: &ChatArgs) -> Result<()> {
             }
         }
     }
+    if failed > 0 {
+        bail!("{failed} message(s) failed");
+    }
     Ok(())
+}
+
+/// Refuses a file that cannot be written where it is: a directory, or one in a folder that
+/// does not exist (found before a generation, not after it).
+fn check_writable(path: &std::path::Path) -> Result<()> {
+    if path.is_dir() {
+        bail!("{} is a directory, not a file", path.display());
+    }
+    let parent = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => std::path::Path::new("."),
+    };
+    if !parent.is_dir() {
+        bail!(
+            "cannot write {}: the folder {} does not exist",
+            path.display(),
+            parent.display()
+        );
+    }
+    Ok(())
+}
+
+/// One chat message from `input`: a line (its line break left out), or several when each but
+/// the last ends with `\` (llama-cli's way; the backslash becomes a line break). Bytes that
+/// are not UTF-8 are replaced (with a warning) rather than ending the chat. `None` at the end
+/// of input.
+fn read_message(input: &mut impl std::io::BufRead, interactive: bool) -> Result<Option<String>> {
+    let mut message = String::new();
+    let mut any = false;
+    loop {
+        let mut buf = Vec::new();
+        if input
+            .read_until(b'\n', &mut buf)
+            .context("cannot read stdin")?
+            == 0
+        {
+            return Ok(any.then_some(message));
+        }
+        any = true;
+        while matches!(buf.last(), Some(b'\n' | b'\r')) {
+            buf.pop();
+        }
+        let line = match String::from_utf8(buf) {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::warn!("a line of input is not UTF-8: its bad bytes are read as U+FFFD");
+                String::from_utf8_lossy(e.as_bytes()).into_owned()
+            }
+        };
+        match line.strip_suffix('\\') {
+            Some(head) => {
+                message.push_str(head);
+                message.push('\n');
+                if interactive {
+                    eprint!(". ");
+                }
+            }
+            None => {
+                message.push_str(&line);
+                return Ok(Some(message));
+            }
+        }
+    }
+}
+
+/// Ctrl-C in `keydiff chat` at a terminal, as in llama-cli: while a reply is generated the
+/// first one stops it (the turn keeps what it had) and a second one ends the process; at the
+/// prompt one ends it.
+mod interrupt {
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    static GENERATING: AtomicBool = AtomicBool::new(false);
+    static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+    extern "C" fn on_sigint(_: libc::c_int) {
+        if GENERATING.load(Ordering::SeqCst) && !INTERRUPTED.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        // SAFETY: async-signal-safe; ends the process as the default action would.
+        unsafe { libc::_exit(130) }
+    }
+
+    pub fn install() {
+        #[cfg(unix)]
+        // SAFETY: sets a handler that touches only atomics and calls `_exit`.
+        unsafe {
+            libc::signal(
+                libc::SIGINT,
+                on_sigint as extern "C" fn(libc::c_int) as libc::sighandler_t,
+            );
+        }
+    }
+
+    /// Runs `f` (a generation), cancelling `cancel` on the first Ctrl-C meanwhile.
+    pub fn while_generating<T>(cancel: &keydiff::CancelToken, f: impl FnOnce() -> T) -> T {
+        INTERRUPTED.store(false, Ordering::SeqCst);
+        GENERATING.store(true, Ordering::SeqCst);
+        let done = AtomicBool::new(false);
+        let out = std::thread::scope(|scope| {
+            scope.spawn(|| {
+                while !done.load(Ordering::SeqCst) {
+                    if INTERRUPTED.load(Ordering::SeqCst) {
+                        cancel.cancel();
+                        break;
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(20));
+                }
+            });
+            let out = f();
+            done.store(true, Ordering::SeqCst);
+            out
+        });
+        GENERATING.store(false, Ordering::SeqCst);
+        out
+    }
 }
 
 /// `keydiff serve`.
@@ -2355,7 +2538,16 @@ fn open_prompt_cache(a: &RunArgs, engine: &Engine, path: &Path) -> Result<keydif
                 path.display()
             )
         })?
+    } else if a.prompt_cache_ro {
+        // As llama-cli: the run goes on without one (and, read-only, makes none).
+        tracing::warn!(
+            "--prompt-cache-ro: {} does not exist: nothing to start from (--prompt-cache makes \
+             it)",
+            path.display()
+        );
+        keydiff::PromptCache::with_reuse(reuse)
     } else {
+        check_writable(path).context("--prompt-cache")?;
         keydiff::PromptCache::with_reuse(reuse)
     };
     // Read-only: nothing is saved, so the cache is not copied either.
@@ -2644,6 +2836,24 @@ mod tests {
             .unwrap_err()
             .contains("keydiff runs the whole"));
         assert!(tr(&["run", "-cnv"]).unwrap_err().contains("`keydiff chat`"));
+        // In `keydiff chat`, the conversation mode it is.
+        assert_eq!(
+            tr(&["keydiff", "chat", "-cnv", "-m", "m"]).unwrap(),
+            ["keydiff", "chat", "-m", "m"]
+        );
+        assert!(tr(&["keydiff", "chat", "-mli"])
+            .unwrap_err()
+            .contains("end a line with \\"));
+        let sys = std::env::temp_dir().join(format!("keydiff-sysf-{}", std::process::id()));
+        std::fs::write(&sys, "Be brief.\n").unwrap();
+        assert_eq!(
+            tr(&["keydiff", "chat", "-sysf", sys.to_str().unwrap()]).unwrap(),
+            ["keydiff", "chat", "--system", "Be brief."]
+        );
+        std::fs::remove_file(&sys).unwrap();
+        assert!(tr(&["keydiff", "chat", "-sysf", sys.to_str().unwrap()])
+            .unwrap_err()
+            .contains("cannot read system message file"));
         let plain = ["run", "-p", "-1", "-c", "4", "-n", "-1", "--stop", "x"];
         assert_eq!(tr(&plain).unwrap(), plain);
         // What the rewrite gives parses.
