@@ -310,6 +310,10 @@ fn seeds_penalties_and_stops_are_honoured() {
     let mut params = greedy(Prompt::Text("Once upon a time".into()), 24);
     params.sampling.frequency_penalty = 1.5;
     params.sampling.presence_penalty = 0.5;
+    // llama.cpp's penalties: the last 64 tokens, prompt included.
+    let llama = local.generate(&params, |_| {}).unwrap();
+    // OpenAI's (vLLM's): the reply's tokens.
+    params.sampling.output_penalties = true;
     let want = local.generate(&params, |_| {}).unwrap();
     let plain = local
         .generate(&greedy(Prompt::Text("Once upon a time".into()), 24), |_| {})
@@ -318,12 +322,20 @@ fn seeds_penalties_and_stops_are_honoured() {
         want.tokens, plain.tokens,
         "the penalties change greedy text"
     );
+    assert_ne!(want.tokens, llama.tokens, "the two counts give other text");
     let (_, got) = post(
         &url,
         &json!({"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0,
                 "frequency_penalty": 1.5, "presence_penalty": 0.5}),
     );
     assert_eq!(got["choices"][0]["text"], want.text);
+    // With llama.cpp's `repeat_last_n`, llama.cpp's count.
+    let (_, got) = post(
+        &url,
+        &json!({"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0,
+                "frequency_penalty": 1.5, "presence_penalty": 0.5, "repeat_last_n": 64}),
+    );
+    assert_eq!(got["choices"][0]["text"], llama.text);
 
     // logit_bias: -100 on the greedy first token makes the reply start with the runner-up,
     // as the engine's own logit bias does; logprobs stay the model's.
@@ -2634,4 +2646,154 @@ fn a_server_serves_on_the_callers_runtime() {
     .unwrap();
     let err = rt.block_on(async { other.run(async {}) }).unwrap_err();
     assert!(matches!(err, ServerError::InRuntime), "{err}");
+}
+
+/// What vLLM's and llama-server's clients send beyond OpenAI's fields: vLLM's structured
+/// output (`guided_choice`, `guided_json`, `structured_outputs`) shapes the reply, its fields
+/// keydiff does not do are refused by name; llama-server's `n_predict`; text parts joined by
+/// line breaks; `top_logprobs: 0` alone; `stream_options: {}` (usage, and `"usage": null` in
+/// the chunks before it); CORS preflights; the router's own errors in OpenAI's form.
+#[test]
+fn fields_of_vllm_and_llama_server_clients() {
+    let server = start(CacheConfig::full(64), 4);
+    let base = server.url();
+    let chat = format!("{base}/v1/chat/completions");
+    let cmpl = format!("{base}/v1/completions");
+    let ask = |extra: Value| {
+        let mut body = json!({"messages": [{"role": "user", "content": "Pick a colour."}],
+            "max_tokens": 8, "temperature": 0});
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        post(&chat, &body)
+    };
+    for extra in [
+        json!({"guided_choice": ["red", "blue \"x\"\n"]}),
+        json!({"structured_outputs": {"choice": ["red", "blue \"x\"\n"]}}),
+    ] {
+        let (code, v) = ask(extra.clone());
+        assert_eq!(code, 200, "{extra}: {v}");
+        let text = v["choices"][0]["message"]["content"].as_str().unwrap();
+        assert!(["red", "blue \"x\"\n"].contains(&text), "{extra}: {text:?}");
+    }
+    let (code, v) = ask(json!({"guided_json": {"type": "object",
+        "properties": {"colour": {"type": "string"}}, "required": ["colour"]}, "max_tokens": 24}));
+    assert_eq!(code, 200, "{v}");
+    let text = v["choices"][0]["message"]["content"].as_str().unwrap();
+    if v["choices"][0]["finish_reason"] == "stop" {
+        let obj: Value = serde_json::from_str(text).unwrap();
+        assert!(obj["colour"].is_string(), "{text}");
+    } else {
+        assert!(text.starts_with("{\"colour\""), "{text}");
+    }
+    for (extra, param) in [
+        (json!({"guided_regex": "[0-9]+"}), "guided_regex"),
+        (json!({"guided_grammar": "root ::= x"}), "guided_grammar"),
+        (
+            json!({"structured_outputs": {"regex": "a"}}),
+            "structured_outputs",
+        ),
+        (
+            json!({"continue_final_message": true}),
+            "continue_final_message",
+        ),
+        (
+            json!({"add_generation_prompt": false}),
+            "add_generation_prompt",
+        ),
+        (json!({"echo": true}), "echo"),
+        (json!({"use_beam_search": true}), "use_beam_search"),
+        (json!({"prompt_logprobs": 1}), "prompt_logprobs"),
+        (
+            json!({"guided_choice": ["a"], "response_format": {"type": "json_object"}}),
+            "response_format",
+        ),
+    ] {
+        let (code, v) = ask(extra.clone());
+        assert_eq!(code, 400, "{extra}: {v}");
+        assert_eq!(v["error"]["param"], param, "{extra}: {v}");
+    }
+    // Their defaults ask for nothing.
+    let (code, v) = ask(
+        json!({"add_generation_prompt": true, "use_beam_search": false,
+        "top_logprobs": 0}),
+    );
+    assert_eq!(code, 200, "{v}");
+
+    // llama-server's n_predict.
+    let (code, v) = post(&cmpl, &json!({"prompt": "Count: 1, 2, 3,", "n_predict": 3}));
+    assert_eq!(code, 200, "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 3, "{v}");
+
+    // Text parts: one text, joined by a line break.
+    let tok = format!("{base}/tokenize");
+    let parts = json!({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Line one."}, {"type": "text", "text": "Line two."}]}]});
+    let joined = json!({"messages": [{"role": "user", "content": "Line one.\nLine two."}]});
+    assert_eq!(
+        post(&tok, &parts).1["tokens"],
+        post(&tok, &joined).1["tokens"]
+    );
+
+    // stream_options without include_usage: usage at the end, null before.
+    let r = ureq::post(&cmpl)
+        .send_json(json!({"prompt": "Hello", "max_tokens": 3, "stream": true,
+            "stream_options": {}}))
+        .unwrap();
+    let chunks: Vec<Value> = BufReader::new(r.into_reader())
+        .lines()
+        .map(|l| l.unwrap())
+        .filter_map(|l| {
+            l.strip_prefix("data: ")
+                .filter(|d| *d != "[DONE]")
+                .map(|d| serde_json::from_str(d).unwrap())
+        })
+        .collect();
+    let (last, before) = chunks.split_last().unwrap();
+    assert_eq!(last["usage"]["completion_tokens"], 3, "{last}");
+    assert!(!before.is_empty());
+    for c in before {
+        assert!(c.get("usage").is_some_and(Value::is_null), "{c}");
+    }
+
+    // CORS: a preflight is answered without the key, and answers allow any origin.
+    let pre = ureq::request("OPTIONS", &chat)
+        .set("Origin", "http://example.org")
+        .set("Access-Control-Request-Method", "POST")
+        .set(
+            "Access-Control-Request-Headers",
+            "content-type, authorization",
+        )
+        .call()
+        .unwrap();
+    assert_eq!(pre.status(), 204);
+    assert_eq!(pre.header("access-control-allow-origin"), Some("*"));
+    assert_eq!(
+        pre.header("access-control-allow-headers"),
+        Some("content-type, authorization")
+    );
+    let models = ureq::get(&format!("{base}/v1/models"))
+        .set("Origin", "http://example.org")
+        .call()
+        .unwrap();
+    assert_eq!(models.header("access-control-allow-origin"), Some("*"));
+
+    // The router's own errors are OpenAI's JSON.
+    for (method, path, code) in [
+        ("GET", "/v1/nonexistent", 404),
+        ("GET", "/v1/completions", 405),
+    ] {
+        match ureq::request(method, &format!("{base}{path}")).call() {
+            Err(ureq::Error::Status(c, r)) => {
+                assert_eq!(c, code);
+                let v: Value = r.into_json().unwrap();
+                assert!(
+                    v["error"]["message"].as_str().unwrap().contains(path),
+                    "{v}"
+                );
+            }
+            other => panic!("{method} {path}: {other:?}"),
+        }
+    }
+    server.stop().unwrap();
 }

@@ -34,10 +34,15 @@ pub enum StopInput {
     Many(Vec<String>),
 }
 
-#[derive(Debug, Default, Deserialize)]
+/// `stream_options`: `include_usage` true when left out (vLLM's default), false when null.
+#[derive(Debug, Deserialize)]
 pub struct StreamOptions {
-    #[serde(default)]
-    pub include_usage: bool,
+    #[serde(default = "some_true")]
+    pub include_usage: Option<bool>,
+}
+
+fn some_true() -> Option<bool> {
+    Some(true)
 }
 
 /// Sampling and length fields shared by both endpoints. `top_k`, `min_p`,
@@ -82,6 +87,20 @@ pub struct Common {
     pub include_stop_str_in_output: Option<bool>,
     pub allowed_token_ids: Option<Vec<u32>>,
     pub bad_words: Option<Vec<String>>,
+    pub use_beam_search: Option<bool>,
+    pub prompt_logprobs: Option<Value>,
+    /// vLLM's structured output: `guided_json` (a schema) and `guided_choice` (one of these
+    /// strings), or the same as `structured_outputs.json` / `.choice`, are the output's form;
+    /// `guided_regex`, `guided_grammar` (vLLM's grammar dialects) and the others are refused.
+    pub guided_json: Option<Value>,
+    pub guided_choice: Option<Value>,
+    pub guided_regex: Option<Value>,
+    pub guided_grammar: Option<Value>,
+    pub structured_outputs: Option<Value>,
+    /// llama-server's names on its OpenAI endpoints: `n_predict` for `max_tokens` (-1: no
+    /// limit), `repeat_penalty` for `repetition_penalty`.
+    pub n_predict: Option<i64>,
+    pub repeat_penalty: Option<f32>,
 }
 
 /// `POST /v1/completions`.
@@ -137,6 +156,12 @@ pub struct ChatRequest {
     /// Variables for the chat template (vLLM's and llama.cpp's field), over the server's
     /// `--chat-template-kwargs`: e.g. `{"enable_thinking": false}` for Qwen 3.
     pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
+    /// vLLM's rendering fields: refused where they ask for what keydiff does not do (a reply
+    /// that goes on from the last assistant message, no generation prompt, the last message
+    /// echoed).
+    pub continue_final_message: Option<bool>,
+    pub add_generation_prompt: Option<bool>,
+    pub echo: Option<bool>,
     #[serde(flatten)]
     pub common: Common,
 }
@@ -246,7 +271,17 @@ impl Common {
             }
             n => n.map(|n| n as usize),
         };
-        let max_tokens = match self.max_completion_tokens.or(self.max_tokens) {
+        let n_predict = match self.n_predict {
+            None | Some(-1) => None,
+            Some(n) if n >= 1 => Some(n as usize),
+            Some(n) => {
+                return bad(
+                    format!("n_predict = {n}: it must be -1 (no limit) or at least 1"),
+                    "n_predict",
+                )
+            }
+        };
+        let max_tokens = match self.max_completion_tokens.or(self.max_tokens).or(n_predict) {
             Some(0) => return bad("max_tokens must be at least 1".into(), "max_tokens"),
             Some(n) => n,
             // Until end of generation or the context; the engine sizes the cache to what the
@@ -273,6 +308,7 @@ impl Common {
                 .unwrap_or(0),
             min_p: self.min_p.or(m.min_p).unwrap_or(0.0),
             repetition_penalty: (self.repetition_penalty)
+                .or(self.repeat_penalty)
                 .or(m.repetition_penalty)
                 .unwrap_or(1.0),
             repeat_last_n: repeat_last_n.or(m.repeat_last_n).unwrap_or(d.repeat_last_n),
@@ -283,6 +319,9 @@ impl Common {
             seed: self.seed.map_or_else(rand::random, |s| s as u64),
             // vLLM's order on the OpenAI endpoints (llama.cpp's own take llama.cpp's).
             temperature_first: true,
+            // OpenAI's penalties (the reply's tokens), unless the request asks for
+            // llama.cpp's window.
+            output_penalties: self.repeat_last_n.is_none(),
         };
         sampling
             .validate()
@@ -319,7 +358,7 @@ impl Common {
             include_usage: self
                 .stream_options
                 .as_ref()
-                .is_some_and(|o| o.include_usage),
+                .is_some_and(|o| o.include_usage == Some(true)),
         })
     }
 }
@@ -343,6 +382,13 @@ impl Common {
                 "bad_words",
                 self.bad_words.as_ref().is_some_and(|v| !v.is_empty()),
             ),
+            ("use_beam_search", self.use_beam_search == Some(true)),
+            (
+                "prompt_logprobs",
+                !null(&self.prompt_logprobs) && self.prompt_logprobs != Some(json!(0)),
+            ),
+            ("guided_regex", !null(&self.guided_regex)),
+            ("guided_grammar", !null(&self.guided_grammar)),
         ];
         match asked.iter().find(|a| a.1) {
             Some(&(field, _)) => Err(ApiError::invalid(
@@ -360,14 +406,17 @@ impl Common {
     fn format(&self) -> Result<Format, ApiError> {
         let bad = |m: String, p: &'static str| Err(ApiError::invalid(m, Some(p)));
         let response_format = self.response_format.as_ref().filter(|v| !v.is_null());
+        let vllm = self.vllm_form()?;
         let given = [
             response_format.is_some(),
             self.grammar.is_some(),
             self.json_schema.is_some(),
+            vllm.is_some(),
         ];
         if given.iter().filter(|g| **g).count() > 1 {
             return bad(
-                "response_format, grammar and json_schema each set the output's form; give one"
+                "response_format, grammar, json_schema and vLLM's guided_json, guided_choice \
+                 and structured_outputs each set the output's form; give one"
                     .into(),
                 "response_format",
             );
@@ -387,6 +436,17 @@ impl Common {
         }
         if let Some(s) = &self.json_schema {
             return schema(s, "json_schema");
+        }
+        match vllm {
+            Some((param, VllmForm::Json(s))) => return schema(&s, param),
+            Some((param, VllmForm::Choice(choices))) => {
+                let g = choice_grammar(&choices);
+                keydiff::grammar::Grammar::parse(&g).map_err(|e| {
+                    ApiError::invalid(format!("{e} (from the choices)"), Some(param))
+                })?;
+                return Ok(Format::Grammar(g));
+            }
+            None => {}
         }
         let Some(f) = response_format else {
             return Ok(Format::Text);
@@ -409,6 +469,110 @@ impl Common {
             ),
         }
     }
+}
+
+/// vLLM's structured output as keydiff takes it: a JSON schema, or one of several strings.
+enum VllmForm {
+    Json(Value),
+    Choice(Vec<String>),
+}
+
+impl Common {
+    /// vLLM's `guided_json` / `guided_choice`, or `structured_outputs` with `json` or
+    /// `choice`, with the field that gave it; its other forms are refused by name.
+    fn vllm_form(&self) -> Result<Option<(&'static str, VllmForm)>, ApiError> {
+        let choices = |v: &Value, p: &'static str| -> Result<VllmForm, ApiError> {
+            let list: Option<Vec<String>> = v
+                .as_array()
+                .and_then(|a| a.iter().map(|c| c.as_str().map(String::from)).collect());
+            match list {
+                Some(l) if !l.is_empty() && l.iter().all(|c| !c.is_empty()) => {
+                    Ok(VllmForm::Choice(l))
+                }
+                _ => Err(ApiError::invalid(
+                    format!("{p} must be a list of non-empty strings"),
+                    Some(p),
+                )),
+            }
+        };
+        let mut found = Vec::new();
+        if let Some(s) = self.guided_json.as_ref().filter(|v| !v.is_null()) {
+            // vLLM takes the schema as an object or as its JSON text.
+            let s = match s {
+                Value::String(t) => serde_json::from_str(t).map_err(|e| {
+                    ApiError::invalid(format!("guided_json is not JSON: {e}"), Some("guided_json"))
+                })?,
+                other => other.clone(),
+            };
+            found.push(("guided_json", VllmForm::Json(s)));
+        }
+        if let Some(c) = self.guided_choice.as_ref().filter(|v| !v.is_null()) {
+            found.push(("guided_choice", choices(c, "guided_choice")?));
+        }
+        if let Some(so) = self.structured_outputs.as_ref().filter(|v| !v.is_null()) {
+            let Some(o) = so.as_object() else {
+                return Err(ApiError::invalid(
+                    "structured_outputs must be an object",
+                    Some("structured_outputs"),
+                ));
+            };
+            for (k, v) in o.iter().filter(|(_, v)| !v.is_null()) {
+                match k.as_str() {
+                    "json" => found.push(("structured_outputs", VllmForm::Json(v.clone()))),
+                    "choice" => {
+                        found.push(("structured_outputs", choices(v, "structured_outputs")?))
+                    }
+                    // Settings of the backend, not a form.
+                    "disable_fallback"
+                    | "disable_any_whitespace"
+                    | "disable_additional_properties"
+                    | "whitespace_pattern" => {}
+                    other => {
+                        return Err(ApiError::invalid(
+                            format!(
+                                "structured_outputs.{other} is not supported (json and choice are)"
+                            ),
+                            Some("structured_outputs"),
+                        ))
+                    }
+                }
+            }
+        }
+        if found.len() > 1 {
+            return Err(ApiError::invalid(
+                "give one of guided_json, guided_choice and structured_outputs' forms",
+                Some(found[1].0),
+            ));
+        }
+        Ok(found.pop())
+    }
+}
+
+/// A GBNF grammar whose texts are exactly `choices`.
+fn choice_grammar(choices: &[String]) -> String {
+    let lit = |c: &str| -> String {
+        let mut s = String::from("\"");
+        for ch in c.chars() {
+            match ch {
+                '\\' => s.push_str("\\\\"),
+                '"' => s.push_str("\\\""),
+                '\n' => s.push_str("\\n"),
+                '\r' => s.push_str("\\r"),
+                '\t' => s.push_str("\\t"),
+                c => s.push(c),
+            }
+        }
+        s.push('"');
+        s
+    };
+    format!(
+        "root ::= {}",
+        choices
+            .iter()
+            .map(|c| lit(c))
+            .collect::<Vec<_>>()
+            .join(" | ")
+    )
 }
 
 /// OpenAI's `logit_bias`: token ids (as strings, JSON's keys) to biases from −100 to 100,
@@ -576,6 +740,27 @@ fn prompt(v: Value) -> Result<Prompt, ApiError> {
 impl ChatRequest {
     pub fn map(self, defaults: Defaults) -> Result<Mapped, ApiError> {
         let bad = |m: String, p: &'static str| Err(ApiError::invalid(m, Some(p)));
+        for (field, asked) in [
+            (
+                "continue_final_message",
+                self.continue_final_message == Some(true),
+            ),
+            (
+                "add_generation_prompt",
+                self.add_generation_prompt == Some(false),
+            ),
+            ("echo", self.echo == Some(true)),
+        ] {
+            if asked {
+                return bad(
+                    format!(
+                        "{field} is not supported: chat replies start a new assistant turn \
+                         (/v1/completions continues any text)"
+                    ),
+                    field,
+                );
+            }
+        }
         let tools = keydiff::tools::tools_from_openai(self.tools.as_deref().unwrap_or_default())
             .map_err(|e| ApiError::invalid(e.to_string(), Some("tools")))?;
         let choice = match self.tool_choice.as_ref().filter(|v| !v.is_null()) {
@@ -629,7 +814,8 @@ impl ChatRequest {
             }
         };
         let top = alternatives(&self.common.top_logprobs, "top_logprobs")?;
-        if top.is_some() && !on {
+        // 0 asks for nothing (vLLM lets it through without `logprobs`).
+        if top.is_some_and(|k| k > 0) && !on {
             return bad(
                 "top_logprobs needs logprobs set to true".into(),
                 "top_logprobs",
@@ -731,10 +917,16 @@ pub fn messages(list: Vec<ChatMessage>) -> Result<Vec<Message>, ApiError> {
             None => String::new(),
             Some(Content::Text(t)) => t,
             Some(Content::Parts(parts)) => {
+                // Joined by line breaks, as vLLM and llama.cpp join text parts.
                 let mut text = String::new();
-                for p in parts {
+                for (k, p) in parts.into_iter().enumerate() {
                     match (p.kind.as_str(), p.text) {
-                        ("text", Some(t)) => text.push_str(&t),
+                        ("text", Some(t)) => {
+                            if k > 0 {
+                                text.push('\n');
+                            }
+                            text.push_str(&t);
+                        }
                         (kind, _) => {
                             return bad(format!(
                                 "content part `{kind}` is not supported (text only)"

@@ -532,8 +532,81 @@ pub fn router(engine: Engine, cfg: ServerConfig) -> (Router, Worker) {
         .merge(guarded)
         .route("/health", get(health))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(axum::middleware::from_fn(edge))
         .with_state(state);
     (app, worker)
+}
+
+/// What every response goes through. CORS as llama-server and vLLM answer it by default:
+/// a browser's preflight (`OPTIONS` with an `Origin`) is answered here for every path,
+/// before the API key is asked for (browsers send none with it), and responses to a request
+/// with an `Origin` allow any origin. And the errors the router makes itself (no such path,
+/// another method, a body past the limit) come in OpenAI's JSON form, as the handlers'.
+async fn edge(req: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    use axum::http::{header, HeaderValue, Method, StatusCode};
+    let origin = req.headers().contains_key(header::ORIGIN);
+    if origin && req.method() == Method::OPTIONS {
+        let asked = req
+            .headers()
+            .get(header::ACCESS_CONTROL_REQUEST_HEADERS)
+            .cloned()
+            .unwrap_or(HeaderValue::from_static("*"));
+        let mut r = StatusCode::NO_CONTENT.into_response();
+        let h = r.headers_mut();
+        h.insert(
+            header::ACCESS_CONTROL_ALLOW_ORIGIN,
+            HeaderValue::from_static("*"),
+        );
+        h.insert(
+            header::ACCESS_CONTROL_ALLOW_METHODS,
+            HeaderValue::from_static("GET, POST, OPTIONS"),
+        );
+        h.insert(header::ACCESS_CONTROL_ALLOW_HEADERS, asked);
+        h.insert(
+            header::ACCESS_CONTROL_MAX_AGE,
+            HeaderValue::from_static("86400"),
+        );
+        return r;
+    }
+    let (method, path) = (req.method().clone(), req.uri().path().to_string());
+    let mut r = next.run(req).await;
+    let status = r.status();
+    let json = r
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"application/json"));
+    if !json && (status.is_client_error() || status.is_server_error()) {
+        let message = match status {
+            StatusCode::NOT_FOUND => format!("no endpoint {method} {path}"),
+            StatusCode::METHOD_NOT_ALLOWED => format!("{path} does not take {method}"),
+            StatusCode::PAYLOAD_TOO_LARGE => {
+                format!("the request body is larger than {MAX_BODY_BYTES} bytes")
+            }
+            s => s.canonical_reason().unwrap_or("error").to_string(),
+        };
+        let allow = r.headers().get(header::ALLOW).cloned();
+        r = ApiError {
+            status,
+            kind: match status {
+                s if s.is_server_error() => "server_error",
+                StatusCode::NOT_FOUND => "not_found_error",
+                _ => "invalid_request_error",
+            },
+            message,
+            param: None,
+        }
+        .into_response();
+        if let Some(a) = allow {
+            r.headers_mut().insert(header::ALLOW, a);
+        }
+    }
+    if origin {
+        r.headers_mut().insert(
+            header::ACCESS_CONTROL_ALLOW_ORIGIN,
+            HeaderValue::from_static("*"),
+        );
+    }
+    r
 }
 
 /// Refuses a request without the server's API key (when it has one).
@@ -1339,6 +1412,8 @@ struct Reply {
     reasoning: Option<bool>,
     /// How llama.cpp's own endpoints shape the answer.
     llama: api::LlamaReply,
+    /// `stream_options.include_usage`: every chunk carries `"usage": null` but the last.
+    usage_null: bool,
 }
 
 impl Reply {
@@ -1357,6 +1432,7 @@ impl Reply {
             more_echoes: Vec::new(),
             n,
             logprobs: None,
+            usage_null: false,
             offsets: (0..prompts * n).map(|_| Default::default()).collect(),
             tools: None,
             reasoning: None,
@@ -1412,13 +1488,18 @@ impl Reply {
 
     /// A response object: `id`, `object`, `created`, `model` and `choices`.
     fn envelope(&self, object: &str, choices: Value) -> Value {
-        json!({
+        let mut v = json!({
             "id": self.id,
             "object": object,
             "created": self.created,
             "model": self.model,
             "choices": choices,
-        })
+        });
+        // OpenAI: with include_usage, the chunks before the last carry a null usage.
+        if self.usage_null && object == self.chunk_object() {
+            v["usage"] = Value::Null;
+        }
+        v
     }
 
     /// The `object` of a streamed chunk.
@@ -1903,6 +1984,7 @@ async fn respond(st: Arc<AppState>, m: Mapped, mut reply: Reply) -> Response {
         bias_texts,
         prompt_only,
     } = m;
+    reply.usage_null = stream && include_usage && reply.kind != Kind::Llama;
     // llama.cpp's logit bias on a text: on each of its tokens (as a continuation, as there).
     if !bias_texts.is_empty() {
         let biased = with_engine(&st, move |e| {

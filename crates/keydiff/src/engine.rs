@@ -606,7 +606,7 @@ impl<'e> Prefill<'e> {
         };
         Ok(Decoding {
             engine: e,
-            sampler: Sampler::new(self.params.sampling.clone()),
+            sampler: Sampler::new(self.params.sampling.clone()).with_prompt_len(self.prompt.len()),
             history: self.prompt.clone(),
             stream: TextStream::new(&e.loaded.vocab.tokenizer, self.params.stop.clone())
                 .stop_below_indent(self.params.stop_indent)
@@ -1454,7 +1454,7 @@ impl<'e> Decoding<'e> {
         );
         let mut d = self.clone();
         d.params.sampling.seed = seed;
-        d.sampler = Sampler::new(d.params.sampling.clone());
+        d.sampler = Sampler::new(d.params.sampling.clone()).with_prompt_len(d.prompt.len());
         d
     }
 

@@ -47,6 +47,12 @@ pub struct Sampling {
     /// llama.cpp does (the command line, llama.cpp's endpoints).
     #[serde(default)]
     pub temperature_first: bool,
+    /// OpenAI's and vLLM's penalties (the server's OpenAI endpoints): the frequency and
+    /// presence penalties count the reply's tokens, all of them, and the repetition penalty
+    /// looks at the prompt's and the reply's, all of them; `repeat_last_n` is not read. Off:
+    /// llama.cpp's, all three over the last `repeat_last_n` tokens, prompt included.
+    #[serde(default)]
+    pub output_penalties: bool,
 }
 
 /// The form of a request's output.
@@ -136,6 +142,7 @@ impl Default for Sampling {
             format: Format::Text,
             seed: 299_792_458,
             temperature_first: false,
+            output_penalties: false,
         }
     }
 }
@@ -217,7 +224,8 @@ impl Sampling {
         let penalised = self.repetition_penalty != 1.0
             || self.frequency_penalty != 0.0
             || self.presence_penalty != 0.0;
-        self.logit_bias.is_empty() && !(penalised && self.repeat_last_n > 0)
+        self.logit_bias.is_empty()
+            && !(penalised && (self.output_penalties || self.repeat_last_n > 0))
     }
 }
 
@@ -226,13 +234,26 @@ impl Sampling {
 pub struct Sampler {
     cfg: Sampling,
     rng: StdRng,
+    /// How many tokens of the history are the prompt's ([`Sampling::output_penalties`]).
+    prompt_len: usize,
 }
 
 impl Sampler {
     /// A sampler with its own seeded random generator.
     pub fn new(cfg: Sampling) -> Self {
         let rng = StdRng::seed_from_u64(cfg.seed);
-        Self { cfg, rng }
+        Self {
+            cfg,
+            rng,
+            prompt_len: 0,
+        }
+    }
+
+    /// The first `n` tokens of the history [`Sampler::sample`] is given are the prompt's,
+    /// the rest the reply's (read by [`Sampling::output_penalties`]; 0 by default: all reply).
+    pub fn with_prompt_len(mut self, n: usize) -> Self {
+        self.prompt_len = n;
+        self
     }
 
     /// Picks the next token as [`Sampler::sample`] would from `logits` with the tokens a
@@ -290,25 +311,16 @@ impl Sampler {
         }
         let penalised =
             c.repetition_penalty != 1.0 || c.frequency_penalty != 0.0 || c.presence_penalty != 0.0;
-        if penalised && c.repeat_last_n > 0 {
+        if penalised && c.output_penalties {
+            // vLLM's: repetition over every token of prompt and reply, the frequency and
+            // presence penalties over the reply's.
+            let reply = &history[self.prompt_len.min(history.len())..];
+            penalize(logits, history, reply, c);
+        } else if penalised && c.repeat_last_n > 0 {
             // llama.cpp's penalties sampler: each token seen in the window once, with its
             // count there.
-            let start = history.len().saturating_sub(c.repeat_last_n);
-            let mut seen: Vec<u32> = history[start..].to_vec();
-            seen.sort_unstable();
-            for run in seen.chunk_by(|a, b| a == b) {
-                let Some(l) = logits.get_mut(run[0] as usize) else {
-                    continue;
-                };
-                if c.repetition_penalty != 1.0 {
-                    *l = if *l > 0.0 {
-                        *l / c.repetition_penalty
-                    } else {
-                        *l * c.repetition_penalty
-                    };
-                }
-                *l -= run.len() as f32 * c.frequency_penalty + c.presence_penalty;
-            }
+            let window = &history[history.len().saturating_sub(c.repeat_last_n)..];
+            penalize(logits, window, window, c);
         }
         if c.temperature <= 0.0 {
             return argmax(logits);
@@ -342,6 +354,35 @@ impl Sampler {
     /// Puts the generator back as [`Sampler::device_draw`] found it.
     pub fn give_back(&mut self, rng: StdRng) {
         self.rng = rng;
+    }
+}
+
+/// The penalties of `c`: the repetition penalty scales the logit of each token in `seen`
+/// once (divided when positive, multiplied when not), then the frequency penalty subtracts
+/// per occurrence in `counted` and the presence penalty once for a token there.
+fn penalize(logits: &mut [f32], seen: &[u32], counted: &[u32], c: &Sampling) {
+    if c.repetition_penalty != 1.0 {
+        let mut ids = seen.to_vec();
+        ids.sort_unstable();
+        ids.dedup();
+        for t in ids {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l = if *l > 0.0 {
+                    *l / c.repetition_penalty
+                } else {
+                    *l * c.repetition_penalty
+                };
+            }
+        }
+    }
+    if c.frequency_penalty != 0.0 || c.presence_penalty != 0.0 {
+        let mut ids = counted.to_vec();
+        ids.sort_unstable();
+        for run in ids.chunk_by(|a, b| a == b) {
+            if let Some(l) = logits.get_mut(run[0] as usize) {
+                *l -= run.len() as f32 * c.frequency_penalty + c.presence_penalty;
+            }
+        }
     }
 }
 
@@ -719,6 +760,56 @@ mod tests {
             ..Default::default()
         }
         .is_plain_greedy());
+        // OpenAI's penalties read no window: never off.
+        assert!(!Sampling {
+            repetition_penalty: 1.3,
+            repeat_last_n: 0,
+            output_penalties: true,
+            ..Default::default()
+        }
+        .is_plain_greedy());
+    }
+
+    /// llama.cpp's penalties count the last `repeat_last_n` tokens, prompt included; OpenAI's
+    /// (vLLM's) count the reply's for frequency and presence, every token for repetition.
+    #[test]
+    fn penalties_count_the_window_or_the_reply() {
+        // Prompt [1, 1, 2], reply [2, 3]; logits 1.0 each, token 0 never seen.
+        let history = [1u32, 1, 2, 2, 3];
+        let run = |cfg: Sampling| {
+            let mut l = vec![1.0f32; 5];
+            let mut s = Sampler::new(cfg).with_prompt_len(3);
+            s.sample(&mut l, &history);
+            l
+        };
+        let freq = Sampling {
+            frequency_penalty: 0.25,
+            presence_penalty: 0.5,
+            ..Default::default()
+        };
+        // llama.cpp's, window 64: counts 1×2, 2×2, 3×1.
+        assert_eq!(run(freq.clone()), [1.0, 0.0, 0.0, 0.25, 1.0]);
+        // Window 2: the last two tokens, [2, 3].
+        let window = Sampling {
+            repeat_last_n: 2,
+            ..freq.clone()
+        };
+        assert_eq!(run(window), [1.0, 1.0, 0.25, 0.25, 1.0]);
+        // OpenAI's: the reply [2, 3] only, whatever the window.
+        let openai = Sampling {
+            repeat_last_n: 1,
+            output_penalties: true,
+            ..freq
+        };
+        assert_eq!(run(openai), [1.0, 1.0, 0.25, 0.25, 1.0]);
+        // The repetition penalty: every token of prompt and reply, once.
+        let rep = Sampling {
+            repetition_penalty: 2.0,
+            repeat_last_n: 1,
+            output_penalties: true,
+            ..Default::default()
+        };
+        assert_eq!(run(rep), [1.0, 0.5, 0.5, 0.5, 1.0]);
     }
 
     #[test]
