@@ -325,6 +325,16 @@ fn metadata_corruptions_are_named() {
         }
     }
     assert!(failures.is_empty(), "{failures:#?}");
+    // NaN weights (a norm, stored as f32) load, but give NaN logits: refused at the first
+    // token, instead of an empty or garbage reply (the argmax of NaNs is token 0).
+    let nan = Tensor::full(f32::NAN, HIDDEN, &Device::Cpu).unwrap();
+    let broken = replaced(
+        &ts,
+        "output_norm.weight",
+        Some(QTensor::quantize(&nan, GgmlDType::F32).unwrap()),
+    );
+    write(&p, &tiny_metadata(), &broken);
+    expect_error("NaN weights", &p, "logits after the prompt are not finite");
     // A key twice: candle keeps the last value, llama.cpp refuses the file; so do we.
     let mut md = tiny_metadata();
     md.push(("llama.rope.freq_base".into(), Value::F32(10.0)));

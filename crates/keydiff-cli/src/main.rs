@@ -1926,6 +1926,7 @@ impl SamplingArgs {
             },
             // llama.cpp's order, as its flags.
             temperature_first: false,
+            output_penalties: false,
         })
     }
 }

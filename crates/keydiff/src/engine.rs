@@ -596,7 +596,20 @@ impl<'e> Prefill<'e> {
         };
         // Cancelled during prefill: nothing to sample from.
         let (logits, reason) = match self.logits {
-            Some(l) if self.done == n => (Next::of(&l, pick)?, StopReason::MaxTokens),
+            Some(l) if self.done == n => {
+                // Broken weights (or an overflow) give NaN logits, whose argmax is token 0:
+                // refused once per request, on the first row (a sum: one small reduction).
+                let total = l
+                    .to_dtype(candle_core::DType::F32)?
+                    .sum_all()?
+                    .to_scalar::<f32>()?;
+                if !total.is_finite() {
+                    return Err(EngineError::NonFiniteLogits {
+                        dtype: format!("{:?}", e.config().dtype).to_lowercase(),
+                    });
+                }
+                (Next::of(&l, pick)?, StopReason::MaxTokens)
+            }
             _ if self.done == n => {
                 return Err(EngineError::Model(keydiff_model::ModelError::Shape(
                     "the prompt's last chunk ran without its logits".into(),

@@ -41,6 +41,13 @@ pub enum EngineError {
         path: std::path::PathBuf,
         reason: String,
     },
+    /// The model's logits after a prompt hold a NaN or an infinity: every token would be a
+    /// meaningless pick (an argmax of NaNs is the first id).
+    #[error(
+        "the model's logits after the prompt are not finite (NaN or infinity): its weights are \
+         broken, or its activations overflow in {dtype} (--dtype bf16 or f32 may hold them)"
+    )]
+    NonFiniteLogits { dtype: String },
     #[error(transparent)]
     Cache(#[from] keydiff_cache::CacheError),
     #[error(transparent)]
