@@ -75,6 +75,20 @@ fn truncated_gguf() {
     expect(&err, "truncated");
 }
 
+/// One file of an HF checkpoint given as the model: the error says to give its directory.
+#[test]
+fn a_checkpoint_file_instead_of_its_directory() {
+    let d = temp_dir("hf-file");
+    let p = d.join("model.safetensors");
+    std::fs::write(&p, b"not read").unwrap();
+    let err = fails(&["run", "-m", p.to_str().unwrap(), "-p", "hi"]);
+    expect(
+        &err,
+        "is a file of a Hugging Face checkpoint: give its directory",
+    );
+    expect(&err, d.to_str().unwrap());
+}
+
 #[test]
 fn unsupported_architecture() {
     let d = temp_dir("arch");

@@ -301,6 +301,12 @@ fn metadata_corruptions_are_named() {
             Some(Value::U32(0)),
             "query heads must be non-zero",
         ),
+        // Used to be blamed on partial RoPE.
+        (
+            "llama.attention.head_count",
+            Some(Value::U32(6)),
+            "`llama.embedding_length` 64 is not a multiple of `llama.attention.head_count` 6",
+        ),
         // Used to give NaN logits, then an empty reply.
         (
             "llama.attention.layer_norm_rms_epsilon",
@@ -325,6 +331,15 @@ fn metadata_corruptions_are_named() {
         }
     }
     assert!(failures.is_empty(), "{failures:#?}");
+    // Cut inside the header: said so, not as std's "failed to fill whole buffer".
+    write(&p, &tiny_metadata(), &ts);
+    let bytes = std::fs::read(&p).unwrap();
+    std::fs::write(&p, &bytes[..20]).unwrap();
+    expect_error(
+        "cut header",
+        &p,
+        "the file ends inside its header (20 bytes)",
+    );
     // NaN weights (a norm, stored as f32) load, but give NaN logits: refused at the first
     // token, instead of an empty or garbage reply (the argmax of NaNs is token 0).
     let nan = Tensor::full(f32::NAN, HIDDEN, &Device::Cpu).unwrap();

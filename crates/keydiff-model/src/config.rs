@@ -783,7 +783,20 @@ impl ModelConfig {
         let hidden_size = int("embedding_length")?;
         let num_heads = int("attention.head_count")?;
         let num_kv_heads = opt_int("attention.head_count_kv")?.unwrap_or(num_heads);
-        let head_dim = opt_int("attention.key_length")?.unwrap_or(hidden_size / num_heads.max(1));
+        let head_dim = match opt_int("attention.key_length")? {
+            Some(d) => d,
+            None if num_heads > 0 && hidden_size % num_heads != 0 => {
+                return Err(ModelError::BadGguf {
+                    path: path.to_path_buf(),
+                    reason: format!(
+                        "`{a}.embedding_length` {hidden_size} is not a multiple of \
+                         `{a}.attention.head_count` {num_heads} (and no \
+                         `{a}.attention.key_length` gives the head size)"
+                    ),
+                })
+            }
+            None => hidden_size / num_heads.max(1),
+        };
         // As llama.cpp: the vocabulary is the tokenizer's list (its converter pads the list
         // to the embedding's rows), and the embedding must have a row per token.
         let tokens = get("tokenizer.ggml.tokens")?

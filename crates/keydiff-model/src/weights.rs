@@ -619,9 +619,20 @@ impl Weights {
                 "`general.alignment` is 0; it must be a power of two".into()
             ));
         }
-        let content = gguf_file::Content::read(&mut file).map_err(|e| ModelError::BadGguf {
-            path: path.to_path_buf(),
-            reason: e.to_string(),
+        let content = gguf_file::Content::read(&mut file).map_err(|e| {
+            let reason = e.to_string();
+            // std's message for a read past the end.
+            let reason = match reason.contains("failed to fill whole buffer") {
+                true => format!(
+                    "the file ends inside its header ({} bytes): truncated, or not a GGUF file",
+                    file.metadata().map_or(0, |m| m.len())
+                ),
+                false => reason,
+            };
+            ModelError::BadGguf {
+                path: path.to_path_buf(),
+                reason,
+            }
         })?;
         // A truncated or inconsistent file is caught here rather than half-way through loading.
         let len = file

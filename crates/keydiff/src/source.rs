@@ -36,6 +36,18 @@ impl ModelSource {
             return Ok(ModelSource::HfDir(p.to_path_buf()));
         }
         if p.is_file() {
+            // One file of an HF checkpoint: the model is its directory.
+            let hf_file = p
+                .extension()
+                .is_some_and(|e| e == "safetensors" || e == "json");
+            if hf_file {
+                let dir = p.parent().filter(|d| !d.as_os_str().is_empty());
+                return Err(EngineError::BadParams(format!(
+                    "{s} is a file of a Hugging Face checkpoint: give its directory ({}), which \
+                     holds config.json, the safetensors and tokenizer.json",
+                    dir.map_or(".".into(), |d| d.display().to_string())
+                )));
+            }
             return Ok(ModelSource::Gguf(p.to_path_buf()));
         }
         let (repo, file) = match s.split_once(':') {
