@@ -329,13 +329,21 @@ fn seeds_penalties_and_stops_are_honoured() {
                 "frequency_penalty": 1.5, "presence_penalty": 0.5}),
     );
     assert_eq!(got["choices"][0]["text"], want.text);
-    // With llama.cpp's `repeat_last_n`, llama.cpp's count.
+    // With llama.cpp's `repeat_last_n`, llama.cpp's count; on llama.cpp's own endpoint,
+    // llama.cpp's count whether it is given or not.
     let (_, got) = post(
         &url,
         &json!({"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0,
                 "frequency_penalty": 1.5, "presence_penalty": 0.5, "repeat_last_n": 64}),
     );
     assert_eq!(got["choices"][0]["text"], llama.text);
+    let own = format!("{}/completion", server.url());
+    let (_, got) = post(
+        &own,
+        &json!({"prompt": "Once upon a time", "n_predict": 24, "temperature": 0,
+                "frequency_penalty": 1.5, "presence_penalty": 0.5}),
+    );
+    assert_eq!(got["content"], llama.text, "{got}");
 
     // logit_bias: -100 on the greedy first token makes the reply start with the runner-up,
     // as the engine's own logit bias does; logprobs stay the model's.
@@ -2720,6 +2728,31 @@ fn fields_of_vllm_and_llama_server_clients() {
     );
     assert_eq!(code, 200, "{v}");
 
+    // An echoed prompt as sent writes its special tokens out: they take their text's room
+    // in text_offset, so every token (the reply's too) is found at its offset.
+    let (code, v) = post(
+        &cmpl,
+        &json!({"prompt": "<|im_start|>user\nhi there<|im_end|>\n", "echo": true,
+            "logprobs": 0, "max_tokens": 3, "temperature": 0}),
+    );
+    assert_eq!(code, 200, "{v}");
+    let c = &v["choices"][0];
+    let text: Vec<char> = c["text"].as_str().unwrap().chars().collect();
+    let tokens = c["logprobs"]["tokens"].as_array().unwrap();
+    let offsets = c["logprobs"]["text_offset"].as_array().unwrap();
+    assert_eq!(tokens[0], "<|im_start|>", "{v}");
+    let prompt_tokens = v["usage"]["prompt_tokens"].as_u64().unwrap() as usize;
+    for (i, (t, o)) in tokens.iter().zip(offsets).enumerate() {
+        let (t, o) = (t.as_str().unwrap(), o.as_u64().unwrap() as usize);
+        // The reply's special tokens are left out of its text (and take no room).
+        let special = t.starts_with("<|") && t.ends_with("|>");
+        if t.starts_with("bytes:") || (i >= prompt_tokens && special) {
+            continue;
+        }
+        let at: String = text[o..].iter().collect();
+        assert!(at.starts_with(t), "{t:?} at {o}: {at:?}");
+    }
+
     // llama-server's n_predict.
     let (code, v) = post(&cmpl, &json!({"prompt": "Count: 1, 2, 3,", "n_predict": 3}));
     assert_eq!(code, 200, "{v}");
@@ -2756,7 +2789,23 @@ fn fields_of_vllm_and_llama_server_clients() {
         assert!(c.get("usage").is_some_and(Value::is_null), "{c}");
     }
 
-    // CORS: a preflight is answered without the key, and answers allow any origin.
+    server.stop().unwrap();
+
+    // CORS: a preflight is answered without the key (browsers send none with it), and
+    // answers allow any origin; `cors: false` (`serve --no-cors`) answers none of it.
+    let keyed = |cors: bool| {
+        let cfg = ServerConfig {
+            api_key: Some("s3cret".into()),
+            cors,
+            ..ServerConfig::new("smol")
+        };
+        Server::bind("127.0.0.1:0", engine(CacheConfig::full(64)), cfg)
+            .unwrap()
+            .spawn()
+    };
+    let server = keyed(true);
+    let base = server.url();
+    let chat = format!("{base}/v1/chat/completions");
     let pre = ureq::request("OPTIONS", &chat)
         .set("Origin", "http://example.org")
         .set("Access-Control-Request-Method", "POST")
@@ -2774,9 +2823,37 @@ fn fields_of_vllm_and_llama_server_clients() {
     );
     let models = ureq::get(&format!("{base}/v1/models"))
         .set("Origin", "http://example.org")
+        .set("Authorization", "Bearer s3cret")
         .call()
         .unwrap();
     assert_eq!(models.header("access-control-allow-origin"), Some("*"));
+    // Without the key, still refused (with the header, so the page can read why).
+    match ureq::get(&format!("{base}/v1/models"))
+        .set("Origin", "http://example.org")
+        .call()
+    {
+        Err(ureq::Error::Status(401, r)) => {
+            assert_eq!(r.header("access-control-allow-origin"), Some("*"))
+        }
+        other => panic!("{other:?}"),
+    }
+    server.stop().unwrap();
+    let server = keyed(false);
+    match ureq::request("OPTIONS", &format!("{}/v1/chat/completions", server.url()))
+        .set("Origin", "http://example.org")
+        .set("Access-Control-Request-Method", "POST")
+        .call()
+    {
+        Err(ureq::Error::Status(c, r)) => {
+            // Not answered as a preflight: refused for the key (as any request without it).
+            assert_eq!(c, 401);
+            assert_eq!(r.header("access-control-allow-origin"), None);
+        }
+        other => panic!("{other:?}"),
+    }
+    server.stop().unwrap();
+    let server = start(CacheConfig::full(64), 4);
+    let base = server.url();
 
     // The router's own errors are OpenAI's JSON.
     for (method, path, code) in [

@@ -2033,7 +2033,12 @@ fn chat(a: &ChatArgs) -> Result<()> {
             "" => continue,
             "/exit" | "/quit" => break,
             "/clear" => {
-                conv = keydiff::Conversation::new(a.system.as_deref());
+                // The same system message: the one given, or the resumed conversation's.
+                let system = a.system.clone().or_else(|| {
+                    let first = conv.messages().first()?;
+                    (first.role == "system").then(|| first.content.clone())
+                });
+                conv = keydiff::Conversation::new(system.as_deref());
                 eprintln!("[a new conversation]");
                 continue;
             }
@@ -2275,6 +2280,10 @@ struct ServeArgs {
     /// Require `Authorization: Bearer KEY` on every endpoint but /health (401 otherwise).
     #[arg(long, env = "KEYDIFF_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
+    /// No CORS: by default browsers' preflights are answered and answers allow any origin
+    /// (llama-server's and vLLM's default), so a web page of any site can call this server.
+    #[arg(long)]
+    no_cors: bool,
     /// Sampling for the fields a request leaves out: `auto` takes the checkpoint's
     /// recommendation (GGUF general.sampling.*, generation_config.json; `keydiff info` shows
     /// it), as vLLM's --generation-config auto and llama.cpp's server do; `none` (or `vllm`)
@@ -2422,6 +2431,7 @@ fn serve(a: &ServeArgs) -> Result<()> {
         slot_save_path: a.slot_save_path.clone(),
         generation_config,
         speculative,
+        cors: !a.no_cors,
     };
     let server = keydiff_server::Server::from_listener(listener, engine, cfg)?;
     eprintln!(

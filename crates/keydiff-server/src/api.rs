@@ -319,9 +319,12 @@ impl Common {
             seed: self.seed.map_or_else(rand::random, |s| s as u64),
             // vLLM's order on the OpenAI endpoints (llama.cpp's own take llama.cpp's).
             temperature_first: true,
-            // OpenAI's penalties (the reply's tokens), unless the request asks for
-            // llama.cpp's window.
-            output_penalties: self.repeat_last_n.is_none(),
+            // OpenAI's penalties (the reply's tokens), unless the request (llama-server's
+            // `repeat_last_n`, `repeat_penalty`) or the checkpoint (a GGUF's recommended
+            // `penalty_last_n`) speaks llama.cpp's.
+            output_penalties: self.repeat_last_n.is_none()
+                && self.repeat_penalty.is_none()
+                && m.repeat_last_n.is_none(),
         };
         sampling
             .validate()
@@ -385,7 +388,8 @@ impl Common {
             ("use_beam_search", self.use_beam_search == Some(true)),
             (
                 "prompt_logprobs",
-                !null(&self.prompt_logprobs) && self.prompt_logprobs != Some(json!(0)),
+                // vLLM's 0 asks for each prompt token's own logprob: something too.
+                !null(&self.prompt_logprobs),
             ),
             ("guided_regex", !null(&self.guided_regex)),
             ("guided_grammar", !null(&self.guided_grammar)),
@@ -407,6 +411,9 @@ impl Common {
         let bad = |m: String, p: &'static str| Err(ApiError::invalid(m, Some(p)));
         let response_format = self.response_format.as_ref().filter(|v| !v.is_null());
         let vllm = self.vllm_form()?;
+        // A `text` format asks for nothing beside vLLM's forms (vLLM ignores it there).
+        let response_format = response_format
+            .filter(|f| vllm.is_none() || f.get("type").and_then(Value::as_str) != Some("text"));
         let given = [
             response_format.is_some(),
             self.grammar.is_some(),
@@ -518,7 +525,19 @@ impl Common {
             };
             for (k, v) in o.iter().filter(|(_, v)| !v.is_null()) {
                 match k.as_str() {
-                    "json" => found.push(("structured_outputs", VllmForm::Json(v.clone()))),
+                    "json" => {
+                        // A schema, or its JSON text (as vLLM takes both).
+                        let schema = match v {
+                            Value::String(t) => serde_json::from_str(t).map_err(|e| {
+                                ApiError::invalid(
+                                    format!("structured_outputs.json is not JSON: {e}"),
+                                    Some("structured_outputs"),
+                                )
+                            })?,
+                            other => other.clone(),
+                        };
+                        found.push(("structured_outputs", VllmForm::Json(schema)));
+                    }
                     "choice" => {
                         found.push(("structured_outputs", choices(v, "structured_outputs")?))
                     }
@@ -1123,7 +1142,9 @@ impl LlamaParams {
             Some(n) => Some(n as usize),
         };
         let mut m = common.map(prompt, defaults, logprobs)?;
+        // llama.cpp's endpoints: llama.cpp's order and penalties.
         m.params.sampling.temperature_first = false;
+        m.params.sampling.output_penalties = false;
         m.params.sampling.logit_bias.extend(bias_ids);
         m.bias_texts = bias_texts;
         m.params.stop_indent = n_indent;

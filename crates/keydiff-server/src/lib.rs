@@ -106,6 +106,9 @@ pub struct ServerConfig {
     /// output in fewer passes). In a batch (`max_batch` above 1) each request's draft runs in
     /// the batch's steps beside the others' rows; a batch refuses `exact`.
     pub speculative: Option<keydiff::NgramSpec>,
+    /// Answer browsers' CORS preflights and allow any origin (llama-server's and vLLM's
+    /// default); false: no CORS headers, so pages of other origins cannot read answers.
+    pub cors: bool,
 }
 
 impl ServerConfig {
@@ -123,6 +126,7 @@ impl ServerConfig {
             generation_config: true,
             slot_save_path: None,
             speculative: None,
+            cors: true,
         }
     }
 }
@@ -532,19 +536,24 @@ pub fn router(engine: Engine, cfg: ServerConfig) -> (Router, Worker) {
         .merge(guarded)
         .route("/health", get(health))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
-        .layer(axum::middleware::from_fn(edge))
+        .layer(axum::middleware::from_fn_with_state(state.clone(), edge))
         .with_state(state);
     (app, worker)
 }
 
-/// What every response goes through. CORS as llama-server and vLLM answer it by default:
+/// What every response goes through. CORS (unless `ServerConfig::cors` is off) as
+/// llama-server and vLLM answer it by default:
 /// a browser's preflight (`OPTIONS` with an `Origin`) is answered here for every path,
 /// before the API key is asked for (browsers send none with it), and responses to a request
 /// with an `Origin` allow any origin. And the errors the router makes itself (no such path,
 /// another method, a body past the limit) come in OpenAI's JSON form, as the handlers'.
-async fn edge(req: axum::extract::Request, next: axum::middleware::Next) -> Response {
+async fn edge(
+    State(st): State<Arc<AppState>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
     use axum::http::{header, HeaderValue, Method, StatusCode};
-    let origin = req.headers().contains_key(header::ORIGIN);
+    let origin = st.cfg.cors && req.headers().contains_key(header::ORIGIN);
     if origin && req.method() == Method::OPTIONS {
         let asked = req
             .headers()
@@ -1399,6 +1408,10 @@ struct Reply {
     echo: Option<String>,
     /// The echoed texts of a batch's prompts after the first.
     more_echoes: Vec<String>,
+    /// Per prompt: its echo is the text as sent, where special-token text (parsed into
+    /// special tokens) is written out, so those tokens take their text's room in
+    /// `text_offset`.
+    echo_as_sent: Vec<bool>,
     /// Choices returned per prompt (`n`).
     n: usize,
     /// The engine whose tokens the logprobs name, when the request asked for logprobs.
@@ -1430,6 +1443,7 @@ impl Reply {
             model: model.to_string(),
             echo: None,
             more_echoes: Vec::new(),
+            echo_as_sent: Vec::new(),
             n,
             logprobs: None,
             usage_null: false,
@@ -1483,7 +1497,16 @@ impl Reply {
         let entries: Vec<_> = std::iter::once(None)
             .chain(lps.iter().chain(generated).map(Some))
             .collect();
-        self.offsets[choice].object(engine, &tokens, &entries)
+        let as_sent = (self.echo_as_sent)
+            .get(choice / self.n.max(1))
+            .copied()
+            .unwrap_or(false);
+        let written = if as_sent {
+            tokens.len() - generated.len()
+        } else {
+            0
+        };
+        self.offsets[choice].object_with_written_specials(engine, &tokens, &entries, written)
     }
 
     /// A response object: `id`, `object`, `created`, `model` and `choices`.
@@ -1822,6 +1845,7 @@ async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Result<Res
     let mut reply = Reply::new(Kind::Completion, &st.cfg.model_id, prompts, mapped.n);
     if mapped.echo {
         let mut echoes = Vec::with_capacity(prompts);
+        reply.echo_as_sent = texts.iter().map(Option::is_some).collect();
         for (p, text) in std::iter::once(&mapped.params.prompt)
             .chain(&mapped.more)
             .zip(texts)

@@ -58,13 +58,34 @@ impl CompletionLogprobs {
         tokens: &[u32],
         entries: &[Option<&TokenLogprob>],
     ) -> Result<Value, ApiError> {
+        self.object_with_written_specials(engine, tokens, entries, 0)
+    }
+
+    /// [`CompletionLogprobs::object`] where the first `written` tokens stand for text that
+    /// writes its special tokens out (an echoed prompt as sent, `<|im_start|>` and all): their
+    /// special tokens take their text's room in `text_offset`.
+    pub fn object_with_written_specials(
+        &mut self,
+        engine: &Engine,
+        tokens: &[u32],
+        entries: &[Option<&TokenLogprob>],
+        written: usize,
+    ) -> Result<Value, ApiError> {
         let alternatives = entries
             .iter()
             .flatten()
             .flat_map(|e| e.top.iter().map(|t| &t.0));
         let map = pieces(engine, tokens.iter().chain(alternatives))?;
         let ordered: Vec<TokenPiece> = tokens.iter().map(|t| map[t].clone()).collect();
-        let (offsets, end) = keydiff::logprobs::text_offsets(&ordered, self.offset);
+        let roomed: Vec<TokenPiece> = ordered
+            .iter()
+            .enumerate()
+            .map(|(i, p)| TokenPiece {
+                special: p.special && i >= written,
+                ..p.clone()
+            })
+            .collect();
+        let (offsets, end) = keydiff::logprobs::text_offsets(&roomed, self.offset);
         self.offset = end;
         let top = |e: &TokenLogprob| {
             let mut m = Map::new();

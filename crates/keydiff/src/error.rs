@@ -45,7 +45,8 @@ pub enum EngineError {
     /// meaningless pick (an argmax of NaNs is the first id).
     #[error(
         "the model's logits after the prompt are not finite (NaN or infinity): its weights are \
-         broken, or its activations overflow in {dtype} (--dtype bf16 or f32 may hold them)"
+         broken{}",
+        overflow_hint(.dtype)
     )]
     NonFiniteLogits { dtype: String },
     #[error(transparent)]
@@ -56,6 +57,13 @@ pub enum EngineError {
 
 /// Result alias of this crate.
 pub type Result<T> = std::result::Result<T, EngineError>;
+
+fn overflow_hint(dtype: &str) -> String {
+    match dtype {
+        "f32" => String::new(),
+        d => format!(", or its activations overflow in {d} (--dtype bf16 or f32 may hold them)"),
+    }
+}
 
 fn whose_context(limited: &bool) -> &'static str {
     if *limited {

@@ -525,15 +525,30 @@ impl Engine {
                 };
                 // A plain prompt may extend the held text inside a word ("Ita" + "ly"): the
                 // added text alone then tokenizes otherwise than in the whole prompt, and the
-                // model would see words no fresh run sees. Go on by text only where the whole
-                // prompt's tokens end with the added text's (a chat's turns start at the
-                // template's special tokens); else the tokens decide, below.
-                let clean = chat || {
+                // model would see words no fresh run sees (and answer otherwise). There it
+                // goes on by text only where the whole prompt's tokens are the held ones
+                // (or, after a held reply, read as the held text) and then the added text's;
+                // else the tokens decide, below. At a word's edge (a space, a line break,
+                // punctuation) it goes on by text, as a chat's turns do.
+                let mid_word = !chat
+                    && h.chars().last().is_some_and(char::is_alphanumeric)
+                    && delta.chars().next().is_some_and(char::is_alphanumeric);
+                let clean = !mid_word || {
                     let all = match ids {
                         Some(ids) => ids.to_vec(),
                         None => self.prompt_tokens(prompt)?,
                     };
-                    let ok = all.ends_with(&added);
+                    let head = all.len().saturating_sub(added.len());
+                    let before = &all[..head];
+                    let ok = all.ends_with(&added)
+                        && match pc.prompt_only {
+                            true => {
+                                before.len() == held + pc.pending.len()
+                                    && before.starts_with(&pc.tokens)
+                                    && before[held..] == pc.pending[..]
+                            }
+                            false => self.detokenize(before)? == *h,
+                        };
                     fresh = Some(all);
                     ok
                 };

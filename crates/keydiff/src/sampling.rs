@@ -236,6 +236,9 @@ pub struct Sampler {
     rng: StdRng,
     /// How many tokens of the history are the prompt's ([`Sampling::output_penalties`]).
     prompt_len: usize,
+    /// The prompt's distinct tokens, sorted: made on the first penalised draw, so that each
+    /// later one reads the reply only (the prompt does not change under a request).
+    prompt_ids: Option<Vec<u32>>,
 }
 
 impl Sampler {
@@ -246,6 +249,7 @@ impl Sampler {
             cfg,
             rng,
             prompt_len: 0,
+            prompt_ids: None,
         }
     }
 
@@ -253,6 +257,7 @@ impl Sampler {
     /// the rest the reply's (read by [`Sampling::output_penalties`]; 0 by default: all reply).
     pub fn with_prompt_len(mut self, n: usize) -> Self {
         self.prompt_len = n;
+        self.prompt_ids = None;
         self
     }
 
@@ -314,13 +319,31 @@ impl Sampler {
         if penalised && c.output_penalties {
             // vLLM's: repetition over every token of prompt and reply, the frequency and
             // presence penalties over the reply's.
-            let reply = &history[self.prompt_len.min(history.len())..];
-            penalize(logits, history, reply, c);
+            let p = self.prompt_len.min(history.len());
+            let prompt = self.prompt_ids.get_or_insert_with(|| {
+                let mut ids = history[..p].to_vec();
+                ids.sort_unstable();
+                ids.dedup();
+                ids
+            });
+            let reply = &history[p..];
+            // The reply's tokens the prompt does not have, then the prompt's: each once.
+            let mut extra: Vec<u32> = reply
+                .iter()
+                .copied()
+                .filter(|t| prompt.binary_search(t).is_err())
+                .collect();
+            extra.sort_unstable();
+            extra.dedup();
+            penalize(logits, extra.iter().chain(prompt.iter()), reply, c);
         } else if penalised && c.repeat_last_n > 0 {
             // llama.cpp's penalties sampler: each token seen in the window once, with its
             // count there.
             let window = &history[history.len().saturating_sub(c.repeat_last_n)..];
-            penalize(logits, window, window, c);
+            let mut seen = window.to_vec();
+            seen.sort_unstable();
+            seen.dedup();
+            penalize(logits, seen.iter(), window, c);
         }
         if c.temperature <= 0.0 {
             return argmax(logits);
@@ -357,15 +380,18 @@ impl Sampler {
     }
 }
 
-/// The penalties of `c`: the repetition penalty scales the logit of each token in `seen`
-/// once (divided when positive, multiplied when not), then the frequency penalty subtracts
-/// per occurrence in `counted` and the presence penalty once for a token there.
-fn penalize(logits: &mut [f32], seen: &[u32], counted: &[u32], c: &Sampling) {
+/// The penalties of `c`: the repetition penalty scales the logit of each token of `seen`
+/// (distinct tokens) once (divided when positive, multiplied when not), then the frequency
+/// penalty subtracts per occurrence in `counted` and the presence penalty once for a token
+/// there.
+fn penalize<'a>(
+    logits: &mut [f32],
+    seen: impl Iterator<Item = &'a u32>,
+    counted: &[u32],
+    c: &Sampling,
+) {
     if c.repetition_penalty != 1.0 {
-        let mut ids = seen.to_vec();
-        ids.sort_unstable();
-        ids.dedup();
-        for t in ids {
+        for &t in seen {
             if let Some(l) = logits.get_mut(t as usize) {
                 *l = if *l > 0.0 {
                     *l / c.repetition_penalty

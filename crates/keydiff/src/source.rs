@@ -96,7 +96,14 @@ impl ModelSource {
         for f in ["tokenizer.json", "tokenizer_config.json"] {
             get(f)?;
         }
-        let _ = get("generation_config.json");
+        // Optional files; the chat template where transformers 4.50 and later save it.
+        for f in [
+            "generation_config.json",
+            "chat_template.jinja",
+            "chat_template.json",
+        ] {
+            let _ = get(f);
+        }
         match get("model.safetensors.index.json") {
             Ok(index) => {
                 let text = std::fs::read_to_string(&index)
@@ -114,6 +121,18 @@ impl ModelSource {
                 files.sort();
                 files.dedup();
                 for f in files {
+                    // Shards are files of the repository: no absolute path, no `..` (checked
+                    // before fetching, as the loader checks a local index).
+                    let inside = !f.is_empty()
+                        && Path::new(&f)
+                            .components()
+                            .all(|c| matches!(c, std::path::Component::Normal(_)));
+                    if !inside {
+                        return Err(EngineError::Hub(format!(
+                            "{}: `weight_map` names `{f}`, which is not a file of `{repo}`",
+                            index.display()
+                        )));
+                    }
                     get(&f)?;
                 }
             }
