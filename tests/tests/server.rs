@@ -165,9 +165,10 @@ fn answers_equal_the_engine_whole_and_streamed() {
     assert_eq!(echoed["choices"][0]["text"], format!("{long}{}", want.text));
 
     // Chat, whole and streamed with usage.
+    // Text parts are joined by a line break (vLLM's and llama.cpp's way).
     let messages = vec![
         Message::new("system", "You are a helpful assistant."),
-        Message::new("user", "What is the capital of France?"),
+        Message::new("user", "What is the capital of\nFrance?"),
     ];
     let want = local
         .generate(&greedy(Prompt::Chat(messages), 24), |_| {})
@@ -175,7 +176,7 @@ fn answers_equal_the_engine_whole_and_streamed() {
     let body = json!({
         "messages": [
             {"role": "developer", "content": "You are a helpful assistant."},
-            {"role": "user", "content": [{"type": "text", "text": "What is the capital of "},
+            {"role": "user", "content": [{"type": "text", "text": "What is the capital of"},
                                          {"type": "text", "text": "France?"}]},
         ],
         "max_completion_tokens": 24,
