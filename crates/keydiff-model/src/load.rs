@@ -302,19 +302,13 @@ pub fn load_gguf(
     let model = Model::load(&cfg, &weights)?;
     let unused = weights.unused_tensors();
     if !unused.is_empty() {
-        let shown: Vec<String> = unused.iter().take(4).map(|n| format!("`{n}`")).collect();
         return Err(ModelError::BadGguf {
             path: path.to_path_buf(),
             reason: format!(
-                "{} tensor(s) that a {:?} model does not use: {}{}",
+                "{} tensor(s) that a {:?} model does not use: {}",
                 unused.len(),
                 cfg.arch,
-                shown.join(", "),
-                if unused.len() > shown.len() {
-                    ", …"
-                } else {
-                    ""
-                }
+                first_names(&unused)
             ),
         });
     }
@@ -379,20 +373,14 @@ pub fn load_hf_dir(
         .filter(|n| !(cfg.tie_word_embeddings && n == "lm_head.weight"))
         .collect();
     if !unused.is_empty() {
-        let shown: Vec<String> = unused.iter().take(4).map(|n| format!("`{n}`")).collect();
         return Err(ModelError::BadConfig {
             path: cfg_path,
             reason: format!(
                 "the checkpoint has {} tensor(s) that a {:?} model of this config does not \
-                 use: {}{}",
+                 use: {}",
                 unused.len(),
                 cfg.arch,
-                shown.join(", "),
-                if unused.len() > shown.len() {
-                    ", …"
-                } else {
-                    ""
-                }
+                first_names(&unused)
             ),
         });
     }
@@ -453,6 +441,17 @@ pub fn load_random(
         weight_plan,
         files: vec![config.to_path_buf()],
     })
+}
+
+/// The first four of `names` in backquotes, then `…` when there are more.
+fn first_names(names: &[String]) -> String {
+    let shown: Vec<String> = names.iter().take(4).map(|n| format!("`{n}`")).collect();
+    let more = if names.len() > shown.len() {
+        ", …"
+    } else {
+        ""
+    };
+    format!("{}{more}", shown.join(", "))
 }
 
 fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
