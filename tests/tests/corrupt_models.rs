@@ -289,6 +289,13 @@ fn metadata_corruptions_are_named() {
             Some(Value::U32(VOCAB as u32)),
             "outside the vocab of 49152 tokens",
         ),
+        // Used to be refused as "not enough memory": the memory plan came before the shapes.
+        (
+            "llama.feed_forward_length",
+            Some(Value::U32(1 << 20)),
+            "its metadata does not match its tensors: tensor `blk.0.ffn_gate.weight` has shape \
+             [128, 64]",
+        ),
         // As llama.cpp: the embedding has a row per token of the list.
         (
             "llama.vocab_size",
@@ -738,7 +745,8 @@ fn qwen3_moe_tensors_and_settings_are_checked() {
     expect_error(
         "seven experts",
         &p,
-        "tensor `blk.0.ffn_gate_exps.weight` has shape [7, 64, 64], expected [8, 64, 64]",
+        "tensor `blk.0.ffn_gate_exps.weight` has shape [7, 64, 64] (28672 values), but the \
+         model's settings",
     );
     let same = replaced("", None);
     for (key, v, needle) in [
@@ -1119,6 +1127,18 @@ fn hf_config_corruptions_are_named() {
             "rms_norm_eps",
             serde_json::json!(1e30),
             "must be from 0 to 0.1",
+        ),
+        // Used to be refused as "not enough memory": the memory plan came before the shapes.
+        (
+            "intermediate_size",
+            serde_json::json!(1u64 << 20),
+            "does not match the checkpoint: tensor `model.layers.0.mlp.gate_proj.weight` has \
+             shape [128, 64]",
+        ),
+        (
+            "hidden_size",
+            serde_json::json!(1u64 << 20),
+            "does not match the checkpoint: tensor `",
         ),
         // Used to be ignored: the forward pass computes none of these.
         ("hidden_act", serde_json::json!("gelu"), "hidden_act `gelu`"),

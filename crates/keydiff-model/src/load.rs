@@ -276,6 +276,12 @@ pub fn load_gguf(
     let mut weights = Weights::open_gguf(path, device, dtype, opts)?;
     let content = weights.gguf_content().expect("gguf source");
     let cfg = ModelConfig::from_gguf(content, path)?;
+    if let Some(reason) = weights.mismatched_tensor(&cfg) {
+        return Err(ModelError::BadGguf {
+            path: path.to_path_buf(),
+            reason: format!("its metadata does not match its tensors: {reason}"),
+        });
+    }
     let what = format!("the weights of {}", path.display());
     let (opts, weight_plan) = fit_weights(&weights, &cfg, opts, mem, &what)?;
     weights.set_cpu_weights(opts);
@@ -357,6 +363,12 @@ pub fn load_hf_dir(
             reason: "the checkpoint has no `lm_head.weight` and tie_word_embeddings is not \
                      true: the output layer is missing"
                 .into(),
+        });
+    }
+    if let Some(reason) = weights.mismatched_tensor(&cfg) {
+        return Err(ModelError::BadConfig {
+            path: cfg_path,
+            reason: format!("it does not match the checkpoint: {reason}"),
         });
     }
     let what = format!("the weights of {}", dir.display());

@@ -2,7 +2,7 @@
 //!
 //! The model asks for tensors by role ([`Key`]); each source maps roles to its own names.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -538,8 +538,8 @@ pub enum Weights {
     /// HF safetensors (memory-mapped).
     Safetensors {
         vb: VarBuilder<'static>,
-        /// Every tensor of the checkpoint, by name.
-        names: Vec<String>,
+        /// Every tensor of the checkpoint, by name, with its shape.
+        shapes: HashMap<String, Vec<usize>>,
         /// Names of the tensors read so far (see [`Weights::unused_tensors`]).
         used: Mutex<HashSet<String>>,
     },
@@ -664,9 +664,10 @@ impl Weights {
     /// file only: an FP8 or integer checkpoint is refused by name rather than cast (its scales
     /// would be lost), and a tensor in two shards is refused rather than one taken.
     pub fn open_safetensors(paths: &[PathBuf], device: &Device, dtype: DType) -> Result<Self> {
-        let mut at: std::collections::HashMap<String, &PathBuf> = Default::default();
+        let mut at: HashMap<String, &PathBuf> = Default::default();
+        let mut shapes = HashMap::new();
         for p in paths {
-            for (name, stored) in check_safetensors_header(p)? {
+            for (name, stored, shape) in check_safetensors_header(p)? {
                 let float = matches!(
                     stored,
                     safetensors::Dtype::F32
@@ -684,6 +685,7 @@ impl Weights {
                         ),
                     });
                 }
+                shapes.insert(name.clone(), shape);
                 if let Some(first) = at.insert(name.clone(), p) {
                     return Err(ModelError::BadSafetensors {
                         path: p.clone(),
@@ -695,13 +697,11 @@ impl Weights {
                 }
             }
         }
-        let mut names: Vec<String> = at.into_keys().collect();
-        names.sort();
         // SAFETY: the files are not modified while mapped (they are model checkpoints).
         let vb = unsafe { VarBuilder::from_mmaped_safetensors(paths, dtype, device)? };
         Ok(Weights::Safetensors {
             vb,
-            names,
+            shapes,
             used: Mutex::new(HashSet::new()),
         })
     }
@@ -1038,6 +1038,41 @@ impl Weights {
         }
     }
 
+    /// The first tensor the model reads whose stored size is not the one `cfg` gives it,
+    /// described; checked before the weights are planned or read, so that settings that do not
+    /// match their weights (a wrong `hidden_size`, say) are named as such and not as a lack of
+    /// memory. Tensors the source lacks are left to loading, which names them.
+    pub fn mismatched_tensor(&self, cfg: &ModelConfig) -> Option<String> {
+        for (name, _, n) in self.model_tensors(cfg) {
+            let shape: Vec<usize> = match self {
+                Weights::Gguf { content, .. } => match content.tensor_infos.get(&name) {
+                    Some(info) => info.shape.dims().to_vec(),
+                    None => continue,
+                },
+                Weights::Safetensors { shapes, .. } => match shapes.get(&name) {
+                    Some(s) => s.clone(),
+                    None => continue,
+                },
+                Weights::Random { .. } => return None,
+            };
+            let have = shape.iter().map(|&d| d as u64).product::<u64>();
+            if have != n {
+                return Some(format!(
+                    "tensor `{name}` has shape {shape:?} ({have} values), but the model's \
+                     settings (hidden size {}, {} query and {} KV heads of {}, MLP width {}, \
+                     vocabulary {}) give it {n} values",
+                    cfg.hidden_size,
+                    cfg.num_heads,
+                    cfg.num_kv_heads,
+                    cfg.head_dim,
+                    cfg.intermediate_size,
+                    cfg.vocab_size
+                ));
+            }
+        }
+        None
+    }
+
     /// True when the source has a tensor for `key` (used for tied embeddings).
     pub fn has(&self, key: Key, layer: Option<usize>) -> bool {
         let name = format!("{}.weight", key.name(self.is_gguf(), layer));
@@ -1054,7 +1089,7 @@ impl Weights {
     pub fn unused_tensors(&self) -> Vec<String> {
         let (names, used): (Vec<&String>, _) = match self {
             Weights::Gguf { content, used, .. } => (content.tensor_infos.keys().collect(), used),
-            Weights::Safetensors { names, used, .. } => (names.iter().collect(), used),
+            Weights::Safetensors { shapes, used, .. } => (shapes.keys().collect(), used),
             Weights::Random { .. } => return Vec::new(),
         };
         let used = used.lock().expect("tensor set poisoned");
@@ -1412,8 +1447,8 @@ fn open_file(path: &Path) -> Result<File> {
 
 /// Validates a safetensors header (JSON table of tensors whose data lies inside the file)
 /// without reading the tensor data, so that a bad file names itself.
-/// Checks a safetensors file's header; returns its tensors' names and stored types.
-fn check_safetensors_header(path: &Path) -> Result<Vec<(String, safetensors::Dtype)>> {
+/// Checks a safetensors file's header; returns its tensors' names, stored types and shapes.
+fn check_safetensors_header(path: &Path) -> Result<Vec<(String, safetensors::Dtype, Vec<usize>)>> {
     let f = open_file(path)?;
     // SAFETY: read-only mapping of a checkpoint that is not modified while we read it.
     let map = unsafe { memmap2::Mmap::map(&f) }.map_err(|source| ModelError::Io {
@@ -1428,7 +1463,7 @@ fn check_safetensors_header(path: &Path) -> Result<Vec<(String, safetensors::Dty
     Ok(meta
         .tensors()
         .into_iter()
-        .map(|(name, info)| (name, info.dtype))
+        .map(|(name, info)| (name, info.dtype, info.shape.clone()))
         .collect())
 }
 
