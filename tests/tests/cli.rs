@@ -1586,3 +1586,26 @@ fn devices_lists_the_cpu_and_why_there_is_no_gpu() {
     assert_eq!(v["cuda"], serde_json::json!([]));
     assert_eq!(v["build_target"], serde_json::Value::Null);
 }
+
+/// candle attaches a backtrace to its errors when `RUST_BACKTRACE` is set: it stays out of the
+/// message (a user debugging a panic should not get a stack dump in every error line).
+#[test]
+fn errors_carry_no_backtrace_under_rust_backtrace() {
+    let d = temp_dir("cli-backtrace");
+    let p = d.join("bad.gguf");
+    let mut bytes = std::fs::read(model(SMOLLM2)).unwrap();
+    // The first metadata key's length (after magic, version, tensor and key counts).
+    bytes[24..32].copy_from_slice(&(1u64 << 40).to_le_bytes());
+    std::fs::write(&p, &bytes).unwrap();
+    let out = Command::new(keydiff_bin())
+        .args(["run", "-m", p.to_str().unwrap(), "-p", "hi", "-n", "1"])
+        .env("RUST_BACKTRACE", "1")
+        .env_remove("RUST_LOG")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let se = String::from_utf8_lossy(&out.stderr);
+    assert!(se.contains("string length 1099511627776 exceeds"), "{se}");
+    assert!(!se.contains("Error::bt"), "{se}");
+    assert_eq!(se.trim_end().lines().count(), 1, "{se}");
+}

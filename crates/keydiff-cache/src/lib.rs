@@ -43,7 +43,36 @@ pub enum CacheError {
     #[error("shape mismatch: {0}")]
     Shape(String),
     #[error(transparent)]
-    Candle(#[from] candle_core::Error),
+    Candle(candle_core::Error),
+}
+
+impl From<candle_core::Error> for CacheError {
+    fn from(e: candle_core::Error) -> Self {
+        CacheError::Candle(without_backtrace(e))
+    }
+}
+
+/// `e` without the backtraces candle attaches to its errors when `RUST_BACKTRACE` is set:
+/// they would otherwise be part of the message, on the command line and in the server's
+/// JSON replies. Each is logged at debug level instead. Every crate of keydiff converts
+/// candle's errors through this.
+pub fn without_backtrace(e: candle_core::Error) -> candle_core::Error {
+    use candle_core::Error;
+    match e {
+        Error::WithBacktrace { inner, backtrace } => {
+            tracing::debug!("backtrace of `{inner}`:\n{backtrace}");
+            without_backtrace(*inner)
+        }
+        Error::Context { inner, context } => Error::Context {
+            inner: Box::new(without_backtrace(*inner)),
+            context,
+        },
+        Error::WithPath { inner, path } => Error::WithPath {
+            inner: Box::new(without_backtrace(*inner)),
+            path,
+        },
+        e => e,
+    }
 }
 
 /// Result alias of this crate.

@@ -752,7 +752,7 @@ impl ModelConfig {
             .to_string()
             .map_err(|e| ModelError::BadGguf {
                 path: path.to_path_buf(),
-                reason: e.to_string(),
+                reason: keydiff_cache::without_backtrace(e).to_string(),
             })?
             .clone();
         let arch = Arch::parse(&arch_name)?;
@@ -803,7 +803,10 @@ impl ModelConfig {
             .to_vec()
             .map_err(|e| ModelError::BadGguf {
                 path: path.to_path_buf(),
-                reason: format!("tokenizer.ggml.tokens: {e}"),
+                reason: format!(
+                    "tokenizer.ggml.tokens: {}",
+                    keydiff_cache::without_backtrace(e)
+                ),
             })?
             .len();
         let vocab_size = match opt_int("vocab_size")? {

@@ -42,7 +42,13 @@ pub enum ModelError {
     #[error(transparent)]
     Cache(#[from] keydiff_cache::CacheError),
     #[error(transparent)]
-    Candle(#[from] candle_core::Error),
+    Candle(candle_core::Error),
+}
+
+impl From<candle_core::Error> for ModelError {
+    fn from(e: candle_core::Error) -> Self {
+        ModelError::Candle(keydiff_cache::without_backtrace(e))
+    }
 }
 
 /// Result alias of this crate.

@@ -527,7 +527,7 @@ fn missing(key: &str) -> ModelError {
 }
 
 fn bad_value(key: &str, e: candle_core::Error) -> ModelError {
-    ModelError::Tokenizer(format!("`{key}`: {e}"))
+    ModelError::Tokenizer(format!("`{key}`: {}", keydiff_cache::without_backtrace(e)))
 }
 
 fn tok_err(e: tokenizers::Error) -> ModelError {

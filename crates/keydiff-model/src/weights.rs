@@ -620,7 +620,7 @@ impl Weights {
             ));
         }
         let content = gguf_file::Content::read(&mut file).map_err(|e| {
-            let reason = e.to_string();
+            let reason = keydiff_cache::without_backtrace(e).to_string();
             // std's message for a read past the end.
             let reason = match reason.contains("failed to fill whole buffer") {
                 true => format!(
@@ -1132,7 +1132,7 @@ impl Weights {
             .tensor(&mut *f, name, device)
             .map_err(|e| ModelError::BadGguf {
                 path: path.clone(),
-                reason: format!("tensor `{name}`: {e}"),
+                reason: format!("tensor `{name}`: {}", keydiff_cache::without_backtrace(e)),
             })
     }
 

@@ -52,7 +52,13 @@ pub enum EngineError {
     #[error(transparent)]
     Cache(#[from] keydiff_cache::CacheError),
     #[error(transparent)]
-    Candle(#[from] candle_core::Error),
+    Candle(candle_core::Error),
+}
+
+impl From<candle_core::Error> for EngineError {
+    fn from(e: candle_core::Error) -> Self {
+        EngineError::Candle(keydiff_cache::without_backtrace(e))
+    }
 }
 
 /// Result alias of this crate.
