@@ -159,6 +159,20 @@ fn chat_template_flags_shape_the_prompt() {
     ]);
     // SmolLM2's own template adds a default system message; the file's does not.
     assert!(given < own, "{given} vs {own}");
+    // llama.cpp's built-in of that name writes the same turns as the file (without thinking).
+    assert_eq!(prompt_tokens(&["--chat-template", "chatml"]), given);
+    // A word that names no built-in is refused, not used as a template that drops the messages.
+    let out = std::process::Command::new(keydiff_bin())
+        .args(["run", "-m", m.to_str().unwrap(), "-p", "Hi", "-n", "1"])
+        .args(["--chat-template", "mistral-v7"])
+        .output()
+        .unwrap();
+    let se = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{se}");
+    assert!(
+        se.contains("`mistral-v7` is neither a Jinja template") && se.contains("chatml, llama3"),
+        "{se}"
+    );
     assert!(off > given, "{off} vs {given}");
     // llama.cpp's way to say the same.
     let budget = prompt_tokens(&[

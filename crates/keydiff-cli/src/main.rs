@@ -279,8 +279,8 @@ struct LoadArgs {
 /// The chat template and its variables, llama.cpp's flags.
 #[derive(Args)]
 struct TemplateArgs {
-    /// A Jinja chat template to use in place of the model's (its text; llama.cpp's names of
-    /// built-in templates are not taken).
+    /// A Jinja chat template to use in place of the model's: its text, or `chatml` or
+    /// `llama3` (llama.cpp's built-ins of those names).
     #[arg(long, help_heading = "Chat template", value_name = "JINJA")]
     chat_template: Option<String>,
     /// The same, read from a file.

@@ -63,6 +63,46 @@ impl serde::Serialize for ToolCall {
     }
 }
 
+/// Chat templates by name, as llama.cpp's `--chat-template NAME` takes them, for the formats of
+/// the model families keydiff runs: `chatml` (Qwen's `<|im_start|>` turns, without Qwen 2.5's
+/// default system message) and `llama3` (Llama 3's header turns). They give the tokens
+/// llama.cpp's templates of those names give (the BOS written as `bos_token` is not doubled).
+pub const BUILTIN_TEMPLATES: [(&str, &str); 2] = [
+    (
+        "chatml",
+        "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + \
+         message['content'] + '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}\
+         {{ '<|im_start|>assistant\\n' }}{% endif %}",
+    ),
+    (
+        "llama3",
+        "{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + \
+         message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + \
+         '<|eot_id|>' }}{% endfor %}{% if add_generation_prompt %}\
+         {{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}",
+    ),
+];
+
+/// The template `given` stands for: a built-in's text for its name ([`BUILTIN_TEMPLATES`]),
+/// else `given` itself, which must then be Jinja (have a `{{` or `{%`): a word that names no
+/// template (llama.cpp's `mistral-v7`, a misspelling) is refused rather than used as a
+/// template that writes it and drops every message.
+pub fn resolve_template(given: &str) -> Result<&str> {
+    if let Some((_, src)) = BUILTIN_TEMPLATES.iter().find(|(n, _)| *n == given.trim()) {
+        return Ok(src);
+    }
+    if given.contains("{{") || given.contains("{%") {
+        return Ok(given);
+    }
+    let names: Vec<&str> = BUILTIN_TEMPLATES.iter().map(|(n, _)| *n).collect();
+    let shown: String = given.chars().take(60).collect();
+    Err(ModelError::ChatTemplate(format!(
+        "`{shown}` is neither a Jinja template (it has no `{{{{` or `{{%`) nor the name of a \
+         built-in one ({}); give the template's text, or a file of it",
+        names.join(", ")
+    )))
+}
+
 /// A model's chat template, compiled once.
 pub struct ChatTemplate {
     env: Environment<'static>,
@@ -1064,5 +1104,43 @@ mod tests {
         bad.insert("add_generation_prompt".into(), false.into());
         let err = t.render_with(&conversation, &[], true, &bad).unwrap_err();
         assert!(err.to_string().contains("`add_generation_prompt`"), "{err}");
+    }
+
+    /// The built-ins write llama.cpp's formats of those names (llm_chat_apply_template's
+    /// `LLM_CHAT_TEMPLATE_CHATML` and `LLM_CHAT_TEMPLATE_LLAMA_3`: Llama 3 trims each
+    /// message); other text must be Jinja.
+    #[test]
+    fn built_in_templates_by_name() {
+        let msgs = [
+            Message::new("system", "Be brief."),
+            Message::new("user", " Hi there \n"),
+        ];
+        let render = |name: &str, bos: Option<&str>| {
+            ChatTemplate::new(resolve_template(name).unwrap(), bos.map(Into::into), None)
+                .unwrap()
+                .render(&msgs, true)
+                .unwrap()
+        };
+        assert_eq!(
+            render("chatml", None),
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n Hi there \n\
+             <|im_end|>\n<|im_start|>assistant\n"
+        );
+        assert_eq!(
+            render("llama3", Some("<|begin_of_text|>")),
+            "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.\
+             <|eot_id|><|start_header_id|>user<|end_header_id|>\n\nHi there<|eot_id|>\
+             <|start_header_id|>assistant<|end_header_id|>\n\n"
+        );
+        let src = "{{ messages[0].content }}";
+        assert_eq!(resolve_template(src).unwrap(), src);
+        for word in ["chat-ml", "mistral-v7", "abc def"] {
+            let e = resolve_template(word).unwrap_err().to_string();
+            assert!(
+                e.contains(&format!("`{word}` is neither a Jinja template"))
+                    && e.contains("(chatml, llama3)"),
+                "{e}"
+            );
+        }
     }
 }

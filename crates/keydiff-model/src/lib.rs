@@ -17,7 +17,9 @@ pub mod tokenizer;
 pub mod weights;
 
 pub use attention::AttentionBackend;
-pub use chat::{ChatTemplate, Message, TemplateKwargs, ToolCall};
+pub use chat::{
+    resolve_template, ChatTemplate, Message, TemplateKwargs, ToolCall, BUILTIN_TEMPLATES,
+};
 pub use config::{
     Arch, Llama3RopeScaling, ModelConfig, MoeConfig, RopeOverride, RopeScaling, RopeScalingType,
     YarnRopeScaling,

@@ -68,7 +68,9 @@ pub struct EngineConfig {
     /// context grows with the scaling ([`ModelConfig::context`]).
     pub rope: RopeOverride,
     /// A Jinja chat template to use in place of the model's (llama.cpp's `--chat-template`,
-    /// vLLM's `--chat-template`): for a model without one, or to fix or change its own.
+    /// vLLM's `--chat-template`): for a model without one, or to fix or change its own. A
+    /// built-in's name (`chatml`, `llama3`: [`keydiff_model::BUILTIN_TEMPLATES`]) stands for
+    /// its text; other text without Jinja markup is refused.
     pub chat_template: Option<String>,
     /// Variables every chat template render gets beside the messages (llama.cpp's
     /// `--chat-template-kwargs`), such as `{"enable_thinking": false}` for Qwen 3; a request's
@@ -1740,8 +1742,8 @@ impl Engine {
         check_device_arch(&cfg.device, source)?;
         // A given chat template and its variables are checked before the weights load.
         keydiff_model::chat::check_template_kwargs(&cfg.chat_template_kwargs)?;
-        if let Some(src) = &cfg.chat_template {
-            keydiff_model::ChatTemplate::new(src, None, None)?;
+        if let Some(given) = &cfg.chat_template {
+            keydiff_model::ChatTemplate::new(keydiff_model::resolve_template(given)?, None, None)?;
         }
         // Room to leave beside the weights: a budgeted cache is allocated at N + B slots for
         // every request; a full cache depends on the prompt and is checked per request.
@@ -1796,8 +1798,9 @@ impl Engine {
                 return Self::load(&local, cfg);
             }
         };
-        if let Some(src) = &cfg.chat_template {
+        if let Some(given) = &cfg.chat_template {
             let (bos, eos) = loaded.vocab.template_tokens.clone();
+            let src = keydiff_model::resolve_template(given)?;
             loaded.vocab.chat_template = Some(keydiff_model::ChatTemplate::new(src, bos, eos)?);
         }
         loaded.model.set_attention(cfg.attention)?;
