@@ -1570,6 +1570,13 @@ fn json_schema_and_grammar_replies() {
     let v: Value = serde_json::from_str(text).unwrap();
     let keys: Vec<&String> = v.as_object().unwrap().keys().collect();
     assert_eq!(keys, ["name", "age", "colour"], "{v}");
+    // llama-server's form: the schema beside `json_object` (it used to be dropped, and the
+    // reply was any object).
+    let mut beside = body.clone();
+    beside["response_format"] = json!({"type": "json_object", "schema": schema});
+    let (code, got) = post(&url, &beside);
+    assert_eq!(code, 200, "{got}");
+    assert_eq!(got["choices"][0]["message"]["content"], want.text, "{got}");
     let mut body = body;
     body["stream"] = json!(true);
     let chunks = events(ureq::post(&url).send_json(&body).unwrap());
@@ -1933,10 +1940,26 @@ fn logit_bias_stop_tokens_and_unsupported_samplers() {
         ("top_n_sigma", json!(1.0)),
     ] {
         let mut body = off.clone();
-        body[field] = on;
+        body[field] = on.clone();
         let (code, v) = post(&url, &body);
         assert_eq!(code, 400, "{field}: {v}");
         assert_eq!(v["error"]["param"], field, "{v}");
+        // llama-server reads them on its OpenAI endpoints too: refused there as well (they
+        // used to be dropped as unknown fields).
+        for (path, mut body) in [
+            ("/v1/completions", json!({"prompt": text, "max_tokens": 2})),
+            (
+                "/v1/chat/completions",
+                json!({"messages": [{"role": "user", "content": text}], "max_tokens": 2}),
+            ),
+        ] {
+            let v1 = format!("{}{path}", server.url());
+            assert_eq!(post(&v1, &body).0, 200, "{path}");
+            body[field] = on.clone();
+            let (code, v) = post(&v1, &body);
+            assert_eq!(code, 400, "{path} {field}: {v}");
+            assert_eq!(v["error"]["param"], field, "{v}");
+        }
     }
 
     // The samplers' order: llama.cpp's on its endpoint (top-p and min-p at temperature 1,

@@ -101,6 +101,9 @@ pub struct Common {
     /// limit), `repeat_penalty` for `repetition_penalty`.
     pub n_predict: Option<i64>,
     pub repeat_penalty: Option<f32>,
+    /// llama.cpp's samplers keydiff does not have: refused unless off.
+    #[serde(flatten)]
+    pub unsupported: LlamaSamplers,
 }
 
 /// `POST /v1/completions`.
@@ -399,7 +402,7 @@ impl Common {
                 format!("{field} is not supported"),
                 Some(field),
             )),
-            None => Ok(()),
+            None => self.unsupported.refuse(),
         }
     }
 
@@ -460,7 +463,11 @@ impl Common {
         };
         match f.get("type").and_then(Value::as_str) {
             Some("text") => Ok(Format::Text),
-            Some("json_object") => Ok(Format::JsonObject),
+            // llama-server's: a schema beside `json_object` constrains it.
+            Some("json_object") => match f.get("schema").filter(|s| !s.is_null()) {
+                Some(s) => schema(s, "response_format"),
+                None => Ok(Format::JsonObject),
+            },
             Some("json_schema") => match f.get("json_schema").and_then(|j| j.get("schema")) {
                 Some(s) => schema(s, "response_format"),
                 None => bad(
@@ -1018,6 +1025,15 @@ pub struct LlamaParams {
     /// llama.cpp's samplers keydiff does not have, and probabilities after its samplers:
     /// refused unless off ([`LlamaParams::refuse_unsupported`]).
     pub post_sampling_probs: Option<bool>,
+    #[serde(flatten)]
+    pub unsupported: LlamaSamplers,
+}
+
+/// llama.cpp's samplers keydiff does not have. llama-server reads them on every endpoint, its
+/// OpenAI ones too: each endpoint here refuses them unless they are off
+/// ([`LlamaSamplers::refuse`]), rather than answering without them.
+#[derive(Debug, Default, Deserialize)]
+pub struct LlamaSamplers {
     pub typical_p: Option<f32>,
     pub mirostat: Option<i64>,
     pub dynatemp_range: Option<f32>,
@@ -1026,18 +1042,11 @@ pub struct LlamaParams {
     pub top_n_sigma: Option<f32>,
 }
 
-/// llama.cpp's seed for "a fresh one" (`LLAMA_DEFAULT_SEED`), as negative ones are.
-const LLAMA_RANDOM_SEED: i64 = 0xFFFF_FFFF;
-
-impl LlamaParams {
-    /// Refuses llama.cpp's samplers that keydiff does not have, unless they are off (its web
-    /// UI and editor plugins send them all, at their defaults).
-    fn refuse_unsupported(&self) -> Result<(), ApiError> {
+impl LlamaSamplers {
+    /// Refuses the first sampler that is on (llama.cpp's web UI and editor plugins send them
+    /// all, at their defaults, which are off).
+    fn refuse(&self) -> Result<(), ApiError> {
         let on = [
-            (
-                "post_sampling_probs",
-                self.post_sampling_probs == Some(true),
-            ),
             ("typical_p", self.typical_p.is_some_and(|p| p < 1.0)),
             ("mirostat", self.mirostat.is_some_and(|m| m != 0)),
             (
@@ -1061,6 +1070,24 @@ impl LlamaParams {
             )),
             None => Ok(()),
         }
+    }
+}
+
+/// llama.cpp's seed for "a fresh one" (`LLAMA_DEFAULT_SEED`), as negative ones are.
+const LLAMA_RANDOM_SEED: i64 = 0xFFFF_FFFF;
+
+impl LlamaParams {
+    /// Refuses llama.cpp's samplers that keydiff does not have, unless they are off (its web
+    /// UI and editor plugins send them all, at their defaults).
+    fn refuse_unsupported(&self) -> Result<(), ApiError> {
+        if self.post_sampling_probs == Some(true) {
+            return Err(ApiError::invalid(
+                "post_sampling_probs is not supported (keydiff's probabilities are taken \
+                 before its samplers)",
+                Some("post_sampling_probs"),
+            ));
+        }
+        self.unsupported.refuse()
     }
 
     /// The request on `prompt`, as the OpenAI endpoints would run it with these settings.
