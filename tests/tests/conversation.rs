@@ -98,6 +98,50 @@ fn turns_reuse_the_cache_and_match_fresh_requests() {
     );
 }
 
+/// Penalties count the earlier turns as context, as in a fresh request on the whole
+/// conversation (llama-cli's window reaches back into them): each turn's reply, under
+/// llama.cpp's penalties over the whole context and under OpenAI's, is the fresh request's.
+/// They used to see only the turn's new tokens.
+#[test]
+fn penalties_see_the_earlier_turns() {
+    let e = engine(CacheConfig::full(32));
+    for output_penalties in [false, true] {
+        let sampling = keydiff::Sampling {
+            presence_penalty: 1.5,
+            frequency_penalty: 0.5,
+            repetition_penalty: 1.3,
+            repeat_last_n: usize::MAX,
+            output_penalties,
+            ..Default::default()
+        };
+        let p = GenerateParams {
+            sampling,
+            ..params(12)
+        };
+        let mut conv = Conversation::new(None);
+        for (i, user) in ["Say hello.", "Say hello again."].iter().enumerate() {
+            let before = conv.messages().to_vec();
+            let out = e.chat_turn(&mut conv, user, &p, |_| {}).unwrap();
+            let mut messages = before;
+            messages.push(Message::new("user", user.to_string()));
+            let fresh = e
+                .generate(
+                    &GenerateParams {
+                        prompt: Prompt::Chat(messages),
+                        ..p.clone()
+                    },
+                    |_| {},
+                )
+                .unwrap();
+            assert_eq!(
+                out.tokens, fresh.tokens,
+                "output_penalties {output_penalties}, turn {i}: {:?} vs {:?}",
+                out.text, fresh.text
+            );
+        }
+    }
+}
+
 /// A template that rewrites earlier turns, as Qwen 3's drops the reasoning of earlier replies:
 /// each turn goes on from the tokens the cache and the re-rendered conversation have in
 /// common (the cache is cut back to them), and its reply is still the one a fresh request on

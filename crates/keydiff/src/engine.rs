@@ -1446,9 +1446,20 @@ impl<'e> Decoding<'e> {
         Ok(next)
     }
 
-    /// Tokens that came before the prompt (a conversation's earlier turns, in its cache):
-    /// speculative drafts are looked up in them too.
-    pub(crate) fn look_up_in(&mut self, earlier: &[u32]) {
+    /// Tokens that came before the prompt (a conversation's earlier turns, in its cache), set
+    /// before the first token is sampled. They are context as the prompt is: the penalties
+    /// count them (llama-cli's window, `repeat_last_n`, reaches back into earlier turns; a
+    /// repetition penalty counts the whole context), and speculative drafts are looked up in
+    /// them.
+    pub(crate) fn after(&mut self, earlier: &[u32]) {
+        debug_assert!(self.generated.is_empty(), "earlier tokens after sampling");
+        if earlier.is_empty() {
+            return;
+        }
+        let mut history = earlier.to_vec();
+        history.extend_from_slice(&self.history);
+        self.history = history;
+        self.sampler = self.sampler.clone().with_prompt_len(self.history.len());
         if self.params.speculative.is_some() {
             self.spec_earlier = earlier.to_vec();
         }
@@ -1469,7 +1480,7 @@ impl<'e> Decoding<'e> {
         );
         let mut d = self.clone();
         d.params.sampling.seed = seed;
-        d.sampler = Sampler::new(d.params.sampling.clone()).with_prompt_len(d.prompt.len());
+        d.sampler = Sampler::new(d.params.sampling.clone()).with_prompt_len(d.history.len());
         d
     }
 
@@ -2693,7 +2704,7 @@ impl Engine {
     ) -> Result<(Output, Option<u32>)> {
         let mut d =
             self.prefill_request(cache, prompt.to_vec(), start, params.clone(), t0, on_event)?;
-        d.look_up_in(earlier);
+        d.after(earlier);
         self.decode_request(d, cache, on_event)
     }
 
