@@ -748,7 +748,8 @@ fn die_on_closed_stdout() {
 /// rewritten to its names, those it has no use for are refused, saying why.
 fn llama_cpp_flags(args: Vec<std::ffi::OsString>) -> Result<Vec<std::ffi::OsString>> {
     let mut out = Vec::with_capacity(args.len());
-    let chat = args.get(1).and_then(|c| c.to_str()) == Some("chat");
+    let command = args.get(1).and_then(|c| c.to_str()).map(str::to_string);
+    let chat = command.as_deref() == Some("chat");
     let mut it = args.into_iter().peekable();
     while let Some(a) = it.next() {
         let Some(flag) = a.to_str() else {
@@ -777,7 +778,11 @@ fn llama_cpp_flags(args: Vec<std::ffi::OsString>) -> Result<Vec<std::ffi::OsStri
             "-sys" => "--system",
             "-hf" | "-hfr" => "--model",
             "-dev" => "--device",
-            "-np" => "--max-batch",
+            "-np" | "--parallel" if command.as_deref() == Some("serve") => "--max-batch",
+            "-np" | "--parallel" => bail!(
+                "{flag} is the server's number of requests run together: `keydiff serve \
+                 --max-batch N` (llama-server's -np)"
+            ),
             // Plain completion: what `run` does unless told --chat.
             "-no-cnv" => continue,
             // `-fa [on|off|auto]`, or alone (older llama.cpp): on.
@@ -2832,9 +2837,13 @@ mod tests {
             ]
         );
         assert_eq!(
-            tr(&["serve", "-fa", "on", "-np", "4"]).unwrap(),
-            ["serve", "--attention", "flash", "--max-batch", "4"]
+            tr(&["keydiff", "serve", "-fa", "on", "-np", "4"]).unwrap(),
+            ["keydiff", "serve", "--attention", "flash", "--max-batch", "4"]
         );
+        // The server's flag: elsewhere it said "unexpected argument '--max-batch'".
+        assert!(tr(&["keydiff", "run", "-np", "2"])
+            .unwrap_err()
+            .contains("`keydiff serve --max-batch N`"));
         assert_eq!(
             tr(&["run", "-fa", "-p", "x"]).unwrap()[1..3],
             ["--attention", "flash"]
