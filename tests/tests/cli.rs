@@ -358,6 +358,33 @@ fn stop_string_ends_generation() {
     let v: serde_json::Value = serde_json::from_str(so.trim()).unwrap();
     assert!(!v["text"].as_str().unwrap().contains("Paris"), "{v}");
     assert_eq!(v["stats"]["stop_reason"], "stop_string", "{v}");
+
+    // llama.cpp reads escapes in -p and --stop: `\n` is a line break (it used to be two
+    // characters, and the reply ran on to -n); --no-escape takes them as written.
+    let lines = |extra: &[&str]| {
+        let base = ["run", "-m", m.to_str().unwrap(), "-n", "40", "--json"];
+        let args = [
+            &base[..],
+            &["-p", "A list of fruits:\\n1. Apple\\n2."],
+            extra,
+        ]
+        .concat();
+        let (so, _) = ok(&args);
+        let v: serde_json::Value = serde_json::from_str(so.trim()).unwrap();
+        v
+    };
+    let v = lines(&["--stop", "\\n"]);
+    assert_eq!(v["stats"]["stop_reason"], "stop_string", "{v}");
+    assert!(!v["text"].as_str().unwrap().contains('\n'), "{v}");
+    let escaped_prompt = v["stats"]["prompt_tokens"].clone();
+    let v = lines(&["--no-escape", "--stop", "\\n"]);
+    assert_ne!(v["stats"]["prompt_tokens"], escaped_prompt, "{v}");
+    let out = std::process::Command::new(keydiff_bin())
+        .args(["run", "-m", m.to_str().unwrap(), "-p", "x", "--stop", ""])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--stop must not be empty"));
 }
 
 #[test]

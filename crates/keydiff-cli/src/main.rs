@@ -78,6 +78,8 @@ enum Cmd {
         /// Parse special tokens (e.g. <|im_start|>) written in the text.
         #[arg(long, visible_alias = "parse-special")]
         special: bool,
+        #[command(flatten)]
+        escape: EscapeArgs,
     },
     /// List the devices this keydiff can run on (llama.cpp's --list-devices): the CPU, and
     /// every CUDA device the driver sees, with its compute capability, memory and how much of
@@ -622,6 +624,92 @@ struct ContextArgs {
     ctx_size: Option<usize>,
 }
 
+/// llama.cpp's escapes in text given on the command line.
+#[derive(Args)]
+struct EscapeArgs {
+    /// Take the text of -p, --stop and --suffix as written: by default their escapes (\n, \r,
+    /// \t, \\, \", \', \xHH) are read, as llama.cpp reads them. A file (-f) and stdin are
+    /// never changed.
+    #[arg(long)]
+    no_escape: bool,
+    /// llama.cpp's -e: escapes are read (the default).
+    #[arg(
+        short = 'e',
+        long = "escape",
+        hide = true,
+        conflicts_with = "no_escape"
+    )]
+    _escape: bool,
+}
+
+impl EscapeArgs {
+    /// `text` with its escapes read, unless --no-escape.
+    fn apply(&self, text: &str) -> String {
+        if self.no_escape {
+            text.to_string()
+        } else {
+            unescape(text)
+        }
+    }
+}
+
+/// llama.cpp's `string_process_escapes`: `\n`, `\r`, `\t`, `\\`, `\"`, `\'` and `\xHH`
+/// (ASCII only here, so that the text stays UTF-8) become the characters; any other
+/// backslash stays as written.
+fn unescape(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut chars = text.chars().peekable();
+    while let Some(c) = chars.next() {
+        if c != '\\' {
+            out.push(c);
+            continue;
+        }
+        let read = match chars.peek() {
+            Some('n') => Some('\n'),
+            Some('r') => Some('\r'),
+            Some('t') => Some('\t'),
+            Some('\\') => Some('\\'),
+            Some('"') => Some('"'),
+            Some('\'') => Some('\''),
+            Some('x') => {
+                let hex: String = chars.clone().skip(1).take(2).collect();
+                match u8::from_str_radix(&hex, 16) {
+                    Ok(b)
+                        if hex.len() == 2
+                            && hex.chars().all(|h| h.is_ascii_hexdigit())
+                            && b.is_ascii() =>
+                    {
+                        chars.next();
+                        chars.next();
+                        Some(b as char)
+                    }
+                    _ => None,
+                }
+            }
+            _ => None,
+        };
+        match read {
+            Some(r) => {
+                chars.next();
+                out.push(r);
+            }
+            None => out.push('\\'),
+        }
+    }
+    out
+}
+
+/// Stop strings as given: an empty one is refused (it would stop before anything).
+fn stop_strings(stops: &[String], esc: &EscapeArgs) -> Result<Vec<String>> {
+    stops
+        .iter()
+        .map(|s| match esc.apply(s) {
+            s if s.is_empty() => bail!("--stop must not be empty"),
+            s => Ok(s),
+        })
+        .collect()
+}
+
 #[derive(Args)]
 struct RunArgs {
     #[command(flatten)]
@@ -634,6 +722,8 @@ struct RunArgs {
     /// Read the prompt from a file (one line break at its end left out, as llama.cpp does).
     #[arg(short = 'f', long)]
     file: Option<PathBuf>,
+    #[command(flatten)]
+    escape: EscapeArgs,
     /// Read the prompt as token ids (a JSON array) from a file, e.g. to feed two engines the
     /// very same ids in a benchmark.
     #[arg(long, conflicts_with_all = ["prompt", "file", "chat", "system"])]
@@ -833,9 +923,10 @@ fn real_main() -> Result<()> {
             prompt,
             file,
             special,
+            escape,
         } => {
             let prompt = match (prompt, file) {
-                (Some(p), _) => p,
+                (Some(p), _) => escape.apply(&p),
                 (None, Some(f)) => read_text_file(&f, "text")?,
                 (None, None) => {
                     let mut s = String::new();
@@ -1586,7 +1677,10 @@ fn gpu_info(dev: &keydiff::Device) -> serde_json::Value {
     }
 }
 
-fn run(a: RunArgs) -> Result<()> {
+fn run(mut a: RunArgs) -> Result<()> {
+    a.prompt = a.prompt.map(|p| a.escape.apply(&p));
+    a.suffix = a.suffix.map(|p| a.escape.apply(&p));
+    a.stop = stop_strings(&a.stop, &a.escape)?;
     // Before the prompt is read and the model loads, which can take minutes.
     sampling(&a)?
         .validate()
@@ -1957,6 +2051,8 @@ struct ChatArgs {
     /// End a reply when this string is generated (repeatable; it is not printed).
     #[arg(long)]
     stop: Vec<String>,
+    #[command(flatten)]
+    escape: EscapeArgs,
     /// Keep the conversation (its messages and KV cache) in this file: resumed from it when
     /// it exists, saved after every turn, so a later `keydiff chat` goes on without
     /// prefilling what was said (under --budget the file holds N slots per layer and head).
@@ -1970,11 +2066,12 @@ fn chat(a: &ChatArgs) -> Result<()> {
     sampling
         .validate()
         .map_err(|e| anyhow::anyhow!("invalid parameter: {e}"))?;
+    let stop = stop_strings(&a.stop, &a.escape)?;
     let engine = a.model.load_in(&a.ctx)?;
     let params = GenerateParams {
         max_tokens: a.max_tokens,
         sampling,
-        stop: a.stop.clone(),
+        stop,
         speculative: a.spec.get()?,
         ..Default::default()
     };
@@ -2739,6 +2836,17 @@ fn generate_with(
 mod tests {
     use super::*;
 
+    /// llama.cpp's escapes; others, a lone backslash and non-ASCII `\x` stay as written.
+    #[test]
+    fn escapes_are_read_as_llama_cpp_reads_them() {
+        assert_eq!(
+            unescape(r#"a\nb\tc\rd\\e\"f\'g\x41\x4"#),
+            "a\nb\tc\rd\\e\"f'gA\\x4"
+        );
+        assert_eq!(unescape(r"\q \x+1 \xff \"), r"\q \x+1 \xff \");
+        assert_eq!(unescape("é\\n"), "é\n");
+    }
+
     /// llama.cpp's -1 (no limit) for counts, and a top-k of 0 or less (off).
     #[test]
     fn counts_take_minus_one_and_top_k_takes_negatives() {
@@ -2838,7 +2946,14 @@ mod tests {
         );
         assert_eq!(
             tr(&["keydiff", "serve", "-fa", "on", "-np", "4"]).unwrap(),
-            ["keydiff", "serve", "--attention", "flash", "--max-batch", "4"]
+            [
+                "keydiff",
+                "serve",
+                "--attention",
+                "flash",
+                "--max-batch",
+                "4"
+            ]
         );
         // The server's flag: elsewhere it said "unexpected argument '--max-batch'".
         assert!(tr(&["keydiff", "run", "-np", "2"])
