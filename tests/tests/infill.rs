@@ -58,7 +58,8 @@ fn models_without_fim_tokens_and_empty_infills_are_refused() {
     let e = engine(SMOLLM2);
     let err = e.prompt_tokens(&infill("def f():", "")).unwrap_err();
     assert!(
-        matches!(&err, EngineError::BadParams(m) if m.contains("no fill-in-the-middle tokens")),
+        matches!(&err, EngineError::BadField { field: "suffix", reason }
+            if reason.contains("no fill-in-the-middle tokens")),
         "{err}"
     );
     let e = engine(QWEN);

@@ -503,7 +503,7 @@ fn bad_requests_are_refused_naming_the_problem() {
         (
             &c,
             json!({"prompt": "hi", "suffix": "x"}),
-            None,
+            Some("suffix"),
             "no fill-in-the-middle tokens",
         ),
         (
@@ -545,14 +545,19 @@ fn bad_requests_are_refused_naming_the_problem() {
         (
             &c,
             json!({"prompt": "hi", "temperature": -1}),
-            None,
+            Some("temperature"),
             "temperature -1",
         ),
-        (&c, json!({"prompt": "hi", "top_p": 0}), None, "top-p 0"),
+        (
+            &c,
+            json!({"prompt": "hi", "top_p": 0}),
+            Some("top_p"),
+            "top-p 0",
+        ),
         (
             &c,
             json!({"prompt": "hi", "presence_penalty": 3}),
-            None,
+            Some("presence_penalty"),
             "presence penalty 3",
         ),
         (
@@ -577,7 +582,7 @@ fn bad_requests_are_refused_naming_the_problem() {
         (
             &c,
             json!({"prompt": "hi", "logit_bias": {"99999999": 1}, "stream": true}),
-            None,
+            Some("logit_bias"),
             "logit bias on token id 99999999, outside the vocabulary",
         ),
         (
@@ -653,7 +658,7 @@ fn bad_requests_are_refused_naming_the_problem() {
             &chat,
             json!({"messages": user, "response_format": {"type": "json_object"},
                    "ignore_eos": true}),
-            None,
+            Some("ignore_eos"),
             "cannot ignore the end of generation",
         ),
         (

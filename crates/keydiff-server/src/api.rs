@@ -329,9 +329,9 @@ impl Common {
                 && self.repeat_penalty.is_none()
                 && m.repeat_last_n.is_none(),
         };
-        sampling
-            .validate()
-            .map_err(|e| ApiError::invalid(format!("invalid sampling parameter: {e}"), None))?;
+        sampling.check().map_err(|(field, e)| {
+            ApiError::invalid(format!("invalid sampling parameter: {e}"), Some(field))
+        })?;
         Ok(Mapped {
             params: GenerateParams {
                 prompt,

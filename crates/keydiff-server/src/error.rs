@@ -70,6 +70,7 @@ impl From<EngineError> for ApiError {
             EngineError::NoChatTemplate | EngineError::Model(ModelError::ChatTemplate(_)) => {
                 Self::invalid(message, Some("messages"))
             }
+            EngineError::BadField { field, .. } => Self::invalid(message, Some(field)),
             EngineError::BadParams(_) | EngineError::Tokenizer(_) => Self::invalid(message, None),
             // A slot file to restore that is missing, damaged or made otherwise.
             EngineError::CacheFile { .. } => Self::invalid(message, Some("filename")),

@@ -283,16 +283,20 @@ impl GenerateParams {
     /// Refuses settings the engine cannot honour: meaningless sampling values, more logprob
     /// alternatives than [`MAX_TOP_LOGPROBS`], or JSON mode or a grammar with `ignore_eos`.
     pub fn validate(&self) -> Result<()> {
-        self.sampling.validate().map_err(EngineError::BadParams)?;
+        (self.sampling.check())
+            .map_err(|(field, reason)| EngineError::BadField { field, reason })?;
         if let Some(s) = &self.speculative {
             s.validate()?;
         }
         if self.ignore_eos && self.sampling.format != Format::Text {
-            return Err(EngineError::BadParams(format!(
-                "{} ends generation when the text is whole; it cannot ignore the end of \
-                 generation",
-                Constraint::what(&self.sampling.format)
-            )));
+            return Err(EngineError::BadField {
+                field: "ignore_eos",
+                reason: format!(
+                    "{} ends generation when the text is whole; it cannot ignore the end of \
+                     generation",
+                    Constraint::what(&self.sampling.format)
+                ),
+            });
         }
         for (name, top) in [
             ("logprobs", self.logprobs),
@@ -2392,12 +2396,13 @@ impl Engine {
         }
         let v = &self.loaded.vocab;
         let Some(fim) = v.fim else {
-            return Err(EngineError::BadParams(
-                "this model has no fill-in-the-middle tokens (<|fim_prefix|>, \
-                 <|fim_suffix|>, <|fim_middle|> or their kin), so a suffix cannot be \
-                 honoured"
+            return Err(EngineError::BadField {
+                field: "suffix",
+                reason: "this model has no fill-in-the-middle tokens (<|fim_prefix|>, \
+                         <|fim_suffix|>, <|fim_middle|> or their kin), so a suffix cannot be \
+                         honoured"
                     .into(),
-            ));
+            });
         };
         let mut ids: Vec<u32> = match v.add_bos {
             true => v.bos_id.into_iter().collect(),
@@ -2521,24 +2526,31 @@ impl Engine {
                 bias == f32::NEG_INFINITY
             };
             if !eos.is_empty() && eos.iter().all(banned) {
-                return Err(EngineError::BadParams(format!(
-                    "{} ends generation when the text is whole; the logit bias bans the end of \
-                     generation",
-                    Constraint::what(format)
-                )));
+                return Err(EngineError::BadField {
+                    field: "logit_bias",
+                    reason: format!(
+                        "{} ends generation when the text is whole; the logit bias bans the end \
+                         of generation",
+                        Constraint::what(format)
+                    ),
+                });
             }
         }
         if params.min_tokens > params.max_tokens {
-            return Err(EngineError::BadParams(format!(
-                "min_tokens {} is more than max_tokens {}",
-                params.min_tokens, params.max_tokens
-            )));
+            return Err(EngineError::BadField {
+                field: "min_tokens",
+                reason: format!(
+                    "min_tokens {} is more than max_tokens {}",
+                    params.min_tokens, params.max_tokens
+                ),
+            });
         }
         let vocab = self.model_config().vocab_size;
         if let Some(bad) = params.stop_tokens.iter().find(|&&t| t as usize >= vocab) {
-            return Err(EngineError::BadParams(format!(
-                "stop token id {bad}, outside the vocabulary of {vocab}"
-            )));
+            return Err(EngineError::BadField {
+                field: "stop_token_ids",
+                reason: format!("stop token id {bad}, outside the vocabulary of {vocab}"),
+            });
         }
         match params
             .sampling
@@ -2546,9 +2558,10 @@ impl Engine {
             .iter()
             .find(|b| b.0 as usize >= vocab)
         {
-            Some((bad, _)) => Err(EngineError::BadParams(format!(
-                "logit bias on token id {bad}, outside the vocabulary of {vocab}"
-            ))),
+            Some((bad, _)) => Err(EngineError::BadField {
+                field: "logit_bias",
+                reason: format!("logit bias on token id {bad}, outside the vocabulary of {vocab}"),
+            }),
             None => Ok(()),
         }
     }

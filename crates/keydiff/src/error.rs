@@ -25,6 +25,11 @@ pub enum EngineError {
     Tokenizer(String),
     #[error("invalid parameter: {0}")]
     BadParams(String),
+    /// A request setting the engine cannot honour, by its field's name (`min_tokens`,
+    /// `logit_bias`, `stop_token_ids`, `suffix`, `ignore_eos`, `top_p`, ...), which an API
+    /// error names.
+    #[error("invalid parameter: {reason}")]
+    BadField { field: &'static str, reason: String },
     /// A device that cannot be used here (`--device`): the reason says why.
     #[error("device `{name}`: {reason}")]
     Device { name: String, reason: String },

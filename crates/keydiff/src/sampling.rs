@@ -169,30 +169,63 @@ impl Sampling {
     /// repetition penalty that is not a positive number, or a logit bias that is NaN or +∞.
     /// (Token ids are checked against the model's vocabulary by the engine.)
     pub fn validate(&self) -> Result<(), String> {
+        self.check().map_err(|(_, why)| why)
+    }
+
+    /// [`Sampling::validate`], with the field at fault (`top_p`, `logit_bias`, ...), for an
+    /// API error that names it.
+    pub fn check(&self) -> Result<(), (&'static str, String)> {
         if !(self.temperature.is_finite() && self.temperature >= 0.0) {
-            return Err(format!(
-                "temperature {} must be a finite number >= 0 (0 is greedy)",
-                self.temperature
+            return Err((
+                "temperature",
+                format!(
+                    "temperature {} must be a finite number >= 0 (0 is greedy)",
+                    self.temperature
+                ),
             ));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return Err(format!("top-p {} must be in (0, 1] (1 is off)", self.top_p));
-        }
-        if !(self.min_p >= 0.0 && self.min_p <= 1.0) {
-            return Err(format!("min-p {} must be in [0, 1] (0 is off)", self.min_p));
-        }
-        if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
-            return Err(format!(
-                "repetition penalty {} must be a finite number > 0 (1 is off)",
-                self.repetition_penalty
+            return Err((
+                "top_p",
+                format!("top-p {} must be in (0, 1] (1 is off)", self.top_p),
             ));
         }
-        for (name, v) in [
-            ("frequency penalty", self.frequency_penalty),
-            ("presence penalty", self.presence_penalty),
+        if !(self.min_p >= 0.0 && self.min_p <= 1.0) {
+            return Err((
+                "min_p",
+                format!("min-p {} must be in [0, 1] (0 is off)", self.min_p),
+            ));
+        }
+        if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
+            return Err((
+                "repetition_penalty",
+                format!(
+                    "repetition penalty {} must be a finite number > 0 (1 is off)",
+                    self.repetition_penalty
+                ),
+            ));
+        }
+        for (field, name, v) in [
+            (
+                "frequency_penalty",
+                "frequency penalty",
+                self.frequency_penalty,
+            ),
+            (
+                "presence_penalty",
+                "presence penalty",
+                self.presence_penalty,
+            ),
         ] {
-            if !(-2.0..=2.0).contains(&v) {
-                return Err(format!("{name} {v} must be in [-2, 2] (0 is off)"));
+            // OpenAI's and vLLM's range; llama.cpp takes any number.
+            if self.output_penalties && !(-2.0..=2.0).contains(&v) {
+                return Err((field, format!("{name} {v} must be in [-2, 2] (0 is off)")));
+            }
+            if !v.is_finite() {
+                return Err((
+                    field,
+                    format!("{name} {v} must be a finite number (0 is off)"),
+                ));
             }
         }
         if let Some((t, b)) = self
@@ -200,8 +233,11 @@ impl Sampling {
             .iter()
             .find(|(_, b)| b.is_nan() || *b == f32::INFINITY)
         {
-            return Err(format!(
-                "logit bias {b} for token {t} must be a number or -inf (which bans the token)"
+            return Err((
+                "logit_bias",
+                format!(
+                    "logit bias {b} for token {t} must be a number or -inf (which bans the token)"
+                ),
             ));
         }
         Ok(())
@@ -1052,5 +1088,36 @@ mod tests {
         assert_eq!(a, run(&cfg));
         let ones = a.iter().filter(|&&t| t == 1).count() as f32 / a.len() as f32;
         assert!((ones - 0.75).abs() < 0.05, "frequency {ones}");
+    }
+
+    /// The penalties' range is OpenAI's where they count OpenAI's way, any number where they
+    /// count llama.cpp's (llama.cpp takes any); a refusal names the field.
+    #[test]
+    fn a_refusal_names_its_field() {
+        let llama = Sampling {
+            frequency_penalty: 3.0,
+            presence_penalty: -2.5,
+            ..Default::default()
+        };
+        assert_eq!(llama.check(), Ok(()));
+        let openai = Sampling {
+            output_penalties: true,
+            ..llama.clone()
+        };
+        assert_eq!(openai.check().unwrap_err().0, "frequency_penalty");
+        let nan = Sampling {
+            presence_penalty: f32::NAN,
+            ..Default::default()
+        };
+        assert_eq!(nan.check().unwrap_err().0, "presence_penalty");
+        let top_p = Sampling {
+            top_p: 0.0,
+            ..Default::default()
+        };
+        assert_eq!(
+            top_p.check(),
+            Err(("top_p", "top-p 0 must be in (0, 1] (1 is off)".to_string()))
+        );
+        assert_eq!(top_p.validate().unwrap_err(), top_p.check().unwrap_err().1);
     }
 }
