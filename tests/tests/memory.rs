@@ -336,6 +336,21 @@ fn kv_caches_that_cannot_fit_are_refused_per_request() {
         .err()
         .expect("refused");
     assert!(err.to_string().contains("not enough memory"), "{err}");
+    // A budget far beyond the context reserves the context's slots, which no request passes
+    // (it used to reserve the budget's, and be refused as not enough memory).
+    let context = m.context();
+    let room = EngineConfig {
+        memory_limit: Some(weights + need(context)),
+        ..limited(cache("keydiff", Some(100 * context)))
+    };
+    let e = Engine::load(&source, &room).unwrap();
+    assert_eq!(e.generate(&short, |_| {}).unwrap().tokens.len(), 10);
+    let tight = EngineConfig {
+        memory_limit: Some(weights + need(context) - 1),
+        ..room
+    };
+    let err = Engine::load(&source, &tight).err().expect("refused");
+    assert!(err.to_string().contains("not enough memory"), "{err}");
 
     // Heads of 64 hold llama.cpp's blocks: the hint offers q8_0 and q4_0 beside f16.
     let source = ModelSource::Random {

@@ -1765,12 +1765,22 @@ impl Engine {
         let kv_dtype = cfg.kv_dtype.unwrap_or(cfg.dtype.into());
         let eager = cfg.attention != AttentionBackend::Flash;
         let reserve = |m: &ModelConfig| {
-            let slots = cfg.cache.capacity().unwrap_or(cfg.cache.chunk);
-            let kv = cfg
-                .cache
-                .capacity()
-                .map_or(0, |c| m.kv_cache_bytes(c, kv_dtype));
-            kv + m.request_scratch_bytes(slots, cfg.cache.chunk, eager)
+            // No request holds more than the context (after the RoPE settings and the
+            // context limit): a budget or chunk beyond it reserves no more than that.
+            let mut run = m.clone();
+            let context = match cfg.rope.apply(&mut run) {
+                Ok(()) => {
+                    let _ = run.limit_context(cfg.context);
+                    run.context()
+                }
+                // Refused once the model loads; plan as if there were no limit.
+                Err(_) => usize::MAX,
+            };
+            let chunk = cfg.cache.chunk.min(context);
+            let capacity = cfg.cache.capacity().map(|c| c.min(context));
+            let slots = capacity.unwrap_or(chunk);
+            let kv = capacity.map_or(0, |c| m.kv_cache_bytes(c, kv_dtype));
+            kv + m.request_scratch_bytes(slots, chunk, eager)
         };
         let mem = cfg.memory_budget().map(|budget| MemoryPlan {
             budget,
