@@ -150,6 +150,16 @@ fn prompt_beyond_context() {
     std::fs::write(&p, "1 ".repeat(6_000)).unwrap();
     let err = fails(&["run", "-m", m.to_str().unwrap(), "-f", p.to_str().unwrap()]);
     expect(&err, "beyond the model's context of 8192");
+
+    // Megabytes beyond what the context could hold are refused before they are tokenized (a
+    // 46 MB text took 5 GB and 18 s to be counted, then refused).
+    std::fs::write(&p, "The quick brown fox jumps over the lazy dog. ".repeat(240_000)).unwrap();
+    let err = fails(&["run", "-m", m.to_str().unwrap(), "-f", p.to_str().unwrap()]);
+    expect(
+        &err,
+        "the prompt's text of 10800000 bytes has at least 16666 tokens, beyond the model's \
+         context of 8192",
+    );
 }
 
 #[test]

@@ -2166,7 +2166,11 @@ fn chat(a: &ChatArgs) -> Result<()> {
                 // As a server fails one request: this message is dropped, the conversation
                 // (and its file) stay as they were, and the next line is read.
                 failed += 1;
-                let full = matches!(e, keydiff::EngineError::PromptTooLong { .. });
+                let full = matches!(
+                    e,
+                    keydiff::EngineError::PromptTooLong { .. }
+                        | keydiff::EngineError::PromptTextTooLong { .. }
+                );
                 eprintln!(
                     "error: {e}{}",
                     if full {

@@ -63,9 +63,9 @@ impl From<EngineError> for ApiError {
     fn from(e: EngineError) -> Self {
         let message = e.to_string();
         match e {
-            EngineError::EmptyPrompt | EngineError::PromptTooLong { .. } => {
-                Self::invalid(message, Some("prompt"))
-            }
+            EngineError::EmptyPrompt
+            | EngineError::PromptTooLong { .. }
+            | EngineError::PromptTextTooLong { .. } => Self::invalid(message, Some("prompt")),
             // A template that rejects the messages (e.g. roles that do not alternate).
             EngineError::NoChatTemplate | EngineError::Model(ModelError::ChatTemplate(_)) => {
                 Self::invalid(message, Some("messages"))

@@ -1795,10 +1795,14 @@ async fn formatted_prompts(
             .map(|(k, t)| {
                 t.as_ref()
                     .map(|t| {
-                        e.tokenize_formatted(t).map_err(|err| match batch {
-                            true => ApiError::invalid(format!("prompt {k}: {err}"), Some("prompt")),
-                            false => err.into(),
-                        })
+                        (e.check_text_fits(t).and_then(|()| e.tokenize_formatted(t))).map_err(
+                            |err| match batch {
+                                true => {
+                                    ApiError::invalid(format!("prompt {k}: {err}"), Some("prompt"))
+                                }
+                                false => err.into(),
+                            },
+                        )
                     })
                     .transpose()
             })

@@ -1713,6 +1713,8 @@ pub struct Engine {
     plain_tokenizer: std::sync::OnceLock<tokenizers::Tokenizer>,
     /// Every token's bytes, for JSON mode, made on first use ([`Engine::token_bytes`]).
     token_bytes: std::sync::OnceLock<std::result::Result<Vec<Box<[u8]>>, String>>,
+    /// [`Engine::text_bytes_per_token`], computed once.
+    text_bytes_per_token: std::sync::OnceLock<usize>,
     /// The ids of the tokens with text sorted by their bytes, for grammars
     /// ([`Engine::tokens_by_bytes`]).
     tokens_by_bytes: std::sync::OnceLock<Vec<u32>>,
@@ -1865,6 +1867,7 @@ impl Engine {
             cfg,
             plain_tokenizer: std::sync::OnceLock::new(),
             token_bytes: std::sync::OnceLock::new(),
+            text_bytes_per_token: std::sync::OnceLock::new(),
             tokens_by_bytes: std::sync::OnceLock::new(),
             load_taken,
             digest: std::sync::OnceLock::new(),
@@ -2250,6 +2253,39 @@ impl Engine {
             .to_vec())
     }
 
+    /// The most bytes of text one token can stand for: the longest entry of the vocabulary
+    /// (special tokens' text included; a byte-level or SentencePiece entry is never shorter
+    /// than the text it reads), times 4 for a normalizer that composes characters (Unicode
+    /// composition shortens a text less than 3 times).
+    fn text_bytes_per_token(&self) -> usize {
+        *self.text_bytes_per_token.get_or_init(|| {
+            let longest = (self.loaded.vocab.tokenizer.get_vocab(true).keys())
+                .map(String::len)
+                .max()
+                .unwrap_or(1);
+            4 * longest.max(1)
+        })
+    }
+
+    /// Refuses a prompt text that is beyond the context whatever its tokens, before it is
+    /// tokenized: a text of more than the context times [`Engine::text_bytes_per_token`]
+    /// bytes. Tokenizing takes about 100 times a text's size in memory for a moment, so a
+    /// text of megabytes sent to a small context is refused at once instead (exact counts
+    /// come after tokenizing, [`Engine::within_context`]).
+    pub fn check_text_fits(&self, text: &str) -> Result<()> {
+        let context = self.model_config().context();
+        let per_token = self.text_bytes_per_token();
+        if text.len() / per_token > context {
+            return Err(EngineError::PromptTextTooLong {
+                bytes: text.len(),
+                tokens: text.len() / per_token,
+                context,
+                limited: self.model_config().context_limited(),
+            });
+        }
+        Ok(())
+    }
+
     /// Token ids of a prompt written in the model's own format, as llama-server's and vLLM's
     /// completion endpoints take it: special-token text (`<|im_start|>`) parsed, BOS first
     /// when the model adds one, but not a second time when the text begins with it.
@@ -2481,10 +2517,12 @@ impl Engine {
                 if t.is_empty() {
                     return Err(EngineError::EmptyPrompt);
                 }
+                self.check_text_fits(t)?;
                 self.tokenize(t, false)?
             }
             Prompt::Chat(_) | Prompt::ChatTools { .. } => {
                 let text = self.prompt_text(prompt)?.expect("a chat has text");
+                self.check_text_fits(&text)?;
                 let m = prompt.messages().expect("a chat");
                 if text.is_empty() {
                     return Err(EngineError::BadParams(format!(

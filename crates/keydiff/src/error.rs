@@ -17,6 +17,18 @@ pub enum EngineError {
         context: usize,
         limited: bool,
     },
+    /// A prompt text too long for the context whatever its tokens, refused before it is
+    /// tokenized ([`crate::Engine::check_text_fits`]): `tokens` is a lower bound.
+    #[error(
+        "the prompt's text of {bytes} bytes has at least {tokens} tokens, beyond {} of {context}",
+        whose_context(.limited)
+    )]
+    PromptTextTooLong {
+        bytes: usize,
+        tokens: usize,
+        context: usize,
+        limited: bool,
+    },
     #[error("this model has no chat template (tokenizer.chat_template / tokenizer_config.json)")]
     NoChatTemplate,
     #[error("Hugging Face hub: {0}")]
