@@ -59,7 +59,7 @@ pub struct SweepArgs {
     /// Round r's prompt is drawn from seed + r.
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// Directory for the results.
+    /// Directory for the results (default: bench/out/KIND under the current directory).
     #[arg(long)]
     out: Option<PathBuf>,
 }

@@ -60,7 +60,8 @@ pub struct EvalArgs {
     /// LongBench: tasks to run (default: every English task with a file in --data).
     #[arg(long, value_delimiter = ',')]
     tasks: Option<Vec<String>>,
-    /// Directory for results.json, records.jsonl and (niah) heatmap.svg.
+    /// Directory for results.json, records.jsonl and (niah) heatmap.svg (default:
+    /// bench/out/eval-TASK under the current directory).
     #[arg(long)]
     out: Option<PathBuf>,
     /// Keep the records already in OUT/records.jsonl and run only the missing ones.

@@ -1806,15 +1806,18 @@ struct SamplingArgs {
     /// same text each time unless asked to sample).
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     temp: f32,
-    /// Keep the K most likely tokens; 0 or less: all (llama.cpp's).
-    #[arg(long, default_value = "0", value_parser = top_k, allow_negative_numbers = true)]
-    top_k: usize,
-    /// Keep the most likely tokens whose probabilities add up to P (1 = off).
-    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
-    top_p: f32,
-    /// Drop tokens less likely than P times the most likely one (0 = off).
-    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
-    min_p: f32,
+    /// Keep the K most likely tokens; 0 or less: all. Default 40, llama.cpp's (it matters
+    /// only when sampling: --temp above 0).
+    #[arg(long, value_parser = top_k, allow_negative_numbers = true)]
+    top_k: Option<usize>,
+    /// Keep the most likely tokens whose probabilities add up to P (1 = off). Default 0.95,
+    /// llama.cpp's.
+    #[arg(long, allow_negative_numbers = true)]
+    top_p: Option<f32>,
+    /// Drop tokens less likely than P times the most likely one (0 = off). Default 0.05,
+    /// llama.cpp's.
+    #[arg(long, allow_negative_numbers = true)]
+    min_p: Option<f32>,
     /// Repetition penalty (1 = off).
     #[arg(long, default_value_t = 1.0)]
     repeat_penalty: f32,
@@ -1869,15 +1872,16 @@ struct SpecArgs {
     /// tokens, in fewer passes where the reply copies its prompt or itself.
     #[arg(long, value_enum, value_name = "TYPE")]
     spec_type: Option<SpecType>,
-    /// With --spec-type: tokens proposed at most per pass (llama.cpp's --draft-max).
+    /// With --spec-type: tokens proposed at most per pass (llama.cpp's --draft-max; default
+    /// 8).
     #[arg(long, alias = "draft", value_name = "N", requires = "spec_type")]
     draft_max: Option<usize>,
     /// With --spec-type: the longest run of last tokens looked up, tried first (vLLM's
-    /// prompt_lookup_max).
+    /// prompt_lookup_max; default 4).
     #[arg(long, value_name = "N", requires = "spec_type")]
     spec_ngram_max: Option<usize>,
     /// With --spec-type: the shortest run of last tokens looked up (vLLM's
-    /// prompt_lookup_min).
+    /// prompt_lookup_min; default 2).
     #[arg(long, value_name = "N", requires = "spec_type")]
     spec_ngram_min: Option<usize>,
     /// With --spec-type: verify bit for bit, so the output is exactly token-by-token
@@ -1989,7 +1993,7 @@ impl SamplingArgs {
         }
         // Greedy is the default here (llama.cpp's is 0.8): truncation asked for at
         // temperature 0 would do nothing, silently.
-        let truncation = self.top_k != 0 || self.top_p != 1.0 || self.min_p != 0.0;
+        let truncation = self.top_k.is_some() || self.top_p.is_some() || self.min_p.is_some();
         let seeded = self.seed != Seed::Fixed(299_792_458);
         if self.temp == 0.0 && (truncation || seeded) {
             static SAID: std::sync::Once = std::sync::Once::new();
@@ -2002,9 +2006,10 @@ impl SamplingArgs {
         }
         Ok(Sampling {
             temperature: self.temp,
-            top_k: self.top_k,
-            top_p: self.top_p,
-            min_p: self.min_p,
+            // llama-cli's chain and its defaults: top-k 40, top-p 0.95, min-p 0.05.
+            top_k: self.top_k.unwrap_or(40),
+            top_p: self.top_p.unwrap_or(0.95),
+            min_p: self.min_p.unwrap_or(0.05),
             repetition_penalty: self.repeat_penalty,
             repeat_last_n: self.repeat_last_n,
             frequency_penalty: self.frequency_penalty,
