@@ -153,7 +153,11 @@ fn prompt_beyond_context() {
 
     // Megabytes beyond what the context could hold are refused before they are tokenized (a
     // 46 MB text took 5 GB and 18 s to be counted, then refused).
-    std::fs::write(&p, "The quick brown fox jumps over the lazy dog. ".repeat(240_000)).unwrap();
+    std::fs::write(
+        &p,
+        "The quick brown fox jumps over the lazy dog. ".repeat(240_000),
+    )
+    .unwrap();
     let err = fails(&["run", "-m", m.to_str().unwrap(), "-f", p.to_str().unwrap()]);
     expect(
         &err,

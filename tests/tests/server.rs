@@ -1517,6 +1517,37 @@ fn several_completions_per_request() {
     }
 }
 
+/// Integer fields take whole floats (`2.0`), as vLLM's pydantic models and llama-server's JSON
+/// reader do; a fraction is refused.
+#[test]
+fn integer_fields_take_whole_floats() {
+    let server = start(CacheConfig::full(64), 4);
+    let whole = json!({"prompt": "Once upon a time", "max_tokens": 3.0, "n": 2.0,
+                       "top_k": 40.0, "seed": 7.0, "temperature": 0.5});
+    let ints = json!({"prompt": "Once upon a time", "max_tokens": 3, "n": 2, "top_k": 40,
+                      "seed": 7, "temperature": 0.5});
+    let url = format!("{}/v1/completions", server.url());
+    let (code, a) = post(&url, &whole);
+    assert_eq!(code, 200, "{a}");
+    let (_, b) = post(&url, &ints);
+    let texts = |v: &Value| -> Vec<Value> {
+        let choices = v["choices"].as_array().unwrap();
+        choices.iter().map(|c| c["text"].clone()).collect()
+    };
+    assert_eq!(texts(&a), texts(&b));
+    assert_eq!(a["usage"]["completion_tokens"], 6, "{a}");
+    let llama = format!("{}/completion", server.url());
+    let (code, v) = post(&llama, &json!({"prompt": "Hi", "n_predict": 2.0}));
+    assert_eq!(code, 200, "{v}");
+    assert_eq!(v["tokens_predicted"], 2, "{v}");
+    for bad in [json!(2.5), json!(-1.0)] {
+        let (code, v) = post(&url, &json!({"prompt": "Hi", "max_tokens": bad}));
+        assert_eq!(code, 400, "{v}");
+        let m = v["error"]["message"].as_str().unwrap();
+        assert!(m.contains("invalid value"), "{m}");
+    }
+}
+
 /// `response_format: {"type": "json_object"}`: the reply, whole and streamed, is one JSON
 /// object, the one the engine gives in JSON mode.
 #[test]

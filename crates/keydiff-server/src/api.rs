@@ -51,22 +51,28 @@ fn some_true() -> Option<bool> {
 #[derive(Debug, Default, Deserialize)]
 pub struct Common {
     pub model: Option<String>,
+    #[serde(default, deserialize_with = "whole")]
     pub max_tokens: Option<usize>,
+    #[serde(default, deserialize_with = "whole")]
     pub max_completion_tokens: Option<usize>,
     pub temperature: Option<f32>,
     pub top_p: Option<f32>,
+    #[serde(default, deserialize_with = "whole")]
     pub top_k: Option<i64>,
     pub min_p: Option<f32>,
     pub repetition_penalty: Option<f32>,
     /// The last this many tokens are penalised; -1: the whole context (llama.cpp's).
+    #[serde(default, deserialize_with = "whole")]
     pub repeat_last_n: Option<i64>,
     pub frequency_penalty: Option<f32>,
     pub presence_penalty: Option<f32>,
     /// Any integer (OpenAI's and vLLM's); a negative one is taken as its 64 bits.
+    #[serde(default, deserialize_with = "whole")]
     pub seed: Option<i64>,
     pub stop: Option<StopInput>,
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
+    #[serde(default, deserialize_with = "whole")]
     pub n: Option<usize>,
     pub logprobs: Option<Value>,
     pub top_logprobs: Option<Value>,
@@ -81,6 +87,7 @@ pub struct Common {
     pub stop_token_ids: Option<Vec<u32>>,
     /// vLLM's: no end of generation before this many tokens
     /// ([`GenerateParams::min_tokens`]).
+    #[serde(default, deserialize_with = "whole")]
     pub min_tokens: Option<u64>,
     /// vLLM's sampling fields keydiff does not have: refused unless they ask for nothing
     /// ([`Common::refuse_unsupported`]).
@@ -99,11 +106,38 @@ pub struct Common {
     pub structured_outputs: Option<Value>,
     /// llama-server's names on its OpenAI endpoints: `n_predict` for `max_tokens` (-1: no
     /// limit), `repeat_penalty` for `repetition_penalty`.
+    #[serde(default, deserialize_with = "whole")]
     pub n_predict: Option<i64>,
     pub repeat_penalty: Option<f32>,
     /// llama.cpp's samplers keydiff does not have: refused unless off.
     #[serde(flatten)]
     pub unsupported: LlamaSamplers,
+}
+
+/// An integer field that also takes a whole float (`2.0`), as vLLM's pydantic models and
+/// llama-server's JSON reader do; `2.5` and values out of the field's range are refused.
+fn whole<'de, D, T>(d: D) -> Result<Option<T>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: TryFrom<i128>,
+{
+    use serde::de::Error;
+    let Some(n) = Option::<serde_json::Number>::deserialize(d)? else {
+        return Ok(None);
+    };
+    let i = match (n.as_i64(), n.as_u64(), n.as_f64()) {
+        (Some(i), _, _) => i128::from(i),
+        (_, Some(u), _) => i128::from(u),
+        (_, _, Some(f)) if f.fract() == 0.0 && f.abs() < 1e30 => f as i128,
+        _ => {
+            return Err(D::Error::custom(format!(
+                "invalid value: {n}, expected a whole number"
+            )))
+        }
+    };
+    T::try_from(i)
+        .map(Some)
+        .map_err(|_| D::Error::custom(format!("invalid value: {n} is out of range")))
 }
 
 /// `POST /v1/completions`.
@@ -113,6 +147,7 @@ pub struct CompletionRequest {
     pub prompt: Value,
     pub echo: Option<bool>,
     pub suffix: Option<String>,
+    #[serde(default, deserialize_with = "whole")]
     pub best_of: Option<usize>,
     #[serde(flatten)]
     pub common: Common,
@@ -988,12 +1023,16 @@ pub fn messages(list: Vec<ChatMessage>) -> Result<Vec<Message>, ApiError> {
 /// fields are.
 #[derive(Debug, Default, Deserialize)]
 pub struct LlamaParams {
+    #[serde(default, deserialize_with = "whole")]
     pub n_predict: Option<i64>,
+    #[serde(default, deserialize_with = "whole")]
     pub max_tokens: Option<i64>,
     /// End where a line starts less indented ([`GenerateParams::stop_indent`]).
+    #[serde(default, deserialize_with = "whole")]
     pub n_indent: Option<i64>,
     /// End at a line break after this many milliseconds of generation
     /// ([`GenerateParams::time_limit`]); 0 or less: no limit.
+    #[serde(default, deserialize_with = "whole")]
     pub t_max_predict_ms: Option<i64>,
     /// The samplers of llama.cpp's chain, by name (or alternative name) or as a string of
     /// their letters (`kpmt`): of those keydiff has, the ones not listed are off
@@ -1002,13 +1041,16 @@ pub struct LlamaParams {
     pub samplers: Option<Value>,
     pub response_fields: Option<Vec<String>>,
     pub temperature: Option<f32>,
+    #[serde(default, deserialize_with = "whole")]
     pub top_k: Option<i64>,
     pub top_p: Option<f32>,
     pub min_p: Option<f32>,
     pub repeat_penalty: Option<f32>,
+    #[serde(default, deserialize_with = "whole")]
     pub repeat_last_n: Option<i64>,
     pub presence_penalty: Option<f32>,
     pub frequency_penalty: Option<f32>,
+    #[serde(default, deserialize_with = "whole")]
     pub seed: Option<i64>,
     pub stop: Option<StopInput>,
     pub stream: Option<bool>,
@@ -1021,6 +1063,7 @@ pub struct LlamaParams {
     /// The probabilities of each generated token and of its `n_probs` most likely
     /// alternatives, before sampling (`completion_probabilities`; at most
     /// [`MAX_TOP_LOGPROBS`]).
+    #[serde(default, deserialize_with = "whole")]
     pub n_probs: Option<i64>,
     /// llama.cpp's samplers keydiff does not have, and probabilities after its samplers:
     /// refused unless off ([`LlamaParams::refuse_unsupported`]).
@@ -1035,6 +1078,7 @@ pub struct LlamaParams {
 #[derive(Debug, Default, Deserialize)]
 pub struct LlamaSamplers {
     pub typical_p: Option<f32>,
+    #[serde(default, deserialize_with = "whole")]
     pub mirostat: Option<i64>,
     pub dynatemp_range: Option<f32>,
     pub dry_multiplier: Option<f32>,
