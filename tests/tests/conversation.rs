@@ -257,11 +257,11 @@ fn chat_cli_status(args: &[&str], input: &[u8]) -> (bool, String, String) {
     )
 }
 
-/// The `kept` counts of each turn's stats line.
+/// The `reused` counts (earlier tokens not prefilled again) of each turn's stats line.
 fn kept(stderr: &str) -> Vec<usize> {
     stderr
         .lines()
-        .filter_map(|l| l.split(" kept)").next()?.rsplit('(').next()?.parse().ok())
+        .filter_map(|l| l.split(" reused)").next()?.rsplit('(').next()?.parse().ok())
         .collect()
 }
 

@@ -2191,7 +2191,7 @@ fn chat(a: &ChatArgs) -> Result<()> {
         writeln!(out)?;
         let s = &result.stats;
         eprintln!(
-            "[turn: {} new tokens ({} kept), {} generated | TTFT {:.3} s | decode {:.1} tok/s | \
+            "[turn: {} new tokens ({} reused), {} generated | TTFT {:.3} s | decode {:.1} tok/s | \
              cache {} slots at position {} | {} evictions | stop: {:?}]",
             s.prompt_tokens,
             s.prefix_tokens,

@@ -1491,7 +1491,8 @@ pub fn finish_reason(r: StopReason) -> &'static str {
     match r {
         StopReason::Eos | StopReason::StopString | StopReason::Indent => "stop",
         StopReason::MaxTokens | StopReason::Context => "length",
-        StopReason::Cancelled => "cancelled",
+        // vLLM's word for a request stopped before its end (the server shutting down).
+        StopReason::Cancelled => "abort",
     }
 }
 
