@@ -9,7 +9,9 @@ old=${1:?old binary}
 new=${2:?new binary}
 for m in models/SmolLM2-135M-Instruct.Q4_1.gguf models/qwen2.5-coder-0.5b-instruct.gguf; do
   for r in 1 2 3; do
-    for s in "greedy:" "temp:--temp 0.7 --seed 1" "top-p:--temp 0.7 --top-p 0.9 --seed 1"; do
+    # Truncation off unless named (the command line's defaults are llama-cli's 40/0.95/0.05).
+    for s in "greedy:" "temp:--temp 0.7 --top-k 0 --top-p 1 --min-p 0 --seed 1" \
+      "top-p:--temp 0.7 --top-k 0 --top-p 0.9 --min-p 0 --seed 1"; do
       for b in old new; do
         bin=$old; [[ $b == new ]] && bin=$new
         # shellcheck disable=SC2086

@@ -351,6 +351,19 @@ fn kv_caches_that_cannot_fit_are_refused_per_request() {
     };
     let err = Engine::load(&source, &tight).err().expect("refused");
     assert!(err.to_string().contains("not enough memory"), "{err}");
+    // A chunk beyond the context is planned as no longer than the slots it fills, at load and
+    // per request (a request was refused for a chunk × slots score matrix it never makes).
+    let ctx = 64;
+    let huge_chunk = EngineConfig {
+        cache: CacheConfig::full(100_000),
+        context: Some(ctx),
+        memory_limit: Some(
+            weights + m.kv_cache_bytes(ctx, DType::F32) + m.request_scratch_bytes(ctx, ctx, true),
+        ),
+        ..Default::default()
+    };
+    let e = Engine::load(&source, &huge_chunk).unwrap();
+    assert_eq!(e.generate(&short, |_| {}).unwrap().tokens.len(), 10);
 
     // Heads of 64 hold llama.cpp's blocks: the hint offers q8_0 and q4_0 beside f16.
     let source = ModelSource::Random {

@@ -1579,6 +1579,13 @@ fn json_object_replies() {
     assert_eq!(streamed, want.text);
 }
 
+/// The engine's reply to `content` in JSON mode, greedy, up to 96 tokens.
+fn local_json_mode_text(e: &Engine, content: &str) -> String {
+    let mut params = greedy(Prompt::Chat(vec![Message::new("user", content)]), 96);
+    params.sampling.format = keydiff::Format::JsonObject;
+    e.generate(&params, |_| {}).unwrap().text
+}
+
 /// `response_format: {"type": "json_schema"}` on chat and llama.cpp's `grammar` on
 /// completions: the reply, whole and streamed, is the one the engine gives under the same
 /// grammar, and a value of the schema.
@@ -1613,6 +1620,12 @@ fn json_schema_and_grammar_replies() {
     let (code, got) = post(&url, &beside);
     assert_eq!(code, 200, "{got}");
     assert_eq!(got["choices"][0]["message"]["content"], want.text, "{got}");
+    // An empty schema (any value) leaves JSON mode's object.
+    let json_mode = local_json_mode_text(&local, content);
+    beside["response_format"] = json!({"type": "json_object", "schema": {}});
+    let (code, got) = post(&url, &beside);
+    assert_eq!(code, 200, "{got}");
+    assert_eq!(got["choices"][0]["message"]["content"], json_mode, "{got}");
     let mut body = body;
     body["stream"] = json!(true);
     let chunks = events(ureq::post(&url).send_json(&body).unwrap());
@@ -1968,6 +1981,7 @@ fn logit_bias_stop_tokens_and_unsupported_samplers() {
     let (code, v) = post(&url, &off);
     assert_eq!(code, 200, "{v}");
     for (field, on) in [
+        ("post_sampling_probs", json!(true)),
         ("typical_p", json!(0.5)),
         ("mirostat", json!(2)),
         ("dynatemp_range", json!(0.5)),

@@ -627,9 +627,9 @@ struct ContextArgs {
 /// llama.cpp's escapes in text given on the command line.
 #[derive(Args)]
 struct EscapeArgs {
-    /// Take the text of -p, --stop and --suffix as written: by default their escapes (\n, \r,
-    /// \t, \\, \", \', \xHH) are read, as llama.cpp reads them. A file (-f) and stdin are
-    /// never changed.
+    /// Take the text of -p, --stop and --suffix (those this command has) as written: by
+    /// default their escapes (\n, \r, \t, \\, \", \', \xHH) are read, as llama.cpp reads
+    /// them. A file (-f) and stdin are never changed.
     #[arg(long)]
     no_escape: bool,
     /// llama.cpp's -e: escapes are read (the default).
@@ -2886,7 +2886,7 @@ mod tests {
         };
         assert_eq!(a.max_tokens, usize::MAX);
         assert_eq!(a.sampling.repeat_last_n, usize::MAX);
-        assert_eq!(a.sampling.top_k, 0);
+        assert_eq!(a.sampling.top_k, Some(0));
         // The defaults still parse.
         let Cmd::Run(a) = Cli::try_parse_from(["keydiff", "run", "-m", "m", "-p", "hi"])
             .unwrap()
@@ -2917,7 +2917,7 @@ mod tests {
         assert_eq!(parse(&["-s", "-1"]).unwrap().sampling.seed, Seed::Random);
         assert_eq!(parse(&[]).unwrap().sampling.seed, Seed::Fixed(299_792_458));
         let a = parse(&["--temp", "-1", "--top-p", "-0.5", "--min-p", "-1"]).unwrap();
-        assert_eq!((a.sampling.temp, a.sampling.top_p), (-1.0, -0.5));
+        assert_eq!((a.sampling.temp, a.sampling.top_p), (-1.0, Some(-0.5)));
         assert!(
             a.sampling.get().unwrap().validate().is_err(),
             "refused by the sampler's checks"

@@ -66,7 +66,8 @@ impl serde::Serialize for ToolCall {
 /// Chat templates by name, as llama.cpp's `--chat-template NAME` takes them, for the formats of
 /// the model families keydiff runs: `chatml` (Qwen's `<|im_start|>` turns, without Qwen 2.5's
 /// default system message) and `llama3` (Llama 3's header turns). They give the tokens
-/// llama.cpp's templates of those names give (the BOS written as `bos_token` is not doubled).
+/// llama.cpp's templates of those names give: neither writes a BOS, which the tokenizer adds
+/// where the model asks for one.
 pub const BUILTIN_TEMPLATES: [(&str, &str); 2] = [
     (
         "chatml",
@@ -76,7 +77,7 @@ pub const BUILTIN_TEMPLATES: [(&str, &str); 2] = [
     ),
     (
         "llama3",
-        "{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + \
+        "{% for message in messages %}{{ '<|start_header_id|>' + \
          message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + \
          '<|eot_id|>' }}{% endfor %}{% if add_generation_prompt %}\
          {{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}",
@@ -1128,7 +1129,7 @@ mod tests {
         );
         assert_eq!(
             render("llama3", Some("<|begin_of_text|>")),
-            "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.\
+            "<|start_header_id|>system<|end_header_id|>\n\nBe brief.\
              <|eot_id|><|start_header_id|>user<|end_header_id|>\n\nHi there<|eot_id|>\
              <|start_header_id|>assistant<|end_header_id|>\n\n"
         );

@@ -499,7 +499,10 @@ impl Common {
         match f.get("type").and_then(Value::as_str) {
             Some("text") => Ok(Format::Text),
             // llama-server's: a schema beside `json_object` constrains it.
-            Some("json_object") => match f.get("schema").filter(|s| !s.is_null()) {
+            // An empty schema (any value) leaves JSON mode's object.
+            Some("json_object") => match (f.get("schema"))
+                .filter(|s| !s.is_null() && s.as_object().is_none_or(|o| !o.is_empty()))
+            {
                 Some(s) => schema(s, "response_format"),
                 None => Ok(Format::JsonObject),
             },
@@ -1067,7 +1070,6 @@ pub struct LlamaParams {
     pub n_probs: Option<i64>,
     /// llama.cpp's samplers keydiff does not have, and probabilities after its samplers:
     /// refused unless off ([`LlamaParams::refuse_unsupported`]).
-    pub post_sampling_probs: Option<bool>,
     #[serde(flatten)]
     pub unsupported: LlamaSamplers,
 }
@@ -1077,6 +1079,8 @@ pub struct LlamaParams {
 /// ([`LlamaSamplers::refuse`]), rather than answering without them.
 #[derive(Debug, Default, Deserialize)]
 pub struct LlamaSamplers {
+    /// Probabilities after the samplers (keydiff's are taken before them).
+    pub post_sampling_probs: Option<bool>,
     pub typical_p: Option<f32>,
     #[serde(default, deserialize_with = "whole")]
     pub mirostat: Option<i64>,
@@ -1090,6 +1094,13 @@ impl LlamaSamplers {
     /// Refuses the first sampler that is on (llama.cpp's web UI and editor plugins send them
     /// all, at their defaults, which are off).
     fn refuse(&self) -> Result<(), ApiError> {
+        if self.post_sampling_probs == Some(true) {
+            return Err(ApiError::invalid(
+                "post_sampling_probs is not supported (keydiff's probabilities are taken \
+                 before its samplers)",
+                Some("post_sampling_probs"),
+            ));
+        }
         let on = [
             ("typical_p", self.typical_p.is_some_and(|p| p < 1.0)),
             ("mirostat", self.mirostat.is_some_and(|m| m != 0)),
@@ -1124,13 +1135,6 @@ impl LlamaParams {
     /// Refuses llama.cpp's samplers that keydiff does not have, unless they are off (its web
     /// UI and editor plugins send them all, at their defaults).
     fn refuse_unsupported(&self) -> Result<(), ApiError> {
-        if self.post_sampling_probs == Some(true) {
-            return Err(ApiError::invalid(
-                "post_sampling_probs is not supported (keydiff's probabilities are taken \
-                 before its samplers)",
-                Some("post_sampling_probs"),
-            ));
-        }
         self.unsupported.refuse()
     }
 

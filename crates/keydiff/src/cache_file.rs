@@ -524,8 +524,10 @@ impl Engine {
         for (i, &next_position) in h.next_positions.iter().enumerate() {
             let get = |name: &str| -> Result<Tensor> {
                 let (key, v) = view(i, name)?;
-                v.load(&Device::Cpu)
-                    .map_err(|e| bad(format!("tensor `{key}`: {e}")))
+                v.load(&Device::Cpu).map_err(|e| {
+                    let e = keydiff_cache::without_backtrace(e);
+                    bad(format!("tensor `{key}`: {e}"))
+                })
             };
             layers.push(LayerParts {
                 kv: types,

@@ -42,7 +42,10 @@ fn open_cuda(name: &str, ordinal: usize) -> Result<Device> {
             ),
         }));
     }
-    let device = Device::new_cuda(ordinal).map_err(|e| refuse(format!("cannot open it: {e}")))?;
+    let device = Device::new_cuda(ordinal).map_err(|e| {
+        let e = keydiff_cache::without_backtrace(e);
+        refuse(format!("cannot open it: {e}"))
+    })?;
     // Speed only: a device whose allocator cannot be set runs with the driver's settings.
     if let Err(e) = keydiff_model::memory::prepare_cuda(&device) {
         tracing::warn!("{name}: cannot set up its allocator ({e}); the driver's defaults stay");

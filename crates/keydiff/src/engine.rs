@@ -2060,7 +2060,9 @@ impl Engine {
             let m = self.model_config();
             let kv = m.kv_cache_bytes(slots, self.loaded.model.kv_dtype());
             let eager = self.loaded.model.attention() == AttentionBackend::Eager;
-            kv.saturating_add(m.request_scratch_bytes(slots, cache.chunk, eager))
+            // No piece of a prompt is longer than the slots it goes into.
+            let chunk = cache.chunk.min(slots);
+            kv.saturating_add(m.request_scratch_bytes(slots, chunk, eager))
                 .saturating_sub(seen)
                 .saturating_sub(b.ram)
         })
@@ -2121,8 +2123,10 @@ impl Engine {
             let dtype = self.loaded.model.kv_dtype();
             let kv = m.kv_cache_bytes(slots, dtype);
             let eager = self.loaded.model.attention() == AttentionBackend::Eager;
+            // No piece of a prompt is longer than the slots it goes into.
+            let chunk = cache.chunk.min(slots);
             let need = kv
-                .saturating_add(m.request_scratch_bytes(slots, cache.chunk, eager))
+                .saturating_add(m.request_scratch_bytes(slots, chunk, eager))
                 .saturating_add(extra);
             let what = || {
                 format!(
