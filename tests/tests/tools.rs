@@ -217,6 +217,20 @@ fn bad_tools_are_refused_naming_the_field() {
     refused(even(true), "tools", "`multipleOf`");
     let (code, v) = post(&url, &even(false));
     assert_eq!(code, 200, "{v}");
+    // A schema the grammar cannot follow at all (`anyOf` beside other keywords, a common
+    // "one of these members" form): refused with `strict`; without it, OpenAI takes it, and
+    // the arguments may be any object (it used to be refused).
+    let one_of_two = |strict: bool| {
+        ask(
+            json!({"max_tokens": 24, "tools": [{"type": "function", "function": {"name": "f",
+            "strict": strict, "parameters": {"type": "object",
+                "properties": {"a": {"type": "string"}, "b": {"type": "string"}},
+                "anyOf": [{"required": ["a"]}, {"required": ["b"]}]}}}]}),
+        )
+    };
+    refused(one_of_two(true), "tools", "`anyOf`");
+    let (code, v) = post(&url, &one_of_two(false));
+    assert_eq!(code, 200, "{v}");
     refused(
         ask(json!({"tool_choice": {"type": "function", "function": {"name": "g"}}})),
         "tool_choice",

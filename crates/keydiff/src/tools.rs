@@ -120,8 +120,23 @@ impl Tool {
                         m.insert("additionalProperties".into(), true.into());
                     }
                 }
-                json_schema::to_grammar(&g)
-                    .map_err(|e| ToolError(format!("function `{name}` parameters: {e}")))?;
+                match (json_schema::to_grammar(&g), strict) {
+                    (Ok(_), _) => {}
+                    (Err(e), Some(true)) => {
+                        return bad(format!("function `{name}` parameters: {e}"));
+                    }
+                    // Without `strict`, OpenAI takes any schema: one the grammar cannot
+                    // follow (`anyOf` beside other keywords, a `pattern` of another regex
+                    // dialect) lets the arguments be any object, which allows at least
+                    // what the schema allows.
+                    (Err(e), _) => {
+                        tracing::warn!(
+                            "function `{name}`: its parameters cannot be enforced ({e}); any \
+                             object is allowed as its arguments"
+                        );
+                        g = json!({"type": "object", "additionalProperties": true});
+                    }
+                }
                 (Some(p.clone()), g)
             }
             Some(p) => {
@@ -528,11 +543,14 @@ fn json_calls(text: &str, tools: &[Tool], tag: bool) -> Option<(String, Vec<Tool
         true => trim_start(t.strip_prefix(PYTHON_TAG).unwrap_or(t)),
         false => t,
     };
-    if !t.starts_with('{') {
-        return None;
-    }
     let mut calls = Vec::new();
     loop {
+        // A call starts as the grammar writes it (and as its lazy trigger fires on): other
+        // JSON (`{\n  "name"`) was not written under the tools' grammar, so its arguments
+        // may break their schemas, and it stays text.
+        if !t.starts_with(CALL_START) {
+            return None;
+        }
         let mut values = serde_json::Deserializer::from_str(t).into_iter::<Value>();
         let v = values.next()?.ok()?;
         calls.push(call(&v, "parameters", tools)?);
@@ -776,8 +794,12 @@ mod tests {
             "It is sunny.",
             "{\"name\": \"now\"} {\"name\": \"now\"}",
             "{\"name\": 3}",
+            // Not as the grammar writes a call (its trigger did not fire): text.
+            "{\n  \"name\": \"now\", \"parameters\": {}}",
+            "{ \"name\": \"now\", \"parameters\": {}}",
         ] {
             assert!(l.parse(bad, &t).calls.is_empty(), "{bad}");
+            assert!(ToolSyntax::Hermes.parse(bad, &t).calls.is_empty(), "{bad}");
         }
     }
 
