@@ -1126,6 +1126,17 @@ fn tools_are_called_from_the_command_line() {
             "required": ["city"]}}}]"#,
     )
     .unwrap();
+    // An empty list is named as such (it was blamed on the --tool-choice never given).
+    let empty = dir.join("empty.json");
+    std::fs::write(&empty, "[]").unwrap();
+    let out = Command::new(keydiff_bin())
+        .args(["run", "-m", model(QWEN).to_str().unwrap(), "-p", "hi"])
+        .args(["--tools", empty.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let se = String::from_utf8_lossy(&out.stderr);
+    assert!(se.contains("the file declares no functions"), "{se}");
     let run = |m: &str, extra: &[&str]| {
         Command::new(keydiff_bin())
             .args(["run", "-m", model(m).to_str().unwrap(), "-n", "48"])

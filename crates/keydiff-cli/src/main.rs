@@ -2624,6 +2624,12 @@ fn read_tools(path: &Path, a: &RunArgs) -> Result<(Vec<Tool>, ToolChoice)> {
     };
     let tools = keydiff::tools::tools_from_openai(list)
         .with_context(|| format!("--tools {}", path.display()))?;
+    if tools.is_empty() {
+        bail!(
+            "--tools {}: the file declares no functions (an empty array)",
+            path.display()
+        );
+    }
     let choice = match a.tool_choice.as_str() {
         c @ ("auto" | "required" | "none") => serde_json::json!(c),
         name => serde_json::json!({"type": "function", "function": {"name": name}}),
