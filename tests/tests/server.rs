@@ -1620,12 +1620,18 @@ fn json_schema_and_grammar_replies() {
     let (code, got) = post(&url, &beside);
     assert_eq!(code, 200, "{got}");
     assert_eq!(got["choices"][0]["message"]["content"], want.text, "{got}");
-    // An empty schema (any value) leaves JSON mode's object.
-    let json_mode = local_json_mode_text(&local, content);
-    beside["response_format"] = json!({"type": "json_object", "schema": {}});
-    let (code, got) = post(&url, &beside);
-    assert_eq!(code, 200, "{got}");
-    assert_eq!(got["choices"][0]["message"]["content"], json_mode, "{got}");
+    // A schema of any value (`{}`, `true`) leaves JSON mode's object: asked for a number,
+    // the reply is still an object (under the any-value grammar it was a number).
+    let seven = "Reply with just the number 7.";
+    let json_mode = local_json_mode_text(&local, seven);
+    assert!(json_mode.trim_start().starts_with('{'), "{json_mode:?}");
+    for any in [json!({}), json!(true)] {
+        let body = json!({"messages": [{"role": "user", "content": seven}], "max_tokens": 96,
+            "temperature": 0, "response_format": {"type": "json_object", "schema": any}});
+        let (code, got) = post(&url, &body);
+        assert_eq!(code, 200, "{got}");
+        assert_eq!(got["choices"][0]["message"]["content"], json_mode, "{got}");
+    }
     let mut body = body;
     body["stream"] = json!(true);
     let chunks = events(ureq::post(&url).send_json(&body).unwrap());

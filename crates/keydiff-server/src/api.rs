@@ -499,10 +499,12 @@ impl Common {
         match f.get("type").and_then(Value::as_str) {
             Some("text") => Ok(Format::Text),
             // llama-server's: a schema beside `json_object` constrains it.
-            // An empty schema (any value) leaves JSON mode's object.
-            Some("json_object") => match (f.get("schema"))
-                .filter(|s| !s.is_null() && s.as_object().is_none_or(|o| !o.is_empty()))
-            {
+            // A schema of any value (`{}`, `true`) leaves JSON mode's object.
+            Some("json_object") => match (f.get("schema")).filter(|s| {
+                !s.is_null()
+                    && *s != &Value::Bool(true)
+                    && s.as_object().is_none_or(|o| !o.is_empty())
+            }) {
                 Some(s) => schema(s, "response_format"),
                 None => Ok(Format::JsonObject),
             },

@@ -910,8 +910,14 @@ mod tests {
                 repetition_penalty: f32::INFINITY,
                 ..Default::default()
             },
+            // OpenAI's range where the penalties count OpenAI's way (llama.cpp's: any).
             Sampling {
                 frequency_penalty: 2.5,
+                output_penalties: true,
+                ..Default::default()
+            },
+            Sampling {
+                frequency_penalty: f32::INFINITY,
                 ..Default::default()
             },
             Sampling {

@@ -128,7 +128,10 @@ impl Tool {
                     // Without `strict`, OpenAI takes any schema: one the grammar cannot
                     // follow (`anyOf` beside other keywords, a `pattern` of another regex
                     // dialect) lets the arguments be any object, which allows at least
-                    // what the schema allows.
+                    // what the schema allows. A broken one (a `$ref` to nothing) is refused.
+                    (Err(e), _) if !e.to_string().contains("not supported") => {
+                        return bad(format!("function `{name}` parameters: {e}"));
+                    }
                     (Err(e), _) => {
                         tracing::warn!(
                             "function `{name}`: its parameters cannot be enforced ({e}); any \
@@ -543,14 +546,11 @@ fn json_calls(text: &str, tools: &[Tool], tag: bool) -> Option<(String, Vec<Tool
         true => trim_start(t.strip_prefix(PYTHON_TAG).unwrap_or(t)),
         false => t,
     };
+    if !t.starts_with('{') {
+        return None;
+    }
     let mut calls = Vec::new();
     loop {
-        // A call starts as the grammar writes it (and as its lazy trigger fires on): other
-        // JSON (`{\n  "name"`) was not written under the tools' grammar, so its arguments
-        // may break their schemas, and it stays text.
-        if !t.starts_with(CALL_START) {
-            return None;
-        }
         let mut values = serde_json::Deserializer::from_str(t).into_iter::<Value>();
         let v = values.next()?.ok()?;
         calls.push(call(&v, "parameters", tools)?);
@@ -669,7 +669,23 @@ mod tests {
             e.contains("tools[0]") && e.contains("`f` parameters") && e.contains("`not` is not"),
             "{e}"
         );
-        assert!(err(params(json!({"type": "object", "$ref": "http://x"}))).contains("`$ref`"));
+        let strict_params = |p: Value| {
+            json!({"type": "function", "function": {"name": "f", "strict": true,
+                "parameters": p}})
+        };
+        assert!(
+            err(strict_params(json!({"type": "object", "$ref": "http://x"}))).contains("`$ref`")
+        );
+        // Beyond the grammar without `strict`: any object.
+        let any = tools_from_openai(&[params(json!({"type": "object", "$ref": "http://x"}))]);
+        assert_eq!(
+            any.unwrap()[0].grammar_schema,
+            json!({"type": "object", "additionalProperties": true})
+        );
+        // Broken, not merely beyond the grammar: refused without `strict` too.
+        assert!(err(params(json!({"type": "object", "properties": {
+            "a": {"$ref": "#/$defs/nope"}}})))
+        .contains("points at nothing"));
         let twice = tools_from_openai(&[named("f"), named("f")]).unwrap_err().0;
         assert!(
             twice.contains("tools[1]") && twice.contains("declared twice"),
@@ -794,12 +810,8 @@ mod tests {
             "It is sunny.",
             "{\"name\": \"now\"} {\"name\": \"now\"}",
             "{\"name\": 3}",
-            // Not as the grammar writes a call (its trigger did not fire): text.
-            "{\n  \"name\": \"now\", \"parameters\": {}}",
-            "{ \"name\": \"now\", \"parameters\": {}}",
         ] {
             assert!(l.parse(bad, &t).calls.is_empty(), "{bad}");
-            assert!(ToolSyntax::Hermes.parse(bad, &t).calls.is_empty(), "{bad}");
         }
     }
 
