@@ -24,6 +24,17 @@ fn params(n: usize) -> GenerateParams {
     }
 }
 
+/// A fresh request on the conversation `before` and the user message `user`, with `p`.
+fn fresh(e: &Engine, before: Vec<Message>, user: &str, p: &GenerateParams) -> keydiff::Output {
+    let mut messages = before;
+    messages.push(Message::new("user", user.to_string()));
+    let params = GenerateParams {
+        prompt: Prompt::Chat(messages),
+        ..p.clone()
+    };
+    e.generate(&params, |_| {}).unwrap()
+}
+
 const TURNS: [&str; 3] = [
     "What is the capital of France? Answer in one word.",
     "And the capital of Italy?",
@@ -48,17 +59,7 @@ fn turns_reuse_the_cache_and_match_fresh_requests() {
         assert_eq!(out.stats.prefix_tokens, kept, "turn {i}");
         assert!(!out.tokens.is_empty(), "turn {i}");
         // A fresh request on the whole conversation so far.
-        let mut messages = before;
-        messages.push(Message::new("user", user.to_string()));
-        let fresh = e
-            .generate(
-                &GenerateParams {
-                    prompt: Prompt::Chat(messages),
-                    ..params(16)
-                },
-                |_| {},
-            )
-            .unwrap();
+        let fresh = fresh(&e, before, user, &params(16));
         fed.extend(&out.prompt_tokens);
         assert_eq!(
             fed, fresh.prompt_tokens,
@@ -122,17 +123,7 @@ fn penalties_see_the_earlier_turns() {
         for (i, user) in ["Say hello.", "Say hello again."].iter().enumerate() {
             let before = conv.messages().to_vec();
             let out = e.chat_turn(&mut conv, user, &p, |_| {}).unwrap();
-            let mut messages = before;
-            messages.push(Message::new("user", user.to_string()));
-            let fresh = e
-                .generate(
-                    &GenerateParams {
-                        prompt: Prompt::Chat(messages),
-                        ..p.clone()
-                    },
-                    |_| {},
-                )
-                .unwrap();
+            let fresh = fresh(&e, before, user, &p);
             assert_eq!(
                 out.tokens, fresh.tokens,
                 "output_penalties {output_penalties}, turn {i}: {:?} vs {:?}",
@@ -168,17 +159,7 @@ fn a_rewriting_template_keeps_the_tokens_in_common() {
         let at = conv.position();
         let out = e.chat_turn(&mut conv, user, &p, |_| {}).unwrap();
         assert!(out.text.starts_with("<think>"), "turn {i}: {:?}", out.text);
-        let mut messages = before;
-        messages.push(Message::new("user", user.to_string()));
-        let fresh = e
-            .generate(
-                &GenerateParams {
-                    prompt: Prompt::Chat(messages),
-                    ..p.clone()
-                },
-                |_| {},
-            )
-            .unwrap();
+        let fresh = fresh(&e, before, user, &p);
         let kept = out.stats.prefix_tokens;
         assert_eq!(
             out.prompt_tokens,
