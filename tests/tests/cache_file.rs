@@ -114,11 +114,23 @@ fn a_saved_cache_goes_on_as_the_one_in_memory() {
         let bytes = e.save_prompt_cache(&mem, &path).unwrap().unwrap();
         let m = e.model_config();
         let kv = m.num_layers * m.num_kv_heads * mem.slots() * kv.slot_bytes(m.head_dim);
-        let per_slot = 8 * m.num_layers * m.num_kv_heads * mem.slots();
+        // Positions and state (8 bytes a slot), and the prompt's logits (f32).
+        let per_slot = 8 * m.num_layers * m.num_kv_heads * mem.slots() + 4 * m.vocab_size;
         assert!(
             (bytes as usize) > kv + per_slot && (bytes as usize) < kv + per_slot + 64 * 1024,
             "{policy}: {bytes} bytes for {kv} of K and V"
         );
+        // Saved with the logits its prompt left: the same prompt again from the file needs
+        // no prefill.
+        let mut same = e.load_prompt_cache(&path, Reuse::Continue).unwrap();
+        let p = greedy(Prompt::Text(DOC.into()), 6);
+        let again = e.generate_cached(&p, &mut same, |_| {}).unwrap();
+        assert_eq!(
+            again.stats.prefix_tokens,
+            first.prompt_tokens.len(),
+            "{policy}"
+        );
+        assert_eq!(again.tokens, first.tokens, "{policy}");
         let mut file = e.load_prompt_cache(&path, Reuse::Continue).unwrap();
         file.set_prompt_only(true);
         assert_eq!(file.tokens(), mem.tokens(), "{policy}");
@@ -168,19 +180,34 @@ fn an_exact_reuse_from_a_file_answers_as_a_fresh_request() {
     assert!(cached.stats.prefix_tokens > 0);
 }
 
-/// Under `exact`, an evicted cache cannot be reused, so nothing is kept to save.
+/// Under `exact`, an evicted cache that went on past its prompt cannot be reused, so nothing
+/// is kept to save; one kept as its prompt left it (prompt only) stands for that prompt
+/// again, with its logits: saved, and the same prompt from the file answers as a fresh
+/// request without a prefill.
 #[test]
 fn nothing_is_saved_that_cannot_be_reused() {
     let e = smollm2(budget("keydiff", 32, 16));
+    let doc = greedy(Prompt::Text(DOC.into()), 2);
     let mut pc = PromptCache::new();
-    pc.set_prompt_only(true);
-    let out = e
-        .generate_cached(&greedy(Prompt::Text(DOC.into()), 2), &mut pc, |_| {})
-        .unwrap();
+    let out = e.generate_cached(&doc, &mut pc, |_| {}).unwrap();
     assert!(out.stats.eviction.evictions > 0);
-    let path = temp_dir("cache-file-nothing").join("doc.kv");
+    let dir = temp_dir("cache-file-nothing");
+    let path = dir.join("doc.kv");
     assert_eq!(e.save_prompt_cache(&pc, &path).unwrap(), None);
     assert!(!path.exists());
+
+    pc.set_prompt_only(true);
+    e.generate_cached(&doc, &mut pc, |_| {}).unwrap();
+    assert!(e.save_prompt_cache(&pc, &path).unwrap().is_some());
+    let mut file = e.load_prompt_cache(&path, Reuse::Exact).unwrap();
+    let again = e.generate_cached(&doc, &mut file, |_| {}).unwrap();
+    assert_eq!(again.stats.prefix_tokens, out.prompt_tokens.len());
+    assert_eq!(again.tokens, out.tokens);
+    // Another prompt on it: nothing reused (its cache evicted).
+    let other = greedy(Prompt::Text(format!("{DOC} What came on Thursday?")), 2);
+    let mut file = e.load_prompt_cache(&path, Reuse::Exact).unwrap();
+    let out = e.generate_cached(&other, &mut file, |_| {}).unwrap();
+    assert_eq!(out.stats.prefix_tokens, 0);
 }
 
 /// A file's tensors by name.
@@ -275,9 +302,9 @@ fn files_that_cannot_be_used_are_refused() {
         std::fs::write(&p, b).unwrap();
         p
     };
-    let v = edited(r#"\"version\":1"#, r#"\"version\":7"#, "version.kv");
+    let v = edited(r#"\"version\":2"#, r#"\"version\":7"#, "version.kv");
     assert!(
-        refusal(&e, &v).contains("version 7; this keydiff reads version 1"),
+        refusal(&e, &v).contains("version 7; this keydiff reads versions 1 to 2"),
         "{}",
         refusal(&e, &v)
     );
@@ -301,12 +328,12 @@ fn files_that_cannot_be_used_are_refused() {
     );
     let half = engine_on(&tiny_llama(2), cfg, Some(DType::F16.into()));
     assert!(refusal(&half, &good).contains("holds a f32 cache; this run's is f16"));
-    // Under exact reuse, an evicted cache could stand for nothing.
-    let msg = match e.load_prompt_cache(&good, Reuse::Exact) {
-        Ok(_) => panic!("an evicted cache loaded under exact reuse"),
-        Err(err) => err.to_string(),
-    };
-    assert!(msg.contains("has evicted, and exact reuse"), "{msg}");
+    // Under exact reuse, an evicted cache stands for the same prompt again only, with the
+    // logits that prompt left: it loads, and that prompt samples from them.
+    let mut exact = e.load_prompt_cache(&good, Reuse::Exact).unwrap();
+    let same = e.generate_cached(&params, &mut exact, |_| {}).unwrap();
+    assert_eq!(same.stats.prefix_tokens, 45);
+    assert_eq!(same.tokens, e.generate(&params, |_| {}).unwrap().tokens);
 
     // Hostile contents: the file rewritten with one thing changed. Each is refused, none
     // panics.
@@ -392,7 +419,51 @@ fn files_that_cannot_be_used_are_refused() {
     let p = rewrite("missing.kv", &|_, t| {
         t.retain(|(k, _)| k != "layers.1.state")
     });
-    assert!(refusal(&e, &p).contains("7 tensors"), "{}", refusal(&e, &p));
+    assert!(
+        refusal(&e, &p).contains("7 cache tensors"),
+        "{}",
+        refusal(&e, &p)
+    );
+    // Logits of another width; logits of a cache that went on past its prompt and evicted.
+    let p = rewrite("logits.kv", &|_, t| {
+        let l = t
+            .iter()
+            .find(|(k, _)| k == "prompt_logits")
+            .unwrap()
+            .1
+            .clone();
+        set(
+            t,
+            "prompt_logits",
+            l.narrow(0, 1, l.dim(0).unwrap() - 1).unwrap(),
+        );
+    });
+    assert!(
+        refusal(&e, &p).contains("tensor `prompt_logits` is"),
+        "{}",
+        refusal(&e, &p)
+    );
+    let p = rewrite("past.kv", &|h, _| h["prompt_len"] = 40.into());
+    assert!(
+        refusal(&e, &p).contains("went on 5 tokens past the prompt's 40"),
+        "{}",
+        refusal(&e, &p)
+    );
+    // A file of version 1 (before the logits): it loads under continued reuse, and the same
+    // prompt again is prefilled (it has no logits to start from); exact reuse refuses it.
+    let v1 = rewrite("v1.kv", &|h, t| {
+        h["version"] = 1.into();
+        t.retain(|(k, _)| k != "prompt_logits");
+    });
+    let mut old = e.load_prompt_cache(&v1, Reuse::Continue).unwrap();
+    assert_eq!(old.tokens(), &prompt[..]);
+    let out = e.generate_cached(&params, &mut old, |_| {}).unwrap();
+    assert_eq!(out.stats.prefix_tokens, 0);
+    let msg = match e.load_prompt_cache(&v1, Reuse::Exact) {
+        Ok(_) => panic!("an evicted cache without logits loaded under exact reuse"),
+        Err(err) => err.to_string(),
+    };
+    assert!(msg.contains("has evicted, and exact reuse"), "{msg}");
 }
 
 /// The model digest tells weight files apart by their bytes, not by their paths: a copy of a

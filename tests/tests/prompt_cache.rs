@@ -86,10 +86,12 @@ fn a_growing_conversation_reuses_the_last_cache() {
             .collect::<Vec<_>>()[..reused]
     );
 
-    // The same request again: all but the last (partial) chunk, and at least one token, left.
+    // The same request again: all of it (the cache is cut back to the prompt, and the first
+    // token comes from the logits the prompt left).
     let n = second.prompt_tokens.len();
     let again = same_as_fresh(&e, &mut pc, &turn2);
-    assert_eq!(again.stats.prefix_tokens, (n - 1) / 16 * 16);
+    assert_eq!(again.stats.prefix_tokens, n);
+    assert!(!n.is_multiple_of(16), "a prompt that ends mid-chunk ({n} tokens)");
 
     let other = same_as_fresh(
         &e,
@@ -132,6 +134,49 @@ fn under_a_budget_only_what_never_evicted_is_reused() {
     same_as_fresh(&e, &mut pc, &p);
     assert!(pc.tokens().is_empty(), "H2O's cache cannot be cut back");
     assert_eq!(same_as_fresh(&e, &mut pc, &p).stats.prefix_tokens, 0);
+}
+
+/// The same prompt again, under a budget it evicted under: a prompt-only cache (kept as the
+/// prefill left it) is all reused, the first token coming from the logits the prompt left,
+/// with nothing prefilled, and the output is a fresh request's, greedy or seeded, under
+/// exact and continued reuse, KeyDiff and H2O (whose sums the kept copy holds). Another
+/// prompt reuses none of it.
+#[test]
+fn the_same_prompt_again_reuses_an_evicted_cache_whole() {
+    let long = "The quick brown fox jumps over the lazy dog. ".repeat(16);
+    let p = greedy(
+        chat(&[("user", &format!("{long} What does the text repeat?"))]),
+        8,
+    );
+    let seeded = GenerateParams {
+        sampling: keydiff::Sampling {
+            temperature: 0.9,
+            seed: 7,
+            ..Default::default()
+        },
+        ..p.clone()
+    };
+    for (policy, reuse) in [
+        ("keydiff", keydiff::Reuse::Exact),
+        ("keydiff", keydiff::Reuse::Continue),
+        ("h2o", keydiff::Reuse::Exact),
+    ] {
+        let e = engine(budget(policy, 64, 16));
+        let mut pc = PromptCache::with_reuse(reuse);
+        pc.set_prompt_only(true);
+        let first = same_as_fresh(&e, &mut pc, &p);
+        let n = first.prompt_tokens.len();
+        assert!(first.stats.eviction.evictions > 0, "{policy}");
+        assert_eq!(first.stats.prefix_tokens, 0);
+        assert_eq!(pc.tokens().len(), n, "{policy}: the prompt's cache is kept");
+        for q in [&p, &seeded, &p] {
+            let again = same_as_fresh(&e, &mut pc, q);
+            assert_eq!(again.stats.prefix_tokens, n, "{policy} {reuse:?}");
+            assert_eq!(pc.tokens().len(), n);
+        }
+        let other = greedy(chat(&[("user", "What is the capital of France?")]), 4);
+        assert_eq!(same_as_fresh(&e, &mut pc, &other).stats.prefix_tokens, 0);
+    }
 }
 
 /// A cache can hold more than N tokens without having evicted (decode evicts only at N + K);
@@ -542,9 +587,10 @@ fn kept_caches_make_room_under_a_memory_limit() {
         batch.step(|_, _| {}).unwrap();
     }
     assert_eq!(batch.kept_tokens(), vec![len + 2]);
-    // The same prompt again: it takes the kept cache over (whole chunks of it).
+    // The same prompt again: it takes the kept cache over, all of its prompt (with the
+    // logits the prompt left: nothing to prefill).
     let again = run_batch(&mut batch, &[(2, &b)]).remove(&2).unwrap();
-    assert_eq!(again.stats.prefix_tokens, (len - 1) / chunk * chunk);
+    assert_eq!(again.stats.prefix_tokens, len);
     assert_eq!(again.tokens, e.generate(&b, |_| {}).unwrap().tokens);
     // Without kept caches, the second request could not have joined beside the first's.
     let mut plain = e.batch();

@@ -2781,9 +2781,15 @@ fn generate_with(
                     keydiff::human_bytes(bytes),
                     path.display()
                 ),
-                None => eprintln!(
+                None if a.prompt_cache_all => eprintln!(
                     "prompt cache: nothing saved: under --prompt-cache-reuse exact a cache that \
-                     evicted, or whose policy sums attention (H2O), cannot be reused"
+                     evicted, or whose policy sums attention (H2O), cannot be cut back to the \
+                     prompt a later run would share with it (without --prompt-cache-all, the \
+                     prompt's own cache is saved)"
+                ),
+                None => eprintln!(
+                    "prompt cache: nothing saved: the prompt's cache could not be kept (a \
+                     cancelled prefill, or no memory for its copy)"
                 ),
             }
         }

@@ -30,6 +30,7 @@
 use std::collections::VecDeque;
 use std::time::Instant;
 
+use candle_core::Tensor;
 use keydiff_cache::KvCache;
 use keydiff_model::{Logits, Segment};
 
@@ -67,6 +68,8 @@ struct Kept {
 struct Keep {
     prompt: Vec<u32>,
     text: Option<String>,
+    /// The logits the whole prompt left (set when its prefill ends).
+    logits: Option<Tensor>,
 }
 
 /// A request whose prompt is being prefilled in the batch's steps.
@@ -429,9 +432,9 @@ impl<'e> Batch<'e> {
         let t0 = Instant::now();
         let e = self.engine;
         self.check_new_ids(&[id])?;
-        let (prompt, mut cache, start, keep) = self.admit(params)?;
-        let decoding =
-            e.prefill_request(&mut cache, prompt, start, params.clone(), t0, &mut on_event)?;
+        let (prompt, mut cache, start, keep, logits) = self.admit(params)?;
+        let p = Prefill::new(e, &mut cache, prompt, start, params.clone(), t0)?;
+        let decoding = e.prefill(p.with_logits(logits), &mut cache, &mut on_event)?;
         self.start(id, cache, decoding, keep, &mut on_event)
     }
 
@@ -469,9 +472,10 @@ impl<'e> Batch<'e> {
                     .into(),
             ));
         }
-        let (prompt, mut cache, start, keep) = self.admit(params)?;
+        let (prompt, mut cache, start, keep, logits) = self.admit(params)?;
         self.check_forks(&cache, forks.len())?;
-        let prefill = Prefill::new(e, &mut cache, prompt, start, params.clone(), t0)?;
+        let prefill =
+            Prefill::new(e, &mut cache, prompt, start, params.clone(), t0)?.with_logits(logits);
         self.joining.push_back(Joining {
             id,
             forks: forks.to_vec(),
@@ -487,10 +491,7 @@ impl<'e> Batch<'e> {
     /// caches: on a copy of its beginning when the cache also holds tokens the prompt goes
     /// another way from (the cache stays kept, for others), else taken over (the least
     /// recently used ones are freed while its cache does not fit).
-    fn admit(
-        &mut self,
-        params: &GenerateParams,
-    ) -> Result<(Vec<u32>, KvCache, usize, Option<Keep>)> {
+    fn admit(&mut self, params: &GenerateParams) -> Result<Admitted> {
         let e = self.engine;
         if params.speculative.is_some_and(|s| s.exact) {
             return Err(EngineError::BadParams(
@@ -502,7 +503,7 @@ impl<'e> Batch<'e> {
         }
         if self.kept.is_none() {
             let (prompt, cache) = e.request_cache(params, self.held_bytes())?;
-            return Ok((prompt, cache, 0, None));
+            return Ok((prompt, cache, 0, None, None));
         }
         e.check_params(params)?;
         let prompt = self.prompt_for_kept(params)?;
@@ -731,9 +732,17 @@ impl<'e> Batch<'e> {
     /// Keeps an ended request's cache for later ones, when the batch keeps caches and it can
     /// be reused.
     fn keep(&mut self, cache: KvCache, keep: Option<Keep>, out: &Output) {
-        if let (Some(k), Some(Keep { prompt, text })) = (&mut self.kept, keep) {
+        if let (
+            Some(k),
+            Some(Keep {
+                prompt,
+                text,
+                logits,
+            }),
+        ) = (&mut self.kept, keep)
+        {
             let mut pc = PromptCache::with_reuse(k.reuse);
-            pc.store(cache, &prompt, text, out);
+            pc.store(cache, &prompt, text, out, logits.as_ref());
             if !pc.is_empty() {
                 k.caches.push_front(pc);
                 k.caches.truncate(k.slots);
@@ -751,6 +760,10 @@ impl<'e> Batch<'e> {
         keep: Option<Keep>,
         on_event: &mut impl FnMut(Event<'_>),
     ) -> Result<Option<Output>> {
+        let keep = keep.map(|k| Keep {
+            logits: decoding.prompt_logits().cloned(),
+            ..k
+        });
         match decoding.next(cache.position(), on_event)? {
             Some(next) => {
                 self.running.push(Running {
@@ -1082,17 +1095,23 @@ fn decode_rows(rows: &[candle_core::Tensor], picks: &[RowPick]) -> Result<Vec<Ro
 }
 
 /// What `Batch::admit` gives for a request set up on a kept cache or a fresh one.
-fn admitted(r: Resumed) -> (Vec<u32>, KvCache, usize, Option<Keep>) {
+/// A request set up by `Batch::admit`: its prompt tokens, its cache (holding `prompt[..start]`),
+/// `start`, what it keeps, and the logits its whole prompt left when the cache holds all of it.
+type Admitted = (Vec<u32>, KvCache, usize, Option<Keep>, Option<Tensor>);
+
+fn admitted(r: Resumed) -> Admitted {
     let Resumed {
         prompt,
         cache,
         start,
         text,
         keep,
+        logits,
     } = r;
     let keep = keep.then(|| Keep {
         prompt: prompt.clone(),
         text,
+        logits: None,
     });
-    (prompt, cache, start, keep)
+    (prompt, cache, start, keep, logits)
 }

@@ -7,7 +7,8 @@
 //! bytes]` of a quantized cache's blocks, `q8_0`, `q4_0`, ...; keys and values each in their
 //! own type, which the header names),
 //! `layers.{i}.positions` (u32) and `layers.{i}.state` (f32, `[kv_heads, len]`), only the used
-//! slots; its metadata has `format: keydiff-kv-cache` and, under `keydiff`, a JSON [`Header`]:
+//! slots; a prompt cache that holds its whole prompt also has `prompt_logits` (f32, `[vocab]`,
+//! the logits the prompt left: the same prompt again needs no prefill); its metadata has `format: keydiff-kv-cache` and, under `keydiff`, a JSON [`Header`]:
 //! the model's digest, the cache settings, the tokens the cache stands for and what a continued
 //! conversation needs.
 
@@ -30,8 +31,11 @@ use crate::prompt_cache::{PromptCache, Reuse};
 
 /// The `format` a cache file's metadata names.
 pub const CACHE_FILE_FORMAT: &str = "keydiff-kv-cache";
-/// The version of the layout this keydiff writes and reads.
-pub const CACHE_FILE_VERSION: u32 = 1;
+/// The version of the layout this keydiff writes; it reads this one and the ones before it
+/// (version 2 added `prompt_logits`).
+pub const CACHE_FILE_VERSION: u32 = 2;
+/// The tensor of the logits the whole prompt left.
+const PROMPT_LOGITS: &str = "prompt_logits";
 
 /// What a cache file holds besides its tensors.
 #[derive(Debug, serde::Serialize, serde::Deserialize)]
@@ -168,6 +172,7 @@ impl Engine {
             text: pc.text.as_deref(),
             pending: &pc.pending,
             messages: None,
+            logits: pc.logits.as_ref(),
         };
         self.write_cache_file(cache, saved, path).map(Some)
     }
@@ -201,6 +206,7 @@ impl Engine {
             text: Some(&conv.fed_text),
             pending: &pending,
             messages: Some(messages),
+            logits: None,
         };
         self.write_cache_file(cache, saved, path).map(Some)
     }
@@ -253,6 +259,10 @@ impl Engine {
                 tensors.push((format!("layers.{i}.{name}"), host(t)?));
             }
         }
+        if let Some(l) = saved.logits {
+            let l = l.to_dtype(candle_core::DType::F32)?;
+            tensors.push((PROMPT_LOGITS.to_string(), host(&l)?));
+        }
         let tmp = temporary_beside(path);
         safetensors::serialize_to_file(tensors, Some(meta), &tmp).map_err(|e| {
             let _ = std::fs::remove_file(&tmp);
@@ -293,7 +303,7 @@ impl Engine {
         reuse: Reuse,
         held: u64,
     ) -> Result<PromptCache> {
-        let (h, cache) = self.read_cache_file(path, reuse, held)?;
+        let (h, cache, logits) = self.read_cache_file(path, reuse, held)?;
         if h.messages.is_some() {
             // Its caller would save a prompt cache over it: the conversation would be lost.
             return Err(EngineError::CacheFile {
@@ -310,6 +320,7 @@ impl Engine {
         self.settle()?;
         pc.text = h.text;
         pc.pending = h.pending;
+        pc.logits = logits;
         Ok(pc)
     }
 
@@ -317,7 +328,7 @@ impl Engine {
     /// (refused, with the reason, as [`Engine::load_prompt_cache`] refuses a file, and when
     /// the file holds a prompt cache rather than a conversation).
     pub fn load_conversation(&self, path: &Path) -> Result<Conversation> {
-        let (h, cache) = self.read_cache_file(path, Reuse::Continue, 0)?;
+        let (h, cache, _) = self.read_cache_file(path, Reuse::Continue, 0)?;
         // Its copies to the device may still run (see [`Engine`]).
         self.settle()?;
         let bad = |reason: &str| EngineError::CacheFile {
@@ -353,9 +364,14 @@ impl Engine {
         })
     }
 
-    /// Reads and checks a cache file (see [`Engine::load_prompt_cache`]): its header and its
-    /// cache, on this engine's device.
-    fn read_cache_file(&self, path: &Path, reuse: Reuse, held: u64) -> Result<(Header, KvCache)> {
+    /// Reads and checks a cache file (see [`Engine::load_prompt_cache`]): its header, its
+    /// cache and the logits its whole prompt left (when it has them), on this engine's device.
+    fn read_cache_file(
+        &self,
+        path: &Path,
+        reuse: Reuse,
+        held: u64,
+    ) -> Result<(Header, KvCache, Option<Tensor>)> {
         let bad = |reason: String| EngineError::CacheFile {
             path: path.to_path_buf(),
             reason,
@@ -388,9 +404,9 @@ impl Engine {
         let version = serde_json::from_str::<serde_json::Value>(json)
             .ok()
             .and_then(|v| v.get("version").and_then(|v| v.as_u64()));
-        if version != Some(CACHE_FILE_VERSION as u64) {
+        if !version.is_some_and(|v| (1..=CACHE_FILE_VERSION as u64).contains(&v)) {
             return Err(bad(format!(
-                "a cache file of version {}; this keydiff reads version {CACHE_FILE_VERSION}",
+                "a cache file of version {}; this keydiff reads versions 1 to {CACHE_FILE_VERSION}",
                 version.map_or("(none)".into(), |v| v.to_string())
             )));
         }
@@ -432,9 +448,10 @@ impl Engine {
             )));
         }
         // What `PromptCache::store` would not keep under exact reuse: it could stand for none
-        // of a prompt.
+        // of a prompt (but the same prompt again, when it holds that prompt's logits).
         let sums = cfg.policy.stats_need() == keydiff_cache::StatsNeed::AllRows;
-        if reuse == Reuse::Exact && (h.counters.evictions > 0 || sums) {
+        let whole = st.tensor(PROMPT_LOGITS).is_ok() && h.position == h.prompt_len;
+        if reuse == Reuse::Exact && (h.counters.evictions > 0 || sums) && !whole {
             return Err(bad(format!(
                 "its cache {}, and exact reuse takes only what a fresh prefill shares \
                  (continue goes on from it)",
@@ -464,14 +481,36 @@ impl Engine {
         self.check_vocab(&h.tokens)
             .and_then(|()| self.check_vocab(&h.pending))
             .map_err(|e| bad(e.to_string()))?;
-        if h.next_positions.len() != m.num_layers || st.len() != 4 * m.num_layers {
+        let logits_view = st.tensor(PROMPT_LOGITS).ok();
+        let cache_tensors = st.len() - usize::from(logits_view.is_some());
+        if h.next_positions.len() != m.num_layers || cache_tensors != 4 * m.num_layers {
             return Err(bad(format!(
-                "{} layers and {} tensors; a cache of this model's {} layers has {}",
+                "{} layers and {cache_tensors} cache tensors; a cache of this model's {} layers \
+                 has {}",
                 h.next_positions.len(),
-                st.len(),
                 m.num_layers,
                 4 * m.num_layers
             )));
+        }
+        if let Some(v) = &logits_view {
+            let want = [m.vocab_size];
+            if v.shape() != want || v.dtype() != safetensors::Dtype::F32 {
+                return Err(bad(format!(
+                    "tensor `{PROMPT_LOGITS}` is {:?} {:?}; this model's logits are {want:?} F32",
+                    v.shape(),
+                    v.dtype()
+                )));
+            }
+            // They stand for the cache as the prompt left it: where it went on past the
+            // prompt, it must be one that can be cut back there.
+            if h.prompt_len != h.position && (h.counters.evictions > 0 || sums) {
+                return Err(bad(format!(
+                    "it has the prompt's logits, but its cache went on {} tokens past the \
+                     prompt's {} and cannot be cut back to it",
+                    h.position - h.prompt_len,
+                    h.prompt_len
+                )));
+            }
         }
         // Every tensor's shape, before anything is copied: the slots are layer 0's keys'.
         let view = |i: usize, name: &str| {
@@ -548,13 +587,20 @@ impl Engine {
         let mut cache = KvCache::from_parts(&parts, capacity, &self.config().device)
             .map_err(|e| bad(e.to_string()))?;
         cache.set_evict_per_layer(self.config().evict_per_layer);
+        let logits = match logits_view {
+            Some(v) => Some(v.load(&self.config().device).map_err(|e| {
+                let e = keydiff_cache::without_backtrace(e);
+                bad(format!("tensor `{PROMPT_LOGITS}`: {e}"))
+            })?),
+            None => None,
+        };
         tracing::info!(
             path = %path.display(),
             tokens = h.tokens.len(),
             slots = len,
             "KV cache loaded"
         );
-        Ok((h, cache))
+        Ok((h, cache, logits))
     }
 
     /// Loads a saved prompt cache in place of the one `pc` holds ([`Engine::load_prompt_cache`],
@@ -595,6 +641,8 @@ struct Saved<'a> {
     text: Option<&'a str>,
     pending: &'a [u32],
     messages: Option<Vec<SavedMessage>>,
+    /// The logits the whole prompt left (a prompt cache's).
+    logits: Option<&'a Tensor>,
 }
 
 /// `path` with `.tmp-<pid>` added to its name.

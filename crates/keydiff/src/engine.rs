@@ -508,6 +508,16 @@ impl<'e> Prefill<'e> {
         })
     }
 
+    /// A request whose cache already holds its whole prompt, with the logits the prompt left
+    /// (kept by a prompt cache): nothing is prefilled, the first token is sampled from them.
+    /// Without them (or with a prompt not all in the cache) it prefills as [`Prefill::new`].
+    pub(crate) fn with_logits(mut self, logits: Option<Tensor>) -> Self {
+        if let (Some(l), true) = (logits, self.start == self.prompt.len()) {
+            self.logits = Some(l);
+        }
+        self
+    }
+
     /// The prompt tokens the next chunk takes, or `None` when the prompt is done or the
     /// request was cancelled. Chunks of B; in a chat turn the cache may come out of decode
     /// with up to N + K - 1 slots, so the first chunk takes only the room left (it then
@@ -601,6 +611,7 @@ impl<'e> Prefill<'e> {
             None => Pick::Host,
         };
         // Cancelled during prefill: nothing to sample from.
+        let mut prompt_logits = None;
         let (logits, reason) = match self.logits {
             Some(l) if self.done == n => {
                 // Broken weights (or an overflow) give NaN logits, whose argmax is token 0:
@@ -614,7 +625,9 @@ impl<'e> Prefill<'e> {
                         dtype: format!("{:?}", e.config().dtype).to_lowercase(),
                     });
                 }
-                (Next::of(&l, pick)?, StopReason::MaxTokens)
+                let next = Next::of(&l, pick)?;
+                prompt_logits = Some(l);
+                (next, StopReason::MaxTokens)
             }
             _ if self.done == n => {
                 return Err(EngineError::Model(keydiff_model::ModelError::Shape(
@@ -655,6 +668,7 @@ impl<'e> Prefill<'e> {
             pick,
             drawn: None,
             constraint,
+            prompt_logits,
         })
     }
 }
@@ -771,6 +785,9 @@ pub(crate) struct Decoding<'e> {
     drawn: Option<StdRng>,
     /// JSON mode's checker or the grammar's state, over what was generated so far.
     constraint: Option<Constraint>,
+    /// The logits after the whole prompt (`[vocab]`), which the first token is sampled from:
+    /// a prompt cache keeps them, so that the same prompt again needs no prefill at all.
+    prompt_logits: Option<Tensor>,
 }
 
 /// What constrains a request's output ([`Format`]), over what was generated so far.
@@ -1448,6 +1465,12 @@ impl<'e> Decoding<'e> {
             s.update(spec, draft.len(), kept);
         }
         Ok(next)
+    }
+
+    /// The logits after the whole prompt, which the first token was sampled from (`None`
+    /// when a cancel cut the prefill short).
+    pub(crate) fn prompt_logits(&self) -> Option<&Tensor> {
+        self.prompt_logits.as_ref()
     }
 
     /// Tokens that came before the prompt (a conversation's earlier turns, in its cache), set
@@ -2812,7 +2835,17 @@ impl Engine {
         t0: Instant,
         on_event: &mut impl FnMut(Event<'_>),
     ) -> Result<Decoding<'_>> {
-        let mut p = Prefill::new(self, cache, prompt, start, params, t0)?;
+        let p = Prefill::new(self, cache, prompt, start, params, t0)?;
+        self.prefill(p, cache, on_event)
+    }
+
+    /// Runs the prefill `p` (on `cache`) to its end ([`Engine::prefill_request`]).
+    pub(crate) fn prefill<'e>(
+        &'e self,
+        mut p: Prefill<'e>,
+        cache: &mut KvCache,
+        on_event: &mut impl FnMut(Event<'_>),
+    ) -> Result<Decoding<'e>> {
         let model = &self.loaded.model;
         while let Some(piece) = p.piece(cache) {
             let started = Instant::now();

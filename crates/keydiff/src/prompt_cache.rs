@@ -4,9 +4,10 @@
 
 use std::time::Instant;
 
+use candle_core::Tensor;
 use keydiff_cache::KvCache;
 
-use crate::engine::{Engine, Event, GenerateParams, Output, Prompt, StopReason};
+use crate::engine::{Engine, Event, GenerateParams, Output, Prefill, Prompt, StopReason};
 use crate::error::{EngineError, Result};
 
 /// What a [`PromptCache`] may reuse.
@@ -58,6 +59,10 @@ pub struct PromptCache {
     pub(crate) prompt_only: bool,
     /// The engine whose requests made the cache ([`Engine::id`]).
     pub(crate) engine: Option<u64>,
+    /// The logits after the prompt (`tokens[..prompt_len]`, `[vocab]`), when the cache can be
+    /// put back to where the prompt left it (it is there, or it never evicted): the same
+    /// prompt again then samples from them, with nothing to prefill.
+    pub(crate) logits: Option<Tensor>,
 }
 
 impl PromptCache {
@@ -121,6 +126,7 @@ impl PromptCache {
         self.cache = None;
         self.text = None;
         self.pending.clear();
+        self.logits = None;
     }
 }
 
@@ -134,17 +140,22 @@ pub(crate) struct Resumed {
     pub(crate) text: Option<String>,
     /// False for a request whose cache is not kept (prompt logprobs).
     pub(crate) keep: bool,
+    /// The logits the whole prompt left, when the cache holds all of it (`start` is the
+    /// prompt's length): the first token is sampled from them.
+    pub(crate) logits: Option<Tensor>,
 }
 
 impl PromptCache {
     /// Keeps `cache`, which `prompt` (with text `text`) and then `out` ran on, for the next
     /// request: when it can be reused at all (it never evicted, or it may be continued).
+    /// `logits`: those the whole prompt left, kept when the cache can be cut back to it.
     pub(crate) fn store(
         &mut self,
         cache: KvCache,
         prompt: &[u32],
         text: Option<String>,
         out: &Output,
+        logits: Option<&Tensor>,
     ) {
         self.clear();
         if self.reuse != Reuse::Continue && !cache.can_truncate() {
@@ -159,6 +170,9 @@ impl PromptCache {
             .copied()
             .collect();
         self.prompt_len = n.min(fed);
+        if fed == n || (fed > n && cache.can_truncate()) {
+            self.logits = logits.cloned();
+        }
         // The reply as the client got it; after a stop string (or an indentation stop) it
         // lacks tokens the cache was fed, and a prompt cut short in prefill has no reply.
         let cut = matches!(
@@ -181,10 +195,19 @@ impl PromptCache {
 
 impl PromptCache {
     /// As [`PromptCache::store`], of a cache that holds (the beginning of) `prompt` only, as
-    /// the prefill left it.
-    pub(crate) fn store_prompt(&mut self, cache: KvCache, prompt: &[u32], text: Option<String>) {
+    /// the prefill left it; with `logits` when it holds all of it. An evicted cache is kept
+    /// for [`Reuse::Exact`] too when it holds the whole prompt with its logits: the same
+    /// prompt again is then exactly what a fresh prefill would give.
+    pub(crate) fn store_prompt(
+        &mut self,
+        cache: KvCache,
+        prompt: &[u32],
+        text: Option<String>,
+        logits: Option<&Tensor>,
+    ) {
         self.clear();
-        if self.reuse != Reuse::Continue && !cache.can_truncate() {
+        let whole = cache.position() == prompt.len() && logits.is_some();
+        if self.reuse != Reuse::Continue && !cache.can_truncate() && !whole {
             return;
         }
         let fed = cache.position().min(prompt.len());
@@ -192,6 +215,7 @@ impl PromptCache {
         self.prompt_len = fed;
         if fed == prompt.len() {
             self.text = text;
+            self.logits = logits.cloned();
         }
         self.cache = Some(cache);
     }
@@ -207,7 +231,11 @@ impl Engine {
     /// fresh prefill would use), leaving at least one token to prefill, and only while no
     /// eviction would have happened in it: the held cache never evicted, and under a budget N
     /// the reused prefix is at most N. H2O (whose attention sums include later tokens) never
-    /// reuses this way. The reused tokens' K/V may differ from a fresh prefill's by float
+    /// reuses this way. The same prompt again (token for token) reuses all of it, evicted or
+    /// not (H2O too), where the cache is as that prompt left it or can be cut back to it: the
+    /// first token is sampled from the logits the prompt left, kept with the cache, and
+    /// nothing is prefilled (llama.cpp and vLLM run the last prompt token again; an evicted
+    /// cache could not). The reused tokens' K/V may differ from a fresh prefill's by float
     /// rounding where they were made by decode steps (the reply of a previous turn); tested:
     /// greedy output equal. [`Reuse::Continue`] also goes on from the whole held cache when the
     /// prompt extends all of it.
@@ -236,23 +264,18 @@ impl Engine {
             start,
             text,
             keep,
+            logits,
         } = self.resume(params, pc, 0, None)?;
+        let p = Prefill::new(self, &mut cache, prompt.clone(), start, params.clone(), t0)?;
+        let d = self.prefill(p.with_logits(logits), &mut cache, &mut on_event)?;
+        let logits = d.prompt_logits().cloned();
         if !(keep && pc.prompt_only) {
-            let (out, _) =
-                self.run_request(&mut cache, &prompt, start, params, t0, &mut on_event)?;
+            let (out, _) = self.decode_request(d, &mut cache, &mut on_event)?;
             if keep {
-                pc.store(cache, &prompt, text, &out);
+                pc.store(cache, &prompt, text, &out, logits.as_ref());
             }
             return Ok(out);
         }
-        let d = self.prefill_request(
-            &mut cache,
-            prompt.clone(),
-            start,
-            params.clone(),
-            t0,
-            &mut on_event,
-        )?;
         // The cache as the prompt left it: a budgeted one may evict while it decodes, so it
         // is copied now (N + B slots, beside it in memory), when it can be kept at all; one
         // that never evicts is cut back to the prompt afterwards. The copy is optional: where
@@ -264,7 +287,11 @@ impl Engine {
         }
         let keep = match cache.config().budget {
             None => Keep::Cut,
-            Some(_) if pc.reuse != Reuse::Continue && !cache.can_truncate() => Keep::Nothing,
+            // Under exact reuse an evicted cache is kept for the same prompt again only,
+            // which needs the prompt's logits (none when a cancel cut the prefill short).
+            Some(_) if pc.reuse != Reuse::Continue && !cache.can_truncate() && logits.is_none() => {
+                Keep::Nothing
+            }
             Some(_) => {
                 let beside = if self.config().memory_limit.is_some() {
                     cache.bytes() as u64
@@ -283,10 +310,10 @@ impl Engine {
         };
         let (out, _) = self.decode_request(d, &mut cache, &mut on_event)?;
         match keep {
-            Keep::Copy(c) => pc.store_prompt(*c, &prompt, text),
+            Keep::Copy(c) => pc.store_prompt(*c, &prompt, text, logits.as_ref()),
             Keep::Cut => {
                 cache.truncate(cache.position().min(prompt.len()))?;
-                pc.store_prompt(cache, &prompt, text);
+                pc.store_prompt(cache, &prompt, text, logits.as_ref());
             }
             Keep::Nothing => pc.clear(),
         }
@@ -358,6 +385,7 @@ impl Engine {
                 start: 0,
                 text: None,
                 keep: false,
+                logits: None,
             });
         }
         let text = self.prompt_text(&params.prompt)?;
@@ -370,6 +398,9 @@ impl Engine {
         } else {
             self.reusable(pc, &prompt)
         };
+        // The same prompt again: its cache as the prompt left it, and the logits it left.
+        let whole = reuse == prompt.len();
+        let logits = pc.logits.take().filter(|_| whole);
         let held_cache = pc.cache.take();
         pc.clear();
         let fresh = || self.alloc_cache_beside(cfg.clone(), alloc, held);
@@ -394,9 +425,29 @@ impl Engine {
                 }
             }
             Some(mut c) if reuse > 0 => {
-                c.truncate(reuse)?;
+                // (A cache kept where the prompt left it may have evicted: it is not cut.)
+                if c.position() != reuse {
+                    c.truncate(reuse)?;
+                }
                 if c.capacity() >= cfg.slots_for(need) {
                     (c, reuse)
+                } else if whole {
+                    // Too small for this request's output: a cache without a budget grows
+                    // (where that fits), a budgeted one that has fewer than its N + B slots
+                    // cannot, and the prompt is prefilled afresh.
+                    let grown = need.min(context);
+                    let fits = cfg.budget.is_none()
+                        && match self.check_cache_memory_beside(&cfg, grown, 0, beside(&c)) {
+                            Ok(()) => true,
+                            Err(EngineError::OutOfMemory(_)) => false,
+                            Err(e) => return Err(e),
+                        };
+                    if fits {
+                        (c.grown(grown)?, reuse)
+                    } else {
+                        drop(c);
+                        (fresh()?, 0)
+                    }
                 } else {
                     match self.alloc_cache_beside(cfg.clone(), alloc, beside(&c)) {
                         Ok(mut bigger) => {
@@ -419,6 +470,7 @@ impl Engine {
             }
         };
         Ok(Resumed {
+            logits: logits.filter(|_| start == prompt.len()),
             prompt,
             cache,
             start,
@@ -473,6 +525,7 @@ impl Engine {
             start: reuse,
             text: text.map(str::to_owned),
             keep: true,
+            logits: None,
         }))
     }
 
@@ -583,7 +636,21 @@ impl Engine {
             return 0;
         };
         let cfg = &self.config().cache;
-        if !c.can_truncate() || c.config() != cfg {
+        if c.config() != cfg {
+            return 0;
+        }
+        // The same prompt again, with the logits it left, where the cache is as the prompt
+        // left it or can be put back there: all of it, with nothing to prefill (exactly a
+        // fresh request's cache and logits, evicted or not).
+        let n = prompt.len();
+        if pc.logits.is_some()
+            && pc.prompt_len == n
+            && pc.tokens.starts_with(prompt)
+            && (c.position() == n || c.can_truncate())
+        {
+            return n;
+        }
+        if !c.can_truncate() {
             return 0;
         }
         let mut r = common_prefix(&pc.tokens, prompt).min(prompt.len() - 1);
