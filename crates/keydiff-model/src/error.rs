@@ -25,7 +25,7 @@ pub enum ModelError {
     MissingTensor(String),
     #[error("tokenizer: {0}")]
     Tokenizer(String),
-    #[error("unknown pre-tokenizer `tokenizer.ggml.pre = {0}` (supported: smollm, qwen2, llama3, llama-bpe, gpt2)")]
+    #[error("unknown pre-tokenizer `tokenizer.ggml.pre = {0}` (supported: {known})", known = crate::tokenizer::known_pre_tokenizers())]
     UnknownPreTokenizer(String),
     #[error("chat template: {0}")]
     ChatTemplate(String),

@@ -205,6 +205,25 @@ enum Pre {
     Qwen2,
 }
 
+/// The `tokenizer.ggml.pre` names llama.cpp (`llama-vocab.cpp`) reads as each of the
+/// pre-tokenizers here: the names converters write for other models on the same tokenizer
+/// (DeepSeek-R1's Qwen distills, Falcon 3, Pixtral, ...). `gpt2` is keydiff's own spelling.
+const PRE_GPT2: &[&str] = &[
+    "gpt-2", "gpt2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de",
+    "a.x-4.0", "mellum", "exaone4",
+];
+const PRE_LLAMA3: &[&str] = &[
+    "llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+];
+const PRE_QWEN2: &[&str] = &["qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"];
+
+/// Every `tokenizer.ggml.pre` keydiff reads, for messages.
+pub(crate) fn known_pre_tokenizers() -> String {
+    let mut all = vec!["default", "smollm"];
+    all.extend(PRE_GPT2.iter().chain(PRE_LLAMA3).chain(PRE_QWEN2));
+    all.join(", ")
+}
+
 impl Pre {
     fn parse(value: Option<&str>) -> Result<Self> {
         match value {
@@ -216,10 +235,10 @@ impl Pre {
                 Ok(Self::Default)
             }
             Some("default") => Ok(Self::Default),
-            Some("gpt-2" | "gpt2") => Ok(Self::Gpt2),
+            Some(v) if PRE_GPT2.contains(&v) => Ok(Self::Gpt2),
             Some("smollm") => Ok(Self::Smollm),
-            Some("llama3" | "llama-v3" | "llama-bpe") => Ok(Self::Llama3),
-            Some("qwen2") => Ok(Self::Qwen2),
+            Some(v) if PRE_LLAMA3.contains(&v) => Ok(Self::Llama3),
+            Some(v) if PRE_QWEN2.contains(&v) => Ok(Self::Qwen2),
             Some(other) => Err(ModelError::UnknownPreTokenizer(other.to_string())),
         }
     }
@@ -619,6 +638,32 @@ mod tests {
         let ids = |s: &str| tok.tokenizer.encode(s, false).unwrap().get_ids().to_vec();
         assert_eq!(ids("e\u{301}"), ids("\u{e9}"));
         assert!(!tok.add_bos);
+    }
+
+    /// The names llama.cpp reads as Qwen 2's, Llama 3's or GPT-2's pre-tokenizer tokenize as
+    /// those do (and Llama 3's add BOS as llama.cpp's do); an unknown name is refused with
+    /// every known one listed.
+    #[test]
+    fn pre_tokenizer_aliases_are_llama_cpp_s() {
+        for (alias, of) in [
+            ("deepseek-r1-qwen", "qwen2"),
+            ("megrez", "qwen2"),
+            ("falcon3", "llama3"),
+            ("pixtral", "llama3"),
+            ("phi-2", "gpt2"),
+            ("exaone4", "gpt2"),
+        ] {
+            let (a, b) = (load(Some(alias)), load(Some(of)));
+            let text = "Hello 12345 wörld\n\n  e\u{301} it's";
+            let ids = |t: &GgufTokenizer| t.tokenizer.encode(text, false).unwrap().get_ids().to_vec();
+            assert_eq!(ids(&a), ids(&b), "{alias} as {of}");
+            assert_eq!(a.add_bos, b.add_bos, "{alias}");
+        }
+        let err = Pre::parse(Some("tekken")).unwrap_err().to_string();
+        assert!(
+            err.contains("`tokenizer.ggml.pre = tekken`") && err.contains("deepseek-r1-qwen"),
+            "{err}"
+        );
     }
 
     #[test]
