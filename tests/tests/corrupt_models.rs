@@ -207,6 +207,12 @@ fn metadata_corruptions_are_named() {
             Some(Value::U32(48)),
             "must be a power of two",
         ),
+        // One part of a split GGUF: named as such, not as the tensors it lacks.
+        (
+            "split.count",
+            Some(Value::U16(3)),
+            "part of a GGUF split in 3 files",
+        ),
         // Used to abort on allocating 4G layers.
         (
             "llama.block_count",
@@ -925,11 +931,22 @@ fn tensor_info_corruptions_fail() {
     // The messages name the tensor and the problem.
     let infos = info_positions(&bytes, &["blk.0.attn_q.weight".to_string()]);
     let q = &infos[0];
-    let cases: [(usize, Vec<u8>, &str); 5] = [
+    let cases: [(usize, Vec<u8>, &str); 7] = [
         (
             q.dims[0],
             33u64.to_le_bytes().to_vec(),
             "not whole Q8_0 blocks of 32",
+        ),
+        // A type candle cannot run (IQ4_XS), and an id no GGML release defines.
+        (
+            q.dtype,
+            23u32.to_le_bytes().to_vec(),
+            "tensor `blk.0.attn_q.weight` is IQ4_XS (GGML type 23), which keydiff cannot run",
+        ),
+        (
+            q.dtype,
+            40u32.to_le_bytes().to_vec(),
+            "tensor `blk.0.attn_q.weight` is of GGML type 40, which no GGML release defines",
         ),
         (q.dims[1], (1u64 << 62).to_le_bytes().to_vec(), "overflows"),
         (q.dtype, 0u32.to_le_bytes().to_vec(), "blk.0.attn_q.weight"),

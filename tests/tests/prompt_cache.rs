@@ -91,7 +91,10 @@ fn a_growing_conversation_reuses_the_last_cache() {
     let n = second.prompt_tokens.len();
     let again = same_as_fresh(&e, &mut pc, &turn2);
     assert_eq!(again.stats.prefix_tokens, n);
-    assert!(!n.is_multiple_of(16), "a prompt that ends mid-chunk ({n} tokens)");
+    assert!(
+        !n.is_multiple_of(16),
+        "a prompt that ends mid-chunk ({n} tokens)"
+    );
 
     let other = same_as_fresh(
         &e,

@@ -648,6 +648,33 @@ fn bad_requests_are_refused_naming_the_problem() {
             "unknown type",
         ),
         (
+            &c,
+            json!({"prompt": "hi", "grammar": "root ::= \"a\"",
+                   "grammar_triggers": [{"type": 1, "value": "a"}]}),
+            Some("grammar_triggers"),
+            "set grammar_lazy to true",
+        ),
+        (
+            &c,
+            json!({"prompt": "hi", "grammar_lazy": true,
+                   "grammar_triggers": [{"type": 1, "value": "a"}]}),
+            Some("grammar_lazy"),
+            "needs a grammar or json_schema",
+        ),
+        (
+            &c,
+            json!({"prompt": "hi", "grammar": "root ::= \"a\"", "grammar_lazy": true}),
+            Some("grammar_triggers"),
+            "never applies",
+        ),
+        (
+            &c,
+            json!({"prompt": "hi", "grammar": "root ::= \"a\"", "grammar_lazy": true,
+                   "grammar_triggers": [{"type": 2, "value": "a+"}]}),
+            Some("grammar_triggers"),
+            "pattern triggers are not supported",
+        ),
+        (
             &chat,
             json!({"messages": user, "grammar": "root ::= \"a\"",
                    "response_format": {"type": "json_object"}}),
@@ -1657,6 +1684,39 @@ fn json_schema_and_grammar_replies() {
         "{text:?}"
     );
     assert_eq!(got["choices"][0]["finish_reason"], "stop");
+    // llama.cpp's lazy grammar: free text until a trigger (here the plain reply's second
+    // word), then the grammar from the trigger on; a trigger that never comes leaves the
+    // reply as it is.
+    let plain = local
+        .generate(&greedy(Prompt::Text("My pet is".into()), 32), |_| {})
+        .unwrap()
+        .text;
+    let word = plain.split_whitespace().nth(1).unwrap().to_string();
+    let cut = plain.find(&word).unwrap() + word.len();
+    let lazy = format!("root ::= {word:?} \"!!!\"");
+    let mut params = greedy(Prompt::Text("My pet is".into()), 32);
+    params.sampling.format = keydiff::Format::Lazy {
+        grammar: lazy.clone(),
+        triggers: vec![word.clone()],
+        at_start: Vec::new(),
+        reasoning: None,
+    };
+    let want = local.generate(&params, |_| {}).unwrap();
+    assert_eq!(want.text, format!("{}!!!", &plain[..cut]));
+    let never = "root ::= \"zebra-unicorn\" \"!!!\"".to_string();
+    for (grammar, trigger, expect) in [
+        (&lazy, json!({"type": 1, "value": word}), &want.text),
+        (&lazy, json!({"type": "word", "value": word}), &want.text),
+        (&never, json!({"type": 1, "value": "zebra-unicorn"}), &plain),
+    ] {
+        let (code, got) = post(
+            &format!("{}/completion", server.url()),
+            &json!({"prompt": "My pet is", "n_predict": 32, "temperature": 0,
+                    "grammar": grammar, "grammar_lazy": true, "grammar_triggers": [trigger]}),
+        );
+        assert_eq!(code, 200, "{got}");
+        assert_eq!(got["content"].as_str().unwrap(), expect, "{trigger}");
+    }
 }
 
 /// `best_of`: of 4 completions (seeds seed + i, prefilled once), the 2 whose tokens have the

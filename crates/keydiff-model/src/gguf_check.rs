@@ -19,6 +19,20 @@ pub(crate) struct Scan {
     pub duplicate_key: Option<String>,
     /// The tensors' names in header order, when the walk read every tensor's entry.
     pub tensors: Option<Vec<String>>,
+    /// The first tensor whose GGML type candle cannot read (its name and type id): candle's
+    /// reader would refuse the file as "unknown dtype for tensor 23" (the type's id).
+    pub unreadable: Option<(String, u32)>,
+}
+
+/// GGML's type names by id (`ggml.h`), for messages; `None` for ids no longer used.
+pub(crate) fn ggml_type_name(id: u32) -> Option<&'static str> {
+    const NAMES: [&str; 40] = [
+        "F32", "F16", "Q4_0", "Q4_1", "", "", "Q5_0", "Q5_1", "Q8_0", "Q8_1", "Q2_K", "Q3_K",
+        "Q4_K", "Q5_K", "Q6_K", "Q8_K", "IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ1_S", "IQ4_NL", "IQ3_S",
+        "IQ2_S", "IQ4_XS", "I8", "I16", "I32", "I64", "F64", "IQ1_M", "BF16", "", "", "", "TQ1_0",
+        "TQ2_0", "", "", "", "MXFP4",
+    ];
+    NAMES.get(id as usize).copied().filter(|n| !n.is_empty())
 }
 
 /// Walks a GGUF file's header (see [`Scan`]) and leaves the file at its start.
@@ -139,14 +153,21 @@ impl<R: BufRead + Seek> Walker<R> {
         }
         let mut names = Vec::new();
         for _ in 0..tensors {
-            names.push(self.string()?);
+            let name = self.string()?;
             let dims = self.u32()?;
             if dims > 4 {
                 return Ok(());
             }
             self.skip(u64::from(dims) * if self.long { 8 } else { 4 })?;
-            // Type and offset.
-            self.skip(12)?;
+            let ty = self.u32()?;
+            // The ids candle's `GgmlDType::from_u32` reads (candle 0.11).
+            let candle_reads = matches!(ty, 0..=3 | 6..=15 | 30);
+            if found.unreadable.is_none() && !candle_reads {
+                found.unreadable = Some((name.clone(), ty));
+            }
+            // The offset.
+            self.skip(8)?;
+            names.push(name);
         }
         found.tensors = Some(names);
         Ok(())

@@ -209,11 +209,27 @@ enum Pre {
 /// pre-tokenizers here: the names converters write for other models on the same tokenizer
 /// (DeepSeek-R1's Qwen distills, Falcon 3, Pixtral, ...). `gpt2` is keydiff's own spelling.
 const PRE_GPT2: &[&str] = &[
-    "gpt-2", "gpt2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de",
-    "a.x-4.0", "mellum", "exaone4",
+    "gpt-2",
+    "gpt2",
+    "phi-2",
+    "jina-es",
+    "jina-de",
+    "gigachat",
+    "jina-v2-es",
+    "jina-v2-de",
+    "a.x-4.0",
+    "mellum",
+    "exaone4",
 ];
 const PRE_LLAMA3: &[&str] = &[
-    "llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+    "llama3",
+    "llama-v3",
+    "llama-bpe",
+    "falcon3",
+    "falcon-h1",
+    "pixtral",
+    "midm-2.0",
+    "lfm2",
 ];
 const PRE_QWEN2: &[&str] = &["qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"];
 
@@ -655,7 +671,8 @@ mod tests {
         ] {
             let (a, b) = (load(Some(alias)), load(Some(of)));
             let text = "Hello 12345 wörld\n\n  e\u{301} it's";
-            let ids = |t: &GgufTokenizer| t.tokenizer.encode(text, false).unwrap().get_ids().to_vec();
+            let ids =
+                |t: &GgufTokenizer| t.tokenizer.encode(text, false).unwrap().get_ids().to_vec();
             assert_eq!(ids(&a), ids(&b), "{alias} as {of}");
             assert_eq!(a.add_bos, b.add_bos, "{alias}");
         }

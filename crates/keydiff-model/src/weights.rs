@@ -619,6 +619,17 @@ impl Weights {
                 "`general.alignment` is 0; it must be a power of two".into()
             ));
         }
+        if let Some((tensor, ty)) = &scan.unreadable {
+            let kind = match gguf_check::ggml_type_name(*ty) {
+                Some(name) => format!("{name} (GGML type {ty})"),
+                None => format!("of GGML type {ty}, which no GGML release defines"),
+            };
+            return Err(bad(format!(
+                "tensor `{tensor}` is {kind}, which keydiff cannot run (candle's types: F32, \
+                 F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_1, Q2_K to Q8_K): use a file in one \
+                 of those"
+            )));
+        }
         let content = gguf_file::Content::read(&mut file).map_err(|e| {
             let reason = keydiff_cache::without_backtrace(e).to_string();
             // std's message for a read past the end.
@@ -634,6 +645,19 @@ impl Weights {
                 reason,
             }
         })?;
+        // llama.cpp's `gguf-split` parts: keydiff reads one file (the first part alone would
+        // be refused for the tensors the others hold).
+        let parts = content
+            .metadata
+            .get("split.count")
+            .and_then(|v| v.to_u64().ok());
+        if let Some(n) = parts.filter(|&n| n > 1) {
+            return Err(bad(format!(
+                "it is a part of a GGUF split in {n} files (`split.count`), and keydiff reads a \
+                 model from one file: merge the parts with llama.cpp's `llama-gguf-split \
+                 --merge`"
+            )));
+        }
         // A truncated or inconsistent file is caught here rather than half-way through loading.
         let len = file
             .metadata()

@@ -83,6 +83,12 @@ pub struct Common {
     pub grammar: Option<String>,
     /// llama.cpp's: a JSON schema the output must be a value of.
     pub json_schema: Option<Value>,
+    /// llama.cpp's lazy grammar: the text is free until one of `grammar_triggers` comes, and
+    /// from that trigger on it is a text of `grammar` (or `json_schema`).
+    pub grammar_lazy: Option<bool>,
+    /// llama.cpp's triggers, `{"type": 1, "value": "<tool_call>"}`: words (type 1 or
+    /// `"word"`) and tokens (type 0 or `"token"`, by their text); patterns are refused.
+    pub grammar_triggers: Option<Vec<Value>>,
     /// vLLM's: generation also ends at these tokens ([`GenerateParams::stop_tokens`]).
     pub stop_token_ids: Option<Vec<u32>>,
     /// vLLM's: no end of generation before this many tokens
@@ -446,6 +452,43 @@ impl Common {
     /// A schema is compiled to a grammar here, so that what it cannot enforce is refused
     /// before the request queues.
     fn format(&self) -> Result<Format, ApiError> {
+        let eager = self.eager_format()?;
+        let triggers = self.grammar_triggers.as_deref().unwrap_or_default();
+        if self.grammar_lazy != Some(true) {
+            if !triggers.is_empty() {
+                return Err(ApiError::invalid(
+                    "grammar_triggers apply to a lazy grammar: set grammar_lazy to true",
+                    Some("grammar_triggers"),
+                ));
+            }
+            return Ok(eager);
+        }
+        let Format::Grammar(grammar) = eager else {
+            return Err(ApiError::invalid(
+                "grammar_lazy needs a grammar or json_schema to apply from its triggers on",
+                Some("grammar_lazy"),
+            ));
+        };
+        if triggers.is_empty() {
+            return Err(ApiError::invalid(
+                "grammar_lazy needs grammar_triggers (without one the grammar never applies)",
+                Some("grammar_triggers"),
+            ));
+        }
+        let words = triggers
+            .iter()
+            .map(lazy_trigger)
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Format::Lazy {
+            grammar,
+            triggers: words,
+            at_start: Vec::new(),
+            reasoning: None,
+        })
+    }
+
+    /// The output's form apart from `grammar_lazy` ([`Common::format`]).
+    fn eager_format(&self) -> Result<Format, ApiError> {
         let bad = |m: String, p: &'static str| Err(ApiError::invalid(m, Some(p)));
         let response_format = self.response_format.as_ref().filter(|v| !v.is_null());
         let vllm = self.vllm_form()?;
@@ -522,6 +565,36 @@ impl Common {
                 "response_format",
             ),
         }
+    }
+}
+
+/// The text of one of llama.cpp's `grammar_triggers`: a word, or a token by its text (type
+/// 1 or 0, or their names); a pattern (2, 3) is refused.
+fn lazy_trigger(t: &Value) -> Result<String, ApiError> {
+    let bad = |m: String| ApiError::invalid(m, Some("grammar_triggers"));
+    let kind = match t.get("type") {
+        Some(Value::Number(n)) => match n.as_u64() {
+            Some(0) => "token",
+            Some(1) => "word",
+            Some(2 | 3) => "pattern",
+            _ => "",
+        },
+        Some(Value::String(k)) => match k.as_str() {
+            "token" | "word" => k.as_str(),
+            "pattern" | "pattern_full" => "pattern",
+            _ => "",
+        },
+        _ => "",
+    };
+    match (kind, t.get("value").and_then(Value::as_str)) {
+        ("pattern", _) => Err(bad(format!(
+            "trigger {t}: pattern triggers are not supported (words and tokens are)"
+        ))),
+        ("word" | "token", Some(v)) if !v.is_empty() => Ok(v.to_string()),
+        ("word" | "token", _) => Err(bad(format!("trigger {t} needs its text in `value`"))),
+        _ => Err(bad(format!(
+            "trigger {t}: expected {{\"type\": 1 (a word) or 0 (a token), \"value\": text}}"
+        ))),
     }
 }
 
@@ -1062,6 +1135,8 @@ pub struct LlamaParams {
     pub ignore_eos: Option<bool>,
     pub grammar: Option<String>,
     pub json_schema: Option<Value>,
+    pub grammar_lazy: Option<bool>,
+    pub grammar_triggers: Option<Vec<Value>>,
     /// `[[token, bias], …]` (a token id or a text, whose every token is biased; a number, or
     /// `false`: never), or OpenAI's object form.
     pub logit_bias: Option<Value>,
@@ -1206,6 +1281,8 @@ impl LlamaParams {
             ignore_eos: self.ignore_eos,
             grammar: self.grammar,
             json_schema: self.json_schema,
+            grammar_lazy: self.grammar_lazy,
+            grammar_triggers: self.grammar_triggers,
             ..Common::default()
         };
         let logprobs = match self.n_probs {

@@ -178,12 +178,17 @@ fn same_length(a: &[u8], b: &[u8]) -> String {
     format!("{prefix}({})", alts.join(" | "))
 }
 
-/// Keywords that constrain nothing.
+/// Keywords that constrain nothing (JSON Schema's annotations, and OpenAPI's `example`,
+/// `discriminator`, which names the property that tells a `oneOf`'s members apart, and
+/// `externalDocs`); vendor extensions `x-*` too.
 const ANNOTATIONS: &[&str] = &[
     "title",
     "description",
     "default",
     "examples",
+    "example",
+    "discriminator",
+    "externalDocs",
     "$schema",
     "$id",
     "$anchor",
@@ -194,6 +199,11 @@ const ANNOTATIONS: &[&str] = &[
     "contentMediaType",
     "contentEncoding",
 ];
+
+/// A keyword that constrains nothing ([`ANNOTATIONS`], or a vendor extension `x-*`).
+fn is_annotation(k: &str) -> bool {
+    ANNOTATIONS.contains(&k) || k.starts_with("x-")
+}
 
 /// The rules every schema can use (llama.cpp's primitives).
 const PRIMITIVES: &[(&str, &str)] = &[
@@ -311,7 +321,7 @@ pub fn loosen(schema: &Value) -> Value {
             "properties" | "$defs" | "definitions" => each_value(v),
             "additionalProperties" | "items" => loosen(v),
             "prefixItems" | "anyOf" | "oneOf" | "allOf" => each_item(v),
-            k if COMPILED.contains(&k) || ANNOTATIONS.contains(&k) => v.clone(),
+            k if COMPILED.contains(&k) || is_annotation(k) => v.clone(),
             _ => continue,
         };
         out.insert(k.clone(), v);
@@ -435,63 +445,64 @@ fn schema_with_merges(
     let Some(subs) = all.as_array().filter(|a| !a.is_empty()) else {
         return err("`allOf` must be a non-empty array of schemas".into(), at);
     };
-    if let Some(k) = out.keys().find(|k| {
-        !ANNOTATIONS.contains(&k.as_str()) && !["$defs", "definitions"].contains(&k.as_str())
-    }) {
+    if let Some(k) = out
+        .keys()
+        .find(|k| !is_annotation(k) && !["$defs", "definitions"].contains(&k.as_str()))
+    {
         return err(format!("`allOf` with `{k}` beside it is not supported"), at);
     }
     // What stays beside the merged schema: annotations and definitions.
-    let mut merged = match &subs[..] {
-        [one] => match one {
-            Value::Object(m) => m.clone(),
-            _ => return Ok(one.clone()),
-        },
-        _ => {
-            let mut props = Map::new();
-            let mut required: Vec<Value> = Vec::new();
-            let mut additional: Option<Value> = None;
-            for (i, s) in subs.iter().enumerate() {
-                let place = format!("{at}/allOf/{i}");
-                // A `$ref` stands for what it points at (merged in turn).
-                let target;
-                let s = match s.get("$ref").and_then(Value::as_str) {
-                    Some(path) => {
-                        let found = path.strip_prefix('#').and_then(|p| root.pointer(p));
-                        let Some(found) = found else {
-                            return err(format!("`$ref` {path:?} points at nothing"), &place);
-                        };
-                        target = match refs.get(path) {
-                            Some(t) => t.clone(),
-                            None => {
-                                let t = schema_with_merges(found, root, path, depth + 1, refs)?;
-                                refs.insert(path.to_string(), t.clone());
-                                t
-                            }
-                        };
-                        &target
-                    }
-                    None => s,
-                };
-                let Value::Object(m) = s else {
-                    return err("several `allOf` schemas must be objects'".into(), &place);
-                };
-                for (k, x) in m {
-                    match (k.as_str(), x) {
-                        ("type", Value::String(t)) if t == "object" => {}
-                        ("properties", Value::Object(p)) => {
-                            for (name, x) in p {
-                                props.insert(name.clone(), x.clone());
-                            }
+    let mut merged =
+        match &subs[..] {
+            [one] => match one {
+                Value::Object(m) => m.clone(),
+                _ => return Ok(one.clone()),
+            },
+            _ => {
+                let mut props = Map::new();
+                let mut required: Vec<Value> = Vec::new();
+                let mut additional: Option<Value> = None;
+                for (i, s) in subs.iter().enumerate() {
+                    let place = format!("{at}/allOf/{i}");
+                    // A `$ref` stands for what it points at (merged in turn).
+                    let target;
+                    let s = match s.get("$ref").and_then(Value::as_str) {
+                        Some(path) => {
+                            let found = path.strip_prefix('#').and_then(|p| root.pointer(p));
+                            let Some(found) = found else {
+                                return err(format!("`$ref` {path:?} points at nothing"), &place);
+                            };
+                            target = match refs.get(path) {
+                                Some(t) => t.clone(),
+                                None => {
+                                    let t = schema_with_merges(found, root, path, depth + 1, refs)?;
+                                    refs.insert(path.to_string(), t.clone());
+                                    t
+                                }
+                            };
+                            &target
                         }
-                        ("required", Value::Array(r)) => {
-                            for n in r {
-                                if !required.contains(n) {
-                                    required.push(n.clone());
+                        None => s,
+                    };
+                    let Value::Object(m) = s else {
+                        return err("several `allOf` schemas must be objects'".into(), &place);
+                    };
+                    for (k, x) in m {
+                        match (k.as_str(), x) {
+                            ("type", Value::String(t)) if t == "object" => {}
+                            ("properties", Value::Object(p)) => {
+                                for (name, x) in p {
+                                    props.insert(name.clone(), x.clone());
                                 }
                             }
-                        }
-                        ("additionalProperties", x) => {
-                            match &additional {
+                            ("required", Value::Array(r)) => {
+                                for n in r {
+                                    if !required.contains(n) {
+                                        required.push(n.clone());
+                                    }
+                                }
+                            }
+                            ("additionalProperties", x) => match &additional {
                                 Some(a) if a != x => return err(
                                     "`allOf` schemas with different `additionalProperties` are \
                                      not supported"
@@ -499,35 +510,33 @@ fn schema_with_merges(
                                     &place,
                                 ),
                                 _ => additional = Some(x.clone()),
-                            }
-                        }
-                        (k, _)
-                            if ANNOTATIONS.contains(&k) || k == "$defs" || k == "definitions" => {}
-                        (k, _) => {
-                            return err(
-                                format!(
-                                    "several `allOf` schemas must be objects' (`type`, \
+                            },
+                            (k, _) if is_annotation(k) || k == "$defs" || k == "definitions" => {}
+                            (k, _) => {
+                                return err(
+                                    format!(
+                                        "several `allOf` schemas must be objects' (`type`, \
                                      `properties`, `required`, `additionalProperties`); `{k}` \
                                      is not supported there"
-                                ),
-                                &place,
-                            )
+                                    ),
+                                    &place,
+                                )
+                            }
                         }
                     }
                 }
+                let mut m = Map::new();
+                m.insert("type".into(), "object".into());
+                m.insert("properties".into(), Value::Object(props));
+                if !required.is_empty() {
+                    m.insert("required".into(), Value::Array(required));
+                }
+                if let Some(a) = additional {
+                    m.insert("additionalProperties".into(), a);
+                }
+                m
             }
-            let mut m = Map::new();
-            m.insert("type".into(), "object".into());
-            m.insert("properties".into(), Value::Object(props));
-            if !required.is_empty() {
-                m.insert("required".into(), Value::Array(required));
-            }
-            if let Some(a) = additional {
-                m.insert("additionalProperties".into(), a);
-            }
-            m
-        }
-    };
+        };
     for (k, x) in out {
         merged.entry(k).or_insert(x);
     }
@@ -638,22 +647,21 @@ impl<'a> Converter<'a> {
             }
         };
         for k in s.keys() {
-            if !COMPILED.contains(&k.as_str()) && !ANNOTATIONS.contains(&k.as_str()) {
+            if !COMPILED.contains(&k.as_str()) && !is_annotation(k) {
                 return self.err(
                     at,
                     format!(
-                        "`{k}` is not supported; keydiff compiles {}, and ignores annotations",
-                        COMPILED.join(", ")
+                        "`{k}` is not supported (a keyword keydiff cannot enforce); it compiles \
+                         {}, and ignores annotations ({}, x-*)",
+                        COMPILED.join(", "),
+                        ANNOTATIONS.join(", ")
                     ),
                 );
             }
         }
         let constraints = || {
             s.keys()
-                .filter(|k| {
-                    !ANNOTATIONS.contains(&k.as_str())
-                        && !["$defs", "definitions"].contains(&k.as_str())
-                })
+                .filter(|k| !is_annotation(k) && !["$defs", "definitions"].contains(&k.as_str()))
                 .count()
         };
         if let Some(r) = s.get("$ref") {
@@ -671,8 +679,7 @@ impl<'a> Converter<'a> {
             };
             // Beside them, only `type`, which keeps the values of its types.
             if let Some(k) = s.keys().find(|k| {
-                !ANNOTATIONS.contains(&k.as_str())
-                    && !["$defs", "definitions", "type", key].contains(&k.as_str())
+                !is_annotation(k) && !["$defs", "definitions", "type", key].contains(&k.as_str())
             }) {
                 return self.err(at, format!("`{key}` with `{k}` beside it is not supported"));
             }
@@ -714,6 +721,16 @@ impl<'a> Converter<'a> {
                 vec!["object"]
             }
             None if s.contains_key("items") || s.contains_key("prefixItems") => vec!["array"],
+            // Keywords of one type only: a value of that type is a value of the schema (as
+            // llama.cpp reads `pattern` and `format` as a string's).
+            None if ["pattern", "format", "minLength", "maxLength"]
+                .iter()
+                .any(|k| s.contains_key(*k)) =>
+            {
+                vec!["string"]
+            }
+            None if ["minItems", "maxItems"].iter().any(|k| s.contains_key(*k)) => vec!["array"],
+            None if BOUNDS.iter().any(|k| s.contains_key(*k)) => vec!["number"],
             None => {
                 if constraints() > 0 {
                     return self.err(at, "a schema with constraints but no `type`");
@@ -741,7 +758,7 @@ impl<'a> Converter<'a> {
             }
         }
         if let Some(k) = s.keys().find(|k| {
-            !ANNOTATIONS.contains(&k.as_str())
+            !is_annotation(k)
                 && !["type", "$defs", "definitions"].contains(&k.as_str())
                 && !types.iter().any(|t| keywords_of(t).contains(&k.as_str()))
         }) {
@@ -1524,6 +1541,36 @@ mod tests {
             &[r#"{"value": 1, "children": [{"value": 2, "children": []}]}"#],
             &[r#"{"value": 1, "children": [{"value": 2}]}"#],
         );
+    }
+
+    /// Annotations (OpenAPI's `example` and `discriminator`, vendor `x-*` keys) constrain
+    /// nothing, also beside a combinator; keywords of one type only imply that type.
+    #[test]
+    fn annotations_are_ignored_and_single_type_keywords_imply_their_type() {
+        check(
+            json!({"type": "object", "x-order": 0, "properties": {
+                "a": {"type": "integer", "example": 5, "x-go-type": "int"}}, "required": ["a"]}),
+            &[r#"{"a": 5}"#],
+            &[r#"{"a": "5"}"#],
+        );
+        let cat = json!({"type": "object", "properties": {"kind": {"const": "cat"}},
+            "required": ["kind"], "additionalProperties": false});
+        let dog = json!({"type": "object", "properties": {"kind": {"const": "dog"}},
+            "required": ["kind"], "additionalProperties": false});
+        check(
+            json!({"oneOf": [cat, dog], "discriminator": {"propertyName": "kind"}}),
+            &[r#"{"kind": "cat"}"#, r#"{"kind": "dog"}"#],
+            &[r#"{"kind": "cow"}"#],
+        );
+        check(
+            json!({"pattern": "^[a-z]+$"}),
+            &[r#""abc""#],
+            &["12", r#""ABC""#],
+        );
+        check(json!({"format": "date"}), &[r#""2024-02-29""#], &["2024"]);
+        check(json!({"maxLength": 2}), &[r#""ab""#], &[r#""abc""#]);
+        check(json!({"minItems": 1}), &["[1]"], &["[]"]);
+        check(json!({"minimum": 3}), &["3", "4.5"], &["2", "\"3\""]);
     }
 
     #[test]
