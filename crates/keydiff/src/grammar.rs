@@ -45,6 +45,9 @@ pub const MAX_ELEMENTS: usize = 1 << 21;
 
 /// Groups nested at most.
 pub const MAX_NESTING: usize = 256;
+/// The most copies of something that can match the empty text a repetition may take
+/// (`("a"? "b"?){3}`): each text then has finitely many readings, few enough to follow.
+pub const MAX_EMPTY_COPIES: usize = 64;
 
 /// Ways to read the text at once (stacks) at most; a grammar that needs more is refused as
 /// too ambiguous when it gets there ([`GrammarState::is_ambiguous`]).
@@ -120,15 +123,23 @@ impl Grammar {
             names,
             root,
         };
-        // Repeating what can match the empty text more than once gives as many ways to read
-        // each text as there are copies: refused, as its stacks would grow with them.
+        // Repeating what can match the empty text without bound gives endless ways to read
+        // each text (any number of empty copies): refused, as its stacks would grow without
+        // end. A small bounded count (`{3}`, at most [`MAX_EMPTY_COPIES`]) has finitely many.
         let null = g.nullable();
         for (e, min, max, at) in repeated {
-            if matches!(e, Elem::Rule(r) if null[r]) && max.is_none_or(|m| m > 1) {
-                let max = max.map_or(String::new(), |m| m.to_string());
+            let many = max.is_none_or(|m| m as usize > MAX_EMPTY_COPIES);
+            if matches!(e, Elem::Rule(r) if null[r]) && many {
+                let op = match (min, max) {
+                    (0, None) => "*".to_string(),
+                    (1, None) => "+".to_string(),
+                    (n, None) => format!("{{{n},}}"),
+                    (n, Some(m)) => format!("{{{n},{m}}}"),
+                };
                 return Err(GrammarError(format!(
-                    "line {}: repeating (`{{{min},{max}}}`) something that can match the empty \
-                     text is ambiguous; make the repeated part non-empty, or optional once",
+                    "line {}: repeating (`{op}`) something that can match the empty text more \
+                     than {MAX_EMPTY_COPIES} times is ambiguous (`( [x]* )*`); make the repeated \
+                     part non-empty (`[x]*`), or bound the count",
                     line_at(src, at)
                 )));
             }
@@ -873,6 +884,12 @@ impl Parser<'_> {
                 None | Some('\n' | '\r') => {}
                 // An empty last alternative, then the next rule.
                 Some(_) if self.starts_rule() => {}
+                Some('<' | '!') => {
+                    return self.err(format!(
+                        "llama.cpp's token syntax (`<[id]>`, `<think>`, `!<[id]>`, in rule \
+                         `{name}`) is not supported: write the token's text as a literal"
+                    ))
+                }
                 Some(c) => return self.err(format!("unexpected {c:?} in rule `{name}`")),
             }
         }
@@ -908,7 +925,8 @@ impl Parser<'_> {
                     self.pos += 1;
                     loop {
                         match self.peek() {
-                            None | Some('\n') => return self.err("unterminated literal"),
+                            // A line break inside is the literal's (as llama.cpp reads it).
+                            None => return self.err("unterminated literal"),
                             Some('"') => {
                                 self.pos += 1;
                                 break;
@@ -932,7 +950,7 @@ impl Parser<'_> {
                     let mut ranges = Vec::new();
                     loop {
                         match self.peek() {
-                            None | Some('\n') => return self.err("unterminated character class"),
+                            None => return self.err("unterminated character class"),
                             Some(']') => {
                                 self.pos += 1;
                                 break;
@@ -1272,6 +1290,15 @@ mod tests {
             let e = Grammar::parse(g).unwrap_err().to_string();
             assert!(e.contains("can match the empty text"), "{g}: {e}");
         }
+        // A small count of what can be empty is finite (llama.cpp's tests), and so is a
+        // line break inside a literal or a class.
+        let g = state("root ::= (\"a\"? \"b\"?){3}");
+        for t in ["", "a", "ab", "abab", "ababab", "bba"] {
+            assert_eq!(reads(&g, t.as_bytes()), Some(true), "{t:?}");
+        }
+        assert_ne!(reads(&g, b"abababa"), Some(true));
+        let g = state("root ::= \"a\nb\" [\n]");
+        assert_eq!(reads(&g, b"a\nb\n"), Some(true));
         // 20 000 alternatives that all start alike: more ways to read "x" than MAX_STACKS.
         let mut g = String::from("root ::= ");
         g += &(0..20_000)
@@ -1355,6 +1382,8 @@ mod tests {
             ("root ::= \"a\"{3,1}", "max < min"),
             ("root ::= \"a\"{99999999}", "over 65536"),
             ("root ::= \"a\" )", "unexpected ')'"),
+            ("root ::= <[10]> \"a\"", "token syntax"),
+            ("root ::= \"a\" !<[11]>", "token syntax"),
             ("root ::= (\"a\"", "expected `)`"),
             ("root ::= \"\\q\"", "unknown escape `\\q`"),
             ("root ::= \"\\x4\"", "needs 2 hex digits"),
