@@ -1108,6 +1108,13 @@ impl<'a> Converter<'a> {
             Some(Value::Object(p)) => Some(p),
             Some(_) => return self.err(at, "`properties` must be an object"),
         };
+        // Any value: a required property's when `properties` does not name it.
+        static ANY: Value = Value::Bool(true);
+        let mut listed: Vec<(&str, &'a Value)> = props
+            .into_iter()
+            .flatten()
+            .map(|(n, v)| (n.as_str(), v))
+            .collect();
         let required: Vec<&str> = match s.get("required") {
             None => Vec::new(),
             Some(Value::Array(r)) => {
@@ -1115,12 +1122,25 @@ impl<'a> Converter<'a> {
                 for n in r {
                     match n.as_str() {
                         Some(n) if props.is_some_and(|p| p.contains_key(n)) => out.push(n),
-                        Some(n) => {
-                            return self.err(
-                                at,
-                                format!("required property {n:?} is not in `properties`"),
-                            )
-                        }
+                        // Named by `required` only: a member of the additional properties'
+                        // schema (any value without one), after those `properties` names.
+                        Some(n) => match s.get("additionalProperties") {
+                            Some(Value::Bool(false)) => {
+                                return self.err(
+                                    at,
+                                    format!(
+                                        "required property {n:?} is not in `properties`, and \
+                                         `additionalProperties` is false: no object has it"
+                                    ),
+                                )
+                            }
+                            extra => {
+                                if !listed.iter().any(|(m, _)| *m == n) {
+                                    listed.push((n, extra.unwrap_or(&ANY)));
+                                }
+                                out.push(n);
+                            }
+                        },
                         None => return self.err(at, "`required` must list property names"),
                     }
                 }
@@ -1129,18 +1149,18 @@ impl<'a> Converter<'a> {
             Some(_) => return self.err(at, "`required` must be an array"),
         };
         let mut members = Vec::new();
-        for (name, sub) in props.into_iter().flatten() {
+        for &(name, sub) in &listed {
             let value = self.visit(
                 sub,
                 &format!("{hint}-{name}"),
                 &format!("{at}/properties/{name}"),
             )?;
-            let key = literal(&Value::String(name.clone()).to_string());
+            let key = literal(&Value::String(name.to_string()).to_string());
             let kv = self.add(
                 &format!("{hint}-{name}-kv"),
                 format!(r#"{key} space ":" space {value}"#),
             );
-            members.push((kv, required.contains(&name.as_str())));
+            members.push((kv, required.contains(&name)));
         }
         let extra = match s.get("additionalProperties") {
             None | Some(Value::Bool(false)) => None,
@@ -1150,11 +1170,7 @@ impl<'a> Converter<'a> {
                     &format!("{hint}-additional"),
                     &format!("{at}/additionalProperties"),
                 )?;
-                let names: Vec<&str> = props
-                    .into_iter()
-                    .flatten()
-                    .map(|(n, _)| n.as_str())
-                    .collect();
+                let names: Vec<&str> = listed.iter().map(|(n, _)| *n).collect();
                 let key = match self.not_names(&names, &format!("{hint}-additional-name")) {
                     Some(body) => format!(r#""\"" ({body}) "\"" space"#),
                     None => self.prim("string"),
@@ -1571,6 +1587,19 @@ mod tests {
         check(json!({"maxLength": 2}), &[r#""ab""#], &[r#""abc""#]);
         check(json!({"minItems": 1}), &["[1]"], &["[]"]);
         check(json!({"minimum": 3}), &["3", "4.5"], &["2", "\"3\""]);
+        // A required property `properties` does not name: any value, or the additional
+        // properties' schema.
+        check(
+            json!({"type": "object", "required": ["x"]}),
+            &[r#"{"x": 1}"#, r#"{"x": {"y": []}}"#],
+            &["{}", r#"{"y": 1}"#],
+        );
+        check(
+            json!({"type": "object", "properties": {"a": {"type": "integer"}},
+                   "required": ["x"], "additionalProperties": {"type": "string"}}),
+            &[r#"{"x": "s"}"#, r#"{"a": 1, "x": "s", "z": "t"}"#],
+            &[r#"{"x": 1}"#, r#"{"a": 1}"#],
+        );
     }
 
     #[test]
@@ -1595,8 +1624,8 @@ mod tests {
                 "only references inside",
             ),
             (
-                json!({"type": "object", "required": ["x"]}),
-                "required property \"x\"",
+                json!({"type": "object", "required": ["x"], "additionalProperties": false}),
+                "required property \"x\" is not in `properties`, and",
             ),
             (json!({"type": "thing"}), "unknown type \"thing\""),
             (json!(false), "allows no value"),
