@@ -443,9 +443,10 @@ fn files_that_cannot_be_used_are_refused() {
         "{}",
         refusal(&e, &p)
     );
+    // A header edited to say the prompt was shorter: the logits follow 45 tokens, not 40.
     let p = rewrite("past.kv", &|h, _| h["prompt_len"] = 40.into());
     assert!(
-        refusal(&e, &p).contains("went on 5 tokens past the prompt's 40"),
+        refusal(&e, &p).contains("do not follow the 40 prompt tokens its header lists"),
         "{}",
         refusal(&e, &p)
     );

@@ -937,7 +937,7 @@ fn tensor_info_corruptions_fail() {
             33u64.to_le_bytes().to_vec(),
             "not whole Q8_0 blocks of 32",
         ),
-        // A type candle cannot run (IQ4_XS), and an id no GGML release defines.
+        // A type candle cannot run (IQ4_XS), and an id this keydiff does not know.
         (
             q.dtype,
             23u32.to_le_bytes().to_vec(),
@@ -946,7 +946,7 @@ fn tensor_info_corruptions_fail() {
         (
             q.dtype,
             40u32.to_le_bytes().to_vec(),
-            "tensor `blk.0.attn_q.weight` is of GGML type 40, which no GGML release defines",
+            "tensor `blk.0.attn_q.weight` is of GGML type 40, which this keydiff does not know",
         ),
         (q.dims[1], (1u64 << 62).to_le_bytes().to_vec(), "overflows"),
         (q.dtype, 0u32.to_le_bytes().to_vec(), "blk.0.attn_q.weight"),

@@ -177,6 +177,22 @@ fn the_same_prompt_again_reuses_an_evicted_cache_whole() {
             assert_eq!(again.stats.prefix_tokens, n, "{policy} {reuse:?}");
             assert_eq!(pc.tokens().len(), n);
         }
+        if reuse == keydiff::Reuse::Continue {
+            // A turn that goes on from the evicted cache is a conversation's, not a fresh
+            // prefill's: its logits are not kept, and the same request again is prefilled
+            // afresh.
+            let long_q = format!("{long} What does the text repeat?");
+            let turn = greedy(
+                chat(&[("user", &long_q), ("assistant", "Foxes."), ("user", "Why?")]),
+                4,
+            );
+            let went_on = e.generate_cached(&turn, &mut pc, |_| {}).unwrap();
+            assert_eq!(
+                went_on.stats.prefix_tokens, n,
+                "it went on from the held cache"
+            );
+            assert_eq!(same_as_fresh(&e, &mut pc, &turn).stats.prefix_tokens, 0);
+        }
         let other = greedy(chat(&[("user", "What is the capital of France?")]), 4);
         assert_eq!(same_as_fresh(&e, &mut pc, &other).stats.prefix_tokens, 0);
     }

@@ -863,6 +863,15 @@ fn llama_cpp_flags(args: Vec<std::ffi::OsString>) -> Result<Vec<std::ffi::OsStri
                 out.push(text.into());
                 continue;
             }
+            // llama.cpp's draft model (`-md` would read as `-m d`).
+            f if ["-md", "--model-draft", "-hfd", "-hfrd", "--hf-repo-draft"].contains(&f)
+                || f.starts_with("--model-draft=") =>
+            {
+                bail!(
+                    "{flag}: keydiff has no draft-model speculative decoding; its drafts come \
+                     from the text itself (--spec-type ngram, llama.cpp's prompt lookup)"
+                )
+            }
             "-ctk" => "--cache-type-k",
             "-ctv" => "--cache-type-v",
             "-sys" => "--system",
@@ -2980,6 +2989,12 @@ mod tests {
         assert!(tr(&["keydiff", "run", "-np", "2"])
             .unwrap_err()
             .contains("`keydiff serve --max-batch N`"));
+        // A draft model: refused as such (`-md` read as `-m d` before).
+        for flag in ["-md", "--model-draft", "--model-draft=d.gguf"] {
+            assert!(tr(&["keydiff", "run", flag, "d.gguf"])
+                .unwrap_err()
+                .contains("no draft-model speculative decoding"));
+        }
         assert_eq!(
             tr(&["run", "-fa", "-p", "x"]).unwrap()[1..3],
             ["--attention", "flash"]

@@ -622,7 +622,7 @@ impl Weights {
         if let Some((tensor, ty)) = &scan.unreadable {
             let kind = match gguf_check::ggml_type_name(*ty) {
                 Some(name) => format!("{name} (GGML type {ty})"),
-                None => format!("of GGML type {ty}, which no GGML release defines"),
+                None => format!("of GGML type {ty}, which this keydiff does not know"),
             };
             return Err(bad(format!(
                 "tensor `{tensor}` is {kind}, which keydiff cannot run (candle's types: F32, \

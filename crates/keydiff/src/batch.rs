@@ -36,7 +36,7 @@ use keydiff_model::{Logits, Segment};
 
 use crate::engine::{Decoding, Pick, Prefill};
 use crate::error::{EngineError, Result};
-use crate::prompt_cache::Resumed;
+use crate::prompt_cache::{logits_to_keep, Resumed};
 use crate::sampling::DrawParams;
 use crate::{Engine, Event, GenerateParams, Output, PromptCache, Reuse};
 
@@ -70,6 +70,8 @@ struct Keep {
     text: Option<String>,
     /// The logits the whole prompt left (set when its prefill ends).
     logits: Option<Tensor>,
+    /// It goes on from a conversation's held cache (see `Resumed::continued`).
+    continued: bool,
 }
 
 /// A request whose prompt is being prefilled in the batch's steps.
@@ -738,6 +740,7 @@ impl<'e> Batch<'e> {
                 prompt,
                 text,
                 logits,
+                ..
             }),
         ) = (&mut self.kept, keep)
         {
@@ -761,7 +764,7 @@ impl<'e> Batch<'e> {
         on_event: &mut impl FnMut(Event<'_>),
     ) -> Result<Option<Output>> {
         let keep = keep.map(|k| Keep {
-            logits: decoding.prompt_logits().cloned(),
+            logits: logits_to_keep(decoding.prompt_logits(), k.continued, &cache),
             ..k
         });
         match decoding.next(cache.position(), on_event)? {
@@ -1107,11 +1110,13 @@ fn admitted(r: Resumed) -> Admitted {
         text,
         keep,
         logits,
+        continued,
     } = r;
     let keep = keep.then(|| Keep {
         prompt: prompt.clone(),
         text,
         logits: None,
+        continued,
     });
     (prompt, cache, start, keep, logits)
 }

@@ -68,6 +68,19 @@ struct Header {
     /// A saved [`Conversation`]'s messages (`keydiff chat`); none for a prompt cache.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     messages: Option<Vec<SavedMessage>>,
+    /// With `prompt_logits`: a digest of the prompt tokens they follow ([`tokens_digest`]),
+    /// so that logits are never taken for another prompt (a header edited by hand).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    logits_for: Option<String>,
+}
+
+/// SHA-256 of token ids (little-endian u32s), in hex.
+fn tokens_digest(tokens: &[u32]) -> String {
+    let mut h = Sha256::new();
+    for t in tokens {
+        h.update(t.to_le_bytes());
+    }
+    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// A conversation's message in a cache file.
@@ -240,6 +253,9 @@ impl Engine {
             text: saved.text.map(str::to_owned),
             pending: saved.pending.to_vec(),
             messages: saved.messages,
+            logits_for: saved
+                .logits
+                .map(|_| tokens_digest(&saved.tokens[..saved.prompt_len])),
         };
         let json = serde_json::to_string(&header).map_err(|e| bad(e.to_string()))?;
         let meta = HashMap::from([
@@ -499,6 +515,12 @@ impl Engine {
                     "tensor `{PROMPT_LOGITS}` is {:?} {:?}; this model's logits are {want:?} F32",
                     v.shape(),
                     v.dtype()
+                )));
+            }
+            if h.logits_for.as_deref() != Some(&tokens_digest(&h.tokens[..h.prompt_len])) {
+                return Err(bad(format!(
+                    "its `{PROMPT_LOGITS}` do not follow the {} prompt tokens its header lists",
+                    h.prompt_len
                 )));
             }
             // They stand for the cache as the prompt left it: where it went on past the

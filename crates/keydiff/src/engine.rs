@@ -626,7 +626,9 @@ impl<'e> Prefill<'e> {
                     });
                 }
                 let next = Next::of(&l, pick)?;
-                prompt_logits = Some(l);
+                // A copy of the row: in a batch's step it is a view of every row's logits,
+                // which keeping it would keep alive.
+                prompt_logits = Some(l.copy()?);
                 (next, StopReason::MaxTokens)
             }
             _ if self.done == n => {

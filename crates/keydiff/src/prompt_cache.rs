@@ -60,8 +60,9 @@ pub struct PromptCache {
     /// The engine whose requests made the cache ([`Engine::id`]).
     pub(crate) engine: Option<u64>,
     /// The logits after the prompt (`tokens[..prompt_len]`, `[vocab]`), when the cache can be
-    /// put back to where the prompt left it (it is there, or it never evicted): the same
-    /// prompt again then samples from them, with nothing to prefill.
+    /// put back to where the prompt left it (it is there, or it never evicted) and is what a
+    /// fresh prefill of the prompt makes ([`logits_to_keep`]): the same prompt again then
+    /// samples from them, with nothing to prefill, exactly as a fresh request.
     pub(crate) logits: Option<Tensor>,
 }
 
@@ -143,6 +144,23 @@ pub(crate) struct Resumed {
     /// The logits the whole prompt left, when the cache holds all of it (`start` is the
     /// prompt's length): the first token is sampled from them.
     pub(crate) logits: Option<Tensor>,
+    /// The cache goes on from a conversation's held cache ([`Reuse::Continue`]): if it has
+    /// evicted, it is not what a fresh prefill of the prompt makes, and the logits the
+    /// prompt leaves are not kept (they stand for a fresh prefill's: [`PromptCache::logits`]).
+    pub(crate) continued: bool,
+}
+
+/// The logits `d`'s prompt left, to keep with its cache: those of a cache that is what a
+/// fresh prefill of the prompt makes (exactly, or, where it never evicted, up to float
+/// rounding), not a continued conversation's evicted one.
+pub(crate) fn logits_to_keep(
+    logits: Option<&Tensor>,
+    continued: bool,
+    cache: &KvCache,
+) -> Option<Tensor> {
+    logits
+        .filter(|_| !(continued && cache.counters().evictions > 0))
+        .cloned()
 }
 
 impl PromptCache {
@@ -265,10 +283,11 @@ impl Engine {
             text,
             keep,
             logits,
+            continued,
         } = self.resume(params, pc, 0, None)?;
         let p = Prefill::new(self, &mut cache, prompt.clone(), start, params.clone(), t0)?;
         let d = self.prefill(p.with_logits(logits), &mut cache, &mut on_event)?;
-        let logits = d.prompt_logits().cloned();
+        let logits = logits_to_keep(d.prompt_logits(), continued, &cache);
         if !(keep && pc.prompt_only) {
             let (out, _) = self.decode_request(d, &mut cache, &mut on_event)?;
             if keep {
@@ -386,6 +405,7 @@ impl Engine {
                 text: None,
                 keep: false,
                 logits: None,
+                continued: false,
             });
         }
         let text = self.prompt_text(&params.prompt)?;
@@ -471,6 +491,7 @@ impl Engine {
         };
         Ok(Resumed {
             logits: logits.filter(|_| start == prompt.len()),
+            continued: go_on > 0 && start == go_on,
             prompt,
             cache,
             start,
@@ -526,6 +547,7 @@ impl Engine {
             text: text.map(str::to_owned),
             keep: true,
             logits: None,
+            continued: false,
         }))
     }
 
