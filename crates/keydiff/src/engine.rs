@@ -589,6 +589,11 @@ impl<'e> Prefill<'e> {
         on_event: &mut impl FnMut(Event<'_>),
     ) -> Result<Decoding<'e>> {
         let n = self.prompt.len();
+        if self.start == n && self.logits.is_some() {
+            // All of the prompt came from a cache with its logits: nothing ran, but the
+            // request's events are as ever (a stream starts on its prefill's).
+            on_event(Event::Prefill { done: n, total: n });
+        }
         let prefill_s = self.tp.map_or(0.0, |t| t.elapsed().as_secs_f64());
         if self.params.prompt_logprobs.is_some() && self.done == n {
             on_event(Event::PromptLogprobs {
